@@ -1,0 +1,3 @@
+from luftpause.cli import main
+
+main()

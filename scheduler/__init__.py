@@ -1,0 +1,53 @@
+"""The admission policy as a pure core: no I/O, no clock, no randomness.
+
+`decide(state, event) -> (state, actions)` over an immutable `State`; the gateway and
+the simulator are the shells that report events and carry out actions.
+"""
+
+from scheduler._core import ReplicaState, RunState, State, TurnState, decide
+from scheduler._types import (
+    Action,
+    Admit,
+    Event,
+    Forget,
+    Policy,
+    Reject,
+    ReplicaProbed,
+    ReplicaSpec,
+    RunEnded,
+    RunPhase,
+    SchedulerError,
+    ServiceClass,
+    Tick,
+    TurnAbandoned,
+    TurnArrived,
+    TurnFailed,
+    TurnFinished,
+    TurnStarted,
+)
+
+__all__ = [
+    "Action",
+    "Admit",
+    "Event",
+    "Forget",
+    "Policy",
+    "Reject",
+    "ReplicaProbed",
+    "ReplicaSpec",
+    "ReplicaState",
+    "RunEnded",
+    "RunPhase",
+    "RunState",
+    "SchedulerError",
+    "ServiceClass",
+    "State",
+    "Tick",
+    "TurnAbandoned",
+    "TurnArrived",
+    "TurnFailed",
+    "TurnFinished",
+    "TurnStarted",
+    "TurnState",
+    "decide",
+]

@@ -1,0 +1,855 @@
+"""The admission policy: `decide(state, event) -> (state, actions)`.
+
+Rules (DESIGN.md "The scheduler"), stated once, enforced here and nowhere else:
+
+1. Everything that decides where and when a turn runs lives in `State`; the shell
+   (the gateway's proxy and prober, or the simulator) only reports events and carries
+   out actions.  No I/O, no clock, no randomness: `now` is a field of every event.
+2. A replica that is unhealthy gets no turns.  A replica whose engine reports a queue
+   is capped at the number the engine was running; the cap grows by
+   `Policy.cap_increase` per probe that shows no queue while luftpause fills it.  An
+   engine that reports no load is never capped.
+3. A generating or paused run goes only to the replica that served its last turn
+   (strict affinity) unless that replica is unhealthy.  An idle run prefers its last
+   replica but may move; a new run goes to the least loaded healthy replica.
+4. Batch turns leave one slot for every interactive run paused on a tool there.
+5. Held turns are taken interactive first, then the caller with the fewest turns in
+   flight, then arrival order.  A held turn waits until placed or abandoned.
+6. A run that is not yet bound to a replica is admitted there only while the KV working
+   set of the runs bound to it fits the replica's pool (program-level admission), so
+   the prefix caches of paused runs survive.  A paused run's claim on the pool lapses
+   after `Policy.kv_retention_s`.
+7. A model no replica serves is rejected with 404 before it is queued.
+8. Ticks free the slots of turns never reported finished after `turn_timeout_s` and
+   forget runs idle or paused for `idle_run_expiry_s`.
+
+After every event no held turn is admissible: each event that frees capacity on a
+replica refills that replica.  Held-turn selection is O(log n) in the held turns: the
+held turns are bucketed by where they may go (one replica, or any replica serving a
+model) and class; each bucket orders its callers by (turns in flight, oldest held
+turn) in a persistent sorted set.
+
+Events about turns the core no longer knows (a finish after the turn timed out, an
+abandon after admission raced) are ignored; contract violations (a duplicate turn id,
+an unknown replica) raise `SchedulerError` and leave the state as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import NamedTuple
+
+from immutables import Map
+
+from scheduler._persistent import PQueue, PSortedSet, empty
+from scheduler._types import (
+    Action,
+    Admit,
+    Event,
+    Forget,
+    Policy,
+    Reject,
+    ReplicaProbed,
+    ReplicaSpec,
+    RunEnded,
+    RunPhase,
+    SchedulerError,
+    ServiceClass,
+    Tick,
+    TurnAbandoned,
+    TurnArrived,
+    TurnFailed,
+    TurnFinished,
+    TurnStarted,
+)
+
+__all__ = ["ReplicaState", "RunState", "State", "TurnState", "decide"]
+
+_INTERACTIVE = ServiceClass.INTERACTIVE
+_BATCH = ServiceClass.BATCH
+_CLASSES = (_INTERACTIVE, _BATCH)
+_PIN = "pin"
+_MODEL = "model"
+
+# A bucket key: ("pin", replica, class) or ("model", model, class).
+BucketKey = tuple[str, str, ServiceClass]
+
+
+class ReplicaState(NamedTuple):
+    spec: ReplicaSpec
+    healthy: bool = True
+    queued: int | None = None  # the engine's load at the last probe
+    running: int | None = None
+    cap: int | None = None  # None: uncapped
+    in_flight: int = 0  # turns luftpause admitted here and not yet finished
+    paused_interactive: int = 0  # interactive runs paused on a tool here
+    bound_runs: int = 0  # generating or paused runs whose replica this is
+    ws_tokens: int = 0  # their KV working set (context + reply), while claimed
+
+    @property
+    def load(self) -> int:
+        """What "least loaded" compares: turns running here and runs coming back."""
+        return self.in_flight + self.bound_runs
+
+    def has_slot(self) -> bool:
+        return self.healthy and (self.cap is None or self.in_flight < self.cap)
+
+    def batch_room(self, policy: Policy) -> bool:
+        if self.cap is None or not policy.reserve_for_paused_interactive:
+            return True
+        return self.in_flight + self.paused_interactive < self.cap
+
+
+class RunState(NamedTuple):
+    run_id: str
+    service_class: ServiceClass
+    caller: str
+    model: str
+    phase: RunPhase
+    replica: str | None  # the replica of its last admitted turn
+    in_flight: int
+    context_tokens: int  # prompt + reply of its last turn
+    reply_tokens: int  # the reply length reserved for its turns
+    last_active: float  # when it last changed phase
+    bound: bool  # counted in its replica's bound_runs
+    ws_claim: int  # tokens counted in its replica's ws_tokens (0: none)
+    counted_paused: bool  # counted in its replica's paused_interactive
+    ended: bool = False  # ended by the client while turns were in flight
+
+
+class TurnState(NamedTuple):
+    turn_id: str
+    run_id: str
+    service_class: ServiceClass
+    caller: str
+    model: str
+    arrived: float
+    seq: int
+    prompt_tokens: int
+    reply_tokens: int
+    bucket: BucketKey | None  # while held
+    replica: str | None  # once admitted
+    admitted_at: float
+    started: bool
+
+
+class _Bucket(NamedTuple):
+    # caller -> that caller's held turns here, as (seq, turn_id)
+    queues: Map[str, PSortedSet[tuple[int, str]]]
+    # (caller's turns in flight, seq of its oldest held turn here, caller)
+    order: PSortedSet[tuple[int, int, str]]
+
+
+class _Caller(NamedTuple):
+    in_flight: int
+    buckets: frozenset[BucketKey]  # where it has held turns
+
+
+_EMPTY_BUCKET = _Bucket(Map(), empty())
+_NEW_CALLER = _Caller(0, frozenset())
+
+
+class State:
+    """The scheduler's whole state; immutable (every field is a persistent structure)."""
+
+    __slots__ = (
+        "_buckets",
+        "_callers",
+        "_expiry",
+        "_models",
+        "_policy",
+        "_replicas",
+        "_retention",
+        "_runs",
+        "_seq",
+        "_timeouts",
+        "_turns",
+    )
+
+    def __init__(
+        self,
+        policy: Policy,
+        models: Map[str, tuple[str, ...]],
+        replicas: Map[str, ReplicaState],
+        runs: Map[str, RunState],
+        turns: Map[str, TurnState],
+        callers: Map[str, _Caller],
+        buckets: Map[BucketKey, _Bucket],
+        seq: int,
+        timeouts: PQueue[tuple[float, str]],
+        expiry: PQueue[tuple[float, str]],
+        retention: PQueue[tuple[float, str]],
+    ) -> None:
+        self._policy = policy
+        self._models = models
+        self._replicas = replicas
+        self._runs = runs
+        self._turns = turns
+        self._callers = callers
+        self._buckets = buckets
+        self._seq = seq
+        self._timeouts = timeouts
+        self._expiry = expiry
+        self._retention = retention
+
+    @classmethod
+    def initial(cls, replicas: Sequence[ReplicaSpec], policy: Policy | None = None) -> State:
+        """A state for this pool; replicas count as healthy until a probe says otherwise."""
+        names = [r.name for r in replicas]
+        if len(set(names)) != len(names):
+            raise SchedulerError(f"replica names must be unique: {names}")
+        models: dict[str, list[str]] = {}
+        for r in replicas:
+            for m in sorted(r.models):
+                models.setdefault(m, []).append(r.name)
+        return cls(
+            policy or Policy(),
+            Map({m: tuple(rs) for m, rs in models.items()}),
+            Map({r.name: ReplicaState(r) for r in replicas}),
+            Map(),
+            Map(),
+            Map(),
+            Map(),
+            0,
+            PQueue(),
+            PQueue(),
+            PQueue(),
+        )
+
+    # ----------------------------------------------------------------- read access
+
+    @property
+    def policy(self) -> Policy:
+        return self._policy
+
+    @property
+    def replicas(self) -> Map[str, ReplicaState]:
+        return self._replicas
+
+    @property
+    def runs(self) -> Map[str, RunState]:
+        return self._runs
+
+    @property
+    def turns(self) -> Map[str, TurnState]:
+        return self._turns
+
+    def models(self) -> Iterable[str]:
+        return self._models.keys()
+
+    def replicas_for(self, model: str) -> tuple[str, ...]:
+        return self._models.get(model, ())
+
+    def caller_in_flight(self, caller: str) -> int:
+        c = self._callers.get(caller)
+        return c.in_flight if c is not None else 0
+
+    def held(self) -> Iterator[TurnState]:
+        """Held turns, in no particular order."""
+        return (t for t in self._turns.values() if t.replica is None)
+
+    def held_count(self) -> int:
+        return sum(len(q) for b in self._buckets.values() for q in b.queues.values())
+
+    def admitted(self) -> Iterator[TurnState]:
+        return (t for t in self._turns.values() if t.replica is not None)
+
+    def kv_limit(
+        self, replica: str, service_class: ServiceClass = ServiceClass.INTERACTIVE
+    ) -> float | None:
+        """The working-set limit of program-level admission there, None when off."""
+        kv = self._replicas[replica].spec.kv_tokens
+        if kv is None or not self._policy.kv_admission:
+            return None
+        return kv * _fill(self._policy, service_class)
+
+    def kv_need(self, turn: TurnState) -> int:
+        """The KV working set the turn's run will claim if admitted as a new binding."""
+        run = self._runs.get(turn.run_id)
+        context = turn.prompt_tokens
+        if run is not None and run.context_tokens > context:
+            context = run.context_tokens
+        return context + turn.reply_tokens
+
+    def admissible(self, turn: TurnState, replica: str) -> bool:
+        """Whether the rules alone (slot, class room, affinity, KV) allow the held turn
+        on the replica now, ignoring the other held turns."""
+        return _Tx(self, 0.0).admissible(turn, replica)
+
+
+def _fill(policy: Policy, service_class: ServiceClass) -> float:
+    if service_class is _BATCH and policy.batch_kv_fill is not None:
+        return min(policy.kv_fill, policy.batch_kv_fill)
+    return policy.kv_fill
+
+
+# --------------------------------------------------------------------------- decide
+
+
+def decide(state: State, event: Event) -> tuple[State, list[Action]]:
+    """Apply one event; return the new state and what the shell must do."""
+    tx = _Tx(state, event.now)
+    if isinstance(event, TurnArrived):
+        tx.arrive(event)
+    elif isinstance(event, TurnFinished):
+        tx.turn_done(
+            event.turn_id, event.finish_reason, event.prompt_tokens, event.completion_tokens
+        )
+    elif isinstance(event, TurnStarted):
+        tx.started(event.turn_id)
+    elif isinstance(event, TurnFailed):
+        tx.turn_done(event.turn_id, None, 0, 0)
+    elif isinstance(event, TurnAbandoned):
+        tx.abandon(event.turn_id)
+    elif isinstance(event, ReplicaProbed):
+        tx.probe(event)
+    elif isinstance(event, Tick):
+        tx.tick()
+    elif isinstance(event, RunEnded):
+        tx.run_ended(event.run_id)
+    else:  # pragma: no cover - exhaustiveness
+        raise SchedulerError(f"unknown event {event!r}")
+    return tx.finish(), tx.actions
+
+
+class _Tx:
+    """One decision's working copy: mutable maps over the persistent ones, like a
+    Clojure transient.  It never touches the `State` it started from."""
+
+    def __init__(self, state: State, now: float) -> None:
+        self.state = state
+        self.now = now
+        self.policy = state._policy
+        self.models = state._models
+        self.replicas = state._replicas.mutate()
+        self.runs = state._runs.mutate()
+        self.turns = state._turns.mutate()
+        self.callers = state._callers.mutate()
+        self.buckets = state._buckets.mutate()
+        self.seq = state._seq
+        self.timeouts = state._timeouts
+        self.expiry = state._expiry
+        self.retention = state._retention
+        self.actions: list[Action] = []
+        self.refill: list[str] = []
+
+    def finish(self) -> State:
+        return State(
+            self.policy,
+            self.models,
+            self.replicas.finish(),
+            self.runs.finish(),
+            self.turns.finish(),
+            self.callers.finish(),
+            self.buckets.finish(),
+            self.seq,
+            self.timeouts,
+            self.expiry,
+            self.retention,
+        )
+
+    # ------------------------------------------------------------------ events
+
+    def arrive(self, ev: TurnArrived) -> None:
+        if ev.turn_id in self.turns:
+            raise SchedulerError(f"turn {ev.turn_id!r} arrived twice")
+        serving = self.models.get(ev.model)
+        if not serving:
+            self.actions.append(
+                Reject(
+                    turn_id=ev.turn_id,
+                    status=404,
+                    message=f"no Generative replica serves model '{ev.model}'",
+                )
+            )
+            return
+        self.seq += 1
+        reply = ev.max_tokens if ev.max_tokens > 0 else self.policy.assumed_reply_tokens
+        turn = TurnState(
+            ev.turn_id,
+            ev.run_id,
+            ev.service_class,
+            ev.caller,
+            ev.model,
+            ev.now,
+            self.seq,
+            ev.prompt_tokens,
+            reply,
+            None,
+            None,
+            0.0,
+            False,
+        )
+        run = self.runs.get(ev.run_id)
+        pinned = self._pinned_replica(run, ev.model)
+        if pinned is not None:
+            self._hold(turn, (_PIN, pinned, ev.service_class))
+            self._fill((pinned,))
+            return
+        self._hold(turn, (_MODEL, ev.model, ev.service_class))
+        # An idle run goes back to its last replica if it can; others least loaded first.
+        order = sorted(serving, key=lambda n: (self.replicas[n].load, n))
+        if run is not None and run.replica in serving:
+            order.remove(run.replica)
+            order.insert(0, run.replica)
+        self._fill(order)
+
+    def started(self, turn_id: str) -> None:
+        t = self.turns.get(turn_id)
+        if t is not None and t.replica is not None and not t.started:
+            self.turns[turn_id] = t._replace(started=True)
+
+    def abandon(self, turn_id: str) -> None:
+        t = self.turns.get(turn_id)
+        if t is None:
+            return
+        if t.replica is None:
+            assert t.bucket is not None
+            self._unhold(t)
+            del self.turns[turn_id]
+            self._drop_caller_if_unused(t.caller)
+            # It may have been the better turn that kept others from a replica's KV.
+            kind, target, _ = t.bucket
+            self._fill((target,) if kind == _PIN else self.models[target])
+        else:
+            self.turn_done(turn_id, None, 0, 0)
+
+    def turn_done(
+        self, turn_id: str, finish_reason: str | None, prompt: int, completion: int
+    ) -> None:
+        """A turn finished (reason given) or failed (reason None): free its slot."""
+        t = self.turns.get(turn_id)
+        if t is None or t.replica is None:
+            return  # unknown (timed out already) or still held: nothing to free
+        del self.turns[turn_id]
+        name = t.replica
+        self._adjust(name, in_flight=-1)
+        self._caller_in_flight(t.caller, -1)
+        self._drop_caller_if_unused(t.caller)
+        run = self.runs.get(t.run_id)
+        if run is not None:
+            context = prompt + completion if prompt else run.context_tokens
+            if run.in_flight > 1:
+                self._set_run(run._replace(in_flight=run.in_flight - 1, context_tokens=context))
+            elif run.ended:
+                self._replace_run(run, None)  # its last turn is done: forget it now
+            else:
+                paused = finish_reason == "tool_calls"
+                self._set_run(
+                    run._replace(
+                        in_flight=0,
+                        context_tokens=context,
+                        phase=RunPhase.PAUSED if paused else RunPhase.IDLE,
+                        last_active=self.now,
+                    )
+                )
+        names = [name]
+        if run is not None and run.replica is not None and run.replica != name:
+            names.append(run.replica)  # the run moved; its claim there may be gone too
+        self._fill(names)
+
+    def run_ended(self, run_id: str) -> None:
+        run = self.runs.get(run_id)
+        if run is None:
+            return
+        if run.in_flight:
+            # Its turns still hold slots: keep counting them; forget at the last one.
+            self._set_run(run._replace(ended=True))
+        else:
+            self._replace_run(run, None)
+        self.actions.append(Forget(run_id=run_id))
+        # Its claims are gone, and so is the context its held turns were sized by.
+        self._fill_all()
+
+    def probe(self, ev: ReplicaProbed) -> None:
+        r = self.replicas.get(ev.replica)
+        if r is None:
+            raise SchedulerError(f"probe of unknown replica {ev.replica!r}")
+        cap = r.cap
+        if not self.policy.cap_from_engine_queue or ev.queued is None or ev.running is None:
+            cap = None
+        elif ev.queued > 0:
+            cap = max(1, ev.running)
+        elif cap is not None and r.in_flight >= cap:
+            cap += self.policy.cap_increase
+        self.replicas[ev.replica] = r._replace(
+            healthy=ev.healthy, queued=ev.queued, running=ev.running, cap=cap
+        )
+        if r.healthy and not ev.healthy:
+            # Its runs may move now: their held turns may go to any replica of the model.
+            moved: set[str] = set()
+            for cls in _CLASSES:
+                b = self.buckets.get((_PIN, ev.replica, cls))
+                if b is None:
+                    continue
+                for q in list(b.queues.values()):
+                    for _, tid in q:
+                        t = self.turns[tid]
+                        self._unhold(t)
+                        self._hold(t, (_MODEL, t.model, t.service_class))
+                        moved.add(t.model)
+            names = sorted({n for m in moved for n in self.models[m]})
+            self._fill(sorted(names, key=lambda n: (self.replicas[n].load, n)))
+        elif ev.healthy:
+            self._fill((ev.replica,))
+
+    def tick(self) -> None:
+        touched: list[str] = []
+        forgot = False
+        # Timers are FIFO queues (now never goes back); an entry whose subject changed
+        # since it was queued is stale and skipped.
+        deadline = self.now - self.policy.turn_timeout_s
+        while self.timeouts and self.timeouts.first()[0] <= deadline:
+            at, tid = self.timeouts.first()
+            self.timeouts = self.timeouts.popleft()
+            t = self.turns.get(tid)
+            if t is not None and t.replica is not None and t.admitted_at == at:
+                touched.append(t.replica)
+                self.turn_done(tid, None, 0, 0)
+        deadline = self.now - self.policy.kv_retention_s
+        while self.retention and self.retention.first()[0] <= deadline:
+            at, run_id = self.retention.first()
+            self.retention = self.retention.popleft()
+            run = self.runs.get(run_id)
+            if (
+                run is not None
+                and run.phase is RunPhase.PAUSED
+                and run.ws_claim
+                and run.last_active == at
+            ):
+                self._set_run(run._replace(ws_claim=0))
+                assert run.replica is not None
+                touched.append(run.replica)
+        deadline = self.now - self.policy.idle_run_expiry_s
+        while self.expiry and self.expiry.first()[0] <= deadline:
+            at, run_id = self.expiry.first()
+            self.expiry = self.expiry.popleft()
+            run = self.runs.get(run_id)
+            if run is not None and run.phase is not RunPhase.GENERATING and run.last_active == at:
+                self._replace_run(run, None)
+                self.actions.append(Forget(run_id=run_id))
+                forgot = True
+        if forgot:
+            self._fill_all()  # as in run_ended
+        elif touched:
+            self._fill(tuple(dict.fromkeys(touched)))
+
+    # ------------------------------------------------------------------ placement
+
+    def _pinned_replica(self, run: RunState | None, model: str) -> str | None:
+        if run is None or run.replica is None or not self.policy.strict_affinity:
+            return None
+        if run.phase is RunPhase.IDLE:
+            return None
+        r = self.replicas[run.replica]
+        if not r.healthy or model not in r.spec.models:
+            return None
+        return run.replica
+
+    def admissible(self, t: TurnState, name: str) -> bool:
+        r = self.replicas[name]
+        if not r.has_slot() or t.model not in r.spec.models:
+            return False
+        if t.service_class is _BATCH and not r.batch_room(self.policy):
+            return False
+        if t.bucket is not None and t.bucket[0] == _PIN:
+            return t.bucket[1] == name
+        return self._kv_fits(t, name, r)
+
+    def _kv_fits(self, t: TurnState, name: str, r: ReplicaState) -> bool:
+        kv = r.spec.kv_tokens
+        if kv is None or not self.policy.kv_admission or r.ws_tokens == 0:
+            return True
+        run = self.runs.get(t.run_id)
+        if run is not None and run.replica == name and run.ws_claim:
+            return True  # already claimed here
+        context = t.prompt_tokens
+        if run is not None and run.context_tokens > context:
+            context = run.context_tokens
+        return r.ws_tokens + context + t.reply_tokens <= kv * _fill(self.policy, t.service_class)
+
+    def _fill(self, names: Sequence[str]) -> None:
+        """Admit held turns to these replicas until none can take one more.
+
+        Rounds of one admission per replica spread a burst over the replicas."""
+        active = list(names)
+        while active:
+            still = []
+            for name in active:
+                t = self._pick(name)
+                if t is not None:
+                    self._admit(t, name)
+                    still.append(name)
+            # Replicas whose held turns may have become admissible meanwhile: turns
+            # re-pinned there, or KV released there by a run that moved away.
+            still += [n for n in self.refill if n not in still]
+            self.refill.clear()
+            active = still
+
+    def _fill_all(self) -> None:
+        names = self.state._replicas.keys()  # the pool's replicas never change
+        self._fill(sorted(names, key=lambda n: (self.replicas[n].load, n)))
+
+    def _head(self, key: BucketKey) -> tuple[tuple[int, int, str], str] | None:
+        b = self.buckets.get(key)
+        if b is None:
+            return None
+        order = b.order.min()
+        return order, b.queues[order[2]].min()[1]
+
+    def _pick(self, name: str) -> TurnState | None:
+        """The held turn this replica should take next, if any."""
+        r = self.replicas[name]
+        if not r.has_slot():
+            return None
+        kv_blocked = False  # a better unbound run waits for KV: no unbound run jumps it
+        for cls in _CLASSES:
+            if cls is _BATCH and not r.batch_room(self.policy):
+                return None
+            skip_models = kv_blocked
+            while True:
+                pin = self._head((_PIN, name, cls))
+                best = None
+                if not skip_models:
+                    for m in r.spec.models:
+                        h = self._head((_MODEL, m, cls))
+                        if h is not None and (best is None or h[0] < best[0]):
+                            best = h
+                if pin is not None and (best is None or pin[0] < best[0]):
+                    t = self.turns[pin[1]]
+                elif best is not None:
+                    t = self.turns[best[1]]
+                else:
+                    break
+                home = self._bound_elsewhere(t, name)
+                if home is not None:
+                    # Another turn of its run was admitted elsewhere since it was held:
+                    # strict affinity pins it there now.  Move it and look again.
+                    self._unhold(t)
+                    self._hold(t, (_PIN, home, cls))
+                    self.refill.append(home)
+                    continue
+                if t.bucket is not None and t.bucket[0] == _PIN:
+                    return t
+                if self._kv_fits(t, name, r):
+                    return t
+                # It waits for KV here, and unbound runs behind it wait too; unless it
+                # has a claim elsewhere (affinity off): then it is no reason to wait.
+                skip_models = True
+                run = self.runs.get(t.run_id)
+                if run is None or not run.ws_claim:
+                    kv_blocked = True
+        return None
+
+    def _bound_elsewhere(self, t: TurnState, name: str) -> str | None:
+        run = self.runs.get(t.run_id)
+        if run is None or run.replica == name:
+            return None
+        return self._pinned_replica(run, t.model)
+
+    def _admit(self, t: TurnState, name: str) -> None:
+        """Admit a held turn that heads its caller's queue in its bucket."""
+        key = t.bucket
+        assert key is not None
+        caller = t.caller
+        c = self.callers[caller]
+        n = c.in_flight + 1
+        # Leave the queue and move the caller to one more turn in flight, in one step.
+        b = self.buckets[key]
+        q = b.queues[caller].remove((t.seq, t.turn_id))
+        order = b.order.remove((c.in_flight, t.seq, caller))
+        buckets = c.buckets
+        if q:
+            self.buckets[key] = _Bucket(b.queues.set(caller, q), order.add((n, q.min()[0], caller)))
+        else:
+            queues = b.queues.delete(caller)
+            if queues:
+                self.buckets[key] = _Bucket(queues, order)
+            else:
+                del self.buckets[key]
+            buckets = buckets - {key}
+        for other in buckets:
+            if other != key:
+                self._rekey(other, caller, c.in_flight, n)
+        self.callers[caller] = _Caller(n, buckets)
+        self._adjust(name, in_flight=1)
+        if key[0] == _MODEL and self.policy.kv_admission:
+            # It may have been the better turn that kept the others of its bucket from
+            # another replica's KV (see _pick): that replica may go on now.
+            for peer in self.models[t.model]:
+                if peer != name:
+                    r = self.replicas[peer]
+                    if r.spec.kv_tokens is not None and r.has_slot():
+                        self.refill.append(peer)
+        self.turns[t.turn_id] = TurnState(
+            t.turn_id, t.run_id, t.service_class, caller, t.model, t.arrived, t.seq,
+            t.prompt_tokens, t.reply_tokens, None, name, self.now, False,
+        )  # fmt: skip
+        self.timeouts = self.timeouts.append((self.now, t.turn_id))
+        self.actions.append(
+            Admit(
+                turn_id=t.turn_id,
+                run_id=t.run_id,
+                replica=name,
+                service_class=t.service_class,
+                held_s=self.now - t.arrived,
+            )
+        )
+        old = self.runs.get(t.run_id)
+        context = t.prompt_tokens
+        in_flight = 1
+        if old is not None:
+            in_flight += old.in_flight
+            if old.context_tokens > context:
+                context = old.context_tokens
+            if old.bound and old.replica is not None and old.replica != name:
+                self.refill.append(old.replica)
+        self._replace_run(
+            old,
+            RunState(
+                t.run_id,
+                t.service_class,
+                caller,
+                t.model,
+                RunPhase.GENERATING,
+                name,
+                in_flight,
+                context,
+                t.reply_tokens,
+                self.now,
+                False,
+                0,
+                False,
+            ),
+        )
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def _adjust(
+        self, name: str, *, in_flight: int = 0, bound: int = 0, ws: int = 0, paused: int = 0
+    ) -> None:
+        """Change a replica's counters (one copy of its record)."""
+        r = self.replicas[name]
+        self.replicas[name] = ReplicaState(
+            r.spec, r.healthy, r.queued, r.running, r.cap, r.in_flight + in_flight,
+            r.paused_interactive + paused, r.bound_runs + bound, r.ws_tokens + ws,
+        )  # fmt: skip
+
+    def _set_run(self, run: RunState) -> None:
+        self._replace_run(self.runs.get(run.run_id), run)
+
+    def _replace_run(self, old: RunState | None, run: RunState | None) -> None:
+        """Store a run (None: delete it) and keep every counter derived from it in
+        step: its replica's bound runs, KV working set and paused interactive runs,
+        and its timers.  `run`'s own bound/ws_claim/counted_paused are recomputed,
+        except that a paused run whose claim lapsed (ws_claim 0) keeps none."""
+        if run is None:
+            if old is not None:
+                self._unbind(old)
+                del self.runs[old.run_id]
+            return
+        phase = run.phase
+        name = run.replica
+        bound = phase is not RunPhase.IDLE and name is not None
+        claim = 0
+        counted_paused = False
+        if bound:
+            assert name is not None
+            lapsed = (
+                old is not None
+                and old.phase is RunPhase.PAUSED
+                and phase is RunPhase.PAUSED
+                and not run.ws_claim
+            )
+            kv = self.replicas[name].spec.kv_tokens
+            if not lapsed and self.policy.kv_admission and kv is not None:
+                claim = run.context_tokens + run.reply_tokens
+            counted_paused = phase is RunPhase.PAUSED and run.service_class is _INTERACTIVE
+        run = RunState._make((*run[:10], bound, claim, counted_paused, run.ended))
+        if old is not None and old.bound and name is not None and old.replica == name:
+            self._adjust(
+                name,
+                bound=bound - 1,
+                ws=claim - old.ws_claim,
+                paused=counted_paused - old.counted_paused,
+            )
+        else:
+            if old is not None:
+                self._unbind(old)
+            if bound:
+                assert name is not None
+                self._adjust(name, bound=1, ws=claim, paused=counted_paused)
+        was = old.phase if old is not None and old.last_active == run.last_active else None
+        if phase is not RunPhase.GENERATING and was in (None, RunPhase.GENERATING):
+            self.expiry = self.expiry.append((run.last_active, run.run_id))
+        if phase is RunPhase.PAUSED and claim and was is not RunPhase.PAUSED:
+            self.retention = self.retention.append((run.last_active, run.run_id))
+        self.runs[run.run_id] = run
+
+    def _unbind(self, run: RunState) -> None:
+        if run.bound and run.replica is not None:
+            self._adjust(run.replica, bound=-1, ws=-run.ws_claim, paused=-run.counted_paused)
+
+    def _hold(self, t: TurnState, key: BucketKey) -> None:
+        t = t._replace(bucket=key)
+        self.turns[t.turn_id] = t
+        c = self.callers.get(t.caller, _NEW_CALLER)
+        b = self.buckets.get(key, _EMPTY_BUCKET)
+        q = b.queues.get(t.caller)
+        entry = (t.seq, t.turn_id)
+        if q is None:
+            order = b.order.add((c.in_flight, t.seq, t.caller))
+            q = empty().add(entry)
+        else:
+            head = q.min()
+            q = q.add(entry)
+            order = b.order
+            if entry < head:
+                order = order.remove((c.in_flight, head[0], t.caller))
+                order = order.add((c.in_flight, t.seq, t.caller))
+        self.buckets[key] = _Bucket(b.queues.set(t.caller, q), order)
+        if key not in c.buckets:
+            c = _Caller(c.in_flight, c.buckets | {key})
+        self.callers[t.caller] = c
+
+    def _unhold(self, t: TurnState) -> None:
+        key = t.bucket
+        assert key is not None
+        c = self.callers[t.caller]
+        b = self.buckets[key]
+        q = b.queues[t.caller]
+        entry = (t.seq, t.turn_id)
+        head = q.min()
+        q = q.remove(entry)
+        order = b.order
+        if entry == head:
+            order = order.remove((c.in_flight, head[0], t.caller))
+            if q:
+                order = order.add((c.in_flight, q.min()[0], t.caller))
+        if q:
+            self.buckets[key] = _Bucket(b.queues.set(t.caller, q), order)
+        else:
+            queues = b.queues.delete(t.caller)
+            if queues:
+                self.buckets[key] = _Bucket(queues, order)
+            else:
+                del self.buckets[key]
+            self.callers[t.caller] = _Caller(c.in_flight, c.buckets - {key})
+
+    def _caller_in_flight(self, caller: str, delta: int) -> None:
+        c = self.callers.get(caller, _NEW_CALLER)
+        n = c.in_flight + delta
+        for key in c.buckets:
+            self._rekey(key, caller, c.in_flight, n)
+        self.callers[caller] = _Caller(n, c.buckets)
+
+    def _rekey(self, key: BucketKey, caller: str, was: int, now_in_flight: int) -> None:
+        b = self.buckets[key]
+        head = b.queues[caller].min()[0]
+        order = b.order.remove((was, head, caller)).add((now_in_flight, head, caller))
+        self.buckets[key] = _Bucket(b.queues, order)
+
+    def _drop_caller_if_unused(self, caller: str) -> None:
+        c = self.callers.get(caller)
+        if c is not None and c.in_flight == 0 and not c.buckets:
+            del self.callers[caller]

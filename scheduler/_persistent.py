@@ -1,0 +1,147 @@
+"""Persistent (immutable) containers the core needs beyond `immutables.Map`.
+
+`PSortedSet` holds the held-turn order; `PQueue` is a FIFO for the timers.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Iterator
+from typing import Any, Generic, TypeVar
+
+from immutables import Map
+
+K = TypeVar("K", bound=tuple[Any, ...])
+T = TypeVar("T")
+
+_CHUNK = 32  # keys per chunk; a chunk splits at twice this
+
+
+class PSortedSet(Generic[K]):
+    """An immutable sorted set of tuples; `add` and `remove` return a new set.
+
+    A sorted tuple of sorted chunks (the shape of `sortedcontainers`, made persistent):
+    `min` is O(1); `add`/`remove` make O(log n) comparisons by bisection, then copy
+    one chunk (at most 64 references) and the tuple of chunk references (n/32 of
+    them), both as single C-level slices.  Earlier versions stay valid and share every
+    other chunk.  For the held-turn counts the core meets (10^4..10^6) this beats a
+    pointer-based balanced tree in Python by a wide margin."""
+
+    __slots__ = ("_chunks", "_len", "_maxes")
+
+    def __init__(
+        self,
+        chunks: tuple[tuple[K, ...], ...] = (),
+        maxes: tuple[K, ...] = (),
+        size: int = 0,
+    ) -> None:
+        self._chunks = chunks
+        self._maxes = maxes
+        self._len = size
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __bool__(self) -> bool:
+        return self._len > 0
+
+    def __contains__(self, key: object) -> bool:
+        i = bisect_left(self._maxes, key)  # type: ignore[call-overload]
+        if i == len(self._maxes):
+            return False
+        chunk = self._chunks[i]
+        j = bisect_left(chunk, key)
+        return j < len(chunk) and chunk[j] == key
+
+    def __iter__(self) -> Iterator[K]:
+        for chunk in self._chunks:
+            yield from chunk
+
+    def min(self) -> K:
+        """The smallest key, O(1).  Raises ValueError when empty."""
+        if not self._chunks:
+            raise ValueError("min() of an empty PSortedSet")
+        return self._chunks[0][0]
+
+    def add(self, key: K) -> PSortedSet[K]:
+        """A set with `key` added; the key must not be present already."""
+        chunks, maxes = self._chunks, self._maxes
+        if not chunks:
+            return PSortedSet(((key,),), (key,), 1)
+        i = bisect_left(maxes, key)
+        if i == len(maxes):
+            i -= 1  # beyond every key: append to the last chunk
+        chunk = chunks[i]
+        j = bisect_left(chunk, key)
+        chunk = chunk[:j] + (key,) + chunk[j:]
+        if len(chunk) <= 2 * _CHUNK:
+            new_chunks = chunks[:i] + (chunk,) + chunks[i + 1 :]
+            new_maxes = maxes[:i] + (key,) + maxes[i + 1 :] if j == len(chunk) - 1 else maxes
+        else:
+            lo, hi = chunk[:_CHUNK], chunk[_CHUNK:]
+            new_chunks = chunks[:i] + (lo, hi) + chunks[i + 1 :]
+            new_maxes = maxes[:i] + (lo[-1], hi[-1]) + maxes[i + 1 :]
+        return PSortedSet(new_chunks, new_maxes, self._len + 1)
+
+    def remove(self, key: K) -> PSortedSet[K]:
+        """A set without `key`; raises KeyError when absent."""
+        chunks, maxes = self._chunks, self._maxes
+        i = bisect_left(maxes, key)
+        if i == len(maxes):
+            raise KeyError(key)
+        chunk = chunks[i]
+        j = bisect_left(chunk, key)
+        if j == len(chunk) or chunk[j] != key:
+            raise KeyError(key)
+        if len(chunk) == 1:
+            rest = chunks[:i] + chunks[i + 1 :]
+            return PSortedSet(rest, maxes[:i] + maxes[i + 1 :], self._len - 1)
+        chunk = chunk[:j] + chunk[j + 1 :]
+        new_maxes = maxes if j < len(chunk) else maxes[:i] + (chunk[-1],) + maxes[i + 1 :]
+        return PSortedSet(chunks[:i] + (chunk,) + chunks[i + 1 :], new_maxes, self._len - 1)
+
+
+_EMPTY: PSortedSet[Any] = PSortedSet()
+
+
+def empty() -> PSortedSet[Any]:
+    """The empty set (shared)."""
+    return _EMPTY
+
+
+class PQueue(Generic[T]):
+    """An immutable FIFO queue over a HAMT: append and popleft are O(log32 n) in C.
+
+    The core's timers are queues, not sorted sets, because `now` never goes back: a
+    timer set later never expires earlier.  Entries made stale by a later change are
+    skipped when they reach the front (lazy deletion)."""
+
+    __slots__ = ("_head", "_items", "_tail")
+
+    def __init__(self, items: Map[int, T] | None = None, head: int = 0, tail: int = 0) -> None:
+        self._items: Map[int, T] = items if items is not None else Map()
+        self._head = head
+        self._tail = tail
+
+    def __len__(self) -> int:
+        return self._tail - self._head
+
+    def __bool__(self) -> bool:
+        return self._tail > self._head
+
+    def __iter__(self) -> Iterator[T]:
+        return (self._items[i] for i in range(self._head, self._tail))
+
+    def first(self) -> T:
+        """The oldest item.  Raises ValueError when empty."""
+        if self._tail == self._head:
+            raise ValueError("first() of an empty PQueue")
+        return self._items[self._head]
+
+    def append(self, item: T) -> PQueue[T]:
+        return PQueue(self._items.set(self._tail, item), self._head, self._tail + 1)
+
+    def popleft(self) -> PQueue[T]:
+        if self._tail == self._head:
+            raise ValueError("popleft() of an empty PQueue")
+        return PQueue(self._items.delete(self._head), self._head + 1, self._tail)

@@ -1,0 +1,188 @@
+"""The scheduler's vocabulary: what it is told (events), what it says (actions), and
+how it is configured (replica specs and policy).  All frozen; time is a field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class ServiceClass(StrEnum):
+    """`x-luftpause-class`: interactive turns go before batch turns."""
+
+    INTERACTIVE = "interactive"
+    BATCH = "batch"
+
+
+class RunPhase(StrEnum):
+    """Where a run stands between its turns."""
+
+    GENERATING = "generating"  # a turn of the run is admitted to its replica
+    PAUSED = "paused"  # its last turn ended in tool calls: it will come back
+    IDLE = "idle"  # its last turn ended otherwise (or failed): it may move
+
+
+class SchedulerError(Exception):
+    """An event that breaks the core's contract (a programming error in the shell).
+
+    The state is left unchanged, as h11 does with a LocalProtocolError."""
+
+
+# --------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReplicaSpec:
+    """One engine replica as the core sees it."""
+
+    name: str
+    models: frozenset[str]
+    # KV pool size in tokens, when known (SGLang /server_info max_total_num_tokens).
+    # Enables program-level admission on this replica; None turns it off here.
+    kv_tokens: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Policy:
+    """The rules' constants and switches.  Defaults are DESIGN.md's; the switches
+    exist so the simulator can measure what each mechanism buys (an ablation)."""
+
+    turn_timeout_s: float = 600.0
+    idle_run_expiry_s: float = 1800.0
+    # Replies with no max_tokens are assumed this long when sizing a run's KV need.
+    assumed_reply_tokens: int = 256
+    # Generating and paused runs stay on their replica (their prefix is cached there).
+    strict_affinity: bool = True
+    # Cap in-flight turns at the engine's running count once it reports a queue.
+    cap_from_engine_queue: bool = True
+    # How much the cap grows per probe that shows no queue while luftpause holds turns.
+    cap_increase: int = 1
+    # Batch turns leave a slot for every interactive run paused on a tool there.
+    reserve_for_paused_interactive: bool = True
+    # Program-level admission: a run not yet bound to a replica is admitted there only
+    # while the KV working set of the runs bound to it (context + reply) fits in
+    # `kv_fill` of its pool, so paused runs keep their prefix cache.
+    kv_admission: bool = True
+    kv_fill: float = 0.8
+    # Batch runs stop at this share of the pool, leaving the rest for interactive runs
+    # (rule 4 for KV); None: the same limit as interactive runs.
+    batch_kv_fill: float | None = 0.7
+    # How long a paused run's claim on the pool is honoured (Continuum's KV TTL): a
+    # tool that runs longer than this no longer keeps new runs out.
+    kv_retention_s: float = 60.0
+
+
+# --------------------------------------------------------------------------- events
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TurnArrived:
+    now: float
+    turn_id: str
+    run_id: str
+    service_class: ServiceClass
+    caller: str
+    model: str
+    # Estimates for KV sizing; 0 = unknown (then the run's last known context is used).
+    prompt_tokens: int = 0
+    max_tokens: int = 0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TurnAbandoned:
+    """The client left.  A held turn leaves the queue; an admitted one is failed."""
+
+    now: float
+    turn_id: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TurnStarted:
+    """The engine's first byte reached the proxy."""
+
+    now: float
+    turn_id: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TurnFinished:
+    now: float
+    turn_id: str
+    finish_reason: str  # "tool_calls" pauses the run on its replica
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TurnFailed:
+    now: float
+    turn_id: str
+    reason: str = ""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunEnded:
+    now: float
+    run_id: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReplicaProbed:
+    """A probe result.  `queued`/`running` None: the engine reports no load."""
+
+    now: float
+    replica: str
+    healthy: bool
+    queued: int | None = None
+    running: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Tick:
+    now: float
+
+
+Event = (
+    TurnArrived
+    | TurnAbandoned
+    | TurnStarted
+    | TurnFinished
+    | TurnFailed
+    | RunEnded
+    | ReplicaProbed
+    | Tick
+)
+
+
+# --------------------------------------------------------------------------- actions
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Admit:
+    """Send the turn to the replica now."""
+
+    turn_id: str
+    run_id: str
+    replica: str
+    service_class: ServiceClass
+    held_s: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Reject:
+    """Answer the turn with this status and message; it was never queued."""
+
+    turn_id: str
+    status: int
+    message: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Forget:
+    """The run's state is gone (ended or expired): drop what the shell keeps for it."""
+
+    run_id: str
+
+
+Action = Admit | Reject | Forget

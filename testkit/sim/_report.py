@@ -1,0 +1,221 @@
+"""Comparisons across arms: the figures `luftpause sim` prints (P, W, ratios)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, replace
+from typing import Any
+
+from scheduler import (
+    Policy,
+    ReplicaProbed,
+    ReplicaSpec,
+    ServiceClass,
+    State,
+    TurnArrived,
+    TurnFinished,
+    decide,
+)
+from testkit.sim._arms import ARMS
+from testkit.sim._run import Scenario, simulate, simulate_fanout
+
+APPROXIMATION_NOTE = (
+    "direct, round_robin, cache_aware and priority are approximations of the SGLang "
+    "router and SMG policies, for fast iteration only; the real routers are measured "
+    "in real time by bench/."
+)
+# The reference arms run under each of these and keep the better result, so that P
+# and W are measured against the best the engines do alone, not a weak baseline.
+REFERENCE_ARMS = ("cache_aware", "luftpause")
+
+
+def compare(sc: Scenario, arms: Sequence[str] = ARMS) -> dict[str, Any]:
+    """Every arm on the mixed workload, plus the two reference arms, with P and W."""
+    results = {a: simulate(sc, a) for a in arms}
+    alone_i = max(
+        (simulate(sc, a, batch=False) for a in REFERENCE_ARMS),
+        key=lambda r: r.interactive_per_min,
+    )
+    alone_b = max(
+        (simulate(sc, a, interactive=False) for a in REFERENCE_ARMS),
+        key=lambda r: r.batch_per_min,
+    )
+    out: dict[str, Any] = {
+        "scenario": _scenario_json(sc),
+        "note": APPROXIMATION_NOTE,
+        "reference": {
+            "interactive-alone": {**alone_i.as_json(), "arm": alone_i.arm},
+            "batch-alone": {**alone_b.as_json(), "arm": alone_b.arm},
+        },
+        "arms": {},
+    }
+    ia, ba = alone_i.interactive_per_min, alone_b.batch_per_min
+    for name, r in results.items():
+        row = r.as_json()
+        row["interactive_vs_alone"] = _ratio(r.interactive_per_min, ia)
+        row["batch_vs_alone"] = _ratio(r.batch_per_min, ba)
+        row["P"] = row["interactive_vs_alone"]
+        row["W"] = _ratio(r.interactive_per_min + r.batch_per_min, ba)
+        row["ratios"] = {
+            other: {
+                "interactive": _ratio(r.interactive_per_min, o.interactive_per_min),
+                "batch": _ratio(r.batch_per_min, o.batch_per_min),
+            }
+            for other, o in results.items()
+            if other != name
+        }
+        out["arms"][name] = row
+    out["wall_s"] = round(
+        sum(r.wall_s for r in results.values()) + alone_i.wall_s + alone_b.wall_s, 2
+    )
+    return out
+
+
+def compare_fanout(
+    sc: Scenario, arms: Sequence[str] = ("luftpause", "cache_aware")
+) -> dict[str, Any]:
+    """`sc.runs` runs fanned out together vs one at a time, per arm."""
+    out: dict[str, Any] = {"scenario": _scenario_json(sc), "note": APPROXIMATION_NOTE}
+    rows = {}
+    for a in arms:
+        together = simulate_fanout(sc, a, together=True)
+        alone = simulate_fanout(sc, a, together=False)
+        slowest_alone = max(alone.interactive_durations)
+        rows[a] = {
+            "fanned_out_s": round(together.makespan_s, 2),
+            "one_at_a_time_s": round(alone.makespan_s, 2),
+            "slowest_run_alone_s": round(slowest_alone, 2),
+            "speedup": _ratio(alone.makespan_s, together.makespan_s),
+            "fanned_out_vs_slowest_alone": _ratio(together.makespan_s, slowest_alone),
+            "cached_prompt_token_share": round(together.cached_share, 3),
+        }
+    out["arms"] = rows
+    return out
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 3) if b else None
+
+
+def _scenario_json(sc: Scenario) -> dict[str, Any]:
+    return asdict(sc)
+
+
+# --------------------------------------------------------------------------- tables
+
+
+def table(report: dict[str, Any]) -> str:
+    """A fixed-width table of a `compare` report."""
+    head = (
+        f"{'arm':<20}{'int/min':>9}{'int p50':>9}{'int p90':>9}{'batch/min':>11}"
+        f"{'cached':>8}{'moved':>7}{'P':>7}{'W':>7}"
+    )
+    lines = [head, "-" * len(head)]
+
+    def fmt(x: Any, spec: str) -> str:
+        return "-" if x is None else format(x, spec)
+
+    for name, r in [
+        ("interactive-alone", report["reference"]["interactive-alone"]),
+        ("batch-alone", report["reference"]["batch-alone"]),
+        *report["arms"].items(),
+    ]:
+        lines.append(
+            f"{name:<20}{r['interactive_runs_per_min']:>9.2f}"
+            f"{fmt(r['interactive_p50_s'], '.1f'):>9}{fmt(r['interactive_p90_s'], '.1f'):>9}"
+            f"{r['batch_runs_per_min']:>11.2f}{r['cached_prompt_token_share']:>8.1%}"
+            f"{r['runs_that_moved']:>7}{fmt(r.get('P'), '.2f'):>7}{fmt(r.get('W'), '.2f'):>7}"
+        )
+    ref = report["reference"]
+    lines.append(
+        f"(interactive-alone under {ref['interactive-alone']['arm']}, batch-alone under "
+        f"{ref['batch-alone']['arm']}: the better of {', '.join(REFERENCE_ARMS)})"
+    )
+    lines.append(report["note"])
+    return "\n".join(lines)
+
+
+def fanout_table(report: dict[str, Any]) -> str:
+    head = f"{'arm':<14}{'fanned out s':>14}{'one at a time s':>17}{'slowest alone s':>17}"
+    lines = [head, "-" * len(head)]
+    for name, r in report["arms"].items():
+        lines.append(
+            f"{name:<14}{r['fanned_out_s']:>14.1f}{r['one_at_a_time_s']:>17.1f}"
+            f"{r['slowest_run_alone_s']:>17.1f}"
+        )
+    lines.append(report["note"])
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- bench-core
+
+
+def bench_core(held: int = 10_000, decisions: int = 50_000, replicas: int = 4) -> dict[str, Any]:
+    """Decisions per second of the core while `held` turns are held.
+
+    Each step is a pair: a turn finishes on a full replica (and the core picks and
+    admits the best held turn), and a new turn arrives and is held, so the held count
+    stays at `held`.  Callers are many (one per 10 held turns), half the turns batch."""
+    specs = [ReplicaSpec(name=f"r{i}", models=frozenset({"m"})) for i in range(replicas)]
+    state = State.initial(specs, Policy())
+    cap = 8
+    for i in range(replicas):
+        state, _ = decide(
+            state, ReplicaProbed(now=0.0, replica=f"r{i}", healthy=True, queued=1, running=cap)
+        )
+    callers = max(1, held // 10)
+    n = 0
+    admitted: list[str] = []
+
+    def arrival(k: int, now: float) -> TurnArrived:
+        return TurnArrived(
+            now=now,
+            turn_id=f"t{k}",
+            run_id=f"run{k}",
+            service_class=ServiceClass.BATCH if k % 2 else ServiceClass.INTERACTIVE,
+            caller=f"c{k % callers}",
+            model="m",
+            prompt_tokens=2000,
+            max_tokens=256,
+        )
+
+    total = held + cap * replicas
+    for k in range(total):
+        state, actions = decide(state, arrival(k, 1.0))
+        admitted += [a.turn_id for a in actions if hasattr(a, "replica")]
+        n = k + 1
+    assert state.held_count() == held, state.held_count()
+    t0 = time.perf_counter()
+    done = 0
+    now = 2.0
+    while done < decisions:
+        now += 0.001
+        tid = admitted.pop(0)
+        state, actions = decide(
+            state,
+            TurnFinished(
+                now=now,
+                turn_id=tid,
+                finish_reason="stop",
+                prompt_tokens=2000,
+                completion_tokens=256,
+            ),
+        )
+        admitted += [a.turn_id for a in actions if hasattr(a, "replica")]
+        state, actions = decide(state, arrival(n, now))
+        n += 1
+        done += 2
+    elapsed = time.perf_counter() - t0
+    return {
+        "held_turns": state.held_count(),
+        "decisions": done,
+        "seconds": round(elapsed, 3),
+        "decisions_per_s": round(done / elapsed),
+        "replicas": replicas,
+        "callers": callers,
+    }
+
+
+def scenario_with(sc: Scenario, **changes: Any) -> Scenario:
+    return replace(sc, **{k: v for k, v in changes.items() if v is not None})

@@ -1,0 +1,418 @@
+"""The virtual-time simulator: closed-loop agent runs through an admission layer and
+N simulated engines, as a discrete-event simulation.
+
+A run is a sequence of LLM turns separated by tool calls; its context grows by each
+reply and tool result.  Closed loop: a finished run is replaced at once by a new run
+of the same agent.  The admission layer sees the engines only as a gateway would:
+turn lifecycle events, and a probe every 2 virtual seconds.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from scheduler import Policy, ServiceClass
+from testkit.engine import EngineParams, EngineRequest, Finished, FirstToken, SimEngine
+from testkit.sim._arms import (
+    Arm,
+    CacheAware,
+    Direct,
+    Luftpause,
+    PriorityQueue,
+    RoundRobin,
+    Send,
+    Turn,
+)
+
+CHARS_PER_TOKEN = 4
+MODEL = "llama-3.2-1b"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scenario:
+    """Every knob of a simulated workload (each one a CLI flag)."""
+
+    name: str = "custom"
+    engines: int = 2
+    batch: int = 48
+    interactive: int = 4
+    context_chars: int = 8000  # the task's context at the first turn
+    max_tool_calls: int = 3  # each run makes 0..max tool calls (uniform)
+    tool_s: float = 2.0  # mean tool duration; each call takes 0.5..1.5 × this
+    tool_result_chars: int = 1600  # what each tool result adds to the context
+    reply_tokens: int = 256  # tokens generated per turn (= max_tokens)
+    minutes: float = 3.0
+    seed: int = 1
+    # fanout: `runs` runs started together (and, as a second arm, one at a time)
+    runs: int = 0
+    engine: EngineParams = field(default_factory=EngineParams.reference)
+    policy: Policy = field(default_factory=Policy)
+    engine_priority: bool = False  # engines schedule by priority; interactive sent high
+    # Replicas that time-share one GPU: each gets 1/k of it while k of them have work
+    # (the reference bed runs two replicas on one GPU; a lone run gets all of it).
+    replicas_per_gpu: int = 2
+
+
+SCENARIOS: dict[str, Scenario] = {
+    "flood": Scenario(name="flood", batch=48, interactive=4, context_chars=8000),
+    "light": Scenario(name="light", batch=24, interactive=4, context_chars=2000),
+    "routing": Scenario(name="routing", batch=0, interactive=8, context_chars=8000),
+    "fanout": Scenario(
+        name="fanout", batch=0, interactive=0, runs=16, context_chars=11200, minutes=30.0
+    ),
+}
+
+
+@dataclass
+class RunRecord:
+    service_class: ServiceClass
+    started: float
+    ended: float
+    turns: int
+    replicas: int  # distinct engines its turns ran on
+
+
+@dataclass
+class ArmResult:
+    arm: str
+    minutes: float
+    interactive_runs: int = 0
+    batch_runs: int = 0
+    interactive_durations: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    moved_runs: int = 0
+    makespan_s: float = 0.0
+    wall_s: float = 0.0
+
+    @property
+    def interactive_per_min(self) -> float:
+        return self.interactive_runs / self.minutes
+
+    @property
+    def batch_per_min(self) -> float:
+        return self.batch_runs / self.minutes
+
+    @property
+    def cached_share(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def percentile(self, q: float) -> float | None:
+        d = sorted(self.interactive_durations)
+        if not d:
+            return None
+        if len(d) == 1:
+            return d[0]
+        return statistics.quantiles(d, n=100, method="inclusive")[int(q * 100) - 1]
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "interactive_runs": self.interactive_runs,
+            "batch_runs": self.batch_runs,
+            "interactive_runs_per_min": round(self.interactive_per_min, 2),
+            "interactive_p50_s": _round(self.percentile(0.5)),
+            "interactive_p90_s": _round(self.percentile(0.9)),
+            "batch_runs_per_min": round(self.batch_per_min, 2),
+            "cached_prompt_token_share": round(self.cached_share, 3),
+            "runs_that_moved": self.moved_runs,
+            "makespan_s": round(self.makespan_s, 2) if self.makespan_s else None,
+            "wall_s": round(self.wall_s, 2),
+        }
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 2)
+
+
+class _Agent:
+    """One closed-loop agent: it runs one run after another."""
+
+    def __init__(self, sim: Simulation, index: int, cls: ServiceClass, caller: str) -> None:
+        self.sim = sim
+        self.index = index
+        self.service_class = cls
+        self.caller = caller
+        self.rng = random.Random(sim.scenario.seed * 1_000_003 + index)
+        self.run_no = 0
+        self.active = True
+
+    def start_run(self, now: float) -> None:
+        sc = self.sim.scenario
+        self.run_no += 1
+        self.run_id = f"a{self.index}-r{self.run_no}"
+        self.stream = self.sim.new_stream()
+        self.tool_calls_left = self.rng.randint(0, sc.max_tool_calls)
+        self.context = math.ceil(sc.context_chars / CHARS_PER_TOKEN)
+        self.run_started = now
+        self.turn_no = 0
+        self.engines_used: set[int] = set()
+        self.submit_turn(now)
+
+    def submit_turn(self, now: float) -> None:
+        sc = self.sim.scenario
+        self.turn_no += 1
+        block = self.sim.scenario.engine.block_tokens
+        n_blocks = math.ceil(self.context / block)
+        turn = Turn(
+            turn_id=f"{self.run_id}-t{self.turn_no}",
+            run_id=self.run_id,
+            service_class=self.service_class,
+            caller=self.caller,
+            prompt_blocks=tuple((self.stream, i) for i in range(n_blocks)),
+            prompt_tokens=self.context,
+            max_tokens=sc.reply_tokens,
+        )
+        self.sim.arrive(turn, self, now)
+
+    def turn_finished(self, turn: Turn, engine: int, now: float) -> bool:
+        """Returns whether the turn ended in a tool call."""
+        sc = self.sim.scenario
+        self.engines_used.add(engine)
+        self.context += sc.reply_tokens
+        if self.tool_calls_left > 0:
+            self.tool_calls_left -= 1
+            self.context += math.ceil(sc.tool_result_chars / CHARS_PER_TOKEN)
+            duration = sc.tool_s * self.rng.uniform(0.5, 1.5)
+            self.sim.at(now + duration, lambda t: self.submit_turn(t))
+            return True
+        return False
+
+    def run_done(self, now: float) -> RunRecord:
+        return RunRecord(
+            self.service_class, self.run_started, now, self.turn_no, len(self.engines_used)
+        )
+
+
+class Simulation:
+    """One arm on one scenario, in virtual time."""
+
+    def __init__(self, scenario: Scenario, arm: str, *, closed_loop: bool = True) -> None:
+        self.scenario = scenario
+        params = scenario.engine
+        if scenario.engine_priority:
+            params = replace(params, priority_scheduling=True)
+        self.engines = [SimEngine(params) for _ in range(scenario.engines)]
+        k = max(1, scenario.replicas_per_gpu)
+        self.gpus = [
+            list(range(i, min(i + k, len(self.engines)))) for i in range(0, len(self.engines), k)
+        ]
+        self._gpu_of = {e: g for g in self.gpus for e in g}
+        self.arm = make_arm(arm, scenario, self._send)
+        self.closed_loop = closed_loop
+        self.clock = 0.0
+        self._events: list[tuple[float, int, Callable[[float], None]]] = []
+        self._seq = 0
+        self._wake: list[float | None] = [None] * len(self.engines)
+        self._inflight: dict[str, tuple[Turn, _Agent]] = {}
+        self._streams = 0
+        self.records: list[RunRecord] = []
+        self.agents: list[_Agent] = []
+        self._engine_of: dict[str, int] = {}
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+
+    def new_stream(self) -> int:
+        self._streams += 1
+        return self._streams
+
+    def at(self, t: float, fn: Callable[[float], None]) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (t, self._seq, fn))
+
+    # ---------------------------------------------------------------- turn path
+
+    def arrive(self, turn: Turn, agent: _Agent, now: float) -> None:
+        self._inflight[turn.turn_id] = (turn, agent)
+        self.arm.arrive(turn, now)
+
+    def _send(self, turn: Turn, engine: int) -> None:
+        sc = self.scenario
+        high = turn.service_class is ServiceClass.INTERACTIVE and sc.engine_priority
+        n_out = math.ceil(sc.reply_tokens / sc.engine.block_tokens)
+        first = len(turn.prompt_blocks)
+        stream = turn.prompt_blocks[0][0] if turn.prompt_blocks else 0
+        self.engines[engine].submit(
+            EngineRequest(
+                request_id=turn.turn_id,
+                prompt_blocks=turn.prompt_blocks,
+                prompt_tokens=turn.prompt_tokens,
+                output_tokens=sc.reply_tokens,
+                max_new_tokens=sc.reply_tokens,
+                output_blocks=tuple((stream, first + i) for i in range(n_out)),
+                priority=1 if high else 0,
+            ),
+            self.clock,
+        )
+        self._engine_of[turn.turn_id] = engine
+        self._share_gpu(engine)
+
+    def _schedule_engine(self, e: int) -> None:
+        t = self.engines[e].next_event_time()
+        if t is None:
+            return
+        t = max(t, self.clock)
+        if self._wake[e] is not None and self._wake[e] <= t:  # type: ignore[operator]
+            return
+        self._wake[e] = t
+        self.at(t, lambda now, e=e: self._engine_wake(e, now))  # type: ignore[misc]
+
+    def _engine_wake(self, e: int, now: float) -> None:
+        if self._wake[e] != now:
+            return  # superseded by an earlier wake-up
+        self._wake[e] = None
+        for out in self.engines[e].advance(now):
+            turn, agent = self._inflight[out.request_id]
+            if isinstance(out, FirstToken):
+                self.arm.started(turn, out.time)
+            elif isinstance(out, Finished):
+                self._finished(turn, agent, e, out)
+        self._share_gpu(e)
+
+    def _share_gpu(self, e: int) -> None:
+        """Re-divide engine e's GPU among its replicas that have work, then plan their
+        next wake-ups."""
+        group = self._gpu_of[e]
+        busy = sum(1 for i in group if self.engines[i].busy)
+        share = 1.0 / max(1, busy)
+        for i in group:
+            self.engines[i].set_gpu_share(share, self.clock)
+            self._schedule_engine(i)
+
+    def _finished(self, turn: Turn, agent: _Agent, e: int, out: Finished) -> None:
+        del self._inflight[turn.turn_id]
+        del self._engine_of[turn.turn_id]
+        self.prompt_tokens += out.prompt_tokens
+        self.cached_tokens += out.cached_tokens
+        tool = agent.turn_finished(turn, e, out.time)
+        self.arm.finished(
+            turn,
+            e,
+            out.time,
+            tool_calls=tool,
+            prompt=out.prompt_tokens,
+            output=out.completion_tokens,
+        )
+        if not tool:
+            self.records.append(agent.run_done(out.time))
+            self.arm.run_ended(turn.run_id, out.time)
+            if self.closed_loop and agent.active:
+                agent.start_run(out.time)
+
+    def _probe(self, now: float) -> None:
+        for e, engine in enumerate(self.engines):
+            # Engines change state only at their own wake-ups, so this is current.
+            m = engine.metrics()
+            self.arm.probe(now, e, m.queued, m.running)
+        self.at(now + self.arm.probe_period_s, self._probe)
+
+    # ---------------------------------------------------------------- driving
+
+    def run(
+        self, agents: list[tuple[ServiceClass, str]], until: float, *, first_index: int = 0
+    ) -> None:
+        """Start the agents at t=0 and simulate until `until` (or, open loop, until
+        every agent's run has ended).  Agent i's runs are seeded by first_index + i."""
+        self.at(0.0, self._probe)
+        for i, (cls, caller) in enumerate(agents):
+            agent = _Agent(self, first_index + i, cls, caller)
+            self.agents.append(agent)
+            self.at(0.0, agent.start_run)
+        while self._events:
+            t, _, fn = heapq.heappop(self._events)
+            if t > until:
+                break
+            self.clock = t
+            fn(t)
+            if not self.closed_loop and len(self.records) >= len(agents):
+                break
+
+
+def make_arm(name: str, scenario: Scenario, send: Send) -> Arm:
+    n = scenario.engines
+    if name == "luftpause":
+        return Luftpause(
+            n, send, model=MODEL, kv_tokens=scenario.engine.kv_pool_tokens, policy=scenario.policy
+        )
+    arms: dict[str, type[Arm]] = {
+        "direct": Direct,
+        "round_robin": RoundRobin,
+        "cache_aware": CacheAware,
+        "priority": PriorityQueue,
+    }
+    if name not in arms:
+        raise ValueError(f"unknown arm {name!r}; known: luftpause, {', '.join(arms)}")
+    return arms[name](n, send)
+
+
+def _agents(
+    sc: Scenario, *, batch: bool = True, interactive: bool = True
+) -> list[tuple[ServiceClass, str]]:
+    # Batch agents are one job (one caller); each interactive agent is its own user.
+    out: list[tuple[ServiceClass, str]] = []
+    if batch:
+        out += [(ServiceClass.BATCH, "batch-job")] * sc.batch
+    if interactive:
+        out += [(ServiceClass.INTERACTIVE, f"user-{i}") for i in range(sc.interactive)]
+    return out
+
+
+def simulate(sc: Scenario, arm: str, *, batch: bool = True, interactive: bool = True) -> ArmResult:
+    """Run one arm closed-loop for `sc.minutes` virtual minutes."""
+    import time
+
+    t0 = time.perf_counter()
+    sim = Simulation(sc, arm)
+    until = sc.minutes * 60.0
+    sim.run(_agents(sc, batch=batch, interactive=interactive), until)
+    res = ArmResult(arm=arm, minutes=sc.minutes)
+    for rec in sim.records:
+        if rec.ended > until:
+            continue
+        if rec.replicas > 1:
+            res.moved_runs += 1
+        if rec.service_class is ServiceClass.INTERACTIVE:
+            res.interactive_runs += 1
+            res.interactive_durations.append(rec.ended - rec.started)
+        else:
+            res.batch_runs += 1
+    res.prompt_tokens = sim.prompt_tokens
+    res.cached_tokens = sim.cached_tokens
+    res.wall_s = time.perf_counter() - t0
+    return res
+
+
+def simulate_fanout(sc: Scenario, arm: str, *, together: bool) -> ArmResult:
+    """`sc.runs` interactive runs from one caller: all at once, or one after another."""
+    import time
+
+    t0 = time.perf_counter()
+    res = ArmResult(arm=arm if together else f"{arm} one-at-a-time", minutes=sc.minutes)
+    agents = [(ServiceClass.INTERACTIVE, "harness")] * sc.runs
+    if together:
+        sim = Simulation(sc, arm, closed_loop=False)
+        sim.run(agents, sc.minutes * 60.0)
+        records = sim.records
+        res.prompt_tokens, res.cached_tokens = sim.prompt_tokens, sim.cached_tokens
+    else:
+        records = []
+        offset = 0.0
+        for i in range(sc.runs):
+            # The i-th run alone: the same run (same seed) as when fanned out.
+            sim = Simulation(sc, arm, closed_loop=False)
+            sim.run(agents[i : i + 1], sc.minutes * 60.0, first_index=i)
+            rec = sim.records[0]
+            records.append(replace(rec, started=offset, ended=offset + rec.ended))
+            offset += rec.ended
+            res.prompt_tokens += sim.prompt_tokens
+            res.cached_tokens += sim.cached_tokens
+    res.interactive_runs = len(records)
+    res.interactive_durations = [r.ended - r.started for r in records]
+    res.makespan_s = max(r.ended for r in records) - min(r.started for r in records)
+    res.wall_s = time.perf_counter() - t0
+    return res

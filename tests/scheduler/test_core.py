@@ -1,0 +1,560 @@
+"""Table tests of the admission rules: feed events, assert actions and state."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from scheduler import (
+    Action,
+    Admit,
+    Event,
+    Forget,
+    Policy,
+    Reject,
+    ReplicaProbed,
+    ReplicaSpec,
+    RunEnded,
+    RunPhase,
+    SchedulerError,
+    ServiceClass,
+    State,
+    Tick,
+    TurnAbandoned,
+    TurnArrived,
+    TurnFailed,
+    TurnFinished,
+    TurnStarted,
+    decide,
+)
+
+I, B = ServiceClass.INTERACTIVE, ServiceClass.BATCH  # noqa: E741
+
+
+class Driver:
+    """Feeds events with a monotonic clock and keeps the last actions."""
+
+    def __init__(
+        self,
+        replicas: Sequence[str] = ("a", "b"),
+        *,
+        models: Sequence[str] = ("m",),
+        kv_tokens: int | None = None,
+        policy: Policy | None = None,
+    ) -> None:
+        specs = [
+            ReplicaSpec(name=r, models=frozenset(models), kv_tokens=kv_tokens) for r in replicas
+        ]
+        self.state = State.initial(specs, policy)
+        self.now = 0.0
+        self.actions: list[Action] = []
+        self.n = 0
+
+    def feed(self, event: Event) -> list[Action]:
+        self.state, self.actions = decide(self.state, event)
+        return self.actions
+
+    def step(self, dt: float = 1.0) -> float:
+        self.now += dt
+        return self.now
+
+    def arrive(
+        self,
+        run: str,
+        cls: ServiceClass = I,
+        caller: str = "c",
+        model: str = "m",
+        turn: str | None = None,
+        prompt: int = 0,
+        max_tokens: int = 0,
+    ) -> str:
+        self.n += 1
+        tid = turn or f"{run}-t{self.n}"
+        self.feed(
+            TurnArrived(
+                now=self.step(),
+                turn_id=tid,
+                run_id=run,
+                service_class=cls,
+                caller=caller,
+                model=model,
+                prompt_tokens=prompt,
+                max_tokens=max_tokens,
+            )
+        )
+        return tid
+
+    def finish(self, tid: str, reason: str = "stop", prompt: int = 0, out: int = 0) -> None:
+        self.feed(
+            TurnFinished(
+                now=self.step(),
+                turn_id=tid,
+                finish_reason=reason,
+                prompt_tokens=prompt,
+                completion_tokens=out,
+            )
+        )
+
+    def probe(
+        self, replica: str, queued: int | None, running: int | None, healthy: bool = True
+    ) -> None:
+        self.feed(
+            ReplicaProbed(
+                now=self.now, replica=replica, healthy=healthy, queued=queued, running=running
+            )
+        )
+
+    def admitted(self) -> dict[str, str]:
+        return {a.turn_id: a.replica for a in self.actions if isinstance(a, Admit)}
+
+    def held_ids(self) -> set[str]:
+        return {t.turn_id for t in self.state.held()}
+
+
+def admits(actions: Sequence[Action]) -> list[tuple[str, str]]:
+    return [(a.turn_id, a.replica) for a in actions if isinstance(a, Admit)]
+
+
+# --------------------------------------------------------------------- model routing
+
+
+def test_unknown_model_is_rejected_404_before_queueing() -> None:
+    d = Driver()
+    tid = d.arrive("r1", model="nope")
+    assert d.actions == [
+        Reject(turn_id=tid, status=404, message="no Generative replica serves model 'nope'")
+    ]
+    assert tid not in d.state.turns
+    assert d.state.held_count() == 0
+
+
+def test_turn_goes_only_to_replicas_serving_its_model() -> None:
+    specs = [
+        ReplicaSpec(name="a", models=frozenset({"small"})),
+        ReplicaSpec(name="b", models=frozenset({"big"})),
+    ]
+    state = State.initial(specs)
+    for i in range(3):
+        state, actions = decide(
+            state,
+            TurnArrived(
+                now=1.0, turn_id=f"t{i}", run_id=f"r{i}", service_class=I, caller="c",
+                model="big",
+            ),
+        )  # fmt: skip
+        assert admits(actions) == [(f"t{i}", "b")]
+
+
+# --------------------------------------------------------------------- admission by load
+
+
+def test_uncapped_replicas_take_every_turn_least_loaded_first() -> None:
+    d = Driver()
+    placed = []
+    for i in range(4):
+        tid = d.arrive(f"r{i}")
+        placed.append(d.admitted()[tid])
+    assert placed == ["a", "b", "a", "b"]
+    assert d.state.held_count() == 0
+
+
+def test_engine_reporting_a_queue_caps_luftpause_at_its_running_count() -> None:
+    d = Driver(("a",))
+    for i in range(3):
+        d.arrive(f"r{i}")
+    d.probe("a", queued=1, running=2)
+    assert d.state.replicas["a"].cap == 2
+    # three in flight, cap two: new turns are held until two finish
+    t = d.arrive("r9")
+    assert d.actions == [] and t in d.held_ids()
+    d.finish("r0-t1")
+    assert d.admitted() == {}
+    d.finish("r1-t2")
+    assert d.admitted() == {t: "a"}
+
+
+def test_engine_reporting_no_load_is_never_capped() -> None:
+    d = Driver(("a",))
+    d.probe("a", queued=None, running=None)
+    for i in range(50):
+        d.arrive(f"r{i}")
+        assert len(d.admitted()) == 1
+    assert d.state.replicas["a"].cap is None
+
+
+def test_cap_grows_while_the_engine_keeps_up_and_shrinks_when_it_queues() -> None:
+    d = Driver(("a",))
+    d.probe("a", queued=3, running=2)
+    d.arrive("r1")
+    d.arrive("r2")
+    held = d.arrive("r3")
+    assert held in d.held_ids()
+    d.probe("a", queued=0, running=2)  # full and no queue: room to grow
+    assert d.state.replicas["a"].cap == 3
+    assert d.admitted() == {held: "a"}
+    d.probe("a", queued=4, running=1)
+    assert d.state.replicas["a"].cap == 1
+
+
+def test_unhealthy_replica_gets_no_turns() -> None:
+    d = Driver()
+    d.probe("a", queued=0, running=0, healthy=False)
+    for i in range(3):
+        tid = d.arrive(f"r{i}")
+        assert d.admitted() == {tid: "b"}
+    d.probe("b", queued=0, running=0, healthy=False)
+    t = d.arrive("r9")
+    assert t in d.held_ids()
+    d.probe("a", queued=0, running=0, healthy=True)
+    assert d.admitted() == {t: "a"}
+
+
+# --------------------------------------------------------------------- affinity
+
+
+def test_paused_run_returns_to_its_replica_even_when_another_is_free() -> None:
+    d = Driver()
+    t1 = d.arrive("r1")
+    assert d.admitted() == {t1: "a"}
+    d.finish(t1, "tool_calls")
+    assert d.state.runs["r1"].phase is RunPhase.PAUSED
+    y = d.arrive("y")
+    assert d.admitted() == {y: "b"}, "a new run goes to the least loaded (a has a paused run)"
+    z = d.arrive("z")
+    assert d.admitted() == {z: "a"}
+    d.finish(y)  # b is empty now, a is busy
+    t2 = d.arrive("r1")
+    assert d.admitted() == {t2: "a"}
+
+
+def _paused_on_full_a() -> Driver:
+    """r1 paused on a; a capped at 1 and full with s2; b has s1 in flight."""
+    d = Driver()
+    d.probe("a", queued=1, running=1)
+    t1 = d.arrive("r1")
+    assert d.admitted() == {t1: "a"}
+    d.finish(t1, "tool_calls")
+    assert d.admitted() == {}
+    s1 = d.arrive("s1", turn="s1")
+    assert d.admitted() == {s1: "b"}
+    s2 = d.arrive("s2", turn="s2")
+    assert d.admitted() == {s2: "a"}
+    return d
+
+
+def test_strict_affinity_holds_the_turn_rather_than_move_it() -> None:
+    d = _paused_on_full_a()
+    t2 = d.arrive("r1")
+    assert t2 in d.held_ids(), "the paused run's turn waits for its replica"
+    assert d.state.turns[t2].bucket == ("pin", "a", I)
+    d.finish("s1")
+    assert d.admitted() == {} and t2 in d.held_ids(), "a free slot elsewhere is not used"
+    d.finish("s2")
+    assert d.admitted() == {t2: "a"}
+
+
+def test_without_strict_affinity_the_turn_moves() -> None:
+    d = Driver(policy=Policy(strict_affinity=False))
+    d.probe("a", queued=1, running=1)
+    t1 = d.arrive("r1")
+    d.finish(t1, "tool_calls")
+    d.arrive("s1", turn="s1")
+    d.arrive("s2", turn="s2")
+    t2 = d.arrive("r1")
+    assert d.admitted() == {t2: "b"}
+
+
+def test_idle_run_prefers_its_replica_but_may_move() -> None:
+    d = Driver()
+    d.probe("a", queued=1, running=1)
+    t1 = d.arrive("r1")
+    assert d.admitted() == {t1: "a"}
+    d.finish(t1, "stop")
+    assert d.state.runs["r1"].phase is RunPhase.IDLE
+    t2 = d.arrive("r1")
+    assert d.admitted() == {t2: "a"}, "back to its replica while it has room"
+    d.finish(t2, "stop")
+    s1 = d.arrive("s1")
+    assert d.admitted() == {s1: "a"}
+    t3 = d.arrive("r1")
+    assert d.admitted() == {t3: "b"}, "an idle run moves when its replica is full"
+
+
+def test_run_on_an_unhealthy_replica_moves() -> None:
+    d = Driver()
+    t1 = d.arrive("run")
+    home = d.admitted()[t1]
+    away = "b" if home == "a" else "a"
+    d.finish(t1, "tool_calls")
+    d.probe(home, queued=0, running=0, healthy=False)
+    t2 = d.arrive("run")
+    assert d.admitted() == {t2: away}
+    assert d.state.replicas[home].bound_runs == 0
+    assert d.state.replicas[away].bound_runs == 1
+
+
+def test_held_pinned_turns_move_when_their_replica_turns_unhealthy() -> None:
+    d = _paused_on_full_a()
+    t2 = d.arrive("r1")
+    assert t2 in d.held_ids()
+    d.probe("a", queued=0, running=0, healthy=False)
+    assert d.admitted() == {t2: "b"}
+    assert d.state.replicas["a"].bound_runs == 1  # s2 is still generating there
+    assert d.state.runs["r1"].replica == "b"
+
+
+# --------------------------------------------------------------------- classes and order
+
+
+def _full_single(policy: Policy | None = None) -> Driver:
+    """One replica capped at 1 with one turn in flight."""
+    d = Driver(("a",), policy=policy)
+    d.probe("a", queued=1, running=1)
+    d.arrive("busy", cls=B, caller="x")
+    return d
+
+
+def test_interactive_before_batch_whatever_the_arrival_order() -> None:
+    d = _full_single()
+    tb = d.arrive("b1", cls=B, caller="batch")
+    ti = d.arrive("i1", cls=I, caller="user")
+    assert d.held_ids() == {tb, ti}
+    d.finish("busy-t1")
+    assert d.admitted() == {ti: "a"}
+
+
+def test_caller_with_fewest_in_flight_goes_first_then_arrival_order() -> None:
+    d = Driver(("a",))
+    d.probe("a", queued=1, running=3)
+    d.arrive("h1", caller="heavy")
+    d.arrive("h2", caller="heavy")
+    d.arrive("l1", caller="light")
+    assert d.state.caller_in_flight("heavy") == 2
+    h3 = d.arrive("h3", caller="heavy")  # arrives first
+    l2 = d.arrive("l2", caller="light")
+    n2 = d.arrive("n2", caller="new")
+    n3 = d.arrive("n3", caller="new")
+    d.finish("h1-t1")
+    assert d.admitted() == {n2: "a"}, "a caller with none in flight first"
+    d.finish("h2-t2")
+    # in flight now: light 1, new 1, heavy 0 -> heavy has fewest
+    assert d.admitted() == {h3: "a"}
+    d.finish(n2)
+    # light 1, new 0, heavy 1 -> new
+    assert d.admitted() == {n3: "a"}
+    d.finish(h3)
+    assert d.admitted() == {l2: "a"}
+
+
+def test_batch_leaves_a_slot_for_each_paused_interactive_run() -> None:
+    d = Driver(("a",))
+    d.probe("a", queued=1, running=3)
+    ti = d.arrive("i", cls=I, caller="user")
+    d.finish(ti, "tool_calls")  # paused interactive run on a
+    assert d.state.replicas["a"].paused_interactive == 1
+    b1 = d.arrive("b1", cls=B, caller="job")
+    b2 = d.arrive("b2", cls=B, caller="job")
+    b3 = d.arrive("b3", cls=B, caller="job")
+    assert d.state.turns[b1].replica == "a" and d.state.turns[b2].replica == "a"
+    assert b3 in d.held_ids(), "the third slot is kept for the paused interactive run"
+    ti2 = d.arrive("i", cls=I, caller="user")
+    assert d.admitted() == {ti2: "a"}
+    d.finish(ti2, "stop")  # the interactive run is done: its slot goes to batch
+    assert d.admitted() == {b3: "a"}
+
+
+def test_reserve_can_be_switched_off() -> None:
+    d = Driver(("a",), policy=Policy(reserve_for_paused_interactive=False))
+    d.probe("a", queued=1, running=2)
+    ti = d.arrive("i", cls=I)
+    d.finish(ti, "tool_calls")
+    d.arrive("b1", cls=B)
+    b2 = d.arrive("b2", cls=B)
+    assert d.state.turns[b2].replica == "a"
+
+
+# --------------------------------------------------------------------- program-level KV
+
+
+def test_new_runs_wait_while_the_kv_working_set_is_full() -> None:
+    d = Driver(("a",), kv_tokens=10_000, policy=Policy(kv_fill=1.0))
+    t1 = d.arrive("r1", prompt=4000, max_tokens=1000)  # claims 5000
+    t2 = d.arrive("r2", prompt=4000, max_tokens=1000)  # 10000: fits exactly
+    assert set(d.admitted()) == {t2} and t1 in d.state.turns
+    t3 = d.arrive("r3", prompt=100, max_tokens=100)
+    assert t3 in d.held_ids()
+    assert d.state.replicas["a"].ws_tokens == 10_000
+    # a paused run keeps its claim; its next turn is admitted (its KV is already claimed)
+    d.finish(t1, "tool_calls", prompt=4000, out=500)
+    assert t3 in d.held_ids()
+    t4 = d.arrive("r1", prompt=4600)
+    assert d.state.turns[t4].replica == "a"
+    d.finish(t4, "stop", prompt=4600, out=200)  # r1 idle: claim released
+    assert d.admitted() == {t3: "a"}
+
+
+def test_paused_claim_lapses_after_retention() -> None:
+    d = Driver(("a",), kv_tokens=10_000, policy=Policy(kv_fill=1.0, kv_retention_s=30))
+    t1 = d.arrive("r1", prompt=8000, max_tokens=1000)
+    d.finish(t1, "tool_calls", prompt=8000, out=1000)
+    paused_at = d.now
+    t2 = d.arrive("r2", prompt=4000, max_tokens=1000)
+    assert t2 in d.held_ids()
+    d.feed(Tick(now=paused_at + 29.9))
+    assert t2 in d.held_ids()
+    d.feed(Tick(now=paused_at + 30))
+    assert admits(d.actions) == [(t2, "a")]
+    assert d.state.runs["r1"].phase is RunPhase.PAUSED  # affinity is kept
+
+
+def test_interactive_waiting_for_kv_is_not_overtaken_by_a_new_batch_run() -> None:
+    d = Driver(("a",), kv_tokens=10_000, policy=Policy(kv_fill=1.0))
+    t1 = d.arrive("big", cls=B, prompt=8000, max_tokens=1000)
+    ti = d.arrive("i", cls=I, prompt=3000, max_tokens=500)
+    tb = d.arrive("small", cls=B, prompt=100, max_tokens=100)  # would fit, must not jump
+    assert {ti, tb} <= d.held_ids()
+    d.finish(t1, "stop")
+    assert admits(d.actions)[0] == (ti, "a")
+
+
+# --------------------------------------------------------------------- lifecycle
+
+
+def test_held_turn_abandoned_leaves_the_queue_without_engine_request() -> None:
+    d = _full_single()
+    t = d.arrive("r", caller="u")
+    assert t in d.held_ids()
+    d.feed(TurnAbandoned(now=d.step(), turn_id=t))
+    assert d.actions == [] and t not in d.state.turns
+    d.finish("busy-t1")
+    assert d.admitted() == {}
+    assert d.state.caller_in_flight("u") == 0
+
+
+def test_admitted_turn_abandoned_frees_its_slot_and_leaves_run_idle() -> None:
+    d = _full_single()
+    waiting = d.arrive("w")
+    d.feed(TurnAbandoned(now=d.step(), turn_id="busy-t1"))
+    assert d.admitted() == {waiting: "a"}
+    assert d.state.runs["busy"].phase is RunPhase.IDLE
+
+
+def test_failed_turn_frees_its_slot_and_keeps_affinity_for_the_retry() -> None:
+    d = Driver()
+    t1 = d.arrive("run")
+    home = d.admitted()[t1]
+    d.feed(TurnFailed(now=d.step(), turn_id=t1, reason="502"))
+    assert d.state.replicas[home].in_flight == 0
+    assert d.state.runs["run"].phase is RunPhase.IDLE
+    t2 = d.arrive("run")
+    assert d.admitted() == {t2: home}
+
+
+def test_started_is_recorded() -> None:
+    d = Driver()
+    t = d.arrive("r")
+    assert not d.state.turns[t].started
+    d.feed(TurnStarted(now=d.step(), turn_id=t))
+    assert d.state.turns[t].started and d.actions == []
+
+
+def test_turn_timeout_frees_the_slot() -> None:
+    d = Driver(("a",), policy=Policy(turn_timeout_s=600))
+    d.probe("a", queued=1, running=1)
+    t1 = d.arrive("r1")
+    admitted_at = d.now
+    t2 = d.arrive("r2")
+    d.feed(Tick(now=admitted_at + 599.9))
+    assert t2 in d.held_ids()
+    d.feed(Tick(now=admitted_at + 600))
+    assert admits(d.actions) == [(t2, "a")]
+    assert t1 not in d.state.turns
+    d.finish(t1)  # the late finish of a timed-out turn is ignored
+    assert d.state.replicas["a"].in_flight == 1
+
+
+def test_idle_runs_are_forgotten_after_expiry() -> None:
+    d = Driver(policy=Policy(idle_run_expiry_s=1800))
+    t = d.arrive("r")
+    d.finish(t, "tool_calls")
+    t_done = d.now
+    d.feed(Tick(now=t_done + 1799))
+    assert "r" in d.state.runs and d.actions == []
+    d.feed(Tick(now=t_done + 1800))
+    assert d.actions == [Forget(run_id="r")]
+    assert "r" not in d.state.runs
+    assert all(r.bound_runs == 0 for r in d.state.replicas.values())
+
+
+def test_activity_resets_the_expiry() -> None:
+    d = Driver(policy=Policy(idle_run_expiry_s=100))
+    t = d.arrive("r")
+    d.finish(t, "tool_calls")
+    d.feed(Tick(now=d.now + 90))
+    d.now += 90
+    t2 = d.arrive("r")
+    d.finish(t2, "tool_calls")
+    d.feed(Tick(now=d.now + 50))
+    assert "r" in d.state.runs
+
+
+def test_run_ended_forgets_it() -> None:
+    d = Driver()
+    t = d.arrive("r")
+    d.finish(t, "tool_calls")
+    d.feed(RunEnded(now=d.step(), run_id="r"))
+    assert d.actions == [Forget(run_id="r")]
+    assert "r" not in d.state.runs
+    assert all(r.paused_interactive == 0 and r.bound_runs == 0 for r in d.state.replicas.values())
+
+
+# --------------------------------------------------------------------- contract
+
+
+def test_duplicate_turn_id_raises_and_leaves_state_unchanged() -> None:
+    d = Driver()
+    d.arrive("r", turn="t")
+    before = d.state
+    with pytest.raises(SchedulerError):
+        decide(before, TurnArrived(now=5.0, turn_id="t", run_id="r", service_class=I,
+                                   caller="c", model="m"))  # fmt: skip
+    assert d.state is before and before.turns["t"].replica is not None
+
+
+def test_probe_of_unknown_replica_raises() -> None:
+    with pytest.raises(SchedulerError, match="unknown replica"):
+        decide(State.initial([ReplicaSpec(name="a", models=frozenset({"m"}))]),
+               ReplicaProbed(now=0.0, replica="zz", healthy=True))  # fmt: skip
+
+
+def test_duplicate_replica_names_raise() -> None:
+    spec = ReplicaSpec(name="a", models=frozenset({"m"}))
+    with pytest.raises(SchedulerError, match="unique"):
+        State.initial([spec, spec])
+
+
+def test_events_about_unknown_turns_are_ignored() -> None:
+    d = Driver()
+    for ev in (
+        TurnFinished(now=1.0, turn_id="ghost", finish_reason="stop"),
+        TurnFailed(now=1.0, turn_id="ghost"),
+        TurnAbandoned(now=1.0, turn_id="ghost"),
+        TurnStarted(now=1.0, turn_id="ghost"),
+        RunEnded(now=1.0, run_id="ghost"),
+    ):
+        before = d.state
+        assert d.feed(ev) == []
+        assert d.state.turns == before.turns and d.state.runs == before.runs
+
+
+def test_decide_never_changes_the_state_it_was_given() -> None:
+    d = Driver()
+    d.probe("a", queued=1, running=1)
+    d.arrive("r1")
+    s0 = d.state
+    snapshot = (dict(s0.turns), dict(s0.runs), dict(s0.replicas), s0.held_count())
+    d.arrive("r2")
+    d.arrive("r3", cls=B)
+    d.finish("r1-t1", "tool_calls")
+    assert (dict(s0.turns), dict(s0.runs), dict(s0.replicas), s0.held_count()) == snapshot

@@ -1,0 +1,82 @@
+"""The persistent containers against plain Python models of them."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from scheduler._persistent import PQueue, PSortedSet, empty
+
+keys = st.tuples(st.integers(0, 30), st.integers(0, 500), st.text("abc", max_size=2))
+
+
+@given(st.lists(st.tuples(st.booleans(), keys), max_size=400))
+def test_sorted_set_matches_a_sorted_list(ops: list[tuple[bool, tuple[int, int, str]]]) -> None:
+    s: PSortedSet[tuple[int, int, str]] = empty()
+    model: set[tuple[int, int, str]] = set()
+    versions = []
+    for add, key in ops:
+        if add and key not in model:
+            s = s.add(key)
+            model.add(key)
+        elif not add and key in model:
+            s = s.remove(key)
+            model.discard(key)
+        versions.append((s, sorted(model)))
+        assert list(s) == sorted(model)
+        assert len(s) == len(model)
+        assert bool(s) == bool(model)
+        if model:
+            assert s.min() == min(model)
+        assert (key in s) == (key in model)
+    # every earlier version is intact (persistence)
+    for version, expected in versions:
+        assert list(version) == expected
+
+
+def test_sorted_set_errors() -> None:
+    s: PSortedSet[tuple[int]] = empty()
+    with pytest.raises(ValueError):
+        s.min()
+    with pytest.raises(KeyError):
+        s.remove((1,))
+    s = s.add((1,))
+    with pytest.raises(KeyError):
+        s.remove((2,))
+
+
+def test_sorted_set_splits_and_stays_ordered_at_scale() -> None:
+    s: PSortedSet[tuple[int]] = empty()
+    for i in range(0, 5000, 2):
+        s = s.add((i,))
+    for i in range(4999, 0, -2):
+        s = s.add((i,))
+    assert list(s) == [(i,) for i in range(5000)]
+    for i in range(0, 5000, 3):
+        s = s.remove((i,))
+    assert list(s) == [(i,) for i in range(5000) if i % 3]
+    assert s.min() == (1,)
+
+
+@given(st.lists(st.one_of(st.integers(), st.none()), max_size=200))
+def test_queue_is_fifo_and_persistent(ops: list[int | None]) -> None:
+    q: PQueue[int] = PQueue()
+    model: list[int] = []
+    history = []
+    for op in ops:
+        if op is None:
+            if model:
+                assert q.first() == model[0]
+                q = q.popleft()
+                model.pop(0)
+            else:
+                with pytest.raises(ValueError):
+                    q.popleft()
+        else:
+            q = q.append(op)
+            model.append(op)
+        history.append((q, list(model)))
+        assert len(q) == len(model) and list(q) == model
+    for version, expected in history:
+        assert list(version) == expected

@@ -1,0 +1,354 @@
+"""Properties of the core over random event sequences (hypothesis).
+
+Each example builds a pool, feeds a random sequence of events that a real shell could
+send (turns of a handful of runs, finishes, failures, abandons, probes, ticks, run
+ends) and checks after every step:
+
+- bookkeeping: every counter the core keeps equals its recount from turns and runs;
+- caps: a capped replica never has more turns in flight than its cap after an admit;
+- affinity: a generating or paused run's turn never goes to another healthy replica;
+- classes: an interactive turn is never held while a batch turn is admitted to a
+  replica it could use;
+- work conservation: no held turn is left that the rules would admit now;
+- purity: the state given to `decide` is unchanged, and replaying the sequence gives
+  the same actions and state;
+and at the end, that every held turn is admitted once capacity allows (no caller
+starves).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from scheduler import (
+    Action,
+    Admit,
+    Event,
+    Policy,
+    ReplicaProbed,
+    ReplicaSpec,
+    RunEnded,
+    RunPhase,
+    ServiceClass,
+    State,
+    Tick,
+    TurnAbandoned,
+    TurnArrived,
+    TurnFailed,
+    TurnFinished,
+    TurnStarted,
+    decide,
+)
+
+MODELS = ("m0", "m1")
+REPLICAS = (("a", ("m0", "m1")), ("b", ("m0",)), ("c", ("m1",)))
+
+arrive = st.tuples(
+    st.just("arrive"),
+    st.integers(0, 5),  # run
+    st.sampled_from(ServiceClass),
+    st.integers(0, 3),  # caller
+    st.integers(0, 1),  # model
+    st.integers(0, 6000),  # prompt tokens
+    st.sampled_from([0, 64, 256, 1024]),  # max tokens
+)
+finish = st.tuples(
+    st.just("finish"),
+    st.integers(0, 50),  # which known turn (modulo)
+    st.sampled_from(["tool_calls", "stop", "length"]),
+    st.integers(0, 8000),
+    st.integers(0, 512),
+)
+probe = st.tuples(
+    st.just("probe"),
+    st.integers(0, 2),  # replica
+    st.booleans(),  # healthy
+    st.one_of(st.none(), st.just(0), st.integers(1, 3)),  # queued (None: no load reported)
+    st.integers(0, 4),  # running
+)
+# one_of picks a branch uniformly: repeating a branch weights it, so that caps, held
+# turns and contention are common rather than rare.
+ops = st.one_of(
+    arrive,
+    arrive,
+    arrive,
+    finish,
+    finish,
+    probe,
+    probe,
+    st.tuples(st.just("fail"), st.integers(0, 50)),
+    st.tuples(st.just("abandon"), st.integers(0, 50)),
+    st.tuples(st.just("started"), st.integers(0, 50)),
+    st.tuples(st.just("tick"), st.sampled_from([1.0, 30.0, 700.0, 2000.0])),
+    st.tuples(st.just("end"), st.integers(0, 5)),
+)
+
+policies = st.builds(
+    Policy,
+    turn_timeout_s=st.sampled_from([600.0, 50.0]),
+    idle_run_expiry_s=st.sampled_from([1800.0, 100.0]),
+    strict_affinity=st.booleans(),
+    cap_from_engine_queue=st.booleans(),
+    reserve_for_paused_interactive=st.booleans(),
+    kv_admission=st.booleans(),
+    kv_fill=st.sampled_from([1.0, 0.8]),
+    batch_kv_fill=st.sampled_from([None, 0.7, 0.5]),
+    kv_retention_s=st.sampled_from([60.0, 5.0]),
+)
+
+
+@dataclass
+class Runner:
+    """Turns abstract ops into events a shell could send, and applies them."""
+
+    state: State
+    now: float = 0.0
+    n: int = 0
+    known: list[str] = field(default_factory=list)  # every turn id ever sent
+    log: list[tuple[Event, list[Action]]] = field(default_factory=list)
+    # The engine's running count from the last probe of each replica that reported a
+    # queue: until the next probe, luftpause may not exceed it there.
+    queue_cap: dict[str, int] = field(default_factory=dict)
+
+    def event(self, op: tuple[Any, ...]) -> Event | None:
+        self.now += 0.5
+        kind = op[0]
+        if kind == "arrive":
+            _, run, cls, caller, model, prompt, max_tokens = op
+            self.n += 1
+            tid = f"t{self.n}"
+            self.known.append(tid)
+            return TurnArrived(
+                now=self.now, turn_id=tid, run_id=f"run{run}", service_class=cls,
+                caller=f"caller{caller}", model=MODELS[model], prompt_tokens=prompt,
+                max_tokens=max_tokens,
+            )  # fmt: skip
+        if kind in ("finish", "fail", "abandon", "started"):
+            if not self.known:
+                return None
+            tid = self.known[op[1] % len(self.known)]
+            if kind == "finish":
+                return TurnFinished(
+                    now=self.now, turn_id=tid, finish_reason=op[2], prompt_tokens=op[3],
+                    completion_tokens=op[4],
+                )  # fmt: skip
+            if kind == "fail":
+                return TurnFailed(now=self.now, turn_id=tid, reason="x")
+            if kind == "abandon":
+                return TurnAbandoned(now=self.now, turn_id=tid)
+            return TurnStarted(now=self.now, turn_id=tid)
+        if kind == "probe":
+            _, r, healthy, queued, running = op
+            return ReplicaProbed(
+                now=self.now, replica=REPLICAS[r][0], healthy=healthy, queued=queued,
+                running=None if queued is None else running,
+            )  # fmt: skip
+        if kind == "tick":
+            self.now += op[1]
+            return Tick(now=self.now)
+        return RunEnded(now=self.now, run_id=f"run{op[1]}")
+
+    def apply(self, event: Event) -> list[Action]:
+        before = self.state
+        snapshot = summary(before)
+        after, actions = decide(before, event)
+        assert summary(before) == snapshot, "decide changed the state it was given"
+        check_step(before, event, after, actions)
+        check_bookkeeping(after)
+        check_work_conserving(after)
+        if isinstance(event, ReplicaProbed):
+            self.queue_cap.pop(event.replica, None)
+            if event.queued and event.running is not None and after.policy.cap_from_engine_queue:
+                self.queue_cap[event.replica] = max(1, event.running)
+        for a in actions:
+            if isinstance(a, Admit) and a.replica in self.queue_cap:
+                in_flight = after.replicas[a.replica].in_flight
+                assert in_flight <= self.queue_cap[a.replica], (
+                    f"{a.replica} reported a queue with {self.queue_cap[a.replica]} running; "
+                    f"luftpause admitted up to {in_flight}"
+                )
+        self.state = after
+        self.log.append((event, actions))
+        return actions
+
+
+def summary(s: State) -> tuple[Any, ...]:
+    return (
+        tuple(sorted(s.turns.items())),
+        tuple(sorted(s.runs.items())),
+        tuple(sorted(s.replicas.items(), key=lambda kv: kv[0])),
+        s.held_count(),
+    )
+
+
+def check_bookkeeping(s: State) -> None:
+    in_flight = Counter(t.replica for t in s.admitted())
+    by_caller = Counter(t.caller for t in s.admitted())
+    held = list(s.held())
+    assert s.held_count() == len(held)
+    assert all(t.bucket is not None and t.replica is None for t in held)
+    for name, r in s.replicas.items():
+        assert r.in_flight == in_flight[name], name
+        bound = [run for run in s.runs.values() if run.bound and run.replica == name]
+        assert r.bound_runs == len(bound)
+        assert r.ws_tokens == sum(run.ws_claim for run in bound)
+        assert r.paused_interactive == sum(run.counted_paused for run in bound)
+        for run in bound:
+            assert run.phase is not RunPhase.IDLE
+            assert run.counted_paused == (
+                run.phase is RunPhase.PAUSED and run.service_class is ServiceClass.INTERACTIVE
+            )
+    for caller, n in by_caller.items():
+        assert s.caller_in_flight(caller) == n
+    for run in s.runs.values():
+        n = sum(1 for t in s.admitted() if t.run_id == run.run_id)
+        assert run.in_flight == n
+        assert (run.phase is RunPhase.GENERATING) == (n > 0)
+
+
+def could_use(s: State, x: Any, name: str) -> bool:
+    """Whether held interactive turn x could have gone to replica `name`."""
+    r = s.replicas[name]
+    if x.model not in r.spec.models:
+        return False
+    if x.bucket[0] == "pin":
+        return bool(x.bucket[1] == name)
+    run = s.runs.get(x.run_id)
+    if s.policy.strict_affinity and run is not None and run.replica not in (None, name):
+        home = s.replicas[run.replica]
+        if run.phase is not RunPhase.IDLE and home.healthy and x.model in home.spec.models:
+            return False
+    limit = s.kv_limit(name, x.service_class)
+    return not (limit is not None and r.ws_tokens and r.ws_tokens + s.kv_need(x) > limit)
+
+
+def admissible_alone(s: State, x: Any, name: str) -> bool:
+    """Whether the rules alone would admit held turn x to the replica now."""
+    r = s.replicas[name]
+    if not r.healthy or (r.cap is not None and r.in_flight >= r.cap):
+        return False
+    if x.service_class is ServiceClass.BATCH and r.cap is not None:
+        reserve = r.paused_interactive if s.policy.reserve_for_paused_interactive else 0
+        if r.in_flight + reserve >= r.cap:
+            return False
+    return could_use(s, x, name)
+
+
+RANK = {ServiceClass.INTERACTIVE: 0, ServiceClass.BATCH: 1}
+
+
+def behind_kv_wait(s: State, x: Any, name: str) -> bool:
+    """Whether unbound turn x waits behind a turn as good that waits for KV at the
+    replica (the core never lets an unbound turn jump one that waits for KV)."""
+    if x.bucket[0] != "model" or s.kv_limit(name) is None:
+        return False
+    models = s.replicas[name].spec.models
+    return any(
+        y.bucket[0] == "model"
+        and y.model in models
+        and RANK[y.service_class] <= RANK[x.service_class]
+        and not could_use(s, y, name)
+        for y in s.held()
+    )
+
+
+def check_work_conserving(s: State) -> None:
+    """After every event no held turn is admissible, except behind a better unbound
+    turn that waits for KV there."""
+    for name in s.replicas:
+        for x in s.held():
+            if admissible_alone(s, x, name):
+                assert behind_kv_wait(s, x, name), (
+                    f"held turn {x.turn_id} is admissible on {name}: {x}; "
+                    f"replica {s.replicas[name]}; run {s.runs.get(x.run_id)}"
+                )
+
+
+def check_step(before: State, event: Event, after: State, actions: list[Action]) -> None:
+    admits = [a for a in actions if isinstance(a, Admit)]
+    runs = dict(before.runs)
+    for a in admits:
+        r = after.replicas[a.replica]
+        assert r.healthy, "admitted to an unhealthy replica"
+        if r.cap is not None:
+            assert r.in_flight <= r.cap, f"{a.replica}: {r.in_flight} in flight, cap {r.cap}"
+        turn = before.turns.get(a.turn_id)
+        model = turn.model if turn is not None else getattr(event, "model", None)
+        assert model in r.spec.models
+        # the run as this admission found it (an earlier admission in the same step may
+        # have moved it, e.g. a turn for a model its old replica does not serve)
+        run = runs.get(a.run_id)
+        if before.policy.strict_affinity and run is not None and run.replica is not None:
+            home = after.replicas[run.replica]
+            if run.phase is not RunPhase.IDLE and home.healthy and model in home.spec.models:
+                assert a.replica == run.replica, (
+                    f"{a.turn_id}: run {a.run_id} is {run.phase} on {run.replica}, "
+                    f"admitted to {a.replica}"
+                )
+        if run is not None:
+            runs[a.run_id] = run._replace(phase=RunPhase.GENERATING, replica=a.replica)
+    held_interactive = [t for t in after.held() if t.service_class is ServiceClass.INTERACTIVE]
+    for a in admits:
+        if a.service_class is not ServiceClass.BATCH:
+            continue
+        run = before.runs.get(a.run_id)
+        continuing = run is not None and run.bound and run.replica == a.replica
+        for x in held_interactive:
+            if continuing and behind_kv_wait(after, x, a.replica):
+                continue  # a run already holding KV there goes on; new runs wait
+            assert not could_use(after, x, a.replica), (
+                f"batch {a.turn_id} admitted to {a.replica} while interactive {x.turn_id} "
+                "that could use it is held"
+            )
+
+
+def drain(runner: Runner) -> None:
+    """Give every replica health and unlimited capacity, then finish every admitted
+    turn until nothing is held: every held turn must get admitted."""
+    for name, _ in REPLICAS:
+        runner.apply(ReplicaProbed(now=runner.now, replica=name, healthy=True))
+    for _ in range(200):
+        admitted = [t.turn_id for t in runner.state.admitted()]
+        if not admitted and runner.state.held_count() == 0:
+            return
+        for tid in admitted:
+            runner.now += 0.5
+            runner.apply(TurnFinished(now=runner.now, turn_id=tid, finish_reason="stop"))
+        if not admitted:
+            runner.now += 0.5
+            runner.apply(Tick(now=runner.now))
+    raise AssertionError(f"{runner.state.held_count()} turns still held after draining")
+
+
+def initial(policy: Policy, kv: int | None) -> State:
+    return State.initial(
+        [ReplicaSpec(name=n, models=frozenset(ms), kv_tokens=kv) for n, ms in REPLICAS], policy
+    )
+
+
+@given(
+    policy=policies,
+    kv=st.sampled_from([None, 8000, 20000]),
+    script=st.lists(ops, min_size=30, max_size=120),
+)
+def test_invariants_hold_over_random_event_sequences(
+    policy: Policy, kv: int | None, script: list[tuple[Any, ...]]
+) -> None:
+    runner = Runner(initial(policy, kv))
+    for op in script:
+        ev = runner.event(op)
+        if ev is not None:
+            runner.apply(ev)
+    # determinism: the same events from the same start give the same actions and state
+    replay = initial(policy, kv)
+    for ev, actions in runner.log:
+        replay, again = decide(replay, ev)
+        assert again == actions
+    assert summary(replay) == summary(runner.state)
+    drain(runner)
+    assert runner.state.held_count() == 0

@@ -1,0 +1,123 @@
+"""The simulator: determinism, the scenarios' headline comparisons, and the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from testkit.sim import SCENARIOS, simulate, simulate_fanout
+from testkit.sim._report import bench_core, compare
+
+
+def test_simulation_is_deterministic_for_a_seed() -> None:
+    sc = replace(SCENARIOS["flood"], minutes=0.5)
+    a = simulate(sc, "luftpause").as_json()
+    b = simulate(sc, "luftpause").as_json()
+    a.pop("wall_s"), b.pop("wall_s")
+    assert a == b
+    c = simulate(replace(sc, seed=2), "luftpause").as_json()
+    c.pop("wall_s")
+    assert c != a
+
+
+@pytest.fixture(scope="module")
+def flood() -> dict:  # type: ignore[type-arg]
+    return compare(SCENARIOS["flood"], ["luftpause", "cache_aware", "round_robin"])
+
+
+def test_flood_luftpause_protects_interactive_runs_without_losing_batch(flood: dict) -> None:  # type: ignore[type-arg]
+    lp, ca = flood["arms"]["luftpause"], flood["arms"]["cache_aware"]
+    print(json.dumps({k: flood["arms"][k] for k in ("luftpause", "cache_aware")}, indent=1))
+    # counts over the same window: exact, where the per-minute figures are rounded
+    assert lp["interactive_runs"] >= 2 * ca["interactive_runs"]
+    assert lp["batch_runs"] >= 0.9 * ca["batch_runs"]
+    assert lp["runs_that_moved"] == 0  # strict affinity
+    assert lp["cached_prompt_token_share"] > 2 * ca["cached_prompt_token_share"]
+
+
+def test_flood_reports_p_and_w_against_the_reference_arms(flood: dict) -> None:  # type: ignore[type-arg]
+    ref = flood["reference"]
+    assert ref["interactive-alone"]["batch_runs_per_min"] == 0
+    assert ref["batch-alone"]["interactive_runs_per_min"] == 0
+    for arm in flood["arms"].values():
+        ia = ref["interactive-alone"]["interactive_runs_per_min"]
+        ba = ref["batch-alone"]["batch_runs_per_min"]
+        assert arm["P"] == pytest.approx(arm["interactive_runs_per_min"] / ia, abs=1e-3)
+        total = arm["interactive_runs_per_min"] + arm["batch_runs_per_min"]
+        assert arm["W"] == pytest.approx(total / ba, abs=1e-3)
+    assert "approximation" in flood["note"]
+
+
+def test_light_load_makes_the_policy_irrelevant() -> None:
+    report = compare(SCENARIOS["light"], ["luftpause", "direct", "round_robin", "cache_aware"])
+    for key in ("interactive_runs_per_min", "batch_runs_per_min"):
+        values = [arm[key] for arm in report["arms"].values()]
+        print(key, values)
+        assert min(values) >= 0.9 * max(values)
+
+
+def test_fanout_finishes_in_about_the_time_of_the_slowest_run() -> None:
+    sc = SCENARIOS["fanout"]
+    together = simulate_fanout(sc, "luftpause", together=True)
+    alone = simulate_fanout(sc, "luftpause", together=False)
+    slowest = max(alone.interactive_durations)
+    print(f"fanned out {together.makespan_s:.1f} s, one at a time {alone.makespan_s:.1f} s")
+    assert together.interactive_runs == alone.interactive_runs == 16
+    assert together.makespan_s >= slowest
+    assert together.makespan_s < alone.makespan_s / 3
+
+
+def test_bench_core_keeps_the_held_count() -> None:
+    result = bench_core(held=2000, decisions=2000, replicas=2)
+    assert result["held_turns"] == 2000
+    assert result["decisions"] == 2000
+    assert result["decisions_per_s"] > 0
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    return subprocess.run(
+        [sys.executable, "-m", "luftpause", *args], capture_output=True, text=True, env=env,
+        timeout=300,
+    )  # fmt: skip
+
+
+def test_cli_sim_prints_json_with_every_arm() -> None:
+    out = _cli("sim", "flood", "--json", "--minutes", "0.5", "--arms", "luftpause,cache_aware")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert set(report["arms"]) == {"luftpause", "cache_aware"}
+    assert report["scenario"]["minutes"] == 0.5
+    for arm in report["arms"].values():
+        for key in (
+            "interactive_runs_per_min",
+            "interactive_p50_s",
+            "interactive_p90_s",
+            "batch_runs_per_min",
+            "cached_prompt_token_share",
+            "P",
+            "W",
+            "ratios",
+        ):
+            assert key in arm  # fmt: skip
+
+
+def test_cli_sim_table_and_flags() -> None:
+    out = _cli("sim", "light", "--minutes", "0.5", "--batch", "4", "--arms", "luftpause")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0].split()[:3] == ["arm", "int/min", "int"]
+    assert "luftpause" in out.stdout and "approximation" in out.stdout
+
+
+def test_cli_rejects_bad_flags_clearly() -> None:
+    out = _cli("sim", "flood", "--policy", "kv_fill")
+    assert out.returncode != 0 and "expected NAME=VALUE" in out.stderr
+    out = _cli("sim", "flood", "--policy", "strict_affinity=maybe")
+    assert out.returncode != 0 and "expected true or false" in out.stderr
+    out = _cli("sim", "flood", "--arms", "luftpause,nginx")
+    assert out.returncode != 0 and "unknown" in out.stderr
