@@ -80,9 +80,11 @@ def main() -> None:
     print(f"{'variant':<52}{'int/min':>8}{'p50 s':>7}{'batch/min':>10}{'cached':>8}"
           f"{'P':>7}{'W':>7}{'int×CA':>8}{'batch×CA':>9}")  # fmt: skip
     for name, r in rows.items():
-        print(f"{name:<52}{r['interactive_per_min']:>8.2f}{r['interactive_p50_s']:>7.1f}"
-              f"{r['batch_per_min']:>10.2f}{r['cached_share']:>8.1%}{r['P']:>7.2f}{r['W']:>7.2f}"
-              f"{r['interactive_vs_cache_aware']:>8.2f}{r['batch_vs_cache_aware']:>9.2f}")  # fmt: skip
+        print(
+            f"{name:<52}{r['interactive_per_min']:>8.2f}{r['interactive_p50_s']:>7.1f}"
+            f"{r['batch_per_min']:>10.2f}{r['cached_share']:>8.1%}{r['P']:>7.2f}{r['W']:>7.2f}"
+            f"{r['interactive_vs_cache_aware']:>8.2f}{r['batch_vs_cache_aware']:>9.2f}"
+        )
     print(f"reference alone: interactive {ref_i:.2f}/min, batch {ref_b:.2f}/min; "
           f"cache_aware: interactive {ca_i:.2f}, batch {ca_b:.2f} (seeds {seeds})")  # fmt: skip
 

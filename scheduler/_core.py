@@ -639,6 +639,8 @@ class _Tx:
                 run = self.runs.get(t.run_id)
                 if run is None or not run.ws_claim:
                     kv_blocked = True
+                elif run.replica is not None:
+                    self.refill.append(run.replica)  # where it fits: let that one look
         return None
 
     def _bound_elsewhere(self, t: TurnState, name: str) -> str | None:
@@ -762,7 +764,9 @@ class _Tx:
                 and not run.ws_claim
             )
             kv = self.replicas[name].spec.kv_tokens
-            if not lapsed and self.policy.kv_admission and kv is not None:
+            # A paused run claims KV only where it will come back: with strict affinity.
+            keeps = phase is RunPhase.GENERATING or self.policy.strict_affinity
+            if keeps and not lapsed and self.policy.kv_admission and kv is not None:
                 claim = run.context_tokens + run.reply_tokens
             counted_paused = phase is RunPhase.PAUSED and run.service_class is _INTERACTIVE
         run = RunState._make((*run[:10], bound, claim, counted_paused, run.ended))

@@ -75,7 +75,7 @@ def test_fanout_finishes_in_about_the_time_of_the_slowest_run() -> None:
 def test_bench_core_keeps_the_held_count() -> None:
     result = bench_core(held=2000, decisions=2000, replicas=2)
     assert result["held_turns"] == 2000
-    assert result["decisions"] == 2000
+    assert 2000 <= result["decisions"] <= 2002  # whole cycles of finish, start, arrival
     assert result["decisions_per_s"] > 0
 
 
