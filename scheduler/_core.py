@@ -387,8 +387,11 @@ class _Tx:
             self._fill((pinned,))
             return
         self._hold(turn, (_MODEL, ev.model, ev.service_class))
+        replicas = self.replicas
+        if not any(replicas[n].has_slot() for n in serving):
+            return  # all full: the common case under load, and nothing to pick
         # An idle run goes back to its last replica if it can; others least loaded first.
-        order = sorted(serving, key=lambda n: (self.replicas[n].load, n))
+        order = sorted(serving, key=lambda n: (replicas[n].load, n))
         if run is not None and run.replica in serving:
             order.remove(run.replica)
             order.insert(0, run.replica)
