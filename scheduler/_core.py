@@ -271,11 +271,6 @@ class State:
             context = run.context_tokens
         return context + turn.reply_tokens
 
-    def admissible(self, turn: TurnState, replica: str) -> bool:
-        """Whether the rules alone (slot, class room, affinity, KV) allow the held turn
-        on the replica now, ignoring the other held turns."""
-        return _Tx(self, 0.0).admissible(turn, replica)
-
 
 def _fill(policy: Policy, service_class: ServiceClass) -> float:
     if service_class is _BATCH and policy.batch_kv_fill is not None:
@@ -548,16 +543,6 @@ class _Tx:
         if not r.healthy or model not in r.spec.models:
             return None
         return run.replica
-
-    def admissible(self, t: TurnState, name: str) -> bool:
-        r = self.replicas[name]
-        if not r.has_slot() or t.model not in r.spec.models:
-            return False
-        if t.service_class is _BATCH and not r.batch_room(self.policy):
-            return False
-        if t.bucket is not None and t.bucket[0] == _PIN:
-            return t.bucket[1] == name
-        return self._kv_fits(t, name, r)
 
     def _kv_fits(self, t: TurnState, name: str, r: ReplicaState) -> bool:
         kv = r.spec.kv_tokens

@@ -212,8 +212,6 @@ class Simulation:
         self._inflight: dict[str, tuple[Turn, _Agent]] = {}
         self._streams = 0
         self.records: list[RunRecord] = []
-        self.agents: list[_Agent] = []
-        self._engine_of: dict[str, int] = {}
         self.prompt_tokens = 0
         self.cached_tokens = 0
 
@@ -249,7 +247,6 @@ class Simulation:
             ),
             self.clock,
         )
-        self._engine_of[turn.turn_id] = engine
         self._share_gpu(engine)
 
     def _schedule_engine(self, e: int) -> None:
@@ -286,7 +283,6 @@ class Simulation:
 
     def _finished(self, turn: Turn, agent: _Agent, e: int, out: Finished) -> None:
         del self._inflight[turn.turn_id]
-        del self._engine_of[turn.turn_id]
         self.prompt_tokens += out.prompt_tokens
         self.cached_tokens += out.cached_tokens
         tool = agent.turn_finished(turn, e, out.time)
@@ -321,7 +317,6 @@ class Simulation:
         self.at(0.0, self._probe)
         for i, (cls, caller) in enumerate(agents):
             agent = _Agent(self, first_index + i, cls, caller)
-            self.agents.append(agent)
             self.at(0.0, agent.start_run)
         while self._events:
             t, _, fn = heapq.heappop(self._events)
