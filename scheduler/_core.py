@@ -12,22 +12,27 @@ Rules (DESIGN.md "The scheduler"), stated once, enforced here and nowhere else:
 3. A generating or paused run goes only to the replica that served its last turn
    (strict affinity) unless that replica is unhealthy.  An idle run prefers its last
    replica but may move; a new run goes to the least loaded healthy replica.
-4. Batch turns leave one slot for every interactive run paused on a tool there.
+4. Batch turns leave one slot for every interactive run paused on a tool there, and
+   stop at `Policy.batch_kv_fill` of a replica's KV pool (interactive runs may fill
+   `Policy.kv_fill`).
 5. Held turns are taken interactive first, then the caller with the fewest turns in
    flight, then arrival order.  A held turn waits until placed or abandoned.
 6. A run that is not yet bound to a replica is admitted there only while the KV working
    set of the runs bound to it fits the replica's pool (program-level admission), so
    the prefix caches of paused runs survive.  A paused run's claim on the pool lapses
-   after `Policy.kv_retention_s`.
+   after `Policy.kv_retention_s`, and exists only under strict affinity (elsewhere it
+   would not come back to it).  An unbound turn waiting for KV is not overtaken by
+   unbound turns of its class or below; bound (continuing) runs go on.
 7. A model no replica serves is rejected with 404 before it is queued.
 8. Ticks free the slots of turns never reported finished after `turn_timeout_s` and
    forget runs idle or paused for `idle_run_expiry_s`.
 
-After every event no held turn is admissible: each event that frees capacity on a
-replica refills that replica.  Held-turn selection is O(log n) in the held turns: the
-held turns are bucketed by where they may go (one replica, or any replica serving a
-model) and class; each bucket orders its callers by (turns in flight, oldest held
-turn) in a persistent sorted set.
+After every event no held turn is admissible (except behind a turn waiting for KV, as
+in rule 6): each event that frees capacity on a replica refills that replica.  Held
+turns are bucketed by where they may go (one replica, or any replica serving a model)
+and class; each bucket orders its callers by (turns in flight, oldest held turn) in a
+persistent sorted set, so picking the next turn for a replica reads a few bucket heads
+(O(1)) and updating the order is O(log n) comparisons.
 
 Events about turns the core no longer knows (a finish after the turn timed out, an
 abandon after admission raced) are ignored; contract violations (a duplicate turn id,
@@ -261,7 +266,7 @@ class State:
         kv = self._replicas[replica].spec.kv_tokens
         if kv is None or not self._policy.kv_admission:
             return None
-        return kv * _fill(self._policy, service_class)
+        return kv * _kv_share(self._policy, service_class)
 
     def kv_need(self, turn: TurnState) -> int:
         """The KV working set the turn's run will claim if admitted as a new binding."""
@@ -272,7 +277,8 @@ class State:
         return context + turn.reply_tokens
 
 
-def _fill(policy: Policy, service_class: ServiceClass) -> float:
+def _kv_share(policy: Policy, service_class: ServiceClass) -> float:
+    """The share of a replica's KV pool that runs of this class may fill."""
     if service_class is _BATCH and policy.batch_kv_fill is not None:
         return min(policy.kv_fill, policy.batch_kv_fill)
     return policy.kv_fill
@@ -554,7 +560,8 @@ class _Tx:
         context = t.prompt_tokens
         if run is not None and run.context_tokens > context:
             context = run.context_tokens
-        return r.ws_tokens + context + t.reply_tokens <= kv * _fill(self.policy, t.service_class)
+        limit = kv * _kv_share(self.policy, t.service_class)
+        return r.ws_tokens + context + t.reply_tokens <= limit
 
     def _fill(self, names: Sequence[str]) -> None:
         """Admit held turns to these replicas until none can take one more.

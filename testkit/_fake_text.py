@@ -1,0 +1,221 @@
+"""What the fake engine says: deterministic filler, tool calls and label logprobs.
+
+Everything here is a pure function of the conversation and the seed, so a load generator
+sees the same run shape every time: `key` hashes with BLAKE2b (stable across processes,
+unlike `hash()`).  Every filler token is a space plus a three-letter word, four
+characters, so a reply of n tokens re-tokenizes (4 characters per token) to n tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "CHARS_PER_TOKEN",
+    "FillerPool",
+    "Reply",
+    "key",
+    "parse_labels",
+    "plan_reply",
+    "render_message",
+    "tool_arguments",
+]
+
+CHARS_PER_TOKEN = 4
+# Replies are at most 256 tokens (text) or TOOL_CALL_TOKENS; the pool is sliced at an offset
+# chosen by the conversation, so it must hold the longest reply past the last offset.
+_POOL_OFFSETS = 4096
+_MAX_REPLY_TOKENS = 256
+TOOL_CALL_TOKENS = 20
+DEFAULT_MAX_TOOL_CALLS = 3
+
+_WORDS = (
+    "the and for you all can had was one our out day get has him his how man new now old "
+    "see two way who did its let put say she too use map log key run set end top bit cup "
+    "dog sun sea sky art box car fan hat ink jam kit lab mud net oak pen ray tea van web"
+).split()
+
+
+def key(seed: int, *parts: str) -> int:
+    """A stable 64-bit hash of `parts` under `seed`."""
+    h = hashlib.blake2b(digest_size=8, key=seed.to_bytes(8, "little", signed=True))
+    for part in parts:
+        h.update(part.encode("utf-8", "surrogatepass"))
+        h.update(b"\x00")
+    return int.from_bytes(h.digest(), "little")
+
+
+class FillerPool:
+    """Seeded filler tokens; a reply is a slice of the pool at a conversation's offset."""
+
+    def __init__(self, seed: int) -> None:
+        rng = random.Random(seed)
+        self.tokens = tuple(
+            " " + rng.choice(_WORDS) for _ in range(_POOL_OFFSETS + _MAX_REPLY_TOKENS)
+        )
+
+    def take(self, offset: int, n: int) -> tuple[str, ...]:
+        start = offset % _POOL_OFFSETS
+        return self.tokens[start : start + n]
+
+
+def content_text(content: object) -> str:
+    """The text of an OpenAI message `content` (a string or a list of text parts)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(
+            p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
+        )
+    return ""
+
+
+def render_message(message: Mapping[str, Any]) -> str:
+    """A message as prompt text: the same message always renders the same, so a growing
+    conversation's rendering starts with the previous turn's rendering."""
+    parts = [f"<|{message.get('role')}|>", content_text(message.get("content"))]
+    calls = message.get("tool_calls")
+    if isinstance(calls, list):
+        for call in calls:
+            if isinstance(call, dict):
+                fn = call.get("function")
+                fn = fn if isinstance(fn, dict) else {}
+                parts.append(f"[{call.get('id')} {fn.get('name')} {fn.get('arguments')}]")
+    call_id = message.get("tool_call_id")
+    if isinstance(call_id, str):
+        parts.append(f"[{call_id}]")
+    parts.append("\n")
+    return "".join(parts)
+
+
+def parse_labels(text: str) -> list[str]:
+    """Labels from a line `Labels: a, b, c` (the last such line), else []."""
+    labels: list[str] = []
+    for line in text.splitlines():
+        head, sep, rest = line.strip().partition(":")
+        if sep and head.strip().lower() == "labels":
+            labels = [lab.strip() for lab in rest.split(",") if lab.strip()]
+    return labels
+
+
+def _plausible(schema: object) -> object:
+    if not isinstance(schema, dict):
+        return None
+    enum = schema.get("enum")
+    if isinstance(enum, list) and enum:
+        return enum[0]
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), None)
+    return {"string": "x", "integer": 1, "number": 1.0, "boolean": True}.get(str(kind))
+
+
+def tool_arguments(parameters: object) -> str:
+    """JSON arguments filling the required properties of a JSON schema with plausible values."""
+    args: dict[str, object] = {}
+    if isinstance(parameters, dict):
+        props = parameters.get("properties")
+        props = props if isinstance(props, dict) else {}
+        required = parameters.get("required")
+        for name in required if isinstance(required, list) else []:
+            if isinstance(name, str):
+                args[name] = _plausible(props.get(name))
+    return json.dumps(args)
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A planned reply: text tokens or one tool call, with its finish reason."""
+
+    tokens: tuple[str, ...]  # text tokens (empty for a tool call)
+    n_tokens: int  # completion tokens the engine generates
+    finish_reason: str
+    tool_call: dict[str, Any] | None = None
+    labels: tuple[str, ...] = ()  # labels in preference order, if the prompt named them
+
+    @property
+    def content(self) -> str | None:
+        return None if self.tool_call is not None else "".join(self.tokens)
+
+    def logprobs(self, start: int, stop: int, top: int, conv: int) -> list[dict[str, Any]]:
+        """OpenAI `logprobs.content` entries for tokens [start, stop), deterministic."""
+        out = []
+        for i in range(start, min(stop, len(self.tokens))):
+            tok = self.tokens[i]
+            h = (conv >> (i % 40)) & 0xFFFF
+            lp = -0.01 - (h % 500) / 1000
+            if i == 0 and self.labels:
+                alts = [(lab, -0.05 - 1.3 * r) for r, lab in enumerate(self.labels)]
+                lp = alts[0][1]
+                for j in range(max(0, top - len(alts))):
+                    alts.append((_WORDS[(h + j) % len(_WORDS)], -5.0 - j))
+            else:
+                alts = [(tok, lp)]
+                for j in range(1, top):
+                    word = " " + _WORDS[(h + j) % len(_WORDS)]
+                    if word != tok:
+                        alts.append((word, lp - 1.0 - 0.7 * j))
+            out.append(
+                {
+                    "token": tok,
+                    "logprob": lp,
+                    "bytes": list(tok.encode()),
+                    "top_logprobs": [
+                        {"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in alts
+                    ],
+                }
+            )
+        return out
+
+
+def plan_reply(
+    *,
+    seed: int,
+    pool: FillerPool,
+    conv: int,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]],
+    max_tool_calls: int,
+    max_tokens: int,
+) -> Reply:
+    """Decide the reply to a conversation whose hash is `conv`.
+
+    With tools, a run makes k = hash(first user message) % (max_tool_calls + 1) tool calls:
+    while fewer than k tool results are in the conversation, reply with one tool call.
+    Otherwise a text reply of min(max_tokens, 40..256) tokens ("length" when it hit
+    max_tokens), starting with the preferred label when the last user message has a
+    `Labels:` line.
+    """
+    if tools:
+        first_user = next(
+            (content_text(m.get("content")) for m in messages if m.get("role") == "user"), ""
+        )
+        k = key(seed, "tool-calls", first_user) % (max_tool_calls + 1)
+        m = sum(1 for msg in messages if msg.get("role") == "tool")
+        if m < k:
+            pick = key(seed, "tool", str(conv), str(m))
+            fn = tools[pick % len(tools)]["function"]
+            call = {
+                "id": f"call_{pick:016x}",
+                "type": "function",
+                "function": {"name": fn["name"], "arguments": tool_arguments(fn.get("parameters"))},
+            }
+            return Reply((), min(TOOL_CALL_TOKENS, max_tokens), "tool_calls", call)
+    length = 40 + conv % (_MAX_REPLY_TOKENS - 40 + 1)
+    n = min(max_tokens, length)
+    finish = "length" if n == max_tokens else "stop"
+    last_user = next(
+        (content_text(m.get("content")) for m in reversed(messages) if m.get("role") == "user"),
+        "",
+    )
+    labels = parse_labels(last_user)
+    if labels:
+        first = conv % len(labels)
+        ordered = (labels[first], *labels[:first], *labels[first + 1 :])
+        return Reply((ordered[0], *pool.take(conv >> 16, n - 1)), n, finish, labels=ordered)
+    return Reply(pool.take(conv >> 16, n), n, finish)
