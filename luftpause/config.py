@@ -1,0 +1,172 @@
+"""`luftpause.toml`: the one configuration file, validated with pydantic.
+
+Shared by the gateway (endpoints), the worker (MCP servers, Temporal) and `luftpause
+up`; it imports nothing of theirs.  A bad file is a `ConfigError` whose message names
+the file, the field and what was expected, so a user can fix it without reading code.
+
+```toml
+[[endpoints]]
+name = "sglang-a"
+url = "http://127.0.0.1:30000"
+kind = "sglang"          # sglang | vllm | llamacpp | ollama | openai | router | classifier
+models = ["llama-3.2-1b"]
+health_path = "/health"
+api_key_env = "RUNPOD_KEY"   # hosted endpoints: key read from the environment
+load_from = []           # for kind = "router": the engines whose load it reports
+kv_tokens = 56000        # optional: KV pool size, enables program-level admission
+```
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from scheduler import ReplicaSpec
+
+Kind = Literal["sglang", "vllm", "llamacpp", "ollama", "openai", "router", "classifier"]
+
+# The Prometheus gauges each engine kind reports its load in: (queued, running).
+LOAD_METRICS: Mapping[str, tuple[str, str]] = {
+    "sglang": ("sglang:num_queue_reqs", "sglang:num_running_reqs"),
+    "vllm": ("vllm:num_requests_waiting", "vllm:num_requests_running"),
+    "llamacpp": ("llamacpp:requests_deferred", "llamacpp:requests_processing"),
+}
+
+# Where each kind answers a health check when the file does not say.
+DEFAULT_HEALTH_PATH: Mapping[str, str] = {
+    "sglang": "/health",
+    "vllm": "/health",
+    "llamacpp": "/health",
+    "ollama": "/",
+    "openai": "/v1/models",
+    "router": "/health",
+    "classifier": "/health",
+}
+
+
+class ConfigError(Exception):
+    """The configuration cannot be used; the message says where and why."""
+
+
+class Endpoint(BaseModel):
+    """One inference endpoint: an engine replica, a router in front of some, a hosted
+    OpenAI-compatible API, or a single-pass classifier."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")]
+    url: str
+    kind: Kind
+    models: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+    health_path: str | None = None
+    api_key_env: str | None = None
+    load_from: list[str] = []
+    kv_tokens: Annotated[int, Field(gt=0)] | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")) or len(v) < len("http://x"):
+            raise ValueError("expected an http:// or https:// URL, e.g. http://127.0.0.1:30000")
+        return v.rstrip("/")
+
+    @field_validator("health_path")
+    @classmethod
+    def _path(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith("/"):
+            raise ValueError("expected a path starting with '/', e.g. /health")
+        return v
+
+    @model_validator(mode="after")
+    def _router_only_fields(self) -> Endpoint:
+        if self.load_from and self.kind != "router":
+            raise ValueError("load_from is only for kind = 'router'")
+        return self
+
+    @property
+    def health(self) -> str:
+        return self.health_path or DEFAULT_HEALTH_PATH[self.kind]
+
+    @property
+    def generative(self) -> bool:
+        """Takes chat turns (everything but single-pass classifiers)."""
+        return self.kind != "classifier"
+
+    @property
+    def reports_load(self) -> bool:
+        return self.kind in LOAD_METRICS or self.kind == "router"
+
+
+class Config(BaseModel):
+    """The whole file.  Sections for the worker and `luftpause up` join this model as
+    they are built."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    endpoints: Annotated[list[Endpoint], Field(min_length=1)]
+
+    @model_validator(mode="after")
+    def _references(self) -> Config:
+        names = [e.name for e in self.endpoints]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"endpoint names must be unique; repeated: {', '.join(dupes)}")
+        by_name = {e.name: e for e in self.endpoints}
+        for e in self.endpoints:
+            for other in e.load_from:
+                target = by_name.get(other)
+                if target is None:
+                    raise ValueError(f"endpoint '{e.name}': load_from names unknown '{other}'")
+                if target.kind not in LOAD_METRICS:
+                    raise ValueError(
+                        f"endpoint '{e.name}': load_from '{other}' is kind '{target.kind}', "
+                        f"which reports no load (expected one of {', '.join(LOAD_METRICS)})"
+                    )
+        return self
+
+    def replica_specs(self) -> list[ReplicaSpec]:
+        """The generative endpoints as the scheduler core sees them."""
+        return [
+            ReplicaSpec(name=e.name, models=frozenset(e.models), kv_tokens=e.kv_tokens)
+            for e in self.endpoints
+            if e.generative
+        ]
+
+
+def parse_config(data: Mapping[str, Any], source: str = "configuration") -> Config:
+    """Validate a parsed TOML document; errors name the field and the expectation."""
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"{source}: " + "; ".join(_describe(e) for e in exc.errors())) from None
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate `luftpause.toml`."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read the configuration file: {exc.strerror}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{p}: not valid TOML: {exc}") from None
+    return parse_config(data, str(p))
+
+
+def _describe(error: Mapping[str, Any]) -> str:
+    loc = error.get("loc", ())
+    where = ""
+    for part in loc:
+        where += f"[{part}]" if isinstance(part, int) else (f".{part}" if where else str(part))
+    msg = str(error.get("msg", "invalid"))
+    msg = msg.removeprefix("Value error, ")
+    if error.get("type") == "extra_forbidden":
+        msg = "unknown field"
+    return f"{where or 'file'}: {msg}"

@@ -1,0 +1,139 @@
+"""luftpause.toml: valid files load; bad ones fail with messages that say what to fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from luftpause.config import Config, ConfigError, load_config, parse_config
+from scheduler import ReplicaSpec
+
+GOOD = """
+[[endpoints]]
+name = "sglang-a"
+url = "http://127.0.0.1:30000/"
+kind = "sglang"
+models = ["llama-3.2-1b"]
+kv_tokens = 56000
+
+[[endpoints]]
+name = "sglang-b"
+url = "http://127.0.0.1:30001"
+kind = "sglang"
+models = ["llama-3.2-1b"]
+
+[[endpoints]]
+name = "router"
+url = "http://127.0.0.1:30100"
+kind = "router"
+models = ["llama-3.2-1b"]
+load_from = ["sglang-a", "sglang-b"]
+
+[[endpoints]]
+name = "hosted"
+url = "https://api.example.test/v1"
+kind = "openai"
+models = ["big-model"]
+api_key_env = "HOSTED_KEY"
+
+[[endpoints]]
+name = "judge"
+url = "http://127.0.0.1:8001"
+kind = "classifier"
+models = ["judge"]
+"""
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "luftpause.toml"
+    p.write_text(text)
+    return p
+
+
+def test_a_good_file_loads_with_defaults(tmp_path: Path) -> None:
+    cfg = load_config(_write(tmp_path, GOOD))
+    assert isinstance(cfg, Config)
+    a, _, router, hosted, judge = cfg.endpoints
+    assert a.url == "http://127.0.0.1:30000"  # trailing slash dropped
+    assert a.health == "/health" and hosted.health == "/v1/models"
+    assert a.reports_load and router.reports_load and not hosted.reports_load
+    assert not judge.generative
+    assert cfg.replica_specs() == [
+        ReplicaSpec(name="sglang-a", models=frozenset({"llama-3.2-1b"}), kv_tokens=56000),
+        ReplicaSpec(name="sglang-b", models=frozenset({"llama-3.2-1b"})),
+        ReplicaSpec(name="router", models=frozenset({"llama-3.2-1b"})),
+        ReplicaSpec(name="hosted", models=frozenset({"big-model"})),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("endpoints = []", "endpoints: List should have at least 1 item"),
+        (
+            '[[endpoints]]\nname="a"\nurl="127.0.0.1:1"\nkind="sglang"\nmodels=["m"]',
+            "endpoints[0].url: expected an http:// or https:// URL",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="tgi"\nmodels=["m"]',
+            "endpoints[0].kind: Input should be 'sglang', 'vllm', 'llamacpp'",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=[]',
+            "endpoints[0].models: List should have at least 1 item",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\nport=3',
+            "endpoints[0].port: unknown field",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+            'health_path="health"',
+            "endpoints[0].health_path: expected a path starting with '/'",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+            '[[endpoints]]\nname="a"\nurl="http://h:2"\nkind="sglang"\nmodels=["m"]',
+            "endpoint names must be unique; repeated: a",
+        ),
+        (
+            '[[endpoints]]\nname="r"\nurl="http://h:1"\nkind="router"\nmodels=["m"]\n'
+            'load_from=["nope"]',
+            "endpoint 'r': load_from names unknown 'nope'",
+        ),
+        (
+            '[[endpoints]]\nname="o"\nurl="http://h:1"\nkind="ollama"\nmodels=["m"]\n'
+            '[[endpoints]]\nname="r"\nurl="http://h:2"\nkind="router"\nmodels=["m"]\n'
+            'load_from=["o"]',
+            "load_from 'o' is kind 'ollama', which reports no load",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+            'load_from=["a"]',
+            "load_from is only for kind = 'router'",
+        ),
+    ],
+)
+def test_bad_files_name_the_field_and_the_expectation(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    path = _write(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value).startswith(f"{path}: ")
+    assert message in str(err.value)
+
+
+def test_unreadable_and_non_toml_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read the configuration file"):
+        load_config(tmp_path / "missing.toml")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(_write(tmp_path, "[[endpoints]\nname="))
+
+
+def test_parse_config_takes_a_mapping() -> None:
+    cfg = parse_config(
+        {"endpoints": [{"name": "a", "url": "http://h:1", "kind": "vllm", "models": ["m"]}]}
+    )
+    assert cfg.endpoints[0].kind == "vllm"
