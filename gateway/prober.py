@@ -1,0 +1,204 @@
+"""The prober: the scheduler's eyes on the engines.
+
+Every `PROBE_PERIOD_S` each endpoint's health path is fetched, and for engines that
+report load, `/metrics` (SGLang, vLLM, llama.cpp gauge names in `LOAD_METRICS`); a
+router's load is the sum over its `load_from` engines.  Each round becomes one
+`ReplicaProbed` event per generative endpoint for the core.  Both fetches share one
+timeout (`PROBE_TIMEOUT_S`); a failure of either marks the endpoint unhealthy, with
+the reason kept for `/status`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from luftpause.config import LOAD_METRICS, Config, Endpoint
+from scheduler import ReplicaProbed
+
+__all__ = [
+    "PROBE_PERIOD_S",
+    "PROBE_TIMEOUT_S",
+    "ProbeResult",
+    "Prober",
+    "auth_headers",
+    "parse_load",
+    "probe_endpoint",
+    "probe_pool",
+]
+
+log = logging.getLogger(__name__)
+
+PROBE_PERIOD_S = 2.0
+PROBE_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProbeResult:
+    endpoint: str
+    healthy: bool
+    queued: int | None = None  # None: the endpoint reports no load
+    running: int | None = None
+    error: str | None = None  # why it is unhealthy
+
+    def event(self, now: float) -> ReplicaProbed:
+        return ReplicaProbed(
+            now=now,
+            replica=self.endpoint,
+            healthy=self.healthy,
+            queued=self.queued,
+            running=self.running,
+        )
+
+
+def parse_load(kind: str, text: str) -> tuple[int, int] | None:
+    """(queued, running) from a Prometheus exposition, summed over label sets (one
+    engine may serve several models); None when the gauges are absent."""
+    names = LOAD_METRICS.get(kind)
+    if names is None:
+        return None
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in names:
+                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    if names[0] not in totals or names[1] not in totals:
+        return None
+    return int(totals[names[0]]), int(totals[names[1]])
+
+
+def auth_headers(endpoint: Endpoint, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The endpoint's own key (never a client's): `Authorization: Bearer $api_key_env`."""
+    if endpoint.api_key_env and environ.get(endpoint.api_key_env):
+        return {"Authorization": f"Bearer {environ[endpoint.api_key_env]}"}
+    return {}
+
+
+async def probe_endpoint(
+    client: httpx.AsyncClient, endpoint: Endpoint, *, timeout: float = PROBE_TIMEOUT_S
+) -> ProbeResult:
+    """Health, and load where the kind reports it.  Never raises."""
+    headers = auth_headers(endpoint)
+    try:
+        async with asyncio.timeout(timeout):
+            health = await client.get(endpoint.url + endpoint.health, headers=headers)
+            if health.status_code >= 400:
+                return ProbeResult(
+                    endpoint=endpoint.name,
+                    healthy=False,
+                    error=f"{endpoint.health} answered {health.status_code}",
+                )
+            if endpoint.kind not in LOAD_METRICS:
+                return ProbeResult(endpoint=endpoint.name, healthy=True)
+            metrics = await client.get(endpoint.url + "/metrics", headers=headers)
+    except TimeoutError:
+        return ProbeResult(
+            endpoint=endpoint.name, healthy=False, error=f"no answer within {timeout:g} s"
+        )
+    except httpx.HTTPError as exc:
+        return ProbeResult(endpoint=endpoint.name, healthy=False, error=_describe(exc))
+    if metrics.status_code >= 400:
+        return ProbeResult(
+            endpoint=endpoint.name,
+            healthy=False,
+            error=f"/metrics answered {metrics.status_code}",
+        )
+    try:
+        load = parse_load(endpoint.kind, metrics.text)
+    except ValueError as exc:  # not the exposition format
+        return ProbeResult(endpoint=endpoint.name, healthy=False, error=f"/metrics: {exc}")
+    if load is None:
+        q, r = LOAD_METRICS[endpoint.kind]
+        return ProbeResult(
+            endpoint=endpoint.name,
+            healthy=False,
+            error=f"/metrics lacks {q} and {r} (is the engine started with metrics on?)",
+        )
+    return ProbeResult(endpoint=endpoint.name, healthy=True, queued=load[0], running=load[1])
+
+
+async def probe_pool(client: httpx.AsyncClient, config: Config) -> list[ProbeResult]:
+    """One round over every endpoint, concurrently; routers get their engines' load."""
+    results = await asyncio.gather(*(probe_endpoint(client, e) for e in config.endpoints))
+    by_name = {r.endpoint: r for r in results}
+    out = []
+    for e, r in zip(config.endpoints, results, strict=True):
+        if e.kind == "router" and r.healthy and e.load_from:
+            engines = [by_name[n] for n in e.load_from]
+            known = [x for x in engines if x.queued is not None and x.running is not None]
+            if known:
+                r = ProbeResult(
+                    endpoint=e.name,
+                    healthy=True,
+                    queued=sum(x.queued or 0 for x in known),
+                    running=sum(x.running or 0 for x in known),
+                )
+        out.append(r)
+    return out
+
+
+class Prober:
+    """Probes the pool every period and hands each round to `report`."""
+
+    def __init__(
+        self,
+        config: Config,
+        client: httpx.AsyncClient,
+        report: Callable[[list[ProbeResult]], Awaitable[None] | None],
+        *,
+        period: float = PROBE_PERIOD_S,
+    ) -> None:
+        self._config = config
+        self._client = client
+        self._report = report
+        self._period = period
+        self._task: asyncio.Task[None] | None = None
+        self.last: dict[str, ProbeResult] = {}
+
+    async def probe_once(self) -> list[ProbeResult]:
+        results = await probe_pool(self._client, self._config)
+        for r in results:
+            before = self.last.get(r.endpoint)
+            if before is not None and before.healthy != r.healthy:
+                log.warning(
+                    "endpoint %s is now %s%s",
+                    r.endpoint,
+                    "healthy" if r.healthy else "unhealthy",
+                    f": {r.error}" if r.error else "",
+                )
+            self.last[r.endpoint] = r
+        outcome = self._report(results)
+        if outcome is not None:
+            await outcome
+        return results
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            await self.probe_once()
+            await asyncio.sleep(max(0.0, self._period - (loop.time() - started)))
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="prober")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+
+def _describe(exc: httpx.HTTPError) -> str:
+    if isinstance(exc, httpx.ConnectError):
+        return f"connection refused or unreachable ({exc})" if str(exc) else "cannot connect"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

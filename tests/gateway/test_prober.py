@@ -1,0 +1,181 @@
+"""The prober: load parsing per engine kind, health, failures, routers' summed load.
+
+Socket-level behaviour (refusal, timeouts) runs over real loopback; response shapes
+go through httpx.MockTransport."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import httpx
+import pytest
+
+from gateway.prober import Prober, auth_headers, parse_load, probe_endpoint, probe_pool
+from luftpause.config import Endpoint, parse_config
+
+SGLANG = """# HELP sglang:num_queue_reqs The number of requests in the waiting queue
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{model_name="a"} 3.0
+sglang:num_queue_reqs{model_name="b"} 1.0
+# HELP sglang:num_running_reqs The number of running requests
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{model_name="a"} 7.0
+sglang:num_running_reqs{model_name="b"} 2.0
+sglang:token_usage{model_name="a"} 0.5
+"""
+VLLM = """# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model_name="m"} 0.0
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="m"} 12.0
+"""
+LLAMACPP = """# TYPE llamacpp:requests_deferred gauge
+llamacpp:requests_deferred 2
+# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing 4
+"""
+
+
+def test_parse_load_per_kind_sums_label_sets() -> None:
+    assert parse_load("sglang", SGLANG) == (4, 9)
+    assert parse_load("vllm", VLLM) == (0, 12)
+    assert parse_load("llamacpp", LLAMACPP) == (2, 4)
+    assert parse_load("sglang", VLLM) is None  # the wrong engine's names
+    assert parse_load("ollama", SGLANG) is None  # reports no load
+
+
+def _endpoint(kind: str = "sglang", url: str = "http://engine", **kw: object) -> Endpoint:
+    return Endpoint.model_validate({"name": "e", "url": url, "kind": kind, "models": ["m"], **kw})
+
+
+def _client(routes: dict[str, httpx.Response]) -> httpx.AsyncClient:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return routes.get(request.url.path, httpx.Response(404))
+
+    return httpx.AsyncClient(transport=httpx.MockTransport(handler))
+
+
+async def test_healthy_engine_reports_its_load() -> None:
+    async with _client(
+        {"/health": httpx.Response(200), "/metrics": httpx.Response(200, text=SGLANG)}
+    ) as c:
+        r = await probe_endpoint(c, _endpoint())
+    assert (r.healthy, r.queued, r.running, r.error) == (True, 4, 9, None)
+    ev = r.event(5.0)
+    assert (ev.replica, ev.healthy, ev.queued, ev.running, ev.now) == ("e", True, 4, 9, 5.0)
+
+
+async def test_health_failure_and_missing_metrics_mark_unhealthy() -> None:
+    async with _client({"/health": httpx.Response(503)}) as c:
+        r = await probe_endpoint(c, _endpoint())
+    assert not r.healthy and r.error == "/health answered 503"
+    async with _client(
+        {"/health": httpx.Response(200), "/metrics": httpx.Response(200, text="")}
+    ) as c:
+        r = await probe_endpoint(c, _endpoint())
+    assert not r.healthy and "lacks sglang:num_queue_reqs" in (r.error or "")
+
+
+async def test_endpoints_without_load_are_only_health_checked() -> None:
+    seen: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.path)
+        return httpx.Response(200)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as c:
+        r = await probe_endpoint(c, _endpoint("openai"))
+    assert r.healthy and r.queued is None and r.running is None
+    assert seen == ["/v1/models"]
+
+
+async def test_hosted_key_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    e = _endpoint("openai", api_key_env="HOSTED_KEY_FOR_TEST")
+    assert auth_headers(e, {}) == {}
+    monkeypatch.setenv("HOSTED_KEY_FOR_TEST", "sk-1")
+    got: list[str | None] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        got.append(request.headers.get("authorization"))
+        return httpx.Response(200)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as c:
+        await probe_endpoint(c, e)
+    assert got == ["Bearer sk-1"]
+
+
+async def test_refused_connection_is_unhealthy_at_once() -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    async with httpx.AsyncClient() as c:
+        r = await probe_endpoint(c, _endpoint(url=f"http://127.0.0.1:{port}"))
+    assert not r.healthy and "connect" in (r.error or "")
+
+
+async def test_silent_engine_times_out() -> None:
+    accepted, hung_up = asyncio.Event(), asyncio.Event()
+
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.set()
+        await reader.read()  # never answers; returns when the prober hangs up
+        writer.close()
+        await writer.wait_closed()
+        hung_up.set()
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with httpx.AsyncClient() as c:
+            r = await probe_endpoint(c, _endpoint(url=f"http://127.0.0.1:{port}"), timeout=0.3)
+        await asyncio.wait_for(hung_up.wait(), 5)  # the client closed its connection
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert accepted.is_set()
+    assert not r.healthy and r.error == "no answer within 0.3 s"
+
+
+async def test_router_load_is_the_sum_of_its_engines() -> None:
+    cfg = parse_config(
+        {
+            "endpoints": [
+                {"name": "a", "url": "http://a", "kind": "sglang", "models": ["m"]},
+                {"name": "b", "url": "http://b", "kind": "vllm", "models": ["m"]},
+                {"name": "r", "url": "http://r", "kind": "router", "models": ["m"],
+                 "load_from": ["a", "b"]},
+            ]
+        }
+    )  # fmt: skip
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        host, path = request.url.host, request.url.path
+        if path == "/metrics":
+            return httpx.Response(200, text={"a": SGLANG, "b": VLLM}[host])
+        return httpx.Response(200)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as c:
+        results = await probe_pool(c, cfg)
+    assert [(r.endpoint, r.queued, r.running) for r in results] == [
+        ("a", 4, 9),
+        ("b", 0, 12),
+        ("r", 4, 21),
+    ]
+
+
+async def test_prober_reports_each_round() -> None:
+    cfg = parse_config(
+        {"endpoints": [{"name": "a", "url": "http://a", "kind": "ollama", "models": ["m"]}]}
+    )
+    rounds: asyncio.Queue[list[str]] = asyncio.Queue()
+
+    async def report(results: list) -> None:  # type: ignore[type-arg]
+        await rounds.put([r.endpoint for r in results])
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(200))) as c:
+        prober = Prober(cfg, c, report, period=0.01)
+        prober.start()
+        assert await asyncio.wait_for(rounds.get(), 5) == ["a"]
+        assert await asyncio.wait_for(rounds.get(), 5) == ["a"]
+        await prober.stop()
+    assert prober.last["a"].healthy
