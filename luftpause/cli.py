@@ -141,6 +141,78 @@ def _sim(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fake_engine_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "fake-engine",
+        help="serve an OpenAI-compatible fake engine (simulated in real time) for tests",
+        description=(
+            "An OpenAI-compatible fake inference server: a simulated SGLang-like engine "
+            "runs behind it in real time; /metrics and the peer routers' probe endpoints "
+            "speak the chosen engine's dialect."
+        ),
+    )
+    p.add_argument("--flavor", choices=["sglang", "vllm", "llamacpp"], default="sglang")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        help="a served model name (repeatable; default llama-3.2-1b)",
+    )
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="virtual seconds per wall second (20: a 5 s generation takes 0.25 s)",
+    )
+    p.add_argument("--instant", action="store_true", help="answer at once, no simulation")
+    p.add_argument("--seed", type=int, default=0, help="seed of the replies")
+    p.add_argument("--labels", help="comma-separated label set of /classify")
+    p.add_argument("--kv-tokens", type=int, help="KV pool of the simulated engine, tokens")
+    p.add_argument("--max-running", type=int, help="running-request limit of the engine")
+    p.add_argument(
+        "--priority-scheduling",
+        action="store_true",
+        help="the engine schedules its queue by the request's priority field",
+    )
+
+
+def _fake_engine(args: argparse.Namespace) -> int:
+    import logging
+    from dataclasses import replace
+
+    from testkit.engine import EngineParams
+    from testkit.fake_engine import FakeEngineSettings, serve
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    params = EngineParams.reference()
+    if args.kv_tokens is not None:
+        params = replace(params, kv_pool_tokens=args.kv_tokens)
+    if args.max_running is not None:
+        params = replace(params, max_running_requests=args.max_running)
+    if args.priority_scheduling:
+        params = replace(params, priority_scheduling=True)
+    extra: dict[str, Any] = {}
+    if args.model:
+        extra["models"] = tuple(args.model)
+    if args.labels:
+        extra["labels"] = tuple(lab.strip() for lab in args.labels.split(",") if lab.strip())
+    try:
+        settings = FakeEngineSettings(
+            flavor=args.flavor,
+            time_scale=args.time_scale,
+            instant=args.instant,
+            seed=args.seed,
+            engine=params,
+            **extra,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"luftpause fake-engine: {exc}") from None
+    serve(settings, host=args.host, port=args.port)
+    return 0
+
+
 def _up() -> int:
     # The gateway, worker and embedded Temporal are not built yet; say so plainly
     # rather than pretend.  What runs today is the policy and its simulator.
@@ -162,10 +234,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("up", help="run luftpause on this machine (gateway, worker, Temporal)")
     _sim_parser(sub)
+    _fake_engine_parser(sub)
     args = parser.parse_args(argv)
     code = 0
     if args.command == "sim":
         code = _sim(args)
+    elif args.command == "fake-engine":
+        code = _fake_engine(args)
     elif args.command == "up":
         code = _up()
     sys.stdout.flush()

@@ -34,16 +34,20 @@ _MAX_REPLY_TOKENS = 256
 TOOL_CALL_TOKENS = 20
 DEFAULT_MAX_TOOL_CALLS = 3
 
+# fmt: off
 _WORDS = (
-    "the and for you all can had was one our out day get has him his how man new now old "
-    "see two way who did its let put say she too use map log key run set end top bit cup "
-    "dog sun sea sky art box car fan hat ink jam kit lab mud net oak pen ray tea van web"
-).split()
+    "the", "and", "for", "you", "all", "can", "had", "was", "one", "our", "out", "day", "get",
+    "has", "him", "his", "how", "man", "new", "now", "old", "see", "two", "way", "who", "did",
+    "its", "let", "put", "say", "she", "too", "use", "map", "log", "key", "run", "set", "end",
+    "top", "bit", "cup", "dog", "sun", "sea", "sky", "art", "box", "car", "fan", "hat", "ink",
+    "jam", "kit", "lab", "mud", "net", "oak", "pen", "ray", "tea", "van", "web",
+)
+# fmt: on
 
 
 def key(seed: int, *parts: str) -> int:
     """A stable 64-bit hash of `parts` under `seed`."""
-    h = hashlib.blake2b(digest_size=8, key=seed.to_bytes(8, "little", signed=True))
+    h = hashlib.blake2b(digest_size=8, key=(seed & 0xFFFF_FFFF_FFFF_FFFF).to_bytes(8, "little"))
     for part in parts:
         h.update(part.encode("utf-8", "surrogatepass"))
         h.update(b"\x00")

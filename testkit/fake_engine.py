@@ -1,0 +1,729 @@
+"""An OpenAI-compatible fake inference server backed by the simulated engine, in real time.
+
+`create_app(settings)` builds the FastAPI app; `serve(settings, host=..., port=...)` runs it
+under uvicorn (`luftpause fake-engine`).  Behind the HTTP API runs ONE `SimEngine`
+(testkit.engine) driven by an asyncio task: virtual time = wall seconds since the app
+started x `time_scale`.  A request becomes an `EngineRequest` (4 characters per token;
+prompt blocks are chained hashes of 16-token blocks of the rendered conversation, so
+identical prefixes share blocks and a growing conversation hits the cache); its reply is
+streamed as the engine generates it, and a client that leaves cancels it in the engine.
+
+With `instant=True` there is no simulation: replies are answered at once, from response
+bytes cached per request body (the "engine that answers instantly" of the proxy-overhead
+benchmark).
+
+What a reply says is decided in `testkit._fake_text` (filler, tool calls, label logprobs).
+`/metrics` speaks the flavor's Prometheus names (SGLang, vLLM or llama.cpp) and the
+endpoints the peer routers probe (`/server_info`, `/get_load`, `/loads`, ...) answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import math
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeGuard
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+
+from testkit._fake_text import (
+    CHARS_PER_TOKEN,
+    DEFAULT_MAX_TOOL_CALLS,
+    FillerPool,
+    Reply,
+    key,
+    plan_reply,
+    render_message,
+)
+from testkit.engine import EngineParams, EngineRequest, Finished, FirstToken, SimEngine
+
+__all__ = ["FLAVORS", "FakeEngineSettings", "create_app", "serve"]
+
+log = logging.getLogger(__name__)
+
+Flavor = Literal["sglang", "vllm", "llamacpp"]
+FLAVORS: tuple[Flavor, ...] = ("sglang", "vllm", "llamacpp")
+
+DEFAULT_MAX_TOKENS = 256
+# How often a waiting handler checks that its client is still there, and how often a
+# stream looks for newly generated tokens (wall seconds).
+_DISCONNECT_POLL_S = 0.05
+_STREAM_POLL_S = 0.01
+# A content chunk carries at most this many tokens.
+_TOKENS_PER_CHUNK = 5
+_INSTANT_CACHE_ENTRIES = 4096
+_JSON = "application/json"
+_SSE = "text/event-stream"
+_PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
+# Instant responses are cached with this id and get a fresh one (same length) per request.
+_ID_PLACEHOLDER = "chatcmpl-" + "0" * 24
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FakeEngineSettings:
+    """Configuration of one fake engine."""
+
+    flavor: Flavor = "sglang"
+    models: tuple[str, ...] = ("llama-3.2-1b",)
+    # virtual seconds per wall second: 20 makes a 5 s generation take 0.25 s
+    time_scale: float = 1.0
+    # answer at once, no simulation
+    instant: bool = False
+    seed: int = 0
+    # label set of /classify
+    labels: tuple[str, ...] = ("negative", "positive")
+    engine: EngineParams = field(default_factory=EngineParams.reference)
+
+    def __post_init__(self) -> None:
+        if self.flavor not in FLAVORS:
+            raise ValueError(f"flavor must be one of {FLAVORS}, got {self.flavor!r}")
+        if not self.models:
+            raise ValueError("at least one model name is needed")
+        if not self.time_scale > 0 or math.isinf(self.time_scale):
+            raise ValueError("time_scale must be a positive finite number")
+        if not self.labels:
+            raise ValueError("at least one label is needed")
+
+
+# --------------------------------------------------------------------------- engine driver
+
+
+@dataclass(eq=False, slots=True)
+class _Pending:
+    first: asyncio.Future[None]
+    done: asyncio.Future[Finished]
+
+
+class _Driver:
+    """Runs the SimEngine in real time and wakes the handlers waiting on its outputs."""
+
+    def __init__(self, params: EngineParams, time_scale: float) -> None:
+        self.engine = SimEngine(params)
+        self._scale = time_scale
+        self._t0 = time.monotonic()
+        self._wake = asyncio.Event()
+        self._pending: dict[str, _Pending] = {}
+        self.running = False
+
+    def now(self) -> float:
+        return (time.monotonic() - self._t0) * self._scale
+
+    def submit(self, request: EngineRequest) -> _Pending:
+        loop = asyncio.get_running_loop()
+        pending = _Pending(loop.create_future(), loop.create_future())
+        self.engine.submit(request, self.now())
+        self._pending[request.request_id] = pending
+        self._wake.set()
+        return pending
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request whose client left (no-op once it finished)."""
+        if self._pending.pop(request_id, None) is not None:
+            self.engine.cancel(request_id, self.now())
+            self._wake.set()
+
+    def poll(self) -> None:
+        """Bring the engine up to now and resolve the outputs."""
+        for out in self.engine.advance(self.now()):
+            pending = self._pending.get(out.request_id)
+            if pending is None:
+                continue
+            if not pending.first.done():
+                pending.first.set_result(None)
+            if isinstance(out, Finished):
+                del self._pending[out.request_id]
+                pending.done.set_result(out)
+            else:
+                assert isinstance(out, FirstToken)
+
+    def start(self) -> asyncio.Task[None]:
+        """Start the clock (virtual time 0) and the task that drives the engine."""
+        self._t0 = time.monotonic()
+        self.running = True
+        return asyncio.create_task(self._run(), name="fake-engine")
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                self._wake.clear()
+                self.poll()
+                t = self.engine.next_event_time()
+                if t is None:
+                    await self._wake.wait()
+                    continue
+                delay = (t - self.now()) / self._scale
+                if delay <= 0:
+                    await asyncio.sleep(0)
+                    continue
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(delay):
+                        await self._wake.wait()
+        finally:
+            self.running = False
+
+
+# --------------------------------------------------------------------------- requests
+
+
+class _HTTPError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def _error(status: int, message: str) -> Response:
+    return Response(json.dumps({"error": {"message": message}}), status, media_type=_JSON)
+
+
+def _json(payload: object) -> Response:
+    return Response(json.dumps(payload), media_type=_JSON)
+
+
+@dataclass(frozen=True, slots=True)
+class _Chat:
+    model: str
+    messages: list[dict[str, Any]]
+    stream: bool
+    include_usage: bool
+    max_tokens: int
+    logprobs: bool
+    top_logprobs: int
+    tools: list[dict[str, Any]]
+    max_tool_calls: int
+    priority: int
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _parse_json(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise _HTTPError(400, f"invalid JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise _HTTPError(400, "the request body must be a JSON object")
+    return body
+
+
+def _parse_model(body: dict[str, Any], models: tuple[str, ...]) -> str:
+    model = body.get("model", models[0])
+    if model is None:
+        return models[0]
+    if not isinstance(model, str) or model not in models:
+        raise _HTTPError(404, f"model {model!r} not found")
+    return model
+
+
+def _parse_chat(body: dict[str, Any], models: tuple[str, ...]) -> _Chat:
+    """Validate a chat completion request; unknown fields are ignored (routers add some)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _HTTPError(400, "'messages' must be a non-empty list of message objects")
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+            raise _HTTPError(400, f"messages[{i}] must be an object with a string 'role'")
+    model = _parse_model(body, models)
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is None:
+        max_tokens = DEFAULT_MAX_TOKENS
+    elif not _is_int(max_tokens) or max_tokens < 1:
+        raise _HTTPError(400, "'max_tokens' must be a positive integer")
+    top = body.get("top_logprobs")
+    if top is None:
+        top = 0
+    elif not _is_int(top) or not 0 <= top <= 20:
+        raise _HTTPError(400, "'top_logprobs' must be an integer from 0 to 20")
+    tools = body.get("tools")
+    if tools is None:
+        tools = []
+    if not isinstance(tools, list):
+        raise _HTTPError(400, "'tools' must be a list")
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise _HTTPError(400, f"tools[{i}] must have a 'function' with a string 'name'")
+    n_calls = body.get("fake_max_tool_calls")
+    if not _is_int(n_calls) or n_calls < 0:
+        n_calls = DEFAULT_MAX_TOOL_CALLS
+    options = body.get("stream_options")
+    priority = body.get("priority")
+    return _Chat(
+        model=model,
+        messages=messages,
+        stream=body.get("stream") is True,
+        include_usage=isinstance(options, dict) and options.get("include_usage") is True,
+        max_tokens=max_tokens,
+        logprobs=body.get("logprobs") is True,
+        top_logprobs=top,
+        tools=tools,
+        max_tool_calls=n_calls,
+        priority=priority if _is_int(priority) else 0,
+    )
+
+
+# --------------------------------------------------------------------------- responses
+
+
+def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def _completion_body(
+    rid: str, created: int, chat: _Chat, reply: Reply, conv: int, usage: dict[str, Any]
+) -> bytes:
+    message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+    if reply.tool_call is not None:
+        message["tool_calls"] = [reply.tool_call]
+    logprobs = None
+    if chat.logprobs:
+        logprobs = {"content": reply.logprobs(0, len(reply.tokens), chat.top_logprobs, conv)}
+    payload = {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": chat.model,
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "logprobs": logprobs,
+                "finish_reason": reply.finish_reason,
+            }
+        ],
+        "usage": usage,
+    }
+    return json.dumps(payload).encode()
+
+
+class _Chunks:
+    """`data: {chat.completion.chunk}` events of one stream."""
+
+    def __init__(self, rid: str, created: int, chat: _Chat, reply: Reply, conv: int) -> None:
+        head = {"id": rid, "object": "chat.completion.chunk", "created": created}
+        self._head = json.dumps({**head, "model": chat.model})[:-1]
+        self._chat, self._reply, self._conv = chat, reply, conv
+
+    def _event(
+        self, delta: dict[str, Any], logprobs: object = None, finish: str | None = None
+    ) -> str:
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return f'data: {self._head}, "choices": [{json.dumps(choice)}]}}\n\n'
+
+    def role(self) -> str:
+        return self._event({"role": "assistant", "content": ""})
+
+    def content(self, start: int, stop: int) -> str:
+        """Events for text tokens [start, stop), at most _TOKENS_PER_CHUNK tokens each."""
+        reply, chat, parts = self._reply, self._chat, []
+        for a in range(start, stop, _TOKENS_PER_CHUNK):
+            b = min(a + _TOKENS_PER_CHUNK, stop)
+            lp = None
+            if chat.logprobs:
+                lp = {"content": reply.logprobs(a, b, chat.top_logprobs, self._conv)}
+            parts.append(self._event({"content": "".join(reply.tokens[a:b])}, lp))
+        return "".join(parts)
+
+    def tool_call(self, part: int) -> str:
+        call = self._reply.tool_call
+        assert call is not None
+        fn = call["function"]
+        if part == 0:
+            head = {"name": fn["name"], "arguments": ""}
+            delta = {"index": 0, "id": call["id"], "type": "function", "function": head}
+        else:
+            delta = {"index": 0, "function": {"arguments": fn["arguments"]}}
+        return self._event({"tool_calls": [delta]})
+
+    def end(self, usage: dict[str, Any]) -> str:
+        tail = self._event({}, None, self._reply.finish_reason)
+        if self._chat.include_usage:
+            tail += f'data: {self._head}, "choices": [], "usage": {json.dumps(usage)}}}\n\n'
+        return tail + "data: [DONE]\n\n"
+
+
+# --------------------------------------------------------------------------- metrics
+
+# (metric suffix, EngineMetrics field, help) per flavor
+_METRICS: dict[str, tuple[tuple[str, str, str], ...]] = {
+    "sglang": (
+        ("num_running_reqs", "running", "The number of running requests."),
+        ("num_queue_reqs", "queued", "The number of requests in the waiting queue."),
+        ("token_usage", "token_usage", "The token usage of the KV pool."),
+        ("cache_hit_rate", "cache_hit_rate", "The prefix cache hit rate."),
+    ),
+    "vllm": (
+        ("num_requests_running", "running", "Number of requests in model execution batches."),
+        ("num_requests_waiting", "queued", "Number of requests waiting to be processed."),
+        ("gpu_cache_usage_perc", "token_usage", "GPU KV-cache usage. 1 means 100 percent usage."),
+    ),
+    "llamacpp": (
+        ("requests_processing", "running", "Number of requests processing."),
+        ("requests_deferred", "queued", "Number of requests deferred."),
+        ("kv_cache_usage_ratio", "token_usage", "KV-cache usage. 1 means 100 percent usage."),
+    ),
+}
+
+
+def _metrics_text(flavor: str, model: str, values: dict[str, float]) -> str:
+    label = json.dumps(model)
+    lines = []
+    for suffix, field_name, help_text in _METRICS[flavor]:
+        name = f"{flavor}:{suffix}"
+        lines += [
+            f"# HELP {name} {help_text}",
+            f"# TYPE {name} gauge",
+            f"{name}{{model_name={label}}} {float(values[field_name])}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- the app
+
+
+def _prompt_blocks(text: str, block_chars: int) -> tuple[list[int], int]:
+    """Chained block ids of `text`, and the chain value before its last block."""
+    ids: list[int] = []
+    prev = 0
+    for i in range(0, len(text), block_chars):
+        prev = hash((prev, text[i : i + block_chars]))
+        ids.append(prev)
+    return ids, (ids[-2] if len(ids) > 1 else 0)
+
+
+def create_app(settings: FakeEngineSettings) -> FastAPI:
+    """Build the fake engine's app; its simulated engine starts with the app's lifespan."""
+    s = settings
+    params = s.engine
+    block_chars = params.block_tokens * CHARS_PER_TOKEN
+    driver = None if s.instant else _Driver(params, s.time_scale)
+    pool = FillerPool(s.seed)
+    ids = itertools.count(1)
+    instant_cache: dict[bytes, tuple[bytes, str]] = {}
+    served = [{"id": m, "object": "model", "created": 0, "owned_by": "fake"} for m in s.models]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        task = None if driver is None else driver.start()
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    app = FastAPI(title=f"fake {s.flavor} engine", lifespan=lifespan)
+
+    def metric_values() -> dict[str, float]:
+        if driver is None:
+            return {"running": 0, "queued": 0, "token_usage": 0.0, "cache_hit_rate": 0.0}
+        driver.poll()
+        m = driver.engine.metrics()
+        return {
+            "running": m.running,
+            "queued": m.queued,
+            "token_usage": m.token_usage,
+            "cache_hit_rate": m.cache_hit_rate,
+        }
+
+    def load() -> dict[str, int]:
+        v = metric_values()
+        return {
+            "load": int(v["running"] + v["queued"]),
+            "num_reqs": int(v["running"]),
+            "num_waiting_reqs": int(v["queued"]),
+        }
+
+    def plan(chat: _Chat) -> tuple[str, int, Reply]:
+        text = "".join(render_message(m) for m in chat.messages)
+        if chat.tools:
+            text = json.dumps(chat.tools, sort_keys=True) + text
+        conv = key(s.seed, text)
+        reply = plan_reply(
+            seed=s.seed,
+            pool=pool,
+            conv=conv,
+            messages=chat.messages,
+            tools=chat.tools,
+            max_tool_calls=chat.max_tool_calls,
+            max_tokens=chat.max_tokens,
+        )
+        return text, conv, reply
+
+    def new_id() -> str:
+        return f"chatcmpl-{next(ids):024x}"
+
+    def instant_reply(raw: bytes, chat: _Chat) -> Response:
+        hit = instant_cache.get(raw)
+        if hit is None:
+            text, conv, reply = plan(chat)
+            prompt = max(1, -(-len(text) // CHARS_PER_TOKEN))
+            usage = _usage(prompt, reply.n_tokens, 0)
+            created = int(time.time())
+            if chat.stream:
+                chunks = _Chunks(_ID_PLACEHOLDER, created, chat, reply, conv)
+                events = chunks.role()
+                if reply.tool_call is not None:
+                    events += chunks.tool_call(0) + chunks.tool_call(1)
+                else:
+                    events += chunks.content(0, len(reply.tokens))
+                hit = ((events + chunks.end(usage)).encode(), _SSE)
+            else:
+                hit = (_completion_body(_ID_PLACEHOLDER, created, chat, reply, conv, usage), _JSON)
+            if len(instant_cache) >= _INSTANT_CACHE_ENTRIES:
+                instant_cache.clear()
+            instant_cache[raw] = hit
+        body, media = hit
+        return Response(body.replace(_ID_PLACEHOLDER.encode(), new_id().encode()), media_type=media)
+
+    def engine_request(chat: _Chat, text: str, reply: Reply, rid: str) -> EngineRequest:
+        blocks, before_last = _prompt_blocks(text, block_chars)
+        prompt = max(1, -(-len(text) // CHARS_PER_TOKEN))
+        room = params.kv_pool_tokens - len(blocks) * params.block_tokens
+        if room < 1:
+            raise _HTTPError(
+                400,
+                f"the prompt ({prompt} tokens) does not fit the KV pool "
+                f"({params.kv_pool_tokens} tokens)",
+            )
+        max_new = min(chat.max_tokens, room)
+        # The reply's blocks continue the chain over the conversation as the client will
+        # send it back, so the next turn also finds this turn's reply in the cache.
+        message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+        if reply.tool_call is not None:
+            message["tool_calls"] = [reply.tool_call]
+        grown = text + render_message(message)
+        start = len(blocks) - (len(text) % block_chars != 0)
+        prev = blocks[start - 1] if start == len(blocks) else before_last
+        out_blocks: list[int] = []
+        for i in range(start * block_chars, len(grown), block_chars):
+            prev = hash((prev, grown[i : i + block_chars]))
+            out_blocks.append(prev)
+        return EngineRequest(
+            request_id=rid,
+            prompt_blocks=tuple(blocks),
+            prompt_tokens=prompt,
+            output_tokens=max(1, min(reply.n_tokens, max_new)),
+            max_new_tokens=max_new,
+            output_blocks=tuple(out_blocks),
+            priority=chat.priority,
+        )
+
+    async def client_stayed(request: Request, fut: asyncio.Future[Any]) -> bool:
+        """Wait for `fut`; False if the client disconnected first."""
+        while not fut.done():
+            await asyncio.wait((fut,), timeout=_DISCONNECT_POLL_S)
+            if not fut.done() and await request.is_disconnected():
+                return False
+        return True
+
+    async def stream(
+        d: _Driver, pending: _Pending, rid: str, chunks: _Chunks, reply: Reply
+    ) -> AsyncIterator[str]:
+        # Starlette cancels this generator when the client leaves: `finally` cancels the
+        # request in the engine.
+        try:
+            await pending.first
+            yield chunks.role()
+            if reply.tool_call is not None:
+                yield chunks.tool_call(0)
+                done = await pending.done
+                yield chunks.tool_call(1)
+            else:
+                sent, total = 0, len(reply.tokens)
+                while True:
+                    if pending.done.done():
+                        n = total
+                    else:
+                        n = min(d.engine.generated_tokens(rid, d.now()), total)
+                    if n > sent:
+                        yield chunks.content(sent, n)
+                        sent = n
+                    if sent >= total and pending.done.done():
+                        break
+                    await asyncio.wait((pending.done,), timeout=_STREAM_POLL_S)
+                done = pending.done.result()
+            yield chunks.end(_usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens))
+        finally:
+            d.cancel(rid)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        raw = await request.body()
+        try:
+            chat = _parse_chat(_parse_json(raw), s.models)
+            if driver is None:
+                return instant_reply(raw, chat)
+            if not driver.running:
+                return _error(503, "the engine is not running")
+            text, conv, reply = plan(chat)
+            rid = new_id()
+            ereq = engine_request(chat, text, reply, rid)
+        except _HTTPError as exc:
+            return _error(exc.status, exc.message)
+        # The engine generates output_tokens; a reply cut short by a small KV pool ends early.
+        if ereq.output_tokens < reply.n_tokens:
+            reply = Reply(
+                reply.tokens[: ereq.output_tokens],
+                ereq.output_tokens,
+                "length" if reply.tool_call is None else reply.finish_reason,
+                reply.tool_call,
+                reply.labels,
+            )
+        pending = driver.submit(ereq)
+        created = int(time.time())
+        if chat.stream:
+            chunks = _Chunks(rid, created, chat, reply, conv)
+            gen = stream(driver, pending, rid, chunks, reply)
+            return StreamingResponse(gen, media_type=_SSE)
+        try:
+            if not await client_stayed(request, pending.done):
+                return Response(status_code=499)
+            done = pending.done.result()
+        finally:
+            driver.cancel(rid)
+        usage = _usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens)
+        return Response(_completion_body(rid, created, chat, reply, conv, usage), media_type=_JSON)
+
+    @app.post("/classify")
+    async def classify(request: Request) -> Response:
+        try:
+            body = _parse_json(await request.body())
+            model = _parse_model(body, s.models)
+        except _HTTPError as exc:
+            return _error(exc.status, exc.message)
+        inputs = body.get("input")
+        if isinstance(inputs, str):
+            inputs = [inputs]
+        if not (isinstance(inputs, list) and inputs and all(isinstance(t, str) for t in inputs)):
+            return _error(400, "'input' must be a string or a non-empty list of strings")
+        labels, data, tokens = s.labels, [], 0
+        for i, text in enumerate(inputs):
+            h = key(s.seed, "classify", text)
+            best = h % len(labels)
+            weights = [1.0] * len(labels)
+            weights[best] = 2.0 + (h >> 16) % 8
+            total = sum(weights)
+            probs = [w / total for w in weights]
+            data.append(
+                {"index": i, "label": labels[best], "probs": probs, "num_classes": len(labels)}
+            )
+            tokens += max(1, -(-len(text) // CHARS_PER_TOKEN))
+        return _json(
+            {
+                "id": f"classify-{next(ids):024x}",
+                "object": "list",
+                "created": int(time.time()),
+                "model": model,
+                "data": data,
+                "usage": {
+                    "prompt_tokens": tokens,
+                    "total_tokens": tokens,
+                    "completion_tokens": 0,
+                    "prompt_tokens_details": None,
+                },
+            }
+        )
+
+    @app.get("/health")
+    async def health() -> Response:
+        return _json({})
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return _json({"object": "list", "data": served})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        text = _metrics_text(s.flavor, s.models[0], metric_values())
+        return Response(text, media_type=_PROMETHEUS)
+
+    async def server_info() -> Response:
+        return _json(
+            {
+                "model_path": s.models[0],
+                "served_model_name": s.models[0],
+                "max_total_num_tokens": params.kv_pool_tokens,
+                "max_running_requests": params.max_running_requests,
+                "chunked_prefill_size": params.chunked_prefill_tokens,
+                "page_size": params.block_tokens,
+                "enable_priority_scheduling": params.priority_scheduling,
+                "version": f"fake-{s.flavor}",
+                "internal_states": [{"load": load()["load"]}],
+            }
+        )
+
+    async def model_info() -> Response:
+        return _json({"model_path": s.models[0], "is_generation": True, "tokenizer_path": None})
+
+    async def loads(model: str | None = None) -> Response:
+        return _json({"model": model or s.models[0], "loads": [load()], **load()})
+
+    for path in ("/server_info", "/get_server_info"):
+        app.add_api_route(path, server_info, methods=["GET"])
+    for path in ("/model_info", "/get_model_info"):
+        app.add_api_route(path, model_info, methods=["GET"])
+    for path in ("/loads", "/v1/loads"):
+        app.add_api_route(path, loads, methods=["GET"])
+
+    @app.get("/get_load")
+    async def get_load() -> Response:
+        return _json(load())
+
+    @app.get("/version")
+    async def version() -> Response:
+        return _json({"version": f"fake-{s.flavor}"})
+
+    return app
+
+
+# --------------------------------------------------------------------------- serving
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+def serve(settings: FakeEngineSettings, *, host: str = "127.0.0.1", port: int) -> None:
+    """Serve the fake engine with uvicorn until SIGINT or SIGTERM (then return normally)."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # uvicorn re-raises a captured signal after shutdown (exit status 128+n); a
+            # fake engine asked to stop has stopped cleanly, so only note the request.
+            if self.should_exit:
+                self.force_exit = True
+            self.should_exit = True
+
+    config = uvicorn.Config(
+        create_app(settings),
+        host=host,
+        port=port,
+        loop="uvloop" if _importable("uvloop") else "asyncio",
+        http="httptools" if _importable("httptools") else "h11",
+        ws="none",
+        lifespan="on",
+        access_log=False,
+        log_level="warning",
+        timeout_graceful_shutdown=2,
+    )
+    log.info("fake %s engine on http://%s:%d", settings.flavor, host, port)
+    _Server(config).run()

@@ -1,0 +1,542 @@
+"""Tests for testkit.fake_engine: real HTTP over loopback against an in-process uvicorn
+(and one `python -m luftpause fake-engine` subprocess)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from testkit.engine import EngineParams
+from testkit.fake_engine import FLAVORS, FakeEngineSettings, create_app
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = "llama-3.2-1b"
+# Bounded polling: 400 x 10 ms.
+POLLS, POLL_S = 400, 0.01
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "description": "Look something up.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "query": {"type": "string"},
+                    "limit": {"type": "integer"},
+                    "exact": {"type": "boolean"},
+                },
+                "required": ["query", "limit", "exact"],
+            },
+        },
+    }
+]
+
+
+@contextlib.asynccontextmanager
+async def fake_engine(**kw: Any) -> AsyncIterator[httpx.AsyncClient]:
+    """Serve a fake engine on a free loopback port; yield a client for it."""
+    app = create_app(FakeEngineSettings(**kw))
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, ws="none", lifespan="on", access_log=False, log_level="warning")
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        for _ in range(POLLS):
+            if server.started or task.done():
+                break
+            await asyncio.sleep(POLL_S)
+        if task.done():
+            task.result()
+        assert server.started, "fake engine did not start"
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=20) as client:
+            yield client
+    finally:
+        server.should_exit = True
+        await task
+        sock.close()
+
+
+def chat(content: str = "Hello there, how are you?", **kw: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], **kw}
+
+
+async def metric(client: httpx.AsyncClient, name: str) -> float:
+    text = (await client.get("/metrics")).text
+    m = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M)
+    assert m, f"{name} not in /metrics:\n{text}"
+    return float(m.group(1))
+
+
+async def wait_metric(client: httpx.AsyncClient, name: str, pred: Any) -> float:
+    for _ in range(POLLS):
+        value = await metric(client, name)
+        if pred(value):
+            return value
+        await asyncio.sleep(POLL_S)
+    raise AssertionError(f"{name} stayed at {value}")
+
+
+async def read_events(response: httpx.Response) -> list[str]:
+    return [line[6:] async for line in response.aiter_lines() if line.startswith("data: ")]
+
+
+# --------------------------------------------------------------------------- completions
+
+
+async def test_completion_with_usage() -> None:
+    async with fake_engine(time_scale=50) as client:
+        r = await client.post("/v1/chat/completions", json=chat(max_tokens=30))
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["object"] == "chat.completion"
+        assert body["id"].startswith("chatcmpl-") and body["model"] == MODEL
+        choice = body["choices"][0]
+        assert choice["message"]["role"] == "assistant"
+        assert choice["finish_reason"] == "length"  # replies are >= 40 tokens
+        usage = body["usage"]
+        assert usage["completion_tokens"] == 30
+        assert len(choice["message"]["content"]) == 30 * 4
+        assert usage["prompt_tokens"] > 0
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+
+        # Without max_tokens the reply is 40..256 tokens and ends with "stop" (or
+        # "length" at exactly 256).
+        r = await client.post("/v1/chat/completions", json=chat("another conversation"))
+        body = r.json()
+        n = body["usage"]["completion_tokens"]
+        assert 40 <= n <= 256
+        assert body["choices"][0]["finish_reason"] == ("length" if n == 256 else "stop")
+
+
+async def test_stream_chunks_arrive_over_time_and_end_with_done() -> None:
+    # 1x: 60 tokens take ~0.7 s, so the engine is still generating when the first
+    # content chunk arrives.
+    async with fake_engine(time_scale=1) as client:
+        req = chat("tell me a story", max_tokens=60, stream=True)
+        req["stream_options"] = {"include_usage": True}
+        events = []
+        running_at_first_content = None
+        async with client.stream("POST", "/v1/chat/completions", json=req) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[6:])
+                if running_at_first_content is None and '"content": " ' in line:
+                    running_at_first_content = await metric(client, "sglang:num_running_reqs")
+        assert running_at_first_content == 1
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+        assert len({c["id"] for c in chunks}) == 1
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        usage_chunk = chunks[-1]
+        assert usage_chunk["choices"] == []
+        assert usage_chunk["usage"]["completion_tokens"] == 60
+        final = chunks[-2]["choices"][0]
+        assert final["finish_reason"] == "length" and final["delta"] == {}
+        pieces = [c["choices"][0]["delta"]["content"] for c in chunks[1:-2]]
+        assert len(pieces) > 1, "content should arrive in several chunks as it is generated"
+        assert all(0 < len(p) <= 5 * 4 for p in pieces)  # 1..5 tokens per chunk
+        streamed = "".join(pieces)
+
+        # The same conversation, not streamed, says the same thing.
+        plain = await client.post(
+            "/v1/chat/completions", json=chat("tell me a story", max_tokens=60)
+        )
+        assert plain.json()["choices"][0]["message"]["content"] == streamed
+
+        # Without include_usage: no usage chunk.
+        async with client.stream(
+            "POST", "/v1/chat/completions", json=chat("short", max_tokens=3, stream=True)
+        ) as r:
+            events = await read_events(r)
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+
+
+async def test_repeated_and_growing_conversations_hit_the_cache() -> None:
+    long_context = "You are a careful agent. " * 40  # ~250 tokens: several 16-token blocks
+    messages = [
+        {"role": "system", "content": long_context},
+        {"role": "user", "content": "first question"},
+    ]
+    async with fake_engine(time_scale=50) as client:
+        first = (await client.post("/v1/chat/completions", json={"messages": messages})).json()
+        again = (await client.post("/v1/chat/completions", json={"messages": messages})).json()
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached == again["usage"]["prompt_tokens"]
+
+        grown = [
+            *messages,
+            first["choices"][0]["message"],
+            {"role": "user", "content": "second question"},
+        ]
+        turn2 = (await client.post("/v1/chat/completions", json={"messages": grown})).json()
+        usage = turn2["usage"]
+        # The previous prompt and the reply (its output blocks) are both cached.
+        assert usage["prompt_tokens_details"]["cached_tokens"] > first["usage"]["prompt_tokens"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] < usage["prompt_tokens"]
+        assert await metric(client, "sglang:cache_hit_rate") > 0
+
+
+async def run_agent(client: httpx.AsyncClient, first_user: str) -> int:
+    """Drive one tool-calling run to its answer; return its number of tool calls."""
+    messages: list[dict[str, Any]] = [{"role": "user", "content": first_user}]
+    for calls in range(10):
+        body = {"messages": messages, "tools": TOOLS, "fake_max_tool_calls": 3}
+        r = await client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        if choice["finish_reason"] != "tool_calls":
+            assert choice["finish_reason"] in ("stop", "length")
+            assert choice["message"]["content"]
+            return calls
+        message = choice["message"]
+        assert message["content"] is None
+        (call,) = message["tool_calls"]
+        assert re.fullmatch(r"call_[0-9a-f]{16}", call["id"])
+        assert call["type"] == "function"
+        assert call["function"]["name"] == "lookup"
+        args = json.loads(call["function"]["arguments"])
+        assert args == {"query": "x", "limit": 1, "exact": True}
+        assert r.json()["usage"]["completion_tokens"] <= 20
+        messages += [message, {"role": "tool", "tool_call_id": call["id"], "content": "42"}]
+    raise AssertionError("the run did not end")
+
+
+async def test_tool_calls_then_an_answer() -> None:
+    async with fake_engine(time_scale=100) as client:
+        counts = [await run_agent(client, f"task number {i}") for i in range(8)]
+        assert all(0 <= k <= 3 for k in counts)
+        assert any(k >= 1 for k in counts), counts
+        # Deterministic: the same run makes the same number of calls.
+        assert await run_agent(client, "task number 0") == counts[0]
+
+        # Streaming tool calls: one delta with id/name, one with the arguments.
+        k_runs = [i for i, k in enumerate(counts) if k >= 1]
+        body = {
+            "messages": [{"role": "user", "content": f"task number {k_runs[0]}"}],
+            "tools": TOOLS,
+            "fake_max_tool_calls": 3,
+            "stream": True,
+        }
+        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            events = [json.loads(e) for e in (await read_events(r))[:-1]]
+        deltas = [e["choices"][0]["delta"] for e in events]
+        calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+        assert len(calls) == 2
+        assert calls[0]["function"]["name"] == "lookup" and calls[0]["id"].startswith("call_")
+        assert json.loads(calls[1]["function"]["arguments"])["query"] == "x"
+        assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+        # fake_max_tool_calls=0: never a tool call.
+        body = {"messages": body["messages"], "tools": TOOLS, "fake_max_tool_calls": 0}
+        r = await client.post("/v1/chat/completions", json=body)
+        assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+async def test_unknown_fields_are_accepted() -> None:
+    async with fake_engine(time_scale=100) as client:
+        body = chat(max_tokens=5, ignore_eos=False, skip_special_tokens=True, rid="abc")
+        body["sampling_params"] = {"temperature": 0}
+        body["priority"] = 3
+        r = await client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 5
+
+
+@pytest.mark.parametrize("instant", [False, True])
+async def test_bad_requests_are_4xx_with_a_message(instant: bool) -> None:
+    async with fake_engine(time_scale=100, instant=instant) as client:
+        cases: list[tuple[bytes, int, str]] = [
+            (b"{not json", 400, "invalid JSON"),
+            (b"[1, 2]", 400, "JSON object"),
+            (json.dumps({"model": MODEL}).encode(), 400, "messages"),
+            (json.dumps({"messages": []}).encode(), 400, "messages"),
+            (json.dumps({"messages": [{"content": "hi"}]}).encode(), 400, "messages[0]"),
+            (json.dumps(chat(max_tokens="many")).encode(), 400, "max_tokens"),
+            (json.dumps(chat(max_tokens=0)).encode(), 400, "max_tokens"),
+            (json.dumps(chat(tools=[{"type": "function"}])).encode(), 400, "tools[0]"),
+            (json.dumps(chat(top_logprobs=99, logprobs=True)).encode(), 400, "top_logprobs"),
+            (b"\xff\xfe", 400, "invalid JSON"),
+        ]
+        for raw, status, needle in cases:
+            r = await client.post(
+                "/v1/chat/completions", content=raw, headers={"content-type": "application/json"}
+            )
+            assert r.status_code == status, (raw, r.text)
+            assert needle in r.json()["error"]["message"], (raw, r.text)
+
+        r = await client.post("/v1/chat/completions", json={**chat(), "model": "x"})
+        assert r.status_code == 404
+        assert r.json() == {"error": {"message": "model 'x' not found"}}
+        r = await client.post("/classify", json={"model": "x", "input": "a"})
+        assert r.status_code == 404
+        r = await client.post("/classify", json={"input": 5})
+        assert r.status_code == 400 and "input" in r.json()["error"]["message"]
+
+
+async def test_small_kv_pool_caps_the_reply_or_rejects_the_prompt() -> None:
+    params = replace(EngineParams.reference(), kv_pool_tokens=64)
+    async with fake_engine(time_scale=100, engine=params) as client:
+        # 16-token prompt block + at most 48 new tokens fit the pool.
+        r = await client.post("/v1/chat/completions", json=chat("hi"))
+        body = r.json()
+        assert r.status_code == 200, r.text
+        assert body["usage"]["completion_tokens"] == 48
+        assert body["choices"][0]["finish_reason"] == "length"
+        r = await client.post("/v1/chat/completions", json=chat("x" * 400))
+        assert r.status_code == 400 and "KV pool" in r.json()["error"]["message"]
+
+
+async def test_served_models() -> None:
+    async with fake_engine(time_scale=100, models=("a", "b")) as client:
+        listed = (await client.get("/v1/models")).json()
+        assert listed["object"] == "list"
+        assert [m["id"] for m in listed["data"]] == ["a", "b"]
+        r = await client.post("/v1/chat/completions", json={**chat(max_tokens=2), "model": "b"})
+        assert r.status_code == 200 and r.json()["model"] == "b"
+        r = await client.post("/v1/chat/completions", json={**chat(), "model": MODEL})
+        assert r.status_code == 404
+
+
+# --------------------------------------------------------------------------- engine state
+
+RUNNING = {
+    "sglang": ("sglang:num_running_reqs", "sglang:num_queue_reqs"),
+    "vllm": ("vllm:num_requests_running", "vllm:num_requests_waiting"),
+    "llamacpp": ("llamacpp:requests_processing", "llamacpp:requests_deferred"),
+}
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+async def test_metrics_follow_the_engine(flavor: str) -> None:
+    running, queued = RUNNING[flavor]
+    # 0.02 virtual s per wall s: a 40+ token reply takes > 20 wall seconds.
+    async with fake_engine(flavor=flavor, time_scale=0.02) as client:
+        text = (await client.get("/metrics")).text
+        for name in (running, queued):
+            assert f"# HELP {name} " in text
+            assert f"# TYPE {name} gauge" in text
+            assert f'{name}{{model_name="{MODEL}"}} 0.0' in text
+        generation = asyncio.create_task(client.post("/v1/chat/completions", json=chat()))
+        assert await wait_metric(client, running, lambda v: v > 0) == 1
+        assert await metric(client, queued) == 0
+        # A client that leaves a non-streamed request cancels it in the engine, too.
+        generation.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await generation
+        await wait_metric(client, running, lambda v: v == 0)
+
+
+async def test_queue_shows_in_metrics() -> None:
+    params = replace(EngineParams.reference(), max_running_requests=1)
+    async with fake_engine(time_scale=0.02, engine=params, flavor="vllm") as client:
+        gens = [
+            asyncio.create_task(client.post("/v1/chat/completions", json=chat(f"q{i}")))
+            for i in range(3)
+        ]
+        await wait_metric(client, "vllm:num_requests_waiting", lambda v: v == 2)
+        assert await metric(client, "vllm:num_requests_running") == 1
+        for g in gens:
+            g.cancel()
+        await asyncio.gather(*gens, return_exceptions=True)
+        await wait_metric(client, "vllm:num_requests_running", lambda v: v == 0)
+        assert await metric(client, "vllm:num_requests_waiting") == 0
+
+
+async def test_client_disconnect_mid_stream_stops_generation() -> None:
+    # ~11 ms virtual per decode step at 0.02x: a 40+ token reply would take > 20 s of wall
+    # time; the disconnect must free the engine well before that (polls last ~4 s).
+    async with fake_engine(time_scale=0.02) as client:
+        req = chat("a long story please", stream=True)
+        async with client.stream("POST", "/v1/chat/completions", json=req) as r:
+            lines = r.aiter_lines()
+            seen = 0
+            async for line in lines:
+                if line.startswith("data: ") and '"content": "' in line and '"role"' not in line:
+                    seen += 1
+                    break
+            assert seen == 1
+            assert await metric(client, "sglang:num_running_reqs") == 1
+        # Leaving the `stream` block closed the connection mid-stream.
+        await wait_metric(client, "sglang:num_running_reqs", lambda v: v == 0)
+        assert await metric(client, "sglang:num_queue_reqs") == 0
+
+
+# --------------------------------------------------------------------------- other endpoints
+
+
+async def test_classify() -> None:
+    async with fake_engine(time_scale=100, labels=("spam", "ham", "eggs")) as client:
+        r = await client.post("/classify", json={"model": MODEL, "input": ["hello", "world"]})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["object"] == "list" and body["model"] == MODEL
+        assert body["id"] and body["created"] > 0
+        assert [d["index"] for d in body["data"]] == [0, 1]
+        for d in body["data"]:
+            assert d["label"] in ("spam", "ham", "eggs")
+            assert d["num_classes"] == 3 and len(d["probs"]) == 3
+            assert abs(sum(d["probs"]) - 1) < 1e-9
+            assert ("spam", "ham", "eggs")[d["probs"].index(max(d["probs"]))] == d["label"]
+        assert body["usage"]["prompt_tokens"] > 0
+        again = (await client.post("/classify", json={"input": "hello"})).json()
+        assert again["data"][0]["label"] == body["data"][0]["label"]
+
+
+async def test_probe_endpoints() -> None:
+    params = replace(EngineParams.reference(), kv_pool_tokens=30_000, max_running_requests=7)
+    async with fake_engine(time_scale=100, engine=params) as client:
+        for path in (
+            "/health",
+            "/v1/models",
+            "/server_info",
+            "/get_server_info",
+            "/model_info",
+            "/get_model_info",
+            "/get_load",
+            "/version",
+            f"/loads?model={MODEL}",
+            "/v1/loads",
+            "/metrics",
+        ):
+            r = await client.get(path)
+            assert r.status_code == 200, path
+        info = (await client.get("/server_info")).json()
+        assert info["max_total_num_tokens"] == 30_000
+        assert info["max_running_requests"] == 7
+        assert info["model_path"] == MODEL
+        assert (await client.get("/get_model_info")).json()["is_generation"] is True
+        assert (await client.get("/get_load")).json()["load"] == 0
+        assert (await client.get("/version")).json() == {"version": "fake-sglang"}
+        assert (await client.get("/loads", params={"model": MODEL})).json()["load"] == 0
+
+
+async def test_logprobs_with_labels() -> None:
+    prompt = "Is this message urgent?\nThe server is on fire.\nLabels: urgent, routine, spam"
+    async with fake_engine(time_scale=100) as client:
+        req = chat(prompt, logprobs=True, top_logprobs=2, max_tokens=1)
+        body = (await client.post("/v1/chat/completions", json=req)).json()
+        choice = body["choices"][0]
+        first = choice["logprobs"]["content"][0]
+        tops = first["top_logprobs"]
+        assert {t["token"] for t in tops} >= {"urgent", "routine", "spam"}
+        best = max(tops, key=lambda t: t["logprob"])
+        assert first["token"] == best["token"] and first["logprob"] == best["logprob"]
+        assert choice["message"]["content"].startswith(first["token"])
+        assert all(t["logprob"] <= 0 for t in tops)
+        again = (await client.post("/v1/chat/completions", json=req)).json()
+        assert again["choices"][0]["logprobs"] == choice["logprobs"]
+
+        # Without labels: an entry per token, top_logprobs of the size asked for.
+        req = chat("plain", logprobs=True, top_logprobs=3, max_tokens=4)
+        content = (await client.post("/v1/chat/completions", json=req)).json()["choices"][0]
+        entries = content["logprobs"]["content"]
+        assert len(entries) == 4
+        assert "".join(e["token"] for e in entries) == content["message"]["content"]
+        assert all(len(e["top_logprobs"]) == 3 for e in entries)
+        assert all(e["top_logprobs"][0]["token"] == e["token"] for e in entries)
+
+        # Streamed: logprobs ride on the content chunks.
+        req = chat(prompt, logprobs=True, top_logprobs=1, max_tokens=3, stream=True)
+        async with client.stream("POST", "/v1/chat/completions", json=req) as r:
+            events = [json.loads(e) for e in (await read_events(r))[:-1]]
+        lps = [e["choices"][0]["logprobs"] for e in events[1:-1]]
+        assert lps[0]["content"][0]["token"] == first["token"]
+
+
+async def test_instant_mode() -> None:
+    async with fake_engine(instant=True, flavor="llamacpp") as client:
+        req = chat("instant please", max_tokens=12)
+        a = (await client.post("/v1/chat/completions", json=req)).json()
+        b = (await client.post("/v1/chat/completions", json=req)).json()
+        assert a["id"] != b["id"]  # fresh ids although the body is cached
+        assert a["choices"] == b["choices"]
+        assert a["usage"]["completion_tokens"] == 12
+        assert a["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert len(a["choices"][0]["message"]["content"]) == 48
+
+        req = chat("instant please", max_tokens=12, stream=True)
+        req["stream_options"] = {"include_usage": True}
+        for _ in range(2):
+            async with client.stream("POST", "/v1/chat/completions", json=req) as r:
+                events = await read_events(r)
+            assert events[-1] == "[DONE]"
+            chunks = [json.loads(e) for e in events[:-1]]
+            text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1])
+            assert text == a["choices"][0]["message"]["content"]
+            assert chunks[-1]["usage"]["completion_tokens"] == 12
+            assert len({c["id"] for c in chunks}) == 1
+
+        assert await run_agent(client, "task number 3") <= 3
+        assert await metric(client, "llamacpp:requests_processing") == 0
+
+
+# --------------------------------------------------------------------------- the CLI
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_cli_subprocess_serves_and_exits_cleanly_on_sigterm() -> None:
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "luftpause", "fake-engine", "--flavor", "vllm"]
+    cmd += ["--port", str(port), "--time-scale", "50", "--model", "m1", "--model", "m2"]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+            for _ in range(1000):  # bounded: ~10 s for the interpreter to start
+                assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+                try:
+                    if (await client.get("/health")).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    await asyncio.sleep(POLL_S)
+            else:
+                raise AssertionError("fake engine subprocess did not come up")
+            r = await client.post(
+                "/v1/chat/completions", json={**chat(max_tokens=8), "model": "m2"}
+            )
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+            assert "vllm:num_requests_running" in (await client.get("/metrics")).text
+    finally:
+        proc.terminate()
+        try:
+            code = proc.wait(timeout=10)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            if proc.stderr:
+                proc.stderr.close()
+    assert code == 0
