@@ -20,7 +20,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 typecheck: $(STAMP)
-	$(BIN)/mypy scheduler testkit/engine.py testkit/fake_engine.py luftpause/config.py gateway
+	$(BIN)/mypy scheduler testkit/engine.py testkit/fake_engine.py testkit/loopback.py luftpause/config.py gateway
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest

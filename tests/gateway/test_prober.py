@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from dataclasses import replace
 
 import httpx
 import pytest
 
 from gateway.prober import Prober, auth_headers, parse_load, probe_endpoint, probe_pool
 from luftpause.config import Endpoint, parse_config
+from testkit.engine import EngineParams
+from testkit.fake_engine import FakeEngineSettings, create_app
+from testkit.loopback import serve
 
 SGLANG = """# HELP sglang:num_queue_reqs The number of requests in the waiting queue
 # TYPE sglang:num_queue_reqs gauge
@@ -179,3 +183,27 @@ async def test_prober_reports_each_round() -> None:
         assert await asyncio.wait_for(rounds.get(), 5) == ["a"]
         await prober.stop()
     assert prober.last["a"].healthy
+
+
+@pytest.mark.parametrize("flavor", ["sglang", "vllm", "llamacpp"])
+async def test_against_the_fake_engine_over_loopback(flavor: str) -> None:
+    """The fake engine's /metrics in each flavor's names reaches the core as load."""
+    one_at_a_time = replace(EngineParams.reference(), max_running_requests=1)
+    settings = FakeEngineSettings(flavor=flavor, time_scale=0.05, engine=one_at_a_time)
+    async with serve(create_app(settings)) as url, httpx.AsyncClient(timeout=30) as c:
+        ep = _endpoint(flavor, url=url)
+        idle = await probe_endpoint(c, ep)
+        assert (idle.healthy, idle.queued, idle.running) == (True, 0, 0)
+        body = {"model": "llama-3.2-1b", "messages": [{"role": "user", "content": "hi"}]}
+        # two long generations on an engine that runs one at a time: one runs, one queues
+        tasks = [asyncio.create_task(c.post(url + "/v1/chat/completions", json=body))
+                 for _ in range(2)]  # fmt: skip
+        for _ in range(500):  # bounded: the engine admits at its next step
+            busy = await probe_endpoint(c, ep)
+            if (busy.queued, busy.running) == (1, 1):
+                break
+            await asyncio.sleep(0.01)
+        assert (busy.healthy, busy.queued, busy.running) == (True, 1, 1)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

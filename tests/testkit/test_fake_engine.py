@@ -18,10 +18,10 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from testkit.engine import EngineParams
 from testkit.fake_engine import FLAVORS, FakeEngineSettings, create_app
+from testkit.loopback import serve
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "llama-3.2-1b"
@@ -51,28 +51,11 @@ TOOLS = [
 @contextlib.asynccontextmanager
 async def fake_engine(**kw: Any) -> AsyncIterator[httpx.AsyncClient]:
     """Serve a fake engine on a free loopback port; yield a client for it."""
-    app = create_app(FakeEngineSettings(**kw))
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(app, ws="none", lifespan="on", access_log=False, log_level="warning")
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    try:
-        for _ in range(POLLS):
-            if server.started or task.done():
-                break
-            await asyncio.sleep(POLL_S)
-        if task.done():
-            task.result()
-        assert server.started, "fake engine did not start"
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=20) as client:
-            yield client
-    finally:
-        server.should_exit = True
-        await task
-        sock.close()
+    async with (
+        serve(create_app(FakeEngineSettings(**kw))) as url,
+        httpx.AsyncClient(base_url=url, timeout=20) as client,
+    ):
+        yield client
 
 
 def chat(content: str = "Hello there, how are you?", **kw: Any) -> dict[str, Any]:

@@ -1,0 +1,42 @@
+"""Serve an ASGI app on a free loopback port inside the running event loop — the seam
+tests use to put real sockets between luftpause and its fakes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import uvicorn
+
+# Bounded wait for startup: 1000 x 10 ms.
+_POLLS, _POLL_S = 1000, 0.01
+
+
+@contextlib.asynccontextmanager
+async def serve(app: Any, *, host: str = "127.0.0.1") -> AsyncIterator[str]:
+    """Run `app` under uvicorn on a free port of `host`; yield its base URL; stop it
+    (lifespan shutdown included) when the block ends."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, ws="none", lifespan="on", access_log=False, log_level="warning")
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        for _ in range(_POLLS):
+            if server.started or task.done():
+                break
+            await asyncio.sleep(_POLL_S)
+        if task.done():
+            task.result()
+        if not server.started:
+            raise RuntimeError("server did not start within 10 s")
+        yield f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+    finally:
+        server.should_exit = True
+        await task
+        sock.close()
