@@ -213,6 +213,55 @@ def _fake_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def _gateway_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "gateway",
+        help="serve the gateway: the OpenAI-compatible proxy that admits turns",
+        description=(
+            "Serve the luftpause gateway (one process per pool of engines): "
+            "/v1/chat/completions admitted by the scheduler and proxied to the engines "
+            "of the configuration file. LUFTPAUSE_TOKEN, when set, is the bearer token "
+            "/v1/* require."
+        ),
+    )
+    p.add_argument(
+        "--config",
+        default=os.environ.get("LUFTPAUSE_CONFIG", "luftpause.toml"),
+        help="path of luftpause.toml (default: $LUFTPAUSE_CONFIG or ./luftpause.toml)",
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+
+
+def _gateway(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    from gateway.app import GatewaySettings, create_app
+    from luftpause.config import ConfigError, load_config
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per probe
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        raise SystemExit(f"luftpause gateway: {exc}") from None
+    settings = GatewaySettings(config=config, token=os.environ.get("LUFTPAUSE_TOKEN") or None)
+    # One process: the scheduler's state lives in it (DESIGN.md "Processes and ports").
+    uvicorn.run(
+        create_app(settings),
+        host=args.host,
+        port=args.port,
+        workers=1,
+        ws="none",
+        access_log=False,
+        log_level="info",
+        timeout_graceful_shutdown=5,
+    )
+    return 0
+
+
 def _up() -> int:
     # The gateway, worker and embedded Temporal are not built yet; say so plainly
     # rather than pretend.  What runs today is the policy and its simulator.
@@ -235,12 +284,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     sub.add_parser("up", help="run luftpause on this machine (gateway, worker, Temporal)")
     _sim_parser(sub)
     _fake_engine_parser(sub)
+    _gateway_parser(sub)
     args = parser.parse_args(argv)
     code = 0
     if args.command == "sim":
         code = _sim(args)
     elif args.command == "fake-engine":
         code = _fake_engine(args)
+    elif args.command == "gateway":
+        code = _gateway(args)
     elif args.command == "up":
         code = _up()
     sys.stdout.flush()

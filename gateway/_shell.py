@@ -1,0 +1,131 @@
+"""The admission shell: holds the core's `State`, applies events through `decide` and
+carries out its actions.
+
+Rule: every `apply` runs `decide` and executes all of its actions synchronously — no
+await in between — so on one asyncio loop no other event can interleave with a
+decision.  `Admit` and `Reject` resolve the future of the held turn; `Forget` drops
+the tool call ids the proxy remembers for the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from scheduler import (
+    Admit,
+    Event,
+    Forget,
+    Reject,
+    State,
+    TurnArrived,
+    decide,
+)
+
+__all__ = ["TOOL_CALL_MEMORY_S", "Admission", "AdmissionShell", "Rejected"]
+
+log = logging.getLogger(__name__)
+
+# How long a tool call id returned to a client still identifies its run.
+TOOL_CALL_MEMORY_S = 1800.0
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """The core answered the turn itself: status and message for the client."""
+
+    status: int
+    message: str
+
+
+Admission = str | Rejected
+"""What a held turn's future resolves to: the replica's name, or a rejection."""
+
+
+class AdmissionShell:
+    """The scheduler core in the gateway process, with the turns waiting on it."""
+
+    def __init__(self, state: State) -> None:
+        self._state = state
+        self._waiting: dict[str, asyncio.Future[Admission]] = {}
+        # tool_call_id -> (run id, expiry); run id -> its ids, for Forget
+        self._tool_calls: dict[str, tuple[str, float]] = {}
+        self._run_tool_calls: dict[str, set[str]] = {}
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+    def apply(self, event: Event) -> None:
+        """Decide on one event and carry out its actions, synchronously."""
+        self._state, actions = decide(self._state, event)
+        for action in actions:
+            if isinstance(action, Admit):
+                self._resolve(action.turn_id, action.replica)
+            elif isinstance(action, Reject):
+                self._resolve(action.turn_id, Rejected(action.status, action.message))
+            elif isinstance(action, Forget):
+                self._forget(action.run_id)
+
+    def arrive(self, event: TurnArrived) -> asyncio.Future[Admission]:
+        """Report a turn; the future resolves when the core admits or rejects it
+        (possibly already done on return)."""
+        future: asyncio.Future[Admission] = asyncio.get_running_loop().create_future()
+        self._waiting[event.turn_id] = future
+        try:
+            self.apply(event)
+        except BaseException:
+            self._waiting.pop(event.turn_id, None)
+            raise
+        return future
+
+    def forget_turn(self, turn_id: str) -> None:
+        """The turn's handler no longer waits (its terminal event was reported)."""
+        self._waiting.pop(turn_id, None)
+
+    def _resolve(self, turn_id: str, outcome: Admission) -> None:
+        future = self._waiting.pop(turn_id, None)
+        if future is None or future.done():
+            log.warning("no handler waits for turn %s (%r)", turn_id, outcome)
+            return
+        future.set_result(outcome)
+
+    # ------------------------------------------------------------- tool call ids
+
+    def remember_tool_calls(self, run_id: str, ids: Iterable[str], now: float) -> None:
+        """Tool call ids returned to a client: their echo identifies the run."""
+        expiry = now + TOOL_CALL_MEMORY_S
+        for call_id in ids:
+            previous = self._tool_calls.get(call_id)
+            if previous is not None and previous[0] != run_id:
+                self._run_tool_calls.get(previous[0], set()).discard(call_id)
+            self._tool_calls[call_id] = (run_id, expiry)
+            self._run_tool_calls.setdefault(run_id, set()).add(call_id)
+
+    def run_for_tool_calls(self, ids: Iterable[str], now: float) -> str | None:
+        """The run that returned any of these tool call ids, if still remembered."""
+        for call_id in ids:
+            known = self._tool_calls.get(call_id)
+            if known is not None and known[1] > now:
+                return known[0]
+        return None
+
+    def sweep_tool_calls(self, now: float) -> None:
+        """Drop tool call ids older than `TOOL_CALL_MEMORY_S`."""
+        expired = [cid for cid, (_, expiry) in self._tool_calls.items() if expiry <= now]
+        for call_id in expired:
+            run_id, _ = self._tool_calls.pop(call_id)
+            ids = self._run_tool_calls.get(run_id)
+            if ids is not None:
+                ids.discard(call_id)
+                if not ids:
+                    del self._run_tool_calls[run_id]
+
+    def remembered_tool_calls(self) -> int:
+        return len(self._tool_calls)
+
+    def _forget(self, run_id: str) -> None:
+        for call_id in self._run_tool_calls.pop(run_id, set()):
+            self._tool_calls.pop(call_id, None)

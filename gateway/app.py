@@ -1,0 +1,272 @@
+"""The gateway app: `create_app(settings)` builds the FastAPI app whose lifespan owns the
+upstream HTTP client, the admission shell (the scheduler core in this process), the
+prober and the tick task.  Routes are thin: parse, ask the core, stream.
+
+Built so far: `POST /v1/chat/completions` (admission and pass-through proxy),
+`DELETE /v1/runs/{run_id}`, `GET /v1/models`, `GET /health`, bearer-token auth on
+`/v1/*`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from gateway._proxy import RUN_HEADER, TurnRequest, TurnResponse, error_response
+from gateway._shell import AdmissionShell
+from gateway.prober import PROBE_PERIOD_S, Prober, ProbeResult
+from luftpause.config import Config, Endpoint
+from scheduler import Policy, RunEnded, ServiceClass, State, Tick
+
+__all__ = [
+    "CALLER_HEADER",
+    "CLASS_HEADER",
+    "CONNECT_TIMEOUT_S",
+    "RUN_HEADER",
+    "TICK_PERIOD_S",
+    "GatewaySettings",
+    "create_app",
+]
+
+log = logging.getLogger(__name__)
+
+CLASS_HEADER = "x-luftpause-class"
+CALLER_HEADER = "x-luftpause-caller"
+ANONYMOUS_CALLER = "anonymous"
+CALLER_MAX_BYTES = 128
+CONNECT_TIMEOUT_S = 2.0
+TICK_PERIOD_S = 2.0
+TOOL_CALL_SWEEP_S = 60.0
+_UPSTREAM_LIMITS = httpx.Limits(max_connections=4096, max_keepalive_connections=512)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GatewaySettings:
+    """Everything the gateway is built from."""
+
+    config: Config
+    # LUFTPAUSE_TOKEN: when set, /v1/* need `Authorization: Bearer <token>`.
+    token: str | None = None
+    probe_period: float = PROBE_PERIOD_S
+    policy: Policy | None = None
+
+
+@dataclass(slots=True)
+class _Runtime:
+    """What the lifespan provides to the routes."""
+
+    shell: AdmissionShell
+    client: httpx.AsyncClient
+    loop: asyncio.AbstractEventLoop
+
+
+class _BadRequest(Exception):
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+def create_app(settings: GatewaySettings) -> FastAPI:
+    """Build the gateway; nothing runs until the app's lifespan starts."""
+    config = settings.config
+    endpoints: dict[str, Endpoint] = {e.name: e for e in config.endpoints if e.generative}
+    models = sorted({m for e in endpoints.values() for m in e.models})
+    runtime: _Runtime | None = None
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        nonlocal runtime
+        loop = asyncio.get_running_loop()
+        if settings.token is None:
+            log.warning("LUFTPAUSE_TOKEN is not set: /v1/* are open to anyone who can connect")
+        timeout = httpx.Timeout(None, connect=CONNECT_TIMEOUT_S)
+        async with httpx.AsyncClient(timeout=timeout, limits=_UPSTREAM_LIMITS) as client:
+            shell = AdmissionShell(State.initial(config.replica_specs(), settings.policy))
+
+            def report(results: list[ProbeResult]) -> None:
+                now = loop.time()
+                for r in results:
+                    if r.endpoint in endpoints:
+                        shell.apply(r.event(now))
+
+            prober = Prober(config, client, report, period=settings.probe_period)
+            await prober.probe_once()  # serve only with a first view of the pool
+            tasks = [
+                loop.create_task(_probe(prober, settings.probe_period), name="prober"),
+                loop.create_task(_tick(shell, loop), name="scheduler-tick"),
+            ]
+            runtime = _Runtime(shell=shell, client=client, loop=loop)
+            app.state.shell = shell  # read-only view for tests and, later, /status
+            try:
+                yield
+            finally:
+                runtime = None
+                for task in tasks:
+                    task.cancel()
+                for task in tasks:
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+
+    app = FastAPI(title="luftpause gateway", lifespan=lifespan)
+
+    def authorized(request: Request) -> bool:
+        if settings.token is None:
+            return True
+        scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            credentials.strip().encode("latin-1"), settings.token.encode()
+        )
+
+    def unauthorized(run_id: str) -> Response:
+        return error_response(401, "missing or wrong bearer token", run_id)
+
+    def running() -> _Runtime:
+        if runtime is None:  # only between shutdown and the last request
+            raise RuntimeError("the gateway is not running")
+        return runtime
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        rt = running()
+        header_run = request.headers.get(RUN_HEADER, "").strip()
+        fallback_run = header_run or uuid.uuid4().hex
+        if not authorized(request):
+            return unauthorized(fallback_run)
+        raw = await request.body()
+        try:
+            body = _parse_body(raw)
+            model, messages = _parse_chat(body)
+            service_class = _parse_class(request.headers.get(CLASS_HEADER))
+        except _BadRequest as exc:
+            return error_response(400, exc.message, fallback_run)
+        now = rt.loop.time()
+        run_id = header_run or rt.shell.run_for_tool_calls(_echoed_tool_calls(messages), now)
+        turn = TurnRequest(
+            turn_id=uuid.uuid4().hex,
+            run_id=run_id or fallback_run,
+            service_class=service_class,
+            caller=_caller(request),
+            model=model,
+            body=raw,
+            content_type=request.headers.get("content-type", "application/json"),
+            accept=request.headers.get("accept"),
+            prompt_tokens=len(raw) // 4,
+            max_tokens=_max_tokens(body),
+        )
+        return TurnResponse(
+            turn, shell=rt.shell, client=rt.client, endpoints=endpoints, clock=rt.loop.time
+        )
+
+    @app.delete("/v1/runs/{run_id}")
+    async def end_run(request: Request, run_id: str) -> Response:
+        rt = running()
+        if not authorized(request):
+            return unauthorized(run_id)
+        rt.shell.apply(RunEnded(now=rt.loop.time(), run_id=run_id))
+        return Response(status_code=204, headers={RUN_HEADER: run_id})
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> Response:
+        if not authorized(request):
+            return error_response(401, "missing or wrong bearer token", uuid.uuid4().hex)
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "luftpause"} for m in models]
+        return Response(json.dumps({"object": "list", "data": data}), media_type="application/json")
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(json.dumps({"status": "ok"}), media_type="application/json")
+
+    return app
+
+
+async def _probe(prober: Prober, period: float) -> None:
+    """Probe rounds after the first one (which the lifespan awaits before serving)."""
+    loop = asyncio.get_running_loop()
+    next_round = loop.time() + period
+    while True:
+        await asyncio.sleep(max(0.0, next_round - loop.time()))
+        next_round = loop.time() + period
+        await prober.probe_once()
+
+
+async def _tick(shell: AdmissionShell, loop: asyncio.AbstractEventLoop) -> None:
+    """Feed the core its clock (turn timeouts, idle run expiry); sweep tool call ids."""
+    last_sweep = loop.time()
+    while True:
+        await asyncio.sleep(TICK_PERIOD_S)
+        now = loop.time()
+        shell.apply(Tick(now=now))
+        if now - last_sweep >= TOOL_CALL_SWEEP_S:
+            shell.sweep_tool_calls(now)
+            last_sweep = now
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def _parse_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise _BadRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise _BadRequest("request body is not valid JSON: expected an object")
+    return body
+
+
+def _parse_chat(body: dict[str, Any]) -> tuple[str, list[Any]]:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _BadRequest("'model' is required and must be a non-empty string")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _BadRequest("'messages' is required and must be a non-empty list")
+    return model, messages
+
+
+def _parse_class(value: str | None) -> ServiceClass:
+    if value is None:
+        return ServiceClass.INTERACTIVE
+    try:
+        return ServiceClass(value.strip().lower())
+    except ValueError:
+        accepted = " or ".join(f"'{c.value}'" for c in ServiceClass)
+        raise _BadRequest(f"{CLASS_HEADER} must be {accepted}, got {value!r}") from None
+
+
+def _caller(request: Request) -> str:
+    value = request.headers.get(CALLER_HEADER)
+    if not value:
+        return ANONYMOUS_CALLER
+    # Starlette decodes header bytes as latin-1; cut the original bytes, UTF-8 safe.
+    raw = value.encode("latin-1")[:CALLER_MAX_BYTES]
+    return raw.decode("utf-8", errors="ignore") or ANONYMOUS_CALLER
+
+
+def _max_tokens(body: dict[str, Any]) -> int:
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return 0
+
+
+def _echoed_tool_calls(messages: list[Any]) -> list[str]:
+    return [
+        m["tool_call_id"]
+        for m in messages
+        if isinstance(m, dict)
+        and m.get("role") == "tool"
+        and isinstance(m.get("tool_call_id"), str)
+    ]

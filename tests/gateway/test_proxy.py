@@ -1,0 +1,548 @@
+"""The proxy end to end over real loopback HTTP: fake engines and tiny upstream apps
+behind the gateway, clients in front of it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from gateway._shell import AdmissionShell
+from gateway.app import GatewaySettings, create_app
+from luftpause.config import parse_config
+from testkit._fake_text import key
+from testkit.engine import EngineParams
+from testkit.fake_engine import FakeEngineSettings
+from testkit.fake_engine import create_app as create_engine
+from testkit.loopback import serve
+
+MODEL = "llama-3.2-1b"
+RUN = "x-luftpause-run-id"
+# Bounded polling: 1000 x 10 ms.
+POLLS, POLL_S = 1000, 0.01
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "description": "Look something up.",
+            "parameters": {
+                "type": "object",
+                "properties": {"query": {"type": "string"}},
+                "required": ["query"],
+            },
+        },
+    }
+]
+
+
+@dataclass
+class Counted:
+    """An ASGI wrapper that records the chat requests reaching an upstream app."""
+
+    app: Any
+    chats: list[dict[str, Any]] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] != "/v1/chat/completions":
+            await self.app(scope, receive, send)
+            return
+        self.headers.append({k.decode(): v.decode() for k, v in scope["headers"]})
+        chunks: list[bytes] = []
+        while True:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        body = b"".join(chunks)
+        self.chats.append(json.loads(body))
+        replayed = False
+
+        async def replay() -> Any:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+def endpoint(name: str, url: str, kind: str = "sglang", **kw: Any) -> dict[str, Any]:
+    return {"name": name, "url": url, "kind": kind, "models": [MODEL], **kw}
+
+
+@contextlib.asynccontextmanager
+async def gateway(
+    *endpoints: dict[str, Any], token: str | None = None, probe_period: float = 0.05
+) -> AsyncIterator[tuple[httpx.AsyncClient, AdmissionShell]]:
+    """Serve the gateway over loopback; yield a client for it and its admission shell."""
+    config = parse_config({"endpoints": list(endpoints)})
+    app = create_app(GatewaySettings(config=config, token=token, probe_period=probe_period))
+    async with serve(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as client:
+        yield client, app.state.shell
+
+
+@contextlib.asynccontextmanager
+async def engine(**kw: Any) -> AsyncIterator[tuple[str, Counted]]:
+    counted = Counted(create_engine(FakeEngineSettings(**kw)))
+    async with serve(counted) as url:
+        yield url, counted
+
+
+def upstream(
+    chat: Callable[[Request], Response], recorded: list[dict[str, str]] | None = None
+) -> FastAPI:
+    """A tiny OpenAI-ish upstream: `/v1/models` for the probe, `chat` for turns."""
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return Response(json.dumps({"object": "list", "data": []}), media_type="application/json")
+
+    @app.post("/v1/chat/completions")
+    async def completions(request: Request) -> Response:
+        if recorded is not None:
+            recorded.append(dict(request.headers))
+        return chat(request)
+
+    return app
+
+
+def ok_chat(request: Request) -> Response:
+    body = {"choices": [{"index": 0, "message": {"content": "hi"}, "finish_reason": "stop"}]}
+    return Response(json.dumps(body), media_type="application/json")
+
+
+def chat(content: str = "Hello there", **kw: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], **kw}
+
+
+async def until(pred: Callable[[], bool], what: str) -> None:
+    for _ in range(POLLS):
+        if pred():
+            return
+        await asyncio.sleep(POLL_S)
+    raise AssertionError(f"never happened: {what}")
+
+
+def normalise(raw: bytes) -> bytes:
+    return re.sub(rb"chatcmpl-[0-9a-f]{24}", b"chatcmpl-ID", raw)
+
+
+# --------------------------------------------------------------------------- pass-through
+
+
+async def test_completions_pass_through_byte_for_byte() -> None:
+    async with (
+        engine(instant=True) as (url, counted),
+        gateway(endpoint("a", url)) as (gw, _),
+        httpx.AsyncClient(base_url=url, timeout=30) as direct,
+    ):
+        for stream in (False, True):
+            body = chat("pass me through", stream=stream, max_tokens=30)
+            body["stream_options"] = {"include_usage": True}
+            want = (await direct.post("/v1/chat/completions", json=body)).content
+            async with gw.stream(
+                "POST", "/v1/chat/completions", json=body, headers={RUN: "run-1"}
+            ) as r:
+                assert r.status_code == 200
+                assert r.headers[RUN] == "run-1"
+                got = b"".join([chunk async for chunk in r.aiter_raw()])
+            assert normalise(got) == normalise(want)
+            if stream:
+                assert r.headers["content-type"].startswith("text/event-stream")
+                events = [ln[6:] for ln in got.decode().split("\n") if ln.startswith("data: ")]
+                assert events[-1] == "[DONE]"
+                assert all(json.loads(e)["object"] == "chat.completion.chunk" for e in events[:-1])
+            else:
+                assert json.loads(got)["object"] == "chat.completion"
+        assert len(counted.chats) == 4  # two direct, two through the gateway
+
+        models = await gw.get("/v1/models")
+        assert models.json()["data"][0]["id"] == MODEL
+        assert (await gw.get("/health")).json() == {"status": "ok"}
+        ended = await gw.delete("/v1/runs/run-1")
+        assert ended.status_code == 204 and ended.headers[RUN] == "run-1"
+
+
+async def test_streaming_through_a_generating_engine_reports_usage() -> None:
+    async with engine(time_scale=20) as (url, _), gateway(endpoint("a", url)) as (gw, shell):
+        body = chat("a story", stream=True, max_tokens=40)
+        body["stream_options"] = {"include_usage": True}
+        async with gw.stream("POST", "/v1/chat/completions", json=body) as r:
+            events = [ln[6:] async for ln in r.aiter_lines() if ln.startswith("data: ")]
+            run_id = r.headers[RUN]
+        assert events[-1] == "[DONE]"
+        usage = json.loads(events[-2])["usage"]
+        assert usage["completion_tokens"] == 40
+        await until(lambda: not shell.state.turns, "turn finished")
+        run = shell.state.runs[run_id]
+        assert (run.phase, run.replica, run.in_flight) == ("idle", "a", 0)
+        assert run.context_tokens == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+# --------------------------------------------------------------------------- runs
+
+
+def tool_task(calls: int, prefix: str = "task") -> str:
+    """A first user message for which the fake engine makes at least `calls` tool calls
+    (fake_max_tool_calls = 3)."""
+    return next(
+        f"{prefix} {i}" for i in range(1000) if key(0, "tool-calls", f"{prefix} {i}") % 4 >= calls
+    )
+
+
+async def turn(
+    gw: httpx.AsyncClient, messages: list[dict[str, Any]], stream: bool, **headers: str
+) -> tuple[str, dict[str, Any], str]:
+    """One turn; returns the run id header, the assistant message and the finish reason."""
+    body = {"model": MODEL, "messages": messages, "tools": TOOLS, "stream": stream}
+    body["fake_max_tool_calls"] = 3
+    if not stream:
+        r = await gw.post("/v1/chat/completions", json=body, headers=headers)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        return r.headers[RUN], choice["message"], choice["finish_reason"]
+    message: dict[str, Any] = {"role": "assistant", "content": ""}
+    finish = ""
+    async with gw.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line[6:])["choices"]:
+                finish = choice["finish_reason"] or finish
+                delta = choice["delta"]
+                message["content"] += delta.get("content") or ""
+                for call in delta.get("tool_calls", []):
+                    if "id" in call:
+                        message.setdefault("tool_calls", []).append(call)
+                    else:
+                        message["tool_calls"][-1]["function"]["arguments"] += call["function"][
+                            "arguments"
+                        ]
+        return r.headers[RUN], message, finish
+
+
+async def tool_loop(gw: httpx.AsyncClient, task: str, **headers: str) -> tuple[list[str], int]:
+    """Drive a run until its model answers; returns each turn's run id and the turns."""
+    messages: list[dict[str, Any]] = [{"role": "user", "content": task}]
+    run_ids = []
+    for n in range(10):
+        run_id, message, finish = await turn(gw, messages, stream=n % 2 == 1, **headers)
+        run_ids.append(run_id)
+        messages.append(message)
+        if finish != "tool_calls":
+            return run_ids, n + 1
+        for call in message["tool_calls"]:
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": "found"})
+    raise AssertionError("the run never ended")
+
+
+async def test_run_identity_by_header_and_by_echoed_tool_call_ids() -> None:
+    async with engine(time_scale=50) as (url, _), gateway(endpoint("a", url)) as (gw, shell):
+        ids, turns = await tool_loop(gw, tool_task(2))
+        assert turns >= 3 and len(set(ids)) == 1  # recognised by the ids it echoed
+        assert shell.remembered_tool_calls() == turns - 1
+
+        mine, _ = await tool_loop(gw, tool_task(1, "other"), **{RUN: "mine"})
+        assert set(mine) == {"mine"}
+
+        # Without header or known ids every request is a run of its own.
+        a = await gw.post("/v1/chat/completions", json=chat("one", max_tokens=5))
+        b = await gw.post("/v1/chat/completions", json=chat("one", max_tokens=5))
+        assert re.fullmatch("[0-9a-f]{32}", a.headers[RUN]) and a.headers[RUN] != b.headers[RUN]
+
+        assert shell.remembered_tool_calls() > turns - 1
+        assert (await gw.delete("/v1/runs/mine")).status_code == 204
+        assert shell.remembered_tool_calls() == turns - 1  # only the first run's are kept
+
+
+async def test_a_paused_run_keeps_its_replica() -> None:
+    async with (
+        engine(time_scale=50) as (url_a, a),
+        engine(time_scale=50) as (url_b, b),
+        gateway(endpoint("a", url_a), endpoint("b", url_b)) as (gw, _),
+    ):
+        tasks = [tool_task(2, f"run {i}") for i in range(6)]
+        results = await asyncio.gather(*(tool_loop(gw, t) for t in tasks))
+        for task, (ids, _) in zip(tasks, results, strict=True):
+            assert len(set(ids)) == 1
+            on = {
+                name
+                for name, counted in (("a", a), ("b", b))
+                for body in counted.chats
+                if body["messages"][0]["content"] == task
+            }
+            assert len(on) == 1, f"run {task!r} moved between replicas: {on}"
+        assert a.chats and b.chats  # new runs were spread over both
+
+
+async def test_later_turns_hit_the_prefix_cache() -> None:
+    async with (
+        engine(time_scale=50) as (url_a, _),
+        engine(time_scale=50) as (url_b, _),
+        gateway(endpoint("a", url_a), endpoint("b", url_b)) as (gw, _),
+    ):
+        task = tool_task(2, "a long context " * 40)  # several cache blocks
+        messages: list[dict[str, Any]] = [{"role": "user", "content": task}]
+        cached, reasons = [], []
+        for _ in range(3):
+            body: dict[str, Any] = {"model": MODEL, "messages": messages, "tools": TOOLS}
+            body["fake_max_tool_calls"] = 3
+            r = await gw.post("/v1/chat/completions", json=body)
+            reasons.append(r.json()["choices"][0]["finish_reason"])
+            cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+            message = r.json()["choices"][0]["message"]
+            messages.append(message)
+            for call in message.get("tool_calls") or []:
+                messages.append({"role": "tool", "tool_call_id": call["id"], "content": "x"})
+        assert reasons[:2] == ["tool_calls", "tool_calls"]
+        assert cached[0] == 0 and all(c > 0 for c in cached[1:])
+
+
+# --------------------------------------------------------------------------- holding
+
+
+@contextlib.asynccontextmanager
+async def capped() -> AsyncIterator[tuple[httpx.AsyncClient, AdmissionShell, Counted, list[Any]]]:
+    """A gateway before an engine that runs one request at a time, with two long turns
+    sent, so the engine reports a queue and the core holds further turns."""
+    one = replace(EngineParams.reference(), max_running_requests=1)
+    async with (
+        engine(time_scale=1, engine=one) as (url, counted),
+        gateway(endpoint("a", url)) as (
+            gw,
+            shell,
+        ),
+    ):
+        long = [
+            asyncio.create_task(
+                gw.post(
+                    "/v1/chat/completions",
+                    json=chat(f"long {i}", max_tokens=60),
+                    headers={"x-luftpause-caller": "a"},
+                )
+            )
+            for i in range(2)
+        ]
+        await until(lambda: shell.state.replicas["a"].cap == 1, "capped at the engine's 1")
+        try:
+            yield gw, shell, counted, long
+        finally:
+            for t in long:
+                t.cancel()
+            await asyncio.gather(*long, return_exceptions=True)
+
+
+async def test_held_turns_go_interactive_first_then_fewest_in_flight_caller() -> None:
+    async with capped() as (gw, shell, counted, long):
+
+        async def send(content: str, cls: str, caller: str) -> httpx.Response:
+            headers = {"x-luftpause-class": cls, "x-luftpause-caller": caller}
+            body = chat(content, max_tokens=5)
+            return await gw.post("/v1/chat/completions", json=body, headers=headers)
+
+        held = []
+        for content, cls, caller in [
+            ("batch x", "batch", "x"),
+            ("interactive a", "interactive", "a"),  # caller a has 2 turns in flight
+            ("interactive c", "interactive", "c"),
+        ]:
+            held.append(asyncio.create_task(send(content, cls, caller)))
+            n = len(held)
+            await until(lambda: shell.state.held_count() == n, "turn held")  # noqa: B023
+        done = await asyncio.gather(*long, *held)
+        assert [r.status_code for r in done] == [200] * 5
+        order = [body["messages"][0]["content"] for body in counted.chats]
+        assert order == ["long 0", "long 1", "interactive c", "interactive a", "batch x"] or (
+            order[:2] == ["long 1", "long 0"]
+            and order[2:] == ["interactive c", "interactive a", "batch x"]
+        )
+
+
+async def test_a_held_client_that_leaves_makes_no_engine_request() -> None:
+    async with capped() as (gw, shell, counted, long):
+        waiting = asyncio.create_task(gw.post("/v1/chat/completions", json=chat("left")))
+        await until(lambda: shell.state.held_count() == 1, "turn held")
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        await until(lambda: shell.state.held_count() == 0, "held turn left the queue")
+        assert [r.status_code for r in await asyncio.gather(*long)] == [200, 200]
+        await until(lambda: not shell.state.turns, "all turns done")
+        assert len(counted.chats) == 2  # only the two long turns reached the engine
+
+
+# --------------------------------------------------------------------------- failures
+
+
+async def test_unreachable_engine_is_a_502_and_frees_the_slot() -> None:
+    async with contextlib.AsyncExitStack() as upstream_alive:
+        url = await upstream_alive.enter_async_context(serve(upstream(ok_chat)))
+        # One probe round while it is up; the next is a minute away.
+        async with gateway(endpoint("gone", url, kind="openai"), probe_period=60) as (gw, shell):
+            assert (await gw.post("/v1/chat/completions", json=chat())).status_code == 200
+            await upstream_alive.aclose()  # now nothing listens there
+            for _ in range(2):  # the failed turn freed its slot: the retry is not held
+                r = await gw.post("/v1/chat/completions", json=chat(), headers={RUN: "r"})
+                assert r.status_code == 502 and r.headers[RUN] == "r"
+                message = r.json()["error"]["message"]
+                assert message.startswith("engine gone: cannot connect"), message
+            assert not shell.state.turns
+            assert shell.state.runs["r"].phase == "idle"
+
+
+async def test_engine_429_passes_through_with_retry_after() -> None:
+    def busy(request: Request) -> Response:
+        body = b'{"error": {"message": "slow down", "type": "rate_limit"}}'
+        return Response(body, 429, headers={"Retry-After": "7"}, media_type="application/json")
+
+    async with (
+        serve(upstream(busy)) as url,
+        gateway(endpoint("a", url, kind="openai")) as (gw, shell),
+    ):
+        for _ in range(2):
+            r = await gw.post("/v1/chat/completions", json=chat(), headers={RUN: "r"})
+            assert r.status_code == 429 and r.headers["retry-after"] == "7"
+            assert r.content == b'{"error": {"message": "slow down", "type": "rate_limit"}}'
+            assert r.headers[RUN] == "r"
+        await until(lambda: not shell.state.turns, "turns failed")
+
+
+async def test_engine_failing_mid_stream_closes_without_done() -> None:
+    async def broken(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["path"] == "/v1/models":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"{}"})
+            return
+        start = [(b"content-type", b"text/event-stream")]
+        await send({"type": "http.response.start", "status": 200, "headers": start})
+        await send({"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True})
+        raise RuntimeError("the engine crashed")  # uvicorn drops the connection
+
+    async with (
+        serve(broken) as url,
+        gateway(endpoint("a", url, kind="openai")) as (gw, shell),
+    ):
+        got = b""
+        with pytest.raises(httpx.RemoteProtocolError):
+            async with gw.stream("POST", "/v1/chat/completions", json=chat(stream=True)) as r:
+                assert r.status_code == 200
+                async for chunk in r.aiter_raw():
+                    got += chunk
+        assert got == b"data: {}\n\n"
+        await until(lambda: not shell.state.turns, "turn failed")
+
+
+async def test_client_leaving_mid_stream_stops_the_engine() -> None:
+    async with engine(time_scale=1) as (url, _), gateway(endpoint("a", url)) as (gw, shell):
+        body = chat("a long story", stream=True, max_tokens=2000)
+        async with gw.stream("POST", "/v1/chat/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if '"content": "' in line and '"content": ""' not in line:
+                    break  # generating: leave
+        await until(lambda: not shell.state.turns, "turn failed")
+        async with httpx.AsyncClient(base_url=url) as direct:
+            for _ in range(POLLS):
+                text = (await direct.get("/metrics")).text
+                if re.search(r"^sglang:num_running_reqs\{.*\} 0\.0$", text, re.M):
+                    break
+                await asyncio.sleep(POLL_S)
+            else:
+                raise AssertionError("the engine kept generating")
+
+
+async def test_unknown_model_is_404_before_queueing() -> None:
+    async with engine(instant=True) as (url, counted), gateway(endpoint("a", url)) as (gw, shell):
+        r = await gw.post("/v1/chat/completions", json={**chat(), "model": "gpt-9"})
+        assert r.status_code == 404
+        assert r.json() == {"error": {"message": "no Generative replica serves model 'gpt-9'"}}
+        assert RUN in r.headers
+        assert not counted.chats and not shell.state.turns
+
+
+# --------------------------------------------------------------------------- auth, input
+
+
+async def test_token_is_required_and_never_forwarded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LUFTPAUSE_TEST_UPSTREAM_KEY", "sk-upstream")
+    seen: list[dict[str, str]] = []
+    async with (
+        serve(upstream(ok_chat, seen)) as url,
+        gateway(
+            endpoint("a", url, kind="openai", api_key_env="LUFTPAUSE_TEST_UPSTREAM_KEY"),
+            token="s3cret",
+        ) as (gw, _),
+    ):
+        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "s3cret"}):
+            r = await gw.post("/v1/chat/completions", json=chat(), headers=headers)
+            assert r.status_code == 401
+            assert r.json() == {"error": {"message": "missing or wrong bearer token"}}
+            assert RUN in r.headers
+        assert (await gw.get("/v1/models")).status_code == 401
+        assert (await gw.delete("/v1/runs/x")).status_code == 401
+        assert (await gw.get("/health")).status_code == 200
+        assert not seen
+
+        auth = {"authorization": "Bearer s3cret"}
+        r = await gw.post("/v1/chat/completions", json=chat(), headers=auth)
+        assert r.status_code == 200
+        assert (await gw.get("/v1/models", headers=auth)).status_code == 200
+        assert [h["authorization"] for h in seen] == ["Bearer sk-upstream"]
+
+
+@pytest.mark.parametrize(
+    ("content", "headers", "message"),
+    [
+        (b"{not json", {}, "request body is not valid JSON: "),
+        (b"[1, 2]", {}, "request body is not valid JSON: "),
+        (b'{"messages": [{"role": "user", "content": "x"}]}', {}, "'model'"),
+        (b'{"model": 3, "messages": [{"role": "user"}]}', {}, "'model'"),
+        (b'{"model": "llama-3.2-1b"}', {}, "'messages'"),
+        (b'{"model": "llama-3.2-1b", "messages": []}', {}, "'messages'"),
+        (
+            json.dumps(chat()).encode(),
+            {"x-luftpause-class": "urgent"},
+            "x-luftpause-class must be 'interactive' or 'batch'",
+        ),
+    ],
+)
+async def test_malformed_requests_are_400(
+    content: bytes, headers: dict[str, str], message: str
+) -> None:
+    seen: list[dict[str, str]] = []
+    async with (
+        serve(upstream(ok_chat, seen)) as url,
+        gateway(endpoint("a", url, kind="openai")) as (gw, _),
+    ):
+        r = await gw.post("/v1/chat/completions", content=content, headers=headers)
+        assert r.status_code == 400
+        assert message in r.json()["error"]["message"]
+        assert RUN in r.headers
+        assert not seen
+
+
+async def test_caller_is_cut_to_128_bytes_utf8_safe() -> None:
+    async with (
+        serve(upstream(ok_chat)) as url,
+        gateway(endpoint("a", url, kind="openai")) as (gw, shell),
+    ):
+        caller = "ä" * 100  # 200 bytes; the cut falls inside no character
+        headers = {b"x-luftpause-caller": caller.encode(), RUN.encode(): b"c"}
+        assert (await gw.post("/v1/chat/completions", json=chat(), headers=headers)).is_success
+        assert shell.state.runs["c"].caller == "ä" * 64
