@@ -4,17 +4,19 @@ carries out its actions.
 Rule: every `apply` runs `decide` and executes all of its actions synchronously — no
 await in between — so on one asyncio loop no other event can interleave with a
 decision.  `Admit` and `Reject` resolve the future of the held turn; `Forget` drops
-the tool call ids the proxy remembers for the run.
+the tool call ids the proxy remembers for the run.  An observer (the metrics) is then
+told the state before, the event and the actions, in the same synchronous step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from scheduler import (
+    Action,
     Admit,
     Event,
     Forget,
@@ -24,7 +26,7 @@ from scheduler import (
     decide,
 )
 
-__all__ = ["TOOL_CALL_MEMORY_S", "Admission", "AdmissionShell", "Rejected"]
+__all__ = ["TOOL_CALL_MEMORY_S", "Admission", "AdmissionShell", "Observer", "Rejected"]
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +45,16 @@ class Rejected:
 Admission = str | Rejected
 """What a held turn's future resolves to: the replica's name, or a rejection."""
 
+Observer = Callable[[State, Event, Sequence[Action]], None]
+"""Told of every decision after its actions ran: (state before, event, actions)."""
+
 
 class AdmissionShell:
     """The scheduler core in the gateway process, with the turns waiting on it."""
 
-    def __init__(self, state: State) -> None:
+    def __init__(self, state: State, *, observer: Observer | None = None) -> None:
         self._state = state
+        self._observer = observer
         self._waiting: dict[str, asyncio.Future[Admission]] = {}
         # tool_call_id -> (run id, expiry); run id -> its ids, for Forget
         self._tool_calls: dict[str, tuple[str, float]] = {}
@@ -60,7 +66,8 @@ class AdmissionShell:
 
     def apply(self, event: Event) -> None:
         """Decide on one event and carry out its actions, synchronously."""
-        self._state, actions = decide(self._state, event)
+        before = self._state
+        self._state, actions = decide(before, event)
         for action in actions:
             if isinstance(action, Admit):
                 self._resolve(action.turn_id, action.replica)
@@ -68,6 +75,11 @@ class AdmissionShell:
                 self._resolve(action.turn_id, Rejected(action.status, action.message))
             elif isinstance(action, Forget):
                 self._forget(action.run_id)
+        if self._observer is not None:
+            try:
+                self._observer(before, event, actions)
+            except Exception:  # metrics must never break admission
+                log.exception("observer failed on %r", event)
 
     def arrive(self, event: TurnArrived) -> asyncio.Future[Admission]:
         """Report a turn; the future resolves when the core admits or rejects it

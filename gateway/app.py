@@ -3,8 +3,8 @@ upstream HTTP client, the admission shell (the scheduler core in this process), 
 prober and the tick task.  Routes are thin: parse, ask the core, stream.
 
 Built so far: `POST /v1/chat/completions` (admission and pass-through proxy),
-`DELETE /v1/runs/{run_id}`, `GET /v1/models`, `GET /health`, bearer-token auth on
-`/v1/*`.
+`DELETE /v1/runs/{run_id}`, `GET /v1/models`, `GET /health`, `GET /status` and its
+page `GET /`, `GET /metrics`, bearer-token auth on `/v1/*`, `/status` and `/`.
 """
 
 from __future__ import annotations
@@ -21,11 +21,14 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import HTMLResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from gateway._proxy import RUN_HEADER, TurnRequest, TurnResponse, error_response
 from gateway._shell import AdmissionShell
+from gateway.metrics import GatewayMetrics
 from gateway.prober import PROBE_PERIOD_S, Prober, ProbeResult
+from gateway.status import render_status_page, status_snapshot
 from luftpause.config import Config, Endpoint
 from scheduler import Policy, RunEnded, ServiceClass, State, Tick
 
@@ -56,7 +59,7 @@ class GatewaySettings:
     """Everything the gateway is built from."""
 
     config: Config
-    # LUFTPAUSE_TOKEN: when set, /v1/* need `Authorization: Bearer <token>`.
+    # LUFTPAUSE_TOKEN: when set, /v1/*, /status and / need `Authorization: Bearer <token>`.
     token: str | None = None
     probe_period: float = PROBE_PERIOD_S
     policy: Policy | None = None
@@ -69,6 +72,7 @@ class _Runtime:
     shell: AdmissionShell
     client: httpx.AsyncClient
     loop: asyncio.AbstractEventLoop
+    prober: Prober
 
 
 class _BadRequest(Exception):
@@ -84,15 +88,22 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     models = sorted({m for e in endpoints.values() for m in e.models})
     runtime: _Runtime | None = None
 
+    def seen() -> tuple[State, dict[str, ProbeResult]] | None:
+        return (runtime.shell.state, runtime.prober.last) if runtime is not None else None
+
+    metrics = GatewayMetrics(seen)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         nonlocal runtime
         loop = asyncio.get_running_loop()
         if settings.token is None:
-            log.warning("LUFTPAUSE_TOKEN is not set: /v1/* are open to anyone who can connect")
+            log.warning("LUFTPAUSE_TOKEN is not set: /v1/* and /status are open to all")
         timeout = httpx.Timeout(None, connect=CONNECT_TIMEOUT_S)
         async with httpx.AsyncClient(timeout=timeout, limits=_UPSTREAM_LIMITS) as client:
-            shell = AdmissionShell(State.initial(config.replica_specs(), settings.policy))
+            shell = AdmissionShell(
+                State.initial(config.replica_specs(), settings.policy), observer=metrics.observe
+            )
 
             def report(results: list[ProbeResult]) -> None:
                 now = loop.time()
@@ -106,8 +117,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                 loop.create_task(_probe(prober, settings.probe_period), name="prober"),
                 loop.create_task(_tick(shell, loop), name="scheduler-tick"),
             ]
-            runtime = _Runtime(shell=shell, client=client, loop=loop)
-            app.state.shell = shell  # read-only view for tests and, later, /status
+            runtime = _Runtime(shell=shell, client=client, loop=loop, prober=prober)
+            app.state.shell = shell  # read-only view for tests
             try:
                 yield
             finally:
@@ -182,6 +193,42 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             return error_response(401, "missing or wrong bearer token", uuid.uuid4().hex)
         data = [{"id": m, "object": "model", "created": 0, "owned_by": "luftpause"} for m in models]
         return Response(json.dumps({"object": "list", "data": data}), media_type="application/json")
+
+    def snapshot(rt: _Runtime) -> dict[str, Any]:
+        counts = {"tool_call_ids_remembered": rt.shell.remembered_tool_calls()}
+        return status_snapshot(rt.shell.state, rt.prober.last, counts, rt.loop.time())
+
+    @app.get("/status")
+    async def status(request: Request) -> Response:
+        rt = running()
+        if not authorized(request):
+            return error_response(401, "missing or wrong bearer token", uuid.uuid4().hex)
+        return Response(json.dumps(snapshot(rt)), media_type="application/json")
+
+    @app.get("/")
+    async def status_page(request: Request) -> Response:
+        rt = running()
+        # A browser cannot send the bearer header: the page also takes `?token=` (and
+        # keeps it across its own refreshes, which reload the same URL).
+        query = request.query_params.get("token")
+        by_query = (
+            settings.token is not None
+            and query is not None
+            and hmac.compare_digest(query.encode(), settings.token.encode())
+        )
+        if not (by_query or authorized(request)):
+            return error_response(401, "missing or wrong bearer token", uuid.uuid4().hex)
+        return HTMLResponse(
+            render_status_page(snapshot(rt)),
+            headers={"cache-control": "no-store", "referrer-policy": "no-referrer"},
+        )
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        # Unauthenticated on purpose, like most exporters: Prometheus scrapers are
+        # usually configured without credentials, and the metrics carry counts and
+        # replica names only — no callers, run ids or prompts.
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     async def health() -> Response:

@@ -1,0 +1,173 @@
+"""`GET /metrics`: the gateway's Prometheus metrics, in a registry of its own (one per
+app, so two gateways in one process — as in the tests — never share counters).
+
+Gauges (held turns, runs, replica load and caps) are read from the core's `State` at
+scrape time by a custom collector.  Counters and histograms (admissions, affinity hits,
+turn outcomes, time held, turn latency) are observed by `GatewayMetrics.observe`, which
+the admission shell calls after every decision with the state before it, the event and
+the actions: it sees every `Admit` and `Reject` and every terminal event it is given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from gateway.prober import ProbeResult
+from scheduler import (
+    Action,
+    Admit,
+    Event,
+    Reject,
+    RunPhase,
+    ServiceClass,
+    State,
+    TurnAbandoned,
+    TurnFailed,
+    TurnFinished,
+)
+
+__all__ = ["OUTCOMES", "GatewayMetrics", "Source"]
+
+OUTCOMES = ("finished", "failed", "abandoned", "rejected")
+_HELD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_TURN_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+Source = Callable[[], tuple[State, Mapping[str, ProbeResult]] | None]
+"""What the scrape-time gauges read: the core's state and the last probes (None while
+the gateway is not running)."""
+
+
+class _StateCollector:
+    """Gauges computed from the core's state at scrape time (O(turns + runs))."""
+
+    def __init__(self, source: Source) -> None:
+        self._source = source
+
+    def collect(self) -> Iterable[Metric]:
+        seen = self._source()
+        if seen is None:
+            return []
+        state, _ = seen
+        held = GaugeMetricFamily(
+            "luftpause_held_turns", "Turns held by luftpause, by class", labels=["class"]
+        )
+        counts = {c: 0 for c in ServiceClass}
+        for t in state.held():
+            counts[t.service_class] += 1
+        for cls, n in counts.items():
+            held.add_metric([cls.value], n)
+        runs = GaugeMetricFamily(
+            "luftpause_runs", "Runs the core knows, by phase and class", labels=["phase", "class"]
+        )
+        by = {(p, c): 0 for p in RunPhase for c in ServiceClass}
+        for run in state.runs.values():
+            by[run.phase, run.service_class] += 1
+        for (phase, cls), n in by.items():
+            runs.add_metric([phase.value, cls.value], n)
+
+        def replica_gauge(name: str, doc: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, labels=["replica"])
+
+        in_flight = replica_gauge(
+            "luftpause_replica_in_flight", "Turns luftpause admitted to the replica"
+        )
+        cap = replica_gauge(
+            "luftpause_replica_cap", "luftpause's cap on in-flight turns (absent: uncapped)"
+        )
+        queued = replica_gauge("luftpause_engine_queued", "The engine's queue at the last probe")
+        running = replica_gauge(
+            "luftpause_engine_running", "Requests the engine ran at the last probe"
+        )
+        healthy = replica_gauge("luftpause_replica_healthy", "1 when the last probe succeeded")
+        for name in sorted(state.replicas.keys()):
+            r = state.replicas[name]
+            in_flight.add_metric([name], r.in_flight)
+            healthy.add_metric([name], 1 if r.healthy else 0)
+            if r.cap is not None:
+                cap.add_metric([name], r.cap)
+            if r.queued is not None:
+                queued.add_metric([name], r.queued)
+            if r.running is not None:
+                running.add_metric([name], r.running)
+        return [held, runs, in_flight, cap, queued, running, healthy]
+
+
+class GatewayMetrics:
+    """The gateway's metrics and the registry `/metrics` exposes."""
+
+    def __init__(self, source: Source) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_StateCollector(source))
+        self.admissions = Counter(
+            "luftpause_admissions",
+            "Turns admitted, by replica and class",
+            ["replica", "class"],
+            registry=self.registry,
+        )
+        self.affinity_hits = Counter(
+            "luftpause_affinity_hits",
+            "Admissions of a run to the replica of its previous turn",
+            registry=self.registry,
+        )
+        self.turns = Counter(
+            "luftpause_turns", "Turns ended, by outcome", ["outcome"], registry=self.registry
+        )
+        self.held_seconds = Histogram(
+            "luftpause_held_seconds",
+            "Time a turn was held before admission, by class",
+            ["class"],
+            buckets=_HELD_BUCKETS,
+            registry=self.registry,
+        )
+        self.turn_seconds = Histogram(
+            "luftpause_turn_seconds",
+            "Time from admission to the turn's end, by class",
+            ["class"],
+            buckets=_TURN_BUCKETS,
+            registry=self.registry,
+        )
+        for outcome in OUTCOMES:
+            self.turns.labels(outcome)
+        for cls in ServiceClass:
+            self.held_seconds.labels(cls.value)
+            self.turn_seconds.labels(cls.value)
+
+    def observe(self, before: State, event: Event, actions: Sequence[Action]) -> None:
+        """Count one decision: `before` is the state the event was applied to."""
+        placed: dict[str, str | None] = {}  # run -> replica of its latest admitted turn
+        for action in actions:
+            if isinstance(action, Admit):
+                cls = action.service_class.value
+                self.admissions.labels(action.replica, cls).inc()
+                self.held_seconds.labels(cls).observe(max(0.0, action.held_s))
+                if action.run_id in placed:
+                    previous = placed[action.run_id]
+                else:
+                    run = before.runs.get(action.run_id)
+                    previous = run.replica if run is not None else None
+                if previous == action.replica:
+                    self.affinity_hits.inc()
+                placed[action.run_id] = action.replica
+            elif isinstance(action, Reject):
+                self.turns.labels("rejected").inc()
+        if isinstance(event, TurnFinished | TurnFailed | TurnAbandoned):
+            turn = before.turns.get(event.turn_id)
+            if turn is None or (turn.replica is None and not isinstance(event, TurnAbandoned)):
+                return  # the core ignores it (timed out already): counted nowhere
+            if isinstance(event, TurnFinished):
+                outcome = "finished"
+            elif isinstance(event, TurnFailed):
+                outcome = "failed"
+            else:
+                outcome = "abandoned"
+            self.turns.labels(outcome).inc()
+            if turn.replica is not None:
+                elapsed = max(0.0, event.now - turn.admitted_at)
+                self.turn_seconds.labels(turn.service_class.value).observe(elapsed)
+
+    def exposition(self) -> bytes:
+        """The registry in the Prometheus text format."""
+        return generate_latest(self.registry)

@@ -1,0 +1,172 @@
+"""`GET /status` and `GET /`: what the admission shell sees, as JSON and as a small HTML
+page.  `status_snapshot` is a pure function of the core's `State`, the last probe
+results and the shell's own counts, so it is tested without HTTP; it reads every held
+turn and every run once (O(turns + runs)), which is fine for a status call.
+"""
+
+from __future__ import annotations
+
+import heapq
+import html
+from collections.abc import Mapping
+from typing import Any
+
+from gateway.prober import ProbeResult
+from scheduler import RunPhase, ServiceClass, State
+
+__all__ = ["TOP_CALLERS", "render_status_page", "status_snapshot"]
+
+# The held-turn table lists the callers with the most held turns, at most this many.
+TOP_CALLERS = 50
+PAGE_REFRESH_S = 2
+
+
+def status_snapshot(
+    state: State,
+    probes: Mapping[str, ProbeResult],
+    shell_counts: Mapping[str, int],
+    now: float,
+) -> dict[str, Any]:
+    """The `/status` document: replicas, held turns by class and caller, runs by phase
+    and class, plus the shell's counts (e.g. `tool_call_ids_remembered`) at top level."""
+    replicas = []
+    for name in sorted(state.replicas.keys()):
+        r = state.replicas[name]
+        probe = probes.get(name)
+        kv_limit = state.kv_limit(name)
+        replicas.append(
+            {
+                "name": name,
+                "healthy": r.healthy,
+                "probe_error": probe.error if probe is not None else None,
+                "engine_queued": r.queued,
+                "engine_running": r.running,
+                "cap": r.cap,
+                "in_flight": r.in_flight,
+                "paused_interactive": r.paused_interactive,
+                "bound_runs": r.bound_runs,
+                "kv_working_set_tokens": r.ws_tokens,
+                "kv_limit_tokens": int(kv_limit) if kv_limit is not None else None,
+            }
+        )
+
+    by_class = {c.value: 0 for c in ServiceClass}
+    # caller -> [held turns, earliest arrival]
+    callers: dict[str, list[Any]] = {}
+    total = 0
+    earliest: float | None = None
+    for t in state.held():
+        total += 1
+        by_class[t.service_class.value] += 1
+        entry = callers.get(t.caller)
+        if entry is None:
+            callers[t.caller] = [1, t.arrived]
+        else:
+            entry[0] += 1
+            entry[1] = min(entry[1], t.arrived)
+        if earliest is None or t.arrived < earliest:
+            earliest = t.arrived
+    top = heapq.nsmallest(TOP_CALLERS, callers.items(), key=lambda kv: (-kv[1][0], kv[1][1], kv[0]))
+    by_caller = [
+        {
+            "caller": caller,
+            "held": held,
+            "in_flight": state.caller_in_flight(caller),
+            "oldest_wait_s": _wait(now, arrived),
+        }
+        for caller, (held, arrived) in top
+    ]
+
+    runs = {p.value: {c.value: 0 for c in ServiceClass} for p in RunPhase}
+    for run in state.runs.values():
+        runs[run.phase.value][run.service_class.value] += 1
+
+    return {
+        "replicas": replicas,
+        "held": {
+            "total": total,
+            "by_class": by_class,
+            "by_caller": by_caller,
+            "oldest_wait_s": _wait(now, earliest) if earliest is not None else 0.0,
+        },
+        "runs": {"by_phase_and_class": runs, "total": len(state.runs)},
+        **shell_counts,
+        "now": now,
+    }
+
+
+def _wait(now: float, arrived: float) -> float:
+    return round(max(0.0, now - arrived), 3)
+
+
+# --------------------------------------------------------------------------- the page
+
+_STYLE = """
+body { font: 14px system-ui, sans-serif; margin: 1.5em; color: #222; }
+table { border-collapse: collapse; margin: 0.5em 0 1.5em; }
+th, td { border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: right; }
+th:first-child, td:first-child { text-align: left; }
+th { background: #f3f3f3; }
+"""
+
+
+def _cell(value: object) -> str:
+    text = "" if value is None else str(value)
+    return f"<td>{html.escape(text)}</td>"
+
+
+def _table(headers: list[str], rows: list[list[object]]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(_cell(v) for v in row) + "</tr>" for row in rows)
+    if not rows:
+        body = f'<tr><td colspan="{len(headers)}">none</td></tr>'
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def render_status_page(snapshot: Mapping[str, Any]) -> str:
+    """The snapshot as a self-contained HTML page that reloads itself every 2 s; every
+    value is escaped (callers are whatever clients sent)."""
+    replica_keys = [
+        "name",
+        "healthy",
+        "probe_error",
+        "engine_queued",
+        "engine_running",
+        "cap",
+        "in_flight",
+        "paused_interactive",
+        "bound_runs",
+        "kv_working_set_tokens",
+        "kv_limit_tokens",
+    ]
+    replicas = _table(replica_keys, [[r[k] for k in replica_keys] for r in snapshot["replicas"]])
+    held = snapshot["held"]
+    classes = [c.value for c in ServiceClass]
+    held_by_class = _table(["class", "held"], [[c, held["by_class"].get(c, 0)] for c in classes])
+    held_by_caller = _table(
+        ["caller", "held", "in_flight", "oldest_wait_s"],
+        [[c["caller"], c["held"], c["in_flight"], c["oldest_wait_s"]] for c in held["by_caller"]],
+    )
+    runs = snapshot["runs"]
+    runs_table = _table(
+        ["phase", *classes],
+        [[p, *(n.get(c, 0) for c in classes)] for p, n in runs["by_phase_and_class"].items()],
+    )
+    summary = (
+        f"held {held['total']} (oldest {held['oldest_wait_s']} s), runs {runs['total']}, "
+        f"tool call ids remembered {snapshot.get('tool_call_ids_remembered', 0)}"
+    )
+    return (
+        "<!doctype html>\n"
+        '<html lang="en"><head><meta charset="utf-8">'
+        f'<meta http-equiv="refresh" content="{PAGE_REFRESH_S}">'
+        "<title>luftpause status</title>"
+        f"<style>{_STYLE}</style></head><body>"
+        "<h1>luftpause</h1>"
+        f"<p>{html.escape(summary)}</p>"
+        f"<h2>Replicas</h2>{replicas}"
+        f"<h2>Held turns by class</h2>{held_by_class}"
+        f"<h2>Held turns by caller (top {TOP_CALLERS})</h2>{held_by_caller}"
+        f"<h2>Runs by phase and class</h2>{runs_table}"
+        "</body></html>\n"
+    )

@@ -1,0 +1,430 @@
+"""`/status`, its page `/` and `/metrics`: the snapshot as a pure function of a state
+built with the core's `decide`, the metrics' observations of decisions, and the routes
+over real loopback HTTP with a fake engine."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway._shell import AdmissionShell
+from gateway.app import GatewaySettings, create_app
+from gateway.metrics import GatewayMetrics
+from gateway.prober import ProbeResult
+from gateway.status import TOP_CALLERS, render_status_page, status_snapshot
+from luftpause.config import parse_config
+from scheduler import (
+    Event,
+    Policy,
+    ReplicaProbed,
+    ReplicaSpec,
+    ServiceClass,
+    State,
+    TurnAbandoned,
+    TurnArrived,
+    TurnFailed,
+    TurnFinished,
+    decide,
+)
+from testkit.engine import EngineParams
+from testkit.fake_engine import FakeEngineSettings
+from testkit.fake_engine import create_app as create_engine
+from testkit.loopback import serve
+
+MODEL = "llama-3.2-1b"
+# Bounded polling: 1000 x 10 ms.
+POLLS, POLL_S = 1000, 0.01
+INTERACTIVE, BATCH = ServiceClass.INTERACTIVE, ServiceClass.BATCH
+METRIC_NAMES = (
+    "luftpause_held_turns",
+    "luftpause_runs",
+    "luftpause_replica_in_flight",
+    "# TYPE luftpause_replica_cap gauge",  # no sample: the replica is uncapped
+    "luftpause_engine_queued",
+    "luftpause_engine_running",
+    "luftpause_replica_healthy",
+    "luftpause_admissions_total",
+    "luftpause_affinity_hits_total",
+    "luftpause_turns_total",
+    "luftpause_held_seconds_count",
+    "luftpause_turn_seconds_count",
+)
+
+
+def arrived(
+    now: float,
+    turn: str,
+    run: str,
+    caller: str,
+    cls: ServiceClass = INTERACTIVE,
+    prompt: int = 0,
+    reply: int = 0,
+) -> TurnArrived:
+    return TurnArrived(
+        now=now,
+        turn_id=turn,
+        run_id=run,
+        service_class=cls,
+        caller=caller,
+        model=MODEL,
+        prompt_tokens=prompt,
+        max_tokens=reply,
+    )
+
+
+def pool() -> State:
+    """Replica a (KV pool 10000 tokens) capped at 1 by its engine's queue; b down."""
+    specs = [
+        ReplicaSpec(name="a", models=frozenset({MODEL}), kv_tokens=10_000),
+        ReplicaSpec(name="b", models=frozenset({MODEL})),
+    ]
+    return State.initial(specs, Policy())
+
+
+def run_events(
+    state: State, events: Sequence[Event], metrics: GatewayMetrics | None = None
+) -> State:
+    for ev in events:
+        before = state
+        state, actions = decide(state, ev)
+        if metrics is not None:
+            metrics.observe(before, ev, actions)
+    return state
+
+
+CAPPED: list[Event] = [
+    ReplicaProbed(now=0.0, replica="a", healthy=True, queued=1, running=1),
+    ReplicaProbed(now=0.0, replica="b", healthy=False),
+]
+SCENE: list[Event] = [
+    *CAPPED,
+    arrived(1.0, "t1", "r1", "alice", prompt=100, reply=50),  # admitted to a
+    arrived(2.0, "t2", "r2", "bob", BATCH),  # held: a is full
+    arrived(3.0, "t3", "r3", "bob", prompt=40, reply=10),  # held
+    arrived(4.0, "t4", "r4", "carol"),  # held
+    # r1 pauses on a tool; a's slot goes to bob's interactive turn (bob's first in flight)
+    TurnFinished(
+        now=5.0, turn_id="t1", finish_reason="tool_calls", prompt_tokens=100, completion_tokens=20
+    ),
+]
+
+
+def test_snapshot_of_a_hand_built_state() -> None:
+    state = run_events(pool(), SCENE)
+    probes = {
+        "a": ProbeResult(endpoint="a", healthy=True, queued=1, running=1),
+        "b": ProbeResult(endpoint="b", healthy=False, error="cannot connect"),
+    }
+    snap = status_snapshot(state, probes, {"tool_call_ids_remembered": 3}, 10.0)
+    assert snap == {
+        "replicas": [
+            {
+                "name": "a",
+                "healthy": True,
+                "probe_error": None,
+                "engine_queued": 1,
+                "engine_running": 1,
+                "cap": 1,
+                "in_flight": 1,
+                "paused_interactive": 1,
+                "bound_runs": 2,
+                # r1 paused: 120 context + 50 reply; r3 generating: 40 + 10
+                "kv_working_set_tokens": 220,
+                "kv_limit_tokens": 8000,
+            },
+            {
+                "name": "b",
+                "healthy": False,
+                "probe_error": "cannot connect",
+                "engine_queued": None,
+                "engine_running": None,
+                "cap": None,
+                "in_flight": 0,
+                "paused_interactive": 0,
+                "bound_runs": 0,
+                "kv_working_set_tokens": 0,
+                "kv_limit_tokens": None,
+            },
+        ],
+        "held": {
+            "total": 2,
+            "by_class": {"interactive": 1, "batch": 1},
+            "by_caller": [
+                {"caller": "bob", "held": 1, "in_flight": 1, "oldest_wait_s": 8.0},
+                {"caller": "carol", "held": 1, "in_flight": 0, "oldest_wait_s": 6.0},
+            ],
+            "oldest_wait_s": 8.0,
+        },
+        "runs": {
+            "by_phase_and_class": {
+                "generating": {"interactive": 1, "batch": 0},
+                "paused": {"interactive": 1, "batch": 0},
+                "idle": {"interactive": 0, "batch": 0},
+            },
+            "total": 2,
+        },
+        "tool_call_ids_remembered": 3,
+        "now": 10.0,
+    }
+
+
+def test_snapshot_lists_the_callers_with_most_held_turns_first() -> None:
+    events = list(CAPPED)
+    events.append(arrived(0.0, "busy", "busy", "busy"))  # takes a's one slot
+    events += [arrived(1.0, f"t{i}", f"r{i}", f"caller {i:03}") for i in range(TOP_CALLERS + 10)]
+    events += [arrived(2.0 + i, f"many{i}", f"many{i}", "many") for i in range(3)]
+    state = run_events(pool(), events)
+    snap = status_snapshot(state, {}, {}, 20.0)
+    by_caller = snap["held"]["by_caller"]
+    assert len(by_caller) == TOP_CALLERS
+    assert by_caller[0] == {"caller": "many", "held": 3, "in_flight": 0, "oldest_wait_s": 18.0}
+    assert by_caller[1]["caller"] == "caller 000"
+    assert snap["held"]["total"] == TOP_CALLERS + 13
+    assert snap["held"]["oldest_wait_s"] == 19.0
+
+
+def test_page_escapes_what_callers_send() -> None:
+    state = run_events(
+        pool(),
+        [
+            *CAPPED,
+            arrived(0.0, "t0", "r0", "first"),
+            arrived(1.0, "t1", "r1", "<script>alert(1)</script>"),
+        ],
+    )
+    page = render_status_page(status_snapshot(state, {}, {}, 2.0))
+    assert '<meta http-equiv="refresh" content="2">' in page
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    assert "<script>" not in page
+
+
+def sample(metrics: GatewayMetrics, name: str, **labels: str) -> float | None:
+    return metrics.registry.get_sample_value(name, labels)
+
+
+def test_metrics_observe_admissions_outcomes_and_affinity() -> None:
+    state = pool()
+    metrics = GatewayMetrics(lambda: (state, {}))
+    state = run_events(
+        state,
+        [
+            *SCENE,
+            arrived(6.0, "t5", "r1", "alice"),  # r1 comes back: held for a (affinity)
+            TurnAbandoned(now=6.5, turn_id="t4"),  # carol leaves while held
+            TurnFailed(now=7.0, turn_id="t3"),  # frees a: r1's turn is admitted there
+            TurnAbandoned(now=9.0, turn_id="unknown"),  # the core never knew it: not counted
+        ],
+        metrics,
+    )
+    rejected = TurnArrived(
+        now=9.0, turn_id="t7", run_id="r7", service_class=BATCH, caller="eve", model="nope"
+    )
+    state = run_events(state, [rejected], metrics)
+    assert (
+        sample(metrics, "luftpause_admissions_total", replica="a", **{"class": "interactive"}) == 3
+    )
+    assert sample(metrics, "luftpause_affinity_hits_total") == 1
+    assert sample(metrics, "luftpause_turns_total", outcome="finished") == 1
+    assert sample(metrics, "luftpause_turns_total", outcome="failed") == 1
+    assert sample(metrics, "luftpause_turns_total", outcome="abandoned") == 1
+    assert sample(metrics, "luftpause_turns_total", outcome="rejected") == 1
+    # t1 held 0 s, t3 held 2 s (3 -> 5), t5 held 1 s (6 -> 7)
+    assert sample(metrics, "luftpause_held_seconds_count", **{"class": "interactive"}) == 3
+    assert sample(metrics, "luftpause_held_seconds_sum", **{"class": "interactive"}) == 3.0
+    # t1 ran 1 -> 5, t3 ran 5 -> 7 (an abandoned held turn never ran)
+    assert sample(metrics, "luftpause_turn_seconds_count", **{"class": "interactive"}) == 2
+    assert sample(metrics, "luftpause_turn_seconds_sum", **{"class": "interactive"}) == 6.0
+    # gauges from the state at scrape time
+    assert sample(metrics, "luftpause_held_turns", **{"class": "batch"}) == 1
+    assert sample(metrics, "luftpause_held_turns", **{"class": "interactive"}) == 0
+    assert sample(metrics, "luftpause_runs", phase="generating", **{"class": "interactive"}) == 1
+    assert sample(metrics, "luftpause_replica_in_flight", replica="a") == 1
+    assert sample(metrics, "luftpause_replica_cap", replica="a") == 1
+    assert sample(metrics, "luftpause_replica_cap", replica="b") is None  # uncapped
+    assert sample(metrics, "luftpause_replica_healthy", replica="b") == 0
+    assert sample(metrics, "luftpause_engine_running", replica="a") == 1
+
+
+# --------------------------------------------------------------------------- over HTTP
+
+
+def endpoint(name: str, url: str) -> dict[str, Any]:
+    return {"name": name, "url": url, "kind": "sglang", "models": [MODEL]}
+
+
+@contextlib.asynccontextmanager
+async def gateway(
+    *endpoints: dict[str, Any], token: str | None = None
+) -> AsyncIterator[tuple[httpx.AsyncClient, AdmissionShell]]:
+    config = parse_config({"endpoints": list(endpoints)})
+    app = create_app(GatewaySettings(config=config, token=token, probe_period=0.05))
+    async with serve(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as client:
+        yield client, app.state.shell
+
+
+@contextlib.asynccontextmanager
+async def engine(**kw: Any) -> AsyncIterator[tuple[str, None]]:
+    async with serve(create_engine(FakeEngineSettings(**kw))) as url:
+        yield url, None
+
+
+def chat(content: str, **kw: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], **kw}
+
+
+async def until(pred: Callable[[], bool], what: str) -> None:
+    for _ in range(POLLS):
+        if pred():
+            return
+        await asyncio.sleep(POLL_S)
+    raise AssertionError(f"never happened: {what}")
+
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def parse_metrics(text: str) -> Samples:
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(parsed: Samples, name: str, **labels: str) -> float:
+    return parsed[name, frozenset(labels.items())]
+
+
+async def test_status_page_and_metrics_with_held_turns() -> None:
+    one = replace(EngineParams.reference(), max_running_requests=1)
+    async with (
+        engine(time_scale=1, engine=one) as (url, _),
+        gateway(endpoint("a", url)) as (gw, shell),
+    ):
+
+        def send(content: str, cls: str, caller: str, max_tokens: int) -> asyncio.Task[Any]:
+            headers = {"x-luftpause-class": cls, "x-luftpause-caller": caller}
+            body = chat(content, max_tokens=max_tokens)
+            return asyncio.create_task(gw.post("/v1/chat/completions", json=body, headers=headers))
+
+        tasks = [send(f"long {i}", "interactive", "a", 60) for i in range(2)]
+        try:
+            await until(lambda: shell.state.replicas["a"].cap == 1, "capped at the engine's 1")
+            tasks.append(send("held i", "interactive", "<b>x</b>", 5))
+            await until(lambda: shell.state.held_count() == 1, "interactive turn held")
+            tasks.append(send("held b", "batch", "bob", 5))
+            await until(lambda: shell.state.held_count() == 2, "batch turn held")
+            await asyncio.sleep(0.05)
+
+            r = await gw.get("/status")
+            assert r.status_code == 200
+            snap = r.json()
+            held = snap["held"]
+            assert held["total"] == 2
+            assert held["by_class"] == {"interactive": 1, "batch": 1}
+            callers = {c["caller"]: c for c in held["by_caller"]}
+            assert set(callers) == {"<b>x</b>", "bob"}
+            assert callers["<b>x</b>"]["held"] == 1 and callers["<b>x</b>"]["oldest_wait_s"] > 0
+            assert callers["bob"]["in_flight"] == 0
+            assert held["oldest_wait_s"] >= callers["bob"]["oldest_wait_s"] > 0
+            (a,) = snap["replicas"]
+            assert a["name"] == "a" and a["healthy"] and a["probe_error"] is None
+            assert (a["engine_running"], a["cap"], a["in_flight"]) == (1, 1, 2)
+            assert snap["runs"]["by_phase_and_class"]["generating"] == {
+                "interactive": 2,
+                "batch": 0,
+            }
+            assert snap["runs"]["total"] == 2
+            assert snap["tool_call_ids_remembered"] == 0
+            assert isinstance(snap["now"], float)
+
+            page = await gw.get("/")
+            assert page.status_code == 200
+            assert page.headers["content-type"].startswith("text/html")
+            assert '<meta http-equiv="refresh" content="2">' in page.text
+            assert "&lt;b&gt;x&lt;/b&gt;" in page.text
+            assert "<b>x</b>" not in page.text
+
+            m = await gw.get("/metrics")
+            assert m.status_code == 200
+            parsed = parse_metrics(m.text)
+            assert value(parsed, "luftpause_held_turns", **{"class": "interactive"}) == 1
+            assert value(parsed, "luftpause_held_turns", **{"class": "batch"}) == 1
+            assert value(parsed, "luftpause_replica_in_flight", replica="a") == 2
+            assert value(parsed, "luftpause_replica_cap", replica="a") == 1
+            assert value(parsed, "luftpause_engine_running", replica="a") == 1
+            assert value(parsed, "luftpause_replica_healthy", replica="a") == 1
+            assert (
+                value(parsed, "luftpause_runs", phase="generating", **{"class": "interactive"}) == 2
+            )
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_metrics_after_one_turn() -> None:
+    async with engine(instant=True) as (url, _), gateway(endpoint("a", url)) as (gw, shell):
+        run = {"x-luftpause-run-id": "r"}
+        r = await gw.post("/v1/chat/completions", json=chat("one"), headers=run)
+        assert r.status_code == 200
+        await until(lambda: not shell.state.turns, "turn finished")
+        text = (await gw.get("/metrics")).text
+        for name in METRIC_NAMES:
+            assert f"\n{name}" in text, name
+        parsed = parse_metrics(text)
+        assert ("luftpause_replica_cap", frozenset({("replica", "a")})) not in parsed  # uncapped
+        interactive = {"class": "interactive"}
+        assert value(parsed, "luftpause_admissions_total", replica="a", **interactive) == 1
+        assert value(parsed, "luftpause_turns_total", outcome="finished") == 1
+        assert value(parsed, "luftpause_turns_total", outcome="failed") == 0
+        assert value(parsed, "luftpause_held_seconds_count", **interactive) == 1
+        assert value(parsed, "luftpause_turn_seconds_count", **interactive) == 1
+        assert value(parsed, "luftpause_affinity_hits_total") == 0
+        assert value(parsed, "luftpause_runs", phase="idle", **interactive) == 1
+        assert value(parsed, "luftpause_held_turns", **interactive) == 0
+
+        again = await gw.post("/v1/chat/completions", json=chat("two"), headers=run)
+        assert again.status_code == 200
+        parsed = parse_metrics((await gw.get("/metrics")).text)
+        assert value(parsed, "luftpause_affinity_hits_total") == 1
+        assert value(parsed, "luftpause_admissions_total", replica="a", **interactive) == 2
+
+
+async def test_status_needs_the_token_and_the_page_takes_it_as_a_query() -> None:
+    token = "s3cret"
+    async with (
+        engine(instant=True) as (url, _),
+        gateway(endpoint("a", url), token=token) as (gw, _),
+    ):
+        denied = await gw.get("/status")
+        assert denied.status_code == 401
+        assert denied.json() == {"error": {"message": "missing or wrong bearer token"}}
+        assert (
+            await gw.get("/status", headers={"Authorization": "Bearer nope"})
+        ).status_code == 401
+        assert (await gw.get("/status", params={"token": token})).status_code == 401  # page only
+        ok = await gw.get("/status", headers={"Authorization": f"Bearer {token}"})
+        assert ok.status_code == 200 and ok.json()["replicas"][0]["name"] == "a"
+
+        assert (await gw.get("/")).status_code == 401
+        assert (await gw.get("/", params={"token": "nope"})).status_code == 401
+        page = await gw.get("/", params={"token": token})
+        assert page.status_code == 200 and "<h2>Replicas</h2>" in page.text
+        bearer = await gw.get("/", headers={"Authorization": f"Bearer {token}"})
+        assert bearer.status_code == 200
+
+        metrics = await gw.get("/metrics")
+        assert metrics.status_code == 200 and "luftpause_held_turns" in metrics.text
+
+
+async def test_status_when_open() -> None:
+    async with engine(instant=True) as (url, _), gateway(endpoint("a", url)) as (gw, _):
+        assert (await gw.get("/status")).status_code == 200
+        assert (await gw.get("/")).status_code == 200
