@@ -20,8 +20,9 @@ from typing import Any
 
 import httpx
 from starlette.responses import Response
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
+from gateway._http import describe_http_error, wait_disconnect
 from gateway._shell import AdmissionShell, Rejected
 from gateway.prober import auth_headers
 from luftpause.config import Endpoint
@@ -183,13 +184,6 @@ class TurnRequest:
     max_tokens: int
 
 
-async def _wait_disconnect(receive: Receive) -> None:
-    while True:
-        message: Message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
 class _ClientLeft(Exception):
     pass
 
@@ -227,7 +221,7 @@ class TurnResponse(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         t = self._turn
-        disconnected = asyncio.ensure_future(_wait_disconnect(receive))
+        disconnected = asyncio.ensure_future(wait_disconnect(receive))
         arrived = False
         try:
             admission = self._shell.arrive(
@@ -302,7 +296,7 @@ class TurnResponse(Response):
             self._fail("client disconnected before the engine answered")
             return
         except httpx.HTTPError as exc:
-            message = f"engine {replica}: {_describe(exc)}"
+            message = f"engine {replica}: {describe_http_error(exc)}"
             self._fail(message)
             await error_response(502, message, t.run_id)(scope, receive, send)
             return
@@ -344,7 +338,7 @@ class TurnResponse(Response):
                     watch.feed(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except httpx.HTTPError as exc:
-            self._fail(f"engine failed mid-stream: {_describe(exc)}")
+            self._fail(f"engine failed mid-stream: {describe_http_error(exc)}")
             self._remember(watch)
             return False
         self._complete = True
@@ -370,11 +364,3 @@ class TurnResponse(Response):
     def _remember(self, watch: StreamWatch) -> None:
         if watch.tool_call_ids:
             self._shell.remember_tool_calls(self._turn.run_id, watch.tool_call_ids, self._clock())
-
-
-def _describe(exc: httpx.HTTPError) -> str:
-    if isinstance(exc, httpx.ConnectTimeout):
-        return "connect timeout"
-    if isinstance(exc, httpx.ConnectError):
-        return f"cannot connect ({exc})" if str(exc) else "cannot connect"
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

@@ -3,6 +3,7 @@ upstream HTTP client, the admission shell (the scheduler core in this process), 
 prober and the tick task.  Routes are thin: parse, ask the core, stream.
 
 Built so far: `POST /v1/chat/completions` (admission and pass-through proxy),
+`POST /v1/decide` (gateway/decide.py),
 `DELETE /v1/runs/{run_id}`, `GET /v1/models`, `GET /health`, `GET /status` and its
 page `GET /`, `GET /metrics`, bearer-token auth on `/v1/*`, `/status` and `/`.
 """
@@ -26,6 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from gateway._proxy import RUN_HEADER, TurnRequest, TurnResponse, error_response
 from gateway._shell import AdmissionShell
+from gateway.decide import DecideError, decide, parse_decide
 from gateway.metrics import GatewayMetrics
 from gateway.prober import PROBE_PERIOD_S, Prober, ProbeResult
 from gateway.status import render_status_page, status_snapshot
@@ -86,6 +88,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     config = settings.config
     endpoints: dict[str, Endpoint] = {e.name: e for e in config.endpoints if e.generative}
     models = sorted({m for e in endpoints.values() for m in e.models})
+    classifiers = [e for e in config.endpoints if not e.generative]
     runtime: _Runtime | None = None
 
     def seen() -> tuple[State, dict[str, ProbeResult]] | None:
@@ -177,6 +180,28 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         )
         return TurnResponse(
             turn, shell=rt.shell, client=rt.client, endpoints=endpoints, clock=rt.loop.time
+        )
+
+    @app.post("/v1/decide")
+    async def decide_label(request: Request) -> Response:
+        rt = running()
+        run_id = uuid.uuid4().hex
+        if not authorized(request):
+            return unauthorized(run_id)
+        try:
+            parsed = parse_decide(await request.body())
+        except DecideError as exc:
+            return error_response(exc.status, exc.message, run_id)
+        return await decide(
+            parsed,
+            run_id=run_id,
+            caller=_caller(request),
+            shell=rt.shell,
+            client=rt.client,
+            endpoints=endpoints,
+            classifiers=classifiers,
+            clock=rt.loop.time,
+            receive=request.receive,
         )
 
     @app.delete("/v1/runs/{run_id}")

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway._http import describe_http_error
 from luftpause.config import LOAD_METRICS, Config, Endpoint
 from scheduler import ReplicaProbed
 
@@ -103,7 +104,7 @@ async def probe_endpoint(
             endpoint=endpoint.name, healthy=False, error=f"no answer within {timeout:g} s"
         )
     except httpx.HTTPError as exc:
-        return ProbeResult(endpoint=endpoint.name, healthy=False, error=_describe(exc))
+        return ProbeResult(endpoint=endpoint.name, healthy=False, error=describe_http_error(exc))
     if metrics.status_code >= 400:
         return ProbeResult(
             endpoint=endpoint.name,
@@ -196,9 +197,3 @@ class Prober:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-
-
-def _describe(exc: httpx.HTTPError) -> str:
-    if isinstance(exc, httpx.ConnectError):
-        return f"connection refused or unreachable ({exc})" if str(exc) else "cannot connect"
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

@@ -1,0 +1,445 @@
+"""`POST /v1/decide`: pick one label for an input.
+
+Without `labels` the input goes to a single-pass `classifier` endpoint's `/classify`
+(vLLM format); such turns never enter run state.  With 2-20 `labels` it becomes one
+`max_tokens: 1` interactive chat turn on a generative replica, admitted by the core like
+any chat turn (in a run of its own, ended afterwards), and each label is scored by the
+first token's `top_logprobs`: a token matches a label when, stripped of leading
+whitespace and compared case-insensitively, it is a non-empty prefix of the label; the
+label's score is the highest probability among its matching tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from starlette.responses import Response
+from starlette.types import Receive
+
+from gateway._http import describe_http_error, wait_disconnect
+from gateway._proxy import RUN_HEADER, StreamWatch, TurnRequest, error_response
+from gateway._shell import AdmissionShell, Rejected
+from gateway.prober import auth_headers
+from luftpause.config import Endpoint
+from scheduler import (
+    Event,
+    RunEnded,
+    ServiceClass,
+    TurnAbandoned,
+    TurnArrived,
+    TurnFailed,
+    TurnFinished,
+    TurnStarted,
+)
+
+__all__ = [
+    "MAX_LABELS",
+    "MIN_LABELS",
+    "SYSTEM_PROMPT",
+    "TOP_LOGPROBS",
+    "DecideError",
+    "DecideRequest",
+    "chat_body",
+    "classify",
+    "decide",
+    "decision",
+    "parse_decide",
+    "run_turn",
+    "score_labels",
+]
+
+SYSTEM_PROMPT = "Answer with exactly one of the labels."
+MIN_LABELS, MAX_LABELS = 2, 20
+TOP_LOGPROBS = 20
+_FIELDS = ("input", "labels", "model")
+# Status the route answers when its client left (nobody reads it; nginx's convention).
+_CLIENT_LEFT = 499
+
+
+class DecideError(Exception):
+    """The request cannot be decided: status and message for the client."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class DecideRequest:
+    input: str
+    labels: tuple[str, ...] | None  # None: ask a classifier endpoint
+    model: str | None
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def parse_decide(raw: bytes) -> DecideRequest:
+    """Validate a `/v1/decide` body strictly; errors (400) name the field."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise DecideError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise DecideError(400, "request body: expected a JSON object")
+    unknown = sorted(k for k in body if k not in _FIELDS)
+    if unknown:
+        raise DecideError(
+            400,
+            f"unknown field(s) {', '.join(repr(k) for k in unknown)}: "
+            f"expected only {', '.join(_FIELDS)}",
+        )
+    text = body.get("input")
+    if not isinstance(text, str) or not text:
+        raise DecideError(400, "input: expected a non-empty string")
+    model = body.get("model")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise DecideError(400, "model: expected a non-empty string")
+    labels = body.get("labels")
+    if labels is None:
+        return DecideRequest(text, None, model)
+    if not isinstance(labels, list):
+        raise DecideError(
+            400, f"labels: expected a list of {MIN_LABELS} to {MAX_LABELS} distinct strings"
+        )
+    for i, label in enumerate(labels):
+        if not isinstance(label, str) or not label.strip():
+            raise DecideError(400, f"labels[{i}]: expected a non-empty string")
+    if not MIN_LABELS <= len(labels) <= MAX_LABELS:
+        raise DecideError(
+            400,
+            f"labels: expected {MIN_LABELS} to {MAX_LABELS} distinct labels, got {len(labels)}",
+        )
+    repeated = sorted({lab for lab in labels if labels.count(lab) > 1})
+    if repeated:
+        raise DecideError(
+            400, f"labels: expected distinct labels; repeated: {', '.join(map(repr, repeated))}"
+        )
+    return DecideRequest(text, tuple(labels), model)
+
+
+def chat_body(request: DecideRequest, model: str) -> bytes:
+    """The one-token chat turn that asks the model for a label."""
+    assert request.labels is not None
+    return json.dumps(
+        {
+            "model": model,
+            "messages": [
+                {"role": "system", "content": SYSTEM_PROMPT},
+                {
+                    "role": "user",
+                    "content": f"{request.input}\n\nLabels: {', '.join(request.labels)}",
+                },
+            ],
+            "max_tokens": 1,
+            "logprobs": True,
+            "top_logprobs": TOP_LOGPROBS,
+            "temperature": 0,
+            "stream": False,
+        }
+    ).encode()
+
+
+# --------------------------------------------------------------------------- scoring
+
+
+def score_labels(
+    labels: Sequence[str], top_logprobs: Sequence[Any]
+) -> tuple[dict[str, float], list[str]]:
+    """(scores of the matched labels, in label order; the unmatched labels)."""
+    tokens: list[tuple[str, float]] = []
+    for entry in top_logprobs:
+        if not isinstance(entry, dict):
+            continue
+        token, logprob = entry.get("token"), entry.get("logprob")
+        if not isinstance(token, str) or isinstance(logprob, bool):
+            continue
+        if not isinstance(logprob, int | float) or math.isnan(logprob):
+            continue
+        stripped = token.lstrip().casefold()
+        if stripped:
+            tokens.append((stripped, math.exp(min(float(logprob), 0.0))))
+    scores: dict[str, float] = {}
+    unscored: list[str] = []
+    for label in labels:
+        folded = label.casefold()
+        matched = [p for tok, p in tokens if folded.startswith(tok)]
+        if matched:
+            scores[label] = max(matched)
+        else:
+            unscored.append(label)
+    return scores, unscored
+
+
+def decision(labels: Sequence[str], top_logprobs: Sequence[Any]) -> dict[str, Any]:
+    """`{label, probabilities, unscored}`; 422 when no label matched any token."""
+    scores, unscored = score_labels(labels, top_logprobs)
+    total = sum(scores.values())
+    if not scores or total <= 0:
+        raise DecideError(
+            422,
+            f"the model's first token matched none of the labels (unscored: {', '.join(unscored)})",
+        )
+    probabilities = {label: p / total for label, p in scores.items()}
+    best = max(scores, key=lambda lab: scores[lab])  # the first of equals wins
+    return {"label": best, "probabilities": probabilities, "unscored": unscored}
+
+
+def first_top_logprobs(answer: object) -> list[Any] | None:
+    """`choices[0].logprobs.content[0].top_logprobs` of a chat completion, if there."""
+    try:
+        top = answer["choices"][0]["logprobs"]["content"][0]["top_logprobs"]  # type: ignore[index]
+    except (KeyError, IndexError, TypeError):
+        return None
+    return top if isinstance(top, list) else None
+
+
+# --------------------------------------------------------------------------- upstream
+
+
+def passed_through(upstream: httpx.Response, run_id: str) -> Response:
+    """An engine's error answer, unchanged: status, body, content type, Retry-After."""
+    headers = {RUN_HEADER: run_id}
+    retry = upstream.headers.get("retry-after")
+    if retry is not None:
+        headers["retry-after"] = retry
+    return Response(
+        upstream.content,
+        upstream.status_code,
+        headers=headers,
+        media_type=upstream.headers.get("content-type"),
+    )
+
+
+async def classify(
+    endpoint: Endpoint, model: str, text: str, client: httpx.AsyncClient, run_id: str
+) -> Response:
+    """Ask a classifier endpoint's `/classify`; `{label, probabilities}` or the error."""
+    headers = {"content-type": "application/json", **auth_headers(endpoint)}
+    payload = json.dumps({"model": model, "input": text}).encode()
+    try:
+        upstream = await client.post(endpoint.url + "/classify", content=payload, headers=headers)
+    except httpx.HTTPError as exc:
+        return error_response(502, f"engine {endpoint.name}: {describe_http_error(exc)}", run_id)
+    if upstream.status_code >= 400:
+        return passed_through(upstream, run_id)
+    try:
+        first = upstream.json()["data"][0]
+        label, probs = first["label"], first["probs"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        first, label, probs = None, None, None
+    probabilities = _named(probs)
+    if not isinstance(label, str) or probabilities is None:
+        message = f"engine {endpoint.name}: /classify answered without data[0].label and probs"
+        return error_response(502, message, run_id)
+    body = json.dumps({"label": label, "probabilities": probabilities})
+    return Response(body, headers={RUN_HEADER: run_id}, media_type="application/json")
+
+
+def _named(probs: object) -> dict[str, float] | None:
+    """vLLM's probs: a list (named by index, the response carries no label names) or,
+    from servers that name them, a mapping."""
+    items: list[tuple[str, object]]
+    if isinstance(probs, list):
+        items = [(str(i), p) for i, p in enumerate(probs)]
+    elif isinstance(probs, dict):
+        items = [(str(k), p) for k, p in probs.items()]
+    else:
+        return None
+    out: dict[str, float] = {}
+    for name, p in items:
+        if isinstance(p, bool) or not isinstance(p, int | float):
+            return None
+        out[name] = float(p)
+    return out
+
+
+# --------------------------------------------------------------------------- a turn
+
+
+async def run_turn(
+    turn: TurnRequest,
+    *,
+    shell: AdmissionShell,
+    client: httpx.AsyncClient,
+    endpoints: Mapping[str, Endpoint],
+    clock: Callable[[], float],
+    receive: Receive,
+) -> Response | dict[str, Any]:
+    """One non-streaming chat turn through the core: held until admitted, posted to the
+    admitted replica; its parsed JSON answer, or the response for the client.  Exactly one
+    terminal event is reported per arrived turn (none for a rejected one)."""
+    disconnected = asyncio.ensure_future(wait_disconnect(receive))
+    arrived = ended = False
+
+    def end(event: Event) -> None:
+        nonlocal ended
+        if not ended:
+            ended = True
+            shell.forget_turn(turn.turn_id)
+            shell.apply(event)
+
+    def fail(reason: str) -> None:
+        end(TurnFailed(now=clock(), turn_id=turn.turn_id, reason=reason))
+
+    try:
+        admission = shell.arrive(
+            TurnArrived(
+                now=clock(),
+                turn_id=turn.turn_id,
+                run_id=turn.run_id,
+                service_class=turn.service_class,
+                caller=turn.caller,
+                model=turn.model,
+                prompt_tokens=turn.prompt_tokens,
+                max_tokens=turn.max_tokens,
+            )
+        )
+        arrived = True
+        if not admission.done():
+            await asyncio.wait((admission, disconnected), return_when=asyncio.FIRST_COMPLETED)
+        if not admission.done() or disconnected.done():
+            end(TurnAbandoned(now=clock(), turn_id=turn.turn_id))
+            return error_response(_CLIENT_LEFT, "client disconnected while held", turn.run_id)
+        outcome = admission.result()
+        if isinstance(outcome, Rejected):
+            ended = True  # never queued: nothing to report
+            return error_response(outcome.status, outcome.message, turn.run_id)
+        endpoint = endpoints[outcome]
+        headers = {
+            "content-type": turn.content_type,
+            "accept-encoding": "identity",
+            **auth_headers(endpoint),
+        }
+        request = client.build_request(
+            "POST", endpoint.url + "/v1/chat/completions", content=turn.body, headers=headers
+        )
+
+        async def exchange() -> httpx.Response:
+            upstream = await client.send(request, stream=True)
+            try:
+                shell.apply(TurnStarted(now=clock(), turn_id=turn.turn_id))
+                await upstream.aread()
+            finally:
+                await upstream.aclose()
+            return upstream
+
+        task = asyncio.ensure_future(exchange())
+        await asyncio.wait((task, disconnected), return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+            fail("client disconnected before the engine answered")
+            return error_response(_CLIENT_LEFT, "client disconnected", turn.run_id)
+        try:
+            upstream = task.result()
+        except httpx.HTTPError as exc:
+            message = f"engine {outcome}: {describe_http_error(exc)}"
+            fail(message)
+            return error_response(502, message, turn.run_id)
+        if upstream.status_code >= 400:
+            fail(f"engine answered {upstream.status_code}")
+            return passed_through(upstream, turn.run_id)
+        watch = StreamWatch(sse=False)
+        watch.feed(upstream.content)
+        watch.close()
+        end(
+            TurnFinished(
+                now=clock(),
+                turn_id=turn.turn_id,
+                finish_reason=watch.finish_reason or "",
+                prompt_tokens=watch.prompt_tokens,
+                completion_tokens=watch.completion_tokens,
+                cached_tokens=watch.cached_tokens,
+            )
+        )
+        try:
+            answer = upstream.json()
+        except ValueError:
+            return error_response(502, f"engine {outcome}: answer is not JSON", turn.run_id)
+        return answer if isinstance(answer, dict) else {}
+    finally:
+        disconnected.cancel()
+        if arrived and not ended:
+            # Cancelled from outside (server shutdown) or a bug: free the slot.
+            end(TurnAbandoned(now=clock(), turn_id=turn.turn_id))
+
+
+# --------------------------------------------------------------------------- the route
+
+
+async def decide(
+    request: DecideRequest,
+    *,
+    run_id: str,
+    caller: str,
+    shell: AdmissionShell,
+    client: httpx.AsyncClient,
+    endpoints: Mapping[str, Endpoint],
+    classifiers: Sequence[Endpoint],
+    clock: Callable[[], float],
+    receive: Receive,
+) -> Response:
+    """Answer one validated `/v1/decide` request (see the module docstring)."""
+    if request.labels is None:
+        return await _by_classifier(request, classifiers, client, run_id)
+    model = request.model
+    if model is None:
+        model = next((m for e in endpoints.values() for m in e.models), None)
+        if model is None:
+            return error_response(404, "no generative endpoint is configured", run_id)
+    body = chat_body(request, model)
+    turn = TurnRequest(
+        turn_id=uuid.uuid4().hex,
+        run_id=run_id,
+        service_class=ServiceClass.INTERACTIVE,
+        caller=caller,
+        model=model,
+        body=body,
+        content_type="application/json",
+        accept="application/json",
+        prompt_tokens=len(body) // 4,
+        max_tokens=1,
+    )
+    try:
+        answer = await run_turn(
+            turn, shell=shell, client=client, endpoints=endpoints, clock=clock, receive=receive
+        )
+    finally:
+        shell.apply(RunEnded(now=clock(), run_id=run_id))
+    if isinstance(answer, Response):
+        return answer
+    top = first_top_logprobs(answer)
+    if top is None:
+        message = "the engine's answer has no choices[0].logprobs.content[0].top_logprobs"
+        return error_response(502, message, run_id)
+    try:
+        result = decision(request.labels, top)
+    except DecideError as exc:
+        return error_response(exc.status, exc.message, run_id)
+    return Response(json.dumps(result), headers={RUN_HEADER: run_id}, media_type="application/json")
+
+
+async def _by_classifier(
+    request: DecideRequest, classifiers: Sequence[Endpoint], client: httpx.AsyncClient, run_id: str
+) -> Response:
+    if not classifiers:
+        return error_response(404, "no classifier endpoint is configured", run_id)
+    if request.model is None:
+        endpoint, model = classifiers[0], classifiers[0].models[0]
+    else:
+        found = next((e for e in classifiers if request.model in e.models), None)
+        if found is None:
+            return error_response(404, f"no classifier serves model {request.model!r}", run_id)
+        endpoint, model = found, request.model
+    return await classify(endpoint, model, request.input, client, run_id)

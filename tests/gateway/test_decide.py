@@ -1,0 +1,302 @@
+"""`POST /v1/decide` end to end over real loopback HTTP: fake engines (generative and
+classifier) and tiny upstream apps behind the gateway."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import socket
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from gateway._shell import AdmissionShell
+from gateway.app import GatewaySettings, create_app
+from gateway.decide import SYSTEM_PROMPT, decision
+from luftpause.config import parse_config
+from testkit.fake_engine import FakeEngineSettings
+from testkit.fake_engine import create_app as create_engine
+from testkit.loopback import serve
+
+MODEL = "llama-3.2-1b"
+CLF = "clf-model"
+RUN = "x-luftpause-run-id"
+
+
+@dataclass
+class Recorded:
+    """An ASGI wrapper that records the JSON bodies of POSTs reaching an upstream app."""
+
+    app: Any
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        while True:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        body = b"".join(chunks)
+        self.bodies.append(json.loads(body))
+        replayed = False
+
+        async def replay() -> Any:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+def endpoint(name: str, url: str, kind: str = "sglang", models: tuple[str, ...] = (MODEL,)) -> Any:
+    return {"name": name, "url": url, "kind": kind, "models": list(models)}
+
+
+@contextlib.asynccontextmanager
+async def gateway(
+    *endpoints: dict[str, Any], token: str | None = None
+) -> AsyncIterator[tuple[httpx.AsyncClient, AdmissionShell]]:
+    config = parse_config({"endpoints": list(endpoints)})
+    app = create_app(GatewaySettings(config=config, token=token, probe_period=0.05))
+    async with serve(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as client:
+        yield client, app.state.shell
+
+
+@contextlib.asynccontextmanager
+async def engine(**kw: Any) -> AsyncIterator[tuple[str, Recorded]]:
+    recorded = Recorded(create_engine(FakeEngineSettings(**kw)))
+    async with serve(recorded) as url:
+        yield url, recorded
+
+
+def upstream(chat: Callable[[], Response]) -> FastAPI:
+    """A tiny OpenAI-ish upstream: `/v1/models` for the probe, `chat` for turns."""
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return Response(json.dumps({"object": "list", "data": []}), media_type="application/json")
+
+    @app.post("/v1/chat/completions")
+    async def completions(request: Request) -> Response:
+        return chat()
+
+    return app
+
+
+def logprobs_answer(top: list[tuple[str, float]]) -> Callable[[], Response]:
+    def answer() -> Response:
+        entries = [{"token": t, "logprob": lp, "bytes": []} for t, lp in top]
+        content = [{"token": top[0][0], "logprob": top[0][1], "top_logprobs": entries}]
+        body = {
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": top[0][0]},
+                    "logprobs": {"content": content},
+                    "finish_reason": "length",
+                }
+            ],
+            "usage": {"prompt_tokens": 20, "completion_tokens": 1, "total_tokens": 21},
+        }
+        return Response(json.dumps(body), media_type="application/json")
+
+    return answer
+
+
+def closed_port_url() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+# --------------------------------------------------------------------------- labels
+
+
+async def test_labels_through_a_fake_engine() -> None:
+    labels = ["alpha", "beta", "gamma"]
+    async with (
+        engine(time_scale=20) as (url, recorded),
+        gateway(endpoint("a", url)) as (gw, shell),
+    ):
+        results = []
+        for _ in range(2):
+            r = await gw.post(
+                "/v1/decide",
+                json={"input": "Is this a test?", "labels": labels},
+                headers={"x-luftpause-caller": "tester"},
+            )
+            assert r.status_code == 200, r.text
+            assert r.headers[RUN]
+            results.append(r.json())
+        first, again = results
+        assert first == again  # deterministic for the same input
+        assert first["label"] in labels
+        assert first["unscored"] == []
+        probs = first["probabilities"]
+        assert set(probs) == set(labels)
+        assert math.isclose(sum(probs.values()), 1.0)
+        assert max(probs, key=lambda k: probs[k]) == first["label"]
+
+        sent = recorded.bodies[0]
+        assert sent["model"] == MODEL  # the pool's first generative model
+        assert sent["max_tokens"] == 1
+        assert sent["logprobs"] is True and sent["top_logprobs"] == 20
+        assert sent["temperature"] == 0 and sent["stream"] is False
+        assert sent["messages"] == [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": "Is this a test?\n\nLabels: alpha, beta, gamma"},
+        ]
+        # Each decide runs in a run of its own, ended afterwards: nothing is left.
+        assert not shell.state.turns
+        assert not shell.state.runs
+
+        unknown = await gw.post(
+            "/v1/decide", json={"input": "x", "labels": labels, "model": "nope"}
+        )
+        assert unknown.status_code == 404 and "nope" in unknown.json()["error"]["message"]
+        assert unknown.headers[RUN]
+
+
+async def test_unscored_labels_and_none_matched() -> None:
+    top = [(" Pos", -0.1), ("neg", -2.0), ("x", -0.01), ("", -0.5)]
+    async with (
+        serve(upstream(logprobs_answer(top))) as url,
+        gateway(endpoint("a", url, kind="openai")) as (gw, shell),
+    ):
+        r = await gw.post(
+            "/v1/decide", json={"input": "hm", "labels": ["neutral", "positive", "negative"]}
+        )
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["label"] == "positive"
+        assert body["unscored"] == ["neutral"]  # "neg" is no prefix of "neutral"
+        p, n = math.exp(-0.1), math.exp(-2.0)
+        assert body["probabilities"] == pytest.approx(
+            {"positive": p / (p + n), "negative": n / (p + n)}
+        )
+
+        none = await gw.post("/v1/decide", json={"input": "hm", "labels": ["cat", "dog"]})
+        assert none.status_code == 422
+        message = none.json()["error"]["message"]
+        assert "matched none of the labels" in message and "cat, dog" in message
+        assert none.headers[RUN]
+        assert not shell.state.runs
+
+
+def test_ties_go_to_the_first_label() -> None:
+    top = [{"token": "b", "logprob": -1.0}, {"token": "A", "logprob": -1.0}]
+    assert decision(["bb", "aa"], top)["label"] == "bb"
+    assert decision(["aa", "bb"], top)["label"] == "aa"
+
+
+async def test_engine_errors_are_passed_through() -> None:
+    def busy() -> Response:
+        return Response('{"error": "busy"}', 429, headers={"retry-after": "3"})
+
+    async with (
+        serve(upstream(busy)) as url,
+        gateway(endpoint("a", url, kind="openai")) as (gw, shell),
+    ):
+        r = await gw.post("/v1/decide", json={"input": "hm", "labels": ["a", "b"]})
+        assert r.status_code == 429
+        assert r.headers["retry-after"] == "3" and r.headers[RUN]
+        assert r.content == b'{"error": "busy"}'
+        assert not shell.state.turns and not shell.state.runs
+
+
+# --------------------------------------------------------------------------- classifier
+
+
+async def test_classifier_endpoint() -> None:
+    async with (
+        engine(models=(CLF,), labels=("negative", "positive"), instant=True) as (url, recorded),
+        gateway(endpoint("c", url, kind="classifier", models=(CLF,))) as (gw, shell),
+    ):
+        r = await gw.post("/v1/decide", json={"input": "what a lovely day"})
+        assert r.status_code == 200, r.text
+        assert r.headers[RUN]
+        body = r.json()
+        assert set(body) == {"label", "probabilities"}
+        assert body["label"] in ("negative", "positive")
+        assert set(body["probabilities"]) == {"0", "1"}  # vLLM's probs carry no names
+        assert math.isclose(sum(body["probabilities"].values()), 1.0)
+        assert recorded.bodies == [{"model": CLF, "input": "what a lovely day"}]
+
+        same = await gw.post("/v1/decide", json={"input": "what a lovely day", "model": CLF})
+        assert same.json() == body
+        other = await gw.post("/v1/decide", json={"input": "x", "model": "other"})
+        assert other.status_code == 404
+        assert other.json()["error"]["message"] == "no classifier serves model 'other'"
+        assert not shell.state.runs and not shell.state.turns  # never enters run state
+
+
+async def test_no_classifier_and_unreachable_classifier() -> None:
+    async with engine(instant=True) as (url, _), gateway(endpoint("a", url)) as (gw, _):
+        r = await gw.post("/v1/decide", json={"input": "x"})
+        assert r.status_code == 404 and r.headers[RUN]
+        assert r.json() == {"error": {"message": "no classifier endpoint is configured"}}
+    dead = closed_port_url()
+    async with gateway(endpoint("c", dead, kind="classifier", models=(CLF,))) as (gw, _):
+        r = await gw.post("/v1/decide", json={"input": "x"})
+        assert r.status_code == 502
+        assert r.json()["error"]["message"].startswith("engine c: ")
+
+
+# --------------------------------------------------------------------------- requests
+
+
+BAD: list[tuple[Any, str]] = [
+    ({"labels": ["a", "b"]}, "input: expected a non-empty string"),
+    ({"input": ""}, "input: expected a non-empty string"),
+    ({"input": "x", "labels": ["a"]}, "labels: expected 2 to 20 distinct labels, got 1"),
+    (
+        {"input": "x", "labels": [f"l{i}" for i in range(21)]},
+        "labels: expected 2 to 20 distinct labels, got 21",
+    ),
+    ({"input": "x", "labels": ["a", "b", "a"]}, "labels: expected distinct labels; repeated: 'a'"),
+    ({"input": "x", "labels": ["a", 3]}, "labels[1]: expected a non-empty string"),
+    ({"input": "x", "labels": ["a", ""]}, "labels[1]: expected a non-empty string"),
+    ({"input": "x", "labels": "a, b"}, "labels: expected a list of 2 to 20 distinct strings"),
+    ({"input": "x", "model": 7}, "model: expected a non-empty string"),
+    ({"input": "x", "temperature": 0}, "unknown field(s) 'temperature'"),
+    ([1, 2], "request body: expected a JSON object"),
+    (b"{nope", "request body is not valid JSON"),
+]
+
+
+async def test_bad_requests_and_auth() -> None:
+    async with (
+        engine(instant=True) as (url, recorded),
+        gateway(endpoint("a", url), token="s3cret") as (gw, _),
+    ):
+        auth = {"authorization": "Bearer s3cret"}
+        for payload, expected in BAD:
+            if isinstance(payload, bytes):
+                r = await gw.post("/v1/decide", content=payload, headers=auth)
+            else:
+                r = await gw.post("/v1/decide", json=payload, headers=auth)
+            assert r.status_code == 400, payload
+            assert expected in r.json()["error"]["message"], (payload, r.text)
+            assert r.headers[RUN]
+        assert recorded.bodies == []
+
+        body = {"input": "x", "labels": ["yes", "no"]}
+        for headers in ({}, {"authorization": "Bearer wrong"}):
+            denied = await gw.post("/v1/decide", json=body, headers=headers)
+            assert denied.status_code == 401 and denied.headers[RUN]
+        ok = await gw.post("/v1/decide", json=body, headers=auth)
+        assert ok.status_code == 200 and ok.json()["label"] in ("yes", "no")
