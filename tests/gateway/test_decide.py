@@ -3,102 +3,24 @@ classifier) and tiny upstream apps behind the gateway."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import socket
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
-import httpx
 import pytest
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import Response
-from starlette.types import Receive, Scope, Send
+from harness import MODEL, RUN, closed_port_url, endpoint, engine, gateway, upstream
 
-from gateway._shell import AdmissionShell
-from gateway.app import GatewaySettings, create_app
 from gateway.decide import SYSTEM_PROMPT, decision
-from luftpause.config import parse_config
-from testkit.fake_engine import FakeEngineSettings
-from testkit.fake_engine import create_app as create_engine
 from testkit.loopback import serve
 
-MODEL = "llama-3.2-1b"
 CLF = "clf-model"
-RUN = "x-luftpause-run-id"
 
 
-@dataclass
-class Recorded:
-    """An ASGI wrapper that records the JSON bodies of POSTs reaching an upstream app."""
-
-    app: Any
-    bodies: list[dict[str, Any]] = field(default_factory=list)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST":
-            await self.app(scope, receive, send)
-            return
-        chunks: list[bytes] = []
-        while True:
-            message = await receive()
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body"):
-                break
-        body = b"".join(chunks)
-        self.bodies.append(json.loads(body))
-        replayed = False
-
-        async def replay() -> Any:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
-
-
-def endpoint(name: str, url: str, kind: str = "sglang", models: tuple[str, ...] = (MODEL,)) -> Any:
-    return {"name": name, "url": url, "kind": kind, "models": list(models)}
-
-
-@contextlib.asynccontextmanager
-async def gateway(
-    *endpoints: dict[str, Any], token: str | None = None
-) -> AsyncIterator[tuple[httpx.AsyncClient, AdmissionShell]]:
-    config = parse_config({"endpoints": list(endpoints)})
-    app = create_app(GatewaySettings(config=config, token=token, probe_period=0.05))
-    async with serve(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as client:
-        yield client, app.state.shell
-
-
-@contextlib.asynccontextmanager
-async def engine(**kw: Any) -> AsyncIterator[tuple[str, Recorded]]:
-    recorded = Recorded(create_engine(FakeEngineSettings(**kw)))
-    async with serve(recorded) as url:
-        yield url, recorded
-
-
-def upstream(chat: Callable[[], Response]) -> FastAPI:
-    """A tiny OpenAI-ish upstream: `/v1/models` for the probe, `chat` for turns."""
-    app = FastAPI()
-
-    @app.get("/v1/models")
-    async def models() -> Response:
-        return Response(json.dumps({"object": "list", "data": []}), media_type="application/json")
-
-    @app.post("/v1/chat/completions")
-    async def completions(request: Request) -> Response:
-        return chat()
-
-    return app
-
-
-def logprobs_answer(top: list[tuple[str, float]]) -> Callable[[], Response]:
-    def answer() -> Response:
+def logprobs_answer(top: list[tuple[str, float]]) -> Callable[[Request], Response]:
+    def answer(request: Request) -> Response:
         entries = [{"token": t, "logprob": lp, "bytes": []} for t, lp in top]
         content = [{"token": top[0][0], "logprob": top[0][1], "top_logprobs": entries}]
         body = {
@@ -115,12 +37,6 @@ def logprobs_answer(top: list[tuple[str, float]]) -> Callable[[], Response]:
         return Response(json.dumps(body), media_type="application/json")
 
     return answer
-
-
-def closed_port_url() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
 # --------------------------------------------------------------------------- labels
@@ -204,7 +120,7 @@ def test_ties_go_to_the_first_label() -> None:
 
 
 async def test_engine_errors_are_passed_through() -> None:
-    def busy() -> Response:
+    def busy(request: Request) -> Response:
         return Response('{"error": "busy"}', 429, headers={"retry-after": "3"})
 
     async with (

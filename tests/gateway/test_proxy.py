@@ -7,29 +7,33 @@ import asyncio
 import contextlib
 import json
 import re
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
+from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import httpx
 import pytest
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import Response
+from harness import (
+    MODEL,
+    POLL_S,
+    POLLS,
+    RUN,
+    Recorder,
+    chat,
+    endpoint,
+    engine,
+    gateway,
+    until,
+    upstream,
+)
 from starlette.types import Receive, Scope, Send
 
 from gateway._shell import AdmissionShell
-from gateway.app import GatewaySettings, create_app
-from luftpause.config import parse_config
 from testkit._fake_text import key
 from testkit.engine import EngineParams
-from testkit.fake_engine import FakeEngineSettings
-from testkit.fake_engine import create_app as create_engine
 from testkit.loopback import serve
-
-MODEL = "llama-3.2-1b"
-RUN = "x-luftpause-run-id"
-# Bounded polling: 1000 x 10 ms.
-POLLS, POLL_S = 1000, 0.01
 
 TOOLS = [
     {
@@ -47,95 +51,9 @@ TOOLS = [
 ]
 
 
-@dataclass
-class Counted:
-    """An ASGI wrapper that records the chat requests reaching an upstream app."""
-
-    app: Any
-    chats: list[dict[str, Any]] = field(default_factory=list)
-    headers: list[dict[str, str]] = field(default_factory=list)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] != "/v1/chat/completions":
-            await self.app(scope, receive, send)
-            return
-        self.headers.append({k.decode(): v.decode() for k, v in scope["headers"]})
-        chunks: list[bytes] = []
-        while True:
-            message = await receive()
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body"):
-                break
-        body = b"".join(chunks)
-        self.chats.append(json.loads(body))
-        replayed = False
-
-        async def replay() -> Any:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
-
-
-def endpoint(name: str, url: str, kind: str = "sglang", **kw: Any) -> dict[str, Any]:
-    return {"name": name, "url": url, "kind": kind, "models": [MODEL], **kw}
-
-
-@contextlib.asynccontextmanager
-async def gateway(
-    *endpoints: dict[str, Any], token: str | None = None, probe_period: float = 0.05
-) -> AsyncIterator[tuple[httpx.AsyncClient, AdmissionShell]]:
-    """Serve the gateway over loopback; yield a client for it and its admission shell."""
-    config = parse_config({"endpoints": list(endpoints)})
-    app = create_app(GatewaySettings(config=config, token=token, probe_period=probe_period))
-    async with serve(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as client:
-        yield client, app.state.shell
-
-
-@contextlib.asynccontextmanager
-async def engine(**kw: Any) -> AsyncIterator[tuple[str, Counted]]:
-    counted = Counted(create_engine(FakeEngineSettings(**kw)))
-    async with serve(counted) as url:
-        yield url, counted
-
-
-def upstream(
-    chat: Callable[[Request], Response], recorded: list[dict[str, str]] | None = None
-) -> FastAPI:
-    """A tiny OpenAI-ish upstream: `/v1/models` for the probe, `chat` for turns."""
-    app = FastAPI()
-
-    @app.get("/v1/models")
-    async def models() -> Response:
-        return Response(json.dumps({"object": "list", "data": []}), media_type="application/json")
-
-    @app.post("/v1/chat/completions")
-    async def completions(request: Request) -> Response:
-        if recorded is not None:
-            recorded.append(dict(request.headers))
-        return chat(request)
-
-    return app
-
-
 def ok_chat(request: Request) -> Response:
     body = {"choices": [{"index": 0, "message": {"content": "hi"}, "finish_reason": "stop"}]}
     return Response(json.dumps(body), media_type="application/json")
-
-
-def chat(content: str = "Hello there", **kw: Any) -> dict[str, Any]:
-    return {"model": MODEL, "messages": [{"role": "user", "content": content}], **kw}
-
-
-async def until(pred: Callable[[], bool], what: str) -> None:
-    for _ in range(POLLS):
-        if pred():
-            return
-        await asyncio.sleep(POLL_S)
-    raise AssertionError(f"never happened: {what}")
 
 
 def normalise(raw: bytes) -> bytes:
@@ -318,7 +236,7 @@ async def test_later_turns_hit_the_prefix_cache() -> None:
 
 
 @contextlib.asynccontextmanager
-async def capped() -> AsyncIterator[tuple[httpx.AsyncClient, AdmissionShell, Counted, list[Any]]]:
+async def capped() -> AsyncIterator[tuple[httpx.AsyncClient, AdmissionShell, Recorder, list[Any]]]:
     """A gateway before an engine that runs one request at a time, with two long turns
     sent, so the engine reports a queue and the core holds further turns."""
     one = replace(EngineParams.reference(), max_running_requests=1)

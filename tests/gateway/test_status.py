@@ -5,20 +5,16 @@ over real loopback HTTP with a fake engine."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-import httpx
+from harness import chat, endpoint, engine, gateway, until
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway._shell import AdmissionShell
-from gateway.app import GatewaySettings, create_app
 from gateway.metrics import GatewayMetrics
 from gateway.prober import ProbeResult
 from gateway.status import TOP_CALLERS, render_status_page, status_snapshot
-from luftpause.config import parse_config
 from scheduler import (
     Event,
     Policy,
@@ -33,13 +29,9 @@ from scheduler import (
     decide,
 )
 from testkit.engine import EngineParams
-from testkit.fake_engine import FakeEngineSettings
-from testkit.fake_engine import create_app as create_engine
-from testkit.loopback import serve
 
 MODEL = "llama-3.2-1b"
 # Bounded polling: 1000 x 10 ms.
-POLLS, POLL_S = 1000, 0.01
 INTERACTIVE, BATCH = ServiceClass.INTERACTIVE, ServiceClass.BATCH
 METRIC_NAMES = (
     "luftpause_held_turns",
@@ -252,38 +244,6 @@ def test_metrics_observe_admissions_outcomes_and_affinity() -> None:
 
 
 # --------------------------------------------------------------------------- over HTTP
-
-
-def endpoint(name: str, url: str) -> dict[str, Any]:
-    return {"name": name, "url": url, "kind": "sglang", "models": [MODEL]}
-
-
-@contextlib.asynccontextmanager
-async def gateway(
-    *endpoints: dict[str, Any], token: str | None = None
-) -> AsyncIterator[tuple[httpx.AsyncClient, AdmissionShell]]:
-    config = parse_config({"endpoints": list(endpoints)})
-    app = create_app(GatewaySettings(config=config, token=token, probe_period=0.05))
-    async with serve(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as client:
-        yield client, app.state.shell
-
-
-@contextlib.asynccontextmanager
-async def engine(**kw: Any) -> AsyncIterator[tuple[str, None]]:
-    async with serve(create_engine(FakeEngineSettings(**kw))) as url:
-        yield url, None
-
-
-def chat(content: str, **kw: Any) -> dict[str, Any]:
-    return {"model": MODEL, "messages": [{"role": "user", "content": content}], **kw}
-
-
-async def until(pred: Callable[[], bool], what: str) -> None:
-    for _ in range(POLLS):
-        if pred():
-            return
-        await asyncio.sleep(POLL_S)
-    raise AssertionError(f"never happened: {what}")
 
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]

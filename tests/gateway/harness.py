@@ -1,0 +1,139 @@
+"""What the gateway's tests share: the gateway and fake engines served over loopback,
+an ASGI wrapper that records what reaches an upstream, tiny upstream apps, polling."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from gateway._shell import AdmissionShell
+from gateway.app import GatewaySettings, create_app
+from luftpause.config import parse_config
+from testkit.fake_engine import FakeEngineSettings
+from testkit.fake_engine import create_app as create_engine
+from testkit.loopback import serve
+
+MODEL = "llama-3.2-1b"
+RUN = "x-luftpause-run-id"
+# Bounded polling: 1000 x 10 ms.
+POLLS, POLL_S = 1000, 0.01
+
+
+@dataclass
+class Recorder:
+    """An ASGI wrapper that records the POSTs reaching an upstream app."""
+
+    app: Any
+    posts: list[tuple[str, dict[str, str], Any]] = field(default_factory=list)
+
+    @property
+    def chats(self) -> list[Any]:
+        """The bodies of chat completion requests, in order."""
+        return [body for path, _, body in self.posts if path == "/v1/chat/completions"]
+
+    @property
+    def headers(self) -> list[dict[str, str]]:
+        """The headers of chat completion requests, in order."""
+        return [h for path, h, _ in self.posts if path == "/v1/chat/completions"]
+
+    @property
+    def bodies(self) -> list[Any]:
+        """The bodies of every POST, in order."""
+        return [body for _, _, body in self.posts]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        while True:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        body = b"".join(chunks)
+        headers = {k.decode(): v.decode() for k, v in scope["headers"]}
+        self.posts.append((scope["path"], headers, json.loads(body)))
+        replayed = False
+
+        async def replay() -> Any:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+def endpoint(
+    name: str, url: str, kind: str = "sglang", models: tuple[str, ...] = (MODEL,), **kw: Any
+) -> dict[str, Any]:
+    return {"name": name, "url": url, "kind": kind, "models": list(models), **kw}
+
+
+@contextlib.asynccontextmanager
+async def gateway(
+    *endpoints: dict[str, Any], token: str | None = None, probe_period: float = 0.05
+) -> AsyncIterator[tuple[httpx.AsyncClient, AdmissionShell]]:
+    """Serve the gateway over loopback; yield a client for it and its admission shell."""
+    config = parse_config({"endpoints": list(endpoints)})
+    app = create_app(GatewaySettings(config=config, token=token, probe_period=probe_period))
+    async with serve(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as client:
+        yield client, app.state.shell
+
+
+@contextlib.asynccontextmanager
+async def engine(**kw: Any) -> AsyncIterator[tuple[str, Recorder]]:
+    """Serve a fake engine over loopback; yield its URL and what reached it."""
+    recorder = Recorder(create_engine(FakeEngineSettings(**kw)))
+    async with serve(recorder) as url:
+        yield url, recorder
+
+
+def upstream(
+    chat: Callable[[Request], Response], recorded: list[dict[str, str]] | None = None
+) -> FastAPI:
+    """A tiny OpenAI-ish upstream: `/v1/models` for the probe, `chat` for turns."""
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return Response(json.dumps({"object": "list", "data": []}), media_type="application/json")
+
+    @app.post("/v1/chat/completions")
+    async def completions(request: Request) -> Response:
+        if recorded is not None:
+            recorded.append(dict(request.headers))
+        return chat(request)
+
+    return app
+
+
+def chat(content: str = "Hello there", **kw: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], **kw}
+
+
+async def until(pred: Callable[[], bool], what: str) -> None:
+    for _ in range(POLLS):
+        if pred():
+            return
+        await asyncio.sleep(POLL_S)
+    raise AssertionError(f"never happened: {what}")
+
+
+def closed_port_url() -> str:
+    """A loopback URL nothing listens on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
