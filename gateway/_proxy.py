@@ -263,12 +263,18 @@ class TurnResponse(Response):
         Once the whole body is handed to the server, the server reports a disconnect
         for the finished response: then the work is let finish."""
         task = asyncio.ensure_future(work)
-        await asyncio.wait((task, disconnected), return_when=asyncio.FIRST_COMPLETED)
-        if not task.done() and not self._complete:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-            raise _ClientLeft
+        try:
+            await asyncio.wait((task, disconnected), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()  # cancelled from outside (shutdown): close the engine request
+            raise
+        if not task.done():
+            if not self._complete:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+                raise _ClientLeft
+            return await task  # the body is all sent: let the turn end as finished
         return task.result()
 
     async def _forward(

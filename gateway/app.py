@@ -15,6 +15,7 @@ import contextlib
 import hmac
 import json
 import logging
+import re
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -207,6 +208,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.delete("/v1/runs/{run_id}")
     async def end_run(request: Request, run_id: str) -> Response:
         rt = running()
+        if not _RUN_ID.fullmatch(run_id):
+            # It goes back in a response header: printable ASCII only, or no echo.
+            return error_response(400, "run id: expected 1 to 128 printable ASCII characters", "")
         if not authorized(request):
             return unauthorized(run_id)
         rt.shell.apply(RunEnded(now=rt.loop.time(), run_id=run_id))
@@ -286,12 +290,16 @@ async def _tick(shell: AdmissionShell, loop: asyncio.AbstractEventLoop) -> None:
 
 # --------------------------------------------------------------------------- parsing
 
+_RUN_ID = re.compile(r"[\x21-\x7e]{1,128}")
+
 
 def _parse_body(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise _BadRequest(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise _BadRequest("request body is not valid JSON: nested too deeply") from None
     if not isinstance(body, dict):
         raise _BadRequest("request body is not valid JSON: expected an object")
     return body

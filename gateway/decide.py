@@ -89,6 +89,8 @@ def parse_decide(raw: bytes) -> DecideRequest:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise DecideError(400, f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise DecideError(400, "request body is not valid JSON: nested too deeply") from None
     if not isinstance(body, dict):
         raise DecideError(400, "request body: expected a JSON object")
     unknown = sorted(k for k in body if k not in _FIELDS)
@@ -334,7 +336,11 @@ async def run_turn(
             return upstream
 
         task = asyncio.ensure_future(exchange())
-        await asyncio.wait((task, disconnected), return_when=asyncio.FIRST_COMPLETED)
+        try:
+            await asyncio.wait((task, disconnected), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()  # cancelled from outside (shutdown): close the engine request
+            raise
         if not task.done():
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
