@@ -23,7 +23,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from gateway._http import describe_http_error, wait_disconnect
-from gateway._shell import AdmissionShell, Rejected
+from gateway._shell import Admission, AdmissionShell, Rejected
 from gateway.prober import auth_headers
 from luftpause.config import Endpoint
 from scheduler import (
@@ -183,6 +183,35 @@ class TurnRequest:
     prompt_tokens: int
     max_tokens: int
 
+    def arrival(self, now: float) -> TurnArrived:
+        return TurnArrived(
+            now=now,
+            turn_id=self.turn_id,
+            run_id=self.run_id,
+            service_class=self.service_class,
+            caller=self.caller,
+            model=self.model,
+            prompt_tokens=self.prompt_tokens,
+            max_tokens=self.max_tokens,
+        )
+
+
+async def hold(
+    shell: AdmissionShell,
+    turn: TurnRequest,
+    clock: Callable[[], float],
+    disconnected: asyncio.Future[None],
+) -> Admission | None:
+    """Report the turn's arrival and wait, with no deadline, for the core to admit or
+    reject it.  None: the client left while the turn was held; the caller reports it
+    abandoned, and no engine request is made."""
+    admission = shell.arrive(turn.arrival(clock()))
+    if not admission.done():
+        await asyncio.wait((admission, disconnected), return_when=asyncio.FIRST_COMPLETED)
+    if not admission.done() or disconnected.done():
+        return None
+    return admission.result()
+
 
 class _ClientLeft(Exception):
     pass
@@ -224,26 +253,11 @@ class TurnResponse(Response):
         disconnected = asyncio.ensure_future(wait_disconnect(receive))
         arrived = False
         try:
-            admission = self._shell.arrive(
-                TurnArrived(
-                    now=self._clock(),
-                    turn_id=t.turn_id,
-                    run_id=t.run_id,
-                    service_class=t.service_class,
-                    caller=t.caller,
-                    model=t.model,
-                    prompt_tokens=t.prompt_tokens,
-                    max_tokens=t.max_tokens,
-                )
-            )
-            arrived = True
-            if not admission.done():
-                await asyncio.wait((admission, disconnected), return_when=asyncio.FIRST_COMPLETED)
-            if not admission.done() or disconnected.done():
-                # Held (or just admitted) and the client left: no engine request.
+            arrived = True  # an abandon of a turn the core never saw is ignored by it
+            outcome = await hold(self._shell, t, self._clock, disconnected)
+            if outcome is None:
                 self._end(TurnAbandoned(now=self._clock(), turn_id=t.turn_id))
                 return
-            outcome = admission.result()
             if isinstance(outcome, Rejected):
                 self._ended = True  # never queued: nothing to report
                 await error_response(outcome.status, outcome.message, t.run_id)(

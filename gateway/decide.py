@@ -25,7 +25,7 @@ from starlette.responses import Response
 from starlette.types import Receive
 
 from gateway._http import describe_http_error, wait_disconnect
-from gateway._proxy import RUN_HEADER, StreamWatch, TurnRequest, error_response
+from gateway._proxy import RUN_HEADER, StreamWatch, TurnRequest, error_response, hold
 from gateway._shell import AdmissionShell, Rejected
 from gateway.prober import auth_headers
 from luftpause.config import Endpoint
@@ -34,7 +34,6 @@ from scheduler import (
     RunEnded,
     ServiceClass,
     TurnAbandoned,
-    TurnArrived,
     TurnFailed,
     TurnFinished,
     TurnStarted,
@@ -294,25 +293,11 @@ async def run_turn(
         end(TurnFailed(now=clock(), turn_id=turn.turn_id, reason=reason))
 
     try:
-        admission = shell.arrive(
-            TurnArrived(
-                now=clock(),
-                turn_id=turn.turn_id,
-                run_id=turn.run_id,
-                service_class=turn.service_class,
-                caller=turn.caller,
-                model=turn.model,
-                prompt_tokens=turn.prompt_tokens,
-                max_tokens=turn.max_tokens,
-            )
-        )
-        arrived = True
-        if not admission.done():
-            await asyncio.wait((admission, disconnected), return_when=asyncio.FIRST_COMPLETED)
-        if not admission.done() or disconnected.done():
+        arrived = True  # an abandon of a turn the core never saw is ignored by it
+        outcome = await hold(shell, turn, clock, disconnected)
+        if outcome is None:
             end(TurnAbandoned(now=clock(), turn_id=turn.turn_id))
             return error_response(_CLIENT_LEFT, "client disconnected while held", turn.run_id)
-        outcome = admission.result()
         if isinstance(outcome, Rejected):
             ended = True  # never queued: nothing to report
             return error_response(outcome.status, outcome.message, turn.run_id)

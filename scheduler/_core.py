@@ -41,7 +41,7 @@ an unknown replica) raise `SchedulerError` and leave the state as it was.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 from immutables import Map
@@ -238,12 +238,6 @@ class State:
     @property
     def turns(self) -> Map[str, TurnState]:
         return self._turns
-
-    def models(self) -> Iterable[str]:
-        return self._models.keys()
-
-    def replicas_for(self, model: str) -> tuple[str, ...]:
-        return self._models.get(model, ())
 
     def caller_in_flight(self, caller: str) -> int:
         c = self._callers.get(caller)
