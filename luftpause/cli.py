@@ -170,6 +170,11 @@ def _fake_engine_parser(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the replies")
     p.add_argument("--labels", help="comma-separated label set of /classify")
     p.add_argument("--kv-tokens", type=int, help="KV pool of the simulated engine, tokens")
+    p.add_argument(
+        "--max-tool-calls",
+        type=int,
+        help="with tools, each run makes 0..N tool calls (default 3), chosen by its task",
+    )
     p.add_argument("--max-running", type=int, help="running-request limit of the engine")
     p.add_argument(
         "--priority-scheduling",
@@ -196,6 +201,8 @@ def _fake_engine(args: argparse.Namespace) -> int:
     extra: dict[str, Any] = {}
     if args.model:
         extra["models"] = tuple(args.model)
+    if args.max_tool_calls is not None:
+        extra["max_tool_calls"] = args.max_tool_calls
     if args.labels:
         extra["labels"] = tuple(lab.strip() for lab in args.labels.split(",") if lab.strip())
     try:
@@ -262,6 +269,29 @@ def _gateway(args: argparse.Namespace) -> int:
     return 0
 
 
+# Subcommands owned by other packages: each module has `add_arguments(parser)` and
+# `run(args) -> int`, imported only when its subcommand runs.
+_DELEGATED = {
+    "fake-mcp": (
+        "testkit.fake_mcp",
+        "serve the fake MCP tool server (lookup, deep_search, a destructive tool) for tests",
+    ),
+    "bench": ("testkit.overhead", "measure the gateway: `luftpause bench overhead`"),
+    "worker": ("worker.main", "run a Temporal worker for sub-agent runs"),
+}
+
+
+def _delegated_parser(sub: Any, name: str, wanted: bool) -> None:
+    import importlib
+
+    module, help_text = _DELEGATED[name]
+    p = sub.add_parser(name, help=help_text, description=help_text)
+    # The module is imported only when its subcommand is the one asked for.
+    p.set_defaults(_module=module)
+    if wanted:
+        importlib.import_module(module).add_arguments(p)
+
+
 def _up() -> int:
     # The gateway, worker and embedded Temporal are not built yet; say so plainly
     # rather than pretend.  What runs today is the policy and its simulator.
@@ -285,6 +315,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     _sim_parser(sub)
     _fake_engine_parser(sub)
     _gateway_parser(sub)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for name in _DELEGATED:
+        _delegated_parser(sub, name, wanted=name in argv[:1])
     args = parser.parse_args(argv)
     code = 0
     if args.command == "sim":
@@ -295,6 +328,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         code = _gateway(args)
     elif args.command == "up":
         code = _up()
+    elif args.command in _DELEGATED:
+        import importlib
+
+        code = importlib.import_module(args._module).run(args)
     sys.stdout.flush()
     # temporalio can abort at interpreter exit (sdk-python#300): leave without teardown.
     os._exit(code)

@@ -14,7 +14,21 @@ health_path = "/health"
 api_key_env = "RUNPOD_KEY"   # hosted endpoints: key read from the environment
 load_from = []           # for kind = "router": the engines whose load it reports
 kv_tokens = 56000        # optional: KV pool size, enables program-level admission
+
+[[mcp_servers]]          # tools for sub-agents: streamable HTTP ...
+name = "search"
+url = "http://127.0.0.1:9000/mcp"
+[[mcp_servers]]          # ... or stdio
+name = "files"
+command = ["npx", "-y", "@modelcontextprotocol/server-filesystem", "/srv"]
+
+[temporal]
+address = "127.0.0.1:7233"
+namespace = "default"
+task_queue = "luftpause"
 ```
+Top-level keys (TOML puts them before the first table): `gateway_url`, where
+sub-agents' LLM turns go (default http://127.0.0.1:8080).
 """
 
 from __future__ import annotations
@@ -102,13 +116,57 @@ class Endpoint(BaseModel):
         return self.kind in LOAD_METRICS or self.kind == "router"
 
 
+class McpServer(BaseModel):
+    """An upstream MCP tool server whose tools sub-agents may call: streamable HTTP
+    (`url`) or a subprocess speaking stdio (`command`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    url: str | None = None
+    command: Annotated[list[str], Field(min_length=1)] | None = None
+    env: dict[str, str] = {}
+    # A bearer token for an http server, read from this environment variable.
+    token_env: str | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("http://", "https://")):
+            raise ValueError("expected an http:// or https:// URL, e.g. http://127.0.0.1:9000/mcp")
+        return v
+
+    @model_validator(mode="after")
+    def _one_transport(self) -> McpServer:
+        if (self.url is None) == (self.command is None):
+            raise ValueError(
+                f"mcp server '{self.name}': give exactly one of url (streamable HTTP) "
+                'or command (stdio, e.g. ["luftpause", "fake-mcp", "--transport", "stdio"])'
+            )
+        return self
+
+
+class Temporal(BaseModel):
+    """Where the worker and the MCP door find Temporal."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    address: str = "127.0.0.1:7233"
+    namespace: str = "default"
+    task_queue: Annotated[str, Field(min_length=1)] = "luftpause"
+
+
 class Config(BaseModel):
-    """The whole file.  Sections for the worker and `luftpause up` join this model as
-    they are built."""
+    """The whole file."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     endpoints: Annotated[list[Endpoint], Field(min_length=1)]
+    mcp_servers: list[McpServer] = []
+    temporal: Temporal = Temporal()
+    # The base URL sub-agents' LLM turns go to: the gateway (default), or a peer router
+    # when a benchmark compares them.
+    gateway_url: str = "http://127.0.0.1:8080"
 
     @model_validator(mode="after")
     def _references(self) -> Config:
@@ -116,6 +174,10 @@ class Config(BaseModel):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"endpoint names must be unique; repeated: {', '.join(dupes)}")
+        servers = [m.name for m in self.mcp_servers]
+        dupes = sorted({n for n in servers if servers.count(n) > 1})
+        if dupes:
+            raise ValueError(f"mcp server names must be unique; repeated: {', '.join(dupes)}")
         by_name = {e.name: e for e in self.endpoints}
         for e in self.endpoints:
             for other in e.load_from:

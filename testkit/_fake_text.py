@@ -19,6 +19,7 @@ __all__ = [
     "CHARS_PER_TOKEN",
     "FillerPool",
     "Reply",
+    "directives",
     "key",
     "parse_labels",
     "plan_reply",
@@ -33,6 +34,7 @@ _POOL_OFFSETS = 4096
 _MAX_REPLY_TOKENS = 256
 TOOL_CALL_TOKENS = 20
 DEFAULT_MAX_TOOL_CALLS = 3
+MAX_PARALLEL_TOOL_CALLS = 4
 
 # fmt: off
 _WORDS = (
@@ -107,7 +109,7 @@ def parse_labels(text: str) -> list[str]:
     return labels
 
 
-def _plausible(schema: object) -> object:
+def _plausible(schema: object, salt: str) -> object:
     if not isinstance(schema, dict):
         return None
     enum = schema.get("enum")
@@ -116,10 +118,12 @@ def _plausible(schema: object) -> object:
     kind = schema.get("type")
     if isinstance(kind, list):
         kind = next((k for k in kind if k != "null"), None)
-    return {"string": "x", "integer": 1, "number": 1.0, "boolean": True}.get(str(kind))
+    # Strings carry the call's salt, so every call's arguments differ: a test can tell a
+    # repeated call from a new one by its arguments alone.
+    return {"string": salt, "integer": 1, "number": 1.0, "boolean": True}.get(str(kind))
 
 
-def tool_arguments(parameters: object) -> str:
+def tool_arguments(parameters: object, salt: str = "x") -> str:
     """JSON arguments filling the required properties of a JSON schema with plausible values."""
     args: dict[str, object] = {}
     if isinstance(parameters, dict):
@@ -128,8 +132,26 @@ def tool_arguments(parameters: object) -> str:
         required = parameters.get("required")
         for name in required if isinstance(required, list) else []:
             if isinstance(name, str):
-                args[name] = _plausible(props.get(name))
+                args[name] = _plausible(props.get(name), salt)
     return json.dumps(args)
+
+
+def directives(text: str) -> tuple[str, frozenset[str]]:
+    """Test directives in a run's first user message, e.g. `[fake: text-tools]`, and the
+    message without them (the run's shape is hashed from that, so a directive changes how
+    calls are written, not how many there are).
+
+    `text-tools`: tool calls are written as text (`<tool_call>{...}</tool_call>`), as small
+    models without a tool-call parser do. `malformed-args`: tool call arguments are `{}`.
+    """
+    found: set[str] = set()
+    kept: list[str] = []
+    rest = text
+    while (i := rest.find("[fake:")) >= 0 and (j := rest.find("]", i)) >= 0:
+        found.update(w.strip() for w in rest[i + 6 : j].split(",") if w.strip())
+        kept.append(rest[:i])
+        rest = rest[j + 1 :]
+    return "".join(kept + [rest]).strip(), frozenset(found)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,12 +161,12 @@ class Reply:
     tokens: tuple[str, ...]  # text tokens (empty for a tool call)
     n_tokens: int  # completion tokens the engine generates
     finish_reason: str
-    tool_call: dict[str, Any] | None = None
+    tool_calls: tuple[dict[str, Any], ...] = ()
     labels: tuple[str, ...] = ()  # labels in preference order, if the prompt named them
 
     @property
     def content(self) -> str | None:
-        return None if self.tool_call is not None else "".join(self.tokens)
+        return None if self.tool_calls else "".join(self.tokens)
 
     def logprobs(self, start: int, stop: int, top: int, conv: int) -> list[dict[str, Any]]:
         """OpenAI `logprobs.content` entries for tokens [start, stop), deterministic."""
@@ -186,11 +208,14 @@ def plan_reply(
     tools: Sequence[Mapping[str, Any]],
     max_tool_calls: int,
     max_tokens: int,
+    parallel: bool = False,
 ) -> Reply:
     """Decide the reply to a conversation whose hash is `conv`.
 
     With tools, a run makes k = hash(first user message) % (max_tool_calls + 1) tool calls:
-    while fewer than k tool results are in the conversation, reply with one tool call.
+    while fewer than k tool results are in the conversation, reply with one tool call (with
+    `parallel`, with every remaining call, at most MAX_PARALLEL_TOOL_CALLS). Directives in
+    the first user message change how calls are written (`directives`).
     Otherwise a text reply of min(max_tokens, 40..256) tokens ("length" when it hit
     max_tokens), starting with the preferred label when the last user message has a
     `Labels:` line.
@@ -199,17 +224,32 @@ def plan_reply(
         first_user = next(
             (content_text(m.get("content")) for m in messages if m.get("role") == "user"), ""
         )
-        k = key(seed, "tool-calls", first_user) % (max_tool_calls + 1)
+        task, wanted = directives(first_user)
+        k = key(seed, "tool-calls", task) % (max_tool_calls + 1)
         m = sum(1 for msg in messages if msg.get("role") == "tool")
         if m < k:
-            pick = key(seed, "tool", str(conv), str(m))
-            fn = tools[pick % len(tools)]["function"]
-            call = {
-                "id": f"call_{pick:016x}",
-                "type": "function",
-                "function": {"name": fn["name"], "arguments": tool_arguments(fn.get("parameters"))},
-            }
-            return Reply((), min(TOOL_CALL_TOKENS, max_tokens), "tool_calls", call)
+            calls: list[dict[str, Any]] = []
+            for i in range(m, min(k, m + MAX_PARALLEL_TOOL_CALLS) if parallel else m + 1):
+                pick = key(seed, "tool", str(conv), str(i))
+                fn = tools[pick % len(tools)]["function"]
+                args = (
+                    "{}"
+                    if "malformed-args" in wanted
+                    else tool_arguments(fn.get("parameters"), f"{fn['name']}-{pick % 16**10:010x}")
+                )
+                call = {"name": str(fn["name"]), "arguments": args}
+                calls.append({"id": f"call_{pick:016x}", "type": "function", "function": call})
+            n = min(TOOL_CALL_TOKENS * len(calls), max_tokens)
+            if "text-tools" in wanted:
+                text = "".join(
+                    "<tool_call>"
+                    + json.dumps({"name": c["function"]["name"], "arguments": json.loads(a)})
+                    + "</tool_call>"
+                    for c in calls
+                    if (a := c["function"]["arguments"])
+                )
+                return Reply((text,), n, "stop")
+            return Reply((), n, "tool_calls", tuple(calls))
     length = 40 + conv % (_MAX_REPLY_TOKENS - 40 + 1)
     n = min(max_tokens, length)
     finish = "length" if n == max_tokens else "stop"

@@ -79,6 +79,9 @@ class FakeEngineSettings:
     seed: int = 0
     # label set of /classify
     labels: tuple[str, ...] = ("negative", "positive")
+    # a run makes 0..max_tool_calls tool calls when a request does not say
+    # (`fake_max_tool_calls`), decided by its first user message
+    max_tool_calls: int = DEFAULT_MAX_TOOL_CALLS
     engine: EngineParams = field(default_factory=EngineParams.reference)
 
     def __post_init__(self) -> None:
@@ -198,6 +201,7 @@ class _Chat:
     top_logprobs: int
     tools: list[dict[str, Any]]
     max_tool_calls: int
+    parallel_tool_calls: bool
     priority: int
 
 
@@ -224,7 +228,9 @@ def _parse_model(body: dict[str, Any], models: tuple[str, ...]) -> str:
     return model
 
 
-def _parse_chat(body: dict[str, Any], models: tuple[str, ...]) -> _Chat:
+def _parse_chat(
+    body: dict[str, Any], models: tuple[str, ...], max_tool_calls: int = DEFAULT_MAX_TOOL_CALLS
+) -> _Chat:
     """Validate a chat completion request; unknown fields are ignored (routers add some)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -254,7 +260,7 @@ def _parse_chat(body: dict[str, Any], models: tuple[str, ...]) -> _Chat:
             raise _HTTPError(400, f"tools[{i}] must have a 'function' with a string 'name'")
     n_calls = body.get("fake_max_tool_calls")
     if not _is_int(n_calls) or n_calls < 0:
-        n_calls = DEFAULT_MAX_TOOL_CALLS
+        n_calls = max_tool_calls
     options = body.get("stream_options")
     priority = body.get("priority")
     return _Chat(
@@ -267,6 +273,7 @@ def _parse_chat(body: dict[str, Any], models: tuple[str, ...]) -> _Chat:
         top_logprobs=top,
         tools=tools,
         max_tool_calls=n_calls,
+        parallel_tool_calls=body.get("parallel_tool_calls") is True,
         priority=priority if _is_int(priority) else 0,
     )
 
@@ -287,8 +294,8 @@ def _completion_body(
     rid: str, created: int, chat: _Chat, reply: Reply, conv: int, usage: dict[str, Any]
 ) -> bytes:
     message: dict[str, Any] = {"role": "assistant", "content": reply.content}
-    if reply.tool_call is not None:
-        message["tool_calls"] = [reply.tool_call]
+    if reply.tool_calls:
+        message["tool_calls"] = list(reply.tool_calls)
     logprobs = None
     if chat.logprobs:
         logprobs = {"content": reply.logprobs(0, len(reply.tokens), chat.top_logprobs, conv)}
@@ -338,16 +345,18 @@ class _Chunks:
             parts.append(self._event({"content": "".join(reply.tokens[a:b])}, lp))
         return "".join(parts)
 
-    def tool_call(self, part: int) -> str:
-        call = self._reply.tool_call
-        assert call is not None
-        fn = call["function"]
-        if part == 0:
-            head = {"name": fn["name"], "arguments": ""}
-            delta = {"index": 0, "id": call["id"], "type": "function", "function": head}
-        else:
-            delta = {"index": 0, "function": {"arguments": fn["arguments"]}}
-        return self._event({"tool_calls": [delta]})
+    def tool_calls(self, part: int) -> str:
+        """Part 0: each call's id and name; part 1: each call's arguments (as engines do)."""
+        events = []
+        for i, call in enumerate(self._reply.tool_calls):
+            fn = call["function"]
+            if part == 0:
+                head = {"name": fn["name"], "arguments": ""}
+                delta = {"index": i, "id": call["id"], "type": "function", "function": head}
+            else:
+                delta = {"index": i, "function": {"arguments": fn["arguments"]}}
+            events.append(self._event({"tool_calls": [delta]}))
+        return "".join(events)
 
     def end(self, usage: dict[str, Any]) -> str:
         tail = self._event({}, None, self._reply.finish_reason)
@@ -462,6 +471,7 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
             tools=chat.tools,
             max_tool_calls=chat.max_tool_calls,
             max_tokens=chat.max_tokens,
+            parallel=chat.parallel_tool_calls,
         )
         return text, conv, reply
 
@@ -478,8 +488,8 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
             if chat.stream:
                 chunks = _Chunks(_ID_PLACEHOLDER, created, chat, reply, conv)
                 events = chunks.role()
-                if reply.tool_call is not None:
-                    events += chunks.tool_call(0) + chunks.tool_call(1)
+                if reply.tool_calls:
+                    events += chunks.tool_calls(0) + chunks.tool_calls(1)
                 else:
                     events += chunks.content(0, len(reply.tokens))
                 hit = ((events + chunks.end(usage)).encode(), _SSE)
@@ -505,8 +515,8 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
         # The reply's blocks continue the chain over the conversation as the client will
         # send it back, so the next turn also finds this turn's reply in the cache.
         message: dict[str, Any] = {"role": "assistant", "content": reply.content}
-        if reply.tool_call is not None:
-            message["tool_calls"] = [reply.tool_call]
+        if reply.tool_calls:
+            message["tool_calls"] = list(reply.tool_calls)
         grown = text + render_message(message)
         start = len(blocks) - (len(text) % block_chars != 0)
         prev = blocks[start - 1] if start == len(blocks) else before_last
@@ -540,10 +550,10 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
         try:
             await pending.first
             yield chunks.role()
-            if reply.tool_call is not None:
-                yield chunks.tool_call(0)
+            if reply.tool_calls:
+                yield chunks.tool_calls(0)
                 done = await pending.done
-                yield chunks.tool_call(1)
+                yield chunks.tool_calls(1)
             else:
                 sent, total = 0, len(reply.tokens)
                 while True:
@@ -566,7 +576,7 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         raw = await request.body()
         try:
-            chat = _parse_chat(_parse_json(raw), s.models)
+            chat = _parse_chat(_parse_json(raw), s.models, s.max_tool_calls)
             if driver is None:
                 return instant_reply(raw, chat)
             if not driver.running:
@@ -581,8 +591,8 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
             reply = Reply(
                 reply.tokens[: ereq.output_tokens],
                 ereq.output_tokens,
-                "length" if reply.tool_call is None else reply.finish_reason,
-                reply.tool_call,
+                "length" if not reply.tool_calls else reply.finish_reason,
+                reply.tool_calls,
                 reply.labels,
             )
         pending = driver.submit(ereq)

@@ -204,7 +204,12 @@ async def run_agent(client: httpx.AsyncClient, first_user: str) -> int:
         assert call["type"] == "function"
         assert call["function"]["name"] == "lookup"
         args = json.loads(call["function"]["arguments"])
-        assert args == {"query": "x", "limit": 1, "exact": True}
+        # Strings carry a per-call salt, so repeated calls are told apart by arguments.
+        assert args == {
+            "query": f"lookup-{int(call['id'][5:], 16) % 16**10:010x}",
+            "limit": 1,
+            "exact": True,
+        }
         assert r.json()["usage"]["completion_tokens"] <= 20
         messages += [message, {"role": "tool", "tool_call_id": call["id"], "content": "42"}]
     raise AssertionError("the run did not end")
@@ -232,13 +237,72 @@ async def test_tool_calls_then_an_answer() -> None:
         calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
         assert len(calls) == 2
         assert calls[0]["function"]["name"] == "lookup" and calls[0]["id"].startswith("call_")
-        assert json.loads(calls[1]["function"]["arguments"])["query"] == "x"
+        assert json.loads(calls[1]["function"]["arguments"])["query"].startswith("lookup-")
         assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
         # fake_max_tool_calls=0: never a tool call.
         body = {"messages": body["messages"], "tools": TOOLS, "fake_max_tool_calls": 0}
         r = await client.post("/v1/chat/completions", json=body)
         assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+async def test_parallel_tool_calls_and_directives() -> None:
+    tools = [*TOOLS, {"type": "function", "function": {"name": "other"}}]
+    async with fake_engine(time_scale=100) as client:
+        # A run with k >= 2 calls: asked for parallel calls, it makes them all in one turn.
+        found = [t for t in (f"parallel task {i}" for i in range(12))]
+        ks = [await run_agent_calls(client, t, tools) for t in found]
+        task = found[next(i for i, k in enumerate(ks) if k >= 2)]
+        k = await run_agent_calls(client, task, tools)
+        body = {
+            "messages": [{"role": "user", "content": task}],
+            "tools": tools,
+            "fake_max_tool_calls": 3,
+            "parallel_tool_calls": True,
+        }
+        message = (await client.post("/v1/chat/completions", json=body)).json()["choices"][0]
+        assert message["finish_reason"] == "tool_calls"
+        calls = message["message"]["tool_calls"]
+        assert len(calls) == k and len({c["id"] for c in calls}) == k
+        # Streamed, the calls come as indexed deltas: k heads, then k argument deltas.
+        async with client.stream(
+            "POST", "/v1/chat/completions", json={**body, "stream": True}
+        ) as r:
+            events = [json.loads(e) for e in (await read_events(r))[:-1]]
+        deltas = [d for e in events for d in e["choices"][0]["delta"].get("tool_calls", [])]
+        assert [d["index"] for d in deltas] == [*range(k), *range(k)]
+        assert [d["id"] for d in deltas[:k]] == [c["id"] for c in calls]
+
+        # [fake: text-tools]: the same calls written as text, finish_reason "stop".
+        body["messages"] = [{"role": "user", "content": task + " [fake: text-tools]"}]
+        body["parallel_tool_calls"] = False
+        r = (await client.post("/v1/chat/completions", json=body)).json()["choices"][0]
+        assert r["finish_reason"] == "stop", r
+        text = r["message"]["content"]
+        inner = json.loads(text.removeprefix("<tool_call>").removesuffix("</tool_call>"))
+        assert inner["name"] in ("lookup", "other") and isinstance(inner["arguments"], dict)
+
+        # [fake: malformed-args]: arguments are {} although the schema requires fields.
+        body["messages"] = [{"role": "user", "content": task + " [fake: malformed-args]"}]
+        r = (await client.post("/v1/chat/completions", json=body)).json()["choices"][0]
+        assert r["finish_reason"] == "tool_calls"
+        assert r["message"]["tool_calls"][0]["function"]["arguments"] == "{}"
+
+
+async def run_agent_calls(client: httpx.AsyncClient, task: str, tools: list[Any]) -> int:
+    """How many tool calls the run of `task` makes (one per turn)."""
+    messages: list[dict[str, Any]] = [{"role": "user", "content": task}]
+    for calls in range(10):
+        body = {"messages": messages, "tools": tools, "fake_max_tool_calls": 3}
+        choice = (await client.post("/v1/chat/completions", json=body)).json()["choices"][0]
+        if choice["finish_reason"] != "tool_calls":
+            return calls
+        (call,) = choice["message"]["tool_calls"]
+        messages += [
+            choice["message"],
+            {"role": "tool", "tool_call_id": call["id"], "content": "ok"},
+        ]
+    raise AssertionError("the run did not end")
 
 
 async def test_unknown_fields_are_accepted() -> None:

@@ -1,0 +1,111 @@
+"""What crosses the activity boundary: one dataclass in and out of every activity.
+
+Workflows import these; activities implement them.  Fields only grow, with defaults, so
+histories recorded by an older worker still decode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "EndRunInput",
+    "ToolCall",
+    "ToolInfo",
+    "ToolInput",
+    "ToolOutput",
+    "TurnInput",
+    "TurnOutput",
+]
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One tool call the model asked for; `arguments` is the JSON text it wrote."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class TurnInput:
+    """One LLM turn of a run, sent through the gateway as that run's turn."""
+
+    run_id: str
+    model: str
+    messages: list[dict[str, Any]]
+    # OpenAI function tools offered this turn; empty = the model must answer.
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    max_tokens: int = 256  # 0 = the engine decides
+    parallel_tool_calls: bool = False
+    service_class: str = "interactive"
+    caller: str = "anonymous"
+
+
+@dataclass(frozen=True)
+class TurnOutput:
+    """The assistant message to append, its tool calls and what the turn cost."""
+
+    message: dict[str, Any]
+    tool_calls: list[ToolCall]
+    finish_reason: str
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    seconds: float = 0.0
+    # The calls were written as text and recovered into tool calls.
+    recovered: bool = False
+
+
+@dataclass(frozen=True)
+class ToolInfo:
+    """An upstream tool sub-agents may call, as its MCP server lists it."""
+
+    server: str
+    name: str
+    description: str
+    input_schema: dict[str, Any]
+    read_only: bool = False
+    destructive: bool = False
+
+    def openai_tool(self) -> dict[str, Any]:
+        """The tool as an OpenAI chat completions `tools` entry."""
+        return {
+            "type": "function",
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": self.input_schema,
+            },
+        }
+
+
+@dataclass(frozen=True)
+class ToolInput:
+    """One tool call to execute: arguments are validated against `input_schema` first."""
+
+    run_id: str
+    server: str
+    tool: str
+    arguments: str
+    input_schema: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ToolOutput:
+    """What the model is told; `executed` is False when the call never reached the server
+    (malformed arguments)."""
+
+    content: str
+    is_error: bool
+    executed: bool
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class EndRunInput:
+    """A run has ended: the gateway may forget its affinity at once."""
+
+    run_id: str

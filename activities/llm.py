@@ -1,0 +1,192 @@
+"""The LLM turn activity: one turn of a run, through the gateway's admission.
+
+The turn goes to `/v1/chat/completions` as the run's turn (`x-luftpause-run-id` = the
+workflow id, with its class and caller), so the gateway keeps the run on the replica
+that holds its prefix.  There are no client-side retries: a failed attempt raises and
+Temporal's retry policy decides, with the gateway's `Retry-After` as the next delay.
+While the turn is held in the gateway's queue or generating, the activity heartbeats,
+so a dead worker is noticed within the heartbeat timeout, not the 10-minute turn limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from typing import Any
+
+import httpx
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from activities._recover import recover_tool_calls
+from activities.contract import EndRunInput, ToolCall, TurnInput, TurnOutput
+
+__all__ = ["HEARTBEAT_EVERY_S", "LlmActivities", "heartbeating"]
+
+HEARTBEAT_EVERY_S = 2.0
+# Statuses a retry cannot fix: the request itself is wrong (or the model unknown).
+_PERMANENT = frozenset({400, 401, 403, 404, 405, 413, 422})
+
+
+def _message(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+        msg = body["error"]["message"] if isinstance(body.get("error"), dict) else body["error"]
+        return str(msg)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return response.text[:300] or response.reason_phrase
+
+
+def _retry_after(response: httpx.Response) -> timedelta | None:
+    value = response.headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        return timedelta(seconds=max(0.0, float(value)))
+    except ValueError:
+        return None  # an HTTP date: leave the delay to the retry policy
+
+
+@contextlib.asynccontextmanager
+async def heartbeating(every_s: float) -> AsyncIterator[None]:
+    async def beat() -> None:
+        while True:
+            activity.heartbeat()
+            await asyncio.sleep(every_s)
+
+    task = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+class LlmActivities:
+    """LLM turns and run-ended reports against one gateway (or, in a benchmark, a peer
+    router at the same OpenAI-compatible path)."""
+
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        *,
+        base_url: str,
+        token: str | None = None,
+        heartbeat_every_s: float = HEARTBEAT_EVERY_S,
+    ) -> None:
+        self._http = http
+        self._base = base_url.rstrip("/")
+        self._auth = {"authorization": f"Bearer {token}"} if token else {}
+        self._every = heartbeat_every_s
+
+    def _headers(self, run_id: str, service_class: str, caller: str) -> dict[str, str]:
+        return {
+            "x-luftpause-run-id": run_id,
+            "x-luftpause-class": service_class,
+            "x-luftpause-caller": caller,
+            **self._auth,
+        }
+
+    @activity.defn(name="llm_turn")
+    async def llm_turn(self, turn: TurnInput) -> TurnOutput:
+        """Run one turn; raise for Temporal to retry (or not) when it fails."""
+        body: dict[str, Any] = {"model": turn.model, "messages": turn.messages, "stream": False}
+        if turn.max_tokens > 0:
+            body["max_tokens"] = turn.max_tokens
+        if turn.tools:
+            body["tools"] = turn.tools
+            body["parallel_tool_calls"] = turn.parallel_tool_calls
+        headers = self._headers(turn.run_id, turn.service_class, turn.caller)
+        started = time.monotonic()
+        try:
+            async with heartbeating(self._every):
+                response = await self._http.post(
+                    f"{self._base}/v1/chat/completions", json=body, headers=headers
+                )
+        except httpx.HTTPError as exc:
+            # The gateway is down or restarting: retry, as the policy allows.
+            raise ApplicationError(
+                f"gateway {self._base}: {type(exc).__name__}: {exc}", type="GatewayUnreachable"
+            ) from None
+        if response.status_code != 200:
+            message = f"gateway answered {response.status_code}: {_message(response)}"
+            raise ApplicationError(
+                message,
+                type=f"Http{response.status_code}",
+                non_retryable=response.status_code in _PERMANENT,
+                next_retry_delay=_retry_after(response),
+            )
+        return self._output(turn, response, time.monotonic() - started)
+
+    def _output(self, turn: TurnInput, response: httpx.Response, seconds: float) -> TurnOutput:
+        try:
+            data = response.json()
+            choice = data["choices"][0]
+            message = dict(choice["message"])
+            finish = str(choice.get("finish_reason") or "stop")
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise ApplicationError(
+                f"gateway answered 200 without a chat completion ({exc!r})", type="BadCompletion"
+            ) from None
+        usage = data.get("usage") or {}
+        details = usage.get("prompt_tokens_details") or {}
+        calls = [
+            ToolCall(
+                id=str(c.get("id") or f"call_{i}"),
+                name=str(c["function"]["name"]),
+                arguments=str(c["function"].get("arguments") or ""),
+            )
+            for i, c in enumerate(message.get("tool_calls") or [])
+            if isinstance(c, dict) and isinstance(c.get("function"), dict)
+        ]
+        recovered = False
+        content = message.get("content")
+        if not calls and turn.tools and isinstance(content, str):
+            offered = {t["function"]["name"] for t in turn.tools}
+            calls = recover_tool_calls(content, offered, salt=f"{turn.run_id}/{len(turn.messages)}")
+            recovered = bool(calls)
+        # The transcript keeps only what the next turn needs, in the OpenAI shape.
+        kept: dict[str, Any] = {"role": "assistant", "content": None if recovered else content}
+        if calls:
+            kept["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                }
+                for c in calls
+            ]
+            finish = "tool_calls"
+        return TurnOutput(
+            message=kept,
+            tool_calls=calls,
+            finish_reason=finish,
+            prompt_tokens=int(usage.get("prompt_tokens") or 0),
+            completion_tokens=int(usage.get("completion_tokens") or 0),
+            cached_tokens=int(details.get("cached_tokens") or 0),
+            seconds=seconds,
+            recovered=recovered,
+        )
+
+    @activity.defn(name="end_run")
+    async def end_run(self, end: EndRunInput) -> None:
+        """Tell the gateway the run ended, so it forgets the run's affinity at once."""
+        try:
+            response = await self._http.delete(
+                f"{self._base}/v1/runs/{end.run_id}", headers=self._auth
+            )
+        except httpx.HTTPError as exc:
+            raise ApplicationError(
+                f"gateway {self._base}: {exc}", type="GatewayUnreachable"
+            ) from None
+        # 404: a peer router has no such route, or the gateway restarted and never saw
+        # the run; either way there is nothing to forget.
+        if response.status_code not in (200, 202, 204, 404):
+            raise ApplicationError(
+                f"gateway answered {response.status_code}: {_message(response)}",
+                non_retryable=response.status_code in _PERMANENT,
+            )

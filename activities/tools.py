@@ -1,0 +1,59 @@
+"""Tool activities: list the upstream tools, and call one after checking its arguments.
+
+A call whose arguments do not fit the tool's schema (after coercing scalars) is never
+sent: it completes with an error the model reads, naming the expected shape.  A tool
+that reports an error (`isError`) completes too — the model sees it as the tool's
+answer.  Only a failure to reach the server raises, for Temporal to retry.
+"""
+
+from __future__ import annotations
+
+import time
+
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from activities._arguments import ArgumentsError, prepare_arguments
+from activities.contract import ToolInfo, ToolInput, ToolOutput
+from activities.llm import HEARTBEAT_EVERY_S, heartbeating
+from activities.mcp_pool import McpPool, UnknownTool
+
+__all__ = ["ToolActivities"]
+
+
+class ToolActivities:
+    """The worker's upstream MCP servers, as activities."""
+
+    def __init__(self, pool: McpPool, *, heartbeat_every_s: float = HEARTBEAT_EVERY_S) -> None:
+        self._pool = pool
+        self._every = heartbeat_every_s
+
+    @activity.defn(name="list_tools")
+    async def list_tools(self) -> list[ToolInfo]:
+        """The tools of every configured server."""
+        try:
+            return await self._pool.list_tools()
+        except Exception as exc:
+            raise ApplicationError(f"listing tools: {exc}", type="McpUnavailable") from None
+
+    @activity.defn(name="call_tool")
+    async def call_tool(self, call: ToolInput) -> ToolOutput:
+        """Validate, then execute one tool call."""
+        try:
+            arguments = prepare_arguments(call.tool, call.arguments, call.input_schema)
+        except ArgumentsError as exc:
+            return ToolOutput(content=f"Error: {exc}", is_error=True, executed=False)
+        started = time.monotonic()
+        try:
+            async with heartbeating(self._every):
+                text, is_error = await self._pool.call(call.server, call.tool, arguments)
+        except UnknownTool as exc:
+            raise ApplicationError(str(exc), non_retryable=True) from None
+        except Exception as exc:
+            raise ApplicationError(
+                f"mcp server '{call.server}', tool '{call.tool}': {type(exc).__name__}: {exc}",
+                type="McpUnavailable",
+            ) from None
+        return ToolOutput(
+            content=text, is_error=is_error, executed=True, seconds=time.monotonic() - started
+        )

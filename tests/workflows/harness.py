@@ -1,0 +1,148 @@
+"""The real stack for runtime tests: a Temporal dev server, the gateway with two fake
+engines, the fake MCP tool server and a worker — all on loopback, in this process
+except the dev server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from temporalio.client import Client
+from temporalio.service import RPCError
+
+from activities import LlmActivities, ToolActivities
+from activities.mcp_pool import McpPool
+from gateway._shell import AdmissionShell
+from gateway.app import GatewaySettings, create_app
+from luftpause.config import McpServer, parse_config
+from testkit._fake_text import DEFAULT_MAX_TOOL_CALLS, directives, key
+from testkit.fake_engine import FakeEngineSettings
+from testkit.fake_engine import create_app as create_engine
+from testkit.fake_mcp import FakeMcpSettings, FakeMcpState
+from testkit.fake_mcp import create_app as create_mcp
+from testkit.loopback import serve
+from worker.main import build_worker
+from workflows import Runs
+
+MODEL = "llama-3.2-1b"
+# Fake engines and tools run 50x faster than real time: a 256-token turn takes ~0.1 s.
+TIME_SCALE = 50.0
+
+
+def calls_of(task: str, max_tool_calls: int = DEFAULT_MAX_TOOL_CALLS, seed: int = 0) -> int:
+    """How many tool calls the fake engine makes for a run with this task."""
+    return key(seed, "tool-calls", directives(task)[0]) % (max_tool_calls + 1)
+
+
+def task_with(
+    calls: int, prefix: str = "task", max_tool_calls: int = DEFAULT_MAX_TOOL_CALLS
+) -> str:
+    """A task whose run makes exactly `calls` tool calls on the fake engine."""
+    for i in range(10_000):
+        task = f"{prefix} {uuid.uuid4().hex[:6]} {i}"
+        if calls_of(task, max_tool_calls) == calls:
+            return task
+    raise AssertionError(f"no task with {calls} calls")
+
+
+async def connect(address: str) -> Client:
+    """A Temporal client; the dev server may need a moment after its port opens."""
+    last: Exception | None = None
+    for _ in range(100):
+        try:
+            return await Client.connect(address)
+        except (RPCError, RuntimeError) as exc:
+            last = exc
+            await asyncio.sleep(0.1)
+    raise AssertionError(f"temporal at {address} never answered: {last}")
+
+
+@dataclass
+class Stack:
+    runs: Runs
+    client: Client
+    task_queue: str
+    mcp: FakeMcpState
+    shell: AdmissionShell
+    gateway_url: str
+    mcp_url: str
+
+
+@contextlib.asynccontextmanager
+async def stack(
+    temporal_address: str,
+    *,
+    engine: dict[str, Any] | None = None,
+    mcp_time_scale: float = TIME_SCALE,
+    worker: bool = True,
+) -> AsyncIterator[Stack]:
+    """Gateway + two fake engines + fake MCP + (optionally) a worker on a fresh task queue."""
+    engine_kw = {"time_scale": TIME_SCALE, **(engine or {})}
+    mcp_state = FakeMcpState()
+    async with contextlib.AsyncExitStack() as stack_:
+        urls = [
+            await stack_.enter_async_context(serve(create_engine(FakeEngineSettings(**engine_kw))))
+            for _ in range(2)
+        ]
+        config = parse_config(
+            {
+                "endpoints": [
+                    {"name": f"engine-{i}", "url": u, "kind": "sglang", "models": [MODEL]}
+                    for i, u in enumerate(urls)
+                ]
+            }
+        )
+        app = create_app(GatewaySettings(config=config, probe_period=0.05))
+        gateway_url = await stack_.enter_async_context(serve(app))
+        mcp_url = await stack_.enter_async_context(
+            serve(create_mcp(FakeMcpSettings(time_scale=mcp_time_scale), mcp_state))
+        )
+        client = await connect(temporal_address)
+        queue = f"test-{uuid.uuid4().hex[:12]}"
+        if worker:
+            await stack_.enter_async_context(
+                run_worker(client, queue, gateway_url, f"{mcp_url}/mcp")
+            )
+        yield Stack(
+            runs=Runs(client, task_queue=queue),
+            client=client,
+            task_queue=queue,
+            mcp=mcp_state,
+            shell=app.state.shell,
+            gateway_url=gateway_url,
+            mcp_url=mcp_url,
+        )
+
+
+@contextlib.asynccontextmanager
+async def run_worker(
+    client: Client, queue: str, gateway_url: str, mcp_url: str
+) -> AsyncIterator[None]:
+    pool = McpPool([McpServer(name="fake", url=mcp_url)])
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=2.0)) as http:
+        llm = LlmActivities(http, base_url=gateway_url, heartbeat_every_s=0.5)
+        worker = build_worker(
+            client, task_queue=queue, llm=llm, tools=ToolActivities(pool, heartbeat_every_s=0.5)
+        )
+        async with worker:
+            yield
+        await pool.aclose()
+
+
+async def until(
+    pred: Callable[[], Any], what: str, *, polls: int = 300, every: float = 0.05
+) -> Any:
+    """Poll an async or sync predicate, bounded (default 15 s)."""
+    for _ in range(polls):
+        value = pred()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return value
+        await asyncio.sleep(every)
+    raise AssertionError(f"never happened: {what}")

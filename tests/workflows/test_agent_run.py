@@ -1,0 +1,166 @@
+"""A sub-agent run end to end: the real dev server, gateway, fake engines, fake MCP."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from tests.workflows.harness import MODEL, Stack, stack, task_with
+from workflows import DECLINED, RunSpec
+
+
+def track_concurrency(s: Stack) -> dict[str, int]:
+    """Count the fake MCP's calls in flight; return a dict whose "max" is the peak."""
+    seen = {"now": 0, "max": 0}
+    begin, finish = s.mcp.begin, s.mcp.finish
+
+    def tracked_begin(tool: str, arguments: Any) -> tuple[str, str]:
+        seen["now"] += 1
+        seen["max"] = max(seen["max"], seen["now"])
+        return begin(tool, arguments)
+
+    def tracked_finish(key: tuple[str, str]) -> None:
+        seen["now"] -= 1
+        finish(key)
+
+    s.mcp.begin = tracked_begin  # type: ignore[method-assign]
+    s.mcp.finish = tracked_finish  # type: ignore[method-assign]
+    return seen
+
+
+async def test_a_run_loops_through_tool_calls_and_answers(temporal_address: str) -> None:
+    async with stack(temporal_address) as s:
+        task = task_with(3)
+        spec = RunSpec(task=task, model=MODEL, caller="alice", tools=["lookup", "deep_search"])
+        handle = await s.runs.spawn(spec)
+        (status,) = await s.runs.wait([handle], timeout=60)
+        assert status.state == "Completed", status
+        assert status.answer
+        assert status.usage.turns == 4 and status.usage.tool_calls == 3
+        assert status.usage.failed_tool_calls == 0
+        assert status.usage.completion_tokens > 0 and status.usage.prompt_tokens > 0
+        # Turns 2..4 continue the run on the replica that cached its prefix.
+        assert status.usage.cached_tokens > 0
+        assert status.caller == "alice" and status.root == handle and status.parent is None
+        # Every call reached the fake MCP once, and its answer is in the transcript.
+        assert sum(s.mcp.counts.values()) == 3 and not s.mcp.repeated()
+        messages = await s.runs.transcript(handle)
+        assert [m["role"] for m in messages] == ["user", *["assistant", "tool"] * 3, "assistant"]
+        assert messages[-1]["content"] == status.answer
+        # The gateway was told the run ended.
+        assert handle not in s.shell.state.runs
+
+
+async def test_the_tool_budget_and_max_tokens_are_respected(temporal_address: str) -> None:
+    async with stack(temporal_address) as s:
+        spec = RunSpec(task=task_with(3), model=MODEL, tools=["lookup"], max_tool_calls=1)
+        handle = await s.runs.spawn(spec)
+        (status,) = await s.runs.wait([handle])
+        # One call, then the model was offered no tools and had to answer.
+        assert status.state == "Completed"
+        assert (status.usage.turns, status.usage.tool_calls) == (2, 1)
+        assert sum(s.mcp.counts.values()) == 1
+
+        short = await s.runs.spawn(RunSpec(task=task_with(0), model=MODEL, max_tokens=7))
+        (status,) = await s.runs.wait([short])
+        assert status.usage.completion_tokens == 7 and status.usage.turns == 1
+
+
+async def test_parallel_tool_calls_run_concurrently(temporal_address: str) -> None:
+    # Calls of 0.5-1.5 s: three started together overlap however late a poll is.
+    async with stack(temporal_address, mcp_time_scale=1) as s:
+        seen = track_concurrency(s)
+        spec = RunSpec(task=task_with(3), model=MODEL, tools=["lookup"], parallel_tool_calls=True)
+        (status,) = await s.runs.wait([await s.runs.spawn(spec)])
+        assert status.state == "Completed"
+        # All three calls came in one turn and were in flight together.
+        assert (status.usage.turns, status.usage.tool_calls) == (2, 3)
+        assert seen["max"] == 3
+
+        seen["max"] = 0
+        spec = RunSpec(task=task_with(3), model=MODEL, tools=["lookup"])
+        (status,) = await s.runs.wait([await s.runs.spawn(spec)])
+        assert (status.usage.turns, seen["max"]) == (4, 1)
+
+
+async def test_a_malformed_call_is_an_error_the_model_sees(temporal_address: str) -> None:
+    async with stack(temporal_address) as s:
+        task = task_with(2) + " [fake: malformed-args]"
+        handle = await s.runs.spawn(RunSpec(task=task, model=MODEL, tools=["lookup"]))
+        (status,) = await s.runs.wait([handle])
+        assert status.state == "Completed"
+        assert (status.usage.tool_calls, status.usage.failed_tool_calls) == (2, 2)
+        assert not s.mcp.started  # never executed
+        tool_messages = [m for m in await s.runs.transcript(handle) if m["role"] == "tool"]
+        assert len(tool_messages) == 2
+        for m in tool_messages:
+            assert m["content"].startswith("Error: the arguments for tool 'lookup'")
+            assert "'query' is a required property" in m["content"]
+            assert 'expected {"query": string}' in m["content"]
+
+
+async def test_calls_written_as_text_are_recovered(temporal_address: str) -> None:
+    async with stack(temporal_address) as s:
+        task = task_with(2) + " [fake: text-tools]"
+        handle = await s.runs.spawn(RunSpec(task=task, model=MODEL, tools=["lookup"]))
+        (status,) = await s.runs.wait([handle])
+        assert status.state == "Completed"
+        assert (status.usage.tool_calls, status.usage.failed_tool_calls) == (2, 0)
+        assert sum(s.mcp.counts.values()) == 2
+        assistant = [m for m in await s.runs.transcript(handle) if m["role"] == "assistant"]
+        assert all(m.get("tool_calls") for m in assistant[:2])
+        assert assistant[0]["tool_calls"][0]["id"].startswith("call_recovered_")
+
+
+async def test_approval_allowed_and_declined(temporal_address: str) -> None:
+    async with stack(temporal_address) as s:
+        specs = [
+            RunSpec(task=task_with(1, "approve"), model=MODEL, tools=["delete_record"])
+            for _ in range(2)
+        ]
+        allowed, declined = [await s.runs.spawn(spec) for spec in specs]
+        for handle in (allowed, declined):
+            status = await _pending(s, handle)
+            assert status.pending_approval is not None
+            assert status.pending_approval.tool == "delete_record"
+            assert set(status.pending_approval.arguments) == {"record_id"}
+        assert not s.mcp.started  # nothing ran before the answer
+        await s.runs.approve(allowed, True)
+        await s.runs.approve(declined, False)
+        a, d = await s.runs.wait([allowed, declined])
+        assert a.state == d.state == "Completed"
+        assert (a.usage.tool_calls, a.usage.failed_tool_calls) == (1, 0)
+        assert (d.usage.tool_calls, d.usage.failed_tool_calls) == (1, 1)
+        assert sum(s.mcp.counts.values()) == 1
+        tool_reply = [m for m in await s.runs.transcript(declined) if m["role"] == "tool"]
+        assert tool_reply[0]["content"] == DECLINED == "Error: the user declined this tool call"
+
+
+async def test_approve_tools_names_a_tool_that_is_not_destructive(temporal_address: str) -> None:
+    async with stack(temporal_address) as s:
+        spec = RunSpec(
+            task=task_with(1, "approve"), model=MODEL, tools=["lookup"], approve_tools=["lookup"]
+        )
+        handle = await s.runs.spawn(spec)
+        status = await _pending(s, handle)
+        assert status.pending_approval is not None and status.pending_approval.tool == "lookup"
+        # A wrong call id is refused and changes nothing.
+        try:
+            await s.runs.approve(handle, True, call_id="call_other")
+        except Exception as exc:
+            assert "is waiting on call" in str(exc)
+        else:
+            raise AssertionError("an approval for another call was accepted")
+        assert (await s.runs.status(handle)).state == "AwaitingApproval"
+        await s.runs.approve(handle, True, call_id=status.pending_approval.call_id)
+        (status,) = await s.runs.wait([handle])
+        assert status.state == "Completed" and sum(s.mcp.counts.values()) == 1
+
+
+async def _pending(s: Stack, handle: str) -> Any:
+    for _ in range(300):
+        status = await s.runs.status(handle)
+        if status.state == "AwaitingApproval":
+            return status
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{handle} never asked for approval")

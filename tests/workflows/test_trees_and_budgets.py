@@ -1,0 +1,143 @@
+"""Run trees and budgets over whole subtrees, on the real stack."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.workflows.harness import MODEL, stack, task_with, until
+from workflows import Budget, RunError, RunSpec
+
+
+async def test_a_tree_reports_children_and_subtree_totals(temporal_address: str) -> None:
+    async with stack(temporal_address) as s:
+        # The parent waits on an approval, so it is running when children are added.
+        parent = await s.runs.spawn(
+            RunSpec(task=task_with(1, "p"), model=MODEL, tools=["delete_record"], caller="bob")
+        )
+        await until(lambda: _state(s, parent, "AwaitingApproval"), "parent waits for its approval")
+        kids = [
+            await s.runs.spawn(
+                RunSpec(task=task_with(2, "kid"), model=MODEL, tools=["lookup"], parent=parent)
+            )
+            for _ in range(2)
+        ]
+        done = await s.runs.wait(kids)
+        assert [k.state for k in done] == ["Completed", "Completed"]
+        assert all(k.parent == parent and k.root == parent for k in done)
+        assert all(k.caller == "bob" for k in done)  # a child inherits its parent's caller
+        status = await until(
+            lambda: _when(s, parent, lambda st: all(c.state == "Completed" for c in st.children)),
+            "the parent saw its children end",
+        )
+        assert {c.handle for c in status.children} == set(kids)
+        kid_total = sum(k.usage.turns for k in done)
+        assert status.subtree.turns == status.usage.turns + kid_total
+        assert status.subtree.tool_calls == status.usage.tool_calls + 4
+        await s.runs.approve(parent, True)
+        (status,) = await s.runs.wait([parent])
+        assert status.state == "Completed"
+        assert status.subtree.tool_calls == 5
+        assert status.subtree.prompt_tokens == status.usage.prompt_tokens + sum(
+            k.usage.prompt_tokens for k in done
+        )
+
+        # A run that has ended takes no children, and says so.
+        with pytest.raises(RunError, match="has ended"):
+            await s.runs.spawn(RunSpec(task="late", model=MODEL, parent=parent))
+        with pytest.raises(RunError, match="no run with handle 'run-nope'"):
+            await s.runs.spawn(RunSpec(task="orphan", model=MODEL, parent="run-nope"))
+
+
+async def test_cancelling_a_parent_cancels_running_descendants(temporal_address: str) -> None:
+    async with stack(temporal_address) as s:
+        parent = await s.runs.spawn(
+            RunSpec(task=task_with(1, "p"), model=MODEL, tools=["delete_record"])
+        )
+        await until(lambda: _state(s, parent, "AwaitingApproval"), "parent waits")
+        child = await s.runs.spawn(
+            RunSpec(task=task_with(1, "c"), model=MODEL, tools=["delete_record"], parent=parent)
+        )
+        await until(lambda: _state(s, child, "AwaitingApproval"), "child waits")
+        grandchild = await s.runs.spawn(
+            RunSpec(task=task_with(1, "g"), model=MODEL, tools=["delete_record"], parent=child)
+        )
+        await until(lambda: _state(s, grandchild, "AwaitingApproval"), "grandchild waits")
+        status = await s.runs.cancel(parent)
+        assert status.state == "Cancelled"
+        statuses = await s.runs.wait([child, grandchild], timeout=30)
+        assert [st.state for st in statuses] == ["Cancelled", "Cancelled"]
+        assert statuses[1].root == parent and statuses[1].parent == child
+        assert not s.mcp.started  # no destructive call ran
+
+
+async def test_the_token_budget_trips_and_cancels_the_subtree(temporal_address: str) -> None:
+    # Tool calls of 0.5-1.5 s keep the child working when its first turns trip the budget.
+    async with stack(temporal_address, mcp_time_scale=1) as s:
+        parent = await s.runs.spawn(
+            RunSpec(
+                task=task_with(1, "p"),
+                model=MODEL,
+                tools=["delete_record"],
+                budget=Budget(tokens=600),
+            )
+        )
+        await until(lambda: _state(s, parent, "AwaitingApproval"), "parent waits")
+        # A child that keeps working: many tool calls, long context.
+        child = await s.runs.spawn(
+            RunSpec(
+                task=task_with(3, "context " * 200),
+                model=MODEL,
+                tools=["lookup"],
+                parent=parent,
+            )
+        )
+        status, kid = await s.runs.wait([parent, child], timeout=30)
+        assert status.state == "Cancelled", status
+        assert status.error is not None and status.error.startswith("budget exceeded: tokens ")
+        used, limit = status.error.removeprefix("budget exceeded: tokens ").split("/")
+        assert int(used) > int(limit) == 600
+        assert status.budget is not None and status.budget.exceeded == status.error
+        assert status.budget.used.tokens == int(used)
+        assert kid.state == "Cancelled" and kid.error == status.error
+
+
+async def test_the_tool_call_budget_trips(temporal_address: str) -> None:
+    async with stack(temporal_address) as s:
+        handle = await s.runs.spawn(
+            RunSpec(task=task_with(3), model=MODEL, tools=["lookup"], budget=Budget(tool_calls=1))
+        )
+        (status,) = await s.runs.wait([handle])
+        assert status.state == "Cancelled"
+        assert status.error == "budget exceeded: tool_calls 2/1"
+        assert status.usage.tool_calls == 2 and status.usage.turns == 2
+
+
+async def test_the_seconds_budget_trips_on_an_idle_subtree(temporal_address: str) -> None:
+    async with stack(temporal_address) as s:
+        parent = await s.runs.spawn(
+            RunSpec(
+                task=task_with(1, "p"),
+                model=MODEL,
+                tools=["delete_record"],
+                budget=Budget(seconds=2),
+            )
+        )
+        await until(lambda: _state(s, parent, "AwaitingApproval"), "parent waits")
+        child = await s.runs.spawn(
+            RunSpec(task=task_with(1, "c"), model=MODEL, tools=["delete_record"], parent=parent)
+        )
+        # Nobody answers: the whole subtree is idle, and the durable timer trips it.
+        status, kid = await s.runs.wait([parent, child], timeout=30)
+        assert status.state == kid.state == "Cancelled"
+        assert status.error is not None and status.error.startswith("budget exceeded: seconds ")
+        assert status.error.endswith("/2") and kid.error == status.error
+        assert not s.mcp.started
+
+
+async def _state(s: object, handle: str, state: str) -> bool:
+    return (await s.runs.status(handle)).state == state  # type: ignore[attr-defined]
+
+
+async def _when(s: object, handle: str, pred: object) -> object:
+    status = await s.runs.status(handle)  # type: ignore[attr-defined]
+    return status if pred(status) else None  # type: ignore[operator]

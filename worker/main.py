@@ -1,0 +1,135 @@
+"""`luftpause worker`: runs sub-agent workflows and their activities on a task queue.
+
+It connects the configured upstream MCP servers, sends LLM turns to the gateway (or
+`gateway_url`), hands its work over on SIGTERM (`Worker.shutdown`, so another worker
+takes the runs at once) and exits cleanly.  The sticky schedule-to-start timeout is 2 s:
+after a worker dies, its runs' next workflow tasks reach another worker within 2 s
+instead of the default 10 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+from dataclasses import dataclass
+from datetime import timedelta
+
+import httpx
+from temporalio.client import Client
+from temporalio.worker import Worker
+
+from activities import LlmActivities, ToolActivities
+from activities.mcp_pool import McpPool
+from luftpause.config import Config, ConfigError, load_config
+from workflows import AgentRun
+
+__all__ = ["WorkerSettings", "add_arguments", "build_worker", "run", "serve"]
+
+log = logging.getLogger(__name__)
+
+STICKY_TIMEOUT = timedelta(seconds=2)
+GRACEFUL_SHUTDOWN = timedelta(seconds=10)
+GATEWAY_CONNECT_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerSettings:
+    """Where the worker connects and what it serves."""
+
+    temporal_address: str
+    namespace: str
+    task_queue: str
+    gateway_url: str
+    gateway_token: str | None = None
+
+
+def settings_from(config: Config, env: os._Environ[str] | dict[str, str]) -> WorkerSettings:
+    """The config file, with the environment's overrides a container needs."""
+    return WorkerSettings(
+        temporal_address=env.get("LUFTPAUSE_TEMPORAL_ADDRESS") or config.temporal.address,
+        namespace=env.get("LUFTPAUSE_TEMPORAL_NAMESPACE") or config.temporal.namespace,
+        task_queue=env.get("LUFTPAUSE_TASK_QUEUE") or config.temporal.task_queue,
+        gateway_url=env.get("LUFTPAUSE_GATEWAY_URL") or config.gateway_url,
+        gateway_token=env.get("LUFTPAUSE_TOKEN") or None,
+    )
+
+
+def build_worker(
+    client: Client, *, task_queue: str, llm: LlmActivities, tools: ToolActivities
+) -> Worker:
+    """The worker for one task queue, with every workflow and activity registered."""
+    return Worker(
+        client,
+        task_queue=task_queue,
+        workflows=[AgentRun],
+        activities=[llm.llm_turn, llm.end_run, tools.list_tools, tools.call_tool],
+        sticky_queue_schedule_to_start_timeout=STICKY_TIMEOUT,
+        graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
+    )
+
+
+async def serve(config: Config, settings: WorkerSettings, stop: asyncio.Event) -> None:
+    """Run the worker until `stop` is set, then hand over and close every connection."""
+    client = await Client.connect(settings.temporal_address, namespace=settings.namespace)
+    pool = McpPool(config.mcp_servers)
+    timeout = httpx.Timeout(None, connect=GATEWAY_CONNECT_TIMEOUT_S)
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
+        llm = LlmActivities(http, base_url=settings.gateway_url, token=settings.gateway_token)
+        worker = build_worker(
+            client, task_queue=settings.task_queue, llm=llm, tools=ToolActivities(pool)
+        )
+        running = asyncio.create_task(worker.run())
+        log.info(
+            "worker on task queue %r (temporal %s, gateway %s, mcp servers: %s)",
+            settings.task_queue,
+            settings.temporal_address,
+            settings.gateway_url,
+            ", ".join(pool.servers) or "none",
+        )
+        stopped = asyncio.create_task(stop.wait())
+        await asyncio.wait({running, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if not running.done():
+            await worker.shutdown()
+        stopped.cancel()
+        try:
+            await running
+        finally:
+            await pool.aclose()
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--config",
+        default=os.environ.get("LUFTPAUSE_CONFIG", "luftpause.toml"),
+        help="path of luftpause.toml (default: $LUFTPAUSE_CONFIG or ./luftpause.toml)",
+    )
+    p.add_argument("--task-queue", help="override [temporal] task_queue")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        raise SystemExit(f"luftpause worker: {exc}") from None
+    settings = settings_from(config, os.environ)
+    if args.task_queue:
+        settings = WorkerSettings(**{**settings.__dict__, "task_queue": args.task_queue})
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(config, settings, stop)
+
+    try:
+        asyncio.run(main())
+    except RuntimeError as exc:  # e.g. Temporal unreachable
+        raise SystemExit(f"luftpause worker: {exc}") from None
+    return 0

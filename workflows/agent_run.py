@@ -1,0 +1,586 @@
+"""`AgentRun`: one sub-agent run as a Temporal workflow; the workflow id is its handle.
+
+The loop: an LLM turn (through the gateway, as this run's turn) → the tool calls it
+asked for (concurrently when `parallel_tool_calls`) → the next turn, until the model
+answers.  After `max_tool_calls` calls the model is offered no tools and must answer, so
+a run makes at most `max_tool_calls + 1` turns.
+
+Rules this module keeps:
+1. **Trees.** `spawn_child` (an update) starts a child workflow with REQUEST_CANCEL as
+   its parent close policy; a run waits for its running children before it completes.
+   Every run reports its subtree's state and totals to its parent by signal.
+2. **Budgets** limit a run's whole subtree.  The run that holds a budget checks it
+   before every turn and tool round and on every report from below; the seconds budget
+   is a durable timer, so an idle subtree trips it too.  On excess the run stops its
+   in-flight work and its descendants with `budget exceeded: <which> <used>/<limit>`.
+   The overshoot is bounded by the turns and tool calls in flight when it trips.
+3. **Approvals.** A destructive tool (or one named in `approve_tools`) waits in
+   `AwaitingApproval` until the `approve` update answers; answers are kept (and carried
+   across continue-as-new), so an answered call is never asked again after a restart.
+4. **Determinism.** No clock but `workflow.now()`, no I/O but activities, no randomness.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from dataclasses import replace
+from datetime import datetime, timedelta
+from typing import Any
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy, SearchAttributePair, TypedSearchAttributes
+from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError
+
+with workflow.unsafe.imports_passed_through():
+    # The contract module by its own name: the converter resolves the dataclasses'
+    # annotations through sys.modules, which in the sandbox holds only what was imported.
+    from activities.contract import (
+        EndRunInput,
+        ToolCall,
+        ToolInfo,
+        ToolInput,
+        ToolOutput,
+        TurnInput,
+        TurnOutput,
+    )
+    from activities.llm import LlmActivities
+    from activities.tools import ToolActivities
+    from workflows.contract import (
+        CALLER,
+        CLASS,
+        MODEL,
+        PARENT,
+        ROOT,
+        STATE,
+        TERMINAL_STATES,
+        AgentRunInput,
+        Approval,
+        Budget,
+        BudgetStatus,
+        Carry,
+        ChildReport,
+        ChildRequest,
+        ChildSummary,
+        PendingApproval,
+        RunSpec,
+        RunStatus,
+        StopRequest,
+        Totals,
+    )
+
+__all__ = ["DECLINED", "AgentRun"]
+
+DECLINED = "Error: the user declined this tool call"
+
+# Named timeouts and retry policies (DESIGN.md "The runtime on Temporal").
+TURN_TIMEOUT = timedelta(minutes=10)  # a turn may wait long in the gateway's queue
+TURN_SCHEDULE_TIMEOUT = timedelta(minutes=30)
+TOOL_TIMEOUT = timedelta(minutes=5)
+TOOL_SCHEDULE_TIMEOUT = timedelta(minutes=15)
+HEARTBEAT_TIMEOUT = timedelta(seconds=10)
+SHORT_TIMEOUT = timedelta(seconds=30)
+RETRY = RetryPolicy(
+    initial_interval=timedelta(seconds=1),
+    backoff_coefficient=2.0,
+    maximum_interval=timedelta(seconds=10),
+)
+END_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=3)
+
+
+class _Stop(Exception):
+    """The run must stop: its budget tripped, or an ancestor's did."""
+
+
+def _tool_message(call_id: str, content: str) -> dict[str, Any]:
+    return {"role": "tool", "tool_call_id": call_id, "content": content}
+
+
+@workflow.defn
+class AgentRun:
+    """One sub-agent: see the module docstring for its rules."""
+
+    @workflow.init
+    def __init__(self, inp: AgentRunInput) -> None:
+        info = workflow.info()
+        self._id = info.workflow_id
+        self._spec = inp.spec if inp.spec.caller else replace(inp.spec, caller="anonymous")
+        self._root = inp.spec.root or self._id
+        carry = inp.carry
+        self._messages: list[dict[str, Any]] = list(carry.messages) if carry else []
+        self._usage = carry.usage if carry else Totals()
+        self._answers: dict[str, bool] = dict(carry.answers) if carry else {}
+        self._started_at = carry.started_at if carry else workflow.now().isoformat()
+        self._tools: list[ToolInfo] | None = (
+            [t if isinstance(t, ToolInfo) else ToolInfo(**t) for t in carry.tools]
+            if carry
+            else None
+        )
+        self._children: dict[str, ChildSummary] = (
+            {c.handle: c for c in carry.children} if carry else {}
+        )
+        self._state = "Running"
+        self._answer: str | None = None
+        self._error: str | None = None
+        self._pending: PendingApproval | None = None
+        self._exceeded: str | None = None
+        self._stop_reason: str | None = None
+        self._ended_at: str | None = None
+        self._last_report: tuple[str, Totals] | None = None
+        self._watchers: set[asyncio.Task[None]] = set()
+
+    # ------------------------------------------------------------------ run
+
+    @workflow.run
+    async def run(self, inp: AgentRunInput) -> RunStatus:
+        work = asyncio.create_task(self._work())
+        try:
+            await self._until_done(work)
+            if self._exceeded is not None:
+                raise _Stop(self._exceeded)
+            work.result()  # raises what the loop raised
+            await self._wait_children()
+            self._state = "Completed"
+        except _Stop as stop:
+            await self._halt(work, "Cancelled", str(stop))
+            raise ApplicationError(str(stop), type="BudgetExceeded", non_retryable=True) from None
+        except asyncio.CancelledError:
+            await self._halt(work, "Cancelled", self._stop_reason or "cancelled")
+            raise
+        except (ActivityError, ApplicationError) as exc:
+            message = str(exc.cause) if isinstance(exc, ActivityError) and exc.cause else str(exc)
+            await self._halt(work, "Failed", message)
+            raise ApplicationError(message, type="RunFailed", non_retryable=True) from None
+        await self._finish()
+        return self.status()
+
+    async def _until_done(self, work: asyncio.Task[None]) -> None:
+        """Wait for the loop, or for the budget to trip (the seconds budget by timer)."""
+        limit = self._spec.budget.seconds
+        if limit is None:
+            await workflow.wait_condition(lambda: work.done() or self._exceeded is not None)
+            return
+        left = limit - self._elapsed()
+        try:
+            await workflow.wait_condition(
+                lambda: work.done() or self._exceeded is not None,
+                timeout=max(left, 0.001),
+            )
+        except TimeoutError:
+            self._exceeded = f"budget exceeded: seconds {self._elapsed():.0f}/{limit:g}"
+        if self._exceeded is None and not work.done():  # pragma: no cover - defensive
+            await workflow.wait_condition(lambda: work.done() or self._exceeded is not None)
+
+    async def _wait_children(self) -> None:
+        if any(c.state not in TERMINAL_STATES for c in self._children.values()):
+            self._set_state("AwaitingChildren")
+            limit = self._spec.budget.seconds
+            done = lambda: (  # noqa: E731
+                all(c.state in TERMINAL_STATES for c in self._children.values())
+                or self._exceeded is not None
+            )
+            if limit is None:
+                await workflow.wait_condition(done)
+            else:
+                try:
+                    await workflow.wait_condition(done, timeout=max(limit - self._elapsed(), 0.001))
+                except TimeoutError:
+                    self._exceeded = f"budget exceeded: seconds {self._elapsed():.0f}/{limit:g}"
+            if self._exceeded is not None:
+                raise _Stop(self._exceeded)
+
+    async def _halt(self, work: asyncio.Task[None], state: str, reason: str) -> None:
+        """Stop the loop and the subtree, record why, report the end."""
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(BaseException):
+                await work
+        self._error = reason
+        self._pending = None
+        for handle, child in self._children.items():
+            if child.state not in TERMINAL_STATES:
+                ext = workflow.get_external_workflow_handle(handle)
+                try:
+                    await ext.signal(AgentRun.stop, StopRequest(reason))
+                    await ext.cancel()
+                except Exception:
+                    pass
+        self._set_state(state)
+        await self._finish()
+
+    async def _finish(self) -> None:
+        """Report the end up the tree and to the gateway.  Runs to its end even when a
+        (second) cancellation request arrives meanwhile."""
+        task = asyncio.create_task(self._report_end())
+        while not task.done():
+            try:
+                await asyncio.shield(task)
+            except asyncio.CancelledError:
+                continue
+
+    async def _report_end(self) -> None:
+        self._ended_at = workflow.now().isoformat()
+        await self._report_up()
+        try:
+            await workflow.execute_activity_method(
+                LlmActivities.end_run,
+                EndRunInput(self._id),
+                start_to_close_timeout=SHORT_TIMEOUT,
+                retry_policy=END_RETRY,
+            )
+        except ActivityError as exc:
+            workflow.logger.warning(
+                "could not report the end of run %s to the gateway: %s", self._id, exc.cause
+            )
+        await workflow.wait_condition(workflow.all_handlers_finished)
+
+    # ------------------------------------------------------------------ the loop
+
+    async def _work(self) -> None:
+        spec = self._spec
+        if not self._messages:
+            if spec.system:
+                self._messages.append({"role": "system", "content": spec.system})
+            self._messages.append({"role": "user", "content": spec.task})
+        if self._tools is None:
+            listed = await workflow.execute_activity_method(
+                ToolActivities.list_tools,
+                start_to_close_timeout=SHORT_TIMEOUT,
+                retry_policy=RETRY,
+            )
+            allowed = None if spec.tools is None else set(spec.tools)
+            self._tools = [t for t in listed if allowed is None or t.name in allowed]
+        while True:
+            self._check_budget()
+            await self._maybe_continue_as_new()
+            offer = self._usage.tool_calls < spec.max_tool_calls and bool(self._tools)
+            turn = await self._turn(offer)
+            if not turn.tool_calls or not offer:
+                self._answer = turn.message.get("content") or ""
+                return
+            self._check_budget()
+            await self._tool_round(turn.tool_calls)
+
+    async def _turn(self, offer: bool) -> TurnOutput:
+        spec = self._spec
+        assert self._tools is not None
+        turn = await workflow.execute_activity_method(
+            LlmActivities.llm_turn,
+            TurnInput(
+                run_id=self._id,
+                model=spec.model,
+                messages=self._messages,
+                tools=[t.openai_tool() for t in self._tools] if offer else [],
+                max_tokens=spec.max_tokens,
+                parallel_tool_calls=spec.parallel_tool_calls,
+                service_class=spec.service_class,
+                caller=spec.caller,
+            ),
+            start_to_close_timeout=TURN_TIMEOUT,
+            schedule_to_close_timeout=TURN_SCHEDULE_TIMEOUT,
+            heartbeat_timeout=HEARTBEAT_TIMEOUT,
+            retry_policy=RETRY,
+        )
+        self._messages.append(turn.message)
+        self._usage = self._usage.plus(
+            Totals(
+                turns=1,
+                prompt_tokens=turn.prompt_tokens,
+                completion_tokens=turn.completion_tokens,
+                cached_tokens=turn.cached_tokens,
+                turn_seconds=turn.seconds,
+            )
+        )
+        await self._report_up()
+        return turn
+
+    async def _tool_round(self, calls: list[ToolCall]) -> None:
+        spec = self._spec
+        left = spec.max_tool_calls - self._usage.tool_calls
+        run, over = calls[:left], calls[left:]
+        outputs: dict[str, ToolOutput] = {}
+        # Approvals first, one at a time, in the model's order; then execution.
+        approved: list[ToolCall] = []
+        for call in run:
+            if self._needs_approval(call.name) and not await self._approval(call):
+                outputs[call.id] = ToolOutput(content=DECLINED, is_error=True, executed=False)
+            else:
+                approved.append(call)
+        if spec.parallel_tool_calls:
+            results = await asyncio.gather(*(self._call(c) for c in approved))
+        else:
+            results = [await self._call(c) for c in approved]
+        outputs.update({c.id: r for c, r in zip(approved, results, strict=True)})
+        for call in over:
+            outputs[call.id] = ToolOutput(
+                content=(
+                    f"Error: this run's tool-call budget ({spec.max_tool_calls}) is spent; "
+                    "answer with what you have"
+                ),
+                is_error=True,
+                executed=False,
+            )
+        for call in calls:
+            out = outputs[call.id]
+            self._messages.append(_tool_message(call.id, out.content))
+        self._usage = self._usage.plus(
+            Totals(
+                tool_calls=len(run),
+                failed_tool_calls=sum(1 for c in run if outputs[c.id].is_error),
+                tool_seconds=sum(outputs[c.id].seconds for c in run),
+            )
+        )
+        await self._report_up()
+
+    async def _call(self, call: ToolCall) -> ToolOutput:
+        assert self._tools is not None
+        tool = next((t for t in self._tools if t.name == call.name), None)
+        if tool is None:
+            names = ", ".join(t.name for t in self._tools) or "none"
+            return ToolOutput(
+                content=f"Error: there is no tool named '{call.name}'; the tools are: {names}",
+                is_error=True,
+                executed=False,
+            )
+        return await workflow.execute_activity_method(
+            ToolActivities.call_tool,
+            ToolInput(
+                run_id=self._id,
+                server=tool.server,
+                tool=tool.name,
+                arguments=call.arguments,
+                input_schema=tool.input_schema,
+            ),
+            start_to_close_timeout=TOOL_TIMEOUT,
+            schedule_to_close_timeout=TOOL_SCHEDULE_TIMEOUT,
+            heartbeat_timeout=HEARTBEAT_TIMEOUT,
+            retry_policy=RETRY,
+        )
+
+    def _needs_approval(self, name: str) -> bool:
+        if name in self._spec.approve_tools:
+            return True
+        tool = next((t for t in self._tools or [] if t.name == name), None)
+        return tool is not None and tool.destructive and not tool.read_only
+
+    async def _approval(self, call: ToolCall) -> bool:
+        if call.id not in self._answers:
+            try:
+                arguments: Any = json.loads(call.arguments) if call.arguments.strip() else {}
+            except ValueError:
+                arguments = call.arguments
+            self._pending = PendingApproval(call.id, call.name, arguments)
+            self._set_state("AwaitingApproval")
+            await self._report_up()
+            await workflow.wait_condition(lambda: call.id in self._answers)
+            self._pending = None
+            self._set_state("Running")
+            await self._report_up()
+        return self._answers[call.id]
+
+    # ------------------------------------------------------------------ budgets
+
+    def _elapsed(self) -> float:
+        return (workflow.now() - datetime.fromisoformat(self._started_at)).total_seconds()
+
+    def subtree(self) -> Totals:
+        total = self._usage
+        for child in self._children.values():
+            total = total.plus(child.subtree)
+        return total
+
+    def _budget_status(self) -> BudgetStatus | None:
+        limits = self._spec.budget
+        if not limits.any():
+            return None
+        used = self.subtree()
+        return BudgetStatus(
+            limits=limits,
+            used=Budget(
+                tokens=used.tokens, tool_calls=used.tool_calls, seconds=round(self._elapsed(), 3)
+            ),
+            exceeded=self._exceeded,
+        )
+
+    def _over(self) -> str | None:
+        limits, used = self._spec.budget, self.subtree()
+        if limits.tokens is not None and used.tokens > limits.tokens:
+            return f"budget exceeded: tokens {used.tokens}/{limits.tokens}"
+        if limits.tool_calls is not None and used.tool_calls > limits.tool_calls:
+            return f"budget exceeded: tool_calls {used.tool_calls}/{limits.tool_calls}"
+        if limits.seconds is not None and self._elapsed() >= limits.seconds:
+            return f"budget exceeded: seconds {self._elapsed():.0f}/{limits.seconds:g}"
+        return None
+
+    def _check_budget(self) -> None:
+        if self._exceeded is None:
+            self._exceeded = self._over()
+        if self._stop_reason is not None:
+            raise _Stop(self._stop_reason)
+        if self._exceeded is not None:
+            raise _Stop(self._exceeded)
+
+    # ------------------------------------------------------------------ tree
+
+    async def _report_up(self) -> None:
+        parent = self._spec.parent
+        if parent is None:
+            return
+        report = (self._state, self.subtree())
+        if report == self._last_report:
+            return
+        self._last_report = report
+        try:
+            await workflow.get_external_workflow_handle(parent).signal(
+                AgentRun.report, ChildReport(self._id, report[0], report[1])
+            )
+        except Exception:
+            workflow.logger.info("run %s: parent %s no longer takes reports", self._id, parent)
+
+    async def _watch(self, handle: str, child: workflow.ChildWorkflowHandle[Any, Any]) -> None:
+        try:
+            status: RunStatus = await child
+            state = "Completed"
+            subtree = status.subtree
+        except ChildWorkflowError as exc:
+            state = "Cancelled" if "cancel" in str(exc.cause).lower() else "Failed"
+            subtree = self._children[handle].subtree
+        known = self._children[handle]
+        if known.state not in TERMINAL_STATES or known.state != state:
+            self._children[handle] = ChildSummary(handle, state, subtree)
+        if self._exceeded is None:
+            self._exceeded = self._over()
+        await self._report_up()
+
+    async def _maybe_continue_as_new(self) -> None:
+        if not workflow.info().is_continue_as_new_suggested():
+            return
+        if any(c.state not in TERMINAL_STATES for c in self._children.values()):
+            return  # closing this run would cancel its running children
+        await workflow.wait_condition(workflow.all_handlers_finished)
+        workflow.continue_as_new(
+            AgentRunInput(
+                spec=self._spec,
+                carry=Carry(
+                    messages=self._messages,
+                    usage=self._usage,
+                    answers=self._answers,
+                    started_at=self._started_at,
+                    tools=list(self._tools or []),
+                    children=list(self._children.values()),
+                ),
+            )
+        )
+
+    def _set_state(self, state: str) -> None:
+        if state != self._state:
+            self._state = state
+            workflow.upsert_search_attributes([STATE.value_set(state)])
+
+    # ------------------------------------------------------------------ messages
+
+    @workflow.query
+    def status(self) -> RunStatus:
+        """The run as `status` shows it."""
+        return RunStatus(
+            handle=self._id,
+            state=self._state,
+            task=self._spec.task,
+            model=self._spec.model,
+            service_class=self._spec.service_class,
+            caller=self._spec.caller,
+            parent=self._spec.parent,
+            root=self._root,
+            children=list(self._children.values()),
+            usage=self._usage,
+            subtree=self.subtree(),
+            answer=self._answer if self._state == "Completed" else None,
+            error=self._error,
+            budget=self._budget_status(),
+            pending_approval=self._pending,
+            started_at=self._started_at,
+            ended_at=self._ended_at,
+        )
+
+    @workflow.query
+    def transcript(self) -> list[dict[str, Any]]:
+        """The run's messages so far, in the OpenAI chat shape."""
+        return self._messages
+
+    @workflow.signal
+    async def report(self, report: ChildReport) -> None:
+        """A child's subtree changed."""
+        known = self._children.get(report.handle)
+        if known is not None and known.state in TERMINAL_STATES:
+            return  # the watcher saw it end; a late report changes nothing
+        self._children[report.handle] = ChildSummary(report.handle, report.state, report.subtree)
+        if self._exceeded is None:
+            self._exceeded = self._over()
+        await self._report_up()
+
+    @workflow.signal
+    def stop(self, request: StopRequest) -> None:
+        """An ancestor is about to cancel this run; remember why."""
+        self._stop_reason = self._stop_reason or request.reason
+
+    @workflow.update
+    async def spawn_child(self, request: ChildRequest) -> str:
+        """Start a child run of this run; returns its handle once it exists."""
+        spec = replace(
+            request.spec,
+            parent=self._id,
+            root=self._root,
+            caller=request.spec.caller or self._spec.caller,
+        )
+        child = await workflow.start_child_workflow(
+            AgentRun.run,
+            AgentRunInput(spec),
+            id=request.handle,
+            parent_close_policy=workflow.ParentClosePolicy.REQUEST_CANCEL,
+            search_attributes=search_attributes(spec, request.handle),
+        )
+        self._children[request.handle] = ChildSummary(request.handle, "Running")
+        watcher = asyncio.create_task(self._watch(request.handle, child))
+        self._watchers.add(watcher)
+        watcher.add_done_callback(self._watchers.discard)
+        await self._report_up()
+        return request.handle
+
+    @spawn_child.validator
+    def _validate_spawn(self, request: ChildRequest) -> None:
+        if self._state in TERMINAL_STATES or self._exceeded or self._stop_reason:
+            raise ValueError(f"run '{self._id}' has ended ({self._state}); it takes no children")
+        if request.handle in self._children:
+            raise ValueError(f"run '{self._id}' already has a child '{request.handle}'")
+
+    @workflow.update
+    def approve(self, answer: Approval) -> str:
+        """Answer the pending approval; returns the tool that was allowed or declined."""
+        assert self._pending is not None  # the validator ran
+        self._answers[self._pending.call_id] = answer.allow
+        return self._pending.tool
+
+    @approve.validator
+    def _validate_approve(self, answer: Approval) -> None:
+        if self._pending is None:
+            raise ValueError(f"run '{self._id}' has no pending approval (state {self._state})")
+        if answer.call_id is not None and answer.call_id != self._pending.call_id:
+            raise ValueError(
+                f"run '{self._id}' is waiting on call '{self._pending.call_id}', "
+                f"not '{answer.call_id}'"
+            )
+
+
+def search_attributes(spec: RunSpec, handle: str) -> TypedSearchAttributes:
+    """The search attributes a run starts with."""
+    pairs: list[SearchAttributePair[Any]] = [
+        SearchAttributePair(CALLER, spec.caller or "anonymous"),
+        SearchAttributePair(ROOT, spec.root or handle),
+        SearchAttributePair(CLASS, spec.service_class),
+        SearchAttributePair(MODEL, spec.model),
+        SearchAttributePair(STATE, "Running"),
+    ]
+    if spec.parent:
+        pairs.append(SearchAttributePair(PARENT, spec.parent))
+    return TypedSearchAttributes(pairs)

@@ -1,0 +1,217 @@
+"""The run contract: what a sub-agent run takes, what it reports, how it is steered.
+
+One dataclass in and out of the workflow, each signal, update and query (Temporal's
+default converter handles nested dataclasses).  Fields only grow, with defaults, so a
+history recorded by an older worker still decodes.  The MCP door, the facade and the
+tests all speak these types.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from temporalio.common import SearchAttributeKey
+
+__all__ = [
+    "ACTIVE_STATES",
+    "DEFAULT_MAX_TOKENS",
+    "DEFAULT_MAX_TOOL_CALLS",
+    "DEFAULT_TASK_QUEUE",
+    "SEARCH_ATTRIBUTES",
+    "TERMINAL_STATES",
+    "AgentRunInput",
+    "Approval",
+    "Budget",
+    "BudgetStatus",
+    "Carry",
+    "ChildReport",
+    "ChildRequest",
+    "ChildSummary",
+    "PendingApproval",
+    "RunSpec",
+    "RunState",
+    "RunStatus",
+    "StopRequest",
+    "Totals",
+]
+
+DEFAULT_TASK_QUEUE = "luftpause"
+DEFAULT_MAX_TOOL_CALLS = 8
+DEFAULT_MAX_TOKENS = 256
+
+RunState = Literal[
+    "Running", "AwaitingApproval", "AwaitingChildren", "Completed", "Failed", "Cancelled"
+]
+TERMINAL_STATES: frozenset[str] = frozenset({"Completed", "Failed", "Cancelled"})
+ACTIVE_STATES: frozenset[str] = frozenset({"Running", "AwaitingApproval", "AwaitingChildren"})
+
+# Registered on the Temporal server (`temporal server start-dev --search-attribute
+# LuftpauseCaller=Keyword ...`), set at start and upserted as the run moves, so runs
+# can be listed and filtered in the Temporal UI and by `status`.
+CALLER = SearchAttributeKey.for_keyword("LuftpauseCaller")
+PARENT = SearchAttributeKey.for_keyword("LuftpauseParent")
+ROOT = SearchAttributeKey.for_keyword("LuftpauseRoot")
+CLASS = SearchAttributeKey.for_keyword("LuftpauseClass")
+MODEL = SearchAttributeKey.for_keyword("LuftpauseModel")
+STATE = SearchAttributeKey.for_keyword("LuftpauseState")
+SEARCH_ATTRIBUTES = (CALLER, PARENT, ROOT, CLASS, MODEL, STATE)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Limits over a run's whole subtree, including runs spawned later; None = no limit."""
+
+    tokens: int | None = None
+    tool_calls: int | None = None
+    seconds: float | None = None
+
+    def any(self) -> bool:
+        return self.tokens is not None or self.tool_calls is not None or self.seconds is not None
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What `spawn` asks for."""
+
+    task: str
+    model: str
+    service_class: str = "interactive"
+    system: str | None = None
+    max_tool_calls: int = DEFAULT_MAX_TOOL_CALLS
+    # Names of the upstream tools the run may use; None = all of them.
+    tools: list[str] | None = None
+    max_tokens: int = DEFAULT_MAX_TOKENS  # per turn; 0 = the engine decides
+    parallel_tool_calls: bool = False
+    caller: str = ""  # "" = the parent's caller, or "anonymous" for a root run
+    parent: str | None = None
+    root: str | None = None  # set by the parent
+    budget: Budget = field(default_factory=Budget)
+    # Tools that wait for the user's approval, besides those marked destructive.
+    approve_tools: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Totals:
+    """What a run (or a subtree) has cost so far."""
+
+    turns: int = 0
+    tool_calls: int = 0
+    failed_tool_calls: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    turn_seconds: float = 0.0
+    tool_seconds: float = 0.0
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def plus(self, other: Totals) -> Totals:
+        return Totals(
+            turns=self.turns + other.turns,
+            tool_calls=self.tool_calls + other.tool_calls,
+            failed_tool_calls=self.failed_tool_calls + other.failed_tool_calls,
+            prompt_tokens=self.prompt_tokens + other.prompt_tokens,
+            completion_tokens=self.completion_tokens + other.completion_tokens,
+            cached_tokens=self.cached_tokens + other.cached_tokens,
+            turn_seconds=self.turn_seconds + other.turn_seconds,
+            tool_seconds=self.tool_seconds + other.tool_seconds,
+        )
+
+
+@dataclass(frozen=True)
+class PendingApproval:
+    """A tool call waiting for the user."""
+
+    call_id: str
+    tool: str
+    arguments: Any
+
+
+@dataclass(frozen=True)
+class Approval:
+    """The user's answer; `call_id` (optional) guards against answering a later call."""
+
+    allow: bool
+    call_id: str | None = None
+
+
+@dataclass(frozen=True)
+class ChildSummary:
+    handle: str
+    state: str
+    subtree: Totals = field(default_factory=Totals)
+
+
+@dataclass(frozen=True)
+class ChildReport:
+    """Sent by a run to its parent whenever its subtree's state or totals change."""
+
+    handle: str
+    state: str
+    subtree: Totals
+
+
+@dataclass(frozen=True)
+class ChildRequest:
+    """Asks a run to start a child run with this handle (the facade picks it)."""
+
+    handle: str
+    spec: RunSpec
+
+
+@dataclass(frozen=True)
+class StopRequest:
+    """Why a run is about to be cancelled (e.g. an ancestor's budget)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class BudgetStatus:
+    limits: Budget
+    used: Budget
+    exceeded: str | None = None
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    """A run as `status` and `await` show it."""
+
+    handle: str
+    state: str
+    task: str
+    model: str
+    service_class: str
+    caller: str
+    parent: str | None
+    root: str
+    children: list[ChildSummary]
+    usage: Totals  # this run alone
+    subtree: Totals  # this run and every descendant
+    answer: str | None = None
+    error: str | None = None
+    budget: BudgetStatus | None = None
+    pending_approval: PendingApproval | None = None
+    started_at: str = ""
+    ended_at: str | None = None
+
+
+@dataclass(frozen=True)
+class Carry:
+    """What a run carries across continue-as-new."""
+
+    messages: list[dict[str, Any]]
+    usage: Totals
+    answers: dict[str, bool]
+    started_at: str
+    tools: list[Any]  # list[ToolInfo]
+    children: list[ChildSummary]
+
+
+@dataclass(frozen=True)
+class AgentRunInput:
+    spec: RunSpec
+    carry: Carry | None = None

@@ -1,0 +1,214 @@
+"""`Runs`: the one Python facade for run operations over the Temporal client.
+
+spawn, await (all | any, with a timeout), status, cancel, approve and list — used by the
+MCP door and the tests, so both see runs the same way.  Errors the caller can fix
+(unknown handle, a run with nothing to approve, a parent that has ended) raise
+`RunError` with a message that says what was expected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any, Literal
+
+from temporalio.client import (
+    Client,
+    WorkflowExecutionStatus,
+    WorkflowHandle,
+    WorkflowUpdateFailedError,
+)
+from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
+from temporalio.service import RPCError, RPCStatusCode
+
+from workflows.agent_run import AgentRun, search_attributes
+from workflows.contract import (
+    CALLER,
+    TERMINAL_STATES,
+    AgentRunInput,
+    Approval,
+    ChildRequest,
+    RunSpec,
+    RunStatus,
+    Totals,
+)
+
+__all__ = ["AWAIT_MAX_S", "RunError", "Runs", "new_handle"]
+
+AWAIT_MAX_S = 600.0
+_QUERY_TIMEOUT_S = 10.0
+
+
+class RunError(Exception):
+    """A run operation the caller asked for cannot be done; the message says why."""
+
+
+def new_handle() -> str:
+    """A fresh run handle (the workflow id)."""
+    return f"run-{uuid.uuid4().hex[:20]}"
+
+
+_CLOSED = {
+    WorkflowExecutionStatus.COMPLETED: "Completed",
+    WorkflowExecutionStatus.FAILED: "Failed",
+    WorkflowExecutionStatus.CANCELED: "Cancelled",
+    WorkflowExecutionStatus.TERMINATED: "Cancelled",
+    WorkflowExecutionStatus.TIMED_OUT: "Failed",
+}
+
+
+class Runs:
+    """Run operations for one Temporal namespace and task queue."""
+
+    def __init__(self, client: Client, *, task_queue: str) -> None:
+        self._client = client
+        self._queue = task_queue
+
+    @property
+    def client(self) -> Client:
+        return self._client
+
+    def _handle(self, handle: str) -> WorkflowHandle[AgentRun, RunStatus]:
+        return self._client.get_workflow_handle_for(AgentRun.run, handle)
+
+    async def spawn(self, spec: RunSpec, *, handle: str | None = None) -> str:
+        """Start a run (a child of `spec.parent` when given); returns its handle once the
+        workflow exists, so the handle is durable when the caller sees it."""
+        handle = handle or new_handle()
+        if spec.parent:
+            parent = self._handle(spec.parent)
+            try:
+                return await parent.execute_update(
+                    AgentRun.spawn_child, ChildRequest(handle, replace(spec, parent=None))
+                )
+            except WorkflowUpdateFailedError as exc:
+                raise RunError(str(exc.cause or exc)) from None
+            except RPCError as exc:
+                if exc.status != RPCStatusCode.NOT_FOUND:
+                    raise
+                # Updates reach only running workflows: say which case this is.
+                state = (await self.status(spec.parent)).state  # RunError if unknown
+                raise RunError(
+                    f"parent run '{spec.parent}' has ended ({state}); it takes no children"
+                ) from None
+        await self._client.start_workflow(
+            AgentRun.run,
+            AgentRunInput(spec),
+            id=handle,
+            task_queue=self._queue,
+            search_attributes=search_attributes(spec, handle),
+            id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+            id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
+        )
+        return handle
+
+    async def status(self, handle: str) -> RunStatus:
+        """The run's status; `RunError` when no run has this handle."""
+        h = self._handle(handle)
+        try:
+            desc = await h.describe()
+        except RPCError as exc:
+            if exc.status in (RPCStatusCode.NOT_FOUND, RPCStatusCode.INVALID_ARGUMENT):
+                raise RunError(f"no run with handle '{handle}'") from None
+            raise
+        try:
+            status = await asyncio.wait_for(h.query(AgentRun.status), _QUERY_TIMEOUT_S)
+        except (TimeoutError, RPCError) as exc:
+            # No worker can answer (all down): say what Temporal knows.
+            state = _CLOSED.get(desc.status, "Running") if desc.status else "Running"
+            return RunStatus(
+                handle=handle,
+                state=state,
+                task="",
+                model="",
+                service_class="",
+                caller="",
+                parent=None,
+                root=handle,
+                children=[],
+                usage=Totals(),
+                subtree=Totals(),
+                error=f"status unavailable: {exc}",
+            )
+        closed = _CLOSED.get(desc.status) if desc.status else None
+        if closed is not None and status.state not in TERMINAL_STATES:
+            # Terminated from outside (e.g. the Temporal UI): the workflow never saw it.
+            status = replace(status, state=closed, error=status.error or "terminated")
+        return status
+
+    async def transcript(self, handle: str) -> list[dict[str, Any]]:
+        """The run's messages so far."""
+        await self.status(handle)
+        return await self._handle(handle).query(AgentRun.transcript)
+
+    async def statuses(self, handles: Sequence[str]) -> list[RunStatus]:
+        return list(await asyncio.gather(*(self.status(h) for h in handles)))
+
+    async def wait(
+        self,
+        handles: Sequence[str],
+        *,
+        mode: Literal["all", "any"] = "all",
+        timeout: float = 60.0,
+    ) -> list[RunStatus]:
+        """Wait until all (or any) of the runs ended, or the timeout; return every
+        run's status either way."""
+        if not handles:
+            raise RunError("expected at least one handle")
+        if not 0 < timeout <= AWAIT_MAX_S:
+            raise RunError(f"timeout must be more than 0 and at most {AWAIT_MAX_S:g} seconds")
+        first = await self.statuses(handles)  # also checks every handle exists
+        pending = [
+            asyncio.create_task(self._ended(h))
+            for h, s in zip(handles, first, strict=True)
+            if s.state not in TERMINAL_STATES
+        ]
+        done_enough = not pending or (mode == "any" and len(pending) < len(handles))
+        if pending and not done_enough:
+            try:
+                await asyncio.wait(
+                    pending,
+                    timeout=timeout,
+                    return_when=asyncio.ALL_COMPLETED if mode == "all" else asyncio.FIRST_COMPLETED,
+                )
+            finally:
+                for task in pending:
+                    task.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+        return await self.statuses(handles)
+
+    async def _ended(self, handle: str) -> None:
+        with contextlib.suppress(Exception):
+            await self._handle(handle).result()
+
+    async def cancel(self, handle: str) -> RunStatus:
+        """Cancel the run and its running descendants; returns its status after."""
+        status = await self.status(handle)
+        if status.state in TERMINAL_STATES:
+            return status
+        await self._handle(handle).cancel()
+        await self._ended(handle)
+        return await self.status(handle)
+
+    async def approve(self, handle: str, allow: bool, call_id: str | None = None) -> RunStatus:
+        """Answer the run's pending approval."""
+        await self.status(handle)
+        try:
+            await self._handle(handle).execute_update(AgentRun.approve, Approval(allow, call_id))
+        except WorkflowUpdateFailedError as exc:
+            raise RunError(str(exc.cause or exc)) from None
+        return await self.status(handle)
+
+    async def list(self, *, caller: str | None = None, limit: int = 20) -> list[str]:
+        """The most recent runs' handles (of one caller when given), newest first."""
+        query = "WorkflowType = 'AgentRun'"
+        if caller is not None:
+            escaped = caller.replace("\\", "\\\\").replace("'", "\\'")
+            query += f" AND {CALLER.name} = '{escaped}'"
+        handles: list[str] = []
+        async for wf in self._client.list_workflows(query, limit=limit):
+            handles.append(wf.id)
+        return handles
