@@ -16,12 +16,13 @@ _POLLS, _POLL_S = 1000, 0.01
 
 
 @contextlib.asynccontextmanager
-async def serve(app: Any, *, host: str = "127.0.0.1") -> AsyncIterator[str]:
-    """Run `app` under uvicorn on a free port of `host`; yield its base URL; stop it
-    (lifespan shutdown included) when the block ends."""
+async def serve(app: Any, *, host: str = "127.0.0.1", port: int = 0) -> AsyncIterator[str]:
+    """Run `app` under uvicorn on a free port of `host` (or `port`, to restart a server
+    where its clients expect it); yield its base URL; stop it (lifespan shutdown
+    included) when the block ends."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, 0))
+    sock.bind((host, port))
     port = sock.getsockname()[1]
     config = uvicorn.Config(app, ws="none", lifespan="on", access_log=False, log_level="warning")
     server = uvicorn.Server(config)

@@ -6,9 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
+import subprocess
+import sys
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -89,15 +94,7 @@ async def stack(
             await stack_.enter_async_context(serve(create_engine(FakeEngineSettings(**engine_kw))))
             for _ in range(2)
         ]
-        config = parse_config(
-            {
-                "endpoints": [
-                    {"name": f"engine-{i}", "url": u, "kind": "sglang", "models": [MODEL]}
-                    for i, u in enumerate(urls)
-                ]
-            }
-        )
-        app = create_app(GatewaySettings(config=config, probe_period=0.05))
+        app = gateway_app(urls)
         gateway_url = await stack_.enter_async_context(serve(app))
         mcp_url = await stack_.enter_async_context(
             serve(create_mcp(FakeMcpSettings(time_scale=mcp_time_scale), mcp_state))
@@ -146,3 +143,68 @@ async def until(
             return value
         await asyncio.sleep(every)
     raise AssertionError(f"never happened: {what}")
+
+
+def gateway_app(engine_urls: list[str]) -> Any:
+    """A gateway over these engines."""
+    config = parse_config(
+        {
+            "endpoints": [
+                {"name": f"engine-{i}", "url": u, "kind": "sglang", "models": [MODEL]}
+                for i, u in enumerate(engine_urls)
+            ]
+        }
+    )
+    return create_app(GatewaySettings(config=config, probe_period=0.05))
+
+
+def worker_config(path: Path, *, temporal: str, queue: str, gateway_url: str, mcp_url: str) -> Path:
+    """A luftpause.toml for a worker process."""
+    path.write_text(
+        f'gateway_url = "{gateway_url}"\n'
+        "[[endpoints]]\n"
+        f'name = "gateway"\nurl = "{gateway_url}"\nkind = "openai"\nmodels = ["{MODEL}"]\n'
+        "[[mcp_servers]]\n"
+        f'name = "fake"\nurl = "{mcp_url}"\n'
+        "[temporal]\n"
+        f'address = "{temporal}"\ntask_queue = "{queue}"\n',
+        encoding="utf-8",
+    )
+    return path
+
+
+class WorkerProcess:
+    """`luftpause worker` as a subprocess, stopped (or killed) by its PID."""
+
+    def __init__(self, config: Path, log: Path) -> None:
+        self.config, self.log = config, log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        exe = Path(sys.executable).parent / "luftpause"
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                [str(exe), "worker", "--config", str(self.config)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> int | None:
+        """SIGTERM and wait (SIGKILL after 20 s); the exit status."""
+        proc = self.proc
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+        return proc.returncode

@@ -1,0 +1,139 @@
+"""The examples end to end: each agent, run through its command line entry point, against
+the gateway (with a token) and two fake engines, over real loopback HTTP.
+
+Every check can fail on a header the example forgot: the class is `batch`, and the caller
+and run id are ours, none of them what the gateway assumes without the header.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway._shell import AdmissionShell
+from gateway.app import GatewaySettings, create_app
+from luftpause.config import parse_config
+from scheduler import Event, ServiceClass, TurnArrived
+from testkit.loopback import serve
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load(name: str, path: Path) -> ModuleType:
+    """Import a file that is not in a package (the examples, the gateway tests' harness)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+# The module the gateway tests import as `harness` (their directory is on sys.path).
+harness = _load("harness", ROOT / "tests" / "gateway" / "harness.py")
+
+TOKEN = "sk-examples"
+# The fake engine makes k = hash(first user message) % 4 tool calls in a run: 2 for this.
+TASK = "Why does a paused run keep its replica?"
+EXAMPLES = ["openai_loop", "agents_sdk", "langgraph_agent"]
+
+
+@contextlib.asynccontextmanager
+async def gateway(*endpoints: dict[str, Any]) -> AsyncIterator[tuple[str, Any, AdmissionShell]]:
+    """The gateway with a token over loopback, recording what its clients send; yield its
+    `/v1` URL, the recorder and the admission shell."""
+    app = create_app(
+        GatewaySettings(
+            config=parse_config({"endpoints": list(endpoints)}), token=TOKEN, probe_period=0.05
+        )
+    )
+    recorder = harness.Recorder(app)
+    async with serve(recorder) as url:
+        yield f"{url}/v1", recorder, app.state.shell
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+async def test_example_sends_the_three_headers_on_every_turn(
+    name: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    example = _load(name, ROOT / "examples" / f"{name}.py")
+    run_id = f"{name}-run"
+    caller = f"tests/examples/{name}"
+    # The token comes from the environment, the rest from flags; no OpenAI key is needed.
+    monkeypatch.setenv("LUFTPAUSE_TOKEN", TOKEN)
+    for var in ("OPENAI_API_KEY", "OPENAI_BASE_URL", "LANGSMITH_TRACING", "LANGCHAIN_TRACING_V2"):
+        monkeypatch.delenv(var, raising=False)
+
+    async with (
+        harness.engine(instant=True) as (url_a, engine_a),
+        harness.engine(instant=True) as (url_b, engine_b),
+        gateway(harness.endpoint("a", url_a), harness.endpoint("b", url_b)) as (
+            base_url,
+            door,
+            shell,
+        ),
+    ):
+        arrived: list[TurnArrived] = []
+        apply = shell.apply
+
+        def spy(event: Event) -> None:
+            if isinstance(event, TurnArrived):
+                arrived.append(event)
+            apply(event)
+
+        monkeypatch.setattr(shell, "apply", spy)
+        argv = [TASK, "--base-url", base_url, "--class", "batch", "--caller", caller]
+        argv += ["--run-id", run_id]
+        # main() runs an event loop of its own: give it a thread; the servers keep this one.
+        assert await asyncio.to_thread(example.main, argv) == 0
+
+        chats = engine_a.chats + engine_b.chats
+        assert len(chats) >= 2
+        # Every turn came to the gateway with the three headers and the token ...
+        sent = {
+            "x-luftpause-run-id": run_id,
+            "x-luftpause-class": "batch",
+            "x-luftpause-caller": caller,
+            "authorization": f"Bearer {TOKEN}",
+        }
+        assert [{k: h.get(k) for k in sent} for h in door.headers] == [sent] * len(chats)
+        # ... the admission shell saw each one under that run, class and caller (without
+        # the headers: a run id of its own, interactive, anonymous) ...
+        assert [(t.run_id, t.service_class, t.caller) for t in arrived] == [
+            (run_id, ServiceClass.BATCH, caller)
+        ] * len(chats)
+        # ... and one engine (the run's) served them all, without our token.
+        assert door.chats in (engine_a.chats, engine_b.chats)
+        assert all("authorization" not in h for h in engine_a.headers + engine_b.headers)
+
+        # Tool round trips: every turn after the first brings back more results of the
+        # example's own tool.
+        results = [[m for m in body["messages"] if m["role"] == "tool"] for body in door.chats]
+        assert [len(r) for r in results] == sorted({len(r) for r in results})
+        assert results[0] == [] and results[-1]
+        assert all(m["content"].startswith("Notes on ") for m in results[-1])
+
+        # The agent finished with the engine's answer to its last turn (the fake engine
+        # answers the same conversation the same way: ask it again).
+        url = url_a if door.chats[-1] in engine_a.chats else url_b
+        async with httpx.AsyncClient(timeout=10) as client:
+            reply = await client.post(f"{url}/v1/chat/completions", json=door.chats[-1])
+        message: dict[str, Any] = reply.json()["choices"][0]["message"]
+        assert not message.get("tool_calls") and message["content"]
+        assert capsys.readouterr().out == f"{message['content']}\nrun id: {run_id}\n"
+
+        # The example ended its run.
+        await harness.until(
+            lambda: not shell.state.turns and run_id not in shell.state.runs, "run ended"
+        )

@@ -1,0 +1,111 @@
+"""Durability: the worker killed, the Temporal dev server and the gateway restarted
+mid-run — every run completes, and no completed tool call is repeated."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from pathlib import Path
+
+from luftpause.temporal_dev import DevServer
+from testkit.fake_engine import FakeEngineSettings
+from testkit.fake_engine import create_app as create_engine
+from testkit.fake_mcp import FakeMcpSettings, FakeMcpState
+from testkit.fake_mcp import create_app as create_mcp
+from testkit.loopback import serve
+from tests.workflows.harness import (
+    MODEL,
+    WorkerProcess,
+    connect,
+    gateway_app,
+    run_worker,
+    stack,
+    task_with,
+    until,
+    worker_config,
+)
+from workflows import Runs, RunSpec
+
+RUNS = 10
+
+
+def specs(prefix: str) -> list[RunSpec]:
+    return [
+        RunSpec(task=task_with(3, f"{prefix}{i}"), model=MODEL, tools=["lookup"])
+        for i in range(RUNS)
+    ]
+
+
+async def test_worker_killed_mid_run(temporal_address: str, tmp_path: Path) -> None:
+    # Tool calls of 0.5-1.5 s: runs are mid-call when the worker dies.
+    async with stack(temporal_address, mcp_time_scale=1, worker=False) as s:
+        config = worker_config(
+            tmp_path / "luftpause.toml",
+            temporal=temporal_address,
+            queue=s.task_queue,
+            gateway_url=s.gateway_url,
+            mcp_url=f"{s.mcp_url}/mcp",
+        )
+        worker = WorkerProcess(config, tmp_path / "worker.log")
+        worker.start()
+        try:
+            handles = [await s.runs.spawn(spec) for spec in specs("kill")]
+            await until(lambda: sum(s.mcp.counts.values()) >= 8, "calls completed", polls=600)
+            worker.kill()
+            before = sum(s.mcp.counts.values())
+            assert before < RUNS * 3  # the kill really was mid-run
+            worker.start()
+            statuses = await s.runs.wait(handles, timeout=120)
+        finally:
+            code = worker.stop()
+        assert code == 0, (tmp_path / "worker.log").read_text()[-3000:]
+        assert [st.state for st in statuses] == ["Completed"] * RUNS
+        assert all(st.usage.tool_calls == 3 for st in statuses)
+        assert sum(s.mcp.counts.values()) == RUNS * 3
+        assert s.mcp.repeated() == []
+
+
+async def test_dev_server_and_gateway_restarted_mid_run(tmp_path: Path) -> None:
+    server = DevServer(db_file=tmp_path / "temporal.db", log_file=tmp_path / "temporal.log")
+    server.start()
+    mcp_state = FakeMcpState()
+    try:
+        async with contextlib.AsyncExitStack() as stack_:
+            urls = [
+                await stack_.enter_async_context(
+                    serve(create_engine(FakeEngineSettings(time_scale=50)))
+                )
+                for _ in range(2)
+            ]
+            mcp_url = await stack_.enter_async_context(
+                serve(create_mcp(FakeMcpSettings(time_scale=2), mcp_state))
+            )
+            gateway = contextlib.AsyncExitStack()
+            gateway_url = await gateway.enter_async_context(serve(gateway_app(urls)))
+            port = int(gateway_url.rsplit(":", 1)[1])
+            client = await connect(server.address)
+            queue = f"test-{uuid.uuid4().hex[:12]}"
+            await stack_.enter_async_context(
+                run_worker(client, queue, gateway_url, f"{mcp_url}/mcp")
+            )
+            runs = Runs(client, task_queue=queue)
+            handles = [await runs.spawn(spec) for spec in specs("restart")]
+
+            # The dev server dies and comes back on the same port and db file.
+            await until(lambda: sum(mcp_state.counts.values()) >= 5, "calls completed")
+            server.kill()
+            server.start()
+
+            # The gateway goes away; turns fail and are retried until it is back.
+            await until(lambda: sum(mcp_state.counts.values()) >= 12, "more calls", polls=900)
+            await gateway.aclose()
+            assert sum(mcp_state.counts.values()) < RUNS * 3
+            async with serve(gateway_app(urls), port=port):
+                statuses = await Runs(await connect(server.address), task_queue=queue).wait(
+                    handles, timeout=180
+                )
+            assert [st.state for st in statuses] == ["Completed"] * RUNS
+            assert all(st.usage.tool_calls == 3 for st in statuses)
+            assert mcp_state.repeated() == []
+    finally:
+        server.stop()
