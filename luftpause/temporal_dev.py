@@ -65,8 +65,10 @@ class DevServer:
         db_file: str | Path | None = None,
         log_file: str | Path | None = None,
         host: str = "127.0.0.1",
+        extra_args: tuple[str, ...] = (),
     ) -> None:
         self.host = host
+        self.extra_args = extra_args
         self.port = port or free_port(host)
         self.ui_port = ui_port
         self.db_file = Path(db_file) if db_file else None
@@ -98,7 +100,7 @@ class DevServer:
             cmd += ["--search-attribute", f"{key.name}=Keyword"]
         if self.db_file is not None:
             cmd += ["--db-filename", str(self.db_file), *DB_FLAGS]
-        return cmd
+        return cmd + list(self.extra_args)
 
     def start(self) -> None:
         """Start it and wait until its gRPC port accepts connections."""

@@ -141,7 +141,7 @@ class AgentRun:
                 raise _Stop(self._exceeded)
             work.result()  # raises what the loop raised
             await self._wait_children()
-            self._state = "Completed"
+            self._set_state("Completed")
         except _Stop as stop:
             await self._halt(work, "Cancelled", str(stop))
             raise ApplicationError(str(stop), type="BudgetExceeded", non_retryable=True) from None
@@ -223,7 +223,9 @@ class AgentRun:
         self._ended_at = workflow.now().isoformat()
         await self._report_up()
         try:
-            await workflow.execute_activity_method(
+            # Local activities: short and idempotent, so they skip the task queue round
+            # trip (about 12 ms each on the dev server) that a regular activity pays.
+            await workflow.execute_local_activity_method(
                 LlmActivities.end_run,
                 EndRunInput(self._id),
                 start_to_close_timeout=SHORT_TIMEOUT,
@@ -244,7 +246,7 @@ class AgentRun:
                 self._messages.append({"role": "system", "content": spec.system})
             self._messages.append({"role": "user", "content": spec.task})
         if self._tools is None:
-            listed = await workflow.execute_activity_method(
+            listed = await workflow.execute_local_activity_method(
                 ToolActivities.list_tools,
                 start_to_close_timeout=SHORT_TIMEOUT,
                 retry_policy=RETRY,
