@@ -1,11 +1,40 @@
-"""Small HTTP helpers the gateway's modules share."""
+"""Small HTTP helpers the gateway's modules share, and `Upstream`: the lean HTTP/1.1
+client that carries proxied turns to the engines.
+
+Why not httpx for turns: on the 2-vCPU development machine an httpx request to an
+instant engine costs about 1.8 ms of CPU (httpcore's pool scans and probes every
+connection per request, then anyio and h11 layers), aiohttp about 0.4 ms, and this
+client about 0.1 ms; the gateway's goal is ≤ 1 ms added in all (bench/RESULTS.md).
+It does only what a turn needs: POST a body, read the status and headers, hand the
+body on as it arrives, keep connections alive per engine.  httptools (the C parser
+uvicorn[standard] already brings) parses the answers.  The prober and /v1/decide keep
+using httpx.  Unlike httpx it does not route through HTTP(S)_PROXY from the environment:
+engines are reached directly.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import ssl
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import cast
+from urllib.parse import urlsplit
+
+import httptools
 import httpx
 from starlette.types import Message, Receive
 
-__all__ = ["describe_http_error", "wait_disconnect"]
+__all__ = [
+    "MAX_CONNECTIONS",
+    "MAX_IDLE_PER_ENGINE",
+    "Upstream",
+    "UpstreamAnswer",
+    "UpstreamError",
+    "describe_http_error",
+    "wait_disconnect",
+]
 
 
 def describe_http_error(exc: httpx.HTTPError) -> str:
@@ -23,3 +52,344 @@ async def wait_disconnect(receive: Receive) -> None:
         message: Message = await receive()
         if message["type"] == "http.disconnect":
             return
+
+
+# --------------------------------------------------------------------------- upstream
+
+# Connections open at once across all engines (a turn beyond waits for one), and idle
+# ones kept per engine between turns — the limits the httpx client had.
+MAX_CONNECTIONS = 4096
+MAX_IDLE_PER_ENGINE = 512
+# Answer bytes buffered for a slow client before reading from the engine pauses.
+_HIGH_WATER = 256 * 1024
+
+
+class UpstreamError(Exception):
+    """Talking to an engine failed; the message says how (`connect timeout`,
+    `cannot connect (...)`, ...), for `engine <replica>: <error>`."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Origin:
+    host: str
+    port: int
+    tls: bool
+    host_header: str
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection to an engine, one exchange at a time.  httptools
+    parses the answer; its body waits in `chunks` until the proxy reads it."""
+
+    def __init__(self, origin: _Origin) -> None:
+        self.origin = origin
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self._parser = httptools.HttpResponseParser(self)
+        self._waiter: asyncio.Future[None] | None = None
+        self._paused = False
+        self._begin()
+
+    def _begin(self) -> None:
+        self.busy = False
+        self.status = 0  # 0 until the final (non-1xx) head is parsed
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.chunks: deque[bytes] = deque()
+        self.buffered = 0
+        self.complete = False
+        self.keep_alive = False
+        self.error: UpstreamError | None = None
+        self._until_close = False  # the body ends when the engine closes
+        self._answered = False  # a byte of the answer arrived
+
+    # -- asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        if not self.busy or self.complete:  # bytes nobody asked for: unusable
+            self.keep_alive = False
+            self.close()
+            return
+        self._answered = True
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(f"bad HTTP answer: {exc}")
+            self.close()
+
+    def eof_received(self) -> bool:
+        return False  # close the transport; connection_lost ends the answer
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self.busy and not self.complete:
+            if self.status and self._until_close and exc is None:
+                self.complete = True
+            elif self.status:
+                self._fail(f"engine closed the connection mid-answer{_cause(exc)}")
+            else:
+                self._fail(f"engine closed the connection without answering{_cause(exc)}")
+        self._wake()
+
+    # -- httptools callbacks
+
+    def on_message_begin(self) -> None:
+        if self.complete:  # a second answer to one request: stop parsing, close
+            raise UpstreamError("the engine sent more than one answer")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        if status < 200:  # an interim answer (100 Continue): the real one follows
+            self.headers = []
+            return
+        self.status = status
+        names = {name for name, _ in self.headers}
+        chunked = any(
+            name == b"transfer-encoding" and b"chunked" in value.lower()
+            for name, value in self.headers
+        )
+        self._until_close = (
+            b"content-length" not in names and not chunked and status not in (204, 304)
+        )
+        self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+        self.buffered += len(body)
+        if self.buffered > _HIGH_WATER and not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        if self.status:  # not the end of an interim answer
+            self.complete = True
+            self.keep_alive = self._parser.should_keep_alive()
+            self._wake()
+
+    # -- used by Upstream and UpstreamAnswer
+
+    async def exchange(self, data: bytes) -> None:
+        """Send a request; return once the answer's head is in (raise UpstreamError if
+        it cannot come)."""
+        self._begin()
+        self.busy = True
+        assert self.transport is not None
+        self.transport.write(data)
+        while not self.status:
+            if self.error is not None:
+                raise self.error
+            await self.wait()
+
+    @property
+    def unanswered(self) -> bool:
+        """Closed by the engine before a byte of the answer arrived."""
+        return self.closed and not self._answered
+
+    async def wait(self) -> None:
+        """Until something arrives: the head, body, the end, or an error."""
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    def take(self) -> bytes:
+        """Everything buffered so far, as one piece."""
+        data = self.chunks.popleft() if len(self.chunks) == 1 else b"".join(self.chunks)
+        self.chunks.clear()
+        self.buffered = 0
+        if self._paused and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+        return data
+
+    def reusable(self) -> bool:
+        return self.complete and self.keep_alive and not self.closed and not self.chunks
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def _fail(self, message: str) -> None:
+        if self.error is None:
+            self.error = UpstreamError(message)
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+def _cause(exc: Exception | None) -> str:
+    return f" ({exc})" if exc is not None and str(exc) else ""
+
+
+class UpstreamAnswer:
+    """An engine's answer: status and headers at once, the body as it arrives.
+    `close()` it exactly once: read to the end, its connection is kept for the next
+    turn; otherwise the connection is closed (mid-answer, that stops the engine)."""
+
+    __slots__ = ("_conn", "_upstream", "headers", "status")
+
+    def __init__(self, upstream: Upstream, conn: _Connection) -> None:
+        self._upstream = upstream
+        self._conn: _Connection | None = conn
+        self.status = conn.status
+        # Lower-cased names, in the engine's order, repeated headers kept apart.
+        self.headers = conn.headers
+
+    @property
+    def complete(self) -> bool:
+        """The whole body has arrived (what `read` has not returned yet is buffered)."""
+        return self._conn is not None and self._conn.complete
+
+    def header(self, name: bytes) -> bytes | None:
+        """The first value of a header (name lower-case)."""
+        return next((v for k, v in self.headers if k == name), None)
+
+    async def read(self) -> bytes:
+        """The next piece of the body (all that has arrived); b"" once it is complete.
+        Raises UpstreamError when the engine fails before the end."""
+        conn = self._conn
+        assert conn is not None, "read after close"
+        while not conn.chunks:
+            if conn.complete:
+                return b""
+            if conn.error is not None:
+                raise conn.error
+            await conn.wait()
+        return conn.take()
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            self._upstream.release(conn)
+
+
+class Upstream:
+    """Keep-alive HTTP/1.1 (or HTTPS) connections to the engines, for proxied turns."""
+
+    def __init__(self, *, connect_timeout: float) -> None:
+        self._connect_timeout = connect_timeout
+        self._targets: dict[str, tuple[_Origin, str]] = {}
+        self._idle: dict[_Origin, list[_Connection]] = {}
+        self._slots = asyncio.Semaphore(MAX_CONNECTIONS)
+        self._tls: ssl.SSLContext | None = None
+
+    async def post(
+        self, url: str, body: bytes, headers: Sequence[tuple[str, str]]
+    ) -> UpstreamAnswer:
+        """Send `body` to `url`; return once the engine's status and headers are in.
+        Cancelled meanwhile, the connection is closed (the engine sees the client go).
+        Raises UpstreamError when the engine cannot be reached or answers nothing."""
+        origin, target = self._target(url)
+        head = [f"POST {target} HTTP/1.1", f"host: {origin.host_header}"]
+        head += [f"{name}: {value}" for name, value in headers]
+        head.append(f"content-length: {len(body)}")
+        text = "\r\n".join(head)
+        if text.count("\n") != len(head) - 1 or text.count("\r") != len(head) - 1:
+            raise UpstreamError("a request header contains a line break")
+        try:
+            data = (text + "\r\n\r\n").encode("latin-1") + body
+        except UnicodeEncodeError:
+            raise UpstreamError("a request header is not Latin-1") from None
+        await self._slots.acquire()
+        conn = self._idle_connection(origin)
+        try:
+            if conn is not None:
+                try:
+                    await conn.exchange(data)
+                except UpstreamError:
+                    if not conn.unanswered:
+                        raise
+                    # The engine closed this idle connection as the request went out,
+                    # without a byte of answer: its keep-alive timeout, most likely, so
+                    # it never read the request.  Once more, on a new connection.
+                    conn = None
+            if conn is None:
+                conn = await self._connect(origin)
+                await conn.exchange(data)
+        except BaseException:
+            if conn is not None:
+                conn.close()
+            self._slots.release()
+            raise
+        return UpstreamAnswer(self, conn)
+
+    def release(self, conn: _Connection) -> None:
+        """An exchange is over: keep the connection if it can carry another, else close."""
+        self._slots.release()
+        conn.busy = False
+        idle = self._idle.setdefault(conn.origin, [])
+        if len(idle) >= MAX_IDLE_PER_ENGINE:
+            idle[:] = [c for c in idle if not c.closed]  # the engine closed some
+        if conn.reusable() and len(idle) < MAX_IDLE_PER_ENGINE:
+            idle.append(conn)
+        else:
+            conn.close()
+
+    def close(self) -> None:
+        """Close the idle connections (turns in flight close their own)."""
+        for idle in self._idle.values():
+            for conn in idle:
+                conn.close()
+        self._idle.clear()
+
+    def _idle_connection(self, origin: _Origin) -> _Connection | None:
+        idle = self._idle.get(origin)
+        while idle:
+            conn = idle.pop()  # the most recently used: least likely to time out
+            if not conn.closed:
+                return conn
+        return None
+
+    async def _connect(self, origin: _Origin) -> _Connection:
+        loop = asyncio.get_running_loop()
+        tls = self._tls_context() if origin.tls else None
+        try:
+            async with asyncio.timeout(self._connect_timeout):
+                _, conn = await loop.create_connection(
+                    lambda: _Connection(origin),
+                    origin.host,
+                    origin.port,
+                    ssl=tls,
+                    server_hostname=origin.host if tls is not None else None,
+                )
+        except TimeoutError:
+            raise UpstreamError("connect timeout") from None
+        except OSError as exc:
+            raise UpstreamError(
+                f"cannot connect ({exc})" if str(exc) else "cannot connect"
+            ) from None
+        return conn
+
+    def _target(self, url: str) -> tuple[_Origin, str]:
+        known = self._targets.get(url)
+        if known is None:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise UpstreamError(f"not an http(s) URL: {url!r}")
+            if parts.username is not None or parts.password is not None:
+                raise UpstreamError("credentials in the endpoint URL are not supported")
+            tls = parts.scheme == "https"
+            origin = _Origin(
+                host=parts.hostname,
+                port=parts.port or (443 if tls else 80),
+                tls=tls,
+                host_header=parts.netloc,
+            )
+            target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+            known = self._targets[url] = (origin, target)
+        return known
+
+    def _tls_context(self) -> ssl.SSLContext:
+        if self._tls is None:
+            self._tls = httpx.create_ssl_context()  # the CA bundle httpx trusts, too
+        return self._tls
