@@ -27,16 +27,20 @@ from fastapi.responses import HTMLResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
+from temporalio.client import Client as TemporalClient
 
+from activities.mcp_pool import McpPool
 from gateway._http import Upstream
 from gateway._proxy import RUN_HEADER, TurnRequest, TurnResponse, error_response
 from gateway._shell import AdmissionShell
-from gateway.decide import DecideError, decide, parse_decide
+from gateway.decide import DecideError, DecideRequest, decide, parse_decide
+from gateway.mcp_door import DoorDeps, create_mcp_server
 from gateway.metrics import GatewayMetrics
 from gateway.prober import PROBE_PERIOD_S, Prober, ProbeResult
 from gateway.status import render_status_page, status_snapshot
 from luftpause.config import Config, Endpoint
 from scheduler import Policy, RunEnded, ServiceClass, State, Tick
+from workflows import Runs
 
 __all__ = [
     "CALLER_HEADER",
@@ -51,6 +55,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 CHAT_PATH = "/v1/chat/completions"
+MCP_PATH = "/mcp"
 CLASS_HEADER = "x-luftpause-class"
 CALLER_HEADER = "x-luftpause-caller"
 ANONYMOUS_CALLER = "anonymous"
@@ -70,6 +75,9 @@ class GatewaySettings:
     token: str | None = None
     probe_period: float = PROBE_PERIOD_S
     policy: Policy | None = None
+    # Where the gateway is served: the MCP door accepts only this host in `Host`
+    # (the SDK's DNS-rebinding guard, on for loopback hosts).
+    host: str = "127.0.0.1"
 
 
 @dataclass(slots=True)
@@ -105,6 +113,10 @@ class _Gateway(FastAPI):
                 return
             await response(scope, receive, send)
             return
+        if scope["type"] == "http" and scope["path"] == MCP_PATH:
+            # `/mcp` is the door's URL; the mount would answer it with a 307 to `/mcp/`,
+            # which some MCP clients do not follow.
+            scope = {**scope, "path": MCP_PATH + "/", "raw_path": (MCP_PATH + "/").encode()}
         await super().__call__(scope, receive, send)
 
 
@@ -126,13 +138,16 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         return (runtime.shell.state, runtime.prober.last) if runtime is not None else None
 
     metrics = GatewayMetrics(seen)
+    door = _Door(config, settings.token)
+    door_server = create_mcp_server(door.deps(models, lambda: runtime))
+    door_app = door_server.streamable_http_app(streamable_http_path="/", host=settings.host)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         nonlocal runtime
         loop = asyncio.get_running_loop()
         if settings.token is None:
-            log.warning("LUFTPAUSE_TOKEN is not set: /v1/* and /status are open to all")
+            log.warning("LUFTPAUSE_TOKEN is not set: /v1/*, /mcp and /status are open to all")
         timeout = httpx.Timeout(None, connect=CONNECT_TIMEOUT_S)
         async with httpx.AsyncClient(timeout=timeout, limits=_UPSTREAM_LIMITS) as client:
             shell = AdmissionShell(
@@ -157,10 +172,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             )
             app.state.shell = shell  # read-only view for tests
             try:
-                yield
+                async with door_server.session_manager.run():
+                    yield
             finally:
                 runtime = None
                 upstream.close()
+                await door.aclose()
                 for task in tasks:
                     task.cancel()
                 for task in tasks:
@@ -179,6 +196,15 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     def unauthorized(run_id: str) -> Response:
         return error_response(401, "missing or wrong bearer token", run_id)
+
+    async def mcp_gate(scope: Scope, receive: Receive, send: Send) -> None:
+        """`/mcp` takes the same bearer token as `/v1/*`."""
+        if scope["type"] == "http" and not authorized(Request(scope)):
+            await unauthorized("")(scope, receive, send)
+            return
+        await door_app(scope, receive, send)
+
+    app.mount(MCP_PATH, mcp_gate)
 
     def running() -> _Runtime:
         if runtime is None:  # only between shutdown and the last request
@@ -300,6 +326,74 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         return Response(json.dumps({"status": "ok"}), media_type="application/json")
 
     return app
+
+
+class _Door:
+    """What the MCP door needs from this process: a Temporal client (connected on
+    first use, so the proxy serves while Temporal is down), the upstream tool servers,
+    and `/v1/decide` in-process."""
+
+    def __init__(self, config: Config, token: str | None) -> None:
+        self._config = config
+        self._runs: Runs | None = None
+        self._lock = asyncio.Lock()
+        self._pool = McpPool(config.mcp_servers)
+        self._token = token
+
+    async def runs(self) -> Runs:
+        if self._runs is None:
+            async with self._lock:
+                if self._runs is None:
+                    t = self._config.temporal
+                    client = await TemporalClient.connect(t.address, namespace=t.namespace)
+                    self._runs = Runs(client, task_queue=t.task_queue)
+        return self._runs
+
+    def deps(self, models: list[str], runtime: Callable[[], _Runtime | None]) -> DoorDeps:
+        config = self._config
+        endpoints = {e.name: e for e in config.endpoints if e.generative}
+        classifiers = [e for e in config.endpoints if not e.generative]
+
+        async def decide_in_process(
+            text: str, labels: list[str] | None, model: str | None, caller: str
+        ) -> tuple[int, Any]:
+            rt = runtime()
+            if rt is None:
+                return 503, {"error": {"message": "the gateway is not running"}}
+            never = asyncio.Event()
+
+            async def receive() -> dict[str, Any]:  # the MCP client stays for the answer
+                await never.wait()
+                return {"type": "http.disconnect"}
+
+            request = DecideRequest(text, tuple(labels) if labels is not None else None, model)
+            response = await decide(
+                request,
+                run_id=_new_id(),
+                caller=caller,
+                shell=rt.shell,
+                client=rt.client,
+                endpoints=endpoints,
+                classifiers=classifiers,
+                clock=rt.loop.time,
+                receive=receive,
+            )
+            try:
+                body = json.loads(bytes(response.body))
+            except ValueError:
+                body = {"error": {"message": bytes(response.body).decode(errors="replace")}}
+            return response.status_code, body
+
+        return DoorDeps(
+            runs=self.runs,
+            upstream_tools=self._pool.list_tools,
+            decide=decide_in_process,
+            models=models,
+            token_identity="token" if self._token else None,
+        )
+
+    async def aclose(self) -> None:
+        await self._pool.aclose()
 
 
 async def _probe(prober: Prober, period: float) -> None:

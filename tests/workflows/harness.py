@@ -77,6 +77,11 @@ class Stack:
     gateway_url: str
     mcp_url: str
 
+    @property
+    def mcp_door(self) -> str:
+        """The gateway's MCP endpoint."""
+        return f"{self.gateway_url}/mcp"
+
 
 @contextlib.asynccontextmanager
 async def stack(
@@ -94,13 +99,13 @@ async def stack(
             await stack_.enter_async_context(serve(create_engine(FakeEngineSettings(**engine_kw))))
             for _ in range(2)
         ]
-        app = gateway_app(urls)
-        gateway_url = await stack_.enter_async_context(serve(app))
         mcp_url = await stack_.enter_async_context(
             serve(create_mcp(FakeMcpSettings(time_scale=mcp_time_scale), mcp_state))
         )
-        client = await connect(temporal_address)
         queue = f"test-{uuid.uuid4().hex[:12]}"
+        app = gateway_app(urls, temporal=temporal_address, queue=queue, mcp_url=f"{mcp_url}/mcp")
+        gateway_url = await stack_.enter_async_context(serve(app))
+        client = await connect(temporal_address)
         if worker:
             await stack_.enter_async_context(
                 run_worker(client, queue, gateway_url, f"{mcp_url}/mcp")
@@ -145,17 +150,28 @@ async def until(
     raise AssertionError(f"never happened: {what}")
 
 
-def gateway_app(engine_urls: list[str]) -> Any:
-    """A gateway over these engines."""
-    config = parse_config(
-        {
-            "endpoints": [
-                {"name": f"engine-{i}", "url": u, "kind": "sglang", "models": [MODEL]}
-                for i, u in enumerate(engine_urls)
-            ]
-        }
+def gateway_app(
+    engine_urls: list[str],
+    *,
+    temporal: str | None = None,
+    queue: str | None = None,
+    mcp_url: str | None = None,
+) -> Any:
+    """A gateway over these engines (the first also serves /classify), with its MCP
+    door on `temporal`/`queue` and the fake MCP's tools when given."""
+    endpoints: list[dict[str, Any]] = [
+        {"name": f"engine-{i}", "url": u, "kind": "sglang", "models": [MODEL]}
+        for i, u in enumerate(engine_urls)
+    ]
+    endpoints.append(
+        {"name": "classifier", "url": engine_urls[0], "kind": "classifier", "models": [MODEL]}
     )
-    return create_app(GatewaySettings(config=config, probe_period=0.05))
+    data: dict[str, Any] = {"endpoints": endpoints}
+    if temporal is not None:
+        data["temporal"] = {"address": temporal, "task_queue": queue or "luftpause"}
+    if mcp_url is not None:
+        data["mcp_servers"] = [{"name": "fake", "url": mcp_url}]
+    return create_app(GatewaySettings(config=parse_config(data), probe_period=0.05))
 
 
 def worker_config(path: Path, *, temporal: str, queue: str, gateway_url: str, mcp_url: str) -> Path:

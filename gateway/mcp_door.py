@@ -1,0 +1,650 @@
+"""The MCP door: sub-agents as tools — spawn, await, run, status, cancel, approve, tools,
+decide — served by the official SDK at `/mcp` (both protocol generations, one endpoint).
+
+Each tool is a typed function whose docstring is what the calling model reads, and
+whose result is a pydantic model (structured content and an output schema).  A run is
+a Temporal workflow (`workflows.AgentRun`); this module only translates: every run
+operation goes through `workflows.Runs`.  Bad input never reaches Temporal: it comes
+back as a tool error that names what was expected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+from mcp.server.elicitation import AcceptedElicitation, render_elicitation_schema
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+from mcp.types import ToolAnnotations
+from mcp_types import ElicitRequest, ElicitRequestFormParams, InputRequiredResult
+from pydantic import BaseModel, Field
+
+from activities.contract import ToolInfo
+from workflows import AWAIT_MAX_S, TERMINAL_STATES, Budget, RunError, Runs, RunSpec, RunStatus
+
+__all__ = [
+    "AwaitResult",
+    "DecideResult",
+    "DoorDeps",
+    "RunView",
+    "SpawnResult",
+    "create_mcp_server",
+]
+
+log = logging.getLogger(__name__)
+
+CALLER_HEADER = "x-luftpause-caller"
+SESSION_HEADER = "mcp-session-id"
+ANONYMOUS = "anonymous"
+DEFAULT_AWAIT_S = 60.0
+PROGRESS_EVERY_S = 5.0
+MAX_TOOL_CALLS_LIMIT = 64
+MAX_TOKENS_LIMIT = 32_768
+
+
+@dataclass(frozen=True, kw_only=True)
+class DoorDeps:
+    """What the door needs from the gateway process."""
+
+    runs: Callable[[], Awaitable[Runs]]  # connects to Temporal on first use
+    upstream_tools: Callable[[], Awaitable[list[ToolInfo]]]
+    # (status, JSON body) of a /v1/decide request: input, labels, model, caller
+    decide: Callable[[str, list[str] | None, str | None, str], Awaitable[tuple[int, Any]]]
+    models: Sequence[str]  # the models generative endpoints serve
+    token_identity: str | None = None  # the caller when only the token identifies it
+
+
+# --------------------------------------------------------------------------- results
+
+
+class PendingApprovalView(BaseModel):
+    tool: str
+    arguments: Any
+    callId: str
+
+
+class UsageView(BaseModel):
+    turns: int
+    toolCalls: int
+    failedToolCalls: int
+    promptTokens: int
+    completionTokens: int
+    cachedTokens: int
+    turnSeconds: float
+    toolSeconds: float
+
+
+class BudgetView(BaseModel):
+    limits: dict[str, float | None]
+    used: dict[str, float | None]
+    exceeded: str | None = None
+
+
+class ChildView(BaseModel):
+    handle: str
+    state: str
+
+
+class RunView(BaseModel):
+    """A run as a harness sees it."""
+
+    handle: str
+    state: str = Field(
+        description="Running | AwaitingApproval | AwaitingChildren | Completed | Failed | Cancelled"
+    )
+    answer: str | None = Field(None, description="the final answer, once Completed")
+    toolCalls: int = Field(description="tool calls this run made")
+    failedToolCalls: int = Field(description="of those, how many failed or were refused")
+    error: str | None = None
+    pendingApproval: PendingApprovalView | None = None
+    parent: str | None = None
+    children: list[ChildView] = []
+    usage: UsageView | None = None
+    subtree: UsageView | None = None
+    budget: BudgetView | None = None
+
+
+class SpawnResult(BaseModel):
+    handle: str
+    state: str
+
+
+class AwaitResult(BaseModel):
+    runs: list[RunView]
+    done: bool = Field(description="whether the wait's condition (all or any ended) was met")
+
+
+class StatusResult(BaseModel):
+    runs: list[RunView]
+
+
+class ToolView(BaseModel):
+    name: str
+    description: str
+    server: str
+    readOnly: bool
+    destructive: bool
+    inputSchema: dict[str, Any]
+
+
+class ToolsResult(BaseModel):
+    tools: list[ToolView]
+
+
+class DecideResult(BaseModel):
+    label: str
+    probabilities: dict[str, float]
+    unscored: list[str] = []
+
+
+def _usage(t: Any) -> UsageView:
+    return UsageView(
+        turns=t.turns,
+        toolCalls=t.tool_calls,
+        failedToolCalls=t.failed_tool_calls,
+        promptTokens=t.prompt_tokens,
+        completionTokens=t.completion_tokens,
+        cachedTokens=t.cached_tokens,
+        turnSeconds=round(t.turn_seconds, 3),
+        toolSeconds=round(t.tool_seconds, 3),
+    )
+
+
+def view(status: RunStatus, *, detail: bool = True) -> RunView:
+    """A run status as the MCP tools return it."""
+    pending = status.pending_approval
+    budget = None
+    if status.budget is not None:
+        b = status.budget
+        budget = BudgetView(
+            limits={
+                "tokens": b.limits.tokens,
+                "toolCalls": b.limits.tool_calls,
+                "seconds": b.limits.seconds,
+            },
+            used={
+                "tokens": b.used.tokens,
+                "toolCalls": b.used.tool_calls,
+                "seconds": b.used.seconds,
+            },
+            exceeded=b.exceeded,
+        )
+    return RunView(
+        handle=status.handle,
+        state=status.state,
+        answer=status.answer,
+        toolCalls=status.usage.tool_calls,
+        failedToolCalls=status.usage.failed_tool_calls,
+        error=status.error,
+        pendingApproval=(
+            PendingApprovalView(
+                tool=pending.tool, arguments=pending.arguments, callId=pending.call_id
+            )
+            if pending is not None
+            else None
+        ),
+        parent=status.parent,
+        children=[ChildView(handle=c.handle, state=c.state) for c in status.children]
+        if detail
+        else [],
+        usage=_usage(status.usage) if detail else None,
+        subtree=_usage(status.subtree) if detail else None,
+        budget=budget,
+    )
+
+
+# --------------------------------------------------------------------------- the server
+
+
+def caller_of(ctx: Context, token_identity: str | None) -> str:
+    """Who is asking, for fairness and listing: the header the harness sets, else the
+    legacy session, else the token's identity, else anonymous."""
+    headers = ctx.headers or {}
+    named = headers.get(CALLER_HEADER)
+    if named:
+        return named.encode()[:128].decode(errors="ignore") or ANONYMOUS
+    session = headers.get(SESSION_HEADER)
+    if session:
+        return f"mcp-session:{session}"[:128]
+    return token_identity or ANONYMOUS
+
+
+MODERN = "2026-07-28"
+APPROVAL_POLL_S = 0.5
+
+
+class ApprovalForm(BaseModel):
+    """The one-field form a user answers an approval with."""
+
+    allow: bool = Field(description="let the sub-agent run this tool call")
+
+
+@dataclass(frozen=True)
+class _State:
+    """What a 2026-07-28 `await`/`run` carries between rounds in `request_state`."""
+
+    deadline: float | None = None  # wall-clock end of the whole call
+    asked: list[str] = field(default_factory=list)
+    spawned: str | None = None  # `run`: the handle it already spawned
+
+    @staticmethod
+    def load(raw: str | None) -> _State:
+        if not raw:
+            return _State()
+        try:
+            data = json.loads(raw)
+            return _State(
+                deadline=float(data["deadline"]) if data.get("deadline") is not None else None,
+                asked=[str(a) for a in data.get("asked", [])],
+                spawned=data.get("spawned"),
+            )
+        except (ValueError, TypeError, KeyError):
+            return _State()
+
+    def dump(self) -> str:
+        return json.dumps({"deadline": self.deadline, "asked": self.asked, "spawned": self.spawned})
+
+
+def _question(s: RunStatus) -> str:
+    assert s.pending_approval is not None
+    return f"approve:{s.handle}:{s.pending_approval.call_id}"
+
+
+def _approval_message(s: RunStatus) -> str:
+    p = s.pending_approval
+    assert p is not None
+    args = json.dumps(p.arguments)[:500]
+    return f"Sub-agent {s.handle} wants to call {p.tool} with {args}. Allow it?"
+
+
+def _elicit_request(s: RunStatus) -> ElicitRequest:
+    return ElicitRequest(
+        params=ElicitRequestFormParams(
+            message=_approval_message(s), requested_schema=render_elicitation_schema(ApprovalForm)
+        )
+    )
+
+
+Handle = Annotated[str, Field(min_length=1, max_length=200, description="a run handle from spawn")]
+
+
+def create_mcp_server(deps: DoorDeps) -> MCPServer:
+    """The MCP server of the door, built from its dependencies."""
+    mcp = MCPServer(
+        name="luftpause",
+        instructions=(
+            "Sub-agents on the user's own inference engines, durable across restarts. "
+            "Fan out: spawn several runs, then await them in one call. Each run loops LLM "
+            "turns and tool calls until it answers."
+        ),
+        log_level="WARNING",
+    )
+
+    async def runs() -> Runs:
+        try:
+            return await deps.runs()
+        except Exception as exc:
+            raise ToolError(f"the run store (Temporal) is unreachable: {exc}") from None
+
+    def spec_of(
+        task: str,
+        model: str | None,
+        service_class: str,
+        system: str | None,
+        max_tool_calls: int,
+        tools: list[str] | None,
+        max_tokens: int,
+        parallel_tool_calls: bool,
+        parent: str | None,
+        budget: Budget,
+        approve_tools: list[str] | None,
+        caller: str,
+    ) -> RunSpec:
+        if model is None:
+            if not deps.models:
+                raise ToolError("no generative endpoint is configured; there is no model to run")
+            model = deps.models[0]
+        elif model not in deps.models:
+            raise ToolError(
+                f"unknown model {model!r}: expected one of {', '.join(map(repr, deps.models))}"
+            )
+        return RunSpec(
+            task=task,
+            model=model,
+            service_class=service_class,
+            system=system,
+            max_tool_calls=max_tool_calls,
+            tools=tools,
+            max_tokens=max_tokens,
+            parallel_tool_calls=parallel_tool_calls,
+            caller=caller,
+            parent=parent,
+            budget=budget,
+            approve_tools=list(approve_tools or []),
+        )
+
+    async def check_tools(names: list[str] | None) -> None:
+        if not names:
+            return
+        known = {t.name for t in await deps.upstream_tools()}
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise ToolError(
+                f"unknown tool(s) {', '.join(map(repr, unknown))}: expected names from "
+                f"the tools() list ({', '.join(sorted(known)) or 'none configured'})"
+            )
+
+    async def spawn_run(spec: RunSpec) -> str:
+        await check_tools(spec.tools)
+        await check_tools(spec.approve_tools)
+        r = await runs()
+        try:
+            return await r.spawn(spec)
+        except RunError as exc:
+            raise ToolError(str(exc)) from None
+
+    async def answer_elicited(ctx: Context, r: Runs) -> list[str]:
+        """Deliver the answers a 2026-07-28 client sent for our approval questions;
+        return the question keys that were asked."""
+        state = _State.load(ctx.request_state)
+        for key, response in (ctx.input_responses or {}).items():
+            handle, _, call_id = key.removeprefix("approve:").partition(":")
+            content = getattr(response, "content", None) or {}
+            if getattr(response, "action", None) == "accept" and "allow" in content:
+                with contextlib.suppress(RunError):  # answered meanwhile by `approve`
+                    await r.approve(handle, bool(content["allow"]), call_id or None)
+        return state.asked
+
+    async def wait(
+        ctx: Context, handles: list[str], mode: str, timeout: float, *, spawned: str | None = None
+    ) -> tuple[list[RunStatus], bool] | InputRequiredResult:
+        """Wait as `await` does.  While a covered run waits for approval, a client that
+        can answer elicitations is asked: mid-call on legacy sessions; on 2026-07-28 by
+        ending this round with an input-required result (the client answers and calls
+        again, and `request_state` carries the deadline and the questions asked)."""
+        r = await runs()
+        if not 0 < timeout <= AWAIT_MAX_S:
+            raise ToolError(f"timeout: expected more than 0 and at most {AWAIT_MAX_S:g} seconds")
+        loop = asyncio.get_running_loop()
+        state = _State.load(ctx.request_state)
+        asked = set(await answer_elicited(ctx, r)) if ctx.request_state else set()
+        now_wall = time.time()
+        deadline = loop.time() + (
+            state.deadline - now_wall if state.deadline is not None else timeout
+        )
+        caps = ctx.client_capabilities
+        can_elicit = caps is not None and caps.elicitation is not None
+        modern = ctx.protocol_version == MODERN
+        statuses: list[RunStatus] = []
+        while True:
+            left = deadline - loop.time()
+            step = APPROVAL_POLL_S if can_elicit else PROGRESS_EVERY_S
+            try:
+                statuses = await r.wait(
+                    handles,
+                    mode="all" if mode == "all" else "any",
+                    timeout=max(0.001, min(left, step)),
+                )
+            except RunError as exc:
+                raise ToolError(str(exc)) from None
+            ended = sum(1 for s in statuses if s.state in TERMINAL_STATES)
+            done = ended == len(statuses) if mode == "all" else ended > 0
+            if done or loop.time() >= deadline:
+                return statuses, done
+            waiting = [
+                s
+                for s in statuses
+                if can_elicit and s.pending_approval is not None and _question(s) not in asked
+            ]
+            if waiting and modern:
+                return InputRequiredResult(
+                    input_requests={_question(s): _elicit_request(s) for s in waiting},
+                    request_state=_State(
+                        deadline=now_wall + (deadline - loop.time()),
+                        asked=sorted(asked | {_question(s) for s in waiting}),
+                        spawned=spawned,
+                    ).dump(),
+                )
+            for s in waiting:
+                asked.add(_question(s))
+                pending = s.pending_approval
+                assert pending is not None
+                try:
+                    answer = await ctx.elicit(_approval_message(s), schema=ApprovalForm)
+                except Exception as exc:  # the client refused the request: use `approve`
+                    log.info("elicitation for %s failed: %s", s.handle, exc)
+                    continue
+                if isinstance(answer, AcceptedElicitation):
+                    with contextlib.suppress(RunError):
+                        await r.approve(s.handle, answer.data.allow, pending.call_id)
+            with contextlib.suppress(Exception):
+                await ctx.report_progress(
+                    ended, len(statuses), f"{ended} of {len(statuses)} runs ended"
+                )
+
+    @mcp.tool(
+        annotations=ToolAnnotations(
+            read_only_hint=False, destructive_hint=False, open_world_hint=True
+        )
+    )
+    async def spawn(
+        ctx: Context,
+        task: Annotated[str, Field(min_length=1, description="what the sub-agent should do")],
+        model: Annotated[
+            str | None, Field(description="model name; default: the pool's first")
+        ] = None,
+        serviceClass: Annotated[
+            Literal["interactive", "batch"],
+            Field(description="interactive runs are admitted before batch runs"),
+        ] = "interactive",
+        system: Annotated[str | None, Field(description="system prompt")] = None,
+        maxToolCalls: Annotated[
+            int, Field(ge=0, le=MAX_TOOL_CALLS_LIMIT, description="tool-call budget of the run")
+        ] = 8,
+        tools: Annotated[
+            list[str] | None, Field(description="names of the tools it may use; default all")
+        ] = None,
+        maxTokens: Annotated[
+            int, Field(ge=0, le=MAX_TOKENS_LIMIT, description="reply tokens per turn; 0 = engine")
+        ] = 256,
+        parallelToolCalls: Annotated[
+            bool, Field(description="run a turn's tool calls concurrently")
+        ] = False,
+        parent: Annotated[
+            str | None, Field(description="handle of a running run this one belongs to")
+        ] = None,
+        budgetTokens: Annotated[
+            int | None, Field(gt=0, description="tokens, whole subtree")
+        ] = None,
+        budgetToolCalls: Annotated[
+            int | None, Field(gt=0, description="tool calls, whole subtree")
+        ] = None,
+        budgetSeconds: Annotated[
+            float | None, Field(gt=0, description="seconds, whole subtree")
+        ] = None,
+        approveTools: Annotated[
+            list[str] | None, Field(description="tools that wait for the user's approval")
+        ] = None,
+    ) -> SpawnResult:
+        """Start a sub-agent run and return its handle at once. Spawn several runs, then
+        `await` them together: they run in parallel on the user's engines and survive
+        restarts. Each run loops LLM turns and tool calls until it answers; after
+        `maxToolCalls` calls it must answer."""
+        spec = spec_of(
+            task,
+            model,
+            serviceClass,
+            system,
+            maxToolCalls,
+            tools,
+            maxTokens,
+            parallelToolCalls,
+            parent,
+            Budget(tokens=budgetTokens, tool_calls=budgetToolCalls, seconds=budgetSeconds),
+            approveTools,
+            caller_of(ctx, deps.token_identity),
+        )
+        handle = await spawn_run(spec)
+        return SpawnResult(handle=handle, state="Running")
+
+    @mcp.tool(name="await", annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
+    async def await_(
+        ctx: Context,
+        handles: Annotated[list[Handle], Field(min_length=1, max_length=1000)],
+        mode: Annotated[
+            Literal["all", "any"], Field(description="wait for all runs, or the first to end")
+        ] = "all",
+        timeout: Annotated[
+            float, Field(gt=0, le=AWAIT_MAX_S, description="seconds to wait at most (max 600)")
+        ] = DEFAULT_AWAIT_S,
+    ) -> AwaitResult | InputRequiredResult:
+        """Wait for runs to end (all, or any), at most `timeout` seconds; return every
+        run's state and, for finished runs, the answer with `toolCalls` and
+        `failedToolCalls` (0 tool calls means the answer did not come from tools).
+        A run waiting for the user's approval is asked about, if the client can."""
+        waited = await wait(ctx, handles, mode, timeout)
+        if isinstance(waited, InputRequiredResult):
+            return waited
+        statuses, done = waited
+        return AwaitResult(runs=[view(s, detail=False) for s in statuses], done=done)
+
+    @mcp.tool(annotations=ToolAnnotations(read_only_hint=False, destructive_hint=False))
+    async def run(
+        ctx: Context,
+        task: Annotated[str, Field(min_length=1, description="what the sub-agent should do")],
+        model: Annotated[
+            str | None, Field(description="model name; default: the pool's first")
+        ] = None,
+        serviceClass: Literal["interactive", "batch"] = "interactive",
+        system: str | None = None,
+        maxToolCalls: Annotated[int, Field(ge=0, le=MAX_TOOL_CALLS_LIMIT)] = 8,
+        tools: list[str] | None = None,
+        maxTokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)] = 256,
+        parallelToolCalls: bool = False,
+        parent: str | None = None,
+        budgetTokens: Annotated[int | None, Field(gt=0)] = None,
+        budgetToolCalls: Annotated[int | None, Field(gt=0)] = None,
+        budgetSeconds: Annotated[float | None, Field(gt=0)] = None,
+        approveTools: list[str] | None = None,
+        timeout: Annotated[float, Field(gt=0, le=AWAIT_MAX_S)] = AWAIT_MAX_S,
+    ) -> RunView | InputRequiredResult:
+        """Run one sub-agent to its end (spawn + await in one call) and return its
+        answer. For several at once, prefer spawn + await."""
+        spawned = _State.load(ctx.request_state).spawned
+        if spawned is not None:  # a later round of the same call: never spawn twice
+            waited = await wait(ctx, [spawned], "all", timeout, spawned=spawned)
+            return waited if isinstance(waited, InputRequiredResult) else view(waited[0][0])
+        spec = spec_of(
+            task,
+            model,
+            serviceClass,
+            system,
+            maxToolCalls,
+            tools,
+            maxTokens,
+            parallelToolCalls,
+            parent,
+            Budget(tokens=budgetTokens, tool_calls=budgetToolCalls, seconds=budgetSeconds),
+            approveTools,
+            caller_of(ctx, deps.token_identity),
+        )
+        handle = await spawn_run(spec)
+        waited = await wait(ctx, [handle], "all", timeout, spawned=handle)
+        return waited if isinstance(waited, InputRequiredResult) else view(waited[0][0])
+
+    @mcp.tool(annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
+    async def status(
+        ctx: Context,
+        handles: Annotated[
+            list[Handle] | None,
+            Field(description="runs to show; default: this caller's 20 most recent runs"),
+        ] = None,
+    ) -> StatusResult:
+        """Show runs: state, parent and children, usage of the run and its subtree,
+        budget, and any approval it waits for."""
+        r = await runs()
+        try:
+            if handles is None:
+                handles = await r.list(caller=caller_of(ctx, deps.token_identity))
+            return StatusResult(runs=[view(s) for s in await r.statuses(handles)])
+        except RunError as exc:
+            raise ToolError(str(exc)) from None
+
+    @mcp.tool(annotations=ToolAnnotations(read_only_hint=False, destructive_hint=True))
+    async def cancel(ctx: Context, handle: Handle) -> RunView:
+        """Cancel a run and its running descendants."""
+        r = await runs()
+        try:
+            return view(await r.cancel(handle))
+        except RunError as exc:
+            raise ToolError(str(exc)) from None
+
+    @mcp.tool(annotations=ToolAnnotations(read_only_hint=False, destructive_hint=False))
+    async def approve(
+        ctx: Context,
+        handle: Handle,
+        allow: Annotated[bool, Field(description="true to let the tool call run")],
+    ) -> RunView:
+        """Answer the approval a run waits for (state AwaitingApproval): allow or
+        decline its pending tool call. A declined call is reported to the run's model."""
+        r = await runs()
+        try:
+            return view(await r.approve(handle, allow))
+        except RunError as exc:
+            raise ToolError(str(exc)) from None
+
+    @mcp.tool(annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
+    async def tools(ctx: Context) -> ToolsResult:
+        """The upstream tools sub-agents may use (pass names to spawn's `tools`)."""
+        try:
+            listed = await deps.upstream_tools()
+        except Exception as exc:
+            raise ToolError(f"the upstream tool servers are unreachable: {exc}") from None
+        return ToolsResult(
+            tools=[
+                ToolView(
+                    name=t.name,
+                    description=t.description,
+                    server=t.server,
+                    readOnly=t.read_only,
+                    destructive=t.destructive,
+                    inputSchema=t.input_schema,
+                )
+                for t in listed
+            ]
+        )
+
+    @mcp.tool(annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
+    async def decide(
+        ctx: Context,
+        input: Annotated[str, Field(min_length=1, description="the text to classify")],
+        labels: Annotated[
+            list[str] | None,
+            Field(description="2 to 20 labels to choose from; omit for the classifier's labels"),
+        ] = None,
+        model: str | None = None,
+    ) -> DecideResult:
+        """Classify `input` in one pass: with `labels`, one 1-token turn scored from the
+        first token's logprobs; without, the configured single-pass classifier."""
+        if labels is not None and not 2 <= len(labels) <= 20:
+            raise ToolError(f"labels: expected 2 to 20 distinct labels, got {len(labels)}")
+        status_code, body = await deps.decide(
+            input, labels, model, caller_of(ctx, deps.token_identity)
+        )
+        if status_code != 200:
+            message = body.get("error", {}).get("message") if isinstance(body, dict) else None
+            raise ToolError(str(message or body))
+        return DecideResult(
+            label=body["label"],
+            probabilities=body["probabilities"],
+            unscored=body.get("unscored", []),
+        )
+
+    return mcp

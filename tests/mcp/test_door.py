@@ -1,0 +1,153 @@
+"""The MCP door, driven by the official client in both protocol generations against
+the real stack (Temporal dev server, gateway with fake engines, worker, fake MCP)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+from mcp import Client
+
+from tests.workflows.harness import MODEL, stack, task_with, until
+
+MODES = ["legacy", "2026-07-28"]
+
+
+def result(r: Any) -> Any:
+    assert not r.is_error, r.content
+    return r.structured_content
+
+
+def error_text(r: Any) -> str:
+    assert r.is_error, r.structured_content
+    return " ".join(getattr(c, "text", "") for c in r.content)
+
+
+async def spawn(c: Client, **kw: Any) -> str:
+    return str(result(await c.call_tool("spawn", {"model": MODEL, **kw}))["handle"])
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_spawn_six_and_await_all_any_and_timeout(temporal_address: str, mode: str) -> None:
+    async with stack(temporal_address, mcp_time_scale=5) as s, Client(s.mcp_door, mode=mode) as c:
+        tools = result(await c.call_tool("tools", {}))["tools"]
+        assert {t["name"] for t in tools} >= {"lookup", "deep_search", "delete_record"}
+        assert next(t for t in tools if t["name"] == "delete_record")["destructive"] is True
+
+        handles = [await spawn(c, task=task_with(2, f"six{i}"), tools=["lookup"]) for i in range(6)]
+        # A short timeout returns states without answers.
+        short = result(await c.call_tool("await", {"handles": handles, "timeout": 0.05}))
+        assert short["done"] is False
+        assert all(r["state"] == "Running" and r["answer"] is None for r in short["runs"])
+
+        first = result(await c.call_tool("await", {"handles": handles, "mode": "any"}))
+        assert first["done"] is True
+        assert any(r["state"] == "Completed" for r in first["runs"])
+
+        every = result(await c.call_tool("await", {"handles": handles, "timeout": 120}))
+        assert every["done"] is True
+        for run in every["runs"]:
+            assert run["state"] == "Completed" and run["answer"]
+            assert (run["toolCalls"], run["failedToolCalls"]) == (2, 0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_cancel_a_tree_and_budgets_in_status(temporal_address: str, mode: str) -> None:
+    async with stack(temporal_address) as s, Client(s.mcp_door, mode=mode) as c:
+        parent = await spawn(
+            c, task=task_with(1, "tree"), tools=["delete_record"], budgetToolCalls=50
+        )
+        await until(lambda: _state(c, parent, "AwaitingApproval"), "parent waits")
+        child = await spawn(c, task=task_with(1, "kid"), tools=["delete_record"], parent=parent)
+        await until(lambda: _state(c, child, "AwaitingApproval"), "child waits")
+        (st,) = result(await c.call_tool("status", {"handles": [parent]}))["runs"]
+        assert [k["handle"] for k in st["children"]] == [child]
+        assert st["budget"]["limits"]["toolCalls"] == 50
+        assert st["budget"]["exceeded"] is None
+        assert st["pendingApproval"]["tool"] == "delete_record"
+        cancelled = result(await c.call_tool("cancel", {"handle": parent}))
+        assert cancelled["state"] == "Cancelled"
+        (kid,) = result(await c.call_tool("await", {"handles": [child], "timeout": 30}))["runs"]
+        assert kid["state"] == "Cancelled"
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_approve_and_decide(temporal_address: str, mode: str) -> None:
+    async with stack(temporal_address) as s, Client(s.mcp_door, mode=mode) as c:
+        handle = await spawn(c, task=task_with(1, "appr"), tools=["delete_record"])
+        await until(lambda: _state(c, handle, "AwaitingApproval"), "it waits")
+        done = result(await c.call_tool("approve", {"handle": handle, "allow": True}))
+        assert done["pendingApproval"] is None
+        (run,) = result(await c.call_tool("await", {"handles": [handle]}))["runs"]
+        assert run["state"] == "Completed" and run["toolCalls"] == 1
+        assert sum(s.mcp.counts.values()) == 1
+
+        decided = result(
+            await c.call_tool("decide", {"input": "Is this spam?", "labels": ["yes", "no"]})
+        )
+        assert decided["label"] in ("yes", "no")
+        assert abs(sum(decided["probabilities"].values()) - 1) < 1e-6
+        classified = result(await c.call_tool("decide", {"input": "great product"}))
+        assert classified["label"] in ("negative", "positive")
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_malformed_calls_get_clear_tool_errors(temporal_address: str, mode: str) -> None:
+    async with stack(temporal_address) as s, Client(s.mcp_door, mode=mode) as c:
+        cases: list[tuple[str, dict[str, Any], str]] = [
+            ("spawn", {"task": "x", "model": "gpt-9"}, "unknown model 'gpt-9'"),
+            ("spawn", {"task": "x", "tools": ["nope"]}, "unknown tool(s) 'nope'"),
+            ("spawn", {"task": "x", "parent": "run-nope"}, "no run with handle 'run-nope'"),
+            ("spawn", {"task": "x", "maxToolCalls": -1}, "maxToolCalls"),
+            ("spawn", {"task": 5}, "task"),
+            ("await", {"handles": ["run-nope"]}, "no run with handle 'run-nope'"),
+            ("await", {"handles": []}, "handles"),
+            ("await", {"handles": ["a"], "timeout": 601}, "timeout"),
+            ("await", {"handles": ["a"], "mode": "some"}, "mode"),
+            ("approve", {"handle": "run-nope", "allow": True}, "no run with handle"),
+            ("cancel", {"handle": "run-nope"}, "no run with handle"),
+            ("decide", {"input": "x", "labels": ["one"]}, "2 to 20"),
+            ("decide", {"input": "x", "labels": ["a", "b"], "model": "gpt-9"}, "gpt-9"),
+        ]
+        for tool, args, needle in cases:
+            text = error_text(await c.call_tool(tool, args))
+            assert needle in text, (tool, args, text)
+        handle = await spawn(c, task=task_with(0, "noop"))
+        await c.call_tool("await", {"handles": [handle]})
+        text = error_text(await c.call_tool("approve", {"handle": handle, "allow": True}))
+        assert "has no pending approval" in text
+
+
+async def test_fan_out_of_sixteen_takes_about_the_slowest(temporal_address: str) -> None:
+    # 16 runs with 3 lookups of 0.5-1.5 s each (time scale 1): one alone takes 2-5 s.
+    async with stack(temporal_address, mcp_time_scale=1) as s, Client(s.mcp_door) as c:
+        started = time.monotonic()
+        handles = [
+            await spawn(c, task=task_with(3, f"fan{i}"), tools=["lookup"]) for i in range(16)
+        ]
+        runs = result(await c.call_tool("await", {"handles": handles, "timeout": 300}))["runs"]
+        wall = time.monotonic() - started
+        assert all(r["state"] == "Completed" for r in runs)
+        statuses = await s.runs.statuses(handles)
+        durations = [
+            _seconds(st.started_at, st.ended_at) for st in statuses if st.ended_at is not None
+        ]
+        slowest, total = max(durations), sum(durations)
+        print(
+            f"\nfan-out of 16: {wall:.1f} s wall, slowest run {slowest:.1f} s, "
+            f"sum of runs {total:.1f} s, wall/slowest {wall / slowest:.2f}"
+        )
+        assert wall < total / 4  # in parallel, not one after another
+        assert wall < slowest * 2.5
+
+
+def _seconds(a: str, b: str) -> float:
+    from datetime import datetime
+
+    return (datetime.fromisoformat(b) - datetime.fromisoformat(a)).total_seconds()
+
+
+async def _state(c: Client, handle: str, state: str) -> bool:
+    (st,) = result(await c.call_tool("status", {"handles": [handle]}))["runs"]
+    return bool(st["state"] == state)
