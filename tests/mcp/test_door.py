@@ -3,11 +3,17 @@ the real stack (Temporal dev server, gateway with fake engines, worker, fake MCP
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
+import httpx
+import httpx2
 import pytest
 from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
+from mcp_types import ElicitResult
 
 from tests.workflows.harness import MODEL, stack, task_with, until
 
@@ -151,3 +157,55 @@ def _seconds(a: str, b: str) -> float:
 async def _state(c: Client, handle: str, state: str) -> bool:
     (st,) = result(await c.call_tool("status", {"handles": [handle]}))["runs"]
     return bool(st["state"] == state)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("allow", [True, False])
+async def test_an_approval_answered_through_elicitation(
+    temporal_address: str, mode: str, allow: bool
+) -> None:
+    asked: list[str] = []
+
+    async def on_elicit(context: Any, params: Any) -> ElicitResult:
+        asked.append(params.message)
+        return ElicitResult(action="accept", content={"allow": allow})
+
+    caller = {"x-luftpause-caller": f"elicit-{mode}-{allow}-{time.time_ns()}"}
+    async with (
+        stack(temporal_address) as s,
+        _client(s.mcp_door, mode, caller, elicitation_callback=on_elicit) as c,
+    ):
+        run = result(
+            await c.call_tool(
+                "run", {"model": MODEL, "task": task_with(1, "elicit"), "tools": ["delete_record"]}
+            )
+        )
+        assert run["state"] == "Completed"
+        assert (run["toolCalls"], run["failedToolCalls"]) == (1, 0 if allow else 1)
+        assert len(asked) == 1 and "delete_record" in asked[0]
+        assert sum(s.mcp.counts.values()) == (1 if allow else 0)
+        # `run` spawned exactly one run, however many rounds the call took.
+        listed = result(await c.call_tool("status", {}))["runs"]
+        assert [r["handle"] for r in listed] == [run["handle"]]
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_caller_header_and_bearer_token(temporal_address: str, mode: str) -> None:
+    async with stack(temporal_address, token="s3cret") as s:
+        headers = {"authorization": "Bearer s3cret", "x-luftpause-caller": "team-a"}
+        async with _client(s.mcp_door, mode, headers) as c:
+            handle = await spawn(c, task=task_with(0, "who"))
+            (st,) = await s.runs.statuses([handle])
+            assert st.caller == "team-a"
+        # Without the token the door answers 401 and runs nothing.
+        async with httpx.AsyncClient() as http:
+            r = await http.post(s.mcp_door, json={"jsonrpc": "2.0", "id": 1, "method": "ping"})
+        assert r.status_code == 401
+        assert r.json() == {"error": {"message": "missing or wrong bearer token"}}
+
+
+@contextlib.asynccontextmanager
+async def _client(url: str, mode: str, headers: dict[str, str], **kw: Any) -> AsyncIterator[Client]:
+    http = httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(30.0, read=None))
+    async with http, Client(streamable_http_client(url, http_client=http), mode=mode, **kw) as c:
+        yield c

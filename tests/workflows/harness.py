@@ -90,6 +90,7 @@ async def stack(
     engine: dict[str, Any] | None = None,
     mcp_time_scale: float = TIME_SCALE,
     worker: bool = True,
+    token: str | None = None,
 ) -> AsyncIterator[Stack]:
     """Gateway + two fake engines + fake MCP + (optionally) a worker on a fresh task queue."""
     engine_kw = {"time_scale": TIME_SCALE, **(engine or {})}
@@ -103,12 +104,14 @@ async def stack(
             serve(create_mcp(FakeMcpSettings(time_scale=mcp_time_scale), mcp_state))
         )
         queue = f"test-{uuid.uuid4().hex[:12]}"
-        app = gateway_app(urls, temporal=temporal_address, queue=queue, mcp_url=f"{mcp_url}/mcp")
+        app = gateway_app(
+            urls, temporal=temporal_address, queue=queue, mcp_url=f"{mcp_url}/mcp", token=token
+        )
         gateway_url = await stack_.enter_async_context(serve(app))
         client = await connect(temporal_address)
         if worker:
             await stack_.enter_async_context(
-                run_worker(client, queue, gateway_url, f"{mcp_url}/mcp")
+                run_worker(client, queue, gateway_url, f"{mcp_url}/mcp", token=token)
             )
         yield Stack(
             runs=Runs(client, task_queue=queue),
@@ -123,11 +126,11 @@ async def stack(
 
 @contextlib.asynccontextmanager
 async def run_worker(
-    client: Client, queue: str, gateway_url: str, mcp_url: str
+    client: Client, queue: str, gateway_url: str, mcp_url: str, *, token: str | None = None
 ) -> AsyncIterator[None]:
     pool = McpPool([McpServer(name="fake", url=mcp_url)])
     async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=2.0)) as http:
-        llm = LlmActivities(http, base_url=gateway_url, heartbeat_every_s=0.5)
+        llm = LlmActivities(http, base_url=gateway_url, token=token, heartbeat_every_s=0.5)
         worker = build_worker(
             client, task_queue=queue, llm=llm, tools=ToolActivities(pool, heartbeat_every_s=0.5)
         )
@@ -156,6 +159,7 @@ def gateway_app(
     temporal: str | None = None,
     queue: str | None = None,
     mcp_url: str | None = None,
+    token: str | None = None,
 ) -> Any:
     """A gateway over these engines (the first also serves /classify), with its MCP
     door on `temporal`/`queue` and the fake MCP's tools when given."""
@@ -171,7 +175,7 @@ def gateway_app(
         data["temporal"] = {"address": temporal, "task_queue": queue or "luftpause"}
     if mcp_url is not None:
         data["mcp_servers"] = [{"name": "fake", "url": mcp_url}]
-    return create_app(GatewaySettings(config=parse_config(data), probe_period=0.05))
+    return create_app(GatewaySettings(config=parse_config(data), probe_period=0.05, token=token))
 
 
 def worker_config(path: Path, *, temporal: str, queue: str, gateway_url: str, mcp_url: str) -> Path:
