@@ -24,9 +24,10 @@ from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import ToolAnnotations
 from mcp_types import ElicitRequest, ElicitRequestFormParams, InputRequiredResult
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from activities.contract import ToolInfo
+from gateway.mcp_tasks import TasksExtension
 from workflows import AWAIT_MAX_S, TERMINAL_STATES, Budget, RunError, Runs, RunSpec, RunStatus
 
 __all__ = [
@@ -203,10 +204,14 @@ def view(status: RunStatus, *, detail: bool = True) -> RunView:
 # --------------------------------------------------------------------------- the server
 
 
-def caller_of(ctx: Context, token_identity: str | None) -> str:
+def caller_of(ctx: Any, token_identity: str | None) -> str:
     """Who is asking, for fairness and listing: the header the harness sets, else the
     legacy session, else the token's identity, else anonymous."""
-    headers = ctx.headers or {}
+    # A tool's Context has `headers`; the lowlevel context of an extension has the
+    # HTTP `request`.
+    headers = getattr(ctx, "headers", None)
+    if headers is None:
+        headers = getattr(getattr(ctx, "request", None), "headers", None) or {}
     named = headers.get(CALLER_HEADER)
     if named:
         return named.encode()[:128].decode(errors="ignore") or ANONYMOUS
@@ -272,13 +277,42 @@ def _elicit_request(s: RunStatus) -> ElicitRequest:
     )
 
 
+class RunArgs(BaseModel):
+    """The arguments of `run`, validated by hand when the Tasks extension takes the call
+    before the tool does (same bounds as the tool's parameters)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    task: str = Field(min_length=1)
+    model: str | None = None
+    serviceClass: Literal["interactive", "batch"] = "interactive"
+    system: str | None = None
+    maxToolCalls: int = Field(8, ge=0, le=MAX_TOOL_CALLS_LIMIT)
+    tools: list[str] | None = None
+    maxTokens: int = Field(256, ge=0, le=MAX_TOKENS_LIMIT)
+    parallelToolCalls: bool = False
+    parent: str | None = None
+    budgetTokens: int | None = Field(None, gt=0)
+    budgetToolCalls: int | None = Field(None, gt=0)
+    budgetSeconds: float | None = Field(None, gt=0)
+    approveTools: list[str] | None = None
+    timeout: float = Field(AWAIT_MAX_S, gt=0, le=AWAIT_MAX_S)
+
+
 Handle = Annotated[str, Field(min_length=1, max_length=200, description="a run handle from spawn")]
 
 
 def create_mcp_server(deps: DoorDeps) -> MCPServer:
     """The MCP server of the door, built from its dependencies."""
+    tasks = TasksExtension(
+        runs=lambda: runs(),
+        start_run=lambda arguments, ctx: start_task_run(arguments, ctx),
+        view=lambda status: view(status).model_dump(),
+        approval_message=_approval_message,
+    )
     mcp = MCPServer(
         name="luftpause",
+        extensions=[tasks],
         instructions=(
             "Sub-agents on the user's own inference engines, durable across restarts. "
             "Fan out: spawn several runs, then await them in one call. Each run loops LLM "
@@ -349,6 +383,38 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
             return await r.spawn(spec)
         except RunError as exc:
             raise ToolError(str(exc)) from None
+
+    async def start_task_run(arguments: dict[str, Any], ctx: Any) -> tuple[str | None, str]:
+        """Start a `run` for the Tasks extension: (handle, "") or (None, tool error)."""
+        try:
+            a = RunArgs.model_validate(arguments)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(map(str, e['loc'])) or 'arguments'}: {e['msg']}" for e in exc.errors()
+            )
+            return None, f"run: {problems}"
+        budget = Budget(
+            tokens=a.budgetTokens, tool_calls=a.budgetToolCalls, seconds=a.budgetSeconds
+        )
+        caller = caller_of(ctx, deps.token_identity)
+        try:
+            spec = spec_of(
+                a.task,
+                a.model,
+                a.serviceClass,
+                a.system,
+                a.maxToolCalls,
+                a.tools,
+                a.maxTokens,
+                a.parallelToolCalls,
+                a.parent,
+                budget,
+                a.approveTools,
+                caller,
+            )
+            return await spawn_run(spec), ""
+        except ToolError as exc:
+            return None, str(exc)
 
     async def answer_elicited(ctx: Context, r: Runs) -> list[str]:
         """Deliver the answers a 2026-07-28 client sent for our approval questions;

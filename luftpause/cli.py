@@ -251,10 +251,12 @@ def _gateway(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per probe
     try:
-        config = load_config(args.config)
+        config = load_config(args.config, os.environ)
     except ConfigError as exc:
         raise SystemExit(f"luftpause gateway: {exc}") from None
-    settings = GatewaySettings(config=config, token=os.environ.get("LUFTPAUSE_TOKEN") or None)
+    settings = GatewaySettings(
+        config=config, token=os.environ.get("LUFTPAUSE_TOKEN") or None, host=args.host
+    )
     # One process: the scheduler's state lives in it (DESIGN.md "Processes and ports").
     uvicorn.run(
         create_app(settings),

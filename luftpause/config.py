@@ -208,8 +208,18 @@ def parse_config(data: Mapping[str, Any], source: str = "configuration") -> Conf
         raise ConfigError(f"{source}: " + "; ".join(_describe(e) for e in exc.errors())) from None
 
 
-def load_config(path: str | Path) -> Config:
-    """Read and validate `luftpause.toml`."""
+# Environment variables a container sets instead of editing the file: (section, key).
+ENV_OVERRIDES: Mapping[str, tuple[str | None, str]] = {
+    "LUFTPAUSE_TEMPORAL_ADDRESS": ("temporal", "address"),
+    "LUFTPAUSE_TEMPORAL_NAMESPACE": ("temporal", "namespace"),
+    "LUFTPAUSE_TASK_QUEUE": ("temporal", "task_queue"),
+    "LUFTPAUSE_GATEWAY_URL": (None, "gateway_url"),
+}
+
+
+def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> Config:
+    """Read and validate `luftpause.toml`; the variables of ENV_OVERRIDES in `env`
+    (when given) replace the file's values."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
@@ -219,6 +229,12 @@ def load_config(path: str | Path) -> Config:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{p}: not valid TOML: {exc}") from None
+    for var, (section, key) in ENV_OVERRIDES.items():
+        value = (env or {}).get(var)
+        if value:
+            target = data if section is None else data.setdefault(section, {})
+            if isinstance(target, dict):
+                target[key] = value
     return parse_config(data, str(p))
 
 

@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
-        config = load_config(args.config)
+        config = load_config(args.config, os.environ)
     except ConfigError as exc:
         raise SystemExit(f"luftpause worker: {exc}") from None
     settings = settings_from(config, os.environ)

@@ -15,6 +15,7 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp_types import ElicitResult
 
+from tests.mcp.tasks_client import TasksClient, cancel_task
 from tests.workflows.harness import MODEL, stack, task_with, until
 
 MODES = ["legacy", "2026-07-28"]
@@ -209,3 +210,46 @@ async def _client(url: str, mode: str, headers: dict[str, str], **kw: Any) -> As
     http = httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(30.0, read=None))
     async with http, Client(streamable_http_client(url, http_client=http), mode=mode, **kw) as c:
         yield c
+
+
+async def test_a_task_for_run_polled_to_completion_with_an_approval(
+    temporal_address: str,
+) -> None:
+    async def on_elicit(context: Any, params: Any) -> ElicitResult:
+        return ElicitResult(action="accept", content={"allow": True})
+
+    tasks = TasksClient()
+    async with (
+        stack(temporal_address) as s,
+        Client(
+            s.mcp_door, mode="2026-07-28", extensions=[tasks], elicitation_callback=on_elicit
+        ) as c,
+    ):
+        args = {"model": MODEL, "task": task_with(1, "task"), "tools": ["delete_record"]}
+        run = result(await c.call_tool("run", args))
+        (task_id,) = tasks.task_ids
+        # The task is the run: its id is the handle, and the workflow holds its state.
+        assert run["handle"] == task_id and run["state"] == "Completed"
+        assert "input_required" in tasks.seen and tasks.seen[-1] == "completed"
+        assert (run["toolCalls"], run["failedToolCalls"]) == (1, 0)
+        assert sum(s.mcp.counts.values()) == 1
+        (st,) = await s.runs.statuses([task_id])
+        assert st.state == "Completed" and st.answer == run["answer"]
+
+        # tasks/cancel cancels the run.
+        cancelling = TasksClient(on_created=cancel_task)
+        async with Client(s.mcp_door, mode="2026-07-28", extensions=[cancelling]) as c2:
+            r = await c2.call_tool("run", args)
+        assert r.is_error and "task cancelled" in error_text(r)
+        (st,) = await s.runs.statuses(cancelling.task_ids)
+        assert st.state == "Cancelled"
+
+        # Bad arguments are a tool error, and no task (or run) is made.
+        r = await c.call_tool("run", {"task": "x", "model": "gpt-9"})
+        assert "unknown model 'gpt-9'" in error_text(r)
+        assert len(tasks.task_ids) == 1
+
+        # A client without the extension gets the plain synchronous result.
+        async with Client(s.mcp_door, mode="2026-07-28") as plain:
+            r = await plain.call_tool("run", {"model": MODEL, "task": task_with(0, "sync")})
+        assert result(r)["state"] == "Completed"

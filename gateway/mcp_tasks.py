@@ -1,0 +1,188 @@
+"""The MCP Tasks extension (`io.modelcontextprotocol/tasks`, 2026-07-28) for `run`.
+
+A client that opts in gets a task instead of waiting on the call: the task id is the
+run's handle (its workflow id), returned only once the workflow exists, so the task is
+durable before the client knows it.  `tasks/get` reads the run's status, `tasks/update`
+delivers the answer to an open approval (shown as `input_required` with an elicitation
+request), `tasks/cancel` cancels the run.  The workflow is the store: tasks survive a
+gateway restart, and any gateway on the same Temporal namespace can answer for them.
+
+The SDK ships the wire types of the older in-core tasks only, so the SEP-2663 shapes
+are written here as plain JSON (`taskId`, `status`, `createdAt`, `lastUpdatedAt`,
+`ttlSeconds`, `pollIntervalMilliseconds`, `inputRequests`, `result`, `error`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from mcp.server.elicitation import render_elicitation_schema
+from mcp.server.extension import Extension, MethodBinding
+from mcp.shared.exceptions import MCPError
+from mcp_types import (
+    CallToolRequestParams,
+    CallToolResult,
+    EmptyResult,
+    RequestParams,
+    TextContent,
+)
+from pydantic import BaseModel, ConfigDict, Field
+
+from workflows import RunError, Runs, RunStatus
+
+__all__ = ["TASKS", "TasksExtension"]
+
+TASKS = "io.modelcontextprotocol/tasks"
+MODERN = frozenset({"2026-07-28"})
+TTL_SECONDS = 24 * 3600
+POLL_MS = 500
+_INVALID_PARAMS = -32602
+
+_STATUS = {
+    "Running": "working",
+    "AwaitingChildren": "working",
+    "AwaitingApproval": "input_required",
+    "Completed": "completed",
+    "Failed": "failed",
+    "Cancelled": "cancelled",
+}
+
+
+class TaskIdParams(RequestParams):
+    model_config = ConfigDict(populate_by_name=True)
+
+    task_id: str = Field(alias="taskId", min_length=1, max_length=200)
+
+
+class UpdateParams(TaskIdParams):
+    input_responses: dict[str, Any] = Field(alias="inputResponses")
+
+
+class _ApprovalForm(BaseModel):
+    allow: bool = Field(description="let the sub-agent run this tool call")
+
+
+def _iso(value: str | None) -> str:
+    return value or datetime.now(UTC).isoformat()
+
+
+def question_key(status: RunStatus) -> str:
+    assert status.pending_approval is not None
+    return f"approve:{status.handle}:{status.pending_approval.call_id}"
+
+
+class TasksExtension(Extension):
+    """Tasks for `run`; see the module docstring."""
+
+    identifier = TASKS
+
+    def __init__(
+        self,
+        runs: Callable[[], Awaitable[Runs]],
+        start_run: Callable[[dict[str, Any], Any], Awaitable[tuple[str | None, str]]],
+        view: Callable[[RunStatus], dict[str, Any]],
+        approval_message: Callable[[RunStatus], str],
+    ) -> None:
+        self._runs = runs
+        self._start = start_run
+        self._view = view
+        self._message = approval_message
+
+    def methods(self) -> Sequence[MethodBinding]:
+        return [
+            MethodBinding("tasks/get", TaskIdParams, self.get, MODERN),
+            MethodBinding("tasks/update", UpdateParams, self.update, MODERN),
+            MethodBinding("tasks/cancel", TaskIdParams, self.cancel, MODERN),
+        ]
+
+    async def intercept_tool_call(
+        self, params: CallToolRequestParams, ctx: Any, call_next: Any
+    ) -> Any:
+        caps = ctx.session.client_capabilities
+        opted = (
+            ctx.protocol_version in MODERN
+            and caps is not None
+            and caps.extensions is not None
+            and TASKS in caps.extensions
+        )
+        if params.name != "run" or not opted:
+            return await call_next(ctx)
+        # Validation errors come back as the tool's own errors, as without tasks.
+        handle, error = await self._start(dict(params.arguments or {}), ctx)
+        if handle is None:
+            return CallToolResult(content=[TextContent(type="text", text=error)], is_error=True)
+        status = await (await self._runs()).status(handle)
+        return {"resultType": "task", **self._task(status)}
+
+    def _task(self, status: RunStatus) -> dict[str, Any]:
+        task: dict[str, Any] = {
+            "taskId": status.handle,
+            "status": _STATUS.get(status.state, "working"),
+            "createdAt": _iso(status.started_at),
+            "lastUpdatedAt": _iso(status.ended_at),
+            "ttlSeconds": TTL_SECONDS,
+            "pollIntervalMilliseconds": POLL_MS,
+        }
+        if status.state == "AwaitingApproval" and status.pending_approval is not None:
+            task["statusMessage"] = self._message(status)
+            task["inputRequests"] = {
+                question_key(status): {
+                    "method": "elicitation/create",
+                    "params": {
+                        "mode": "form",
+                        "message": self._message(status),
+                        "requestedSchema": render_elicitation_schema(_ApprovalForm),
+                    },
+                }
+            }
+        elif status.state == "Completed":
+            view = self._view(status)
+            task["result"] = {
+                "content": [{"type": "text", "text": status.answer or ""}],
+                "structuredContent": view,
+                "isError": False,
+            }
+        elif status.state in ("Failed", "Cancelled"):
+            task["statusMessage"] = status.error or status.state.lower()
+            task["error"] = {"code": -32603, "message": status.error or status.state.lower()}
+        return task
+
+    async def _status(self, task_id: str) -> RunStatus:
+        try:
+            return await (await self._runs()).status(task_id)
+        except RunError as exc:
+            raise MCPError(code=_INVALID_PARAMS, message=f"unknown task: {exc}") from None
+
+    async def get(self, ctx: Any, params: TaskIdParams) -> dict[str, Any]:
+        return {"resultType": "complete", **self._task(await self._status(params.task_id))}
+
+    async def update(self, ctx: Any, params: UpdateParams) -> EmptyResult:
+        status = await self._status(params.task_id)
+        runs = await self._runs()
+        for key, response in params.input_responses.items():
+            handle, _, call_id = key.removeprefix("approve:").partition(":")
+            if handle != status.handle:
+                raise MCPError(
+                    code=_INVALID_PARAMS,
+                    message=f"input response {key!r} does not belong to task {status.handle!r}",
+                )
+            content = response.get("content") if isinstance(response, dict) else None
+            if not (isinstance(response, dict) and response.get("action") == "accept"):
+                continue  # declined or dismissed: the approval stays open
+            if not isinstance(content, dict) or not isinstance(content.get("allow"), bool):
+                raise MCPError(
+                    code=_INVALID_PARAMS,
+                    message=f'input response {key!r}: expected content {{"allow": true|false}}',
+                )
+            try:
+                await runs.approve(handle, content["allow"], call_id or None)
+            except RunError as exc:
+                raise MCPError(code=_INVALID_PARAMS, message=str(exc)) from None
+        return EmptyResult()
+
+    async def cancel(self, ctx: Any, params: TaskIdParams) -> EmptyResult:
+        await self._status(params.task_id)
+        await (await self._runs()).cancel(params.task_id)
+        return EmptyResult()

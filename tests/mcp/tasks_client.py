@@ -1,0 +1,118 @@
+"""A client side of the MCP Tasks extension (the SDK has none): claims `resultType:
+"task"` results, polls `tasks/get`, answers `input_required` through the client's own
+elicitation callback and `tasks/update`, and returns the task's result."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal
+
+import anyio
+from mcp.client.extension import ClaimContext, ClientExtension, ResultClaim
+from mcp.client.session import ClientRequestContext
+from mcp_types import CallToolResult, EmptyResult, InputRequest, Request, RequestParams, Result
+from pydantic import ConfigDict, Field, TypeAdapter
+
+TASKS = "io.modelcontextprotocol/tasks"
+_INPUT_REQUEST: TypeAdapter[Any] = TypeAdapter(InputRequest)
+
+
+class CreateTaskResult(Result):
+    result_type: Literal["task"] = Field(default="task", alias="resultType")
+    task_id: str = Field(alias="taskId")
+    status: str
+    created_at: str = Field(alias="createdAt")
+    last_updated_at: str = Field(alias="lastUpdatedAt")
+    ttl_seconds: int | None = Field(default=None, alias="ttlSeconds")
+    poll_interval_milliseconds: int | None = Field(default=None, alias="pollIntervalMilliseconds")
+
+
+class GetTaskResult(Result):
+    result_type: str | None = Field(default=None, alias="resultType")
+    task_id: str = Field(alias="taskId")
+    status: str
+    status_message: str | None = Field(default=None, alias="statusMessage")
+    input_requests: dict[str, Any] | None = Field(default=None, alias="inputRequests")
+    result: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None
+
+
+class TaskIdParams(RequestParams):
+    model_config = ConfigDict(populate_by_name=True)
+    task_id: str = Field(alias="taskId")
+
+
+class UpdateParams(TaskIdParams):
+    input_responses: dict[str, Any] = Field(alias="inputResponses")
+
+
+class TasksGet(Request[TaskIdParams, Literal["tasks/get"]]):
+    method: Literal["tasks/get"] = "tasks/get"
+    params: TaskIdParams
+    name_param = "taskId"
+
+
+class TasksUpdate(Request[UpdateParams, Literal["tasks/update"]]):
+    method: Literal["tasks/update"] = "tasks/update"
+    params: UpdateParams
+    name_param = "taskId"
+
+
+class TasksCancel(Request[TaskIdParams, Literal["tasks/cancel"]]):
+    method: Literal["tasks/cancel"] = "tasks/cancel"
+    params: TaskIdParams
+    name_param = "taskId"
+
+
+class TasksClient(ClientExtension):
+    """Opt in to tasks; `seen` records every status polled, `on_created` may act on a
+    new task (e.g. cancel it)."""
+
+    identifier = TASKS
+
+    def __init__(self, on_created: Callable[[Any, str], Awaitable[None]] | None = None) -> None:
+        self.seen: list[str] = []
+        self.task_ids: list[str] = []
+        self._on_created = on_created
+
+    def claims(self) -> list[ResultClaim[Any]]:
+        return [ResultClaim(result_type="task", model=CreateTaskResult, resolve=self._resolve)]
+
+    async def _resolve(self, created: CreateTaskResult, cctx: ClaimContext) -> CallToolResult:
+        session = cctx.session
+        self.task_ids.append(created.task_id)
+        if self._on_created is not None:
+            await self._on_created(session, created.task_id)
+        answered: set[str] = set()
+        with anyio.fail_after(120):
+            while True:
+                params = TaskIdParams(taskId=created.task_id)
+                task = await session.send_request(TasksGet(params=params), GetTaskResult)
+                self.seen.append(task.status)
+                if task.status == "input_required":
+                    responses = {}
+                    for key, raw in (task.input_requests or {}).items():
+                        if key in answered:
+                            continue
+                        context = ClientRequestContext(session=session, request_id=key)
+                        answer = await session.dispatch_input_request(
+                            context, _INPUT_REQUEST.validate_python(raw)
+                        )
+                        responses[key] = answer.model_dump(
+                            by_alias=True, exclude_none=True, mode="json"
+                        )
+                        answered.add(key)
+                    if responses:
+                        update = UpdateParams(taskId=created.task_id, inputResponses=responses)
+                        await session.send_request(TasksUpdate(params=update), EmptyResult)
+                elif task.status == "completed":
+                    return CallToolResult.model_validate(task.result)
+                elif task.status in ("failed", "cancelled"):
+                    message = (task.error or {}).get("message", task.status)
+                    text = f"task {task.status}: {message}"
+                    return CallToolResult(content=[{"type": "text", "text": text}], is_error=True)
+                await anyio.sleep((created.poll_interval_milliseconds or 500) / 1000)
+
+
+async def cancel_task(session: Any, task_id: str) -> None:
+    await session.send_request(TasksCancel(params=TaskIdParams(taskId=task_id)), EmptyResult)
