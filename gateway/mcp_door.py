@@ -204,6 +204,15 @@ def view(status: RunStatus, *, detail: bool = True) -> RunView:
 # --------------------------------------------------------------------------- the server
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("luftpause")
+    except PackageNotFoundError:
+        return "0"
+
+
 def caller_of(ctx: Any, token_identity: str | None) -> str:
     """Who is asking, for fairness and listing: the header the harness sets, else the
     legacy session, else the token's identity, else anonymous."""
@@ -312,6 +321,7 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
     )
     mcp = MCPServer(
         name="luftpause",
+        version=_version(),
         extensions=[tasks],
         instructions=(
             "Sub-agents on the user's own inference engines, durable across restarts. "

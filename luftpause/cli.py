@@ -280,6 +280,10 @@ _DELEGATED = {
     ),
     "bench": ("testkit.overhead", "measure the gateway: `luftpause bench overhead`"),
     "worker": ("worker.main", "run a Temporal worker for sub-agent runs"),
+    "up": (
+        "luftpause.up",
+        "run it all on this machine: Temporal dev server, gateway, worker, fake engines and tools",
+    ),
 }
 
 
@@ -294,26 +298,11 @@ def _delegated_parser(sub: Any, name: str, wanted: bool) -> None:
         importlib.import_module(module).add_arguments(p)
 
 
-def _up() -> int:
-    # The gateway, worker and embedded Temporal are not built yet; say so plainly
-    # rather than pretend.  What runs today is the policy and its simulator.
-    print(
-        "luftpause up: the gateway, worker and embedded Temporal server are not built "
-        "yet in this version.\n"
-        "What runs today is the admission policy and its simulator:\n"
-        "  luftpause sim flood      # luftpause vs router policies on a batch flood\n"
-        "  luftpause sim bench-core # decisions per second of the policy core",
-        file=sys.stderr,
-    )
-    return 2
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     # `luftpause sim flood | head` should end quietly, as Unix tools do.
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     parser = argparse.ArgumentParser(prog="luftpause", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("up", help="run luftpause on this machine (gateway, worker, Temporal)")
     _sim_parser(sub)
     _fake_engine_parser(sub)
     _gateway_parser(sub)
@@ -328,8 +317,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         code = _fake_engine(args)
     elif args.command == "gateway":
         code = _gateway(args)
-    elif args.command == "up":
-        code = _up()
     elif args.command in _DELEGATED:
         import importlib
 

