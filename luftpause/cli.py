@@ -278,7 +278,7 @@ _DELEGATED = {
         "testkit.fake_mcp",
         "serve the fake MCP tool server (lookup, deep_search, a destructive tool) for tests",
     ),
-    "bench": ("testkit.overhead", "measure the gateway: `luftpause bench overhead`"),
+    "bench": ("testkit.bench", "measure: `luftpause bench overhead` (gateway), `bench temporal`"),
     "worker": ("worker.main", "run a Temporal worker for sub-agent runs"),
     "up": (
         "luftpause.up",

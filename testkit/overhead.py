@@ -53,8 +53,7 @@ MAX_REQUESTS = 1_000_000
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of `luftpause bench`."""
-    parser.add_argument("scenario", choices=["overhead"], help="what to measure")
+    """The flags of `luftpause bench overhead`."""
     parser.add_argument(
         "--requests", type=int, default=2000, help="measured requests per arm (default 2000)"
     )
