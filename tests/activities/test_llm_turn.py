@@ -1,0 +1,146 @@
+"""The LLM turn activity against tiny upstreams over loopback, in Temporal's
+ActivityEnvironment: what it sends, and how each failure is raised for the retry policy."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import Request
+from fastapi.responses import Response
+from temporalio.exceptions import ApplicationError
+from temporalio.testing import ActivityEnvironment
+
+from activities import LlmActivities, TurnInput
+from activities._arguments import ArgumentsError, expected_shape, prepare_arguments
+from testkit.loopback import serve
+from tests.gateway.harness import closed_port_url, upstream
+
+TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+
+
+def turn(**kw: Any) -> TurnInput:
+    base: dict[str, Any] = {
+        "run_id": "run-1",
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "service_class": "batch",
+        "caller": "carol",
+    }
+    return TurnInput(**{**base, **kw})
+
+
+async def call(app: Any, t: TurnInput, token: str | None = None) -> Any:
+    async with serve(app) as url, httpx.AsyncClient() as http:
+        llm = LlmActivities(http, base_url=url, token=token, heartbeat_every_s=0.05)
+        return await ActivityEnvironment().run(llm.llm_turn, t)
+
+
+def completion(message: dict[str, Any], finish: str = "stop") -> Response:
+    body = {
+        "choices": [{"message": message, "finish_reason": finish}],
+        "usage": {
+            "prompt_tokens": 7,
+            "completion_tokens": 3,
+            "prompt_tokens_details": {"cached_tokens": 4},
+        },
+    }
+    return Response(json.dumps(body), media_type="application/json")
+
+
+async def test_the_turn_is_sent_as_the_runs_turn() -> None:
+    seen: list[dict[str, str]] = []
+    bodies: list[Any] = []
+
+    def chat(request: Request) -> Response:
+        return completion({"role": "assistant", "content": "hello"})
+
+    app = upstream(chat, seen)
+
+    @app.middleware("http")
+    async def record(request: Request, call_next: Any) -> Any:
+        bodies.append(await request.body())
+        return await call_next(request)
+
+    out = await call(app, turn(max_tokens=0, tools=TOOLS, parallel_tool_calls=True), token="tok")
+    assert (out.message, out.finish_reason) == ({"role": "assistant", "content": "hello"}, "stop")
+    assert (out.prompt_tokens, out.completion_tokens, out.cached_tokens) == (7, 3, 4)
+    (headers,) = seen
+    assert headers["x-luftpause-run-id"] == "run-1"
+    assert headers["x-luftpause-class"] == "batch"
+    assert headers["x-luftpause-caller"] == "carol"
+    assert headers["authorization"] == "Bearer tok"
+    body = json.loads(bodies[0])
+    assert "max_tokens" not in body  # 0 = the engine decides
+    assert body["tools"] == TOOLS and body["parallel_tool_calls"] is True
+
+
+async def test_retry_after_becomes_the_next_retry_delay() -> None:
+    app = upstream(
+        lambda r: Response(
+            json.dumps({"error": {"message": "slow down"}}),
+            status_code=429,
+            headers={"retry-after": "7"},
+        )
+    )
+    with pytest.raises(ApplicationError) as err:
+        await call(app, turn())
+    assert err.value.next_retry_delay == timedelta(seconds=7)
+    assert not err.value.non_retryable
+    assert "429: slow down" in str(err.value)
+
+
+@pytest.mark.parametrize("status", [400, 404, 422])
+async def test_a_request_the_gateway_refuses_is_not_retried(status: int) -> None:
+    app = upstream(lambda r: Response(json.dumps({"error": {"message": "no"}}), status_code=status))
+    with pytest.raises(ApplicationError) as err:
+        await call(app, turn())
+    assert err.value.non_retryable and f"{status}: no" in str(err.value)
+
+
+async def test_an_unreachable_gateway_is_retried() -> None:
+    async with httpx.AsyncClient() as http:
+        llm = LlmActivities(http, base_url=closed_port_url(), heartbeat_every_s=0.05)
+        with pytest.raises(ApplicationError) as err:
+            await ActivityEnvironment().run(llm.llm_turn, turn())
+    assert not err.value.non_retryable and err.value.type == "GatewayUnreachable"
+
+
+async def test_calls_written_as_text_are_recovered_only_for_offered_tools() -> None:
+    text = '<tool_call>{"name": "lookup", "arguments": {"query": "x"}}</tool_call>'
+    app = upstream(lambda r: completion({"role": "assistant", "content": text}))
+    out = await call(app, turn(tools=TOOLS))
+    assert out.recovered and out.finish_reason == "tool_calls"
+    (c,) = out.tool_calls
+    assert (c.name, json.loads(c.arguments)) == ("lookup", {"query": "x"})
+    assert out.message["content"] is None and out.message["tool_calls"][0]["id"] == c.id
+    # Not offered: an answer that happens to quote JSON stays an answer.
+    out = await call(app, turn(tools=[]))
+    assert not out.recovered and out.tool_calls == [] and out.message["content"] == text
+
+
+def test_arguments_are_coerced_then_validated() -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "query": {"type": "string"},
+            "limit": {"type": "integer"},
+            "exact": {"type": "boolean"},
+        },
+        "required": ["query"],
+    }
+    args = prepare_arguments("lookup", '{"query": 5, "limit": "3", "exact": "true"}', schema)
+    assert args == {"query": "5", "limit": 3, "exact": True}
+    assert expected_shape(schema) == '{"query": string, "limit"?: integer, "exact"?: boolean}'
+    for raw, needle in [
+        ("{}", "'query' is a required property"),
+        ('{"query": "x", "limit": "many"}', "at 'limit'"),
+        ("[1]", "must be a JSON object"),
+        ("{nope", "not valid JSON"),
+    ]:
+        with pytest.raises(ArgumentsError, match=r"\{\"query\": string") as err:
+            prepare_arguments("lookup", raw, schema)
+        assert needle in str(err.value)
