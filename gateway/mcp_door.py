@@ -46,6 +46,7 @@ SESSION_HEADER = "mcp-session-id"
 ANONYMOUS = "anonymous"
 DEFAULT_AWAIT_S = 60.0
 PROGRESS_EVERY_S = 5.0
+RUN_POLL_S = 1.0
 MAX_TOOL_CALLS_LIMIT = 64
 MAX_TOKENS_LIMIT = 32_768
 
@@ -459,9 +460,10 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
         can_elicit = caps is not None and caps.elicitation is not None
         modern = ctx.protocol_version == MODERN
         statuses: list[RunStatus] = []
+        reported: tuple[int, float] = (-1, loop.time())
         while True:
             left = deadline - loop.time()
-            step = APPROVAL_POLL_S if can_elicit else PROGRESS_EVERY_S
+            step = APPROVAL_POLL_S if can_elicit else RUN_POLL_S
             try:
                 statuses = await r.wait(
                     handles,
@@ -500,10 +502,13 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
                 if isinstance(answer, AcceptedElicitation):
                     with contextlib.suppress(RunError):
                         await r.approve(s.handle, answer.data.allow, pending.call_id)
-            with contextlib.suppress(Exception):
-                await ctx.report_progress(
-                    ended, len(statuses), f"{ended} of {len(statuses)} runs ended"
-                )
+            # Progress whenever a run ends, and every PROGRESS_EVERY_S while none does.
+            if ended != reported[0] or loop.time() - reported[1] >= PROGRESS_EVERY_S:
+                reported = (ended, loop.time())
+                with contextlib.suppress(Exception):
+                    await ctx.report_progress(
+                        ended, len(statuses), f"{ended} of {len(statuses)} runs ended"
+                    )
 
     @mcp.tool(
         annotations=ToolAnnotations(

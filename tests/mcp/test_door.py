@@ -253,3 +253,26 @@ async def test_a_task_for_run_polled_to_completion_with_an_approval(
         async with Client(s.mcp_door, mode="2026-07-28") as plain:
             r = await plain.call_tool("run", {"model": MODEL, "task": task_with(0, "sync")})
         assert result(r)["state"] == "Completed"
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_long_await_sends_progress(temporal_address: str, mode: str) -> None:
+    progress: list[tuple[float, float | None, str | None]] = []
+
+    async def on_progress(done: float, total: float | None, message: str | None) -> None:
+        progress.append((done, total, message))
+
+    async with stack(temporal_address, mcp_time_scale=2) as s, Client(s.mcp_door, mode=mode) as c:
+        # Runs of 0, 1, 2 and 3 calls (0.25-0.75 s each) end at different times.
+        handles = [
+            await spawn(c, task=task_with(n, f"progress{n}"), tools=["lookup"]) for n in range(4)
+        ]
+        r = await c.call_tool(
+            "await", {"handles": handles, "timeout": 60}, progress_callback=on_progress
+        )
+        assert result(r)["done"] is True
+    assert progress, "no progress notification arrived"
+    assert all(total == 4 for _, total, _ in progress)
+    counts = [done for done, _, _ in progress]
+    assert counts == sorted(counts) and counts[-1] < 4  # the last run's end is the result
+    assert progress[-1][2] == f"{int(counts[-1])} of 4 runs ended"
