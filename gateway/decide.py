@@ -238,20 +238,28 @@ async def classify(
         label, probs = first["label"], first["probs"]
     except (ValueError, KeyError, IndexError, TypeError):
         first, label, probs = None, None, None
-    probabilities = _named(probs)
+    probabilities = _named(probs, endpoint.labels)
     if not isinstance(label, str) or probabilities is None:
         message = f"engine {endpoint.name}: /classify answered without data[0].label and probs"
+        return error_response(502, message, run_id)
+    if isinstance(probs, list) and endpoint.labels and len(probs) != len(endpoint.labels):
+        message = (
+            f"engine {endpoint.name}: /classify answered {len(probs)} probabilities, but the "
+            f"configuration names {len(endpoint.labels)} labels"
+        )
         return error_response(502, message, run_id)
     body = json.dumps({"label": label, "probabilities": probabilities})
     return Response(body, headers={RUN_HEADER: run_id}, media_type="application/json")
 
 
-def _named(probs: object) -> dict[str, float] | None:
-    """vLLM's probs: a list (named by index, the response carries no label names) or,
-    from servers that name them, a mapping."""
+def _named(probs: object, labels: Sequence[str] = ()) -> dict[str, float] | None:
+    """vLLM's probs: a list, named by the endpoint's configured `labels` (by index when
+    it has none: the response carries no names), or, from servers that name them, a
+    mapping."""
     items: list[tuple[str, object]]
     if isinstance(probs, list):
-        items = [(str(i), p) for i, p in enumerate(probs)]
+        names = labels if len(labels) == len(probs) else [str(i) for i in range(len(probs))]
+        items = list(zip(names, probs, strict=True))
     elif isinstance(probs, dict):
         items = [(str(k), p) for k, p in probs.items()]
     else:

@@ -14,6 +14,7 @@ health_path = "/health"
 api_key_env = "RUNPOD_KEY"   # hosted endpoints: key read from the environment
 load_from = []           # for kind = "router": the engines whose load it reports
 kv_tokens = 56000        # optional: KV pool size, enables program-level admission
+labels = []              # for kind = "classifier": class names, in /classify's order
 
 [[mcp_servers]]          # tools for sub-agents: streamable HTTP ...
 name = "search"
@@ -81,6 +82,9 @@ class Endpoint(BaseModel):
     api_key_env: str | None = None
     load_from: list[str] = []
     kv_tokens: Annotated[int, Field(gt=0)] | None = None
+    # kind = "classifier": the names of its classes in order (vLLM's /classify answers
+    # probabilities as a bare list).
+    labels: list[Annotated[str, Field(min_length=1)]] = []
 
     @field_validator("url")
     @classmethod
@@ -100,6 +104,8 @@ class Endpoint(BaseModel):
     def _router_only_fields(self) -> Endpoint:
         if self.load_from and self.kind != "router":
             raise ValueError("load_from is only for kind = 'router'")
+        if self.labels and self.kind != "classifier":
+            raise ValueError("labels is only for kind = 'classifier'")
         return self
 
     @property

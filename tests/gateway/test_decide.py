@@ -160,6 +160,19 @@ async def test_classifier_endpoint() -> None:
         assert not shell.state.runs and not shell.state.turns  # never enters run state
 
 
+async def test_classifier_labels_name_the_probabilities() -> None:
+    named = endpoint("c", "", kind="classifier", models=(CLF,), labels=["neg", "pos"])
+    async with engine(models=(CLF,), labels=("negative", "positive"), instant=True) as (url, _):
+        async with gateway({**named, "url": url}) as (gw, _):
+            body = (await gw.post("/v1/decide", json={"input": "lovely"})).json()
+            assert set(body["probabilities"]) == {"neg", "pos"}
+        wrong = {**named, "url": url, "labels": ["a", "b", "c"]}
+        async with gateway(wrong) as (gw, _):
+            r = await gw.post("/v1/decide", json={"input": "lovely"})
+            assert r.status_code == 502
+            assert "answered 2 probabilities, but the configuration names 3 labels" in r.text
+
+
 async def test_no_classifier_and_unreachable_classifier() -> None:
     async with engine(instant=True) as (url, _), gateway(endpoint("a", url)) as (gw, _):
         r = await gw.post("/v1/decide", json={"input": "x"})

@@ -113,6 +113,20 @@ def test_a_good_file_loads_with_defaults(tmp_path: Path) -> None:
             'load_from=["a"]',
             "load_from is only for kind = 'router'",
         ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\nlabels=["x"]',
+            "labels is only for kind = 'classifier'",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+            '[[mcp_servers]]\nname="t"',
+            "give exactly one of url (streamable HTTP) or command",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+            '[temporal]\nadress="x"',
+            "temporal.adress: unknown field",
+        ),
     ],
 )
 def test_bad_files_name_the_field_and_the_expectation(
@@ -137,3 +151,16 @@ def test_parse_config_takes_a_mapping() -> None:
         {"endpoints": [{"name": "a", "url": "http://h:1", "kind": "vllm", "models": ["m"]}]}
     )
     assert cfg.endpoints[0].kind == "vllm"
+
+
+def test_environment_overrides_the_file(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path,
+        '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+        '[temporal]\naddress="file:7233"',
+    )
+    env = {"LUFTPAUSE_TEMPORAL_ADDRESS": "temporal:7233", "LUFTPAUSE_GATEWAY_URL": "http://gw:8080"}
+    config = load_config(path, env)
+    assert config.temporal.address == "temporal:7233"
+    assert config.gateway_url == "http://gw:8080"
+    assert load_config(path).temporal.address == "file:7233"
