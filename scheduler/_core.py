@@ -22,7 +22,8 @@ Rules (DESIGN.md "The scheduler"), stated once, enforced here and nowhere else:
    the prefix caches of paused runs survive.  A paused run's claim on the pool lapses
    after `Policy.kv_retention_s`, and exists only under strict affinity (elsewhere it
    would not come back to it).  An unbound turn waiting for KV is not overtaken by
-   unbound turns of its class or below; bound (continuing) runs go on.
+   unbound turns of its class or below; bound (continuing) runs go on.  A turn larger
+   than the limit on its own is admitted without it (it could never fit).
 7. A model no replica serves is rejected with 404 before it is queued.
 8. Ticks free the slots of turns never reported finished after `turn_timeout_s` and
    forget runs idle or paused for `idle_run_expiry_s`.
@@ -555,7 +556,10 @@ class _Tx:
         if run is not None and run.context_tokens > context:
             context = run.context_tokens
         limit = kv * _kv_share(self.policy, t.service_class)
-        return r.ws_tokens + context + t.reply_tokens <= limit
+        need = context + t.reply_tokens
+        # A turn that would not fit even alone is not the policy's to protect: waiting
+        # for an empty replica would hold every new run of its class behind it.
+        return need > limit or r.ws_tokens + need <= limit
 
     def _fill(self, names: Sequence[str]) -> None:
         """Admit held turns to these replicas until none can take one more.

@@ -418,6 +418,15 @@ def test_interactive_waiting_for_kv_is_not_overtaken_by_a_new_batch_run() -> Non
     assert admits(d.actions)[0] == (ti, "a")
 
 
+def test_a_turn_too_large_for_the_kv_limit_does_not_hold_up_new_runs() -> None:
+    d = Driver(("a",), kv_tokens=10_000, policy=Policy(kv_fill=0.5))
+    d.arrive("bound", prompt=1000, max_tokens=500)  # something is always bound
+    huge = d.arrive("huge", prompt=9000, max_tokens=1000)  # > 5000 even alone
+    assert d.state.turns[huge].replica == "a"  # admitted: waiting could never help
+    small = d.arrive("small", prompt=100, max_tokens=100)
+    assert small in d.held_ids()  # the pool is now over its limit: new runs wait
+
+
 # --------------------------------------------------------------------- lifecycle
 
 
