@@ -24,6 +24,7 @@ from scheduler import (
     RunPhase,
     ServiceClass,
     State,
+    TimedOut,
     TurnAbandoned,
     TurnFailed,
     TurnFinished,
@@ -31,7 +32,7 @@ from scheduler import (
 
 __all__ = ["OUTCOMES", "GatewayMetrics", "Source"]
 
-OUTCOMES = ("finished", "failed", "abandoned", "rejected")
+OUTCOMES = ("finished", "failed", "abandoned", "rejected", "timed_out")
 _HELD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _TURN_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
@@ -153,6 +154,8 @@ class GatewayMetrics:
                 placed[action.run_id] = action.replica
             elif isinstance(action, Reject):
                 self.turns.labels("rejected").inc()
+            elif isinstance(action, TimedOut):
+                self.turns.labels("timed_out").inc()
         if isinstance(event, TurnFinished | TurnFailed | TurnAbandoned):
             turn = before.turns.get(event.turn_id)
             if turn is None or (turn.replica is None and not isinstance(event, TurnAbandoned)):

@@ -62,6 +62,7 @@ from scheduler._types import (
     SchedulerError,
     ServiceClass,
     Tick,
+    TimedOut,
     TurnAbandoned,
     TurnArrived,
     TurnFailed,
@@ -504,6 +505,7 @@ class _Tx:
             t = self.turns.get(tid)
             if t is not None and t.replica is not None and t.admitted_at == at:
                 touched.append(t.replica)
+                self.actions.append(TimedOut(turn_id=tid, run_id=t.run_id, replica=t.replica))
                 self.turn_done(tid, None, 0, 0)
         deadline = self.now - self.policy.kv_retention_s
         while self.retention and self.retention.first()[0] <= deadline:

@@ -185,4 +185,14 @@ class Forget:
     run_id: str
 
 
-Action = Admit | Reject | Forget
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TimedOut:
+    """The admitted turn was never reported finished within `Policy.turn_timeout_s`:
+    the core freed its slot.  A later report about it is ignored."""
+
+    turn_id: str
+    run_id: str
+    replica: str
+
+
+Action = Admit | Reject | Forget | TimedOut

@@ -22,6 +22,7 @@ from scheduler import (
     ReplicaSpec,
     ServiceClass,
     State,
+    Tick,
     TurnAbandoned,
     TurnArrived,
     TurnFailed,
@@ -238,6 +239,10 @@ def test_metrics_observe_admissions_outcomes_and_affinity() -> None:
     assert sample(metrics, "luftpause_runs", phase="generating", **{"class": "interactive"}) == 1
     assert sample(metrics, "luftpause_replica_in_flight", replica="a") == 1
     assert sample(metrics, "luftpause_replica_cap", replica="a") == 1
+    # A turn never reported finished times out after 10 minutes: counted as timed_out.
+    assert sample(metrics, "luftpause_turns_total", outcome="timed_out") == 0
+    state = run_events(state, [Tick(now=7.0 + 600)], metrics)
+    assert sample(metrics, "luftpause_turns_total", outcome="timed_out") == 1
     assert sample(metrics, "luftpause_replica_cap", replica="b") is None  # uncapped
     assert sample(metrics, "luftpause_replica_healthy", replica="b") == 0
     assert sample(metrics, "luftpause_engine_running", replica="a") == 1

@@ -21,6 +21,7 @@ from scheduler import (
     ServiceClass,
     State,
     Tick,
+    TimedOut,
     TurnAbandoned,
     TurnArrived,
     TurnFailed,
@@ -478,6 +479,7 @@ def test_turn_timeout_frees_the_slot() -> None:
     assert t2 in d.held_ids()
     d.feed(Tick(now=admitted_at + 600))
     assert admits(d.actions) == [(t2, "a")]
+    assert TimedOut(turn_id=t1, run_id="r1", replica="a") in d.actions
     assert t1 not in d.state.turns
     d.finish(t1)  # the late finish of a timed-out turn is ignored
     assert d.state.replicas["a"].in_flight == 1
