@@ -3,6 +3,7 @@
 - `overhead`: the latency the gateway adds over going straight to an instant engine
   (testkit/overhead.py).
 - `temporal`: what Temporal adds per sub-agent turn (testkit/bench_temporal.py).
+- `mcp`: one MCP tools/call by protocol generation (testkit/bench_mcp.py).
 
 The policy's own benchmarks run in virtual time under `luftpause sim`.
 """
@@ -17,6 +18,7 @@ __all__ = ["add_arguments", "run"]
 _SCENARIOS = {
     "overhead": ("testkit.overhead", "added latency of the gateway over a direct engine"),
     "temporal": ("testkit.bench_temporal", "Temporal's added cost per sub-agent turn"),
+    "mcp": ("testkit.bench_mcp", "MCP tools/call latency by protocol generation"),
 }
 
 

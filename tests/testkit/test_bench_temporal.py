@@ -33,3 +33,17 @@ def test_bench_rejects_bad_bounds() -> None:
         [EXE, "bench", "temporal", "--runs", "0"], capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 2 and "--runs 1..10000" in out.stderr
+
+
+def test_bench_mcp_reports_both_protocol_generations() -> None:
+    out = subprocess.run(
+        [EXE, "bench", "mcp", "--calls", "3", "--json"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    assert report["calls"] == 3
+    assert {m: r["protocol"] for m, r in report["modes"].items()} == {
+        "legacy": "2025-11-25",
+        "2026-07-28": "2026-07-28",
+    }
+    assert all(0 < r["p50_ms"] <= r["p99_ms"] for r in report["modes"].values())
