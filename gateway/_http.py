@@ -140,6 +140,8 @@ class _Connection(asyncio.Protocol):
             raise UpstreamError("the engine sent more than one answer")
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self.status:  # a chunked body's trailer fields: never forwarded as headers
+            return
         self.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
@@ -210,7 +212,14 @@ class _Connection(asyncio.Protocol):
         return data
 
     def reusable(self) -> bool:
-        return self.complete and self.keep_alive and not self.closed and not self.chunks
+        closing = self.transport is None or self.transport.is_closing()
+        return (
+            self.complete
+            and self.keep_alive
+            and not self.closed
+            and not closing
+            and not self.chunks
+        )
 
     def close(self) -> None:
         if self.transport is not None:
