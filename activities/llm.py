@@ -6,6 +6,8 @@ that holds its prefix.  There are no client-side retries: a failed attempt raise
 Temporal's retry policy decides, with the gateway's `Retry-After` as the next delay.
 While the turn is held in the gateway's queue or generating, the activity heartbeats,
 so a dead worker is noticed within the heartbeat timeout, not the 10-minute turn limit.
+With tracing on, the turn carries the activity span's `traceparent`, so the gateway's
+`chat` span joins the run's trace.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from temporalio.exceptions import ApplicationError
 
 from activities._recover import recover_tool_calls
 from activities.contract import EndRunInput, ToolCall, TurnInput, TurnOutput
+from luftpause import telemetry
 
 __all__ = ["HEARTBEAT_EVERY_S", "LlmActivities", "heartbeating"]
 
@@ -101,6 +104,7 @@ class LlmActivities:
             body["tools"] = turn.tools
             body["parallel_tool_calls"] = turn.parallel_tool_calls
         headers = self._headers(turn.run_id, turn.service_class, turn.caller)
+        telemetry.inject(headers)
         started = time.monotonic()
         try:
             async with heartbeating(self._every):

@@ -51,7 +51,7 @@ class _Connection:
         if s.command is not None:
             env = {**os.environ, **s.env} if s.env else None
             params = StdioServerParameters(command=s.command[0], args=s.command[1:], env=env)
-            async with Client(params) as client:
+            async with Client(params, mode=s.protocol) as client:
                 yield client
             return
         assert s.url is not None
@@ -61,7 +61,7 @@ class _Connection:
         # The transport does not close a client it was given: this block does.
         async with (
             httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(30.0, read=None)) as http,
-            Client(streamable_http_client(s.url, http_client=http)) as client,
+            Client(streamable_http_client(s.url, http_client=http), mode=s.protocol) as client,
         ):
             yield client
 
@@ -152,6 +152,8 @@ class McpPool:
             raise UnknownTool(f"no mcp server named '{server}' is configured")
         client = await conn.client()
         try:
+            # The SDK puts the current span's `traceparent` in the request's `_meta` (the
+            # MCP convention); it has no per-request HTTP headers to carry it as well.
             result = await client.call_tool(tool, arguments)
         except Exception:
             conn.drop()

@@ -4,12 +4,16 @@ A call whose arguments do not fit the tool's schema (after coercing scalars) is 
 sent: it completes with an error the model reads, naming the expected shape.  A tool
 that reports an error (`isError`) completes too — the model sees it as the tool's
 answer.  Only a failure to reach the server raises, for Temporal to retry.
+
+With tracing on, each call is an `execute_tool {name}` span (GenAI semantic
+conventions); the MCP SDK sends its `traceparent` to the server in the request's `_meta`.
 """
 
 from __future__ import annotations
 
 import time
 
+from opentelemetry.trace import StatusCode
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
@@ -17,6 +21,7 @@ from activities._arguments import ArgumentsError, prepare_arguments
 from activities.contract import ToolInfo, ToolInput, ToolOutput
 from activities.llm import HEARTBEAT_EVERY_S, heartbeating
 from activities.mcp_pool import McpPool, UnknownTool
+from luftpause import telemetry
 
 __all__ = ["ToolActivities"]
 
@@ -39,6 +44,29 @@ class ToolActivities:
     @activity.defn(name="call_tool")
     async def call_tool(self, call: ToolInput) -> ToolOutput:
         """Validate, then execute one tool call."""
+        tracer = telemetry.tracer()
+        if tracer is None:
+            return await self._call(call)
+        attributes = {
+            "gen_ai.operation.name": "execute_tool",
+            "gen_ai.tool.name": call.tool,
+            "gen_ai.tool.type": "extension",  # runs on an MCP server, not in the worker
+            "luftpause.run_id": call.run_id,
+            "luftpause.mcp_server": call.server,
+        }
+        # Current while the call runs: the MCP SDK injects this span's traceparent.
+        with tracer.start_as_current_span(
+            f"execute_tool {call.tool}", attributes=attributes
+        ) as span:
+            output = await self._call(call)
+            if output.is_error:
+                span.set_attribute(
+                    "error.type", "tool_error" if output.executed else "invalid_arguments"
+                )
+                span.set_status(StatusCode.ERROR, output.content[:200])
+            return output
+
+    async def _call(self, call: ToolInput) -> ToolOutput:
         try:
             arguments = prepare_arguments(call.tool, call.arguments, call.input_schema)
         except ArgumentsError as exc:

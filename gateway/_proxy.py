@@ -6,23 +6,31 @@ while held (the turn leaves the queue and no engine request is made), while wait
 for the engine's headers and while streaming (the engine request is closed, so the
 engine stops generating).  Every admitted turn ends in exactly one `TurnFinished` or
 `TurnFailed`; a held one that never reaches the engine ends in `TurnAbandoned`.
+
+With tracing on (luftpause/telemetry.py), a turn is a `chat {model}` span continuing the
+client's `traceparent`, with an `admit` child for the hold; the engine gets the chat
+span's `traceparent`.  With tracing off, the turn does no span work at all.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
+from opentelemetry.trace import Span, SpanKind, StatusCode, Tracer, set_span_in_context
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from gateway._http import Upstream, UpstreamAnswer, UpstreamError, wait_disconnect
 from gateway._shell import Admission, AdmissionShell, Rejected
 from gateway.prober import auth_headers
+from luftpause import telemetry
 from luftpause.config import Endpoint
 from scheduler import (
     Event,
@@ -286,6 +294,7 @@ class TurnResponse(Response):
         self._clock = clock
         self._ended = False
         self._complete = False  # the last body message is on its way to the client
+        self._trace: _TurnTrace | None = None
 
     def _end(self, event: Event) -> None:
         """Report the turn's one terminal event."""
@@ -293,6 +302,8 @@ class TurnResponse(Response):
             self._ended = True
             self._shell.forget_turn(self._turn.turn_id)
             self._shell.apply(event)
+            if self._trace is not None:
+                self._trace.ended(event)
 
     def _fail(self, reason: str) -> None:
         self._end(TurnFailed(now=self._clock(), turn_id=self._turn.turn_id, reason=reason))
@@ -301,9 +312,14 @@ class TurnResponse(Response):
         t = self._turn
         disconnected = asyncio.ensure_future(wait_disconnect(receive))
         arrived = False
+        tracer = telemetry.tracer()
+        if tracer is not None:
+            self._trace = _TurnTrace(tracer, t, scope["headers"], self._clock())
         try:
             arrived = True  # an abandon of a turn the core never saw is ignored by it
             outcome = await hold(self._shell, t, self._clock, disconnected)
+            if self._trace is not None:
+                self._trace.admitted(outcome, self._clock())
             if outcome is None:
                 self._end(TurnAbandoned(now=self._clock(), turn_id=t.turn_id))
                 return
@@ -319,6 +335,8 @@ class TurnResponse(Response):
             if arrived and not self._ended:
                 # Cancelled from outside (server shutdown) or a bug: free the slot.
                 self._end(TurnAbandoned(now=self._clock(), turn_id=t.turn_id))
+            if self._trace is not None:
+                self._trace.close()
 
     async def _forward(
         self,
@@ -337,6 +355,8 @@ class TurnResponse(Response):
             ("user-agent", _USER_AGENT),
             *auth_headers(endpoint).items(),
         ]
+        if self._trace is not None:
+            headers += self._trace.forwarding(replica, endpoint)
         leave = _CancelOnLeave(disconnected, lambda: self._complete)
         try:
             with leave:
@@ -411,3 +431,108 @@ class TurnResponse(Response):
     def _remember(self, watch: StreamWatch) -> None:
         if watch.tool_call_ids:
             self._shell.remember_tool_calls(self._turn.run_id, watch.tool_call_ids, self._clock())
+
+
+# --------------------------------------------------------------------------- tracing
+
+
+class _TurnTrace:
+    """A turn's spans (GenAI semantic conventions): `chat {model}` from arrival to the
+    end of the answer, and its child `admit` for the hold.  Made only with tracing on;
+    attributes are set in batches (the SDK locks and validates per call)."""
+
+    __slots__ = ("_admit", "_arrived", "_chat")
+
+    def __init__(
+        self, tracer: Tracer, turn: TurnRequest, headers: list[tuple[bytes, bytes]], now: float
+    ) -> None:
+        carrier = {
+            k.decode("latin-1"): v.decode("latin-1")
+            for k, v in headers
+            if k == b"traceparent" or k == b"tracestate"
+        }
+        attributes = {
+            "luftpause.run_id": turn.run_id,
+            "luftpause.class": turn.service_class.value,
+            "luftpause.caller": turn.caller,
+        }
+        self._chat: Span = tracer.start_span(
+            f"chat {turn.model}",
+            telemetry.extract(carrier) if carrier else None,
+            kind=SpanKind.CLIENT,
+            attributes={
+                "gen_ai.operation.name": "chat",
+                "gen_ai.request.model": turn.model,
+                # The class and caller are on `admit` only: each attribute costs ~8 µs
+                # to export (OTLP encoding in Python), twice a turn.
+                "luftpause.run_id": turn.run_id,
+            },
+        )
+        self._admit: Span | None = tracer.start_span(
+            "admit", set_span_in_context(self._chat), attributes=attributes
+        )
+        self._arrived = now
+
+    def admitted(self, outcome: Admission | None, now: float) -> None:
+        """The hold is over: admitted to a replica, rejected, or the client left."""
+        admit, self._admit = self._admit, None
+        if admit is None:
+            return
+        held = max(0.0, now - self._arrived)
+        if isinstance(outcome, str):
+            admit.set_attributes({"luftpause.held_seconds": held, "luftpause.replica": outcome})
+        elif isinstance(outcome, Rejected):
+            error = {"error.type": str(outcome.status)}
+            admit.set_attributes({"luftpause.held_seconds": held, **error})
+            admit.set_status(StatusCode.ERROR, outcome.message)
+            self._chat.set_attributes(error)
+            self._chat.set_status(StatusCode.ERROR, outcome.message)
+        else:
+            admit.set_attributes({"luftpause.held_seconds": held, "error.type": "client_left"})
+        admit.end()
+
+    def forwarding(self, replica: str, endpoint: Endpoint) -> list[tuple[str, str]]:
+        """Where the turn goes, and the `traceparent` header the engine continues."""
+        self._chat.set_attributes({"luftpause.replica": replica, **_server(endpoint.url)})
+        carrier: dict[str, str] = {}
+        telemetry.inject(carrier, set_span_in_context(self._chat))
+        return list(carrier.items())
+
+    def ended(self, event: Event) -> None:
+        """The turn's terminal event: usage and finish reason, or what went wrong."""
+        chat = self._chat
+        if isinstance(event, TurnFinished):
+            usage: dict[str, int | tuple[str, ...]] = {
+                "gen_ai.usage.input_tokens": event.prompt_tokens,
+                "gen_ai.usage.output_tokens": event.completion_tokens,
+            }
+            if event.cached_tokens:
+                usage["gen_ai.usage.cache_read.input_tokens"] = event.cached_tokens
+            if event.finish_reason:
+                usage["gen_ai.response.finish_reasons"] = (event.finish_reason,)
+            chat.set_attributes(usage)
+        elif isinstance(event, TurnFailed):
+            chat.set_attribute("error.type", "turn_failed")
+            chat.set_status(StatusCode.ERROR, event.reason)
+        elif isinstance(event, TurnAbandoned):
+            chat.set_attribute("error.type", "abandoned")
+            chat.set_status(StatusCode.ERROR, "abandoned: the client left, or the gateway stopped")
+
+    def close(self) -> None:
+        """End the spans (the turn's response is over, however it ended)."""
+        if self._admit is not None:  # cancelled while held
+            self._admit.end()
+            self._admit = None
+        self._chat.end()
+
+
+@functools.cache
+def _server(url: str) -> dict[str, str | int]:
+    """`server.address` and `server.port` of an engine URL (a handful per gateway)."""
+    parts = urlsplit(url)
+    server: dict[str, str | int] = {}
+    if parts.hostname:
+        server["server.address"] = parts.hostname
+    if parts.port:
+        server["server.port"] = parts.port
+    return server

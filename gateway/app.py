@@ -38,6 +38,7 @@ from gateway.mcp_door import DoorDeps, create_mcp_server
 from gateway.metrics import GatewayMetrics
 from gateway.prober import PROBE_PERIOD_S, Prober, ProbeResult
 from gateway.status import render_status_page, status_snapshot
+from luftpause import telemetry
 from luftpause.config import Config, Endpoint
 from scheduler import Policy, RunEnded, ServiceClass, State, Tick
 from workflows import Runs
@@ -178,6 +179,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                 runtime = None
                 upstream.close()
                 await door.aclose()
+                # Blocks the loop (≤ 5 s), but the loop has nothing left to serve.
+                telemetry.flush()
                 for task in tasks:
                     task.cancel()
                 for task in tasks:
@@ -345,7 +348,11 @@ class _Door:
             async with self._lock:
                 if self._runs is None:
                     t = self._config.temporal
-                    client = await TemporalClient.connect(t.address, namespace=t.namespace)
+                    client = await TemporalClient.connect(
+                        t.address,
+                        namespace=t.namespace,
+                        interceptors=telemetry.temporal_interceptors(),  # spawns join traces
+                    )
                     self._runs = Runs(client, task_queue=t.task_queue)
         return self._runs
 

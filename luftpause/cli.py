@@ -246,6 +246,7 @@ def _gateway(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gateway.app import GatewaySettings, create_app
+    from luftpause import telemetry
     from luftpause.config import ConfigError, load_config
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -257,6 +258,7 @@ def _gateway(args: argparse.Namespace) -> int:
     settings = GatewaySettings(
         config=config, token=os.environ.get("LUFTPAUSE_TOKEN") or None, host=args.host
     )
+    telemetry.setup("luftpause-gateway")
     # One process: the scheduler's state lives in it (DESIGN.md "Processes and ports").
     uvicorn.run(
         create_app(settings),

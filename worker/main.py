@@ -4,7 +4,8 @@ It connects the configured upstream MCP servers, sends LLM turns to the gateway 
 `gateway_url`), hands its work over on SIGTERM (`Worker.shutdown`, so another worker
 takes the runs at once) and exits cleanly.  The sticky schedule-to-start timeout is 2 s:
 after a worker dies, its runs' next workflow tasks reach another worker within 2 s
-instead of the default 10 s.
+instead of the default 10 s.  With OTEL_EXPORTER_OTLP_ENDPOINT set it exports spans
+(luftpause/telemetry.py): each run, turn and tool call, in one trace per run.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from temporalio.worker import Worker
 
 from activities import LlmActivities, ToolActivities
 from activities.mcp_pool import McpPool
+from luftpause import telemetry
 from luftpause.config import Config, ConfigError, load_config
 from workflows import AgentRun
 
@@ -60,10 +62,12 @@ def settings_from(config: Config, env: os._Environ[str] | dict[str, str]) -> Wor
 def build_worker(
     client: Client, *, task_queue: str, llm: LlmActivities, tools: ToolActivities
 ) -> Worker:
-    """The worker for one task queue, with every workflow and activity registered."""
+    """The worker for one task queue, with every workflow and activity registered (and
+    Temporal's tracing interceptor, when tracing is on)."""
     return Worker(
         client,
         task_queue=task_queue,
+        interceptors=telemetry.temporal_interceptors(client),
         workflows=[AgentRun],
         activities=[llm.llm_turn, llm.end_run, tools.list_tools, tools.call_tool],
         sticky_queue_schedule_to_start_timeout=STICKY_TIMEOUT,
@@ -121,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
     if args.task_queue:
         settings = WorkerSettings(**{**settings.__dict__, "task_queue": args.task_queue})
 
+    telemetry.setup("luftpause-worker")
+
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -132,4 +138,6 @@ def run(args: argparse.Namespace) -> int:
         asyncio.run(main())
     except RuntimeError as exc:  # e.g. Temporal unreachable
         raise SystemExit(f"luftpause worker: {exc}") from None
+    finally:
+        telemetry.shutdown()  # the CLI exits past atexit: export the last spans now
     return 0

@@ -1,0 +1,302 @@
+"""Tracing (luftpause/telemetry.py): the gateway's `chat` and `admit` spans and the
+`traceparent` it sends engines; a sub-agent run's spans in one trace; OTLP export.
+
+Spans are recorded by an in-memory exporter on a provider of the test's own, handed to
+the code with `telemetry.use()` and taken back afterwards: the process-wide provider
+(settable once per process) is never touched."""
+
+from __future__ import annotations
+
+import http.server
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
+from temporalio.client import Client
+
+from luftpause import telemetry
+from tests.gateway.harness import RUN, chat, endpoint, engine, gateway, until
+from tests.workflows import harness as runs_harness
+from workflows import Runs, RunSpec
+
+TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
+PARENT_SPAN_ID = "b7ad6b7169203331"
+TRACEPARENT = f"00-{TRACE_ID}-{PARENT_SPAN_ID}-01"
+
+
+@pytest.fixture
+def spans() -> Iterator[InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    telemetry.use(provider)
+    try:
+        yield exporter
+    finally:
+        telemetry.use(None)
+        provider.shutdown()
+
+
+def named(exporter: InMemorySpanExporter, prefix: str) -> list[ReadableSpan]:
+    return [s for s in exporter.get_finished_spans() if s.name.startswith(prefix)]
+
+
+def attrs(span: ReadableSpan) -> dict[str, Any]:
+    return dict(span.attributes or {})
+
+
+def traceparent_ids(value: str) -> tuple[str, str]:
+    """(trace id, parent span id) of a W3C traceparent header."""
+    version, trace_id, span_id, _flags = value.split("-")
+    assert version == "00"
+    return trace_id, span_id
+
+
+# --------------------------------------------------------------------------- gateway
+
+
+async def test_a_turn_is_a_chat_span_continuing_the_callers_trace(
+    spans: InMemorySpanExporter,
+) -> None:
+    async with engine() as (url, recorder), gateway(endpoint("e0", url)) as (client, _):
+        headers = {
+            "traceparent": TRACEPARENT,
+            RUN: "run-1",
+            "x-luftpause-class": "batch",
+            "x-luftpause-caller": "alice",
+        }
+        r = await client.post("/v1/chat/completions", json=chat(max_tokens=8), headers=headers)
+        assert r.status_code == 200
+        await until(lambda: bool(named(spans, "chat ")), "the chat span ended")
+
+    (chat_span,) = named(spans, "chat ")
+    (admit,) = named(spans, "admit")
+    assert chat_span.name == "chat llama-3.2-1b"
+    # The chat span continues the caller's trace; admit is its child.
+    assert chat_span.context is not None and admit.context is not None
+    assert format(chat_span.context.trace_id, "032x") == TRACE_ID
+    assert chat_span.parent is not None and format(chat_span.parent.span_id, "016x") == (
+        PARENT_SPAN_ID
+    )
+    assert admit.parent is not None and admit.parent.span_id == chat_span.context.span_id
+    assert admit.context.trace_id == chat_span.context.trace_id
+
+    a = attrs(admit)
+    assert a["luftpause.run_id"] == "run-1"
+    assert a["luftpause.class"] == "batch"
+    assert a["luftpause.caller"] == "alice"
+    assert a["luftpause.replica"] == "e0"
+    assert 0.0 <= a["luftpause.held_seconds"] < 5.0
+
+    c = attrs(chat_span)
+    assert c["gen_ai.operation.name"] == "chat"
+    assert c["gen_ai.request.model"] == "llama-3.2-1b"
+    assert c["gen_ai.usage.input_tokens"] > 0
+    assert c["gen_ai.usage.output_tokens"] == 8
+    assert c["gen_ai.response.finish_reasons"] == ("length",)
+    assert c["server.address"] == "127.0.0.1"
+    assert c["luftpause.replica"] == "e0"
+    assert chat_span.status.status_code is not StatusCode.ERROR
+
+    # The engine continues the gateway's chat span.
+    (sent,) = recorder.headers
+    trace_id, parent_id = traceparent_ids(sent["traceparent"])
+    assert trace_id == TRACE_ID
+    assert parent_id == format(chat_span.context.span_id, "016x")
+
+
+async def test_a_streamed_turn_without_a_traceparent_starts_a_trace(
+    spans: InMemorySpanExporter,
+) -> None:
+    async with engine() as (url, recorder), gateway(endpoint("e0", url)) as (client, _):
+        body = chat(max_tokens=4, stream=True, stream_options={"include_usage": True})
+        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            await r.aread()
+        await until(lambda: bool(named(spans, "chat ")), "the chat span ended")
+
+    (chat_span,) = named(spans, "chat ")
+    assert chat_span.parent is None and chat_span.context is not None
+    assert attrs(chat_span)["gen_ai.usage.output_tokens"] == 4
+    (sent,) = recorder.headers
+    assert traceparent_ids(sent["traceparent"])[0] == format(chat_span.context.trace_id, "032x")
+
+
+async def test_a_rejected_turn_is_an_error_span() -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    async with engine() as (url, _), gateway(endpoint("e0", url)) as (client, _):
+        telemetry.use(provider)
+        try:
+            r = await client.post("/v1/chat/completions", json=chat(model="no-such-model"))
+            await until(lambda: bool(named(exporter, "chat ")), "the chat span ended")
+        finally:
+            telemetry.use(None)
+    assert r.status_code >= 400
+    (chat_span,) = named(exporter, "chat ")
+    (admit,) = named(exporter, "admit")
+    for span in (chat_span, admit):
+        assert span.status.status_code is StatusCode.ERROR
+        assert attrs(span)["error.type"] == str(r.status_code)
+
+
+async def test_with_tracing_off_the_engine_gets_no_traceparent() -> None:
+    assert telemetry.tracer() is None
+    async with engine() as (url, recorder), gateway(endpoint("e0", url)) as (client, _):
+        r = await client.post("/v1/chat/completions", json=chat(max_tokens=2))
+        assert r.status_code == 200
+    (sent,) = recorder.headers
+    assert "traceparent" not in sent
+
+
+# --------------------------------------------------------------------------- a run
+
+
+async def test_a_run_is_one_trace_of_agent_turns_and_tool_calls(
+    temporal_address: str, spans: InMemorySpanExporter
+) -> None:
+    async with runs_harness.stack(temporal_address) as s:
+        seen_by_tool: list[int] = []
+        begin = s.mcp.begin
+
+        def traced_begin(tool: str, arguments: Any) -> tuple[str, str]:
+            # The fake MCP server runs in this process: the MCP SDK's server span (a
+            # non-recording one here) continues the `_meta.traceparent` it was sent.
+            seen_by_tool.append(trace.get_current_span().get_span_context().trace_id)
+            return begin(tool, arguments)
+
+        s.mcp.begin = traced_begin  # type: ignore[method-assign]
+        spec = RunSpec(task=runs_harness.task_with(1), model=runs_harness.MODEL, tools=["lookup"])
+        handle = await s.runs.spawn(spec)
+        (status,) = await s.runs.wait([handle], timeout=60)
+        assert status.state == "Completed", status
+        await until(lambda: len(named(spans, "chat ")) >= 2, "both chat spans ended")
+
+    (agent,) = named(spans, "invoke_agent ")
+    assert agent.name == "invoke_agent AgentRun" and agent.context is not None
+    a = attrs(agent)
+    assert a["gen_ai.operation.name"] == "invoke_agent"
+    assert a["gen_ai.conversation.id"] == handle == a["luftpause.run_id"]
+    run_trace = agent.context.trace_id
+
+    (tool,) = named(spans, "execute_tool ")
+    assert tool.name == "execute_tool lookup" and tool.context is not None
+    t = attrs(tool)
+    assert t["gen_ai.operation.name"] == "execute_tool" and t["gen_ai.tool.name"] == "lookup"
+    assert tool.status.status_code is not StatusCode.ERROR
+    assert tool.context.trace_id == run_trace
+
+    chats = named(spans, "chat ")
+    assert len(chats) == 2  # a turn that calls the tool, then the answer
+    assert {c.context.trace_id for c in chats if c.context is not None} == {run_trace}
+    assert all(attrs(c)["luftpause.run_id"] == handle for c in chats)
+    assert seen_by_tool == [run_trace]
+    # Started by a client without tracing: the run is still one trace, Temporal's spans
+    # (StartActivity, RunActivity, CompleteWorkflow) included.
+    assert {s.context.trace_id for s in spans.get_finished_spans() if s.context} == {run_trace}
+
+
+async def test_a_run_started_in_a_trace_continues_it(
+    temporal_address: str, spans: InMemorySpanExporter
+) -> None:
+    # As the gateway's MCP door starts runs: a client with the tracing interceptor.
+    async with runs_harness.stack(temporal_address) as s:
+        client = await Client.connect(
+            temporal_address, interceptors=telemetry.temporal_interceptors()
+        )
+        runs = Runs(client, task_queue=s.task_queue)
+        tracer = telemetry.tracer()
+        assert tracer is not None
+        with tracer.start_as_current_span("caller") as caller:
+            spec = RunSpec(task=runs_harness.task_with(0), model=runs_harness.MODEL)
+            handle = await runs.spawn(spec)
+        (status,) = await runs.wait([handle], timeout=60)
+        assert status.state == "Completed", status
+        await until(lambda: bool(named(spans, "chat ")), "the chat span ended")
+
+    caller_trace = caller.get_span_context().trace_id
+    (start,) = named(spans, "StartWorkflow:AgentRun")
+    (agent,) = named(spans, "invoke_agent ")
+    (chat_span,) = named(spans, "chat ")
+    assert start.context is not None and start.context.trace_id == caller_trace
+    assert agent.parent is not None and agent.parent.span_id == start.context.span_id
+    assert chat_span.context is not None and chat_span.context.trace_id == caller_trace
+
+
+# --------------------------------------------------------------------------- setup
+
+
+def test_setup_does_nothing_without_an_endpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
+    assert telemetry.setup("luftpause-test") is None
+    assert telemetry.tracer() is None
+
+
+class _Collector(http.server.BaseHTTPRequestHandler):
+    """An OTLP/HTTP trace receiver: keeps each request's spans."""
+
+    received: ClassVar[list[ExportTraceServiceRequest]] = []
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers["content-length"]))
+        request = ExportTraceServiceRequest()
+        request.ParseFromString(body)
+        self.received.append(request)
+        self.send_response(200)
+        self.send_header("content-type", "application/x-protobuf")
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.mark.parametrize("service_env", [None, "custom-name"])
+def test_setup_exports_over_otlp_http(service_env: str | None) -> None:
+    # In a subprocess: setup() sets the process-wide provider, which is set once only.
+    _Collector.received = []
+    server = http.server.HTTPServer(("127.0.0.1", 0), _Collector)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+        env["OTEL_EXPORTER_OTLP_ENDPOINT"] = f"http://127.0.0.1:{server.server_port}"
+        if service_env is not None:
+            env["OTEL_SERVICE_NAME"] = service_env
+        script = textwrap.dedent(
+            """
+            from luftpause import telemetry
+            assert telemetry.setup("luftpause-test") is not None
+            tracer = telemetry.tracer()
+            assert tracer is not None
+            with tracer.start_as_current_span("hello"):
+                pass
+            telemetry.shutdown()
+            assert telemetry.tracer() is None
+            """
+        )
+        subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=60)
+    finally:
+        server.shutdown()
+        server.server_close()
+    (request,) = _Collector.received
+    (resource_spans,) = request.resource_spans
+    service = {a.key: a.value.string_value for a in resource_spans.resource.attributes}[
+        "service.name"
+    ]
+    assert service == (service_env or "luftpause-test")
+    names = [s.name for scope in resource_spans.scope_spans for s in scope.spans]
+    assert names == ["hello"]
