@@ -37,7 +37,7 @@ from gateway.decide import DecideError, DecideRequest, decide, parse_decide
 from gateway.mcp_door import DoorDeps, create_mcp_server
 from gateway.metrics import GatewayMetrics
 from gateway.prober import PROBE_PERIOD_S, Prober, ProbeResult
-from gateway.status import render_status_page, status_snapshot
+from gateway.status import render_status_page, status_snapshot, sub_agent_tree
 from luftpause import telemetry
 from luftpause.config import Config, Endpoint
 from scheduler import Policy, RunEnded, ServiceClass, State, Tick
@@ -57,6 +57,10 @@ log = logging.getLogger(__name__)
 
 CHAT_PATH = "/v1/chat/completions"
 MCP_PATH = "/mcp"
+# The status page and /status show this many recent sub-agent runs, read from Temporal
+# within this time (the page still answers without them).
+STATUS_RUNS = 20
+STATUS_RUNS_TIMEOUT_S = 1.5
 CLASS_HEADER = "x-luftpause-class"
 CALLER_HEADER = "x-luftpause-caller"
 ANONYMOUS_CALLER = "anonymous"
@@ -288,6 +292,17 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         data = [{"id": m, "object": "model", "created": 0, "owned_by": "luftpause"} for m in models]
         return Response(json.dumps({"object": "list", "data": data}), media_type="application/json")
 
+    async def with_runs(view: dict[str, Any]) -> dict[str, Any]:
+        """Add the recent sub-agent runs as trees (or why they cannot be read)."""
+        if not config.mcp_servers and door.idle():
+            return view  # no sub-agents here: the page does not wait for Temporal
+        try:
+            statuses = await asyncio.wait_for(door.recent(), STATUS_RUNS_TIMEOUT_S)
+            view["sub_agents"] = sub_agent_tree(statuses)
+        except Exception as exc:  # Temporal down or slow: the page still answers
+            view["sub_agents"] = f"runs unavailable: {type(exc).__name__}: {exc}"[:300]
+        return view
+
     def snapshot(rt: _Runtime) -> dict[str, Any]:
         counts = {"tool_call_ids_remembered": rt.shell.remembered_tool_calls()}
         return status_snapshot(rt.shell.state, rt.prober.last, counts, rt.loop.time())
@@ -297,7 +312,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         rt = running()
         if not authorized(request):
             return error_response(401, "missing or wrong bearer token", _new_id())
-        return Response(json.dumps(snapshot(rt)), media_type="application/json")
+        view = await with_runs(snapshot(rt))
+        return Response(json.dumps(view), media_type="application/json")
 
     @app.get("/")
     async def status_page(request: Request) -> Response:
@@ -313,7 +329,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         if not (by_query or authorized(request)):
             return error_response(401, "missing or wrong bearer token", _new_id())
         return HTMLResponse(
-            render_status_page(snapshot(rt)),
+            render_status_page(await with_runs(snapshot(rt))),
             headers={"cache-control": "no-store", "referrer-policy": "no-referrer"},
         )
 
@@ -342,6 +358,15 @@ class _Door:
         self._lock = asyncio.Lock()
         self._pool = McpPool(config.mcp_servers)
         self._token = token
+
+    def idle(self) -> bool:
+        """Nothing has asked for Temporal yet."""
+        return self._runs is None
+
+    async def recent(self, limit: int = STATUS_RUNS) -> list[Any]:
+        """The most recent runs' statuses, newest first."""
+        runs = await self.runs()
+        return await runs.statuses(await runs.list(limit=limit))
 
     async def runs(self) -> Runs:
         if self._runs is None:

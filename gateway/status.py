@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import heapq
 import html
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gateway.prober import ProbeResult
@@ -19,6 +19,7 @@ __all__ = ["TOP_CALLERS", "render_status_page", "status_snapshot"]
 # The held-turn table lists the callers with the most held turns, at most this many.
 TOP_CALLERS = 50
 PAGE_REFRESH_S = 2
+_MAX_TREE_DEPTH = 16
 
 
 def status_snapshot(
@@ -123,6 +124,81 @@ def _table(headers: list[str], rows: list[list[object]]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
+def sub_agent_tree(statuses: Sequence[Any]) -> list[dict[str, Any]]:
+    """Recent sub-agent runs (`workflows.RunStatus`) as trees, roots first, each with
+    its subtree's costs: the JSON of `/status` and the table of `/`."""
+    by_handle = {s.handle: s for s in statuses}
+
+    def node(s: Any, depth: int) -> dict[str, Any]:
+        sub = s.subtree
+        pending = s.pending_approval
+        return {
+            "handle": s.handle,
+            "depth": depth,
+            "state": s.state,
+            "caller": s.caller,
+            "model": s.model,
+            "turns": sub.turns,
+            "tool_calls": sub.tool_calls,
+            "failed_tool_calls": sub.failed_tool_calls,
+            "tokens": sub.prompt_tokens + sub.completion_tokens,
+            "turn_seconds": round(sub.turn_seconds, 2),
+            "tool_seconds": round(sub.tool_seconds, 2),
+            "note": (
+                f"waits for approval of {pending.tool}" if pending is not None else s.error or ""
+            ),
+            "children": [
+                node(by_handle[c.handle], depth + 1)
+                for c in s.children
+                if c.handle in by_handle and depth < _MAX_TREE_DEPTH
+            ],
+        }
+
+    roots = [s for s in statuses if s.parent is None or s.parent not in by_handle]
+    return [node(s, 0) for s in roots]
+
+
+def _tree_rows(nodes: Sequence[Mapping[str, Any]]) -> list[list[object]]:
+    rows: list[list[object]] = []
+    for n in nodes:
+        label = ("\u00a0\u00a0" * n["depth"]) + ("\u21b3 " if n["depth"] else "") + n["handle"]
+        rows.append(
+            [
+                label,
+                n["state"],
+                n["caller"],
+                n["turns"],
+                f"{n['tool_calls']} ({n['failed_tool_calls']} failed)",
+                n["tokens"],
+                n["turn_seconds"],
+                n["tool_seconds"],
+                n["note"],
+            ]
+        )
+        rows += _tree_rows(n["children"])
+    return rows
+
+
+def _sub_agents(snapshot: Mapping[str, Any]) -> str:
+    tree = snapshot.get("sub_agents")
+    if tree is None:
+        return ""
+    if isinstance(tree, str):  # why the runs could not be read
+        return f"<h2>Sub-agent runs</h2><p>{html.escape(tree)}</p>"
+    headers = [
+        "run (subtree costs)",
+        "state",
+        "caller",
+        "turns",
+        "tool calls",
+        "tokens",
+        "turn s",
+        "tool s",
+        "",
+    ]
+    return f"<h2>Sub-agent runs (recent)</h2>{_table(headers, _tree_rows(tree))}"
+
+
 def render_status_page(snapshot: Mapping[str, Any]) -> str:
     """The snapshot as a self-contained HTML page that reloads itself every 2 s; every
     value is escaped (callers are whatever clients sent)."""
@@ -168,5 +244,6 @@ def render_status_page(snapshot: Mapping[str, Any]) -> str:
         f"<h2>Held turns by class</h2>{held_by_class}"
         f"<h2>Held turns by caller (top {TOP_CALLERS})</h2>{held_by_caller}"
         f"<h2>Runs by phase and class</h2>{runs_table}"
+        f"{_sub_agents(snapshot)}"
         "</body></html>\n"
     )

@@ -114,6 +114,10 @@ class Runs:
             if exc.status in (RPCStatusCode.NOT_FOUND, RPCStatusCode.INVALID_ARGUMENT):
                 raise RunError(f"no run with handle '{handle}'") from None
             raise
+        if desc.status == WorkflowExecutionStatus.COMPLETED:
+            # The result is the final status, read from history: no worker replays it.
+            with contextlib.suppress(Exception):
+                return await asyncio.wait_for(h.result(), _QUERY_TIMEOUT_S)
         try:
             status = await asyncio.wait_for(h.query(AgentRun.status), _QUERY_TIMEOUT_S)
         except (TimeoutError, RPCError) as exc:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from harness import chat, endpoint, engine, gateway, until
+from harness import chat, closed_port_url, endpoint, engine, gateway, until
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.metrics import GatewayMetrics
@@ -393,3 +393,28 @@ async def test_status_when_open() -> None:
     async with engine(instant=True) as (url, _), gateway(endpoint("a", url)) as (gw, _):
         assert (await gw.get("/status")).status_code == 200
         assert (await gw.get("/")).status_code == 200
+
+
+async def test_status_answers_when_temporal_is_unreachable() -> None:
+    import httpx
+
+    from gateway.app import GatewaySettings, create_app
+    from luftpause.config import parse_config
+    from testkit.loopback import serve
+
+    async with engine(instant=True) as (url, _):
+        temporal = closed_port_url().removeprefix("http://")
+        config = parse_config(
+            {
+                "endpoints": [endpoint("a", url)],
+                "mcp_servers": [{"name": "t", "url": closed_port_url() + "/mcp"}],
+                "temporal": {"address": temporal},
+            }
+        )
+        app = create_app(GatewaySettings(config=config, probe_period=0.05))
+        async with serve(app) as gw, httpx.AsyncClient(base_url=gw, timeout=30) as http:
+            r = await http.get("/status")
+            assert r.status_code == 200
+            assert r.json()["sub_agents"].startswith("runs unavailable: ")
+            page = await http.get("/")
+            assert page.status_code == 200 and "runs unavailable" in page.text

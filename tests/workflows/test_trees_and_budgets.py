@@ -141,3 +141,38 @@ async def _state(s: object, handle: str, state: str) -> bool:
 async def _when(s: object, handle: str, pred: object) -> object:
     status = await s.runs.status(handle)  # type: ignore[attr-defined]
     return status if pred(status) else None  # type: ignore[operator]
+
+
+async def test_status_shows_recent_runs_as_trees_with_subtree_costs(
+    temporal_address: str,
+) -> None:
+    import httpx
+
+    async with stack(temporal_address) as s:
+        parent = await s.runs.spawn(
+            RunSpec(task=task_with(1, "page"), model=MODEL, tools=["delete_record"])
+        )
+        await until(lambda: _state(s, parent, "AwaitingApproval"), "parent waits")
+        child = await s.runs.spawn(
+            RunSpec(task=task_with(1, "pagekid"), model=MODEL, tools=["lookup"], parent=parent)
+        )
+        await s.runs.wait([child])
+        async with httpx.AsyncClient(base_url=s.gateway_url) as http:
+
+            async def tree() -> object:
+                body = (await http.get("/status")).json()
+                nodes = [n for n in body["sub_agents"] if n["handle"] == parent]
+                if nodes and nodes[0]["children"]:
+                    return nodes[0]
+                return None
+
+            node = await until(tree, "the parent and its child on /status")
+            assert node["state"] == "AwaitingApproval"
+            assert node["note"] == "waits for approval of delete_record"
+            (kid,) = node["children"]
+            assert (kid["handle"], kid["depth"], kid["state"]) == (child, 1, "Completed")
+            assert node["tool_calls"] == kid["tool_calls"] == 1  # the subtree's costs
+            page = (await http.get("/")).text
+        assert "Sub-agent runs" in page and parent in page and child in page
+        await s.runs.approve(parent, False)
+        await s.runs.wait([parent])
