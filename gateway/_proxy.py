@@ -71,6 +71,10 @@ _DROP_UPSTREAM = frozenset(
 )
 _RUN_HEADER_BYTES = RUN_HEADER.encode()
 _CHAT_PATH = "/v1/chat/completions"
+# An engine that sends nothing for this long (for the head, or between body chunks) has
+# hung: the turn fails (504 before the head; the stream closes without [DONE] after).
+# The same 10 minutes as the core's turn timeout, which frees the slot by then anyway.
+ENGINE_IDLE_TIMEOUT_S = 600.0
 _USER_AGENT = "luftpause-gateway"
 
 
@@ -285,8 +289,10 @@ class TurnResponse(Response):
         upstream: Upstream,
         endpoints: Mapping[str, Endpoint],
         clock: Callable[[], float],
+        idle_timeout: float = ENGINE_IDLE_TIMEOUT_S,
     ) -> None:
         super().__init__(status_code=200)
+        self._idle = idle_timeout
         self._turn = turn
         self._shell = shell
         self._upstream = upstream
@@ -358,11 +364,20 @@ class TurnResponse(Response):
         if self._trace is not None:
             headers += self._trace.forwarding(replica, endpoint)
         leave = _CancelOnLeave(disconnected, lambda: self._complete)
+        url = endpoint.url + _CHAT_PATH
         try:
             with leave:
-                answer = await self._upstream.post(endpoint.url + _CHAT_PATH, t.body, headers)
+                answer = await asyncio.wait_for(
+                    self._upstream.post(url, t.body, headers), self._idle
+                )
         except _ClientLeft:
             self._fail("client disconnected before the engine answered")
+            return
+        except TimeoutError:
+            # A hung engine would otherwise hold the client (and the request) forever.
+            message = f"engine {replica}: no answer within {self._idle:g} s"
+            self._fail(message)
+            await error_response(504, message, t.run_id)(scope, receive, send)
             return
         except UpstreamError as exc:
             message = f"engine {replica}: {exc}"
@@ -393,18 +408,27 @@ class TurnResponse(Response):
         headers.append((_RUN_HEADER_BYTES, t.run_id.encode("latin-1")))
         await send({"type": "http.response.start", "status": answer.status, "headers": headers})
         started = False
+        loop = asyncio.get_running_loop()
         try:
-            while chunk := await answer.read():
-                if not started:
-                    started = True
-                    self._shell.apply(TurnStarted(now=self._clock(), turn_id=t.turn_id))
-                if not encoded:
-                    watch.feed(chunk)
-                if answer.complete:
-                    break  # the rest has arrived too: this chunk ends the response
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            # Only waiting on the engine counts: a slow client is not an idle engine.
+            async with asyncio.timeout(self._idle) as idle:
+                while chunk := await answer.read():
+                    idle.reschedule(None)
+                    if not started:
+                        started = True
+                        self._shell.apply(TurnStarted(now=self._clock(), turn_id=t.turn_id))
+                    if not encoded:
+                        watch.feed(chunk)
+                    if answer.complete:
+                        break  # the rest has arrived too: this chunk ends the response
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    idle.reschedule(loop.time() + self._idle)
         except UpstreamError as exc:
             self._fail(f"engine failed mid-stream: {exc}")
+            self._remember(watch)
+            return False
+        except TimeoutError:
+            self._fail(f"engine stalled mid-stream: nothing for {self._idle:g} s")
             self._remember(watch)
             return False
         self._complete = True

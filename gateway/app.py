@@ -143,6 +143,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         return (runtime.shell.state, runtime.prober.last) if runtime is not None else None
 
     metrics = GatewayMetrics(seen)
+    engine_idle_s = (settings.policy or Policy()).turn_timeout_s
     door = _Door(config, settings.token)
     door_server = create_mcp_server(door.deps(models, lambda: runtime))
     door_app = door_server.streamable_http_app(streamable_http_path="/", host=settings.host)
@@ -247,7 +248,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             max_tokens=_max_tokens(body),
         )
         return TurnResponse(
-            turn, shell=rt.shell, upstream=rt.upstream, endpoints=endpoints, clock=rt.loop.time
+            turn,
+            shell=rt.shell,
+            upstream=rt.upstream,
+            endpoints=endpoints,
+            clock=rt.loop.time,
+            idle_timeout=engine_idle_s,
         )
 
     app.hot_path = chat_completions

@@ -84,11 +84,16 @@ def endpoint(
 
 @contextlib.asynccontextmanager
 async def gateway(
-    *endpoints: dict[str, Any], token: str | None = None, probe_period: float = 0.05
+    *endpoints: dict[str, Any],
+    token: str | None = None,
+    probe_period: float = 0.05,
+    policy: Any = None,
 ) -> AsyncIterator[tuple[httpx.AsyncClient, AdmissionShell]]:
     """Serve the gateway over loopback; yield a client for it and its admission shell."""
     config = parse_config({"endpoints": list(endpoints)})
-    app = create_app(GatewaySettings(config=config, token=token, probe_period=probe_period))
+    app = create_app(
+        GatewaySettings(config=config, token=token, probe_period=probe_period, policy=policy)
+    )
     async with serve(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as client:
         yield client, app.state.shell
 

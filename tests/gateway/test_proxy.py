@@ -31,6 +31,7 @@ from harness import (
 from starlette.types import Receive, Scope, Send
 
 from gateway._shell import AdmissionShell
+from scheduler import Policy
 from testkit._fake_text import key
 from testkit.engine import EngineParams
 from testkit.loopback import serve
@@ -365,6 +366,53 @@ async def test_engine_failing_mid_stream_closes_without_done() -> None:
                     got += chunk
         assert got == b"data: {}\n\n"
         await until(lambda: not shell.state.turns, "turn failed")
+
+
+@pytest.mark.parametrize("stall", ["before the head", "mid-stream"])
+async def test_a_hung_engine_fails_the_turn_after_the_idle_timeout(stall: str) -> None:
+    released = asyncio.Event()
+    engine_saw_close = asyncio.Event()
+
+    async def hung(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["path"] == "/v1/models":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"{}"})
+            return
+        if stall == "mid-stream":
+            start = [(b"content-type", b"text/event-stream")]
+            await send({"type": "http.response.start", "status": 200, "headers": start})
+            await send({"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True})
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        engine_saw_close.set()  # the gateway gave up and closed the request
+        await released.wait()
+
+    policy = Policy(turn_timeout_s=0.5)
+    async with (
+        serve(hung) as url,
+        gateway(endpoint("a", url, kind="openai"), policy=policy) as (gw, shell),
+    ):
+        try:
+            if stall == "before the head":
+                r = await gw.post("/v1/chat/completions", json=chat())
+                assert r.status_code == 504
+                assert r.json() == {"error": {"message": "engine a: no answer within 0.5 s"}}
+                assert r.headers[RUN]
+            else:
+                got = b""
+                with pytest.raises(httpx.RemoteProtocolError):
+                    async with gw.stream(
+                        "POST", "/v1/chat/completions", json=chat(stream=True)
+                    ) as r:
+                        async for chunk in r.aiter_raw():
+                            got += chunk
+                assert got == b"data: {}\n\n"  # what came, and no [DONE]
+            await asyncio.wait_for(engine_saw_close.wait(), 5)
+            await until(lambda: not shell.state.turns, "the turn failed and freed its slot")
+        finally:
+            released.set()
 
 
 async def test_client_leaving_mid_stream_stops_the_engine() -> None:
