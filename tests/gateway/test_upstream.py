@@ -866,12 +866,18 @@ async def test_chunked_trailers_are_not_forwarded_as_headers() -> None:
         b"3\r\nabc\r\n0\r\nx-trailer: t\r\n\r\n"
     )
 
+    handled = asyncio.Event()
+
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(answer)  # head, body and trailer in one write
-        await writer.drain()
-        await reader.read()  # until the client closes
-        writer.close()
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(answer)  # head, body and trailer in one write
+            await writer.drain()
+            await reader.read()  # until the client closes
+        finally:
+            writer.close()
+            await writer.wait_closed()
+            handled.set()
 
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
@@ -887,5 +893,6 @@ async def test_chunked_trailers_are_not_forwarded_as_headers() -> None:
         got.close()
     finally:
         upstream.close()
+        await asyncio.wait_for(handled.wait(), 5)
         server.close()
         await server.wait_closed()
