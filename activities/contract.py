@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "IDEMPOTENCY_META_KEY",
     "EndRunInput",
     "ToolCall",
     "ToolInfo",
@@ -18,6 +19,12 @@ __all__ = [
     "TurnInput",
     "TurnOutput",
 ]
+
+
+# Sent in every tools/call's `_meta`: "<run id>/<tool call id>".  Temporal runs an
+# activity at least once; a server that remembers this key can answer a retried call
+# with the first call's result instead of running it again.
+IDEMPOTENCY_META_KEY = "io.luftpause/idempotency-key"
 
 
 @dataclass(frozen=True)
@@ -91,6 +98,11 @@ class ToolInput:
     tool: str
     arguments: str
     input_schema: dict[str, Any] = field(default_factory=dict)
+    call_id: str = ""  # the model's tool call id
+
+    @property
+    def idempotency_key(self) -> str | None:
+        return f"{self.run_id}/{self.call_id}" if self.call_id else None
 
 
 @dataclass(frozen=True)

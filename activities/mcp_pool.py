@@ -22,7 +22,7 @@ from mcp import Client
 from mcp.client.stdio import StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 
-from activities.contract import ToolInfo
+from activities.contract import IDEMPOTENCY_META_KEY, ToolInfo
 from luftpause.config import McpServer
 
 __all__ = ["McpPool", "UnknownTool"]
@@ -145,8 +145,11 @@ class McpPool:
                 )
         return list(tools.values())
 
-    async def call(self, server: str, tool: str, arguments: dict[str, Any]) -> tuple[str, bool]:
-        """Call a tool; return its text content and whether the server reported an error."""
+    async def call(
+        self, server: str, tool: str, arguments: dict[str, Any], *, key: str | None = None
+    ) -> tuple[str, bool]:
+        """Call a tool; return its text content and whether the server reported an error.
+        `key` goes in `_meta` as the call's idempotency key."""
         conn = self._conns.get(server)
         if conn is None:
             raise UnknownTool(f"no mcp server named '{server}' is configured")
@@ -154,7 +157,8 @@ class McpPool:
         try:
             # The SDK puts the current span's `traceparent` in the request's `_meta` (the
             # MCP convention); it has no per-request HTTP headers to carry it as well.
-            result = await client.call_tool(tool, arguments)
+            meta: Any = {IDEMPOTENCY_META_KEY: key} if key else None
+            result = await client.call_tool(tool, arguments, meta=meta)
         except Exception:
             conn.drop()
             raise

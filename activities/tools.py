@@ -54,6 +54,8 @@ class ToolActivities:
             "luftpause.run_id": call.run_id,
             "luftpause.mcp_server": call.server,
         }
+        if call.call_id:
+            attributes["gen_ai.tool.call.id"] = call.call_id
         # Current while the call runs: the MCP SDK injects this span's traceparent.
         with tracer.start_as_current_span(
             f"execute_tool {call.tool}", attributes=attributes
@@ -74,7 +76,9 @@ class ToolActivities:
         started = time.monotonic()
         try:
             async with heartbeating(self._every):
-                text, is_error = await self._pool.call(call.server, call.tool, arguments)
+                text, is_error = await self._pool.call(
+                    call.server, call.tool, arguments, key=call.idempotency_key
+                )
         except UnknownTool as exc:
             raise ApplicationError(str(exc), non_retryable=True) from None
         except Exception as exc:

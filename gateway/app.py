@@ -57,10 +57,11 @@ log = logging.getLogger(__name__)
 
 CHAT_PATH = "/v1/chat/completions"
 MCP_PATH = "/mcp"
-# The status page and /status show this many recent sub-agent runs, read from Temporal
-# within this time (the page still answers without them).
+# The status page and /status show this many recent sub-agent runs of this gateway's
+# task queue, read from Temporal within this time (the page still answers without them).
 STATUS_RUNS = 20
-STATUS_RUNS_TIMEOUT_S = 1.5
+STATUS_RUNS_TIMEOUT_S = 3.0
+STATUS_QUERY_TIMEOUT_S = 0.5  # a run no worker answers for shows what Temporal knows
 CLASS_HEADER = "x-luftpause-class"
 CALLER_HEADER = "x-luftpause-caller"
 ANONYMOUS_CALLER = "anonymous"
@@ -372,7 +373,8 @@ class _Door:
     async def recent(self, limit: int = STATUS_RUNS) -> list[Any]:
         """The most recent runs' statuses, newest first."""
         runs = await self.runs()
-        return await runs.statuses(await runs.list(limit=limit))
+        handles = await runs.list(limit=limit)
+        return await runs.statuses(handles, query_timeout=STATUS_QUERY_TIMEOUT_S)
 
     async def runs(self) -> Runs:
         if self._runs is None:

@@ -22,24 +22,27 @@ from the `--counts-file` the server rewrites atomically after every completed ca
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
 import random
 import sys
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
 import anyio
-from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import ToolAnnotations
 from pydantic import Field
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+
+from activities.contract import IDEMPOTENCY_META_KEY
 
 __all__ = [
     "FakeMcpSettings",
@@ -107,6 +110,11 @@ class FakeMcpState:
     _: KW_ONLY
     counts_file: Path | None = None
     """When set, `snapshot()` is written here (atomically) after every completed call."""
+    answers: dict[str, str] = field(default_factory=dict)
+    """Answers by idempotency key: a retried call gets the first call's answer."""
+    inflight: dict[str, asyncio.Future[str]] = field(default_factory=dict)
+    replayed: int = 0
+    """Calls answered from `answers` instead of running again."""
 
     @staticmethod
     def key(tool: str, arguments: Mapping[str, Any]) -> tuple[str, str]:
@@ -174,42 +182,94 @@ def create_server(settings: FakeMcpSettings, state: FakeMcpState) -> MCPServer:
     async def wait(rng: random.Random, seconds: tuple[float, float]) -> None:
         await anyio.sleep(rng.uniform(*seconds) / settings.time_scale)
 
-    @mcp.tool(annotations=_READ_ONLY)
-    async def lookup(
-        query: Annotated[str, Field(description="What to look up, in a few words.")],
-    ) -> str:
-        """Look up a short fact about the query (takes about a second)."""
-        key = state.begin("lookup", {"query": query})
-        rng = _rng(settings, "lookup", query)
-        await wait(rng, LOOKUP_SECONDS)
-        answer = f"Lookup of {query!r}: {_finding(rng)}."
-        state.finish(key)
+    async def once(ctx: Context, compute: Callable[[], Awaitable[str]]) -> str:
+        """Run a call at most once per idempotency key (`_meta`, sent by luftpause's
+        worker): a retried call gets the first call's answer, and a retry that arrives
+        while the first still runs waits for it."""
+        try:
+            meta = ctx.request_context.meta or {}
+        except ValueError:  # called in-process, outside a request: no _meta
+            meta = {}
+        key = meta.get(IDEMPOTENCY_META_KEY)
+        if not isinstance(key, str):
+            return await compute()
+        while True:
+            if key in state.answers:
+                state.replayed += 1
+                return state.answers[key]
+            running = state.inflight.get(key)
+            if running is None:
+                break
+            try:
+                return await asyncio.shield(running)
+            except asyncio.CancelledError:
+                if not running.cancelled():
+                    raise  # this call itself was cancelled
+                # the first call was cancelled: this one runs it
+        fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        state.inflight[key] = fut
+        try:
+            answer = await compute()
+        except BaseException:
+            fut.cancel()
+            raise
+        finally:
+            state.inflight.pop(key, None)
+        state.answers[key] = answer
+        fut.set_result(answer)
         return answer
 
     @mcp.tool(annotations=_READ_ONLY)
+    async def lookup(
+        ctx: Context,
+        query: Annotated[str, Field(description="What to look up, in a few words.")],
+    ) -> str:
+        """Look up a short fact about the query (takes about a second)."""
+
+        async def compute() -> str:
+            key = state.begin("lookup", {"query": query})
+            rng = _rng(settings, "lookup", query)
+            await wait(rng, LOOKUP_SECONDS)
+            answer = f"Lookup of {query!r}: {_finding(rng)}."
+            state.finish(key)
+            return answer
+
+        return await once(ctx, compute)
+
+    @mcp.tool(annotations=_READ_ONLY)
     async def deep_search(
+        ctx: Context,
         query: Annotated[str, Field(description="The question to research.")],
         depth: Annotated[
             int, Field(description="How many rounds of follow-up searches.", ge=1, le=5)
         ] = DEEP_SEARCH_DEPTH,
     ) -> str:
         """Research the query in depth across several sources (slow: two to four seconds)."""
-        key = state.begin("deep_search", {"query": query, "depth": depth})
-        rng = _rng(settings, "deep_search", f"{query}\x00{depth}")
-        await wait(rng, DEEP_SEARCH_SECONDS)
-        findings = "; ".join(_finding(rng) for _ in range(depth))
-        answer = f"Deep search of {query!r} ({depth} rounds): {findings}."
-        state.finish(key)
-        return answer
+
+        async def compute() -> str:
+            key = state.begin("deep_search", {"query": query, "depth": depth})
+            rng = _rng(settings, "deep_search", f"{query}\x00{depth}")
+            await wait(rng, DEEP_SEARCH_SECONDS)
+            findings = "; ".join(_finding(rng) for _ in range(depth))
+            answer = f"Deep search of {query!r} ({depth} rounds): {findings}."
+            state.finish(key)
+            return answer
+
+        return await once(ctx, compute)
 
     @mcp.tool(annotations=_DESTRUCTIVE)
     async def delete_record(
+        ctx: Context,
         record_id: Annotated[str, Field(description="The id of the record to delete.")],
     ) -> str:
         """Delete a record permanently. Destructive: it cannot be undone."""
-        key = state.begin("delete_record", {"record_id": record_id})
-        state.finish(key)
-        return f"deleted {record_id}"
+
+        async def compute() -> str:
+            key = state.begin("delete_record", {"record_id": record_id})
+            state.finish(key)
+            return f"deleted {record_id}"
+
+        return await once(ctx, compute)
 
     @mcp.tool(annotations=_READ_ONLY)
     async def fail(

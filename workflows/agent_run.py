@@ -353,6 +353,7 @@ class AgentRun:
                 tool=tool.name,
                 arguments=call.arguments,
                 input_schema=tool.input_schema,
+                call_id=call.id,
             ),
             start_to_close_timeout=TOOL_TIMEOUT,
             schedule_to_close_timeout=TOOL_SCHEDULE_TIMEOUT,

@@ -105,7 +105,7 @@ class Runs:
         )
         return handle
 
-    async def status(self, handle: str) -> RunStatus:
+    async def status(self, handle: str, *, query_timeout: float = _QUERY_TIMEOUT_S) -> RunStatus:
         """The run's status; `RunError` when no run has this handle."""
         h = self._handle(handle)
         try:
@@ -117,9 +117,9 @@ class Runs:
         if desc.status == WorkflowExecutionStatus.COMPLETED:
             # The result is the final status, read from history: no worker replays it.
             with contextlib.suppress(Exception):
-                return await asyncio.wait_for(h.result(), _QUERY_TIMEOUT_S)
+                return await asyncio.wait_for(h.result(), query_timeout)
         try:
-            status = await asyncio.wait_for(h.query(AgentRun.status), _QUERY_TIMEOUT_S)
+            status = await asyncio.wait_for(h.query(AgentRun.status), query_timeout)
         except (TimeoutError, RPCError) as exc:
             # No worker can answer (all down): say what Temporal knows.
             state = _CLOSED.get(desc.status, "Running") if desc.status else "Running"
@@ -148,8 +148,14 @@ class Runs:
         await self.status(handle)
         return await self._handle(handle).query(AgentRun.transcript)
 
-    async def statuses(self, handles: Sequence[str]) -> list[RunStatus]:
-        return list(await asyncio.gather(*(self.status(h) for h in handles)))
+    async def statuses(
+        self, handles: Sequence[str], *, query_timeout: float = _QUERY_TIMEOUT_S
+    ) -> list[RunStatus]:
+        """Several runs' statuses; a run no worker answers for within `query_timeout`
+        shows what Temporal knows of it."""
+        return list(
+            await asyncio.gather(*(self.status(h, query_timeout=query_timeout) for h in handles))
+        )
 
     async def wait(
         self,
@@ -214,8 +220,10 @@ class Runs:
         return await self.status(handle)
 
     async def list(self, *, caller: str | None = None, limit: int = 20) -> list[str]:
-        """The most recent runs' handles (of one caller when given), newest first."""
-        query = "WorkflowType = 'AgentRun'"
+        """The most recent runs' handles on this task queue (of one caller when given),
+        newest first."""
+        queue = self._queue.replace("\\", "\\\\").replace("'", "\\'")
+        query = f"WorkflowType = 'AgentRun' AND TaskQueue = '{queue}'"
         if caller is not None:
             escaped = caller.replace("\\", "\\\\").replace("'", "\\'")
             query += f" AND {CALLER.name} = '{escaped}'"

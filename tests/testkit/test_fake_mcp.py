@@ -277,3 +277,25 @@ async def test_http_subprocess_serves_and_exits_cleanly_on_sigterm(tmp_path: Pat
             proc.kill()
             proc.wait()
     assert code == 0, log.read_text()
+
+
+async def test_an_idempotency_key_runs_a_call_once() -> None:
+    from activities.contract import IDEMPOTENCY_META_KEY
+
+    state = FakeMcpState()
+    app = create_app(FakeMcpSettings(time_scale=20), state)
+    async with serve(app) as url, Client(f"{url}/mcp", mode="2026-07-28") as c:
+        meta: Any = {IDEMPOTENCY_META_KEY: "run-1/call_a"}
+        first, again = await asyncio.gather(
+            c.call_tool("lookup", {"query": "x"}, meta=meta),
+            c.call_tool("lookup", {"query": "x"}, meta=meta),
+        )
+        third = await c.call_tool("lookup", {"query": "x"}, meta=meta)
+        other = await c.call_tool(
+            "lookup", {"query": "x"}, meta={IDEMPOTENCY_META_KEY: "run-1/call_b"}
+        )
+    assert text(first) == text(again) == text(third) == text(other)
+    # Three calls with one key ran once (one waited for it, one was answered after);
+    # another key is another call.
+    assert state.completed("lookup", query="x") == 2
+    assert state.replayed >= 1
