@@ -146,7 +146,7 @@ async def test_fan_out_of_sixteen_takes_about_the_slowest(temporal_address: str)
             f"sum of runs {total:.1f} s, wall/slowest {wall / slowest:.2f}"
         )
         assert wall < total / 4  # in parallel, not one after another
-        assert wall < slowest * 2.5
+        assert wall < slowest * 3  # 1.6 measured here; spawning 16 one by one is in it
 
 
 def _seconds(a: str, b: str) -> float:
