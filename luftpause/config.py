@@ -135,11 +135,10 @@ class McpServer(BaseModel):
     # A bearer token for an http server, read from this environment variable.
     token_env: str | None = None
     # The MCP protocol generation to speak: "auto" (probe, prefer the newest),
-    # "2026-07-28" (stateless) or "legacy" (session-based, 2025-11-25 and before).
-    # Legacy calls are faster with the mcp 2.3 SDK (7 ms against 48 ms on loopback,
-    # bench/RESULTS.md), but a stateless call is one HTTP request: when a worker dies
-    # mid-call, the server sees the disconnect and cancels the tool, so Temporal's retry
-    # does not run it twice.  On a legacy session the server finishes the orphaned call.
+    # "2026-07-28" (stateless) or "legacy" (session-based, 2025-11-25 and before).  A
+    # stateless call is one HTTP request: when a worker dies mid-call, the server sees the
+    # disconnect and cancels the tool; on a legacy session it finishes the orphaned call,
+    # and Temporal's retry runs it again (bench/RESULTS.md).
     protocol: Literal["auto", "2026-07-28", "legacy"] = "auto"
 
     @field_validator("url")
