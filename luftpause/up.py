@@ -27,7 +27,7 @@ from pathlib import Path
 from luftpause.config import ConfigError, load_config
 from luftpause.temporal_dev import DevServer, DevServerError, free_port
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["Child", "add_arguments", "run", "wait_http"]
 
 MODEL = "llama-3.2-1b"
 HEALTH_TIMEOUT_S = 60.0
@@ -108,7 +108,7 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def _wait_http(url: str, what: str, child: Child | None, timeout: float = HEALTH_TIMEOUT_S) -> None:
+def wait_http(url: str, what: str, child: Child | None, timeout: float = HEALTH_TIMEOUT_S) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if child is not None and not child.alive():
@@ -234,7 +234,7 @@ class Up:
                     [self.exe(), "fake-engine", "--port", str(port), "--time-scale", scale],
                 )
                 url = f"http://127.0.0.1:{port}"
-                _wait_http(f"{url}/health", f"fake engine {name}", c)
+                wait_http(f"{url}/health", f"fake engine {name}", c)
                 engines.append(url)
             mcp_port = free_port()
             c = self.child(
@@ -242,7 +242,7 @@ class Up:
                 [self.exe(), "fake-mcp", "--port", str(mcp_port), "--time-scale", scale],
             )
             mcp_url = f"http://127.0.0.1:{mcp_port}/mcp"
-            _wait_http(f"http://127.0.0.1:{mcp_port}/counts", "fake MCP server", c)
+            wait_http(f"http://127.0.0.1:{mcp_port}/counts", "fake MCP server", c)
             config = self.state / "luftpause.toml"
             _fake_config(config, engines, mcp_url, gateway, temporal)
             where["engines"] = ", ".join(engines)
@@ -259,7 +259,7 @@ class Up:
             [self.exe(), "gateway", "--config", str(config), "--port", str(self.args.port)],
             env,
         )
-        _wait_http(f"{gateway}/health", "the gateway", gw)
+        wait_http(f"{gateway}/health", "the gateway", gw)
         worker = self.child("worker", [self.exe(), "worker", "--config", str(config)], env)
         _wait_log(worker, "worker on task queue", "the worker")
         where["config"] = str(config)

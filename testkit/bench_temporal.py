@@ -1,13 +1,14 @@
 """`luftpause bench temporal` — what Temporal adds per sub-agent turn.
 
 Two arms do the same work against the same gateway, instant fake engine and fake MCP
-tools (about 1 ms each): `workflow` runs each sub-agent as an `AgentRun` on a tuned
-Temporal dev server (the flags of NOTES.md) with one in-process worker; `direct` runs
-the identical loop (LLM turn through the gateway, then the tool calls through the same
-MCP connection) as plain asyncio.  Runs go one at a time and the arms alternate, so
+tools (about 1 ms each), each its own process as `luftpause up` runs them: `workflow`
+runs each sub-agent as an `AgentRun` on a tuned Temporal dev server (the flags of
+NOTES.md) with a worker in the bench's process; `direct` runs the identical loop (LLM
+turn through the gateway, then the tool calls through the same MCP connection) as plain
+asyncio.  Runs go one at a time and the arms alternate, so
 the machine's noise falls on both; the added cost per turn is
 (workflow run time - direct run time) / turns, per run pair, reported as p50 and p90.
-Everything runs on loopback; the dev server is stopped by its PID at the end.
+Everything runs on loopback; every process started is stopped by its PID at the end.
 """
 
 from __future__ import annotations
@@ -64,40 +65,58 @@ def _task(calls: int, i: int, max_calls: int) -> str:
 
 @contextlib.asynccontextmanager
 async def _bed(max_calls: int, log: Path) -> AsyncIterator[_Bed]:
+    """The dev server, an instant fake engine, the gateway and the fake MCP server as
+    their own processes (as `luftpause up` runs them); the worker and both arms in this
+    one, so the worker has this event loop to itself while it runs."""
     import httpx
 
     from activities import LlmActivities, ToolActivities
     from activities.mcp_pool import McpPool
-    from gateway.app import GatewaySettings, create_app
-    from luftpause.config import McpServer, parse_config
-    from luftpause.temporal_dev import DevServer
-    from testkit.fake_engine import FakeEngineSettings
-    from testkit.fake_engine import create_app as create_engine
-    from testkit.fake_mcp import FakeMcpSettings, FakeMcpState
-    from testkit.fake_mcp import create_app as create_mcp
-    from testkit.loopback import serve
+    from luftpause.config import McpServer
+    from luftpause.temporal_dev import DevServer, free_port
+    from luftpause.up import Child, wait_http
     from worker.main import build_worker
     from workflows import Runs
 
+    exe = str(Path(sys.executable).parent / "luftpause")
     server = DevServer(log_file=log)
+    children: list[Child] = []
+
+    def child(name: str, argv: list[str]) -> Child:
+        c = Child(name, [exe, *argv], log.with_name(f"{name}.log"))
+        c.start()
+        children.append(c)
+        return c
+
     server.start()
     try:
+        ports = {name: free_port() for name in ("engine", "gateway", "mcp")}
+        engine_url = f"http://127.0.0.1:{ports['engine']}"
+        c = child(
+            "engine",
+            [
+                "fake-engine",
+                "--instant",
+                "--port",
+                str(ports["engine"]),
+                "--max-tool-calls",
+                str(max_calls),
+            ],
+        )
+        wait_http(f"{engine_url}/health", "the fake engine", c)
+        config = log.with_name("luftpause.toml")
+        config.write_text(
+            f'[[endpoints]]\nname = "e"\nurl = "{engine_url}"\nkind = "sglang"\n'
+            f'models = ["{MODEL}"]\n',
+            encoding="utf-8",
+        )
+        gateway_url = f"http://127.0.0.1:{ports['gateway']}"
+        c = child("gateway", ["gateway", "--config", str(config), "--port", str(ports["gateway"])])
+        wait_http(f"{gateway_url}/health", "the gateway", c)
+        mcp_base = f"http://127.0.0.1:{ports['mcp']}"
+        c = child("mcp", ["fake-mcp", "--port", str(ports["mcp"]), "--time-scale", "1000000"])
+        wait_http(f"{mcp_base}/counts", "the fake MCP server", c)
         async with contextlib.AsyncExitStack() as stack:
-            engine = create_engine(FakeEngineSettings(instant=True, max_tool_calls=max_calls))
-            engine_url = await stack.enter_async_context(serve(engine))
-            config = parse_config(
-                {
-                    "endpoints": [
-                        {"name": "e", "url": engine_url, "kind": "sglang", "models": [MODEL]}
-                    ]
-                }
-            )
-            gateway_url = await stack.enter_async_context(
-                serve(create_app(GatewaySettings(config=config)))
-            )
-            mcp_url = await stack.enter_async_context(
-                serve(create_mcp(FakeMcpSettings(time_scale=1000), FakeMcpState()))
-            )
             from temporalio.client import Client
 
             client = None
@@ -109,7 +128,7 @@ async def _bed(max_calls: int, log: Path) -> AsyncIterator[_Bed]:
                     await asyncio.sleep(0.1)
             if client is None:
                 raise RuntimeError(f"temporal at {server.address} never answered")
-            pool = McpPool([McpServer(name="fake", url=f"{mcp_url}/mcp")])
+            pool = McpPool([McpServer(name="fake", url=f"{mcp_base}/mcp")])
             stack.push_async_callback(pool.aclose)
             http = await stack.enter_async_context(
                 httpx.AsyncClient(timeout=httpx.Timeout(60, connect=2))
@@ -125,6 +144,8 @@ async def _bed(max_calls: int, log: Path) -> AsyncIterator[_Bed]:
             tools = [t for t in await pool.list_tools() if t.name == "lookup"]
             yield _Bed(Runs(client, task_queue=queue), gateway_url, pool, http, tools)
     finally:
+        for c in reversed(children):
+            c.stop()
         server.stop()
 
 
