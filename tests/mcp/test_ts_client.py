@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import fcntl
 import json
-import os
 import shutil
 import subprocess
 import time
@@ -22,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from tests.system import missing_tool
 from tests.workflows.harness import MODEL, stack, task_with
 
 TS_DIR = Path(__file__).parent / "ts"
@@ -41,11 +41,9 @@ class Node:
 
 
 def _missing(what: str) -> None:
-    """Skip on a developer machine; in CI (env `CI` set) nothing may be skipped."""
+    """Skip on a developer machine; fail in CI, where nothing may be skipped."""
     message = f"{what}: the TypeScript SDK client test needs Node >= {NODE_MIN_MAJOR} and npm"
-    if os.environ.get("CI"):
-        pytest.fail(f"{message} (CI is set: .ci/run must install nodejs and npm)")
-    pytest.skip(message)
+    missing_tool(message)
 
 
 def _locked_sdk_version() -> str:
