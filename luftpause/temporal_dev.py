@@ -8,9 +8,7 @@ file fast.
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -19,6 +17,7 @@ from pathlib import Path
 
 __all__ = ["DevServer", "DevServerError", "free_port", "temporal_binary"]
 
+from luftpause._process import kill, terminate
 from workflows.contract import SEARCH_ATTRIBUTES
 
 LATENCY_FLAGS = ("--dynamic-config-value", "history.transferProcessorMaxPollRPS=1000")
@@ -129,18 +128,11 @@ class DevServer:
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM by PID, then SIGKILL if it does not exit in time."""
         proc, self.process = self.process, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
+        if proc is not None:
+            terminate(proc, timeout)
 
     def kill(self) -> None:
         """SIGKILL by PID (a crash, for durability tests)."""
         proc, self.process = self.process, None
-        if proc is not None and proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
+        if proc is not None:
+            kill(proc)

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from luftpause._process import kill, terminate
 from luftpause.config import ConfigError, load_config
 from luftpause.temporal_dev import DevServer, DevServerError, free_port
 
@@ -86,16 +87,14 @@ class Child:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def stop(self) -> None:
-        proc = self.proc
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> int | None:
+        """SIGTERM by PID (SIGKILL after `timeout`); the exit status, None if never started."""
+        return terminate(self.proc, timeout) if self.proc is not None else None
+
+    def kill(self) -> None:
+        """SIGKILL by PID (a crash)."""
+        if self.proc is not None:
+            kill(self.proc)
 
 
 def _port_free(port: int) -> bool:

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import signal
-import subprocess
 import sys
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -25,6 +22,7 @@ from activities.mcp_pool import McpPool
 from gateway._shell import AdmissionShell
 from gateway.app import GatewaySettings, create_app
 from luftpause.config import McpServer, parse_config
+from luftpause.up import Child
 from testkit._fake_text import DEFAULT_MAX_TOOL_CALLS, directives, key
 from testkit.fake_engine import FakeEngineSettings
 from testkit.fake_engine import create_app as create_engine
@@ -193,38 +191,7 @@ def worker_config(path: Path, *, temporal: str, queue: str, gateway_url: str, mc
     return path
 
 
-class WorkerProcess:
-    """`luftpause worker` as a subprocess, stopped (or killed) by its PID."""
-
-    def __init__(self, config: Path, log: Path) -> None:
-        self.config, self.log = config, log
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        exe = Path(sys.executable).parent / "luftpause"
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(
-                [str(exe), "worker", "--config", str(self.config)],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-    def stop(self) -> int | None:
-        """SIGTERM and wait (SIGKILL after 20 s); the exit status."""
-        proc = self.proc
-        if proc is None:
-            return None
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait()
-        return proc.returncode
+def worker_process(config: Path, log: Path) -> Child:
+    """`luftpause worker` as a subprocess (start, stop or kill it by its PID)."""
+    exe = str(Path(sys.executable).parent / "luftpause")
+    return Child("worker", [exe, "worker", "--config", str(config)], log)

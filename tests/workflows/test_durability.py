@@ -15,7 +15,6 @@ from testkit.fake_mcp import create_app as create_mcp
 from testkit.loopback import serve
 from tests.workflows.harness import (
     MODEL,
-    WorkerProcess,
     connect,
     gateway_app,
     run_worker,
@@ -23,6 +22,7 @@ from tests.workflows.harness import (
     task_with,
     until,
     worker_config,
+    worker_process,
 )
 from workflows import Runs, RunSpec
 
@@ -46,7 +46,7 @@ async def test_worker_killed_mid_run(temporal_address: str, tmp_path: Path) -> N
             gateway_url=s.gateway_url,
             mcp_url=f"{s.mcp_url}/mcp",
         )
-        worker = WorkerProcess(config, tmp_path / "worker.log")
+        worker = worker_process(config, tmp_path / "worker.log")
         worker.start()
         try:
             handles = [await s.runs.spawn(spec) for spec in specs("kill")]
@@ -57,7 +57,7 @@ async def test_worker_killed_mid_run(temporal_address: str, tmp_path: Path) -> N
             worker.start()
             statuses = await s.runs.wait(handles, timeout=120)
         finally:
-            code = worker.stop()
+            code = worker.stop(30)
         assert code == 0, (tmp_path / "worker.log").read_text()[-3000:]
         assert [st.state for st in statuses] == ["Completed"] * RUNS
         assert all(st.usage.tool_calls == 3 for st in statuses)
