@@ -15,7 +15,6 @@ import asyncio
 import logging
 import os
 import signal
-from dataclasses import dataclass
 from datetime import timedelta
 
 import httpx
@@ -28,35 +27,13 @@ from luftpause import telemetry
 from luftpause.config import Config, ConfigError, load_config
 from workflows import AgentRun
 
-__all__ = ["WorkerSettings", "add_arguments", "build_worker", "run", "serve"]
+__all__ = ["add_arguments", "build_worker", "run", "serve"]
 
 log = logging.getLogger(__name__)
 
 STICKY_TIMEOUT = timedelta(seconds=2)
 GRACEFUL_SHUTDOWN = timedelta(seconds=10)
 GATEWAY_CONNECT_TIMEOUT_S = 2.0
-
-
-@dataclass(frozen=True, kw_only=True)
-class WorkerSettings:
-    """Where the worker connects and what it serves."""
-
-    temporal_address: str
-    namespace: str
-    task_queue: str
-    gateway_url: str
-    gateway_token: str | None = None
-
-
-def settings_from(config: Config, env: os._Environ[str] | dict[str, str]) -> WorkerSettings:
-    """The config file, with the environment's overrides a container needs."""
-    return WorkerSettings(
-        temporal_address=env.get("LUFTPAUSE_TEMPORAL_ADDRESS") or config.temporal.address,
-        namespace=env.get("LUFTPAUSE_TEMPORAL_NAMESPACE") or config.temporal.namespace,
-        task_queue=env.get("LUFTPAUSE_TASK_QUEUE") or config.temporal.task_queue,
-        gateway_url=env.get("LUFTPAUSE_GATEWAY_URL") or config.gateway_url,
-        gateway_token=env.get("LUFTPAUSE_TOKEN") or None,
-    )
 
 
 def build_worker(
@@ -75,23 +52,24 @@ def build_worker(
     )
 
 
-async def serve(config: Config, settings: WorkerSettings, stop: asyncio.Event) -> None:
-    """Run the worker until `stop` is set, then hand over and close every connection."""
-    client = await Client.connect(settings.temporal_address, namespace=settings.namespace)
+async def serve(config: Config, token: str | None, stop: asyncio.Event) -> None:
+    """Run the worker until `stop` is set, then hand over and close every connection.
+    `config` already carries the environment's overrides (`load_config`); `token` is
+    LUFTPAUSE_TOKEN, sent to the gateway."""
+    t = config.temporal
+    client = await Client.connect(t.address, namespace=t.namespace)
     pool = McpPool(config.mcp_servers)
     timeout = httpx.Timeout(None, connect=GATEWAY_CONNECT_TIMEOUT_S)
     limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
-        llm = LlmActivities(http, base_url=settings.gateway_url, token=settings.gateway_token)
-        worker = build_worker(
-            client, task_queue=settings.task_queue, llm=llm, tools=ToolActivities(pool)
-        )
+        llm = LlmActivities(http, base_url=config.gateway_url, token=token)
+        worker = build_worker(client, task_queue=t.task_queue, llm=llm, tools=ToolActivities(pool))
         running = asyncio.create_task(worker.run())
         log.info(
             "worker on task queue %r (temporal %s, gateway %s, mcp servers: %s)",
-            settings.task_queue,
-            settings.temporal_address,
-            settings.gateway_url,
+            t.task_queue,
+            t.address,
+            config.gateway_url,
             ", ".join(pool.servers) or "none",
         )
         stopped = asyncio.create_task(stop.wait())
@@ -121,9 +99,10 @@ def run(args: argparse.Namespace) -> int:
         config = load_config(args.config, os.environ)
     except ConfigError as exc:
         raise SystemExit(f"luftpause worker: {exc}") from None
-    settings = settings_from(config, os.environ)
     if args.task_queue:
-        settings = WorkerSettings(**{**settings.__dict__, "task_queue": args.task_queue})
+        temporal = config.temporal.model_copy(update={"task_queue": args.task_queue})
+        config = config.model_copy(update={"temporal": temporal})
+    token = os.environ.get("LUFTPAUSE_TOKEN") or None
 
     telemetry.setup("luftpause-worker")
 
@@ -132,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await serve(config, settings, stop)
+        await serve(config, token, stop)
 
     try:
         asyncio.run(main())
