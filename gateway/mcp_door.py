@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from mcp.server.elicitation import AcceptedElicitation, render_elicitation_schema
+from mcp.server.elicitation import AcceptedElicitation
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import ToolAnnotations
@@ -27,6 +27,7 @@ from mcp_types import ElicitRequest, ElicitRequestFormParams, InputRequiredResul
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from activities.contract import ToolInfo
+from gateway import _approval as approval
 from gateway.mcp_tasks import TasksExtension
 from workflows import AWAIT_MAX_S, TERMINAL_STATES, Budget, RunError, Runs, RunSpec, RunStatus
 
@@ -231,14 +232,7 @@ def caller_of(ctx: Any, token_identity: str | None) -> str:
     return token_identity or ANONYMOUS
 
 
-MODERN = "2026-07-28"
 APPROVAL_POLL_S = 0.5
-
-
-class ApprovalForm(BaseModel):
-    """The one-field form a user answers an approval with."""
-
-    allow: bool = Field(description="let the sub-agent run this tool call")
 
 
 @dataclass(frozen=True)
@@ -267,29 +261,19 @@ class _State:
         return json.dumps({"deadline": self.deadline, "asked": self.asked, "spawned": self.spawned})
 
 
-def _question(s: RunStatus) -> str:
-    assert s.pending_approval is not None
-    return f"approve:{s.handle}:{s.pending_approval.call_id}"
-
-
-def _approval_message(s: RunStatus) -> str:
-    p = s.pending_approval
-    assert p is not None
-    args = json.dumps(p.arguments)[:500]
-    return f"Sub-agent {s.handle} wants to call {p.tool} with {args}. Allow it?"
-
-
 def _elicit_request(s: RunStatus) -> ElicitRequest:
-    return ElicitRequest(
-        params=ElicitRequestFormParams(
-            message=_approval_message(s), requested_schema=render_elicitation_schema(ApprovalForm)
-        )
-    )
+    return ElicitRequest(params=ElicitRequestFormParams.model_validate(approval.elicit_params(s)))
+
+
+def _arguments(values: dict[str, Any]) -> dict[str, Any]:
+    """A tool function's `locals()` at its first line: its parameters, without `ctx`."""
+    return {k: v for k, v in values.items() if k != "ctx"}
 
 
 class RunArgs(BaseModel):
-    """The arguments of `run`, validated by hand when the Tasks extension takes the call
-    before the tool does (same bounds as the tool's parameters)."""
+    """The arguments of `spawn` and `run`: one conversion to a RunSpec for both tools and
+    for the Tasks extension, which takes a `run` call before the tool validates it (the
+    bounds repeat the tools' parameters)."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -318,7 +302,6 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
         runs=lambda: runs(),
         start_run=lambda arguments, ctx: start_task_run(arguments, ctx),
         view=lambda status: view(status).model_dump(),
-        approval_message=_approval_message,
     )
     mcp = MCPServer(
         name="luftpause",
@@ -338,20 +321,9 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
         except Exception as exc:
             raise ToolError(f"the run store (Temporal) is unreachable: {exc}") from None
 
-    def spec_of(
-        task: str,
-        model: str | None,
-        service_class: str,
-        system: str | None,
-        max_tool_calls: int,
-        tools: list[str] | None,
-        max_tokens: int,
-        parallel_tool_calls: bool,
-        parent: str | None,
-        budget: Budget,
-        approve_tools: list[str] | None,
-        caller: str,
-    ) -> RunSpec:
+    def spec_of(a: RunArgs, ctx: Any) -> RunSpec:
+        """The run a `spawn`/`run` call asks for (the model checked, the caller named)."""
+        model = a.model
         if model is None:
             if not deps.models:
                 raise ToolError("no generative endpoint is configured; there is no model to run")
@@ -361,18 +333,20 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
                 f"unknown model {model!r}: expected one of {', '.join(map(repr, deps.models))}"
             )
         return RunSpec(
-            task=task,
+            task=a.task,
             model=model,
-            service_class=service_class,
-            system=system,
-            max_tool_calls=max_tool_calls,
-            tools=tools,
-            max_tokens=max_tokens,
-            parallel_tool_calls=parallel_tool_calls,
-            caller=caller,
-            parent=parent,
-            budget=budget,
-            approve_tools=list(approve_tools or []),
+            service_class=a.serviceClass,
+            system=a.system,
+            max_tool_calls=a.maxToolCalls,
+            tools=a.tools,
+            max_tokens=a.maxTokens,
+            parallel_tool_calls=a.parallelToolCalls,
+            caller=caller_of(ctx, deps.token_identity),
+            parent=a.parent,
+            budget=Budget(
+                tokens=a.budgetTokens, tool_calls=a.budgetToolCalls, seconds=a.budgetSeconds
+            ),
+            approve_tools=list(a.approveTools or []),
         )
 
     async def check_tools(names: list[str] | None) -> None:
@@ -404,25 +378,8 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
                 f"{'.'.join(map(str, e['loc'])) or 'arguments'}: {e['msg']}" for e in exc.errors()
             )
             return None, f"run: {problems}"
-        budget = Budget(
-            tokens=a.budgetTokens, tool_calls=a.budgetToolCalls, seconds=a.budgetSeconds
-        )
-        caller = caller_of(ctx, deps.token_identity)
         try:
-            spec = spec_of(
-                a.task,
-                a.model,
-                a.serviceClass,
-                a.system,
-                a.maxToolCalls,
-                a.tools,
-                a.maxTokens,
-                a.parallelToolCalls,
-                a.parent,
-                budget,
-                a.approveTools,
-                caller,
-            )
+            spec = spec_of(a, ctx)
             return await spawn_run(spec), ""
         except ToolError as exc:
             return None, str(exc)
@@ -432,11 +389,11 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
         return the question keys that were asked."""
         state = _State.load(ctx.request_state)
         for key, response in (ctx.input_responses or {}).items():
-            handle, _, call_id = key.removeprefix("approve:").partition(":")
+            handle, call_id = approval.parse_key(key)
             content = getattr(response, "content", None) or {}
             if getattr(response, "action", None) == "accept" and "allow" in content:
                 with contextlib.suppress(RunError):  # answered meanwhile by `approve`
-                    await r.approve(handle, bool(content["allow"]), call_id or None)
+                    await r.approve(handle, bool(content["allow"]), call_id)
         return state.asked
 
     async def wait(
@@ -458,7 +415,7 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
         )
         caps = ctx.client_capabilities
         can_elicit = caps is not None and caps.elicitation is not None
-        modern = ctx.protocol_version == MODERN
+        modern = ctx.protocol_version == approval.MODERN
         statuses: list[RunStatus] = []
         reported: tuple[int, float] = (-1, loop.time())
         while True:
@@ -479,23 +436,25 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
             waiting = [
                 s
                 for s in statuses
-                if can_elicit and s.pending_approval is not None and _question(s) not in asked
+                if can_elicit
+                and s.pending_approval is not None
+                and approval.question_key(s) not in asked
             ]
             if waiting and modern:
                 return InputRequiredResult(
-                    input_requests={_question(s): _elicit_request(s) for s in waiting},
+                    input_requests={approval.question_key(s): _elicit_request(s) for s in waiting},
                     request_state=_State(
                         deadline=now_wall + (deadline - loop.time()),
-                        asked=sorted(asked | {_question(s) for s in waiting}),
+                        asked=sorted(asked | {approval.question_key(s) for s in waiting}),
                         spawned=spawned,
                     ).dump(),
                 )
             for s in waiting:
-                asked.add(_question(s))
+                asked.add(approval.question_key(s))
                 pending = s.pending_approval
                 assert pending is not None
                 try:
-                    answer = await ctx.elicit(_approval_message(s), schema=ApprovalForm)
+                    answer = await ctx.elicit(approval.message(s), schema=approval.ApprovalForm)
                 except Exception as exc:  # the client refused the request: use `approve`
                     log.info("elicitation for %s failed: %s", s.handle, exc)
                     continue
@@ -558,20 +517,8 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
         `await` them together: they run in parallel on the user's engines and survive
         restarts. Each run loops LLM turns and tool calls until it answers; after
         `maxToolCalls` calls it must answer."""
-        spec = spec_of(
-            task,
-            model,
-            serviceClass,
-            system,
-            maxToolCalls,
-            tools,
-            maxTokens,
-            parallelToolCalls,
-            parent,
-            Budget(tokens=budgetTokens, tool_calls=budgetToolCalls, seconds=budgetSeconds),
-            approveTools,
-            caller_of(ctx, deps.token_identity),
-        )
+        arguments = _arguments(locals())
+        spec = spec_of(RunArgs.model_validate(arguments), ctx)
         handle = await spawn_run(spec)
         return SpawnResult(handle=handle, state="Running")
 
@@ -618,24 +565,12 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
     ) -> RunView | InputRequiredResult:
         """Run one sub-agent to its end (spawn + await in one call) and return its
         answer. For several at once, prefer spawn + await."""
+        arguments = _arguments(locals())
         spawned = _State.load(ctx.request_state).spawned
         if spawned is not None:  # a later round of the same call: never spawn twice
             waited = await wait(ctx, [spawned], "all", timeout, spawned=spawned)
             return waited if isinstance(waited, InputRequiredResult) else view(waited[0][0])
-        spec = spec_of(
-            task,
-            model,
-            serviceClass,
-            system,
-            maxToolCalls,
-            tools,
-            maxTokens,
-            parallelToolCalls,
-            parent,
-            Budget(tokens=budgetTokens, tool_calls=budgetToolCalls, seconds=budgetSeconds),
-            approveTools,
-            caller_of(ctx, deps.token_identity),
-        )
+        spec = spec_of(RunArgs.model_validate(arguments), ctx)
         handle = await spawn_run(spec)
         waited = await wait(ctx, [handle], "all", timeout, spawned=handle)
         return waited if isinstance(waited, InputRequiredResult) else view(waited[0][0])

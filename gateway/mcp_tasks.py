@@ -18,7 +18,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from mcp.server.elicitation import render_elicitation_schema
 from mcp.server.extension import Extension, MethodBinding
 from mcp.shared.exceptions import MCPError
 from mcp_types import (
@@ -28,14 +27,15 @@ from mcp_types import (
     RequestParams,
     TextContent,
 )
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
+from gateway import _approval as approval
 from workflows import RunError, Runs, RunStatus
 
 __all__ = ["TASKS", "TasksExtension"]
 
 TASKS = "io.modelcontextprotocol/tasks"
-MODERN = frozenset({"2026-07-28"})
+MODERN = frozenset({approval.MODERN})
 TTL_SECONDS = 24 * 3600
 POLL_MS = 500
 _INVALID_PARAMS = -32602
@@ -60,17 +60,8 @@ class UpdateParams(TaskIdParams):
     input_responses: dict[str, Any] = Field(alias="inputResponses")
 
 
-class _ApprovalForm(BaseModel):
-    allow: bool = Field(description="let the sub-agent run this tool call")
-
-
 def _iso(value: str | None) -> str:
     return value or datetime.now(UTC).isoformat()
-
-
-def question_key(status: RunStatus) -> str:
-    assert status.pending_approval is not None
-    return f"approve:{status.handle}:{status.pending_approval.call_id}"
 
 
 class TasksExtension(Extension):
@@ -83,12 +74,10 @@ class TasksExtension(Extension):
         runs: Callable[[], Awaitable[Runs]],
         start_run: Callable[[dict[str, Any], Any], Awaitable[tuple[str | None, str]]],
         view: Callable[[RunStatus], dict[str, Any]],
-        approval_message: Callable[[RunStatus], str],
     ) -> None:
         self._runs = runs
         self._start = start_run
         self._view = view
-        self._message = approval_message
 
     def methods(self) -> Sequence[MethodBinding]:
         return [
@@ -126,15 +115,11 @@ class TasksExtension(Extension):
             "pollIntervalMilliseconds": POLL_MS,
         }
         if status.state == "AwaitingApproval" and status.pending_approval is not None:
-            task["statusMessage"] = self._message(status)
+            task["statusMessage"] = approval.message(status)
             task["inputRequests"] = {
-                question_key(status): {
+                approval.question_key(status): {
                     "method": "elicitation/create",
-                    "params": {
-                        "mode": "form",
-                        "message": self._message(status),
-                        "requestedSchema": render_elicitation_schema(_ApprovalForm),
-                    },
+                    "params": approval.elicit_params(status),
                 }
             }
         elif status.state == "Completed":
@@ -162,7 +147,7 @@ class TasksExtension(Extension):
         status = await self._status(params.task_id)
         runs = await self._runs()
         for key, response in params.input_responses.items():
-            handle, _, call_id = key.removeprefix("approve:").partition(":")
+            handle, call_id = approval.parse_key(key)
             if handle != status.handle:
                 raise MCPError(
                     code=_INVALID_PARAMS,
@@ -177,7 +162,7 @@ class TasksExtension(Extension):
                     message=f'input response {key!r}: expected content {{"allow": true|false}}',
                 )
             try:
-                await runs.approve(handle, content["allow"], call_id or None)
+                await runs.approve(handle, content["allow"], call_id)
             except RunError as exc:
                 raise MCPError(code=_INVALID_PARAMS, message=str(exc)) from None
         return EmptyResult()

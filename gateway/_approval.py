@@ -1,0 +1,52 @@
+"""Approval questions as the MCP door asks them: one key, message and form for the
+elicitation paths (legacy mid-call, 2026-07-28 input-required) and the Tasks extension."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from mcp.server.elicitation import render_elicitation_schema
+from pydantic import BaseModel, Field
+
+from workflows import RunStatus
+
+__all__ = ["MODERN", "ApprovalForm", "elicit_params", "message", "parse_key", "question_key"]
+
+MODERN = "2026-07-28"  # the stateless protocol revision
+_PREFIX = "approve:"
+
+
+class ApprovalForm(BaseModel):
+    """The one-field form a user answers an approval with."""
+
+    allow: bool = Field(description="let the sub-agent run this tool call")
+
+
+def question_key(status: RunStatus) -> str:
+    """The input key of a run's pending approval: `approve:<handle>:<call id>`."""
+    assert status.pending_approval is not None
+    return f"{_PREFIX}{status.handle}:{status.pending_approval.call_id}"
+
+
+def parse_key(key: str) -> tuple[str, str | None]:
+    """(handle, call id) of a question key."""
+    handle, _, call_id = key.removeprefix(_PREFIX).partition(":")
+    return handle, call_id or None
+
+
+def message(status: RunStatus) -> str:
+    """What the user is asked."""
+    p = status.pending_approval
+    assert p is not None
+    args = json.dumps(p.arguments)[:500]
+    return f"Sub-agent {status.handle} wants to call {p.tool} with {args}. Allow it?"
+
+
+def elicit_params(status: RunStatus) -> dict[str, Any]:
+    """The params of the `elicitation/create` request for a run's pending approval."""
+    return {
+        "mode": "form",
+        "message": message(status),
+        "requestedSchema": render_elicitation_schema(ApprovalForm),
+    }
