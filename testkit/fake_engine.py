@@ -705,35 +705,9 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
 # --------------------------------------------------------------------------- serving
 
 
-def _importable(name: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(name) is not None
-
-
 def serve(settings: FakeEngineSettings, *, host: str = "127.0.0.1", port: int) -> None:
     """Serve the fake engine with uvicorn until SIGINT or SIGTERM (then return normally)."""
-    import uvicorn
+    from testkit.loopback import serve_until_signalled
 
-    class _Server(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            # uvicorn re-raises a captured signal after shutdown (exit status 128+n); a
-            # fake engine asked to stop has stopped cleanly, so only note the request.
-            if self.should_exit:
-                self.force_exit = True
-            self.should_exit = True
-
-    config = uvicorn.Config(
-        create_app(settings),
-        host=host,
-        port=port,
-        loop="uvloop" if _importable("uvloop") else "asyncio",
-        http="httptools" if _importable("httptools") else "h11",
-        ws="none",
-        lifespan="on",
-        access_log=False,
-        log_level="warning",
-        timeout_graceful_shutdown=2,
-    )
     log.info("fake %s engine on http://%s:%d", settings.flavor, host, port)
-    _Server(config).run()
+    serve_until_signalled(create_app(settings), host=host, port=port)

@@ -43,6 +43,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from activities.contract import IDEMPOTENCY_META_KEY
+from testkit.loopback import serve_until_signalled
 
 __all__ = [
     "FakeMcpSettings",
@@ -349,25 +350,5 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _serve_http(app: Starlette, *, host: str, port: int) -> None:
-    import uvicorn
-
-    class _Server(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            # uvicorn re-raises a captured signal after shutdown (exit status 128+n); a
-            # fake server asked to stop has stopped cleanly, so only note the request.
-            if self.should_exit:
-                self.force_exit = True
-            self.should_exit = True
-
-    config = uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        ws="none",
-        lifespan="on",
-        access_log=False,
-        log_level="warning",
-        timeout_graceful_shutdown=2,
-    )
     log.info("fake MCP server on http://%s:%d/mcp", host, port)
-    _Server(config).run()
+    serve_until_signalled(app, host=host, port=port)

@@ -1,5 +1,6 @@
 """Serve an ASGI app on a free loopback port inside the running event loop — the seam
-tests use to put real sockets between luftpause and its fakes."""
+tests use to put real sockets between luftpause and its fakes — or, for the fakes'
+command lines, in a process of its own until it is signalled."""
 
 from __future__ import annotations
 
@@ -44,3 +45,28 @@ async def serve(app: Any, *, host: str = "127.0.0.1", port: int = 0) -> AsyncIte
         server.should_exit = True
         await task
         sock.close()
+
+
+def serve_until_signalled(app: Any, *, host: str, port: int) -> None:
+    """Serve `app` with uvicorn in this process until SIGINT or SIGTERM, then return
+    normally (exit status 0): the fakes' `--port` mode."""
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # uvicorn re-raises a captured signal after shutdown (exit status 128+n); a
+            # fake asked to stop has stopped cleanly, so only note the request.
+            if self.should_exit:
+                self.force_exit = True
+            self.should_exit = True
+
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        ws="none",
+        lifespan="on",
+        access_log=False,
+        log_level="warning",
+        timeout_graceful_shutdown=2,
+    )
+    _Server(config).run()
