@@ -31,7 +31,12 @@ from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy, SearchAttributePair, TypedSearchAttributes
-from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError
+from temporalio.exceptions import (
+    ActivityError,
+    ApplicationError,
+    CancelledError,
+    ChildWorkflowError,
+)
 
 with workflow.unsafe.imports_passed_through():
     # The contract module by its own name: the converter resolves the dataclasses'
@@ -73,6 +78,9 @@ with workflow.unsafe.imports_passed_through():
 __all__ = ["DECLINED", "AgentRun"]
 
 DECLINED = "Error: the user declined this tool call"
+BUDGET_EXCEEDED = (
+    "BudgetExceeded"  # the ApplicationError type a run stopped by its budget ends with
+)
 
 # Named timeouts and retry policies (DESIGN.md "The runtime on Temporal").
 TURN_TIMEOUT = timedelta(minutes=10)  # a turn may wait long in the gateway's queue
@@ -144,7 +152,7 @@ class AgentRun:
             self._set_state("Completed")
         except _Stop as stop:
             await self._halt(work, "Cancelled", str(stop))
-            raise ApplicationError(str(stop), type="BudgetExceeded", non_retryable=True) from None
+            raise ApplicationError(str(stop), type=BUDGET_EXCEEDED, non_retryable=True) from None
         except asyncio.CancelledError:
             await self._halt(work, "Cancelled", self._stop_reason or "cancelled")
             raise
@@ -447,11 +455,15 @@ class AgentRun:
             state = "Completed"
             subtree = status.subtree
         except ChildWorkflowError as exc:
-            state = "Cancelled" if "cancel" in str(exc.cause).lower() else "Failed"
+            # A child stopped by a budget ends as Failed in Temporal (it cannot cancel
+            # itself) but is Cancelled as a run, like every run its budget stopped.
+            cause = exc.cause
+            stopped = isinstance(cause, CancelledError) or (
+                isinstance(cause, ApplicationError) and cause.type == BUDGET_EXCEEDED
+            )
+            state = "Cancelled" if stopped else "Failed"
             subtree = self._children[handle].subtree
-        known = self._children[handle]
-        if known.state not in TERMINAL_STATES or known.state != state:
-            self._children[handle] = ChildSummary(handle, state, subtree)
+        self._children[handle] = ChildSummary(handle, state, subtree)
         if self._exceeded is None:
             self._exceeded = self._over()
         await self._report_up()

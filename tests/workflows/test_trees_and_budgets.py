@@ -176,3 +176,32 @@ async def test_status_shows_recent_runs_as_trees_with_subtree_costs(
         assert "Sub-agent runs" in page and parent in page and child in page
         await s.runs.approve(parent, False)
         await s.runs.wait([parent])
+
+
+async def test_a_child_stopped_by_its_own_budget_is_cancelled_in_its_parents_view(
+    temporal_address: str,
+) -> None:
+    async with stack(temporal_address) as s:
+        parent = await s.runs.spawn(
+            RunSpec(task=task_with(1, "pv"), model=MODEL, tools=["delete_record"])
+        )
+        await until(lambda: _state(s, parent, "AwaitingApproval"), "parent waits")
+        child = await s.runs.spawn(
+            RunSpec(
+                task=task_with(3, "pvkid"),
+                model=MODEL,
+                tools=["lookup"],
+                parent=parent,
+                budget=Budget(tool_calls=1),
+            )
+        )
+        (kid,) = await s.runs.wait([child])
+        assert kid.state == "Cancelled" and kid.error == "budget exceeded: tool_calls 2/1"
+        status = await until(
+            lambda: _when(s, parent, lambda st: st.children and st.children[0].state != "Running"),
+            "the parent saw its child end",
+        )
+        assert [(c.handle, c.state) for c in status.children] == [(child, "Cancelled")]
+        assert status.state == "AwaitingApproval"  # a child's own budget stops only the child
+        await s.runs.approve(parent, False)
+        await s.runs.wait([parent])
