@@ -18,7 +18,18 @@ settings.register_profile(
 settings.register_profile(
     "deep", max_examples=4000, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+# CI (.ci/run sets CI=true) draws the same examples every run, so a landing is not
+# decided by chance; developers' runs draw fresh ones.  (A counterexample found
+# 2026-11-30 and not yet fixed is described in that day's issue note.)
+settings.register_profile(
+    "ci",
+    max_examples=400,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    derandomize=True,
+)
+_ci = os.environ.get("CI", "").lower() not in ("", "0", "false")
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if _ci else "default"))
 
 
 @pytest.fixture(scope="session")

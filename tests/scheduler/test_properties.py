@@ -224,7 +224,9 @@ def could_use(s: State, x: Any, name: str) -> bool:
         if run.phase is not RunPhase.IDLE and home.healthy and x.model in home.spec.models:
             return False
     limit = s.kv_limit(name, x.service_class)
-    return not (limit is not None and r.ws_tokens and r.ws_tokens + s.kv_need(x) > limit)
+    need = s.kv_need(x)
+    # A turn larger than the limit on its own is admitted without it (rule 6).
+    return not (limit is not None and r.ws_tokens and need <= limit and r.ws_tokens + need > limit)
 
 
 def admissible_alone(s: State, x: Any, name: str) -> bool:
