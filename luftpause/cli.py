@@ -74,10 +74,16 @@ def _policy(overrides: Sequence[str]) -> Any:
             if raw.lower() not in ("true", "false", "1", "0", "on", "off"):
                 raise SystemExit(f"--policy {name}: expected true or false, got {raw!r}")
             changes[name] = raw.lower() in ("true", "1", "on")
-        elif kind == "int":
-            changes[name] = int(raw)
-        else:
-            changes[name] = float(raw)
+            continue
+        if kind.endswith("| None") and raw.lower() in ("none", "off"):
+            changes[name] = None
+            continue
+        number = int if kind.startswith("int") else float
+        try:
+            changes[name] = number(raw)
+        except ValueError:
+            optional = " (or none)" if kind.endswith("| None") else ""
+            raise SystemExit(f"--policy {name}: expected a number{optional}, got {raw!r}") from None
     return replace(policy, **changes)
 
 

@@ -27,6 +27,11 @@ Rules (DESIGN.md "The scheduler"), stated once, enforced here and nowhere else:
 7. A model no replica serves is rejected with 404 before it is queued.
 8. Ticks free the slots of turns never reported finished after `turn_timeout_s` and
    forget runs idle or paused for `idle_run_expiry_s`.
+9. Interactive lanes (`Policy.lane_batch_kv_fill` set): a new interactive run goes first
+   to the replica holding the most interactive runs, and on a replica holding any, new
+   batch runs stop at `lane_batch_kv_fill` of its pool; the other replicas take batch
+   whole.  Interactive runs then share their replica with little batch KV, whose reads
+   slow every decode step.
 
 After every event no held turn is admissible (except behind a turn waiting for KV, as
 in rule 6): each event that frees capacity on a replica refills that replica.  Held
@@ -92,6 +97,7 @@ class ReplicaState(NamedTuple):
     paused_interactive: int = 0  # interactive runs paused on a tool here
     bound_runs: int = 0  # generating or paused runs whose replica this is
     ws_tokens: int = 0  # their KV working set (context + reply), while claimed
+    interactive_runs: int = 0  # bound runs that are interactive (its lane, rule 9)
 
     @property
     def load(self) -> int:
@@ -259,10 +265,11 @@ class State:
         self, replica: str, service_class: ServiceClass = ServiceClass.INTERACTIVE
     ) -> float | None:
         """The working-set limit of program-level admission there, None when off."""
-        kv = self._replicas[replica].spec.kv_tokens
+        r = self._replicas[replica]
+        kv = r.spec.kv_tokens
         if kv is None or not self._policy.kv_admission:
             return None
-        return kv * _kv_share(self._policy, service_class)
+        return kv * _kv_share(self._policy, service_class, r.interactive_runs > 0)
 
     def kv_need(self, turn: TurnState) -> int:
         """The KV working set the turn's run will claim if admitted as a new binding."""
@@ -273,11 +280,16 @@ class State:
         return context + turn.reply_tokens
 
 
-def _kv_share(policy: Policy, service_class: ServiceClass) -> float:
-    """The share of a replica's KV pool that runs of this class may fill."""
-    if service_class is _BATCH and policy.batch_kv_fill is not None:
-        return min(policy.kv_fill, policy.batch_kv_fill)
-    return policy.kv_fill
+def _kv_share(policy: Policy, service_class: ServiceClass, lane: bool) -> float:
+    """The share of a replica's KV pool that new runs of this class may fill there
+    (`lane`: the replica holds interactive runs)."""
+    share = policy.kv_fill
+    if service_class is _BATCH:
+        if policy.batch_kv_fill is not None and policy.batch_kv_fill < share:
+            share = policy.batch_kv_fill
+        if lane and policy.lane_batch_kv_fill is not None and policy.lane_batch_kv_fill < share:
+            share = policy.lane_batch_kv_fill
+    return share
 
 
 # --------------------------------------------------------------------------- decide
@@ -387,8 +399,14 @@ class _Tx:
         replicas = self.replicas
         if not any(replicas[n].has_slot() for n in serving):
             return  # all full: the common case under load, and nothing to pick
-        # An idle run goes back to its last replica if it can; others least loaded first.
-        order = sorted(serving, key=lambda n: (replicas[n].load, n))
+        # An idle run goes back to its last replica if it can; others least loaded first,
+        # or, with lanes, interactive runs where most interactive runs are (rule 9).
+        if ev.service_class is _INTERACTIVE and self.policy.lane_batch_kv_fill is not None:
+            order = sorted(
+                serving, key=lambda n: (-replicas[n].interactive_runs, replicas[n].load, n)
+            )
+        else:
+            order = sorted(serving, key=lambda n: (replicas[n].load, n))
         if run is not None and run.replica in serving:
             order.remove(run.replica)
             order.insert(0, run.replica)
@@ -557,11 +575,15 @@ class _Tx:
         context = t.prompt_tokens
         if run is not None and run.context_tokens > context:
             context = run.context_tokens
-        limit = kv * _kv_share(self.policy, t.service_class)
         need = context + t.reply_tokens
-        # A turn that would not fit even alone is not the policy's to protect: waiting
-        # for an empty replica would hold every new run of its class behind it.
-        return need > limit or r.ws_tokens + need <= limit
+        if r.ws_tokens + need <= kv * _kv_share(
+            self.policy, t.service_class, r.interactive_runs > 0
+        ):
+            return True
+        # A turn that would not fit even on a replica of its own is not the policy's to
+        # protect: waiting for an empty replica would hold every new run of its class
+        # behind it.
+        return need > kv * _kv_share(self.policy, t.service_class, False)
 
     def _fill(self, names: Sequence[str]) -> None:
         """Admit held turns to these replicas until none can take one more.
@@ -723,13 +745,21 @@ class _Tx:
     # ------------------------------------------------------------------ bookkeeping
 
     def _adjust(
-        self, name: str, *, in_flight: int = 0, bound: int = 0, ws: int = 0, paused: int = 0
+        self,
+        name: str,
+        *,
+        in_flight: int = 0,
+        bound: int = 0,
+        ws: int = 0,
+        paused: int = 0,
+        interactive: int = 0,
     ) -> None:
         """Change a replica's counters (one copy of its record)."""
         r = self.replicas[name]
         self.replicas[name] = ReplicaState(
             r.spec, r.healthy, r.queued, r.running, r.cap, r.in_flight + in_flight,
             r.paused_interactive + paused, r.bound_runs + bound, r.ws_tokens + ws,
+            r.interactive_runs + interactive,
         )  # fmt: skip
 
     def _set_run(self, run: RunState) -> None:
@@ -765,19 +795,23 @@ class _Tx:
                 claim = run.context_tokens + run.reply_tokens
             counted_paused = phase is RunPhase.PAUSED and run.service_class is _INTERACTIVE
         run = RunState._make((*run[:10], bound, claim, counted_paused, run.ended))
+        interactive = bound and run.service_class is _INTERACTIVE
         if old is not None and old.bound and name is not None and old.replica == name:
             self._adjust(
                 name,
                 bound=bound - 1,
                 ws=claim - old.ws_claim,
                 paused=counted_paused - old.counted_paused,
+                interactive=interactive - (old.service_class is _INTERACTIVE),
             )
         else:
             if old is not None:
                 self._unbind(old)
             if bound:
                 assert name is not None
-                self._adjust(name, bound=1, ws=claim, paused=counted_paused)
+                self._adjust(
+                    name, bound=1, ws=claim, paused=counted_paused, interactive=interactive
+                )
         was = old.phase if old is not None and old.last_active == run.last_active else None
         if phase is not RunPhase.GENERATING and was in (None, RunPhase.GENERATING):
             self.expiry = self.expiry.append((run.last_active, run.run_id))
@@ -787,7 +821,13 @@ class _Tx:
 
     def _unbind(self, run: RunState) -> None:
         if run.bound and run.replica is not None:
-            self._adjust(run.replica, bound=-1, ws=-run.ws_claim, paused=-run.counted_paused)
+            self._adjust(
+                run.replica,
+                bound=-1,
+                ws=-run.ws_claim,
+                paused=-run.counted_paused,
+                interactive=-(run.service_class is _INTERACTIVE),
+            )
 
     def _hold(self, t: TurnState, key: BucketKey) -> None:
         t = t._replace(bucket=key)

@@ -70,6 +70,11 @@ class Policy:
     # How long a paused run's claim on the pool is honoured (Continuum's KV TTL): a
     # tool that runs longer than this no longer keeps new runs out.
     kv_retention_s: float = 60.0
+    # Interactive lanes: a new interactive run goes to the replica that already holds the
+    # most interactive runs (if it has room), so interactive runs share few replicas, and
+    # on a replica holding interactive runs batch runs stop at `lane_batch_kv_fill` of the
+    # pool.  Batch fills the other replicas whole.  None: off.
+    lane_batch_kv_fill: float | None = None
 
 
 # --------------------------------------------------------------------------- events

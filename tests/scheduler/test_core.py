@@ -428,6 +428,42 @@ def test_a_turn_too_large_for_the_kv_limit_does_not_hold_up_new_runs() -> None:
     assert small in d.held_ids()  # the pool is now over its limit: new runs wait
 
 
+def test_interactive_lanes_pack_interactive_runs_where_interactive_runs_are() -> None:
+    lanes = Policy(kv_fill=1.0, batch_kv_fill=None, lane_batch_kv_fill=0.3)
+    d = Driver(("a", "b"), kv_tokens=10_000, policy=lanes)
+    i1 = d.arrive("i1", cls=I, prompt=1000, max_tokens=200)
+    assert d.admitted() == {i1: "a"}
+    for n in range(4):  # least loaded first: b, a, b, a
+        d.arrive(f"b{n}", cls=B, prompt=200, max_tokens=100)
+    assert d.state.replicas["a"].load > d.state.replicas["b"].load
+    i2 = d.arrive("i2", cls=I, prompt=1000, max_tokens=200, caller="u2")
+    assert d.admitted() == {i2: "a"}  # packed with i1, not least loaded
+    assert d.state.replicas["a"].interactive_runs == 2
+
+
+def test_interactive_lanes_keep_new_batch_runs_small_beside_interactive_runs() -> None:
+    lanes = Policy(kv_fill=1.0, batch_kv_fill=None, lane_batch_kv_fill=0.3)
+    d = Driver(("a",), kv_tokens=10_000, policy=lanes)
+    i1 = d.arrive("i1", cls=I, prompt=1000, max_tokens=200)
+    d.finish(i1, "tool_calls", prompt=1000, out=200)  # paused on a tool: still its lane
+    assert d.state.kv_limit("a", B) == 3_000 and d.state.kv_limit("a", I) == 10_000
+    b1 = d.arrive("b1", cls=B, prompt=1500, max_tokens=100)  # 1,400 + 1,600 fits 3,000
+    assert d.admitted() == {b1: "a"}
+    b2 = d.arrive("b2", cls=B, prompt=400, max_tokens=100)  # would fit the pool, not the lane
+    assert b2 in d.held_ids()
+    d.feed(RunEnded(now=d.step(), run_id="i1"))  # no interactive run left: batch fills it
+    assert d.admitted() == {b2: "a"}
+    assert d.state.kv_limit("a", B) == 10_000
+
+
+def test_without_lanes_a_new_interactive_run_goes_to_the_least_loaded_replica() -> None:
+    d = Driver(("a", "b"), kv_tokens=10_000, policy=Policy(kv_fill=1.0, batch_kv_fill=None))
+    i1 = d.arrive("i1", cls=I, prompt=1000, max_tokens=200)
+    first = d.admitted()[i1]
+    i2 = d.arrive("i2", cls=I, prompt=1000, max_tokens=200, caller="u2")
+    assert d.admitted()[i2] != first
+
+
 # --------------------------------------------------------------------- lifecycle
 
 

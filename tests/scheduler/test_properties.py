@@ -99,6 +99,7 @@ policies = st.builds(
     kv_fill=st.sampled_from([1.0, 0.8]),
     batch_kv_fill=st.sampled_from([None, 0.7, 0.5]),
     kv_retention_s=st.sampled_from([60.0, 5.0]),
+    lane_batch_kv_fill=st.sampled_from([None, 0.3]),
 )
 
 
@@ -198,6 +199,9 @@ def check_bookkeeping(s: State) -> None:
         assert r.bound_runs == len(bound)
         assert r.ws_tokens == sum(run.ws_claim for run in bound)
         assert r.paused_interactive == sum(run.counted_paused for run in bound)
+        assert r.interactive_runs == sum(
+            run.service_class is ServiceClass.INTERACTIVE for run in bound
+        )
         for run in bound:
             assert run.phase is not RunPhase.IDLE
             assert run.counted_paused == (
@@ -224,9 +228,18 @@ def could_use(s: State, x: Any, name: str) -> bool:
         if run.phase is not RunPhase.IDLE and home.healthy and x.model in home.spec.models:
             return False
     limit = s.kv_limit(name, x.service_class)
+    if limit is None or not r.ws_tokens:
+        return True
     need = s.kv_need(x)
-    # A turn larger than the limit on its own is admitted without it (rule 6).
-    return not (limit is not None and r.ws_tokens and need <= limit and r.ws_tokens + need > limit)
+    if r.ws_tokens + need <= limit:
+        return True
+    # A turn larger than its class's limit on a replica of its own (no interactive lane
+    # there) is admitted without it (rule 6).
+    assert r.spec.kv_tokens is not None
+    alone = s.policy.kv_fill
+    if x.service_class is ServiceClass.BATCH and s.policy.batch_kv_fill is not None:
+        alone = min(alone, s.policy.batch_kv_fill)
+    return need > r.spec.kv_tokens * alone
 
 
 def admissible_alone(s: State, x: Any, name: str) -> bool:

@@ -121,3 +121,14 @@ def test_cli_rejects_bad_flags_clearly() -> None:
     assert out.returncode != 0 and "expected true or false" in out.stderr
     out = _cli("sim", "flood", "--arms", "luftpause,nginx")
     assert out.returncode != 0 and "unknown" in out.stderr
+    out = _cli("sim", "flood", "--policy", "batch_kv_fill=most")
+    assert out.returncode != 0 and "expected a number (or none), got 'most'" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_cli_policy_switches_an_optional_knob_off_and_on() -> None:
+    args = ("sim", "light", "--minutes", "0.2", "--batch", "2", "--arms", "luftpause", "--json")
+    off = json.loads(_cli(*args, "--policy", "batch_kv_fill=none").stdout)
+    lanes = json.loads(_cli(*args, "--policy", "lane_batch_kv_fill=0.3").stdout)
+    assert off["scenario"]["policy"]["batch_kv_fill"] is None
+    assert lanes["scenario"]["policy"]["lane_batch_kv_fill"] == 0.3
