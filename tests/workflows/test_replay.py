@@ -1,0 +1,72 @@
+"""Replay recorded histories against today's `AgentRun`: a change that would break runs
+already in flight (a command added, dropped or reordered without `workflow.patched`)
+fails here, before it reaches a worker.  The histories come from
+`python -m tests.workflows.record_histories` (see there for when to re-record)."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from temporalio import workflow
+from temporalio.client import WorkflowHistory
+from temporalio.worker import Replayer
+
+from workflows import AgentRun
+from workflows.contract import AgentRunInput
+
+HISTORIES = sorted((Path(__file__).parent / "histories").glob("*.json"))
+
+
+def _history(path: Path) -> WorkflowHistory:
+    return WorkflowHistory.from_json(path.stem, path.read_text(encoding="utf-8"))
+
+
+def test_the_recorded_histories_cover_the_run_paths() -> None:
+    kinds: set[str] = set()
+    for path in HISTORIES:
+        kinds |= {e["eventType"] for e in json.loads(path.read_text(encoding="utf-8"))["events"]}
+    assert {p.stem.split("-")[0] for p in HISTORIES} >= {
+        "tool_loop",
+        "parallel_calls",
+        "tree_with_approval",
+        "budget_tripped",
+        "cancelled_tree",
+    }
+    for kind in (
+        "ACTIVITY_TASK_COMPLETED",  # LLM turns and tool calls
+        "MARKER_RECORDED",  # local activities (list_tools, end_run)
+        "WORKFLOW_EXECUTION_UPDATE_ACCEPTED",  # approve / spawn_child
+        "START_CHILD_WORKFLOW_EXECUTION_INITIATED",
+        "SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED",  # usage reported to the parent
+        "WORKFLOW_EXECUTION_CANCEL_REQUESTED",
+        "UPSERT_WORKFLOW_SEARCH_ATTRIBUTES",
+    ):
+        assert f"EVENT_TYPE_{kind}" in kinds, kind
+
+
+@pytest.mark.parametrize("path", HISTORIES, ids=[p.stem for p in HISTORIES])
+async def test_a_recorded_history_replays(path: Path) -> None:
+    result = await Replayer(workflows=[AgentRun]).replay_workflow(
+        _history(path), raise_on_replay_failure=False
+    )
+    assert result.replay_failure is None, f"{path.name}: {result.replay_failure}"
+
+
+@workflow.defn(name="AgentRun")
+class _ChangedAgentRun:
+    """What an unguarded change looks like: the same workflow type, other commands."""
+
+    @workflow.run
+    async def run(self, inp: AgentRunInput) -> None:
+        await workflow.sleep(timedelta(seconds=1))
+
+
+async def test_a_changed_workflow_does_not_replay() -> None:
+    result = await Replayer(workflows=[_ChangedAgentRun]).replay_workflow(
+        _history(HISTORIES[0]), raise_on_replay_failure=False
+    )
+    assert result.replay_failure is not None
+    assert "nondetermin" in str(result.replay_failure).lower()
