@@ -39,6 +39,13 @@ def children_of(pid: int) -> set[int]:
     return found
 
 
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def alive(pid: int) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -147,8 +154,19 @@ async def test_up_runs_sub_agents_and_stops_everything(state: Path) -> None:
         temporal = await TemporalClient.connect(f"127.0.0.1:{up.ports['temporal']}")
         listed = {wf.id async for wf in temporal.list_workflows("WorkflowType = 'AgentRun'")}
         assert listed == set(handles)
+        # A child that dies is restarted: kill the worker; a new run still completes.
+        assert up.proc is not None
+        (worker,) = [k for k in children_of(up.proc.pid) if b"worker" in cmdline(k)]
+        os.kill(worker, signal.SIGKILL)
+        async with Client(f"{up.gateway}/mcp") as c:
+            handle = await spawn(c, task_with(1, "after-restart"))
+            r = await c.call_tool("await", {"handles": [handle], "timeout": 120})
+        assert r.structured_content["runs"][0]["state"] == "Completed"
+        (again,) = [k for k in children_of(up.proc.pid) if b"worker" in cmdline(k)]
+        assert again != worker
         code, kids = up.stop()
         assert code == 0, "".join(up.output)
+        assert "worker exited (-9); restarting it" in "".join(up.output)
         assert len(kids) == 6  # temporal, 2 engines, fake MCP, gateway, worker
         assert not [k for k in kids if alive(k)]
     finally:
