@@ -83,35 +83,61 @@ class TasksClient(ClientExtension):
         self.task_ids.append(created.task_id)
         if self._on_created is not None:
             await self._on_created(session, created.task_id)
-        answered: set[str] = set()
-        with anyio.fail_after(120):
-            while True:
-                params = TaskIdParams(taskId=created.task_id)
-                task = await session.send_request(TasksGet(params=params), GetTaskResult)
-                self.seen.append(task.status)
-                if task.status == "input_required":
-                    responses = {}
-                    for key, raw in (task.input_requests or {}).items():
-                        if key in answered:
-                            continue
-                        context = ClientRequestContext(session=session, request_id=key)
-                        answer = await session.dispatch_input_request(
-                            context, _INPUT_REQUEST.validate_python(raw)
-                        )
-                        responses[key] = answer.model_dump(
-                            by_alias=True, exclude_none=True, mode="json"
-                        )
-                        answered.add(key)
-                    if responses:
-                        update = UpdateParams(taskId=created.task_id, inputResponses=responses)
-                        await session.send_request(TasksUpdate(params=update), EmptyResult)
-                elif task.status == "completed":
-                    return CallToolResult.model_validate(task.result)
-                elif task.status in ("failed", "cancelled"):
-                    message = (task.error or {}).get("message", task.status)
-                    text = f"task {task.status}: {message}"
-                    return CallToolResult(content=[{"type": "text", "text": text}], is_error=True)
-                await anyio.sleep((created.poll_interval_milliseconds or 500) / 1000)
+        poll_s = (created.poll_interval_milliseconds or 500) / 1000
+        return await follow(session, created.task_id, poll_s, self.seen)
+
+
+class TaskCreated(Exception):
+    """Raised out of `call_tool` by `CreateOnly` once the task exists."""
+
+    def __init__(self, task_id: str) -> None:
+        super().__init__(task_id)
+        self.task_id = task_id
+
+
+class CreateOnly(TasksClient):
+    """Opt in to tasks and stop at creation: `call_tool` raises `TaskCreated` with the
+    task's id, and the task is followed later (e.g. with `follow` on another session)."""
+
+    async def _resolve(self, created: CreateTaskResult, cctx: ClaimContext) -> CallToolResult:
+        self.task_ids.append(created.task_id)
+        self.seen.append(created.status)
+        raise TaskCreated(created.task_id)
+
+
+async def follow(session: Any, task_id: str, poll_s: float, seen: list[str]) -> CallToolResult:
+    """Poll `tasks/get` until the task ends, answering `input_required` through the
+    session's elicitation callback and `tasks/update`; return the task's result."""
+    answered: set[str] = set()
+    with anyio.fail_after(120):
+        while True:
+            task = await session.send_request(
+                TasksGet(params=TaskIdParams(taskId=task_id)), GetTaskResult
+            )
+            seen.append(task.status)
+            if task.status == "input_required":
+                responses = {}
+                for key, raw in (task.input_requests or {}).items():
+                    if key in answered:
+                        continue
+                    context = ClientRequestContext(session=session, request_id=key)
+                    answer = await session.dispatch_input_request(
+                        context, _INPUT_REQUEST.validate_python(raw)
+                    )
+                    responses[key] = answer.model_dump(
+                        by_alias=True, exclude_none=True, mode="json"
+                    )
+                    answered.add(key)
+                if responses:
+                    update = UpdateParams(taskId=task_id, inputResponses=responses)
+                    await session.send_request(TasksUpdate(params=update), EmptyResult)
+            elif task.status == "completed":
+                return CallToolResult.model_validate(task.result)
+            elif task.status in ("failed", "cancelled"):
+                message = (task.error or {}).get("message", task.status)
+                text = f"task {task.status}: {message}"
+                return CallToolResult(content=[{"type": "text", "text": text}], is_error=True)
+            await anyio.sleep(poll_s)
 
 
 async def cancel_task(session: Any, task_id: str) -> None:

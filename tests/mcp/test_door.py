@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -15,8 +16,23 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp_types import ElicitResult
 
-from tests.mcp.tasks_client import TasksClient, cancel_task
-from tests.workflows.harness import MODEL, stack, task_with, until
+from luftpause.temporal_dev import free_port
+from testkit.fake_engine import FakeEngineSettings
+from testkit.fake_engine import create_app as create_engine
+from testkit.fake_mcp import FakeMcpSettings, FakeMcpState
+from testkit.fake_mcp import create_app as create_mcp
+from testkit.loopback import serve
+from tests.mcp.tasks_client import CreateOnly, TaskCreated, TasksClient, cancel_task, follow
+from tests.workflows.harness import (
+    MODEL,
+    TIME_SCALE,
+    connect,
+    gateway_app,
+    run_worker,
+    stack,
+    task_with,
+    until,
+)
 
 MODES = ["legacy", "2026-07-28"]
 
@@ -253,6 +269,62 @@ async def test_a_task_for_run_polled_to_completion_with_an_approval(
         async with Client(s.mcp_door, mode="2026-07-28") as plain:
             r = await plain.call_tool("run", {"model": MODEL, "task": task_with(0, "sync")})
         assert result(r)["state"] == "Completed"
+
+
+async def test_a_task_outlives_the_gateway_that_created_it(temporal_address: str) -> None:
+    """The gateway keeps no task state: a task made before a gateway restart is polled,
+    answered and finished through the gateway that replaces it."""
+
+    async def on_elicit(context: Any, params: Any) -> ElicitResult:
+        return ElicitResult(action="accept", content={"allow": True})
+
+    mcp_state = FakeMcpState()
+    queue = f"test-{uuid.uuid4().hex[:12]}"
+    port = free_port()
+    gateway_url = f"http://127.0.0.1:{port}"
+    async with contextlib.AsyncExitStack() as es:
+        engines = [
+            await es.enter_async_context(
+                serve(create_engine(FakeEngineSettings(time_scale=TIME_SCALE)))
+            )
+            for _ in range(2)
+        ]
+        mcp_url = await es.enter_async_context(
+            serve(create_mcp(FakeMcpSettings(time_scale=TIME_SCALE), mcp_state))
+        )
+
+        def gateway() -> Any:
+            return gateway_app(
+                engines, temporal=temporal_address, queue=queue, mcp_url=f"{mcp_url}/mcp"
+            )
+
+        client = await connect(temporal_address)
+        await es.enter_async_context(run_worker(client, queue, gateway_url, f"{mcp_url}/mcp"))
+        created = CreateOnly()
+        args = {"model": MODEL, "task": task_with(1, "restart"), "tools": ["delete_record"]}
+        async with serve(gateway(), port=port):
+            async with Client(f"{gateway_url}/mcp", mode="2026-07-28", extensions=[created]) as c:
+                with pytest.raises(TaskCreated):
+                    await c.call_tool("run", args)
+            (task_id,) = created.task_ids
+            assert created.seen == ["working"]
+        # The first gateway is gone (its process state with it); a new one takes the port.
+        seen: list[str] = []
+        async with (
+            serve(gateway(), port=port),
+            Client(
+                f"{gateway_url}/mcp",
+                mode="2026-07-28",
+                extensions=[TasksClient()],
+                elicitation_callback=on_elicit,
+            ) as c,
+        ):
+            r = await follow(c.session, task_id, 0.2, seen)
+        run = result(r)
+        assert run["handle"] == task_id and run["state"] == "Completed"
+        assert "input_required" in seen and seen[-1] == "completed"
+        assert (run["toolCalls"], run["failedToolCalls"]) == (1, 0)
+        assert sum(mcp_state.counts.values()) == 1  # the approved call ran once
 
 
 @pytest.mark.parametrize("mode", MODES)
