@@ -17,19 +17,15 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp_types import ElicitResult
 
 from luftpause.temporal_dev import free_port
-from testkit.fake_engine import FakeEngineSettings
-from testkit.fake_engine import create_app as create_engine
-from testkit.fake_mcp import FakeMcpSettings, FakeMcpState
-from testkit.fake_mcp import create_app as create_mcp
 from testkit.loopback import serve
 from tests.mcp.tasks_client import CreateOnly, TaskCreated, TasksClient, cancel_task, follow
 from tests.workflows.harness import (
     MODEL,
-    TIME_SCALE,
     connect,
     gateway_app,
     run_worker,
     stack,
+    start_fakes,
     task_with,
     until,
 )
@@ -278,20 +274,12 @@ async def test_a_task_outlives_the_gateway_that_created_it(temporal_address: str
     async def on_elicit(context: Any, params: Any) -> ElicitResult:
         return ElicitResult(action="accept", content={"allow": True})
 
-    mcp_state = FakeMcpState()
     queue = f"test-{uuid.uuid4().hex[:12]}"
     port = free_port()
     gateway_url = f"http://127.0.0.1:{port}"
     async with contextlib.AsyncExitStack() as es:
-        engines = [
-            await es.enter_async_context(
-                serve(create_engine(FakeEngineSettings(time_scale=TIME_SCALE)))
-            )
-            for _ in range(2)
-        ]
-        mcp_url = await es.enter_async_context(
-            serve(create_mcp(FakeMcpSettings(time_scale=TIME_SCALE), mcp_state))
-        )
+        fakes = await start_fakes(es)
+        engines, mcp_url, mcp_state = fakes.engines, fakes.mcp_url, fakes.mcp
 
         def gateway() -> Any:
             return gateway_app(

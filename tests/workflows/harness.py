@@ -81,6 +81,32 @@ class Stack:
         return f"{self.gateway_url}/mcp"
 
 
+@dataclass
+class Fakes:
+    engines: list[str]  # two fake engines' base URLs
+    mcp_url: str  # the fake MCP server's base URL (its endpoint is {mcp_url}/mcp)
+    mcp: FakeMcpState
+
+
+async def start_fakes(
+    es: contextlib.AsyncExitStack,
+    *,
+    engine: dict[str, Any] | None = None,
+    mcp_time_scale: float = TIME_SCALE,
+) -> Fakes:
+    """Two fake engines and the fake MCP server on loopback, stopped with `es`."""
+    engine_kw = {"time_scale": TIME_SCALE, **(engine or {})}
+    mcp_state = FakeMcpState()
+    urls = [
+        await es.enter_async_context(serve(create_engine(FakeEngineSettings(**engine_kw))))
+        for _ in range(2)
+    ]
+    mcp_url = await es.enter_async_context(
+        serve(create_mcp(FakeMcpSettings(time_scale=mcp_time_scale), mcp_state))
+    )
+    return Fakes(urls, mcp_url, mcp_state)
+
+
 @contextlib.asynccontextmanager
 async def stack(
     temporal_address: str,
@@ -91,16 +117,9 @@ async def stack(
     token: str | None = None,
 ) -> AsyncIterator[Stack]:
     """Gateway + two fake engines + fake MCP + (optionally) a worker on a fresh task queue."""
-    engine_kw = {"time_scale": TIME_SCALE, **(engine or {})}
-    mcp_state = FakeMcpState()
     async with contextlib.AsyncExitStack() as stack_:
-        urls = [
-            await stack_.enter_async_context(serve(create_engine(FakeEngineSettings(**engine_kw))))
-            for _ in range(2)
-        ]
-        mcp_url = await stack_.enter_async_context(
-            serve(create_mcp(FakeMcpSettings(time_scale=mcp_time_scale), mcp_state))
-        )
+        fakes = await start_fakes(stack_, engine=engine, mcp_time_scale=mcp_time_scale)
+        urls, mcp_url, mcp_state = fakes.engines, fakes.mcp_url, fakes.mcp
         queue = f"test-{uuid.uuid4().hex[:12]}"
         app = gateway_app(
             urls, temporal=temporal_address, queue=queue, mcp_url=f"{mcp_url}/mcp", token=token

@@ -8,10 +8,6 @@ import uuid
 from pathlib import Path
 
 from luftpause.temporal_dev import DevServer
-from testkit.fake_engine import FakeEngineSettings
-from testkit.fake_engine import create_app as create_engine
-from testkit.fake_mcp import FakeMcpSettings, FakeMcpState
-from testkit.fake_mcp import create_app as create_mcp
 from testkit.loopback import serve
 from tests.workflows.harness import (
     MODEL,
@@ -19,6 +15,7 @@ from tests.workflows.harness import (
     gateway_app,
     run_worker,
     stack,
+    start_fakes,
     task_with,
     until,
     worker_config,
@@ -68,18 +65,10 @@ async def test_worker_killed_mid_run(temporal_address: str, tmp_path: Path) -> N
 async def test_dev_server_and_gateway_restarted_mid_run(tmp_path: Path) -> None:
     server = DevServer(db_file=tmp_path / "temporal.db", log_file=tmp_path / "temporal.log")
     server.start()
-    mcp_state = FakeMcpState()
     try:
         async with contextlib.AsyncExitStack() as stack_:
-            urls = [
-                await stack_.enter_async_context(
-                    serve(create_engine(FakeEngineSettings(time_scale=50)))
-                )
-                for _ in range(2)
-            ]
-            mcp_url = await stack_.enter_async_context(
-                serve(create_mcp(FakeMcpSettings(time_scale=2), mcp_state))
-            )
+            fakes = await start_fakes(stack_, mcp_time_scale=2)
+            urls, mcp_url, mcp_state = fakes.engines, fakes.mcp_url, fakes.mcp
             gateway = contextlib.AsyncExitStack()
             gateway_url = await gateway.enter_async_context(serve(gateway_app(urls)))
             port = int(gateway_url.rsplit(":", 1)[1])
