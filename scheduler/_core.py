@@ -445,8 +445,10 @@ class _Tx:
         self._caller_in_flight(t.caller, -1)
         self._drop_caller_if_unused(t.caller)
         run = self.runs.get(t.run_id)
+        shrank = False  # the context its other (held) turns are sized by got smaller
         if run is not None:
             context = prompt + completion if prompt else run.context_tokens
+            shrank = context < run.context_tokens or (run.ended and run.in_flight == 1)
             if run.in_flight > 1:
                 self._set_run(run._replace(in_flight=run.in_flight - 1, context_tokens=context))
             elif run.ended:
@@ -464,6 +466,10 @@ class _Tx:
         names = [name]
         if run is not None and run.replica is not None and run.replica != name:
             names.append(run.replica)  # the run moved; its claim there may be gone too
+        if shrank:
+            # A held turn of this run may fit a replica's KV now, wherever it may go (rare:
+            # a conversation's context grows; this is a shorter report, or the run's end).
+            names += [n for n in self.state._replicas if n not in names]
         self._fill(names)
 
     def run_ended(self, run_id: str) -> None:

@@ -428,6 +428,25 @@ def test_a_turn_too_large_for_the_kv_limit_does_not_hold_up_new_runs() -> None:
     assert small in d.held_ids()  # the pool is now over its limit: new runs wait
 
 
+def test_a_held_turn_sized_by_its_runs_context_is_placed_when_that_context_shrinks() -> None:
+    # Found by the work-conservation property: a run's held parallel turn is sized by the
+    # run's last context; a shorter report from the engine makes it fit elsewhere.
+    policy = Policy(strict_affinity=False, kv_fill=0.8, batch_kv_fill=None)
+    d = Driver(("a", "c"), kv_tokens=8000, policy=policy)
+    d.probe("a", None, None, healthy=False)
+    d.arrive("T", cls=I, prompt=500, max_tokens=100, caller="t")  # on c: 600 of 6,400
+    d.probe("a", None, None)
+    d.probe("c", None, None, healthy=False)
+    w = d.arrive("R", cls=B, prompt=6000, max_tokens=256, caller="r")  # on a
+    d.probe("c", None, None)
+    d.probe("a", 1, 1)  # a is capped at its one running turn
+    y = d.arrive("R", cls=B, max_tokens=256, caller="r")  # sized by R's 6,000: fits nowhere
+    assert y in d.held_ids() and d.state.kv_need(d.state.turns[y]) == 6256
+    d.probe("a", None, None, healthy=False)
+    d.finish(w, "stop", prompt=100, out=10)  # R's context is 110 now: y fits on c
+    assert d.admitted() == {y: "c"}
+
+
 def test_interactive_lanes_pack_interactive_runs_where_interactive_runs_are() -> None:
     lanes = Policy(kv_fill=1.0, batch_kv_fill=None, lane_batch_kv_fill=0.3)
     d = Driver(("a", "b"), kv_tokens=10_000, policy=lanes)
