@@ -19,8 +19,8 @@ settings.register_profile(
     "deep", max_examples=4000, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 # CI (.ci/run sets CI=true) draws the same examples every run, so a landing is not
-# decided by chance; developers' runs draw fresh ones.  (A counterexample found
-# 2026-11-30 and not yet fixed is described in that day's issue note.)
+# decided by chance; developers' runs draw fresh ones and find what CI's do not (the
+# core's test_a_held_turn_sized_by_its_runs_context_... came from such a run).
 settings.register_profile(
     "ci",
     max_examples=400,
