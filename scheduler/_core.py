@@ -656,14 +656,15 @@ class _Tx:
                     return t
                 if self._kv_fits(t, name, r):
                     return t
-                # It waits for KV here, and unbound runs behind it wait too; unless it
-                # has a claim elsewhere (affinity off): then it is no reason to wait.
+                # It waits for KV here, and unbound runs behind it (of its class, and
+                # batch after interactive) wait too: the buckets show only their heads,
+                # and one of the turns behind may be interactive and fit.  If its run
+                # holds KV elsewhere (affinity off), that replica may take it first.
                 skip_models = True
+                kv_blocked = True
                 run = self.runs.get(t.run_id)
-                if run is None or not run.ws_claim:
-                    kv_blocked = True
-                elif run.replica is not None:
-                    self.refill.append(run.replica)  # where it fits: let that one look
+                if run is not None and run.ws_claim and run.replica is not None:
+                    self.refill.append(run.replica)
         return None
 
     def _bound_elsewhere(self, t: TurnState, name: str) -> str | None:

@@ -43,9 +43,13 @@ class Driver:
         models: Sequence[str] = ("m",),
         kv_tokens: int | None = None,
         policy: Policy | None = None,
+        serves: dict[str, Sequence[str]] | None = None,  # per replica, instead of `models`
     ) -> None:
         specs = [
-            ReplicaSpec(name=r, models=frozenset(models), kv_tokens=kv_tokens) for r in replicas
+            ReplicaSpec(
+                name=r, models=frozenset((serves or {}).get(r, models)), kv_tokens=kv_tokens
+            )
+            for r in replicas
         ]
         self.state = State.initial(specs, policy)
         self.now = 0.0
@@ -445,6 +449,22 @@ def test_a_held_turn_sized_by_its_runs_context_is_placed_when_that_context_shrin
     d.probe("a", None, None, healthy=False)
     d.finish(w, "stop", prompt=100, out=10)  # R's context is 110 now: y fits on c
     assert d.admitted() == {y: "c"}
+
+
+def test_batch_waits_while_an_interactive_turn_behind_a_kv_wait_could_go() -> None:
+    # Found by the class-order property: the head of the interactive bucket waits for
+    # KV here while its run holds KV elsewhere (affinity off); the interactive turn
+    # behind it would fit, so a batch turn must not take the replica meanwhile.
+    policy = Policy(strict_affinity=False, kv_fill=1.0, batch_kv_fill=None)
+    d = Driver(("a", "b"), kv_tokens=8000, policy=policy, serves={"a": ("m0", "m1"), "b": ("m0",)})
+    d.arrive("r0", model="m1", prompt=2000, max_tokens=500, caller="u")  # a holds 2,500
+    big = d.arrive("r5", model="m1", prompt=6000, max_tokens=256, caller="u")  # 6,256: no room
+    fits = d.arrive("r0", model="m1", max_tokens=256, caller="u")  # r0's own claim: fits
+    batch = d.arrive("r4", cls=B, model="m1", max_tokens=256, caller="v")
+    assert {big, fits, batch} <= d.held_ids()
+    elsewhere = d.arrive("r5", model="m0", caller="u")  # r5 now holds KV on b
+    assert d.admitted() == {elsewhere: "b"}
+    assert {big, fits, batch} <= d.held_ids()
 
 
 def test_interactive_lanes_pack_interactive_runs_where_interactive_runs_are() -> None:

@@ -264,7 +264,8 @@ def behind_kv_wait(s: State, x: Any, name: str) -> bool:
         return False
     models = s.replicas[name].spec.models
     return any(
-        y.bucket[0] == "model"
+        y.bucket is not None
+        and y.bucket[0] == "model"
         and y.model in models
         and RANK[y.service_class] <= RANK[x.service_class]
         and not could_use(s, y, name)
