@@ -144,7 +144,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         return (runtime.shell.state, runtime.prober.last) if runtime is not None else None
 
     metrics = GatewayMetrics(seen)
-    engine_idle_s = (settings.policy or Policy()).turn_timeout_s
+    # The settings' policy (tests, benches) or the file's [policy] section.
+    policy = settings.policy or config.policy.to_policy()
+    engine_idle_s = policy.turn_timeout_s
     door = _Door(config, settings.token)
     door_server = create_mcp_server(door.deps(models, lambda: runtime))
     door_app = door_server.streamable_http_app(streamable_http_path="/", host=settings.host)
@@ -158,7 +160,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         timeout = httpx.Timeout(None, connect=CONNECT_TIMEOUT_S)
         async with httpx.AsyncClient(timeout=timeout, limits=_UPSTREAM_LIMITS) as client:
             shell = AdmissionShell(
-                State.initial(config.replica_specs(), settings.policy), observer=metrics.observe
+                State.initial(config.replica_specs(), policy), observer=metrics.observe
             )
 
             def report(results: list[ProbeResult]) -> None:

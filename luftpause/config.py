@@ -27,6 +27,15 @@ command = ["npx", "-y", "@modelcontextprotocol/server-filesystem", "/srv"]
 address = "127.0.0.1:7233"
 namespace = "default"
 task_queue = "luftpause"
+
+[policy]                 # optional: the scheduler's constants (scheduler.Policy); defaults shown
+turn_timeout_s = 600.0
+idle_run_expiry_s = 1800.0
+strict_affinity = true
+kv_fill = 0.8            # with kv_tokens: the pool share bound runs may fill
+batch_kv_fill = 0.7      # ... batch runs; 1.0 = as kv_fill
+kv_retention_s = 60.0
+lane_batch_kv_fill = "off"   # a share (0-1) turns interactive lanes on
 ```
 Top-level keys (TOML puts them before the first table): `gateway_url`, where
 sub-agents' LLM turns go (default http://127.0.0.1:8080).
@@ -41,7 +50,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from scheduler import ReplicaSpec
+from scheduler import Policy, ReplicaSpec
 
 Kind = Literal["sglang", "vllm", "llamacpp", "ollama", "openai", "router", "classifier"]
 
@@ -168,6 +177,43 @@ class Temporal(BaseModel):
     task_queue: Annotated[str, Field(min_length=1)] = "luftpause"
 
 
+_POLICY = Policy()
+_Share = Annotated[float, Field(gt=0, le=1)]
+
+
+class PolicyConfig(BaseModel):
+    """`[policy]`: the admission policy's constants (`scheduler.Policy`, whose comments
+    say what each does).  Omitted keys keep the defaults; optional shares take "off"."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    turn_timeout_s: Annotated[float, Field(gt=0)] = _POLICY.turn_timeout_s
+    idle_run_expiry_s: Annotated[float, Field(gt=0)] = _POLICY.idle_run_expiry_s
+    assumed_reply_tokens: Annotated[int, Field(ge=1)] = _POLICY.assumed_reply_tokens
+    strict_affinity: bool = _POLICY.strict_affinity
+    cap_from_engine_queue: bool = _POLICY.cap_from_engine_queue
+    cap_increase: Annotated[int, Field(ge=1)] = _POLICY.cap_increase
+    reserve_for_paused_interactive: bool = _POLICY.reserve_for_paused_interactive
+    kv_admission: bool = _POLICY.kv_admission
+    kv_fill: _Share = _POLICY.kv_fill
+    batch_kv_fill: _Share | None = _POLICY.batch_kv_fill
+    kv_retention_s: Annotated[float, Field(ge=0)] = _POLICY.kv_retention_s
+    lane_batch_kv_fill: Annotated[float, Field(ge=0, le=1)] | None = _POLICY.lane_batch_kv_fill
+
+    @field_validator("batch_kv_fill", "lane_batch_kv_fill", mode="before")
+    @classmethod
+    def _off(cls, v: object) -> object:
+        # TOML has no null: "off" switches an optional share off.
+        if isinstance(v, str) and v.strip().lower() == "off":
+            return None
+        if isinstance(v, str):
+            raise ValueError(f'expected a share between 0 and 1, or "off"; got {v!r}')
+        return v
+
+    def to_policy(self) -> Policy:
+        return Policy(**self.model_dump())
+
+
 class Config(BaseModel):
     """The whole file."""
 
@@ -176,6 +222,7 @@ class Config(BaseModel):
     endpoints: Annotated[list[Endpoint], Field(min_length=1)]
     mcp_servers: list[McpServer] = []
     temporal: Temporal = Temporal()
+    policy: PolicyConfig = PolicyConfig()
     # The base URL sub-agents' LLM turns go to: the gateway (default), or a peer router
     # when a benchmark compares them.
     gateway_url: str = "http://127.0.0.1:8080"

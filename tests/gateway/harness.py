@@ -88,9 +88,11 @@ async def gateway(
     token: str | None = None,
     probe_period: float = 0.05,
     policy: Any = None,
+    sections: dict[str, Any] | None = None,
 ) -> AsyncIterator[tuple[httpx.AsyncClient, AdmissionShell]]:
-    """Serve the gateway over loopback; yield a client for it and its admission shell."""
-    config = parse_config({"endpoints": list(endpoints)})
+    """Serve the gateway over loopback; yield a client for it and its admission shell.
+    `sections` are more of luftpause.toml (e.g. {"policy": {...}})."""
+    config = parse_config({"endpoints": list(endpoints), **(sections or {})})
     app = create_app(
         GatewaySettings(config=config, token=token, probe_period=probe_period, policy=policy)
     )

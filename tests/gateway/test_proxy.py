@@ -210,6 +210,17 @@ async def test_a_paused_run_keeps_its_replica() -> None:
         assert a.chats and b.chats  # new runs were spread over both
 
 
+async def test_the_files_policy_section_reaches_the_scheduler() -> None:
+    async with (
+        engine() as (url, _),
+        gateway(
+            endpoint("e", url),
+            sections={"policy": {"strict_affinity": False, "lane_batch_kv_fill": 0.25}},
+        ) as (_, shell),
+    ):
+        assert shell.state.policy == Policy(strict_affinity=False, lane_batch_kv_fill=0.25)
+
+
 async def test_later_turns_hit_the_prefix_cache() -> None:
     async with (
         engine(time_scale=50) as (url_a, _),

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import tomllib
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
 from luftpause.config import Config, ConfigError, load_config, parse_config
-from scheduler import ReplicaSpec
+from scheduler import Policy, ReplicaSpec
 
 GOOD = """
 [[endpoints]]
@@ -127,6 +129,21 @@ def test_a_good_file_loads_with_defaults(tmp_path: Path) -> None:
             '[temporal]\nadress="x"',
             "temporal.adress: unknown field",
         ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+            "[policy]\nkv_fill=1.5",
+            "policy.kv_fill: Input should be less than or equal to 1",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+            '[policy]\nlane_batch_kv_fill="most"',
+            "policy.lane_batch_kv_fill: expected a share between 0 and 1, or \"off\"; got 'most'",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+            "[policy]\nturn_timeout=5",
+            "policy.turn_timeout: unknown field",
+        ),
     ],
 )
 def test_bad_files_name_the_field_and_the_expectation(
@@ -164,3 +181,29 @@ def test_environment_overrides_the_file(tmp_path: Path) -> None:
     assert config.temporal.address == "temporal:7233"
     assert config.gateway_url == "http://gw:8080"
     assert load_config(path).temporal.address == "file:7233"
+
+
+def test_the_policy_section_sets_the_schedulers_constants(tmp_path: Path) -> None:
+    endpoint = '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+    # Without [policy], the scheduler's own defaults; every Policy field has a key.
+    default = load_config(_write(tmp_path, endpoint)).policy
+    assert default.to_policy() == Policy()
+    assert set(type(default).model_fields) == {f.name for f in fields(Policy)}
+    path = _write(
+        tmp_path,
+        endpoint + '[policy]\nstrict_affinity=false\nbatch_kv_fill="off"\n'
+        "lane_batch_kv_fill=0.3\nturn_timeout_s=120\n",
+    )
+    policy = load_config(path).policy.to_policy()
+    assert policy == Policy(
+        strict_affinity=False, batch_kv_fill=None, lane_batch_kv_fill=0.3, turn_timeout_s=120.0
+    )
+
+
+def test_the_readmes_example_file_is_valid() -> None:
+    readme = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Configuration", 1)[1]
+    example = section.split("```toml\n", 1)[1].split("```", 1)[0]
+    config = parse_config(tomllib.loads(example), "README.md")
+    assert {e.kind for e in config.endpoints} >= {"sglang", "vllm", "openai", "classifier"}
+    assert config.policy.to_policy() == Policy()  # it lists the defaults
