@@ -108,8 +108,10 @@ class LlmActivities:
         started = time.monotonic()
         try:
             async with heartbeating(self._every):
+                # A caller may be any UTF-8 name (httpx would encode str values as ASCII).
+                wire = {k.encode(): v.encode() for k, v in headers.items()}
                 response = await self._http.post(
-                    f"{self._base}/v1/chat/completions", json=body, headers=headers
+                    f"{self._base}/v1/chat/completions", json=body, headers=wire
                 )
         except httpx.HTTPError as exc:
             # The gateway is down or restarting: retry, as the policy allows.

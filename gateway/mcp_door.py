@@ -225,7 +225,9 @@ def caller_of(ctx: Any, token_identity: str | None) -> str:
         headers = getattr(getattr(ctx, "request", None), "headers", None) or {}
     named = headers.get(CALLER_HEADER)
     if named:
-        return named.encode()[:128].decode(errors="ignore") or ANONYMOUS
+        # Starlette decodes header bytes as latin-1; cut the original bytes, UTF-8 safe
+        # (as the proxy door does).
+        return named.encode("latin-1")[:128].decode("utf-8", errors="ignore") or ANONYMOUS
     session = headers.get(SESSION_HEADER)
     if session:
         return f"mcp-session:{session}"[:128]

@@ -205,11 +205,15 @@ async def test_an_approval_answered_through_elicitation(
 @pytest.mark.parametrize("mode", MODES)
 async def test_caller_header_and_bearer_token(temporal_address: str, mode: str) -> None:
     async with stack(temporal_address, token="s3cret") as s:
-        headers = {"authorization": "Bearer s3cret", "x-luftpause-caller": "team-a"}
+        # A caller is any UTF-8 name; its sub-agents' turns carry it through the proxy.
+        caller = "team-jürgen"
+        headers = {"authorization": b"Bearer s3cret", "x-luftpause-caller": caller.encode()}
         async with _client(s.mcp_door, mode, headers) as c:
             handle = await spawn(c, task=task_with(0, "who"))
             (st,) = await s.runs.statuses([handle])
-            assert st.caller == "team-a"
+            assert st.caller == caller
+            (st,) = await s.runs.wait([handle], timeout=60)
+            assert st.state == "Completed" and st.usage.turns == 1
         # Without the token the door answers 401 and runs nothing.
         async with httpx.AsyncClient() as http:
             r = await http.post(s.mcp_door, json={"jsonrpc": "2.0", "id": 1, "method": "ping"})
@@ -218,7 +222,7 @@ async def test_caller_header_and_bearer_token(temporal_address: str, mode: str) 
 
 
 @contextlib.asynccontextmanager
-async def _client(url: str, mode: str, headers: dict[str, str], **kw: Any) -> AsyncIterator[Client]:
+async def _client(url: str, mode: str, headers: dict[str, Any], **kw: Any) -> AsyncIterator[Client]:
     http = httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(30.0, read=None))
     async with http, Client(streamable_http_client(url, http_client=http), mode=mode, **kw) as c:
         yield c
