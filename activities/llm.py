@@ -140,15 +140,24 @@ class LlmActivities:
             ) from None
         usage = data.get("usage") or {}
         details = usage.get("prompt_tokens_details") or {}
-        calls = [
-            ToolCall(
-                id=str(c.get("id") or f"call_{i}"),
-                name=str(c["function"]["name"]),
-                arguments=str(c["function"].get("arguments") or ""),
+        # Call ids key approvals and the tool servers' idempotency: they must be unique
+        # in the run, whatever the engine sends (none, or "call_0" again every turn).
+        used = _call_ids(turn.messages)
+        calls = []
+        for i, c in enumerate(message.get("tool_calls") or []):
+            if not (isinstance(c, dict) and isinstance(c.get("function"), dict)):
+                continue
+            call_id = str(c.get("id") or "")
+            if not call_id or call_id in used:
+                call_id = f"{call_id or 'call'}_{len(turn.messages)}_{i}"
+            used.add(call_id)
+            calls.append(
+                ToolCall(
+                    id=call_id,
+                    name=str(c["function"]["name"]),
+                    arguments=str(c["function"].get("arguments") or ""),
+                )
             )
-            for i, c in enumerate(message.get("tool_calls") or [])
-            if isinstance(c, dict) and isinstance(c.get("function"), dict)
-        ]
         recovered = False
         content = message.get("content")
         if not calls and turn.tools and isinstance(content, str):
@@ -196,3 +205,14 @@ class LlmActivities:
                 f"gateway answered {response.status_code}: {_message(response)}",
                 non_retryable=response.status_code in _PERMANENT,
             )
+
+
+def _call_ids(messages: list[dict[str, Any]]) -> set[str]:
+    """The tool call ids the run's transcript already has."""
+    return {
+        str(c.get("id"))
+        for m in messages
+        if m.get("role") == "assistant"
+        for c in m.get("tool_calls") or []
+        if isinstance(c, dict)
+    }

@@ -122,6 +122,29 @@ async def test_calls_written_as_text_are_recovered_only_for_offered_tools() -> N
     assert not out.recovered and out.tool_calls == [] and out.message["content"] == text
 
 
+async def test_call_ids_are_unique_in_the_run_whatever_the_engine_sends() -> None:
+    # Ids key approvals and the tool servers' idempotency: an engine that sends none,
+    # or "call_0" again every turn, must not make a later call reuse an earlier answer.
+    def call_(name: str, call_id: str | None) -> dict[str, Any]:
+        c: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": "{}"}}
+        return c if call_id is None else {**c, "id": call_id}
+
+    calls = [call_("lookup", None), call_("lookup", "call_0"), call_("lookup", "fresh")]
+    app = upstream(
+        lambda r: completion({"role": "assistant", "tool_calls": calls}, finish="tool_calls")
+    )
+    earlier = {"role": "assistant", "tool_calls": [call_("lookup", "call_0")]}
+    history = [
+        {"role": "user", "content": "hi"},
+        earlier,
+        {"role": "tool", "tool_call_id": "call_0", "content": "x"},
+    ]
+    out = await call(app, turn(tools=TOOLS, messages=history))
+    ids = [c.id for c in out.tool_calls]
+    assert ids == ["call_3_0", "call_0_3_1", "fresh"]
+    assert [c["id"] for c in out.message["tool_calls"]] == ids
+
+
 def test_arguments_are_coerced_then_validated() -> None:
     schema = {
         "type": "object",
