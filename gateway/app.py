@@ -135,7 +135,7 @@ class _BadRequest(Exception):
 def create_app(settings: GatewaySettings) -> FastAPI:
     """Build the gateway; nothing runs until the app's lifespan starts."""
     config = settings.config
-    endpoints: dict[str, Endpoint] = {e.name: e for e in config.endpoints if e.generative}
+    endpoints: dict[str, Endpoint] = {e.name: e for e in config.replicas}
     models = sorted({m for e in endpoints.values() for m in e.models})
     classifiers = [e for e in config.endpoints if not e.generative]
     runtime: _Runtime | None = None
@@ -393,7 +393,7 @@ class _Door:
 
     def deps(self, models: list[str], runtime: Callable[[], _Runtime | None]) -> DoorDeps:
         config = self._config
-        endpoints = {e.name: e for e in config.endpoints if e.generative}
+        endpoints = {e.name: e for e in config.replicas}
         classifiers = [e for e in config.endpoints if not e.generative]
 
         async def decide_in_process(

@@ -12,7 +12,8 @@ kind = "sglang"          # sglang | vllm | llamacpp | ollama | openai | router |
 models = ["llama-3.2-1b"]
 health_path = "/health"
 api_key_env = "RUNPOD_KEY"   # hosted endpoints: key read from the environment
-load_from = []           # for kind = "router": the engines whose load it reports
+load_from = []           # for kind = "router": the engines whose load it reports (they
+                         # are probed, not sent turns: the router places turns on them)
 kv_tokens = 56000        # optional: KV pool size, enables program-level admission
 labels = []              # for kind = "classifier": class names, in /classify's order
 
@@ -250,12 +251,19 @@ class Config(BaseModel):
                     )
         return self
 
+    @property
+    def replicas(self) -> list[Endpoint]:
+        """The endpoints turns go to: the generative ones, except the engines a router
+        stands in front of (they are probed for the router's load, never sent turns:
+        turns sent both ways would be counted and placed twice)."""
+        behind = {n for e in self.endpoints for n in e.load_from}
+        return [e for e in self.endpoints if e.generative and e.name not in behind]
+
     def replica_specs(self) -> list[ReplicaSpec]:
-        """The generative endpoints as the scheduler core sees them."""
+        """The replicas as the scheduler core sees them."""
         return [
             ReplicaSpec(name=e.name, models=frozenset(e.models), kv_tokens=e.kv_tokens)
-            for e in self.endpoints
-            if e.generative
+            for e in self.replicas
         ]
 
 

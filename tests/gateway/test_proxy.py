@@ -210,6 +210,24 @@ async def test_a_paused_run_keeps_its_replica() -> None:
         assert a.chats and b.chats  # new runs were spread over both
 
 
+async def test_a_routers_engines_are_probed_for_its_load_and_not_sent_turns() -> None:
+    async with (
+        engine() as (a, rec_a),
+        engine() as (b, rec_b),
+        engine() as (r, rec_r),  # stands in for the router in front of a and b
+        gateway(
+            endpoint("a", a),
+            endpoint("b", b),
+            endpoint("router", r, kind="router", load_from=["a", "b"]),
+        ) as (client, shell),
+    ):
+        assert set(shell.state.replicas) == {"router"}
+        for _ in range(3):
+            response = await client.post("/v1/chat/completions", json=chat())
+            assert response.status_code == 200
+        assert len(rec_r.chats) == 3 and rec_a.chats == rec_b.chats == []
+
+
 async def test_the_files_policy_section_reaches_the_scheduler() -> None:
     async with (
         engine() as (url, _),
