@@ -226,6 +226,10 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         rt = running()
         header_run = request.headers.get(RUN_HEADER, "").strip()
+        if header_run and not _RUN_ID.fullmatch(header_run):
+            # As DELETE /v1/runs/{id} takes it (and it is echoed in a response header).
+            message = f"{RUN_HEADER}: expected 1 to 128 printable ASCII characters"
+            return error_response(400, message, "")
         fallback_run = header_run or _new_id()
         if not authorized(request):
             return unauthorized(fallback_run)

@@ -544,13 +544,20 @@ async def test_caller_is_cut_to_128_bytes_utf8_safe() -> None:
 
 
 async def test_hostile_run_ids_and_deep_json_get_400_not_500() -> None:
-    async with engine(instant=True) as (url, _), gateway(endpoint("a", url)) as (gw, _):
+    async with engine(instant=True) as (url, _), gateway(endpoint("a", url)) as (gw, shell):
         for path in ("/v1/runs/%E2%82%AC", "/v1/runs/a%0D%0Ab", "/v1/runs/" + "x" * 129):
             r = await gw.delete(path)
             assert r.status_code == 400, path
             assert "run id: expected 1 to 128 printable ASCII" in r.json()["error"]["message"]
         ok = await gw.delete("/v1/runs/run-1")
         assert ok.status_code == 204
+        # The proxy takes a run id header on the same terms, so every run can be ended.
+        for bad in (b"x" * 129, "€uro".encode(), b"a b"):
+            r = await gw.post("/v1/chat/completions", json=chat(), headers={RUN.encode(): bad})
+            assert r.status_code == 400, bad
+            message = r.json()["error"]["message"]
+            assert message == "x-luftpause-run-id: expected 1 to 128 printable ASCII characters"
+        assert not shell.state.runs
         deep = b"[" * 200_000
         for route in ("/v1/chat/completions", "/v1/decide"):
             r = await gw.post(route, content=deep, headers={"content-type": "application/json"})
