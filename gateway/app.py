@@ -282,7 +282,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             shell=rt.shell,
             client=rt.client,
             endpoints=endpoints,
-            classifiers=classifiers,
+            classifiers=_healthy_first(classifiers, rt.prober),
             clock=rt.loop.time,
             receive=request.receive,
         )
@@ -420,7 +420,7 @@ class _Door:
                 shell=rt.shell,
                 client=rt.client,
                 endpoints=endpoints,
-                classifiers=classifiers,
+                classifiers=_healthy_first(classifiers, rt.prober),
                 clock=rt.loop.time,
                 receive=receive,
             )
@@ -504,6 +504,17 @@ def _parse_class(value: str | None) -> ServiceClass:
     except ValueError:
         accepted = " or ".join(f"'{c.value}'" for c in ServiceClass)
         raise _BadRequest(f"{CLASS_HEADER} must be {accepted}, got {value!r}") from None
+
+
+def _healthy_first(classifiers: list[Endpoint], prober: Prober) -> list[Endpoint]:
+    """Classifiers the last probe found healthy (or has not probed yet) come first."""
+    last = prober.last
+
+    def down(e: Endpoint) -> bool:
+        r = last.get(e.name)
+        return r is not None and not r.healthy
+
+    return sorted(classifiers, key=down)
 
 
 def _caller(request: Request) -> str:

@@ -248,7 +248,8 @@ async def classify(
             f"configuration names {len(endpoint.labels)} labels"
         )
         return error_response(502, message, run_id)
-    body = json.dumps({"label": label, "probabilities": probabilities})
+    # A classifier scores every one of its labels: none is left unscored.
+    body = json.dumps({"label": label, "probabilities": probabilities, "unscored": []})
     return Response(body, headers={RUN_HEADER: run_id}, media_type="application/json")
 
 

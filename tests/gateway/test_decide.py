@@ -137,6 +137,19 @@ async def test_engine_errors_are_passed_through() -> None:
 # --------------------------------------------------------------------------- classifier
 
 
+async def test_a_classifier_the_probe_found_down_is_passed_over() -> None:
+    async with (
+        engine(models=(CLF,), labels=("no", "yes"), instant=True) as (url, recorded),
+        gateway(
+            endpoint("down", closed_port_url(), kind="classifier", models=(CLF,)),
+            endpoint("up", url, kind="classifier", models=(CLF,)),
+        ) as (gw, _),
+    ):
+        r = await gw.post("/v1/decide", json={"input": "x"})
+        assert r.status_code == 200, r.text
+        assert recorded.bodies == [{"model": CLF, "input": "x"}]
+
+
 async def test_classifier_endpoint() -> None:
     async with (
         engine(models=(CLF,), labels=("negative", "positive"), instant=True) as (url, recorded),
@@ -146,7 +159,7 @@ async def test_classifier_endpoint() -> None:
         assert r.status_code == 200, r.text
         assert r.headers[RUN]
         body = r.json()
-        assert set(body) == {"label", "probabilities"}
+        assert set(body) == {"label", "probabilities", "unscored"} and body["unscored"] == []
         assert body["label"] in ("negative", "positive")
         assert set(body["probabilities"]) == {"0", "1"}  # vLLM's probs carry no names
         assert math.isclose(sum(body["probabilities"].values()), 1.0)
