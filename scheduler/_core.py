@@ -341,6 +341,7 @@ class _Tx:
         self.retention = state._retention
         self.actions: list[Action] = []
         self.refill: list[str] = []
+        self.changes = 0  # admissions and re-pins so far: what makes a second look useful
 
     def finish(self) -> State:
         return State(
@@ -596,16 +597,25 @@ class _Tx:
 
         Rounds of one admission per replica spread a burst over the replicas."""
         active = list(names)
+        idle: set[str] = set()  # found nothing to take since the state last changed
         while active:
             still = []
             for name in active:
+                changes = self.changes
                 t = self._pick(name)
                 if t is not None:
                     self._admit(t, name)
                     still.append(name)
+                elif self.changes == changes:
+                    idle.add(name)
+                if self.changes != changes:
+                    idle.clear()
             # Replicas whose held turns may have become admissible meanwhile: turns
-            # re-pinned there, or KV released there by a run that moved away.
-            still += [n for n in self.refill if n not in still]
+            # re-pinned there, KV released there by a run that moved away, or a turn
+            # that waits here whose run holds KV there.  A replica that found nothing
+            # since the last change would find nothing again: two replicas asking each
+            # other to look must not loop.
+            still += [n for n in self.refill if n not in still and n not in idle]
             self.refill.clear()
             active = still
 
@@ -651,6 +661,7 @@ class _Tx:
                     self._unhold(t)
                     self._hold(t, (_PIN, home, cls))
                     self.refill.append(home)
+                    self.changes += 1
                     continue
                 if t.bucket is not None and t.bucket[0] == _PIN:
                     return t
@@ -663,8 +674,9 @@ class _Tx:
                 skip_models = True
                 kv_blocked = True
                 run = self.runs.get(t.run_id)
-                if run is not None and run.ws_claim and run.replica is not None:
-                    self.refill.append(run.replica)
+                home = None if run is None or not run.ws_claim else run.replica
+                if home is not None and home != name and t.model in self.models_of(home):
+                    self.refill.append(home)
         return None
 
     def _bound_elsewhere(self, t: TurnState, name: str) -> str | None:
@@ -673,8 +685,12 @@ class _Tx:
             return None
         return self._pinned_replica(run, t.model)
 
+    def models_of(self, name: str) -> frozenset[str]:
+        return self.replicas[name].spec.models
+
     def _admit(self, t: TurnState, name: str) -> None:
         """Admit a held turn that heads its caller's queue in its bucket."""
+        self.changes += 1
         key = t.bucket
         assert key is not None
         caller = t.caller

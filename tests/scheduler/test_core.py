@@ -467,6 +467,32 @@ def test_batch_waits_while_an_interactive_turn_behind_a_kv_wait_could_go() -> No
     assert {big, fits, batch} <= d.held_ids()
 
 
+def test_two_replicas_waiting_on_each_others_kv_do_not_loop() -> None:
+    # Found by review: a's best turn waits for KV on a while its run holds KV on b, and
+    # b's best turn waits on b while its run holds KV on a; each asked the other to look
+    # again, and decide() never returned.
+    import signal
+
+    def hung(*_: object) -> None:
+        raise AssertionError("decide() did not return")
+
+    policy = Policy(strict_affinity=False, kv_fill=1.0, batch_kv_fill=None)
+    d = Driver(
+        ("a", "b"), kv_tokens=8000, policy=policy, serves={"a": ("m0", "m1"), "b": ("m1", "m2")}
+    )
+    d.arrive("ra", model="m1", prompt=4700, max_tokens=300, caller="x")  # a: 5,000
+    d.arrive("rb", model="m1", prompt=4700, max_tokens=300, caller="y")  # b: 5,000
+    ha = d.arrive("rb", model="m0", prompt=4000, max_tokens=300, caller="y")  # only a: held
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(5)
+    try:
+        hb = d.arrive("ra", model="m2", prompt=4000, max_tokens=300, caller="x")  # only b
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert {ha, hb} <= d.held_ids()
+
+
 def test_interactive_lanes_pack_interactive_runs_where_interactive_runs_are() -> None:
     lanes = Policy(kv_fill=1.0, batch_kv_fill=None, lane_batch_kv_fill=0.3)
     d = Driver(("a", "b"), kv_tokens=10_000, policy=lanes)
