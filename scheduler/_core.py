@@ -467,10 +467,14 @@ class _Tx:
         names = [name]
         if run is not None and run.replica is not None and run.replica != name:
             names.append(run.replica)  # the run moved; its claim there may be gone too
-        if shrank:
-            # A held turn of this run may fit a replica's KV now, wherever it may go (rare:
-            # a conversation's context grows; this is a shorter report, or the run's end).
-            names += [n for n in self.state._replicas if n not in names]
+        if shrank and self.buckets:
+            # A held turn of this run may fit a replica's KV now, wherever it may go: a
+            # report shorter than the gateway's estimate, or the run's end.  (Only when
+            # turns are held; a replica without a free slot answers at once.)
+            names += sorted(
+                (n for n in self.state._replicas if n not in names),
+                key=lambda n: (self.replicas[n].load, n),
+            )
         self._fill(names)
 
     def run_ended(self, run_id: str) -> None:
