@@ -179,7 +179,8 @@ class Temporal(BaseModel):
 
 
 _POLICY = Policy()
-_Share = Annotated[float, Field(gt=0, le=1)]
+# strict: TOML's true/false are not shares (false would read as 0.0: lanes on at 0).
+_Share = Annotated[float, Field(gt=0, le=1, strict=True)]
 
 
 class PolicyConfig(BaseModel):
@@ -188,8 +189,9 @@ class PolicyConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    turn_timeout_s: Annotated[float, Field(gt=0)] = _POLICY.turn_timeout_s
-    idle_run_expiry_s: Annotated[float, Field(gt=0)] = _POLICY.idle_run_expiry_s
+    # At least a second: the same value bounds how long the proxy waits on an engine.
+    turn_timeout_s: Annotated[float, Field(ge=1, strict=True)] = _POLICY.turn_timeout_s
+    idle_run_expiry_s: Annotated[float, Field(ge=1, strict=True)] = _POLICY.idle_run_expiry_s
     assumed_reply_tokens: Annotated[int, Field(ge=1)] = _POLICY.assumed_reply_tokens
     strict_affinity: bool = _POLICY.strict_affinity
     cap_from_engine_queue: bool = _POLICY.cap_from_engine_queue
@@ -198,8 +200,10 @@ class PolicyConfig(BaseModel):
     kv_admission: bool = _POLICY.kv_admission
     kv_fill: _Share = _POLICY.kv_fill
     batch_kv_fill: _Share | None = _POLICY.batch_kv_fill
-    kv_retention_s: Annotated[float, Field(ge=0)] = _POLICY.kv_retention_s
-    lane_batch_kv_fill: Annotated[float, Field(ge=0, le=1)] | None = _POLICY.lane_batch_kv_fill
+    kv_retention_s: Annotated[float, Field(ge=0, strict=True)] = _POLICY.kv_retention_s
+    lane_batch_kv_fill: Annotated[float, Field(ge=0, le=1, strict=True)] | None = (
+        _POLICY.lane_batch_kv_fill
+    )
 
     @field_validator("batch_kv_fill", "lane_batch_kv_fill", mode="before")
     @classmethod
@@ -207,7 +211,7 @@ class PolicyConfig(BaseModel):
         # TOML has no null: "off" switches an optional share off.
         if isinstance(v, str) and v.strip().lower() == "off":
             return None
-        if isinstance(v, str):
+        if isinstance(v, str | bool):
             raise ValueError(f'expected a share between 0 and 1, or "off"; got {v!r}')
         return v
 
@@ -227,6 +231,18 @@ class Config(BaseModel):
     # The base URL sub-agents' LLM turns go to: the gateway (default), or a peer router
     # when a benchmark compares them.
     gateway_url: str = "http://127.0.0.1:8080"
+
+    @model_validator(mode="after")
+    def _lanes_need_kv(self) -> Config:
+        p = self.policy
+        if p.lane_batch_kv_fill is not None and not (
+            p.kv_admission and any(e.kv_tokens for e in self.replicas)
+        ):
+            raise ValueError(
+                "policy.lane_batch_kv_fill: interactive lanes are made of runs holding KV; "
+                "they need kv_tokens on the endpoints and kv_admission = true"
+            )
+        return self
 
     @model_validator(mode="after")
     def _references(self) -> Config:

@@ -23,14 +23,15 @@ Rules (DESIGN.md "The scheduler"), stated once, enforced here and nowhere else:
    after `Policy.kv_retention_s`, and exists only under strict affinity (elsewhere it
    would not come back to it).  An unbound turn waiting for KV is not overtaken by
    unbound turns of its class or below; bound (continuing) runs go on.  A turn larger
-   than the limit on its own is admitted without it (it could never fit).
+   than its class's limit on its own goes in once no other run of its class holds KV
+   on the replica (it could never fit beside them).
 7. A model no replica serves is rejected with 404 before it is queued.
 8. Ticks free the slots of turns never reported finished after `turn_timeout_s` and
    forget runs idle or paused for `idle_run_expiry_s`.
 9. Interactive lanes (`Policy.lane_batch_kv_fill` set): a new interactive run goes first
-   to the replica holding the most interactive runs, and on a replica holding any, new
-   batch runs stop at `lane_batch_kv_fill` of its pool; the other replicas take batch
-   whole.  Interactive runs then share their replica with little batch KV, whose reads
+   to the replica where the most interactive runs hold KV, and on a replica where any
+   do, new batch runs stop at `lane_batch_kv_fill` of its pool; the other replicas take
+   batch whole.  Interactive runs then share their replica with little batch KV, whose reads
    slow every decode step.
 
 After every event no held turn is admissible (except behind a turn waiting for KV, as
@@ -97,7 +98,8 @@ class ReplicaState(NamedTuple):
     paused_interactive: int = 0  # interactive runs paused on a tool here
     bound_runs: int = 0  # generating or paused runs whose replica this is
     ws_tokens: int = 0  # their KV working set (context + reply), while claimed
-    interactive_runs: int = 0  # bound runs that are interactive (its lane, rule 9)
+    interactive_runs: int = 0  # interactive runs holding KV here (its lane, rule 9)
+    batch_ws: int = 0  # the part of ws_tokens that batch runs claim
 
     @property
     def load(self) -> int:
@@ -278,6 +280,15 @@ class State:
         if run is not None and run.context_tokens > context:
             context = run.context_tokens
         return context + turn.reply_tokens
+
+
+def _lane(run: RunState) -> int:
+    """1 if the run makes its replica an interactive lane: interactive, holding KV."""
+    return 1 if run.ws_claim and run.service_class is _INTERACTIVE else 0
+
+
+def _batch_claim(run: RunState) -> int:
+    return run.ws_claim if run.service_class is _BATCH else 0
 
 
 def _kv_share(policy: Policy, service_class: ServiceClass, lane: bool) -> float:
@@ -587,14 +598,17 @@ class _Tx:
         if run is not None and run.context_tokens > context:
             context = run.context_tokens
         need = context + t.reply_tokens
-        if r.ws_tokens + need <= kv * _kv_share(
-            self.policy, t.service_class, r.interactive_runs > 0
-        ):
+        limit = kv * _kv_share(self.policy, t.service_class, r.interactive_runs > 0)
+        if r.ws_tokens + need <= limit:
             return True
-        # A turn that would not fit even on a replica of its own is not the policy's to
-        # protect: waiting for an empty replica would hold every new run of its class
-        # behind it.
-        return need > kv * _kv_share(self.policy, t.service_class, False)
+        if need <= limit:
+            return False
+        # Larger than its class's limit here on its own: it could never fit beside the
+        # others, and waiting for an empty replica would hold every new run of its class
+        # behind it.  It goes in once no other run of its class holds KV here: one at a
+        # time, so a small share cannot let a class overfill the pool.
+        own = r.batch_ws if t.service_class is _BATCH else r.ws_tokens - r.batch_ws
+        return own == 0
 
     def _fill(self, names: Sequence[str]) -> None:
         """Admit held turns to these replicas until none can take one more.
@@ -780,13 +794,14 @@ class _Tx:
         ws: int = 0,
         paused: int = 0,
         interactive: int = 0,
+        batch_ws: int = 0,
     ) -> None:
         """Change a replica's counters (one copy of its record)."""
         r = self.replicas[name]
         self.replicas[name] = ReplicaState(
             r.spec, r.healthy, r.queued, r.running, r.cap, r.in_flight + in_flight,
             r.paused_interactive + paused, r.bound_runs + bound, r.ws_tokens + ws,
-            r.interactive_runs + interactive,
+            r.interactive_runs + interactive, r.batch_ws + batch_ws,
         )  # fmt: skip
 
     def _set_run(self, run: RunState) -> None:
@@ -822,14 +837,14 @@ class _Tx:
                 claim = run.context_tokens + run.reply_tokens
             counted_paused = phase is RunPhase.PAUSED and run.service_class is _INTERACTIVE
         run = RunState._make((*run[:10], bound, claim, counted_paused, run.ended))
-        interactive = bound and run.service_class is _INTERACTIVE
         if old is not None and old.bound and name is not None and old.replica == name:
             self._adjust(
                 name,
                 bound=bound - 1,
                 ws=claim - old.ws_claim,
                 paused=counted_paused - old.counted_paused,
-                interactive=interactive - (old.service_class is _INTERACTIVE),
+                interactive=_lane(run) - _lane(old),
+                batch_ws=_batch_claim(run) - _batch_claim(old),
             )
         else:
             if old is not None:
@@ -837,7 +852,12 @@ class _Tx:
             if bound:
                 assert name is not None
                 self._adjust(
-                    name, bound=1, ws=claim, paused=counted_paused, interactive=interactive
+                    name,
+                    bound=1,
+                    ws=claim,
+                    paused=counted_paused,
+                    interactive=_lane(run),
+                    batch_ws=_batch_claim(run),
                 )
         was = old.phase if old is not None and old.last_active == run.last_active else None
         if phase is not RunPhase.GENERATING and was in (None, RunPhase.GENERATING):
@@ -853,7 +873,8 @@ class _Tx:
                 bound=-1,
                 ws=-run.ws_claim,
                 paused=-run.counted_paused,
-                interactive=-(run.service_class is _INTERACTIVE),
+                interactive=-_lane(run),
+                batch_ws=-_batch_claim(run),
             )
 
     def _hold(self, t: TurnState, key: BucketKey) -> None:

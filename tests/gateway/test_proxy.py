@@ -232,7 +232,7 @@ async def test_the_files_policy_section_reaches_the_scheduler() -> None:
     async with (
         engine() as (url, _),
         gateway(
-            endpoint("e", url),
+            endpoint("e", url, kv_tokens=56_000),
             sections={"policy": {"strict_affinity": False, "lane_batch_kv_fill": 0.25}},
         ) as (_, shell),
     ):

@@ -143,6 +143,21 @@ def test_a_good_file_loads_with_defaults(tmp_path: Path) -> None:
             "[policy]\nturn_timeout=5",
             "policy.turn_timeout: unknown field",
         ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+            "kv_tokens=9000\n[policy]\nlane_batch_kv_fill=false",
+            'policy.lane_batch_kv_fill: expected a share between 0 and 1, or "off"; got False',
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+            "[policy]\nlane_batch_kv_fill=0.3",
+            "interactive lanes are made of runs holding KV; they need kv_tokens",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+            "[policy]\nturn_timeout_s=0.001",
+            "policy.turn_timeout_s: Input should be greater than or equal to 1",
+        ),
     ],
 )
 def test_bad_files_name_the_field_and_the_expectation(
@@ -183,7 +198,9 @@ def test_environment_overrides_the_file(tmp_path: Path) -> None:
 
 
 def test_the_policy_section_sets_the_schedulers_constants(tmp_path: Path) -> None:
-    endpoint = '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+    endpoint = (
+        '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\nkv_tokens=56000\n'
+    )
     # Without [policy], the scheduler's own defaults; every Policy field has a key.
     default = load_config(_write(tmp_path, endpoint)).policy
     assert default.to_policy() == Policy()

@@ -423,13 +423,21 @@ def test_interactive_waiting_for_kv_is_not_overtaken_by_a_new_batch_run() -> Non
     assert admits(d.actions)[0] == (ti, "a")
 
 
-def test_a_turn_too_large_for_the_kv_limit_does_not_hold_up_new_runs() -> None:
-    d = Driver(("a",), kv_tokens=10_000, policy=Policy(kv_fill=0.5))
-    d.arrive("bound", prompt=1000, max_tokens=500)  # something is always bound
-    huge = d.arrive("huge", prompt=9000, max_tokens=1000)  # > 5000 even alone
-    assert d.state.turns[huge].replica == "a"  # admitted: waiting could never help
+def test_a_turn_too_large_for_its_limit_goes_in_once_its_class_holds_no_kv_there() -> None:
+    d = Driver(("a",), kv_tokens=10_000, policy=Policy(kv_fill=0.5, batch_kv_fill=0.3))
+    first = d.arrive("bound", prompt=1000, max_tokens=500)  # interactive, holds 1,500
+    d.arrive("job", cls=B, prompt=1000, max_tokens=500, caller="j")  # batch, holds 1,500
+    huge = d.arrive("huge", prompt=9000, max_tokens=1000)  # > 5,000 even alone
+    assert huge in d.held_ids()  # it could never fit beside "bound": it waits for it
+    d.finish(first, "stop")  # "bound" is idle: no interactive run holds KV here now
+    assert d.admitted() == {huge: "a"}  # the batch claim does not keep it out
     small = d.arrive("small", prompt=100, max_tokens=100)
-    assert small in d.held_ids()  # the pool is now over its limit: new runs wait
+    assert small in d.held_ids()  # the pool is over its limit now: new runs wait
+    # A small share does not let batch overfill the pool: oversize batch runs go one at
+    # a time (3,000 is 30 %; each of these needs 3,500).
+    e = Driver(("a",), kv_tokens=10_000, policy=Policy(batch_kv_fill=0.3))
+    jobs = [e.arrive(f"j{n}", cls=B, prompt=3000, max_tokens=500, caller="j") for n in range(3)]
+    assert [e.state.turns[j].replica for j in jobs] == ["a", None, None]
 
 
 def test_a_held_turn_sized_by_its_runs_context_is_placed_when_that_context_shrinks() -> None:
@@ -519,6 +527,17 @@ def test_interactive_lanes_keep_new_batch_runs_small_beside_interactive_runs() -
     d.feed(RunEnded(now=d.step(), run_id="i1"))  # no interactive run left: batch fills it
     assert d.admitted() == {b2: "a"}
     assert d.state.kv_limit("a", B) == 10_000
+
+
+def test_a_batch_run_larger_than_the_lane_is_not_starved_by_it() -> None:
+    lanes = Policy(kv_fill=1.0, batch_kv_fill=None, lane_batch_kv_fill=0.3)
+    d = Driver(("a",), kv_tokens=10_000, policy=lanes)
+    i1 = d.arrive("i1", cls=I, prompt=1000, max_tokens=200)
+    d.finish(i1, "tool_calls", prompt=1000, out=200)  # a lane while it holds KV
+    mid = d.arrive("mid", cls=B, prompt=4000, max_tokens=100, caller="j")  # > 3,000
+    assert d.admitted() == {mid: "a"}  # no batch holds KV there: one such run goes in
+    small = d.arrive("small", cls=B, prompt=100, max_tokens=100, caller="j")
+    assert small in d.held_ids()  # and the lane's limit holds for the rest
 
 
 def test_without_lanes_a_new_interactive_run_goes_to_the_least_loaded_replica() -> None:

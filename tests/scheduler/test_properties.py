@@ -200,7 +200,10 @@ def check_bookkeeping(s: State) -> None:
         assert r.ws_tokens == sum(run.ws_claim for run in bound)
         assert r.paused_interactive == sum(run.counted_paused for run in bound)
         assert r.interactive_runs == sum(
-            run.service_class is ServiceClass.INTERACTIVE for run in bound
+            run.service_class is ServiceClass.INTERACTIVE and run.ws_claim > 0 for run in bound
+        )
+        assert r.batch_ws == sum(
+            run.ws_claim for run in bound if run.service_class is ServiceClass.BATCH
         )
         for run in bound:
             assert run.phase is not RunPhase.IDLE
@@ -233,13 +236,14 @@ def could_use(s: State, x: Any, name: str) -> bool:
     need = s.kv_need(x)
     if r.ws_tokens + need <= limit:
         return True
-    # A turn larger than its class's limit on a replica of its own (no interactive lane
-    # there) is admitted without it (rule 6).
-    assert r.spec.kv_tokens is not None
-    alone = s.policy.kv_fill
-    if x.service_class is ServiceClass.BATCH and s.policy.batch_kv_fill is not None:
-        alone = min(alone, s.policy.batch_kv_fill)
-    return need > r.spec.kv_tokens * alone
+    # A turn larger than its class's limit there goes in once no other run of its class
+    # holds KV there (rule 6); recounted from the runs, not read from the core.
+    own = sum(
+        run.ws_claim
+        for run in s.runs.values()
+        if run.bound and run.replica == name and run.service_class is x.service_class
+    )
+    return need > limit and own == 0
 
 
 def admissible_alone(s: State, x: Any, name: str) -> bool:
