@@ -6,6 +6,12 @@ router's load is the sum over its `load_from` engines.  Each round becomes one
 `ReplicaProbed` event per generative endpoint for the core.  Both fetches share one
 timeout (`PROBE_TIMEOUT_S`); a failure of either marks the endpoint unhealthy, with
 the reason kept for `/status`.
+
+An engine whose KV pool size the configuration does not give is asked for it until it
+answers: SGLang's `/get_server_info` (`max_total_num_tokens`), vLLM's
+`vllm:cache_config_info` gauge (`num_gpu_blocks` x `block_size`).  The core takes the
+first answer, which turns on program-level admission there.  Not knowing it is no
+error: the replica is admitted by load alone.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ class ProbeResult:
     queued: int | None = None  # None: the endpoint reports no load
     running: int | None = None
     error: str | None = None  # why it is unhealthy
+    kv_tokens: int | None = None  # the KV pool size the engine reported, when asked
 
     def event(self, now: float) -> ReplicaProbed:
         return ReplicaProbed(
@@ -56,6 +63,7 @@ class ProbeResult:
             healthy=self.healthy,
             queued=self.queued,
             running=self.running,
+            kv_tokens=self.kv_tokens,
         )
 
 
@@ -75,6 +83,30 @@ def parse_load(kind: str, text: str) -> tuple[int, int] | None:
     return int(totals[names[0]]), int(totals[names[1]])
 
 
+def parse_vllm_kv_tokens(text: str) -> int | None:
+    """vLLM's KV pool in tokens from `vllm:cache_config_info`'s labels (its
+    CacheConfig): `num_gpu_blocks` x `block_size`."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("vllm:cache_config_info"):
+                try:
+                    blocks = int(sample.labels["num_gpu_blocks"])
+                    size = int(sample.labels["block_size"])
+                except (KeyError, ValueError):
+                    return None
+                return blocks * size if blocks > 0 and size > 0 else None
+    return None
+
+
+def parse_sglang_kv_tokens(info: object) -> int | None:
+    """SGLang's KV pool in tokens from `/get_server_info` (its scheduler's
+    `max_total_num_tokens`)."""
+    value = info.get("max_total_num_tokens") if isinstance(info, dict) else None
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    return None
+
+
 def auth_headers(endpoint: Endpoint, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     """The endpoint's own key (never a client's): `Authorization: Bearer $api_key_env`."""
     if endpoint.api_key_env and environ.get(endpoint.api_key_env):
@@ -83,10 +115,16 @@ def auth_headers(endpoint: Endpoint, environ: Mapping[str, str] = os.environ) ->
 
 
 async def probe_endpoint(
-    client: httpx.AsyncClient, endpoint: Endpoint, *, timeout: float = PROBE_TIMEOUT_S
+    client: httpx.AsyncClient,
+    endpoint: Endpoint,
+    *,
+    timeout: float = PROBE_TIMEOUT_S,
+    want_kv: bool = False,
 ) -> ProbeResult:
-    """Health, and load where the kind reports it.  Never raises."""
+    """Health, and load where the kind reports it (and the KV pool size, when
+    `want_kv`).  Never raises."""
     headers = auth_headers(endpoint)
+    kv: int | None = None
     try:
         async with asyncio.timeout(timeout):
             health = await client.get(endpoint.url + endpoint.health, headers=headers)
@@ -99,6 +137,8 @@ async def probe_endpoint(
             if endpoint.kind not in LOAD_METRICS:
                 return ProbeResult(endpoint=endpoint.name, healthy=True)
             metrics = await client.get(endpoint.url + "/metrics", headers=headers)
+            if want_kv and endpoint.kind == "sglang":
+                kv = await _sglang_kv_tokens(client, endpoint, headers)
     except TimeoutError:
         return ProbeResult(
             endpoint=endpoint.name, healthy=False, error=f"no answer within {timeout:g} s"
@@ -122,12 +162,31 @@ async def probe_endpoint(
             healthy=False,
             error=f"/metrics lacks {q} and {r} (is the engine started with metrics on?)",
         )
-    return ProbeResult(endpoint=endpoint.name, healthy=True, queued=load[0], running=load[1])
+    if want_kv and endpoint.kind == "vllm":
+        kv = parse_vllm_kv_tokens(metrics.text)
+    return ProbeResult(
+        endpoint=endpoint.name, healthy=True, queued=load[0], running=load[1], kv_tokens=kv
+    )
 
 
-async def probe_pool(client: httpx.AsyncClient, config: Config) -> list[ProbeResult]:
-    """One round over every endpoint, concurrently; routers get their engines' load."""
-    results = await asyncio.gather(*(probe_endpoint(client, e) for e in config.endpoints))
+async def _sglang_kv_tokens(
+    client: httpx.AsyncClient, endpoint: Endpoint, headers: dict[str, str]
+) -> int | None:
+    try:
+        info = await client.get(endpoint.url + "/get_server_info", headers=headers)
+        return parse_sglang_kv_tokens(info.json()) if info.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None  # not knowing it is no reason to call the engine unhealthy
+
+
+async def probe_pool(
+    client: httpx.AsyncClient, config: Config, *, want_kv: frozenset[str] = frozenset()
+) -> list[ProbeResult]:
+    """One round over every endpoint, concurrently; routers get their engines' load.
+    Endpoints named in `want_kv` are also asked their KV pool size."""
+    results = await asyncio.gather(
+        *(probe_endpoint(client, e, want_kv=e.name in want_kv) for e in config.endpoints)
+    )
     by_name = {r.endpoint: r for r in results}
     out = []
     for e, r in zip(config.endpoints, results, strict=True):
@@ -162,10 +221,15 @@ class Prober:
         self._period = period
         self._task: asyncio.Task[None] | None = None
         self.last: dict[str, ProbeResult] = {}
+        # Replicas whose KV pool the file does not give: asked until they answer.
+        self._want_kv = {e.name for e in config.replicas if e.kv_tokens is None}
 
     async def probe_once(self) -> list[ProbeResult]:
-        results = await probe_pool(self._client, self._config)
+        results = await probe_pool(self._client, self._config, want_kv=frozenset(self._want_kv))
         for r in results:
+            if r.kv_tokens is not None and r.endpoint in self._want_kv:
+                self._want_kv.discard(r.endpoint)
+                log.info("endpoint %s reports a KV pool of %d tokens", r.endpoint, r.kv_tokens)
             before = self.last.get(r.endpoint)
             if before is not None and before.healthy != r.healthy:
                 log.warning(

@@ -14,7 +14,8 @@ health_path = "/health"
 api_key_env = "RUNPOD_KEY"   # hosted endpoints: key read from the environment
 load_from = []           # for kind = "router": the engines whose load it reports (they
                          # are probed, not sent turns: the router places turns on them)
-kv_tokens = 56000        # optional: KV pool size, enables program-level admission
+kv_tokens = 56000        # optional: KV pool size (SGLang and vLLM report theirs), enables
+                         # program-level admission
 labels = []              # for kind = "classifier": class names, in /classify's order
 
 [[mcp_servers]]          # tools for sub-agents: streamable HTTP ...
@@ -61,6 +62,9 @@ LOAD_METRICS: Mapping[str, tuple[str, str]] = {
     "vllm": ("vllm:num_requests_waiting", "vllm:num_requests_running"),
     "llamacpp": ("llamacpp:requests_deferred", "llamacpp:requests_processing"),
 }
+
+# Engine kinds the gateway asks for their KV pool size when `kv_tokens` is not given.
+KV_REPORTED_BY: tuple[str, ...] = ("sglang", "vllm")
 
 # Where each kind answers a health check when the file does not say.
 DEFAULT_HEALTH_PATH: Mapping[str, str] = {
@@ -235,12 +239,12 @@ class Config(BaseModel):
     @model_validator(mode="after")
     def _lanes_need_kv(self) -> Config:
         p = self.policy
-        if p.lane_batch_kv_fill is not None and not (
-            p.kv_admission and any(e.kv_tokens for e in self.replicas)
-        ):
+        known = any(e.kv_tokens or e.kind in KV_REPORTED_BY for e in self.replicas)
+        if p.lane_batch_kv_fill is not None and not (p.kv_admission and known):
             raise ValueError(
                 "policy.lane_batch_kv_fill: interactive lanes are made of runs holding KV; "
-                "they need kv_tokens on the endpoints and kv_admission = true"
+                "they need kv_admission = true and a known KV pool (kv_tokens, or "
+                f"endpoints of kind {' or '.join(KV_REPORTED_BY)}, which report theirs)"
             )
         return self
 

@@ -49,6 +49,7 @@ an unknown replica) raise `SchedulerError` and leave the state as it was.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import NamedTuple
 
 from immutables import Map
@@ -512,8 +513,13 @@ class _Tx:
             cap = max(1, ev.running)
         elif cap is not None and r.in_flight >= cap:
             cap += self.policy.cap_increase
+        spec = r.spec
+        if ev.kv_tokens is not None and ev.kv_tokens > 0 and spec.kv_tokens is None:
+            # The engine told its pool size; a configured one wins.  Claims start with
+            # each run's next change of phase.
+            spec = replace(spec, kv_tokens=ev.kv_tokens)
         self.replicas[ev.replica] = r._replace(
-            healthy=ev.healthy, queued=ev.queued, running=ev.running, cap=cap
+            spec=spec, healthy=ev.healthy, queued=ev.queued, running=ev.running, cap=cap
         )
         if r.healthy and not ev.healthy:
             # Its runs may move now: their held turns may go to any replica of the model.

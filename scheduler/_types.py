@@ -37,8 +37,9 @@ class ReplicaSpec:
 
     name: str
     models: frozenset[str]
-    # KV pool size in tokens, when known (SGLang /server_info max_total_num_tokens).
-    # Enables program-level admission on this replica; None turns it off here.
+    # KV pool size in tokens, when known: configured, or reported by the engine (SGLang
+    # /get_server_info max_total_num_tokens, vLLM's cache_config_info) and set by the
+    # first probe that carries it.  Enables program-level admission on this replica.
     kv_tokens: int | None = None
 
 
@@ -134,13 +135,16 @@ class RunEnded:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ReplicaProbed:
-    """A probe result.  `queued`/`running` None: the engine reports no load."""
+    """A probe result.  `queued`/`running` None: the engine reports no load.
+    `kv_tokens`: the KV pool size the engine reported, if asked (it becomes the
+    replica's when the configuration gave none)."""
 
     now: float
     replica: str
     healthy: bool
     queued: int | None = None
     running: int | None = None
+    kv_tokens: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -661,6 +661,16 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         text = _metrics_text(s.flavor, s.models[0], metric_values())
+        if s.flavor == "vllm":
+            # vLLM exports its CacheConfig as labels of an info gauge; the pool in
+            # tokens is num_gpu_blocks x block_size.
+            blocks = params.kv_pool_tokens // params.block_tokens
+            text += (
+                "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
+                "# TYPE vllm:cache_config_info gauge\n"
+                f'vllm:cache_config_info{{block_size="{params.block_tokens}",'
+                f'cache_dtype="auto",num_gpu_blocks="{blocks}"}} 1.0\n'
+            )
         return Response(text, media_type=_PROMETHEUS)
 
     async def server_info() -> Response:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from dataclasses import replace
+from typing import Any
 
 import httpx
 import pytest
@@ -207,3 +208,47 @@ async def test_against_the_fake_engine_over_loopback(flavor: str) -> None:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@pytest.mark.parametrize(("flavor", "expected"), [("sglang", 56_000), ("vllm", 56_000)])
+async def test_an_engines_kv_pool_is_asked_when_wanted(flavor: str, expected: int) -> None:
+    """SGLang's /get_server_info and vLLM's cache_config_info give the pool in tokens."""
+    async with (
+        serve(create_app(FakeEngineSettings(flavor=flavor))) as url,
+        httpx.AsyncClient() as c,
+    ):
+        ep = _endpoint(flavor, url=url)
+        assert (await probe_endpoint(c, ep)).kv_tokens is None  # not asked
+        asked = await probe_endpoint(c, ep, want_kv=True)
+        assert asked.healthy and asked.kv_tokens == expected
+        assert asked.event(1.0).kv_tokens == expected
+
+
+async def test_the_prober_asks_until_told_and_a_configured_pool_wins() -> None:
+    engine_app = create_app(FakeEngineSettings(flavor="sglang"))
+    async with serve(engine_app) as url, httpx.AsyncClient() as c:
+        cfg = parse_config(
+            {"endpoints": [
+                {"name": "told", "url": url, "kind": "sglang", "models": ["m"]},
+                {"name": "set", "url": url, "kind": "sglang", "models": ["m"], "kv_tokens": 9},
+            ]}
+        )  # fmt: skip
+        rounds: list[list[Any]] = []
+        prober = Prober(cfg, c, rounds.append, period=60)
+        await prober.probe_once()
+        await prober.probe_once()
+    first, second = ({r.endpoint: r.kv_tokens for r in results} for results in rounds)
+    assert first == {"told": 56_000, "set": None}  # the file's 9 is not asked about
+    assert second == {"told": None, "set": None}  # told once: not asked again
+
+
+def test_kv_pool_parsers_refuse_what_is_not_a_pool() -> None:
+    from gateway.prober import parse_sglang_kv_tokens, parse_vllm_kv_tokens
+
+    assert parse_sglang_kv_tokens({"max_total_num_tokens": 1234}) == 1234
+    for bad in ({}, {"max_total_num_tokens": True}, {"max_total_num_tokens": "9"}, [], None):
+        assert parse_sglang_kv_tokens(bad) is None
+    info = 'vllm:cache_config_info{block_size="16",num_gpu_blocks="%s"} 1.0\n'
+    assert parse_vllm_kv_tokens(info % "100") == 1600
+    assert parse_vllm_kv_tokens(info % "x") is None
+    assert parse_vllm_kv_tokens("vllm:num_requests_running 0\n") is None

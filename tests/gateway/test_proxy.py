@@ -228,6 +228,18 @@ async def test_a_routers_engines_are_probed_for_its_load_and_not_sent_turns() ->
         assert len(rec_r.chats) == 3 and rec_a.chats == rec_b.chats == []
 
 
+async def test_an_engines_kv_pool_turns_on_kv_admission_unless_the_file_sets_one() -> None:
+    async with (
+        engine() as (a, _),
+        engine() as (b, _),
+        gateway(endpoint("a", a), endpoint("b", b, kv_tokens=9000)) as (_, shell),
+    ):
+        replicas = shell.state.replicas
+        assert replicas["a"].spec.kv_tokens == 56_000  # the fake engine's pool
+        assert replicas["b"].spec.kv_tokens == 9000
+        assert shell.state.kv_limit("a") == 56_000 * 0.8
+
+
 async def test_the_files_policy_section_reaches_the_scheduler() -> None:
     async with (
         engine() as (url, _),

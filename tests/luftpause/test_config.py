@@ -149,9 +149,10 @@ def test_a_good_file_loads_with_defaults(tmp_path: Path) -> None:
             'policy.lane_batch_kv_fill: expected a share between 0 and 1, or "off"; got False',
         ),
         (
-            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="ollama"\nmodels=["m"]\n'
             "[policy]\nlane_batch_kv_fill=0.3",
-            "interactive lanes are made of runs holding KV; they need kv_tokens",
+            "interactive lanes are made of runs holding KV; they need kv_admission = true "
+            "and a known KV pool (kv_tokens, or endpoints of kind sglang or vllm",
         ),
         (
             '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'

@@ -501,6 +501,18 @@ def test_two_replicas_waiting_on_each_others_kv_do_not_loop() -> None:
     assert {ha, hb} <= d.held_ids()
 
 
+def test_a_reported_kv_pool_is_taken_once_and_a_configured_one_wins() -> None:
+    d = Driver(("a",), kv_tokens=None)
+    assert d.state.kv_limit("a") is None
+    d.feed(ReplicaProbed(now=1.0, replica="a", healthy=True, queued=0, running=0, kv_tokens=8000))
+    assert d.state.replicas["a"].spec.kv_tokens == 8000
+    d.feed(ReplicaProbed(now=2.0, replica="a", healthy=True, queued=0, running=0, kv_tokens=9))
+    assert d.state.replicas["a"].spec.kv_tokens == 8000
+    e = Driver(("a",), kv_tokens=5000)
+    e.feed(ReplicaProbed(now=1.0, replica="a", healthy=True, kv_tokens=8000))
+    assert e.state.replicas["a"].spec.kv_tokens == 5000
+
+
 def test_interactive_lanes_pack_interactive_runs_where_interactive_runs_are() -> None:
     lanes = Policy(kv_fill=1.0, batch_kv_fill=None, lane_batch_kv_fill=0.3)
     d = Driver(("a", "b"), kv_tokens=10_000, policy=lanes)
