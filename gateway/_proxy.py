@@ -27,6 +27,7 @@ from opentelemetry.trace import Span, SpanKind, StatusCode, Tracer, set_span_in_
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from activities._recover import recover_tool_calls
 from gateway._http import Upstream, UpstreamAnswer, UpstreamError, wait_disconnect
 from gateway._shell import Admission, AdmissionShell, Rejected
 from gateway.prober import auth_headers
@@ -89,12 +90,19 @@ def error_response(status: int, message: str, run_id: str) -> Response:
 
 class StreamWatch:
     """Reads what the core needs from an answer without altering it: finish reason,
-    usage and tool call ids, from SSE `data:` lines as they pass or a JSON body."""
+    usage and tool call ids, from SSE `data:` lines as they pass or a JSON body.
 
-    def __init__(self, *, sse: bool) -> None:
+    When tools were offered (`tools`: their names) and the answer ends in `stop` with
+    calls written as text instead (engines without a tool-call parser), the finish is
+    reported as `tool_calls`: the run is paused on a tool, as the client will treat it."""
+
+    def __init__(self, *, sse: bool, tools: frozenset[str] = frozenset()) -> None:
         self._sse = sse
+        self._tools = tools
         self._buffer = bytearray()
         self._too_big = False
+        self._content: list[str] = []  # the answer's text, only while tools were offered
+        self._content_chars = 0
         self.finish_reason: str | None = None
         self.prompt_tokens = 0
         self.completion_tokens = 0
@@ -129,13 +137,24 @@ class StreamWatch:
         else:
             self._inspect(_loads(bytes(self._buffer)))
         self._buffer = bytearray()
+        if (
+            self.finish_reason == "stop"
+            and self._content
+            and not self.tool_call_ids
+            and recover_tool_calls("".join(self._content), self._tools, salt="")
+        ):
+            self.finish_reason = "tool_calls"
 
     def _line(self, line: bytes) -> None:
         line = line.rstrip(b"\r")
         if not line.startswith(b"data:"):
             return
         data = line[5:].strip()
-        if data and data != b"[DONE]" and _may_matter(data):
+        if not data or data == b"[DONE]":
+            return
+        if self._tools and b'"content"' in data:
+            self._inspect(_loads(data))  # its text may hold calls written as text
+        elif _may_matter(data):
             self._inspect(_loads(data))
 
     def _inspect(self, obj: object) -> None:
@@ -157,6 +176,8 @@ class StreamWatch:
             reason = choice.get("finish_reason")
             if isinstance(reason, str):
                 self.finish_reason = reason
+            if self._tools:
+                self._keep_text(choice)
             for part in (choice.get("delta"), choice.get("message")):
                 calls = part.get("tool_calls") if isinstance(part, dict) else None
                 if not isinstance(calls, list):
@@ -165,6 +186,13 @@ class StreamWatch:
                     call_id = call.get("id") if isinstance(call, dict) else None
                     if isinstance(call_id, str) and call_id not in self.tool_call_ids:
                         self.tool_call_ids.append(call_id)
+
+    def _keep_text(self, choice: dict[str, Any]) -> None:
+        for part in (choice.get("delta"), choice.get("message")):
+            text = part.get("content") if isinstance(part, dict) else None
+            if isinstance(text, str) and self._content_chars + len(text) <= _MAX_JSON_BODY:
+                self._content.append(text)
+                self._content_chars += len(text)
 
 
 _WATCHED_KEYS = (b'"usage"', b'"tool_calls"', b'"finish_reason"')
@@ -209,6 +237,7 @@ class TurnRequest:
     accept: str | None
     prompt_tokens: int
     max_tokens: int
+    tools: frozenset[str] = frozenset()  # names of the function tools offered
 
     def arrival(self, now: float) -> TurnArrived:
         return TurnArrived(
@@ -403,7 +432,7 @@ class TurnResponse(Response):
         t = self._turn
         media = answer.header(b"content-type") or b""
         encoded = (answer.header(b"content-encoding") or b"identity").lower() != b"identity"
-        watch = StreamWatch(sse=media.startswith(b"text/event-stream"))
+        watch = StreamWatch(sse=media.startswith(b"text/event-stream"), tools=t.tools)
         headers = [(k, v) for k, v in answer.headers if k not in _DROP_UPSTREAM]
         headers.append((_RUN_HEADER_BYTES, t.run_id.encode("latin-1")))
         await send({"type": "http.response.start", "status": answer.status, "headers": headers})

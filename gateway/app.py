@@ -253,6 +253,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             accept=request.headers.get("accept"),
             prompt_tokens=len(raw) // 4,
             max_tokens=_max_tokens(body),
+            tools=_tool_names(body),
         )
         return TurnResponse(
             turn,
@@ -524,6 +525,19 @@ def _caller(request: Request) -> str:
     # Starlette decodes header bytes as latin-1; cut the original bytes, UTF-8 safe.
     raw = value.encode("latin-1")[:CALLER_MAX_BYTES]
     return raw.decode("utf-8", errors="ignore") or ANONYMOUS_CALLER
+
+
+def _tool_names(body: dict[str, Any]) -> frozenset[str]:
+    """The names of the function tools a request offers (for calls written as text)."""
+    tools = body.get("tools")
+    if not isinstance(tools, list):
+        return frozenset()
+    names = (
+        t["function"].get("name")
+        for t in tools
+        if isinstance(t, dict) and isinstance(t.get("function"), dict)
+    )
+    return frozenset(n for n in names if isinstance(n, str))
 
 
 def _max_tokens(body: dict[str, Any]) -> int:

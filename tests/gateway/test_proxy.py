@@ -31,7 +31,7 @@ from harness import (
 from starlette.types import Receive, Scope, Send
 
 from gateway._shell import AdmissionShell
-from scheduler import Policy
+from scheduler import Policy, RunPhase
 from testkit._fake_text import key
 from testkit.engine import EngineParams
 from testkit.loopback import serve
@@ -208,6 +208,26 @@ async def test_a_paused_run_keeps_its_replica() -> None:
             }
             assert len(on) == 1, f"run {task!r} moved between replicas: {on}"
         assert a.chats and b.chats  # new runs were spread over both
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_calls_written_as_text_pause_the_run_as_real_ones_do(stream: bool) -> None:
+    # Engines without a tool-call parser answer "stop" with the call in the text; the
+    # client recovers it and will come back, so the run is paused on a tool, not idle.
+    async with (
+        engine(instant=True) as (url, _),
+        gateway(endpoint("a", url)) as (gw, shell),
+    ):
+        task = tool_task(2, "as text") + " [fake: text-tools]"
+        body = chat(task, tools=TOOLS, stream=stream, fake_max_tool_calls=3)
+        r = await gw.post("/v1/chat/completions", json=body, headers={RUN: "texty"})
+        assert r.status_code == 200
+        assert b"<tool_call>" in r.content  # passed through unchanged
+        assert shell.state.runs["texty"].phase is RunPhase.PAUSED
+        # The same answer without tools offered is an answer: the run is idle.
+        plain = chat(task, stream=stream, fake_max_tool_calls=3)
+        await gw.post("/v1/chat/completions", json=plain, headers={RUN: "plain"})
+        assert shell.state.runs["plain"].phase is RunPhase.IDLE
 
 
 async def test_a_routers_engines_are_probed_for_its_load_and_not_sent_turns() -> None:
