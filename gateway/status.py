@@ -35,6 +35,7 @@ def status_snapshot(
         r = state.replicas[name]
         probe = probes.get(name)
         kv_limit = state.kv_limit(name)
+        batch_limit = state.kv_limit(name, ServiceClass.BATCH)
         replicas.append(
             {
                 "name": name,
@@ -48,10 +49,16 @@ def status_snapshot(
                 "bound_runs": r.bound_runs,
                 "kv_working_set_tokens": r.ws_tokens,
                 "kv_limit_tokens": int(kv_limit) if kv_limit is not None else None,
+                # new batch runs stop here (lower on an interactive lane, rule 9)
+                "kv_batch_limit_tokens": int(batch_limit) if batch_limit is not None else None,
+                "interactive_lane": (
+                    state.policy.lane_batch_kv_fill is not None and r.interactive_runs > 0
+                ),
             }
         )
 
     by_class = {c.value: 0 for c in ServiceClass}
+    class_earliest: dict[str, float] = {}
     # caller -> [held turns, earliest arrival]
     callers: dict[str, list[Any]] = {}
     total = 0
@@ -59,6 +66,9 @@ def status_snapshot(
     for t in state.held():
         total += 1
         by_class[t.service_class.value] += 1
+        cls = t.service_class.value
+        if cls not in class_earliest or t.arrived < class_earliest[cls]:
+            class_earliest[cls] = t.arrived
         entry = callers.get(t.caller)
         if entry is None:
             callers[t.caller] = [1, t.arrived]
@@ -87,6 +97,10 @@ def status_snapshot(
         "held": {
             "total": total,
             "by_class": by_class,
+            "oldest_wait_by_class_s": {
+                c.value: _wait(now, class_earliest[c.value]) if c.value in class_earliest else 0.0
+                for c in ServiceClass
+            },
             "by_caller": by_caller,
             "oldest_wait_s": _wait(now, earliest) if earliest is not None else 0.0,
         },
@@ -214,11 +228,16 @@ def render_status_page(snapshot: Mapping[str, Any]) -> str:
         "bound_runs",
         "kv_working_set_tokens",
         "kv_limit_tokens",
+        "kv_batch_limit_tokens",
+        "interactive_lane",
     ]
     replicas = _table(replica_keys, [[r[k] for k in replica_keys] for r in snapshot["replicas"]])
     held = snapshot["held"]
     classes = [c.value for c in ServiceClass]
-    held_by_class = _table(["class", "held"], [[c, held["by_class"].get(c, 0)] for c in classes])
+    held_by_class = _table(
+        ["class", "held", "oldest_wait_s"],
+        [[c, held["by_class"].get(c, 0), held["oldest_wait_by_class_s"][c]] for c in classes],
+    )
     held_by_caller = _table(
         ["caller", "held", "in_flight", "oldest_wait_s"],
         [[c["caller"], c["held"], c["in_flight"], c["oldest_wait_s"]] for c in held["by_caller"]],

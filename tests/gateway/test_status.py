@@ -130,6 +130,8 @@ def test_snapshot_of_a_hand_built_state() -> None:
                 # r1 paused: 120 context + 50 reply; r3 generating: 40 + 10
                 "kv_working_set_tokens": 220,
                 "kv_limit_tokens": 8000,
+                "kv_batch_limit_tokens": 7000,  # 70 % of the pool (no lane here)
+                "interactive_lane": False,
             },
             {
                 "name": "b",
@@ -143,11 +145,14 @@ def test_snapshot_of_a_hand_built_state() -> None:
                 "bound_runs": 0,
                 "kv_working_set_tokens": 0,
                 "kv_limit_tokens": None,
+                "kv_batch_limit_tokens": None,
+                "interactive_lane": False,
             },
         ],
         "held": {
             "total": 2,
             "by_class": {"interactive": 1, "batch": 1},
+            "oldest_wait_by_class_s": {"interactive": 6.0, "batch": 8.0},
             "by_caller": [
                 {"caller": "bob", "held": 1, "in_flight": 1, "oldest_wait_s": 8.0},
                 {"caller": "carol", "held": 1, "in_flight": 0, "oldest_wait_s": 6.0},
@@ -418,3 +423,12 @@ async def test_status_answers_when_temporal_is_unreachable() -> None:
             assert r.json()["sub_agents"].startswith("runs unavailable: ")
             page = await http.get("/")
             assert page.status_code == 200 and "runs unavailable" in page.text
+
+
+def test_snapshot_shows_an_interactive_lane_and_its_batch_limit() -> None:
+    specs = [ReplicaSpec(name="a", models=frozenset({MODEL}), kv_tokens=10_000)]
+    lanes = Policy(lane_batch_kv_fill=0.25)
+    state = run_events(State.initial(specs, lanes), [arrived(1.0, "t1", "r1", "alice", prompt=9)])
+    (a,) = status_snapshot(state, {}, {}, 2.0)["replicas"]
+    assert a["interactive_lane"] is True and a["kv_batch_limit_tokens"] == 2500
+    assert a["kv_limit_tokens"] == 8000
