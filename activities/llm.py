@@ -26,6 +26,7 @@ from temporalio.exceptions import ApplicationError
 from activities._recover import recover_tool_calls
 from activities.contract import EndRunInput, ToolCall, TurnInput, TurnOutput
 from luftpause import telemetry
+from luftpause.headers import CALLER_HEADER, CLASS_HEADER, RUN_HEADER
 
 __all__ = ["HEARTBEAT_EVERY_S", "LlmActivities", "heartbeating"]
 
@@ -88,9 +89,9 @@ class LlmActivities:
 
     def _headers(self, run_id: str, service_class: str, caller: str) -> dict[str, str]:
         return {
-            "x-luftpause-run-id": run_id,
-            "x-luftpause-class": service_class,
-            "x-luftpause-caller": caller,
+            RUN_HEADER: run_id,
+            CLASS_HEADER: service_class,
+            CALLER_HEADER: caller,
             **self._auth,
         }
 

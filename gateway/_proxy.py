@@ -33,6 +33,7 @@ from gateway._shell import Admission, AdmissionShell, Rejected
 from gateway.prober import auth_headers
 from luftpause import telemetry
 from luftpause.config import Endpoint
+from luftpause.headers import RUN_HEADER
 from scheduler import (
     Event,
     ServiceClass,
@@ -47,7 +48,6 @@ __all__ = ["RUN_HEADER", "StreamWatch", "TurnRequest", "TurnResponse", "error_re
 
 log = logging.getLogger(__name__)
 
-RUN_HEADER = "x-luftpause-run-id"
 # A complete non-streaming answer is parsed for usage only up to this size.
 _MAX_JSON_BODY = 64 * 1024 * 1024
 # An SSE line longer than this is passed through but not inspected.

@@ -31,7 +31,7 @@ from temporalio.client import Client as TemporalClient
 
 from activities.mcp_pool import McpPool
 from gateway._http import Upstream
-from gateway._proxy import RUN_HEADER, TurnRequest, TurnResponse, error_response
+from gateway._proxy import TurnRequest, TurnResponse, error_response
 from gateway._shell import AdmissionShell
 from gateway.decide import DecideError, DecideRequest, decide, parse_decide
 from gateway.mcp_door import DoorDeps, create_mcp_server
@@ -40,6 +40,7 @@ from gateway.prober import PROBE_PERIOD_S, Prober, ProbeResult
 from gateway.status import render_status_page, status_snapshot, sub_agent_tree
 from luftpause import telemetry
 from luftpause.config import Config, Endpoint
+from luftpause.headers import CALLER_HEADER, CLASS_HEADER, RUN_HEADER
 from scheduler import Policy, RunEnded, ServiceClass, State, Tick
 from workflows import Runs
 
@@ -62,8 +63,6 @@ MCP_PATH = "/mcp"
 STATUS_RUNS = 20
 STATUS_RUNS_TIMEOUT_S = 3.0
 STATUS_QUERY_TIMEOUT_S = 0.5  # a run no worker answers for shows what Temporal knows
-CLASS_HEADER = "x-luftpause-class"
-CALLER_HEADER = "x-luftpause-caller"
 ANONYMOUS_CALLER = "anonymous"
 CALLER_MAX_BYTES = 128
 CONNECT_TIMEOUT_S = 2.0

@@ -25,10 +25,11 @@ from starlette.responses import Response
 from starlette.types import Receive
 
 from gateway._http import describe_http_error, wait_disconnect
-from gateway._proxy import RUN_HEADER, StreamWatch, TurnRequest, error_response, hold
+from gateway._proxy import StreamWatch, TurnRequest, error_response, hold
 from gateway._shell import AdmissionShell, Rejected
 from gateway.prober import auth_headers
 from luftpause.config import Endpoint
+from luftpause.headers import RUN_HEADER
 from scheduler import (
     Event,
     RunEnded,

@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from activities.contract import ToolInfo
 from gateway import _approval as approval
 from gateway.mcp_tasks import TasksExtension
+from luftpause.headers import CALLER_HEADER
 from workflows import AWAIT_MAX_S, TERMINAL_STATES, Budget, RunError, Runs, RunSpec, RunStatus
 
 __all__ = [
@@ -42,7 +43,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-CALLER_HEADER = "x-luftpause-caller"
 SESSION_HEADER = "mcp-session-id"
 ANONYMOUS = "anonymous"
 DEFAULT_AWAIT_S = 60.0
