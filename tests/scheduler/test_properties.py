@@ -70,6 +70,7 @@ probe = st.tuples(
     st.booleans(),  # healthy
     st.one_of(st.none(), st.just(0), st.integers(1, 3)),  # queued (None: no load reported)
     st.integers(0, 4),  # running
+    st.sampled_from([None, None, 8000]),  # the KV pool the engine reports
 )
 # one_of picks a branch uniformly: repeating a branch weights it, so that caps, held
 # turns and contention are common rather than rare.
@@ -144,10 +145,10 @@ class Runner:
                 return TurnAbandoned(now=self.now, turn_id=tid)
             return TurnStarted(now=self.now, turn_id=tid)
         if kind == "probe":
-            _, r, healthy, queued, running = op
+            _, r, healthy, queued, running, kv = op
             return ReplicaProbed(
                 now=self.now, replica=REPLICAS[r][0], healthy=healthy, queued=queued,
-                running=None if queued is None else running,
+                running=None if queued is None else running, kv_tokens=kv,
             )  # fmt: skip
         if kind == "tick":
             self.now += op[1]
