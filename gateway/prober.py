@@ -137,8 +137,6 @@ async def probe_endpoint(
             if endpoint.kind not in LOAD_METRICS:
                 return ProbeResult(endpoint=endpoint.name, healthy=True)
             metrics = await client.get(endpoint.url + "/metrics", headers=headers)
-            if want_kv and endpoint.kind == "sglang":
-                kv = await _sglang_kv_tokens(client, endpoint, headers)
     except TimeoutError:
         return ProbeResult(
             endpoint=endpoint.name, healthy=False, error=f"no answer within {timeout:g} s"
@@ -164,18 +162,23 @@ async def probe_endpoint(
         )
     if want_kv and endpoint.kind == "vllm":
         kv = parse_vllm_kv_tokens(metrics.text)
+    elif want_kv and endpoint.kind == "sglang":
+        # Apart from the health probe's time: a slow answer here (SGLang asks its
+        # scheduler) must not make a healthy engine look unhealthy.
+        kv = await _sglang_kv_tokens(client, endpoint, headers, timeout)
     return ProbeResult(
         endpoint=endpoint.name, healthy=True, queued=load[0], running=load[1], kv_tokens=kv
     )
 
 
 async def _sglang_kv_tokens(
-    client: httpx.AsyncClient, endpoint: Endpoint, headers: dict[str, str]
+    client: httpx.AsyncClient, endpoint: Endpoint, headers: dict[str, str], timeout: float
 ) -> int | None:
     try:
-        info = await client.get(endpoint.url + "/get_server_info", headers=headers)
+        async with asyncio.timeout(timeout):
+            info = await client.get(endpoint.url + "/get_server_info", headers=headers)
         return parse_sglang_kv_tokens(info.json()) if info.status_code == 200 else None
-    except (httpx.HTTPError, ValueError):
+    except (httpx.HTTPError, ValueError, TimeoutError):
         return None  # not knowing it is no reason to call the engine unhealthy
 
 

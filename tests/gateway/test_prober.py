@@ -252,3 +252,29 @@ def test_kv_pool_parsers_refuse_what_is_not_a_pool() -> None:
     assert parse_vllm_kv_tokens(info % "100") == 1600
     assert parse_vllm_kv_tokens(info % "x") is None
     assert parse_vllm_kv_tokens("vllm:num_requests_running 0\n") is None
+
+
+async def test_a_slow_server_info_does_not_make_a_healthy_engine_unhealthy() -> None:
+    from fastapi import FastAPI
+    from fastapi.responses import PlainTextResponse
+
+    app = FastAPI()
+    release = asyncio.Event()
+
+    @app.get("/health")
+    async def health() -> PlainTextResponse:
+        return PlainTextResponse("ok")
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse("sglang:num_queue_reqs 0\nsglang:num_running_reqs 2\n")
+
+    @app.get("/get_server_info")
+    async def slow() -> PlainTextResponse:
+        await release.wait()  # busy asking its scheduler
+        return PlainTextResponse("{}")
+
+    async with serve(app) as url, httpx.AsyncClient() as c:
+        r = await probe_endpoint(c, _endpoint("sglang", url=url), timeout=0.3, want_kv=True)
+        release.set()
+    assert (r.healthy, r.running, r.kv_tokens, r.error) == (True, 2, None, None)
