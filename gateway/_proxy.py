@@ -101,8 +101,11 @@ class StreamWatch:
         self._tools = tools
         self._buffer = bytearray()
         self._too_big = False
-        self._content: list[str] = []  # the answer's text, only while tools were offered
-        self._content_chars = 0
+        # The answer's text, only while tools were offered: a JSON body's message, or the
+        # raw SSE events that carry content (parsed only if the answer ends in "stop").
+        self._content: list[str] = []
+        self._events: list[bytes] = []
+        self._kept = 0
         self.finish_reason: str | None = None
         self.prompt_tokens = 0
         self.completion_tokens = 0
@@ -137,13 +140,15 @@ class StreamWatch:
         else:
             self._inspect(_loads(bytes(self._buffer)))
         self._buffer = bytearray()
-        if (
-            self.finish_reason == "stop"
-            and self._content
-            and not self.tool_call_ids
-            and recover_tool_calls("".join(self._content), self._tools, salt="")
-        ):
-            self.finish_reason = "tool_calls"
+        if self._tools and self.finish_reason == "stop" and not self.tool_call_ids:
+            for event in self._events:
+                obj = _loads(event)
+                for choice in obj.get("choices") or () if isinstance(obj, dict) else ():
+                    if isinstance(choice, dict):
+                        self._keep_text(choice)
+            text = "".join(self._content)
+            if text and recover_tool_calls(text, self._tools, salt=""):
+                self.finish_reason = "tool_calls"
 
     def _line(self, line: bytes) -> None:
         line = line.rstrip(b"\r")
@@ -152,9 +157,10 @@ class StreamWatch:
         data = line[5:].strip()
         if not data or data == b"[DONE]":
             return
-        if self._tools and b'"content"' in data:
-            self._inspect(_loads(data))  # its text may hold calls written as text
-        elif _may_matter(data):
+        if self._tools and b'"content"' in data and self._kept + len(data) <= _MAX_JSON_BODY:
+            self._events.append(data)  # its text may hold calls written as text
+            self._kept += len(data)
+        if _may_matter(data):
             self._inspect(_loads(data))
 
     def _inspect(self, obj: object) -> None:
@@ -176,7 +182,7 @@ class StreamWatch:
             reason = choice.get("finish_reason")
             if isinstance(reason, str):
                 self.finish_reason = reason
-            if self._tools:
+            if self._tools and not self._sse:
                 self._keep_text(choice)
             for part in (choice.get("delta"), choice.get("message")):
                 calls = part.get("tool_calls") if isinstance(part, dict) else None
@@ -190,9 +196,8 @@ class StreamWatch:
     def _keep_text(self, choice: dict[str, Any]) -> None:
         for part in (choice.get("delta"), choice.get("message")):
             text = part.get("content") if isinstance(part, dict) else None
-            if isinstance(text, str) and self._content_chars + len(text) <= _MAX_JSON_BODY:
+            if isinstance(text, str):
                 self._content.append(text)
-                self._content_chars += len(text)
 
 
 _WATCHED_KEYS = (b'"usage"', b'"tool_calls"', b'"finish_reason"')
