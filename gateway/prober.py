@@ -27,7 +27,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway._http import describe_http_error
-from luftpause.config import LOAD_METRICS, Config, Endpoint
+from luftpause.config import KV_REPORTED_BY, LOAD_METRICS, Config, Endpoint
 from scheduler import ReplicaProbed
 
 __all__ = [
@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 PROBE_PERIOD_S = 2.0
 PROBE_TIMEOUT_S = 2.0
+KV_ASKS = 3  # healthy probes that may ask an engine its KV pool before giving up
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -85,7 +86,9 @@ def parse_load(kind: str, text: str) -> tuple[int, int] | None:
 
 def parse_vllm_kv_tokens(text: str) -> int | None:
     """vLLM's KV pool in tokens from `vllm:cache_config_info`'s labels (its
-    CacheConfig): `num_gpu_blocks` x `block_size`."""
+    CacheConfig): `num_gpu_blocks` x `block_size`, summed over its engines (one sample
+    per `engine` label under data parallelism, as its load is summed)."""
+    pools: dict[str, int] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name.startswith("vllm:cache_config_info"):
@@ -94,16 +97,22 @@ def parse_vllm_kv_tokens(text: str) -> int | None:
                     size = int(sample.labels["block_size"])
                 except (KeyError, ValueError):
                     return None
-                return blocks * size if blocks > 0 and size > 0 else None
-    return None
+                if blocks <= 0 or size <= 0:
+                    return None
+                pools[sample.labels.get("engine", "")] = blocks * size
+    return sum(pools.values()) or None
 
 
 def parse_sglang_kv_tokens(info: object) -> int | None:
-    """SGLang's KV pool in tokens from `/get_server_info` (its scheduler's
-    `max_total_num_tokens`)."""
-    value = info.get("max_total_num_tokens") if isinstance(info, dict) else None
+    """SGLang's KV pool in tokens from `/get_server_info`: its scheduler's
+    `max_total_num_tokens`, which is one data-parallel rank's, times `dp_size`."""
+    if not isinstance(info, dict):
+        return None
+    value, ranks = info.get("max_total_num_tokens"), info.get("dp_size", 1)
+    if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
+        ranks = 1
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
+        return value * ranks
     return None
 
 
@@ -224,15 +233,30 @@ class Prober:
         self._period = period
         self._task: asyncio.Task[None] | None = None
         self.last: dict[str, ProbeResult] = {}
-        # Replicas whose KV pool the file does not give: asked until they answer.
-        self._want_kv = {e.name for e in config.replicas if e.kv_tokens is None}
+        # Replicas whose KV pool the file does not give: asked until they answer, at
+        # most KV_ASKS times while healthy (an engine that does not report it is not
+        # asked for ever: each ask can take a probe's time).
+        self._want_kv = {
+            e.name: 0 for e in config.replicas if e.kv_tokens is None and e.kind in KV_REPORTED_BY
+        }
 
     async def probe_once(self) -> list[ProbeResult]:
         results = await probe_pool(self._client, self._config, want_kv=frozenset(self._want_kv))
         for r in results:
-            if r.kv_tokens is not None and r.endpoint in self._want_kv:
-                self._want_kv.discard(r.endpoint)
-                log.info("endpoint %s reports a KV pool of %d tokens", r.endpoint, r.kv_tokens)
+            if r.endpoint in self._want_kv and r.healthy:
+                if r.kv_tokens is not None:
+                    del self._want_kv[r.endpoint]
+                    log.info("endpoint %s reports a KV pool of %d tokens", r.endpoint, r.kv_tokens)
+                elif (asks := self._want_kv[r.endpoint] + 1) >= KV_ASKS:
+                    del self._want_kv[r.endpoint]
+                    log.warning(
+                        "endpoint %s did not report its KV pool (%d asks): program-level "
+                        "admission is off there; set kv_tokens to turn it on",
+                        r.endpoint,
+                        asks,
+                    )
+                else:
+                    self._want_kv[r.endpoint] = asks
             before = self.last.get(r.endpoint)
             if before is not None and before.healthy != r.healthy:
                 log.warning(

@@ -252,6 +252,11 @@ def test_kv_pool_parsers_refuse_what_is_not_a_pool() -> None:
     assert parse_vllm_kv_tokens(info % "100") == 1600
     assert parse_vllm_kv_tokens(info % "x") is None
     assert parse_vllm_kv_tokens("vllm:num_requests_running 0\n") is None
+    # Data parallelism: SGLang reports one rank's pool and dp_size; vLLM one sample per
+    # engine.  The pool is the whole engine's, as its load is.
+    assert parse_sglang_kv_tokens({"max_total_num_tokens": 56000, "dp_size": 4}) == 224_000
+    per_engine = 'vllm:cache_config_info{block_size="16",engine="%d",num_gpu_blocks="5000"} 1.0\n'
+    assert parse_vllm_kv_tokens(per_engine % 0 + per_engine % 1) == 160_000
 
 
 async def test_a_slow_server_info_does_not_make_a_healthy_engine_unhealthy() -> None:
@@ -278,3 +283,34 @@ async def test_a_slow_server_info_does_not_make_a_healthy_engine_unhealthy() -> 
         r = await probe_endpoint(c, _endpoint("sglang", url=url), timeout=0.3, want_kv=True)
         release.set()
     assert (r.healthy, r.running, r.kv_tokens, r.error) == (True, 2, None, None)
+
+
+async def test_an_engine_that_does_not_report_its_pool_is_asked_three_times() -> None:
+    from fastapi import FastAPI
+    from fastapi.responses import PlainTextResponse
+
+    app = FastAPI()
+    asked = []
+
+    @app.get("/health")
+    async def health() -> PlainTextResponse:
+        return PlainTextResponse("ok")
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse("sglang:num_queue_reqs 0\nsglang:num_running_reqs 0\n")
+
+    @app.get("/get_server_info")
+    async def old_sglang() -> PlainTextResponse:
+        asked.append(1)
+        return PlainTextResponse("not found", status_code=404)
+
+    async with serve(app) as url, httpx.AsyncClient() as c:
+        cfg = parse_config(
+            {"endpoints": [{"name": "old", "url": url, "kind": "sglang", "models": ["m"]}]}
+        )
+        prober = Prober(cfg, c, lambda results: None, period=60)
+        for _ in range(5):
+            (r,) = await prober.probe_once()
+            assert r.healthy
+    assert len(asked) == 3
