@@ -102,10 +102,15 @@ class StreamWatch:
         self._buffer = bytearray()
         self._too_big = False
         # The answer's text, only while tools were offered: a JSON body's message, or the
-        # raw SSE events that carry content (parsed only if the answer ends in "stop").
+        # raw SSE events that carry content from where a call may begin (parsed only if
+        # the answer ends in "stop"): a call written as text either starts the text
+        # ({, ```, <|python_tag|>) or is tagged (<tool_call>).  A prose answer keeps
+        # nothing after its first words.
         self._content: list[str] = []
         self._events: list[bytes] = []
         self._kept = 0
+        self._lead: bool | None = None  # whether the text starts like a call (None: no text yet)
+        self._capture = False
         self.finish_reason: str | None = None
         self.prompt_tokens = 0
         self.completion_tokens = 0
@@ -142,10 +147,7 @@ class StreamWatch:
         self._buffer = bytearray()
         if self._tools and self.finish_reason == "stop" and not self.tool_call_ids:
             for event in self._events:
-                obj = _loads(event)
-                for choice in obj.get("choices") or () if isinstance(obj, dict) else ():
-                    if isinstance(choice, dict):
-                        self._keep_text(choice)
+                self._content += _texts(_loads(event))
             text = "".join(self._content)
             if text and recover_tool_calls(text, self._tools, salt=""):
                 self.finish_reason = "tool_calls"
@@ -157,9 +159,8 @@ class StreamWatch:
         data = line[5:].strip()
         if not data or data == b"[DONE]":
             return
-        if self._tools and b'"content"' in data and self._kept + len(data) <= _MAX_JSON_BODY:
-            self._events.append(data)  # its text may hold calls written as text
-            self._kept += len(data)
+        if self._tools and b'"content"' in data:
+            self._watch_text(data)
         if _may_matter(data):
             self._inspect(_loads(data))
 
@@ -193,6 +194,19 @@ class StreamWatch:
                     if isinstance(call_id, str) and call_id not in self.tool_call_ids:
                         self.tool_call_ids.append(call_id)
 
+    def _watch_text(self, data: bytes) -> None:
+        if not self._capture:
+            if b"tool_call" in data:
+                self._capture = True
+            elif self._lead is None:
+                text = "".join(_texts(_loads(data))).lstrip()
+                if text:
+                    self._lead = text.startswith(_CALL_LEADS)
+                    self._capture = self._lead
+        if self._capture and self._kept + len(data) <= _MAX_JSON_BODY:
+            self._events.append(data)
+            self._kept += len(data)
+
     def _keep_text(self, choice: dict[str, Any]) -> None:
         for part in (choice.get("delta"), choice.get("message")):
             text = part.get("content") if isinstance(part, dict) else None
@@ -201,6 +215,21 @@ class StreamWatch:
 
 
 _WATCHED_KEYS = (b'"usage"', b'"tool_calls"', b'"finish_reason"')
+# How a text that is a tool call begins (activities/_recover.py's forms).
+_CALL_LEADS = ("{", "```", "<|python_tag|>", "<tool_call>")
+
+
+def _texts(obj: object) -> list[str]:
+    """The content strings of a chunk's choices (delta or message)."""
+    out: list[str] = []
+    choices = obj.get("choices") if isinstance(obj, dict) else None
+    for choice in choices if isinstance(choices, list) else ():
+        if isinstance(choice, dict):
+            for part in (choice.get("delta"), choice.get("message")):
+                text = part.get("content") if isinstance(part, dict) else None
+                if isinstance(text, str):
+                    out.append(text)
+    return out
 
 
 def _may_matter(event: bytes) -> bool:

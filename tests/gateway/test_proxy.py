@@ -595,3 +595,56 @@ async def test_hostile_run_ids_and_deep_json_get_400_not_500() -> None:
             r = await gw.post(route, content=deep, headers={"content-type": "application/json"})
             assert r.status_code == 400, route
             assert "nested too deeply" in r.json()["error"]["message"]
+
+
+def _sse(*texts: str, finish: str = "stop") -> bytes:
+    events = [{"choices": [{"index": 0, "delta": {"content": t}}]} for t in texts]
+    events.append({"choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
+    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + (
+        b"data: [DONE]\n\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("texts", "finish", "reported"),
+    [
+        (["Here is ", "the answer."], "stop", "stop"),  # prose
+        (
+            [
+                "Let me look. ",
+                "<tool_call>",
+                '{"name": "lookup", ',
+                '"arguments": {}}',
+                "</tool_call>",
+            ],
+            "stop",
+            "tool_calls",
+        ),
+        (['{"name": "lookup"', ', "arguments": {"query": "x"}}'], "stop", "tool_calls"),
+        (['{"name": "other", "arguments": {}}'], "stop", "stop"),  # not offered
+        (
+            ["<tool_call>", '{"name": "lookup", "arguments": {}}', "</tool_call>"],
+            "length",
+            "length",
+        ),
+    ],
+)
+def test_the_watch_reads_calls_written_as_text_only_where_they_can_be(
+    texts: list[str], finish: str, reported: str
+) -> None:
+    from gateway._proxy import StreamWatch
+
+    watch = StreamWatch(sse=True, tools=frozenset({"lookup"}))
+    for chunk in _sse(*texts, finish=finish).split(b"\n\n"):
+        watch.feed(chunk + b"\n\n")
+    watch.close()
+    assert watch.finish_reason == reported
+
+
+def test_a_prose_answer_keeps_nothing_after_its_first_words() -> None:
+    from gateway._proxy import StreamWatch
+
+    watch = StreamWatch(sse=True, tools=frozenset({"lookup"}))
+    watch.feed(_sse("Sure, ", *(["word "] * 5000)))
+    watch.close()
+    assert watch.finish_reason == "stop" and watch._events == []
