@@ -114,6 +114,12 @@ class LlmActivities:
                 response = await self._http.post(
                     f"{self._base}/v1/chat/completions", json=body, headers=wire
                 )
+        except httpx.LocalProtocolError as exc:
+            # The request itself cannot be sent (e.g. a header value HTTP forbids): the
+            # same request would fail again.
+            raise ApplicationError(
+                f"the turn cannot be sent: {exc}", type="BadRequest", non_retryable=True
+            ) from None
         except httpx.HTTPError as exc:
             # The gateway is down or restarting: retry, as the policy allows.
             raise ApplicationError(
@@ -150,7 +156,10 @@ class LlmActivities:
                 continue
             call_id = str(c.get("id") or "")
             if not call_id or call_id in used:
-                call_id = f"{call_id or 'call'}_{len(turn.messages)}_{i}"
+                base = f"{call_id or 'call'}_{len(turn.messages)}_{i}"
+                call_id, n = base, 1
+                while call_id in used:  # an engine may have sent that very id before
+                    call_id, n = f"{base}_{n}", n + 1
             used.add(call_id)
             calls.append(
                 ToolCall(

@@ -40,7 +40,7 @@ from gateway.prober import PROBE_PERIOD_S, Prober, ProbeResult
 from gateway.status import render_status_page, status_snapshot, sub_agent_tree
 from luftpause import telemetry
 from luftpause.config import Config, Endpoint
-from luftpause.headers import CALLER_HEADER, CLASS_HEADER, RUN_HEADER
+from luftpause.headers import CALLER_HEADER, CLASS_HEADER, RUN_HEADER, caller_name
 from scheduler import Policy, RunEnded, ServiceClass, State, Tick
 from workflows import Runs
 
@@ -64,7 +64,6 @@ STATUS_RUNS = 20
 STATUS_RUNS_TIMEOUT_S = 3.0
 STATUS_QUERY_TIMEOUT_S = 0.5  # a run no worker answers for shows what Temporal knows
 ANONYMOUS_CALLER = "anonymous"
-CALLER_MAX_BYTES = 128
 CONNECT_TIMEOUT_S = 2.0
 TICK_PERIOD_S = 2.0
 TOOL_CALL_SWEEP_S = 60.0
@@ -227,7 +226,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         header_run = request.headers.get(RUN_HEADER, "").strip()
         if header_run and not _RUN_ID.fullmatch(header_run):
             # As DELETE /v1/runs/{id} takes it (and it is echoed in a response header).
-            message = f"{RUN_HEADER}: expected 1 to 128 printable ASCII characters"
+            message = f"{RUN_HEADER}: expected 1 to 128 printable ASCII characters other than /"
             return error_response(400, message, "")
         fallback_run = header_run or _new_id()
         if not authorized(request):
@@ -292,7 +291,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         rt = running()
         if not _RUN_ID.fullmatch(run_id):
             # It goes back in a response header: printable ASCII only, or no echo.
-            return error_response(400, "run id: expected 1 to 128 printable ASCII characters", "")
+            message = "run id: expected 1 to 128 printable ASCII characters other than /"
+            return error_response(400, message, "")
         if not authorized(request):
             return unauthorized(run_id)
         rt.shell.apply(RunEnded(now=rt.loop.time(), run_id=run_id))
@@ -466,7 +466,8 @@ async def _tick(shell: AdmissionShell, loop: asyncio.AbstractEventLoop) -> None:
 
 # --------------------------------------------------------------------------- parsing
 
-_RUN_ID = re.compile(r"[\x21-\x7e]{1,128}")
+# Printable ASCII without "/", so that every run id fits DELETE /v1/runs/{id}.
+_RUN_ID = re.compile(r"[\x21-\x2e\x30-\x7e]{1,128}")
 
 
 def _new_id() -> str:
@@ -521,9 +522,7 @@ def _caller(request: Request) -> str:
     value = request.headers.get(CALLER_HEADER)
     if not value:
         return ANONYMOUS_CALLER
-    # Starlette decodes header bytes as latin-1; cut the original bytes, UTF-8 safe.
-    raw = value.encode("latin-1")[:CALLER_MAX_BYTES]
-    return raw.decode("utf-8", errors="ignore") or ANONYMOUS_CALLER
+    return caller_name(value) or ANONYMOUS_CALLER
 
 
 def _tool_names(body: dict[str, Any]) -> frozenset[str]:

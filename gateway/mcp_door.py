@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from activities.contract import ToolInfo
 from gateway import _approval as approval
 from gateway.mcp_tasks import TasksExtension
-from luftpause.headers import CALLER_HEADER
+from luftpause.headers import CALLER_HEADER, caller_name
 from workflows import AWAIT_MAX_S, TERMINAL_STATES, Budget, RunError, Runs, RunSpec, RunStatus
 
 __all__ = [
@@ -225,9 +225,7 @@ def caller_of(ctx: Any, token_identity: str | None) -> str:
         headers = getattr(getattr(ctx, "request", None), "headers", None) or {}
     named = headers.get(CALLER_HEADER)
     if named:
-        # Starlette decodes header bytes as latin-1; cut the original bytes, UTF-8 safe
-        # (as the proxy door does).
-        return named.encode("latin-1")[:128].decode("utf-8", errors="ignore") or ANONYMOUS
+        return caller_name(named) or ANONYMOUS
     session = headers.get(SESSION_HEADER)
     if session:
         return f"mcp-session:{session}"[:128]

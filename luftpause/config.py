@@ -259,8 +259,20 @@ class Config(BaseModel):
         if dupes:
             raise ValueError(f"mcp server names must be unique; repeated: {', '.join(dupes)}")
         by_name = {e.name: e for e in self.endpoints}
+        behind: dict[str, str] = {}  # engine -> the router whose load it is
         for e in self.endpoints:
             for other in e.load_from:
+                if other in behind:
+                    where = (
+                        " twice"
+                        if behind[other] == e.name
+                        else f", which router '{behind[other]}' names too"
+                    )
+                    raise ValueError(
+                        f"endpoint '{e.name}': load_from names '{other}'{where}; an engine's "
+                        "load is counted for one router only"
+                    )
+                behind[other] = e.name
                 target = by_name.get(other)
                 if target is None:
                     raise ValueError(f"endpoint '{e.name}': load_from names unknown '{other}'")

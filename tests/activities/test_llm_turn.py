@@ -133,7 +133,10 @@ async def test_call_ids_are_unique_in_the_run_whatever_the_engine_sends() -> Non
     app = upstream(
         lambda r: completion({"role": "assistant", "tool_calls": calls}, finish="tool_calls")
     )
-    earlier = {"role": "assistant", "tool_calls": [call_("lookup", "call_0")]}
+    earlier = {
+        "role": "assistant",
+        "tool_calls": [call_("lookup", "call_0"), call_("lookup", "call_3_0")],
+    }
     history = [
         {"role": "user", "content": "hi"},
         earlier,
@@ -141,7 +144,7 @@ async def test_call_ids_are_unique_in_the_run_whatever_the_engine_sends() -> Non
     ]
     out = await call(app, turn(tools=TOOLS, messages=history))
     ids = [c.id for c in out.tool_calls]
-    assert ids == ["call_3_0", "call_0_3_1", "fresh"]
+    assert ids == ["call_3_0_1", "call_0_3_1", "fresh"]  # call_3_0 was taken already
     assert [c["id"] for c in out.message["tool_calls"]] == ids
 
 

@@ -584,11 +584,13 @@ async def test_hostile_run_ids_and_deep_json_get_400_not_500() -> None:
         ok = await gw.delete("/v1/runs/run-1")
         assert ok.status_code == 204
         # The proxy takes a run id header on the same terms, so every run can be ended.
-        for bad in (b"x" * 129, "€uro".encode(), b"a b"):
+        for bad in (b"x" * 129, "€uro".encode(), b"a b", b"team/run-1"):
             r = await gw.post("/v1/chat/completions", json=chat(), headers={RUN.encode(): bad})
             assert r.status_code == 400, bad
             message = r.json()["error"]["message"]
-            assert message == "x-luftpause-run-id: expected 1 to 128 printable ASCII characters"
+            assert message == (
+                "x-luftpause-run-id: expected 1 to 128 printable ASCII characters other than /"
+            )
         assert not shell.state.runs
         deep = b"[" * 200_000
         for route in ("/v1/chat/completions", "/v1/decide"):
@@ -648,3 +650,17 @@ def test_a_prose_answer_keeps_nothing_after_its_first_words() -> None:
     watch.feed(_sse("Sure, ", *(["word "] * 5000)))
     watch.close()
     assert watch.finish_reason == "stop" and watch._events == []
+
+
+def test_a_caller_header_becomes_a_name_both_doors_share() -> None:
+    from luftpause.headers import caller_name
+
+    def sent(raw: bytes) -> str:  # what a server hands over: the bytes as latin-1
+        return caller_name(raw.decode("latin-1"))
+
+    assert sent(b"team-a") == "team-a"
+    assert sent("jürgen".encode()) == "jürgen"  # UTF-8
+    assert sent("José".encode("latin-1")) == "José"  # not UTF-8: read as latin-1
+    assert sent(b"x" * 127 + b" tail") == "x" * 127  # no blank left at the cut
+    assert sent(("ä" * 100).encode()) == "ä" * 64  # no character split
+    assert sent(b"   ") == ""

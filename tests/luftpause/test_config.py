@@ -115,6 +115,21 @@ def test_a_good_file_loads_with_defaults(tmp_path: Path) -> None:
             "load_from is only for kind = 'router'",
         ),
         (
+            '[[endpoints]]\nname="e"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+            '[[endpoints]]\nname="r"\nurl="http://h:2"\nkind="router"\nmodels=["m"]\n'
+            'load_from=["e", "e"]',
+            "endpoint 'r': load_from names 'e' twice; an engine's load is counted for one "
+            "router only",
+        ),
+        (
+            '[[endpoints]]\nname="e"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+            '[[endpoints]]\nname="r"\nurl="http://h:2"\nkind="router"\nmodels=["m"]\n'
+            'load_from=["e"]\n'
+            '[[endpoints]]\nname="s"\nurl="http://h:3"\nkind="router"\nmodels=["m"]\n'
+            'load_from=["e"]',
+            "endpoint 's': load_from names 'e', which router 'r' names too",
+        ),
+        (
             '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\nlabels=["x"]',
             "labels is only for kind = 'classifier'",
         ),
