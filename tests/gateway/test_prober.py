@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
 import httpx
 import pytest
+from fastapi import FastAPI
+from fastapi.responses import PlainTextResponse
 
 from gateway.prober import Prober, auth_headers, parse_load, probe_endpoint, probe_pool
 from luftpause.config import Endpoint, parse_config
@@ -259,12 +262,9 @@ def test_kv_pool_parsers_refuse_what_is_not_a_pool() -> None:
     assert parse_vllm_kv_tokens(per_engine % 0 + per_engine % 1) == 160_000
 
 
-async def test_a_slow_server_info_does_not_make_a_healthy_engine_unhealthy() -> None:
-    from fastapi import FastAPI
-    from fastapi.responses import PlainTextResponse
-
+def sglang_stub(server_info: Callable[[], Awaitable[PlainTextResponse]]) -> FastAPI:
+    """An SGLang-like engine: healthy, running 2, and this /get_server_info."""
     app = FastAPI()
-    release = asyncio.Event()
 
     @app.get("/health")
     async def health() -> PlainTextResponse:
@@ -274,38 +274,31 @@ async def test_a_slow_server_info_does_not_make_a_healthy_engine_unhealthy() -> 
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse("sglang:num_queue_reqs 0\nsglang:num_running_reqs 2\n")
 
-    @app.get("/get_server_info")
+    app.add_api_route("/get_server_info", server_info, methods=["GET"])
+    return app
+
+
+async def test_a_slow_server_info_does_not_make_a_healthy_engine_unhealthy() -> None:
+    release = asyncio.Event()
+
     async def slow() -> PlainTextResponse:
         await release.wait()  # busy asking its scheduler
         return PlainTextResponse("{}")
 
-    async with serve(app) as url, httpx.AsyncClient() as c:
+    async with serve(sglang_stub(slow)) as url, httpx.AsyncClient() as c:
         r = await probe_endpoint(c, _endpoint("sglang", url=url), timeout=0.3, want_kv=True)
         release.set()
     assert (r.healthy, r.running, r.kv_tokens, r.error) == (True, 2, None, None)
 
 
 async def test_an_engine_that_does_not_report_its_pool_is_asked_three_times() -> None:
-    from fastapi import FastAPI
-    from fastapi.responses import PlainTextResponse
-
-    app = FastAPI()
     asked = []
 
-    @app.get("/health")
-    async def health() -> PlainTextResponse:
-        return PlainTextResponse("ok")
-
-    @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse("sglang:num_queue_reqs 0\nsglang:num_running_reqs 0\n")
-
-    @app.get("/get_server_info")
     async def old_sglang() -> PlainTextResponse:
         asked.append(1)
         return PlainTextResponse("not found", status_code=404)
 
-    async with serve(app) as url, httpx.AsyncClient() as c:
+    async with serve(sglang_stub(old_sglang)) as url, httpx.AsyncClient() as c:
         cfg = parse_config(
             {"endpoints": [{"name": "old", "url": url, "kind": "sglang", "models": ["m"]}]}
         )
