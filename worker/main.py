@@ -34,6 +34,28 @@ log = logging.getLogger(__name__)
 STICKY_TIMEOUT = timedelta(seconds=2)
 GRACEFUL_SHUTDOWN = timedelta(seconds=10)
 GATEWAY_CONNECT_TIMEOUT_S = 2.0
+# Temporal may come up after the worker (compose, k8s, a restarted dev server whose port
+# opens before it serves): keep trying this long before giving up.
+TEMPORAL_CONNECT_PATIENCE_S = 60.0
+TEMPORAL_CONNECT_RETRY_S = 0.5
+
+
+async def _connect(address: str, namespace: str, stop: asyncio.Event) -> Client | None:
+    """Connect to Temporal, retrying while it is not up yet; None if asked to stop."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + TEMPORAL_CONNECT_PATIENCE_S
+    while True:
+        try:
+            return await Client.connect(address, namespace=namespace)
+        except RuntimeError as exc:  # the SDK's "Failed client connect: ..."
+            if loop.time() >= deadline:
+                raise
+            log.warning("Temporal at %s is not answering yet (%s); retrying", address, exc)
+        try:
+            await asyncio.wait_for(stop.wait(), TEMPORAL_CONNECT_RETRY_S)
+            return None
+        except TimeoutError:
+            pass
 
 
 def build_worker(
@@ -57,7 +79,9 @@ async def serve(config: Config, token: str | None, stop: asyncio.Event) -> None:
     `config` already carries the environment's overrides (`load_config`); `token` is
     LUFTPAUSE_TOKEN, sent to the gateway."""
     t = config.temporal
-    client = await Client.connect(t.address, namespace=t.namespace)
+    client = await _connect(t.address, t.namespace, stop)
+    if client is None:
+        return  # asked to stop while Temporal was not there yet
     pool = McpPool(config.mcp_servers)
     timeout = httpx.Timeout(None, connect=GATEWAY_CONNECT_TIMEOUT_S)
     limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)

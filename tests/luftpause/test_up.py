@@ -120,6 +120,8 @@ class Up:
                 os.kill(kid, signal.SIGKILL)
             self.proc.kill()
             self.proc.wait()
+        if self.proc is not None and self.proc.stdout is not None:
+            self.proc.stdout.close()  # else a later test meets its ResourceWarning
 
 
 @pytest.fixture

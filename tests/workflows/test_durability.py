@@ -98,3 +98,30 @@ async def test_dev_server_and_gateway_restarted_mid_run(tmp_path: Path) -> None:
             assert mcp_state.repeated() == []
     finally:
         server.stop()
+
+
+async def test_a_worker_started_before_temporal_waits_for_it(tmp_path: Path) -> None:
+    # compose, k8s and a restarted dev server can bring Temporal up after the worker.
+    from luftpause.temporal_dev import free_port
+
+    port = free_port()
+    config = worker_config(
+        tmp_path / "luftpause.toml",
+        temporal=f"127.0.0.1:{port}",
+        queue="early-worker",
+        gateway_url="http://127.0.0.1:9",
+        mcp_url="http://127.0.0.1:9/mcp",
+    )
+    log = tmp_path / "worker.log"
+    worker = worker_process(config, log)
+    server = DevServer(port=port, log_file=tmp_path / "temporal.log")
+    worker.start()
+    try:
+        await until(lambda: "is not answering yet" in log.read_text(), "the worker waits")
+        assert worker.alive()
+        server.start()
+        await until(lambda: "worker on task queue" in log.read_text(), "the worker connected")
+        assert worker.stop() == 0
+    finally:
+        worker.kill()
+        server.stop()
