@@ -402,13 +402,21 @@ async def test_engine_429_passes_through_with_retry_after() -> None:
         await until(lambda: not shell.state.turns, "turns failed")
 
 
+async def answered_health(scope: Scope, send: Send) -> bool:
+    """For a raw ASGI engine: answer what is not a chat turn (lifespan, the openai kind's
+    health path /v1/models); True if answered."""
+    if scope["type"] != "http":
+        return True
+    if scope["path"] == "/v1/models":
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+        return True
+    return False
+
+
 async def test_engine_failing_mid_stream_closes_without_done() -> None:
     async def broken(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return
-        if scope["path"] == "/v1/models":
-            await send({"type": "http.response.start", "status": 200, "headers": []})
-            await send({"type": "http.response.body", "body": b"{}"})
+        if await answered_health(scope, send):
             return
         start = [(b"content-type", b"text/event-stream")]
         await send({"type": "http.response.start", "status": 200, "headers": start})
@@ -435,11 +443,7 @@ async def test_a_hung_engine_fails_the_turn_after_the_idle_timeout(stall: str) -
     engine_saw_close = asyncio.Event()
 
     async def hung(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return
-        if scope["path"] == "/v1/models":
-            await send({"type": "http.response.start", "status": 200, "headers": []})
-            await send({"type": "http.response.body", "body": b"{}"})
+        if await answered_health(scope, send):
             return
         if stall == "mid-stream":
             start = [(b"content-type", b"text/event-stream")]

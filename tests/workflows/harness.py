@@ -30,7 +30,7 @@ from testkit.fake_mcp import FakeMcpSettings, FakeMcpState
 from testkit.fake_mcp import create_app as create_mcp
 from testkit.loopback import serve
 from worker.main import build_worker
-from workflows import Runs
+from workflows import Runs, RunSpec
 
 MODEL = "llama-3.2-1b"
 # Fake engines and tools run 50x faster than real time: a 256-token turn takes ~0.1 s.
@@ -168,6 +168,20 @@ async def until(
             return value
         await asyncio.sleep(every)
     raise AssertionError(f"never happened: {what}")
+
+
+async def state_is(s: Stack, handle: str, state: str) -> bool:
+    return (await s.runs.status(handle)).state == state
+
+
+async def spawn_waiting(s: Stack, prefix: str, **spec: Any) -> str:
+    """A run whose one tool call (delete_record) waits for approval; its handle, once it
+    waits, so that it is running when children are added."""
+    handle = await s.runs.spawn(
+        RunSpec(task=task_with(1, prefix), model=MODEL, tools=["delete_record"], **spec)
+    )
+    await until(lambda: state_is(s, handle, "AwaitingApproval"), f"run {prefix!r} waits")
+    return handle
 
 
 def gateway_app(

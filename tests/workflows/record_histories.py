@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 from luftpause.temporal_dev import DevServer
-from tests.workflows.harness import MODEL, Stack, stack, task_with, until
+from tests.workflows.harness import MODEL, Stack, spawn_waiting, stack, task_with
 from workflows import Budget, RunSpec
 
 HERE = Path(__file__).parent / "histories"
@@ -31,10 +31,6 @@ async def _save(s: Stack, name: str, handles: list[str]) -> None:
         data = json.loads(history.to_json())
         path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
         print(f"{path.relative_to(Path.cwd())}: {len(data['events'])} events")
-
-
-async def _state_is(s: Stack, handle: str, state: str) -> bool:
-    return (await s.runs.status(handle)).state == state
 
 
 async def record(address: str) -> None:
@@ -55,10 +51,7 @@ async def record(address: str) -> None:
         await _save(s, "parallel_calls", [h])
 
         # A parent waiting on an approval takes two children, then is approved.
-        parent = await s.runs.spawn(
-            RunSpec(task=task_with(1, "p"), model=MODEL, tools=["delete_record"], caller="bob")
-        )
-        await until(lambda: _state_is(s, parent, "AwaitingApproval"), "parent waits")
+        parent = await spawn_waiting(s, "p", caller="bob")
         kids = [
             await s.runs.spawn(
                 RunSpec(task=task_with(2, "kid"), model=MODEL, tools=["lookup"], parent=parent)
@@ -78,14 +71,8 @@ async def record(address: str) -> None:
         await _save(s, "budget_tripped", [h])
 
         # A parent cancelled while its child waits on an approval.
-        parent = await s.runs.spawn(
-            RunSpec(task=task_with(1, "p"), model=MODEL, tools=["delete_record"])
-        )
-        await until(lambda: _state_is(s, parent, "AwaitingApproval"), "parent waits")
-        child = await s.runs.spawn(
-            RunSpec(task=task_with(1, "c"), model=MODEL, tools=["delete_record"], parent=parent)
-        )
-        await until(lambda: _state_is(s, child, "AwaitingApproval"), "child waits")
+        parent = await spawn_waiting(s, "p")
+        child = await spawn_waiting(s, "c", parent=parent)
         await s.runs.cancel(parent)
         await s.runs.wait([child], timeout=30)
         await _save(s, "cancelled_tree", [parent, child])

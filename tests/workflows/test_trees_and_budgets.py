@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.workflows.harness import MODEL, stack, task_with, until
+from tests.workflows.harness import MODEL, spawn_waiting, stack, task_with, until
 from workflows import Budget, RunError, RunSpec
 
 
 async def test_a_tree_reports_children_and_subtree_totals(temporal_address: str) -> None:
     async with stack(temporal_address) as s:
         # The parent waits on an approval, so it is running when children are added.
-        parent = await s.runs.spawn(
-            RunSpec(task=task_with(1, "p"), model=MODEL, tools=["delete_record"], caller="bob")
-        )
-        await until(lambda: _state(s, parent, "AwaitingApproval"), "parent waits for its approval")
+        parent = await spawn_waiting(s, "p", caller="bob")
         kids = [
             await s.runs.spawn(
                 RunSpec(task=task_with(2, "kid"), model=MODEL, tools=["lookup"], parent=parent)
@@ -50,18 +47,9 @@ async def test_a_tree_reports_children_and_subtree_totals(temporal_address: str)
 
 async def test_cancelling_a_parent_cancels_running_descendants(temporal_address: str) -> None:
     async with stack(temporal_address) as s:
-        parent = await s.runs.spawn(
-            RunSpec(task=task_with(1, "p"), model=MODEL, tools=["delete_record"])
-        )
-        await until(lambda: _state(s, parent, "AwaitingApproval"), "parent waits")
-        child = await s.runs.spawn(
-            RunSpec(task=task_with(1, "c"), model=MODEL, tools=["delete_record"], parent=parent)
-        )
-        await until(lambda: _state(s, child, "AwaitingApproval"), "child waits")
-        grandchild = await s.runs.spawn(
-            RunSpec(task=task_with(1, "g"), model=MODEL, tools=["delete_record"], parent=child)
-        )
-        await until(lambda: _state(s, grandchild, "AwaitingApproval"), "grandchild waits")
+        parent = await spawn_waiting(s, "p")
+        child = await spawn_waiting(s, "c", parent=parent)
+        grandchild = await spawn_waiting(s, "g", parent=child)
         status = await s.runs.cancel(parent)
         assert status.state == "Cancelled"
         statuses = await s.runs.wait([child, grandchild], timeout=30)
@@ -73,15 +61,7 @@ async def test_cancelling_a_parent_cancels_running_descendants(temporal_address:
 async def test_the_token_budget_trips_and_cancels_the_subtree(temporal_address: str) -> None:
     # Tool calls of 0.5-1.5 s keep the child working when its first turns trip the budget.
     async with stack(temporal_address, mcp_time_scale=1) as s:
-        parent = await s.runs.spawn(
-            RunSpec(
-                task=task_with(1, "p"),
-                model=MODEL,
-                tools=["delete_record"],
-                budget=Budget(tokens=600),
-            )
-        )
-        await until(lambda: _state(s, parent, "AwaitingApproval"), "parent waits")
+        parent = await spawn_waiting(s, "p", budget=Budget(tokens=600))
         # A child that keeps working: many tool calls, long context.
         child = await s.runs.spawn(
             RunSpec(
@@ -114,15 +94,7 @@ async def test_the_tool_call_budget_trips(temporal_address: str) -> None:
 
 async def test_the_seconds_budget_trips_on_an_idle_subtree(temporal_address: str) -> None:
     async with stack(temporal_address) as s:
-        parent = await s.runs.spawn(
-            RunSpec(
-                task=task_with(1, "p"),
-                model=MODEL,
-                tools=["delete_record"],
-                budget=Budget(seconds=2),
-            )
-        )
-        await until(lambda: _state(s, parent, "AwaitingApproval"), "parent waits")
+        parent = await spawn_waiting(s, "p", budget=Budget(seconds=2))
         child = await s.runs.spawn(
             RunSpec(task=task_with(1, "c"), model=MODEL, tools=["delete_record"], parent=parent)
         )
@@ -132,10 +104,6 @@ async def test_the_seconds_budget_trips_on_an_idle_subtree(temporal_address: str
         assert status.error is not None and status.error.startswith("budget exceeded: seconds ")
         assert status.error.endswith("/2") and kid.error == status.error
         assert not s.mcp.started
-
-
-async def _state(s: object, handle: str, state: str) -> bool:
-    return (await s.runs.status(handle)).state == state  # type: ignore[attr-defined]
 
 
 async def _when(s: object, handle: str, pred: object) -> object:
@@ -149,10 +117,7 @@ async def test_status_shows_recent_runs_as_trees_with_subtree_costs(
     import httpx
 
     async with stack(temporal_address) as s:
-        parent = await s.runs.spawn(
-            RunSpec(task=task_with(1, "page"), model=MODEL, tools=["delete_record"])
-        )
-        await until(lambda: _state(s, parent, "AwaitingApproval"), "parent waits")
+        parent = await spawn_waiting(s, "page")
         child = await s.runs.spawn(
             RunSpec(task=task_with(1, "pagekid"), model=MODEL, tools=["lookup"], parent=parent)
         )
@@ -182,10 +147,7 @@ async def test_a_child_stopped_by_its_own_budget_is_cancelled_in_its_parents_vie
     temporal_address: str,
 ) -> None:
     async with stack(temporal_address) as s:
-        parent = await s.runs.spawn(
-            RunSpec(task=task_with(1, "pv"), model=MODEL, tools=["delete_record"])
-        )
-        await until(lambda: _state(s, parent, "AwaitingApproval"), "parent waits")
+        parent = await spawn_waiting(s, "pv")
         child = await s.runs.spawn(
             RunSpec(
                 task=task_with(3, "pvkid"),
