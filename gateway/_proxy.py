@@ -167,6 +167,8 @@ class StreamWatch:
     def _inspect(self, obj: object) -> None:
         if not isinstance(obj, dict):
             return
+        if self._tools and not self._sse:
+            self._content += _texts(obj)  # a JSON body: its message's text
         usage = obj.get("usage")
         if isinstance(usage, dict):
             self.prompt_tokens = _int(usage.get("prompt_tokens"), self.prompt_tokens)
@@ -183,8 +185,6 @@ class StreamWatch:
             reason = choice.get("finish_reason")
             if isinstance(reason, str):
                 self.finish_reason = reason
-            if self._tools and not self._sse:
-                self._keep_text(choice)
             for part in (choice.get("delta"), choice.get("message")):
                 calls = part.get("tool_calls") if isinstance(part, dict) else None
                 if not isinstance(calls, list):
@@ -206,12 +206,6 @@ class StreamWatch:
         if self._capture and self._kept + len(data) <= _MAX_JSON_BODY:
             self._events.append(data)
             self._kept += len(data)
-
-    def _keep_text(self, choice: dict[str, Any]) -> None:
-        for part in (choice.get("delta"), choice.get("message")):
-            text = part.get("content") if isinstance(part, dict) else None
-            if isinstance(text, str):
-                self._content.append(text)
 
 
 _WATCHED_KEYS = (b'"usage"', b'"tool_calls"', b'"finish_reason"')

@@ -699,7 +699,7 @@ class _Tx:
                 kv_blocked = True
                 run = self.runs.get(t.run_id)
                 home = None if run is None or not run.ws_claim else run.replica
-                if home is not None and home != name and t.model in self.models_of(home):
+                if home is not None and home != name and t.model in self.replicas[home].spec.models:
                     self.refill.append(home)
         return None
 
@@ -708,9 +708,6 @@ class _Tx:
         if run is None or run.replica == name:
             return None
         return self._pinned_replica(run, t.model)
-
-    def models_of(self, name: str) -> frozenset[str]:
-        return self.replicas[name].spec.models
 
     def _admit(self, t: TurnState, name: str) -> None:
         """Admit a held turn that heads its caller's queue in its bucket."""
