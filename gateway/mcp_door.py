@@ -100,7 +100,10 @@ class RunView(BaseModel):
 
     handle: str
     state: str = Field(
-        description="Running | AwaitingApproval | AwaitingChildren | Completed | Failed | Cancelled"
+        description=(
+            "Running | AwaitingApproval | AwaitingChildren | Stopping | Completed | Failed"
+            " | Cancelled"
+        )
     )
     answer: str | None = Field(None, description="the final answer, once Completed")
     toolCalls: int = Field(description="tool calls this run made")

@@ -43,6 +43,7 @@ _INVALID_PARAMS = -32602
 _STATUS = {
     "Running": "working",
     "AwaitingChildren": "working",
+    "Stopping": "working",
     "AwaitingApproval": "input_required",
     "Completed": "completed",
     "Failed": "failed",

@@ -92,6 +92,11 @@ class FakeMcpSettings:
             raise ValueError(f"time_scale must be positive, got {self.time_scale}")
 
 
+def _opened(event: asyncio.Event) -> asyncio.Event:
+    event.set()
+    return event
+
+
 def _canonical(arguments: Mapping[str, Any]) -> str:
     return json.dumps(arguments, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
@@ -116,6 +121,9 @@ class FakeMcpState:
     inflight: dict[str, asyncio.Future[str]] = field(default_factory=dict)
     replayed: int = 0
     """Calls answered from `answers` instead of running again."""
+    gate: asyncio.Event = field(default_factory=lambda: _opened(asyncio.Event()))
+    """`lookup` and `deep_search` wait here after their simulated time. Open unless a
+    test closes it (`gate.clear()`) to hold calls in flight, then `gate.set()`."""
 
     @staticmethod
     def key(tool: str, arguments: Mapping[str, Any]) -> tuple[str, str]:
@@ -182,6 +190,7 @@ def create_server(settings: FakeMcpSettings, state: FakeMcpState) -> MCPServer:
 
     async def wait(rng: random.Random, seconds: tuple[float, float]) -> None:
         await anyio.sleep(rng.uniform(*seconds) / settings.time_scale)
+        await state.gate.wait()
 
     async def once(ctx: Context, compute: Callable[[], Awaitable[str]]) -> str:
         """Run a call at most once per idempotency key (`_meta`, sent by luftpause's

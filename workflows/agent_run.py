@@ -11,9 +11,13 @@ Rules this module keeps:
    Every run reports its subtree's state and totals to its parent by signal.
 2. **Budgets** limit a run's whole subtree.  The run that holds a budget checks it
    before every turn and tool round and on every report from below; the seconds budget
-   is a durable timer, so an idle subtree trips it too.  On excess the run stops its
-   in-flight work and its descendants with `budget exceeded: <which> <used>/<limit>`.
-   The overshoot is bounded by the turns and tool calls in flight when it trips.
+   is a durable timer, so an idle subtree trips it too.  On excess the run and its
+   descendants stop (state `Stopping`): nothing new starts, a run waiting for approval
+   or for its children stops at once, and the turns and tool calls already in flight
+   finish and are counted, so the overshoot is bounded by that work.  Then every run of
+   the subtree ends `Cancelled` with `budget exceeded: <which> <used>/<limit>`.  (Runs
+   started before this rule, without the `DRAIN_PATCH` marker, cancel their in-flight
+   work instead, as they did.)  `cancel` stops a subtree at once, in-flight work too.
 3. **Approvals.** A destructive tool (or one named in `approve_tools`) waits in
    `AwaitingApproval` until the `approve` update answers; answers are kept (and carried
    across continue-as-new), so an answered call is never asked again after a restart.
@@ -81,6 +85,8 @@ DECLINED = "Error: the user declined this tool call"
 BUDGET_EXCEEDED = (
     "BudgetExceeded"  # the ApplicationError type a run stopped by its budget ends with
 )
+# `workflow.patched` id of the budget stop that lets in-flight work finish (rule 2).
+DRAIN_PATCH = "budget-stop-drains-in-flight-work"
 
 # Named timeouts and retry policies (DESIGN.md "The runtime on Temporal").
 TURN_TIMEOUT = timedelta(minutes=10)  # a turn may wait long in the gateway's queue
@@ -134,6 +140,7 @@ class AgentRun:
         self._pending: PendingApproval | None = None
         self._exceeded: str | None = None
         self._stop_reason: str | None = None
+        self._drain = False  # set by run(): see DRAIN_PATCH
         self._ended_at: str | None = None
         self._last_report: tuple[str, Totals] | None = None
         self._watchers: set[asyncio.Task[None]] = set()
@@ -142,17 +149,29 @@ class AgentRun:
 
     @workflow.run
     async def run(self, inp: AgentRunInput) -> RunStatus:
+        # Decided once, at the run's first workflow task: a run whose history has no
+        # marker (started by an older worker) keeps the stop it started with.
+        self._drain = workflow.patched(DRAIN_PATCH)
         work = asyncio.create_task(self._work())
         try:
             await self._until_done(work)
             if self._exceeded is not None:
                 raise _Stop(self._exceeded)
+            if self._stopping():
+                raise _Stop(self._stop_reason or "")
             work.result()  # raises what the loop raised
             await self._wait_children()
             self._set_state("Completed")
         except _Stop as stop:
-            await self._halt(work, "Cancelled", str(stop))
-            raise ApplicationError(str(stop), type=BUDGET_EXCEEDED, non_retryable=True) from None
+            reason = str(stop)
+            if self._drain:
+                try:
+                    await self._wind_down(work, reason)
+                except asyncio.CancelledError:  # `cancel` while stopping: at once
+                    await self._halt(work, "Cancelled", reason)
+                    raise
+            await self._halt(work, "Cancelled", reason)
+            raise ApplicationError(reason, type=BUDGET_EXCEEDED, non_retryable=True) from None
         except asyncio.CancelledError:
             await self._halt(work, "Cancelled", self._stop_reason or "cancelled")
             raise
@@ -166,19 +185,20 @@ class AgentRun:
     async def _until_done(self, work: asyncio.Task[None]) -> None:
         """Wait for the loop, or for the budget to trip (the seconds budget by timer)."""
         limit = self._spec.budget.seconds
+
+        def done() -> bool:
+            return work.done() or self._exceeded is not None or self._stopping()
+
         if limit is None:
-            await workflow.wait_condition(lambda: work.done() or self._exceeded is not None)
+            await workflow.wait_condition(done)
             return
         left = limit - self._elapsed()
         try:
-            await workflow.wait_condition(
-                lambda: work.done() or self._exceeded is not None,
-                timeout=max(left, 0.001),
-            )
+            await workflow.wait_condition(done, timeout=max(left, 0.001))
         except TimeoutError:
             self._exceeded = f"budget exceeded: seconds {self._elapsed():.0f}/{limit:g}"
-        if self._exceeded is None and not work.done():  # pragma: no cover - defensive
-            await workflow.wait_condition(lambda: work.done() or self._exceeded is not None)
+        if self._exceeded is None and not done():  # pragma: no cover - defensive
+            await workflow.wait_condition(done)
 
     async def _wait_children(self) -> None:
         if any(c.state not in TERMINAL_STATES for c in self._children.values()):
@@ -187,6 +207,7 @@ class AgentRun:
             done = lambda: (  # noqa: E731
                 all(c.state in TERMINAL_STATES for c in self._children.values())
                 or self._exceeded is not None
+                or self._stopping()
             )
             if limit is None:
                 await workflow.wait_condition(done)
@@ -197,6 +218,29 @@ class AgentRun:
                     self._exceeded = f"budget exceeded: seconds {self._elapsed():.0f}/{limit:g}"
             if self._exceeded is not None:
                 raise _Stop(self._exceeded)
+            if self._stopping():
+                raise _Stop(self._stop_reason or "")
+
+    async def _wind_down(self, work: asyncio.Task[None], reason: str) -> None:
+        """The budget stop (rule 2): tell the running children to stop, let the loop
+        reach its next check (the turn or tool round in flight finishes and is counted;
+        a wait for approval ends at once), and wait until the children have ended."""
+        self._error = reason
+        self._pending = None
+        self._set_state("Stopping")
+        await self._report_up()
+        for handle, child in list(self._children.items()):
+            if child.state not in TERMINAL_STATES:
+                # It may have ended meanwhile: its watcher records how.
+                with contextlib.suppress(Exception):
+                    await workflow.get_external_workflow_handle(handle).signal(
+                        AgentRun.stop, StopRequest(reason)
+                    )
+        await workflow.wait_condition(
+            lambda: work.done() and all(c.state in TERMINAL_STATES for c in self._children.values())
+        )
+        if not work.cancelled():
+            work.exception()  # the loop's own stop (or failure): this stop answers it
 
     async def _halt(self, work: asyncio.Task[None], state: str, reason: str) -> None:
         """Stop the loop and the subtree, record why, report the end."""
@@ -384,7 +428,9 @@ class AgentRun:
             self._pending = PendingApproval(call.id, call.name, arguments)
             self._set_state("AwaitingApproval")
             await self._report_up()
-            await workflow.wait_condition(lambda: call.id in self._answers)
+            await workflow.wait_condition(lambda: call.id in self._answers or self._halting())
+            if call.id not in self._answers:
+                self._check_budget()  # raises: the run stops instead of waiting on
             self._pending = None
             self._set_state("Running")
             await self._report_up()
@@ -423,6 +469,14 @@ class AgentRun:
         if limits.seconds is not None and self._elapsed() >= limits.seconds:
             return f"budget exceeded: seconds {self._elapsed():.0f}/{limits.seconds:g}"
         return None
+
+    def _stopping(self) -> bool:
+        """An ancestor's budget stop reached this run (and stops wind down, rule 2)."""
+        return self._drain and self._stop_reason is not None
+
+    def _halting(self) -> bool:
+        """This run is to stop at its next check, and stops wind down (rule 2)."""
+        return self._drain and (self._stop_reason is not None or self._exceeded is not None)
 
     def _check_budget(self) -> None:
         if self._exceeded is None:
@@ -536,7 +590,7 @@ class AgentRun:
 
     @workflow.signal
     def stop(self, request: StopRequest) -> None:
-        """An ancestor is about to cancel this run; remember why."""
+        """An ancestor's budget tripped: stop at the next check (see rule 2)."""
         self._stop_reason = self._stop_reason or request.reason
 
     @workflow.update
@@ -564,8 +618,11 @@ class AgentRun:
 
     @spawn_child.validator
     def _validate_spawn(self, request: ChildRequest) -> None:
-        if self._state in TERMINAL_STATES or self._exceeded or self._stop_reason:
+        if self._state in TERMINAL_STATES:
             raise ValueError(f"run '{self._id}' has ended ({self._state}); it takes no children")
+        reason = self._exceeded or self._stop_reason
+        if reason:
+            raise ValueError(f"run '{self._id}' is stopping ({reason}); it takes no children")
         if request.handle in self._children:
             raise ValueError(f"run '{self._id}' already has a child '{request.handle}'")
 

@@ -41,10 +41,18 @@ DEFAULT_MAX_TOOL_CALLS = 8
 DEFAULT_MAX_TOKENS = 256
 
 RunState = Literal[
-    "Running", "AwaitingApproval", "AwaitingChildren", "Completed", "Failed", "Cancelled"
+    "Running",
+    "AwaitingApproval",
+    "AwaitingChildren",
+    "Stopping",  # its budget (or an ancestor's) tripped: in-flight work finishes
+    "Completed",
+    "Failed",
+    "Cancelled",
 ]
 TERMINAL_STATES: frozenset[str] = frozenset({"Completed", "Failed", "Cancelled"})
-ACTIVE_STATES: frozenset[str] = frozenset({"Running", "AwaitingApproval", "AwaitingChildren"})
+ACTIVE_STATES: frozenset[str] = frozenset(
+    {"Running", "AwaitingApproval", "AwaitingChildren", "Stopping"}
+)
 
 # Registered on the Temporal server (`temporal server start-dev --search-attribute
 # LuftpauseCaller=Keyword ...`), set at start and upserted as the run moves, so runs

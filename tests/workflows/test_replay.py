@@ -5,6 +5,7 @@ fails here, before it reaches a worker.  The histories come from
 
 from __future__ import annotations
 
+import base64
 import json
 from datetime import timedelta
 from pathlib import Path
@@ -15,6 +16,7 @@ from temporalio.client import WorkflowHistory
 from temporalio.worker import Replayer
 
 from workflows import AgentRun
+from workflows.agent_run import DRAIN_PATCH
 from workflows.contract import AgentRunInput
 
 HISTORIES = sorted((Path(__file__).parent / "histories").glob("*.json"))
@@ -33,6 +35,7 @@ def test_the_recorded_histories_cover_the_run_paths() -> None:
         "parallel_calls",
         "tree_with_approval",
         "budget_tripped",
+        "budget_drained",
         "cancelled_tree",
     }
     for kind in (
@@ -45,6 +48,25 @@ def test_the_recorded_histories_cover_the_run_paths() -> None:
         "UPSERT_WORKFLOW_SEARCH_ATTRIBUTES",
     ):
         assert f"EVENT_TYPE_{kind}" in kinds, kind
+
+
+def _patches(path: Path) -> set[str]:
+    """The `workflow.patched` ids a history's markers carry."""
+    ids = set()
+    for event in json.loads(path.read_text(encoding="utf-8"))["events"]:
+        marker = event.get("markerRecordedEventAttributes")
+        if marker and marker["markerName"] == "core_patch":
+            (payload,) = marker["details"]["patch-data"]["payloads"]
+            ids.add(json.loads(base64.b64decode(payload["data"]))["id"])
+    return ids
+
+
+def test_histories_from_before_and_after_the_drain_patch_are_both_replayed() -> None:
+    # Runs started before DRAIN_PATCH must keep replaying the old stop (cancel in-flight
+    # work); runs started after it take the new one (in-flight work finishes).
+    after = {p.stem for p in HISTORIES if DRAIN_PATCH in _patches(p)}
+    assert after == {"budget_drained-0", "budget_drained-1", "budget_drained-2"}
+    assert {"budget_tripped", "cancelled_tree-0"} <= {p.stem for p in HISTORIES} - after
 
 
 @pytest.mark.parametrize("path", HISTORIES, ids=[p.stem for p in HISTORIES])

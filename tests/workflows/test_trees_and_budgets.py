@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.workflows.harness import MODEL, spawn_waiting, stack, task_with, until
+from tests.workflows.harness import MODEL, Stack, spawn_waiting, stack, task_with, until
 from workflows import Budget, RunError, RunSpec
 
 
@@ -104,6 +104,56 @@ async def test_the_seconds_budget_trips_on_an_idle_subtree(temporal_address: str
         assert status.error is not None and status.error.startswith("budget exceeded: seconds ")
         assert status.error.endswith("/2") and kid.error == status.error
         assert not s.mcp.started
+
+
+async def test_work_in_flight_when_a_budget_trips_finishes_and_is_counted(
+    temporal_address: str,
+) -> None:
+    async with stack(temporal_address) as s:
+        s.mcp.gate.clear()  # lookups begin, then hold until the gate opens
+        parent = await spawn_waiting(s, "dp", budget=Budget(tool_calls=1))
+        held = await s.runs.spawn(
+            RunSpec(task=task_with(1, "dpheld"), model=MODEL, tools=["lookup"], parent=parent)
+        )
+        await until(lambda: _begun(s, "lookup") == 1, "the child's lookup is in flight")
+        # A second child's two (instant) calls take the subtree over its one call.
+        quick = await s.runs.spawn(
+            RunSpec(task=task_with(2, "dpquick"), model=MODEL, tools=["fail"], parent=parent)
+        )
+        await until(
+            lambda: _when(s, held, lambda st: st.state == "Stopping"),
+            "the stop reached the child whose call is in flight",
+        )
+        stopping = await s.runs.status(parent)
+        assert stopping.state == "Stopping"
+        assert stopping.error == "budget exceeded: tool_calls 2/1"
+        assert stopping.pending_approval is None  # a wait for approval ends at once
+        with pytest.raises(RunError, match="is stopping"):
+            await s.runs.spawn(RunSpec(task="more", model=MODEL, parent=parent))
+        assert _done(s, "lookup") == 0  # the subtree waits for it, not the other way round
+
+        s.mcp.gate.set()
+        status, kid, other = await s.runs.wait([parent, held, quick], timeout=30)
+        assert [st.state for st in (status, kid, other)] == ["Cancelled"] * 3
+        assert status.error == kid.error == other.error == "budget exceeded: tool_calls 2/1"
+        # The held call finished, reached its run's transcript and counts; no turn followed.
+        assert _done(s, "lookup") == 1
+        assert (kid.usage.tool_calls, kid.usage.turns) == (1, 1)
+        transcript = await s.client.get_workflow_handle(held).query("transcript")
+        assert transcript[-1]["role"] == "tool" and "Lookup of" in transcript[-1]["content"]
+        assert other.usage.tool_calls == 2
+        # The overshoot is what was in flight, and the holder knows all of it.
+        assert status.usage.tool_calls == 0  # its own call waited for approval: never ran
+        assert status.budget is not None and status.budget.used.tool_calls == 3
+        assert _begun(s, "delete_record") == 0
+
+
+def _begun(s: Stack, tool: str) -> int:
+    return sum(n for (t, _), n in s.mcp.started.items() if t == tool)
+
+
+def _done(s: Stack, tool: str) -> int:
+    return sum(n for (t, _), n in s.mcp.counts.items() if t == tool)
 
 
 async def _when(s: object, handle: str, pred: object) -> object:
