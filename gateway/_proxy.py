@@ -18,6 +18,7 @@ import asyncio
 import functools
 import json
 import logging
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +31,7 @@ from starlette.types import Receive, Scope, Send
 from activities._recover import recover_tool_calls
 from gateway._http import Upstream, UpstreamAnswer, UpstreamError, wait_disconnect
 from gateway._shell import Admission, AdmissionShell, Rejected
-from gateway.prober import auth_headers
+from gateway.prober import PROBE_PERIOD_S, auth_headers
 from luftpause import telemetry
 from luftpause.config import Endpoint
 from luftpause.headers import RUN_HEADER
@@ -79,10 +80,18 @@ ENGINE_IDLE_TIMEOUT_S = 600.0
 _USER_AGENT = "luftpause-gateway"
 
 
+# luftpause's own 503 (no healthy replica for the model) says when to look again: the
+# next probe round.
+UNAVAILABLE_RETRY_AFTER_S = str(math.ceil(PROBE_PERIOD_S))
+
+
 def error_response(status: int, message: str, run_id: str) -> Response:
     """The error body every failure uses, with the run id header."""
     body = json.dumps({"error": {"message": message}})
-    return Response(body, status, headers={RUN_HEADER: run_id}, media_type="application/json")
+    headers = {RUN_HEADER: run_id}
+    if status == 503:
+        headers["retry-after"] = UNAVAILABLE_RETRY_AFTER_S
+    return Response(body, status, headers=headers, media_type="application/json")
 
 
 # --------------------------------------------------------------------------- watching

@@ -25,7 +25,9 @@ Rules (DESIGN.md "The scheduler"), stated once, enforced here and nowhere else:
    unbound turns of its class or below; bound (continuing) runs go on.  A turn larger
    than its class's limit on its own goes in once no other run of its class holds KV
    on the replica (it could never fit beside them).
-7. A model no replica serves is rejected with 404 before it is queued.
+7. A model no replica serves is rejected with 404 before it is queued, and a model
+   whose every replica is unhealthy with 503 (waiting would hang the client until
+   one comes back; it may retry).  Turns already held when that happens keep waiting.
 8. Ticks free the slots of turns never reported finished after `turn_timeout_s` and
    forget runs idle or paused for `idle_run_expiry_s`.
 9. Interactive lanes (`Policy.lane_batch_kv_fill` set): a new interactive run goes first
@@ -382,6 +384,18 @@ class _Tx:
                     turn_id=ev.turn_id,
                     status=404,
                     message=f"no Generative replica serves model '{ev.model}'",
+                )
+            )
+            return
+        if not any(self.replicas[n].healthy for n in serving):
+            self.actions.append(
+                Reject(
+                    turn_id=ev.turn_id,
+                    status=503,
+                    message=(
+                        f"no healthy replica serves model '{ev.model}' "
+                        f"(unhealthy at their last probe: {', '.join(serving)})"
+                    ),
                 )
             )
             return

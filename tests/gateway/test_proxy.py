@@ -22,6 +22,7 @@ from harness import (
     RUN,
     Recorder,
     chat,
+    closed_port_url,
     endpoint,
     engine,
     gateway,
@@ -383,6 +384,20 @@ async def test_unreachable_engine_is_a_502_and_frees_the_slot() -> None:
                 assert message.startswith("engine gone: cannot connect"), message
             assert not shell.state.turns
             assert shell.state.runs["r"].phase == "idle"
+
+
+async def test_a_model_with_no_healthy_replica_is_503_at_once_not_a_hang() -> None:
+    # Down from the start: the first probe (before the gateway serves) marks it unhealthy.
+    async with gateway(endpoint("down", closed_port_url(), kind="openai")) as (gw, shell):
+        r = await gw.post("/v1/chat/completions", json=chat(), headers={RUN: "r"})
+        assert (r.status_code, r.headers[RUN], r.headers["retry-after"]) == (503, "r", "2")
+        assert r.json() == {
+            "error": {
+                "message": f"no healthy replica serves model '{MODEL}' "
+                "(unhealthy at their last probe: down)"
+            }
+        }
+        assert not shell.state.turns
 
 
 async def test_engine_429_passes_through_with_retry_after() -> None:

@@ -134,6 +134,28 @@ def test_unknown_model_is_rejected_404_before_queueing() -> None:
     assert d.state.held_count() == 0
 
 
+def test_a_model_whose_every_replica_is_unhealthy_is_rejected_503() -> None:
+    d = Driver(("a", "b"))
+    d.probe("a", queued=1, running=1)  # capped at 1
+    d.probe("b", healthy=False, queued=None, running=None)
+    first, second = d.arrive("r1"), d.arrive("r2")
+    assert d.held_ids() == {second} and first in d.state.turns
+    d.probe("a", healthy=False, queued=None, running=None)
+    tid = d.arrive("late")
+    assert d.actions == [
+        Reject(
+            turn_id=tid,
+            status=503,
+            message="no healthy replica serves model 'm' (unhealthy at their last probe: a, b)",
+        )
+    ]
+    assert tid not in d.state.turns
+    assert d.held_ids() == {second}  # a turn held before keeps waiting
+    d.probe("b", queued=0, running=0)
+    assert admits(d.actions) == [(second, "b")]
+    assert d.arrive("later") in d.state.turns
+
+
 def test_turn_goes_only_to_replicas_serving_its_model() -> None:
     specs = [
         ReplicaSpec(name="a", models=frozenset({"small"})),
@@ -209,9 +231,10 @@ def test_unhealthy_replica_gets_no_turns() -> None:
         tid = d.arrive(f"r{i}")
         assert d.admitted() == {tid: "b"}
     d.probe("b", queued=0, running=0, healthy=False)
-    t = d.arrive("r9")
-    assert t in d.held_ids()
+    d.arrive("r9")
+    assert [a.status for a in d.actions if isinstance(a, Reject)] == [503]
     d.probe("a", queued=0, running=0, healthy=True)
+    t = d.arrive("r9")
     assert d.admitted() == {t: "a"}
 
 
