@@ -43,6 +43,9 @@ def describe_http_error(exc: httpx.HTTPError) -> str:
         return "connect timeout"
     if isinstance(exc, httpx.ConnectError):
         return f"cannot connect ({exc})" if str(exc) else "cannot connect"
+    if isinstance(exc, httpx.LocalProtocolError):
+        # Its text quotes the offending header, which may be the endpoint's key.
+        return "the request could not be sent (check the endpoint's url and api_key_env)"
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 

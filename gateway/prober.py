@@ -4,8 +4,11 @@ Every `PROBE_PERIOD_S` each endpoint's health path is fetched, and for engines t
 report load, `/metrics` (SGLang, vLLM, llama.cpp gauge names in `LOAD_METRICS`); a
 router's load is the sum over its `load_from` engines.  Each round becomes one
 `ReplicaProbed` event per generative endpoint for the core.  Both fetches share one
-timeout (`PROBE_TIMEOUT_S`); a failure of either marks the endpoint unhealthy, with
-the reason kept for `/status`.
+timeout (`PROBE_TIMEOUT_S`).  A failed health check or an unreachable engine marks the
+endpoint unhealthy; an engine that serves but shows no load gauges (SGLang without
+`--enable-metrics`, llama.cpp without `--metrics`: `/metrics` answers 404, or lacks the
+names) is healthy and reports no load, so it is never capped.  Either reason is kept
+for `/status` and logged when it changes.
 
 An engine whose KV pool size the configuration does not give is asked for it until it
 answers: SGLang's `/get_server_info` (`max_total_num_tokens`), vLLM's
@@ -54,7 +57,8 @@ class ProbeResult:
     healthy: bool
     queued: int | None = None  # None: the endpoint reports no load
     running: int | None = None
-    error: str | None = None  # why it is unhealthy
+    # Why it is unhealthy, or (healthy) why its load is unknown.
+    error: str | None = None
     kv_tokens: int | None = None  # the KV pool size the engine reported, when asked
 
     def event(self, now: float) -> ReplicaProbed:
@@ -116,11 +120,19 @@ def parse_sglang_kv_tokens(info: object) -> int | None:
     return None
 
 
+# How to turn on the load gauges, per engine kind.
+_METRICS_HINT = {
+    "sglang": "start SGLang with --enable-metrics",
+    "llamacpp": "start llama-server with --metrics",
+    "vllm": "vLLM serves them unless --disable-log-stats",
+}
+
+
 def auth_headers(endpoint: Endpoint, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
-    """The endpoint's own key (never a client's): `Authorization: Bearer $api_key_env`."""
-    if endpoint.api_key_env and environ.get(endpoint.api_key_env):
-        return {"Authorization": f"Bearer {environ[endpoint.api_key_env]}"}
-    return {}
+    """The endpoint's own key (never a client's): `Authorization: Bearer $api_key_env`.
+    Blanks around it are dropped (a key file's newline would be an illegal header)."""
+    key = environ.get(endpoint.api_key_env, "").strip() if endpoint.api_key_env else ""
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 async def probe_endpoint(
@@ -152,23 +164,27 @@ async def probe_endpoint(
         )
     except httpx.HTTPError as exc:
         return ProbeResult(endpoint=endpoint.name, healthy=False, error=describe_http_error(exc))
-    if metrics.status_code >= 400:
+    load: tuple[int, int] | None = None
+    note: str | None = None  # why the load is unknown
+    q, r = LOAD_METRICS[endpoint.kind]
+    if metrics.status_code in (404, 501):
+        note = f"reports no load: /metrics answered {metrics.status_code}"
+    elif metrics.status_code >= 400:
         return ProbeResult(
             endpoint=endpoint.name,
             healthy=False,
             error=f"/metrics answered {metrics.status_code}",
         )
-    try:
-        load = parse_load(endpoint.kind, metrics.text)
-    except ValueError as exc:  # not the exposition format
-        return ProbeResult(endpoint=endpoint.name, healthy=False, error=f"/metrics: {exc}")
-    if load is None:
-        q, r = LOAD_METRICS[endpoint.kind]
-        return ProbeResult(
-            endpoint=endpoint.name,
-            healthy=False,
-            error=f"/metrics lacks {q} and {r} (is the engine started with metrics on?)",
-        )
+    else:
+        try:
+            load = parse_load(endpoint.kind, metrics.text)
+        except ValueError as exc:  # not the exposition format
+            note = f"reports no load: /metrics: {exc}"
+        else:
+            if load is None:
+                note = f"reports no load: /metrics lacks {q} and {r}"
+    if note is not None:
+        note += f" ({_METRICS_HINT[endpoint.kind]}); admitted uncapped"
     if want_kv and endpoint.kind == "vllm":
         kv = parse_vllm_kv_tokens(metrics.text)
     elif want_kv and endpoint.kind == "sglang":
@@ -176,7 +192,12 @@ async def probe_endpoint(
         # scheduler) must not make a healthy engine look unhealthy.
         kv = await _sglang_kv_tokens(client, endpoint, headers, timeout)
     return ProbeResult(
-        endpoint=endpoint.name, healthy=True, queued=load[0], running=load[1], kv_tokens=kv
+        endpoint=endpoint.name,
+        healthy=True,
+        queued=load[0] if load else None,
+        running=load[1] if load else None,
+        error=note,
+        kv_tokens=kv,
     )
 
 
@@ -265,6 +286,8 @@ class Prober:
                     "healthy" if r.healthy else "unhealthy",
                     f": {r.error}" if r.error else "",
                 )
+            elif r.healthy and r.error and (before is None or before.error != r.error):
+                log.warning("endpoint %s %s", r.endpoint, r.error)
             self.last[r.endpoint] = r
         outcome = self._report(results)
         if outcome is not None:

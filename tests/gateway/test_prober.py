@@ -16,6 +16,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 
+from gateway._http import describe_http_error
 from gateway.prober import Prober, auth_headers, parse_load, probe_endpoint, probe_pool
 from luftpause.config import Endpoint, parse_config
 from testkit.engine import EngineParams
@@ -73,15 +74,39 @@ async def test_healthy_engine_reports_its_load() -> None:
     assert (ev.replica, ev.healthy, ev.queued, ev.running, ev.now) == ("e", True, 4, 9, 5.0)
 
 
-async def test_health_failure_and_missing_metrics_mark_unhealthy() -> None:
+async def test_a_failed_health_check_or_metrics_error_marks_unhealthy() -> None:
     async with _client({"/health": httpx.Response(503)}) as c:
         r = await probe_endpoint(c, _endpoint())
     assert not r.healthy and r.error == "/health answered 503"
-    async with _client(
-        {"/health": httpx.Response(200), "/metrics": httpx.Response(200, text="")}
-    ) as c:
+    async with _client({"/health": httpx.Response(200), "/metrics": httpx.Response(500)}) as c:
         r = await probe_endpoint(c, _endpoint())
-    assert not r.healthy and "lacks sglang:num_queue_reqs" in (r.error or "")
+    assert not r.healthy and r.error == "/metrics answered 500"
+
+
+@pytest.mark.parametrize(
+    ("kind", "metrics", "why"),
+    [
+        (
+            "sglang",
+            httpx.Response(404),
+            "/metrics answered 404 (start SGLang with --enable-metrics)",
+        ),
+        (
+            "llamacpp",
+            httpx.Response(200, text=""),
+            "/metrics lacks llamacpp:requests_deferred and llamacpp:requests_processing "
+            "(start llama-server with --metrics)",
+        ),
+    ],
+)
+async def test_an_engine_without_load_gauges_serves_uncapped(
+    kind: str, metrics: httpx.Response, why: str
+) -> None:
+    # SGLang's metrics are off by default: the engine serves, only its load is unknown.
+    async with _client({"/health": httpx.Response(200), "/metrics": metrics}) as c:
+        r = await probe_endpoint(c, _endpoint(kind))
+    assert (r.healthy, r.queued, r.running) == (True, None, None)
+    assert r.error == f"reports no load: {why}; admitted uncapped"
 
 
 async def test_endpoints_without_load_are_only_health_checked() -> None:
@@ -110,6 +135,14 @@ async def test_hosted_key_comes_from_the_environment(monkeypatch: pytest.MonkeyP
     async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as c:
         await probe_endpoint(c, e)
     assert got == ["Bearer sk-1"]
+    # A key read from a secret file keeps its newline: dropped, not sent (h11 refuses it).
+    assert auth_headers(e, {"HOSTED_KEY_FOR_TEST": "sk-2\n"}) == {"Authorization": "Bearer sk-2"}
+    assert auth_headers(e, {"HOSTED_KEY_FOR_TEST": " \n"}) == {}
+
+
+def test_an_unsendable_request_is_described_without_its_headers() -> None:
+    exc = httpx.LocalProtocolError("Illegal header value b'Bearer sk-secret\\x00'")
+    assert "sk-secret" not in describe_http_error(exc)
 
 
 async def test_refused_connection_is_unhealthy_at_once() -> None:
