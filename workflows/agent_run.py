@@ -141,6 +141,7 @@ class AgentRun:
         self._exceeded: str | None = None
         self._stop_reason: str | None = None
         self._drain = False  # set by run(): see DRAIN_PATCH
+        self._spawning = 0  # spawn_child updates still starting their child
         self._ended_at: str | None = None
         self._last_report: tuple[str, Totals] | None = None
         self._watchers: set[asyncio.Task[None]] = set()
@@ -201,13 +202,11 @@ class AgentRun:
             await workflow.wait_condition(done)
 
     async def _wait_children(self) -> None:
-        if any(c.state not in TERMINAL_STATES for c in self._children.values()):
+        if not self._children_done():
             self._set_state("AwaitingChildren")
             limit = self._spec.budget.seconds
             done = lambda: (  # noqa: E731
-                all(c.state in TERMINAL_STATES for c in self._children.values())
-                or self._exceeded is not None
-                or self._stopping()
+                self._children_done() or self._exceeded is not None or self._stopping()
             )
             if limit is None:
                 await workflow.wait_condition(done)
@@ -236,9 +235,7 @@ class AgentRun:
                     await workflow.get_external_workflow_handle(handle).signal(
                         AgentRun.stop, StopRequest(reason)
                     )
-        await workflow.wait_condition(
-            lambda: work.done() and all(c.state in TERMINAL_STATES for c in self._children.values())
-        )
+        await workflow.wait_condition(lambda: work.done() and self._children_done())
         if not work.cancelled():
             work.exception()  # the loop's own stop (or failure): this stop answers it
 
@@ -361,6 +358,8 @@ class AgentRun:
                 outputs[call.id] = ToolOutput(content=DECLINED, is_error=True, executed=False)
             else:
                 approved.append(call)
+        if self._drain:
+            self._check_budget()  # a stop may have come while approvals were awaited
         if spec.parallel_tool_calls:
             results = await asyncio.gather(*(self._call(c) for c in approved))
         else:
@@ -470,6 +469,14 @@ class AgentRun:
             return f"budget exceeded: seconds {self._elapsed():.0f}/{limits.seconds:g}"
         return None
 
+    def _children_done(self) -> bool:
+        """Every child has ended, and none is still being started (counted with
+        DRAIN_PATCH: a child started while this run completes, stops or continues as
+        new would otherwise be cancelled by its parent's close)."""
+        if self._drain and self._spawning:
+            return False
+        return all(c.state in TERMINAL_STATES for c in self._children.values())
+
     def _stopping(self) -> bool:
         """An ancestor's budget stop reached this run (and stops wind down, rule 2)."""
         return self._drain and self._stop_reason is not None
@@ -525,9 +532,11 @@ class AgentRun:
     async def _maybe_continue_as_new(self) -> None:
         if not workflow.info().is_continue_as_new_suggested():
             return
-        if any(c.state not in TERMINAL_STATES for c in self._children.values()):
+        if not self._children_done():
             return  # closing this run would cancel its running children
         await workflow.wait_condition(workflow.all_handlers_finished)
+        if self._drain and not self._children_done():
+            return  # a child was spawned meanwhile
         workflow.continue_as_new(
             AgentRunInput(
                 spec=self._spec,
@@ -602,17 +611,28 @@ class AgentRun:
             root=self._root,
             caller=request.spec.caller or self._spec.caller,
         )
-        child = await workflow.start_child_workflow(
-            AgentRun.run,
-            AgentRunInput(spec),
-            id=request.handle,
-            parent_close_policy=workflow.ParentClosePolicy.REQUEST_CANCEL,
-            search_attributes=search_attributes(spec, request.handle),
-        )
+        self._spawning += 1
+        try:
+            child = await workflow.start_child_workflow(
+                AgentRun.run,
+                AgentRunInput(spec),
+                id=request.handle,
+                parent_close_policy=workflow.ParentClosePolicy.REQUEST_CANCEL,
+                search_attributes=search_attributes(spec, request.handle),
+            )
+        finally:
+            self._spawning -= 1
         self._children[request.handle] = ChildSummary(request.handle, "Running")
         watcher = asyncio.create_task(self._watch(request.handle, child))
         self._watchers.add(watcher)
         watcher.add_done_callback(self._watchers.discard)
+        reason = self._stop_reason or self._exceeded
+        if self._drain and reason is not None:
+            # The stop came while the child was starting: it stops too (rule 2).
+            with contextlib.suppress(Exception):
+                await workflow.get_external_workflow_handle(request.handle).signal(
+                    AgentRun.stop, StopRequest(reason)
+                )
         await self._report_up()
         return request.handle
 
