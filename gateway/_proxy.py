@@ -192,7 +192,8 @@ class StreamWatch:
             if not isinstance(choice, dict):
                 continue
             reason = choice.get("finish_reason")
-            if isinstance(reason, str):
+            # With n > 1, one choice ending in tool calls pauses the run.
+            if isinstance(reason, str) and self.finish_reason != "tool_calls":
                 self.finish_reason = reason
             for part in (choice.get("delta"), choice.get("message")):
                 calls = part.get("tool_calls") if isinstance(part, dict) else None

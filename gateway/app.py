@@ -124,6 +124,9 @@ class _Gateway(FastAPI):
         await super().__call__(scope, receive, send)
 
 
+_SERVED = f"POST {CHAT_PATH}, GET /v1/models, POST /v1/decide, DELETE /v1/runs/{{run id}}"
+
+
 class _BadRequest(Exception):
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -156,7 +159,10 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         if settings.token is None:
             log.warning("LUFTPAUSE_TOKEN is not set: /v1/*, /mcp and /status are open to all")
         timeout = httpx.Timeout(None, connect=CONNECT_TIMEOUT_S)
-        async with httpx.AsyncClient(timeout=timeout, limits=_UPSTREAM_LIMITS) as client:
+        # trust_env=False: probes go where turns go (Upstream uses no HTTP(S)_PROXY).
+        async with httpx.AsyncClient(
+            timeout=timeout, limits=_UPSTREAM_LIMITS, trust_env=False
+        ) as client:
             shell = AdmissionShell(
                 State.initial(config.replica_specs(), policy), observer=metrics.observe
             )
@@ -356,6 +362,19 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         return Response(json.dumps({"status": "ok"}), media_type="application/json")
+
+    @app.api_route(
+        "/v1/{rest:path}",
+        methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"],
+        include_in_schema=False,
+    )
+    async def not_served(request: Request, rest: str) -> Response:
+        """Any other path or method under /v1 (`/v1/completions`, `/v1/embeddings`, a GET
+        of the chat path): an OpenAI-shaped error that says what is served."""
+        path = request.url.path
+        known = path in (CHAT_PATH, "/v1/decide", "/v1/models") or path.startswith("/v1/runs/")
+        message = f"luftpause does not serve {request.method} {path}; it serves {_SERVED}"
+        return error_response(405 if known else 404, message, _new_id())
 
     return app
 

@@ -105,7 +105,14 @@ class Endpoint(BaseModel):
     def _http_url(cls, v: str) -> str:
         if not v.startswith(("http://", "https://")) or len(v) < len("http://x"):
             raise ValueError("expected an http:// or https:// URL, e.g. http://127.0.0.1:30000")
-        return v.rstrip("/")
+        v = v.rstrip("/")
+        if v.endswith("/v1"):
+            # OpenAI clients' base_url ends in /v1; luftpause appends /v1/chat/completions.
+            raise ValueError(
+                f"expected the server's root, without the trailing /v1 (luftpause adds "
+                f"/v1/chat/completions): {v.removesuffix('/v1')}"
+            )
+        return v
 
     @field_validator("health_path")
     @classmethod

@@ -683,3 +683,41 @@ def test_a_caller_header_becomes_a_name_both_doors_share() -> None:
     assert sent(b"x" * 127 + b" tail") == "x" * 127  # no blank left at the cut
     assert sent(("ä" * 100).encode()) == "ä" * 64  # no character split
     assert sent(b"   ") == ""
+
+
+def test_one_choice_ending_in_tool_calls_pauses_the_run_whatever_the_others_say() -> None:
+    from gateway._proxy import StreamWatch
+
+    events = [
+        {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+        {"choices": [{"index": 1, "delta": {}, "finish_reason": "stop"}]},
+    ]
+    watch = StreamWatch(sse=True)
+    watch.feed(b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events))
+    watch.close()
+    assert watch.finish_reason == "tool_calls"
+    body = {"choices": [{"finish_reason": "tool_calls"}, {"finish_reason": "length"}]}
+    watch = StreamWatch(sse=False)
+    watch.feed(json.dumps(body).encode())
+    watch.close()
+    assert watch.finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status"),
+    [
+        ("POST", "/v1/completions", 404),
+        ("POST", "/v1/embeddings", 404),
+        ("GET", "/v1/chat/completions", 405),
+        ("GET", "/v1/runs/r1", 405),
+    ],
+)
+async def test_other_openai_routes_get_the_error_shape_and_what_is_served(
+    method: str, path: str, status: int
+) -> None:
+    async with engine(instant=True) as (url, counted), gateway(endpoint("a", url)) as (gw, _):
+        r = await gw.request(method, path, json=chat())
+        assert r.status_code == status and RUN in r.headers
+        message = r.json()["error"]["message"]
+        assert message.startswith(f"luftpause does not serve {method} {path}; it serves POST ")
+        assert not counted.chats

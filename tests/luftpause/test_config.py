@@ -34,7 +34,7 @@ load_from = ["sglang-a", "sglang-b"]
 
 [[endpoints]]
 name = "hosted"
-url = "https://api.example.test/v1"
+url = "https://api.example.test"
 kind = "openai"
 models = ["big-model"]
 api_key_env = "HOSTED_KEY"
@@ -75,6 +75,12 @@ def test_a_good_file_loads_with_defaults(tmp_path: Path) -> None:
         (
             '[[endpoints]]\nname="a"\nurl="127.0.0.1:1"\nkind="sglang"\nmodels=["m"]',
             "endpoints[0].url: expected an http:// or https:// URL",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="https://api.example.com/v1/"\nkind="openai"\n'
+            'models=["m"]',
+            "endpoints[0].url: expected the server's root, without the trailing "
+            "/v1 (luftpause adds /v1/chat/completions): https://api.example.com",
         ),
         (
             '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="tgi"\nmodels=["m"]',
