@@ -33,7 +33,7 @@ from activities.mcp_pool import McpPool
 from gateway._http import Upstream
 from gateway._proxy import TurnRequest, TurnResponse, error_response
 from gateway._shell import AdmissionShell
-from gateway.decide import DecideError, DecideRequest, decide, parse_decide
+from gateway.decide import DecideError, decide, decide_request, parse_decide
 from gateway.mcp_door import DoorDeps, create_mcp_server
 from gateway.metrics import GatewayMetrics
 from gateway.prober import PROBE_PERIOD_S, Prober, ProbeResult
@@ -431,7 +431,11 @@ class _Door:
                 await never.wait()
                 return {"type": "http.disconnect"}
 
-            request = DecideRequest(text, tuple(labels) if labels is not None else None, model)
+            fields = {"input": text, "labels": labels, "model": model}
+            try:  # the checks /v1/decide makes (distinct labels, their number, ...)
+                request = decide_request({k: v for k, v in fields.items() if v is not None})
+            except DecideError as exc:
+                return exc.status, {"error": {"message": exc.message}}
             response = await decide(
                 request,
                 run_id=_new_id(),

@@ -93,6 +93,11 @@ def parse_decide(raw: bytes) -> DecideRequest:
         raise DecideError(400, "request body is not valid JSON: nested too deeply") from None
     if not isinstance(body, dict):
         raise DecideError(400, "request body: expected a JSON object")
+    return decide_request(body)
+
+
+def decide_request(body: dict[str, Any]) -> DecideRequest:
+    """Validate a decision's fields (the HTTP body's, or the MCP tool's arguments)."""
     unknown = sorted(k for k in body if k not in _FIELDS)
     if unknown:
         raise DecideError(

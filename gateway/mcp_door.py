@@ -598,7 +598,8 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
 
     @mcp.tool(annotations=ToolAnnotations(read_only_hint=False, destructive_hint=True))
     async def cancel(ctx: Context, handle: Handle) -> RunView:
-        """Cancel a run and its running descendants."""
+        """Cancel a run and its running descendants at once (their work in flight too).
+        Returns the run once it has ended, or as it is after 10 s."""
         r = await runs()
         try:
             return view(await r.cancel(handle))
@@ -610,12 +611,19 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
         ctx: Context,
         handle: Handle,
         allow: Annotated[bool, Field(description="true to let the tool call run")],
+        callId: Annotated[
+            str | None,
+            Field(
+                description="the pendingApproval.callId you were shown; the answer is "
+                "refused if the run now waits on another call"
+            ),
+        ] = None,
     ) -> RunView:
         """Answer the approval a run waits for (state AwaitingApproval): allow or
         decline its pending tool call. A declined call is reported to the run's model."""
         r = await runs()
         try:
-            return view(await r.approve(handle, allow))
+            return view(await r.approve(handle, allow, callId))
         except RunError as exc:
             raise ToolError(str(exc)) from None
 
@@ -652,8 +660,6 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
     ) -> DecideResult:
         """Classify `input` in one pass: with `labels`, one 1-token turn scored from the
         first token's logprobs; without, the configured single-pass classifier."""
-        if labels is not None and not 2 <= len(labels) <= 20:
-            raise ToolError(f"labels: expected 2 to 20 distinct labels, got {len(labels)}")
         status_code, body = await deps.decide(
             input, labels, model, caller_of(ctx, deps.token_identity)
         )

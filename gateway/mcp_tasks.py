@@ -9,11 +9,14 @@ gateway restart, and any gateway on the same Temporal namespace can answer for t
 
 The SDK ships the wire types of the older in-core tasks only, so the SEP-2663 shapes
 are written here as plain JSON (`taskId`, `status`, `createdAt`, `lastUpdatedAt`,
-`ttlSeconds`, `pollIntervalMilliseconds`, `inputRequests`, `result`, `error`).
+`ttlMs`, `pollIntervalMs`, `inputRequests`, `result`, `statusMessage`).  A run that
+failed is a `completed` task whose result has `isError: true` (the spec keeps `failed`
+for JSON-RPC errors); a cancelled run is a `cancelled` task saying why.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -36,7 +39,7 @@ __all__ = ["TASKS", "TasksExtension"]
 
 TASKS = "io.modelcontextprotocol/tasks"
 MODERN = frozenset({approval.MODERN})
-TTL_SECONDS = 24 * 3600
+TTL_MS = 24 * 3600 * 1000
 POLL_MS = 500
 _INVALID_PARAMS = -32602
 
@@ -46,7 +49,7 @@ _STATUS = {
     "Stopping": "working",
     "AwaitingApproval": "input_required",
     "Completed": "completed",
-    "Failed": "failed",
+    "Failed": "completed",  # with the run's error as the result (isError)
     "Cancelled": "cancelled",
 }
 
@@ -112,8 +115,8 @@ class TasksExtension(Extension):
             "status": _STATUS.get(status.state, "working"),
             "createdAt": _iso(status.started_at),
             "lastUpdatedAt": _iso(status.ended_at),
-            "ttlSeconds": TTL_SECONDS,
-            "pollIntervalMilliseconds": POLL_MS,
+            "ttlMs": TTL_MS,
+            "pollIntervalMs": POLL_MS,
         }
         if status.state == "AwaitingApproval" and status.pending_approval is not None:
             task["statusMessage"] = approval.message(status)
@@ -123,16 +126,16 @@ class TasksExtension(Extension):
                     "params": approval.elicit_params(status),
                 }
             }
-        elif status.state == "Completed":
-            view = self._view(status)
+        elif status.state in ("Completed", "Failed"):
+            failed = status.state == "Failed"
+            text = (status.error or "failed") if failed else (status.answer or "")
             task["result"] = {
-                "content": [{"type": "text", "text": status.answer or ""}],
-                "structuredContent": view,
-                "isError": False,
+                "content": [{"type": "text", "text": text}],
+                "structuredContent": self._view(status),
+                "isError": failed,
             }
-        elif status.state in ("Failed", "Cancelled"):
-            task["statusMessage"] = status.error or status.state.lower()
-            task["error"] = {"code": -32603, "message": status.error or status.state.lower()}
+        elif status.state == "Cancelled":
+            task["statusMessage"] = status.error or "cancelled"
         return task
 
     async def _status(self, task_id: str) -> RunStatus:
@@ -150,10 +153,7 @@ class TasksExtension(Extension):
         for key, response in params.input_responses.items():
             handle, call_id = approval.parse_key(key)
             if handle != status.handle:
-                raise MCPError(
-                    code=_INVALID_PARAMS,
-                    message=f"input response {key!r} does not belong to task {status.handle!r}",
-                )
+                continue  # never issued for this task: ignored, as the spec asks
             content = response.get("content") if isinstance(response, dict) else None
             if not (isinstance(response, dict) and response.get("action") == "accept"):
                 continue  # declined or dismissed: the approval stays open
@@ -162,13 +162,13 @@ class TasksExtension(Extension):
                     code=_INVALID_PARAMS,
                     message=f'input response {key!r}: expected content {{"allow": true|false}}',
                 )
-            try:
+            # Answered already, or superseded (the run moved on or ended): ignored.
+            with contextlib.suppress(RunError):
                 await runs.approve(handle, content["allow"], call_id)
-            except RunError as exc:
-                raise MCPError(code=_INVALID_PARAMS, message=str(exc)) from None
         return EmptyResult()
 
     async def cancel(self, ctx: Any, params: TaskIdParams) -> EmptyResult:
+        """Acknowledged once the cancellation is requested (the run ends after)."""
         await self._status(params.task_id)
-        await (await self._runs()).cancel(params.task_id)
+        await (await self._runs()).cancel(params.task_id, wait_s=0)
         return EmptyResult()

@@ -39,6 +39,7 @@ from workflows.contract import (
 __all__ = ["AWAIT_MAX_S", "RunError", "Runs", "new_handle"]
 
 AWAIT_MAX_S = 600.0
+CANCEL_WAIT_S = 10.0  # how long `cancel` waits for the run to end before answering
 _QUERY_TIMEOUT_S = 10.0
 
 
@@ -194,13 +195,16 @@ class Runs:
         with contextlib.suppress(Exception):
             await self._handle(handle).result()
 
-    async def cancel(self, handle: str) -> RunStatus:
-        """Cancel the run and its running descendants; returns its status after."""
+    async def cancel(self, handle: str, *, wait_s: float = CANCEL_WAIT_S) -> RunStatus:
+        """Cancel the run and its running descendants; returns its status once it has
+        ended, or after `wait_s` (no worker may be up to end it) as it is then."""
         status = await self.status(handle)
         if status.state in TERMINAL_STATES:
             return status
         await self._handle(handle).cancel()
-        await self._ended(handle)
+        if wait_s > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._ended(handle), wait_s)
         return await self.status(handle)
 
     async def approve(self, handle: str, allow: bool, call_id: str | None = None) -> RunStatus:

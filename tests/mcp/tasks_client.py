@@ -23,14 +23,18 @@ class CreateTaskResult(Result):
     status: str
     created_at: str = Field(alias="createdAt")
     last_updated_at: str = Field(alias="lastUpdatedAt")
-    ttl_seconds: int | None = Field(default=None, alias="ttlSeconds")
-    poll_interval_milliseconds: int | None = Field(default=None, alias="pollIntervalMilliseconds")
+    ttl_ms: int | None = Field(alias="ttlMs")  # required, null for unlimited
+    poll_interval_ms: int | None = Field(default=None, alias="pollIntervalMs")
 
 
 class GetTaskResult(Result):
-    result_type: str | None = Field(default=None, alias="resultType")
+    result_type: Literal["complete"] = Field(alias="resultType")
     task_id: str = Field(alias="taskId")
-    status: str
+    status: Literal["working", "input_required", "completed", "cancelled", "failed"]
+    created_at: str = Field(alias="createdAt")
+    last_updated_at: str = Field(alias="lastUpdatedAt")
+    ttl_ms: int | None = Field(alias="ttlMs")
+    poll_interval_ms: int | None = Field(default=None, alias="pollIntervalMs")
     status_message: str | None = Field(default=None, alias="statusMessage")
     input_requests: dict[str, Any] | None = Field(default=None, alias="inputRequests")
     result: dict[str, Any] | None = None
@@ -83,7 +87,7 @@ class TasksClient(ClientExtension):
         self.task_ids.append(created.task_id)
         if self._on_created is not None:
             await self._on_created(session, created.task_id)
-        poll_s = (created.poll_interval_milliseconds or 500) / 1000
+        poll_s = (created.poll_interval_ms or 500) / 1000
         return await follow(session, created.task_id, poll_s, self.seen)
 
 
@@ -134,7 +138,7 @@ async def follow(session: Any, task_id: str, poll_s: float, seen: list[str]) -> 
             elif task.status == "completed":
                 return CallToolResult.model_validate(task.result)
             elif task.status in ("failed", "cancelled"):
-                message = (task.error or {}).get("message", task.status)
+                message = (task.error or {}).get("message") or task.status_message or task.status
                 text = f"task {task.status}: {message}"
                 return CallToolResult(content=[{"type": "text", "text": text}], is_error=True)
             await anyio.sleep(poll_s)

@@ -127,6 +127,7 @@ async def test_malformed_calls_get_clear_tool_errors(temporal_address: str, mode
             ("approve", {"handle": "run-nope", "allow": True}, "no run with handle"),
             ("cancel", {"handle": "run-nope"}, "no run with handle"),
             ("decide", {"input": "x", "labels": ["one"]}, "2 to 20"),
+            ("decide", {"input": "x", "labels": ["a", "b", "a"]}, "repeated: 'a'"),
             ("decide", {"input": "x", "labels": ["a", "b"], "model": "gpt-9"}, "gpt-9"),
         ]
         for tool, args, needle in cases:
@@ -136,6 +137,15 @@ async def test_malformed_calls_get_clear_tool_errors(temporal_address: str, mode
         await c.call_tool("await", {"handles": [handle]})
         text = error_text(await c.call_tool("approve", {"handle": handle, "allow": True}))
         assert "has no pending approval" in text
+        # An answer meant for another call than the pending one is refused.
+        waiting = await spawn(c, task=task_with(1, "cid"), tools=["delete_record"])
+        await until(lambda: _state(c, waiting, "AwaitingApproval"), "the run waits")
+        args = {"handle": waiting, "allow": True, "callId": "call_other"}
+        assert "not 'call_other'" in error_text(await c.call_tool("approve", args))
+        (pending,) = await s.runs.statuses([waiting])
+        assert pending.pending_approval is not None
+        args["callId"] = pending.pending_approval.call_id
+        assert result(await c.call_tool("approve", args))["state"] != "AwaitingApproval"
 
 
 async def test_fan_out_of_sixteen_takes_about_the_slowest(temporal_address: str) -> None:
@@ -340,3 +350,39 @@ async def test_a_long_await_sends_progress(temporal_address: str, mode: str) -> 
     counts = [done for done, _, _ in progress]
     assert counts == sorted(counts) and counts[-1] < 4  # the last run's end is the result
     assert progress[-1][2] == f"{int(counts[-1])} of 4 runs ended"
+
+
+def test_a_task_for_a_failed_run_is_completed_with_an_error_result() -> None:
+    # SEP-2663 keeps `failed` for JSON-RPC errors; a run's failure is its tool result.
+    from gateway.mcp_tasks import TasksExtension
+    from workflows import RunStatus, Totals
+
+    def status(state: str, error: str | None) -> RunStatus:
+        return RunStatus(
+            handle="run-x", state=state, task="t", model=MODEL, service_class="batch",
+            caller="c", parent=None, root="run-x", children=[], usage=Totals(),
+            subtree=Totals(), error=error, started_at="2026-11-30T10:00:00+00:00",
+            ended_at="2026-11-30T10:01:00+00:00",
+        )  # fmt: skip
+
+    async def no_runs() -> Any:
+        raise AssertionError("not used")
+
+    async def no_start(arguments: Any, ctx: Any) -> Any:
+        raise AssertionError("not used")
+
+    ext = TasksExtension(no_runs, no_start, lambda st: {"state": st.state, "error": st.error})
+    failed = ext._task(status("Failed", "engine gone"))
+    assert (failed["status"], failed["ttlMs"], failed["pollIntervalMs"]) == (
+        "completed",
+        86_400_000,
+        500,
+    )
+    assert failed["result"] == {
+        "content": [{"type": "text", "text": "engine gone"}],
+        "structuredContent": {"state": "Failed", "error": "engine gone"},
+        "isError": True,
+    }
+    cancelled = ext._task(status("Cancelled", "budget exceeded: tokens 900/600"))
+    assert cancelled["status"] == "cancelled" and "error" not in cancelled
+    assert cancelled["statusMessage"] == "budget exceeded: tokens 900/600"
