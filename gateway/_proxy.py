@@ -19,6 +19,7 @@ import functools
 import json
 import logging
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -247,6 +248,50 @@ def _may_matter(event: bytes) -> bool:
     return False
 
 
+_EVENT_END = re.compile(rb"\r?\n\r?\n")
+
+
+class _AddedUsage:
+    """Removes the usage-only event (`"choices": []` with `usage`) from a stream whose
+    request the gateway asked for usage; every other byte passes unchanged.  Forwards
+    whole events: a partial one waits for its end (a client cannot use half an event)."""
+
+    __slots__ = ("_tail",)
+
+    def __init__(self) -> None:
+        self._tail = b""
+
+    def filter(self, chunk: bytes, *, last: bool = False) -> bytes:
+        data = self._tail + chunk if self._tail else chunk
+        if last:
+            cut = len(data)
+        else:
+            ends = [m.end() for m in _EVENT_END.finditer(data)]
+            cut = ends[-1] if ends else 0
+        self._tail = data[cut:]
+        data = data[:cut]
+        if b'"usage"' not in data:
+            return data
+        kept = []
+        start = 0
+        for m in _EVENT_END.finditer(data):
+            kept.append(_unless_added_usage(data[start : m.end()]))
+            start = m.end()
+        kept.append(_unless_added_usage(data[start:]))
+        return b"".join(kept)
+
+
+def _unless_added_usage(event: bytes) -> bytes:
+    if b'"usage"' not in event:
+        return event
+    for line in event.splitlines():
+        if line.startswith(b"data:"):
+            obj = _loads(line[5:].strip())
+            if isinstance(obj, dict) and obj.get("choices") == [] and "usage" in obj:
+                return b""
+    return event
+
+
 def _loads(data: bytes) -> object:
     try:
         return json.loads(data)
@@ -276,6 +321,9 @@ class TurnRequest:
     prompt_tokens: int
     max_tokens: int
     tools: frozenset[str] = frozenset()  # names of the function tools offered
+    # The gateway turned on stream_options.include_usage: the engine's usage-only event
+    # is read, not forwarded (the client did not ask for it).
+    hide_usage: bool = False
 
     def arrival(self, now: float) -> TurnArrived:
         return TurnArrived(
@@ -470,7 +518,9 @@ class TurnResponse(Response):
         t = self._turn
         media = answer.header(b"content-type") or b""
         encoded = (answer.header(b"content-encoding") or b"identity").lower() != b"identity"
-        watch = StreamWatch(sse=media.startswith(b"text/event-stream"), tools=t.tools)
+        sse = media.startswith(b"text/event-stream")
+        watch = StreamWatch(sse=sse, tools=t.tools)
+        hide = _AddedUsage() if t.hide_usage and sse and not encoded else None
         headers = [(k, v) for k, v in answer.headers if k not in _DROP_UPSTREAM]
         headers.append((_RUN_HEADER_BYTES, t.run_id.encode("latin-1")))
         await send({"type": "http.response.start", "status": answer.status, "headers": headers})
@@ -488,7 +538,10 @@ class TurnResponse(Response):
                         watch.feed(chunk)
                     if answer.complete:
                         break  # the rest has arrived too: this chunk ends the response
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    if hide is not None:
+                        chunk = hide.filter(chunk)
+                    if chunk:
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
                     idle.reschedule(loop.time() + self._idle)
         except UpstreamError as exc:
             self._fail(f"engine failed mid-stream: {exc}")
@@ -499,6 +552,8 @@ class TurnResponse(Response):
             self._remember(watch)
             return False
         self._complete = True
+        if hide is not None:
+            chunk = hide.filter(chunk, last=True)
         # One write less per turn when the last chunk carries the end (often all of it).
         await send({"type": "http.response.body", "body": chunk, "more_body": False})
         if not encoded:

@@ -246,13 +246,15 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             return error_response(400, exc.message, fallback_run)
         now = rt.loop.time()
         run_id = header_run or rt.shell.run_for_tool_calls(_echoed_tool_calls(messages), now)
+        forwarded = _with_stream_usage(raw, body)
         turn = TurnRequest(
             turn_id=_new_id(),
             run_id=run_id or fallback_run,
             service_class=service_class,
             caller=_caller(request),
             model=model,
-            body=raw,
+            body=forwarded if forwarded is not None else raw,
+            hide_usage=forwarded is not None,
             content_type=request.headers.get("content-type", "application/json"),
             accept=request.headers.get("accept"),
             prompt_tokens=len(raw) // 4,
@@ -559,6 +561,25 @@ def _tool_names(body: dict[str, Any]) -> frozenset[str]:
         if isinstance(t, dict) and isinstance(t.get("function"), dict)
     )
     return frozenset(n for n in names if isinstance(n, str))
+
+
+def _with_stream_usage(raw: bytes, body: dict[str, Any]) -> bytes | None:
+    """The body with `stream_options.include_usage` on, for a streamed request that does
+    not ask for usage (the OpenAI SDKs' default): the core sizes runs by the engine's
+    token counts, which a stream carries only when asked.  None: forward it as it is.
+    The client still gets the stream it asked for: the proxy drops the usage-only event
+    it added (`TurnRequest.hide_usage`)."""
+    if body.get("stream") is not True:
+        return None
+    options = body.get("stream_options")
+    if options is None and "stream_options" not in body:
+        end = raw.rstrip()
+        if end.endswith(b"}"):  # one field more, the client's bytes otherwise unchanged
+            return end[:-1] + b',"stream_options":{"include_usage":true}}'
+        return None  # pragma: no cover - a JSON object always ends with }
+    if not isinstance(options, dict) or options.get("include_usage") is True:
+        return None  # the client's own (or malformed: the engine says so)
+    return json.dumps({**body, "stream_options": {**options, "include_usage": True}}).encode()
 
 
 def _max_tokens(body: dict[str, Any]) -> int:

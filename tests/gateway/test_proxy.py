@@ -114,6 +114,50 @@ async def test_streaming_through_a_generating_engine_reports_usage() -> None:
         assert run.context_tokens == usage["prompt_tokens"] + usage["completion_tokens"]
 
 
+@pytest.mark.parametrize("options", [None, {"include_usage": False}])
+async def test_a_stream_without_usage_still_reports_it_and_stays_as_asked(
+    options: dict[str, Any] | None,
+) -> None:
+    # The OpenAI SDKs stream without usage by default; the core needs the engine's counts.
+    async with engine(time_scale=20) as (url, _), gateway(endpoint("a", url)) as (gw, shell):
+        body = chat("a saga", stream=True, max_tokens=40)
+        if options is not None:
+            body["stream_options"] = options
+        async with gw.stream("POST", "/v1/chat/completions", json=body) as r:
+            events = [ln[6:] async for ln in r.aiter_lines() if ln.startswith("data: ")]
+            run_id = r.headers[RUN]
+        assert events[-1] == "[DONE]"
+        assert all("usage" not in json.loads(e) for e in events[:-1])  # as the client asked
+        await until(lambda: not shell.state.turns, "turn finished")
+        # The same turn with usage asked for: the engine's counts reached the core.
+        body["stream_options"] = {"include_usage": True}
+        async with gw.stream("POST", "/v1/chat/completions", json=body) as r:
+            asked = [ln[6:] async for ln in r.aiter_lines() if ln.startswith("data: ")]
+        usage = json.loads(asked[-2])["usage"]
+        assert shell.state.runs[run_id].context_tokens == (
+            usage["prompt_tokens"] + usage["completion_tokens"]
+        )
+
+
+def test_the_added_usage_event_is_dropped_however_the_stream_is_cut() -> None:
+    from gateway._proxy import _AddedUsage
+
+    stream = (
+        b'data: {"choices": [{"delta": {"content": "hi"}}]}\r\n\r\n'
+        b'data: {"choices": [{"delta": {}, "finish_reason": "stop"}], "usage": null}\n\n'
+        b'data: {"id": "x", "choices": [], "usage": {"prompt_tokens": 3}}\n\n'
+        b"data: [DONE]\n\n"
+    )
+    kept = stream.replace(
+        b'data: {"id": "x", "choices": [], "usage": {"prompt_tokens": 3}}\n\n', b""
+    )
+    for size in (1, 7, 50, len(stream)):
+        hide = _AddedUsage()
+        pieces = [stream[i : i + size] for i in range(0, len(stream), size)]
+        out = b"".join(hide.filter(p) for p in pieces[:-1]) + hide.filter(pieces[-1], last=True)
+        assert out == kept, size
+
+
 # --------------------------------------------------------------------------- runs
 
 
