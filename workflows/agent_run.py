@@ -298,6 +298,9 @@ class AgentRun:
             listed = await workflow.execute_local_activity_method(
                 ToolActivities.list_tools,
                 start_to_close_timeout=SHORT_TIMEOUT,
+                # Tool servers down for this long fail the run (it says which) rather
+                # than leave it Running with nothing to show.
+                schedule_to_close_timeout=TOOL_SCHEDULE_TIMEOUT,
                 retry_policy=RETRY,
             )
             allowed = None if spec.tools is None else set(spec.tools)
