@@ -126,6 +126,9 @@ class StreamWatch:
         self.completion_tokens = 0
         self.cached_tokens = 0
         self.tool_call_ids: list[str] = []
+        # An error event inside a 200 stream (vLLM and SGLang send `data: {"error": ...}`
+        # when generation fails after the head): the turn failed.
+        self.error: str | None = None
 
     def feed(self, chunk: bytes) -> None:
         if self._too_big:
@@ -177,6 +180,10 @@ class StreamWatch:
     def _inspect(self, obj: object) -> None:
         if not isinstance(obj, dict):
             return
+        error = obj.get("error")
+        if self._sse and error is not None and self.error is None:
+            message = error.get("message") if isinstance(error, dict) else error
+            self.error = str(message or error)[:200]
         if self._tools and not self._sse:
             self._content += _texts(obj)  # a JSON body: its message's text
         usage = obj.get("usage")
@@ -219,7 +226,7 @@ class StreamWatch:
             self._kept += len(data)
 
 
-_WATCHED_KEYS = (b'"usage"', b'"tool_calls"', b'"finish_reason"')
+_WATCHED_KEYS = (b'"usage"', b'"tool_calls"', b'"finish_reason"', b'"error"')
 # How a text that is a tool call begins (activities/_recover.py's forms).
 _CALL_LEADS = ("{", "```", "<|python_tag|>", "<tool_call>")
 
@@ -561,6 +568,9 @@ class TurnResponse(Response):
         self._remember(watch)
         if answer.status >= 400:
             self._fail(f"engine answered {answer.status}")
+            return True
+        if watch.error is not None:
+            self._fail(f"engine error in the stream: {watch.error}")
             return True
         self._end(
             TurnFinished(

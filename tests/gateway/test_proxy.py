@@ -496,6 +496,28 @@ async def test_engine_failing_mid_stream_closes_without_done() -> None:
         await until(lambda: not shell.state.turns, "turn failed")
 
 
+async def test_an_error_event_in_a_200_stream_fails_the_turn() -> None:
+    # vLLM and SGLang report a failure after the head as an event, then [DONE].
+    stream = b'data: {"choices": [{"delta": {"content": "Hi"}}]}\n\n' + (
+        b'data: {"error": {"message": "CUDA out of memory", "code": 500}}\n\ndata: [DONE]\n\n'
+    )
+
+    async def erring(scope: Scope, receive: Receive, send: Send) -> None:
+        if await answered_health(scope, send):
+            return
+        start = [(b"content-type", b"text/event-stream")]
+        await send({"type": "http.response.start", "status": 200, "headers": start})
+        await send({"type": "http.response.body", "body": stream})
+
+    async with serve(erring) as url, gateway(endpoint("a", url, kind="openai")) as (gw, shell):
+        r = await gw.post("/v1/chat/completions", json=chat(stream=True))
+        assert r.status_code == 200 and r.content == stream  # passed through as it came
+        await until(lambda: not shell.state.turns, "turn ended")
+        metrics = (await gw.get("/metrics")).text
+        assert 'luftpause_turns_total{outcome="failed"} 1.0' in metrics
+        assert 'luftpause_turns_total{outcome="finished"} 0.0' in metrics
+
+
 @pytest.mark.parametrize("stall", ["before the head", "mid-stream"])
 async def test_a_hung_engine_fails_the_turn_after_the_idle_timeout(stall: str) -> None:
     released = asyncio.Event()
