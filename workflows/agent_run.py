@@ -40,6 +40,7 @@ from temporalio.exceptions import (
     ApplicationError,
     CancelledError,
     ChildWorkflowError,
+    TerminatedError,
 )
 
 with workflow.unsafe.imports_passed_through():
@@ -522,7 +523,8 @@ class AgentRun:
             # A child stopped by a budget ends as Failed in Temporal (it cannot cancel
             # itself) but is Cancelled as a run, like every run its budget stopped.
             cause = exc.cause
-            stopped = isinstance(cause, CancelledError) or (
+            # Terminated (by an operator) reads as Cancelled, as `Runs.status` shows it.
+            stopped = isinstance(cause, (CancelledError, TerminatedError)) or (
                 isinstance(cause, ApplicationError) and cause.type == BUDGET_EXCEEDED
             )
             state = "Cancelled" if stopped else "Failed"

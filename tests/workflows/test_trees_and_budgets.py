@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.workflows.harness import MODEL, Stack, spawn_waiting, stack, task_with, until
-from workflows import Budget, RunError, RunSpec
+from workflows import TERMINAL_STATES, Budget, RunError, RunSpec
 
 
 async def test_a_tree_reports_children_and_subtree_totals(temporal_address: str) -> None:
@@ -215,5 +215,22 @@ async def test_a_child_stopped_by_its_own_budget_is_cancelled_in_its_parents_vie
         )
         assert [(c.handle, c.state) for c in status.children] == [(child, "Cancelled")]
         assert status.state == "AwaitingApproval"  # a child's own budget stops only the child
+        await s.runs.approve(parent, False)
+        await s.runs.wait([parent])
+
+
+async def test_a_terminated_child_reads_cancelled_in_its_parent_as_in_status(
+    temporal_address: str,
+) -> None:
+    async with stack(temporal_address) as s:
+        parent = await spawn_waiting(s, "tp")
+        child = await spawn_waiting(s, "tc", parent=parent)
+        await s.client.get_workflow_handle(child).terminate("by an operator")
+        status = await until(
+            lambda: _when(s, parent, lambda st: st.children[0].state in TERMINAL_STATES),
+            "the parent saw its child end",
+        )
+        assert [(c.handle, c.state) for c in status.children] == [(child, "Cancelled")]
+        assert (await s.runs.status(child)).state == "Cancelled"
         await s.runs.approve(parent, False)
         await s.runs.wait([parent])
