@@ -13,6 +13,7 @@ import contextlib
 import uuid
 from collections.abc import Sequence
 from dataclasses import replace
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 from temporalio.client import (
@@ -142,6 +143,15 @@ class Runs:
         if closed is not None and status.state not in TERMINAL_STATES:
             # Terminated from outside (e.g. the Temporal UI): the workflow never saw it.
             status = replace(status, state=closed, error=status.error or "terminated")
+        budget = status.budget
+        if budget is not None and closed is None and status.started_at:
+            # A query reads the workflow's clock at its last activation: an idle run's
+            # seconds would stand still.  Its budget's seconds run from its start.
+            started = datetime.fromisoformat(status.started_at)
+            elapsed = (datetime.now(UTC) - started).total_seconds()
+            if elapsed > (budget.used.seconds or 0.0):
+                used = replace(budget.used, seconds=round(elapsed, 3))
+                status = replace(status, budget=replace(budget, used=used))
         return status
 
     async def transcript(self, handle: str) -> list[dict[str, Any]]:

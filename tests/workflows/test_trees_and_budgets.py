@@ -234,3 +234,19 @@ async def test_a_terminated_child_reads_cancelled_in_its_parent_as_in_status(
         assert (await s.runs.status(child)).state == "Cancelled"
         await s.runs.approve(parent, False)
         await s.runs.wait([parent])
+
+
+async def test_an_idle_runs_budget_seconds_keep_counting_in_its_status(
+    temporal_address: str,
+) -> None:
+    async with stack(temporal_address) as s:
+        handle = await spawn_waiting(s, "idle", budget=Budget(seconds=120))
+
+        async def counted() -> bool:
+            budget = (await s.runs.status(handle)).budget
+            return budget is not None and (budget.used.seconds or 0) >= 1.0
+
+        # Nothing happens in the run meanwhile: its workflow clock stands still.
+        await until(counted, "the seconds used grow while the run waits")
+        await s.runs.approve(handle, False)
+        await s.runs.wait([handle])
