@@ -79,6 +79,10 @@ _CHAT_PATH = "/v1/chat/completions"
 # The same 10 minutes as the core's turn timeout, which frees the slot by then anyway.
 ENGINE_IDLE_TIMEOUT_S = 600.0
 _USER_AGENT = "luftpause-gateway"
+# Engine kinds that take stream_options.include_usage (a router passes it on to them).
+# Hosted APIs and Ollama get the client's body as it is: one that rejected the field
+# would fail every stream.
+USAGE_ASKED_OF = frozenset({"sglang", "vllm", "llamacpp", "router"})
 
 
 # luftpause's own 503 (no healthy replica for the model) says when to look again: the
@@ -328,9 +332,10 @@ class TurnRequest:
     prompt_tokens: int
     max_tokens: int
     tools: frozenset[str] = frozenset()  # names of the function tools offered
-    # The gateway turned on stream_options.include_usage: the engine's usage-only event
-    # is read, not forwarded (the client did not ask for it).
-    hide_usage: bool = False
+    # The body with stream_options.include_usage turned on, for a stream that does not
+    # ask for usage; sent to the engine kinds known to take it (USAGE_ASKED_OF), whose
+    # usage-only event is then read and not forwarded.  None: `body` is sent.
+    usage_body: bytes | None = None
 
     def arrival(self, now: float) -> TurnArrived:
         return TurnArrived(
@@ -487,11 +492,14 @@ class TurnResponse(Response):
             headers += self._trace.forwarding(replica, endpoint)
         leave = _CancelOnLeave(disconnected, lambda: self._complete)
         url = endpoint.url + _CHAT_PATH
+        body = t.body
+        if t.usage_body is not None and endpoint.kind in USAGE_ASKED_OF:
+            body = t.usage_body
         try:
             # asyncio.timeout, not wait_for: no extra task per turn on the hot path.
             with leave:
                 async with asyncio.timeout(self._idle):
-                    answer = await self._upstream.post(url, t.body, headers)
+                    answer = await self._upstream.post(url, body, headers)
         except _ClientLeft:
             self._fail("client disconnected before the engine answered")
             return
@@ -508,7 +516,7 @@ class TurnResponse(Response):
             return
         try:
             with leave:
-                ok = await self._pump(answer, send)
+                ok = await self._pump(answer, send, hide_usage=body is t.usage_body)
         except _ClientLeft:
             self._fail("client disconnected mid-stream")
             return
@@ -519,7 +527,7 @@ class TurnResponse(Response):
             # response makes the server close the connection (no [DONE] appended).
             return
 
-    async def _pump(self, answer: UpstreamAnswer, send: Send) -> bool:
+    async def _pump(self, answer: UpstreamAnswer, send: Send, *, hide_usage: bool) -> bool:
         """Stream the engine's answer to the client; report its end.  False: the
         engine failed mid-stream."""
         t = self._turn
@@ -527,7 +535,7 @@ class TurnResponse(Response):
         encoded = (answer.header(b"content-encoding") or b"identity").lower() != b"identity"
         sse = media.startswith(b"text/event-stream")
         watch = StreamWatch(sse=sse, tools=t.tools)
-        hide = _AddedUsage() if t.hide_usage and sse and not encoded else None
+        hide = _AddedUsage() if hide_usage and sse and not encoded else None
         headers = [(k, v) for k, v in answer.headers if k not in _DROP_UPSTREAM]
         headers.append((_RUN_HEADER_BYTES, t.run_id.encode("latin-1")))
         await send({"type": "http.response.start", "status": answer.status, "headers": headers})

@@ -246,15 +246,14 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             return error_response(400, exc.message, fallback_run)
         now = rt.loop.time()
         run_id = header_run or rt.shell.run_for_tool_calls(_echoed_tool_calls(messages), now)
-        forwarded = _with_stream_usage(raw, body)
         turn = TurnRequest(
             turn_id=_new_id(),
             run_id=run_id or fallback_run,
             service_class=service_class,
             caller=_caller(request),
             model=model,
-            body=forwarded if forwarded is not None else raw,
-            hide_usage=forwarded is not None,
+            body=raw,
+            usage_body=_with_stream_usage(raw, body),
             content_type=request.headers.get("content-type", "application/json"),
             accept=request.headers.get("accept"),
             prompt_tokens=len(raw) // 4,
@@ -568,7 +567,7 @@ def _with_stream_usage(raw: bytes, body: dict[str, Any]) -> bytes | None:
     not ask for usage (the OpenAI SDKs' default): the core sizes runs by the engine's
     token counts, which a stream carries only when asked.  None: forward it as it is.
     The client still gets the stream it asked for: the proxy drops the usage-only event
-    it added (`TurnRequest.hide_usage`)."""
+    it added (`TurnRequest.usage_body`)."""
     if body.get("stream") is not True:
         return None
     options = body.get("stream_options")

@@ -139,6 +139,18 @@ async def test_a_stream_without_usage_still_reports_it_and_stays_as_asked(
         )
 
 
+@pytest.mark.parametrize(("kind", "asked"), [("sglang", True), ("openai", False)])
+async def test_usage_is_asked_only_of_engines_known_to_take_the_option(
+    kind: str, asked: bool
+) -> None:
+    async with engine(instant=True) as (url, counted), gateway(endpoint("a", url, kind)) as (gw, _):
+        async with gw.stream("POST", "/v1/chat/completions", json=chat(stream=True)) as r:
+            events = [ln[6:] async for ln in r.aiter_lines() if ln.startswith("data: ")]
+        (sent,) = counted.chats
+        assert ("stream_options" in sent) is asked  # a hosted API gets the client's body
+        assert all("usage" not in json.loads(e) for e in events[:-1])
+
+
 def test_the_added_usage_event_is_dropped_however_the_stream_is_cut() -> None:
     from gateway._proxy import _AddedUsage
 
