@@ -373,9 +373,6 @@ class Upstream:
                     origin.port,
                     ssl=tls,
                     server_hostname=origin.host if tls is not None else None,
-                    # RFC 8305, as httpx (the prober) does: a host with an unreachable
-                    # IPv6 address is still reached over IPv4 within the connect timeout.
-                    happy_eyeballs_delay=0.25,
                 )
         except TimeoutError:
             raise UpstreamError("connect timeout") from None
