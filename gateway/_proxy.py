@@ -135,6 +135,15 @@ class StreamWatch:
         self.error: str | None = None
 
     def feed(self, chunk: bytes) -> None:
+        if (
+            self._sse
+            and not self._tools
+            and not self._buffer
+            and chunk.endswith(b"\n")
+            and not self._too_big
+            and not _may_matter(chunk)
+        ):
+            return  # whole lines that carry nothing the watch reads: most streamed tokens
         if self._too_big:
             if self._sse and b"\n" in chunk:  # skip to the next line and resume
                 self._too_big = False
