@@ -429,6 +429,7 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
                     handles,
                     mode="all" if mode == "all" else "any",
                     timeout=max(0.001, min(left, step)),
+                    known=statuses,
                 )
             except RunError as exc:
                 raise ToolError(str(exc)) from None

@@ -174,14 +174,16 @@ class Runs:
         *,
         mode: Literal["all", "any"] = "all",
         timeout: float = 60.0,
+        known: Sequence[RunStatus] = (),
     ) -> list[RunStatus]:
         """Wait until all (or any) of the runs ended, or the timeout; return every
-        run's status either way."""
+        run's status either way.  `known`: these runs' statuses from a moment ago (a
+        caller waiting in rounds); the ended ones are final and not asked again."""
         if not handles:
             raise RunError("expected at least one handle")
         if not 0 < timeout <= AWAIT_MAX_S:
             raise RunError(f"timeout must be more than 0 and at most {AWAIT_MAX_S:g} seconds")
-        first = await self.statuses(handles)  # also checks every handle exists
+        first = await self._refresh(handles, known)  # also checks every handle exists
         pending = [
             asyncio.create_task(self._ended(h))
             for h, s in zip(handles, first, strict=True)
@@ -199,7 +201,15 @@ class Runs:
                 for task in pending:
                     task.cancel()
                 await asyncio.gather(*pending, return_exceptions=True)
-        return await self.statuses(handles)
+        return await self._refresh(handles, first)
+
+    async def _refresh(self, handles: Sequence[str], known: Sequence[RunStatus]) -> list[RunStatus]:
+        """The runs' statuses, asking Temporal (and a worker) only for those not known to
+        have ended: on a long `await` most polls are of runs that did."""
+        ended = {s.handle: s for s in known if s.state in TERMINAL_STATES}
+        asked = [h for h in handles if h not in ended]
+        fresh = dict(zip(asked, await self.statuses(asked), strict=True))
+        return [ended[h] if h in ended else fresh[h] for h in handles]
 
     async def _ended(self, handle: str) -> None:
         with contextlib.suppress(Exception):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Any
 
 from tests.workflows.harness import MODEL, Stack, stack, task_with
@@ -164,3 +165,18 @@ async def _pending(s: Stack, handle: str) -> Any:
             return status
         await asyncio.sleep(0.05)
     raise AssertionError(f"{handle} never asked for approval")
+
+
+async def test_waiting_in_rounds_asks_only_for_runs_not_known_to_have_ended(
+    temporal_address: str,
+) -> None:
+    async with stack(temporal_address) as s:
+        done = await s.runs.spawn(RunSpec(task=task_with(0, "known"), model=MODEL))
+        (ended,) = await s.runs.wait([done])
+        assert ended.state == "Completed"
+        live = await s.runs.spawn(RunSpec(task=task_with(1, "live"), model=MODEL, tools=["lookup"]))
+        # The ended run's known status is final: it is passed back, not asked again (a
+        # forged copy shows it), while the live run is asked and waited for.
+        forged = replace(ended, answer="from the caller's last round")
+        got = await s.runs.wait([done, live], known=[forged], timeout=30)
+        assert got[0] is forged and got[1].handle == live and got[1].state == "Completed"
