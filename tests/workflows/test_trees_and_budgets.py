@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from tests.workflows.harness import MODEL, Stack, spawn_waiting, stack, task_with, until
@@ -156,6 +158,22 @@ def _done(s: Stack, tool: str) -> int:
     return sum(n for (t, _), n in s.mcp.counts.items() if t == tool)
 
 
+async def _child_end_seen(s: Stack, parent: str) -> Any:
+    """The parent's status once it has seen its one child end."""
+    return await until(
+        lambda: _when(
+            s, parent, lambda st: st.children and st.children[0].state in TERMINAL_STATES
+        ),
+        "the parent saw its child end",
+    )
+
+
+async def _decline_and_end(s: Stack, handle: str) -> None:
+    """Decline the run's pending approval and wait for it to end."""
+    await s.runs.approve(handle, False)
+    await s.runs.wait([handle])
+
+
 async def _when(s: object, handle: str, pred: object) -> object:
     status = await s.runs.status(handle)  # type: ignore[attr-defined]
     return status if pred(status) else None  # type: ignore[operator]
@@ -189,8 +207,7 @@ async def test_status_shows_recent_runs_as_trees_with_subtree_costs(
             assert node["tool_calls"] == kid["tool_calls"] == 1  # the subtree's costs
             page = (await http.get("/")).text
         assert "Sub-agent runs" in page and parent in page and child in page
-        await s.runs.approve(parent, False)
-        await s.runs.wait([parent])
+        await _decline_and_end(s, parent)
 
 
 async def test_a_child_stopped_by_its_own_budget_is_cancelled_in_its_parents_view(
@@ -209,14 +226,10 @@ async def test_a_child_stopped_by_its_own_budget_is_cancelled_in_its_parents_vie
         )
         (kid,) = await s.runs.wait([child])
         assert kid.state == "Cancelled" and kid.error == "budget exceeded: tool_calls 2/1"
-        status = await until(
-            lambda: _when(s, parent, lambda st: st.children and st.children[0].state != "Running"),
-            "the parent saw its child end",
-        )
+        status = await _child_end_seen(s, parent)
         assert [(c.handle, c.state) for c in status.children] == [(child, "Cancelled")]
         assert status.state == "AwaitingApproval"  # a child's own budget stops only the child
-        await s.runs.approve(parent, False)
-        await s.runs.wait([parent])
+        await _decline_and_end(s, parent)
 
 
 async def test_a_terminated_child_reads_cancelled_in_its_parent_as_in_status(
@@ -226,14 +239,10 @@ async def test_a_terminated_child_reads_cancelled_in_its_parent_as_in_status(
         parent = await spawn_waiting(s, "tp")
         child = await spawn_waiting(s, "tc", parent=parent)
         await s.client.get_workflow_handle(child).terminate("by an operator")
-        status = await until(
-            lambda: _when(s, parent, lambda st: st.children[0].state in TERMINAL_STATES),
-            "the parent saw its child end",
-        )
+        status = await _child_end_seen(s, parent)
         assert [(c.handle, c.state) for c in status.children] == [(child, "Cancelled")]
         assert (await s.runs.status(child)).state == "Cancelled"
-        await s.runs.approve(parent, False)
-        await s.runs.wait([parent])
+        await _decline_and_end(s, parent)
 
 
 async def test_an_idle_runs_budget_seconds_keep_counting_in_its_status(
