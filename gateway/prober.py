@@ -24,7 +24,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -49,6 +49,9 @@ log = logging.getLogger(__name__)
 PROBE_PERIOD_S = 2.0
 PROBE_TIMEOUT_S = 2.0
 KV_ASKS = 3  # healthy probes that may ask an engine its KV pool before giving up
+# Probes in a row without an answer in time that take a healthy engine out of rotation:
+# a busy engine may answer one late.  A refusal or an error status counts at once.
+LATE_PROBES_TO_UNHEALTHY = 2
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -60,6 +63,7 @@ class ProbeResult:
     # Why it is unhealthy, or (healthy) why its load is unknown.
     error: str | None = None
     kv_tokens: int | None = None  # the KV pool size the engine reported, when asked
+    timed_out: bool = False  # no answer within the probe's timeout
 
     def event(self, now: float) -> ReplicaProbed:
         return ReplicaProbed(
@@ -160,7 +164,10 @@ async def probe_endpoint(
             metrics = await client.get(endpoint.url + "/metrics", headers=headers)
     except TimeoutError:
         return ProbeResult(
-            endpoint=endpoint.name, healthy=False, error=f"no answer within {timeout:g} s"
+            endpoint=endpoint.name,
+            healthy=False,
+            error=f"no answer within {timeout:g} s",
+            timed_out=True,
         )
     except httpx.HTTPError as exc:
         return ProbeResult(endpoint=endpoint.name, healthy=False, error=describe_http_error(exc))
@@ -185,7 +192,7 @@ async def probe_endpoint(
                 note = f"reports no load: /metrics lacks {q} and {r}"
     if note is not None:
         note += f" ({_METRICS_HINT[endpoint.kind]}); admitted uncapped"
-    if want_kv and endpoint.kind == "vllm":
+    if want_kv and endpoint.kind == "vllm" and load is not None:  # a parsed exposition
         kv = parse_vllm_kv_tokens(metrics.text)
     elif want_kv and endpoint.kind == "sglang":
         # Apart from the health probe's time: a slow answer here (SGLang asks its
@@ -260,9 +267,11 @@ class Prober:
         self._want_kv = {
             e.name: 0 for e in config.replicas if e.kv_tokens is None and e.kind in KV_REPORTED_BY
         }
+        self._late: dict[str, int] = {}  # probes in a row that timed out, per endpoint
 
     async def probe_once(self) -> list[ProbeResult]:
         results = await probe_pool(self._client, self._config, want_kv=frozenset(self._want_kv))
+        results = [self._forgive_late(r) for r in results]
         for r in results:
             if r.endpoint in self._want_kv and r.healthy:
                 if r.kv_tokens is not None:
@@ -293,6 +302,18 @@ class Prober:
         if outcome is not None:
             await outcome
         return results
+
+    def _forgive_late(self, r: ProbeResult) -> ProbeResult:
+        """A healthy engine's first late answer keeps it healthy (with its last load);
+        LATE_PROBES_TO_UNHEALTHY in a row take it out."""
+        if not r.timed_out:
+            self._late.pop(r.endpoint, None)
+            return r
+        late = self._late[r.endpoint] = self._late.get(r.endpoint, 0) + 1
+        before = self.last.get(r.endpoint)
+        if before is None or not before.healthy or late >= LATE_PROBES_TO_UNHEALTHY:
+            return r
+        return replace(before, error=f"{r.error} once; still in rotation", kv_tokens=None)
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()

@@ -17,7 +17,14 @@ from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 
 from gateway._http import describe_http_error
-from gateway.prober import Prober, auth_headers, parse_load, probe_endpoint, probe_pool
+from gateway.prober import (
+    Prober,
+    ProbeResult,
+    auth_headers,
+    parse_load,
+    probe_endpoint,
+    probe_pool,
+)
 from luftpause.config import Endpoint, parse_config
 from testkit.engine import EngineParams
 from testkit.fake_engine import FakeEngineSettings, create_app
@@ -340,3 +347,29 @@ async def test_an_engine_that_does_not_report_its_pool_is_asked_three_times() ->
             (r,) = await prober.probe_once()
             assert r.healthy
     assert len(asked) == 3
+
+
+async def test_vllm_without_metrics_asked_its_kv_pool_is_healthy_not_a_crash() -> None:
+    # FastAPI's 404 body, which the exposition parser cannot read (it raised).
+    missing = httpx.Response(404, json={"detail": "Not Found"})
+    async with _client({"/health": httpx.Response(200), "/metrics": missing}) as c:
+        r = await probe_endpoint(c, _endpoint("vllm"), want_kv=True)
+    assert (r.healthy, r.queued, r.kv_tokens) == (True, None, None)
+
+
+async def test_one_late_probe_keeps_a_healthy_engine_in_rotation_two_do_not() -> None:
+    cfg = parse_config({"endpoints": [_endpoint().model_dump()]})
+    async with httpx.AsyncClient() as c:
+        prober = Prober(cfg, c, lambda results: None, period=60)
+    late = ProbeResult(endpoint="e", healthy=False, error="no answer within 2 s", timed_out=True)
+    prober.last["e"] = ProbeResult(endpoint="e", healthy=True, queued=1, running=3)
+    first = prober._forgive_late(late)
+    assert (first.healthy, first.queued, first.running) == (True, 1, 3)
+    assert first.error == "no answer within 2 s once; still in rotation"
+    prober.last["e"] = first
+    assert not prober._forgive_late(late).healthy  # the second in a row counts
+    # An answer resets the count; a refusal or an error status counts at once.
+    prober._forgive_late(ProbeResult(endpoint="e", healthy=True))
+    refused = ProbeResult(endpoint="e", healthy=False, error="cannot connect")
+    assert prober._forgive_late(refused) is refused
+    assert prober._forgive_late(late).healthy
