@@ -600,7 +600,7 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
     @mcp.tool(annotations=ToolAnnotations(read_only_hint=False, destructive_hint=True))
     async def cancel(ctx: Context, handle: Handle) -> RunView:
         """Cancel a run and its running descendants at once (their work in flight too).
-        Returns the run once it has ended, or as it is after 10 s."""
+        Returns the run once it has ended, or as it is after about 10 s."""
         r = await runs()
         try:
             return view(await r.cancel(handle))

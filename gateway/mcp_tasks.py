@@ -168,7 +168,10 @@ class TasksExtension(Extension):
         return EmptyResult()
 
     async def cancel(self, ctx: Any, params: TaskIdParams) -> EmptyResult:
-        """Acknowledged once the cancellation is requested (the run ends after)."""
-        await self._status(params.task_id)
-        await (await self._runs()).cancel(params.task_id, wait_s=0)
+        """Acknowledged once the cancellation is requested (the run ends after; no worker
+        needs to be up)."""
+        try:
+            await (await self._runs()).request_cancel(params.task_id)
+        except RunError as exc:
+            raise MCPError(code=_INVALID_PARAMS, message=f"unknown task: {exc}") from None
         return EmptyResult()

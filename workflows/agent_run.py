@@ -423,6 +423,8 @@ class AgentRun:
         return tool is not None and tool.destructive and not tool.read_only
 
     async def _approval(self, call: ToolCall) -> bool:
+        if self._drain:
+            self._check_budget()  # a run that is to stop asks nobody
         if call.id not in self._answers:
             try:
                 arguments: Any = json.loads(call.arguments) if call.arguments.strip() else {}
@@ -432,8 +434,8 @@ class AgentRun:
             self._set_state("AwaitingApproval")
             await self._report_up()
             await workflow.wait_condition(lambda: call.id in self._answers or self._halting())
-            if call.id not in self._answers:
-                self._check_budget()  # raises: the run stops instead of waiting on
+            if self._drain:
+                self._check_budget()  # a stop ends the wait (an answer with it is moot)
             self._pending = None
             self._set_state("Running")
             await self._report_up()

@@ -41,6 +41,7 @@ __all__ = ["AWAIT_MAX_S", "RunError", "Runs", "new_handle"]
 
 AWAIT_MAX_S = 600.0
 CANCEL_WAIT_S = 10.0  # how long `cancel` waits for the run to end before answering
+CANCEL_QUERY_TIMEOUT_S = 2.0  # then, how long it asks a worker for the run's state
 _QUERY_TIMEOUT_S = 10.0
 
 
@@ -215,17 +216,25 @@ class Runs:
         with contextlib.suppress(Exception):
             await self._handle(handle).result()
 
+    async def request_cancel(self, handle: str) -> None:
+        """Ask Temporal to cancel the run (and so its running descendants) unless it has
+        ended; `RunError` when no run has this handle.  Needs no worker."""
+        try:
+            desc = await self._handle(handle).describe()
+        except RPCError as exc:
+            if exc.status in (RPCStatusCode.NOT_FOUND, RPCStatusCode.INVALID_ARGUMENT):
+                raise RunError(f"no run with handle '{handle}'") from None
+            raise
+        if desc.status == WorkflowExecutionStatus.RUNNING:
+            await self._handle(handle).cancel()
+
     async def cancel(self, handle: str, *, wait_s: float = CANCEL_WAIT_S) -> RunStatus:
         """Cancel the run and its running descendants; returns its status once it has
-        ended, or after `wait_s` (no worker may be up to end it) as it is then."""
-        status = await self.status(handle)
-        if status.state in TERMINAL_STATES:
-            return status
-        await self._handle(handle).cancel()
-        if wait_s > 0:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._ended(handle), wait_s)
-        return await self.status(handle)
+        ended, or after about `wait_s` (no worker may be up to end it) as it is then."""
+        await self.request_cancel(handle)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._ended(handle), wait_s)
+        return await self.status(handle, query_timeout=CANCEL_QUERY_TIMEOUT_S)
 
     async def approve(self, handle: str, allow: bool, call_id: str | None = None) -> RunStatus:
         """Answer the run's pending approval."""

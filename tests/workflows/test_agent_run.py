@@ -6,8 +6,10 @@ import asyncio
 from dataclasses import replace
 from typing import Any
 
+import pytest
+
 from tests.workflows.harness import MODEL, Stack, stack, task_with
-from workflows import DECLINED, RunSpec
+from workflows import DECLINED, RunError, RunSpec
 
 
 def track_concurrency(s: Stack) -> dict[str, int]:
@@ -180,3 +182,18 @@ async def test_waiting_in_rounds_asks_only_for_runs_not_known_to_have_ended(
         forged = replace(ended, answer="from the caller's last round")
         got = await s.runs.wait([done, live], known=[forged], timeout=30)
         assert got[0] is forged and got[1].handle == live and got[1].state == "Completed"
+
+
+async def test_cancel_answers_in_bounded_time_with_no_worker_up(temporal_address: str) -> None:
+    async with stack(temporal_address, worker=False) as s:
+        handle = await s.runs.spawn(RunSpec(task=task_with(0, "nowork"), model=MODEL))
+        # The request needs Temporal only; the answer says what is known after the wait.
+        await asyncio.wait_for(s.runs.request_cancel(handle), 5)
+        status = await asyncio.wait_for(s.runs.cancel(handle, wait_s=0.5), 8)
+        assert status.handle == handle and status.state == "Running"
+        assert status.error is not None and status.error.startswith("status unavailable")
+        with pytest.raises(RunError, match="no run with handle 'run-nope'"):
+            await s.runs.request_cancel("run-nope")
+        history = await s.client.get_workflow_handle(handle).fetch_history()
+        kinds = {e.WhichOneof("attributes") for e in history.events}
+        assert "workflow_execution_cancel_requested_event_attributes" in kinds
