@@ -194,6 +194,8 @@ class StreamWatch:
         if not isinstance(obj, dict):
             return
         error = obj.get("error")
+        if error is None and obj.get("object") == "error":
+            error = obj  # older vLLM: the error object itself is the event
         if self._sse and error is not None and self.error is None:
             message = error.get("message") if isinstance(error, dict) else error
             self.error = str(message or error)[:200]

@@ -508,10 +508,17 @@ async def test_engine_failing_mid_stream_closes_without_done() -> None:
         await until(lambda: not shell.state.turns, "turn failed")
 
 
-async def test_an_error_event_in_a_200_stream_fails_the_turn() -> None:
+@pytest.mark.parametrize(
+    "error",
+    [
+        b'{"error": {"message": "CUDA out of memory", "code": 500}}',
+        b'{"object": "error", "message": "CUDA out of memory", "code": 500}',  # older vLLM
+    ],
+)
+async def test_an_error_event_in_a_200_stream_fails_the_turn(error: bytes) -> None:
     # vLLM and SGLang report a failure after the head as an event, then [DONE].
     stream = b'data: {"choices": [{"delta": {"content": "Hi"}}]}\n\n' + (
-        b'data: {"error": {"message": "CUDA out of memory", "code": 500}}\n\ndata: [DONE]\n\n'
+        b"data: " + error + b"\n\ndata: [DONE]\n\n"
     )
 
     async def erring(scope: Scope, receive: Receive, send: Send) -> None:
