@@ -10,8 +10,10 @@ Rules (DESIGN.md "The scheduler"), stated once, enforced here and nowhere else:
    `Policy.cap_increase` per probe that shows no queue while luftpause fills it.  An
    engine that reports no load is never capped.
 3. A generating or paused run goes only to the replica that served its last turn
-   (strict affinity) unless that replica is unhealthy.  An idle run prefers its last
-   replica but may move; a new run goes to the least loaded healthy replica.
+   (strict affinity) unless that replica is unhealthy, and so does the retry of a
+   failed turn (its run is idle, but its prefix is cached there).  Any other idle run
+   prefers its last replica but may move; a new run goes to the least loaded healthy
+   replica.
 4. Batch turns leave one slot for every interactive run paused on a tool there, and
    stop at `Policy.batch_kv_fill` of a replica's KV pool (interactive runs may fill
    `Policy.kv_fill`).
@@ -133,6 +135,12 @@ class RunState(NamedTuple):
     ws_claim: int  # tokens counted in its replica's ws_tokens (0: none)
     counted_paused: bool  # counted in its replica's paused_interactive
     ended: bool = False  # ended by the client while turns were in flight
+    retrying: bool = False  # idle because its last turn failed: the retry goes back
+
+    @property
+    def keeps_replica(self) -> bool:
+        """Its next turn goes to its replica while that is healthy (rule 3)."""
+        return self.phase is not RunPhase.IDLE or self.retrying
 
 
 class TurnState(NamedTuple):
@@ -488,6 +496,7 @@ class _Tx:
                         context_tokens=context,
                         phase=RunPhase.PAUSED if paused else RunPhase.IDLE,
                         last_active=self.now,
+                        retrying=finish_reason is None,
                     )
                 )
         names = [name]
@@ -600,7 +609,7 @@ class _Tx:
     def _pinned_replica(self, run: RunState | None, model: str) -> str | None:
         if run is None or run.replica is None or not self.policy.strict_affinity:
             return None
-        if run.phase is RunPhase.IDLE:
+        if not run.keeps_replica:
             return None
         r = self.replicas[run.replica]
         if not r.healthy or model not in r.spec.models:
@@ -853,7 +862,7 @@ class _Tx:
             if keeps and not lapsed and self.policy.kv_admission and kv is not None:
                 claim = run.context_tokens + run.reply_tokens
             counted_paused = phase is RunPhase.PAUSED and run.service_class is _INTERACTIVE
-        run = RunState._make((*run[:10], bound, claim, counted_paused, run.ended))
+        run = RunState._make((*run[:10], bound, claim, counted_paused, run.ended, run.retrying))
         if old is not None and old.bound and name is not None and old.replica == name:
             self._adjust(
                 name,

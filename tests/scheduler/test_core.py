@@ -616,6 +616,31 @@ def test_failed_turn_frees_its_slot_and_keeps_affinity_for_the_retry() -> None:
     assert d.admitted() == {t2: home}
 
 
+def test_a_failed_turns_retry_waits_for_its_replica_under_contention() -> None:
+    # DESIGN: the retry is the run's next turn "with its affinity kept" (its prefix is
+    # cached there), where any other idle run would move to the free replica.
+    d = Driver()
+    d.probe("a", queued=1, running=1)  # a: capped at 1
+    t1 = d.arrive("r1")
+    assert d.admitted() == {t1: "a"}
+    d.feed(TurnFailed(now=d.step(), turn_id=t1, reason="client left mid-stream"))
+    s1 = d.arrive("s1")
+    assert d.admitted() == {s1: "a"}  # a is full again
+    retry = d.arrive("r1")
+    assert d.admitted() == {} and retry in d.held_ids(), "held for a, not moved to b"
+    d.finish(s1, "stop")
+    assert d.admitted() == {retry: "a"}
+    d.finish(retry, "stop")
+    assert not d.state.runs["r1"].retrying  # a turn that finished: the run may move again
+    t3 = d.arrive("r1")
+    assert d.admitted() == {t3: "a"}
+    d.feed(TurnFailed(now=d.step(), turn_id=t3, reason="502"))
+    assert d.state.runs["r1"].retrying
+    d.probe("a", queued=None, running=None, healthy=False)
+    moved = d.arrive("r1")
+    assert d.admitted() == {moved: "b"}, "its replica unhealthy: the retry moves"
+
+
 def test_started_is_recorded() -> None:
     d = Driver()
     t = d.arrive("r")

@@ -229,7 +229,7 @@ def could_use(s: State, x: Any, name: str) -> bool:
     run = s.runs.get(x.run_id)
     if s.policy.strict_affinity and run is not None and run.replica not in (None, name):
         home = s.replicas[run.replica]
-        if run.phase is not RunPhase.IDLE and home.healthy and x.model in home.spec.models:
+        if run.keeps_replica and home.healthy and x.model in home.spec.models:
             return False
     limit = s.kv_limit(name, x.service_class)
     if limit is None or not r.ws_tokens:
@@ -306,7 +306,7 @@ def check_step(before: State, event: Event, after: State, actions: list[Action])
         run = runs.get(a.run_id)
         if before.policy.strict_affinity and run is not None and run.replica is not None:
             home = after.replicas[run.replica]
-            if run.phase is not RunPhase.IDLE and home.healthy and model in home.spec.models:
+            if run.keeps_replica and home.healthy and model in home.spec.models:
                 assert a.replica == run.replica, (
                     f"{a.turn_id}: run {a.run_id} is {run.phase} on {run.replica}, "
                     f"admitted to {a.replica}"
