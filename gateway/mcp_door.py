@@ -31,6 +31,7 @@ from gateway import _approval as approval
 from gateway.mcp_tasks import TasksExtension
 from luftpause.headers import CALLER_HEADER, caller_name
 from workflows import AWAIT_MAX_S, TERMINAL_STATES, Budget, RunError, Runs, RunSpec, RunStatus
+from workflows.contract import RunState
 
 __all__ = [
     "AwaitResult",
@@ -586,13 +587,24 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
             list[Handle] | None,
             Field(description="runs to show; default: this caller's 20 most recent runs"),
         ] = None,
+        state: Annotated[
+            RunState | None,
+            Field(description="without handles: only runs in this state (e.g. AwaitingApproval)"),
+        ] = None,
+        root: Annotated[
+            Handle | None,
+            Field(description="without handles: only the runs of this run's tree"),
+        ] = None,
     ) -> StatusResult:
         """Show runs: state, parent and children, usage of the run and its subtree,
         budget, and any approval it waits for."""
         r = await runs()
         try:
             if handles is None:
-                handles = await r.list(caller=caller_of(ctx, deps.token_identity))
+                caller = caller_of(ctx, deps.token_identity)
+                handles = await r.list(caller=caller, state=state, root=root)
+            elif state is not None or root is not None:
+                raise ToolError("state and root filter the default list: give them without handles")
             return StatusResult(runs=[view(s) for s in await r.statuses(handles)])
         except RunError as exc:
             raise ToolError(str(exc)) from None

@@ -28,6 +28,8 @@ from temporalio.service import RPCError, RPCStatusCode
 from workflows.agent_run import AgentRun, search_attributes
 from workflows.contract import (
     CALLER,
+    ROOT,
+    STATE,
     TERMINAL_STATES,
     AgentRunInput,
     Approval,
@@ -38,6 +40,12 @@ from workflows.contract import (
 )
 
 __all__ = ["AWAIT_MAX_S", "RunError", "Runs", "new_handle"]
+
+
+def _quoted(value: str) -> str:
+    """A string literal of Temporal's list filter."""
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
 
 AWAIT_MAX_S = 600.0
 CANCEL_WAIT_S = 10.0  # how long `cancel` waits for the run to end before answering
@@ -252,14 +260,21 @@ class Runs:
             ) from None
         return await self.status(handle)
 
-    async def list(self, *, caller: str | None = None, limit: int = 20) -> list[str]:
-        """The most recent runs' handles on this task queue (of one caller when given),
-        newest first."""
-        queue = self._queue.replace("\\", "\\\\").replace("'", "\\'")
-        query = f"WorkflowType = 'AgentRun' AND TaskQueue = '{queue}'"
-        if caller is not None:
-            escaped = caller.replace("\\", "\\\\").replace("'", "\\'")
-            query += f" AND {CALLER.name} = '{escaped}'"
+    async def list(
+        self,
+        *,
+        caller: str | None = None,
+        state: str | None = None,
+        root: str | None = None,
+        limit: int = 20,
+    ) -> list[str]:
+        """The most recent runs' handles on this task queue, newest first: of one
+        caller, in one state, of one tree (root's handle) when given (by the search
+        attributes runs keep up to date; Temporal's list may lag a change by a moment)."""
+        query = f"WorkflowType = 'AgentRun' AND TaskQueue = {_quoted(self._queue)}"
+        for key, value in ((CALLER, caller), (STATE, state), (ROOT, root)):
+            if value is not None:
+                query += f" AND {key.name} = {_quoted(value)}"
         handles: list[str] = []
         async for wf in self._client.list_workflows(query, limit=limit):
             handles.append(wf.id)

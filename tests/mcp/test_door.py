@@ -386,3 +386,33 @@ def test_a_task_for_a_failed_run_is_completed_with_an_error_result() -> None:
     cancelled = ext._task(status("Cancelled", "budget exceeded: tokens 900/600"))
     assert cancelled["status"] == "cancelled" and "error" not in cancelled
     assert cancelled["statusMessage"] == "budget exceeded: tokens 900/600"
+
+
+async def test_status_lists_runs_by_state_and_by_tree(temporal_address: str) -> None:
+    async with stack(temporal_address) as s, Client(s.mcp_door, mode="2026-07-28") as c:
+        waiting = await spawn(c, task=task_with(1, "flt"), tools=["delete_record"])
+        await until(lambda: _state(c, waiting, "AwaitingApproval"), "it waits")
+        kid = await spawn(c, task=task_with(0, "fltkid"), parent=waiting)
+        done = await spawn(c, task=task_with(0, "fltdone"))
+        await c.call_tool("await", {"handles": [kid, done]})
+
+        async def listed(**filters: Any) -> set[str] | None:
+            runs = result(await c.call_tool("status", filters))["runs"]
+            return {r["handle"] for r in runs}
+
+        # Temporal's list follows the runs' search attributes a moment behind.
+        await until(lambda: _equals(listed(state="AwaitingApproval"), {waiting}), "listed by state")
+        await until(lambda: _equals(listed(root=waiting), {waiting, kid}), "listed by tree")
+        await until(lambda: _covers(listed(state="Completed"), {kid, done}), "listed as ended")
+        r = await c.call_tool("status", {"handles": [done], "state": "Completed"})
+        assert "without handles" in error_text(r)
+        assert "state" in error_text(await c.call_tool("status", {"state": "Sleeping"}))
+        await c.call_tool("approve", {"handle": waiting, "allow": False})
+
+
+async def _equals(got: Any, want: set[str]) -> bool:
+    return bool(await got == want)
+
+
+async def _covers(got: Any, want: set[str]) -> bool:
+    return bool(await got >= want)
