@@ -4,10 +4,12 @@ Every `PROBE_PERIOD_S` each endpoint's health path is fetched, and for engines t
 report load, `/metrics` (SGLang, vLLM, llama.cpp gauge names in `LOAD_METRICS`); a
 router's load is the sum over its `load_from` engines.  Each round becomes one
 `ReplicaProbed` event per generative endpoint for the core.  Both fetches share one
-timeout (`PROBE_TIMEOUT_S`).  A failed health check or an unreachable engine marks the
-endpoint unhealthy; an engine that serves but shows no load gauges (SGLang without
-`--enable-metrics`, llama.cpp without `--metrics`: `/metrics` answers 404, or lacks the
-names) is healthy and reports no load, so it is never capped.  Either reason is kept
+timeout (`PROBE_TIMEOUT_S`).  A failed health check or a refused connection marks the
+endpoint unhealthy at once; probes without an answer in time do so only when
+`LATE_PROBES_TO_UNHEALTHY` come in a row (a busy engine may answer one late).  An
+engine that serves but shows no load gauges (SGLang without `--enable-metrics`,
+llama.cpp without `--metrics`: `/metrics` answers 404, or lacks the names) is healthy
+and reports no load, so it is never capped.  Either reason is kept
 for `/status` and logged when it changes.
 
 An engine whose KV pool size the configuration does not give is asked for it until it
