@@ -78,20 +78,41 @@ class ProbeResult:
         )
 
 
+# Labels that tell apart the ranks of ONE model replica (tensor, pipeline and expert
+# parallel ranks; SGLang's `engine_type`): the ranks that export hold the same requests.
+_COPY_LABELS = frozenset({"tp_rank", "pp_rank", "moe_ep_rank", "engine_type"})
+
+
 def parse_load(kind: str, text: str) -> tuple[int, int] | None:
-    """(queued, running) from a Prometheus exposition, summed over label sets (one
-    engine may serve several models); None when the gauges are absent."""
+    """(queued, running) from a Prometheus exposition; None when the gauges are absent.
+
+    Samples are summed over what holds disjoint requests: data-parallel ranks (SGLang's
+    `dp_rank`, vLLM's `engine`) and models.  Copies of the same requests count once
+    (their largest value): the ranks of one replica (`tp_rank`, `pp_rank`,
+    `moe_ep_rank`; SGLang exports every TP rank with `--enable-metrics-for-all-
+    schedulers`, and each attention context-parallel rank, all holding the same batch).
+    SGLang with priority scheduling adds one sample per priority beside the total (the
+    total has `priority=""`): those are skipped."""
     names = LOAD_METRICS.get(kind)
     if names is None:
         return None
-    totals: dict[str, float] = {}
+    groups: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name in names:
-                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
-    if names[0] not in totals or names[1] not in totals:
+            if sample.name not in names or sample.labels.get("priority"):
+                continue
+            key = tuple(
+                sorted(
+                    (k, v)
+                    for k, v in sample.labels.items()
+                    if k not in _COPY_LABELS and k != "priority"
+                )
+            )
+            group = groups.setdefault(sample.name, {})
+            group[key] = max(group[key], sample.value) if key in group else sample.value
+    if names[0] not in groups or names[1] not in groups:
         return None
-    return int(totals[names[0]]), int(totals[names[1]])
+    return int(sum(groups[names[0]].values())), int(sum(groups[names[1]].values()))
 
 
 def parse_vllm_kv_tokens(text: str) -> int | None:

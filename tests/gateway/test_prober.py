@@ -60,6 +60,33 @@ def test_parse_load_per_kind_sums_label_sets() -> None:
     assert parse_load("ollama", SGLANG) is None  # reports no load
 
 
+def test_parse_load_counts_each_request_once_across_ranks() -> None:
+    """Ranks of one replica hold the same requests (SGLang exports every TP rank with
+    --enable-metrics-for-all-schedulers; pipeline stages too): counted once.  Data-
+    parallel ranks (SGLang's dp_rank, vLLM's engine) hold their own: summed.  SGLang's
+    per-priority samples repeat the total (priority=""): skipped."""
+    sglang_tp_dp = "".join(
+        f'sglang:num_{name}_reqs{{engine_type="unified",model_name="m",moe_ep_rank="0",'
+        f'pp_rank="0",tp_rank="{tp}",dp_rank="{dp}"}} {value + dp}\n'
+        for name, value in (("queue", 3), ("running", 10))
+        for dp in (0, 1)
+        for tp in (0, 1, 2, 3)
+    )
+    assert parse_load("sglang", sglang_tp_dp) == (3 + 4, 10 + 11)
+    with_priority = "".join(
+        f'sglang:num_{name}_reqs{{model_name="m",tp_rank="0",priority="{p}"}} {v}\n'
+        for name, values in (("queue", ("5", "2", "3")), ("running", ("8", "8", "0")))
+        for p, v in zip(("", "0", "10"), values, strict=True)
+    )
+    assert parse_load("sglang", with_priority) == (5, 8)
+    vllm_dp = "".join(
+        f'vllm:num_requests_{name}{{engine="{e}",model_name="m"}} {v}\n'
+        for name, v in (("waiting", 1), ("running", 6))
+        for e in (0, 1, 2)
+    )
+    assert parse_load("vllm", vllm_dp) == (3, 18)
+
+
 def _endpoint(kind: str = "sglang", url: str = "http://engine", **kw: object) -> Endpoint:
     return Endpoint.model_validate({"name": "e", "url": url, "kind": kind, "models": ["m"], **kw})
 
