@@ -286,7 +286,11 @@ _DELEGATED = {
         "testkit.fake_mcp",
         "serve the fake MCP tool server (lookup, deep_search, a destructive tool) for tests",
     ),
-    "bench": ("testkit.bench", "measure: `luftpause bench overhead` (gateway), `bench temporal`"),
+    "bench": (
+        "testkit.bench",
+        "measure: `bench overhead` (gateway), `bench temporal`, `bench mcp`, "
+        "`bench flood` (vs the real routers)",
+    ),
     "worker": ("worker.main", "run a Temporal worker for sub-agent runs"),
     "up": (
         "luftpause.up",

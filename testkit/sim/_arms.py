@@ -2,7 +2,8 @@
 
 `luftpause` is the real scheduler core, fed exactly what the gateway will feed it.
 The others are approximations of what users would deploy instead, good for fast
-iteration only; the real routers are measured in real time by `bench/`.
+iteration only; the real routers are measured in real time by `luftpause bench flood`
+(testkit/bench_agents.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,426 @@
+"""`luftpause bench flood|light|routing` — luftpause against the real peer routers, in
+real time, on the same fake engines.
+
+The workload is the simulator's scenario of the same name (`luftpause sim`, same knobs
+and flags), played by the load generator (testkit/load.py): closed-loop own-loop agents,
+interactive and batch, sending every turn through the arm's proxy to N fake engines
+(`luftpause fake-engine`, the simulated SGLang-like engine in real time).  Arms run one
+after another, each on fresh engines (empty caches, same seed), so no arm inherits
+another's state; each arm's proxy and engines are their own processes, stopped by PID
+when the arm ends.
+
+Arms (each a real router, as its users run it):
+- `luftpause`: `luftpause gateway` with the engines as SGLang endpoints.
+- `cache_aware`, `round_robin`: the SGLang router (`sglang-router`).
+- `smg_priority`: SMG (Shepherd Model Gateway) with its priority scheduler;
+  interactive turns are sent as `x-smg-priority: interactive`, batch as `bulk`.
+The reference arms run one class with no other load, through each of
+`--reference-arms` (default: cache_aware and luftpause, as the simulator); the better
+result of each class is `interactive-alone` / `batch-alone`, and P and W are computed
+against them as in `luftpause sim`.
+
+Not the simulator's figures: each fake engine keeps half a GPU (the reference bed's
+share) where the simulator gives a lone busy replica all of it, and the fake engine
+answers a tool call in 20 tokens and a text in 40..256 where every simulated turn
+decodes 256.  The harness, the proxies and the engines share this machine's CPUs:
+compare arms with each other, in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ARMS", "add_arguments", "run"]
+
+ARMS = ("luftpause", "cache_aware", "round_robin", "smg_priority")
+DEFAULT_ARMS = ("luftpause", "cache_aware", "round_robin", "smg_priority")
+READY_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class _Router:
+    argv: list[str]  # {port}, {prom} and the worker urls are filled in
+    ready_path: str
+    ends_runs: bool = False
+    needs: str = ""  # the module or executable it needs, for the error when missing
+    # After it answers `ready_path`: (proxy url, worker urls) -> None, e.g. registering
+    # the workers; raises when the router does not take them.
+    setup: Callable[[str, list[str]], None] | None = None
+
+
+def _routers(exe_dir: Path) -> dict[str, _Router]:
+    py = sys.executable
+    sglang = [py, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", "{port}"]
+    prom = ["--prometheus-host", "127.0.0.1", "--prometheus-port", "{prom}"]
+    return {
+        "luftpause": _Router(
+            [str(exe_dir / "luftpause"), "gateway", "--config", "{config}", "--port", "{port}"],
+            "/health",
+            ends_runs=True,
+        ),
+        "cache_aware": _Router(
+            [*sglang, "--policy", "cache_aware", *prom, "--worker-urls", "{workers}"],
+            "/health",
+            needs="sglang_router",
+        ),
+        "round_robin": _Router(
+            [*sglang, "--policy", "round_robin", *prom, "--worker-urls", "{workers}"],
+            "/health",
+            needs="sglang_router",
+        ),
+        "smg_priority": _Router(
+            [
+                # `python -m smg`: sglang-router installs a `smg` script of its own too.
+                py,
+                "-m",
+                "smg",
+                "launch",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "{port}",
+                *prom,
+                "--policy",
+                "cache_aware",
+                "--priority-scheduler-enabled",
+                # Without a tenant set-up every client is the tenant `ip:127.0.0.1`, whose
+                # highest class defaults to `default`: interactive would be clamped to it.
+                "--priority-scheduler-default-max-class",
+                "system",
+                "--priority-scheduler-config",
+                "{smg_classes}",
+            ],
+            "/health",
+            needs="smg",
+            setup=_smg_workers,
+        ),
+    }
+
+
+# SMG's priority classes.  Its defaults reserve 32 slots for `system` and 128 for
+# `interactive`, more than two engines hold (2 x 48); SMG then falls back to plain
+# admission without a word.  These keep its per-slot shares and queues, with no floors.
+# Preemption is off: in 1.13 a preempted non-streamed request is dropped without an
+# answer (the client sees the connection close), which would count as lost work.
+SMG_CLASSES = """\
+classes:
+  system:      {reserved_floor: 0, reserved_per_slot: 0.0,  queue_size: 64,   queue_timeout_secs: 30,  starvation_threshold_secs: 5,   can_preempt: false}
+  interactive: {reserved_floor: 0, reserved_per_slot: 0.25, queue_size: 256,  queue_timeout_secs: 30,  starvation_threshold_secs: 5,   can_preempt: false}
+  default:     {reserved_floor: 0, reserved_per_slot: 0.10, queue_size: 512,  queue_timeout_secs: 60,  starvation_threshold_secs: 30,  can_preempt: false}
+  bulk:        {reserved_floor: 0, reserved_per_slot: 0.0,  queue_size: 1024, queue_timeout_secs: 300, starvation_threshold_secs: 120, can_preempt: false}
+"""  # noqa: E501
+
+
+def _smg_workers(proxy: str, workers: list[str]) -> None:
+    """Register each engine with its running-request limit (SMG's capacity: without the
+    label it assumes 64 per worker, more than the engine runs, and never holds a turn),
+    then wait until SMG reports itself ready."""
+    import urllib.request
+
+    from luftpause.up import wait_http
+
+    for url in workers:
+        with urllib.request.urlopen(f"{url}/server_info", timeout=5) as r:
+            limit = int(json.load(r)["max_running_requests"])
+        body = {"url": url, "labels": {"max_running_requests": str(limit)}}
+        req = urllib.request.Request(
+            f"{proxy}/workers",
+            data=json.dumps(body).encode(),
+            headers={"content-type": "application/json"},
+            method="POST",
+        )
+        with urllib.request.urlopen(req, timeout=10) as r:
+            if r.status >= 300:
+                raise RuntimeError(f"smg did not take worker {url}: {r.status}")
+    wait_http(f"{proxy}/readiness", "smg with its workers", None, timeout=READY_TIMEOUT_S)
+
+
+def add_arguments(parser: argparse.ArgumentParser, scenario: str) -> None:
+    from testkit.sim import SCENARIOS
+
+    sc = SCENARIOS[scenario]
+    a = parser.add_argument
+    a("--arms", default=",".join(DEFAULT_ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
+    a("--batch", type=int, default=sc.batch, help=f"batch agents (default {sc.batch})")
+    a("--interactive", type=int, default=sc.interactive, help="interactive agents")
+    a("--context-chars", type=int, default=sc.context_chars, help="task context, characters")
+    a("--tool-s", type=float, default=sc.tool_s, help="mean tool call seconds")
+    a("--tool-result-chars", type=int, default=sc.tool_result_chars)
+    a("--max-tool-calls", type=int, default=sc.max_tool_calls, help="0..N calls a run")
+    a("--reply-tokens", type=int, default=sc.reply_tokens, help="max_tokens of each turn")
+    a("--minutes", type=float, default=sc.minutes, help="virtual minutes per arm")
+    a("--engines", type=int, default=sc.engines, help="fake engines (one GPU each)")
+    a("--seed", type=int, default=sc.seed)
+    a(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="virtual seconds per wall second for engines and tools (default 1: real time)",
+    )
+    a(
+        "--no-reference",
+        action="store_true",
+        help="skip the interactive-alone and batch-alone arms (no P and W)",
+    )
+    a(
+        "--reference-arms",
+        default="cache_aware,luftpause",
+        help="the arms the one-class reference runs go through; the better counts",
+    )
+    a("--json", action="store_true", help="print JSON instead of a table")
+
+
+@dataclass
+class _Arm:
+    name: str
+    load: Any  # testkit.load.Load
+    router: str
+
+
+def _fill(argv: list[str], values: dict[str, str], workers: list[str]) -> list[str]:
+    out: list[str] = []
+    for part in argv:
+        if part == "{workers}":
+            out.extend(workers)
+        else:
+            out.append(part.format(**values))
+    return out
+
+
+@contextlib.contextmanager
+def _arm_bed(args: argparse.Namespace, router: _Router, log_dir: Path) -> Iterator[str]:
+    """Fresh fake engines and the arm's proxy; yields the proxy's URL; stops them all."""
+    from luftpause.temporal_dev import free_port
+    from luftpause.up import Child, wait_http
+
+    exe = str(Path(sys.executable).parent / "luftpause")
+    children: list[Child] = []
+
+    def start(name: str, argv: list[str], env: dict[str, str] | None = None) -> Child:
+        c = Child(name, argv, log_dir / f"{name}.log", env=env or {})
+        c.start()
+        children.append(c)
+        return c
+
+    try:
+        workers = []
+        for i in range(args.engines):
+            port = free_port()
+            c = start(
+                f"engine{i}",
+                [
+                    exe,
+                    "fake-engine",
+                    "--port",
+                    str(port),
+                    "--seed",
+                    str(args.seed),
+                    "--max-tool-calls",
+                    str(args.max_tool_calls),
+                    "--time-scale",
+                    str(args.time_scale),
+                ],
+            )
+            url = f"http://127.0.0.1:{port}"
+            wait_http(f"{url}/health", f"fake engine {i}", c)
+            workers.append(url)
+        config = log_dir / "luftpause.toml"
+        config.write_text(
+            "".join(
+                f'[[endpoints]]\nname = "e{i}"\nurl = "{u}"\nkind = "sglang"\n'
+                f'models = ["llama-3.2-1b"]\n\n'
+                for i, u in enumerate(workers)
+            ),
+            encoding="utf-8",
+        )
+        port = free_port()
+        classes = log_dir / "smg-classes.yaml"
+        classes.write_text(SMG_CLASSES, encoding="utf-8")
+        values = {
+            "port": str(port),
+            "prom": str(free_port()),
+            "config": str(config),
+            "smg_classes": str(classes),
+        }
+        c = start("proxy", _fill(router.argv, values, workers), env={"LUFTPAUSE_TOKEN": ""})
+        proxy = f"http://127.0.0.1:{port}"
+        wait_http(f"{proxy}{router.ready_path}", "the proxy", c, timeout=READY_TIMEOUT_S)
+        if router.setup is not None:
+            router.setup(proxy, workers)
+        yield proxy
+    finally:
+        for c in reversed(children):
+            c.stop()
+
+
+def _missing(router: _Router) -> str | None:
+    """Why the arm's router cannot start here, or None."""
+    import importlib.util
+
+    if not router.needs:
+        return None
+    found = (
+        importlib.util.find_spec(router.needs) is not None
+        if router.needs.isidentifier()
+        else shutil.which(router.needs, path=str(Path(sys.executable).parent)) is not None
+    )
+    if found:
+        return None
+    return f"{router.needs} is not installed (pip install -e '.[dev]' installs the peer routers)"
+
+
+def _names(text: str) -> list[str]:
+    return [a.strip() for a in text.split(",") if a.strip()]
+
+
+def _references(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The better one-class run of each class, named after the arm it went through."""
+    out: dict[str, dict[str, Any]] = {}
+    for cls, figure in (
+        ("interactive-alone", "interactive_runs_per_min"),
+        ("batch-alone", "batch_runs_per_min"),
+    ):
+        runs = {n.split("/", 1)[1]: r for n, r in results.items() if n.startswith(cls + "/")}
+        if runs:
+            arm = max(runs, key=lambda a: runs[a][figure])
+            out[cls] = {**runs[arm], "arm": arm, "each": {a: r[figure] for a, r in runs.items()}}
+    return out
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 3) if b else None
+
+
+def _measure(args: argparse.Namespace, progress: Callable[[str], None]) -> dict[str, Any]:
+    from testkit.load import Load, run_load
+
+    base = Load(
+        batch=args.batch,
+        interactive=args.interactive,
+        context_chars=args.context_chars,
+        tool_s=args.tool_s,
+        tool_result_chars=args.tool_result_chars,
+        reply_tokens=args.reply_tokens,
+        minutes=args.minutes,
+        seed=args.seed,
+        time_scale=args.time_scale,
+    )
+    routers = _routers(Path(sys.executable).parent)
+    names = _names(args.arms)
+    plan = [_Arm(n, base, n) for n in names]
+    # P and W need both classes; with one class the arms are their own reference.
+    if not args.no_reference and args.batch and args.interactive:
+        for ref in _names(args.reference_arms):
+            plan.append(_Arm(f"interactive-alone/{ref}", replace(base, batch=0), ref))
+            plan.append(_Arm(f"batch-alone/{ref}", replace(base, interactive=0), ref))
+    for arm in plan:
+        missing = _missing(routers[arm.router])
+        if missing:
+            raise SystemExit(f"luftpause bench: arm {arm.name}: {missing}")
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="luftpause-bench-") as tmp:
+        for arm in plan:
+            router = routers[arm.router]
+            log_dir = Path(tmp) / arm.name.replace("/", "-")
+            log_dir.mkdir()
+            progress(f"arm {arm.name} ({arm.router}): {arm.load.minutes:g} virtual min")
+            t0 = time.monotonic()
+            with _arm_bed(args, router, log_dir) as url:
+                load = run_load(arm.load, url, ends_runs=router.ends_runs, progress=progress)
+                r = asyncio.run(load)
+            row = r.as_json()
+            row["router"] = arm.router
+            row["wall_s"] = round(time.monotonic() - t0, 1)
+            results[arm.name] = row
+            progress(
+                f"  done: {row['interactive_runs_per_min']} interactive/min, "
+                f"{row['batch_runs_per_min']} batch/min, {row['errors']} errors"
+            )
+    out: dict[str, Any] = {
+        "scenario": args.scenario,
+        "load": {k: v for k, v in vars(base).items()},
+        "engines": args.engines,
+        "arms": {n: results[n] for n in names},
+        "reference": _references(results),
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "note": "real routers and real HTTP on loopback; the engines are simulated in real "
+        "time (half a GPU each, no GPU here); compare arms within one run",
+    }
+    ia = out["reference"].get("interactive-alone", {}).get("interactive_runs_per_min")
+    ba = out["reference"].get("batch-alone", {}).get("batch_runs_per_min")
+    for name in names:
+        row = out["arms"][name]
+        i, b = row["interactive_runs_per_min"], row["batch_runs_per_min"]
+        if ia is not None and ba is not None:
+            row["P"] = _ratio(i, ia)
+            row["W"] = _ratio(i + b, ba)
+        row["ratios"] = {
+            other: {
+                "interactive": _ratio(i, o["interactive_runs_per_min"]),
+                "batch": _ratio(b, o["batch_runs_per_min"]),
+            }
+            for other, o in out["arms"].items()
+            if other != name
+        }
+    return out
+
+
+def _table(r: dict[str, Any]) -> str:
+    load = r["load"]
+    lines = [
+        f"luftpause bench {r['scenario']}: {load['batch']} batch + {load['interactive']} "
+        f"interactive agents, {r['engines']} engines, {load['context_chars']}-char contexts, "
+        f"{load['minutes']:g} virtual min per arm (time scale {load['time_scale']:g})",
+        f"{'arm':<30} {'int/min':>8} {'int p50 s':>10} {'int p90 s':>10} {'batch/min':>10} "
+        f"{'cached':>7} {'P':>6} {'W':>6} {'errors':>7}",
+    ]
+    rows = list(r["arms"].items()) + [
+        (f"{name} ({a['arm']})", a) for name, a in r["reference"].items()
+    ]
+    for name, a in rows:
+
+        def f(x: Any) -> str:
+            return "-" if x is None else f"{x:g}"
+
+        lines.append(
+            f"{name:<30} {f(a['interactive_runs_per_min']):>8} {f(a['interactive_p50_s']):>10} "
+            f"{f(a['interactive_p90_s']):>10} {f(a['batch_runs_per_min']):>10} "
+            f"{a['cached_prompt_token_share']:>7.3f} {f(a.get('P')):>6} {f(a.get('W')):>6} "
+            f"{a['errors']:>7}"
+        )
+    lines.append(r["note"])
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    unknown = [a for a in _names(args.arms) + _names(args.reference_arms) if a not in ARMS]
+    if unknown or not _names(args.arms):
+        bad = ", ".join(unknown) or "(none)"
+        print(f"luftpause bench: unknown arm {bad}; arms are {', '.join(ARMS)}", file=sys.stderr)
+        return 2
+    if args.minutes <= 0 or args.engines < 1 or args.time_scale <= 0:
+        print("luftpause bench: --minutes, --engines and --time-scale must be > 0", file=sys.stderr)
+        return 2
+    if args.batch < 0 or args.interactive < 0 or args.batch + args.interactive == 0:
+        print("luftpause bench: needs at least one agent", file=sys.stderr)
+        return 2
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    result = _measure(args, progress)
+    print(json.dumps(result, indent=2) if args.json else _table(result))
+    return 0

@@ -1,0 +1,301 @@
+"""The load generator: closed-loop own-loop agents through an OpenAI-compatible proxy.
+
+Each agent runs one run after another until the window ends.  A run is the loop a
+harness runs: send the conversation with a tool offered; when the model answers with
+tool calls, run them (here: wait 0.5..1.5 x `tool_s`, as the simulator does) and append
+a result of `tool_result_chars`; stop when it answers with text.  The first user
+message is the run's task: `context_chars` of text that starts with the run's id, so
+runs share no prefix and the same run id gets the same task (the fake engine decides a
+run's number of tool calls from it), so every arm of a benchmark sees the same work.
+
+Every request carries the headers each proxy reads (none of them minds the others'):
+luftpause's run, class and caller; SMG's `x-smg-priority` (interactive / bulk); and
+`x-session-id`, the program id of vllm-router's program scheduling.  Requests are not
+streamed: one answer per turn keeps the client's own CPU out of the measurement.
+
+Time: `time_scale` virtual seconds pass per wall second (the fake engines run that much
+faster; tool waits and the window shrink by it); every figure is in virtual time.  Only
+runs that end inside the window count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import httpx
+
+from luftpause.headers import CALLER_HEADER, CLASS_HEADER, RUN_HEADER
+
+__all__ = ["LOOKUP_TOOL", "Load", "LoadResult", "RunRecord", "run_load"]
+
+ServiceClass = Literal["interactive", "batch"]
+
+LOOKUP_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "Look a term up in the knowledge base.",
+        "parameters": {
+            "type": "object",
+            "properties": {"query": {"type": "string"}},
+            "required": ["query"],
+        },
+    },
+}
+SMG_PRIORITY = {"interactive": "interactive", "batch": "bulk"}
+# A failed turn is retried after this long (virtual seconds), at most this many times a
+# run; the errors are counted and reported, never hidden.
+RETRY_AFTER_S = 1.0
+MAX_ERRORS_PER_RUN = 5
+
+_FILLER = (
+    "the quick brown fox jumps over the lazy dog while agents wait for their tools "
+    "and engines keep the prefix of every conversation warm in their cache"
+)
+_WORDS = tuple(_FILLER.split())
+
+
+@dataclass(frozen=True, kw_only=True)
+class Load:
+    """What the agents do (the simulator's scenario knobs, same names and meanings)."""
+
+    batch: int = 48
+    interactive: int = 4
+    context_chars: int = 8000
+    tool_s: float = 2.0
+    tool_result_chars: int = 1600
+    reply_tokens: int = 256
+    minutes: float = 3.0
+    seed: int = 1
+    model: str = "llama-3.2-1b"
+    time_scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    service_class: ServiceClass
+    seconds: float  # virtual
+    turns: int
+
+
+@dataclass
+class LoadResult:
+    minutes: float
+    runs: list[RunRecord] = field(default_factory=list)
+    turns: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    errors: int = 0
+    first_errors: list[str] = field(default_factory=list)
+
+    def count(self, cls: ServiceClass) -> int:
+        return sum(1 for r in self.runs if r.service_class == cls)
+
+    def per_min(self, cls: ServiceClass) -> float:
+        return self.count(cls) / self.minutes
+
+    def percentile(self, q: float) -> float | None:
+        d = sorted(r.seconds for r in self.runs if r.service_class == "interactive")
+        if not d:
+            return None
+        if len(d) == 1:
+            return d[0]
+        return statistics.quantiles(d, n=100, method="inclusive")[int(q * 100) - 1]
+
+    @property
+    def cached_share(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def as_json(self) -> dict[str, Any]:
+        def r2(x: float | None) -> float | None:
+            return None if x is None else round(x, 2)
+
+        return {
+            "interactive_runs": self.count("interactive"),
+            "batch_runs": self.count("batch"),
+            "interactive_runs_per_min": round(self.per_min("interactive"), 2),
+            "interactive_p50_s": r2(self.percentile(0.5)),
+            "interactive_p90_s": r2(self.percentile(0.9)),
+            "batch_runs_per_min": round(self.per_min("batch"), 2),
+            "turns": self.turns,
+            "cached_prompt_token_share": round(self.cached_share, 3),
+            "errors": self.errors,
+            "first_errors": self.first_errors,
+        }
+
+
+def task_text(run_id: str, chars: int) -> str:
+    """A run's task: its id, then filler words to `chars` characters."""
+    out = [f"Task of run {run_id}: research and summarise."]
+    n = len(out[0])
+    rng = random.Random(run_id)
+    while n < chars:
+        w = _WORDS[rng.randrange(len(_WORDS))]
+        out.append(w)
+        n += len(w) + 1
+    return " ".join(out)[:chars]
+
+
+class _Ctx:
+    def __init__(
+        self,
+        load: Load,
+        http: httpx.AsyncClient,
+        url: str,
+        ends_runs: bool,
+        progress: Callable[[str], None] | None,
+    ) -> None:
+        self.load = load
+        self.http = http
+        self.url = url.rstrip("/")
+        self.ends_runs = ends_runs
+        self.progress = progress
+        self.result = LoadResult(minutes=load.minutes)
+        self.t0 = 0.0
+        self.deadline = 0.0
+
+    def now(self) -> float:
+        """Virtual seconds since the window opened."""
+        return (time.monotonic() - self.t0) * self.load.time_scale
+
+    def error(self, text: str) -> None:
+        self.result.errors += 1
+        if len(self.result.first_errors) < 5:
+            self.result.first_errors.append(text[:300])
+
+
+def _answer(r: httpx.Response) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The completion and its first choice's message; raises on anything else."""
+    data = r.json()
+    message = data["choices"][0]["message"]
+    if not isinstance(message, dict):
+        raise TypeError("message is not an object")
+    return data, message
+
+
+async def _agent(ctx: _Ctx, index: int, cls: ServiceClass) -> None:
+    load = ctx.load
+    rng = random.Random(load.seed * 1_000_003 + index)
+    caller = f"{cls}-{index % 4}"
+    run_no = 0
+    while True:
+        run_no += 1
+        run_id = f"a{index}-r{run_no}"
+        headers = {
+            RUN_HEADER: run_id,
+            CLASS_HEADER: cls,
+            CALLER_HEADER: caller,
+            "x-smg-priority": SMG_PRIORITY[cls],
+            "x-session-id": run_id,
+        }
+        messages: list[dict[str, Any]] = [
+            {"role": "user", "content": task_text(run_id, load.context_chars)}
+        ]
+        started = ctx.now()
+        turns = errors = 0
+        while True:
+            body = {
+                "model": load.model,
+                "messages": messages,
+                "tools": [LOOKUP_TOOL],
+                "max_tokens": load.reply_tokens,
+            }
+            try:
+                r = await ctx.http.post(
+                    f"{ctx.url}/v1/chat/completions", json=body, headers=headers
+                )
+            except httpx.HTTPError as exc:
+                failed: str | None = f"{type(exc).__name__}: {exc}"
+            else:
+                failed = None if r.status_code == 200 else f"{r.status_code} {r.text}"
+            if failed is None:
+                try:
+                    data, message = _answer(r)
+                except (ValueError, LookupError, TypeError, AttributeError) as exc:
+                    failed = f"200 without a chat completion ({exc!r}): {r.text[:200]}"
+            if failed is not None:
+                ctx.error(f"run {run_id} turn {turns + 1}: {failed}")
+                errors += 1
+                if errors > MAX_ERRORS_PER_RUN:
+                    break  # give the run up; the next one starts
+                await asyncio.sleep(RETRY_AFTER_S / load.time_scale)
+                continue
+            turns += 1
+            ctx.result.turns += 1
+            usage = data.get("usage") or {}
+            ctx.result.prompt_tokens += int(usage.get("prompt_tokens") or 0)
+            details = usage.get("prompt_tokens_details") or {}
+            ctx.result.cached_tokens += int(details.get("cached_tokens") or 0)
+            messages.append(
+                {k: v for k, v in message.items() if k in ("role", "content", "tool_calls")}
+            )
+            calls = message.get("tool_calls") or []
+            if not calls:
+                break
+            for call in calls:
+                await asyncio.sleep(load.tool_s * rng.uniform(0.5, 1.5) / load.time_scale)
+                messages.append(
+                    {
+                        "role": "tool",
+                        "tool_call_id": call["id"],
+                        "content": task_text(f"{run_id}-{call['id']}", load.tool_result_chars),
+                    }
+                )
+        if ctx.ends_runs:
+            # The gateway forgets the run at once rather than after its idle expiry.
+            try:
+                await ctx.http.delete(f"{ctx.url}/v1/runs/{run_id}", headers=headers)
+            except httpx.HTTPError as exc:
+                ctx.error(f"run {run_id} end: {exc}")
+        ended = ctx.now()
+        if errors <= MAX_ERRORS_PER_RUN and ended <= ctx.deadline:
+            ctx.result.runs.append(RunRecord(cls, ended - started, turns))
+
+
+async def _report(ctx: _Ctx, every_s: float = 10.0) -> None:
+    assert ctx.progress is not None
+    while True:
+        await asyncio.sleep(every_s)
+        r = ctx.result
+        ctx.progress(
+            f"  {ctx.now():6.0f}/{ctx.deadline:.0f} s: {r.count('interactive')} interactive, "
+            f"{r.count('batch')} batch runs, {r.turns} turns, {r.errors} errors"
+        )
+
+
+async def run_load(
+    load: Load,
+    url: str,
+    *,
+    ends_runs: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> LoadResult:
+    """Run the agents against the proxy at `url` for `load.minutes` (virtual); stop them
+    (in-flight requests are dropped) and return what ended inside the window."""
+    agents = load.batch + load.interactive
+    limits = httpx.Limits(max_connections=agents * 2, max_keepalive_connections=agents * 2)
+    timeout = httpx.Timeout(None, connect=5)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as http:
+        ctx = _Ctx(load, http, url, ends_runs, progress)
+        ctx.t0 = time.monotonic()
+        ctx.deadline = load.minutes * 60
+        classes: list[ServiceClass] = ["interactive"] * load.interactive
+        classes += ["batch"] * load.batch
+        tasks = [asyncio.create_task(_agent(ctx, i, c)) for i, c in enumerate(classes)]
+        if progress is not None:
+            tasks.append(asyncio.create_task(_report(ctx)))
+        try:
+            done, _ = await asyncio.wait(tasks, timeout=ctx.deadline / load.time_scale)
+            for t in done:  # an agent only ends by raising: that is a bug, say it
+                t.result()
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    return ctx.result

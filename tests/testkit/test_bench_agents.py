@@ -1,0 +1,144 @@
+"""The load generator against a real fake engine, and `luftpause bench flood` end to end
+(tiny, sped up): real proxies (luftpause's gateway, the SGLang router, SMG with its
+priority scheduler and the engines registered), real HTTP."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI
+
+from testkit._fake_text import key
+from testkit.bench_agents import _references
+from testkit.fake_engine import FakeEngineSettings, create_app
+from testkit.load import Load, run_load, task_text
+from testkit.loopback import serve
+
+EXE = str(Path(sys.executable).parent / "luftpause")
+
+
+async def test_agents_run_closed_loops_of_the_engines_tool_calls() -> None:
+    """Every counted run made as many turns as the fake engine plans tool calls for its
+    task (+1 for the answer), each class has its runs, and repeated prefixes hit the cache."""
+    load = Load(batch=2, interactive=1, context_chars=2000, tool_s=1.0, minutes=0.5, time_scale=20)
+    settings = FakeEngineSettings(time_scale=20, max_tool_calls=3, seed=0)
+    async with serve(create_app(settings)) as url:
+        result = await run_load(load, url)
+    assert result.errors == 0, result.first_errors
+    assert result.count("interactive") >= 2 and result.count("batch") >= 4
+    for r in result.runs:
+        assert r.seconds > 0
+    # The plan of run a0-r1 (agent 0 is the interactive one): k tool calls, then an answer.
+    k = key(0, "tool-calls", task_text("a0-r1", 2000)) % 4
+    assert k + 1 in {r.turns for r in result.runs if r.service_class == "interactive"}
+    assert sum(r.turns for r in result.runs) <= result.turns
+    assert 0 < result.cached_tokens < result.prompt_tokens
+
+
+async def test_a_proxy_answering_200_without_a_completion_counts_as_errors() -> None:
+    """A router's 200 that is no chat completion is an error the report names, never a
+    run or a crash of the generator."""
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def odd() -> dict[str, Any]:
+        return {"object": "error", "message": "upstream went away"}
+
+    load = Load(batch=1, interactive=0, minutes=0.2, time_scale=20)
+    async with serve(app) as url:
+        result = await run_load(load, url)
+    assert result.runs == [] and result.turns == 0
+    assert result.errors >= 2
+    assert "200 without a chat completion" in result.first_errors[0]
+    assert "upstream went away" in result.first_errors[0]
+
+
+def test_task_text_is_the_runs_own_and_sized() -> None:
+    a, b = task_text("a1-r1", 8000), task_text("a1-r2", 8000)
+    assert len(a) == len(b) == 8000
+    assert a[:40] != b[:40] and a == task_text("a1-r1", 8000)
+
+
+def test_bench_flood_compares_luftpause_with_the_sglang_router_and_smg() -> None:
+    out = subprocess.run(
+        [
+            EXE,
+            "bench",
+            "flood",
+            "--arms",
+            "luftpause,cache_aware,smg_priority",
+            "--batch",
+            "4",
+            "--interactive",
+            "2",
+            "--context-chars",
+            "4000",
+            "--minutes",
+            "0.5",
+            "--time-scale",
+            "6",
+            "--reference-arms",
+            "luftpause",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    assert list(report["arms"]) == ["luftpause", "cache_aware", "smg_priority"]
+    assert set(report["reference"]) == {"interactive-alone", "batch-alone"}
+    ref_i = report["reference"]["interactive-alone"]
+    ref_b = report["reference"]["batch-alone"]
+    assert ref_i["batch_runs"] == 0 < ref_i["interactive_runs"]
+    assert ref_b["interactive_runs"] == 0 < ref_b["batch_runs"]
+    assert ref_i["arm"] == ref_b["arm"] == "luftpause"
+    for name, arm in report["arms"].items():
+        assert arm["errors"] == 0, (name, arm["first_errors"])
+        assert arm["interactive_runs"] > 0 and arm["batch_runs"] > 0, name
+        assert arm["P"] == round(
+            arm["interactive_runs_per_min"] / ref_i["interactive_runs_per_min"], 3
+        )
+        assert arm["W"] == round(
+            (arm["interactive_runs_per_min"] + arm["batch_runs_per_min"])
+            / ref_b["batch_runs_per_min"],
+            3,
+        )
+        assert arm["cached_prompt_token_share"] > 0, name
+    assert report["arms"]["luftpause"]["ratios"]["cache_aware"]["batch"] == round(
+        report["arms"]["luftpause"]["batch_runs_per_min"]
+        / report["arms"]["cache_aware"]["batch_runs_per_min"],
+        3,
+    )
+
+
+def test_the_reference_is_the_better_one_class_run_of_each_class() -> None:
+    results = {
+        "interactive-alone/cache_aware": {"interactive_runs_per_min": 40.0},
+        "interactive-alone/luftpause": {"interactive_runs_per_min": 46.0},
+        "batch-alone/cache_aware": {"batch_runs_per_min": 182.0},
+        "batch-alone/luftpause": {"batch_runs_per_min": 175.0},
+        "luftpause": {"interactive_runs_per_min": 33.0, "batch_runs_per_min": 160.0},
+    }
+    ref = _references(results)
+    assert ref["interactive-alone"]["arm"] == "luftpause"
+    assert ref["interactive-alone"]["interactive_runs_per_min"] == 46.0
+    assert ref["batch-alone"]["arm"] == "cache_aware"
+    assert ref["batch-alone"]["each"] == {"cache_aware": 182.0, "luftpause": 175.0}
+    assert _references({"luftpause": results["luftpause"]}) == {}
+
+
+def test_bench_flood_rejects_an_unknown_arm() -> None:
+    out = subprocess.run(
+        [EXE, "bench", "flood", "--arms", "luftpause,nginx"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2
+    assert "unknown arm nginx" in out.stderr and "cache_aware" in out.stderr
