@@ -92,27 +92,35 @@ def parse_load(kind: str, text: str) -> tuple[int, int] | None:
     `moe_ep_rank`; SGLang exports every TP rank with `--enable-metrics-for-all-
     schedulers`, and each attention context-parallel rank, all holding the same batch).
     SGLang with priority scheduling adds one sample per priority beside the total (the
-    total has `priority=""`): those are skipped."""
+    total has `priority=""`): those are skipped, or summed where no total is beside them."""
     names = LOAD_METRICS.get(kind)
     if names is None:
         return None
-    groups: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+    Key = tuple[str, tuple[tuple[str, str], ...]]
+    totals: dict[Key, float] = {}  # (gauge, labels but rank copies) -> value
+    by_priority: dict[Key, dict[str, float]] = {}  # ... -> priority -> value
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name not in names or sample.labels.get("priority"):
+            if sample.name not in names:
                 continue
-            key = tuple(
-                sorted(
-                    (k, v)
-                    for k, v in sample.labels.items()
-                    if k not in _COPY_LABELS and k != "priority"
-                )
-            )
-            group = groups.setdefault(sample.name, {})
-            group[key] = max(group[key], sample.value) if key in group else sample.value
-    if names[0] not in groups or names[1] not in groups:
+            rest = sorted((k, v) for k, v in sample.labels.items() if k not in _COPY_LABELS)
+            key = (sample.name, tuple(kv for kv in rest if kv[0] != "priority"))
+            priority = sample.labels.get("priority")
+            if priority:
+                seen = by_priority.setdefault(key, {})
+                seen[priority] = max(seen.get(priority, sample.value), sample.value)
+            else:
+                totals[key] = max(totals.get(key, sample.value), sample.value)
+    for key, values in by_priority.items():
+        totals.setdefault(key, sum(values.values()))  # no total beside them: their sum
+    sums = {name: 0.0 for name in names}
+    found = set()
+    for (name, _), value in totals.items():
+        sums[name] += value
+        found.add(name)
+    if len(found) < 2:
         return None
-    return int(sum(groups[names[0]].values())), int(sum(groups[names[1]].values()))
+    return int(sums[names[0]]), int(sums[names[1]])
 
 
 def parse_vllm_kv_tokens(text: str) -> int | None:

@@ -79,6 +79,14 @@ def test_parse_load_counts_each_request_once_across_ranks() -> None:
         for p, v in zip(("", "0", "10"), values, strict=True)
     )
     assert parse_load("sglang", with_priority) == (5, 8)
+    # Priorities without their total beside them (and two TP ranks of each): summed once.
+    only_priorities = "".join(
+        f'sglang:num_{name}_reqs{{model_name="m",tp_rank="{tp}",priority="{p}"}} {v}\n'
+        for name, values in (("queue", ("2", "3")), ("running", ("8", "0")))
+        for p, v in zip(("0", "10"), values, strict=True)
+        for tp in (0, 1)
+    )
+    assert parse_load("sglang", only_priorities) == (5, 8)
     vllm_dp = "".join(
         f'vllm:num_requests_{name}{{engine="{e}",model_name="m"}} {v}\n'
         for name, v in (("waiting", 1), ("running", 6))
