@@ -35,6 +35,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -260,6 +261,8 @@ def _arm_bed(args: argparse.Namespace, router: _Router, log_dir: Path) -> Iterat
         wait_http(f"{proxy}{router.ready_path}", "the proxy", c, timeout=READY_TIMEOUT_S)
         if router.setup is not None:
             router.setup(proxy, workers)
+        if not c.alive():  # what answered on its port was something else
+            raise RuntimeError(f"the proxy exited during startup; see {c.log}")
         yield proxy
     finally:
         for c in reversed(children):
@@ -293,7 +296,11 @@ def _references(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]
         ("interactive-alone", "interactive_runs_per_min"),
         ("batch-alone", "batch_runs_per_min"),
     ):
-        runs = {n.split("/", 1)[1]: r for n, r in results.items() if n.startswith(cls + "/")}
+        runs = {
+            n.split("/", 1)[1]: r
+            for n, r in results.items()
+            if n.startswith(cls + "/") and "failed" not in r
+        }
         if runs:
             arm = max(runs, key=lambda a: runs[a][figure])
             out[cls] = {**runs[arm], "arm": arm, "each": {a: r[figure] for a, r in runs.items()}}
@@ -331,38 +338,57 @@ def _measure(args: argparse.Namespace, progress: Callable[[str], None]) -> dict[
         if missing:
             raise SystemExit(f"luftpause bench: arm {arm.name}: {missing}")
     results: dict[str, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory(prefix="luftpause-bench-") as tmp:
-        for arm in plan:
-            router = routers[arm.router]
-            log_dir = Path(tmp) / arm.name.replace("/", "-")
-            log_dir.mkdir()
-            progress(f"arm {arm.name} ({arm.router}): {arm.load.minutes:g} virtual min")
-            t0 = time.monotonic()
+    # Logs stay when an arm failed or saw errors (the path is printed), else go.
+    tmp = Path(tempfile.mkdtemp(prefix="luftpause-bench-"))
+    for arm in plan:
+        router = routers[arm.router]
+        log_dir = tmp / arm.name.replace("/", "-")
+        log_dir.mkdir()
+        progress(f"arm {arm.name} ({arm.router}): {arm.load.minutes:g} virtual min")
+        t0 = time.monotonic()
+        try:
             with _arm_bed(args, router, log_dir) as url:
                 load = run_load(arm.load, url, ends_runs=router.ends_runs, progress=progress)
                 r = asyncio.run(load)
-            row = r.as_json()
-            row["router"] = arm.router
-            row["wall_s"] = round(time.monotonic() - t0, 1)
-            results[arm.name] = row
-            progress(
-                f"  done: {row['interactive_runs_per_min']} interactive/min, "
-                f"{row['batch_runs_per_min']} batch/min, {row['errors']} errors"
-            )
+        except Exception as exc:  # one arm's failure loses neither the others nor its logs
+            results[arm.name] = {"failed": f"{type(exc).__name__}: {exc}", "logs": str(log_dir)}
+            progress(f"  FAILED: {exc} (logs: {log_dir})")
+            continue
+        row = r.as_json()
+        row["router"] = arm.router
+        row["wall_s"] = round(time.monotonic() - t0, 1)
+        if row["errors"]:
+            row["logs"] = str(log_dir)
+        results[arm.name] = row
+        progress(
+            f"  done: {row['interactive_runs_per_min']} interactive/min, "
+            f"{row['batch_runs_per_min']} batch/min, {row['errors']} errors"
+        )
+    if any("logs" in r for r in results.values()):
+        progress(f"logs kept in {tmp}")
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
     out: dict[str, Any] = {
         "scenario": args.scenario,
         "load": {k: v for k, v in vars(base).items()},
         "engines": args.engines,
         "arms": {n: results[n] for n in names},
         "reference": _references(results),
+        "failed": {n: r["failed"] for n, r in results.items() if "failed" in r},
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "note": "real routers and real HTTP on loopback; the engines are simulated in real "
         "time (half a GPU each, no GPU here); compare arms within one run",
     }
+    if args.time_scale != 1:
+        out["note"] += (
+            f"; at time scale {args.time_scale:g} the proxies' own clocks (probe periods, "
+            "queue timeouts, KV retention) and CPU time do not scale: this run checks the "
+            "bench, it does not compare the proxies"
+        )
     ia = out["reference"].get("interactive-alone", {}).get("interactive_runs_per_min")
     ba = out["reference"].get("batch-alone", {}).get("batch_runs_per_min")
-    for name in names:
-        row = out["arms"][name]
+    measured = {n: r for n, r in out["arms"].items() if "failed" not in r}
+    for name, row in measured.items():
         i, b = row["interactive_runs_per_min"], row["batch_runs_per_min"]
         if ia is not None and ba is not None:
             row["P"] = _ratio(i, ia)
@@ -372,7 +398,7 @@ def _measure(args: argparse.Namespace, progress: Callable[[str], None]) -> dict[
                 "interactive": _ratio(i, o["interactive_runs_per_min"]),
                 "batch": _ratio(b, o["batch_runs_per_min"]),
             }
-            for other, o in out["arms"].items()
+            for other, o in measured.items()
             if other != name
         }
     return out
@@ -390,11 +416,14 @@ def _table(r: dict[str, Any]) -> str:
     rows = list(r["arms"].items()) + [
         (f"{name} ({a['arm']})", a) for name, a in r["reference"].items()
     ]
+
+    def f(x: Any) -> str:
+        return "-" if x is None else f"{x:g}"
+
     for name, a in rows:
-
-        def f(x: Any) -> str:
-            return "-" if x is None else f"{x:g}"
-
+        if "failed" in a:
+            lines.append(f"{name:<30} FAILED: {a['failed']} (logs: {a['logs']})")
+            continue
         lines.append(
             f"{name:<30} {f(a['interactive_runs_per_min']):>8} {f(a['interactive_p50_s']):>10} "
             f"{f(a['interactive_p90_s']):>10} {f(a['batch_runs_per_min']):>10} "
@@ -417,10 +446,21 @@ def run(args: argparse.Namespace) -> int:
     if args.batch < 0 or args.interactive < 0 or args.batch + args.interactive == 0:
         print("luftpause bench: needs at least one agent", file=sys.stderr)
         return 2
+    for flag in ("arms", "reference_arms"):
+        names = _names(getattr(args, flag))
+        if len(set(names)) != len(names):
+            print(
+                f"luftpause bench: --{flag.replace('_', '-')} names an arm twice", file=sys.stderr
+            )
+            return 2
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)  # unwinds: every arm's processes are stopped by PID
+
+    signal.signal(signal.SIGTERM, stop)
     result = _measure(args, progress)
     print(json.dumps(result, indent=2) if args.json else _table(result))
-    return 0
+    return 1 if result["failed"] else 0

@@ -6,7 +6,9 @@ tool calls, run them (here: wait 0.5..1.5 x `tool_s`, as the simulator does) and
 a result of `tool_result_chars`; stop when it answers with text.  The first user
 message is the run's task: `context_chars` of text that starts with the run's id, so
 runs share no prefix and the same run id gets the same task (the fake engine decides a
-run's number of tool calls from it), so every arm of a benchmark sees the same work.
+run's number of tool calls from it), so every arm of a benchmark sees the same work:
+agent `b3` (batch agent 3) runs the same runs, tasks and tool waits in every arm and in
+the one-class reference runs.
 
 Every request carries the headers each proxy reads (none of them minds the others'):
 luftpause's run, class and caller; SMG's `x-smg-priority` (interactive / bulk); and
@@ -15,7 +17,9 @@ streamed: one answer per turn keeps the client's own CPU out of the measurement.
 
 Time: `time_scale` virtual seconds pass per wall second (the fake engines run that much
 faster; tool waits and the window shrink by it); every figure is in virtual time.  Only
-runs that end inside the window count.
+at time scale 1 do the figures compare proxies: their own clocks (probe periods, queue
+timeouts, KV retention) and their CPU time do not scale.  Only runs that end inside the
+window count; the runs still going at its end are reported apart.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import asyncio
 import random
 import statistics
 import time
+from asyncio import FIRST_EXCEPTION
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -53,6 +58,9 @@ SMG_PRIORITY = {"interactive": "interactive", "batch": "bulk"}
 # run; the errors are counted and reported, never hidden.
 RETRY_AFTER_S = 1.0
 MAX_ERRORS_PER_RUN = 5
+# A turn with no answer after this long (virtual; the gateway's own turn timeout is
+# 10 min) is an error.
+TURN_TIMEOUT_S = 900.0
 
 _FILLER = (
     "the quick brown fox jumps over the lazy dog while agents wait for their tools "
@@ -79,9 +87,11 @@ class Load:
 
 @dataclass(frozen=True)
 class RunRecord:
+    run_id: str
     service_class: ServiceClass
     seconds: float  # virtual
     turns: int
+    ended: float  # virtual seconds into the window
 
 
 @dataclass
@@ -93,6 +103,10 @@ class LoadResult:
     cached_tokens: int = 0
     errors: int = 0
     first_errors: list[str] = field(default_factory=list)
+    # Runs still going when the window closed, by class, and the oldest one's age: a
+    # proxy that holds a run for ever shows here, not only as a lower rate.
+    unfinished: dict[str, int] = field(default_factory=dict)
+    oldest_unfinished_s: float = 0.0
 
     def count(self, cls: ServiceClass) -> int:
         return sum(1 for r in self.runs if r.service_class == cls)
@@ -127,6 +141,8 @@ class LoadResult:
             "cached_prompt_token_share": round(self.cached_share, 3),
             "errors": self.errors,
             "first_errors": self.first_errors,
+            "unfinished_runs": self.unfinished,
+            "oldest_unfinished_s": round(self.oldest_unfinished_s, 1),
         }
 
 
@@ -159,6 +175,7 @@ class _Ctx:
         self.result = LoadResult(minutes=load.minutes)
         self.t0 = 0.0
         self.deadline = 0.0
+        self.running: dict[str, tuple[ServiceClass, float]] = {}  # run id -> class, start
 
     def now(self) -> float:
         """Virtual seconds since the window opened."""
@@ -179,14 +196,19 @@ def _answer(r: httpx.Response) -> tuple[dict[str, Any], dict[str, Any]]:
     return data, message
 
 
-async def _agent(ctx: _Ctx, index: int, cls: ServiceClass) -> None:
+async def _agent(ctx: _Ctx, cls: ServiceClass, index: int) -> None:
+    """Agent `index` of its class: `b3` is the same agent (runs, tasks, tool waits) in
+    every arm and in the one-class reference runs."""
     load = ctx.load
-    rng = random.Random(load.seed * 1_000_003 + index)
-    caller = f"{cls}-{index % 4}"
+    name = f"{cls[0]}{index}"
+    rng = random.Random(f"{load.seed}/{name}")
+    # As the simulator: the batch agents are one job (one caller), each interactive
+    # agent is its own user.
+    caller = "batch-job" if cls == "batch" else f"user-{index}"
     run_no = 0
     while True:
         run_no += 1
-        run_id = f"a{index}-r{run_no}"
+        run_id = f"{name}-r{run_no}"
         headers = {
             RUN_HEADER: run_id,
             CLASS_HEADER: cls,
@@ -198,6 +220,7 @@ async def _agent(ctx: _Ctx, index: int, cls: ServiceClass) -> None:
             {"role": "user", "content": task_text(run_id, load.context_chars)}
         ]
         started = ctx.now()
+        ctx.running[run_id] = (cls, started)
         turns = errors = 0
         while True:
             body = {
@@ -208,7 +231,10 @@ async def _agent(ctx: _Ctx, index: int, cls: ServiceClass) -> None:
             }
             try:
                 r = await ctx.http.post(
-                    f"{ctx.url}/v1/chat/completions", json=body, headers=headers
+                    f"{ctx.url}/v1/chat/completions",
+                    json=body,
+                    headers=headers,
+                    timeout=httpx.Timeout(TURN_TIMEOUT_S / load.time_scale, connect=5),
                 )
             except httpx.HTTPError as exc:
                 failed: str | None = f"{type(exc).__name__}: {exc}"
@@ -240,22 +266,26 @@ async def _agent(ctx: _Ctx, index: int, cls: ServiceClass) -> None:
                 break
             for call in calls:
                 await asyncio.sleep(load.tool_s * rng.uniform(0.5, 1.5) / load.time_scale)
+                call_id = str(call.get("id") if isinstance(call, dict) else call)
                 messages.append(
                     {
                         "role": "tool",
-                        "tool_call_id": call["id"],
-                        "content": task_text(f"{run_id}-{call['id']}", load.tool_result_chars),
+                        "tool_call_id": call_id,
+                        "content": task_text(f"{run_id}-{call_id}", load.tool_result_chars),
                     }
                 )
+        ended = ctx.now()  # before the run's end is reported: that is not the run's time
+        del ctx.running[run_id]
+        if errors <= MAX_ERRORS_PER_RUN and ended <= ctx.deadline:
+            ctx.result.runs.append(RunRecord(run_id, cls, ended - started, turns, ended))
         if ctx.ends_runs:
             # The gateway forgets the run at once rather than after its idle expiry.
             try:
-                await ctx.http.delete(f"{ctx.url}/v1/runs/{run_id}", headers=headers)
+                r = await ctx.http.delete(f"{ctx.url}/v1/runs/{run_id}", headers=headers)
+                if r.status_code >= 300:
+                    ctx.error(f"run {run_id} end: {r.status_code} {r.text}")
             except httpx.HTTPError as exc:
                 ctx.error(f"run {run_id} end: {exc}")
-        ended = ctx.now()
-        if errors <= MAX_ERRORS_PER_RUN and ended <= ctx.deadline:
-            ctx.result.runs.append(RunRecord(cls, ended - started, turns))
 
 
 async def _report(ctx: _Ctx, every_s: float = 10.0) -> None:
@@ -285,15 +315,24 @@ async def run_load(
         ctx = _Ctx(load, http, url, ends_runs, progress)
         ctx.t0 = time.monotonic()
         ctx.deadline = load.minutes * 60
-        classes: list[ServiceClass] = ["interactive"] * load.interactive
-        classes += ["batch"] * load.batch
-        tasks = [asyncio.create_task(_agent(ctx, i, c)) for i, c in enumerate(classes)]
+        counts: tuple[tuple[ServiceClass, int], ...] = (
+            ("interactive", load.interactive),
+            ("batch", load.batch),
+        )
+        tasks = [asyncio.create_task(_agent(ctx, cls, i)) for cls, n in counts for i in range(n)]
         if progress is not None:
             tasks.append(asyncio.create_task(_report(ctx)))
         try:
-            done, _ = await asyncio.wait(tasks, timeout=ctx.deadline / load.time_scale)
-            for t in done:  # an agent only ends by raising: that is a bug, say it
+            # An agent only ends by raising (a bug): say it at once, not at the end.
+            done, _ = await asyncio.wait(
+                tasks, timeout=ctx.deadline / load.time_scale, return_when=FIRST_EXCEPTION
+            )
+            for t in done:
                 t.result()
+            end = ctx.now()
+            for cls, started in ctx.running.values():
+                ctx.result.unfinished[cls] = ctx.result.unfinished.get(cls, 0) + 1
+                ctx.result.oldest_unfinished_s = max(ctx.result.oldest_unfinished_s, end - started)
         finally:
             for t in tasks:
                 t.cancel()

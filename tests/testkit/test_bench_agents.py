@@ -12,7 +12,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from testkit._fake_text import key
+from testkit._fake_text import directives, key
 from testkit.bench_agents import _references
 from testkit.fake_engine import FakeEngineSettings, create_app
 from testkit.load import Load, run_load, task_text
@@ -23,7 +23,8 @@ EXE = str(Path(sys.executable).parent / "luftpause")
 
 async def test_agents_run_closed_loops_of_the_engines_tool_calls() -> None:
     """Every counted run made as many turns as the fake engine plans tool calls for its
-    task (+1 for the answer), each class has its runs, and repeated prefixes hit the cache."""
+    own task (+1 for the answer) and ended inside the window; each class has its runs,
+    and a growing conversation hits the cache."""
     load = Load(batch=2, interactive=1, context_chars=2000, tool_s=1.0, minutes=0.5, time_scale=20)
     settings = FakeEngineSettings(time_scale=20, max_tool_calls=3, seed=0)
     async with serve(create_app(settings)) as url:
@@ -31,11 +32,13 @@ async def test_agents_run_closed_loops_of_the_engines_tool_calls() -> None:
     assert result.errors == 0, result.first_errors
     assert result.count("interactive") >= 2 and result.count("batch") >= 4
     for r in result.runs:
-        assert r.seconds > 0
-    # The plan of run a0-r1 (agent 0 is the interactive one): k tool calls, then an answer.
-    k = key(0, "tool-calls", task_text("a0-r1", 2000)) % 4
-    assert k + 1 in {r.turns for r in result.runs if r.service_class == "interactive"}
-    assert sum(r.turns for r in result.runs) <= result.turns
+        task, _ = directives(task_text(r.run_id, 2000))  # as the engine reads it
+        plan = key(0, "tool-calls", task) % 4
+        assert r.turns == plan + 1, r
+        assert 0 < r.seconds <= r.ended <= 30.0
+        assert r.run_id.startswith("i" if r.service_class == "interactive" else "b")
+    assert len({r.run_id for r in result.runs}) == len(result.runs)
+    assert sum(result.unfinished.values()) <= 3  # at most one run per agent was cut off
     assert 0 < result.cached_tokens < result.prompt_tokens
 
 
@@ -98,8 +101,11 @@ def test_bench_flood_compares_luftpause_with_the_sglang_router_and_smg() -> None
     assert ref_i["batch_runs"] == 0 < ref_i["interactive_runs"]
     assert ref_b["interactive_runs"] == 0 < ref_b["batch_runs"]
     assert ref_i["arm"] == ref_b["arm"] == "luftpause"
+    assert report["failed"] == {}
+    assert "does not compare the proxies" in report["note"]  # time scale 6
     for name, arm in report["arms"].items():
         assert arm["errors"] == 0, (name, arm["first_errors"])
+        assert set(arm["unfinished_runs"]) <= {"interactive", "batch"}
         assert arm["interactive_runs"] > 0 and arm["batch_runs"] > 0, name
         assert arm["P"] == round(
             arm["interactive_runs_per_min"] / ref_i["interactive_runs_per_min"], 3
@@ -131,6 +137,16 @@ def test_the_reference_is_the_better_one_class_run_of_each_class() -> None:
     assert ref["batch-alone"]["arm"] == "cache_aware"
     assert ref["batch-alone"]["each"] == {"cache_aware": 182.0, "luftpause": 175.0}
     assert _references({"luftpause": results["luftpause"]}) == {}
+
+
+def test_bench_flood_rejects_an_arm_named_twice() -> None:
+    out = subprocess.run(
+        [EXE, "bench", "flood", "--arms", "luftpause,cache_aware,luftpause"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and "--arms names an arm twice" in out.stderr
 
 
 def test_bench_flood_rejects_an_unknown_arm() -> None:
