@@ -181,6 +181,13 @@ def add_arguments(parser: argparse.ArgumentParser, scenario: str) -> None:
         default="cache_aware,luftpause",
         help="the arms the one-class reference runs go through; the better counts",
     )
+    a(
+        "--policy",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="the luftpause arm's [policy] key, e.g. batch_kv_fill=off (repeatable)",
+    )
     a("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -244,7 +251,8 @@ def _arm_bed(args: argparse.Namespace, router: _Router, log_dir: Path) -> Iterat
                 f'[[endpoints]]\nname = "e{i}"\nurl = "{u}"\nkind = "sglang"\n'
                 f'models = ["llama-3.2-1b"]\n\n'
                 for i, u in enumerate(workers)
-            ),
+            )
+            + _policy_toml(args.policy),
             encoding="utf-8",
         )
         port = free_port()
@@ -283,6 +291,22 @@ def _missing(router: _Router) -> str | None:
     if found:
         return None
     return f"{router.needs} is not installed (pip install -e '.[dev]' installs the peer routers)"
+
+
+def _policy_toml(pairs: list[str]) -> str:
+    """`--policy` pairs as the gateway config's [policy] table (the gateway checks them)."""
+    if not pairs:
+        return ""
+    lines = ["[policy]"]
+    for pair in pairs:
+        name, value = pair.split("=", 1)
+        try:
+            float(value)
+            text = value
+        except ValueError:
+            text = value.lower() if value.lower() in ("true", "false") else json.dumps(value)
+        lines.append(f"{name.strip()} = {text}")
+    return "\n".join(lines) + "\n"
 
 
 def _names(text: str) -> list[str]:
@@ -372,6 +396,7 @@ def _measure(args: argparse.Namespace, progress: Callable[[str], None]) -> dict[
         "scenario": args.scenario,
         "load": {k: v for k, v in vars(base).items()},
         "engines": args.engines,
+        "luftpause_policy": args.policy,
         "arms": {n: results[n] for n in names},
         "reference": _references(results),
         "failed": {n: r["failed"] for n, r in results.items() if "failed" in r},
@@ -445,6 +470,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.batch < 0 or args.interactive < 0 or args.batch + args.interactive == 0:
         print("luftpause bench: needs at least one agent", file=sys.stderr)
+        return 2
+    bad_policy = [p for p in args.policy if "=" not in p or not p.split("=", 1)[0].strip()]
+    if bad_policy:
+        print(f"luftpause bench: --policy wants NAME=VALUE, got {bad_policy[0]!r}", file=sys.stderr)
         return 2
     for flag in ("arms", "reference_arms"):
         names = _names(getattr(args, flag))

@@ -5,6 +5,7 @@ priority scheduler and the engines registered), real HTTP."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -137,6 +138,43 @@ def test_the_reference_is_the_better_one_class_run_of_each_class() -> None:
     assert ref["batch-alone"]["arm"] == "cache_aware"
     assert ref["batch-alone"]["each"] == {"cache_aware": 182.0, "luftpause": 175.0}
     assert _references({"luftpause": results["luftpause"]}) == {}
+
+
+def test_an_arm_that_cannot_start_is_reported_with_its_logs() -> None:
+    """A gateway that refuses its [policy] fails its arm: the report names it, keeps its
+    logs (the gateway says what was wrong) and the command exits 1."""
+    out = subprocess.run(
+        [
+            EXE,
+            "bench",
+            "flood",
+            "--arms",
+            "luftpause",
+            "--batch",
+            "1",
+            "--interactive",
+            "1",
+            "--minutes",
+            "0.1",
+            "--time-scale",
+            "10",
+            "--policy",
+            "kv_fill=7",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 1, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    assert report["luftpause_policy"] == ["kv_fill=7"]
+    assert "exited during startup" in report["failed"]["luftpause"]
+    logs = Path(report["arms"]["luftpause"]["logs"])
+    try:
+        assert "kv_fill" in (logs / "proxy.log").read_text()
+    finally:
+        shutil.rmtree(logs.parent, ignore_errors=True)
 
 
 def test_bench_flood_rejects_an_arm_named_twice() -> None:
