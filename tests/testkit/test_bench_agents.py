@@ -22,6 +22,13 @@ from testkit.loopback import serve
 EXE = str(Path(sys.executable).parent / "luftpause")
 
 
+def _bench_flood(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """`luftpause bench flood ARGS` as its own process."""
+    return subprocess.run(
+        [EXE, "bench", "flood", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
 async def test_agents_run_closed_loops_of_the_engines_tool_calls() -> None:
     """Every counted run made as many turns as the fake engine plans tool calls for its
     own task (+1 for the answer) and ended inside the window; each class has its runs,
@@ -68,29 +75,22 @@ def test_task_text_is_the_runs_own_and_sized() -> None:
 
 
 def test_bench_flood_compares_luftpause_with_the_sglang_router_and_smg() -> None:
-    out = subprocess.run(
-        [
-            EXE,
-            "bench",
-            "flood",
-            "--arms",
-            "luftpause,cache_aware,smg_priority",
-            "--batch",
-            "4",
-            "--interactive",
-            "2",
-            "--context-chars",
-            "4000",
-            "--minutes",
-            "0.5",
-            "--time-scale",
-            "6",
-            "--reference-arms",
-            "luftpause",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
+    out = _bench_flood(
+        "--arms",
+        "luftpause,cache_aware,smg_priority",
+        "--batch",
+        "4",
+        "--interactive",
+        "2",
+        "--context-chars",
+        "4000",
+        "--minutes",
+        "0.5",
+        "--time-scale",
+        "6",
+        "--reference-arms",
+        "luftpause",
+        "--json",
         timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
@@ -143,27 +143,20 @@ def test_the_reference_is_the_better_one_class_run_of_each_class() -> None:
 def test_an_arm_that_cannot_start_is_reported_with_its_logs() -> None:
     """A gateway that refuses its [policy] fails its arm: the report names it, keeps its
     logs (the gateway says what was wrong) and the command exits 1."""
-    out = subprocess.run(
-        [
-            EXE,
-            "bench",
-            "flood",
-            "--arms",
-            "luftpause",
-            "--batch",
-            "1",
-            "--interactive",
-            "1",
-            "--minutes",
-            "0.1",
-            "--time-scale",
-            "10",
-            "--policy",
-            "kv_fill=7",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
+    out = _bench_flood(
+        "--arms",
+        "luftpause",
+        "--batch",
+        "1",
+        "--interactive",
+        "1",
+        "--minutes",
+        "0.1",
+        "--time-scale",
+        "10",
+        "--policy",
+        "kv_fill=7",
+        "--json",
         timeout=300,
     )
     assert out.returncode == 1, out.stderr[-2000:]
@@ -178,21 +171,11 @@ def test_an_arm_that_cannot_start_is_reported_with_its_logs() -> None:
 
 
 def test_bench_flood_rejects_an_arm_named_twice() -> None:
-    out = subprocess.run(
-        [EXE, "bench", "flood", "--arms", "luftpause,cache_aware,luftpause"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = _bench_flood("--arms", "luftpause,cache_aware,luftpause", timeout=60)
     assert out.returncode == 2 and "--arms names an arm twice" in out.stderr
 
 
 def test_bench_flood_rejects_an_unknown_arm() -> None:
-    out = subprocess.run(
-        [EXE, "bench", "flood", "--arms", "luftpause,nginx"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = _bench_flood("--arms", "luftpause,nginx", timeout=60)
     assert out.returncode == 2
     assert "unknown arm nginx" in out.stderr and "cache_aware" in out.stderr
