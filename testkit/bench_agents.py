@@ -56,7 +56,7 @@ class _Router:
     argv: list[str]  # {port}, {prom} and the worker urls are filled in
     ready_path: str
     ends_runs: bool = False
-    needs: str = ""  # the module or executable it needs, for the error when missing
+    needs: str = ""  # the Python module it runs (`python -m`), for the error when missing
     # After it answers `ready_path`: (proxy url, worker urls) -> None, e.g. registering
     # the workers; raises when the router does not take them.
     setup: Callable[[str, list[str]], None] | None = None
@@ -283,12 +283,7 @@ def _missing(router: _Router) -> str | None:
 
     if not router.needs:
         return None
-    found = (
-        importlib.util.find_spec(router.needs) is not None
-        if router.needs.isidentifier()
-        else shutil.which(router.needs, path=str(Path(sys.executable).parent)) is not None
-    )
-    if found:
+    if importlib.util.find_spec(router.needs) is not None:
         return None
     return f"{router.needs} is not installed (pip install -e '.[dev]' installs the peer routers)"
 
@@ -331,12 +326,9 @@ def _references(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]
     return out
 
 
-def _ratio(a: float, b: float) -> float | None:
-    return round(a / b, 3) if b else None
-
-
 def _measure(args: argparse.Namespace, progress: Callable[[str], None]) -> dict[str, Any]:
     from testkit.load import Load, run_load
+    from testkit.sim import ratio
 
     base = Load(
         batch=args.batch,
@@ -416,12 +408,12 @@ def _measure(args: argparse.Namespace, progress: Callable[[str], None]) -> dict[
     for name, row in measured.items():
         i, b = row["interactive_runs_per_min"], row["batch_runs_per_min"]
         if ia is not None and ba is not None:
-            row["P"] = _ratio(i, ia)
-            row["W"] = _ratio(i + b, ba)
+            row["P"] = ratio(i, ia)
+            row["W"] = ratio(i + b, ba)
         row["ratios"] = {
             other: {
-                "interactive": _ratio(i, o["interactive_runs_per_min"]),
-                "batch": _ratio(b, o["batch_runs_per_min"]),
+                "interactive": ratio(i, o["interactive_runs_per_min"]),
+                "batch": ratio(b, o["batch_runs_per_min"]),
             }
             for other, o in measured.items()
             if other != name

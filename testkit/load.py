@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import statistics
 import time
 from asyncio import FIRST_EXCEPTION
 from collections.abc import Callable
@@ -36,6 +35,7 @@ from typing import Any, Literal
 import httpx
 
 from luftpause.headers import CALLER_HEADER, CLASS_HEADER, RUN_HEADER
+from testkit.sim import percentile
 
 __all__ = ["LOOKUP_TOOL", "Load", "LoadResult", "RunRecord", "run_load"]
 
@@ -115,12 +115,7 @@ class LoadResult:
         return self.count(cls) / self.minutes
 
     def percentile(self, q: float) -> float | None:
-        d = sorted(r.seconds for r in self.runs if r.service_class == "interactive")
-        if not d:
-            return None
-        if len(d) == 1:
-            return d[0]
-        return statistics.quantiles(d, n=100, method="inclusive")[int(q * 100) - 1]
+        return percentile((r.seconds for r in self.runs if r.service_class == "interactive"), q)
 
     @property
     def cached_share(self) -> float:

@@ -1,11 +1,13 @@
 """The virtual-time simulator behind `luftpause sim`."""
 
 from testkit.sim._arms import ARMS, Arm, Turn
+from testkit.sim._report import ratio
 from testkit.sim._run import (
     SCENARIOS,
     ArmResult,
     Scenario,
     Simulation,
+    percentile,
     simulate,
     simulate_fanout,
 )
@@ -18,6 +20,8 @@ __all__ = [
     "Scenario",
     "Simulation",
     "Turn",
+    "percentile",
+    "ratio",
     "simulate",
     "simulate_fanout",
 ]

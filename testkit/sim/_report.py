@@ -56,14 +56,14 @@ def compare(sc: Scenario, arms: Sequence[str] = ARMS) -> dict[str, Any]:
     ia, ba = alone_i.interactive_per_min, alone_b.batch_per_min
     for name, r in results.items():
         row = r.as_json()
-        row["interactive_vs_alone"] = _ratio(r.interactive_per_min, ia)
-        row["batch_vs_alone"] = _ratio(r.batch_per_min, ba)
+        row["interactive_vs_alone"] = ratio(r.interactive_per_min, ia)
+        row["batch_vs_alone"] = ratio(r.batch_per_min, ba)
         row["P"] = row["interactive_vs_alone"]
-        row["W"] = _ratio(r.interactive_per_min + r.batch_per_min, ba)
+        row["W"] = ratio(r.interactive_per_min + r.batch_per_min, ba)
         row["ratios"] = {
             other: {
-                "interactive": _ratio(r.interactive_per_min, o.interactive_per_min),
-                "batch": _ratio(r.batch_per_min, o.batch_per_min),
+                "interactive": ratio(r.interactive_per_min, o.interactive_per_min),
+                "batch": ratio(r.batch_per_min, o.batch_per_min),
             }
             for other, o in results.items()
             if other != name
@@ -89,15 +89,16 @@ def compare_fanout(
             "fanned_out_s": round(together.makespan_s, 2),
             "one_at_a_time_s": round(alone.makespan_s, 2),
             "slowest_run_alone_s": round(slowest_alone, 2),
-            "speedup": _ratio(alone.makespan_s, together.makespan_s),
-            "fanned_out_vs_slowest_alone": _ratio(together.makespan_s, slowest_alone),
+            "speedup": ratio(alone.makespan_s, together.makespan_s),
+            "fanned_out_vs_slowest_alone": ratio(together.makespan_s, slowest_alone),
             "cached_prompt_token_share": round(together.cached_share, 3),
         }
     out["arms"] = rows
     return out
 
 
-def _ratio(a: float, b: float) -> float | None:
+def ratio(a: float, b: float) -> float | None:
+    """a / b to three places; None when b is 0."""
     return round(a / b, 3) if b else None
 
 

@@ -13,7 +13,7 @@ import heapq
 import math
 import random
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -104,12 +104,7 @@ class ArmResult:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     def percentile(self, q: float) -> float | None:
-        d = sorted(self.interactive_durations)
-        if not d:
-            return None
-        if len(d) == 1:
-            return d[0]
-        return statistics.quantiles(d, n=100, method="inclusive")[int(q * 100) - 1]
+        return percentile(self.interactive_durations, q)
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -124,6 +119,16 @@ class ArmResult:
             "makespan_s": round(self.makespan_s, 2) if self.makespan_s else None,
             "wall_s": round(self.wall_s, 2),
         }
+
+
+def percentile(values: Iterable[float], q: float) -> float | None:
+    """The q-quantile (0.5, 0.9, ...) of `values`, inclusive method; None when empty."""
+    d = sorted(values)
+    if not d:
+        return None
+    if len(d) == 1:
+        return d[0]
+    return statistics.quantiles(d, n=100, method="inclusive")[int(q * 100) - 1]
 
 
 def _round(x: float | None) -> float | None:
