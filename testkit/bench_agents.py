@@ -208,9 +208,61 @@ def _fill(argv: list[str], values: dict[str, str], workers: list[str]) -> list[s
     return out
 
 
+def _cpu_seconds(pid: int) -> float | None:
+    """CPU time (user + system, all threads) the process has used so far; None where
+    /proc is not there to say."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class _Bed:
+    url: str
+    proxy: Any  # luftpause.up.Child
+    engines: list[Any]
+
+    def cpu(self) -> dict[str, float | None]:
+        """CPU seconds so far of the proxy and of the engines together: the harness, the
+        proxy and the engines share this machine's CPUs, so a proxy that needs more of
+        them leaves less to the engines."""
+        proxy = _cpu_seconds(self.proxy.proc.pid)
+        engines = [_cpu_seconds(c.proc.pid) for c in self.engines]
+        return {
+            "proxy": proxy,
+            "engines": None if None in engines else sum(e for e in engines if e is not None),
+        }
+
+
+def _spent(before: float | None, after: float | None) -> float | None:
+    return None if before is None or after is None else round(after - before, 1)
+
+
+def _held_seconds(url: str) -> dict[str, dict[str, float]]:
+    """luftpause's own count of turns it held and for how long, by class (/metrics)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    out: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != "luftpause_held_seconds":
+            continue
+        for s in family.samples:
+            if s.name.endswith(("_sum", "_count")):
+                kind = "seconds" if s.name.endswith("_sum") else "turns"
+                out.setdefault(s.labels["class"], {})[kind] = round(s.value, 2)
+    return out
+
+
 @contextlib.contextmanager
-def _arm_bed(args: argparse.Namespace, router: _Router, log_dir: Path) -> Iterator[str]:
-    """Fresh fake engines and the arm's proxy; yields the proxy's URL; stops them all."""
+def _arm_bed(args: argparse.Namespace, router: _Router, log_dir: Path) -> Iterator[_Bed]:
+    """Fresh fake engines and the arm's proxy; yields them; stops them all."""
     from luftpause.temporal_dev import free_port
     from luftpause.up import Child, wait_http
 
@@ -271,7 +323,7 @@ def _arm_bed(args: argparse.Namespace, router: _Router, log_dir: Path) -> Iterat
             router.setup(proxy, workers)
         if not c.alive():  # what answered on its port was something else
             raise RuntimeError(f"the proxy exited during startup; see {c.log}")
-        yield proxy
+        yield _Bed(proxy, c, children[: args.engines])
     finally:
         for c in reversed(children):
             c.stop()
@@ -363,9 +415,13 @@ def _measure(args: argparse.Namespace, progress: Callable[[str], None]) -> dict[
         progress(f"arm {arm.name} ({arm.router}): {arm.load.minutes:g} virtual min")
         t0 = time.monotonic()
         try:
-            with _arm_bed(args, router, log_dir) as url:
-                load = run_load(arm.load, url, ends_runs=router.ends_runs, progress=progress)
+            with _arm_bed(args, router, log_dir) as bed:
+                load = run_load(arm.load, bed.url, ends_runs=router.ends_runs, progress=progress)
+                before, harness = bed.cpu(), time.process_time()
                 r = asyncio.run(load)
+                harness = time.process_time() - harness
+                after = bed.cpu()
+                held = _held_seconds(bed.url) if arm.router == "luftpause" else None
         except Exception as exc:  # one arm's failure loses neither the others nor its logs
             results[arm.name] = {"failed": f"{type(exc).__name__}: {exc}", "logs": str(log_dir)}
             progress(f"  FAILED: {exc} (logs: {log_dir})")
@@ -373,6 +429,10 @@ def _measure(args: argparse.Namespace, progress: Callable[[str], None]) -> dict[
         row = r.as_json()
         row["router"] = arm.router
         row["wall_s"] = round(time.monotonic() - t0, 1)
+        # CPU seconds during the load: what each part needed of the two vCPUs.
+        row["cpu_s"] = {k: _spent(before[k], after[k]) for k in after} | {"load": round(harness, 1)}
+        if held is not None:
+            row["held"] = held
         if row["errors"]:
             row["logs"] = str(log_dir)
         results[arm.name] = row
@@ -428,7 +488,7 @@ def _table(r: dict[str, Any]) -> str:
         f"interactive agents, {r['engines']} engines, {load['context_chars']}-char contexts, "
         f"{load['minutes']:g} virtual min per arm (time scale {load['time_scale']:g})",
         f"{'arm':<30} {'int/min':>8} {'int p50 s':>10} {'int p90 s':>10} {'batch/min':>10} "
-        f"{'cached':>7} {'P':>6} {'W':>6} {'errors':>7}",
+        f"{'cached':>7} {'P':>6} {'W':>6} {'errors':>7} {'CPU s: proxy':>12} {'engines':>8}",
     ]
     rows = list(r["arms"].items()) + [
         (f"{name} ({a['arm']})", a) for name, a in r["reference"].items()
@@ -445,7 +505,7 @@ def _table(r: dict[str, Any]) -> str:
             f"{name:<30} {f(a['interactive_runs_per_min']):>8} {f(a['interactive_p50_s']):>10} "
             f"{f(a['interactive_p90_s']):>10} {f(a['batch_runs_per_min']):>10} "
             f"{a['cached_prompt_token_share']:>7.3f} {f(a.get('P')):>6} {f(a.get('W')):>6} "
-            f"{a['errors']:>7}"
+            f"{a['errors']:>7} {f(a['cpu_s']['proxy']):>12} {f(a['cpu_s']['engines']):>8}"
         )
     lines.append(r["note"])
     return "\n".join(lines)

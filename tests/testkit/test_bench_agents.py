@@ -117,6 +117,19 @@ def test_bench_flood_compares_luftpause_with_the_sglang_router_and_smg() -> None
             3,
         )
         assert arm["cached_prompt_token_share"] > 0, name
+        # What each part needed of the CPUs while the agents ran (from /proc).
+        assert arm["cpu_s"]["proxy"] > 0 and arm["cpu_s"]["engines"] > 0, (name, arm["cpu_s"])
+        assert arm["cpu_s"]["load"] > 0, name
+    # luftpause's own account of what it held: every admitted turn, by class.
+    held = report["arms"]["luftpause"]["held"]
+    assert set(held) == {"interactive", "batch"}
+    assert (
+        held["interactive"]["turns"] + held["batch"]["turns"]
+        >= report["arms"]["luftpause"]["turns"]
+        > 0
+    )
+    assert all(h["seconds"] >= 0 for h in held.values())
+    assert "held" not in report["arms"]["cache_aware"]
     assert report["arms"]["luftpause"]["ratios"]["cache_aware"]["batch"] == round(
         report["arms"]["luftpause"]["batch_runs_per_min"]
         / report["arms"]["cache_aware"]["batch_runs_per_min"],
