@@ -73,7 +73,6 @@ _DROP_UPSTREAM = frozenset(
     }
 )
 _RUN_HEADER_BYTES = RUN_HEADER.encode()
-_CHAT_PATH = "/v1/chat/completions"
 # An engine that sends nothing for this long (for the head, or between body chunks) has
 # hung: the turn fails (504 before the head; the stream closes without [DONE] after).
 # The same 10 minutes as the core's turn timeout, which frees the slot by then anyway.
@@ -495,7 +494,7 @@ class TurnResponse(Response):
         if self._trace is not None:
             headers += self._trace.forwarding(replica, endpoint)
         leave = _CancelOnLeave(disconnected, lambda: self._complete)
-        url = endpoint.url + _CHAT_PATH
+        url = endpoint.chat_url
         body = t.body
         if t.usage_body is not None and endpoint.kind in USAGE_ASKED_OF:
             body = t.usage_body

@@ -323,7 +323,7 @@ async def run_turn(
             **auth_headers(endpoint),
         }
         request = client.build_request(
-            "POST", endpoint.url + "/v1/chat/completions", content=turn.body, headers=headers
+            "POST", endpoint.chat_url, content=turn.body, headers=headers
         )
 
         async def exchange() -> httpx.Response:

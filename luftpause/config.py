@@ -12,6 +12,10 @@ kind = "sglang"          # sglang | vllm | llamacpp | ollama | openai | router |
 models = ["llama-3.2-1b"]
 health_path = "/health"
 api_key_env = "RUNPOD_KEY"   # hosted endpoints: key read from the environment
+api_path = "/v1"         # kind = "openai": where its OpenAI API is under url (Gemini:
+                         # url = "https://generativelanguage.googleapis.com",
+                         # api_path = "/v1beta/openai"); turns go to url + api_path +
+                         # /chat/completions
 load_from = []           # for kind = "router": the engines whose load it reports (they
                          # are probed, not sent turns: the router places turns on them)
 kv_tokens = 56000        # optional: KV pool size (SGLang and vLLM report theirs), enables
@@ -72,7 +76,7 @@ DEFAULT_HEALTH_PATH: Mapping[str, str] = {
     "vllm": "/health",
     "llamacpp": "/health",
     "ollama": "/",
-    "openai": "/v1/models",
+    "openai": "/models",  # under api_path
     "router": "/health",
     "classifier": "/health",
 }
@@ -94,6 +98,9 @@ class Endpoint(BaseModel):
     models: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
     health_path: str | None = None
     api_key_env: str | None = None
+    # kind = "openai": the path of its OpenAI-compatible API under `url`, as in an OpenAI
+    # client's base_url (most hosted APIs: /v1; Gemini: /v1beta/openai).
+    api_path: str = "/v1"
     load_from: list[str] = []
     kv_tokens: Annotated[int, Field(gt=0)] | None = None
     # kind = "classifier": the names of its classes in order (vLLM's /classify answers
@@ -121,17 +128,44 @@ class Endpoint(BaseModel):
             raise ValueError("expected a path starting with '/', e.g. /health")
         return v
 
+    @field_validator("api_path")
+    @classmethod
+    def _api_path(cls, v: str) -> str:
+        v = v.rstrip("/")
+        if not v.startswith("/") or v.endswith(("/chat/completions", "/chat")):
+            raise ValueError(
+                "expected the path of the OpenAI API under url, as an OpenAI client's "
+                "base_url ends, e.g. /v1 or /v1beta/openai (luftpause adds /chat/completions)"
+            )
+        return v
+
     @model_validator(mode="after")
     def _router_only_fields(self) -> Endpoint:
         if self.load_from and self.kind != "router":
             raise ValueError("load_from is only for kind = 'router'")
         if self.labels and self.kind != "classifier":
             raise ValueError("labels is only for kind = 'classifier'")
+        if self.api_path != "/v1" and self.kind != "openai":
+            # Engines and routers serve /v1; one behind a path prefix takes it in url.
+            raise ValueError(
+                "api_path is only for kind = 'openai' (an engine behind a path prefix "
+                "takes it in url, e.g. http://host/llama)"
+            )
         return self
 
     @property
     def health(self) -> str:
-        return self.health_path or DEFAULT_HEALTH_PATH[self.kind]
+        """The path of the health check under `url`."""
+        if self.health_path is not None:
+            return self.health_path
+        if self.kind == "openai":
+            return self.api_path + DEFAULT_HEALTH_PATH["openai"]
+        return DEFAULT_HEALTH_PATH[self.kind]
+
+    @property
+    def chat_url(self) -> str:
+        """Where its turns go."""
+        return f"{self.url}{self.api_path}/chat/completions"
 
     @property
     def generative(self) -> bool:

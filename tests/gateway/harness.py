@@ -109,19 +109,22 @@ async def engine(**kw: Any) -> AsyncIterator[tuple[str, Recorder]]:
 
 
 def upstream(
-    chat: Callable[[Request], Response], recorded: list[dict[str, str]] | None = None
+    chat: Callable[[Request], Response],
+    recorded: list[dict[str, str]] | None = None,
+    api_path: str = "/v1",
 ) -> FastAPI:
-    """A tiny OpenAI-ish upstream: `/v1/models` for the probe, `chat` for turns."""
+    """A tiny OpenAI-ish upstream: `/v1/models` for the probe, `chat` for turns (under
+    `api_path` instead of /v1, as Gemini's /v1beta/openai)."""
     app = FastAPI()
 
-    @app.get("/v1/models")
+    @app.get(f"{api_path}/models")
     async def models() -> Response:
         return Response(json.dumps({"object": "list", "data": []}), media_type="application/json")
 
-    @app.post("/v1/chat/completions")
+    @app.post(f"{api_path}/chat/completions")
     async def completions(request: Request) -> Response:
         if recorded is not None:
-            recorded.append(dict(request.headers))
+            recorded.append(dict(request.headers) | {":path": request.url.path})
         return chat(request)
 
     return app

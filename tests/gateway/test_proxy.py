@@ -637,6 +637,35 @@ async def test_token_is_required_and_never_forwarded(monkeypatch: pytest.MonkeyP
         assert [h["authorization"] for h in seen] == ["Bearer sk-upstream"]
 
 
+async def test_a_hosted_api_under_its_own_path_gets_turns_and_probes_there(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Gemini's OpenAI API is /v1beta/openai/chat/completions, not /v1/...
+    monkeypatch.setenv("LUFTPAUSE_TEST_UPSTREAM_KEY", "sk-upstream")
+    seen: list[dict[str, str]] = []
+    async with (
+        serve(upstream(ok_chat, seen, api_path="/v1beta/openai")) as url,
+        gateway(
+            endpoint(
+                "gemini",
+                url,
+                kind="openai",
+                api_key_env="LUFTPAUSE_TEST_UPSTREAM_KEY",
+                api_path="/v1beta/openai",
+            )
+        ) as (gw, shell),
+    ):
+        # Probed healthy before serving, by its /v1beta/openai/models (the upstream has no
+        # /v1/models: probed there, it would be unhealthy and the turn a 503).
+        assert shell.state.replicas["gemini"].healthy
+        r = await gw.post("/v1/chat/completions", json=chat())
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == "hi"
+        assert [(h[":path"], h["authorization"]) for h in seen] == [
+            ("/v1beta/openai/chat/completions", "Bearer sk-upstream")
+        ]
+
+
 @pytest.mark.parametrize(
     ("content", "headers", "message"),
     [

@@ -59,6 +59,7 @@ def test_a_good_file_loads_with_defaults(tmp_path: Path) -> None:
     a, _, router, hosted, judge = cfg.endpoints
     assert a.url == "http://127.0.0.1:30000"  # trailing slash dropped
     assert a.health == "/health" and hosted.health == "/v1/models"
+    assert a.chat_url == "http://127.0.0.1:30000/v1/chat/completions"
     assert a.reports_load and router.reports_load and not hosted.reports_load
     assert not judge.generative
     # The router's engines are probed for its load; turns go to the router, not to them.
@@ -66,6 +67,22 @@ def test_a_good_file_loads_with_defaults(tmp_path: Path) -> None:
         ReplicaSpec(name="router", models=frozenset({"llama-3.2-1b"})),
         ReplicaSpec(name="hosted", models=frozenset({"big-model"})),
     ]
+
+
+def test_a_hosted_api_whose_openai_path_is_not_v1(tmp_path: Path) -> None:
+    cfg = load_config(
+        _write(
+            tmp_path,
+            '[[endpoints]]\nname="gemini"\nurl="https://generativelanguage.googleapis.com"\n'
+            'kind="openai"\nmodels=["gemini-2.5-flash"]\napi_path="/v1beta/openai/"\n',
+        )
+    )
+    (gemini,) = cfg.endpoints
+    assert gemini.api_path == "/v1beta/openai"  # as a client's base_url ends, slash dropped
+    assert gemini.chat_url == (
+        "https://generativelanguage.googleapis.com/v1beta/openai/chat/completions"
+    )
+    assert gemini.health == "/v1beta/openai/models"
 
 
 @pytest.mark.parametrize(
@@ -81,6 +98,19 @@ def test_a_good_file_loads_with_defaults(tmp_path: Path) -> None:
             'models=["m"]',
             "endpoints[0].url: expected the server's root, without the trailing "
             "/v1 (luftpause adds /v1/chat/completions): https://api.example.com",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="https://h"\nkind="openai"\nmodels=["m"]\napi_path="v1"',
+            "endpoints[0].api_path: expected the path of the OpenAI API under url",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="https://h"\nkind="openai"\nmodels=["m"]\n'
+            'api_path="/v1/chat/completions"',
+            "luftpause adds /chat/completions",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="vllm"\nmodels=["m"]\napi_path="/v2"',
+            "api_path is only for kind = 'openai' (an engine behind a path prefix takes it in url",
         ),
         (
             '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="tgi"\nmodels=["m"]',
