@@ -22,6 +22,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "- program-level KV admission": {"kv_admission": False},
     "- slot reserve for paused interactive": {"reserve_for_paused_interactive": False},
     "- cap from engine queue": {"cap_from_engine_queue": False},
+    "cap on one queued probe (cap_after_queued_probes=1)": {"cap_after_queued_probes": 1},
     "- strict affinity": {"strict_affinity": False},
     "seed rules only (cap, affinity, reserve)": {"kv_admission": False},
     "batch_kv_fill=0.6": {"batch_kv_fill": 0.6},

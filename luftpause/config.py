@@ -240,6 +240,7 @@ class PolicyConfig(BaseModel):
     assumed_reply_tokens: Annotated[int, Field(ge=1)] = _POLICY.assumed_reply_tokens
     strict_affinity: bool = _POLICY.strict_affinity
     cap_from_engine_queue: bool = _POLICY.cap_from_engine_queue
+    cap_after_queued_probes: Annotated[int, Field(ge=1)] = _POLICY.cap_after_queued_probes
     cap_increase: Annotated[int, Field(ge=1)] = _POLICY.cap_increase
     reserve_for_paused_interactive: bool = _POLICY.reserve_for_paused_interactive
     kv_admission: bool = _POLICY.kv_admission

@@ -6,7 +6,8 @@ Rules (DESIGN.md "The scheduler"), stated once, enforced here and nowhere else:
    (the gateway's proxy and prober, or the simulator) only reports events and carries
    out actions.  No I/O, no clock, no randomness: `now` is a field of every event.
 2. A replica that is unhealthy gets no turns.  A replica whose engine reports a queue
-   is capped at the number the engine was running; the cap grows by
+   (in `Policy.cap_after_queued_probes` probes in a row: one probe's queue is mostly
+   the engine's next step) is capped at the number the engine was running; the cap grows by
    `Policy.cap_increase` per probe that shows no queue while luftpause fills it.  An
    engine that reports no load is never capped.
 3. A generating or paused run goes only to the replica that served its last turn
@@ -105,6 +106,7 @@ class ReplicaState(NamedTuple):
     ws_tokens: int = 0  # their KV working set (context + reply), while claimed
     interactive_runs: int = 0  # interactive runs holding KV here (its lane, rule 9)
     batch_ws: int = 0  # the part of ws_tokens that batch runs claim
+    queued_probes: int = 0  # probes in a row that showed a queue
 
     @property
     def load(self) -> int:
@@ -530,10 +532,12 @@ class _Tx:
         if r is None:
             raise SchedulerError(f"probe of unknown replica {ev.replica!r}")
         cap = r.cap
+        queued_probes = r.queued_probes + 1 if ev.queued else 0
         if not self.policy.cap_from_engine_queue or ev.queued is None or ev.running is None:
             cap = None
         elif ev.queued > 0:
-            cap = max(1, ev.running)
+            if queued_probes >= self.policy.cap_after_queued_probes:
+                cap = max(1, ev.running)
         elif cap is not None and r.in_flight >= cap:
             cap += self.policy.cap_increase
         spec = r.spec
@@ -542,7 +546,12 @@ class _Tx:
             # each run's next change of phase.
             spec = replace(spec, kv_tokens=ev.kv_tokens)
         self.replicas[ev.replica] = r._replace(
-            spec=spec, healthy=ev.healthy, queued=ev.queued, running=ev.running, cap=cap
+            spec=spec,
+            healthy=ev.healthy,
+            queued=ev.queued,
+            running=ev.running,
+            cap=cap,
+            queued_probes=queued_probes,
         )
         if r.healthy and not ev.healthy:
             # Its runs may move now: their held turns may go to any replica of the model.
@@ -827,7 +836,7 @@ class _Tx:
         self.replicas[name] = ReplicaState(
             r.spec, r.healthy, r.queued, r.running, r.cap, r.in_flight + in_flight,
             r.paused_interactive + paused, r.bound_runs + bound, r.ws_tokens + ws,
-            r.interactive_runs + interactive, r.batch_ws + batch_ws,
+            r.interactive_runs + interactive, r.batch_ws + batch_ws, r.queued_probes,
         )  # fmt: skip
 
     def _set_run(self, run: RunState) -> None:

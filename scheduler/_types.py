@@ -54,8 +54,12 @@ class Policy:
     assumed_reply_tokens: int = 256
     # Generating and paused runs stay on their replica (their prefix is cached there).
     strict_affinity: bool = True
-    # Cap in-flight turns at the engine's running count once it reports a queue.
+    # Cap in-flight turns at the engine's running count once it reports a queue ...
     cap_from_engine_queue: bool = True
+    # ... in this many probes in a row.  One probe's queue is mostly requests that arrived
+    # during the engine's current step and start at its next (SGLang counts them in
+    # num_queue_reqs): capping on it holds turns an engine with room would run.
+    cap_after_queued_probes: int = 2
     # How much the cap grows per probe that shows no queue while luftpause holds turns.
     cap_increase: int = 1
     # Batch turns leave a slot for every interactive run paused on a tool there.

@@ -92,6 +92,8 @@ def run_events(
 
 
 CAPPED: list[Event] = [
+    # a queue in two probes in a row caps a (Policy.cap_after_queued_probes)
+    ReplicaProbed(now=0.0, replica="a", healthy=True, queued=1, running=1),
     ReplicaProbed(now=0.0, replica="a", healthy=True, queued=1, running=1),
     ReplicaProbed(now=0.0, replica="b", healthy=False),
 ]

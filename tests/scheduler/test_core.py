@@ -110,6 +110,13 @@ class Driver:
             )
         )
 
+    def cap(self, replica: str, running: int) -> None:
+        """The engine reports a queue with `running` running, in enough probes in a row
+        to cap luftpause there (one probe's queue is the engine's next step)."""
+        for _ in range(self.state.policy.cap_after_queued_probes):
+            self.probe(replica, queued=1, running=running)
+        assert self.state.replicas[replica].cap == max(1, running)
+
     def admitted(self) -> dict[str, str]:
         return {a.turn_id: a.replica for a in self.actions if isinstance(a, Admit)}
 
@@ -136,7 +143,7 @@ def test_unknown_model_is_rejected_404_before_queueing() -> None:
 
 def test_a_model_whose_every_replica_is_unhealthy_is_rejected_503() -> None:
     d = Driver(("a", "b"))
-    d.probe("a", queued=1, running=1)  # capped at 1
+    d.cap("a", 1)  # capped at 1
     d.probe("b", healthy=False, queued=None, running=None)
     first, second = d.arrive("r1"), d.arrive("r2")
     assert d.held_ids() == {second} and first in d.state.turns
@@ -191,7 +198,16 @@ def test_engine_reporting_a_queue_caps_luftpause_at_its_running_count() -> None:
     for i in range(3):
         d.arrive(f"r{i}")
     d.probe("a", queued=1, running=2)
+    # One probe's queue is mostly requests waiting for the engine's next step: no cap.
+    assert d.state.replicas["a"].cap is None
+    t8 = d.arrive("r8")
+    assert t8 in d.admitted()
+    d.probe("a", queued=0, running=4)  # and a probe without one starts the count again
+    d.probe("a", queued=1, running=4)
+    assert d.state.replicas["a"].cap is None
+    d.probe("a", queued=1, running=2)  # a queue in two probes in a row: capped
     assert d.state.replicas["a"].cap == 2
+    d.finish(t8)
     # three in flight, cap two: new turns are held until two finish
     t = d.arrive("r9")
     assert d.actions == [] and t in d.held_ids()
@@ -212,7 +228,7 @@ def test_engine_reporting_no_load_is_never_capped() -> None:
 
 def test_cap_grows_while_the_engine_keeps_up_and_shrinks_when_it_queues() -> None:
     d = Driver(("a",))
-    d.probe("a", queued=3, running=2)
+    d.cap("a", 2)
     d.arrive("r1")
     d.arrive("r2")
     held = d.arrive("r3")
@@ -221,7 +237,15 @@ def test_cap_grows_while_the_engine_keeps_up_and_shrinks_when_it_queues() -> Non
     assert d.state.replicas["a"].cap == 3
     assert d.admitted() == {held: "a"}
     d.probe("a", queued=4, running=1)
+    assert d.state.replicas["a"].cap == 3  # once is the engine's next step
+    d.probe("a", queued=4, running=1)
     assert d.state.replicas["a"].cap == 1
+
+
+def test_capping_on_the_first_queue_can_be_chosen() -> None:
+    d = Driver(("a",), policy=Policy(cap_after_queued_probes=1))
+    d.probe("a", queued=1, running=2)
+    assert d.state.replicas["a"].cap == 2
 
 
 def test_unhealthy_replica_gets_no_turns() -> None:
@@ -259,7 +283,7 @@ def test_paused_run_returns_to_its_replica_even_when_another_is_free() -> None:
 def _paused_on_full_a() -> Driver:
     """r1 paused on a; a capped at 1 and full with s2; b has s1 in flight."""
     d = Driver()
-    d.probe("a", queued=1, running=1)
+    d.cap("a", 1)
     t1 = d.arrive("r1")
     assert d.admitted() == {t1: "a"}
     d.finish(t1, "tool_calls")
@@ -284,7 +308,7 @@ def test_strict_affinity_holds_the_turn_rather_than_move_it() -> None:
 
 def test_without_strict_affinity_the_turn_moves() -> None:
     d = Driver(policy=Policy(strict_affinity=False))
-    d.probe("a", queued=1, running=1)
+    d.cap("a", 1)
     t1 = d.arrive("r1")
     d.finish(t1, "tool_calls")
     d.arrive("s1", turn="s1")
@@ -295,7 +319,7 @@ def test_without_strict_affinity_the_turn_moves() -> None:
 
 def test_idle_run_prefers_its_replica_but_may_move() -> None:
     d = Driver()
-    d.probe("a", queued=1, running=1)
+    d.cap("a", 1)
     t1 = d.arrive("r1")
     assert d.admitted() == {t1: "a"}
     d.finish(t1, "stop")
@@ -338,7 +362,7 @@ def test_held_pinned_turns_move_when_their_replica_turns_unhealthy() -> None:
 def _full_single(policy: Policy | None = None) -> Driver:
     """One replica capped at 1 with one turn in flight."""
     d = Driver(("a",), policy=policy)
-    d.probe("a", queued=1, running=1)
+    d.cap("a", 1)
     d.arrive("busy", cls=B, caller="x")
     return d
 
@@ -354,7 +378,7 @@ def test_interactive_before_batch_whatever_the_arrival_order() -> None:
 
 def test_caller_with_fewest_in_flight_goes_first_then_arrival_order() -> None:
     d = Driver(("a",))
-    d.probe("a", queued=1, running=3)
+    d.cap("a", 3)
     d.arrive("h1", caller="heavy")
     d.arrive("h2", caller="heavy")
     d.arrive("l1", caller="light")
@@ -377,7 +401,7 @@ def test_caller_with_fewest_in_flight_goes_first_then_arrival_order() -> None:
 
 def test_batch_leaves_a_slot_for_each_paused_interactive_run() -> None:
     d = Driver(("a",))
-    d.probe("a", queued=1, running=3)
+    d.cap("a", 3)
     ti = d.arrive("i", cls=I, caller="user")
     d.finish(ti, "tool_calls")  # paused interactive run on a
     assert d.state.replicas["a"].paused_interactive == 1
@@ -394,7 +418,7 @@ def test_batch_leaves_a_slot_for_each_paused_interactive_run() -> None:
 
 def test_reserve_can_be_switched_off() -> None:
     d = Driver(("a",), policy=Policy(reserve_for_paused_interactive=False))
-    d.probe("a", queued=1, running=2)
+    d.cap("a", 2)
     ti = d.arrive("i", cls=I)
     d.finish(ti, "tool_calls")
     d.arrive("b1", cls=B)
@@ -474,7 +498,7 @@ def test_a_held_turn_sized_by_its_runs_context_is_placed_when_that_context_shrin
     d.probe("c", None, None, healthy=False)
     w = d.arrive("R", cls=B, prompt=6000, max_tokens=256, caller="r")  # on a
     d.probe("c", None, None)
-    d.probe("a", 1, 1)  # a is capped at its one running turn
+    d.cap("a", 1)  # a is capped at its one running turn
     y = d.arrive("R", cls=B, max_tokens=256, caller="r")  # sized by R's 6,000: fits nowhere
     assert y in d.held_ids() and d.state.kv_need(d.state.turns[y]) == 6256
     d.probe("a", None, None, healthy=False)
@@ -620,7 +644,7 @@ def test_a_failed_turns_retry_waits_for_its_replica_under_contention() -> None:
     # DESIGN: the retry is the run's next turn "with its affinity kept" (its prefix is
     # cached there), where any other idle run would move to the free replica.
     d = Driver()
-    d.probe("a", queued=1, running=1)  # a: capped at 1
+    d.cap("a", 1)  # a: capped at 1
     t1 = d.arrive("r1")
     assert d.admitted() == {t1: "a"}
     d.feed(TurnFailed(now=d.step(), turn_id=t1, reason="client left mid-stream"))
@@ -651,7 +675,7 @@ def test_started_is_recorded() -> None:
 
 def test_turn_timeout_frees_the_slot() -> None:
     d = Driver(("a",), policy=Policy(turn_timeout_s=600))
-    d.probe("a", queued=1, running=1)
+    d.cap("a", 1)
     t1 = d.arrive("r1")
     admitted_at = d.now
     t2 = d.arrive("r2")
@@ -741,7 +765,7 @@ def test_events_about_unknown_turns_are_ignored() -> None:
 
 def test_decide_never_changes_the_state_it_was_given() -> None:
     d = Driver()
-    d.probe("a", queued=1, running=1)
+    d.cap("a", 1)
     d.arrive("r1")
     s0 = d.state
     snapshot = (dict(s0.turns), dict(s0.runs), dict(s0.replicas), s0.held_count())

@@ -95,6 +95,7 @@ policies = st.builds(
     idle_run_expiry_s=st.sampled_from([1800.0, 100.0]),
     strict_affinity=st.booleans(),
     cap_from_engine_queue=st.booleans(),
+    cap_after_queued_probes=st.sampled_from([1, 2]),
     reserve_for_paused_interactive=st.booleans(),
     kv_admission=st.booleans(),
     kv_fill=st.sampled_from([1.0, 0.8]),
@@ -116,6 +117,7 @@ class Runner:
     # The engine's running count from the last probe of each replica that reported a
     # queue: until the next probe, luftpause may not exceed it there.
     queue_cap: dict[str, int] = field(default_factory=dict)
+    queued_probes: dict[str, int] = field(default_factory=dict)  # probes in a row with a queue
 
     def event(self, op: tuple[Any, ...]) -> Event | None:
         self.now += 0.5
@@ -164,8 +166,13 @@ class Runner:
         check_bookkeeping(after)
         check_work_conserving(after)
         if isinstance(event, ReplicaProbed):
+            # Capped at the running count once a queue shows in enough probes in a row.
             self.queue_cap.pop(event.replica, None)
-            if event.queued and event.running is not None and after.policy.cap_from_engine_queue:
+            n = self.queued_probes.get(event.replica, 0) + 1 if event.queued else 0
+            self.queued_probes[event.replica] = n
+            capping = after.policy.cap_from_engine_queue and event.running is not None
+            if capping and n >= after.policy.cap_after_queued_probes:
+                assert event.running is not None
                 self.queue_cap[event.replica] = max(1, event.running)
         for a in actions:
             if isinstance(a, Admit) and a.replica in self.queue_cap:
