@@ -167,9 +167,9 @@ def bench_core(held: int = 10_000, decisions: int = 50_000, replicas: int = 4) -
     state = State.initial(specs, Policy())
     cap = 8
     for i in range(replicas):
-        state, _ = decide(
-            state, ReplicaProbed(now=0.0, replica=f"r{i}", healthy=True, queued=1, running=cap)
-        )
+        for _ in range(state.policy.cap_after_queued_probes):  # a queue that persists
+            probe = ReplicaProbed(now=0.0, replica=f"r{i}", healthy=True, queued=1, running=cap)
+            state, _ = decide(state, probe)
     callers = max(1, held // 10)
     admitted: deque[str] = deque()
 
