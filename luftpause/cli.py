@@ -311,8 +311,6 @@ def _delegated_parser(sub: Any, name: str, wanted: bool) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    # `luftpause sim flood | head` should end quietly, as Unix tools do.
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     parser = argparse.ArgumentParser(prog="luftpause", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _sim_parser(sub)
@@ -323,16 +321,23 @@ def main(argv: Sequence[str] | None = None) -> None:
         _delegated_parser(sub, name, wanted=name in argv[:1])
     args = parser.parse_args(argv)
     code = 0
-    if args.command == "sim":
-        code = _sim(args)
-    elif args.command == "fake-engine":
-        code = _fake_engine(args)
-    elif args.command == "gateway":
-        code = _gateway(args)
-    elif args.command in _DELEGATED:
-        import importlib
+    try:
+        if args.command == "sim":
+            code = _sim(args)
+        elif args.command == "fake-engine":
+            code = _fake_engine(args)
+        elif args.command == "gateway":
+            code = _gateway(args)
+        elif args.command in _DELEGATED:
+            import importlib
 
-        code = importlib.import_module(args._module).run(args)
-    sys.stdout.flush()
+            code = importlib.import_module(args._module).run(args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # `luftpause sim flood | head`: the reader left; end quietly, as Unix tools do.
+        # (Not by SIGPIPE's default action: that would also kill a server writing to a
+        # client that reset its connection, where Python's EPIPE error is what we want.)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 128 + signal.SIGPIPE
     # temporalio can abort at interpreter exit (sdk-python#300): leave without teardown.
     os._exit(code)

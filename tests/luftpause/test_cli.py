@@ -1,0 +1,108 @@
+"""The `luftpause` command as a process: what holds whichever subcommand runs."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from luftpause.temporal_dev import free_port
+from luftpause.up import Child, wait_http
+
+EXE = str(Path(sys.executable).parent / "luftpause")
+MODEL = "llama-3.2-1b"
+
+
+@pytest.fixture
+def gateway(tmp_path: Path) -> Iterator[tuple[int, Child, Child]]:
+    """`luftpause fake-engine` and `luftpause gateway` in front of it, as processes."""
+    engine_port, gateway_port = free_port(), free_port()
+    engine = Child("engine", [EXE, "fake-engine", "--port", str(engine_port)], tmp_path / "e.log")
+    config = tmp_path / "luftpause.toml"
+    config.write_text(
+        f'[[endpoints]]\nname = "e"\nurl = "http://127.0.0.1:{engine_port}"\n'
+        f'kind = "sglang"\nmodels = ["{MODEL}"]\n'
+    )
+    gw = Child(
+        "gateway",
+        [EXE, "gateway", "--config", str(config), "--port", str(gateway_port)],
+        tmp_path / "g.log",
+        env={"LUFTPAUSE_TOKEN": ""},
+    )
+    try:
+        engine.start()
+        wait_http(f"http://127.0.0.1:{engine_port}/health", "fake engine", engine)
+        gw.start()
+        wait_http(f"http://127.0.0.1:{gateway_port}/health", "gateway", gw)
+        yield gateway_port, gw, engine
+    finally:
+        gw.stop()
+        engine.stop()
+
+
+def _reset_mid_stream(port: int, body: bytes) -> None:
+    """Send a streamed turn, read its first bytes, and reset the connection (RST)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: luftpause\r\n"
+            b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        s.recv(256)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+
+def test_servers_outlive_clients_that_reset_their_connections(
+    gateway: tuple[int, Child, Child],
+) -> None:
+    # A client that leaves mid-stream makes the gateway (and, through it, the engine)
+    # write to a reset connection.  With SIGPIPE at its default action (as the CLI once
+    # set it for `| head`) that write killed the process: the fake engine in the first
+    # round of 40 here, the gateway at the end of a benchmark's load.
+    port, gw, engine = gateway
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "stream": True,
+            "max_tokens": 200,
+            "messages": [{"role": "user", "content": "hello " * 50}],
+        }
+    ).encode()
+    for _ in range(3):
+        clients = [threading.Thread(target=_reset_mid_stream, args=(port, body)) for _ in range(40)]
+        for c in clients:
+            c.start()
+        for c in clients:
+            c.join()
+        assert gw.alive() and engine.alive(), (gw.proc.poll(), engine.proc.poll())  # type: ignore[union-attr]
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        data=json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode(),
+        headers={"content-type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as r:
+        assert r.status == 200
+        assert json.load(r)["choices"][0]["message"]["content"]
+
+
+def test_output_into_a_closed_pipe_ends_quietly() -> None:
+    # `luftpause sim routing | head -1`: the reader is gone before the table is written.
+    proc = subprocess.Popen(
+        [EXE, "sim", "routing", "--minutes", "0.5"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()
+    with proc.stderr:
+        err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 128 + signal.SIGPIPE
+    assert err == b""  # no BrokenPipeError traceback
