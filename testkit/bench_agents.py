@@ -225,6 +225,16 @@ class _Bed:
     proxy: Any  # luftpause.up.Child
     engines: list[Any]
 
+    def check_alive(self) -> None:
+        """Raise, naming the process and how it ended, if a part of the bed is gone."""
+        for c in [self.proxy, *self.engines]:
+            if not c.alive():
+                code = c.proc.returncode
+                how = f"by signal {-code}" if code < 0 else f"with status {code}"
+                raise RuntimeError(
+                    f"the {c.name} process exited {how} during the load; see {c.log}"
+                )
+
     def cpu(self) -> dict[str, float | None]:
         """CPU seconds so far of the proxy and of the engines together: the harness, the
         proxy and the engines share this machine's CPUs, so a proxy that needs more of
@@ -420,6 +430,7 @@ def _measure(args: argparse.Namespace, progress: Callable[[str], None]) -> dict[
                 before, harness = bed.cpu(), time.process_time()
                 r = asyncio.run(load)
                 harness = time.process_time() - harness
+                bed.check_alive()
                 after = bed.cpu()
                 held = _held_seconds(bed.url) if arm.router == "luftpause" else None
         except Exception as exc:  # one arm's failure loses neither the others nor its logs

@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 from fastapi import FastAPI
 
+from luftpause.up import Child
 from testkit._fake_text import directives, key
-from testkit.bench_agents import _references
+from testkit.bench_agents import _Bed, _references
 from testkit.fake_engine import FakeEngineSettings, create_app
 from testkit.load import Load, run_load, task_text
 from testkit.loopback import serve
@@ -192,3 +195,35 @@ def test_bench_flood_rejects_an_unknown_arm() -> None:
     out = _bench_flood("--arms", "luftpause,nginx", timeout=60)
     assert out.returncode == 2
     assert "unknown arm nginx" in out.stderr and "cache_aware" in out.stderr
+
+
+def test_a_bed_part_that_died_during_the_load_is_named_with_its_signal(tmp_path: Path) -> None:
+    # The gateway once died of SIGPIPE at the end of a load; the bench then said only
+    # "Connection refused" when it asked for the gateway's metrics.
+    def child(name: str, code: str, wait: bool = True) -> Child:
+        c = Child(name, [sys.executable, "-c", code], tmp_path / f"{name}.log")
+        c.start()
+        if wait:
+            assert c.proc is not None
+            c.proc.wait(timeout=30)
+        return c
+
+    proxy = child(
+        "proxy",
+        "import os, signal\n"
+        "signal.signal(signal.SIGPIPE, signal.SIG_DFL)\n"
+        "os.kill(os.getpid(), signal.SIGPIPE)",
+    )
+    engine = child("engine0", "raise SystemExit(3)")
+    with pytest.raises(RuntimeError) as dead:
+        _Bed("http://127.0.0.1:9", proxy, [engine]).check_alive()
+    assert str(dead.value) == (
+        f"the proxy process exited by signal {int(signal.SIGPIPE)} during the load; "
+        f"see {tmp_path / 'proxy.log'}"
+    )
+    running = child("proxy2", "import time; time.sleep(60)", wait=False)
+    try:
+        with pytest.raises(RuntimeError, match="the engine0 process exited with status 3"):
+            _Bed("http://127.0.0.1:9", running, [engine]).check_alive()
+    finally:
+        running.stop()
