@@ -67,7 +67,17 @@ ANONYMOUS_CALLER = "anonymous"
 CONNECT_TIMEOUT_S = 2.0
 TICK_PERIOD_S = 2.0
 TOOL_CALL_SWEEP_S = 60.0
-_UPSTREAM_LIMITS = httpx.Limits(max_connections=4096, max_keepalive_connections=512)
+# Engines' HTTP servers close an idle connection after 5 s (uvicorn's default, which
+# SGLang and vLLM keep); a pooled connection reused as the engine closes it fails the
+# turn.  So luftpause lets its own idle connections go first.
+UPSTREAM_KEEPALIVE_S = 4.0
+_UPSTREAM_LIMITS = httpx.Limits(
+    max_connections=4096, max_keepalive_connections=512, keepalive_expiry=UPSTREAM_KEEPALIVE_S
+)
+# And clients' pools keep idle connections to the gateway up to 5 s (httpx, the OpenAI
+# SDKs) or longer (load balancers: 60 s): the gateway keeps them longer still, so the
+# client is the one that closes (uvicorn's 5 s would race them).
+KEEPALIVE_S = 75
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

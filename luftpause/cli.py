@@ -251,7 +251,7 @@ def _gateway(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from gateway.app import GatewaySettings, create_app
+    from gateway.app import KEEPALIVE_S, GatewaySettings, create_app
     from luftpause import telemetry
     from luftpause.config import ConfigError, load_config
 
@@ -275,6 +275,7 @@ def _gateway(args: argparse.Namespace) -> int:
         access_log=False,
         log_level="info",
         timeout_graceful_shutdown=5,
+        timeout_keep_alive=KEEPALIVE_S,
     )
     return 0
 

@@ -9,6 +9,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -106,3 +107,36 @@ def test_output_into_a_closed_pipe_ends_quietly() -> None:
         err = proc.stderr.read()
     assert proc.wait(timeout=120) == 128 + signal.SIGPIPE
     assert err == b""  # no BrokenPipeError traceback
+
+
+def _get_health(s: socket.socket) -> bytes:
+    s.sendall(b"GET /health HTTP/1.1\r\nhost: luftpause\r\n\r\n")
+    head = b""
+    while b"\r\n\r\n" not in head:
+        chunk = s.recv(4096)
+        if not chunk:
+            return head  # closed by the gateway
+        head += chunk
+    headers, _, body = head.partition(b"\r\n\r\n")
+    length = int(
+        next(
+            h.split(b":")[1]
+            for h in headers.split(b"\r\n")
+            if h.lower().startswith(b"content-length")
+        )
+    )
+    while len(body) < length:
+        body += s.recv(4096)
+    return headers
+
+
+def test_the_gateway_keeps_an_idle_connection_longer_than_client_pools_do(
+    gateway: tuple[int, Child, Child],
+) -> None:
+    # httpx and the OpenAI SDKs keep an idle connection 5 s; uvicorn closed it after 5 s
+    # too, so a turn sent on it as the gateway closed it failed (httpx.ReadError).
+    port, _, _ = gateway
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        assert _get_health(s).startswith(b"HTTP/1.1 200")
+        time.sleep(6.0)  # idle past the 5 s of the clients' pools (the behaviour under test)
+        assert _get_health(s).startswith(b"HTTP/1.1 200")
