@@ -25,6 +25,8 @@ VARIANTS: dict[str, dict[str, object]] = {
     "cap on one queued probe (cap_after_queued_probes=1)": {"cap_after_queued_probes": 1},
     "- strict affinity": {"strict_affinity": False},
     "seed rules only (cap, affinity, reserve)": {"kv_admission": False},
+    "seed rules, cap on one queued probe": {"kv_admission": False, "cap_after_queued_probes": 1},
+    "seed rules without the cap": {"kv_admission": False, "cap_from_engine_queue": False},
     "batch_kv_fill=0.6": {"batch_kv_fill": 0.6},
     "batch_kv_fill=0.75": {"batch_kv_fill": 0.75},
     "kv_retention_s=10": {"kv_retention_s": 10.0},
