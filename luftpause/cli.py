@@ -311,6 +311,10 @@ def _delegated_parser(sub: Any, name: str, wanted: bool) -> None:
         importlib.import_module(module).add_arguments(p)
 
 
+# The commands whose standard output is their result (a table or JSON).
+_REPORTS = ("sim", "bench")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="luftpause", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -338,6 +342,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         # `luftpause sim flood | head`: the reader left; end quietly, as Unix tools do.
         # (Not by SIGPIPE's default action: that would also kill a server writing to a
         # client that reset its connection, where Python's EPIPE error is what we want.)
+        # Only the commands whose output is a report; elsewhere it is a bug to show.
+        if args.command not in _REPORTS:
+            raise
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = 128 + signal.SIGPIPE
     # temporalio can abort at interpreter exit (sdk-python#300): leave without teardown.
