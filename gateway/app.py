@@ -69,7 +69,9 @@ TICK_PERIOD_S = 2.0
 TOOL_CALL_SWEEP_S = 60.0
 # Engines' HTTP servers close an idle connection after 5 s (uvicorn's default, which
 # SGLang and vLLM keep); a pooled connection reused as the engine closes it fails the
-# turn.  So luftpause lets its own idle connections go first.
+# request.  So this client (probes, /v1/decide, the MCP door's ask) lets its idle
+# connections go first.  (Proxied turns use gateway._http.Upstream, which sends a
+# request again on a new connection when an idle one closes without a byte of answer.)
 UPSTREAM_KEEPALIVE_S = 4.0
 _UPSTREAM_LIMITS = httpx.Limits(
     max_connections=4096, max_keepalive_connections=512, keepalive_expiry=UPSTREAM_KEEPALIVE_S

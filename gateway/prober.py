@@ -66,6 +66,7 @@ class ProbeResult:
     error: str | None = None
     kv_tokens: int | None = None  # the KV pool size the engine reported, when asked
     timed_out: bool = False  # no answer within the probe's timeout
+    repeated: bool = False  # the last result, repeated for a late answer (see _forgive_late)
 
     def event(self, now: float) -> ReplicaProbed:
         return ReplicaProbed(
@@ -75,6 +76,7 @@ class ProbeResult:
             queued=self.queued,
             running=self.running,
             kv_tokens=self.kv_tokens,
+            repeated=self.repeated,
         )
 
 
@@ -344,7 +346,9 @@ class Prober:
         before = self.last.get(r.endpoint)
         if before is None or not before.healthy or late >= LATE_PROBES_TO_UNHEALTHY:
             return r
-        return replace(before, error=f"{r.error} once; still in rotation", kv_tokens=None)
+        return replace(
+            before, error=f"{r.error} once; still in rotation", kv_tokens=None, repeated=True
+        )
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()

@@ -49,6 +49,7 @@ sub-agents' LLM turns go (default http://127.0.0.1:8080).
 
 from __future__ import annotations
 
+import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -118,6 +119,14 @@ class Endpoint(BaseModel):
             raise ValueError(
                 f"expected the server's root, without the trailing /v1 (luftpause adds "
                 f"/v1/chat/completions): {v.removesuffix('/v1')}"
+            )
+        version = re.search(r"/v\d+[a-z0-9]*(/openai)?$", v)
+        if version:
+            # A client's base_url under another version, e.g. Gemini's /v1beta/openai.
+            raise ValueError(
+                f"expected the server's root, without the API's path: url = "
+                f'"{v[: version.start()]}" and api_path = "{version.group(0)}" '
+                "(kind = 'openai'; luftpause adds /chat/completions to api_path)"
             )
         return v
 

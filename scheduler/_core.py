@@ -533,7 +533,9 @@ class _Tx:
             raise SchedulerError(f"probe of unknown replica {ev.replica!r}")
         cap = r.cap
         queued_probes = r.queued_probes + 1 if ev.queued else 0
-        if not self.policy.cap_from_engine_queue or ev.queued is None or ev.running is None:
+        if ev.repeated:
+            queued_probes = r.queued_probes  # no new reading: cap and count stay
+        elif not self.policy.cap_from_engine_queue or ev.queued is None or ev.running is None:
             cap = None
         elif ev.queued > 0:
             if queued_probes >= self.policy.cap_after_queued_probes:

@@ -141,7 +141,9 @@ class RunEnded:
 class ReplicaProbed:
     """A probe result.  `queued`/`running` None: the engine reports no load.
     `kv_tokens`: the KV pool size the engine reported, if asked (it becomes the
-    replica's when the configuration gave none)."""
+    replica's when the configuration gave none).  `repeated`: the engine did not answer
+    in time and the shell repeats its last result to keep it in rotation; it is no new
+    reading of the engine's queue (the cap and the count of queued probes stay)."""
 
     now: float
     replica: str
@@ -149,6 +151,7 @@ class ReplicaProbed:
     queued: int | None = None
     running: int | None = None
     kv_tokens: int | None = None
+    repeated: bool = False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -251,15 +251,19 @@ def _spent(before: float | None, after: float | None) -> float | None:
     return None if before is None or after is None else round(after - before, 1)
 
 
-def _held_seconds(url: str) -> dict[str, dict[str, float]]:
-    """luftpause's own count of turns it held and for how long, by class (/metrics)."""
+def _held_seconds(url: str) -> dict[str, Any]:
+    """luftpause's own count of turns it held and for how long, by class (/metrics);
+    what went wrong instead, if the scrape failed (the arm's load still counts)."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    out: dict[str, dict[str, float]] = {}
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError as exc:
+        return {"error": f"/metrics: {exc}"}
+    out: dict[str, Any] = {}
     for family in text_string_to_metric_families(text):
         if family.name != "luftpause_held_seconds":
             continue

@@ -26,6 +26,7 @@ from gateway.prober import (
     probe_pool,
 )
 from luftpause.config import Endpoint, parse_config
+from scheduler import ReplicaSpec, State, decide
 from testkit.engine import EngineParams
 from testkit.fake_engine import FakeEngineSettings, create_app
 from testkit.loopback import serve
@@ -401,6 +402,12 @@ async def test_one_late_probe_keeps_a_healthy_engine_in_rotation_two_do_not() ->
     first = prober._forgive_late(late)
     assert (first.healthy, first.queued, first.running) == (True, 1, 3)
     assert first.error == "no answer within 2 s once; still in rotation"
+    # The repeated load is no second reading of the engine's queue: no cap from it.
+    assert first.repeated and first.event(1.0).repeated
+    state = State.initial([ReplicaSpec(name="e", models=frozenset({"m"}))])
+    for result in (prober.last["e"], first):
+        state, _ = decide(state, result.event(1.0))
+    assert (state.replicas["e"].cap, state.replicas["e"].queued_probes) == (None, 1)
     prober.last["e"] = first
     assert not prober._forgive_late(late).healthy  # the second in a row counts
     # An answer resets the count; a refusal or an error status counts at once.

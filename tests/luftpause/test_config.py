@@ -100,6 +100,12 @@ def test_a_hosted_api_whose_openai_path_is_not_v1(tmp_path: Path) -> None:
             "/v1 (luftpause adds /v1/chat/completions): https://api.example.com",
         ),
         (
+            '[[endpoints]]\nname="g"\nurl="https://generativelanguage.googleapis.com/v1beta/openai/"'
+            '\nkind="openai"\nmodels=["m"]',
+            "endpoints[0].url: expected the server's root, without the API's path: url = "
+            '"https://generativelanguage.googleapis.com" and api_path = "/v1beta/openai"',
+        ),
+        (
             '[[endpoints]]\nname="a"\nurl="https://h"\nkind="openai"\nmodels=["m"]\napi_path="v1"',
             "endpoints[0].api_path: expected the path of the OpenAI API under url",
         ),

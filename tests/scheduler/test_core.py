@@ -242,6 +242,22 @@ def test_cap_grows_while_the_engine_keeps_up_and_shrinks_when_it_queues() -> Non
     assert d.state.replicas["a"].cap == 1
 
 
+def test_a_repeated_probe_result_is_no_new_reading_of_the_queue() -> None:
+    # The gateway repeats a healthy engine's last result when one probe answers late.
+    d = Driver(("a",))
+    d.probe("a", queued=1, running=2)
+    d.feed(ReplicaProbed(now=d.now, replica="a", healthy=True, queued=1, running=2, repeated=True))
+    assert d.state.replicas["a"].cap is None  # one reading of a queue, not two
+    d.probe("a", queued=1, running=2)
+    assert d.state.replicas["a"].cap == 2
+    for i in range(3):
+        d.arrive(f"r{i}")  # two in flight, one held
+    d.probe("a", queued=0, running=2)  # full and no queue: grows, the held turn goes
+    assert d.state.replicas["a"].cap == 3 and d.state.replicas["a"].in_flight == 3
+    d.feed(ReplicaProbed(now=d.now, replica="a", healthy=True, queued=0, running=2, repeated=True))
+    assert d.state.replicas["a"].cap == 3  # full again, but a repeat does not grow it
+
+
 def test_capping_on_the_first_queue_can_be_chosen() -> None:
     d = Driver(("a",), policy=Policy(cap_after_queued_probes=1))
     d.probe("a", queued=1, running=2)

@@ -71,6 +71,7 @@ probe = st.tuples(
     st.one_of(st.none(), st.just(0), st.integers(1, 3)),  # queued (None: no load reported)
     st.integers(0, 4),  # running
     st.sampled_from([None, None, 8000]),  # the KV pool the engine reports
+    st.sampled_from([False, False, False, True]),  # a late answer's repeated last result
 )
 # one_of picks a branch uniformly: repeating a branch weights it, so that caps, held
 # turns and contention are common rather than rare.
@@ -147,10 +148,10 @@ class Runner:
                 return TurnAbandoned(now=self.now, turn_id=tid)
             return TurnStarted(now=self.now, turn_id=tid)
         if kind == "probe":
-            _, r, healthy, queued, running, kv = op
+            _, r, healthy, queued, running, kv, repeated = op
             return ReplicaProbed(
                 now=self.now, replica=REPLICAS[r][0], healthy=healthy, queued=queued,
-                running=None if queued is None else running, kv_tokens=kv,
+                running=None if queued is None else running, kv_tokens=kv, repeated=repeated,
             )  # fmt: skip
         if kind == "tick":
             self.now += op[1]
@@ -165,8 +166,9 @@ class Runner:
         check_step(before, event, after, actions)
         check_bookkeeping(after)
         check_work_conserving(after)
-        if isinstance(event, ReplicaProbed):
-            # Capped at the running count once a queue shows in enough probes in a row.
+        if isinstance(event, ReplicaProbed) and not event.repeated:
+            # Capped at the running count once a queue shows in enough probes in a row
+            # (a repeated result is no new reading: the cap and the count stay).
             self.queue_cap.pop(event.replica, None)
             n = self.queued_probes.get(event.replica, 0) + 1 if event.queued else 0
             self.queued_probes[event.replica] = n

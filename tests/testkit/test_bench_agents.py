@@ -17,7 +17,7 @@ from fastapi import FastAPI
 
 from luftpause.up import Child
 from testkit._fake_text import directives, key
-from testkit.bench_agents import _Bed, _references
+from testkit.bench_agents import _Bed, _held_seconds, _references
 from testkit.fake_engine import FakeEngineSettings, create_app
 from testkit.load import Load, run_load, task_text
 from testkit.loopback import serve
@@ -227,3 +227,10 @@ def test_a_bed_part_that_died_during_the_load_is_named_with_its_signal(tmp_path:
             _Bed("http://127.0.0.1:9", running, [engine]).check_alive()
     finally:
         running.stop()
+
+
+def test_a_failed_metrics_scrape_is_reported_not_the_arm_lost() -> None:
+    from luftpause.temporal_dev import free_port
+
+    held = _held_seconds(f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    assert set(held) == {"error"} and held["error"].startswith("/metrics: ")
