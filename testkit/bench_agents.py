@@ -186,7 +186,8 @@ def add_arguments(parser: argparse.ArgumentParser, scenario: str) -> None:
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="the luftpause arm's [policy] key, e.g. batch_kv_fill=off (repeatable)",
+        help="the luftpause arm's [policy] key, e.g. batch_kv_fill=off (repeatable); "
+        "the reference runs keep the default policy",
     )
     a("--json", action="store_true", help="print JSON instead of a table")
 
@@ -196,6 +197,7 @@ class _Arm:
     name: str
     load: Any  # testkit.load.Load
     router: str
+    policy: list[str]  # the luftpause gateway's [policy] pairs (--policy)
 
 
 def _fill(argv: list[str], values: dict[str, str], workers: list[str]) -> list[str]:
@@ -275,7 +277,9 @@ def _held_seconds(url: str) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _arm_bed(args: argparse.Namespace, router: _Router, log_dir: Path) -> Iterator[_Bed]:
+def _arm_bed(
+    args: argparse.Namespace, router: _Router, log_dir: Path, policy: list[str]
+) -> Iterator[_Bed]:
     """Fresh fake engines and the arm's proxy; yields them; stops them all."""
     from luftpause.temporal_dev import free_port
     from luftpause.up import Child, wait_http
@@ -318,7 +322,7 @@ def _arm_bed(args: argparse.Namespace, router: _Router, log_dir: Path) -> Iterat
                 f'models = ["llama-3.2-1b"]\n\n'
                 for i, u in enumerate(workers)
             )
-            + _policy_toml(args.policy),
+            + _policy_toml(policy),
             encoding="utf-8",
         )
         port = free_port()
@@ -409,12 +413,14 @@ def _measure(args: argparse.Namespace, progress: Callable[[str], None]) -> dict[
     )
     routers = _routers(Path(sys.executable).parent)
     names = _names(args.arms)
-    plan = [_Arm(n, base, n) for n in names]
+    # --policy is the measured arm's; the references stay the default policy's, as in
+    # the simulator's ablation (a variant's own references would flatter its P and W).
+    plan = [_Arm(n, base, n, args.policy) for n in names]
     # P and W need both classes; with one class the arms are their own reference.
     if not args.no_reference and args.batch and args.interactive:
         for ref in _names(args.reference_arms):
-            plan.append(_Arm(f"interactive-alone/{ref}", replace(base, batch=0), ref))
-            plan.append(_Arm(f"batch-alone/{ref}", replace(base, interactive=0), ref))
+            plan.append(_Arm(f"interactive-alone/{ref}", replace(base, batch=0), ref, []))
+            plan.append(_Arm(f"batch-alone/{ref}", replace(base, interactive=0), ref, []))
     for arm in plan:
         missing = _missing(routers[arm.router])
         if missing:
@@ -429,7 +435,7 @@ def _measure(args: argparse.Namespace, progress: Callable[[str], None]) -> dict[
         progress(f"arm {arm.name} ({arm.router}): {arm.load.minutes:g} virtual min")
         t0 = time.monotonic()
         try:
-            with _arm_bed(args, router, log_dir) as bed:
+            with _arm_bed(args, router, log_dir, arm.policy) as bed:
                 load = run_load(arm.load, bed.url, ends_runs=router.ends_runs, progress=progress)
                 before, harness = bed.cpu(), time.process_time()
                 r = asyncio.run(load)

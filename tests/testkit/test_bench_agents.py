@@ -179,6 +179,9 @@ def test_an_arm_that_cannot_start_is_reported_with_its_logs() -> None:
     report = json.loads(out.stdout)
     assert report["luftpause_policy"] == ["kv_fill=7"]
     assert "exited during startup" in report["failed"]["luftpause"]
+    # The reference runs keep the default policy: they ran, through luftpause too.
+    assert set(report["failed"]) == {"luftpause"}
+    assert report["reference"]["interactive-alone"]["each"].keys() == {"cache_aware", "luftpause"}
     logs = Path(report["arms"]["luftpause"]["logs"])
     try:
         assert "kv_fill" in (logs / "proxy.log").read_text()
