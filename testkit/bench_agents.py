@@ -44,6 +44,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from luftpause._process import cpu_seconds
+
 __all__ = ["ARMS", "add_arguments", "run"]
 
 ARMS = ("luftpause", "cache_aware", "round_robin", "smg_priority")
@@ -210,17 +212,6 @@ def _fill(argv: list[str], values: dict[str, str], workers: list[str]) -> list[s
     return out
 
 
-def _cpu_seconds(pid: int) -> float | None:
-    """CPU time (user + system, all threads) the process has used so far; None where
-    /proc is not there to say."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 @dataclass
 class _Bed:
     url: str
@@ -241,8 +232,8 @@ class _Bed:
         """CPU seconds so far of the proxy and of the engines together: the harness, the
         proxy and the engines share this machine's CPUs, so a proxy that needs more of
         them leaves less to the engines."""
-        proxy = _cpu_seconds(self.proxy.proc.pid)
-        engines = [_cpu_seconds(c.proc.pid) for c in self.engines]
+        proxy = cpu_seconds(self.proxy.proc.pid)
+        engines = [cpu_seconds(c.proc.pid) for c in self.engines]
         return {
             "proxy": proxy,
             "engines": None if None in engines else sum(e for e in engines if e is not None),

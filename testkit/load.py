@@ -11,9 +11,9 @@ agent `b3` (batch agent 3) runs the same runs, tasks and tool waits in every arm
 the one-class reference runs.
 
 Every request carries the headers each proxy reads (none of them minds the others'):
-luftpause's run, class and caller; SMG's `x-smg-priority` (interactive / bulk); and
-`x-session-id`, the program id of vllm-router's program scheduling.  Requests are not
-streamed: one answer per turn keeps the client's own CPU out of the measurement.
+luftpause's run, class and caller, and SMG's `x-smg-priority` (interactive / bulk).
+Requests are not streamed: one answer per turn keeps the client's own CPU out of the
+measurement.
 
 Time: `time_scale` virtual seconds pass per wall second (the fake engines run that much
 faster; tool waits and the window shrink by it); every figure is in virtual time.  Only
@@ -209,7 +209,6 @@ async def _agent(ctx: _Ctx, cls: ServiceClass, index: int) -> None:
             CLASS_HEADER: cls,
             CALLER_HEADER: caller,
             "x-smg-priority": SMG_PRIORITY[cls],
-            "x-session-id": run_id,
         }
         messages: list[dict[str, Any]] = [
             {"role": "user", "content": task_text(run_id, load.context_chars)}

@@ -38,6 +38,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from luftpause._process import cpu_seconds
+
 __all__ = ["GOAL_C1_P50_MS", "GOAL_C20_P99_MS", "Arm", "add_arguments", "percentile", "run"]
 
 MODEL = "llama-3.2-1b"
@@ -195,11 +197,7 @@ class _Children:
 
 def _cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process so far (0 where /proc is missing)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return cpu_seconds(pid) or 0.0
 
 
 def _healthy(port: int) -> bool:
