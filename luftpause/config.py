@@ -114,21 +114,22 @@ class Endpoint(BaseModel):
         if not v.startswith(("http://", "https://")) or len(v) < len("http://x"):
             raise ValueError("expected an http:// or https:// URL, e.g. http://127.0.0.1:30000")
         v = v.rstrip("/")
-        if v.endswith("/v1"):
-            # OpenAI clients' base_url ends in /v1; luftpause appends /v1/chat/completions.
+        # An OpenAI client's base_url ends in the API's path: /v1, or e.g. Gemini's
+        # /v1beta/openai.  luftpause takes the server's root and adds that path itself.
+        api = re.search(r"/v\d+[a-z0-9]*(/openai)?$", v)
+        if api is None:
+            return v
+        root, path = v[: api.start()], api.group(0)
+        if path == "/v1":
             raise ValueError(
                 f"expected the server's root, without the trailing /v1 (luftpause adds "
-                f"/v1/chat/completions): {v.removesuffix('/v1')}"
+                f"/v1/chat/completions): {root}"
             )
-        version = re.search(r"/v\d+[a-z0-9]*(/openai)?$", v)
-        if version:
-            # A client's base_url under another version, e.g. Gemini's /v1beta/openai.
-            raise ValueError(
-                f"expected the server's root, without the API's path: url = "
-                f'"{v[: version.start()]}" and api_path = "{version.group(0)}" '
-                "(kind = 'openai'; luftpause adds /chat/completions to api_path)"
-            )
-        return v
+        raise ValueError(
+            f"expected the server's root, without the API's path: url = \"{root}\" and "
+            f"api_path = \"{path}\" (kind = 'openai'; luftpause adds /chat/completions to "
+            "api_path)"
+        )
 
     @field_validator("health_path")
     @classmethod

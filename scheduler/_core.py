@@ -531,17 +531,19 @@ class _Tx:
         r = self.replicas.get(ev.replica)
         if r is None:
             raise SchedulerError(f"probe of unknown replica {ev.replica!r}")
-        cap = r.cap
-        queued_probes = r.queued_probes + 1 if ev.queued else 0
+        cap, queued_probes = r.cap, r.queued_probes
         if ev.repeated:
-            queued_probes = r.queued_probes  # no new reading: cap and count stay
+            pass  # the last result again (a late answer): no new reading of the queue
         elif not self.policy.cap_from_engine_queue or ev.queued is None or ev.running is None:
-            cap = None
+            cap, queued_probes = None, 0
         elif ev.queued > 0:
+            queued_probes += 1
             if queued_probes >= self.policy.cap_after_queued_probes:
                 cap = max(1, ev.running)
-        elif cap is not None and r.in_flight >= cap:
-            cap += self.policy.cap_increase
+        else:
+            queued_probes = 0
+            if cap is not None and r.in_flight >= cap:
+                cap += self.policy.cap_increase
         spec = r.spec
         if ev.kv_tokens is not None and ev.kv_tokens > 0 and spec.kv_tokens is None:
             # The engine told its pool size; a configured one wins.  Claims start with
