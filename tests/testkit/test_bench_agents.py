@@ -32,6 +32,17 @@ def _bench_flood(*args: str, timeout: float) -> subprocess.CompletedProcess[str]
     )
 
 
+def _tiny_flood(
+    arms: str, *, batch: int, interactive: int, minutes: float, time_scale: float, more: str
+) -> subprocess.CompletedProcess[str]:
+    """A flood small and fast enough for a test, as JSON (`more`: further flags)."""
+    return _bench_flood(
+        *f"--arms {arms} --batch {batch} --interactive {interactive} --minutes {minutes} "
+        f"--time-scale {time_scale} --json {more}".split(),
+        timeout=600,
+    )
+
+
 async def test_agents_run_closed_loops_of_the_engines_tool_calls() -> None:
     """Every counted run made as many turns as the fake engine plans tool calls for its
     own task (+1 for the answer) and ended inside the window; each class has its runs,
@@ -78,23 +89,13 @@ def test_task_text_is_the_runs_own_and_sized() -> None:
 
 
 def test_bench_flood_compares_luftpause_with_the_sglang_router_and_smg() -> None:
-    out = _bench_flood(
-        "--arms",
+    out = _tiny_flood(
         "luftpause,cache_aware,smg_priority",
-        "--batch",
-        "4",
-        "--interactive",
-        "2",
-        "--context-chars",
-        "4000",
-        "--minutes",
-        "0.5",
-        "--time-scale",
-        "6",
-        "--reference-arms",
-        "luftpause",
-        "--json",
-        timeout=600,
+        batch=4,
+        interactive=2,
+        minutes=0.5,
+        time_scale=6,
+        more="--context-chars 4000 --reference-arms luftpause",
     )
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)
@@ -159,21 +160,8 @@ def test_the_reference_is_the_better_one_class_run_of_each_class() -> None:
 def test_an_arm_that_cannot_start_is_reported_with_its_logs() -> None:
     """A gateway that refuses its [policy] fails its arm: the report names it, keeps its
     logs (the gateway says what was wrong) and the command exits 1."""
-    out = _bench_flood(
-        "--arms",
-        "luftpause",
-        "--batch",
-        "1",
-        "--interactive",
-        "1",
-        "--minutes",
-        "0.1",
-        "--time-scale",
-        "10",
-        "--policy",
-        "kv_fill=7",
-        "--json",
-        timeout=300,
+    out = _tiny_flood(
+        "luftpause", batch=1, interactive=1, minutes=0.1, time_scale=10, more="--policy kv_fill=7"
     )
     assert out.returncode == 1, out.stderr[-2000:]
     report = json.loads(out.stdout)
