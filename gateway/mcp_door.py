@@ -509,7 +509,12 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
             int | None, Field(gt=0, description="tokens, whole subtree")
         ] = None,
         budgetToolCalls: Annotated[
-            int | None, Field(gt=0, description="tool calls, whole subtree")
+            int | None,
+            Field(
+                gt=0,
+                description="tool calls, whole subtree (this run makes none over it: "
+                "then it answers without tools)",
+            ),
         ] = None,
         budgetSeconds: Annotated[
             float | None, Field(gt=0, description="seconds, whole subtree")

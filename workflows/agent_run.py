@@ -3,7 +3,8 @@
 The loop: an LLM turn (through the gateway, as this run's turn) → the tool calls it
 asked for (concurrently when `parallel_tool_calls`) → the next turn, until the model
 answers.  After `max_tool_calls` calls the model is offered no tools and must answer, so
-a run makes at most `max_tool_calls + 1` turns.
+a run makes at most `max_tool_calls + 1` turns.  A run that holds a tool-call budget
+likewise offers no tools once its subtree has made that many calls.
 
 Rules this module keeps:
 1. **Trees.** `spawn_child` (an update) starts a child workflow with REQUEST_CANCEL as
@@ -18,6 +19,12 @@ Rules this module keeps:
    the subtree ends `Cancelled` with `budget exceeded: <which> <used>/<limit>`.  (Runs
    started before this rule, without the `DRAIN_PATCH` marker, cancel their in-flight
    work instead, as they did.)  `cancel` stops a subtree at once, in-flight work too.
+   A tool call is work the run can count before it starts: the run that holds a
+   tool-call budget starts no call it has no room for.  Calls over it are answered to
+   the model as spent, as over `max_tool_calls`, and the run's next turn offers no
+   tools, so the holder's own calls never exceed the budget; only calls of descendants
+   (which do not know it) can, and trip it.  (Runs without the `SPENT_PATCH` marker
+   made a whole round while the budget had no room left, as they did.)
 3. **Approvals.** A destructive tool (or one named in `approve_tools`) waits in
    `AwaitingApproval` until the `approve` update answers; answers are kept (and carried
    across continue-as-new), so an answered call is never asked again after a restart.
@@ -88,6 +95,8 @@ BUDGET_EXCEEDED = (
 )
 # `workflow.patched` id of the budget stop that lets in-flight work finish (rule 2).
 DRAIN_PATCH = "budget-stop-drains-in-flight-work"
+# `workflow.patched` id of the tool-call budget that the holder's own calls stay inside.
+SPENT_PATCH = "budget-tool-calls-start-no-call-over"
 
 # Named timeouts and retry policies (DESIGN.md "The runtime on Temporal").
 TURN_TIMEOUT = timedelta(minutes=10)  # a turn may wait long in the gateway's queue
@@ -142,6 +151,7 @@ class AgentRun:
         self._exceeded: str | None = None
         self._stop_reason: str | None = None
         self._drain = False  # set by run(): see DRAIN_PATCH
+        self._spent_rule = False  # set by run(): see SPENT_PATCH
         self._spawning = 0  # spawn_child updates still starting their child
         self._ended_at: str | None = None
         self._last_report: tuple[str, Totals] | None = None
@@ -154,6 +164,7 @@ class AgentRun:
         # Decided once, at the run's first workflow task: a run whose history has no
         # marker (started by an older worker) keeps the stop it started with.
         self._drain = workflow.patched(DRAIN_PATCH)
+        self._spent_rule = workflow.patched(SPENT_PATCH)
         work = asyncio.create_task(self._work())
         try:
             await self._until_done(work)
@@ -309,7 +320,7 @@ class AgentRun:
         while True:
             self._check_budget()
             await self._maybe_continue_as_new()
-            offer = self._usage.tool_calls < spec.max_tool_calls and bool(self._tools)
+            offer = self._calls_left() > 0 and bool(self._tools)
             turn = await self._turn(offer)
             if not turn.tool_calls or not offer:
                 self._answer = turn.message.get("content") or ""
@@ -352,7 +363,12 @@ class AgentRun:
 
     async def _tool_round(self, calls: list[ToolCall]) -> None:
         spec = self._spec
-        left = spec.max_tool_calls - self._usage.tool_calls
+        left = self._calls_left()
+        spent = (
+            f"this run's tool-call budget ({spec.max_tool_calls}) is spent"
+            if left == spec.max_tool_calls - self._usage.tool_calls
+            else f"the tool-call budget of this run's tree ({spec.budget.tool_calls}) is spent"
+        )
         run, over = calls[:left], calls[left:]
         outputs: dict[str, ToolOutput] = {}
         # Approvals first, one at a time, in the model's order; then execution.
@@ -371,10 +387,7 @@ class AgentRun:
         outputs.update({c.id: r for c, r in zip(approved, results, strict=True)})
         for call in over:
             outputs[call.id] = ToolOutput(
-                content=(
-                    f"Error: this run's tool-call budget ({spec.max_tool_calls}) is spent; "
-                    "answer with what you have"
-                ),
+                content=f"Error: {spent}; answer with what you have",
                 is_error=True,
                 executed=False,
             )
@@ -451,6 +464,15 @@ class AgentRun:
         for child in self._children.values():
             total = total.plus(child.subtree)
         return total
+
+    def _calls_left(self) -> int:
+        """Tool calls this run may still start: its own `max_tool_calls`, and (with
+        SPENT_PATCH) the room left in the tool-call budget it holds (rule 2)."""
+        left = self._spec.max_tool_calls - self._usage.tool_calls
+        limit = self._spec.budget.tool_calls
+        if self._spent_rule and limit is not None:
+            left = min(left, limit - self.subtree().tool_calls)
+        return max(left, 0)
 
     def _budget_status(self) -> BudgetStatus | None:
         limits = self._spec.budget

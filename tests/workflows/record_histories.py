@@ -8,7 +8,8 @@ run's history to tests/workflows/histories/<scenario>[-<n>].json.  Re-record onl
 purpose: when a change to `AgentRun` is meant to alter its commands, guard the change
 with `workflow.patched(...)` first, so that runs already in flight replay; the old
 histories then keep proving that they still do: record only the scenarios that are
-new (`budget_drained` was recorded after `DRAIN_PATCH`; the others before it).
+new (`budget_drained` was recorded after `DRAIN_PATCH`, `budget_spent` after
+`SPENT_PATCH`; the others before both).
 """
 
 from __future__ import annotations
@@ -75,12 +76,30 @@ async def _tree_with_approval(s: Stack) -> None:
 
 
 async def _budget_tripped(s: Stack) -> None:
-    # A tool-call budget trips and stops the run.
+    # A budget trips and stops the run.  (Recorded before SPENT_PATCH with
+    # Budget(tool_calls=1), which then tripped on the run's second call; since then a
+    # run makes no call over the tool-call budget it holds, so a re-recording trips
+    # the token budget instead.)
     h = await s.runs.spawn(
-        RunSpec(task=task_with(3), model=MODEL, tools=["lookup"], budget=Budget(tool_calls=1))
+        RunSpec(task=task_with(3), model=MODEL, tools=["lookup"], budget=Budget(tokens=50))
     )
     await s.runs.wait([h])
     await _save(s, "budget_tripped", [h])
+
+
+async def _budget_spent(s: Stack) -> None:
+    # A round asks for more calls than the tool-call budget has room for (SPENT_PATCH).
+    h = await s.runs.spawn(
+        RunSpec(
+            task=task_with(3),
+            model=MODEL,
+            tools=["lookup"],
+            parallel_tool_calls=True,
+            budget=Budget(tool_calls=2),
+        )
+    )
+    await s.runs.wait([h])
+    await _save(s, "budget_spent", [h])
 
 
 async def _budget_drained(s: Stack) -> None:
@@ -115,6 +134,7 @@ SCENARIOS = {
     "tree_with_approval": _tree_with_approval,
     "budget_tripped": _budget_tripped,
     "budget_drained": _budget_drained,
+    "budget_spent": _budget_spent,
     "cancelled_tree": _cancelled_tree,
 }
 

@@ -16,7 +16,7 @@ from temporalio.client import WorkflowHistory
 from temporalio.worker import Replayer
 
 from workflows import AgentRun
-from workflows.agent_run import DRAIN_PATCH
+from workflows.agent_run import DRAIN_PATCH, SPENT_PATCH
 from workflows.contract import AgentRunInput
 
 HISTORIES = sorted((Path(__file__).parent / "histories").glob("*.json"))
@@ -36,6 +36,7 @@ def test_the_recorded_histories_cover_the_run_paths() -> None:
         "tree_with_approval",
         "budget_tripped",
         "budget_drained",
+        "budget_spent",
         "cancelled_tree",
     }
     for kind in (
@@ -65,8 +66,18 @@ def test_histories_from_before_and_after_the_drain_patch_are_both_replayed() -> 
     # Runs started before DRAIN_PATCH must keep replaying the old stop (cancel in-flight
     # work); runs started after it take the new one (in-flight work finishes).
     after = {p.stem for p in HISTORIES if DRAIN_PATCH in _patches(p)}
-    assert after == {"budget_drained-0", "budget_drained-1", "budget_drained-2"}
+    assert after == {"budget_drained-0", "budget_drained-1", "budget_drained-2", "budget_spent"}
     assert {"budget_tripped", "cancelled_tree-0"} <= {p.stem for p in HISTORIES} - after
+
+
+def test_histories_from_before_and_after_the_spent_patch_are_both_replayed() -> None:
+    # `budget_tripped` was recorded when a run still made a round its tool-call budget
+    # had no room for (its second call tripped it); it must replay that way.
+    # `budget_spent` was recorded after: of a round of three, two calls ran.
+    after = {p.stem for p in HISTORIES if SPENT_PATCH in _patches(p)}
+    assert after == {"budget_spent"}
+    tripped = (Path(__file__).parent / "histories" / "budget_tripped.json").read_text("utf-8")
+    assert "budget exceeded: tool_calls 2/1" in tripped
 
 
 @pytest.mark.parametrize("path", HISTORIES, ids=[p.stem for p in HISTORIES])

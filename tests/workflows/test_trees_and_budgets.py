@@ -83,15 +83,44 @@ async def test_the_token_budget_trips_and_cancels_the_subtree(temporal_address: 
         assert kid.state == "Cancelled" and kid.error == status.error
 
 
-async def test_the_tool_call_budget_trips(temporal_address: str) -> None:
+async def test_a_run_holding_a_tool_call_budget_makes_no_call_over_it(
+    temporal_address: str,
+) -> None:
     async with stack(temporal_address) as s:
+        # One call at a time: after the one call the budget allows, the model is offered
+        # no tools and answers (as after maxToolCalls); nothing was exceeded.
         handle = await s.runs.spawn(
             RunSpec(task=task_with(3), model=MODEL, tools=["lookup"], budget=Budget(tool_calls=1))
         )
         (status,) = await s.runs.wait([handle])
-        assert status.state == "Cancelled"
-        assert status.error == "budget exceeded: tool_calls 2/1"
-        assert status.usage.tool_calls == 2 and status.usage.turns == 2
+        assert status.state == "Completed" and status.answer, status
+        assert (status.usage.turns, status.usage.tool_calls) == (2, 1)
+        assert status.budget is not None and status.budget.exceeded is None
+        assert status.budget.used.tool_calls == 1
+        assert sum(s.mcp.counts.values()) == 1
+
+        # Three calls asked in one round with room for two: two run, the third is
+        # answered to the model as spent, never executed.
+        handle = await s.runs.spawn(
+            RunSpec(
+                task=task_with(3, "par"),
+                model=MODEL,
+                tools=["lookup"],
+                parallel_tool_calls=True,
+                budget=Budget(tool_calls=2),
+            )
+        )
+        (status,) = await s.runs.wait([handle])
+        assert status.state == "Completed", status
+        assert (status.usage.turns, status.usage.tool_calls) == (2, 2)
+        assert status.usage.failed_tool_calls == 0
+        assert sum(s.mcp.counts.values()) == 3
+        replies = [m["content"] for m in await s.runs.transcript(handle) if m["role"] == "tool"]
+        assert len(replies) == 3
+        assert replies[2] == (
+            "Error: the tool-call budget of this run's tree (2) is spent; answer with what you have"
+        )
+        assert not any(r.startswith("Error") for r in replies[:2])
 
 
 async def test_the_seconds_budget_trips_on_an_idle_subtree(temporal_address: str) -> None:
@@ -118,10 +147,31 @@ async def test_work_in_flight_when_a_budget_trips_finishes_and_is_counted(
             RunSpec(task=task_with(1, "dpheld"), model=MODEL, tools=["lookup"], parent=parent)
         )
         await until(lambda: _begun(s, "lookup") == 1, "the child's lookup is in flight")
-        # A second child's two (instant) calls take the subtree over its one call.
+        # A second child's two (instant) calls take the subtree over its one call.  Each
+        # waits for the test's approval, and so does its third, which nobody answers: the
+        # stop finds this child still running, however late it arrives (without the third
+        # the child could answer and complete before the stop reached it).
         quick = await s.runs.spawn(
-            RunSpec(task=task_with(2, "dpquick"), model=MODEL, tools=["fail"], parent=parent)
+            RunSpec(
+                task=task_with(3, "dpquick"),
+                model=MODEL,
+                tools=["fail"],
+                approve_tools=["fail"],
+                parent=parent,
+            )
         )
+        answered: set[str] = set()
+        for _ in range(2):
+            waiting = await until(
+                lambda: _when(
+                    s,
+                    quick,
+                    lambda st: st.pending_approval and st.pending_approval.call_id not in answered,
+                ),
+                "the quick child's next call waits for approval",
+            )
+            answered.add(waiting.pending_approval.call_id)  # type: ignore[attr-defined]
+            await s.runs.approve(quick, True, waiting.pending_approval.call_id)  # type: ignore[attr-defined]
         await until(
             lambda: _when(s, held, lambda st: st.state == "Stopping"),
             "the stop reached the child whose call is in flight",
@@ -221,11 +271,13 @@ async def test_a_child_stopped_by_its_own_budget_is_cancelled_in_its_parents_vie
                 model=MODEL,
                 tools=["lookup"],
                 parent=parent,
-                budget=Budget(tool_calls=1),
+                budget=Budget(tokens=50),  # its first turn takes it over
             )
         )
         (kid,) = await s.runs.wait([child])
-        assert kid.state == "Cancelled" and kid.error == "budget exceeded: tool_calls 2/1"
+        assert kid.state == "Cancelled", kid
+        assert kid.error is not None and kid.error.startswith("budget exceeded: tokens ")
+        assert kid.usage.tool_calls == 0
         status = await _child_end_seen(s, parent)
         assert [(c.handle, c.state) for c in status.children] == [(child, "Cancelled")]
         assert status.state == "AwaitingApproval"  # a child's own budget stops only the child
