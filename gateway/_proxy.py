@@ -597,7 +597,9 @@ class TurnResponse(Response):
 
     def _remember(self, watch: StreamWatch) -> None:
         if watch.tool_call_ids:
-            self._shell.remember_tool_calls(self._turn.run_id, watch.tool_call_ids, self._clock())
+            self._shell.remember_tool_calls(
+                self._turn.run_id, self._turn.caller, watch.tool_call_ids, self._clock()
+            )
 
 
 # --------------------------------------------------------------------------- tracing

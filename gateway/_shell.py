@@ -56,9 +56,10 @@ class AdmissionShell:
         self._state = state
         self._observer = observer
         self._waiting: dict[str, asyncio.Future[Admission]] = {}
-        # tool_call_id -> (run id, expiry); run id -> its ids, for Forget
-        self._tool_calls: dict[str, tuple[str, float]] = {}
-        self._run_tool_calls: dict[str, set[str]] = {}
+        # (caller, tool_call_id) -> (run id, or None once two runs returned it; expiry);
+        # run id -> its keys, for Forget
+        self._tool_calls: dict[tuple[str, str], tuple[str | None, float]] = {}
+        self._run_tool_calls: dict[str, set[tuple[str, str]]] = {}
 
     @property
     def state(self) -> State:
@@ -106,32 +107,45 @@ class AdmissionShell:
 
     # ------------------------------------------------------------- tool call ids
 
-    def remember_tool_calls(self, run_id: str, ids: Iterable[str], now: float) -> None:
-        """Tool call ids returned to a client: their echo identifies the run."""
+    def remember_tool_calls(self, run_id: str, caller: str, ids: Iterable[str], now: float) -> None:
+        """Tool call ids returned to a caller: their echo identifies the run.
+
+        An id is a caller's: another caller echoing it is not this run.  An id that a
+        second run of the same caller is given while the first still holds it (parsers
+        that number calls, e.g. Kimi-K2's `functions.<name>:<n>`, give every run the
+        same ids) names neither run until it expires: a turn that echoes only such ids
+        is a run of its own, never a turn of somebody else's run."""
         expiry = now + TOOL_CALL_MEMORY_S
         for call_id in ids:
-            previous = self._tool_calls.get(call_id)
+            key = (caller, call_id)
+            previous = self._tool_calls.get(key)
+            owner: str | None = run_id
             if previous is not None and previous[0] != run_id:
-                self._run_tool_calls.get(previous[0], set()).discard(call_id)
-            self._tool_calls[call_id] = (run_id, expiry)
-            self._run_tool_calls.setdefault(run_id, set()).add(call_id)
+                if previous[0] is not None:
+                    self._run_tool_calls.get(previous[0], set()).discard(key)
+                if previous[1] > now:
+                    owner = None
+            self._tool_calls[key] = (owner, expiry)
+            if owner is not None:
+                self._run_tool_calls.setdefault(owner, set()).add(key)
 
-    def run_for_tool_calls(self, ids: Iterable[str], now: float) -> str | None:
-        """The run that returned any of these tool call ids, if still remembered."""
+    def run_for_tool_calls(self, caller: str, ids: Iterable[str], now: float) -> str | None:
+        """The caller's run that returned any of these tool call ids, if still
+        remembered and returned to that run alone."""
         for call_id in ids:
-            known = self._tool_calls.get(call_id)
-            if known is not None and known[1] > now:
+            known = self._tool_calls.get((caller, call_id))
+            if known is not None and known[0] is not None and known[1] > now:
                 return known[0]
         return None
 
     def sweep_tool_calls(self, now: float) -> None:
         """Drop tool call ids older than `TOOL_CALL_MEMORY_S`."""
-        expired = [cid for cid, (_, expiry) in self._tool_calls.items() if expiry <= now]
-        for call_id in expired:
-            run_id, _ = self._tool_calls.pop(call_id)
-            ids = self._run_tool_calls.get(run_id)
-            if ids is not None:
-                ids.discard(call_id)
+        expired = [key for key, (_, expiry) in self._tool_calls.items() if expiry <= now]
+        for key in expired:
+            run_id, _ = self._tool_calls.pop(key)
+            ids = self._run_tool_calls.get(run_id) if run_id is not None else None
+            if run_id is not None and ids is not None:
+                ids.discard(key)
                 if not ids:
                     del self._run_tool_calls[run_id]
 
@@ -139,5 +153,5 @@ class AdmissionShell:
         return len(self._tool_calls)
 
     def _forget(self, run_id: str) -> None:
-        for call_id in self._run_tool_calls.pop(run_id, set()):
-            self._tool_calls.pop(call_id, None)
+        for key in self._run_tool_calls.pop(run_id, set()):
+            self._tool_calls.pop(key, None)

@@ -257,12 +257,15 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         except _BadRequest as exc:
             return error_response(400, exc.message, fallback_run)
         now = rt.loop.time()
-        run_id = header_run or rt.shell.run_for_tool_calls(_echoed_tool_calls(messages), now)
+        caller = _caller(request)
+        run_id = header_run or rt.shell.run_for_tool_calls(
+            caller, _echoed_tool_calls(messages), now
+        )
         turn = TurnRequest(
             turn_id=_new_id(),
             run_id=run_id or fallback_run,
             service_class=service_class,
-            caller=_caller(request),
+            caller=caller,
             model=model,
             body=raw,
             usage_body=_with_stream_usage(raw, body),

@@ -247,6 +247,49 @@ async def test_run_identity_by_header_and_by_echoed_tool_call_ids() -> None:
         assert shell.remembered_tool_calls() == turns - 1  # only the first run's are kept
 
 
+# What an upstream whose parser numbers calls, as Kimi-K2's (`functions.<name>:<n>`),
+# answers every run's first turn: the same tool call id.
+NUMBERED_CALL = {
+    "role": "assistant",
+    "content": None,
+    "tool_calls": [
+        {"id": "functions.lookup:0", "type": "function", "function": {"name": "lookup"}}
+    ],
+}
+
+
+def numbered_call(request: Request) -> Response:
+    body = {"choices": [{"index": 0, "message": NUMBERED_CALL, "finish_reason": "tool_calls"}]}
+    return Response(json.dumps(body), media_type="application/json")
+
+
+async def test_an_echoed_id_never_joins_a_turn_to_another_run() -> None:
+    async def turn(gw: httpx.AsyncClient, caller: str, echo: bool, run: str = "") -> str:
+        body = chat("look it up", tools=TOOLS)
+        if echo:
+            echoed = {"role": "tool", "tool_call_id": "functions.lookup:0", "content": "found"}
+            body["messages"] += [NUMBERED_CALL, echoed]
+        headers = {"x-luftpause-caller": caller} | ({RUN: run} if run else {})
+        r = await gw.post("/v1/chat/completions", json=body, headers=headers)
+        assert r.status_code == 200, r.text
+        return r.headers[RUN]
+
+    async with (
+        serve(upstream(numbered_call)) as url,
+        gateway(endpoint("a", url, kind="openai")) as (gw, _),
+    ):
+        alice, bob = await turn(gw, "alice", False), await turn(gw, "bob", False)
+        assert alice != bob
+        # Each caller's echo names that caller's run, however alike the ids.
+        assert await turn(gw, "alice", True) == alice
+        assert await turn(gw, "bob", True) == bob
+        assert await turn(gw, "carol", True) not in (alice, bob)
+        # A second run of alice's is given the same id: its echo names neither run.
+        second = await turn(gw, "alice", False, run="alice-2")
+        echoed = await turn(gw, "alice", True)
+        assert echoed not in (alice, second, bob)
+
+
 async def test_a_paused_run_keeps_its_replica() -> None:
     async with (
         engine(time_scale=50) as (url_a, a),

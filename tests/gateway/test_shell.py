@@ -25,12 +25,12 @@ def end(s: AdmissionShell, run_id: str, now: float) -> None:
 
 def test_an_echoed_id_names_its_run_until_it_expires() -> None:
     s = shell()
-    s.remember_tool_calls("run-1", ["call_a", "call_b"], now=100.0)
-    assert s.run_for_tool_calls(["nope", "call_b"], now=101.0) == "run-1"
-    assert s.run_for_tool_calls(["nope"], now=101.0) is None
+    s.remember_tool_calls("run-1", "c", ["call_a", "call_b"], now=100.0)
+    assert s.run_for_tool_calls("c", ["nope", "call_b"], now=101.0) == "run-1"
+    assert s.run_for_tool_calls("c", ["nope"], now=101.0) is None
     expires = 100.0 + TOOL_CALL_MEMORY_S
-    assert s.run_for_tool_calls(["call_a"], now=expires - 0.001) == "run-1"
-    assert s.run_for_tool_calls(["call_a"], now=expires) is None  # expired, even unswept
+    assert s.run_for_tool_calls("c", ["call_a"], now=expires - 0.001) == "run-1"
+    assert s.run_for_tool_calls("c", ["call_a"], now=expires) is None  # expired, even unswept
     s.sweep_tool_calls(now=expires - 1)
     assert s.remembered_tool_calls() == 2
     s.sweep_tool_calls(now=expires)
@@ -39,12 +39,35 @@ def test_an_echoed_id_names_its_run_until_it_expires() -> None:
 
 def test_a_forgotten_run_forgets_its_ids_and_only_its_own() -> None:
     s = shell()
-    s.remember_tool_calls("run-1", ["call_a", "call_0"], now=0.0)
-    s.remember_tool_calls("run-2", ["call_b"], now=0.0)
-    s.remember_tool_calls("run-3", ["call_0"], now=1.0)  # returned again: now run-3's
-    assert s.run_for_tool_calls(["call_0"], now=2.0) == "run-3"
+    s.remember_tool_calls("run-1", "c", ["call_a", "call_0"], now=0.0)
+    s.remember_tool_calls("run-2", "c", ["call_b"], now=0.0)
+    s.remember_tool_calls("run-1", "c", ["call_0"], now=1.0)  # its own again: still its own
+    assert s.run_for_tool_calls("c", ["call_0"], now=2.0) == "run-1"
     end(s, "run-1", now=3.0)
-    assert s.run_for_tool_calls(["call_a"], now=4.0) is None
-    assert s.run_for_tool_calls(["call_0"], now=4.0) == "run-3"
-    assert s.run_for_tool_calls(["call_b"], now=4.0) == "run-2"
-    assert s.remembered_tool_calls() == 2
+    assert s.run_for_tool_calls("c", ["call_a"], now=4.0) is None
+    assert s.run_for_tool_calls("c", ["call_0"], now=4.0) is None
+    assert s.run_for_tool_calls("c", ["call_b"], now=4.0) == "run-2"
+    assert s.remembered_tool_calls() == 1
+
+
+def test_an_id_is_its_callers_and_an_id_two_runs_were_given_names_neither() -> None:
+    # Parsers that number calls (Kimi-K2: functions.<name>:<n>) give every run the same
+    # ids: an echo of one must never put a turn into somebody else's run.
+    s = shell()
+    same = "functions.lookup:0"
+    s.remember_tool_calls("run-a", "alice", [same], now=0.0)
+    s.remember_tool_calls("run-b", "bob", [same], now=0.0)
+    assert s.run_for_tool_calls("alice", [same], now=1.0) == "run-a"
+    assert s.run_for_tool_calls("bob", [same], now=1.0) == "run-b"
+    assert s.run_for_tool_calls("carol", [same], now=1.0) is None
+
+    s.remember_tool_calls("run-a2", "alice", [same, "call_x"], now=2.0)
+    assert s.run_for_tool_calls("alice", [same], now=3.0) is None  # run-a's or run-a2's
+    assert s.run_for_tool_calls("alice", [same, "call_x"], now=3.0) == "run-a2"
+    end(s, "run-a", now=4.0)  # the ambiguity is nobody's to forget
+    assert s.run_for_tool_calls("alice", [same], now=5.0) is None
+    later = 2.0 + TOOL_CALL_MEMORY_S  # once it expires, the next run to get it owns it
+    s.remember_tool_calls("run-a3", "alice", [same], now=later)
+    assert s.run_for_tool_calls("alice", [same], now=later + 1) == "run-a3"
+    s.sweep_tool_calls(now=later + TOOL_CALL_MEMORY_S)
+    assert s.remembered_tool_calls() == 0
