@@ -56,8 +56,9 @@ class _Connection:
             return
         assert s.url is not None
         headers = {}
-        if s.token_env and os.environ.get(s.token_env):
-            headers["authorization"] = f"Bearer {os.environ[s.token_env]}"
+        token = os.environ.get(s.token_env, "").strip() if s.token_env else ""
+        if token:  # stripped: a token file's newline would be an illegal header
+            headers["authorization"] = f"Bearer {token}"
         # The transport does not close a client it was given: this block does.
         async with (
             httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(30.0, read=None)) as http,

@@ -90,9 +90,10 @@ UNAVAILABLE_RETRY_AFTER_S = str(math.ceil(PROBE_PERIOD_S))
 
 
 def error_response(status: int, message: str, run_id: str) -> Response:
-    """The error body every failure uses, with the run id header."""
+    """The error body every failure uses, with the run id header (none when the
+    request names no run, e.g. it was refused before it was read)."""
     body = json.dumps({"error": {"message": message}})
-    headers = {RUN_HEADER: run_id}
+    headers = {RUN_HEADER: run_id} if run_id else {}
     if status == 503:
         headers["retry-after"] = UNAVAILABLE_RETRY_AFTER_S
     return Response(body, status, headers=headers, media_type="application/json")

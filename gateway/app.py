@@ -25,6 +25,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 from temporalio.client import Client as TemporalClient
@@ -107,6 +108,10 @@ class _Runtime:
     prober: Prober
 
 
+class _NotRunning(Exception):
+    """A request reached the app between shutdown and its last answer."""
+
+
 class _Gateway(FastAPI):
     """FastAPI with one shortcut: `POST /v1/chat/completions`, the path of every turn,
     goes straight to its handler, past FastAPI's middleware, routing and dependency
@@ -127,6 +132,11 @@ class _Gateway(FastAPI):
                 response = await handler(Request(scope, receive))
             except ClientDisconnect:  # left while sending its request: nobody to answer
                 return
+            except _NotRunning as exc:
+                response = error_response(503, str(exc), "")
+            except Exception:  # past FastAPI's handlers: answer as they would, in JSON
+                log.exception("turn handler failed")
+                response = error_response(500, "internal error in the gateway (logged)", "")
             await response(scope, receive, send)
             return
         if scope["type"] == "http" and scope["path"] == MCP_PATH:
@@ -168,8 +178,13 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         nonlocal runtime
         loop = asyncio.get_running_loop()
+        for line in config.unset_keys(os.environ):
+            log.warning("%s", line)
         if settings.token is None:
-            log.warning("LUFTPAUSE_TOKEN is not set: /v1/*, /mcp and /status are open to all")
+            log.warning(
+                "no token is set (config token, LUFTPAUSE_TOKEN): "
+                "/v1/*, /mcp and /status are open to all"
+            )
         timeout = httpx.Timeout(None, connect=CONNECT_TIMEOUT_S)
         # trust_env=False: probes go where turns go (Upstream uses no HTTP(S)_PROXY).
         async with httpx.AsyncClient(
@@ -235,20 +250,39 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     def running() -> _Runtime:
         if runtime is None:  # only between shutdown and the last request
-            raise RuntimeError("the gateway is not running")
+            raise _NotRunning("the gateway is shutting down")
         return runtime
+
+    @app.exception_handler(_NotRunning)
+    async def not_running(request: Request, exc: _NotRunning) -> Response:
+        return error_response(503, str(exc), "")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        """Paths and methods no route serves (outside /v1, e.g. POST /status): the
+        error body every other answer uses, not FastAPI's `{"detail": ...}`."""
+        message = (
+            f"luftpause does not serve {request.method} {request.url.path}; it serves "
+            f"{_SERVED}, /mcp, GET /status, GET /, GET /metrics and GET /health"
+            if exc.status_code in (404, 405)
+            else str(exc.detail)
+        )
+        response = error_response(exc.status_code, message, "")
+        response.headers.update(exc.headers or {})
+        return response
 
     @app.post(CHAT_PATH)
     async def chat_completions(request: Request) -> Response:
         rt = running()
         header_run = request.headers.get(RUN_HEADER, "").strip()
-        if header_run and not _RUN_ID.fullmatch(header_run):
-            # As DELETE /v1/runs/{id} takes it (and it is echoed in a response header).
-            message = f"{RUN_HEADER}: expected 1 to 128 printable ASCII characters other than /"
-            return error_response(400, message, "")
-        fallback_run = header_run or _new_id()
+        # As DELETE /v1/runs/{id} takes it (and it is echoed in a response header).
+        bad_run = bool(header_run) and not _RUN_ID.fullmatch(header_run)
+        fallback_run = header_run if header_run and not bad_run else _new_id()
         if not authorized(request):
             return unauthorized(fallback_run)
+        if bad_run:
+            message = f"{RUN_HEADER}: expected 1 to 128 printable ASCII characters other than /"
+            return error_response(400, message, fallback_run)
         raw = await request.body()
         try:
             body = _parse_body(raw)
@@ -311,12 +345,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.delete("/v1/runs/{run_id}")
     async def end_run(request: Request, run_id: str) -> Response:
         rt = running()
+        if not authorized(request):
+            return unauthorized("")
         if not _RUN_ID.fullmatch(run_id):
             # It goes back in a response header: printable ASCII only, or no echo.
             message = "run id: expected 1 to 128 printable ASCII characters other than /"
             return error_response(400, message, "")
-        if not authorized(request):
-            return unauthorized(run_id)
         rt.shell.apply(RunEnded(now=rt.loop.time(), run_id=run_id))
         return Response(status_code=204, headers={RUN_HEADER: run_id})
 
@@ -387,6 +421,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def not_served(request: Request, rest: str) -> Response:
         """Any other path or method under /v1 (`/v1/completions`, `/v1/embeddings`, a GET
         of the chat path): an OpenAI-shaped error that says what is served."""
+        if not authorized(request):
+            return unauthorized("")
         path = request.url.path
         known = path in (CHAT_PATH, "/v1/decide", "/v1/models") or path.startswith("/v1/runs/")
         message = f"luftpause does not serve {request.method} {path}; it serves {_SERVED}"
@@ -537,7 +573,7 @@ def _parse_chat(body: dict[str, Any]) -> tuple[str, list[Any]]:
 
 
 def _parse_class(value: str | None) -> ServiceClass:
-    if value is None:
+    if value is None or not value.strip():  # empty, as the other headers: absent
         return ServiceClass.INTERACTIVE
     try:
         return ServiceClass(value.strip().lower())

@@ -233,8 +233,8 @@ def _gateway_parser(sub: Any) -> None:
         description=(
             "Serve the luftpause gateway (one process per pool of engines): "
             "/v1/chat/completions admitted by the scheduler and proxied to the engines "
-            "of the configuration file. LUFTPAUSE_TOKEN, when set, is the bearer token "
-            "/v1/* require."
+            "of the configuration file. Its `token` (or LUFTPAUSE_TOKEN, which overrides it), "
+            "when set, is the bearer token /v1/*, /mcp and /status require."
         ),
     )
     p.add_argument(
@@ -261,9 +261,7 @@ def _gateway(args: argparse.Namespace) -> int:
         config = load_config(args.config, os.environ)
     except ConfigError as exc:
         raise SystemExit(f"luftpause gateway: {exc}") from None
-    settings = GatewaySettings(
-        config=config, token=os.environ.get("LUFTPAUSE_TOKEN") or None, host=args.host
-    )
+    settings = GatewaySettings(config=config, token=config.token, host=args.host)
     telemetry.setup("luftpause-gateway")
     # One process: the scheduler's state lives in it (DESIGN.md "Processes and ports").
     uvicorn.run(

@@ -287,6 +287,14 @@ class Config(BaseModel):
     # The base URL sub-agents' LLM turns go to: the gateway (default), or a peer router
     # when a benchmark compares them.
     gateway_url: str = "http://127.0.0.1:8080"
+    # The bearer token /v1/*, /mcp and /status require, and the worker sends (env
+    # LUFTPAUSE_TOKEN overrides it).  None: open access, with a warning at start.
+    token: Annotated[str | None, Field(repr=False)] = None
+
+    @field_validator("token")
+    @classmethod
+    def _token(cls, v: str | None) -> str | None:
+        return None if v is None else bearer_token(v)
 
     @model_validator(mode="after")
     def _lanes_need_kv(self) -> Config:
@@ -343,12 +351,37 @@ class Config(BaseModel):
         behind = {n for e in self.endpoints for n in e.load_from}
         return [e for e in self.endpoints if e.generative and e.name not in behind]
 
+    def unset_keys(self, environ: Mapping[str, str]) -> list[str]:
+        """What the environment lacks: each `api_key_env` / `token_env` naming a variable
+        that is unset or blank.  Requests then go without a key, and a hosted endpoint
+        fails every probe; the processes warn at start so that it is not a mystery."""
+        named = [("endpoint", e.name, "api_key_env", e.api_key_env) for e in self.endpoints]
+        named += [("mcp server", m.name, "token_env", m.token_env) for m in self.mcp_servers]
+        return [
+            f"{what} {name}: {field} = {var!r}, but {var} is not set: its requests go without a key"
+            for what, name, field, var in named
+            if var and not environ.get(var, "").strip()
+        ]
+
     def replica_specs(self) -> list[ReplicaSpec]:
         """The replicas as the scheduler core sees them."""
         return [
             ReplicaSpec(name=e.name, models=frozenset(e.models), kv_tokens=e.kv_tokens)
             for e in self.replicas
         ]
+
+
+def bearer_token(value: str) -> str:
+    """A configured bearer token, stripped (a secret file's trailing newline would
+    otherwise lock every client out: a header value cannot carry it).  The error does
+    not repeat the token."""
+    token = value.strip()
+    if not token or not all("!" <= ch <= "~" for ch in token):
+        raise ValueError(
+            "expected a bearer token: printable ASCII characters without spaces "
+            f"({len(token)} characters given, not shown)"
+        )
+    return token
 
 
 def parse_config(data: Mapping[str, Any], source: str = "configuration") -> Config:
@@ -365,6 +398,7 @@ ENV_OVERRIDES: Mapping[str, tuple[str | None, str]] = {
     "LUFTPAUSE_TEMPORAL_NAMESPACE": ("temporal", "namespace"),
     "LUFTPAUSE_TASK_QUEUE": ("temporal", "task_queue"),
     "LUFTPAUSE_GATEWAY_URL": (None, "gateway_url"),
+    "LUFTPAUSE_TOKEN": (None, "token"),
 }
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from luftpause._process import kill, terminate
-from luftpause.config import ConfigError, load_config
+from luftpause.config import ConfigError, bearer_token, load_config
 from luftpause.temporal_dev import DevServer, DevServerError, free_port
 
 __all__ = ["Child", "add_arguments", "run", "wait_http"]
@@ -172,6 +172,7 @@ class Up:
         self.logs = self.state / "logs"
         self.children: list[Child] = []
         self.temporal: DevServer | None = None
+        self.token_from: str | None = None  # what the banner tells clients to send
         self.stopping = threading.Event()
 
     def exe(self) -> str:
@@ -199,9 +200,21 @@ class Up:
         user_config = None
         if self.args.config:
             try:
-                user_config = load_config(self.args.config)
+                user_config = load_config(self.args.config, os.environ)
             except ConfigError as exc:
                 raise UpError(str(exc)) from None
+        elif os.environ.get("LUFTPAUSE_TOKEN"):
+            try:
+                bearer_token(os.environ["LUFTPAUSE_TOKEN"])
+            except ValueError as exc:
+                raise UpError(f"LUFTPAUSE_TOKEN: {exc}") from None
+        self.token_from = (
+            "$LUFTPAUSE_TOKEN"
+            if os.environ.get("LUFTPAUSE_TOKEN")
+            else f"<the token of {self.args.config}>"
+            if user_config is not None and user_config.token
+            else None
+        )
         self.temporal = DevServer(
             port=self.args.temporal_port,
             ui_port=self.args.ui_port,
@@ -297,10 +310,10 @@ class Up:
             self.temporal.stop()
 
 
-def _banner(where: dict[str, str], token: bool) -> str:
+def _banner(where: dict[str, str], token: str | None) -> str:
     gw = where["gateway"]
     mcp = gw.replace("127.0.0.1", "localhost") + "/mcp"
-    auth = ' --header "Authorization: Bearer $LUFTPAUSE_TOKEN"' if token else ""
+    auth = f' --header "Authorization: Bearer {token}"' if token else ""
     return "\n".join(
         [
             "luftpause is up.",
@@ -335,9 +348,9 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         where = up.start()
-        if not os.environ.get("LUFTPAUSE_TOKEN"):
-            say("note: LUFTPAUSE_TOKEN is not set; the gateway is open to anyone on this machine")
-        say(_banner(where, bool(os.environ.get("LUFTPAUSE_TOKEN"))))
+        if up.token_from is None:
+            say("note: no token is set; the gateway is open to anyone on this machine")
+        say(_banner(where, up.token_from))
         up.supervise()
     except UpError as exc:
         print(f"luftpause up: {exc}", file=sys.stderr, flush=True)

@@ -77,7 +77,7 @@ def build_worker(
 async def serve(config: Config, token: str | None, stop: asyncio.Event) -> None:
     """Run the worker until `stop` is set, then hand over and close every connection.
     `config` already carries the environment's overrides (`load_config`); `token` is
-    LUFTPAUSE_TOKEN, sent to the gateway."""
+    its `token` (or LUFTPAUSE_TOKEN), sent to the gateway."""
     t = config.temporal
     client = await _connect(t.address, t.namespace, stop)
     if client is None:
@@ -126,7 +126,9 @@ def run(args: argparse.Namespace) -> int:
     if args.task_queue:
         temporal = config.temporal.model_copy(update={"task_queue": args.task_queue})
         config = config.model_copy(update={"temporal": temporal})
-    token = os.environ.get("LUFTPAUSE_TOKEN") or None
+    token = config.token
+    for line in config.unset_keys(os.environ):
+        logging.getLogger("luftpause.worker").warning("%s", line)
 
     telemetry.setup("luftpause-worker")
 

@@ -32,7 +32,7 @@ from harness import (
 from starlette.types import Receive, Scope, Send
 
 from gateway._shell import AdmissionShell
-from scheduler import Policy, RunPhase
+from scheduler import Policy, RunPhase, ServiceClass
 from testkit._fake_text import key
 from testkit.engine import EngineParams
 from testkit.loopback import serve
@@ -670,6 +670,13 @@ async def test_token_is_required_and_never_forwarded(monkeypatch: pytest.MonkeyP
             assert RUN in r.headers
         assert (await gw.get("/v1/models")).status_code == 401
         assert (await gw.delete("/v1/runs/x")).status_code == 401
+        # The token is asked first: what the request is comes after who sends it.
+        assert (await gw.delete("/v1/runs/a%20b")).status_code == 401
+        bad_run = {RUN: "a b"}
+        assert (
+            await gw.post("/v1/chat/completions", json=chat(), headers=bad_run)
+        ).status_code == 401
+        assert (await gw.post("/v1/completions", json=chat())).status_code == 401
         assert (await gw.get("/health")).status_code == 200
         assert not seen
 
@@ -677,6 +684,9 @@ async def test_token_is_required_and_never_forwarded(monkeypatch: pytest.MonkeyP
         r = await gw.post("/v1/chat/completions", json=chat(), headers=auth)
         assert r.status_code == 200
         assert (await gw.get("/v1/models", headers=auth)).status_code == 200
+        assert (await gw.post("/v1/completions", json=chat(), headers=auth)).status_code == 404
+        r = await gw.post("/v1/chat/completions", json=chat(), headers=auth | bad_run)
+        assert r.status_code == 400 and RUN in r.headers
         assert [h["authorization"] for h in seen] == ["Bearer sk-upstream"]
 
 
@@ -749,6 +759,24 @@ async def test_caller_is_cut_to_128_bytes_utf8_safe() -> None:
         headers = {b"x-luftpause-caller": caller.encode(), RUN.encode(): b"c"}
         assert (await gw.post("/v1/chat/completions", json=chat(), headers=headers)).is_success
         assert shell.state.runs["c"].caller == "ä" * 64
+
+
+async def test_paths_no_route_serves_get_the_error_shape_too() -> None:
+    async with engine(instant=True) as (url, _), gateway(endpoint("a", url)) as (gw, _):
+        for method, path, status in (("GET", "/nope", 404), ("POST", "/status", 405)):
+            r = await gw.request(method, path)
+            assert r.status_code == status, (method, path)
+            message = r.json()["error"]["message"]
+            assert message.startswith(f"luftpause does not serve {method} {path}; it serves ")
+            assert "GET /status" in message
+
+
+async def test_an_empty_class_header_is_the_default_class_as_other_empty_headers() -> None:
+    async with engine(instant=True) as (url, _), gateway(endpoint("a", url)) as (gw, shell):
+        empty = {"x-luftpause-class": "", "x-luftpause-caller": "", RUN: "e"}
+        r = await gw.post("/v1/chat/completions", json=chat(max_tokens=3), headers=empty)
+        assert r.status_code == 200, r.text
+        assert shell.state.runs["e"].service_class is ServiceClass.INTERACTIVE
 
 
 async def test_hostile_run_ids_and_deep_json_get_400_not_500() -> None:

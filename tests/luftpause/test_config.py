@@ -255,6 +255,44 @@ def test_environment_overrides_the_file(tmp_path: Path) -> None:
     assert load_config(path).temporal.address == "file:7233"
 
 
+def test_the_token_comes_from_the_file_or_the_environment_stripped_and_unshown(
+    tmp_path: Path,
+) -> None:
+    one = '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+    path = _write(tmp_path, 'token = "from-file"\n' + one)
+    assert load_config(path).token == "from-file"
+    assert "from-file" not in repr(load_config(path))
+    # A secret mounted from a file ends in a newline, which no header can carry: kept,
+    # every client would be refused.
+    assert load_config(path, {"LUFTPAUSE_TOKEN": "from-env\n"}).token == "from-env"
+    assert load_config(_write(tmp_path, one)).token is None
+    for bad in ("  ", "two words", "caf\u00e9"):
+        with pytest.raises(ConfigError) as err:
+            load_config(path, {"LUFTPAUSE_TOKEN": bad})
+        assert "token: expected a bearer token: printable ASCII" in str(err.value)
+        assert not bad.strip() or bad.strip() not in str(err.value)
+
+
+def test_keys_named_but_not_in_the_environment_are_reported() -> None:
+    cfg = parse_config(
+        {
+            "endpoints": [
+                {"name": "a", "url": "http://h:1", "kind": "openai", "models": ["m"],
+                 "api_key_env": "KEY_A"},
+                {"name": "b", "url": "http://h:2", "kind": "openai", "models": ["m"],
+                 "api_key_env": "KEY_B"},
+                {"name": "c", "url": "http://h:3", "kind": "vllm", "models": ["m"]},
+            ],
+            "mcp_servers": [{"name": "t", "url": "http://h:4/mcp", "token_env": "TOOL_KEY"}],
+        }
+    )  # fmt: skip
+    assert cfg.unset_keys({"KEY_A": "sk-1", "KEY_B": " \n", "TOOL_KEY": "t"}) == [
+        "endpoint b: api_key_env = 'KEY_B', but KEY_B is not set: its requests go without a key"
+    ]
+    assert len(cfg.unset_keys({})) == 3
+    assert cfg.unset_keys({"KEY_A": "1", "KEY_B": "2", "TOOL_KEY": "3"}) == []
+
+
 def test_the_policy_section_sets_the_schedulers_constants(tmp_path: Path) -> None:
     endpoint = (
         '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\nkv_tokens=56000\n'
