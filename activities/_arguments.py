@@ -9,6 +9,8 @@ is told what was wrong and the shape that was expected, and can try again.
 from __future__ import annotations
 
 import json
+import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,22 +38,18 @@ def _types(schema: Mapping[str, Any]) -> list[str]:
     return []
 
 
-def _coerce(value: Any, schema: Mapping[str, Any]) -> Any:
+def _coerce(value: Any, schema: Any) -> Any:
+    if not isinstance(schema, Mapping):  # `true` / `false` sub-schemas: nothing to coerce
+        return value
     types = _types(schema)
     if not types or isinstance(value, (dict, list)):
         return value
     if isinstance(value, str):
         text = value.strip()
-        if "integer" in types:
-            try:
-                return int(text)
-            except ValueError:
-                pass
-        if "number" in types:
-            try:
-                return float(text)
-            except ValueError:
-                pass
+        if "integer" in types and _INTEGER.fullmatch(text):
+            return int(text)
+        if "number" in types and _DECIMAL.fullmatch(text) and math.isfinite(float(text)):
+            return float(text)
         if "boolean" in types and text.lower() in ("true", "false"):
             return text.lower() == "true"
         if "null" in types and text.lower() in ("null", "none"):
@@ -62,6 +60,12 @@ def _coerce(value: Any, schema: Mapping[str, Any]) -> Any:
     if "integer" in types and isinstance(value, float) and value.is_integer():
         return int(value)
     return value
+
+
+# Numbers as a model writes them in a string (not "1_000", "nan", "inf" or "0x10", which
+# Python's int() and float() read but JSON cannot carry on to the tool).
+_INTEGER = re.compile(r"-?[0-9]+")
+_DECIMAL = re.compile(r"-?[0-9]+(\.[0-9]+)?([eE][+-]?[0-9]+)?")
 
 
 def _label(schema: Any) -> str:
@@ -92,15 +96,24 @@ def expected_shape(schema: Mapping[str, Any]) -> str:
     return "{" + ", ".join(parts) + "}"
 
 
+def _no_constant(name: str) -> Any:
+    """`NaN` and `Infinity` are Python's JSON, not JSON: no tool could be sent them."""
+    raise json.JSONDecodeError(f"{name} is not a JSON value", name, 0)
+
+
 def prepare_arguments(tool: str, raw: str, schema: Mapping[str, Any]) -> dict[str, Any]:
     """Parse, coerce and validate a call's arguments; `ArgumentsError` names the problem."""
     shape = expected_shape(schema)
     try:
-        args = json.loads(raw) if raw.strip() else {}
+        args = json.loads(raw, parse_constant=_no_constant) if raw.strip() else {}
     except json.JSONDecodeError as exc:
         raise ArgumentsError(
             f"the arguments for tool '{tool}' are not valid JSON ({exc.msg}); "
             f"expected a JSON object {shape}"
+        ) from None
+    except RecursionError:
+        raise ArgumentsError(
+            f"the arguments for tool '{tool}' are nested too deeply; expected a JSON object {shape}"
         ) from None
     if not isinstance(args, dict):
         raise ArgumentsError(

@@ -5,6 +5,11 @@ sent: it completes with an error the model reads, naming the expected shape.  A 
 that reports an error (`isError`) completes too — the model sees it as the tool's
 answer.  Only a failure to reach the server raises, for Temporal to retry.
 
+An answer longer than `TOOL_OUTPUT_MAX_CHARS` is cut, with a note the model reads.
+Uncut, one large answer (a fetched page, an image as base64) would overflow the model's
+context in every later turn and, past Temporal's 2 MB payload limit, fail the activity
+*after* the call ran, so each retry would run the tool again.
+
 With tracing on, each call is an `execute_tool {name}` span (GenAI semantic
 conventions); the MCP SDK sends its `traceparent` to the server in the request's `_meta`.
 """
@@ -23,7 +28,21 @@ from activities.llm import HEARTBEAT_EVERY_S, heartbeating
 from activities.mcp_pool import McpPool, UnknownTool
 from luftpause import telemetry
 
-__all__ = ["ToolActivities"]
+__all__ = ["TOOL_OUTPUT_MAX_CHARS", "ToolActivities", "capped"]
+
+# As Claude Code's default limit for an MCP tool's answer (25,000 tokens), at ~4
+# characters a token; at most 400 kB of UTF-8, well inside a Temporal payload.
+TOOL_OUTPUT_MAX_CHARS = 100_000
+
+
+def capped(text: str, limit: int = TOOL_OUTPUT_MAX_CHARS) -> str:
+    """The tool's answer, cut to `limit` characters with a note saying so."""
+    if len(text) <= limit:
+        return text
+    return text[:limit] + (
+        f"\n[luftpause: the tool's answer was cut to its first {limit:,} of "
+        f"{len(text):,} characters]"
+    )
 
 
 class ToolActivities:
@@ -73,6 +92,14 @@ class ToolActivities:
             arguments = prepare_arguments(call.tool, call.arguments, call.input_schema)
         except ArgumentsError as exc:
             return ToolOutput(content=f"Error: {exc}", is_error=True, executed=False)
+        except Exception as exc:  # a schema the checks did not foresee: never retried
+            activity.logger.exception("checking the arguments of tool %r", call.tool)
+            return ToolOutput(
+                content=f"Error: the arguments for tool '{call.tool}' could not be checked "
+                f"against its input schema ({type(exc).__name__})",
+                is_error=True,
+                executed=False,
+            )
         started = time.monotonic()
         try:
             async with heartbeating(self._every):
@@ -87,5 +114,8 @@ class ToolActivities:
                 type="McpUnavailable",
             ) from None
         return ToolOutput(
-            content=text, is_error=is_error, executed=True, seconds=time.monotonic() - started
+            content=capped(text),
+            is_error=is_error,
+            executed=True,
+            seconds=time.monotonic() - started,
         )

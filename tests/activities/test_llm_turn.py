@@ -170,3 +170,24 @@ def test_arguments_are_coerced_then_validated() -> None:
         with pytest.raises(ArgumentsError, match=r"\{\"query\": string") as err:
             prepare_arguments("lookup", raw, schema)
         assert needle in str(err.value)
+
+
+def test_arguments_json_cannot_carry_are_refused_and_odd_schemas_do_not_crash() -> None:
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}, "x": {"type": "number"}, "any": True},
+    }
+    # Boolean sub-schemas (`true`: anything) are valid JSON Schema: nothing to coerce.
+    assert prepare_arguments("t", '{"any": "5", "n": " 42 ", "x": "-2.5e3"}', schema) == {
+        "any": "5",
+        "n": 42,
+        "x": -2500.0,
+    }
+    # Python reads these as numbers; JSON cannot send them on, so they stay strings and
+    # the schema refuses them, naming the shape.
+    for raw in ('{"n": "1_000"}', '{"x": "nan"}', '{"x": "inf"}', '{"x": "1e999"}'):
+        with pytest.raises(ArgumentsError, match="do not fit its input schema"):
+            prepare_arguments("t", raw, schema)
+    for raw, needle in (('{"x": NaN}', "NaN is not a JSON value"), ("[" * 100_000, "nested")):
+        with pytest.raises(ArgumentsError, match=needle):
+            prepare_arguments("t", raw, schema)
