@@ -23,6 +23,18 @@ class ApprovalForm(BaseModel):
     allow: bool = Field(description="let the sub-agent run this tool call")
 
 
+def answer(action: object, content: object) -> bool | None:
+    """A client's answer to an approval question (an elicitation result, or a Tasks
+    input response): `accept` with `allow`, or `decline` — the user's explicit no, as
+    MCP defines it (Claude Code's "Decline").  `cancel` (dismissed) and anything else
+    answers nothing: the approval stays open."""
+    if action == "decline":
+        return False
+    if action == "accept" and isinstance(content, dict) and isinstance(content.get("allow"), bool):
+        return bool(content["allow"])
+    return None
+
+
 def question_key(status: RunStatus) -> str:
     """The input key of a run's pending approval: `approve:<handle>:<call id>`."""
     assert status.pending_approval is not None

@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from mcp.server.elicitation import AcceptedElicitation
+from mcp.server.elicitation import AcceptedElicitation, DeclinedElicitation
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import ToolAnnotations
@@ -394,10 +394,12 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
         state = _State.load(ctx.request_state)
         for key, response in (ctx.input_responses or {}).items():
             handle, call_id = approval.parse_key(key)
-            content = getattr(response, "content", None) or {}
-            if getattr(response, "action", None) == "accept" and "allow" in content:
+            allow = approval.answer(
+                getattr(response, "action", None), getattr(response, "content", None)
+            )
+            if allow is not None:
                 with contextlib.suppress(RunError):  # answered meanwhile by `approve`
-                    await r.approve(handle, bool(content["allow"]), call_id)
+                    await r.approve(handle, allow, call_id)
         return state.asked
 
     async def wait(
@@ -459,13 +461,29 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
                 pending = s.pending_approval
                 assert pending is not None
                 try:
-                    answer = await ctx.elicit(approval.message(s), schema=approval.ApprovalForm)
+                    # Within the call's timeout: a user who does not answer does not
+                    # hold the call (the approval stays open, for `approve` or the
+                    # next `await`).
+                    answer = await asyncio.wait_for(
+                        ctx.elicit(approval.message(s), schema=approval.ApprovalForm),
+                        max(0.001, deadline - loop.time()),
+                    )
+                except TimeoutError:
+                    break  # the next round finds the deadline passed and returns
                 except Exception as exc:  # the client refused the request: use `approve`
                     log.info("elicitation for %s failed: %s", s.handle, exc)
                     continue
-                if isinstance(answer, AcceptedElicitation):
+                # "decline" is the user's no; "cancel" (dismissed) answers nothing.
+                allow = (
+                    answer.data.allow
+                    if isinstance(answer, AcceptedElicitation)
+                    else False
+                    if isinstance(answer, DeclinedElicitation)
+                    else None
+                )
+                if allow is not None:
                     with contextlib.suppress(RunError):
-                        await r.approve(s.handle, answer.data.allow, pending.call_id)
+                        await r.approve(s.handle, allow, pending.call_id)
             # Progress whenever a run ends, and every PROGRESS_EVERY_S while none does.
             if ended != reported[0] or loop.time() - reported[1] >= PROGRESS_EVERY_S:
                 reported = (ended, loop.time())

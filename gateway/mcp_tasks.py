@@ -154,17 +154,19 @@ class TasksExtension(Extension):
             handle, call_id = approval.parse_key(key)
             if handle != status.handle:
                 continue  # never issued for this task: ignored, as the spec asks
+            action = response.get("action") if isinstance(response, dict) else None
             content = response.get("content") if isinstance(response, dict) else None
-            if not (isinstance(response, dict) and response.get("action") == "accept"):
-                continue  # declined or dismissed: the approval stays open
-            if not isinstance(content, dict) or not isinstance(content.get("allow"), bool):
+            allow = approval.answer(action, content)
+            if allow is None and action == "accept":
                 raise MCPError(
                     code=_INVALID_PARAMS,
                     message=f'input response {key!r}: expected content {{"allow": true|false}}',
                 )
+            if allow is None:
+                continue  # dismissed: the approval stays open
             # Answered already, or superseded (the run moved on or ended): ignored.
             with contextlib.suppress(RunError):
-                await runs.approve(handle, content["allow"], call_id)
+                await runs.approve(handle, allow, call_id)
         return EmptyResult()
 
     async def cancel(self, ctx: Any, params: TaskIdParams) -> EmptyResult:

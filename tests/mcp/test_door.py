@@ -3,6 +3,7 @@ the real stack (Temporal dev server, gateway with fake engines, worker, fake MCP
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 import uuid
@@ -182,18 +183,27 @@ async def _state(c: Client, handle: str, state: str) -> bool:
     return bool(st["state"] == state)
 
 
+ANSWERS = {
+    "allow": ElicitResult(action="accept", content={"allow": True}),
+    "refuse": ElicitResult(action="accept", content={"allow": False}),
+    # The form's Decline button: the user's no (MCP: "explicitly declined").
+    "decline": ElicitResult(action="decline"),
+}
+
+
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("allow", [True, False])
+@pytest.mark.parametrize("answer", list(ANSWERS))
 async def test_an_approval_answered_through_elicitation(
-    temporal_address: str, mode: str, allow: bool
+    temporal_address: str, mode: str, answer: str
 ) -> None:
     asked: list[str] = []
+    allow = answer == "allow"
 
     async def on_elicit(context: Any, params: Any) -> ElicitResult:
         asked.append(params.message)
-        return ElicitResult(action="accept", content={"allow": allow})
+        return ANSWERS[answer]
 
-    caller = {"x-luftpause-caller": f"elicit-{mode}-{allow}-{time.time_ns()}"}
+    caller = {"x-luftpause-caller": f"elicit-{mode}-{answer}-{time.time_ns()}"}
     async with (
         stack(temporal_address) as s,
         _client(s.mcp_door, mode, caller, elicitation_callback=on_elicit) as c,
@@ -210,6 +220,35 @@ async def test_an_approval_answered_through_elicitation(
         # `run` spawned exactly one run, however many rounds the call took.
         listed = result(await c.call_tool("status", {}))["runs"]
         assert [r["handle"] for r in listed] == [run["handle"]]
+
+
+async def test_a_question_nobody_answers_does_not_hold_await_past_its_timeout(
+    temporal_address: str,
+) -> None:
+    # Legacy sessions are asked mid-call; a user who never answers must not hold the
+    # call past the timeout its caller chose (it would hit the client's own timeout).
+    released = asyncio.Event()
+    asked: list[str] = []
+
+    async def on_elicit(context: Any, params: Any) -> ElicitResult:
+        asked.append(params.message)
+        await released.wait()
+        return ANSWERS["allow"]
+
+    caller = {"x-luftpause-caller": f"unanswered-{time.time_ns()}"}
+    async with (
+        stack(temporal_address) as s,
+        _client(s.mcp_door, "legacy", caller, elicitation_callback=on_elicit) as c,
+    ):
+        handle = await spawn(c, task=task_with(1, "unanswered"), tools=["delete_record"])
+        call = c.call_tool("await", {"handles": [handle], "timeout": 2})
+        try:
+            waited = result(await asyncio.wait_for(call, 30))
+        finally:
+            released.set()
+        (st,) = waited["runs"]
+        assert len(asked) == 1 and st["state"] == "AwaitingApproval"
+        assert not waited["done"]
 
 
 @pytest.mark.parametrize("mode", MODES)
