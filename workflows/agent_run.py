@@ -525,7 +525,7 @@ class AgentRun:
 
     async def _report_up(self) -> None:
         parent = self._spec.parent
-        if parent is None:
+        if not parent:  # "" was let through before Runs.spawn read it as no parent
             return
         report = (self._state, self.subtree())
         if report == self._last_report:

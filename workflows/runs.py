@@ -89,6 +89,8 @@ class Runs:
         """Start a run (a child of `spec.parent` when given); returns its handle once the
         workflow exists, so the handle is durable when the caller sees it."""
         handle = handle or new_handle()
+        if spec.parent is not None and not spec.parent.strip():
+            spec = replace(spec, parent=None)  # "" (a form's empty field): no parent
         if spec.parent:
             parent = self._handle(spec.parent)
             try:

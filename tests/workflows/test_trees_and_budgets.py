@@ -47,6 +47,19 @@ async def test_a_tree_reports_children_and_subtree_totals(temporal_address: str)
             await s.runs.spawn(RunSpec(task="orphan", model=MODEL, parent="run-nope"))
 
 
+async def test_an_empty_parent_is_no_parent(temporal_address: str) -> None:
+    # A harness that fills optional fields with "" once started a run that signalled
+    # the workflow "" with its usage: a failing command, so it never moved and could
+    # not even be cancelled.
+    async with stack(temporal_address) as s:
+        handle = await s.runs.spawn(
+            RunSpec(task=task_with(1, "orphan"), model=MODEL, tools=["lookup"], parent="")
+        )
+        (status,) = await s.runs.wait([handle], timeout=30)
+        assert status.state == "Completed" and status.parent is None, status
+        assert status.root == handle and status.usage.tool_calls == 1
+
+
 async def test_cancelling_a_parent_cancels_running_descendants(temporal_address: str) -> None:
     async with stack(temporal_address) as s:
         parent = await spawn_waiting(s, "p")
