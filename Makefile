@@ -12,8 +12,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+# `make up ARGS="--port 8090"`: any flag of `luftpause up --help`.
 up: $(STAMP)
-	$(BIN)/luftpause up
+	$(BIN)/luftpause up $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

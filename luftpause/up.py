@@ -31,6 +31,9 @@ from luftpause.temporal_dev import DevServer, DevServerError, free_port
 __all__ = ["Child", "add_arguments", "run", "wait_http"]
 
 MODEL = "llama-3.2-1b"
+# The fake engine's /classify classes, in order (testkit.fake_engine.FakeEngineSettings):
+# /v1/decide names its probabilities by them.
+FAKE_LABELS = ("negative", "positive")
 HEALTH_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0
 RESTARTS_PER_MINUTE = 5
@@ -150,6 +153,7 @@ def _fake_config(path: Path, engines: list[str], mcp_url: str, gateway: str, tem
         f'url = "{engines[0]}"',
         'kind = "classifier"',
         f'models = ["{MODEL}"]',
+        f"labels = [{', '.join(f'{label!r}' for label in FAKE_LABELS)}]",
         "",
         "[[mcp_servers]]",
         'name = "fake"',
@@ -186,7 +190,10 @@ class Up:
             (self.args.ui_port, "--ui-port"),
         ):
             if not _port_free(port):
-                raise UpError(f"port {port} is already in use; choose another with {flag} N")
+                raise UpError(
+                    f"port {port} is already in use; choose another with {flag} N "
+                    f'(make up ARGS="{flag} N")'
+                )
 
     def child(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Child:
         c = Child(name, argv, self.logs / f"{name}.log", env or {})

@@ -4,6 +4,7 @@ directory, driven over MCP, stopped with SIGTERM — and restarted mid-run."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -20,6 +21,7 @@ from luftpause.temporal_dev import free_port
 from tests.workflows.harness import task_with
 
 EXE = str(Path(sys.executable).parent / "luftpause")
+ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 120.0
 
 
@@ -150,6 +152,15 @@ async def test_up_runs_sub_agents_and_stops_everything(state: Path) -> None:
             runs = r.structured_content["runs"]
         assert [x["state"] for x in runs] == ["Completed"] * 4
         assert all(x["toolCalls"] == 2 for x in runs)
+        # The fake pool's classifier has its classes named: decide's label is among them.
+        body = json.dumps({"input": "hello"}).encode()
+        ask = urllib.request.Request(
+            f"{up.gateway}/v1/decide", data=body, headers={"content-type": "application/json"}
+        )
+        with urllib.request.urlopen(ask, timeout=10) as answered:
+            decided = json.load(answered)
+        assert set(decided["probabilities"]) == {"negative", "positive"}, decided
+        assert decided["label"] in decided["probabilities"]
         # The Temporal UI answers, and Temporal lists the four workflows.
         with urllib.request.urlopen(f"http://127.0.0.1:{up.ports['ui']}/", timeout=10) as ui:
             assert ui.status == 200
@@ -214,5 +225,14 @@ async def test_a_port_in_use_is_named_with_its_flag(state: Path) -> None:
             text=True,
             timeout=60,
         )
+        # `make up` passes ARGS on: the README's way to choose ports.
+        args = f"ARGS=--port {port} --state-dir {state}"
+        made = subprocess.run(
+            ["make", "-s", "up", args], cwd=ROOT, capture_output=True, text=True, timeout=60
+        )
     assert out.returncode == 2
-    assert f"port {port} is already in use; choose another with --port N" in out.stderr
+    assert (
+        f"port {port} is already in use; choose another with --port N "
+        '(make up ARGS="--port N")' in out.stderr
+    )
+    assert f"port {port} is already in use" in made.stderr, made.stderr
