@@ -184,14 +184,20 @@ class AgentRun:
                     await self._halt(work, "Cancelled", reason)
                     raise
             await self._halt(work, "Cancelled", reason)
-            raise ApplicationError(reason, type=BUDGET_EXCEEDED, non_retryable=True) from None
+            # The final status rides on the failure (as on a result): a store reads it
+            # from history, with no worker to replay the run for a query.
+            raise ApplicationError(
+                reason, self.status(), type=BUDGET_EXCEEDED, non_retryable=True
+            ) from None
         except asyncio.CancelledError:
             await self._halt(work, "Cancelled", self._stop_reason or "cancelled")
             raise
         except (ActivityError, ApplicationError) as exc:
             message = str(exc.cause) if isinstance(exc, ActivityError) and exc.cause else str(exc)
             await self._halt(work, "Failed", message)
-            raise ApplicationError(message, type="RunFailed", non_retryable=True) from None
+            raise ApplicationError(
+                message, self.status(), type="RunFailed", non_retryable=True
+            ) from None
         await self._finish()
         return self.status()
 

@@ -19,10 +19,13 @@ from typing import Any, Literal
 from temporalio.client import (
     Client,
     WorkflowExecutionStatus,
+    WorkflowFailureError,
     WorkflowHandle,
     WorkflowUpdateFailedError,
 )
 from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
+from temporalio.converter import value_to_type
+from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
 from workflows.agent_run import AgentRun, search_attributes
@@ -60,6 +63,19 @@ class RunError(Exception):
 def new_handle() -> str:
     """A fresh run handle (the workflow id)."""
     return f"run-{uuid.uuid4().hex[:20]}"
+
+
+async def _final(h: WorkflowHandle[AgentRun, RunStatus]) -> RunStatus:
+    """An ended run's last status from its history: the result, or the details of the
+    failure it ended with (budget stops and failed runs carry it)."""
+    try:
+        return await h.result()
+    except WorkflowFailureError as exc:
+        cause = exc.cause
+        if isinstance(cause, ApplicationError) and cause.details:
+            final: RunStatus = value_to_type(RunStatus, cause.details[0])
+            return final
+        raise
 
 
 _CLOSED = {
@@ -127,10 +143,12 @@ class Runs:
             if exc.status in (RPCStatusCode.NOT_FOUND, RPCStatusCode.INVALID_ARGUMENT):
                 raise RunError(f"no run with handle '{handle}'") from None
             raise
-        if desc.status == WorkflowExecutionStatus.COMPLETED:
-            # The result is the final status, read from history: no worker replays it.
+        if desc.status in (WorkflowExecutionStatus.COMPLETED, WorkflowExecutionStatus.FAILED):
+            # The result (or the failure's details) is the final status, read from
+            # history: no worker replays the run.  Runs from before the details were
+            # added fail without them, and are queried.
             with contextlib.suppress(Exception):
-                return await asyncio.wait_for(h.result(), query_timeout)
+                return await asyncio.wait_for(_final(h), query_timeout)
         try:
             status = await asyncio.wait_for(h.query(AgentRun.status), query_timeout)
         except (TimeoutError, RPCError) as exc:

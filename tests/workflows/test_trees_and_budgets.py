@@ -6,8 +6,16 @@ from typing import Any
 
 import pytest
 
-from tests.workflows.harness import MODEL, Stack, spawn_waiting, stack, task_with, until
-from workflows import TERMINAL_STATES, Budget, RunError, RunSpec
+from tests.workflows.harness import (
+    MODEL,
+    Stack,
+    connect,
+    spawn_waiting,
+    stack,
+    task_with,
+    until,
+)
+from workflows import TERMINAL_STATES, AgentRun, Budget, RunError, Runs, RunSpec
 
 
 async def test_a_tree_reports_children_and_subtree_totals(temporal_address: str) -> None:
@@ -134,6 +142,31 @@ async def test_a_run_holding_a_tool_call_budget_makes_no_call_over_it(
             "Error: the tool-call budget of this run's tree (2) is spent; answer with what you have"
         )
         assert not any(r.startswith("Error") for r in replies[:2])
+
+
+async def test_a_run_a_budget_stopped_shows_its_status_with_no_worker_up(
+    temporal_address: str,
+) -> None:
+    # Temporal records a budget stop as a failure; the status page and `status` read
+    # ended runs from history, since no worker may be up to replay them for a query.
+    async with stack(temporal_address) as s:
+        handle = await s.runs.spawn(
+            RunSpec(
+                task=task_with(3, "nw"), model=MODEL, tools=["lookup"], budget=Budget(tokens=50)
+            )
+        )
+        (live,) = await s.runs.wait([handle])
+        # What the run itself answers (a worker replays it to its end).
+        queried = await s.client.get_workflow_handle_for(AgentRun.run, handle).query(
+            AgentRun.status
+        )
+        queue = s.task_queue
+    assert live.state == "Cancelled" and live.usage.turns >= 1, live
+    assert live.error is not None and live.error.startswith("budget exceeded: tokens ")
+    # The stack, its worker with it, is gone.
+    runs = Runs(await connect(temporal_address), task_queue=queue)
+    ended = await runs.status(handle, query_timeout=5)
+    assert ended == live == queried
 
 
 async def test_the_seconds_budget_trips_on_an_idle_subtree(temporal_address: str) -> None:
