@@ -2,9 +2,10 @@
 
 Small open models served without a tool-call parser answer with the call in the text:
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Hermes, Qwen),
-`<|python_tag|>{"name": ..., "parameters": {...}}` (Llama 3.x), or the bare JSON object,
-sometimes in a ```json fence.  Only names of tools that were offered are recovered, so
-an answer that merely quotes JSON stays an answer.
+`<|python_tag|>{"name": ..., "parameters": {...}}<|eom_id|>` (Llama 3.x), or bare JSON —
+one object, several (on lines, or between `;`), or an array of them — sometimes in a
+```json fence.  Every value must be a call of a tool that was offered, or nothing is
+recovered, so an answer that merely quotes JSON (or is prose around it) stays an answer.
 """
 
 from __future__ import annotations
@@ -19,19 +20,43 @@ from activities.contract import ToolCall
 
 __all__ = ["recover_tool_calls"]
 
-_TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+# A call in Hermes/Qwen tags; the last one may be left open when generation stopped.
+_TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 _FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.DOTALL)
+_DECODER = json.JSONDecoder()
 
 
-def _candidates(text: str) -> list[str]:
+def _values(body: str) -> list[Any] | None:
+    """The JSON values `body` consists of, in order: separated by blanks or `;`, an
+    array counting as its items.  None when anything else is in it."""
+    values: list[Any] = []
+    i = 0
+    while True:
+        while i < len(body) and body[i] in " \t\r\n;,":
+            i += 1
+        if i == len(body):
+            return values
+        try:
+            value, i = _DECODER.raw_decode(body, i)
+        except ValueError:
+            return None
+        values.extend(value if isinstance(value, list) else [value])
+
+
+def _candidates(text: str) -> list[Any]:
     tagged = _TAGGED.findall(text)
     if tagged:
-        return tagged
+        found = [_values(t) for t in tagged]
+        return [] if any(v is None for v in found) else [x for v in found for x in v or []]
     body = text.strip().removeprefix("<|python_tag|>").strip()
+    for end in ("<|eom_id|>", "<|eot_id|>"):
+        body = body.removesuffix(end).strip()
     fenced = _FENCE.match(body)
     if fenced:
         body = fenced.group(1)
-    return [part for part in body.split(";") if part.strip()] if body.startswith("{") else []
+    if not body.startswith(("{", "[")):
+        return []  # prose (which may quote JSON) is an answer
+    return _values(body) or []
 
 
 def _call(obj: Any, offered: Collection[str]) -> tuple[str, str] | None:
@@ -52,14 +77,11 @@ def recover_tool_calls(text: str, offered: Collection[str], salt: str = "") -> l
     """The tool calls written in `text`, or [] when it is an answer.  `salt` (the run and
     turn) keeps ids unique when a model writes the same call twice in one run."""
     calls: list[ToolCall] = []
-    for i, candidate in enumerate(_candidates(text)):
-        try:
-            obj = json.loads(candidate)
-        except ValueError:
-            return []
+    for i, obj in enumerate(_candidates(text)):
         found = _call(obj, offered)
         if found is None:
             return []
-        digest = hashlib.blake2b(f"{salt}\0{i}\0{candidate}".encode(), digest_size=8).hexdigest()
+        seen = json.dumps(obj, sort_keys=True)
+        digest = hashlib.blake2b(f"{salt}\0{i}\0{seen}".encode(), digest_size=8).hexdigest()
         calls.append(ToolCall(id=f"call_recovered_{digest}", name=found[0], arguments=found[1]))
     return calls

@@ -118,7 +118,7 @@ class StreamWatch:
         # The answer's text, only while tools were offered: a JSON body's message, or the
         # raw SSE events that carry content from where a call may begin (parsed only if
         # the answer ends in "stop"): a call written as text either starts the text
-        # ({, ```, <|python_tag|>) or is tagged (<tool_call>).  A prose answer keeps
+        # ({, [, ```, <|python_tag|>) or is tagged (<tool_call>).  A prose answer keeps
         # nothing after its first words.
         self._content: list[str] = []
         self._events: list[bytes] = []
@@ -243,7 +243,7 @@ class StreamWatch:
 
 _WATCHED_KEYS = (b'"usage"', b'"tool_calls"', b'"finish_reason"', b'"error"')
 # How a text that is a tool call begins (activities/_recover.py's forms).
-_CALL_LEADS = ("{", "```", "<|python_tag|>", "<tool_call>")
+_CALL_LEADS = ("{", "[", "```", "<|python_tag|>", "<tool_call>")
 
 
 def _texts(obj: object) -> list[str]:

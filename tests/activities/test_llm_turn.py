@@ -16,6 +16,7 @@ from temporalio.testing import ActivityEnvironment
 
 from activities import LlmActivities, TurnInput
 from activities._arguments import ArgumentsError, expected_shape, prepare_arguments
+from activities._recover import recover_tool_calls
 from testkit.loopback import serve
 from tests.gateway.harness import closed_port_url, upstream
 
@@ -191,3 +192,44 @@ def test_arguments_json_cannot_carry_are_refused_and_odd_schemas_do_not_crash() 
     for raw, needle in (('{"x": NaN}', "NaN is not a JSON value"), ("[" * 100_000, "nested")):
         with pytest.raises(ArgumentsError, match=needle):
             prepare_arguments("t", raw, schema)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('{"name": "lookup", "arguments": {"query": "a;b"}}', [("lookup", "a;b")]),
+        (
+            '{"name": "lookup", "arguments": {"query": "a"}}\n'
+            '{"name": "lookup", "arguments": {"query": "b"}}',
+            [("lookup", "a"), ("lookup", "b")],
+        ),
+        (
+            '{"name": "lookup", "arguments": {"query": "a"}}; '
+            '{"name": "lookup", "arguments": {"query": "b"}}',
+            [("lookup", "a"), ("lookup", "b")],
+        ),
+        (
+            '[{"name": "lookup", "arguments": {"query": "a"}}, '
+            '{"type": "function", "function": {"name": "lookup", "parameters": {"query": "b"}}}]',
+            [("lookup", "a"), ("lookup", "b")],
+        ),
+        (
+            'Let me look. <tool_call>{"name": "lookup", "arguments": {"query": "a"}}',
+            [("lookup", "a")],
+        ),
+        (
+            '<|python_tag|>{"name": "lookup", "parameters": {"query": "a"}}<|eom_id|>',
+            [("lookup", "a")],
+        ),
+        ('```json\n{"name": "lookup", "arguments": {"query": "a"}}\n```', [("lookup", "a")]),
+        # Answers: prose around JSON, a tool not offered, anything besides the calls.
+        ('I would call {"name": "lookup", "arguments": {"query": "a"}}', []),
+        ('{"name": "rm", "arguments": {}}', []),
+        ('{"name": "lookup", "arguments": {"query": "a"}} and then more words', []),
+        ('[{"name": "lookup", "arguments": {"query": "a"}}, 3]', []),
+    ],
+)
+def test_the_ways_models_write_calls_as_text(text: str, expected: list[tuple[str, str]]) -> None:
+    calls = recover_tool_calls(text, {"lookup"}, salt="run/1")
+    assert [(c.name, json.loads(c.arguments)["query"]) for c in calls] == expected
+    assert len({c.id for c in calls}) == len(calls)
