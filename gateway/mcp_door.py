@@ -274,11 +274,46 @@ def _arguments(values: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in values.items() if k != "ctx"}
 
 
+def _problems(exc: ValidationError) -> str:
+    """Pydantic's errors as `field: what was wrong`, without its headline and links."""
+    return "; ".join(
+        f"{'.'.join(map(str, e['loc'])) or 'arguments'}: {e['msg']}" for e in exc.errors()
+    )
+
+
+class _DoorServer(MCPServer):
+    """The SDK's server, stricter and plainer about a call's arguments: a name the tool
+    does not take is an error (a misspelt `maxToolcalls` would silently be the default),
+    and a value out of shape says which field and why, without pydantic's headline and
+    links (the SDK's `Error executing tool <name>:` prefix is kept, as on every error)."""
+
+    async def call_tool(self, name: str, arguments: dict[str, Any], context: Any = None) -> Any:
+        tool = self._tool_manager.get_tool(name)
+        if tool is not None:
+            takes = tool.parameters.get("properties") or {}
+            unknown = sorted(set(arguments) - set(takes))
+            if unknown:
+                raise ToolError(
+                    f"Error executing tool {name}: unknown argument(s) "
+                    f"{', '.join(map(repr, unknown))}; it takes {', '.join(takes) or 'none'}"
+                )
+        try:
+            return await super().call_tool(name, arguments, context)
+        except ToolError as exc:
+            if isinstance(exc.__cause__, ValidationError):
+                raise ToolError(
+                    f"Error executing tool {name}: {_problems(exc.__cause__)}"
+                ) from None
+            raise
+
+
 class RunArgs(BaseModel):
     """The arguments of `spawn` and `run`: one conversion to a RunSpec for both tools and
     for the Tasks extension, which takes a `run` call before the tool validates it (the
     bounds repeat the tools' parameters)."""
 
+    # Ignored: a tool builds its RunArgs from its locals(), which hold the closures it
+    # uses; names a client made up are refused before (_DoorServer, start_task_run).
     model_config = ConfigDict(extra="ignore")
 
     task: str = Field(min_length=1)
@@ -307,7 +342,7 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
         start_run=lambda arguments, ctx: start_task_run(arguments, ctx),
         view=lambda status: view(status).model_dump(),
     )
-    mcp = MCPServer(
+    mcp = _DoorServer(
         name="luftpause",
         version=_version(),
         extensions=[tasks],
@@ -375,13 +410,16 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
 
     async def start_task_run(arguments: dict[str, Any], ctx: Any) -> tuple[str | None, str]:
         """Start a `run` for the Tasks extension: (handle, "") or (None, tool error)."""
+        unknown = sorted(set(arguments) - set(RunArgs.model_fields))
+        if unknown:
+            return None, (
+                f"run: unknown argument(s) {', '.join(map(repr, unknown))}; "
+                f"it takes {', '.join(RunArgs.model_fields)}"
+            )
         try:
             a = RunArgs.model_validate(arguments)
         except ValidationError as exc:
-            problems = "; ".join(
-                f"{'.'.join(map(str, e['loc'])) or 'arguments'}: {e['msg']}" for e in exc.errors()
-            )
-            return None, f"run: {problems}"
+            return None, f"run: {_problems(exc)}"
         try:
             spec = spec_of(a, ctx)
             return await spawn_run(spec), ""

@@ -25,7 +25,7 @@ from temporalio.client import (
 )
 from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 from temporalio.converter import value_to_type
-from temporalio.exceptions import ApplicationError
+from temporalio.exceptions import ApplicationError, FailureError
 from temporalio.service import RPCError, RPCStatusCode
 
 from workflows.agent_run import AgentRun, search_attributes
@@ -63,6 +63,13 @@ class RunError(Exception):
 def new_handle() -> str:
     """A fresh run handle (the workflow id)."""
     return f"run-{uuid.uuid4().hex[:20]}"
+
+
+def _reason(exc: WorkflowUpdateFailedError) -> str:
+    """Why the run refused an update, in its own words (without the Python type that
+    Temporal puts before an ApplicationError's message)."""
+    cause = exc.cause
+    return cause.message if isinstance(cause, FailureError) else str(cause or exc)
 
 
 async def _final(h: WorkflowHandle[AgentRun, RunStatus]) -> RunStatus:
@@ -114,7 +121,7 @@ class Runs:
                     AgentRun.spawn_child, ChildRequest(handle, replace(spec, parent=None))
                 )
             except WorkflowUpdateFailedError as exc:
-                raise RunError(str(exc.cause or exc)) from None
+                raise RunError(_reason(exc)) from None
             except RPCError as exc:
                 if exc.status != RPCStatusCode.NOT_FOUND:
                     raise
@@ -270,7 +277,7 @@ class Runs:
         try:
             await self._handle(handle).execute_update(AgentRun.approve, Approval(allow, call_id))
         except WorkflowUpdateFailedError as exc:
-            raise RunError(str(exc.cause or exc)) from None
+            raise RunError(_reason(exc)) from None
         except RPCError as exc:
             if exc.status != RPCStatusCode.NOT_FOUND:
                 raise

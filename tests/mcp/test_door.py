@@ -119,8 +119,18 @@ async def test_malformed_calls_get_clear_tool_errors(temporal_address: str, mode
             ("spawn", {"task": "x", "model": "gpt-9"}, "unknown model 'gpt-9'"),
             ("spawn", {"task": "x", "tools": ["nope"]}, "unknown tool(s) 'nope'"),
             ("spawn", {"task": "x", "parent": "run-nope"}, "no run with handle 'run-nope'"),
-            ("spawn", {"task": "x", "maxToolCalls": -1}, "maxToolCalls"),
-            ("spawn", {"task": 5}, "task"),
+            (
+                "spawn",
+                {"task": "x", "maxToolCalls": -1},
+                "tool spawn: maxToolCalls: Input should be greater than or equal to 0",
+            ),
+            ("spawn", {"task": 5}, "tool spawn: task: Input should be a valid string"),
+            (
+                "spawn",
+                {"task": "x", "maxToolcalls": 3},
+                "tool spawn: unknown argument(s) 'maxToolcalls'; it takes task, model,",
+            ),
+            ("run", {"task": "x", "budget": 3}, "run: unknown argument(s) 'budget'"),
             ("await", {"handles": ["run-nope"]}, "no run with handle 'run-nope'"),
             ("await", {"handles": []}, "handles"),
             ("await", {"handles": ["a"], "timeout": 601}, "timeout"),
@@ -134,10 +144,11 @@ async def test_malformed_calls_get_clear_tool_errors(temporal_address: str, mode
         for tool, args, needle in cases:
             text = error_text(await c.call_tool(tool, args))
             assert needle in text, (tool, args, text)
+            assert "pydantic" not in text and "validation error" not in text, text
         handle = await spawn(c, task=task_with(0, "noop"))
         await c.call_tool("await", {"handles": [handle]})
         text = error_text(await c.call_tool("approve", {"handle": handle, "allow": True}))
-        assert "has no pending approval" in text
+        assert f"approve: run '{handle}' has" in text and "no pending approval" in text, text
         # An answer meant for another call than the pending one is refused.
         waiting = await spawn(c, task=task_with(1, "cid"), tools=["delete_record"])
         await until(lambda: _state(c, waiting, "AwaitingApproval"), "the run waits")

@@ -151,7 +151,7 @@ async def test_approve_tools_names_a_tool_that_is_not_destructive(temporal_addre
         try:
             await s.runs.approve(handle, True, call_id="call_other")
         except Exception as exc:
-            assert "is waiting on call" in str(exc)
+            assert str(exc).startswith(f"run '{handle}' is waiting on call"), exc
         else:
             raise AssertionError("an approval for another call was accepted")
         assert (await s.runs.status(handle)).state == "AwaitingApproval"
