@@ -248,6 +248,7 @@ class PolicyConfig(BaseModel):
     turn_timeout_s: Annotated[float, Field(ge=1, strict=True)] = _POLICY.turn_timeout_s
     idle_run_expiry_s: Annotated[float, Field(ge=1, strict=True)] = _POLICY.idle_run_expiry_s
     assumed_reply_tokens: Annotated[int, Field(ge=1)] = _POLICY.assumed_reply_tokens
+    max_reply_estimate: Annotated[int, Field(ge=1)] = _POLICY.max_reply_estimate
     strict_affinity: bool = _POLICY.strict_affinity
     cap_from_engine_queue: bool = _POLICY.cap_from_engine_queue
     cap_after_queued_probes: Annotated[int, Field(ge=1)] = _POLICY.cap_after_queued_probes

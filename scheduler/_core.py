@@ -410,7 +410,12 @@ class _Tx:
             )
             return
         self.seq += 1
-        reply = ev.max_tokens if ev.max_tokens > 0 else self.policy.assumed_reply_tokens
+        p = self.policy
+        reply = (
+            min(ev.max_tokens, p.max_reply_estimate)
+            if ev.max_tokens > 0
+            else (p.assumed_reply_tokens)
+        )
         turn = TurnState(
             ev.turn_id,
             ev.run_id,

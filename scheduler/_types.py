@@ -50,8 +50,13 @@ class Policy:
 
     turn_timeout_s: float = 600.0
     idle_run_expiry_s: float = 1800.0
-    # Replies with no max_tokens are assumed this long when sizing a run's KV need.
+    # Replies with no max_tokens are assumed this long when sizing a run's KV need ...
     assumed_reply_tokens: int = 256
+    # ... and a max_tokens above this counts as this much, as SGLang's scheduler sizes
+    # requests (SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION, 4096): clients set max_tokens as
+    # a ceiling (32k is common), and sized whole such a turn could never fit beside
+    # other runs.  The engine still lets it generate up to its max_tokens.
+    max_reply_estimate: int = 4096
     # Generating and paused runs stay on their replica (their prefix is cached there).
     strict_affinity: bool = True
     # Cap in-flight turns at the engine's running count once it reports a queue ...

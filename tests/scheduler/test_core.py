@@ -503,6 +503,20 @@ def test_a_turn_too_large_for_its_limit_goes_in_once_its_class_holds_no_kv_there
     assert [e.state.turns[j].replica for j in jobs] == ["a", None, None]
 
 
+def test_a_reply_is_sized_as_sglang_sizes_it_clipped_at_4096_tokens() -> None:
+    # Clients set max_tokens as a ceiling; sized whole, this turn (46,000 of a 44,800
+    # limit) could never fit beside the other run, and waited until it was alone.
+    d = Driver(("a",), kv_tokens=56_000)
+    d.arrive("other", prompt=8000, max_tokens=256)
+    big = d.arrive("big", prompt=1000, max_tokens=45_000)
+    assert d.state.turns[big].replica == "a"
+    assert d.state.kv_need(d.state.turns[big]) == 1000 + 4096
+    e = Driver(("a",), kv_tokens=56_000, policy=Policy(max_reply_estimate=45_000))
+    e.arrive("other", prompt=8000, max_tokens=256)
+    held = e.arrive("big", prompt=1000, max_tokens=45_000)
+    assert held in e.held_ids()
+
+
 def test_a_held_turn_sized_by_its_runs_context_is_placed_when_that_context_shrinks() -> None:
     # Found by the work-conservation property: a run's held parallel turn is sized by the
     # run's last context; a shorter report from the engine makes it fit elsewhere.
