@@ -656,16 +656,36 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
             Handle | None,
             Field(description="without handles: only the runs of this run's tree"),
         ] = None,
+        parent: Annotated[
+            Handle | None, Field(description="without handles: only this run's children")
+        ] = None,
+        serviceClass: Annotated[
+            Literal["interactive", "batch"] | None,
+            Field(description="without handles: only runs of this class"),
+        ] = None,
+        model: Annotated[
+            str | None, Field(description="without handles: only runs of this model")
+        ] = None,
     ) -> StatusResult:
         """Show runs: state, parent and children, usage of the run and its subtree,
         budget, and any approval it waits for."""
         r = await runs()
         try:
+            filters: dict[str, Any] = {
+                "state": state,
+                "root": root,
+                "parent": parent,
+                "service_class": serviceClass,
+                "model": model,
+            }
             if handles is None:
                 caller = caller_of(ctx, deps.token_identity)
-                handles = await r.list(caller=caller, state=state, root=root)
-            elif state is not None or root is not None:
-                raise ToolError("state and root filter the default list: give them without handles")
+                handles = await r.list(caller=caller, **filters)
+            elif any(v is not None for v in filters.values()):
+                raise ToolError(
+                    "state, root, parent, serviceClass and model filter the default list: "
+                    "give them without handles"
+                )
             return StatusResult(runs=[view(s) for s in await r.statuses(handles)])
         except RunError as exc:
             raise ToolError(str(exc)) from None

@@ -31,6 +31,9 @@ from temporalio.service import RPCError, RPCStatusCode
 from workflows.agent_run import AgentRun, search_attributes
 from workflows.contract import (
     CALLER,
+    CLASS,
+    MODEL,
+    PARENT,
     ROOT,
     STATE,
     TERMINAL_STATES,
@@ -293,13 +296,25 @@ class Runs:
         caller: str | None = None,
         state: str | None = None,
         root: str | None = None,
+        parent: str | None = None,
+        service_class: str | None = None,
+        model: str | None = None,
         limit: int = 20,
     ) -> list[str]:
         """The most recent runs' handles on this task queue, newest first: of one
-        caller, in one state, of one tree (root's handle) when given (by the search
-        attributes runs keep up to date; Temporal's list may lag a change by a moment)."""
+        caller, in one state, of one tree (root's handle), children of one run, of one
+        class or model, when given (by the search attributes runs keep up to date;
+        Temporal's list may lag a change by a moment)."""
         query = f"WorkflowType = 'AgentRun' AND TaskQueue = {_quoted(self._queue)}"
-        for key, value in ((CALLER, caller), (STATE, state), (ROOT, root)):
+        filters = (
+            (CALLER, caller),
+            (STATE, state),
+            (ROOT, root),
+            (PARENT, parent),
+            (CLASS, service_class),
+            (MODEL, model),
+        )
+        for key, value in filters:
             if value is not None:
                 query += f" AND {key.name} = {_quoted(value)}"
         handles: list[str] = []

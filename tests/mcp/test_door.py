@@ -438,12 +438,14 @@ def test_a_task_for_a_failed_run_is_completed_with_an_error_result() -> None:
     assert cancelled["statusMessage"] == "budget exceeded: tokens 900/600"
 
 
-async def test_status_lists_runs_by_state_and_by_tree(temporal_address: str) -> None:
+async def test_status_lists_runs_by_state_tree_parent_class_and_model(
+    temporal_address: str,
+) -> None:
     async with stack(temporal_address) as s, Client(s.mcp_door, mode="2026-07-28") as c:
         waiting = await spawn(c, task=task_with(1, "flt"), tools=["delete_record"])
         await until(lambda: _state(c, waiting, "AwaitingApproval"), "it waits")
         kid = await spawn(c, task=task_with(0, "fltkid"), parent=waiting)
-        done = await spawn(c, task=task_with(0, "fltdone"))
+        done = await spawn(c, task=task_with(0, "fltdone"), serviceClass="batch")
         await c.call_tool("await", {"handles": [kid, done]})
 
         async def listed(**filters: Any) -> set[str] | None:
@@ -454,8 +456,14 @@ async def test_status_lists_runs_by_state_and_by_tree(temporal_address: str) -> 
         await until(lambda: _equals(listed(state="AwaitingApproval"), {waiting}), "listed by state")
         await until(lambda: _equals(listed(root=waiting), {waiting, kid}), "listed by tree")
         await until(lambda: _covers(listed(state="Completed"), {kid, done}), "listed as ended")
-        r = await c.call_tool("status", {"handles": [done], "state": "Completed"})
-        assert "without handles" in error_text(r)
+        await until(lambda: _equals(listed(parent=waiting), {kid}), "listed by parent")
+        await until(lambda: _equals(listed(serviceClass="batch"), {done}), "listed by class")
+        everyone = {waiting, kid, done}
+        await until(lambda: _equals(listed(model=MODEL), everyone), "listed by model")
+        assert await listed(model="other-model") == set()
+        for bad in ({"state": "Completed"}, {"parent": waiting}, {"model": MODEL}):
+            r = await c.call_tool("status", {"handles": [done], **bad})
+            assert "filter the default list: give them without handles" in error_text(r)
         assert "state" in error_text(await c.call_tool("status", {"state": "Sleeping"}))
         await c.call_tool("approve", {"handle": waiting, "allow": False})
 
