@@ -672,10 +672,10 @@ class _TurnTrace:
         """The turn's terminal event: usage and finish reason, or what went wrong."""
         chat = self._chat
         if isinstance(event, TurnFinished):
-            usage: dict[str, int | tuple[str, ...]] = {
-                "gen_ai.usage.input_tokens": event.prompt_tokens,
-                "gen_ai.usage.output_tokens": event.completion_tokens,
-            }
+            usage: dict[str, int | tuple[str, ...]] = {}
+            if event.prompt_tokens or event.completion_tokens:  # else none was sent
+                usage["gen_ai.usage.input_tokens"] = event.prompt_tokens
+                usage["gen_ai.usage.output_tokens"] = event.completion_tokens
             if event.cached_tokens:
                 usage["gen_ai.usage.cache_read.input_tokens"] = event.cached_tokens
             if event.finish_reason:

@@ -133,6 +133,24 @@ async def test_a_streamed_turn_without_a_traceparent_starts_a_trace(
     assert traceparent_ids(sent["traceparent"])[0] == format(chat_span.context.trace_id, "032x")
 
 
+async def test_a_turn_the_engine_sent_no_usage_for_records_none(
+    spans: InMemorySpanExporter,
+) -> None:
+    # Streams to hosted and Ollama endpoints are not asked for usage: no count is
+    # known, and 0 would read as a turn that cost nothing.
+    async with engine() as (url, _), gateway(endpoint("e0", url, kind="openai")) as (client, _):
+        async with client.stream(
+            "POST", "/v1/chat/completions", json=chat(max_tokens=4, stream=True)
+        ) as r:
+            assert r.status_code == 200
+            assert b'"usage"' not in await r.aread()
+        await until(lambda: bool(named(spans, "chat ")), "the chat span ended")
+    (chat_span,) = named(spans, "chat ")
+    c = attrs(chat_span)
+    assert c["gen_ai.response.finish_reasons"] == ("length",)
+    assert not [k for k in c if k.startswith("gen_ai.usage.")], c
+
+
 async def test_a_rejected_turn_is_an_error_span() -> None:
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
