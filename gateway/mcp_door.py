@@ -48,7 +48,6 @@ SESSION_HEADER = "mcp-session-id"
 ANONYMOUS = "anonymous"
 DEFAULT_AWAIT_S = 60.0
 PROGRESS_EVERY_S = 5.0
-RUN_POLL_S = 1.0
 MAX_TOOL_CALLS_LIMIT = 64
 MAX_TOKENS_LIMIT = 32_768
 
@@ -464,13 +463,17 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
         reported: tuple[int, float] = (-1, loop.time())
         while True:
             left = deadline - loop.time()
-            step = APPROVAL_POLL_S if can_elicit else RUN_POLL_S
+            # A client that can be asked needs new approvals seen soon; for any other,
+            # a round ends when a run does (for progress) or after PROGRESS_EVERY_S.
+            # Each round asks a worker about every run still going, once.
+            step = APPROVAL_POLL_S if can_elicit else PROGRESS_EVERY_S
             try:
                 statuses = await r.wait(
                     handles,
                     mode="all" if mode == "all" else "any",
                     timeout=max(0.001, min(left, step)),
                     known=statuses,
+                    until_one_ends=True,
                 )
             except RunError as exc:
                 raise ToolError(str(exc)) from None

@@ -214,15 +214,22 @@ class Runs:
         mode: Literal["all", "any"] = "all",
         timeout: float = 60.0,
         known: Sequence[RunStatus] = (),
+        until_one_ends: bool = False,
     ) -> list[RunStatus]:
         """Wait until all (or any) of the runs ended, or the timeout; return every
-        run's status either way.  `known`: these runs' statuses from a moment ago (a
-        caller waiting in rounds); the ended ones are final and not asked again."""
+        run's status either way.  `known`: these runs' statuses at the end of the
+        caller's last round (a caller waiting in rounds): they are not asked again
+        before this round's wait, and the ended ones not at all.  `until_one_ends`:
+        return as soon as any run still going ends (a caller reporting progress)."""
         if not handles:
             raise RunError("expected at least one handle")
         if not 0 < timeout <= AWAIT_MAX_S:
             raise RunError(f"timeout must be more than 0 and at most {AWAIT_MAX_S:g} seconds")
-        first = await self._refresh(handles, known)  # also checks every handle exists
+        by_handle = {s.handle: s for s in known}
+        if all(h in by_handle for h in handles):
+            first = [by_handle[h] for h in handles]  # a run's end wakes its result wait
+        else:
+            first = await self._refresh(handles, known)  # also checks every handle exists
         pending = [
             asyncio.create_task(self._ended(h))
             for h, s in zip(handles, first, strict=True)
@@ -230,11 +237,12 @@ class Runs:
         ]
         done_enough = not pending or (mode == "any" and len(pending) < len(handles))
         if pending and not done_enough:
+            whole = mode == "all" and not until_one_ends
             try:
                 await asyncio.wait(
                     pending,
                     timeout=timeout,
-                    return_when=asyncio.ALL_COMPLETED if mode == "all" else asyncio.FIRST_COMPLETED,
+                    return_when=asyncio.ALL_COMPLETED if whole else asyncio.FIRST_COMPLETED,
                 )
             finally:
                 for task in pending:

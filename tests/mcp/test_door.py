@@ -262,6 +262,38 @@ async def test_a_question_nobody_answers_does_not_hold_await_past_its_timeout(
         assert not waited["done"]
 
 
+async def test_an_await_asks_a_worker_about_each_run_once_a_round(
+    temporal_address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every query is a workflow task on a worker: an await of many runs used to ask
+    # about each one twice a second.  A client that cannot be asked about approvals
+    # now has rounds of up to PROGRESS_EVERY_S (or until a run ends).
+    from temporalio.client import WorkflowHandle
+
+    asked: list[str] = []
+    query = WorkflowHandle.query
+
+    async def counted(self: Any, *args: Any, **kw: Any) -> Any:
+        asked.append(self.id)
+        return await query(self, *args, **kw)
+
+    async with stack(temporal_address) as s, Client(s.mcp_door, mode="legacy") as c:
+        handles = [
+            await spawn(c, task=task_with(1, f"quiet{i}"), tools=["delete_record"])
+            for i in range(3)
+        ]
+        for h in handles:
+            await until(lambda h=h: _state(c, h, "AwaitingApproval"), "it waits")
+        monkeypatch.setattr(WorkflowHandle, "query", counted)
+        waited = result(await c.call_tool("await", {"handles": handles, "timeout": 6}))
+        assert [r["state"] for r in waited["runs"]] == ["AwaitingApproval"] * 3
+        # Rounds end at 5 s and at 6 s, after a first look: at most three per run.
+        assert sorted(set(asked)) == sorted(handles)
+        assert len(asked) <= 3 * len(handles), asked
+        for h in handles:
+            await c.call_tool("approve", {"handle": h, "allow": False})
+
+
 @pytest.mark.parametrize("mode", MODES)
 async def test_caller_header_and_bearer_token(temporal_address: str, mode: str) -> None:
     async with stack(temporal_address, token="s3cret") as s:
