@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import json
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -499,10 +499,11 @@ async def test_a_model_with_no_healthy_replica_is_503_at_once_not_a_hang() -> No
         assert not shell.state.turns
 
 
-async def test_engine_429_passes_through_with_retry_after() -> None:
+@pytest.mark.parametrize("status", [429, 503])
+async def test_engine_429_and_5xx_pass_through_with_retry_after(status: int) -> None:
     def busy(request: Request) -> Response:
         body = b'{"error": {"message": "slow down", "type": "rate_limit"}}'
-        return Response(body, 429, headers={"Retry-After": "7"}, media_type="application/json")
+        return Response(body, status, headers={"Retry-After": "7"}, media_type="application/json")
 
     async with (
         serve(upstream(busy)) as url,
@@ -510,10 +511,44 @@ async def test_engine_429_passes_through_with_retry_after() -> None:
     ):
         for _ in range(2):
             r = await gw.post("/v1/chat/completions", json=chat(), headers={RUN: "r"})
-            assert r.status_code == 429 and r.headers["retry-after"] == "7"
+            assert r.status_code == status and r.headers["retry-after"] == "7"
             assert r.content == b'{"error": {"message": "slow down", "type": "rate_limit"}}'
             assert r.headers[RUN] == "r"
         await until(lambda: not shell.state.turns, "turns failed")
+
+
+async def test_the_retry_of_a_failed_turn_goes_back_to_its_runs_replica() -> None:
+    # DESIGN: a failed turn leaves its run idle "with its affinity kept": the retry is
+    # placed where the run's prefix is cached, even when the other replica is as free.
+    seen: dict[str, list[dict[str, str]]] = {"a": [], "b": []}
+    failed: set[str] = set()
+
+    def once_busy(name: str) -> Callable[[Request], Response]:
+        def chat_(request: Request) -> Response:
+            if name not in failed:
+                failed.add(name)
+                return Response(
+                    b'{"error": {"message": "busy"}}', 503, media_type="application/json"
+                )
+            return ok_chat(request)
+
+        return chat_
+
+    async with (
+        serve(upstream(once_busy("a"), seen["a"])) as url_a,
+        serve(upstream(once_busy("b"), seen["b"])) as url_b,
+        gateway(endpoint("a", url_a, kind="openai"), endpoint("b", url_b, kind="openai")) as (
+            gw,
+            _,
+        ),
+    ):
+        first = await gw.post("/v1/chat/completions", json=chat(), headers={RUN: "r"})
+        assert first.status_code == 503
+        (where,) = [n for n in seen if seen[n]]
+        for _ in range(3):
+            again = await gw.post("/v1/chat/completions", json=chat(), headers={RUN: "r"})
+            assert again.status_code == 200
+        assert len(seen[where]) == 4 and not seen["b" if where == "a" else "a"]
 
 
 async def answered_health(scope: Scope, send: Send) -> bool:
