@@ -134,10 +134,13 @@ async def test_malformed_calls_get_clear_tool_errors(temporal_address: str, mode
             ("await", {"handles": ["run-nope"]}, "no run with handle 'run-nope'"),
             ("await", {"handles": []}, "handles"),
             ("await", {"handles": ["a"], "timeout": 601}, "timeout"),
+            ("await", {"handles": ["a"], "timeout": 0}, "timeout: Input should be greater than 0"),
+            ("run", {"task": "x", "timeout": -1}, "timeout: Input should be greater than 0"),
             ("await", {"handles": ["a"], "mode": "some"}, "mode"),
             ("approve", {"handle": "run-nope", "allow": True}, "no run with handle"),
             ("cancel", {"handle": "run-nope"}, "no run with handle"),
             ("decide", {"input": "x", "labels": ["one"]}, "2 to 20"),
+            ("decide", {"input": "x", "labels": [f"l{i}" for i in range(21)]}, "2 to 20"),
             ("decide", {"input": "x", "labels": ["a", "b", "a"]}, "repeated: 'a'"),
             ("decide", {"input": "x", "labels": ["a", "b"], "model": "gpt-9"}, "gpt-9"),
         ]
