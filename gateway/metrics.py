@@ -28,6 +28,7 @@ from scheduler import (
     TurnAbandoned,
     TurnFailed,
     TurnFinished,
+    TurnStarted,
 )
 
 __all__ = ["OUTCOMES", "GatewayMetrics", "Source"]
@@ -130,11 +131,20 @@ class GatewayMetrics:
             buckets=_TURN_BUCKETS,
             registry=self.registry,
         )
+        self.first_byte_seconds = Histogram(
+            "luftpause_turn_first_byte_seconds",
+            "Time from admission to the engine's first byte (streams: its first token), "
+            "by class; with luftpause_held_seconds, a client's time to first token",
+            ["class"],
+            buckets=_HELD_BUCKETS,
+            registry=self.registry,
+        )
         for outcome in OUTCOMES:
             self.turns.labels(outcome)
         for cls in ServiceClass:
             self.held_seconds.labels(cls.value)
             self.turn_seconds.labels(cls.value)
+            self.first_byte_seconds.labels(cls.value)
 
     def observe(self, before: State, event: Event, actions: Sequence[Action]) -> None:
         """Count one decision: `before` is the state the event was applied to."""
@@ -156,6 +166,12 @@ class GatewayMetrics:
                 self.turns.labels("rejected").inc()
             elif isinstance(action, TimedOut):
                 self.turns.labels("timed_out").inc()
+        if isinstance(event, TurnStarted):
+            started = before.turns.get(event.turn_id)
+            if started is not None and started.replica is not None:
+                elapsed = max(0.0, event.now - started.admitted_at)
+                self.first_byte_seconds.labels(started.service_class.value).observe(elapsed)
+            return
         if isinstance(event, TurnFinished | TurnFailed | TurnAbandoned):
             turn = before.turns.get(event.turn_id)
             if turn is None or (turn.replica is None and not isinstance(event, TurnAbandoned)):

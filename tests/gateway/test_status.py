@@ -27,6 +27,7 @@ from scheduler import (
     TurnArrived,
     TurnFailed,
     TurnFinished,
+    TurnStarted,
     decide,
 )
 from testkit.engine import EngineParams
@@ -47,6 +48,7 @@ METRIC_NAMES = (
     "luftpause_turns_total",
     "luftpause_held_seconds_count",
     "luftpause_turn_seconds_count",
+    "luftpause_turn_first_byte_seconds_count",
 )
 
 
@@ -218,6 +220,8 @@ def test_metrics_observe_admissions_outcomes_and_affinity() -> None:
             arrived(6.0, "t5", "r1", "alice"),  # r1 comes back: held for a (affinity)
             TurnAbandoned(now=6.5, turn_id="t4"),  # carol leaves while held
             TurnFailed(now=7.0, turn_id="t3"),  # frees a: r1's turn is admitted there
+            TurnStarted(now=7.25, turn_id="t5"),  # its first byte 0.25 s after admission
+            TurnStarted(now=7.5, turn_id="t2"),  # still held (no such report): not counted
             TurnAbandoned(now=9.0, turn_id="unknown"),  # the core never knew it: not counted
         ],
         metrics,
@@ -240,6 +244,10 @@ def test_metrics_observe_admissions_outcomes_and_affinity() -> None:
     # t1 ran 1 -> 5, t3 ran 5 -> 7 (an abandoned held turn never ran)
     assert sample(metrics, "luftpause_turn_seconds_count", **{"class": "interactive"}) == 2
     assert sample(metrics, "luftpause_turn_seconds_sum", **{"class": "interactive"}) == 6.0
+    first = {"class": "interactive"}
+    assert sample(metrics, "luftpause_turn_first_byte_seconds_count", **first) == 1
+    assert sample(metrics, "luftpause_turn_first_byte_seconds_sum", **first) == 0.25
+    assert sample(metrics, "luftpause_turn_first_byte_seconds_count", **{"class": "batch"}) == 0
     # gauges from the state at scrape time
     assert sample(metrics, "luftpause_held_turns", **{"class": "batch"}) == 1
     assert sample(metrics, "luftpause_held_turns", **{"class": "interactive"}) == 0
