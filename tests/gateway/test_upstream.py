@@ -693,6 +693,35 @@ async def test_connect_timeout_when_the_handshake_hangs(monkeypatch: pytest.Monk
         await settle()
 
 
+@bounded
+async def test_an_address_that_never_answers_is_raced_past(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A name with two addresses whose first drops every packet (an IPv6 route that
+    does, on a dual-stack host): connections are raced as RFC 8305's Happy Eyeballs
+    does, so the second address answers well inside the connect timeout rather than
+    the first taking all of it."""
+    client = Upstream(connect_timeout=1.5)
+    try:
+        with socket.socket() as listener:
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(0)
+            hole = listener.getsockname()[1]
+            with socket.create_connection(("127.0.0.1", hole), timeout=2):  # fills the queue
+                async with raw_server(keep_answering()) as server:
+                    port = int(server.url.removeprefix("http://127.0.0.1:").split("/")[0])
+                    stream = (socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "")
+
+                    async def resolve(host: str, *_: Any, **__: Any) -> list[Any]:
+                        assert host == "dual.test"
+                        return [(*stream, ("127.0.0.1", hole)), (*stream, ("127.0.0.1", port))]
+
+                    monkeypatch.setattr(asyncio.get_running_loop(), "getaddrinfo", resolve)
+                    url = f"http://dual.test:{port}/v1/chat/completions"
+                    assert await fetch(client, url) == (200, b'{"ok": true}')
+    finally:
+        client.close()
+        await settle()
+
+
 @pytest.mark.parametrize(
     "url",
     ["ftp://127.0.0.1/x", "http:///x", "http://user:secret@127.0.0.1:1/x"],
