@@ -263,6 +263,14 @@ class _State:
     def dump(self) -> str:
         return json.dumps({"deadline": self.deadline, "asked": self.asked, "spawned": self.spawned})
 
+    def seconds_left(self, now_wall: float, timeout: float) -> float:
+        """This round's share of the call: the whole `timeout` in the first round, then
+        what the carried deadline leaves.  The client hands the state back, so a
+        deadline it altered is held to the most any call may wait."""
+        if self.deadline is None:
+            return timeout
+        return min(self.deadline - now_wall, AWAIT_MAX_S)
+
 
 def _elicit_request(s: RunStatus) -> ElicitRequest:
     return ElicitRequest(params=ElicitRequestFormParams.model_validate(approval.elicit_params(s)))
@@ -453,9 +461,7 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
         state = _State.load(ctx.request_state)
         asked = set(await answer_elicited(ctx, r)) if ctx.request_state else set()
         now_wall = time.time()
-        deadline = loop.time() + (
-            state.deadline - now_wall if state.deadline is not None else timeout
-        )
+        deadline = loop.time() + state.seconds_left(now_wall, timeout)
         caps = ctx.client_capabilities
         can_elicit = caps is not None and caps.elicitation is not None
         modern = ctx.protocol_version == approval.MODERN

@@ -437,6 +437,17 @@ async def test_a_long_await_sends_progress(temporal_address: str, mode: str) -> 
     assert progress[-1][2] == f"{int(counts[-1])} of 4 runs ended"
 
 
+def test_a_carried_deadline_is_held_to_the_longest_wait() -> None:
+    # 2026-07-28 clients hand request_state back: one that pushed the deadline out
+    # would otherwise wait as long as it liked.
+    from gateway.mcp_door import _State
+
+    assert _State().seconds_left(1000.0, 30.0) == 30.0  # the first round: the timeout
+    carried = _State.load(_State(deadline=1020.0).dump())
+    assert carried.seconds_left(1000.0, 30.0) == 20.0
+    assert _State(deadline=1e12).seconds_left(1000.0, 30.0) == 600.0
+
+
 def test_a_task_for_a_failed_run_is_completed_with_an_error_result() -> None:
     # SEP-2663 keeps `failed` for JSON-RPC errors; a run's failure is its tool result.
     from gateway.mcp_tasks import TasksExtension
