@@ -19,9 +19,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from mcp.server.elicitation import AcceptedElicitation, DeclinedElicitation
+from mcp.server.elicitation import AcceptedElicitation
 from mcp.server.mcpserver import Context, MCPServer
-from mcp.server.mcpserver.exceptions import ToolError
+from mcp.server.mcpserver.exceptions import ToolError, UnexpectedToolError
 from mcp.types import ToolAnnotations
 from mcp_types import ElicitRequest, ElicitRequestFormParams, InputRequiredResult
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -307,7 +307,11 @@ class _DoorServer(MCPServer):
         try:
             return await super().call_tool(name, arguments, context)
         except ToolError as exc:
-            if isinstance(exc.__cause__, ValidationError):
+            # Only the arguments' validation: a ValidationError inside a tool's body is
+            # a crash (UnexpectedToolError), not the caller's mistake.
+            if isinstance(exc.__cause__, ValidationError) and not isinstance(
+                exc, UnexpectedToolError
+            ):
                 raise ToolError(
                     f"Error executing tool {name}: {_problems(exc.__cause__)}"
                 ) from None
@@ -520,13 +524,9 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
                 except Exception as exc:  # the client refused the request: use `approve`
                     log.info("elicitation for %s failed: %s", s.handle, exc)
                     continue
-                # "decline" is the user's no; "cancel" (dismissed) answers nothing.
-                allow = (
-                    answer.data.allow
-                    if isinstance(answer, AcceptedElicitation)
-                    else False
-                    if isinstance(answer, DeclinedElicitation)
-                    else None
+                allow = approval.answer(
+                    answer.action,
+                    answer.data.model_dump() if isinstance(answer, AcceptedElicitation) else None,
                 )
                 if allow is not None:
                     with contextlib.suppress(RunError):
