@@ -101,11 +101,21 @@ def _no_constant(name: str) -> Any:
     raise json.JSONDecodeError(f"{name} is not a JSON value", name, 0)
 
 
+def _finite(text: str) -> float:
+    """A JSON number Python can carry on as JSON: `1e400` would become `inf`."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise json.JSONDecodeError(f"{text} is too large for a number", text, 0)
+    return value
+
+
 def prepare_arguments(tool: str, raw: str, schema: Mapping[str, Any]) -> dict[str, Any]:
     """Parse, coerce and validate a call's arguments; `ArgumentsError` names the problem."""
     shape = expected_shape(schema)
     try:
-        args = json.loads(raw, parse_constant=_no_constant) if raw.strip() else {}
+        args = (
+            json.loads(raw, parse_constant=_no_constant, parse_float=_finite) if raw.strip() else {}
+        )
     except json.JSONDecodeError as exc:
         raise ArgumentsError(
             f"the arguments for tool '{tool}' are not valid JSON ({exc.msg}); "

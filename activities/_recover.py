@@ -21,7 +21,8 @@ from activities.contract import ToolCall
 __all__ = ["recover_tool_calls"]
 
 # A call in Hermes/Qwen tags; the last one may be left open when generation stopped.
-_TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+# (No \s* around the group: on a long run of blanks it backtracks quadratically.)
+_TAGGED = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 _FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.DOTALL)
 _DECODER = json.JSONDecoder()
 
@@ -46,7 +47,7 @@ def _values(body: str) -> list[Any] | None:
 def _candidates(text: str) -> list[Any]:
     tagged = _TAGGED.findall(text)
     if tagged:
-        found = [_values(t) for t in tagged]
+        found = [_values(t.strip()) for t in tagged]
         return [] if any(v is None for v in found) else [x for v in found for x in v or []]
     body = text.strip().removeprefix("<|python_tag|>").strip()
     for end in ("<|eom_id|>", "<|eot_id|>"):

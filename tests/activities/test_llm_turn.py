@@ -189,7 +189,11 @@ def test_arguments_json_cannot_carry_are_refused_and_odd_schemas_do_not_crash() 
     for raw in ('{"n": "1_000"}', '{"x": "nan"}', '{"x": "inf"}', '{"x": "1e999"}'):
         with pytest.raises(ArgumentsError, match="do not fit its input schema"):
             prepare_arguments("t", raw, schema)
-    for raw, needle in (('{"x": NaN}', "NaN is not a JSON value"), ("[" * 100_000, "nested")):
+    for raw, needle in (
+        ('{"x": NaN}', "NaN is not a JSON value"),
+        ('{"x": 1e400}', "1e400 is too large for a number"),
+        ("[" * 100_000, "nested"),
+    ):
         with pytest.raises(ArgumentsError, match=needle):
             prepare_arguments("t", raw, schema)
 
@@ -215,6 +219,10 @@ def test_arguments_json_cannot_carry_are_refused_and_odd_schemas_do_not_crash() 
         ),
         (
             'Let me look. <tool_call>{"name": "lookup", "arguments": {"query": "a"}}',
+            [("lookup", "a")],
+        ),
+        (
+            '<tool_call>\n  {"name": "lookup", "arguments": {"query": "a"}}\n</tool_call>',
             [("lookup", "a")],
         ),
         (
