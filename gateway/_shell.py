@@ -143,8 +143,10 @@ class AdmissionShell:
         expired = [key for key, (_, expiry) in self._tool_calls.items() if expiry <= now]
         for key in expired:
             run_id, _ = self._tool_calls.pop(key)
-            ids = self._run_tool_calls.get(run_id) if run_id is not None else None
-            if run_id is not None and ids is not None:
+            if run_id is None:  # an ambiguous id: nobody's
+                continue
+            ids = self._run_tool_calls.get(run_id)
+            if ids is not None:
                 ids.discard(key)
                 if not ids:
                     del self._run_tool_calls[run_id]

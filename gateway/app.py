@@ -133,10 +133,11 @@ class _Gateway(FastAPI):
             except ClientDisconnect:  # left while sending its request: nobody to answer
                 return
             except _NotRunning as exc:
-                response = error_response(503, str(exc), "")
+                response = error_response(503, str(exc), _named_run(scope))
             except Exception:  # past FastAPI's handlers: answer as they would, in JSON
                 log.exception("turn handler failed")
-                response = error_response(500, "internal error in the gateway (logged)", "")
+                message = "internal error in the gateway (logged)"
+                response = error_response(500, message, _named_run(scope))
             await response(scope, receive, send)
             return
         if scope["type"] == "http" and scope["path"] == MCP_PATH:
@@ -255,7 +256,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.exception_handler(_NotRunning)
     async def not_running(request: Request, exc: _NotRunning) -> Response:
-        return error_response(503, str(exc), "")
+        if not request.url.path.startswith("/v1/"):
+            return error_response(503, str(exc), "")
+        in_path = str(request.path_params.get("run_id", ""))  # DELETE /v1/runs/{run_id}
+        run = in_path if _RUN_ID.fullmatch(in_path) else _named_run(request.scope)
+        return error_response(503, str(exc), run)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -346,7 +351,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def end_run(request: Request, run_id: str) -> Response:
         rt = running()
         if not authorized(request):
-            return unauthorized("")
+            return unauthorized(run_id if _RUN_ID.fullmatch(run_id) else _new_id())
         if not _RUN_ID.fullmatch(run_id):
             # It goes back in a response header: printable ASCII only, or no echo.
             message = "run id: expected 1 to 128 printable ASCII characters other than /"
@@ -422,7 +427,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         """Any other path or method under /v1 (`/v1/completions`, `/v1/embeddings`, a GET
         of the chat path): an OpenAI-shaped error that says what is served."""
         if not authorized(request):
-            return unauthorized("")
+            return unauthorized(_new_id())
         path = request.url.path
         known = path in (CHAT_PATH, "/v1/decide", "/v1/models") or path.startswith("/v1/runs/")
         message = f"luftpause does not serve {request.method} {path}; it serves {_SERVED}"
@@ -543,6 +548,19 @@ async def _tick(shell: AdmissionShell, loop: asyncio.AbstractEventLoop) -> None:
 
 # Printable ASCII without "/", so that every run id fits DELETE /v1/runs/{id}.
 _RUN_ID = re.compile(r"[\x21-\x2e\x30-\x7e]{1,128}")
+
+
+_RUN_HEADER_BYTES = RUN_HEADER.encode()
+
+
+def _named_run(scope: Scope) -> str:
+    """The run a request names in its header, if it is one a response may echo; else a
+    new id (every /v1 answer carries one)."""
+    for key, value in scope["headers"]:
+        if key == _RUN_HEADER_BYTES:
+            named = value.decode("latin-1").strip()
+            return named if _RUN_ID.fullmatch(named) else _new_id()
+    return _new_id()
 
 
 def _new_id() -> str:

@@ -7,13 +7,13 @@ import asyncio
 import contextlib
 import json
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
 import httpx
 import pytest
-from fastapi import Request
+from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from harness import (
     MODEL,
@@ -519,36 +519,52 @@ async def test_engine_429_and_5xx_pass_through_with_retry_after(status: int) -> 
 
 async def test_the_retry_of_a_failed_turn_goes_back_to_its_runs_replica() -> None:
     # DESIGN: a failed turn leaves its run idle "with its affinity kept": the retry is
-    # placed where the run's prefix is cached, even when the other replica is as free.
-    seen: dict[str, list[dict[str, str]]] = {"a": [], "b": []}
-    failed: set[str] = set()
+    # placed where the run's prefix is cached, even when the other replica is as free
+    # and first in the tie-break.  "a" is busy (a held turn) when run r starts, so r
+    # starts on "b"; b fails r's first turn; once a is free again, r's retries must
+    # still go to b.
+    release = asyncio.Event()
+    seen: dict[str, list[str]] = {"a": [], "b": []}
 
-    def once_busy(name: str) -> Callable[[Request], Response]:
-        def chat_(request: Request) -> Response:
-            if name not in failed:
-                failed.add(name)
-                return Response(
-                    b'{"error": {"message": "busy"}}', 503, media_type="application/json"
-                )
+    def engine_app(name: str) -> FastAPI:
+        app = FastAPI()
+
+        @app.get("/v1/models")
+        async def models() -> Response:
+            return Response(b'{"object": "list", "data": []}', media_type="application/json")
+
+        @app.post("/v1/chat/completions")
+        async def completions(request: Request) -> Response:
+            content = (await request.json())["messages"][0]["content"]
+            seen[name].append(content)
+            if content == "hold":
+                await release.wait()
+            elif name == "b" and seen["b"].count(content) == 1:
+                return Response(b'{"error": {"message": "busy"}}', 503)
             return ok_chat(request)
 
-        return chat_
+        return app
 
     async with (
-        serve(upstream(once_busy("a"), seen["a"])) as url_a,
-        serve(upstream(once_busy("b"), seen["b"])) as url_b,
+        serve(engine_app("a")) as url_a,
+        serve(engine_app("b")) as url_b,
         gateway(endpoint("a", url_a, kind="openai"), endpoint("b", url_b, kind="openai")) as (
             gw,
             _,
         ),
     ):
-        first = await gw.post("/v1/chat/completions", json=chat(), headers={RUN: "r"})
-        assert first.status_code == 503
-        (where,) = [n for n in seen if seen[n]]
+        held = asyncio.create_task(
+            gw.post("/v1/chat/completions", json=chat("hold"), headers={RUN: "h"})
+        )
+        await until(lambda: seen["a"] == ["hold"], "a holds a turn")
+        first = await gw.post("/v1/chat/completions", json=chat("mine"), headers={RUN: "r"})
+        assert first.status_code == 503 and seen["b"] == ["mine"]
+        release.set()
+        assert (await held).status_code == 200
         for _ in range(3):
-            again = await gw.post("/v1/chat/completions", json=chat(), headers={RUN: "r"})
+            again = await gw.post("/v1/chat/completions", json=chat("mine"), headers={RUN: "r"})
             assert again.status_code == 200
-        assert len(seen[where]) == 4 and not seen["b" if where == "a" else "a"]
+        assert seen == {"a": ["hold"], "b": ["mine"] * 4}
 
 
 async def answered_health(scope: Scope, send: Send) -> bool:
@@ -794,6 +810,26 @@ async def test_caller_is_cut_to_128_bytes_utf8_safe() -> None:
         headers = {b"x-luftpause-caller": caller.encode(), RUN.encode(): b"c"}
         assert (await gw.post("/v1/chat/completions", json=chat(), headers=headers)).is_success
         assert shell.state.runs["c"].caller == "ä" * 64
+
+
+async def test_a_turn_between_shutdown_and_the_last_answer_gets_a_json_503_naming_its_run() -> None:
+    # The app's lifespan has not run (or has ended): no runtime to admit turns with.
+    from gateway.app import GatewaySettings, create_app
+    from luftpause.config import parse_config
+
+    endpoints = [{"name": "a", "url": "http://127.0.0.1:9", "kind": "sglang", "models": [MODEL]}]
+    app = create_app(GatewaySettings(config=parse_config({"endpoints": endpoints})))
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
+        r = await c.post("/v1/chat/completions", json=chat(), headers={RUN: "r1"})
+        assert (r.status_code, r.headers[RUN]) == (503, "r1")
+        assert r.json() == {"error": {"message": "the gateway is shutting down"}}
+        r = await c.delete("/v1/runs/r2")
+        assert (r.status_code, r.headers[RUN]) == (503, "r2")
+        r = await c.get("/status")
+        assert r.status_code == 503 and r.json()["error"]["message"] == (
+            "the gateway is shutting down"
+        )
 
 
 async def test_paths_no_route_serves_get_the_error_shape_too() -> None:
