@@ -121,6 +121,31 @@ def _tool_message(call_id: str, content: str) -> dict[str, Any]:
     return {"role": "tool", "tool_call_id": call_id, "content": content}
 
 
+# Every LLM turn carries the whole conversation as its activity's input, and Temporal
+# refuses a payload over 2 MB (the workflow task would fail on every retry: a run stuck
+# Running).  Tool answers are cut to keep the conversation below this (JSON bytes).
+CONVERSATION_MAX_BYTES = 1_500_000
+
+
+def _size(message: Any) -> int:
+    return len(json.dumps(message))  # ASCII-escaped: never less than the UTF-8 size
+
+
+def fit_answer(content: str, room: int) -> str:
+    """A tool answer cut to `room` bytes of JSON (its part of the conversation still
+    free), with a note the model reads; the note alone when no room is left."""
+    if _size(content) <= room:
+        return content
+    note = (
+        "\n[luftpause: the answer was cut: this run's conversation is at its limit of "
+        f"{CONVERSATION_MAX_BYTES:,} bytes]"
+    )
+    keep = content[: max(0, room - _size(note))]
+    while keep and _size(keep + note) > room:  # escaped characters take several bytes
+        keep = keep[: len(keep) * 3 // 4]
+    return keep + note
+
+
 @workflow.defn
 class AgentRun:
     """One sub-agent: see the module docstring for its rules."""
@@ -397,9 +422,14 @@ class AgentRun:
                 is_error=True,
                 executed=False,
             )
+        used = _size(self._messages)
         for call in calls:
-            out = outputs[call.id]
-            self._messages.append(_tool_message(call.id, out.content))
+            message = _tool_message(call.id, outputs[call.id].content)
+            if used + _size(message) > CONVERSATION_MAX_BYTES:
+                room = CONVERSATION_MAX_BYTES - used - _size(_tool_message(call.id, ""))
+                message = _tool_message(call.id, fit_answer(message["content"], room))
+            used += _size(message) + 2
+            self._messages.append(message)
         self._usage = self._usage.plus(
             Totals(
                 tool_calls=len(run),

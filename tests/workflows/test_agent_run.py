@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import replace
 from typing import Any
 
@@ -197,3 +198,16 @@ async def test_cancel_answers_in_bounded_time_with_no_worker_up(temporal_address
         history = await s.client.get_workflow_handle(handle).fetch_history()
         kinds = {e.WhichOneof("attributes") for e in history.events}
         assert "workflow_execution_cancel_requested_event_attributes" in kinds
+
+
+def test_a_tool_answer_is_cut_to_the_room_left_in_the_conversation() -> None:
+    # Every turn carries the conversation; past Temporal's 2 MB payload limit the run
+    # would be stuck.  What does not fit is cut, with a note the model reads.
+    from workflows.agent_run import CONVERSATION_MAX_BYTES, fit_answer
+
+    assert fit_answer("short answer", 100) == "short answer"
+    wide = "é" * 300_000  # 1.8 MB once JSON escapes it (\u00e9)
+    cut = fit_answer(wide, 10_000)
+    assert cut.startswith("é") and cut.endswith(f"limit of {CONVERSATION_MAX_BYTES:,} bytes]")
+    assert len(json.dumps(cut)) <= 10_000
+    assert fit_answer(wide, 0).startswith("\n[luftpause: the answer was cut")

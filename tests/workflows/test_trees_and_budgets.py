@@ -16,6 +16,8 @@ from tests.workflows.harness import (
     until,
 )
 from workflows import TERMINAL_STATES, AgentRun, Budget, RunError, Runs, RunSpec
+from workflows.contract import AgentRunInput
+from workflows.runs import new_handle
 
 
 async def test_a_tree_reports_children_and_subtree_totals(temporal_address: str) -> None:
@@ -66,6 +68,15 @@ async def test_an_empty_parent_is_no_parent(temporal_address: str) -> None:
         (status,) = await s.runs.wait([handle], timeout=30)
         assert status.state == "Completed" and status.parent is None, status
         assert status.root == handle and status.usage.tool_calls == 1
+        # A run started that way before the fix (its spec still says parent "") moves
+        # on under a worker that has it: it reports to no one.
+        spec = RunSpec(task=task_with(1, "stuck"), model=MODEL, tools=["lookup"], parent="")
+        stuck = new_handle()
+        await s.client.start_workflow(
+            AgentRun.run, AgentRunInput(spec), id=stuck, task_queue=s.task_queue
+        )
+        (status,) = await s.runs.wait([stuck], timeout=30)
+        assert status.state == "Completed" and status.usage.tool_calls == 1, status
 
 
 async def test_cancelling_a_parent_cancels_running_descendants(temporal_address: str) -> None:
