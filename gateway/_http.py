@@ -15,9 +15,12 @@ engines are reached directly.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ipaddress
+import socket
 import ssl
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
 from urllib.parse import urlsplit
@@ -68,6 +71,64 @@ _HIGH_WATER = 256 * 1024
 
 
 HAPPY_EYEBALLS_DELAY_S = 0.25
+
+
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _interleaved(infos: Sequence[tuple[object, ...]]) -> list[str]:
+    """A name's addresses, families alternating from the first one's (RFC 8305 §4)."""
+    hosts: list[str] = []
+    for info in infos:
+        host = cast(tuple[str, int], info[4])[0]
+        if host not in hosts:
+            hosts.append(host)
+    first = [h for h in hosts if (":" in h) == (":" in hosts[0])] if hosts else []
+    other = [h for h in hosts if h not in first]
+    mixed = [h for pair in zip(first, other, strict=False) for h in pair]
+    n = min(len(first), len(other))
+    return mixed + first[n:] + other[n:]
+
+
+async def _race(
+    attempt: Callable[[str], Awaitable[_Connection]], hosts: list[str], delay: float
+) -> _Connection:
+    """Happy Eyeballs (RFC 8305), in the event loop's terms (uvloop, which serves the
+    gateway, has no `happy_eyeballs_delay`): connect to the first address, start the
+    next one `delay` later or as soon as an attempt fails; the first to connect wins,
+    the others are cancelled (or closed, if they connected too).  On a host whose IPv6
+    route drops packets, the IPv4 address answers inside the connect timeout instead of
+    the first address taking all of it."""
+    pending: set[asyncio.Task[_Connection]] = set()
+    errors: list[BaseException] = []
+    try:
+        for i, host in enumerate(hosts):
+            pending.add(asyncio.ensure_future(attempt(host)))
+            last = i == len(hosts) - 1
+            while pending:
+                done, pending = await asyncio.wait(
+                    pending, timeout=None if last else delay, return_when=asyncio.FIRST_COMPLETED
+                )
+                won = [t.result() for t in done if t.exception() is None]
+                errors += [e for t in done if (e := t.exception()) is not None]
+                if won:
+                    for extra in won[1:]:
+                        extra.close()
+                    return won[0]
+                if not last:
+                    break  # the delay passed, or an attempt failed: start the next one
+        raise errors[-1] if errors else OSError(f"no address for {hosts!r}")
+    finally:
+        for task in pending:
+            task.cancel()
+        for task in pending:
+            with contextlib.suppress(BaseException):
+                (await task).close()
 
 
 class UpstreamError(Exception):
@@ -368,26 +429,29 @@ class Upstream:
     async def _connect(self, origin: _Origin) -> _Connection:
         loop = asyncio.get_running_loop()
         tls = self._tls_context() if origin.tls else None
+
+        async def attempt(host: str) -> _Connection:
+            _, conn = await loop.create_connection(
+                lambda: _Connection(origin),
+                host,
+                origin.port,
+                ssl=tls,
+                server_hostname=origin.host if tls is not None else None,
+            )
+            return conn
+
         try:
             async with asyncio.timeout(self._connect_timeout):
-                _, conn = await loop.create_connection(
-                    lambda: _Connection(origin),
-                    origin.host,
-                    origin.port,
-                    ssl=tls,
-                    server_hostname=origin.host if tls is not None else None,
-                    # A name's addresses are raced, 250 ms apart (RFC 8305): on a host
-                    # whose IPv6 route drops packets, the IPv4 address still answers
-                    # inside the connect timeout instead of the first one taking it all.
-                    happy_eyeballs_delay=HAPPY_EYEBALLS_DELAY_S,
-                )
+                if _is_address(origin.host):
+                    return await attempt(origin.host)
+                infos = await loop.getaddrinfo(origin.host, origin.port, type=socket.SOCK_STREAM)
+                return await _race(attempt, _interleaved(infos), HAPPY_EYEBALLS_DELAY_S)
         except TimeoutError:
             raise UpstreamError("connect timeout") from None
         except OSError as exc:
             raise UpstreamError(
                 f"cannot connect ({exc})" if str(exc) else "cannot connect"
             ) from None
-        return conn
 
     def _target(self, url: str) -> tuple[_Origin, str]:
         known = self._targets.get(url)

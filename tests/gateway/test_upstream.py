@@ -722,6 +722,26 @@ async def test_an_address_that_never_answers_is_raced_past(monkeypatch: pytest.M
         await settle()
 
 
+def test_a_name_is_raced_under_uvloop_too() -> None:
+    """The gateway process serves on uvloop (uvicorn's choice when it is installed),
+    whose create_connection has no happy_eyeballs_delay: the race is the proxy's own,
+    and a name (here localhost: 127.0.0.1, and ::1 where the host has it) connects."""
+    import uvloop
+
+    async def fetch_by_name() -> tuple[int, bytes]:
+        client = Upstream(connect_timeout=2.0)
+        try:
+            async with raw_server(keep_answering()) as server:
+                return await fetch(client, server.url.replace("127.0.0.1", "localhost"))
+        finally:
+            client.close()
+            await settle()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        assert isinstance(runner.get_loop(), uvloop.Loop)
+        assert runner.run(fetch_by_name()) == (200, b'{"ok": true}')
+
+
 @pytest.mark.parametrize(
     "url",
     ["ftp://127.0.0.1/x", "http:///x", "http://user:secret@127.0.0.1:1/x"],
