@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, Response
+from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -335,7 +336,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             parsed = parse_decide(await request.body())
         except DecideError as exc:
             return error_response(exc.status, exc.message, run_id)
-        return await decide(
+        answering = decide(
             parsed,
             run_id=run_id,
             caller=_caller(request),
@@ -346,6 +347,22 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             clock=rt.loop.time,
             receive=request.receive,
         )
+        tracer = telemetry.tracer()
+        if tracer is None:
+            return await answering
+        # A span the engine's request continues (its traceparent), in the caller's trace.
+        carrier = {k: v for k in ("traceparent", "tracestate") if (v := request.headers.get(k))}
+        with tracer.start_as_current_span(
+            "decide" if parsed.model is None else f"decide {parsed.model}",
+            telemetry.extract(carrier) if carrier else None,
+            kind=SpanKind.CLIENT,
+            attributes={"luftpause.run_id": run_id, "luftpause.labels": len(parsed.labels or [])},
+        ) as span:
+            response = await answering
+            span.set_attribute("http.response.status_code", response.status_code)
+            if response.status_code >= 400:
+                span.set_status(StatusCode.ERROR, f"answered {response.status_code}")
+            return response
 
     @app.delete("/v1/runs/{run_id}")
     async def end_run(request: Request, run_id: str) -> Response:

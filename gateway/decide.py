@@ -28,6 +28,7 @@ from gateway._http import describe_http_error, wait_disconnect
 from gateway._proxy import StreamWatch, TurnRequest, error_response, hold
 from gateway._shell import AdmissionShell, Rejected
 from gateway.prober import auth_headers
+from luftpause import telemetry
 from luftpause.config import Endpoint
 from luftpause.headers import RUN_HEADER
 from scheduler import (
@@ -232,6 +233,7 @@ async def classify(
 ) -> Response:
     """Ask a classifier endpoint's `/classify`; `{label, probabilities}` or the error."""
     headers = {"content-type": "application/json", **auth_headers(endpoint)}
+    telemetry.inject(headers)  # the decide span, when tracing is on
     payload = json.dumps({"model": model, "input": text}).encode()
     try:
         upstream = await client.post(endpoint.url + "/classify", content=payload, headers=headers)
@@ -322,6 +324,7 @@ async def run_turn(
             "accept-encoding": "identity",
             **auth_headers(endpoint),
         }
+        telemetry.inject(headers)  # the decide span, when tracing is on
         request = client.build_request(
             "POST", endpoint.chat_url, content=turn.body, headers=headers
         )

@@ -133,6 +133,40 @@ async def test_a_streamed_turn_without_a_traceparent_starts_a_trace(
     assert traceparent_ids(sent["traceparent"])[0] == format(chat_span.context.trace_id, "032x")
 
 
+async def test_a_decision_is_a_span_the_engines_request_continues(
+    spans: InMemorySpanExporter,
+) -> None:
+    # DESIGN: traceparent is propagated to engines; /v1/decide's turns too, both the
+    # scored one on a generative replica and the classifier's /classify.
+    async with (
+        engine(instant=True) as (url, generative),
+        engine(models=("clf",), labels=("no", "yes"), instant=True) as (clf_url, classifier),
+        gateway(
+            endpoint("e0", url), endpoint("c", clf_url, kind="classifier", models=("clf",))
+        ) as (
+            client,
+            _,
+        ),
+    ):
+        for body in ({"input": "spam?", "labels": ["yes", "no"]}, {"input": "a lovely day"}):
+            r = await client.post("/v1/decide", json=body, headers={"traceparent": TRACEPARENT})
+            assert r.status_code == 200, r.text
+        await until(lambda: len(named(spans, "decide")) == 2, "both decide spans ended")
+
+    scored, classified = named(spans, "decide")
+    sent = [generative.headers[0], next(h for p, h, _ in classifier.posts if p == "/classify")]
+    for span, headers in zip((scored, classified), sent, strict=True):
+        assert span.context is not None and span.parent is not None
+        assert format(span.context.trace_id, "032x") == TRACE_ID
+        assert format(span.parent.span_id, "016x") == PARENT_SPAN_ID
+        assert traceparent_ids(headers["traceparent"]) == (
+            TRACE_ID,
+            format(span.context.span_id, "016x"),
+        )
+        assert attrs(span)["http.response.status_code"] == 200
+    assert attrs(scored)["luftpause.labels"] == 2 and attrs(classified)["luftpause.labels"] == 0
+
+
 async def test_a_turn_the_engine_sent_no_usage_for_records_none(
     spans: InMemorySpanExporter,
 ) -> None:
