@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import itertools
 import socket
 import ssl
 from collections import deque
@@ -83,16 +84,10 @@ def _is_address(host: str) -> bool:
 
 def _interleaved(infos: Sequence[tuple[object, ...]]) -> list[str]:
     """A name's addresses, families alternating from the first one's (RFC 8305 §4)."""
-    hosts: list[str] = []
-    for info in infos:
-        host = cast(tuple[str, int], info[4])[0]
-        if host not in hosts:
-            hosts.append(host)
-    first = [h for h in hosts if (":" in h) == (":" in hosts[0])] if hosts else []
+    hosts = list(dict.fromkeys(cast(tuple[str, int], info[4])[0] for info in infos))
+    first = [h for h in hosts if (":" in h) == (":" in hosts[0])]
     other = [h for h in hosts if h not in first]
-    mixed = [h for pair in zip(first, other, strict=False) for h in pair]
-    n = min(len(first), len(other))
-    return mixed + first[n:] + other[n:]
+    return [h for pair in itertools.zip_longest(first, other) for h in pair if h is not None]
 
 
 async def _race(
@@ -105,7 +100,7 @@ async def _race(
     route drops packets, the IPv4 address answers inside the connect timeout instead of
     the first address taking all of it."""
     pending: set[asyncio.Task[_Connection]] = set()
-    errors: list[BaseException] = []
+    error: BaseException = OSError(f"no address for {hosts!r}")
     try:
         for i, host in enumerate(hosts):
             pending.add(asyncio.ensure_future(attempt(host)))
@@ -115,14 +110,14 @@ async def _race(
                     pending, timeout=None if last else delay, return_when=asyncio.FIRST_COMPLETED
                 )
                 won = [t.result() for t in done if t.exception() is None]
-                errors += [e for t in done if (e := t.exception()) is not None]
+                error = next((e for t in done if (e := t.exception()) is not None), error)
                 if won:
                     for extra in won[1:]:
                         extra.close()
                     return won[0]
                 if not last:
                     break  # the delay passed, or an attempt failed: start the next one
-        raise errors[-1] if errors else OSError(f"no address for {hosts!r}")
+        raise error
     finally:
         for task in pending:
             task.cancel()
@@ -142,6 +137,7 @@ class _Origin:
     port: int
     tls: bool
     host_header: str
+    literal: bool  # host is an IP address: no resolution, nothing to race
 
 
 class _Connection(asyncio.Protocol):
@@ -442,7 +438,7 @@ class Upstream:
 
         try:
             async with asyncio.timeout(self._connect_timeout):
-                if _is_address(origin.host):
+                if origin.literal:
                     return await attempt(origin.host)
                 infos = await loop.getaddrinfo(origin.host, origin.port, type=socket.SOCK_STREAM)
                 return await _race(attempt, _interleaved(infos), HAPPY_EYEBALLS_DELAY_S)
@@ -467,6 +463,7 @@ class Upstream:
                 port=parts.port or (443 if tls else 80),
                 tls=tls,
                 host_header=parts.netloc,
+                literal=_is_address(parts.hostname),
             )
             target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
             known = self._targets[url] = (origin, target)
