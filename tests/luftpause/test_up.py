@@ -18,6 +18,7 @@ from mcp import Client
 from temporalio.client import Client as TemporalClient
 
 from luftpause.temporal_dev import free_port
+from tests.luftpause.test_process import wait_gone
 from tests.workflows.harness import task_with
 
 EXE = str(Path(sys.executable).parent / "luftpause")
@@ -103,11 +104,11 @@ class Up:
                 return
         raise AssertionError("luftpause up never came up:\n" + "".join(self.output))
 
-    def stop(self) -> tuple[int, set[int]]:
-        """SIGTERM by PID; the exit status and the children that were running."""
+    def stop(self, sig: signal.Signals = signal.SIGTERM) -> tuple[int, set[int]]:
+        """`sig` by PID; the exit status and the children that were running."""
         assert self.proc is not None
         kids = children_of(self.proc.pid)
-        self.proc.send_signal(signal.SIGTERM)
+        self.proc.send_signal(sig)
         try:
             out, _ = self.proc.communicate(timeout=60)
         except subprocess.TimeoutExpired:
@@ -195,8 +196,11 @@ async def test_a_restart_resumes_unfinished_runs(state: Path) -> None:
             handles = [await spawn(c, task_with(3, f"resume{i}")) for i in range(4)]
             r = await c.call_tool("await", {"handles": handles, "timeout": 1})
             assert not r.structured_content["done"]
-        code, _ = up.stop()
-        assert code == 0
+        # The terminal `make up` ran in is closed: everything stops in order.
+        code, kids = up.stop(signal.SIGHUP)
+        assert code == 0, "".join(up.output)
+        assert len(kids) == 6
+        assert wait_gone(kids, 0) == set()
         again = Up(state, time_scale=1)
         again.ports = up.ports
         up = again
@@ -206,8 +210,14 @@ async def test_a_restart_resumes_unfinished_runs(state: Path) -> None:
         runs = r.structured_content["runs"]
         assert [x["state"] for x in runs] == ["Completed"] * 4, runs
         assert all(x["toolCalls"] == 3 for x in runs)
-        code, _ = up.stop()
-        assert code == 0
+        # `up` is killed outright (the OOM killer): it cannot stop its children, and
+        # the kernel does, so nothing is left holding the ports or the Temporal db.
+        assert up.proc is not None
+        kids = children_of(up.proc.pid)
+        assert len(kids) == 6
+        code, _ = up.stop(signal.SIGKILL)
+        assert code == -signal.SIGKILL
+        assert wait_gone(kids, 30) == set()
     finally:
         up.kill_all()
 
