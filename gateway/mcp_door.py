@@ -30,7 +30,16 @@ from activities.contract import ToolInfo
 from gateway import _approval as approval
 from gateway.mcp_tasks import TasksExtension
 from luftpause.headers import CALLER_HEADER, caller_name
-from workflows import AWAIT_MAX_S, TERMINAL_STATES, Budget, RunError, Runs, RunSpec, RunStatus
+from workflows import (
+    AWAIT_MAX_S,
+    TERMINAL_STATES,
+    Budget,
+    Rounds,
+    RunError,
+    Runs,
+    RunSpec,
+    RunStatus,
+)
 from workflows.contract import RunState
 
 __all__ = [
@@ -470,19 +479,20 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
         can_elicit = caps is not None and caps.elicitation is not None
         modern = ctx.protocol_version == approval.MODERN
         statuses: list[RunStatus] = []
+        seen = Rounds()
         reported: tuple[int, float] = (-1, loop.time())
         while True:
             left = deadline - loop.time()
             # A client that can be asked needs new approvals seen soon; for any other,
             # a round ends when a run does (for progress) or after PROGRESS_EVERY_S.
-            # Each round asks a worker about every run still going, once.
+            # Each round asks a worker only about runs whose history grew (`Rounds`).
             step = APPROVAL_POLL_S if can_elicit else PROGRESS_EVERY_S
             try:
                 statuses = await r.wait(
                     handles,
                     mode="all" if mode == "all" else "any",
                     timeout=max(0.001, min(left, step)),
-                    known=statuses,
+                    rounds=seen,
                     until_one_ends=True,
                 )
             except RunError as exc:

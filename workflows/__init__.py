@@ -13,7 +13,7 @@ from workflows.contract import (
     RunStatus,
     Totals,
 )
-from workflows.runs import AWAIT_MAX_S, RunError, Runs, new_handle
+from workflows.runs import AWAIT_MAX_S, Rounds, RunError, Runs, new_handle
 
 __all__ = [
     "AWAIT_MAX_S",
@@ -25,6 +25,7 @@ __all__ = [
     "Budget",
     "ChildSummary",
     "PendingApproval",
+    "Rounds",
     "RunError",
     "RunSpec",
     "RunStatus",

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from temporalio.client import (
     Client,
+    WorkflowExecutionDescription,
     WorkflowExecutionStatus,
     WorkflowFailureError,
     WorkflowHandle,
@@ -45,7 +46,7 @@ from workflows.contract import (
     Totals,
 )
 
-__all__ = ["AWAIT_MAX_S", "RunError", "Runs", "new_handle"]
+__all__ = ["AWAIT_MAX_S", "Rounds", "RunError", "Runs", "new_handle"]
 
 
 def _quoted(value: str) -> str:
@@ -57,6 +58,39 @@ AWAIT_MAX_S = 600.0
 CANCEL_WAIT_S = 10.0  # how long `cancel` waits for the run to end before answering
 CANCEL_QUERY_TIMEOUT_S = 2.0  # then, how long it asks a worker for the run's state
 _QUERY_TIMEOUT_S = 10.0
+
+
+class Rounds:
+    """What a caller waiting in rounds (the MCP door's `await`) saw of each run: its
+    status, and its history's length then.  Every change of a run (a turn or tool
+    call ended, an approval asked for or answered, a child reported, a signal) is an
+    event in its history; a run whose history has not grown has not changed, so a
+    later round describes it (the Temporal server answers) instead of querying it
+    (a worker replays it to answer).  Lives as long as one `await` call."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, tuple[str, int, RunStatus]] = {}
+
+    def __contains__(self, handle: str) -> bool:
+        return handle in self._seen
+
+    def __getitem__(self, handle: str) -> RunStatus:
+        return self._seen[handle][2]
+
+
+def _seconds_so_far(status: RunStatus) -> RunStatus:
+    """A running run's status with its budget's seconds counted to now.  A query reads
+    the workflow's clock at its last activation: an idle run's seconds would stand
+    still.  Its budget's seconds run from its start."""
+    budget = status.budget
+    if budget is None or not status.started_at or status.state in TERMINAL_STATES:
+        return status
+    started = datetime.fromisoformat(status.started_at)
+    elapsed = (datetime.now(UTC) - started).total_seconds()
+    if elapsed <= (budget.used.seconds or 0.0):
+        return status
+    used = replace(budget.used, seconds=round(elapsed, 3))
+    return replace(status, budget=replace(budget, used=used))
 
 
 class RunError(Exception):
@@ -146,13 +180,22 @@ class Runs:
 
     async def status(self, handle: str, *, query_timeout: float = _QUERY_TIMEOUT_S) -> RunStatus:
         """The run's status; `RunError` when no run has this handle."""
-        h = self._handle(handle)
+        return await self._status(await self._describe(handle), query_timeout)
+
+    async def _describe(self, handle: str) -> WorkflowExecutionDescription:
         try:
-            desc = await h.describe()
+            return await self._handle(handle).describe()
         except RPCError as exc:
             if exc.status in (RPCStatusCode.NOT_FOUND, RPCStatusCode.INVALID_ARGUMENT):
                 raise RunError(f"no run with handle '{handle}'") from None
             raise
+
+    async def _status(
+        self, desc: WorkflowExecutionDescription, query_timeout: float = _QUERY_TIMEOUT_S
+    ) -> RunStatus:
+        """The status of the run `desc` describes (it follows continue-as-new)."""
+        handle = desc.id
+        h = self._handle(handle)
         if desc.status in (WorkflowExecutionStatus.COMPLETED, WorkflowExecutionStatus.FAILED):
             # The result (or the failure's details) is the final status, read from
             # history: no worker replays the run.  Runs from before the details were
@@ -182,16 +225,7 @@ class Runs:
         if closed is not None and status.state not in TERMINAL_STATES:
             # Terminated from outside (e.g. the Temporal UI): the workflow never saw it.
             status = replace(status, state=closed, error=status.error or "terminated")
-        budget = status.budget
-        if budget is not None and closed is None and status.started_at:
-            # A query reads the workflow's clock at its last activation: an idle run's
-            # seconds would stand still.  Its budget's seconds run from its start.
-            started = datetime.fromisoformat(status.started_at)
-            elapsed = (datetime.now(UTC) - started).total_seconds()
-            if elapsed > (budget.used.seconds or 0.0):
-                used = replace(budget.used, seconds=round(elapsed, 3))
-                status = replace(status, budget=replace(budget, used=used))
-        return status
+        return status if closed is not None else _seconds_so_far(status)
 
     async def transcript(self, handle: str) -> list[dict[str, Any]]:
         """The run's messages so far."""
@@ -213,23 +247,22 @@ class Runs:
         *,
         mode: Literal["all", "any"] = "all",
         timeout: float = 60.0,
-        known: Sequence[RunStatus] = (),
+        rounds: Rounds | None = None,
         until_one_ends: bool = False,
     ) -> list[RunStatus]:
         """Wait until all (or any) of the runs ended, or the timeout; return every
-        run's status either way.  `known`: these runs' statuses at the end of the
-        caller's last round (a caller waiting in rounds): they are not asked again
-        before this round's wait, and the ended ones not at all.  `until_one_ends`:
-        return as soon as any run still going ends (a caller reporting progress)."""
+        run's status either way.  `rounds`: what a caller waiting in rounds saw in its
+        earlier ones (see `Rounds`); updated.  `until_one_ends`: return as soon as any
+        run still going ends (a caller reporting progress)."""
         if not handles:
             raise RunError("expected at least one handle")
         if not 0 < timeout <= AWAIT_MAX_S:
             raise RunError(f"timeout must be more than 0 and at most {AWAIT_MAX_S:g} seconds")
-        by_handle = {s.handle: s for s in known}
-        if all(h in by_handle for h in handles):
-            first = [by_handle[h] for h in handles]  # a run's end wakes its result wait
+        rounds = rounds if rounds is not None else Rounds()
+        if all(h in rounds for h in handles):
+            first = [rounds[h] for h in handles]  # a run's end wakes its result wait
         else:
-            first = await self._refresh(handles, known)  # also checks every handle exists
+            first = await self._refresh(handles, rounds)  # also checks every handle exists
         pending = [
             asyncio.create_task(self._ended(h))
             for h, s in zip(handles, first, strict=True)
@@ -248,15 +281,28 @@ class Runs:
                 for task in pending:
                     task.cancel()
                 await asyncio.gather(*pending, return_exceptions=True)
-        return await self._refresh(handles, first)
+        return await self._refresh(handles, rounds)
 
-    async def _refresh(self, handles: Sequence[str], known: Sequence[RunStatus]) -> list[RunStatus]:
-        """The runs' statuses, asking Temporal (and a worker) only for those not known to
-        have ended: on a long `await` most polls are of runs that did."""
-        ended = {s.handle: s for s in known if s.state in TERMINAL_STATES}
-        asked = [h for h in handles if h not in ended]
-        fresh = dict(zip(asked, await self.statuses(asked), strict=True))
-        return [ended[h] if h in ended else fresh[h] for h in handles]
+    async def _refresh(self, handles: Sequence[str], rounds: Rounds) -> list[RunStatus]:
+        """The runs' statuses.  A run seen ended is not asked again; a run whose history
+        has not grown since it was seen is only described (no worker): on a long
+        `await` most runs are waiting (for a tool, a turn, an approval, children)."""
+        return list(await asyncio.gather(*(self._look(h, rounds) for h in handles)))
+
+    async def _look(self, handle: str, rounds: Rounds) -> RunStatus:
+        seen = rounds._seen.get(handle)
+        if seen is not None and seen[2].state in TERMINAL_STATES:
+            return seen[2]
+        desc = await self._describe(handle)
+        if (
+            seen is not None
+            and desc.status == WorkflowExecutionStatus.RUNNING
+            and (desc.run_id, desc.history_length) == seen[:2]
+        ):
+            return _seconds_so_far(seen[2])  # nothing happened in the run since
+        status = await self._status(desc)
+        rounds._seen[handle] = (desc.run_id, desc.history_length, status)
+        return status
 
     async def _ended(self, handle: str) -> None:
         with contextlib.suppress(Exception):

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import replace
 from typing import Any
 
 import pytest
+from temporalio.client import WorkflowHandle
 
-from tests.workflows.harness import MODEL, Stack, stack, task_with
-from workflows import DECLINED, RunError, RunSpec
+from tests.workflows.harness import MODEL, Stack, spawn_waiting, stack, task_with
+from workflows import DECLINED, Rounds, RunError, RunSpec
 
 
 def track_concurrency(s: Stack) -> dict[str, int]:
@@ -170,19 +170,40 @@ async def _pending(s: Stack, handle: str) -> Any:
     raise AssertionError(f"{handle} never asked for approval")
 
 
-async def test_waiting_in_rounds_asks_only_for_runs_not_known_to_have_ended(
-    temporal_address: str,
+async def test_waiting_in_rounds_asks_a_worker_only_about_runs_whose_history_grew(
+    temporal_address: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    queried: list[str] = []
+    query = WorkflowHandle.query
+
+    async def counted(self: WorkflowHandle[Any, Any], *args: Any, **kwargs: Any) -> Any:
+        queried.append(self.id)
+        return await query(self, *args, **kwargs)
+
     async with stack(temporal_address) as s:
         done = await s.runs.spawn(RunSpec(task=task_with(0, "known"), model=MODEL))
         (ended,) = await s.runs.wait([done])
         assert ended.state == "Completed"
-        live = await s.runs.spawn(RunSpec(task=task_with(1, "live"), model=MODEL, tools=["lookup"]))
-        # The ended run's known status is final: it is passed back, not asked again (a
-        # forged copy shows it), while the live run is asked and waited for.
-        forged = replace(ended, answer="from the caller's last round")
-        got = await s.runs.wait([done, live], known=[forged], timeout=30)
-        assert got[0] is forged and got[1].handle == live and got[1].state == "Completed"
+        waiting = await spawn_waiting(s, "rounds")
+        monkeypatch.setattr(WorkflowHandle, "query", counted)
+        rounds = Rounds()
+        first = await s.runs.wait([done, waiting], timeout=0.2, rounds=rounds)
+        assert [x.state for x in first] == ["Completed", "AwaitingApproval"]
+        # The ended run's status is read from its result (no worker), the waiting one's
+        # from a worker once ...
+        assert queried == [waiting]
+        # ... and while nothing happens in it, later rounds only describe it.
+        for _ in range(3):
+            again = await s.runs.wait([done, waiting], timeout=0.2, rounds=rounds)
+            assert again[1].state == "AwaitingApproval"
+            assert again[1].pending_approval == first[1].pending_approval
+        assert queried == [waiting]
+        # Something happens (the approval): the next round sees it.
+        await s.runs.approve(waiting, True)
+        queried.clear()
+        got = await s.runs.wait([done, waiting], timeout=30, rounds=rounds)
+        assert got[0] is first[0]  # seen ended: not asked again
+        assert got[1].state == "Completed" and got[1].usage.tool_calls == 1
 
 
 async def test_cancel_answers_in_bounded_time_with_no_worker_up(temporal_address: str) -> None:
