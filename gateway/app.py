@@ -546,7 +546,7 @@ async def _probe(prober: Prober, period: float) -> None:
     while True:
         await asyncio.sleep(max(0.0, next_round - loop.time()))
         next_round = loop.time() + period
-        await prober.probe_once()
+        await prober.next_round()
 
 
 async def _tick(shell: AdmissionShell, loop: asyncio.AbstractEventLoop) -> None:
@@ -555,10 +555,15 @@ async def _tick(shell: AdmissionShell, loop: asyncio.AbstractEventLoop) -> None:
     while True:
         await asyncio.sleep(TICK_PERIOD_S)
         now = loop.time()
-        shell.apply(Tick(now=now))
-        if now - last_sweep >= TOOL_CALL_SWEEP_S:
-            shell.sweep_tool_calls(now)
-            last_sweep = now
+        # The loop outlives a failed tick: without it no turn would time out and no
+        # idle run expire.
+        try:
+            shell.apply(Tick(now=now))
+            if now - last_sweep >= TOOL_CALL_SWEEP_S:
+                shell.sweep_tool_calls(now)
+                last_sweep = now
+        except Exception:
+            log.exception("tick failed; the next one comes in %g s", TICK_PERIOD_S)
 
 
 # --------------------------------------------------------------------------- parsing

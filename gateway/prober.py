@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
@@ -122,6 +123,9 @@ def parse_load(kind: str, text: str) -> tuple[int, int] | None:
         found.add(name)
     if len(found) < 2:
         return None
+    for name in names:
+        if not math.isfinite(sums[name]):  # the format allows +Inf and NaN
+            raise ValueError(f"{name} is {sums[name]}")
     return int(sums[names[0]]), int(sums[names[1]])
 
 
@@ -218,15 +222,18 @@ async def probe_endpoint(
     else:
         try:
             load = parse_load(endpoint.kind, metrics.text)
-        except ValueError as exc:  # not the exposition format
+        except ValueError as exc:  # not the exposition format, or a value that is no count
             note = f"reports no load: /metrics: {exc}"
+        except Exception as exc:  # whatever else the parser meets: the load is unknown
+            note = f"reports no load: /metrics: {type(exc).__name__}: {exc}"
         else:
             if load is None:
                 note = f"reports no load: /metrics lacks {q} and {r}"
     if note is not None:
         note += f" ({_METRICS_HINT[endpoint.kind]}); admitted uncapped"
     if want_kv and endpoint.kind == "vllm" and load is not None:  # a parsed exposition
-        kv = parse_vllm_kv_tokens(metrics.text)
+        with contextlib.suppress(Exception):  # not knowing it is no reason to fail
+            kv = parse_vllm_kv_tokens(metrics.text)
     elif want_kv and endpoint.kind == "sglang":
         # Apart from the health probe's time: a slow answer here (SGLang asks its
         # scheduler) must not make a healthy engine look unhealthy.
@@ -350,11 +357,21 @@ class Prober:
             before, error=f"{r.error} once; still in rotation", kv_tokens=None, repeated=True
         )
 
+    async def next_round(self) -> None:
+        """One round, for a loop that must outlive whatever goes wrong in it: a round
+        that fails is logged, and the next one comes at its time.  (A loop that died
+        here would leave every replica as its last probe saw it: a dead engine in
+        rotation, a recovered one out of it.)"""
+        try:
+            await self.probe_once()
+        except Exception:
+            log.exception("probe round failed; the next one comes in %g s", self._period)
+
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             started = loop.time()
-            await self.probe_once()
+            await self.next_round()
             await asyncio.sleep(max(0.0, self._period - (loop.time() - started)))
 
     def start(self) -> None:

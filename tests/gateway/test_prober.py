@@ -6,6 +6,7 @@ go through httpx.MockTransport."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -16,6 +17,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 
+import gateway.app as gateway_app_module
 from gateway._http import describe_http_error
 from gateway.prober import (
     Prober,
@@ -26,7 +28,7 @@ from gateway.prober import (
     probe_pool,
 )
 from luftpause.config import Endpoint, parse_config
-from scheduler import ReplicaSpec, State, decide
+from scheduler import ReplicaSpec, State, Tick, decide
 from testkit.engine import EngineParams
 from testkit.fake_engine import FakeEngineSettings, create_app
 from testkit.loopback import serve
@@ -415,3 +417,76 @@ async def test_one_late_probe_keeps_a_healthy_engine_in_rotation_two_do_not() ->
     refused = ProbeResult(endpoint="e", healthy=False, error="cannot connect")
     assert prober._forgive_late(refused) is refused
     assert prober._forgive_late(late).healthy
+
+
+@pytest.mark.parametrize("value", ["+Inf", "NaN"])
+async def test_a_load_that_is_no_count_leaves_the_load_unknown(value: str) -> None:
+    # The exposition format allows +Inf and NaN; int() of them raised past the probe
+    # and ended the prober's task for good.
+    text = f"sglang:num_queue_reqs {value}\nsglang:num_running_reqs 3\n"
+    with pytest.raises(ValueError, match="sglang:num_queue_reqs is"):
+        parse_load("sglang", text)
+    async with _client(
+        {"/health": httpx.Response(200), "/metrics": httpx.Response(200, text=text)}
+    ) as c:
+        r = await probe_endpoint(c, _endpoint())
+    assert (r.healthy, r.queued, r.running) == (True, None, None)
+    assert r.error is not None and r.error.startswith("reports no load: /metrics: sglang:num_q")
+
+
+async def test_the_probe_loop_outlives_a_round_that_fails() -> None:
+    cfg = parse_config(
+        {"endpoints": [{"name": "a", "url": "http://a", "kind": "ollama", "models": ["m"]}]}
+    )
+    rounds: asyncio.Queue[int] = asyncio.Queue()
+    calls = 0
+
+    async def report(results: list) -> None:  # type: ignore[type-arg]
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("a bug in the shell")
+        await rounds.put(calls)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(200))) as c:
+        prober = Prober(cfg, c, report, period=0.01)
+        loop_task = asyncio.create_task(gateway_app_module._probe(prober, 0.01))
+        try:
+            assert await asyncio.wait_for(rounds.get(), 5) == 2
+        finally:
+            loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loop_task
+        prober.start()  # the prober's own loop, likewise
+        calls = 0
+        try:
+            assert await asyncio.wait_for(rounds.get(), 5) == 2
+        finally:
+            await prober.stop()
+
+
+async def test_the_tick_loop_outlives_a_tick_that_fails() -> None:
+    ticks: asyncio.Queue[float] = asyncio.Queue()
+
+    class Shell:  # the two calls _tick makes, the first one failing
+        calls = 0
+
+        def apply(self, event: Tick) -> None:
+            Shell.calls += 1
+            if Shell.calls == 1:
+                raise RuntimeError("a bug in the core")
+            ticks.put_nowait(event.now)
+
+        def sweep_tool_calls(self, now: float) -> None:
+            pass
+
+    task = asyncio.create_task(
+        gateway_app_module._tick(Shell(), asyncio.get_running_loop())  # type: ignore[arg-type]
+    )
+    try:
+        await asyncio.wait_for(ticks.get(), 10)
+        assert Shell.calls == 2
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
