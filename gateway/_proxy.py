@@ -40,6 +40,7 @@ from scheduler import (
     Event,
     ServiceClass,
     TurnAbandoned,
+    TurnAlive,
     TurnArrived,
     TurnFailed,
     TurnFinished,
@@ -86,6 +87,8 @@ USAGE_ASKED_OF = frozenset({"sglang", "vllm", "llamacpp", "router"})
 
 # luftpause's own 503 (no healthy replica for the model) says when to look again: the
 # next probe round.
+# How often a streaming turn tells the core it is alive (well inside the turn timeout).
+ALIVE_EVERY_S = 30.0
 UNAVAILABLE_RETRY_AFTER_S = str(math.ceil(PROBE_PERIOD_S))
 
 
@@ -545,6 +548,7 @@ class TurnResponse(Response):
         await send({"type": "http.response.start", "status": answer.status, "headers": headers})
         started = False
         loop = asyncio.get_running_loop()
+        alive_at = loop.time()
         try:
             # Only waiting on the engine counts: a slow client is not an idle engine.
             async with asyncio.timeout(self._idle) as idle:
@@ -553,6 +557,11 @@ class TurnResponse(Response):
                     if not started:
                         started = True
                         self._shell.apply(TurnStarted(now=self._clock(), turn_id=t.turn_id))
+                    elif loop.time() - alive_at >= ALIVE_EVERY_S:
+                        # The core frees the slot of a turn silent for its turn timeout;
+                        # a stream longer than that is no lost turn.
+                        alive_at = loop.time()
+                        self._shell.apply(TurnAlive(now=self._clock(), turn_id=t.turn_id))
                     if not encoded:
                         watch.feed(chunk)
                     if answer.complete:

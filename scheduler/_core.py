@@ -31,8 +31,9 @@ Rules (DESIGN.md "The scheduler"), stated once, enforced here and nowhere else:
 7. A model no replica serves is rejected with 404 before it is queued, and a model
    whose every replica is unhealthy with 503 (waiting would hang the client until
    one comes back; it may retry).  Turns already held when that happens keep waiting.
-8. Ticks free the slots of turns never reported finished after `turn_timeout_s` and
-   forget runs idle or paused for `idle_run_expiry_s`.
+8. Ticks free the slots of turns never reported finished after `turn_timeout_s` from
+   their admission or their last sign of life (`TurnAlive`), and forget runs idle or
+   paused for `idle_run_expiry_s`.
 9. Interactive lanes (`Policy.lane_batch_kv_fill` set): a new interactive run goes first
    to the replica where the most interactive runs hold KV, and on a replica where any
    do, new batch runs stop at `lane_batch_kv_fill` of its pool; the other replicas take
@@ -76,6 +77,7 @@ from scheduler._types import (
     Tick,
     TimedOut,
     TurnAbandoned,
+    TurnAlive,
     TurnArrived,
     TurnFailed,
     TurnFinished,
@@ -159,6 +161,7 @@ class TurnState(NamedTuple):
     replica: str | None  # once admitted
     admitted_at: float
     started: bool
+    alive_at: float = 0.0  # admission, or the last TurnAlive: the turn timeout counts from it
 
 
 class _Bucket(NamedTuple):
@@ -330,6 +333,8 @@ def decide(state: State, event: Event) -> tuple[State, list[Action]]:
         )
     elif isinstance(event, TurnStarted):
         tx.started(event.turn_id)
+    elif isinstance(event, TurnAlive):
+        tx.alive(event.turn_id)
     elif isinstance(event, TurnFailed):
         tx.turn_done(event.turn_id, None, 0, 0)
     elif isinstance(event, TurnAbandoned):
@@ -458,6 +463,12 @@ class _Tx:
         t = self.turns.get(turn_id)
         if t is not None and t.replica is not None and not t.started:
             self.turns[turn_id] = t._replace(started=True)
+
+    def alive(self, turn_id: str) -> None:
+        t = self.turns.get(turn_id)
+        if t is not None and t.replica is not None and self.now > t.alive_at:
+            self.turns[turn_id] = t._replace(alive_at=self.now)
+            self.timeouts = self.timeouts.append((self.now, turn_id))  # the older one is stale
 
     def abandon(self, turn_id: str) -> None:
         t = self.turns.get(turn_id)
@@ -590,7 +601,7 @@ class _Tx:
             at, tid = self.timeouts.first()
             self.timeouts = self.timeouts.popleft()
             t = self.turns.get(tid)
-            if t is not None and t.replica is not None and t.admitted_at == at:
+            if t is not None and t.replica is not None and t.alive_at == at:
                 touched.append(t.replica)
                 self.actions.append(TimedOut(turn_id=tid, run_id=t.run_id, replica=t.replica))
                 self.turn_done(tid, None, 0, 0)
@@ -787,7 +798,7 @@ class _Tx:
                         self.refill.append(peer)
         self.turns[t.turn_id] = TurnState(
             t.turn_id, t.run_id, t.service_class, caller, t.model, t.arrived, t.seq,
-            t.prompt_tokens, t.reply_tokens, None, name, self.now, False,
+            t.prompt_tokens, t.reply_tokens, None, name, self.now, False, self.now,
         )  # fmt: skip
         self.timeouts = self.timeouts.append((self.now, t.turn_id))
         self.actions.append(

@@ -120,6 +120,16 @@ class TurnStarted:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class TurnAlive:
+    """The admitted turn's engine is still sending.  The shell reports it now and then
+    while a reply streams; the turn timeout counts from the turn's last sign of life,
+    so a long healthy stream keeps its slot."""
+
+    now: float
+    turn_id: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class TurnFinished:
     now: float
     turn_id: str
@@ -168,6 +178,7 @@ Event = (
     TurnArrived
     | TurnAbandoned
     | TurnStarted
+    | TurnAlive
     | TurnFinished
     | TurnFailed
     | RunEnded
@@ -208,8 +219,8 @@ class Forget:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TimedOut:
-    """The admitted turn was never reported finished within `Policy.turn_timeout_s`:
-    the core freed its slot.  A later report about it is ignored."""
+    """The admitted turn was never reported finished, and gave no sign of life, for
+    `Policy.turn_timeout_s`: the core freed its slot.  A later report about it is ignored."""
 
     turn_id: str
     run_id: str

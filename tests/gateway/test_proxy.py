@@ -31,6 +31,7 @@ from harness import (
 )
 from starlette.types import Receive, Scope, Send
 
+import gateway._proxy as proxy_module
 from gateway._shell import AdmissionShell
 from scheduler import Policy, RunPhase, ServiceClass
 from testkit._fake_text import key
@@ -672,6 +673,39 @@ async def test_a_hung_engine_fails_the_turn_after_the_idle_timeout(stall: str) -
             await until(lambda: not shell.state.turns, "the turn failed and freed its slot")
         finally:
             released.set()
+
+
+async def test_a_stream_longer_than_the_turn_timeout_keeps_its_slot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The turn timeout frees the slots of lost turns; a reply that streams for longer
+    # (a long reasoning turn) tells the core it is alive and is not one.
+    monkeypatch.setattr(proxy_module, "ALIVE_EVERY_S", 0.3)
+    chunks = 18  # one each 0.2 s: 3.6 s, past a tick (every 2 s) and twice the timeout
+
+    async def slow(scope: Scope, receive: Receive, send: Send) -> None:
+        if await answered_health(scope, send):
+            return
+        start = [(b"content-type", b"text/event-stream")]
+        await send({"type": "http.response.start", "status": 200, "headers": start})
+        for _ in range(chunks):
+            await asyncio.sleep(0.2)  # the engine's pace, not a synchronisation
+            delta = b'data: {"choices": [{"delta": {"content": "x"}}]}\n\n'
+            await send({"type": "http.response.body", "body": delta, "more_body": True})
+        done = b'data: {"choices": [{"delta": {}, "finish_reason": "stop"}]}\n\ndata: [DONE]\n\n'
+        await send({"type": "http.response.body", "body": done})
+
+    policy = Policy(turn_timeout_s=1.5)
+    async with (
+        serve(slow) as url,
+        gateway(endpoint("a", url, kind="openai"), policy=policy) as (gw, shell),
+    ):
+        r = await gw.post("/v1/chat/completions", json=chat(stream=True))
+        assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+        await until(lambda: not shell.state.turns, "turn ended")
+        metrics = (await gw.get("/metrics")).text
+        assert 'luftpause_turns_total{outcome="timed_out"} 0.0' in metrics
+        assert 'luftpause_turns_total{outcome="finished"} 1.0' in metrics
 
 
 async def test_client_leaving_mid_stream_stops_the_engine() -> None:

@@ -23,6 +23,7 @@ from scheduler import (
     Tick,
     TimedOut,
     TurnAbandoned,
+    TurnAlive,
     TurnArrived,
     TurnFailed,
     TurnFinished,
@@ -717,6 +718,31 @@ def test_turn_timeout_frees_the_slot() -> None:
     assert t1 not in d.state.turns
     d.finish(t1)  # the late finish of a timed-out turn is ignored
     assert d.state.replicas["a"].in_flight == 1
+
+
+def test_a_turn_that_shows_signs_of_life_keeps_its_slot_past_the_timeout() -> None:
+    # A reply that streams for longer than the turn timeout (a long reasoning turn) is
+    # not a lost turn: the timeout counts from its last sign of life.
+    d = Driver(("a",), policy=Policy(turn_timeout_s=600))
+    d.cap("a", 1)
+    t1 = d.arrive("r1")
+    admitted_at = d.now
+    t2 = d.arrive("r2")
+    d.feed(TurnAlive(now=admitted_at + 300, turn_id=t1))
+    d.feed(TurnAlive(now=admitted_at + 300, turn_id=t1))  # the same moment again: no-op
+    d.feed(TurnAlive(now=admitted_at + 500, turn_id=t1))
+    d.feed(Tick(now=admitted_at + 1000))
+    assert d.actions == [] and t2 in d.held_ids()
+    assert d.state.replicas["a"].in_flight == 1
+    d.feed(Tick(now=admitted_at + 1100))  # silent for 600 s since its last sign of life
+    assert TimedOut(turn_id=t1, run_id="r1", replica="a") in d.actions
+    assert admits(d.actions) == [(t2, "a")]
+    # A sign of life of a turn the core no longer knows, or that is still held, is ignored.
+    d.feed(TurnAlive(now=admitted_at + 1101, turn_id=t1))
+    assert d.actions == [] and t1 not in d.state.turns
+    t3 = d.arrive("r3")
+    d.feed(TurnAlive(now=d.step(), turn_id=t3))
+    assert t3 in d.held_ids() and d.state.turns[t3].alive_at == 0.0
 
 
 def test_idle_runs_are_forgotten_after_expiry() -> None:

@@ -38,6 +38,7 @@ from scheduler import (
     State,
     Tick,
     TurnAbandoned,
+    TurnAlive,
     TurnArrived,
     TurnFailed,
     TurnFinished,
@@ -86,6 +87,7 @@ ops = st.one_of(
     st.tuples(st.just("fail"), st.integers(0, 50)),
     st.tuples(st.just("abandon"), st.integers(0, 50)),
     st.tuples(st.just("started"), st.integers(0, 50)),
+    st.tuples(st.just("alive"), st.integers(0, 50)),
     st.tuples(st.just("tick"), st.sampled_from([1.0, 30.0, 700.0, 2000.0])),
     st.tuples(st.just("end"), st.integers(0, 5)),
 )
@@ -133,7 +135,7 @@ class Runner:
                 caller=f"caller{caller}", model=MODELS[model], prompt_tokens=prompt,
                 max_tokens=max_tokens,
             )  # fmt: skip
-        if kind in ("finish", "fail", "abandon", "started"):
+        if kind in ("finish", "fail", "abandon", "started", "alive"):
             if not self.known:
                 return None
             tid = self.known[op[1] % len(self.known)]
@@ -146,6 +148,8 @@ class Runner:
                 return TurnFailed(now=self.now, turn_id=tid, reason="x")
             if kind == "abandon":
                 return TurnAbandoned(now=self.now, turn_id=tid)
+            if kind == "alive":
+                return TurnAlive(now=self.now, turn_id=tid)
             return TurnStarted(now=self.now, turn_id=tid)
         if kind == "probe":
             _, r, healthy, queued, running, kv, repeated = op
