@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import ipaddress
 import itertools
+import math
 import socket
 import ssl
 from collections import deque
@@ -69,6 +70,12 @@ MAX_CONNECTIONS = 4096
 MAX_IDLE_PER_ENGINE = 512
 # Answer bytes buffered for a slow client before reading from the engine pauses.
 _HIGH_WATER = 256 * 1024
+# A request sent on an idle keep-alive connection that the engine closes unanswered
+# within this time is sent again on a new one: the close crossed the request (the
+# engine's keep-alive timer), so it never read it.  Closed later, the engine read it
+# and gave up on it (a crash, an out-of-memory kill): sending it again would run it
+# twice, or bring the same engine down twice.  A round trip to the farthest engine.
+RESEND_WINDOW_S = 0.5
 
 
 HAPPY_EYEBALLS_DELAY_S = 0.25
@@ -164,6 +171,8 @@ class _Connection(asyncio.Protocol):
         self.error: UpstreamError | None = None
         self._until_close = False  # the body ends when the engine closes
         self._answered = False  # a byte of the answer arrived
+        self._sent_at = 0.0  # loop time the request went out
+        self._closed_after = math.inf  # seconds from then until the engine closed
 
     # -- asyncio.Protocol
 
@@ -187,6 +196,8 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self.busy:
+            self._closed_after = asyncio.get_running_loop().time() - self._sent_at
         if self.busy and not self.complete:
             if self.status and self._until_close and exc is None:
                 self.complete = True
@@ -245,6 +256,7 @@ class _Connection(asyncio.Protocol):
         self._begin()
         self.busy = True
         assert self.transport is not None
+        self._sent_at = asyncio.get_running_loop().time()
         self.transport.write(data)
         while not self.status:
             if self.error is not None:
@@ -253,8 +265,9 @@ class _Connection(asyncio.Protocol):
 
     @property
     def unanswered(self) -> bool:
-        """Closed by the engine before a byte of the answer arrived."""
-        return self.closed and not self._answered
+        """Closed by the engine before a byte of the answer arrived, as the request went
+        out (within RESEND_WINDOW_S): it crossed the close and was never read."""
+        return self.closed and not self._answered and self._closed_after <= RESEND_WINDOW_S
 
     async def wait(self) -> None:
         """Until something arrives: the head, body, the end, or an error."""
@@ -384,6 +397,7 @@ class Upstream:
                     # The engine closed this idle connection as the request went out,
                     # without a byte of answer: its keep-alive timeout, most likely, so
                     # it never read the request.  Once more, on a new connection.
+                    # (Closed later, it did read it: that failure is the turn's.)
                     conn = None
             if conn is None:
                 conn = await self._connect(origin)

@@ -526,6 +526,34 @@ async def test_stale_keep_alive_connection_is_retried_on_a_new_one(
     assert [r.body for r in server.peers[1].requests] == [b"turn 2"]
 
 
+@bounded
+async def test_a_turn_the_engine_held_and_then_dropped_is_not_sent_again(
+    upstream: Upstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine read the turn, worked on it and closed without answering (a crash, an
+    out-of-memory kill): that is no keep-alive race, and sending it again would run it
+    twice, or bring the engine down twice.  The turn fails."""
+    monkeypatch.setattr(_http, "RESEND_WINDOW_S", 0.05)
+    held = asyncio.Event()
+
+    async def handle(peer: Peer) -> None:
+        if peer.index == 0:
+            await peer.request()
+            await peer.send(http_answer(b"first"))
+            await peer.request()
+            await asyncio.sleep(0.2)  # the engine at work: longer than the window
+            held.set()
+            return  # closed without a byte of answer
+        await keep_answering(http_answer(b"a resend that should not have happened"))(peer)
+
+    async with raw_server(handle) as server:
+        assert await fetch(upstream, server.url, b"turn 1") == (200, b"first")
+        with pytest.raises(UpstreamError, match="closed the connection without answering"):
+            await upstream.post(server.url, b"turn 2", [])
+        assert held.is_set()
+    assert server.requests_per_connection() == [2]
+
+
 def closing_without_answer(*, served_first: int) -> Handler:
     """Connection 0 answers `served_first` turns, then reads one more and closes without
     answering.  If it served any (so the client retries), connection 1 does the same to
