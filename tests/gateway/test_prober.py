@@ -490,3 +490,13 @@ async def test_the_tick_loop_outlives_a_tick_that_fails() -> None:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+def test_only_the_load_gauges_are_read() -> None:
+    # The whole exposition is not parsed (vLLM's is ~90 KB of histograms, ~50 ms on the
+    # event loop per probe): a line the parser would refuse, elsewhere, does not hide
+    # the load.
+    text = "vllm:some_histogram_bucket{le=oops} 1\n" + (
+        'vllm:num_requests_waiting{engine="0"} 2.0\nvllm:num_requests_running{engine="0"} 5.0\n'
+    )
+    assert parse_load("vllm", text) == (2, 5)
