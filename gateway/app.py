@@ -172,7 +172,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     # The settings' policy (tests, benches) or the file's [policy] section.
     policy = settings.policy or config.policy.to_policy()
     engine_idle_s = policy.turn_timeout_s
-    door = _Door(config, settings.token)
+    door = _Door(config, settings.token, engine_idle_s)
     door_server = create_mcp_server(door.deps(models, lambda: runtime))
     door_app = door_server.streamable_http_app(streamable_http_path="/", host=settings.host)
 
@@ -346,6 +346,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             classifiers=_healthy_first(classifiers, rt.prober),
             clock=rt.loop.time,
             receive=request.receive,
+            answer_timeout=engine_idle_s,
         )
         tracer = telemetry.tracer()
         if tracer is None:
@@ -458,8 +459,9 @@ class _Door:
     first use, so the proxy serves while Temporal is down), the upstream tool servers,
     and `/v1/decide` in-process."""
 
-    def __init__(self, config: Config, token: str | None) -> None:
+    def __init__(self, config: Config, token: str | None, answer_timeout: float) -> None:
         self._config = config
+        self._answer_timeout = answer_timeout  # an engine's answer to a decide turn
         self._runs: Runs | None = None
         self._lock = asyncio.Lock()
         self._pool = McpPool(config.mcp_servers)
@@ -520,6 +522,7 @@ class _Door:
                 classifiers=_healthy_first(classifiers, rt.prober),
                 clock=rt.loop.time,
                 receive=receive,
+                answer_timeout=self._answer_timeout,
             )
             try:
                 body = json.loads(bytes(response.body))

@@ -25,7 +25,13 @@ from starlette.responses import Response
 from starlette.types import Receive
 
 from gateway._http import describe_http_error, wait_disconnect
-from gateway._proxy import StreamWatch, TurnRequest, error_response, hold
+from gateway._proxy import (
+    ENGINE_IDLE_TIMEOUT_S,
+    StreamWatch,
+    TurnRequest,
+    error_response,
+    hold,
+)
 from gateway._shell import AdmissionShell, Rejected
 from gateway.prober import auth_headers
 from luftpause import telemetry
@@ -229,14 +235,30 @@ def passed_through(upstream: httpx.Response, run_id: str) -> Response:
 
 
 async def classify(
-    endpoint: Endpoint, model: str, text: str, client: httpx.AsyncClient, run_id: str
+    endpoint: Endpoint,
+    model: str,
+    text: str,
+    client: httpx.AsyncClient,
+    run_id: str,
+    answer_timeout: float = ENGINE_IDLE_TIMEOUT_S,
 ) -> Response:
     """Ask a classifier endpoint's `/classify`; `{label, probabilities}` or the error."""
     headers = {"content-type": "application/json", **auth_headers(endpoint)}
     telemetry.inject(headers)  # the decide span, when tracing is on
     payload = json.dumps({"model": model, "input": text}).encode()
+    # The client's own connect timeout stays; an engine that accepts and never answers
+    # is given up after `answer_timeout`, as a proxied turn is.
+    timeout = httpx.Timeout(answer_timeout, connect=client.timeout.connect)
     try:
-        upstream = await client.post(endpoint.url + "/classify", content=payload, headers=headers)
+        upstream = await client.post(
+            endpoint.url + "/classify", content=payload, headers=headers, timeout=timeout
+        )
+    except httpx.TimeoutException as exc:
+        if isinstance(exc, httpx.ConnectTimeout):
+            message = f"engine {endpoint.name}: {describe_http_error(exc)}"
+            return error_response(502, message, run_id)
+        message = f"engine {endpoint.name}: no answer within {answer_timeout:g} s"
+        return error_response(504, message, run_id)
     except httpx.HTTPError as exc:
         return error_response(502, f"engine {endpoint.name}: {describe_http_error(exc)}", run_id)
     if upstream.status_code >= 400:
@@ -292,10 +314,12 @@ async def run_turn(
     endpoints: Mapping[str, Endpoint],
     clock: Callable[[], float],
     receive: Receive,
+    answer_timeout: float = ENGINE_IDLE_TIMEOUT_S,
 ) -> Response | dict[str, Any]:
     """One non-streaming chat turn through the core: held until admitted, posted to the
     admitted replica; its parsed JSON answer, or the response for the client.  Exactly one
-    terminal event is reported per arrived turn (none for a rejected one)."""
+    terminal event is reported per arrived turn (none for a rejected one).  An engine
+    that has not answered `answer_timeout` after admission fails the turn (504)."""
     disconnected = asyncio.ensure_future(wait_disconnect(receive))
     arrived = ended = False
 
@@ -340,7 +364,9 @@ async def run_turn(
 
         task = asyncio.ensure_future(exchange())
         try:
-            await asyncio.wait((task, disconnected), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                (task, disconnected), timeout=answer_timeout, return_when=asyncio.FIRST_COMPLETED
+            )
         except asyncio.CancelledError:
             task.cancel()  # cancelled from outside (shutdown): close the engine request
             raise
@@ -348,8 +374,12 @@ async def run_turn(
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-            fail("client disconnected before the engine answered")
-            return error_response(_CLIENT_LEFT, "client disconnected", turn.run_id)
+            if disconnected.done():
+                fail("client disconnected before the engine answered")
+                return error_response(_CLIENT_LEFT, "client disconnected", turn.run_id)
+            message = f"engine {outcome}: no answer within {answer_timeout:g} s"
+            fail(message)
+            return error_response(504, message, turn.run_id)
         try:
             upstream = task.result()
         except httpx.HTTPError as exc:
@@ -398,10 +428,11 @@ async def decide(
     classifiers: Sequence[Endpoint],
     clock: Callable[[], float],
     receive: Receive,
+    answer_timeout: float = ENGINE_IDLE_TIMEOUT_S,
 ) -> Response:
     """Answer one validated `/v1/decide` request (see the module docstring)."""
     if request.labels is None:
-        return await _by_classifier(request, classifiers, client, run_id)
+        return await _by_classifier(request, classifiers, client, run_id, answer_timeout)
     model = request.model
     if model is None:
         model = next((m for e in endpoints.values() for m in e.models), None)
@@ -422,7 +453,13 @@ async def decide(
     )
     try:
         answer = await run_turn(
-            turn, shell=shell, client=client, endpoints=endpoints, clock=clock, receive=receive
+            turn,
+            shell=shell,
+            client=client,
+            endpoints=endpoints,
+            clock=clock,
+            receive=receive,
+            answer_timeout=answer_timeout,
         )
     finally:
         shell.apply(RunEnded(now=clock(), run_id=run_id))
@@ -440,7 +477,11 @@ async def decide(
 
 
 async def _by_classifier(
-    request: DecideRequest, classifiers: Sequence[Endpoint], client: httpx.AsyncClient, run_id: str
+    request: DecideRequest,
+    classifiers: Sequence[Endpoint],
+    client: httpx.AsyncClient,
+    run_id: str,
+    answer_timeout: float,
 ) -> Response:
     if not classifiers:
         return error_response(404, "no classifier endpoint is configured", run_id)
@@ -451,4 +492,4 @@ async def _by_classifier(
         if found is None:
             return error_response(404, f"no classifier serves model {request.model!r}", run_id)
         endpoint, model = found, request.model
-    return await classify(endpoint, model, request.input, client, run_id)
+    return await classify(endpoint, model, request.input, client, run_id, answer_timeout)

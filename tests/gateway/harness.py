@@ -147,3 +147,15 @@ def closed_port_url() -> str:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+async def answered_health(scope: Scope, send: Send) -> bool:
+    """For a raw ASGI engine: answer what is not a turn (lifespan, the health paths: the
+    openai kind's /v1/models, a classifier's /health); True if answered."""
+    if scope["type"] != "http":
+        return True
+    if scope["path"] in ("/v1/models", "/health"):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+        return True
+    return False

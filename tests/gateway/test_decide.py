@@ -3,6 +3,7 @@ classifier) and tiny upstream apps behind the gateway."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from collections.abc import Callable
@@ -11,9 +12,20 @@ from typing import Any
 import pytest
 from fastapi import Request
 from fastapi.responses import Response
-from harness import MODEL, RUN, closed_port_url, endpoint, engine, gateway, upstream
+from harness import (
+    MODEL,
+    RUN,
+    answered_health,
+    closed_port_url,
+    endpoint,
+    engine,
+    gateway,
+    upstream,
+)
+from starlette.types import Receive, Scope, Send
 
 from gateway.decide import SYSTEM_PROMPT, decision
+from scheduler import Policy
 from testkit.loopback import serve
 
 CLF = "clf-model"
@@ -132,6 +144,35 @@ async def test_engine_errors_are_passed_through() -> None:
         assert r.headers["retry-after"] == "3" and r.headers[RUN]
         assert r.content == b'{"error": "busy"}'
         assert not shell.state.turns and not shell.state.runs
+
+
+async def test_an_engine_that_never_answers_is_given_up_after_the_idle_limit() -> None:
+    released = asyncio.Event()
+
+    async def hung(scope: Scope, receive: Receive, send: Send) -> None:
+        if await answered_health(scope, send):
+            return
+        await released.wait()  # accepts the request, never answers
+
+    policy = Policy(turn_timeout_s=0.5)
+    async with (
+        serve(hung) as url,
+        gateway(
+            endpoint("a", url, kind="openai"),
+            endpoint("c", url, kind="classifier", models=(CLF,)),
+            policy=policy,
+        ) as (gw, shell),
+    ):
+        try:
+            r = await gw.post("/v1/decide", json={"input": "hm", "labels": ["a", "b"]})
+            assert r.status_code == 504 and r.headers[RUN]
+            assert r.json() == {"error": {"message": "engine a: no answer within 0.5 s"}}
+            assert not shell.state.turns and not shell.state.runs
+            r = await gw.post("/v1/decide", json={"input": "hm"})
+            assert r.status_code == 504
+            assert r.json() == {"error": {"message": "engine c: no answer within 0.5 s"}}
+        finally:
+            released.set()
 
 
 # --------------------------------------------------------------------------- classifier

@@ -21,6 +21,7 @@ from harness import (
     POLLS,
     RUN,
     Recorder,
+    answered_health,
     chat,
     closed_port_url,
     endpoint,
@@ -566,18 +567,6 @@ async def test_the_retry_of_a_failed_turn_goes_back_to_its_runs_replica() -> Non
             again = await gw.post("/v1/chat/completions", json=chat("mine"), headers={RUN: "r"})
             assert again.status_code == 200
         assert seen == {"a": ["hold"], "b": ["mine"] * 4}
-
-
-async def answered_health(scope: Scope, send: Send) -> bool:
-    """For a raw ASGI engine: answer what is not a chat turn (lifespan, the openai kind's
-    health path /v1/models); True if answered."""
-    if scope["type"] != "http":
-        return True
-    if scope["path"] == "/v1/models":
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"{}"})
-        return True
-    return False
 
 
 async def test_engine_failing_mid_stream_closes_without_done() -> None:
