@@ -87,6 +87,9 @@ USAGE_ASKED_OF = frozenset({"sglang", "vllm", "llamacpp", "router"})
 
 # luftpause's own 503 (no healthy replica for the model) says when to look again: the
 # next probe round.
+# Client headers the engine gets as they came (ASGI names are lower case).
+_PASSED_ON = frozenset({b"x-request-id", b"x-correlation-id"})
+_TRACE_CONTEXT = frozenset({b"traceparent", b"tracestate"})
 # How often a streaming turn tells the core it is alive (well inside the turn timeout).
 ALIVE_EVERY_S = 30.0
 UNAVAILABLE_RETRY_AFTER_S = str(math.ceil(PROBE_PERIOD_S))
@@ -99,6 +102,8 @@ def error_response(status: int, message: str, run_id: str) -> Response:
     headers = {RUN_HEADER: run_id} if run_id else {}
     if status == 503:
         headers["retry-after"] = UNAVAILABLE_RETRY_AFTER_S
+    elif status == 401:
+        headers["www-authenticate"] = "Bearer"  # RFC 6750: the scheme the token goes in
     return Response(body, status, headers=headers, media_type="application/json")
 
 
@@ -495,6 +500,12 @@ class TurnResponse(Response):
             ("user-agent", _USER_AGENT),
             *auth_headers(endpoint).items(),
         ]
+        for name, value in scope["headers"]:
+            # The client's request id goes on, so engine logs can be matched with it
+            # (vLLM takes X-Request-Id as its own with --enable-request-id-headers); so
+            # does its trace context when luftpause makes no span of its own.
+            if name in _PASSED_ON or (self._trace is None and name in _TRACE_CONTEXT):
+                headers.append((name.decode("latin-1"), value.decode("latin-1")))
         if self._trace is not None:
             headers += self._trace.forwarding(replica, endpoint)
         leave = _CancelOnLeave(disconnected, lambda: self._complete)

@@ -30,10 +30,12 @@ from harness import (
     until,
     upstream,
 )
+from opentelemetry.sdk.trace import TracerProvider
 from starlette.types import Receive, Scope, Send
 
 import gateway._proxy as proxy_module
 from gateway._shell import AdmissionShell
+from luftpause import telemetry
 from scheduler import Policy, RunPhase, ServiceClass
 from testkit._fake_text import key
 from testkit.engine import EngineParams
@@ -750,7 +752,8 @@ async def test_token_is_required_and_never_forwarded(monkeypatch: pytest.MonkeyP
         assert (
             await gw.post("/v1/chat/completions", json=chat(), headers=bad_run)
         ).status_code == 401
-        assert (await gw.post("/v1/completions", json=chat())).status_code == 401
+        refused = await gw.post("/v1/completions", json=chat())
+        assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
         assert (await gw.get("/health")).status_code == 200
         assert not seen
 
@@ -762,6 +765,41 @@ async def test_token_is_required_and_never_forwarded(monkeypatch: pytest.MonkeyP
         r = await gw.post("/v1/chat/completions", json=chat(), headers=auth | bad_run)
         assert r.status_code == 400 and RUN in r.headers
         assert [h["authorization"] for h in seen] == ["Bearer sk-upstream"]
+
+
+@pytest.mark.parametrize("tracing", [False, True])
+async def test_the_clients_request_id_and_trace_context_reach_the_engine(tracing: bool) -> None:
+    provider = TracerProvider()  # exporting nowhere: only the trace context matters
+    if tracing:
+        telemetry.use(provider)
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    sent = {
+        "x-request-id": "req-42",
+        "x-correlation-id": "corr-7",
+        "traceparent": parent,
+        "tracestate": "vendor=1",
+        "x-other": "kept here",
+    }
+    seen: list[dict[str, str]] = []
+    try:
+        async with (
+            serve(upstream(ok_chat, seen)) as url,
+            gateway(endpoint("a", url, kind="openai")) as (gw, _),
+        ):
+            r = await gw.post("/v1/chat/completions", json=chat(), headers=sent)
+            assert r.status_code == 200
+    finally:
+        telemetry.use(None)
+        provider.shutdown()
+    (got,) = seen
+    assert (got["x-request-id"], got["x-correlation-id"]) == ("req-42", "corr-7")
+    assert "x-other" not in got
+    if tracing:
+        # luftpause's chat span continues the client's trace; the engine continues it.
+        assert got["traceparent"].split("-")[1] == parent.split("-")[1]
+        assert got["traceparent"] != parent
+    else:
+        assert (got["traceparent"], got["tracestate"]) == (parent, "vendor=1")
 
 
 async def test_a_hosted_api_under_its_own_path_gets_turns_and_probes_there(
