@@ -161,7 +161,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     """Build the gateway; nothing runs until the app's lifespan starts."""
     config = settings.config
     endpoints: dict[str, Endpoint] = {e.name: e for e in config.replicas}
-    models = sorted({m for e in endpoints.values() for m in e.models})
+    # In the file's order: the first is the default model of `spawn` and `run` ("the
+    # pool's first"), which an operator picks by where it stands, not by its name.
+    models = list(dict.fromkeys(m for e in endpoints.values() for m in e.models))
     classifiers = [e for e in config.endpoints if not e.generative]
     runtime: _Runtime | None = None
 

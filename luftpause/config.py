@@ -297,6 +297,21 @@ class Config(BaseModel):
     def _token(cls, v: str | None) -> str | None:
         return None if v is None else bearer_token(v)
 
+    @field_validator("gateway_url")
+    @classmethod
+    def _gateway_url(cls, v: str) -> str:
+        # Checked here, not at the first turn: a worker with a URL it cannot use retries
+        # every sub-agent's turns for ever while `status` says Running.
+        v = v.strip().rstrip("/")
+        if not v.startswith(("http://", "https://")) or len(v) < len("http://x"):
+            raise ValueError("expected an http:// or https:// URL, e.g. http://127.0.0.1:8080")
+        if v.endswith("/v1"):
+            raise ValueError(
+                f"expected the gateway's root, without the trailing /v1 (luftpause adds "
+                f"/v1/chat/completions): {v[: -len('/v1')]}"
+            )
+        return v
+
     @model_validator(mode="after")
     def _lanes_need_kv(self) -> Config:
         p = self.policy

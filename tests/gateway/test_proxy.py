@@ -767,6 +767,20 @@ async def test_token_is_required_and_never_forwarded(monkeypatch: pytest.MonkeyP
         assert [h["authorization"] for h in seen] == ["Bearer sk-upstream"]
 
 
+async def test_models_are_listed_in_the_files_order() -> None:
+    # The first is `spawn`'s default model: an operator puts the one sub-agents should
+    # use first, whatever its name (sorted, a hosted "gpt-..." would go before "llama").
+    async with (
+        serve(upstream(ok_chat)) as url,
+        gateway(
+            endpoint("local", url, kind="openai", models=("llama-3.2-1b", "llama-guard")),
+            endpoint("hosted", url, kind="openai", models=("gpt-4o", "llama-guard")),
+        ) as (gw, _),
+    ):
+        listed = [m["id"] for m in (await gw.get("/v1/models")).json()["data"]]
+    assert listed == ["llama-3.2-1b", "llama-guard", "gpt-4o"]
+
+
 @pytest.mark.parametrize("tracing", [False, True])
 async def test_the_clients_request_id_and_trace_context_reach_the_engine(tracing: bool) -> None:
     provider = TracerProvider()  # exporting nowhere: only the trace context matters

@@ -216,6 +216,17 @@ def test_a_hosted_api_whose_openai_path_is_not_v1(tmp_path: Path) -> None:
             "[policy]\nturn_timeout_s=0.001",
             "policy.turn_timeout_s: Input should be greater than or equal to 1",
         ),
+        (
+            'gateway_url="127.0.0.1:8080"\n'
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]',
+            "gateway_url: expected an http:// or https:// URL, e.g. http://127.0.0.1:8080",
+        ),
+        (
+            'gateway_url="http://gw:8080/v1/"\n'
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]',
+            "gateway_url: expected the gateway's root, without the trailing /v1 "
+            "(luftpause adds /v1/chat/completions): http://gw:8080",
+        ),
     ],
 )
 def test_bad_files_name_the_field_and_the_expectation(
@@ -253,6 +264,9 @@ def test_environment_overrides_the_file(tmp_path: Path) -> None:
     assert config.temporal.address == "temporal:7233"
     assert config.gateway_url == "http://gw:8080"
     assert load_config(path).temporal.address == "file:7233"
+    # The environment's value is checked as the file's is.
+    with pytest.raises(ConfigError, match="gateway_url: expected an http:// or https:// URL"):
+        load_config(path, {"LUFTPAUSE_GATEWAY_URL": "127.0.0.1:8080"})
 
 
 def test_the_token_comes_from_the_file_or_the_environment_stripped_and_unshown(
