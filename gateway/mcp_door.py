@@ -25,6 +25,7 @@ from mcp.server.mcpserver.exceptions import ToolError, UnexpectedToolError
 from mcp.types import ToolAnnotations
 from mcp_types import ElicitRequest, ElicitRequestFormParams, InputRequiredResult
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from temporalio.service import RPCError, RPCStatusCode
 
 from activities.contract import ToolInfo
 from gateway import _approval as approval
@@ -324,7 +325,41 @@ class _DoorServer(MCPServer):
                 raise ToolError(
                     f"Error executing tool {name}: {_problems(exc.__cause__)}"
                 ) from None
+            # The SDK hides a crash's message from the client (it may say what it
+            # should not).  A part that is down is no crash: the caller is told which,
+            # rather than a bare "Error executing tool spawn".
+            down = _unavailable(exc.__cause__) if isinstance(exc, UnexpectedToolError) else None
+            if down is not None:
+                raise ToolError(f"Error executing tool {name}: {down}") from exc.__cause__
             raise
+
+
+def _causes(exc: BaseException | None) -> list[BaseException]:
+    """The exception, what caused it, and the members of exception groups, in order."""
+    seen: list[BaseException] = []
+    todo = [exc] if exc is not None else []
+    while todo and len(seen) < 32:
+        e = todo.pop(0)
+        if any(e is s for s in seen):
+            continue
+        seen.append(e)
+        if isinstance(e, BaseExceptionGroup):
+            todo.extend(e.exceptions)
+        todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
+    return seen
+
+
+def _unavailable(exc: BaseException | None) -> str | None:
+    """Why a tool could not do its work because Temporal or a tool server is down, or
+    None if that is not why it failed."""
+    for e in _causes(exc):
+        down = (RPCStatusCode.UNAVAILABLE, RPCStatusCode.DEADLINE_EXCEEDED)
+        if isinstance(e, RPCError) and e.status in down:
+            # Connected once, gone since (the first connection's failure says the same).
+            return f"the run store (Temporal) is unreachable: {e.message}"
+        if isinstance(e, ConnectionError) and str(e).startswith("mcp server "):
+            return f"a tool server is unreachable: {e}"
+    return None
 
 
 class RunArgs(BaseModel):

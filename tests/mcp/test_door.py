@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,7 +19,7 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp_types import ElicitResult
 
-from luftpause.temporal_dev import free_port
+from luftpause.temporal_dev import DevServer, free_port
 from testkit.loopback import serve
 from tests.mcp.tasks_client import CreateOnly, TaskCreated, TasksClient, cancel_task, follow
 from tests.workflows.harness import (
@@ -520,3 +522,40 @@ async def _equals(got: Any, want: set[str]) -> bool:
 
 async def _covers(got: Any, want: set[str]) -> bool:
     return bool(await got >= want)
+
+
+async def test_a_part_that_is_down_is_named_not_hidden_as_a_crash(temporal_address: str) -> None:
+    # The SDK hides an unexpected error's message ("Error executing tool spawn"); that a
+    # needed part is down is no crash, and the caller is told which.
+    no_tools = f"http://127.0.0.1:{free_port()}/mcp"  # nothing listens there
+    async with contextlib.AsyncExitStack() as es:
+        fakes = await start_fakes(es)
+        # Temporal up, the tool server down: a spawn that names its tools says so.
+        port = free_port()
+        app = gateway_app(fakes.engines, temporal=temporal_address, mcp_url=no_tools)
+        await es.enter_async_context(serve(app, port=port))
+        async with Client(f"http://127.0.0.1:{port}/mcp", mode="legacy") as c:
+            r = await c.call_tool("spawn", {"task": "t", "model": MODEL, "tools": ["lookup"]})
+            assert r.is_error
+            text = r.content[0].text
+            assert text.startswith("Error executing tool spawn: a tool server is unreachable:")
+            assert "mcp server 'fake'" in text
+        # Temporal reached once, then gone (the dev server stopped).
+        with tempfile.TemporaryDirectory() as tmp:
+            server = DevServer(log_file=Path(tmp) / "temporal.log")
+            server.start()
+            try:
+                port = free_port()
+                app = gateway_app(fakes.engines, temporal=server.address)
+                await es.enter_async_context(serve(app, port=port))
+                async with Client(f"http://127.0.0.1:{port}/mcp", mode="legacy") as c:
+                    assert not (await c.call_tool("status", {})).is_error  # connected
+                    server.stop()
+                    r = await c.call_tool("spawn", {"task": "t", "model": MODEL})
+            finally:
+                server.stop()
+        assert r.is_error
+        text = r.content[0].text
+        assert text.startswith(
+            "Error executing tool spawn: the run store (Temporal) is unreachable: "
+        ), text
