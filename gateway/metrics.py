@@ -3,9 +3,10 @@ app, so two gateways in one process — as in the tests — never share counters
 
 Gauges (held turns, runs, replica load and caps) are read from the core's `State` at
 scrape time by a custom collector.  Counters and histograms (admissions, affinity hits,
-turn outcomes, time held, turn latency) are observed by `GatewayMetrics.observe`, which
-the admission shell calls after every decision with the state before it, the event and
-the actions: it sees every `Admit` and `Reject` and every terminal event it is given.
+turn outcomes overall and per replica, tokens per replica, time held, turn latency) are
+observed by `GatewayMetrics.observe`, which the admission shell calls after every
+decision with the state before it, the event and the actions: it sees every `Admit`
+and `Reject` and every terminal event it is given.
 """
 
 from __future__ import annotations
@@ -117,6 +118,35 @@ class GatewayMetrics:
         self.turns = Counter(
             "luftpause_turns", "Turns ended, by outcome", ["outcome"], registry=self.registry
         )
+        # Per replica: a replica that fails every turn while its health check passes
+        # shows here first.  Turns that reached no replica (rejected, abandoned while
+        # held) are in luftpause_turns only.
+        self.engine_turns = Counter(
+            "luftpause_engine_turns",
+            "Turns admitted to a replica that ended, by replica and outcome",
+            ["replica", "outcome"],
+            registry=self.registry,
+        )
+        # As the engines report them (usage): cached / prompt is the prefix cache's hit
+        # rate, per replica, which run affinity and KV admission are there to raise.
+        self.prompt_tokens = Counter(
+            "luftpause_prompt_tokens",
+            "Prompt tokens of finished turns, by replica and class",
+            ["replica", "class"],
+            registry=self.registry,
+        )
+        self.cached_tokens = Counter(
+            "luftpause_cached_tokens",
+            "Prompt tokens served from the engine's prefix cache, by replica and class",
+            ["replica", "class"],
+            registry=self.registry,
+        )
+        self.completion_tokens = Counter(
+            "luftpause_completion_tokens",
+            "Completion tokens of finished turns, by replica and class",
+            ["replica", "class"],
+            registry=self.registry,
+        )
         self.held_seconds = Histogram(
             "luftpause_held_seconds",
             "Time a turn was held before admission, by class",
@@ -166,6 +196,7 @@ class GatewayMetrics:
                 self.turns.labels("rejected").inc()
             elif isinstance(action, TimedOut):
                 self.turns.labels("timed_out").inc()
+                self.engine_turns.labels(action.replica, "timed_out").inc()
         if isinstance(event, TurnStarted):
             started = before.turns.get(event.turn_id)
             if started is not None and started.replica is not None:
@@ -184,8 +215,14 @@ class GatewayMetrics:
                 outcome = "abandoned"
             self.turns.labels(outcome).inc()
             if turn.replica is not None:
+                cls = turn.service_class.value
                 elapsed = max(0.0, event.now - turn.admitted_at)
-                self.turn_seconds.labels(turn.service_class.value).observe(elapsed)
+                self.turn_seconds.labels(cls).observe(elapsed)
+                self.engine_turns.labels(turn.replica, outcome).inc()
+                if isinstance(event, TurnFinished):
+                    self.prompt_tokens.labels(turn.replica, cls).inc(event.prompt_tokens)
+                    self.cached_tokens.labels(turn.replica, cls).inc(event.cached_tokens)
+                    self.completion_tokens.labels(turn.replica, cls).inc(event.completion_tokens)
 
     def exposition(self) -> bytes:
         """The registry in the Prometheus text format."""

@@ -107,7 +107,12 @@ SCENE: list[Event] = [
     arrived(4.0, "t4", "r4", "carol"),  # held
     # r1 pauses on a tool; a's slot goes to bob's interactive turn (bob's first in flight)
     TurnFinished(
-        now=5.0, turn_id="t1", finish_reason="tool_calls", prompt_tokens=100, completion_tokens=20
+        now=5.0,
+        turn_id="t1",
+        finish_reason="tool_calls",
+        prompt_tokens=100,
+        completion_tokens=20,
+        cached_tokens=60,
     ),
 ]
 
@@ -238,6 +243,15 @@ def test_metrics_observe_admissions_outcomes_and_affinity() -> None:
     assert sample(metrics, "luftpause_turns_total", outcome="failed") == 1
     assert sample(metrics, "luftpause_turns_total", outcome="abandoned") == 1
     assert sample(metrics, "luftpause_turns_total", outcome="rejected") == 1
+    # Per replica: only turns that reached one (t4 was abandoned while held).
+    assert sample(metrics, "luftpause_engine_turns_total", replica="a", outcome="finished") == 1
+    assert sample(metrics, "luftpause_engine_turns_total", replica="a", outcome="failed") == 1
+    assert sample(metrics, "luftpause_engine_turns_total", replica="a", outcome="abandoned") is None
+    # Tokens as the engine reported them for t1: cached / prompt is a's cache hit rate.
+    on_a = {"replica": "a", "class": "interactive"}
+    assert sample(metrics, "luftpause_prompt_tokens_total", **on_a) == 100
+    assert sample(metrics, "luftpause_cached_tokens_total", **on_a) == 60
+    assert sample(metrics, "luftpause_completion_tokens_total", **on_a) == 20
     # t1 held 0 s, t3 held 2 s (3 -> 5), t5 held 1 s (6 -> 7)
     assert sample(metrics, "luftpause_held_seconds_count", **{"class": "interactive"}) == 3
     assert sample(metrics, "luftpause_held_seconds_sum", **{"class": "interactive"}) == 3.0
@@ -258,6 +272,7 @@ def test_metrics_observe_admissions_outcomes_and_affinity() -> None:
     assert sample(metrics, "luftpause_turns_total", outcome="timed_out") == 0
     state = run_events(state, [Tick(now=7.0 + 600)], metrics)
     assert sample(metrics, "luftpause_turns_total", outcome="timed_out") == 1
+    assert sample(metrics, "luftpause_engine_turns_total", replica="a", outcome="timed_out") == 1
     assert sample(metrics, "luftpause_replica_cap", replica="b") is None  # uncapped
     assert sample(metrics, "luftpause_replica_healthy", replica="b") == 0
     assert sample(metrics, "luftpause_engine_running", replica="a") == 1
