@@ -95,6 +95,13 @@ ALIVE_EVERY_S = 30.0
 UNAVAILABLE_RETRY_AFTER_S = str(math.ceil(PROBE_PERIOD_S))
 
 
+def engine_fault(status: int) -> bool:
+    """Whether an engine's error status is the engine failing (toward ejecting it): a
+    5xx, but not 503 (an engine saying it is busy, retry later) and no 4xx (an answer
+    about the request, or 429's rate limit)."""
+    return status >= 500 and status != 503
+
+
 def error_response(status: int, message: str, run_id: str) -> Response:
     """The error body every failure uses, with the run id header (none when the
     request names no run, e.g. it was refused before it was read)."""
@@ -450,8 +457,13 @@ class TurnResponse(Response):
             if self._trace is not None:
                 self._trace.ended(event)
 
-    def _fail(self, reason: str) -> None:
-        self._end(TurnFailed(now=self._clock(), turn_id=self._turn.turn_id, reason=reason))
+    def _fail(self, reason: str, *, engine: bool = False) -> None:
+        """`engine`: the engine's fault (counts toward ejecting its replica)."""
+        self._end(
+            TurnFailed(
+                now=self._clock(), turn_id=self._turn.turn_id, reason=reason, engine_fault=engine
+            )
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         t = self._turn
@@ -524,12 +536,12 @@ class TurnResponse(Response):
         except TimeoutError:
             # A hung engine would otherwise hold the client (and the request) forever.
             message = f"engine {replica}: no answer within {self._idle:g} s"
-            self._fail(message)
+            self._fail(message, engine=True)
             await error_response(504, message, t.run_id)(scope, receive, send)
             return
         except UpstreamError as exc:
             message = f"engine {replica}: {exc}"
-            self._fail(message)
+            self._fail(message, engine=True)
             await error_response(502, message, t.run_id)(scope, receive, send)
             return
         try:
@@ -583,11 +595,11 @@ class TurnResponse(Response):
                         await send({"type": "http.response.body", "body": chunk, "more_body": True})
                     idle.reschedule(loop.time() + self._idle)
         except UpstreamError as exc:
-            self._fail(f"engine failed mid-stream: {exc}")
+            self._fail(f"engine failed mid-stream: {exc}", engine=True)
             self._remember(watch)
             return False
         except TimeoutError:
-            self._fail(f"engine stalled mid-stream: nothing for {self._idle:g} s")
+            self._fail(f"engine stalled mid-stream: nothing for {self._idle:g} s", engine=True)
             self._remember(watch)
             return False
         self._complete = True
@@ -599,10 +611,10 @@ class TurnResponse(Response):
             watch.close()
         self._remember(watch)
         if answer.status >= 400:
-            self._fail(f"engine answered {answer.status}")
+            self._fail(f"engine answered {answer.status}", engine=engine_fault(answer.status))
             return True
         if watch.error is not None:
-            self._fail(f"engine error in the stream: {watch.error}")
+            self._fail(f"engine error in the stream: {watch.error}", engine=True)
             return True
         self._end(
             TurnFinished(

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from scheduler import (
     Action,
     Admit,
+    Ejected,
     Event,
     Forget,
     Reject,
@@ -76,6 +77,14 @@ class AdmissionShell:
                 self._resolve(action.turn_id, Rejected(action.status, action.message))
             elif isinstance(action, Forget):
                 self._forget(action.run_id)
+            elif isinstance(action, Ejected):
+                log.warning(
+                    "replica %s: its engine failed %d turns in a row; out of rotation for "
+                    "%g s (its runs may move)",
+                    action.replica,
+                    action.failures,
+                    round(action.until - event.now, 1),
+                )
         if self._observer is not None:
             try:
                 self._observer(before, event, actions)

@@ -29,6 +29,7 @@ from gateway._proxy import (
     ENGINE_IDLE_TIMEOUT_S,
     StreamWatch,
     TurnRequest,
+    engine_fault,
     error_response,
     hold,
 )
@@ -330,8 +331,8 @@ async def run_turn(
             shell.forget_turn(turn.turn_id)
             shell.apply(event)
 
-    def fail(reason: str) -> None:
-        end(TurnFailed(now=clock(), turn_id=turn.turn_id, reason=reason))
+    def fail(reason: str, engine: bool = False) -> None:
+        end(TurnFailed(now=clock(), turn_id=turn.turn_id, reason=reason, engine_fault=engine))
 
     try:
         arrived = True  # an abandon of a turn the core never saw is ignored by it
@@ -378,16 +379,16 @@ async def run_turn(
                 fail("client disconnected before the engine answered")
                 return error_response(_CLIENT_LEFT, "client disconnected", turn.run_id)
             message = f"engine {outcome}: no answer within {answer_timeout:g} s"
-            fail(message)
+            fail(message, engine=True)
             return error_response(504, message, turn.run_id)
         try:
             upstream = task.result()
         except httpx.HTTPError as exc:
             message = f"engine {outcome}: {describe_http_error(exc)}"
-            fail(message)
+            fail(message, engine=True)
             return error_response(502, message, turn.run_id)
         if upstream.status_code >= 400:
-            fail(f"engine answered {upstream.status_code}")
+            fail(f"engine answered {upstream.status_code}", engine_fault(upstream.status_code))
             return passed_through(upstream, turn.run_id)
         watch = StreamWatch(sse=False)
         watch.feed(upstream.content)

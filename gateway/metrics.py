@@ -20,6 +20,7 @@ from gateway.prober import ProbeResult
 from scheduler import (
     Action,
     Admit,
+    Ejected,
     Event,
     Reject,
     RunPhase,
@@ -127,6 +128,13 @@ class GatewayMetrics:
             ["replica", "outcome"],
             registry=self.registry,
         )
+        self.ejections = Counter(
+            "luftpause_ejections",
+            "Times a replica was taken out of rotation after its engine failed turns in "
+            "a row, by replica",
+            ["replica"],
+            registry=self.registry,
+        )
         # As the engines report them (usage): cached / prompt is the prefix cache's hit
         # rate, per replica, which run affinity and KV admission are there to raise.
         self.prompt_tokens = Counter(
@@ -194,6 +202,8 @@ class GatewayMetrics:
                 placed[action.run_id] = action.replica
             elif isinstance(action, Reject):
                 self.turns.labels("rejected").inc()
+            elif isinstance(action, Ejected):
+                self.ejections.labels(action.replica).inc()
             elif isinstance(action, TimedOut):
                 self.turns.labels("timed_out").inc()
                 self.engine_turns.labels(action.replica, "timed_out").inc()

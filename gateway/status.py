@@ -41,6 +41,13 @@ def status_snapshot(
                 "name": name,
                 "healthy": r.healthy,
                 "probe_error": probe.error if probe is not None else None,
+                # out of rotation this long yet: its engine failed turns in a row (rule 10)
+                "ejected_s": (
+                    round(max(0.0, r.ejected_until - now), 1)
+                    if r.ejected_until is not None
+                    else None
+                ),
+                "failures_in_a_row": r.failures,
                 "engine_queued": r.queued,
                 "engine_running": r.running,
                 "cap": r.cap,
@@ -220,6 +227,8 @@ def render_status_page(snapshot: Mapping[str, Any]) -> str:
         "name",
         "healthy",
         "probe_error",
+        "ejected_s",
+        "failures_in_a_row",
         "engine_queued",
         "engine_running",
         "cap",

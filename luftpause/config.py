@@ -261,6 +261,19 @@ class PolicyConfig(BaseModel):
     lane_batch_kv_fill: Annotated[float, Field(ge=0, le=1, strict=True)] | None = (
         _POLICY.lane_batch_kv_fill
     )
+    eject_after_failures: Annotated[int, Field(ge=1, strict=True)] | None = (
+        _POLICY.eject_after_failures
+    )
+    eject_for_s: Annotated[float, Field(gt=0, strict=True)] = _POLICY.eject_for_s
+
+    @field_validator("eject_after_failures", mode="before")
+    @classmethod
+    def _never(cls, v: object) -> object:
+        if isinstance(v, str) and v.strip().lower() == "off":
+            return None
+        if isinstance(v, str | bool):
+            raise ValueError(f'expected a number of failed turns, or "off"; got {v!r}')
+        return v
 
     @field_validator("batch_kv_fill", "lane_batch_kv_fill", mode="before")
     @classmethod

@@ -8,6 +8,7 @@ from scheduler._core import ReplicaState, RunState, State, TurnState, decide
 from scheduler._types import (
     Action,
     Admit,
+    Ejected,
     Event,
     Forget,
     Policy,
@@ -31,6 +32,7 @@ from scheduler._types import (
 __all__ = [
     "Action",
     "Admit",
+    "Ejected",
     "Event",
     "Forget",
     "Policy",

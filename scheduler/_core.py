@@ -39,6 +39,9 @@ Rules (DESIGN.md "The scheduler"), stated once, enforced here and nowhere else:
    do, new batch runs stop at `lane_batch_kv_fill` of its pool; the other replicas take
    batch whole.  Interactive runs then share their replica with little batch KV, whose reads
    slow every decode step.
+10. A replica whose engine failed `Policy.eject_after_failures` turns in a row is out
+    of rotation (unhealthy, its runs free to move) for `Policy.eject_for_s`, though its
+    health check passes; then it is back as its last probe left it.
 
 After every event no held turn is admissible (except behind a turn waiting for KV, as
 in rule 6): each event that frees capacity on a replica refills that replica.  Held
@@ -64,6 +67,7 @@ from scheduler._persistent import PQueue, PSortedSet, empty
 from scheduler._types import (
     Action,
     Admit,
+    Ejected,
     Event,
     Forget,
     Policy,
@@ -98,7 +102,7 @@ BucketKey = tuple[str, str, ServiceClass]
 
 class ReplicaState(NamedTuple):
     spec: ReplicaSpec
-    healthy: bool = True
+    healthy: bool = True  # in rotation: its last probe passed and it is not ejected
     queued: int | None = None  # the engine's load at the last probe
     running: int | None = None
     cap: int | None = None  # None: uncapped
@@ -109,6 +113,9 @@ class ReplicaState(NamedTuple):
     interactive_runs: int = 0  # interactive runs holding KV here (its lane, rule 9)
     batch_ws: int = 0  # the part of ws_tokens that batch runs claim
     queued_probes: int = 0  # probes in a row that showed a queue
+    probed_healthy: bool = True  # what its last probe said
+    failures: int = 0  # turns its engine failed in a row
+    ejected_until: float | None = None  # out of rotation until then (rule 10)
 
     @property
     def load(self) -> int:
@@ -336,7 +343,7 @@ def decide(state: State, event: Event) -> tuple[State, list[Action]]:
     elif isinstance(event, TurnAlive):
         tx.alive(event.turn_id)
     elif isinstance(event, TurnFailed):
-        tx.turn_done(event.turn_id, None, 0, 0)
+        tx.turn_done(event.turn_id, None, 0, 0, engine_fault=event.engine_fault)
     elif isinstance(event, TurnAbandoned):
         tx.abandon(event.turn_id)
     elif isinstance(event, ReplicaProbed):
@@ -403,14 +410,18 @@ class _Tx:
             )
             return
         if not any(self.replicas[n].healthy for n in serving):
+            ejected = [n for n in serving if self.replicas[n].ejected_until is not None]
+            probed = [n for n in serving if n not in ejected]
+            why = []
+            if probed:
+                why.append(f"unhealthy at their last probe: {', '.join(probed)}")
+            if ejected:
+                why.append(f"out of rotation after failed turns: {', '.join(ejected)}")
             self.actions.append(
                 Reject(
                     turn_id=ev.turn_id,
                     status=503,
-                    message=(
-                        f"no healthy replica serves model '{ev.model}' "
-                        f"(unhealthy at their last probe: {', '.join(serving)})"
-                    ),
+                    message=f"no healthy replica serves model '{ev.model}' ({'; '.join(why)})",
                 )
             )
             return
@@ -486,7 +497,13 @@ class _Tx:
             self.turn_done(turn_id, None, 0, 0)
 
     def turn_done(
-        self, turn_id: str, finish_reason: str | None, prompt: int, completion: int
+        self,
+        turn_id: str,
+        finish_reason: str | None,
+        prompt: int,
+        completion: int,
+        *,
+        engine_fault: bool = False,
     ) -> None:
         """A turn finished (reason given) or failed (reason None): free its slot."""
         t = self.turns.get(turn_id)
@@ -495,6 +512,7 @@ class _Tx:
         del self.turns[turn_id]
         name = t.replica
         self._adjust(name, in_flight=-1)
+        self._count_failure(name, engine_fault, finish_reason is not None)
         self._caller_in_flight(t.caller, -1)
         self._drop_caller_if_unused(t.caller)
         run = self.runs.get(t.run_id)
@@ -565,35 +583,66 @@ class _Tx:
             # The engine told its pool size; a configured one wins.  Claims start with
             # each run's next change of phase.
             spec = replace(spec, kv_tokens=ev.kv_tokens)
+        healthy = ev.healthy and r.ejected_until is None
         self.replicas[ev.replica] = r._replace(
             spec=spec,
-            healthy=ev.healthy,
+            healthy=healthy,
             queued=ev.queued,
             running=ev.running,
             cap=cap,
             queued_probes=queued_probes,
+            probed_healthy=ev.healthy,
         )
-        if r.healthy and not ev.healthy:
-            # Its runs may move now: their held turns may go to any replica of the model.
-            moved: set[str] = set()
-            for cls in _CLASSES:
-                b = self.buckets.get((_PIN, ev.replica, cls))
-                if b is None:
-                    continue
-                for q in list(b.queues.values()):
-                    for _, tid in q:
-                        t = self.turns[tid]
-                        self._unhold(t)
-                        self._hold(t, (_MODEL, t.model, t.service_class))
-                        moved.add(t.model)
-            names = sorted({n for m in moved for n in self.models[m]})
-            self._fill(sorted(names, key=lambda n: (self.replicas[n].load, n)))
-        elif ev.healthy:
+        if r.healthy and not healthy:
+            self._release_pinned(ev.replica)
+        elif healthy:
             self._fill((ev.replica,))
+
+    def _release_pinned(self, name: str) -> None:
+        """The replica left rotation: its runs may move, so their held turns may go to
+        any replica of their model."""
+        moved: set[str] = set()
+        for cls in _CLASSES:
+            b = self.buckets.get((_PIN, name, cls))
+            if b is None:
+                continue
+            for q in list(b.queues.values()):
+                for _, tid in q:
+                    t = self.turns[tid]
+                    self._unhold(t)
+                    self._hold(t, (_MODEL, t.model, t.service_class))
+                    moved.add(t.model)
+        names = sorted({n for m in moved for n in self.models[m]})
+        self._fill(sorted(names, key=lambda n: (self.replicas[n].load, n)))
+
+    def _count_failure(self, name: str, engine_fault: bool, finished: bool) -> None:
+        """Rule 10: count the engine's failures in a row; eject at the limit."""
+        r = self.replicas[name]
+        limit = self.policy.eject_after_failures
+        if finished or not engine_fault:
+            if finished and r.failures:
+                self.replicas[name] = r._replace(failures=0)
+            return
+        failures = r.failures + 1
+        if limit is None or failures < limit or r.ejected_until is not None:
+            self.replicas[name] = r._replace(failures=failures)
+            return
+        until = self.now + self.policy.eject_for_s
+        self.replicas[name] = r._replace(failures=0, ejected_until=until, healthy=False)
+        self.actions.append(Ejected(replica=name, until=until, failures=failures))
+        if r.healthy:
+            self._release_pinned(name)
 
     def tick(self) -> None:
         touched: list[str] = []
         forgot = False
+        for name in self.state._replicas:  # the pool's replicas never change
+            r = self.replicas[name]
+            if r.ejected_until is not None and r.ejected_until <= self.now:
+                # Back in rotation as its last probe left it.
+                self.replicas[name] = r._replace(ejected_until=None, healthy=r.probed_healthy)
+                if r.probed_healthy:
+                    touched.append(name)
         # Timers are FIFO queues (now never goes back); an entry whose subject changed
         # since it was queued is stale and skipped.
         deadline = self.now - self.policy.turn_timeout_s
@@ -857,6 +906,7 @@ class _Tx:
             r.spec, r.healthy, r.queued, r.running, r.cap, r.in_flight + in_flight,
             r.paused_interactive + paused, r.bound_runs + bound, r.ws_tokens + ws,
             r.interactive_runs + interactive, r.batch_ws + batch_ws, r.queued_probes,
+            r.probed_healthy, r.failures, r.ejected_until,
         )  # fmt: skip
 
     def _set_run(self, run: RunState) -> None:

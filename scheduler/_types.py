@@ -80,6 +80,12 @@ class Policy:
     # How long a paused run's claim on the pool is honoured (Continuum's KV TTL): a
     # tool that runs longer than this no longer keeps new runs out.
     kv_retention_s: float = 60.0
+    # Ejection (Envoy's outlier detection; SMG's circuit breaker): a replica whose engine
+    # failed this many turns in a row (`TurnFailed.engine_fault`; a finished turn resets
+    # the count) is out of rotation for `eject_for_s`, as if its probe had failed, though
+    # its health check passes.  Its runs move.  None: never.
+    eject_after_failures: int | None = 5
+    eject_for_s: float = 30.0
     # Interactive lanes: a new interactive run goes to the replica that already holds the
     # most interactive runs (if it has room), so interactive runs share few replicas, and
     # on a replica holding interactive runs batch runs stop at `lane_batch_kv_fill` of the
@@ -144,6 +150,9 @@ class TurnFailed:
     now: float
     turn_id: str
     reason: str = ""
+    # The engine failed it: unreachable, a 5xx, broke off or went silent mid-answer.
+    # Not the client leaving, and not an answer about the request (4xx, 429).
+    engine_fault: bool = False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -227,4 +236,14 @@ class TimedOut:
     replica: str
 
 
-Action = Admit | Reject | Forget | TimedOut
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Ejected:
+    """The replica's engine failed `failures` turns in a row: out of rotation until
+    `until` (rule 10).  For the shell to say so."""
+
+    replica: str
+    until: float
+    failures: int
+
+
+Action = Admit | Reject | Forget | TimedOut | Ejected

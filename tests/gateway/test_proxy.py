@@ -767,6 +767,45 @@ async def test_token_is_required_and_never_forwarded(monkeypatch: pytest.MonkeyP
         assert [h["authorization"] for h in seen] == ["Bearer sk-upstream"]
 
 
+async def test_a_replica_that_fails_its_turns_is_taken_out_of_rotation() -> None:
+    # Its health path answers, so its probe keeps it in rotation; each new run goes
+    # there (least loaded: its failed turns hold nothing) and fails, until ejection.
+    def broken(request: Request) -> Response:
+        return Response('{"error": "CUDA error: an illegal memory access"}', 500)
+
+    policy = Policy(eject_after_failures=2, eject_for_s=60)
+    async with (
+        serve(upstream(broken)) as bad,
+        serve(upstream(ok_chat)) as good,
+        gateway(
+            endpoint("a", bad, kind="openai"), endpoint("b", good, kind="openai"), policy=policy
+        ) as (gw, shell),
+    ):
+        codes = [(await gw.post("/v1/chat/completions", json=chat())).status_code for _ in range(4)]
+        assert codes == [500, 500, 200, 200]
+        assert not shell.state.replicas["a"].healthy
+        metrics = (await gw.get("/metrics")).text
+        assert 'luftpause_ejections_total{replica="a"} 1.0' in metrics
+        assert 'luftpause_engine_turns_total{outcome="failed",replica="a"} 2.0' in metrics
+        (a,) = [r for r in (await gw.get("/status")).json()["replicas"] if r["name"] == "a"]
+        assert a["healthy"] is False and 55 < a["ejected_s"] <= 60
+
+
+async def test_an_engine_saying_it_is_busy_is_not_ejected() -> None:
+    # 503 (busy, retry later) and 4xx are answers, not failures of the engine.
+    def busy(request: Request) -> Response:
+        return Response('{"error": "busy"}', 503, headers={"retry-after": "1"})
+
+    policy = Policy(eject_after_failures=2)
+    async with (
+        serve(upstream(busy)) as url,
+        gateway(endpoint("a", url, kind="openai"), policy=policy) as (gw, shell),
+    ):
+        for _ in range(4):
+            assert (await gw.post("/v1/chat/completions", json=chat())).status_code == 503
+        assert shell.state.replicas["a"].healthy
+
+
 async def test_models_are_listed_in_the_files_order() -> None:
     # The first is `spawn`'s default model: an operator puts the one sub-agents should
     # use first, whatever its name (sorted, a hosted "gpt-..." would go before "llama").

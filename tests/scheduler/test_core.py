@@ -9,6 +9,7 @@ import pytest
 from scheduler import (
     Action,
     Admit,
+    Ejected,
     Event,
     Forget,
     Policy,
@@ -743,6 +744,74 @@ def test_a_turn_that_shows_signs_of_life_keeps_its_slot_past_the_timeout() -> No
     t3 = d.arrive("r3")
     d.feed(TurnAlive(now=d.step(), turn_id=t3))
     assert t3 in d.held_ids() and d.state.turns[t3].alive_at == 0.0
+
+
+def test_a_replica_whose_engine_fails_turn_after_turn_is_ejected_for_a_while() -> None:
+    # Its health check passes, so probes keep it in rotation: without ejection every
+    # retry (affinity) and most new runs (least loaded) would go on failing there.
+    d = Driver(("a", "b"), policy=Policy(eject_after_failures=3, eject_for_s=30))
+
+    def fail(tid: str, engine: bool = True) -> None:
+        d.feed(TurnFailed(now=d.step(), turn_id=tid, reason="x", engine_fault=engine))
+
+    paused = d.arrive("p")
+    assert d.admitted() == {paused: "a"}
+    d.finish(paused, "tool_calls")  # p is paused on a: it would come back there
+    t = d.arrive("r")
+    assert d.admitted() == {t: "b"}  # least loaded: a holds p
+    d.probe("b", None, None, healthy=False)  # b is down: r's retries go to a
+    fail(t)
+    t = d.arrive("r")
+    assert d.admitted() == {t: "a"}
+    fail(t)  # a: 1 in a row
+    t = d.arrive("r")
+    fail(t, engine=False)  # the client left: not the engine's fault, not counted
+    t = d.arrive("r")
+    d.finish(t)  # a finished turn: the count starts over
+    assert d.state.replicas["a"].failures == 0
+    for _ in range(3):
+        t = d.arrive("r")
+        assert d.admitted() == {t: "a"}
+        fail(t)
+    until = d.now + 30
+    assert Ejected(replica="a", until=until, failures=3) in d.actions
+    assert not d.state.replicas["a"].healthy
+    d.probe("b", None, None)  # b is back; a's passing health check does not undo it
+    d.probe("a", None, None)
+    assert not d.state.replicas["a"].healthy
+    t = d.arrive("p")  # the paused run may move now
+    assert d.admitted() == {t: "b"}
+    d.feed(Tick(now=until - 0.5))
+    assert not d.state.replicas["a"].healthy
+    d.feed(Tick(now=until))
+    assert d.state.replicas["a"].healthy
+    assert d.state.replicas["a"].ejected_until is None
+
+
+def test_a_model_whose_every_replica_is_out_says_why_each_is() -> None:
+    d = Driver(("a", "b"), policy=Policy(eject_after_failures=1))
+    d.probe("b", None, None, healthy=False)
+    t = d.arrive("r")
+    d.feed(TurnFailed(now=d.step(), turn_id=t, engine_fault=True))
+    t = d.arrive("r2")
+    assert d.actions == [
+        Reject(
+            turn_id=t,
+            status=503,
+            message="no healthy replica serves model 'm' (unhealthy at their last probe: b; "
+            "out of rotation after failed turns: a)",
+        )
+    ]
+
+
+def test_ejection_can_be_turned_off() -> None:
+    d = Driver(("a",), policy=Policy(eject_after_failures=None))
+    for _ in range(20):
+        t = d.arrive("r")
+        assert d.admitted() == {t: "a"}
+        d.feed(TurnFailed(now=d.step(), turn_id=t, engine_fault=True))
+        assert not any(isinstance(a, Ejected) for a in d.actions)
+    assert d.state.replicas["a"].healthy
 
 
 def test_idle_runs_are_forgotten_after_expiry() -> None:

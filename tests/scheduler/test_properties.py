@@ -84,7 +84,7 @@ ops = st.one_of(
     finish,
     probe,
     probe,
-    st.tuples(st.just("fail"), st.integers(0, 50)),
+    st.tuples(st.just("fail"), st.integers(0, 50), st.booleans()),  # engine's fault?
     st.tuples(st.just("abandon"), st.integers(0, 50)),
     st.tuples(st.just("started"), st.integers(0, 50)),
     st.tuples(st.just("alive"), st.integers(0, 50)),
@@ -95,6 +95,8 @@ ops = st.one_of(
 policies = st.builds(
     Policy,
     turn_timeout_s=st.sampled_from([600.0, 50.0]),
+    eject_after_failures=st.sampled_from([None, 1, 3]),
+    eject_for_s=st.sampled_from([30.0, 5.0]),
     idle_run_expiry_s=st.sampled_from([1800.0, 100.0]),
     strict_affinity=st.booleans(),
     cap_from_engine_queue=st.booleans(),
@@ -145,7 +147,7 @@ class Runner:
                     completion_tokens=op[4],
                 )  # fmt: skip
             if kind == "fail":
-                return TurnFailed(now=self.now, turn_id=tid, reason="x")
+                return TurnFailed(now=self.now, turn_id=tid, reason="x", engine_fault=op[2])
             if kind == "abandon":
                 return TurnAbandoned(now=self.now, turn_id=tid)
             if kind == "alive":
