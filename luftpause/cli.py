@@ -244,6 +244,13 @@ def _gateway_parser(sub: Any) -> None:
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
+    p.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, how long turns in flight may go on before they are cut "
+        "(default 30; keep your orchestrator's grace period above it)",
+    )
 
 
 def _gateway(args: argparse.Namespace) -> int:
@@ -272,7 +279,9 @@ def _gateway(args: argparse.Namespace) -> int:
         ws="none",
         access_log=False,
         log_level="info",
-        timeout_graceful_shutdown=5,
+        # A reply streams for seconds to minutes: 5 s (what this was) cut most of the
+        # turns in flight at every deploy.  New connections are refused meanwhile.
+        timeout_graceful_shutdown=max(0, round(args.shutdown_grace_s)),
         timeout_keep_alive=KEEPALIVE_S,
     )
     return 0

@@ -276,7 +276,16 @@ class Up:
             env["LUFTPAUSE_TASK_QUEUE"] = user_config.temporal.task_queue
         gw = self.child(
             "gateway",
-            [self.exe(), "gateway", "--config", str(config), "--port", str(self.args.port)],
+            [
+                self.exe(),
+                "gateway",
+                "--config",
+                str(config),
+                "--port",
+                str(self.args.port),
+                "--shutdown-grace-s",  # within up's own stop timeout: Ctrl-C stays quick
+                str(STOP_TIMEOUT_S / 2),
+            ],
             env,
         )
         wait_http(f"{gateway}/health", "the gateway", gw)

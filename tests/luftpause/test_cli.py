@@ -140,3 +140,53 @@ def test_the_gateway_keeps_an_idle_connection_longer_than_client_pools_do(
         assert _get_health(s).startswith(b"HTTP/1.1 200")
         time.sleep(6.0)  # idle past the 5 s of the clients' pools (the behaviour under test)
         assert _get_health(s).startswith(b"HTTP/1.1 200")
+
+
+def test_a_stopping_gateway_lets_the_turns_in_flight_finish(tmp_path: Path) -> None:
+    # A deploy sends SIGTERM: a reply streaming meanwhile (here ~7 s) is let finish
+    # within --shutdown-grace-s, instead of being cut after uvicorn's few seconds.
+    engine_port, gateway_port = free_port(), free_port()
+    engine = Child(
+        "engine",
+        [EXE, "fake-engine", "--port", str(engine_port), "--time-scale", "0.25"],
+        tmp_path / "e.log",
+    )
+    config = tmp_path / "luftpause.toml"
+    config.write_text(
+        f'[[endpoints]]\nname = "e"\nurl = "http://127.0.0.1:{engine_port}"\n'
+        f'kind = "sglang"\nmodels = ["{MODEL}"]\n'
+    )
+    argv = [EXE, "gateway", "--config", str(config), "--port", str(gateway_port)]
+    gw = Child("gateway", [*argv, "--shutdown-grace-s", "20"], tmp_path / "g.log")
+    try:
+        engine.start()
+        wait_http(f"http://127.0.0.1:{engine_port}/health", "fake engine", engine)
+        gw.start()
+        wait_http(f"http://127.0.0.1:{gateway_port}/health", "gateway", gw)
+        body = json.dumps(
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "tell me a long story"}],
+                "stream": True,
+                "max_tokens": 256,
+            }
+        ).encode()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{gateway_port}/v1/chat/completions",
+            data=body,
+            headers={"content-type": "application/json"},
+        )
+        started = time.monotonic()
+        with urllib.request.urlopen(request, timeout=60) as r:
+            first = r.readline()  # streaming: the turn is in flight
+            assert first.startswith(b"data: ")
+            assert gw.proc is not None
+            gw.proc.send_signal(signal.SIGTERM)
+            rest = r.read()
+        assert rest.rstrip().endswith(b"data: [DONE]")
+        assert time.monotonic() - started > 5  # longer than the old, fixed grace
+        # Then it exits (uvicorn re-raises the SIGTERM once it has shut down).
+        assert gw.proc.wait(timeout=30) in (0, -signal.SIGTERM)
+    finally:
+        gw.stop()
+        engine.stop()
