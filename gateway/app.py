@@ -291,7 +291,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         if bad_run:
             message = f"{RUN_HEADER}: expected 1 to 128 printable ASCII characters other than /"
             return error_response(400, message, fallback_run)
-        raw = await request.body()
+        raw = await _body(request, config.max_request_bytes)
+        if raw is None:
+            return _too_large(config.max_request_bytes, fallback_run)
         try:
             body = _parse_body(raw)
             model, messages = _parse_chat(body)
@@ -334,8 +336,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         run_id = _new_id()
         if not authorized(request):
             return unauthorized(run_id)
+        raw = await _body(request, config.max_request_bytes)
+        if raw is None:
+            return _too_large(config.max_request_bytes, run_id)
         try:
-            parsed = parse_decide(await request.body())
+            parsed = parse_decide(raw)
         except DecideError as exc:
             return error_response(exc.status, exc.message, run_id)
         answering = decide(
@@ -572,6 +577,28 @@ async def _tick(shell: AdmissionShell, loop: asyncio.AbstractEventLoop) -> None:
 
 
 # --------------------------------------------------------------------------- parsing
+
+
+async def _body(request: Request, limit: int) -> bytes | None:
+    """The request's body, or None once it is longer than `limit` (read no further: a
+    held turn keeps its body in memory until admitted)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        return None
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(limit: int, run_id: str) -> Response:
+    message = f"request body larger than {limit:,} bytes (max_request_bytes)"
+    return error_response(413, message, run_id)
+
 
 # Printable ASCII without "/", so that every run id fits DELETE /v1/runs/{id}.
 _RUN_ID = re.compile(r"[\x21-\x2e\x30-\x7e]{1,128}")

@@ -301,6 +301,9 @@ class Config(BaseModel):
     # The base URL sub-agents' LLM turns go to: the gateway (default), or a peer router
     # when a benchmark compares them.
     gateway_url: str = "http://127.0.0.1:8080"
+    # The largest request body the gateway reads (413 beyond): a held turn keeps its
+    # body in memory until admitted.  A 1M-token context is ~4 MB of text.
+    max_request_bytes: Annotated[int, Field(ge=1024, strict=True)] = 32 * 1024 * 1024
     # The bearer token /v1/*, /mcp and /status require, and the worker sends (env
     # LUFTPAUSE_TOKEN overrides it).  None: open access, with a warning at start.
     token: Annotated[str | None, Field(repr=False)] = None

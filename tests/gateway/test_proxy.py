@@ -806,6 +806,31 @@ async def test_an_engine_saying_it_is_busy_is_not_ejected() -> None:
         assert shell.state.replicas["a"].healthy
 
 
+async def test_a_body_over_the_limit_is_413_and_nothing_is_queued() -> None:
+    limit = {"max_request_bytes": 4096}
+    async with (
+        engine(instant=True) as (url, counted),
+        gateway(endpoint("a", url), sections=limit) as (gw, shell),
+    ):
+        big = chat("x" * 5000)
+        message = "request body larger than 4,096 bytes (max_request_bytes)"
+        r = await gw.post("/v1/chat/completions", json=big)
+        assert r.status_code == 413 and r.json() == {"error": {"message": message}}
+        assert r.headers[RUN]
+
+        async def chunked() -> AsyncIterator[bytes]:  # no content-length: read, then cut
+            raw = json.dumps(big).encode()
+            for i in range(0, len(raw), 1000):
+                yield raw[i : i + 1000]
+
+        r = await gw.post("/v1/chat/completions", content=chunked())
+        assert r.status_code == 413 and r.json() == {"error": {"message": message}}
+        r = await gw.post("/v1/decide", json={"input": "x" * 5000, "labels": ["a", "b"]})
+        assert r.status_code == 413 and r.json() == {"error": {"message": message}}
+        assert not shell.state.turns and not shell.state.runs and not counted.bodies
+        assert (await gw.post("/v1/chat/completions", json=chat("small"))).status_code == 200
+
+
 async def test_models_are_listed_in_the_files_order() -> None:
     # The first is `spawn`'s default model: an operator puts the one sub-agents should
     # use first, whatever its name (sorted, a hosted "gpt-..." would go before "llama").
