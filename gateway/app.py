@@ -454,9 +454,13 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         if not authorized(request):
             return unauthorized(_new_id())
         path = request.url.path
-        known = path in (CHAT_PATH, "/v1/decide", "/v1/models") or path.startswith("/v1/runs/")
+        allow = _ALLOWED.get(path) or ("DELETE" if path.startswith("/v1/runs/") else None)
         message = f"luftpause does not serve {request.method} {path}; it serves {_SERVED}"
-        return error_response(405 if known else 404, message, _new_id())
+        if allow is None:
+            return error_response(404, message, _new_id())
+        response = error_response(405, message, _new_id())
+        response.headers["allow"] = allow  # RFC 9110: a 405 says what the path takes
+        return response
 
     return app
 
@@ -575,6 +579,9 @@ async def _tick(shell: AdmissionShell, loop: asyncio.AbstractEventLoop) -> None:
         except Exception:
             log.exception("tick failed; the next one comes in %g s", TICK_PERIOD_S)
 
+
+# The methods of the /v1 paths luftpause serves, for a 405's Allow header.
+_ALLOWED = {CHAT_PATH: "POST", "/v1/decide": "POST", "/v1/models": "GET"}
 
 # --------------------------------------------------------------------------- parsing
 

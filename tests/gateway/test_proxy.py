@@ -1099,20 +1099,23 @@ def test_one_choice_ending_in_tool_calls_pauses_the_run_whatever_the_others_say(
 
 
 @pytest.mark.parametrize(
-    ("method", "path", "status"),
+    ("method", "path", "status", "allow"),
     [
-        ("POST", "/v1/completions", 404),
-        ("POST", "/v1/embeddings", 404),
-        ("GET", "/v1/chat/completions", 405),
-        ("GET", "/v1/runs/r1", 405),
+        ("POST", "/v1/completions", 404, None),
+        ("POST", "/v1/embeddings", 404, None),
+        ("GET", "/v1/chat/completions", 405, "POST"),
+        ("GET", "/v1/decide", 405, "POST"),
+        ("POST", "/v1/models", 405, "GET"),
+        ("GET", "/v1/runs/r1", 405, "DELETE"),
     ],
 )
 async def test_other_openai_routes_get_the_error_shape_and_what_is_served(
-    method: str, path: str, status: int
+    method: str, path: str, status: int, allow: str | None
 ) -> None:
     async with engine(instant=True) as (url, counted), gateway(endpoint("a", url)) as (gw, _):
         r = await gw.request(method, path, json=chat())
         assert r.status_code == status and RUN in r.headers
+        assert r.headers.get("allow") == allow  # RFC 9110: a 405 names the methods
         message = r.json()["error"]["message"]
         assert message.startswith(f"luftpause does not serve {method} {path}; it serves POST ")
         assert not counted.chats
