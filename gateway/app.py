@@ -38,7 +38,7 @@ from gateway._shell import AdmissionShell
 from gateway.decide import DecideError, decide, decide_request, parse_decide
 from gateway.mcp_door import DoorDeps, create_mcp_server
 from gateway.metrics import GatewayMetrics
-from gateway.prober import PROBE_PERIOD_S, Prober, ProbeResult
+from gateway.prober import Prober, ProbeResult
 from gateway.status import render_status_page, status_snapshot, sub_agent_tree
 from luftpause import telemetry
 from luftpause.config import Config, Endpoint
@@ -91,7 +91,7 @@ class GatewaySettings:
     config: Config
     # LUFTPAUSE_TOKEN: when set, /v1/*, /status and / need `Authorization: Bearer <token>`.
     token: str | None = None
-    probe_period: float = PROBE_PERIOD_S
+    probe_period: float | None = None  # None: the file's [probes] period_s
     policy: Policy | None = None
     # Where the gateway is served: the MCP door accepts only this host in `Host`
     # (the SDK's DNS-rebinding guard, on for loopback hosts).
@@ -207,7 +207,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             prober = Prober(config, client, report, period=settings.probe_period)
             await prober.probe_once()  # serve only with a first view of the pool
             tasks = [
-                loop.create_task(_probe(prober, settings.probe_period), name="prober"),
+                loop.create_task(_probe(prober, prober.period), name="prober"),
                 loop.create_task(_tick(shell, loop), name="scheduler-tick"),
             ]
             upstream = Upstream(connect_timeout=CONNECT_TIMEOUT_S)

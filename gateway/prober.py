@@ -1,12 +1,12 @@
 """The prober: the scheduler's eyes on the engines.
 
-Every `PROBE_PERIOD_S` each endpoint's health path is fetched, and for engines that
-report load, `/metrics` (SGLang, vLLM, llama.cpp gauge names in `LOAD_METRICS`); a
-router's load is the sum over its `load_from` engines.  Each round becomes one
-`ReplicaProbed` event per generative endpoint for the core.  Both fetches share one
-timeout (`PROBE_TIMEOUT_S`).  A failed health check or a refused connection marks the
-endpoint unhealthy at once; probes without an answer in time do so only when
-`LATE_PROBES_TO_UNHEALTHY` come in a row (a busy engine may answer one late).  An
+Every `[probes] period_s` (default `PROBE_PERIOD_S`) each endpoint's health path is
+fetched, and for engines that report load, `/metrics` (SGLang, vLLM, llama.cpp gauge
+names in `LOAD_METRICS`); a router's load is the sum over its `load_from` engines.  Each
+round becomes one `ReplicaProbed` event per generative endpoint for the core.  Both
+fetches share one timeout (`timeout_s`).  A failed health check or a refused connection
+marks the endpoint unhealthy at once; probes without an answer in time do so only when
+`late_to_unhealthy` come in a row (a busy engine may answer one late).  An
 engine that serves but shows no load gauges (SGLang without `--enable-metrics`,
 llama.cpp without `--metrics`: `/metrics` answers 404, or lacks the names) is healthy
 and reports no load, so it is never capped.  Either reason is kept
@@ -33,7 +33,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway._http import describe_http_error
-from luftpause.config import KV_REPORTED_BY, LOAD_METRICS, Config, Endpoint
+from luftpause.config import KV_REPORTED_BY, LOAD_METRICS, Config, Endpoint, Probes
 from scheduler import ReplicaProbed
 
 __all__ = [
@@ -49,12 +49,13 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-PROBE_PERIOD_S = 2.0
-PROBE_TIMEOUT_S = 2.0
+# The defaults of the file's [probes] (luftpause.config.Probes).
+PROBE_PERIOD_S = Probes().period_s
+PROBE_TIMEOUT_S = Probes().timeout_s
 KV_ASKS = 3  # healthy probes that may ask an engine its KV pool before giving up
 # Probes in a row without an answer in time that take a healthy engine out of rotation:
 # a busy engine may answer one late.  A refusal or an error status counts at once.
-LATE_PROBES_TO_UNHEALTHY = 2
+LATE_PROBES_TO_UNHEALTHY = Probes().late_to_unhealthy
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -263,12 +264,19 @@ async def _sglang_kv_tokens(
 
 
 async def probe_pool(
-    client: httpx.AsyncClient, config: Config, *, want_kv: frozenset[str] = frozenset()
+    client: httpx.AsyncClient,
+    config: Config,
+    *,
+    want_kv: frozenset[str] = frozenset(),
+    timeout: float = PROBE_TIMEOUT_S,
 ) -> list[ProbeResult]:
     """One round over every endpoint, concurrently; routers get their engines' load.
     Endpoints named in `want_kv` are also asked their KV pool size."""
     results = await asyncio.gather(
-        *(probe_endpoint(client, e, want_kv=e.name in want_kv) for e in config.endpoints)
+        *(
+            probe_endpoint(client, e, timeout=timeout, want_kv=e.name in want_kv)
+            for e in config.endpoints
+        )
     )
     by_name = {r.endpoint: r for r in results}
     out = []
@@ -296,12 +304,15 @@ class Prober:
         client: httpx.AsyncClient,
         report: Callable[[list[ProbeResult]], Awaitable[None] | None],
         *,
-        period: float = PROBE_PERIOD_S,
+        period: float | None = None,
     ) -> None:
         self._config = config
         self._client = client
         self._report = report
-        self._period = period
+        # The file's [probes] (a test may pass a shorter period).
+        self._period = period if period is not None else config.probes.period_s
+        self._timeout = config.probes.timeout_s
+        self._late_limit = config.probes.late_to_unhealthy
         self._task: asyncio.Task[None] | None = None
         self.last: dict[str, ProbeResult] = {}
         # Replicas whose KV pool the file does not give: asked until they answer, at
@@ -313,7 +324,9 @@ class Prober:
         self._late: dict[str, int] = {}  # probes in a row that timed out, per endpoint
 
     async def probe_once(self) -> list[ProbeResult]:
-        results = await probe_pool(self._client, self._config, want_kv=frozenset(self._want_kv))
+        results = await probe_pool(
+            self._client, self._config, want_kv=frozenset(self._want_kv), timeout=self._timeout
+        )
         results = [self._forgive_late(r) for r in results]
         for r in results:
             if r.endpoint in self._want_kv and r.healthy:
@@ -354,11 +367,15 @@ class Prober:
             return r
         late = self._late[r.endpoint] = self._late.get(r.endpoint, 0) + 1
         before = self.last.get(r.endpoint)
-        if before is None or not before.healthy or late >= LATE_PROBES_TO_UNHEALTHY:
+        if before is None or not before.healthy or late >= self._late_limit:
             return r
         return replace(
             before, error=f"{r.error} once; still in rotation", kv_tokens=None, repeated=True
         )
+
+    @property
+    def period(self) -> float:
+        return self._period
 
     async def next_round(self) -> None:
         """One round, for a loop that must outlive whatever goes wrong in it: a round

@@ -233,6 +233,20 @@ class Temporal(BaseModel):
     task_queue: Annotated[str, Field(min_length=1)] = "luftpause"
 
 
+class Probes(BaseModel):
+    """`[probes]`: how the gateway checks its endpoints (health, and load where the kind
+    reports it).  The SGLang router's --health-check-interval-secs and
+    --health-check-timeout-secs, and its failure threshold for late answers."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    period_s: Annotated[float, Field(gt=0, le=300, strict=True)] = 2.0
+    timeout_s: Annotated[float, Field(gt=0, le=300, strict=True)] = 2.0
+    # Late answers in a row that take a healthy engine out (a busy one may answer one
+    # late: SGLang's /health can wait for its scheduler).
+    late_to_unhealthy: Annotated[int, Field(ge=1, strict=True)] = 2
+
+
 _POLICY = Policy()
 # strict: TOML's true/false are not shares (false would read as 0.0: lanes on at 0).
 _Share = Annotated[float, Field(gt=0, le=1, strict=True)]
@@ -298,6 +312,7 @@ class Config(BaseModel):
     mcp_servers: list[McpServer] = []
     temporal: Temporal = Temporal()
     policy: PolicyConfig = PolicyConfig()
+    probes: Probes = Probes()
     # The base URL sub-agents' LLM turns go to: the gateway (default), or a peer router
     # when a benchmark compares them.
     gateway_url: str = "http://127.0.0.1:8080"

@@ -27,7 +27,7 @@ from gateway.prober import (
     probe_endpoint,
     probe_pool,
 )
-from luftpause.config import Endpoint, parse_config
+from luftpause.config import ConfigError, Endpoint, parse_config
 from scheduler import ReplicaSpec, State, Tick, decide
 from testkit.engine import EngineParams
 from testkit.fake_engine import FakeEngineSettings, create_app
@@ -500,3 +500,32 @@ def test_only_the_load_gauges_are_read() -> None:
         'vllm:num_requests_waiting{engine="0"} 2.0\nvllm:num_requests_running{engine="0"} 5.0\n'
     )
     assert parse_load("vllm", text) == (2, 5)
+
+
+async def test_the_files_probes_section_sets_timeout_period_and_late_limit() -> None:
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # never answers
+        writer.close()
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    cfg = parse_config(
+        {
+            "endpoints": [_endpoint(url=f"http://127.0.0.1:{port}").model_dump()],
+            "probes": {"period_s": 7.5, "timeout_s": 0.2, "late_to_unhealthy": 3},
+        }
+    )
+    try:
+        async with httpx.AsyncClient() as c:
+            prober = Prober(cfg, c, lambda results: None)
+            assert prober.period == 7.5
+            prober.last["e"] = ProbeResult(endpoint="e", healthy=True)
+            seen = [(await prober.probe_once())[0] for _ in range(3)]
+    finally:
+        server.close()
+        await server.wait_closed()
+    # Two late answers in a row keep it in rotation, the third takes it out.
+    assert [r.healthy for r in seen] == [True, True, False]
+    assert seen[2].error == "no answer within 0.2 s"
+    with pytest.raises(ConfigError, match=r"probes\.timeout_s: Input should be greater than 0"):
+        parse_config({"endpoints": [_endpoint().model_dump()], "probes": {"timeout_s": 0}})
