@@ -55,7 +55,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from scheduler import Policy, ReplicaSpec
 
@@ -280,23 +288,19 @@ class PolicyConfig(BaseModel):
     )
     eject_for_s: Annotated[float, Field(gt=0, strict=True)] = _POLICY.eject_for_s
 
-    @field_validator("eject_after_failures", mode="before")
+    @field_validator("batch_kv_fill", "lane_batch_kv_fill", "eject_after_failures", mode="before")
     @classmethod
-    def _never(cls, v: object) -> object:
+    def _off(cls, v: object, info: ValidationInfo) -> object:
+        # TOML has no null: "off" switches an optional key off.
         if isinstance(v, str) and v.strip().lower() == "off":
             return None
         if isinstance(v, str | bool):
-            raise ValueError(f'expected a number of failed turns, or "off"; got {v!r}')
-        return v
-
-    @field_validator("batch_kv_fill", "lane_batch_kv_fill", mode="before")
-    @classmethod
-    def _off(cls, v: object) -> object:
-        # TOML has no null: "off" switches an optional share off.
-        if isinstance(v, str) and v.strip().lower() == "off":
-            return None
-        if isinstance(v, str | bool):
-            raise ValueError(f'expected a share between 0 and 1, or "off"; got {v!r}')
+            what = (
+                "a number of failed turns"
+                if info.field_name == "eject_after_failures"
+                else "a share between 0 and 1"
+            )
+            raise ValueError(f'expected {what}, or "off"; got {v!r}')
         return v
 
     def to_policy(self) -> Policy:

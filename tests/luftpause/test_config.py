@@ -217,6 +217,12 @@ def test_a_hosted_api_whose_openai_path_is_not_v1(tmp_path: Path) -> None:
             "policy.turn_timeout_s: Input should be greater than or equal to 1",
         ),
         (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+            '[policy]\neject_after_failures="never"',
+            'policy.eject_after_failures: expected a number of failed turns, or "off"; '
+            "got 'never'",
+        ),
+        (
             'gateway_url="127.0.0.1:8080"\n'
             '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]',
             "gateway_url: expected an http:// or https:// URL, e.g. http://127.0.0.1:8080",

@@ -48,6 +48,19 @@ def wait_gone(pids: Iterable[int], timeout: float) -> set[int]:
             os.close(fd)
 
 
+def leave_nothing(proc: subprocess.Popen[str], orphan: int | None) -> None:
+    """After a test: the process it started, and the orphan it watched (killed only if
+    the test failed), are gone; their pipes closed."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    if orphan is not None and wait_gone([orphan], 0):
+        os.kill(orphan, signal.SIGKILL)
+    for stream in (proc.stdin, proc.stdout):
+        if stream is not None:
+            stream.close()
+
+
 def run_child(argv: list[str]) -> str:
     proc = spawn(argv, stdout=subprocess.PIPE)
     out, _ = proc.communicate(timeout=30)
@@ -102,14 +115,7 @@ def test_a_dev_server_does_not_outlive_a_killed_parent() -> None:
         parent.wait()
         assert wait_gone([server], 30) == set()
     finally:
-        if parent.poll() is None:
-            parent.kill()
-            parent.wait()
-        if server is not None and wait_gone([server], 0):
-            os.kill(server, signal.SIGKILL)  # only if the test failed: leave nothing behind
-        for stream in (parent.stdin, parent.stdout):
-            if stream is not None:
-                stream.close()
+        leave_nothing(parent, server)
 
 
 # A test session whose fixture started a process the plain way (as many tests start a
@@ -162,11 +168,4 @@ def test_sigterm_to_a_test_session_stops_what_its_fixtures_started(tmp_path: Pat
         assert "TORN DOWN" in rest, rest
         assert wait_gone([child], 10) == set()
     finally:
-        if session.poll() is None:
-            session.kill()
-            session.wait()
-        if child is not None and wait_gone([child], 0):
-            os.kill(child, signal.SIGKILL)
-        for stream in (session.stdin, session.stdout):
-            if stream is not None:
-                stream.close()
+        leave_nothing(session, child)
