@@ -102,7 +102,7 @@ BucketKey = tuple[str, str, ServiceClass]
 
 class ReplicaState(NamedTuple):
     spec: ReplicaSpec
-    healthy: bool = True  # in rotation: its last probe passed and it is not ejected
+    probe_ok: bool = True  # its last probe passed
     queued: int | None = None  # the engine's load at the last probe
     running: int | None = None
     cap: int | None = None  # None: uncapped
@@ -113,9 +113,13 @@ class ReplicaState(NamedTuple):
     interactive_runs: int = 0  # interactive runs holding KV here (its lane, rule 9)
     batch_ws: int = 0  # the part of ws_tokens that batch runs claim
     queued_probes: int = 0  # probes in a row that showed a queue
-    probed_healthy: bool = True  # what its last probe said
     failures: int = 0  # turns its engine failed in a row
     ejected_until: float | None = None  # out of rotation until then (rule 10)
+
+    @property
+    def healthy(self) -> bool:
+        """In rotation: its last probe passed and it is not ejected (rule 10)."""
+        return self.probe_ok and self.ejected_until is None
 
     @property
     def load(self) -> int:
@@ -583,16 +587,16 @@ class _Tx:
             # The engine told its pool size; a configured one wins.  Claims start with
             # each run's next change of phase.
             spec = replace(spec, kv_tokens=ev.kv_tokens)
-        healthy = ev.healthy and r.ejected_until is None
-        self.replicas[ev.replica] = r._replace(
+        after = r._replace(
             spec=spec,
-            healthy=healthy,
+            probe_ok=ev.healthy,
             queued=ev.queued,
             running=ev.running,
             cap=cap,
             queued_probes=queued_probes,
-            probed_healthy=ev.healthy,
         )
+        self.replicas[ev.replica] = after
+        healthy = after.healthy
         if r.healthy and not healthy:
             self._release_pinned(ev.replica)
         elif healthy:
@@ -628,7 +632,7 @@ class _Tx:
             self.replicas[name] = r._replace(failures=failures)
             return
         until = self.now + self.policy.eject_for_s
-        self.replicas[name] = r._replace(failures=0, ejected_until=until, healthy=False)
+        self.replicas[name] = r._replace(failures=0, ejected_until=until)
         self.actions.append(Ejected(replica=name, until=until, failures=failures))
         if r.healthy:
             self._release_pinned(name)
@@ -640,8 +644,8 @@ class _Tx:
             r = self.replicas[name]
             if r.ejected_until is not None and r.ejected_until <= self.now:
                 # Back in rotation as its last probe left it.
-                self.replicas[name] = r._replace(ejected_until=None, healthy=r.probed_healthy)
-                if r.probed_healthy:
+                self.replicas[name] = r._replace(ejected_until=None)
+                if r.probe_ok:
                     touched.append(name)
         # Timers are FIFO queues (now never goes back); an entry whose subject changed
         # since it was queued is stale and skipped.
@@ -903,10 +907,10 @@ class _Tx:
         """Change a replica's counters (one copy of its record)."""
         r = self.replicas[name]
         self.replicas[name] = ReplicaState(
-            r.spec, r.healthy, r.queued, r.running, r.cap, r.in_flight + in_flight,
+            r.spec, r.probe_ok, r.queued, r.running, r.cap, r.in_flight + in_flight,
             r.paused_interactive + paused, r.bound_runs + bound, r.ws_tokens + ws,
             r.interactive_runs + interactive, r.batch_ws + batch_ws, r.queued_probes,
-            r.probed_healthy, r.failures, r.ejected_until,
+            r.failures, r.ejected_until,
         )  # fmt: skip
 
     def _set_run(self, run: RunState) -> None:
