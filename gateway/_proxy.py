@@ -85,13 +85,13 @@ _USER_AGENT = "luftpause-gateway"
 USAGE_ASKED_OF = frozenset({"sglang", "vllm", "llamacpp", "router"})
 
 
-# luftpause's own 503 (no healthy replica for the model) says when to look again: the
-# next probe round.
 # Client headers the engine gets as they came (ASGI names are lower case).
 _PASSED_ON = frozenset({b"x-request-id", b"x-correlation-id"})
 _TRACE_CONTEXT = frozenset({b"traceparent", b"tracestate"})
 # How often a streaming turn tells the core it is alive (well inside the turn timeout).
 ALIVE_EVERY_S = 30.0
+# luftpause's own 503 (no healthy replica for the model) says when to look again: the
+# next probe round.
 UNAVAILABLE_RETRY_AFTER_S = str(math.ceil(PROBE_PERIOD_S))
 
 
@@ -580,11 +580,6 @@ class TurnResponse(Response):
                     if not started:
                         started = True
                         self._shell.apply(TurnStarted(now=self._clock(), turn_id=t.turn_id))
-                    elif loop.time() - alive_at >= ALIVE_EVERY_S:
-                        # The core frees the slot of a turn silent for its turn timeout;
-                        # a stream longer than that is no lost turn.
-                        alive_at = loop.time()
-                        self._shell.apply(TurnAlive(now=self._clock(), turn_id=t.turn_id))
                     if not encoded:
                         watch.feed(chunk)
                     if answer.complete:
@@ -593,7 +588,13 @@ class TurnResponse(Response):
                         chunk = hide.filter(chunk)
                     if chunk:
                         await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                    idle.reschedule(loop.time() + self._idle)
+                    now = loop.time()
+                    idle.reschedule(now + self._idle)
+                    if now - alive_at >= ALIVE_EVERY_S:
+                        # The core frees the slot of a turn silent for its turn timeout;
+                        # a stream longer than that is no lost turn.
+                        alive_at = now
+                        self._shell.apply(TurnAlive(now=self._clock(), turn_id=t.turn_id))
         except UpstreamError as exc:
             self._fail(f"engine failed mid-stream: {exc}", engine=True)
             self._remember(watch)
