@@ -206,10 +206,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
             prober = Prober(config, client, report, period=settings.probe_period)
             await prober.probe_once()  # serve only with a first view of the pool
-            tasks = [
-                loop.create_task(_probe(prober, prober.period), name="prober"),
-                loop.create_task(_tick(shell, loop), name="scheduler-tick"),
-            ]
+            prober.start()
+            ticks = loop.create_task(_tick(shell, loop), name="scheduler-tick")
             upstream = Upstream(connect_timeout=CONNECT_TIMEOUT_S)
             runtime = _Runtime(
                 shell=shell, client=client, upstream=upstream, loop=loop, prober=prober
@@ -224,11 +222,10 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                 await door.aclose()
                 # Blocks the loop (≤ 5 s), but the loop has nothing left to serve.
                 telemetry.flush()
-                for task in tasks:
-                    task.cancel()
-                for task in tasks:
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
+                await prober.stop()
+                ticks.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await ticks
 
     app = _Gateway(title="luftpause gateway", lifespan=lifespan)
 
@@ -559,16 +556,6 @@ class _Door:
 
     async def aclose(self) -> None:
         await self._pool.aclose()
-
-
-async def _probe(prober: Prober, period: float) -> None:
-    """Probe rounds after the first one (which the lifespan awaits before serving)."""
-    loop = asyncio.get_running_loop()
-    next_round = loop.time() + period
-    while True:
-        await asyncio.sleep(max(0.0, next_round - loop.time()))
-        next_round = loop.time() + period
-        await prober.next_round()
 
 
 async def _tick(shell: AdmissionShell, loop: asyncio.AbstractEventLoop) -> None:

@@ -388,13 +388,17 @@ class Prober:
             log.exception("probe round failed; the next one comes in %g s", self._period)
 
     async def _loop(self) -> None:
+        """A round every period, after the one the caller made (the gateway serves only
+        once it has a first view of the pool)."""
         loop = asyncio.get_running_loop()
+        next_round = loop.time() + self._period
         while True:
-            started = loop.time()
+            await asyncio.sleep(max(0.0, next_round - loop.time()))
+            next_round = loop.time() + self._period
             await self.next_round()
-            await asyncio.sleep(max(0.0, self._period - (loop.time() - started)))
 
     def start(self) -> None:
+        """Probe in the background, every period from now."""
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="prober")
 
