@@ -254,10 +254,7 @@ async def classify(
         upstream = await client.post(
             endpoint.url + "/classify", content=payload, headers=headers, timeout=timeout
         )
-    except httpx.TimeoutException as exc:
-        if isinstance(exc, httpx.ConnectTimeout):
-            message = f"engine {endpoint.name}: {describe_http_error(exc)}"
-            return error_response(502, message, run_id)
+    except httpx.ReadTimeout:
         message = f"engine {endpoint.name}: no answer within {answer_timeout:g} s"
         return error_response(504, message, run_id)
     except httpx.HTTPError as exc:

@@ -337,11 +337,13 @@ class _DoorServer(MCPServer):
 def _causes(exc: BaseException | None) -> list[BaseException]:
     """The exception, what caused it, and the members of exception groups, in order."""
     seen: list[BaseException] = []
+    ids: set[int] = set()
     todo = [exc] if exc is not None else []
     while todo and len(seen) < 32:
         e = todo.pop(0)
-        if any(e is s for s in seen):
+        if id(e) in ids:
             continue
+        ids.add(id(e))
         seen.append(e)
         if isinstance(e, BaseExceptionGroup):
             todo.extend(e.exceptions)

@@ -77,6 +77,17 @@ class Rounds:
     def __getitem__(self, handle: str) -> RunStatus:
         return self._seen[handle][2]
 
+    def unchanged(self, desc: WorkflowExecutionDescription) -> RunStatus | None:
+        """The status last seen of the run `desc` describes, if nothing has happened in
+        it since: still running, the same run (no continue-as-new), no new event."""
+        seen = self._seen.get(desc.id)
+        if seen is None or desc.status != WorkflowExecutionStatus.RUNNING:
+            return None
+        return seen[2] if (desc.run_id, desc.history_length) == seen[:2] else None
+
+    def saw(self, desc: WorkflowExecutionDescription, status: RunStatus) -> None:
+        self._seen[desc.id] = (desc.run_id, desc.history_length, status)
+
 
 def _seconds_so_far(status: RunStatus) -> RunStatus:
     """A running run's status with its budget's seconds counted to now.  A query reads
@@ -290,18 +301,14 @@ class Runs:
         return list(await asyncio.gather(*(self._look(h, rounds) for h in handles)))
 
     async def _look(self, handle: str, rounds: Rounds) -> RunStatus:
-        seen = rounds._seen.get(handle)
-        if seen is not None and seen[2].state in TERMINAL_STATES:
-            return seen[2]
+        if handle in rounds and rounds[handle].state in TERMINAL_STATES:
+            return rounds[handle]
         desc = await self._describe(handle)
-        if (
-            seen is not None
-            and desc.status == WorkflowExecutionStatus.RUNNING
-            and (desc.run_id, desc.history_length) == seen[:2]
-        ):
-            return _seconds_so_far(seen[2])  # nothing happened in the run since
+        same = rounds.unchanged(desc)
+        if same is not None:
+            return _seconds_so_far(same)  # nothing happened in the run since
         status = await self._status(desc)
-        rounds._seen[handle] = (desc.run_id, desc.history_length, status)
+        rounds.saw(desc, status)
         return status
 
     async def _ended(self, handle: str) -> None:
