@@ -91,6 +91,12 @@ DEFAULT_HEALTH_PATH: Mapping[str, str] = {
 }
 
 
+def _check_http_url(v: str, example: str) -> None:
+    """Every URL luftpause is given is http(s) with a host; the error shows one."""
+    if not v.startswith(("http://", "https://")) or len(v) < len("http://x"):
+        raise ValueError(f"expected an http:// or https:// URL, e.g. {example}")
+
+
 class ConfigError(Exception):
     """The configuration cannot be used; the message says where and why."""
 
@@ -119,8 +125,7 @@ class Endpoint(BaseModel):
     @field_validator("url")
     @classmethod
     def _http_url(cls, v: str) -> str:
-        if not v.startswith(("http://", "https://")) or len(v) < len("http://x"):
-            raise ValueError("expected an http:// or https:// URL, e.g. http://127.0.0.1:30000")
+        _check_http_url(v, "http://127.0.0.1:30000")
         v = v.rstrip("/")
         # An OpenAI client's base_url ends in the API's path: /v1, or e.g. Gemini's
         # /v1beta/openai.  luftpause takes the server's root and adds that path itself.
@@ -217,8 +222,8 @@ class McpServer(BaseModel):
     @field_validator("url")
     @classmethod
     def _http_url(cls, v: str | None) -> str | None:
-        if v is not None and not v.startswith(("http://", "https://")):
-            raise ValueError("expected an http:// or https:// URL, e.g. http://127.0.0.1:9000/mcp")
+        if v is not None:
+            _check_http_url(v, "http://127.0.0.1:9000/mcp")
         return v
 
     @model_validator(mode="after")
@@ -338,8 +343,7 @@ class Config(BaseModel):
         # Checked here, not at the first turn: a worker with a URL it cannot use retries
         # every sub-agent's turns for ever while `status` says Running.
         v = v.strip().rstrip("/")
-        if not v.startswith(("http://", "https://")) or len(v) < len("http://x"):
-            raise ValueError("expected an http:// or https:// URL, e.g. http://127.0.0.1:8080")
+        _check_http_url(v, "http://127.0.0.1:8080")
         if v.endswith("/v1"):
             raise ValueError(
                 f"expected the gateway's root, without the trailing /v1 (luftpause adds "
