@@ -22,7 +22,7 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from opentelemetry.trace import Span, SpanKind, StatusCode, Tracer, set_span_in_context
@@ -47,7 +47,15 @@ from scheduler import (
     TurnStarted,
 )
 
-__all__ = ["RUN_HEADER", "StreamWatch", "TurnRequest", "TurnResponse", "error_response"]
+__all__ = [
+    "RUN_HEADER",
+    "Api",
+    "MessagesWatch",
+    "StreamWatch",
+    "TurnRequest",
+    "TurnResponse",
+    "error_response",
+]
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +95,9 @@ USAGE_ASKED_OF = frozenset({"sglang", "vllm", "llamacpp", "router"})
 
 # Client headers the engine gets as they came (ASGI names are lower case).
 _PASSED_ON = frozenset({b"x-request-id", b"x-correlation-id"})
+# ... and on Anthropic Messages turns, the API's version and beta features, which the
+# engines read (Claude Code sends both; its gateway guide asks for them unchanged).
+_PASSED_ON_MESSAGES = _PASSED_ON | {b"anthropic-version", b"anthropic-beta"}
 _TRACE_CONTEXT = frozenset({b"traceparent", b"tracestate"})
 # How often a streaming turn tells the core it is alive (well inside the turn timeout).
 ALIVE_EVERY_S = 30.0
@@ -102,10 +113,29 @@ def engine_fault(status: int) -> bool:
     return status >= 500 and status != 503
 
 
-def error_response(status: int, message: str, run_id: str) -> Response:
+# The "type" of an Anthropic error body, by status (its API's error reference); an
+# Anthropic client (Claude Code, the SDKs) reads it, every client reads error.message.
+_ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def error_response(status: int, message: str, run_id: str, *, anthropic: bool = False) -> Response:
     """The error body every failure uses, with the run id header (none when the
-    request names no run, e.g. it was refused before it was read)."""
-    body = json.dumps({"error": {"message": message}})
+    request names no run, e.g. it was refused before it was read).  `anthropic`: in the
+    Anthropic API's shape, `{"type": "error", "error": {"type": ..., "message": ...}}`,
+    which is the same body with two fields more."""
+    if anthropic:
+        kind = _ANTHROPIC_ERROR_TYPES.get(status, "api_error")
+        body = json.dumps({"type": "error", "error": {"type": kind, "message": message}})
+    else:
+        body = json.dumps({"error": {"message": message}})
     headers = {RUN_HEADER: run_id} if run_id else {}
     if status == 503:
         headers["retry-after"] = UNAVAILABLE_RETRY_AFTER_S
@@ -125,9 +155,13 @@ class StreamWatch:
     calls written as text instead (engines without a tool-call parser), the finish is
     reported as `tool_calls`: the run is paused on a tool, as the client will treat it."""
 
+    _KEYS: tuple[bytes, ...] = (b'"usage"', b'"tool_calls"', b'"finish_reason"', b'"error"')
+
     def __init__(self, *, sse: bool, tools: frozenset[str] = frozenset()) -> None:
         self._sse = sse
         self._tools = tools
+        # Whether whole lines without a watched key may be passed over unparsed.
+        self._fast = sse and not tools
         self._buffer = bytearray()
         self._too_big = False
         # The answer's text, only while tools were offered: a JSON body's message, or the
@@ -151,12 +185,11 @@ class StreamWatch:
 
     def feed(self, chunk: bytes) -> None:
         if (
-            self._sse
-            and not self._tools
+            self._fast
             and not self._buffer
             and chunk.endswith(b"\n")
             and not self._too_big
-            and not _may_matter(chunk)
+            and not _may_matter(chunk, self._KEYS)
         ):
             return  # whole lines that carry nothing the watch reads: most streamed tokens
         if self._too_big:
@@ -202,7 +235,7 @@ class StreamWatch:
             return
         if self._tools and b'"content"' in data:
             self._watch_text(data)
-        if _may_matter(data):
+        if _may_matter(data, self._KEYS):
             self._inspect(_loads(data))
 
     def _inspect(self, obj: object) -> None:
@@ -256,7 +289,6 @@ class StreamWatch:
             self._kept += len(data)
 
 
-_WATCHED_KEYS = (b'"usage"', b'"tool_calls"', b'"finish_reason"', b'"error"')
 # How a text that is a tool call begins (activities/_recover.py's forms).
 _CALL_LEADS = ("{", "[", "```", "<|python_tag|>", "<tool_call>")
 
@@ -274,15 +306,109 @@ def _texts(obj: object) -> list[str]:
     return out
 
 
-def _may_matter(event: bytes) -> bool:
+def _may_matter(event: bytes, keys: tuple[bytes, ...]) -> bool:
     """Whether an SSE event may carry what the watch reads: a watched key with a value
-    other than null.  Most events are content deltas; parsing each as JSON was the
-    proxy's largest cost per streamed token.  (A false yes only costs a parse.)"""
-    for key in _WATCHED_KEYS:
+    other than null (inside a JSON string its quotes would be escaped).  Most events are
+    content deltas; parsing each as JSON was the proxy's largest cost per streamed
+    token.  (A false yes only costs a parse.)"""
+    for key in keys:
         n = event.count(key)
         if n and n > event.count(key + b": null") + event.count(key + b":null"):
             return True
     return False
+
+
+# An Anthropic stop_reason as the core's finish reason: "tool_use" pauses the run.
+_STOP_REASONS = {
+    "tool_use": "tool_calls",
+    "end_turn": "stop",
+    "stop_sequence": "stop",
+    "max_tokens": "length",
+}
+
+
+class MessagesWatch(StreamWatch):
+    """The watch of an Anthropic Messages answer (`/v1/messages`): the stop reason from
+    `message_delta` (or the message), tool use ids from `content_block_start` (or the
+    content), usage merged over `message_start` and `message_delta`, and `error` events.
+
+    Engines split usage differently: llama.cpp puts `input_tokens` (net of the cache, as
+    Anthropic's API does) and `cache_read_input_tokens` in `message_start`; vLLM repeats
+    `input_tokens` in the last `message_delta` (net of the cache where it reports
+    `cache_read_input_tokens`, since vLLM PR #40912; before, it reported no cache and its
+    `input_tokens` were the whole prompt); SGLang reports them in the last
+    `message_delta` only, and its `input_tokens` count the cached tokens too
+    (`input_counts_cached`)."""
+
+    _KEYS = (b'"usage"', b'"stop_reason"', b'"tool_use"', b'"error"', b"event: error")
+
+    def __init__(self, *, sse: bool, input_counts_cached: bool = False) -> None:
+        super().__init__(sse=sse)
+        self._input_counts_cached = input_counts_cached
+        self._input = 0
+        self._cache_read = 0
+        self._cache_write = 0
+
+    def _line(self, line: bytes) -> None:
+        # An error is known by its `event:` line: llama.cpp's data is its own error body
+        # ({"code", "message", "type": "server_error"}), not Anthropic's.
+        if line.startswith(b"event:"):
+            if line[6:].strip() == b"error":
+                self._fast = False  # its data line may carry no watched key
+            return
+        if not self._fast and line.startswith(b"data:"):
+            self._fast = True
+            if self.error is None:
+                data = line[5:].strip()
+                obj = _loads(data)
+                inner = obj.get("error", obj) if isinstance(obj, dict) else obj
+                message = inner.get("message") if isinstance(inner, dict) else None
+                self.error = str(message or data.decode("utf-8", "replace"))[:200]
+            return
+        super()._line(line)
+
+    def _inspect(self, obj: object) -> None:
+        if not isinstance(obj, dict):
+            return
+        kind = obj.get("type")
+        if kind == "error":
+            if self._sse and self.error is None:
+                error = obj.get("error")
+                message = error.get("message") if isinstance(error, dict) else error
+                self.error = str(message or error)[:200]
+            return
+        message = obj.get("message") if kind == "message_start" else obj
+        if not isinstance(message, dict):
+            return
+        self._usage(message.get("usage"))
+        delta = obj.get("delta") if kind == "message_delta" else message
+        reason = delta.get("stop_reason") if isinstance(delta, dict) else None
+        if isinstance(reason, str):
+            self.finish_reason = _STOP_REASONS.get(reason, reason)
+        blocks = [obj.get("content_block")] if kind == "content_block_start" else None
+        if not self._sse:  # a JSON body: the message
+            blocks = message.get("content")
+        for block in blocks if isinstance(blocks, list) else ():
+            if isinstance(block, dict) and block.get("type") == "tool_use":
+                call_id = block.get("id")
+                if isinstance(call_id, str) and call_id not in self.tool_call_ids:
+                    self.tool_call_ids.append(call_id)
+
+    def _usage(self, usage: object) -> None:
+        if not isinstance(usage, dict):
+            return
+        # Each field is the total so far wherever it appears: the largest reading wins.
+        self._input = max(self._input, _int(usage.get("input_tokens"), 0))
+        self._cache_read = max(self._cache_read, _int(usage.get("cache_read_input_tokens"), 0))
+        self._cache_write = max(
+            self._cache_write, _int(usage.get("cache_creation_input_tokens"), 0)
+        )
+        self.completion_tokens = max(self.completion_tokens, _int(usage.get("output_tokens"), 0))
+        self.cached_tokens = self._cache_read
+        if self._input_counts_cached:
+            self.prompt_tokens = max(self._input, self._cache_read)
+        else:
+            self.prompt_tokens = self._input + self._cache_read + self._cache_write
 
 
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
@@ -336,9 +462,14 @@ def _int(value: object, default: int) -> int:
 # --------------------------------------------------------------------------- a turn
 
 
+# The API a turn speaks: OpenAI Chat Completions, or Anthropic Messages (Claude Code).
+Api = Literal["chat", "messages"]
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TurnRequest:
-    """A validated chat completion request, as the proxy forwards it."""
+    """A validated chat completion (or Anthropic Messages) request, as the proxy
+    forwards it."""
 
     turn_id: str
     run_id: str
@@ -355,6 +486,11 @@ class TurnRequest:
     # ask for usage; sent to the engine kinds known to take it (USAGE_ASKED_OF), whose
     # usage-only event is then read and not forwarded.  None: `body` is sent.
     usage_body: bytes | None = None
+    api: Api = "chat"
+
+    def error(self, status: int, message: str) -> Response:
+        """An error answer in the shape of the turn's API."""
+        return error_response(status, message, self.run_id, anthropic=self.api == "messages")
 
     def arrival(self, now: float) -> TurnArrived:
         return TurnArrived(
@@ -436,9 +572,13 @@ class TurnResponse(Response):
         endpoints: Mapping[str, Endpoint],
         clock: Callable[[], float],
         idle_timeout: float = ENGINE_IDLE_TIMEOUT_S,
+        input_counts_cached: frozenset[str] = frozenset(),
     ) -> None:
+        """`input_counts_cached`: the replicas whose Anthropic `input_tokens` count the
+        cached tokens (SGLang's, see MessagesWatch)."""
         super().__init__(status_code=200)
         self._idle = idle_timeout
+        self._counts_cached = input_counts_cached
         self._turn = turn
         self._shell = shell
         self._upstream = upstream
@@ -482,9 +622,7 @@ class TurnResponse(Response):
                 return
             if isinstance(outcome, Rejected):
                 self._ended = True  # never queued: nothing to report
-                await error_response(outcome.status, outcome.message, t.run_id)(
-                    scope, receive, send
-                )
+                await t.error(outcome.status, outcome.message)(scope, receive, send)
                 return
             await self._forward(outcome, scope, receive, send, disconnected)
         finally:
@@ -510,18 +648,19 @@ class TurnResponse(Response):
             ("accept", t.accept or "*/*"),
             ("accept-encoding", "identity"),
             ("user-agent", _USER_AGENT),
-            *auth_headers(endpoint).items(),
+            *auth_headers(endpoint, anthropic=t.api == "messages").items(),
         ]
+        passed = _PASSED_ON if t.api == "chat" else _PASSED_ON_MESSAGES
         for name, value in scope["headers"]:
             # The client's request id goes on, so engine logs can be matched with it
             # (vLLM takes X-Request-Id as its own with --enable-request-id-headers); so
             # does its trace context when luftpause makes no span of its own.
-            if name in _PASSED_ON or (self._trace is None and name in _TRACE_CONTEXT):
+            if name in passed or (self._trace is None and name in _TRACE_CONTEXT):
                 headers.append((name.decode("latin-1"), value.decode("latin-1")))
         if self._trace is not None:
             headers += self._trace.forwarding(replica, endpoint)
         leave = _CancelOnLeave(disconnected, lambda: self._complete)
-        url = endpoint.chat_url
+        url = endpoint.chat_url if t.api == "chat" else endpoint.messages_url
         body = t.body
         if t.usage_body is not None and endpoint.kind in USAGE_ASKED_OF:
             body = t.usage_body
@@ -537,16 +676,18 @@ class TurnResponse(Response):
             # A hung engine would otherwise hold the client (and the request) forever.
             message = f"engine {replica}: no answer within {self._idle:g} s"
             self._fail(message, engine=True)
-            await error_response(504, message, t.run_id)(scope, receive, send)
+            await t.error(504, message)(scope, receive, send)
             return
         except UpstreamError as exc:
             message = f"engine {replica}: {exc}"
             self._fail(message, engine=True)
-            await error_response(502, message, t.run_id)(scope, receive, send)
+            await t.error(502, message)(scope, receive, send)
             return
         try:
             with leave:
-                ok = await self._pump(answer, send, hide_usage=body is t.usage_body)
+                ok = await self._pump(
+                    answer, send, hide_usage=body is t.usage_body, replica=replica
+                )
         except _ClientLeft:
             self._fail("client disconnected mid-stream")
             return
@@ -557,14 +698,20 @@ class TurnResponse(Response):
             # response makes the server close the connection (no [DONE] appended).
             return
 
-    async def _pump(self, answer: UpstreamAnswer, send: Send, *, hide_usage: bool) -> bool:
+    async def _pump(
+        self, answer: UpstreamAnswer, send: Send, *, hide_usage: bool, replica: str
+    ) -> bool:
         """Stream the engine's answer to the client; report its end.  False: the
         engine failed mid-stream."""
         t = self._turn
         media = answer.header(b"content-type") or b""
         encoded = (answer.header(b"content-encoding") or b"identity").lower() != b"identity"
         sse = media.startswith(b"text/event-stream")
-        watch = StreamWatch(sse=sse, tools=t.tools)
+        watch = (
+            StreamWatch(sse=sse, tools=t.tools)
+            if t.api == "chat"
+            else MessagesWatch(sse=sse, input_counts_cached=replica in self._counts_cached)
+        )
         hide = _AddedUsage() if hide_usage and sse and not encoded else None
         headers = [(k, v) for k, v in answer.headers if k not in _DROP_UPSTREAM]
         headers.append((_RUN_HEADER_BYTES, t.run_id.encode("latin-1")))

@@ -2,7 +2,9 @@
 upstream HTTP client, the admission shell (the scheduler core in this process), the
 prober and the tick task.  Routes are thin: parse, ask the core, stream.
 
-Built so far: `POST /v1/chat/completions` (admission and pass-through proxy),
+Built so far: `POST /v1/chat/completions` and `POST /v1/messages` (Anthropic Messages,
+for Claude Code; admission and pass-through proxy; `/v1/messages/count_tokens` is
+passed to a replica as it is),
 `POST /v1/decide` (gateway/decide.py),
 `DELETE /v1/runs/{run_id}`, `GET /v1/models`, `GET /health`, `GET /status` and its
 page `GET /`, `GET /metrics`, bearer-token auth on `/v1/*`, `/status` and `/`.
@@ -33,12 +35,12 @@ from temporalio.client import Client as TemporalClient
 
 from activities.mcp_pool import McpPool
 from gateway._http import Upstream
-from gateway._proxy import TurnRequest, TurnResponse, error_response
+from gateway._proxy import Api, TurnRequest, TurnResponse, error_response
 from gateway._shell import AdmissionShell
 from gateway.decide import DecideError, decide, decide_request, parse_decide
 from gateway.mcp_door import DoorDeps, create_mcp_server
 from gateway.metrics import GatewayMetrics
-from gateway.prober import Prober, ProbeResult
+from gateway.prober import Prober, ProbeResult, auth_headers
 from gateway.status import render_status_page, status_snapshot, sub_agent_tree
 from luftpause import telemetry
 from luftpause.config import Config, Endpoint
@@ -59,6 +61,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 CHAT_PATH = "/v1/chat/completions"
+MESSAGES_PATH = "/v1/messages"
+COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
 MCP_PATH = "/mcp"
 # The status page and /status show this many recent sub-agent runs of this gateway's
 # task queue, read from Temporal within this time (the page still answers without them).
@@ -114,31 +118,29 @@ class _NotRunning(Exception):
 
 
 class _Gateway(FastAPI):
-    """FastAPI with one shortcut: `POST /v1/chat/completions`, the path of every turn,
-    goes straight to its handler, past FastAPI's middleware, routing and dependency
-    layers (about a sixth of the gateway's CPU per turn in a profile).  The handler
-    stays registered as a route too, so everything else about it is unchanged."""
+    """FastAPI with one shortcut: the paths of turns (`POST /v1/chat/completions`,
+    `POST /v1/messages`) go straight to their handlers, past FastAPI's middleware,
+    routing and dependency layers (about a sixth of the gateway's CPU per turn in a
+    profile).  The handlers stay registered as routes too, so everything else about
+    them is unchanged."""
 
-    hot_path: Callable[[Request], Awaitable[Response]] | None = None
+    hot_paths: dict[str, Callable[[Request], Awaitable[Response]]] = {}  # noqa: RUF012
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        handler = self.hot_path
-        if (
-            handler is not None
-            and scope["type"] == "http"
-            and scope["path"] == CHAT_PATH
-            and scope["method"] == "POST"
-        ):
+        handler = self.hot_paths.get(scope["path"]) if scope["type"] == "http" else None
+        if handler is not None and scope["method"] == "POST":
             try:
                 response = await handler(Request(scope, receive))
             except ClientDisconnect:  # left while sending its request: nobody to answer
                 return
             except _NotRunning as exc:
-                response = error_response(503, str(exc), _named_run(scope))
+                anthropic = scope["path"] == MESSAGES_PATH
+                response = error_response(503, str(exc), _named_run(scope), anthropic=anthropic)
             except Exception:  # past FastAPI's handlers: answer as they would, in JSON
                 log.exception("turn handler failed")
                 message = "internal error in the gateway (logged)"
-                response = error_response(500, message, _named_run(scope))
+                anthropic = scope["path"] == MESSAGES_PATH
+                response = error_response(500, message, _named_run(scope), anthropic=anthropic)
             await response(scope, receive, send)
             return
         if scope["type"] == "http" and scope["path"] == MCP_PATH:
@@ -148,13 +150,17 @@ class _Gateway(FastAPI):
         await super().__call__(scope, receive, send)
 
 
-_SERVED = f"POST {CHAT_PATH}, GET /v1/models, POST /v1/decide, DELETE /v1/runs/{{run id}}"
+_SERVED = (
+    f"POST {CHAT_PATH}, POST {MESSAGES_PATH} (Anthropic), POST {COUNT_TOKENS_PATH}, "
+    "GET /v1/models, POST /v1/decide, DELETE /v1/runs/{run id}"
+)
 
 
 class _BadRequest(Exception):
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, status: int = 400) -> None:
         super().__init__(message)
         self.message = message
+        self.status = status
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -229,16 +235,22 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     app = _Gateway(title="luftpause gateway", lifespan=lifespan)
 
-    def authorized(request: Request) -> bool:
+    def authorized(request: Request, *, api_key: bool = False) -> bool:
+        """The bearer token, or with `api_key` (the Anthropic API's routes) the same
+        token in `x-api-key`, where Claude Code sends ANTHROPIC_API_KEY."""
         if settings.token is None:
             return True
+        token = settings.token.encode()
         scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(
-            credentials.strip().encode("latin-1"), settings.token.encode()
-        )
+        if scheme.lower() == "bearer" and hmac.compare_digest(
+            credentials.strip().encode("latin-1"), token
+        ):
+            return True
+        key = request.headers.get("x-api-key") if api_key else None
+        return key is not None and hmac.compare_digest(key.strip().encode("latin-1"), token)
 
     def unauthorized(run_id: str) -> Response:
-        return error_response(401, "missing or wrong bearer token", run_id)
+        return error_response(401, _NO_TOKEN, run_id)
 
     async def mcp_gate(scope: Scope, receive: Receive, send: Send) -> None:
         """`/mcp` takes the same bearer token as `/v1/*`."""
@@ -260,7 +272,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             return error_response(503, str(exc), "")
         in_path = str(request.path_params.get("run_id", ""))  # DELETE /v1/runs/{run_id}
         run = in_path if _RUN_ID.fullmatch(in_path) else _named_run(request.scope)
-        return error_response(503, str(exc), run)
+        anthropic = request.url.path.startswith(MESSAGES_PATH)
+        return error_response(503, str(exc), run, anthropic=anthropic)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -276,32 +289,55 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         response.headers.update(exc.headers or {})
         return response
 
-    @app.post(CHAT_PATH)
-    async def chat_completions(request: Request) -> Response:
+    # Models whose every generative replica takes Anthropic Messages turns (a turn may
+    # be placed on any of its model's replicas), and for the others, the ones that don't.
+    no_messages: dict[str, list[str]] = {}
+    for e in endpoints.values():
+        for m in e.models:
+            no_messages.setdefault(m, [])
+            if not e.serves_messages:
+                no_messages[m].append(e.name)
+    # Replicas whose Anthropic usage counts cached tokens in `input_tokens`: SGLang, or a
+    # router in front of SGLang engines only (the others' are net of the cache).
+    by_name = {e.name: e for e in config.endpoints}
+    counts_cached = frozenset(
+        e.name
+        for e in endpoints.values()
+        if e.kind == "sglang"
+        or (e.load_from and all(by_name[n].kind == "sglang" for n in e.load_from))
+    )
+
+    async def take_turn(request: Request, api: Api) -> Response:
+        """A turn of either API: identify its run, parse it, hold it, forward it."""
         rt = running()
+        anthropic = api == "messages"
         header_run = request.headers.get(RUN_HEADER, "").strip()
         # As DELETE /v1/runs/{id} takes it (and it is echoed in a response header).
         bad_run = bool(header_run) and not _RUN_ID.fullmatch(header_run)
         fallback_run = header_run if header_run and not bad_run else _new_id()
-        if not authorized(request):
-            return unauthorized(fallback_run)
+        if not authorized(request, api_key=anthropic):
+            return error_response(401, _NO_TOKEN, fallback_run, anthropic=anthropic)
         if bad_run:
             message = f"{RUN_HEADER}: expected 1 to 128 printable ASCII characters other than /"
-            return error_response(400, message, fallback_run)
+            return error_response(400, message, fallback_run, anthropic=anthropic)
         raw = await _body(request, config.max_request_bytes)
         if raw is None:
-            return _too_large(config.max_request_bytes, fallback_run)
+            return _too_large(config.max_request_bytes, fallback_run, anthropic=anthropic)
         try:
             body = _parse_body(raw)
-            model, messages = _parse_chat(body)
+            if anthropic:
+                model, messages = _parse_messages(body, no_messages)
+            else:
+                model, messages = _parse_chat(body)
             service_class = _parse_class(request.headers.get(CLASS_HEADER))
         except _BadRequest as exc:
-            return error_response(400, exc.message, fallback_run)
+            return error_response(exc.status, exc.message, fallback_run, anthropic=anthropic)
         now = rt.loop.time()
         caller = _caller(request)
-        run_id = header_run or rt.shell.run_for_tool_calls(
-            caller, _echoed_tool_calls(messages), now
-        )
+        run_id: str | None = header_run
+        if not run_id:
+            echoed = _echoed_tool_uses(messages) if anthropic else _echoed_tool_calls(messages)
+            run_id = rt.shell.run_for_tool_calls(caller, echoed, now)
         turn = TurnRequest(
             turn_id=_new_id(),
             run_id=run_id or fallback_run,
@@ -309,12 +345,15 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             caller=caller,
             model=model,
             body=raw,
-            usage_body=_with_stream_usage(raw, body),
+            usage_body=None if anthropic else _with_stream_usage(raw, body),
             content_type=request.headers.get("content-type", "application/json"),
             accept=request.headers.get("accept"),
             prompt_tokens=len(raw) // 4,
             max_tokens=_max_tokens(body),
-            tools=_tool_names(body),
+            # Calls written as text are recovered on the OpenAI API only (engines that
+            # serve /v1/messages parse tool calls themselves).
+            tools=frozenset() if anthropic else _tool_names(body),
+            api=api,
         )
         return TurnResponse(
             turn,
@@ -323,9 +362,58 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             endpoints=endpoints,
             clock=rt.loop.time,
             idle_timeout=engine_idle_s,
+            input_counts_cached=counts_cached,
         )
 
-    app.hot_path = chat_completions
+    @app.post(CHAT_PATH)
+    async def chat_completions(request: Request) -> Response:
+        return await take_turn(request, "chat")
+
+    @app.post(MESSAGES_PATH)
+    async def messages_turn(request: Request) -> Response:
+        return await take_turn(request, "messages")
+
+    app.hot_paths = {CHAT_PATH: chat_completions, MESSAGES_PATH: messages_turn}
+
+    @app.post(COUNT_TOKENS_PATH)
+    async def count_tokens(request: Request) -> Response:
+        """Claude Code's token count, passed to a healthy replica of the model as it is
+        (no turn: nothing is generated).  An engine without the route answers 404,
+        which Claude Code takes as "not supported"."""
+        rt = running()
+        run_id = _named_run(request.scope)
+        if not authorized(request, api_key=True):
+            return error_response(401, _NO_TOKEN, run_id, anthropic=True)
+        raw = await _body(request, config.max_request_bytes)
+        if raw is None:
+            return _too_large(config.max_request_bytes, run_id, anthropic=True)
+        try:
+            model, _ = _parse_messages(_parse_body(raw), no_messages, count=True)
+        except _BadRequest as exc:
+            return error_response(exc.status, exc.message, run_id, anthropic=True)
+        serving = [e for e in endpoints.values() if model in e.models]
+        if not serving:
+            message = f"no Generative replica serves model '{model}'"
+            return error_response(404, message, run_id, anthropic=True)
+        target = _healthy_first(serving, rt.prober)[0]
+        headers = {
+            "content-type": request.headers.get("content-type", "application/json"),
+            "user-agent": "luftpause-gateway",
+            **{k: v for k in _ANTHROPIC_HEADERS if (v := request.headers.get(k)) is not None},
+            **auth_headers(target, anthropic=True),
+        }
+        try:
+            answer = await rt.client.post(
+                target.messages_url + "/count_tokens",
+                content=raw,
+                headers=headers,
+                timeout=httpx.Timeout(engine_idle_s, connect=CONNECT_TIMEOUT_S),
+            )
+        except httpx.HTTPError as exc:
+            message = f"engine {target.name}: {type(exc).__name__}: {exc}"
+            return error_response(502, message, run_id, anthropic=True)
+        kept = {k: v for k, v in answer.headers.items() if k in ("content-type", "retry-after")}
+        return Response(answer.content, answer.status_code, headers={RUN_HEADER: run_id, **kept})
 
     @app.post("/v1/decide")
     async def decide_label(request: Request) -> Response:
@@ -384,7 +472,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:
         if not authorized(request):
-            return error_response(401, "missing or wrong bearer token", _new_id())
+            return error_response(401, _NO_TOKEN, _new_id())
         data = [{"id": m, "object": "model", "created": 0, "owned_by": "luftpause"} for m in models]
         return Response(json.dumps({"object": "list", "data": data}), media_type="application/json")
 
@@ -412,7 +500,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def status(request: Request) -> Response:
         rt = running()
         if not authorized(request):
-            return error_response(401, "missing or wrong bearer token", _new_id())
+            return error_response(401, _NO_TOKEN, _new_id())
         view = await with_runs(await snapshot(rt))
         return Response(json.dumps(view), media_type="application/json")
 
@@ -428,7 +516,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             and hmac.compare_digest(query.encode(), settings.token.encode())
         )
         if not (by_query or authorized(request)):
-            return error_response(401, "missing or wrong bearer token", _new_id())
+            return error_response(401, _NO_TOKEN, _new_id())
         return HTMLResponse(
             render_status_page(await with_runs(await snapshot(rt))),
             headers={"cache-control": "no-store", "referrer-policy": "no-referrer"},
@@ -456,14 +544,15 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def not_served(request: Request, rest: str) -> Response:
         """Any other path or method under /v1 (`/v1/completions`, `/v1/embeddings`, a GET
         of the chat path): an OpenAI-shaped error that says what is served."""
-        if not authorized(request):
-            return unauthorized(_new_id())
         path = request.url.path
+        anthropic = path.startswith(MESSAGES_PATH)  # the Anthropic API's, in its shape
+        if not authorized(request, api_key=anthropic):
+            return error_response(401, _NO_TOKEN, _new_id(), anthropic=anthropic)
         allow = _ALLOWED.get(path) or ("DELETE" if path.startswith("/v1/runs/") else None)
         message = f"luftpause does not serve {request.method} {path}; it serves {_SERVED}"
         if allow is None:
-            return error_response(404, message, _new_id())
-        response = error_response(405, message, _new_id())
+            return error_response(404, message, _new_id(), anthropic=anthropic)
+        response = error_response(405, message, _new_id(), anthropic=anthropic)
         response.headers["allow"] = allow  # RFC 9110: a 405 says what the path takes
         return response
 
@@ -576,7 +665,16 @@ async def _tick(shell: AdmissionShell, loop: asyncio.AbstractEventLoop) -> None:
 
 
 # The methods of the /v1 paths luftpause serves, for a 405's Allow header.
-_ALLOWED = {CHAT_PATH: "POST", "/v1/decide": "POST", "/v1/models": "GET"}
+_ALLOWED = {
+    CHAT_PATH: "POST",
+    MESSAGES_PATH: "POST",
+    COUNT_TOKENS_PATH: "POST",
+    "/v1/decide": "POST",
+    "/v1/models": "GET",
+}
+_NO_TOKEN = "missing or wrong bearer token"
+# Anthropic API headers an engine reads, passed on from the client.
+_ANTHROPIC_HEADERS = ("anthropic-version", "anthropic-beta")
 
 # --------------------------------------------------------------------------- parsing
 
@@ -597,9 +695,9 @@ async def _body(request: Request, limit: int) -> bytes | None:
     return b"".join(chunks)
 
 
-def _too_large(limit: int, run_id: str) -> Response:
+def _too_large(limit: int, run_id: str, *, anthropic: bool = False) -> Response:
     message = f"request body larger than {limit:,} bytes (max_request_bytes)"
-    return error_response(413, message, run_id)
+    return error_response(413, message, run_id, anthropic=anthropic)
 
 
 # Printable ASCII without "/", so that every run id fits DELETE /v1/runs/{id}.
@@ -646,6 +744,54 @@ def _parse_chat(body: dict[str, Any]) -> tuple[str, list[Any]]:
     return model, messages
 
 
+def _parse_messages(
+    body: dict[str, Any], no_messages: dict[str, list[str]], *, count: bool = False
+) -> tuple[str, list[Any]]:
+    """An Anthropic Messages request's model and messages.  A model some of whose
+    replicas do not serve the API is refused: the turn could be placed on one."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _BadRequest("'model' is required and must be a non-empty string")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _BadRequest("'messages' is required and must be a non-empty list")
+    max_tokens = body.get("max_tokens")
+    if (
+        not count
+        and max_tokens is not None
+        and not (
+            isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens > 0
+        )
+    ):
+        raise _BadRequest(f"'max_tokens' must be a positive integer, got {max_tokens!r}")
+    without = no_messages.get(model)
+    if without:
+        raise _BadRequest(
+            f"model '{model}' is served by replicas that do not take the Anthropic Messages "
+            f"API ({', '.join(without)}: messages = false, or a kind that does not serve "
+            f"it); use {CHAT_PATH}, or set messages = true where they do",
+            status=404,
+        )
+    return model, messages
+
+
+def _echoed_tool_uses(messages: list[Any]) -> list[str]:
+    """The tool use ids an Anthropic request's tool results echo (they join the turn to
+    the run that made the calls).  Any role but the assistant's: Claude Code has sent
+    roles of its own that engines read as the user's (vLLM's `ctx`, `msg`)."""
+    return [
+        block["tool_use_id"]
+        for m in messages
+        if isinstance(m, dict)
+        and m.get("role") != "assistant"
+        and isinstance(m.get("content"), list)
+        for block in m["content"]
+        if isinstance(block, dict)
+        and block.get("type") == "tool_result"
+        and isinstance(block.get("tool_use_id"), str)
+    ]
+
+
 def _parse_class(value: str | None) -> ServiceClass:
     if value is None or not value.strip():  # empty, as the other headers: absent
         return ServiceClass.INTERACTIVE
@@ -657,7 +803,7 @@ def _parse_class(value: str | None) -> ServiceClass:
 
 
 def _healthy_first(classifiers: list[Endpoint], prober: Prober) -> list[Endpoint]:
-    """Classifiers the last probe found healthy (or has not probed yet) come first."""
+    """Endpoints the last probe found healthy (or has not probed yet) come first."""
     last = prober.last
 
     def down(e: Endpoint) -> bool:

@@ -173,11 +173,17 @@ _METRICS_HINT = {
 }
 
 
-def auth_headers(endpoint: Endpoint, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
-    """The endpoint's own key (never a client's): `Authorization: Bearer $api_key_env`.
-    Blanks around it are dropped (a key file's newline would be an illegal header)."""
+def auth_headers(
+    endpoint: Endpoint, environ: Mapping[str, str] = os.environ, *, anthropic: bool = False
+) -> dict[str, str]:
+    """The endpoint's own key (never a client's): `Authorization: Bearer $api_key_env`,
+    and with `anthropic` (a Messages API request) in `x-api-key` too, where Anthropic-
+    compatible hosts read it.  Blanks around it are dropped (a key file's newline would
+    be an illegal header)."""
     key = environ.get(endpoint.api_key_env, "").strip() if endpoint.api_key_env else ""
-    return {"Authorization": f"Bearer {key}"} if key else {}
+    if not key:
+        return {}
+    return {"Authorization": f"Bearer {key}", **({"x-api-key": key} if anthropic else {})}
 
 
 async def probe_endpoint(

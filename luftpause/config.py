@@ -21,6 +21,8 @@ load_from = []           # for kind = "router": the engines whose load it report
 kv_tokens = 56000        # optional: KV pool size (SGLang and vLLM report theirs), enables
                          # program-level admission
 labels = []              # for kind = "classifier": class names, in /classify's order
+messages = true          # serves the Anthropic Messages API (/v1/messages): default true
+                         # for sglang, vllm, llamacpp and ollama, false otherwise
 
 [[mcp_servers]]          # tools for sub-agents: streamable HTTP ...
 name = "search"
@@ -79,6 +81,13 @@ LOAD_METRICS: Mapping[str, tuple[str, str]] = {
 # Engine kinds the gateway asks for their KV pool size when `kv_tokens` is not given.
 KV_REPORTED_BY: tuple[str, ...] = ("sglang", "vllm")
 
+# Engine kinds that serve the Anthropic Messages API (`POST /v1/messages`) unless the
+# file says `messages = false`: vLLM >= 0.11.1, SGLang (since 2026-02), llama.cpp's
+# server (since 2025-11) and Ollama >= 0.14.  Routers differ (SMG and vllm-router route
+# it, sglang-router 0.3.2 does not) and hosted OpenAI-compatible APIs mostly do not:
+# those take `messages = true` where they do.
+MESSAGES_SERVED_BY: tuple[str, ...] = ("sglang", "vllm", "llamacpp", "ollama")
+
 # Where each kind answers a health check when the file does not say.
 DEFAULT_HEALTH_PATH: Mapping[str, str] = {
     "sglang": "/health",
@@ -121,6 +130,8 @@ class Endpoint(BaseModel):
     # kind = "classifier": the names of its classes in order (vLLM's /classify answers
     # probabilities as a bare list).
     labels: list[Annotated[str, Field(min_length=1)]] = []
+    # Whether it serves the Anthropic Messages API; None: by kind (MESSAGES_SERVED_BY).
+    messages: bool | None = None
 
     @field_validator("url")
     @classmethod
@@ -168,6 +179,8 @@ class Endpoint(BaseModel):
             raise ValueError("load_from is only for kind = 'router'")
         if self.labels and self.kind != "classifier":
             raise ValueError("labels is only for kind = 'classifier'")
+        if self.messages and self.kind == "classifier":
+            raise ValueError("messages is not for kind = 'classifier' (it takes no turns)")
         if self.api_path != "/v1" and self.kind != "openai":
             # Engines and routers serve /v1; one behind a path prefix takes it in url.
             raise ValueError(
@@ -189,6 +202,18 @@ class Endpoint(BaseModel):
     def chat_url(self) -> str:
         """Where its turns go."""
         return f"{self.url}{self.api_path}/chat/completions"
+
+    @property
+    def serves_messages(self) -> bool:
+        """Takes Anthropic Messages turns (`POST /v1/messages`)."""
+        if self.messages is not None:
+            return self.messages
+        return self.kind in MESSAGES_SERVED_BY
+
+    @property
+    def messages_url(self) -> str:
+        """Where its Anthropic Messages turns go (a hosted API: beside its chat path)."""
+        return f"{self.url}{self.api_path}/messages"
 
     @property
     def generative(self) -> bool:

@@ -153,6 +153,7 @@ class EngineRequest:
 class FirstToken:
     request_id: str
     time: float
+    cached_tokens: int = 0  # of its prompt, found in the prefix cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -531,7 +532,7 @@ class SimEngine:
                 node.last_access = tb
             run.prefilled = True
             run.gen_base = 1
-            out.append(FirstToken(req.request_id, tb))
+            out.append(FirstToken(req.request_id, tb, run.cached_tokens))
             if req.output_tokens <= 1:
                 del self._running[req.request_id]
                 self._finish(run, tb, out)

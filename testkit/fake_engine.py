@@ -100,7 +100,7 @@ class FakeEngineSettings:
 
 @dataclass(eq=False, slots=True)
 class _Pending:
-    first: asyncio.Future[None]
+    first: asyncio.Future[int]  # the prompt's cached tokens, at the first token
     done: asyncio.Future[Finished]
 
 
@@ -139,7 +139,7 @@ class _Driver:
             if pending is None:
                 continue
             if not pending.first.done():
-                pending.first.set_result(None)
+                pending.first.set_result(out.cached_tokens)
             if isinstance(out, Finished):
                 del self._pending[out.request_id]
                 pending.done.set_result(out)
@@ -278,6 +278,76 @@ def _parse_chat(
     )
 
 
+def _anthropic_text(content: object) -> str:
+    """The text of an Anthropic content field: a string or a list of text blocks."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(
+            b["text"] for b in content if isinstance(b, dict) and isinstance(b.get("text"), str)
+        )
+    return ""
+
+
+def _from_anthropic(body: dict[str, Any]) -> dict[str, Any]:
+    """An Anthropic Messages request as the chat request the engine runs, the way vLLM,
+    SGLang and llama.cpp convert it: `system` first, tool_use blocks as an assistant's
+    tool_calls, tool_result blocks as `tool` messages."""
+    messages: list[dict[str, Any]] = []
+    system = _anthropic_text(body.get("system"))
+    if system:
+        messages.append({"role": "system", "content": system})
+    given = body.get("messages")
+    if not isinstance(given, list) or not given:
+        raise _HTTPError(400, "messages: Field required (a non-empty list)")
+    for i, m in enumerate(given):
+        role = m.get("role") if isinstance(m, dict) else None
+        if role not in ("user", "assistant"):
+            raise _HTTPError(400, f"messages.{i}.role: Input should be 'user' or 'assistant'")
+        content = m.get("content")
+        if isinstance(content, str):
+            messages.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise _HTTPError(400, f"messages.{i}.content: Input should be a string or a list")
+        texts: list[str] = []
+        calls: list[dict[str, Any]] = []
+        for block in content:
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind == "text":
+                texts.append(str(block.get("text", "")))
+            elif kind == "tool_use":
+                args = json.dumps(block.get("input", {}))
+                fn = {"name": block.get("name"), "arguments": args}
+                calls.append({"id": block.get("id"), "type": "function", "function": fn})
+            elif kind == "tool_result":
+                result = _anthropic_text(block.get("content", ""))
+                messages.append(
+                    {"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": result}
+                )
+        if texts or calls:
+            message: dict[str, Any] = {"role": role, "content": "".join(texts)}
+            if calls:
+                message["tool_calls"] = calls
+            messages.append(message)
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise _HTTPError(400, "tools: Input should be a list")
+    return {
+        **{k: body[k] for k in ("model", "max_tokens", "fake_max_tool_calls") if k in body},
+        "stream": body.get("stream") is True,
+        "messages": messages,
+        "tools": [
+            {
+                "type": "function",
+                "function": {"name": t.get("name"), "parameters": t.get("input_schema", {})},
+            }
+            for t in tools or ()
+            if isinstance(t, dict)
+        ],
+    }
+
+
 # --------------------------------------------------------------------------- responses
 
 
@@ -331,7 +401,7 @@ class _Chunks:
         choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return f'data: {self._head}, "choices": [{json.dumps(choice)}]}}\n\n'
 
-    def role(self) -> str:
+    def role(self, cached: int = 0) -> str:
         return self._event({"role": "assistant", "content": ""})
 
     def content(self, start: int, stop: int) -> str:
@@ -363,6 +433,124 @@ class _Chunks:
         if self._chat.include_usage:
             tail += f'data: {self._head}, "choices": [], "usage": {json.dumps(usage)}}}\n\n'
         return tail + "data: [DONE]\n\n"
+
+
+_STOP_REASONS = {"tool_calls": "tool_use", "stop": "end_turn", "length": "max_tokens"}
+
+
+class _AnthropicEvents:
+    """The events of one Anthropic Messages stream, with the same steps as `_Chunks`.
+    Usage goes where each flavor puts it: SGLang in the last `message_delta` only, its
+    `input_tokens` counting the cached ones; llama.cpp in `message_start`, net of the
+    cache, with `cache_read_input_tokens`; vLLM in both, net of the cache as since its
+    PR #40912 (with --enable-prompt-tokens-details; before, no cache figure at all)."""
+
+    def __init__(self, rid: str, chat: _Chat, reply: Reply, flavor: str, prompt: int) -> None:
+        self._rid, self._chat, self._reply = rid, chat, reply
+        self._flavor, self._prompt = flavor, prompt
+
+    @staticmethod
+    def _event(kind: str, payload: dict[str, Any]) -> str:
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, **payload})}\n\n"
+
+    def role(self, cached: int = 0) -> str:
+        usage: dict[str, Any] = {"input_tokens": 0, "output_tokens": 0}
+        if self._flavor != "sglang":
+            usage = {
+                "input_tokens": self._prompt - cached,
+                "output_tokens": 0,
+                "cache_read_input_tokens": cached,
+            }
+        message: dict[str, Any] = {
+            "id": self._rid,
+            "type": "message",
+            "role": "assistant",
+            "model": self._chat.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": usage,
+        }
+        head = self._event("message_start", {"message": message})
+        if self._reply.tool_calls:
+            return head
+        block = {"index": 0, "content_block": {"type": "text", "text": ""}}
+        return head + self._event("content_block_start", block)
+
+    def content(self, start: int, stop: int) -> str:
+        parts = []
+        for a in range(start, stop, _TOKENS_PER_CHUNK):
+            text = "".join(self._reply.tokens[a : min(a + _TOKENS_PER_CHUNK, stop)])
+            delta = {"index": 0, "delta": {"type": "text_delta", "text": text}}
+            parts.append(self._event("content_block_delta", delta))
+        return "".join(parts)
+
+    def tool_calls(self, part: int) -> str:
+        """Part 0: the first call's block start; part 1: the rest of every call."""
+        events = []
+        for i, call in enumerate(self._reply.tool_calls):
+            fn = call["function"]
+            if part == 0 or i > 0:
+                use = {"type": "tool_use", "id": call["id"], "name": fn["name"], "input": {}}
+                events.append(
+                    self._event("content_block_start", {"index": i, "content_block": use})
+                )
+            if part == 1:
+                delta = {"type": "input_json_delta", "partial_json": fn["arguments"]}
+                events.append(self._event("content_block_delta", {"index": i, "delta": delta}))
+                events.append(self._event("content_block_stop", {"index": i}))
+            if part == 0:
+                break
+        return "".join(events)
+
+    def end(self, usage: dict[str, Any]) -> str:
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        tail = {"output_tokens": usage["completion_tokens"]}
+        if self._flavor == "sglang":
+            tail |= {"input_tokens": usage["prompt_tokens"], "cache_read_input_tokens": cached}
+        elif self._flavor == "vllm":
+            tail |= {"input_tokens": usage["prompt_tokens"] - cached}
+        reason = _STOP_REASONS.get(self._reply.finish_reason, "end_turn")
+        delta = {"delta": {"stop_reason": reason, "stop_sequence": None}, "usage": tail}
+        stop = "" if self._reply.tool_calls else self._event("content_block_stop", {"index": 0})
+        return stop + self._event("message_delta", delta) + self._event("message_stop", {})
+
+    def body(self, usage: dict[str, Any]) -> bytes:
+        """The whole answer as one JSON message (a request without `stream`)."""
+        content: list[dict[str, Any]] = [
+            {
+                "type": "tool_use",
+                "id": c["id"],
+                "name": c["function"]["name"],
+                "input": json.loads(c["function"]["arguments"]),
+            }
+            for c in self._reply.tool_calls
+        ]
+        if not content:
+            content = [{"type": "text", "text": self._reply.content}]
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        prompt = usage["prompt_tokens"]
+        message = {
+            "id": self._rid,
+            "type": "message",
+            "role": "assistant",
+            "model": self._chat.model,
+            "content": content,
+            "stop_reason": _STOP_REASONS.get(self._reply.finish_reason, "end_turn"),
+            "stop_sequence": None,
+            "usage": {
+                "input_tokens": prompt if self._flavor == "sglang" else prompt - cached,
+                "output_tokens": usage["completion_tokens"],
+                "cache_read_input_tokens": cached,
+            },
+        }
+        return json.dumps(message).encode()
+
+
+def _anthropic_error(status: int, message: str) -> Response:
+    kind = "not_found_error" if status == 404 else "invalid_request_error"
+    body = {"type": "error", "error": {"type": kind, "message": message}}
+    return Response(json.dumps(body), status, media_type=_JSON)
 
 
 # --------------------------------------------------------------------------- metrics
@@ -543,13 +731,13 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
         return True
 
     async def stream(
-        d: _Driver, pending: _Pending, rid: str, chunks: _Chunks, reply: Reply
+        d: _Driver, pending: _Pending, rid: str, chunks: _Chunks | _AnthropicEvents, reply: Reply
     ) -> AsyncIterator[str]:
         # Starlette cancels this generator when the client leaves: `finally` cancels the
         # request in the engine.
         try:
-            await pending.first
-            yield chunks.role()
+            cached = await pending.first
+            yield chunks.role(cached)
             if reply.tool_calls:
                 yield chunks.tool_calls(0)
                 done = await pending.done
@@ -609,6 +797,52 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
             driver.cancel(rid)
         usage = _usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens)
         return Response(_completion_body(rid, created, chat, reply, conv, usage), media_type=_JSON)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        """The Anthropic Messages API, as vLLM, SGLang and llama.cpp serve it beside the
+        OpenAI one: the same engine, the conversation converted as they convert it."""
+        try:
+            body = _parse_json(await request.body())
+            chat = _parse_chat(_from_anthropic(body), s.models, s.max_tool_calls)
+            text, _, reply = plan(chat)
+            rid = f"msg_{next(ids):024x}"
+            if driver is None:  # instant: no engine, nothing cached
+                prompt = max(1, -(-len(text) // CHARS_PER_TOKEN))
+                events = _AnthropicEvents(rid, chat, reply, s.flavor, prompt)
+                usage = _usage(prompt, reply.n_tokens, 0)
+                if not chat.stream:
+                    return Response(events.body(usage), media_type=_JSON)
+                steps = events.role() + events.tool_calls(0) + events.tool_calls(1)
+                if not reply.tool_calls:
+                    steps = events.role() + events.content(0, len(reply.tokens))
+                return Response(steps + events.end(usage), media_type=_SSE)
+            if not driver.running:
+                return _anthropic_error(503, "the engine is not running")
+            ereq = engine_request(chat, text, reply, rid)
+        except _HTTPError as exc:
+            return _anthropic_error(exc.status, exc.message)
+        pending = driver.submit(ereq)
+        events = _AnthropicEvents(rid, chat, reply, s.flavor, ereq.prompt_tokens)
+        if chat.stream:
+            return StreamingResponse(stream(driver, pending, rid, events, reply), media_type=_SSE)
+        try:
+            if not await client_stayed(request, pending.done):
+                return Response(status_code=499)
+            done = pending.done.result()
+        finally:
+            driver.cancel(rid)
+        usage = _usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens)
+        return Response(events.body(usage), media_type=_JSON)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        try:
+            chat = _parse_chat(_from_anthropic(_parse_json(await request.body())), s.models)
+        except _HTTPError as exc:
+            return _anthropic_error(exc.status, exc.message)
+        text = "".join(render_message(m) for m in chat.messages)
+        return _json({"input_tokens": max(1, -(-len(text) // CHARS_PER_TOKEN))})
 
     @app.post("/classify")
     async def classify(request: Request) -> Response:

@@ -963,6 +963,13 @@ async def test_a_turn_between_shutdown_and_the_last_answer_gets_a_json_503_namin
         r = await c.post("/v1/chat/completions", json=chat(), headers={RUN: "r1"})
         assert (r.status_code, r.headers[RUN]) == (503, "r1")
         assert r.json() == {"error": {"message": "the gateway is shutting down"}}
+        body = {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}
+        r = await c.post("/v1/messages", json=body, headers={RUN: "r3"})
+        assert (r.status_code, r.headers[RUN]) == (503, "r3")
+        assert r.json() == {  # the Anthropic API's shape on its door
+            "type": "error",
+            "error": {"type": "overloaded_error", "message": "the gateway is shutting down"},
+        }
         r = await c.delete("/v1/runs/r2")
         assert (r.status_code, r.headers[RUN]) == (503, "r2")
         r = await c.get("/status")

@@ -62,6 +62,9 @@ def test_a_good_file_loads_with_defaults(tmp_path: Path) -> None:
     assert a.chat_url == "http://127.0.0.1:30000/v1/chat/completions"
     assert a.reports_load and router.reports_load and not hosted.reports_load
     assert not judge.generative
+    # The Anthropic Messages API: engines serve it, routers and hosted APIs by choice.
+    assert a.serves_messages and not router.serves_messages and not hosted.serves_messages
+    assert a.messages_url == "http://127.0.0.1:30000/v1/messages"
     # The router's engines are probed for its load; turns go to the router, not to them.
     assert cfg.replica_specs() == [
         ReplicaSpec(name="router", models=frozenset({"llama-3.2-1b"})),
@@ -83,6 +86,16 @@ def test_a_hosted_api_whose_openai_path_is_not_v1(tmp_path: Path) -> None:
         "https://generativelanguage.googleapis.com/v1beta/openai/chat/completions"
     )
     assert gemini.health == "/v1beta/openai/models"
+
+
+def test_messages_default_by_kind_and_the_file_decides() -> None:
+    def one(kind: str, **kw: object) -> bool:
+        e = {"name": "e", "url": "http://h:1", "kind": kind, "models": ["m"], **kw}
+        return parse_config({"endpoints": [e]}).endpoints[0].serves_messages
+
+    assert all(one(k) for k in ("sglang", "vllm", "llamacpp", "ollama"))
+    assert not one("router") and not one("openai")
+    assert one("router", messages=True) and not one("vllm", messages=False)
 
 
 @pytest.mark.parametrize(
@@ -179,6 +192,11 @@ def test_a_hosted_api_whose_openai_path_is_not_v1(tmp_path: Path) -> None:
             '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
             '[[mcp_servers]]\nname="t"',
             "give exactly one of url (streamable HTTP) or command",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="classifier"\nmodels=["m"]\n'
+            "messages=true",
+            "endpoints[0]: messages is not for kind = 'classifier' (it takes no turns)",
         ),
         (
             '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'

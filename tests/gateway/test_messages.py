@@ -1,0 +1,341 @@
+"""The Anthropic Messages door (`/v1/messages`, Claude Code's API) end to end over real
+loopback HTTP: the official Anthropic SDK in front of the gateway, fake engines of each
+flavor (and tiny upstream apps) behind it."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import anthropic
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from harness import MODEL, RUN, endpoint, engine, gateway, until
+
+from gateway._proxy import MessagesWatch
+from gateway._shell import AdmissionShell
+from scheduler import RunPhase
+from testkit._fake_text import key
+from testkit.loopback import serve
+
+TOOLS: list[Any] = [
+    {
+        "name": "lookup",
+        "description": "Look something up.",
+        "input_schema": {
+            "type": "object",
+            "properties": {"query": {"type": "string"}},
+            "required": ["query"],
+        },
+    }
+]
+
+
+def tool_task(calls: int) -> str:
+    """A first user message for which the fake engine makes at least `calls` tool calls
+    (fake_max_tool_calls = 3)."""
+    return next(f"task {i}" for i in range(1000) if key(0, "tool-calls", f"task {i}") % 4 >= calls)
+
+
+def client(gw: httpx.AsyncClient, **kw: Any) -> anthropic.AsyncAnthropic:
+    return anthropic.AsyncAnthropic(base_url=str(gw.base_url), max_retries=0, **kw)
+
+
+async def ask(
+    claude: anthropic.AsyncAnthropic, messages: list[Any], *, stream: bool
+) -> tuple[anthropic.types.Message, str]:
+    """One turn as Claude Code makes it; the answer and the run id it was given."""
+    extra = {"fake_max_tool_calls": 3}
+    if stream:
+        async with claude.messages.stream(
+            model=MODEL, max_tokens=300, messages=messages, tools=TOOLS, extra_body=extra
+        ) as s:
+            async for _ in s:
+                pass
+            return await s.get_final_message(), s.response.headers[RUN]
+    raw = await claude.messages.with_raw_response.create(
+        model=MODEL, max_tokens=300, messages=messages, tools=TOOLS, extra_body=extra
+    )
+    return await raw.parse(), raw.headers[RUN]
+
+
+async def tool_loop(
+    claude: anthropic.AsyncAnthropic, shell: AdmissionShell, task: str
+) -> tuple[list[str], list[anthropic.types.Usage]]:
+    """Drive a run until the model answers, streaming every other turn; check that the
+    run is paused on its tool between turns.  Each turn's run id and usage."""
+    messages: list[Any] = [{"role": "user", "content": task}]
+    ids, usages = [], []
+    for n in range(10):
+        message, run_id = await ask(claude, messages, stream=n % 2 == 0)
+        ids.append(run_id)
+        usages.append(message.usage)
+        if message.stop_reason != "tool_use":
+            assert shell.state.runs[run_id].phase is RunPhase.IDLE
+            return ids, usages
+        # The stop reason reached the core: the run waits on its tool, not idle.
+        assert shell.state.runs[run_id].phase is RunPhase.PAUSED
+        messages.append({"role": "assistant", "content": [b.model_dump() for b in message.content]})
+        results = [
+            {"type": "tool_result", "tool_use_id": b.id, "content": "found it"}
+            for b in message.content
+            if b.type == "tool_use"
+        ]
+        messages.append({"role": "user", "content": results})
+    raise AssertionError("the run never ended")
+
+
+def metric(text: str, name: str) -> float:
+    """The sum of a counter's samples in a Prometheus exposition."""
+    return sum(float(m) for m in re.findall(rf"^{name}\{{[^}}]*\}} (\S+)$", text, re.M))
+
+
+@pytest.mark.parametrize("flavor", ["sglang", "vllm", "llamacpp"])
+async def test_a_claude_code_tool_loop_is_one_run_with_its_usage_read(flavor: str) -> None:
+    async with (
+        engine(time_scale=50, flavor=flavor) as (url, recorder),
+        gateway(endpoint("a", url, kind=flavor)) as (gw, shell),
+    ):
+        async with client(gw, api_key="any") as claude:
+            ids, usages = await tool_loop(claude, shell, tool_task(2))
+        # Joined by the tool use ids its tool results echo, as chat turns by theirs.
+        assert len(ids) >= 3 and len(set(ids)) == 1
+        assert {path for path, _, _ in recorder.posts} == {"/v1/messages"}
+        # Each engine puts usage elsewhere (SGLang's input counts the cached tokens,
+        # llama.cpp's and vLLM's do not, as Anthropic's); the core got the engine's figures.
+        cached = sum(u.cache_read_input_tokens or 0 for u in usages)
+        if flavor == "sglang":
+            prompt = sum(u.input_tokens for u in usages)
+        else:
+            prompt = sum(u.input_tokens + (u.cache_read_input_tokens or 0) for u in usages)
+        text = (await gw.get("/metrics")).text
+        assert metric(text, "luftpause_prompt_tokens_total") == prompt
+        assert metric(text, "luftpause_cached_tokens_total") == cached > 0  # a growing prefix
+        assert metric(text, "luftpause_completion_tokens_total") == sum(
+            u.output_tokens for u in usages
+        )
+
+
+async def test_the_api_key_header_carries_the_token_and_neither_reaches_the_engine() -> None:
+    async with (
+        engine(time_scale=50) as (url, recorder),
+        gateway(endpoint("a", url), token="s3cret") as (gw, _),
+    ):
+        body = {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+        # Claude Code sends ANTHROPIC_API_KEY as x-api-key, ANTHROPIC_AUTH_TOKEN as Bearer.
+        # (Claude Code asks for /v1/messages?beta=true.)
+        for headers, path in (
+            ({"x-api-key": "s3cret"}, "/v1/messages?beta=true"),
+            ({"authorization": "Bearer s3cret"}, "/v1/messages"),
+        ):
+            sent = headers | {"anthropic-version": "2023-06-01", "anthropic-beta": "a,b"}
+            r = await gw.post(path, json=body, headers=sent)
+            assert r.status_code == 200, r.text
+            assert r.json()["type"] == "message"
+        wrong = await gw.post("/v1/messages", json=body, headers={"x-api-key": "nope"})
+        assert wrong.status_code == 401
+        assert wrong.json() == {
+            "type": "error",
+            "error": {"type": "authentication_error", "message": "missing or wrong bearer token"},
+        }
+        # Other methods on the Anthropic paths: its key, its error shape.
+        r = await gw.get("/v1/messages", headers={"x-api-key": "s3cret"})
+        assert (r.status_code, r.headers["allow"]) == (405, "POST")
+        assert r.json()["error"]["type"] == "api_error" and "POST /v1/messages" in r.text
+        # x-api-key is the Anthropic API's header, not the OpenAI one's.
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+        r = await gw.post("/v1/chat/completions", json=chat, headers={"x-api-key": "s3cret"})
+        assert r.status_code == 401
+        assert len(recorder.posts) == 2
+        for _, headers, _ in recorder.posts:
+            assert "x-api-key" not in headers and "authorization" not in headers
+            assert headers["anthropic-version"] == "2023-06-01"
+            assert headers["anthropic-beta"] == "a,b"
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b"{", "request body is not valid JSON"),
+        (b'{"messages": [{"role": "user", "content": "x"}]}', "'model' is required"),
+        (b'{"model": "m", "messages": []}', "'messages' is required and must be a non-empty"),
+        (
+            b'{"model": "m", "max_tokens": "lots", "messages": [{"role": "user", "content": "x"}]}',
+            "'max_tokens' must be a positive integer, got 'lots'",
+        ),
+    ],
+)
+async def test_malformed_requests_are_anthropic_shaped_400s(body: bytes, message: str) -> None:
+    async with engine() as (url, recorder), gateway(endpoint("a", url)) as (gw, _):
+        r = await gw.post("/v1/messages", content=body)
+        assert r.status_code == 400
+        error = r.json()["error"]
+        assert r.json()["type"] == "error" and error["type"] == "invalid_request_error"
+        assert message in error["message"]
+        assert re.fullmatch("[0-9a-f]{32}", r.headers[RUN])
+        assert recorder.posts == []
+        # The official client shows the message.
+        with pytest.raises(anthropic.BadRequestError, match="'messages' is required"):
+            async with client(gw, api_key="k") as claude:
+                await claude.messages.create(model=MODEL, max_tokens=5, messages=[])
+
+
+def hosted(request: Request) -> Response:
+    return Response(json.dumps({"object": "list", "data": []}), media_type="application/json")
+
+
+def openai_only() -> FastAPI:
+    """A hosted OpenAI-compatible API that has no Anthropic routes."""
+    app = FastAPI()
+    app.get("/v1/models")(hosted)
+    return app
+
+
+async def test_a_model_any_replica_of_which_lacks_the_api_is_refused_before_queueing() -> None:
+    async with (
+        engine(time_scale=50) as (url, recorder),
+        serve(openai_only()) as other,
+        gateway(endpoint("engine", url), endpoint("hosted", other, kind="openai")) as (gw, shell),
+    ):
+        body = {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}
+        r = await gw.post("/v1/messages", json=body)
+        assert r.status_code == 404
+        assert r.json()["error"]["type"] == "not_found_error"
+        assert "replicas that do not take the Anthropic Messages API (hosted:" in r.text
+        assert recorder.posts == [] and not shell.state.turns
+        unknown = await gw.post("/v1/messages", json=body | {"model": "nope"})
+        assert unknown.status_code == 404
+        assert unknown.json()["error"]["message"] == "no Generative replica serves model 'nope'"
+
+
+async def test_count_tokens_is_passed_to_a_replica_and_is_no_turn() -> None:
+    async with (
+        engine(time_scale=50) as (url, recorder),
+        serve(openai_only()) as other,
+        gateway(
+            endpoint("a", url),
+            endpoint("b", other, kind="openai", models=("other",), messages=True),
+        ) as (gw, shell),
+        client(gw, api_key="k") as claude,
+    ):
+        count = await claude.messages.count_tokens(
+            model=MODEL, messages=[{"role": "user", "content": "x" * 400}]
+        )
+        assert count.input_tokens > 100  # the engine's count, not a made-up one
+        assert [path for path, _, _ in recorder.posts] == ["/v1/messages/count_tokens"]
+        assert not shell.state.turns and not shell.state.runs
+        (_, headers, _) = recorder.posts[0]
+        assert "x-api-key" not in headers and "authorization" not in headers
+        # An engine without the route answers 404, which Claude Code reads as "not
+        # supported" (a made-up count would stop its compaction).
+        with pytest.raises(anthropic.NotFoundError):
+            await claude.messages.count_tokens(
+                model="other", messages=[{"role": "user", "content": "x"}]
+            )
+
+
+# An engine's error: Anthropic's event, llama.cpp's own event body (after its `event:`
+# line, in a chunk of its own), and a 400 before any stream.
+ANTHROPIC_ERROR = {"type": "error", "error": {"type": "overloaded_error", "message": "KV full"}}
+LLAMACPP_ERROR = {"code": 500, "message": "KV full", "type": "server_error"}
+
+
+def failing(how: str, seen: list[dict[str, str]]) -> Any:
+    async def answer(request: Request) -> Response:
+        seen.append(dict(request.headers))
+        if how == "400":
+            return Response(json.dumps(ANTHROPIC_ERROR), 400, media_type="application/json")
+
+        async def events() -> Any:
+            start = {"type": "message_start", "message": {"usage": {"input_tokens": 7}}}
+            yield f"event: message_start\ndata: {json.dumps(start)}\n\n"
+            yield "event: error\n"
+            error = ANTHROPIC_ERROR if how == "anthropic" else LLAMACPP_ERROR
+            yield f"data: {json.dumps(error)}\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return answer
+
+
+@pytest.mark.parametrize("how", ["anthropic", "llamacpp", "400"])
+async def test_an_engines_error_fails_the_turn_and_reaches_the_client(
+    how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HOSTED_KEY", "hosted-key")
+    app, seen = openai_only(), []
+    app.post("/v1/messages")(failing(how, seen))
+    async with serve(app) as url:
+        hosted = endpoint("a", url, kind="openai", messages=True, api_key_env="HOSTED_KEY")
+        async with gateway(hosted) as (gw, shell):
+            body = {"model": MODEL, "max_tokens": 5, "stream": True, "messages": []}
+            body["messages"] = [{"role": "user", "content": "x"}]
+            r = await gw.post("/v1/messages", json=body, headers={"x-api-key": "client-key"})
+            assert r.status_code == (400 if how == "400" else 200)
+            assert "KV full" in r.text  # passed through unchanged
+            # The endpoint's own key, where Anthropic-compatible hosts read it too.
+            assert (seen[0]["x-api-key"], seen[0]["authorization"]) == (
+                "hosted-key",
+                "Bearer hosted-key",
+            )
+            text = (await gw.get("/metrics")).text
+            assert 'luftpause_engine_turns_total{outcome="failed",replica="a"} 1.0' in text
+            await until(lambda: not shell.state.turns, "the slot is freed")
+            # A 400 is about the request, not the engine failing (toward ejecting it).
+            assert shell.state.replicas["a"].failures == (0 if how == "400" else 1)
+
+
+def test_the_watch_reads_a_stream_cut_anywhere_and_not_the_models_text() -> None:
+    look_alike = '{"type": "tool_use", "id": "toolu_9", "usage": {"input_tokens": 99}}'
+    events = [
+        {"type": "message_start", "message": {"usage": {"input_tokens": 10, "output_tokens": 0}}},
+        {"type": "content_block_start", "index": 0, "content_block": {"type": "text"}},
+        # Text that looks like a tool use or usage is the model's words, not the answer's.
+        {"type": "content_block_delta", "index": 0, "delta": {"text": look_alike}},
+        {
+            "type": "content_block_start",
+            "index": 1,
+            "content_block": {"type": "tool_use", "id": "toolu_1", "name": "x", "input": {}},
+        },
+        {
+            "type": "message_delta",
+            "delta": {"stop_reason": "tool_use"},
+            "usage": {"output_tokens": 12, "cache_read_input_tokens": 30},
+        },
+        {"type": "message_stop"},
+    ]
+    stream = "".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in events).encode()
+    for cut in range(0, len(stream), 7):
+        watch = MessagesWatch(sse=True)
+        watch.feed(stream[:cut])
+        watch.feed(stream[cut:])
+        watch.close()
+        assert (watch.finish_reason, watch.tool_call_ids) == ("tool_calls", ["toolu_1"])
+        assert (watch.prompt_tokens, watch.cached_tokens, watch.completion_tokens) == (40, 30, 12)
+        assert watch.error is None
+    for error in (ANTHROPIC_ERROR, LLAMACPP_ERROR):
+        failed = f"event: error\ndata: {json.dumps(error)}\n\n".encode()
+        for cut in range(0, len(failed), 5):
+            watch = MessagesWatch(sse=True)
+            watch.feed(stream[: stream.index(b"\n\n") + 2])  # message_start
+            watch.feed(failed[:cut])
+            watch.feed(failed[cut:])
+            assert watch.error == "KV full"
+    whole = MessagesWatch(sse=False, input_counts_cached=True)
+    whole.feed(json.dumps({"type": "message", "stop_reason": "max_tokens", "content": []}).encode())
+    whole.feed(b'\n{"usage": {"input_tokens": 50, "cache_read_input_tokens": 30}}')
+    whole.close()  # not one JSON value: nothing read, nothing raised
+    assert whole.finish_reason is None
+    body = {  # (some engines leave out the body's "type")
+        "stop_reason": "end_turn",
+        "content": [{"type": "tool_use", "id": "toolu_2"}],
+        "usage": {"input_tokens": 50, "output_tokens": 2, "cache_read_input_tokens": 30},
+    }
+    whole = MessagesWatch(sse=False, input_counts_cached=True)
+    whole.feed(json.dumps(body).encode())
+    whole.close()
+    assert (whole.finish_reason, whole.prompt_tokens, whole.cached_tokens) == ("stop", 50, 30)
+    assert whole.tool_call_ids == ["toolu_2"]
