@@ -51,6 +51,7 @@ __all__ = [
     "RUN_HEADER",
     "Api",
     "MessagesWatch",
+    "ResponsesWatch",
     "StreamWatch",
     "TurnRequest",
     "TurnResponse",
@@ -411,6 +412,58 @@ class MessagesWatch(StreamWatch):
             self.prompt_tokens = self._input + self._cache_read + self._cache_write
 
 
+# The events of an OpenAI Responses stream that end it, with the whole response.
+_RESPONSE_ENDS = frozenset({"response.completed", "response.incomplete", "response.failed"})
+
+
+class ResponsesWatch(StreamWatch):
+    """The watch of an OpenAI Responses answer (`/v1/responses`, Codex's API): reads the
+    final response (`response.completed`, `.incomplete` or `.failed`, or a JSON body):
+    its usage (`input_tokens` count the cached ones, as in Chat Completions), the
+    `call_id`s of its `function_call` items (a run that made calls is paused on them),
+    and `error` events."""
+
+    _KEYS = (b"response.completed", b"response.incomplete", b"response.failed", b'"error"')
+
+    def _inspect(self, obj: object) -> None:
+        if not isinstance(obj, dict):
+            return
+        kind = obj.get("type")
+        if kind == "error":
+            if self._sse and self.error is None:
+                self.error = str(obj.get("message") or obj.get("code") or "error")[:200]
+            return
+        response = obj.get("response") if kind in _RESPONSE_ENDS else None
+        if not self._sse and obj.get("object") == "response":
+            response = obj  # a JSON body
+        if not isinstance(response, dict):
+            return
+        status = response.get("status")
+        if status == "failed" and self._sse and self.error is None:
+            error = response.get("error")
+            message = error.get("message") if isinstance(error, dict) else None
+            self.error = str(message or "the response failed")[:200]
+        usage = response.get("usage")
+        if isinstance(usage, dict):
+            self.prompt_tokens = _int(usage.get("input_tokens"), self.prompt_tokens)
+            self.completion_tokens = _int(usage.get("output_tokens"), self.completion_tokens)
+            details = usage.get("input_tokens_details")
+            if isinstance(details, dict):
+                self.cached_tokens = _int(details.get("cached_tokens"), self.cached_tokens)
+        output = response.get("output")
+        for item in output if isinstance(output, list) else ():
+            if isinstance(item, dict) and item.get("type") == "function_call":
+                call_id = item.get("call_id")
+                if isinstance(call_id, str) and call_id not in self.tool_call_ids:
+                    self.tool_call_ids.append(call_id)
+        if self.tool_call_ids:
+            self.finish_reason = "tool_calls"
+        elif status == "incomplete":
+            self.finish_reason = "length"
+        elif status == "completed":
+            self.finish_reason = "stop"
+
+
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
 
 
@@ -462,8 +515,9 @@ def _int(value: object, default: int) -> int:
 # --------------------------------------------------------------------------- a turn
 
 
-# The API a turn speaks: OpenAI Chat Completions, or Anthropic Messages (Claude Code).
-Api = Literal["chat", "messages"]
+# The API a turn speaks: OpenAI Chat Completions, Anthropic Messages (Claude Code's), or
+# OpenAI Responses (Codex's).
+Api = Literal["chat", "messages", "responses"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -650,7 +704,7 @@ class TurnResponse(Response):
             ("user-agent", _USER_AGENT),
             *auth_headers(endpoint, anthropic=t.api == "messages").items(),
         ]
-        passed = _PASSED_ON if t.api == "chat" else _PASSED_ON_MESSAGES
+        passed = _PASSED_ON_MESSAGES if t.api == "messages" else _PASSED_ON
         for name, value in scope["headers"]:
             # The client's request id goes on, so engine logs can be matched with it
             # (vLLM takes X-Request-Id as its own with --enable-request-id-headers); so
@@ -660,7 +714,10 @@ class TurnResponse(Response):
         if self._trace is not None:
             headers += self._trace.forwarding(replica, endpoint)
         leave = _CancelOnLeave(disconnected, lambda: self._complete)
-        url = endpoint.chat_url if t.api == "chat" else endpoint.messages_url
+        if t.api == "chat":
+            url = endpoint.chat_url
+        else:
+            url = endpoint.messages_url if t.api == "messages" else endpoint.responses_url
         body = t.body
         if t.usage_body is not None and endpoint.kind in USAGE_ASKED_OF:
             body = t.usage_body
@@ -707,11 +764,13 @@ class TurnResponse(Response):
         media = answer.header(b"content-type") or b""
         encoded = (answer.header(b"content-encoding") or b"identity").lower() != b"identity"
         sse = media.startswith(b"text/event-stream")
-        watch = (
-            StreamWatch(sse=sse, tools=t.tools)
-            if t.api == "chat"
-            else MessagesWatch(sse=sse, input_counts_cached=replica in self._counts_cached)
-        )
+        watch: StreamWatch
+        if t.api == "chat":
+            watch = StreamWatch(sse=sse, tools=t.tools)
+        elif t.api == "messages":
+            watch = MessagesWatch(sse=sse, input_counts_cached=replica in self._counts_cached)
+        else:
+            watch = ResponsesWatch(sse=sse)
         hide = _AddedUsage() if hide_usage and sse and not encoded else None
         headers = [(k, v) for k, v in answer.headers if k not in _DROP_UPSTREAM]
         headers.append((_RUN_HEADER_BYTES, t.run_id.encode("latin-1")))

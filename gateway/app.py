@@ -2,9 +2,9 @@
 upstream HTTP client, the admission shell (the scheduler core in this process), the
 prober and the tick task.  Routes are thin: parse, ask the core, stream.
 
-Built so far: `POST /v1/chat/completions` and `POST /v1/messages` (Anthropic Messages,
-for Claude Code; admission and pass-through proxy; `/v1/messages/count_tokens` is
-passed to a replica as it is),
+Built so far: the turns of three APIs, admitted and passed through: `POST
+/v1/chat/completions`, `POST /v1/responses` (Codex's) and `POST /v1/messages` (Anthropic
+Messages, Claude Code's; `/v1/messages/count_tokens` is passed to a replica as it is),
 `POST /v1/decide` (gateway/decide.py),
 `DELETE /v1/runs/{run_id}`, `GET /v1/models`, `GET /health`, `GET /status` and its
 page `GET /`, `GET /metrics`, bearer-token auth on `/v1/*`, `/status` and `/`.
@@ -63,6 +63,7 @@ log = logging.getLogger(__name__)
 CHAT_PATH = "/v1/chat/completions"
 MESSAGES_PATH = "/v1/messages"
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
+RESPONSES_PATH = "/v1/responses"
 MCP_PATH = "/mcp"
 # The status page and /status show this many recent sub-agent runs of this gateway's
 # task queue, read from Temporal within this time (the page still answers without them).
@@ -151,7 +152,8 @@ class _Gateway(FastAPI):
 
 
 _SERVED = (
-    f"POST {CHAT_PATH}, POST {MESSAGES_PATH} (Anthropic), POST {COUNT_TOKENS_PATH}, "
+    f"POST {CHAT_PATH}, POST {RESPONSES_PATH}, POST {MESSAGES_PATH} (Anthropic), "
+    f"POST {COUNT_TOKENS_PATH}, "
     "GET /v1/models, POST /v1/decide, DELETE /v1/runs/{run id}"
 )
 
@@ -289,14 +291,15 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         response.headers.update(exc.headers or {})
         return response
 
-    # Models whose every generative replica takes Anthropic Messages turns (a turn may
-    # be placed on any of its model's replicas), and for the others, the ones that don't.
-    no_messages: dict[str, list[str]] = {}
+    # Per API other than Chat Completions, per model: its replicas that do not serve it
+    # (a turn may be placed on any replica of its model, so such a model is refused).
+    lacking: dict[str, dict[str, list[str]]] = {"messages": {}, "responses": {}}
     for e in endpoints.values():
         for m in e.models:
-            no_messages.setdefault(m, [])
-            if not e.serves_messages:
-                no_messages[m].append(e.name)
+            for api, served in (("messages", e.serves_messages), ("responses", e.serves_responses)):
+                lacking[api].setdefault(m, [])
+                if not served:
+                    lacking[api][m].append(e.name)
     # Replicas whose Anthropic usage counts cached tokens in `input_tokens`: SGLang, or a
     # router in front of SGLang engines only (the others' are net of the cache).
     by_name = {e.name: e for e in config.endpoints}
@@ -308,7 +311,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     )
 
     async def take_turn(request: Request, api: Api) -> Response:
-        """A turn of either API: identify its run, parse it, hold it, forward it."""
+        """A turn of any API: identify its run, parse it, hold it, forward it."""
         rt = running()
         anthropic = api == "messages"
         header_run = request.headers.get(RUN_HEADER, "").strip()
@@ -325,10 +328,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             return _too_large(config.max_request_bytes, fallback_run, anthropic=anthropic)
         try:
             body = _parse_body(raw)
-            if anthropic:
-                model, messages = _parse_messages(body, no_messages)
-            else:
+            if api == "chat":
                 model, messages = _parse_chat(body)
+            elif anthropic:
+                model, messages = _parse_messages(body, lacking["messages"])
+            else:
+                model, messages = _parse_responses(body, lacking["responses"])
             service_class = _parse_class(request.headers.get(CLASS_HEADER))
         except _BadRequest as exc:
             return error_response(exc.status, exc.message, fallback_run, anthropic=anthropic)
@@ -336,7 +341,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         caller = _caller(request)
         run_id: str | None = header_run
         if not run_id:
-            echoed = _echoed_tool_uses(messages) if anthropic else _echoed_tool_calls(messages)
+            echoed = _ECHOED[api](messages)
             run_id = rt.shell.run_for_tool_calls(caller, echoed, now)
         turn = TurnRequest(
             turn_id=_new_id(),
@@ -345,14 +350,14 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             caller=caller,
             model=model,
             body=raw,
-            usage_body=None if anthropic else _with_stream_usage(raw, body),
+            usage_body=_with_stream_usage(raw, body) if api == "chat" else None,
             content_type=request.headers.get("content-type", "application/json"),
             accept=request.headers.get("accept"),
             prompt_tokens=len(raw) // 4,
             max_tokens=_max_tokens(body),
-            # Calls written as text are recovered on the OpenAI API only (engines that
-            # serve /v1/messages parse tool calls themselves).
-            tools=frozenset() if anthropic else _tool_names(body),
+            # Calls written as text are recovered on Chat Completions only (engines that
+            # serve the newer APIs parse tool calls themselves).
+            tools=_tool_names(body) if api == "chat" else frozenset(),
             api=api,
         )
         return TurnResponse(
@@ -373,7 +378,15 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def messages_turn(request: Request) -> Response:
         return await take_turn(request, "messages")
 
-    app.hot_paths = {CHAT_PATH: chat_completions, MESSAGES_PATH: messages_turn}
+    @app.post(RESPONSES_PATH)
+    async def responses_turn(request: Request) -> Response:
+        return await take_turn(request, "responses")
+
+    app.hot_paths = {
+        CHAT_PATH: chat_completions,
+        MESSAGES_PATH: messages_turn,
+        RESPONSES_PATH: responses_turn,
+    }
 
     @app.post(COUNT_TOKENS_PATH)
     async def count_tokens(request: Request) -> Response:
@@ -388,7 +401,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         if raw is None:
             return _too_large(config.max_request_bytes, run_id, anthropic=True)
         try:
-            model, _ = _parse_messages(_parse_body(raw), no_messages, count=True)
+            model, _ = _parse_messages(_parse_body(raw), lacking["messages"], count=True)
         except _BadRequest as exc:
             return error_response(exc.status, exc.message, run_id, anthropic=True)
         serving = [e for e in endpoints.values() if model in e.models]
@@ -669,6 +682,7 @@ _ALLOWED = {
     CHAT_PATH: "POST",
     MESSAGES_PATH: "POST",
     COUNT_TOKENS_PATH: "POST",
+    RESPONSES_PATH: "POST",
     "/v1/decide": "POST",
     "/v1/models": "GET",
 }
@@ -745,7 +759,7 @@ def _parse_chat(body: dict[str, Any]) -> tuple[str, list[Any]]:
 
 
 def _parse_messages(
-    body: dict[str, Any], no_messages: dict[str, list[str]], *, count: bool = False
+    body: dict[str, Any], lacking: dict[str, list[str]], *, count: bool = False
 ) -> tuple[str, list[Any]]:
     """An Anthropic Messages request's model and messages.  A model some of whose
     replicas do not serve the API is refused: the turn could be placed on one."""
@@ -764,15 +778,32 @@ def _parse_messages(
         )
     ):
         raise _BadRequest(f"'max_tokens' must be a positive integer, got {max_tokens!r}")
-    without = no_messages.get(model)
+    _check_served(model, lacking, "Anthropic Messages", "messages")
+    return model, messages
+
+
+def _parse_responses(body: dict[str, Any], lacking: dict[str, list[str]]) -> tuple[str, list[Any]]:
+    """An OpenAI Responses request's model and input items (a string input is one
+    user message, and echoes nothing)."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _BadRequest("'model' is required and must be a non-empty string")
+    given = body.get("input")
+    if not (isinstance(given, str) and given) and not (isinstance(given, list) and given):
+        raise _BadRequest("'input' is required: a non-empty string or list of items")
+    _check_served(model, lacking, "OpenAI Responses", "responses")
+    return model, given if isinstance(given, list) else []
+
+
+def _check_served(model: str, lacking: dict[str, list[str]], name: str, key: str) -> None:
+    without = lacking.get(model)
     if without:
         raise _BadRequest(
-            f"model '{model}' is served by replicas that do not take the Anthropic Messages "
-            f"API ({', '.join(without)}: messages = false, or a kind that does not serve "
-            f"it); use {CHAT_PATH}, or set messages = true where they do",
+            f"model '{model}' is served by replicas that do not take the {name} API "
+            f"({', '.join(without)}: {key} = false, or a kind that does not serve it); "
+            f"use {CHAT_PATH}, or set {key} = true where they do",
             status=404,
         )
-    return model, messages
 
 
 def _echoed_tool_uses(messages: list[Any]) -> list[str]:
@@ -853,7 +884,7 @@ def _with_stream_usage(raw: bytes, body: dict[str, Any]) -> bytes | None:
 
 
 def _max_tokens(body: dict[str, Any]) -> int:
-    for key in ("max_completion_tokens", "max_tokens"):
+    for key in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
         value = body.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
@@ -868,3 +899,22 @@ def _echoed_tool_calls(messages: list[Any]) -> list[str]:
         and m.get("role") == "tool"
         and isinstance(m.get("tool_call_id"), str)
     ]
+
+
+def _echoed_function_calls(items: list[Any]) -> list[str]:
+    """The call ids a Responses request's `function_call_output` items echo."""
+    return [
+        item["call_id"]
+        for item in items
+        if isinstance(item, dict)
+        and item.get("type") == "function_call_output"
+        and isinstance(item.get("call_id"), str)
+    ]
+
+
+# Per API: the tool call ids a request echoes back from an earlier answer.
+_ECHOED: dict[str, Callable[[list[Any]], list[str]]] = {
+    "chat": _echoed_tool_calls,
+    "messages": _echoed_tool_uses,
+    "responses": _echoed_function_calls,
+}

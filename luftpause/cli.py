@@ -232,9 +232,9 @@ def _gateway_parser(sub: Any) -> None:
         help="serve the gateway: the OpenAI-compatible proxy that admits turns",
         description=(
             "Serve the luftpause gateway (one process per pool of engines): "
-            "/v1/chat/completions and /v1/messages (Anthropic) admitted by the scheduler "
-            "and proxied to the engines "
-            "of the configuration file. Its `token` (or LUFTPAUSE_TOKEN, which overrides it), "
+            "/v1/chat/completions, /v1/responses and /v1/messages (Anthropic) admitted by "
+            "the scheduler and proxied to the engines of the configuration file. Its "
+            "`token` (or LUFTPAUSE_TOKEN, which overrides it), "
             "when set, is the bearer token /v1/*, /mcp and /status require."
         ),
     )

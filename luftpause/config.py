@@ -23,6 +23,7 @@ kv_tokens = 56000        # optional: KV pool size (SGLang and vLLM report theirs
 labels = []              # for kind = "classifier": class names, in /classify's order
 messages = true          # serves the Anthropic Messages API (/v1/messages): default true
                          # for sglang, vllm, llamacpp and ollama, false otherwise
+responses = true         # serves the OpenAI Responses API (/v1/responses): the same defaults
 
 [[mcp_servers]]          # tools for sub-agents: streamable HTTP ...
 name = "search"
@@ -87,6 +88,10 @@ KV_REPORTED_BY: tuple[str, ...] = ("sglang", "vllm")
 # it, sglang-router 0.3.2 does not) and hosted OpenAI-compatible APIs mostly do not:
 # those take `messages = true` where they do.
 MESSAGES_SERVED_BY: tuple[str, ...] = ("sglang", "vllm", "llamacpp", "ollama")
+# ... and the OpenAI Responses API (`POST /v1/responses`, Codex's), unless the file says
+# `responses = false`: vLLM, SGLang, llama.cpp's server (since 2026-01, stateless:
+# no previous_response_id) and Ollama >= 0.13.3 (stateless).
+RESPONSES_SERVED_BY: tuple[str, ...] = ("sglang", "vllm", "llamacpp", "ollama")
 
 # Where each kind answers a health check when the file does not say.
 DEFAULT_HEALTH_PATH: Mapping[str, str] = {
@@ -132,6 +137,8 @@ class Endpoint(BaseModel):
     labels: list[Annotated[str, Field(min_length=1)]] = []
     # Whether it serves the Anthropic Messages API; None: by kind (MESSAGES_SERVED_BY).
     messages: bool | None = None
+    # Whether it serves the OpenAI Responses API; None: by kind (RESPONSES_SERVED_BY).
+    responses: bool | None = None
 
     @field_validator("url")
     @classmethod
@@ -179,8 +186,9 @@ class Endpoint(BaseModel):
             raise ValueError("load_from is only for kind = 'router'")
         if self.labels and self.kind != "classifier":
             raise ValueError("labels is only for kind = 'classifier'")
-        if self.messages and self.kind == "classifier":
-            raise ValueError("messages is not for kind = 'classifier' (it takes no turns)")
+        for api in ("messages", "responses"):
+            if getattr(self, api) and self.kind == "classifier":
+                raise ValueError(f"{api} is not for kind = 'classifier' (it takes no turns)")
         if self.api_path != "/v1" and self.kind != "openai":
             # Engines and routers serve /v1; one behind a path prefix takes it in url.
             raise ValueError(
@@ -209,6 +217,18 @@ class Endpoint(BaseModel):
         if self.messages is not None:
             return self.messages
         return self.kind in MESSAGES_SERVED_BY
+
+    @property
+    def serves_responses(self) -> bool:
+        """Takes OpenAI Responses turns (`POST /v1/responses`)."""
+        if self.responses is not None:
+            return self.responses
+        return self.kind in RESPONSES_SERVED_BY
+
+    @property
+    def responses_url(self) -> str:
+        """Where its Responses turns go."""
+        return f"{self.url}{self.api_path}/responses"
 
     @property
     def messages_url(self) -> str:

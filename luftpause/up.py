@@ -334,7 +334,8 @@ def _banner(where: dict[str, str], token: str | None) -> str:
     return "\n".join(
         [
             "luftpause is up.",
-            f"  gateway       {gw}   (/v1/chat/completions, /v1/messages, /mcp, /status, /metrics)",
+            f"  gateway       {gw}   (/v1/chat/completions, /v1/responses, /v1/messages, "
+            "/mcp, /status, /metrics)",
             f"  status page   {gw}/",
             f"  Temporal UI   {where['ui']}   (run trees, histories)",
             f"  Temporal      {where['temporal']}",

@@ -348,6 +348,70 @@ def _from_anthropic(body: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _from_responses(body: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI Responses request as the chat request the engine runs, as vLLM and
+    llama.cpp convert it: `instructions` first, `function_call` items as an assistant's
+    tool_calls, `function_call_output` items as `tool` messages (stateless: no
+    previous_response_id)."""
+    if body.get("previous_response_id") is not None:
+        raise _HTTPError(400, "previous_response_id is not supported (the engine keeps no state)")
+    messages: list[dict[str, Any]] = []
+    if isinstance(body.get("instructions"), str) and body["instructions"]:
+        messages.append({"role": "system", "content": body["instructions"]})
+    given = body.get("input")
+    if isinstance(given, str):
+        given = [{"role": "user", "content": given}]
+    if not isinstance(given, list) or not given:
+        raise _HTTPError(400, "input: a non-empty string or list of items is required")
+    for i, item in enumerate(given):
+        if not isinstance(item, dict):
+            raise _HTTPError(400, f"input[{i}]: expected an object")
+        kind = item.get("type", "message")
+        if kind == "message":
+            texts = _anthropic_text(item.get("content"))  # a string, or parts with "text"
+            messages.append({"role": item.get("role", "user"), "content": texts})
+        elif kind == "function_call":
+            call = {
+                "id": item.get("call_id"),
+                "type": "function",
+                "function": {"name": item.get("name"), "arguments": item.get("arguments", "")},
+            }
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                last["tool_calls"].append(call)  # parallel calls: one assistant message
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": item.get("call_id"),
+                    "content": output if isinstance(output, str) else json.dumps(output),
+                }
+            )
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise _HTTPError(400, "tools: Input should be a list")
+    chat: dict[str, Any] = {
+        **{k: body[k] for k in ("model", "fake_max_tool_calls") if k in body},
+        "stream": body.get("stream") is True,
+        "messages": messages,
+        "parallel_tool_calls": body.get("parallel_tool_calls") is True,
+        "tools": [
+            {
+                "type": "function",
+                "function": {"name": t.get("name"), "parameters": t.get("parameters", {})},
+            }
+            for t in tools or ()
+            if isinstance(t, dict) and t.get("type") == "function"
+        ],
+    }
+    if "max_output_tokens" in body:
+        chat["max_tokens"] = body["max_output_tokens"]
+    return chat
+
+
 # --------------------------------------------------------------------------- responses
 
 
@@ -547,6 +611,134 @@ class _AnthropicEvents:
         return json.dumps(message).encode()
 
 
+class _ResponseEvents:
+    """The events of one OpenAI Responses stream, with the same steps as `_Chunks`:
+    `response.created`, the output items as they are generated, then
+    `response.completed` (or `.incomplete` when max_output_tokens cut it) carrying the
+    whole response with its usage."""
+
+    def __init__(self, rid: str, chat: _Chat, reply: Reply) -> None:
+        self._rid, self._chat, self._reply = rid, chat, reply
+        self._seq = itertools.count()
+        self._msg = "msg_" + rid[5:]
+
+    def _event(self, kind: str, payload: dict[str, Any]) -> str:
+        data = {"type": kind, "sequence_number": next(self._seq), **payload}
+        return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
+
+    def _calls(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "id": "fc_" + c["id"],
+                "type": "function_call",
+                "status": "completed",
+                "call_id": c["id"],
+                "name": c["function"]["name"],
+                "arguments": c["function"]["arguments"],
+            }
+            for c in self._reply.tool_calls
+        ]
+
+    def response(self, usage: dict[str, Any] | None) -> dict[str, Any]:
+        """The response object; with `usage` the finished one."""
+        cut = self._reply.finish_reason == "length"
+        body: dict[str, Any] = {
+            "id": self._rid,
+            "object": "response",
+            "created_at": int(time.time()),
+            "model": self._chat.model,
+            "status": "in_progress",
+            "output": [],
+            "error": None,
+            "incomplete_details": None,
+            "usage": None,
+        }
+        if usage is None:
+            return body
+        output = self._calls() or [self._message(self._reply.content or "")]
+        body |= {
+            "status": "incomplete" if cut else "completed",
+            "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+            "output": output,
+            "usage": {
+                "input_tokens": usage["prompt_tokens"],
+                "input_tokens_details": usage["prompt_tokens_details"],
+                "output_tokens": usage["completion_tokens"],
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": usage["total_tokens"],
+            },
+        }
+        return body
+
+    def _message(self, text: str) -> dict[str, Any]:
+        part = {"type": "output_text", "text": text, "annotations": []}
+        return {
+            "id": self._msg,
+            "type": "message",
+            "status": "completed",
+            "role": "assistant",
+            "content": [part],
+        }
+
+    def role(self, cached: int = 0) -> str:
+        head = self._event("response.created", {"response": self.response(None)})
+        if self._reply.tool_calls:
+            return head
+        item = self._message("") | {"status": "in_progress", "content": []}
+        head += self._event("response.output_item.added", {"output_index": 0, "item": item})
+        part = {"type": "output_text", "text": "", "annotations": []}
+        where = {"item_id": self._msg, "output_index": 0, "content_index": 0}
+        return head + self._event("response.content_part.added", where | {"part": part})
+
+    def content(self, start: int, stop: int) -> str:
+        where = {"item_id": self._msg, "output_index": 0, "content_index": 0}
+        return "".join(
+            self._event(
+                "response.output_text.delta",
+                where
+                | {"delta": "".join(self._reply.tokens[a : min(a + _TOKENS_PER_CHUNK, stop)])},
+            )
+            for a in range(start, stop, _TOKENS_PER_CHUNK)
+        )
+
+    def tool_calls(self, part: int) -> str:
+        """Part 0: each call's item; part 1: its arguments, and the item done."""
+        events = []
+        for i, call in enumerate(self._calls()):
+            if part == 0:
+                item = call | {"status": "in_progress", "arguments": ""}
+                events.append(
+                    self._event("response.output_item.added", {"output_index": i, "item": item})
+                )
+                continue
+            where = {"item_id": call["id"], "output_index": i}
+            args = call["arguments"]
+            events.append(
+                self._event("response.function_call_arguments.delta", where | {"delta": args})
+            )
+            events.append(
+                self._event("response.function_call_arguments.done", where | {"arguments": args})
+            )
+            events.append(
+                self._event("response.output_item.done", {"output_index": i, "item": call})
+            )
+        return "".join(events)
+
+    def end(self, usage: dict[str, Any]) -> str:
+        final = self.response(usage)
+        tail = ""
+        if not self._reply.tool_calls:
+            where = {"item_id": self._msg, "output_index": 0, "content_index": 0}
+            text = self._reply.content or ""
+            tail += self._event("response.output_text.done", where | {"text": text})
+            part = final["output"][0]["content"][0]
+            tail += self._event("response.content_part.done", where | {"part": part})
+            item = final["output"][0]
+            tail += self._event("response.output_item.done", {"output_index": 0, "item": item})
+        kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+        return tail + self._event(kind, {"response": final})
+
+
 def _anthropic_error(status: int, message: str) -> Response:
     kind = "not_found_error" if status == 404 else "invalid_request_error"
     body = {"type": "error", "error": {"type": kind, "message": message}}
@@ -731,7 +923,11 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
         return True
 
     async def stream(
-        d: _Driver, pending: _Pending, rid: str, chunks: _Chunks | _AnthropicEvents, reply: Reply
+        d: _Driver,
+        pending: _Pending,
+        rid: str,
+        chunks: _Chunks | _AnthropicEvents | _ResponseEvents,
+        reply: Reply,
     ) -> AsyncIterator[str]:
         # Starlette cancels this generator when the client leaves: `finally` cancels the
         # request in the engine.
@@ -834,6 +1030,48 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
             driver.cancel(rid)
         usage = _usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens)
         return Response(events.body(usage), media_type=_JSON)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        """The OpenAI Responses API, stateless (`store` is ignored), as vLLM, SGLang,
+        llama.cpp and Ollama serve it beside Chat Completions."""
+        try:
+            body = _parse_json(await request.body())
+            chat = _parse_chat(_from_responses(body), s.models, s.max_tool_calls)
+            text, _, reply = plan(chat)
+            rid = f"resp_{next(ids):024x}"
+            if driver is None:  # instant: no engine, nothing cached
+                prompt = max(1, -(-len(text) // CHARS_PER_TOKEN))
+                events = _ResponseEvents(rid, chat, reply)
+                usage = _usage(prompt, reply.n_tokens, 0)
+                if not chat.stream:
+                    return _json(events.response(usage))
+                steps = events.role() + events.tool_calls(0) + events.tool_calls(1)
+                if not reply.tool_calls:
+                    steps = events.role() + events.content(0, len(reply.tokens))
+                return Response(steps + events.end(usage), media_type=_SSE)
+            if not driver.running:
+                return _error(503, "the engine is not running")
+            ereq = engine_request(chat, text, reply, rid)
+        except _HTTPError as exc:
+            return _error(exc.status, exc.message)
+        if ereq.output_tokens < reply.n_tokens and not reply.tool_calls:
+            reply = Reply(
+                reply.tokens[: ereq.output_tokens], ereq.output_tokens, "length", (), reply.labels
+            )
+        pending = driver.submit(ereq)
+        events = _ResponseEvents(rid, chat, reply)
+        if chat.stream:
+            return StreamingResponse(stream(driver, pending, rid, events, reply), media_type=_SSE)
+        try:
+            if not await client_stayed(request, pending.done):
+                return Response(status_code=499)
+            done = pending.done.result()
+        finally:
+            driver.cancel(rid)
+        return _json(
+            events.response(_usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens))
+        )
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:

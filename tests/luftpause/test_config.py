@@ -88,7 +88,7 @@ def test_a_hosted_api_whose_openai_path_is_not_v1(tmp_path: Path) -> None:
     assert gemini.health == "/v1beta/openai/models"
 
 
-def test_messages_default_by_kind_and_the_file_decides() -> None:
+def test_the_newer_apis_default_by_kind_and_the_file_decides() -> None:
     def one(kind: str, **kw: object) -> bool:
         e = {"name": "e", "url": "http://h:1", "kind": kind, "models": ["m"], **kw}
         return parse_config({"endpoints": [e]}).endpoints[0].serves_messages
@@ -96,6 +96,16 @@ def test_messages_default_by_kind_and_the_file_decides() -> None:
     assert all(one(k) for k in ("sglang", "vllm", "llamacpp", "ollama"))
     assert not one("router") and not one("openai")
     assert one("router", messages=True) and not one("vllm", messages=False)
+
+    def responses(kind: str, **kw: object) -> bool:
+        e = {"name": "e", "url": "http://h:1", "kind": kind, "models": ["m"], **kw}
+        endpoint = parse_config({"endpoints": [e]}).endpoints[0]
+        assert endpoint.responses_url == "http://h:1/v1/responses"
+        return endpoint.serves_responses
+
+    assert all(responses(k) for k in ("sglang", "vllm", "llamacpp", "ollama"))
+    assert not responses("router") and not responses("openai")
+    assert responses("openai", responses=True) and not responses("sglang", responses=False)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,224 @@
+"""The OpenAI Responses door (`/v1/responses`, Codex's API) end to end over real loopback
+HTTP: the official `openai` SDK in front of the gateway, fake engines behind it."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import openai
+import pytest
+from fastapi import FastAPI
+from fastapi.responses import Response
+from harness import MODEL, RUN, endpoint, engine, gateway
+from openai.types.responses import Response as OpenAIResponse
+
+from gateway._proxy import ResponsesWatch
+from gateway._shell import AdmissionShell
+from scheduler import RunPhase
+from testkit._fake_text import key
+from testkit.loopback import serve
+
+TOOLS: list[Any] = [
+    {
+        "type": "function",
+        "name": "lookup",
+        "description": "Look something up.",
+        "parameters": {
+            "type": "object",
+            "properties": {"query": {"type": "string"}},
+            "required": ["query"],
+        },
+    }
+]
+EXTRA = {"fake_max_tool_calls": 3}
+
+
+def tool_task(calls: int) -> str:
+    """A first user message for which the fake engine makes at least `calls` tool calls."""
+    return next(f"task {i}" for i in range(1000) if key(0, "tool-calls", f"task {i}") % 4 >= calls)
+
+
+def only_run(shell: AdmissionShell) -> Any:
+    (run,) = shell.state.runs.values()
+    return run
+
+
+async def answer(
+    codex: openai.AsyncOpenAI, items: list[Any], *, stream: bool
+) -> tuple[OpenAIResponse, str | None]:
+    """One turn as Codex makes it (store false, the whole input every time); the answer
+    and, unstreamed, the run id it was given."""
+    if stream:
+        async with codex.responses.stream(
+            model=MODEL, input=items, tools=TOOLS, store=False, extra_body=EXTRA
+        ) as s:
+            async for _ in s:
+                pass
+            return await s.get_final_response(), None
+    raw = await codex.responses.with_raw_response.create(
+        model=MODEL, input=items, tools=TOOLS, store=False, extra_body=EXTRA
+    )
+    return raw.parse(), raw.headers[RUN]
+
+
+async def test_a_codex_tool_loop_is_one_run_with_its_usage_read() -> None:
+    async with (
+        engine(time_scale=50) as (url, recorder),
+        gateway(endpoint("a", url)) as (gw, shell),
+        openai.AsyncOpenAI(base_url=f"{gw.base_url}/v1", api_key="k", max_retries=0) as codex,
+    ):
+        items: list[Any] = [{"role": "user", "content": tool_task(2)}]
+        answers, ids = [], set()
+        for n in range(10):
+            response, run_id = await answer(codex, items, stream=n % 2 == 1)
+            answers.append(response)
+            ids.add(run_id or only_run(shell).run_id)
+            calls = [o for o in response.output if o.type == "function_call"]
+            if not calls:
+                assert only_run(shell).phase is RunPhase.IDLE
+                break
+            # The function calls reached the core: the run waits on them, not idle.
+            assert only_run(shell).phase is RunPhase.PAUSED
+            for call in calls:
+                items.append(call.model_dump(include={"type", "call_id", "name", "arguments"}))
+                items.append(
+                    {"type": "function_call_output", "call_id": call.call_id, "output": "x"}
+                )
+        # Joined by the call ids its function_call_output items echo.
+        assert len(answers) >= 3 and len(ids) == 1 and len(shell.state.runs) == 1
+        assert {path for path, _, _ in recorder.posts} == {"/v1/responses"}
+        text = (await gw.get("/metrics")).text
+        usages = [r.usage for r in answers if r.usage is not None]
+        assert len(usages) == len(answers)
+        cached = sum(u.input_tokens_details.cached_tokens for u in usages)
+        assert metric(text, "luftpause_prompt_tokens_total") == sum(u.input_tokens for u in usages)
+        assert metric(text, "luftpause_cached_tokens_total") == cached > 0
+        assert metric(text, "luftpause_completion_tokens_total") == sum(
+            u.output_tokens for u in usages
+        )
+
+
+def metric(text: str, name: str) -> float:
+    return sum(float(m) for m in re.findall(rf"^{name}\{{[^}}]*\}} (\S+)$", text, re.M))
+
+
+def no_responses() -> FastAPI:
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return Response(json.dumps({"object": "list", "data": []}), media_type="application/json")
+
+    return app
+
+
+async def test_bad_input_and_a_model_lacking_the_api_are_refused_before_queueing() -> None:
+    async with (
+        engine(time_scale=50) as (url, recorder),
+        serve(no_responses()) as other,
+        gateway(endpoint("engine", url), endpoint("hosted", other, kind="openai")) as (gw, shell),
+    ):
+        for body, status, message in (
+            ({"model": MODEL}, 400, "'input' is required: a non-empty string or list"),
+            ({"model": MODEL, "input": []}, 400, "'input' is required"),
+            ({"input": "hi"}, 400, "'model' is required"),
+            (
+                {"model": MODEL, "input": "hi"},
+                404,
+                "do not take the OpenAI Responses API (hosted: responses = false",
+            ),
+        ):
+            r = await gw.post("/v1/responses", json=body)
+            assert r.status_code == status
+            assert message in r.json()["error"]["message"]
+            assert re.fullmatch("[0-9a-f]{32}", r.headers[RUN])
+        assert recorder.posts == [] and not shell.state.turns
+        # The same model over Chat Completions, which every replica serves.
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+        assert (await gw.post("/v1/chat/completions", json=chat)).status_code == 200
+
+
+def events(*payloads: dict[str, Any]) -> bytes:
+    return "".join(f"event: {p['type']}\ndata: {json.dumps(p)}\n\n" for p in payloads).encode()
+
+
+def final(status: str, output: list[Any], **more: Any) -> dict[str, Any]:
+    usage = {"input_tokens": 50, "input_tokens_details": {"cached_tokens": 30}, "output_tokens": 7}
+    return {"object": "response", "status": status, "output": output, "usage": usage, **more}
+
+
+CALL = {"type": "function_call", "call_id": "call_1", "name": "lookup", "arguments": "{}"}
+TEXT = {"type": "message", "content": [{"type": "output_text", "text": "response.completed"}]}
+
+
+@pytest.mark.parametrize(
+    ("end", "finish", "calls", "error"),
+    [
+        (
+            {"type": "response.completed", "response": final("completed", [CALL])},
+            "tool_calls",
+            ["call_1"],
+            None,
+        ),
+        ({"type": "response.completed", "response": final("completed", [TEXT])}, "stop", [], None),
+        (
+            {"type": "response.incomplete", "response": final("incomplete", [TEXT])},
+            "length",
+            [],
+            None,
+        ),
+        (
+            {
+                "type": "response.failed",
+                "response": final("failed", [], error={"code": "x", "message": "KV full"}),
+            },
+            None,
+            [],
+            "KV full",
+        ),
+        ({"type": "error", "code": "server_error", "message": "KV full"}, None, [], "KV full"),
+    ],
+)
+def test_the_watch_reads_the_final_response_of_a_stream_cut_anywhere(
+    end: dict[str, Any], finish: str | None, calls: list[str], error: str | None
+) -> None:
+    created = {"type": "response.created", "response": final("in_progress", [])}
+    created["response"]["usage"] = None
+    delta = {"type": "response.output_text.delta", "delta": '"usage" response.completed'}
+    stream = events(created, delta, end)
+    for cut in range(0, len(stream), 11):
+        watch = ResponsesWatch(sse=True)
+        watch.feed(stream[:cut])
+        watch.feed(stream[cut:])
+        watch.close()
+        assert (watch.finish_reason, watch.tool_call_ids, watch.error) == (finish, calls, error)
+        if end["type"] != "error":
+            assert (watch.prompt_tokens, watch.cached_tokens, watch.completion_tokens) == (
+                50,
+                30,
+                7,
+            )
+    whole = ResponsesWatch(sse=False)
+    whole.feed(json.dumps(final("completed", [TEXT, CALL])).encode())
+    whole.close()
+    assert (whole.finish_reason, whole.tool_call_ids, whole.prompt_tokens) == (
+        "tool_calls",
+        ["call_1"],
+        50,
+    )
+
+
+async def test_a_string_input_is_a_run_of_its_own_and_the_header_names_one() -> None:
+    async with (
+        engine(time_scale=50) as (url, _),
+        gateway(endpoint("a", url)) as (gw, shell),
+    ):
+        body = {"model": MODEL, "input": "hi", "max_output_tokens": 5}
+        a = await gw.post("/v1/responses", json=body)
+        b = await gw.post("/v1/responses", json=body, headers={RUN: "mine"})
+        assert a.status_code == b.status_code == 200
+        assert a.headers[RUN] != "mine" and b.headers[RUN] == "mine"
+        assert a.json()["status"] == "incomplete"  # max_output_tokens reached the engine
+        assert set(shell.state.runs) == {a.headers[RUN], "mine"}
