@@ -420,18 +420,32 @@ class ResponsesWatch(StreamWatch):
     """The watch of an OpenAI Responses answer (`/v1/responses`, Codex's API): reads the
     final response (`response.completed`, `.incomplete` or `.failed`, or a JSON body):
     its usage (`input_tokens` count the cached ones, as in Chat Completions), the
-    `call_id`s of its `function_call` items (a run that made calls is paused on them),
-    and `error` events."""
+    `call_id`s of the calls it made (`function_call`, and Codex's `custom_tool_call`,
+    `local_shell_call`, ...: any finished output item with a `call_id`; the run is
+    paused on them), also from `response.output_item.done` as they finish, and errors:
+    `error` events, and the bare `{"error": ...}` llama.cpp sends mid-stream."""
 
-    _KEYS = (b"response.completed", b"response.incomplete", b"response.failed", b'"error"')
+    _KEYS = (
+        b"response.completed",
+        b"response.incomplete",
+        b"response.failed",
+        b"response.output_item.done",
+        b'"error"',
+    )
 
     def _inspect(self, obj: object) -> None:
         if not isinstance(obj, dict):
             return
         kind = obj.get("type")
-        if kind == "error":
+        if kind == "error" or (kind is None and obj.get("error") is not None):
             if self._sse and self.error is None:
-                self.error = str(obj.get("message") or obj.get("code") or "error")[:200]
+                inner = obj.get("error")
+                message = inner.get("message") if isinstance(inner, dict) else inner
+                self.error = str(message or obj.get("message") or obj.get("code") or "error")
+                self.error = self.error[:200]
+            return
+        if kind == "response.output_item.done":
+            self._call(obj.get("item"))
             return
         response = obj.get("response") if kind in _RESPONSE_ENDS else None
         if not self._sse and obj.get("object") == "response":
@@ -445,23 +459,39 @@ class ResponsesWatch(StreamWatch):
             self.error = str(message or "the response failed")[:200]
         usage = response.get("usage")
         if isinstance(usage, dict):
-            self.prompt_tokens = _int(usage.get("input_tokens"), self.prompt_tokens)
-            self.completion_tokens = _int(usage.get("output_tokens"), self.completion_tokens)
-            details = usage.get("input_tokens_details")
+            # (Older SGLang builds named them as Chat Completions does.)
+            prompt = usage.get("input_tokens", usage.get("prompt_tokens"))
+            completion = usage.get("output_tokens", usage.get("completion_tokens"))
+            self.prompt_tokens = _int(prompt, self.prompt_tokens)
+            self.completion_tokens = _int(completion, self.completion_tokens)
+            details = usage.get("input_tokens_details", usage.get("prompt_tokens_details"))
             if isinstance(details, dict):
                 self.cached_tokens = _int(details.get("cached_tokens"), self.cached_tokens)
         output = response.get("output")
         for item in output if isinstance(output, list) else ():
-            if isinstance(item, dict) and item.get("type") == "function_call":
-                call_id = item.get("call_id")
-                if isinstance(call_id, str) and call_id not in self.tool_call_ids:
-                    self.tool_call_ids.append(call_id)
-        if self.tool_call_ids:
-            self.finish_reason = "tool_calls"
-        elif status == "incomplete":
+            self._call(item)
+        if status == "incomplete":
+            # Cut short (max_output_tokens): a call it was writing is not one the client
+            # will answer.
             self.finish_reason = "length"
+        elif self.tool_call_ids:
+            self.finish_reason = "tool_calls"
         elif status == "completed":
             self.finish_reason = "stop"
+
+    def _call(self, item: object) -> None:
+        """Note a finished output item that is a call the client answers."""
+        if not isinstance(item, dict) or item.get("status") == "incomplete":
+            return
+        call_id = item.get("call_id")
+        kind = item.get("type")
+        if (
+            isinstance(call_id, str)
+            and isinstance(kind, str)
+            and not kind.endswith("_output")
+            and call_id not in self.tool_call_ids
+        ):
+            self.tool_call_ids.append(call_id)
 
 
 _EVENT_END = re.compile(rb"\r?\n\r?\n")

@@ -902,12 +902,14 @@ def _echoed_tool_calls(messages: list[Any]) -> list[str]:
 
 
 def _echoed_function_calls(items: list[Any]) -> list[str]:
-    """The call ids a Responses request's `function_call_output` items echo."""
+    """The call ids a Responses request's call results echo: `function_call_output`
+    items, and the other kinds' (`custom_tool_call_output`, ...)."""
     return [
         item["call_id"]
         for item in items
         if isinstance(item, dict)
-        and item.get("type") == "function_call_output"
+        and isinstance(item.get("type"), str)
+        and item["type"].endswith("_output")
         and isinstance(item.get("call_id"), str)
     ]
 

@@ -9,13 +9,14 @@ from typing import Any
 
 import openai
 import pytest
-from fastapi import FastAPI
-from fastapi.responses import Response
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
 from harness import MODEL, RUN, endpoint, engine, gateway
 from openai.types.responses import Response as OpenAIResponse
 
 from gateway._proxy import ResponsesWatch
 from gateway._shell import AdmissionShell
+from gateway.app import _echoed_function_calls, _max_tokens
 from scheduler import RunPhase
 from testkit._fake_text import key
 from testkit.loopback import serve
@@ -141,7 +142,11 @@ async def test_bad_input_and_a_model_lacking_the_api_are_refused_before_queueing
 
 
 def events(*payloads: dict[str, Any]) -> bytes:
-    return "".join(f"event: {p['type']}\ndata: {json.dumps(p)}\n\n" for p in payloads).encode()
+    """SSE events; one without a type is a bare `data:` line (llama.cpp's errors)."""
+    return "".join(
+        (f"event: {p['type']}\n" if "type" in p else "") + f"data: {json.dumps(p)}\n\n"
+        for p in payloads
+    ).encode()
 
 
 def final(status: str, output: list[Any], **more: Any) -> dict[str, Any]:
@@ -151,6 +156,10 @@ def final(status: str, output: list[Any], **more: Any) -> dict[str, Any]:
 
 CALL = {"type": "function_call", "call_id": "call_1", "name": "lookup", "arguments": "{}"}
 TEXT = {"type": "message", "content": [{"type": "output_text", "text": "response.completed"}]}
+# Codex's freeform apply_patch tool, and a reasoning item beside the answer.
+PATCH = {"type": "custom_tool_call", "call_id": "call_2", "name": "apply_patch", "input": "*"}
+THOUGHT = {"type": "reasoning", "id": "rs_1", "summary": []}
+CUT = CALL | {"status": "incomplete", "call_id": "call_3"}
 
 
 @pytest.mark.parametrize(
@@ -163,6 +172,26 @@ TEXT = {"type": "message", "content": [{"type": "output_text", "text": "response
             None,
         ),
         ({"type": "response.completed", "response": final("completed", [TEXT])}, "stop", [], None),
+        (
+            {"type": "response.completed", "response": final("completed", [THOUGHT, TEXT, PATCH])},
+            "tool_calls",
+            ["call_2"],
+            None,
+        ),
+        # Cut short while writing a call: no call the client will answer.
+        (
+            {"type": "response.incomplete", "response": final("incomplete", [CUT])},
+            "length",
+            [],
+            None,
+        ),
+        # llama.cpp's error mid-stream: a bare error object.
+        (
+            {"error": {"code": 500, "message": "KV full", "type": "server_error"}},
+            None,
+            [],
+            "KV full",
+        ),
         (
             {"type": "response.incomplete", "response": final("incomplete", [TEXT])},
             "length",
@@ -194,12 +223,22 @@ def test_the_watch_reads_the_final_response_of_a_stream_cut_anywhere(
         watch.feed(stream[cut:])
         watch.close()
         assert (watch.finish_reason, watch.tool_call_ids, watch.error) == (finish, calls, error)
-        if end["type"] != "error":
+        if "response" in end:
             assert (watch.prompt_tokens, watch.cached_tokens, watch.completion_tokens) == (
                 50,
                 30,
                 7,
             )
+    # Calls only in `response.output_item.done`, a final response without output, and
+    # usage named as Chat Completions names it (older SGLang).
+    done = {"type": "response.output_item.done", "output_index": 0, "item": CALL}
+    bare = final("completed", [])
+    bare["usage"] = {"prompt_tokens": 40, "completion_tokens": 3}
+    watch = ResponsesWatch(sse=True)
+    watch.feed(events(done, {"type": "response.completed", "response": bare}))
+    watch.close()
+    assert (watch.finish_reason, watch.tool_call_ids) == ("tool_calls", ["call_1"])
+    assert (watch.prompt_tokens, watch.completion_tokens) == (40, 3)
     whole = ResponsesWatch(sse=False)
     whole.feed(json.dumps(final("completed", [TEXT, CALL])).encode())
     whole.close()
@@ -222,3 +261,39 @@ async def test_a_string_input_is_a_run_of_its_own_and_the_header_names_one() -> 
         assert a.headers[RUN] != "mine" and b.headers[RUN] == "mine"
         assert a.json()["status"] == "incomplete"  # max_output_tokens reached the engine
         assert set(shell.state.runs) == {a.headers[RUN], "mine"}
+        # ... and the core (sizing the reply's KV).
+        assert _max_tokens({"max_output_tokens": 5}) == 5
+
+
+def test_every_kind_of_call_result_joins_its_run() -> None:
+    items = [
+        {"type": "custom_tool_call", "call_id": "a"},  # the call itself echoes nothing
+        {"type": "custom_tool_call_output", "call_id": "a", "output": "patched"},
+        {"type": "function_call_output", "call_id": "b", "output": "found"},
+        {"role": "user", "content": "and now?"},
+    ]
+    assert _echoed_function_calls(items) == ["a", "b"]
+
+
+def failing_stream(request: Request) -> StreamingResponse:
+    async def events() -> Any:
+        created = {"type": "response.created", "response": final("in_progress", [])}
+        yield f"event: response.created\ndata: {json.dumps(created)}\n\n"
+        yield f"data: {json.dumps({'error': {'message': 'KV full', 'code': 500}})}\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+async def test_an_error_in_a_200_stream_fails_the_turn_as_the_engines_fault() -> None:
+    app = no_responses()
+    app.post("/v1/responses")(failing_stream)
+    async with (
+        serve(app) as url,
+        gateway(endpoint("a", url, kind="openai", responses=True)) as (gw, shell),
+    ):
+        body = {"model": MODEL, "input": "hi", "stream": True}
+        r = await gw.post("/v1/responses", json=body)
+        assert r.status_code == 200 and "KV full" in r.text  # passed through unchanged
+        assert 'luftpause_turns_total{outcome="failed"} 1.0' in (await gw.get("/metrics")).text
+        assert shell.state.replicas["a"].failures == 1
+        assert not shell.state.turns
