@@ -137,3 +137,52 @@ async def test_example_sends_the_three_headers_on_every_turn(
         await harness.until(
             lambda: not shell.state.turns and run_id not in shell.state.runs, "run ended"
         )
+
+
+async def test_the_anthropic_example_runs_its_loop_on_the_messages_door(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    example = _load("anthropic_loop", ROOT / "examples" / "anthropic_loop.py")
+    caller, run_id = "tests/examples/anthropic_loop", "anthropic-run"
+    monkeypatch.setenv("LUFTPAUSE_TOKEN", TOKEN)
+    monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
+    async with (
+        harness.engine(instant=True) as (url_a, engine_a),
+        harness.engine(instant=True) as (url_b, engine_b),
+        gateway(harness.endpoint("a", url_a), harness.endpoint("b", url_b)) as (
+            base_url,
+            door,
+            shell,
+        ),
+    ):
+        argv = [TASK, "--base-url", base_url.removesuffix("/v1"), "--class", "batch"]
+        argv += ["--caller", caller, "--run-id", run_id]
+        assert await asyncio.to_thread(example.main, argv) == 0
+
+        turns = [(h, body) for path, h, body in door.posts if path == "/v1/messages"]
+        served = [p for p, _, _ in engine_a.posts + engine_b.posts]
+        assert len(turns) >= 2 and served == ["/v1/messages"] * len(turns)
+        # Every turn with the three headers, and the token (the SDK sends it as a bearer
+        # token; its older releases, and Claude Code's ANTHROPIC_API_KEY, in x-api-key).
+        sent = {
+            "x-luftpause-run-id": run_id,
+            "x-luftpause-class": "batch",
+            "x-luftpause-caller": caller,
+        }
+        assert [{k: h.get(k) for k in sent} for h, _ in turns] == [sent] * len(turns)
+        keys = {
+            h.get("x-api-key") or h.get("authorization", "").removeprefix("Bearer ")
+            for h, _ in turns
+        }
+        assert keys == {TOKEN}
+        upstream = [h for _, h, _ in engine_a.posts + engine_b.posts]
+        assert all("x-api-key" not in h and "authorization" not in h for h in upstream)
+        # Tool round trips: the last turn brings back the example's own tool's results.
+        last = turns[-1][1]["messages"]
+        results = [b for m in last if isinstance(m["content"], list) for b in m["content"]]
+        assert [b["content"][:9] for b in results if b["type"] == "tool_result"][-1] == "Notes on "
+        out = capsys.readouterr().out
+        assert out.endswith(f"run id: {run_id}\n") and len(out) > len(f"run id: {run_id}\n") + 1
+        await harness.until(
+            lambda: not shell.state.turns and run_id not in shell.state.runs, "run ended"
+        )
