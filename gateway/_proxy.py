@@ -140,6 +140,8 @@ def error_response(status: int, message: str, run_id: str, *, anthropic: bool = 
     headers = {RUN_HEADER: run_id} if run_id else {}
     if status == 503:
         headers["retry-after"] = UNAVAILABLE_RETRY_AFTER_S
+    elif status == 429:  # luftpause's own: a caller over max_held_per_caller
+        headers["retry-after"] = "1"
     elif status == 401:
         headers["www-authenticate"] = "Bearer"  # RFC 6750: the scheme the token goes in
     return Response(body, status, headers=headers, media_type="application/json")

@@ -45,6 +45,8 @@ kv_fill = 0.8            # with kv_tokens: the pool share bound runs may fill
 batch_kv_fill = 0.7      # ... batch runs; 1.0 = as kv_fill
 kv_retention_s = 60.0
 lane_batch_kv_fill = "off"   # a share (0-1) turns interactive lanes on
+max_held_per_caller = "off"  # a number: a caller with that many turns held gets 429 for
+                             # new work (a run in progress is never refused)
 ```
 Top-level keys (TOML puts them before the first table): `gateway_url`, where
 sub-agents' LLM turns go (default http://127.0.0.1:8080).
@@ -337,19 +339,27 @@ class PolicyConfig(BaseModel):
         _POLICY.eject_after_failures
     )
     eject_for_s: Annotated[float, Field(gt=0, strict=True)] = _POLICY.eject_for_s
+    max_held_per_caller: Annotated[int, Field(ge=1, strict=True)] | None = (
+        _POLICY.max_held_per_caller
+    )
 
-    @field_validator("batch_kv_fill", "lane_batch_kv_fill", "eject_after_failures", mode="before")
+    @field_validator(
+        "batch_kv_fill",
+        "lane_batch_kv_fill",
+        "eject_after_failures",
+        "max_held_per_caller",
+        mode="before",
+    )
     @classmethod
     def _off(cls, v: object, info: ValidationInfo) -> object:
         # TOML has no null: "off" switches an optional key off.
         if isinstance(v, str) and v.strip().lower() == "off":
             return None
         if isinstance(v, str | bool):
-            what = (
-                "a number of failed turns"
-                if info.field_name == "eject_after_failures"
-                else "a share between 0 and 1"
-            )
+            what = {
+                "eject_after_failures": "a number of failed turns",
+                "max_held_per_caller": "a number of held turns",
+            }.get(info.field_name or "", "a share between 0 and 1")
             raise ValueError(f'expected {what}, or "off"; got {v!r}')
         return v
 

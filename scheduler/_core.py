@@ -19,7 +19,9 @@ Rules (DESIGN.md "The scheduler"), stated once, enforced here and nowhere else:
    stop at `Policy.batch_kv_fill` of a replica's KV pool (interactive runs may fill
    `Policy.kv_fill`).
 5. Held turns are taken interactive first, then the caller with the fewest turns in
-   flight, then arrival order.  A held turn waits until placed or abandoned.
+   flight, then arrival order.  A held turn waits until placed or abandoned.  With
+   `Policy.max_held_per_caller`, a caller with that many turns held is refused (429) a
+   turn that would start or resume an idle run; a run in progress is never refused.
 6. A run that is not yet bound to a replica is admitted there only while the KV working
    set of the runs bound to it fits the replica's pool (program-level admission), so
    the prefix caches of paused runs survive.  A paused run's claim on the pool lapses
@@ -429,6 +431,16 @@ class _Tx:
                 )
             )
             return
+        limit = self.policy.max_held_per_caller
+        if limit is not None and self._held_of(ev.caller) >= limit:
+            run = self.runs.get(ev.run_id)
+            if run is None or not run.keeps_replica:
+                message = (
+                    f"caller '{ev.caller}' has {limit} turns waiting for admission "
+                    "(max_held_per_caller); retry later (a run in progress is never refused)"
+                )
+                self.actions.append(Reject(turn_id=ev.turn_id, status=429, message=message))
+                return
         self.seq += 1
         p = self.policy
         reply = (
@@ -985,6 +997,13 @@ class _Tx:
                 interactive=-_lane(run),
                 batch_ws=-_batch_claim(run),
             )
+
+    def _held_of(self, caller: str) -> int:
+        """The caller's held turns (a few buckets: its model's, its runs' replicas')."""
+        c = self.callers.get(caller)
+        if c is None:
+            return 0
+        return sum(len(self.buckets[k].queues.get(caller, ())) for k in c.buckets)
 
     def _hold(self, t: TurnState, key: BucketKey) -> None:
         t = t._replace(bucket=key)

@@ -402,13 +402,15 @@ async def test_later_turns_hit_the_prefix_cache() -> None:
 
 
 @contextlib.asynccontextmanager
-async def capped() -> AsyncIterator[tuple[httpx.AsyncClient, AdmissionShell, Recorder, list[Any]]]:
+async def capped(
+    sections: dict[str, Any] | None = None,
+) -> AsyncIterator[tuple[httpx.AsyncClient, AdmissionShell, Recorder, list[Any]]]:
     """A gateway before an engine that runs one request at a time, with two long turns
     sent, so the engine reports a queue and the core holds further turns."""
     one = replace(EngineParams.reference(), max_running_requests=1)
     async with (
         engine(time_scale=1, engine=one) as (url, counted),
-        gateway(endpoint("a", url)) as (
+        gateway(endpoint("a", url), sections=sections) as (
             gw,
             shell,
         ),
@@ -456,6 +458,29 @@ async def test_held_turns_go_interactive_first_then_fewest_in_flight_caller() ->
             order[:2] == ["long 1", "long 0"]
             and order[2:] == ["interactive c", "interactive a", "batch x"]
         )
+
+
+async def test_a_caller_over_the_files_held_bound_gets_429_for_new_work() -> None:
+    async with capped({"policy": {"max_held_per_caller": 1}}) as (gw, shell, counted, long):
+        x = {"x-luftpause-caller": "x"}
+        held = [asyncio.create_task(gw.post("/v1/chat/completions", json=chat("1"), headers=x))]
+        await until(lambda: shell.state.held_count() == 1, "turn held")
+        r = await gw.post("/v1/chat/completions", json=chat("2"), headers=x)
+        assert (r.status_code, r.headers["retry-after"]) == (429, "1")
+        assert r.json()["error"]["message"].startswith(
+            "caller 'x' has 1 turns waiting for admission (max_held_per_caller)"
+        )
+        assert re.fullmatch("[0-9a-f]{32}", r.headers[RUN])
+        body = {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "3"}]}
+        r = await gw.post("/v1/messages", json=body, headers=x)
+        assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+        # Another caller's work is held as before.
+        y = {"x-luftpause-caller": "y"}
+        held.append(asyncio.create_task(gw.post("/v1/chat/completions", json=chat(), headers=y)))
+        await until(lambda: shell.state.held_count() == 2, "y's turn held")
+        assert [r.status_code for r in await asyncio.gather(*long, *held)] == [200] * 4
+        assert 'luftpause_turns_total{outcome="rejected"} 2.0' in (await gw.get("/metrics")).text
+        assert len(counted.posts) == 4  # the refused turns never reached the engine
 
 
 async def test_a_held_client_that_leaves_makes_no_engine_request() -> None:

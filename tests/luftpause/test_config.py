@@ -251,6 +251,16 @@ def test_the_newer_apis_default_by_kind_and_the_file_decides() -> None:
             "got 'never'",
         ),
         (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+            '[policy]\nmax_held_per_caller="many"',
+            "policy.max_held_per_caller: expected a number of held turns, or \"off\"; got 'many'",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+            "[policy]\nmax_held_per_caller=0",
+            "policy.max_held_per_caller: Input should be greater than or equal to 1",
+        ),
+        (
             'gateway_url="127.0.0.1:8080"\n'
             '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]',
             "gateway_url: expected an http:// or https:// URL, e.g. http://127.0.0.1:8080",
@@ -352,11 +362,15 @@ def test_the_policy_section_sets_the_schedulers_constants(tmp_path: Path) -> Non
     path = _write(
         tmp_path,
         endpoint + '[policy]\nstrict_affinity=false\nbatch_kv_fill="off"\n'
-        "lane_batch_kv_fill=0.3\nturn_timeout_s=120\n",
+        "lane_batch_kv_fill=0.3\nturn_timeout_s=120\nmax_held_per_caller=64\n",
     )
     policy = load_config(path).policy.to_policy()
     assert policy == Policy(
-        strict_affinity=False, batch_kv_fill=None, lane_batch_kv_fill=0.3, turn_timeout_s=120.0
+        strict_affinity=False,
+        batch_kv_fill=None,
+        lane_batch_kv_fill=0.3,
+        turn_timeout_s=120.0,
+        max_held_per_caller=64,
     )
 
 

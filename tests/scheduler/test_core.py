@@ -898,3 +898,38 @@ def test_decide_never_changes_the_state_it_was_given() -> None:
     d.arrive("r3", cls=B)
     d.finish("r1-t1", "tool_calls")
     assert (dict(s0.turns), dict(s0.runs), dict(s0.replicas), s0.held_count()) == snapshot
+
+
+# --------------------------------------------------------------------- intake bound
+
+
+def test_a_caller_over_its_held_bound_is_refused_new_work_never_a_run_in_progress() -> None:
+    d = Driver(("a",), policy=Policy(max_held_per_caller=2))
+    d.cap("a", 1)
+    p = d.arrive("paused", caller="alice")
+    d.finish(p, "tool_calls")  # paused on a tool
+    busy = d.arrive("busy", caller="alice")
+    assert d.admitted() == {busy: "a"}  # generating
+    held = [d.arrive(f"new{i}", caller="alice") for i in range(2)]
+    assert d.held_ids() == set(held)
+    refused = d.arrive("new2", caller="alice")
+    assert d.actions == [
+        Reject(
+            turn_id=refused,
+            status=429,
+            message="caller 'alice' has 2 turns waiting for admission (max_held_per_caller); "
+            "retry later (a run in progress is never refused)",
+        )
+    ]
+    assert refused not in d.state.turns and "new2" not in d.state.runs
+    # Another caller is not bound by alice's turns; alice's runs in progress come back.
+    bobs = d.arrive("b", caller="bob")
+    back, again = d.arrive("paused", caller="alice"), d.arrive("busy", caller="alice")
+    assert d.held_ids() == {*held, bobs, back, again}
+    # Every held turn of hers counts, continuations too: two are left after these go.
+    for t in held:
+        d.feed(TurnAbandoned(now=d.step(), turn_id=t))
+    d.arrive("new3", caller="alice")
+    assert [a.status for a in d.actions if isinstance(a, Reject)] == [429]
+    d.feed(TurnAbandoned(now=d.step(), turn_id=back))
+    assert d.arrive("new4", caller="alice") in d.held_ids()

@@ -30,6 +30,7 @@ from scheduler import (
     Admit,
     Event,
     Policy,
+    Reject,
     ReplicaProbed,
     ReplicaSpec,
     RunEnded,
@@ -107,6 +108,7 @@ policies = st.builds(
     batch_kv_fill=st.sampled_from([None, 0.7, 0.5]),
     kv_retention_s=st.sampled_from([60.0, 5.0]),
     lane_batch_kv_fill=st.sampled_from([None, 0.3]),
+    max_held_per_caller=st.sampled_from([None, None, 1, 3]),
 )
 
 
@@ -307,6 +309,20 @@ def check_work_conserving(s: State) -> None:
 
 def check_step(before: State, event: Event, after: State, actions: list[Action]) -> None:
     admits = [a for a in actions if isinstance(a, Admit)]
+    for a in actions:
+        if isinstance(a, Reject) and a.status == 429:
+            # Only with a bound, only a caller at it, and never a run in progress.
+            assert isinstance(event, TurnArrived) and a.turn_id == event.turn_id
+            limit = before.policy.max_held_per_caller
+            mine = sum(1 for t in before.held() if t.caller == event.caller)
+            assert limit is not None and mine >= limit, f"429 with {mine} held, bound {limit}"
+            run = before.runs.get(event.run_id)
+            assert run is None or not run.keeps_replica, f"{event.run_id} is {run.phase}"
+    if isinstance(event, TurnArrived) and before.policy.max_held_per_caller is not None:
+        mine = sum(1 for t in before.held() if t.caller == event.caller)
+        run = before.runs.get(event.run_id)
+        if mine < before.policy.max_held_per_caller or (run is not None and run.keeps_replica):
+            assert not any(isinstance(a, Reject) and a.status == 429 for a in actions)
     runs = dict(before.runs)
     for a in admits:
         r = after.replicas[a.replica]
