@@ -127,11 +127,19 @@ _ANTHROPIC_ERROR_TYPES = {
 }
 
 
-def error_response(status: int, message: str, run_id: str, *, anthropic: bool = False) -> Response:
+def error_response(
+    status: int,
+    message: str,
+    run_id: str,
+    *,
+    anthropic: bool = False,
+    retry_after: str = UNAVAILABLE_RETRY_AFTER_S,
+) -> Response:
     """The error body every failure uses, with the run id header (none when the
     request names no run, e.g. it was refused before it was read).  `anthropic`: in the
     Anthropic API's shape, `{"type": "error", "error": {"type": ..., "message": ...}}`,
-    which is the same body with two fields more."""
+    which is the same body with two fields more.  `retry_after`: a 503's (the gateway's
+    probe period)."""
     if anthropic:
         kind = _ANTHROPIC_ERROR_TYPES.get(status, "api_error")
         body = json.dumps({"type": "error", "error": {"type": kind, "message": message}})
@@ -139,7 +147,7 @@ def error_response(status: int, message: str, run_id: str, *, anthropic: bool = 
         body = json.dumps({"error": {"message": message}})
     headers = {RUN_HEADER: run_id} if run_id else {}
     if status == 503:
-        headers["retry-after"] = UNAVAILABLE_RETRY_AFTER_S
+        headers["retry-after"] = retry_after
     elif status == 429:  # luftpause's own: a caller over max_held_per_caller
         headers["retry-after"] = "1"
     elif status == 401:
@@ -574,9 +582,14 @@ class TurnRequest:
     usage_body: bytes | None = None
     api: Api = "chat"
 
-    def error(self, status: int, message: str) -> Response:
+    def error(
+        self, status: int, message: str, retry_after: str = UNAVAILABLE_RETRY_AFTER_S
+    ) -> Response:
         """An error answer in the shape of the turn's API."""
-        return error_response(status, message, self.run_id, anthropic=self.api == "messages")
+        anthropic = self.api == "messages"
+        return error_response(
+            status, message, self.run_id, anthropic=anthropic, retry_after=retry_after
+        )
 
     def arrival(self, now: float) -> TurnArrived:
         return TurnArrived(
@@ -659,12 +672,15 @@ class TurnResponse(Response):
         clock: Callable[[], float],
         idle_timeout: float = ENGINE_IDLE_TIMEOUT_S,
         input_counts_cached: frozenset[str] = frozenset(),
+        retry_after: str = UNAVAILABLE_RETRY_AFTER_S,
     ) -> None:
         """`input_counts_cached`: the replicas whose Anthropic `input_tokens` count the
-        cached tokens (SGLang's, see MessagesWatch)."""
+        cached tokens (SGLang's, see MessagesWatch).  `retry_after`: when a turn refused
+        for want of a healthy replica may look again (the next probe round)."""
         super().__init__(status_code=200)
         self._idle = idle_timeout
         self._counts_cached = input_counts_cached
+        self._retry_after = retry_after
         self._turn = turn
         self._shell = shell
         self._upstream = upstream
@@ -708,7 +724,8 @@ class TurnResponse(Response):
                 return
             if isinstance(outcome, Rejected):
                 self._ended = True  # never queued: nothing to report
-                await t.error(outcome.status, outcome.message)(scope, receive, send)
+                answer = t.error(outcome.status, outcome.message, self._retry_after)
+                await answer(scope, receive, send)
                 return
             await self._forward(outcome, scope, receive, send, disconnected)
         finally:

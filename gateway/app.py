@@ -17,6 +17,7 @@ import contextlib
 import hmac
 import json
 import logging
+import math
 import os
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -300,6 +301,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                 lacking[api].setdefault(m, [])
                 if not served:
                     lacking[api][m].append(e.name)
+    # A turn refused for want of a healthy replica may look again after the next probe.
+    retry_after = str(math.ceil(settings.probe_period or config.probes.period_s))
     # Replicas whose Anthropic usage counts cached tokens in `input_tokens`: SGLang, or a
     # router in front of SGLang engines only (the others' are net of the cache).
     by_name = {e.name: e for e in config.endpoints}
@@ -368,6 +371,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             clock=rt.loop.time,
             idle_timeout=engine_idle_s,
             input_counts_cached=counts_cached,
+            retry_after=retry_after,
         )
 
     @app.post(CHAT_PATH)

@@ -86,7 +86,7 @@ def endpoint(
 async def gateway(
     *endpoints: dict[str, Any],
     token: str | None = None,
-    probe_period: float = 0.05,
+    probe_period: float | None = 0.05,  # None: the file's [probes] period_s
     policy: Any = None,
     sections: dict[str, Any] | None = None,
 ) -> AsyncIterator[tuple[httpx.AsyncClient, AdmissionShell]]:

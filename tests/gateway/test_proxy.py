@@ -516,9 +516,14 @@ async def test_unreachable_engine_is_a_502_and_frees_the_slot() -> None:
 
 async def test_a_model_with_no_healthy_replica_is_503_at_once_not_a_hang() -> None:
     # Down from the start: the first probe (before the gateway serves) marks it unhealthy.
-    async with gateway(endpoint("down", closed_port_url(), kind="openai")) as (gw, shell):
+    # Retry-After is the next probe round, as the file sets it.
+    async with gateway(
+        endpoint("down", closed_port_url(), kind="openai"),
+        probe_period=None,
+        sections={"probes": {"period_s": 6.5}},
+    ) as (gw, shell):
         r = await gw.post("/v1/chat/completions", json=chat(), headers={RUN: "r"})
-        assert (r.status_code, r.headers[RUN], r.headers["retry-after"]) == (503, "r", "2")
+        assert (r.status_code, r.headers[RUN], r.headers["retry-after"]) == (503, "r", "7")
         assert r.json() == {
             "error": {
                 "message": f"no healthy replica serves model '{MODEL}' "

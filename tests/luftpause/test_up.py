@@ -162,6 +162,19 @@ async def test_up_runs_sub_agents_and_stops_everything(state: Path) -> None:
             decided = json.load(answered)
         assert set(decided["probabilities"]) == {"negative", "positive"}, decided
         assert decided["label"] in decided["probabilities"]
+        # The fake engines serve Claude Code's and Codex's APIs too, through the gateway.
+        hello = [{"role": "user", "content": "hello"}]
+        for path, turn, kind in (
+            ("/v1/messages", {"max_tokens": 8, "messages": hello}, "message"),
+            ("/v1/responses", {"max_output_tokens": 8, "input": "hello"}, "response"),
+        ):
+            body = json.dumps({"model": "llama-3.2-1b", **turn}).encode()
+            ask = urllib.request.Request(
+                f"{up.gateway}{path}", data=body, headers={"content-type": "application/json"}
+            )
+            with urllib.request.urlopen(ask, timeout=10) as answered:
+                reply = json.load(answered)
+            assert reply.get("type", reply.get("object")) == kind, reply
         # The Temporal UI answers, and Temporal lists the four workflows.
         with urllib.request.urlopen(f"http://127.0.0.1:{up.ports['ui']}/", timeout=10) as ui:
             assert ui.status == 200
