@@ -752,10 +752,15 @@ def _parse_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def _parse_chat(body: dict[str, Any]) -> tuple[str, list[Any]]:
+def _model(body: dict[str, Any]) -> str:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise _BadRequest("'model' is required and must be a non-empty string")
+    return model
+
+
+def _parse_chat(body: dict[str, Any]) -> tuple[str, list[Any]]:
+    model = _model(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _BadRequest("'messages' is required and must be a non-empty list")
@@ -767,9 +772,7 @@ def _parse_messages(
 ) -> tuple[str, list[Any]]:
     """An Anthropic Messages request's model and messages.  A model some of whose
     replicas do not serve the API is refused: the turn could be placed on one."""
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise _BadRequest("'model' is required and must be a non-empty string")
+    model = _model(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _BadRequest("'messages' is required and must be a non-empty list")
@@ -789,9 +792,7 @@ def _parse_messages(
 def _parse_responses(body: dict[str, Any], lacking: dict[str, list[str]]) -> tuple[str, list[Any]]:
     """An OpenAI Responses request's model and input items (a string input is one
     user message, and echoes nothing)."""
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise _BadRequest("'model' is required and must be a non-empty string")
+    model = _model(body)
     given = body.get("input")
     if not (isinstance(given, str) and given) and not (isinstance(given, list) and given):
         raise _BadRequest("'input' is required: a non-empty string or list of items")

@@ -26,7 +26,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeGuard
 
@@ -38,6 +38,7 @@ from testkit._fake_text import (
     DEFAULT_MAX_TOOL_CALLS,
     FillerPool,
     Reply,
+    content_text,
     key,
     plan_reply,
     render_message,
@@ -278,23 +279,12 @@ def _parse_chat(
     )
 
 
-def _anthropic_text(content: object) -> str:
-    """The text of an Anthropic content field: a string or a list of text blocks."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(
-            b["text"] for b in content if isinstance(b, dict) and isinstance(b.get("text"), str)
-        )
-    return ""
-
-
 def _from_anthropic(body: dict[str, Any]) -> dict[str, Any]:
     """An Anthropic Messages request as the chat request the engine runs, the way vLLM,
     SGLang and llama.cpp convert it: `system` first, tool_use blocks as an assistant's
     tool_calls, tool_result blocks as `tool` messages."""
     messages: list[dict[str, Any]] = []
-    system = _anthropic_text(body.get("system"))
+    system = content_text(body.get("system"))
     if system:
         messages.append({"role": "system", "content": system})
     given = body.get("messages")
@@ -321,7 +311,7 @@ def _from_anthropic(body: dict[str, Any]) -> dict[str, Any]:
                 fn = {"name": block.get("name"), "arguments": args}
                 calls.append({"id": block.get("id"), "type": "function", "function": fn})
             elif kind == "tool_result":
-                result = _anthropic_text(block.get("content", ""))
+                result = content_text(block.get("content", ""))
                 messages.append(
                     {"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": result}
                 )
@@ -368,7 +358,7 @@ def _from_responses(body: dict[str, Any]) -> dict[str, Any]:
             raise _HTTPError(400, f"input[{i}]: expected an object")
         kind = item.get("type", "message")
         if kind == "message":
-            texts = _anthropic_text(item.get("content"))  # a string, or parts with "text"
+            texts = content_text(item.get("content"))  # a string, or parts with "text"
             messages.append({"role": item.get("role", "user"), "content": texts})
         elif kind == "function_call":
             call = {
@@ -670,6 +660,10 @@ class _ResponseEvents:
         }
         return body
 
+    def body(self, usage: dict[str, Any]) -> bytes:
+        """The whole answer as one JSON response (a request without `stream`)."""
+        return json.dumps(self.response(usage)).encode()
+
     def _message(self, text: str) -> dict[str, Any]:
         part = {"type": "output_text", "text": text, "annotations": []}
         return {
@@ -922,6 +916,18 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
                 return False
         return True
 
+    async def finished(
+        request: Request, d: _Driver, rid: str, pending: _Pending
+    ) -> Finished | None:
+        """The request's end, for a reply sent whole; None if the client left first (the
+        engine stops the request either way)."""
+        try:
+            if not await client_stayed(request, pending.done):
+                return None
+            return pending.done.result()
+        finally:
+            d.cancel(rid)
+
     async def stream(
         d: _Driver,
         pending: _Pending,
@@ -985,93 +991,76 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
             chunks = _Chunks(rid, created, chat, reply, conv)
             gen = stream(driver, pending, rid, chunks, reply)
             return StreamingResponse(gen, media_type=_SSE)
-        try:
-            if not await client_stayed(request, pending.done):
-                return Response(status_code=499)
-            done = pending.done.result()
-        finally:
-            driver.cancel(rid)
+        done = await finished(request, driver, rid, pending)
+        if done is None:
+            return Response(status_code=499)
         usage = _usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens)
         return Response(_completion_body(rid, created, chat, reply, conv, usage), media_type=_JSON)
 
-    @app.post("/v1/messages")
-    async def messages(request: Request) -> Response:
-        """The Anthropic Messages API, as vLLM, SGLang and llama.cpp serve it beside the
-        OpenAI one: the same engine, the conversation converted as they convert it."""
+    async def other_api(
+        request: Request,
+        convert: Callable[[dict[str, Any]], dict[str, Any]],
+        prefix: str,
+        events_for: Callable[[str, _Chat, Reply, int], _AnthropicEvents | _ResponseEvents],
+        error: Callable[[int, str], Response],
+    ) -> Response:
+        """A turn of an API the engine serves beside Chat Completions (Anthropic
+        Messages, OpenAI Responses): the request converted to a chat as vLLM, SGLang and
+        llama.cpp convert it, the same engine, the reply in the API's own events."""
         try:
             body = _parse_json(await request.body())
-            chat = _parse_chat(_from_anthropic(body), s.models, s.max_tool_calls)
+            chat = _parse_chat(convert(body), s.models, s.max_tool_calls)
             text, _, reply = plan(chat)
-            rid = f"msg_{next(ids):024x}"
+            rid = f"{prefix}{next(ids):024x}"
             if driver is None:  # instant: no engine, nothing cached
                 prompt = max(1, -(-len(text) // CHARS_PER_TOKEN))
-                events = _AnthropicEvents(rid, chat, reply, s.flavor, prompt)
+                events = events_for(rid, chat, reply, prompt)
                 usage = _usage(prompt, reply.n_tokens, 0)
                 if not chat.stream:
                     return Response(events.body(usage), media_type=_JSON)
-                steps = events.role() + events.tool_calls(0) + events.tool_calls(1)
-                if not reply.tool_calls:
-                    steps = events.role() + events.content(0, len(reply.tokens))
+                steps = events.role() + (
+                    events.tool_calls(0) + events.tool_calls(1)
+                    if reply.tool_calls
+                    else events.content(0, len(reply.tokens))
+                )
                 return Response(steps + events.end(usage), media_type=_SSE)
             if not driver.running:
-                return _anthropic_error(503, "the engine is not running")
+                return error(503, "the engine is not running")
             ereq = engine_request(chat, text, reply, rid)
         except _HTTPError as exc:
-            return _anthropic_error(exc.status, exc.message)
+            return error(exc.status, exc.message)
+        if ereq.output_tokens < reply.n_tokens and not reply.tool_calls:
+            # A reply cut short by a small KV pool ends early, as on the chat route.
+            cut = reply.tokens[: ereq.output_tokens]
+            reply = Reply(cut, ereq.output_tokens, "length", (), reply.labels)
         pending = driver.submit(ereq)
-        events = _AnthropicEvents(rid, chat, reply, s.flavor, ereq.prompt_tokens)
+        events = events_for(rid, chat, reply, ereq.prompt_tokens)
         if chat.stream:
             return StreamingResponse(stream(driver, pending, rid, events, reply), media_type=_SSE)
-        try:
-            if not await client_stayed(request, pending.done):
-                return Response(status_code=499)
-            done = pending.done.result()
-        finally:
-            driver.cancel(rid)
+        done = await finished(request, driver, rid, pending)
+        if done is None:
+            return Response(status_code=499)
         usage = _usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens)
         return Response(events.body(usage), media_type=_JSON)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        """The Anthropic Messages API, as vLLM, SGLang and llama.cpp serve it."""
+
+        def events(rid: str, chat: _Chat, reply: Reply, prompt: int) -> _AnthropicEvents:
+            return _AnthropicEvents(rid, chat, reply, s.flavor, prompt)
+
+        return await other_api(request, _from_anthropic, "msg_", events, _anthropic_error)
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
         """The OpenAI Responses API, stateless (`store` is ignored), as vLLM, SGLang,
-        llama.cpp and Ollama serve it beside Chat Completions."""
-        try:
-            body = _parse_json(await request.body())
-            chat = _parse_chat(_from_responses(body), s.models, s.max_tool_calls)
-            text, _, reply = plan(chat)
-            rid = f"resp_{next(ids):024x}"
-            if driver is None:  # instant: no engine, nothing cached
-                prompt = max(1, -(-len(text) // CHARS_PER_TOKEN))
-                events = _ResponseEvents(rid, chat, reply)
-                usage = _usage(prompt, reply.n_tokens, 0)
-                if not chat.stream:
-                    return _json(events.response(usage))
-                steps = events.role() + events.tool_calls(0) + events.tool_calls(1)
-                if not reply.tool_calls:
-                    steps = events.role() + events.content(0, len(reply.tokens))
-                return Response(steps + events.end(usage), media_type=_SSE)
-            if not driver.running:
-                return _error(503, "the engine is not running")
-            ereq = engine_request(chat, text, reply, rid)
-        except _HTTPError as exc:
-            return _error(exc.status, exc.message)
-        if ereq.output_tokens < reply.n_tokens and not reply.tool_calls:
-            reply = Reply(
-                reply.tokens[: ereq.output_tokens], ereq.output_tokens, "length", (), reply.labels
-            )
-        pending = driver.submit(ereq)
-        events = _ResponseEvents(rid, chat, reply)
-        if chat.stream:
-            return StreamingResponse(stream(driver, pending, rid, events, reply), media_type=_SSE)
-        try:
-            if not await client_stayed(request, pending.done):
-                return Response(status_code=499)
-            done = pending.done.result()
-        finally:
-            driver.cancel(rid)
-        return _json(
-            events.response(_usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens))
-        )
+        llama.cpp and Ollama serve it."""
+
+        def events(rid: str, chat: _Chat, reply: Reply, prompt: int) -> _ResponseEvents:
+            return _ResponseEvents(rid, chat, reply)
+
+        return await other_api(request, _from_responses, "resp_", events, _error)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:

@@ -130,6 +130,18 @@ def upstream(
     return app
 
 
+def models_only() -> FastAPI:
+    """A hosted OpenAI-compatible API as far as the probe sees it (`/v1/models`), with
+    no route of the API under test: add the ones a test needs."""
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return Response(json.dumps({"object": "list", "data": []}), media_type="application/json")
+
+    return app
+
+
 def chat(content: str = "Hello there", **kw: Any) -> dict[str, Any]:
     return {"model": MODEL, "messages": [{"role": "user", "content": content}], **kw}
 

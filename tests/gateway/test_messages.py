@@ -11,9 +11,9 @@ from typing import Any
 import anthropic
 import httpx
 import pytest
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
-from harness import MODEL, RUN, endpoint, engine, gateway, until
+from harness import MODEL, RUN, endpoint, engine, gateway, models_only, until
 
 from gateway._proxy import MessagesWatch
 from gateway._shell import AdmissionShell
@@ -183,21 +183,10 @@ async def test_malformed_requests_are_anthropic_shaped_400s(body: bytes, message
                 await claude.messages.create(model=MODEL, max_tokens=5, messages=[])
 
 
-def hosted(request: Request) -> Response:
-    return Response(json.dumps({"object": "list", "data": []}), media_type="application/json")
-
-
-def openai_only() -> FastAPI:
-    """A hosted OpenAI-compatible API that has no Anthropic routes."""
-    app = FastAPI()
-    app.get("/v1/models")(hosted)
-    return app
-
-
 async def test_a_model_any_replica_of_which_lacks_the_api_is_refused_before_queueing() -> None:
     async with (
         engine(time_scale=50) as (url, recorder),
-        serve(openai_only()) as other,
+        serve(models_only()) as other,
         gateway(endpoint("engine", url), endpoint("hosted", other, kind="openai")) as (gw, shell),
     ):
         body = {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}
@@ -214,7 +203,7 @@ async def test_a_model_any_replica_of_which_lacks_the_api_is_refused_before_queu
 async def test_count_tokens_is_passed_to_a_replica_and_is_no_turn() -> None:
     async with (
         engine(time_scale=50) as (url, recorder),
-        serve(openai_only()) as other,
+        serve(models_only()) as other,
         gateway(
             endpoint("a", url),
             endpoint("b", other, kind="openai", models=("other",), messages=True),
@@ -266,7 +255,7 @@ async def test_an_engines_error_fails_the_turn_and_reaches_the_client(
     how: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("HOSTED_KEY", "hosted-key")
-    app, seen = openai_only(), []
+    app, seen = models_only(), []
     app.post("/v1/messages")(failing(how, seen))
     async with serve(app) as url:
         hosted = endpoint("a", url, kind="openai", messages=True, api_key_env="HOSTED_KEY")

@@ -9,9 +9,9 @@ from typing import Any
 
 import openai
 import pytest
-from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
-from harness import MODEL, RUN, endpoint, engine, gateway
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from harness import MODEL, RUN, endpoint, engine, gateway, models_only
 from openai.types.responses import Response as OpenAIResponse
 
 from gateway._proxy import ResponsesWatch
@@ -105,20 +105,10 @@ def metric(text: str, name: str) -> float:
     return sum(float(m) for m in re.findall(rf"^{name}\{{[^}}]*\}} (\S+)$", text, re.M))
 
 
-def no_responses() -> FastAPI:
-    app = FastAPI()
-
-    @app.get("/v1/models")
-    async def models() -> Response:
-        return Response(json.dumps({"object": "list", "data": []}), media_type="application/json")
-
-    return app
-
-
 async def test_bad_input_and_a_model_lacking_the_api_are_refused_before_queueing() -> None:
     async with (
         engine(time_scale=50) as (url, recorder),
-        serve(no_responses()) as other,
+        serve(models_only()) as other,
         gateway(endpoint("engine", url), endpoint("hosted", other, kind="openai")) as (gw, shell),
     ):
         for body, status, message in (
@@ -285,7 +275,7 @@ def failing_stream(request: Request) -> StreamingResponse:
 
 
 async def test_an_error_in_a_200_stream_fails_the_turn_as_the_engines_fault() -> None:
-    app = no_responses()
+    app = models_only()
     app.post("/v1/responses")(failing_stream)
     async with (
         serve(app) as url,
