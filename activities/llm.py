@@ -3,7 +3,7 @@
 The turn goes to `/v1/chat/completions` as the run's turn (`x-luftpause-run-id` = the
 workflow id, with its class and caller), so the gateway keeps the run on the replica
 that holds its prefix.  There are no client-side retries: a failed attempt raises and
-Temporal's retry policy decides, with the gateway's `Retry-After` as the next delay.
+Temporal's retry policy decides, with the gateway's `Retry-After` as a floor under its delay.
 While the turn is held in the gateway's queue or generating, the activity heartbeats,
 so a dead worker is noticed within the heartbeat timeout, not the 10-minute turn limit.
 With tracing on, the turn carries the activity span's `traceparent`, so the gateway's
@@ -52,6 +52,21 @@ def _retry_after(response: httpx.Response) -> timedelta | None:
         return timedelta(seconds=max(0.0, float(value)))
     except ValueError:
         return None  # an HTTP date: leave the delay to the retry policy
+
+
+def _next_delay(response: httpx.Response) -> timedelta | None:
+    """The gateway's `Retry-After` as a floor under the retry policy's own backoff, not
+    in place of it: a server that keeps answering "1 s" (the gateway's 429 to a caller
+    over its held bound) must not turn the backoff into polling once a second."""
+    after = _retry_after(response)
+    info = activity.info()
+    policy = info.retry_policy
+    if after is None or policy is None:
+        return after
+    backoff = policy.initial_interval * policy.backoff_coefficient ** (info.attempt - 1)
+    if policy.maximum_interval is not None:
+        backoff = min(backoff, policy.maximum_interval)
+    return max(after, backoff)
 
 
 @contextlib.asynccontextmanager
@@ -131,7 +146,7 @@ class LlmActivities:
                 message,
                 type=f"Http{response.status_code}",
                 non_retryable=response.status_code in _PERMANENT,
-                next_retry_delay=_retry_after(response),
+                next_retry_delay=_next_delay(response),
             )
         return self._output(turn, response, time.monotonic() - started)
 

@@ -456,6 +456,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             clock=rt.loop.time,
             receive=request.receive,
             answer_timeout=engine_idle_s,
+            retry_after=retry_after,
         )
         tracer = telemetry.tracer()
         if tracer is None:

@@ -27,6 +27,7 @@ from starlette.types import Receive
 from gateway._http import describe_http_error, wait_disconnect
 from gateway._proxy import (
     ENGINE_IDLE_TIMEOUT_S,
+    UNAVAILABLE_RETRY_AFTER_S,
     StreamWatch,
     TurnRequest,
     engine_fault,
@@ -313,6 +314,7 @@ async def run_turn(
     clock: Callable[[], float],
     receive: Receive,
     answer_timeout: float = ENGINE_IDLE_TIMEOUT_S,
+    retry_after: str = UNAVAILABLE_RETRY_AFTER_S,
 ) -> Response | dict[str, Any]:
     """One non-streaming chat turn through the core: held until admitted, posted to the
     admitted replica; its parsed JSON answer, or the response for the client.  Exactly one
@@ -339,7 +341,9 @@ async def run_turn(
             return error_response(_CLIENT_LEFT, "client disconnected while held", turn.run_id)
         if isinstance(outcome, Rejected):
             ended = True  # never queued: nothing to report
-            return error_response(outcome.status, outcome.message, turn.run_id)
+            return error_response(
+                outcome.status, outcome.message, turn.run_id, retry_after=retry_after
+            )
         endpoint = endpoints[outcome]
         headers = {
             "content-type": turn.content_type,
@@ -427,8 +431,10 @@ async def decide(
     clock: Callable[[], float],
     receive: Receive,
     answer_timeout: float = ENGINE_IDLE_TIMEOUT_S,
+    retry_after: str = UNAVAILABLE_RETRY_AFTER_S,
 ) -> Response:
-    """Answer one validated `/v1/decide` request (see the module docstring)."""
+    """Answer one validated `/v1/decide` request (see the module docstring).
+    `retry_after`: a 503's (the gateway's probe period)."""
     if request.labels is None:
         return await _by_classifier(request, classifiers, client, run_id, answer_timeout)
     model = request.model
@@ -458,6 +464,7 @@ async def decide(
             clock=clock,
             receive=receive,
             answer_timeout=answer_timeout,
+            retry_after=retry_after,
         )
     finally:
         shell.apply(RunEnded(now=clock(), run_id=run_id))

@@ -119,6 +119,14 @@ class GatewayMetrics:
         self.turns = Counter(
             "luftpause_turns", "Turns ended, by outcome", ["outcome"], registry=self.registry
         )
+        # Which refusal: 404 (no replica serves the model), 503 (none healthy), 429 (a
+        # caller over max_held_per_caller).
+        self.rejected = Counter(
+            "luftpause_rejected_turns",
+            "Turns refused before queueing, by HTTP status",
+            ["status"],
+            registry=self.registry,
+        )
         # Per replica: a replica that fails every turn while its health check passes
         # shows here first.  Turns that reached no replica (rejected, abandoned while
         # held) are in luftpause_turns only.
@@ -202,6 +210,7 @@ class GatewayMetrics:
                 placed[action.run_id] = action.replica
             elif isinstance(action, Reject):
                 self.turns.labels("rejected").inc()
+                self.rejected.labels(str(action.status)).inc()
             elif isinstance(action, Ejected):
                 self.ejections.labels(action.replica).inc()
             elif isinstance(action, TimedOut):

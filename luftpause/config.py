@@ -45,8 +45,8 @@ kv_fill = 0.8            # with kv_tokens: the pool share bound runs may fill
 batch_kv_fill = 0.7      # ... batch runs; 1.0 = as kv_fill
 kv_retention_s = 60.0
 lane_batch_kv_fill = "off"   # a share (0-1) turns interactive lanes on
-max_held_per_caller = "off"  # a number: a caller with that many turns held gets 429 for
-                             # new work (a run in progress is never refused)
+max_held_per_caller = "off"  # a number: a caller with that many turns of a class held
+                             # gets 429 for new work of it (a run in progress never)
 ```
 Top-level keys (TOML puts them before the first table): `gateway_url`, where
 sub-agents' LLM turns go (default http://127.0.0.1:8080).

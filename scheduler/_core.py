@@ -20,8 +20,9 @@ Rules (DESIGN.md "The scheduler"), stated once, enforced here and nowhere else:
    `Policy.kv_fill`).
 5. Held turns are taken interactive first, then the caller with the fewest turns in
    flight, then arrival order.  A held turn waits until placed or abandoned.  With
-   `Policy.max_held_per_caller`, a caller with that many turns held is refused (429) a
-   turn that would start or resume an idle run; a run in progress is never refused.
+   `Policy.max_held_per_caller`, a caller with that many turns of a class held is
+   refused (429) a turn of that class that would start or resume an idle run; a run in
+   progress (that the core knows) is never refused.
 6. A run that is not yet bound to a replica is admitted there only while the KV working
    set of the runs bound to it fits the replica's pool (program-level admission), so
    the prefix caches of paused runs survive.  A paused run's claim on the pool lapses
@@ -432,12 +433,14 @@ class _Tx:
             )
             return
         limit = self.policy.max_held_per_caller
-        if limit is not None and self._held_of(ev.caller) >= limit:
+        held = 0 if limit is None else self._held_of(ev.caller, ev.service_class)
+        if limit is not None and held >= limit:
             run = self.runs.get(ev.run_id)
             if run is None or not run.keeps_replica:
                 message = (
-                    f"caller '{ev.caller}' has {limit} turns waiting for admission "
-                    "(max_held_per_caller); retry later (a run in progress is never refused)"
+                    f"caller '{ev.caller}' has {held} {ev.service_class.value} turns waiting "
+                    f"for admission (max_held_per_caller = {limit}); retry later (a run in "
+                    "progress is never refused)"
                 )
                 self.actions.append(Reject(turn_id=ev.turn_id, status=429, message=message))
                 return
@@ -998,12 +1001,15 @@ class _Tx:
                 batch_ws=-_batch_claim(run),
             )
 
-    def _held_of(self, caller: str) -> int:
-        """The caller's held turns (a few buckets: its model's, its runs' replicas')."""
+    def _held_of(self, caller: str, service_class: ServiceClass) -> int:
+        """The caller's held turns of a class (a few buckets: its model's, its runs'
+        replicas')."""
         c = self.callers.get(caller)
         if c is None:
             return 0
-        return sum(len(self.buckets[k].queues.get(caller, ())) for k in c.buckets)
+        return sum(
+            len(self.buckets[k].queues.get(caller, ())) for k in c.buckets if k[2] is service_class
+        )
 
     def _hold(self, t: TurnState, key: BucketKey) -> None:
         t = t._replace(bucket=key)

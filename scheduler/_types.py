@@ -86,9 +86,11 @@ class Policy:
     # its health check passes.  Its runs move.  None: never.
     eject_after_failures: int | None = 5
     eject_for_s: float = 30.0
-    # Intake bound (the SGLang router's --queue-size, per caller): a caller with this many
-    # turns held gets 429 for a turn that would start or resume an idle run; a turn of a
-    # run in progress (generating, paused on a tool, retrying) is never refused.
+    # Intake bound (the SGLang router's --queue-size, per caller and class): a caller with
+    # this many turns of a class held gets 429 for a turn of that class that would start
+    # or resume an idle run (its batch backlog does not refuse its interactive work); a
+    # turn of a run in progress (generating, paused on a tool, retrying) is never refused,
+    # while the core knows the run (not after idle_run_expiry_s, or a gateway restart).
     # None: no bound, as DESIGN.md has it (a held turn waits until placed or abandoned).
     max_held_per_caller: int | None = None
     # Interactive lanes: a new interactive run goes to the replica that already holds the

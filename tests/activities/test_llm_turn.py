@@ -3,6 +3,7 @@ ActivityEnvironment: what it sends, and how each failure is raised for the retry
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from datetime import timedelta
 from typing import Any
@@ -19,6 +20,7 @@ from activities._arguments import ArgumentsError, expected_shape, prepare_argume
 from activities._recover import recover_tool_calls
 from testkit.loopback import serve
 from tests.gateway.harness import closed_port_url, upstream
+from workflows.agent_run import RETRY
 
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
 
@@ -34,10 +36,12 @@ def turn(**kw: Any) -> TurnInput:
     return TurnInput(**{**base, **kw})
 
 
-async def call(app: Any, t: TurnInput, token: str | None = None) -> Any:
+async def call(
+    app: Any, t: TurnInput, token: str | None = None, env: ActivityEnvironment | None = None
+) -> Any:
     async with serve(app) as url, httpx.AsyncClient() as http:
         llm = LlmActivities(http, base_url=url, token=token, heartbeat_every_s=0.05)
-        return await ActivityEnvironment().run(llm.llm_turn, t)
+        return await (env or ActivityEnvironment()).run(llm.llm_turn, t)
 
 
 def completion(message: dict[str, Any], finish: str = "stop") -> Response:
@@ -92,6 +96,22 @@ async def test_retry_after_becomes_the_next_retry_delay() -> None:
     assert err.value.next_retry_delay == timedelta(seconds=7)
     assert not err.value.non_retryable
     assert "429: slow down" in str(err.value)
+
+
+async def test_retry_after_is_a_floor_under_the_backoff_not_a_replacement() -> None:
+    # The gateway's own 429 (a caller over max_held_per_caller) always says 1 s; the
+    # fourth attempt still waits as the policy's backoff says (1 s doubling, 10 s most).
+    app = upstream(
+        lambda r: Response(json.dumps({"error": {"message": "held"}}), 429, {"retry-after": "1"})
+    )
+    delays = []
+    for attempt in (1, 4, 9):
+        env = ActivityEnvironment()
+        env.info = dataclasses.replace(env.info, attempt=attempt, retry_policy=RETRY)
+        with pytest.raises(ApplicationError) as err:
+            await call(app, turn(), env=env)
+        delays.append(err.value.next_retry_delay)
+    assert delays == [timedelta(seconds=s) for s in (1, 8, 10)]
 
 
 @pytest.mark.parametrize("status", [400, 404, 422])

@@ -283,3 +283,14 @@ async def test_bad_requests_and_auth() -> None:
             assert denied.status_code == 401 and denied.headers[RUN]
         ok = await gw.post("/v1/decide", json=body, headers=auth)
         assert ok.status_code == 200 and ok.json()["label"] in ("yes", "no")
+
+
+async def test_no_healthy_replica_is_a_503_that_says_when_the_next_probe_is() -> None:
+    async with gateway(
+        endpoint("down", closed_port_url()),
+        probe_period=None,
+        sections={"probes": {"period_s": 4.2}},
+    ) as (gw, _):
+        r = await gw.post("/v1/decide", json={"input": "hi", "labels": ["yes", "no"]})
+        assert (r.status_code, r.headers["retry-after"]) == (503, "5")
+        assert "no healthy replica serves model" in r.json()["error"]["message"]

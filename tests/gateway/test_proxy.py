@@ -468,7 +468,7 @@ async def test_a_caller_over_the_files_held_bound_gets_429_for_new_work() -> Non
         r = await gw.post("/v1/chat/completions", json=chat("2"), headers=x)
         assert (r.status_code, r.headers["retry-after"]) == (429, "1")
         assert r.json()["error"]["message"].startswith(
-            "caller 'x' has 1 turns waiting for admission (max_held_per_caller)"
+            "caller 'x' has 1 interactive turns waiting for admission (max_held_per_caller = 1)"
         )
         assert re.fullmatch("[0-9a-f]{32}", r.headers[RUN])
         body = {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "3"}]}
@@ -479,7 +479,9 @@ async def test_a_caller_over_the_files_held_bound_gets_429_for_new_work() -> Non
         held.append(asyncio.create_task(gw.post("/v1/chat/completions", json=chat(), headers=y)))
         await until(lambda: shell.state.held_count() == 2, "y's turn held")
         assert [r.status_code for r in await asyncio.gather(*long, *held)] == [200] * 4
-        assert 'luftpause_turns_total{outcome="rejected"} 2.0' in (await gw.get("/metrics")).text
+        text = (await gw.get("/metrics")).text
+        assert 'luftpause_turns_total{outcome="rejected"} 2.0' in text
+        assert 'luftpause_rejected_turns_total{status="429"} 2.0' in text
         assert len(counted.posts) == 4  # the refused turns never reached the engine
 
 

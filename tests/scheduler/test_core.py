@@ -917,8 +917,8 @@ def test_a_caller_over_its_held_bound_is_refused_new_work_never_a_run_in_progres
         Reject(
             turn_id=refused,
             status=429,
-            message="caller 'alice' has 2 turns waiting for admission (max_held_per_caller); "
-            "retry later (a run in progress is never refused)",
+            message="caller 'alice' has 2 interactive turns waiting for admission "
+            "(max_held_per_caller = 2); retry later (a run in progress is never refused)",
         )
     ]
     assert refused not in d.state.turns and "new2" not in d.state.runs
@@ -933,3 +933,21 @@ def test_a_caller_over_its_held_bound_is_refused_new_work_never_a_run_in_progres
     assert [a.status for a in d.actions if isinstance(a, Reject)] == [429]
     d.feed(TurnAbandoned(now=d.step(), turn_id=back))
     assert d.arrive("new4", caller="alice") in d.held_ids()
+    # The bound is per class: her batch work has a bound of its own.
+    assert d.arrive("nightly", ServiceClass.BATCH, caller="alice") in d.held_ids()
+
+
+def test_the_retry_of_a_failed_turn_is_a_run_in_progress_under_the_held_bound() -> None:
+    d = Driver(("a",), policy=Policy(max_held_per_caller=1))
+    d.cap("a", 1)
+    t = d.arrive("r", caller="alice")
+    waiting = d.arrive("other", caller="alice")  # alice is at her bound now
+    d.feed(TurnFailed(now=d.step(), turn_id=t, reason="x"))
+    assert d.admitted() == {waiting: "a"}
+    held = d.arrive("other2", caller="alice")
+    # The failed run's retry comes back (it is retrying on its replica), however many
+    # of alice's turns wait; a new run of hers does not.
+    retry = d.arrive("r", caller="alice")
+    assert {held, retry} <= d.held_ids()
+    d.arrive("new", caller="alice")
+    assert [a.status for a in d.actions if isinstance(a, Reject)] == [429]
