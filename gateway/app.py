@@ -322,7 +322,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         bad_run = bool(header_run) and not _RUN_ID.fullmatch(header_run)
         fallback_run = header_run if header_run and not bad_run else _new_id()
         if not authorized(request, api_key=anthropic):
-            return error_response(401, _NO_TOKEN, fallback_run, anthropic=anthropic)
+            message = _NO_KEY if anthropic else _NO_TOKEN
+            return error_response(401, message, fallback_run, anthropic=anthropic)
         if bad_run:
             message = f"{RUN_HEADER}: expected 1 to 128 printable ASCII characters other than /"
             return error_response(400, message, fallback_run, anthropic=anthropic)
@@ -398,9 +399,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         (no turn: nothing is generated).  An engine without the route answers 404,
         which Claude Code takes as "not supported"."""
         rt = running()
-        run_id = _named_run(request.scope)
+        run_id = ""  # no turn, no run: its answers carry no run id
         if not authorized(request, api_key=True):
-            return error_response(401, _NO_TOKEN, run_id, anthropic=True)
+            return error_response(401, _NO_KEY, run_id, anthropic=True)
         raw = await _body(request, config.max_request_bytes)
         if raw is None:
             return _too_large(config.max_request_bytes, run_id, anthropic=True)
@@ -410,7 +411,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             return error_response(exc.status, exc.message, run_id, anthropic=True)
         serving = [e for e in endpoints.values() if model in e.models]
         if not serving:
-            message = f"no Generative replica serves model '{model}'"
+            message = f"no Generative replica serves model '{model}' (served: {', '.join(models)})"
             return error_response(404, message, run_id, anthropic=True)
         target = _healthy_first(serving, rt.prober)[0]
         headers = {
@@ -430,7 +431,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             message = f"engine {target.name}: {type(exc).__name__}: {exc}"
             return error_response(502, message, run_id, anthropic=True)
         kept = {k: v for k, v in answer.headers.items() if k in ("content-type", "retry-after")}
-        return Response(answer.content, answer.status_code, headers={RUN_HEADER: run_id, **kept})
+        return Response(answer.content, answer.status_code, headers=kept)
 
     @app.post("/v1/decide")
     async def decide_label(request: Request) -> Response:
@@ -568,6 +569,13 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             return error_response(401, _NO_TOKEN, _new_id(), anthropic=anthropic)
         allow = _ALLOWED.get(path) or ("DELETE" if path.startswith("/v1/runs/") else None)
         message = f"luftpause does not serve {request.method} {path}; it serves {_SERVED}"
+        if path.startswith("/v1/v1/"):
+            anthropic = path.startswith("/v1" + MESSAGES_PATH)
+            message = (
+                f"luftpause does not serve {request.method} {path}: the client adds /v1 "
+                "itself, so its base URL is the gateway's root (an Anthropic client's, as "
+                "ANTHROPIC_BASE_URL), without /v1"
+            )
         if allow is None:
             return error_response(404, message, _new_id(), anthropic=anthropic)
         response = error_response(405, message, _new_id(), anthropic=anthropic)
@@ -692,6 +700,8 @@ _ALLOWED = {
     "/v1/models": "GET",
 }
 _NO_TOKEN = "missing or wrong bearer token"
+# On the Anthropic door, where clients send their key in x-api-key or as a bearer token.
+_NO_KEY = "missing or wrong token: the gateway's token, in x-api-key or as a bearer token"
 # Anthropic API headers an engine reads, passed on from the client.
 _ANTHROPIC_HEADERS = ("anthropic-version", "anthropic-beta")
 

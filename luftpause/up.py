@@ -345,6 +345,8 @@ def _banner(where: dict[str, str], token: str | None) -> str:
             "",
             "Connect:",
             f"  Claude Code:      claude mcp add --transport http luftpause {mcp}{auth}",
+            f"    its own turns:  ANTHROPIC_BASE_URL={gw} and the model variables in the README",
+            f"  Codex:            a model provider, base_url={gw}/v1, wire_api=responses",
             f"  own-loop agents:  base_url={gw}/v1  with headers x-luftpause-run-id,",
             "                    x-luftpause-class (interactive|batch), x-luftpause-caller",
             "",

@@ -412,7 +412,8 @@ class _Tx:
                 Reject(
                     turn_id=ev.turn_id,
                     status=404,
-                    message=f"no Generative replica serves model '{ev.model}'",
+                    message=f"no Generative replica serves model '{ev.model}' "
+                    f"(served: {', '.join(self.models) or 'none'})",
                 )
             )
             return

@@ -139,7 +139,11 @@ async def test_the_api_key_header_carries_the_token_and_neither_reaches_the_engi
         assert wrong.status_code == 401
         assert wrong.json() == {
             "type": "error",
-            "error": {"type": "authentication_error", "message": "missing or wrong bearer token"},
+            "error": {
+                "type": "authentication_error",
+                "message": "missing or wrong token: the gateway's token, in x-api-key or as "
+                "a bearer token",
+            },
         }
         # Other methods on the Anthropic paths: its key, its error shape.
         r = await gw.get("/v1/messages", headers={"x-api-key": "s3cret"})
@@ -197,7 +201,13 @@ async def test_a_model_any_replica_of_which_lacks_the_api_is_refused_before_queu
         assert recorder.posts == [] and not shell.state.turns
         unknown = await gw.post("/v1/messages", json=body | {"model": "nope"})
         assert unknown.status_code == 404
-        assert unknown.json()["error"]["message"] == "no Generative replica serves model 'nope'"
+        assert unknown.json()["error"]["message"] == (
+            f"no Generative replica serves model 'nope' (served: {MODEL})"
+        )
+        # A client's base URL with /v1, where the client adds it: said so, in its shape.
+        r = await gw.post("/v1/v1/messages", json=body)
+        assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+        assert "its base URL is the gateway's root" in r.json()["error"]["message"]
 
 
 async def test_count_tokens_is_passed_to_a_replica_and_is_no_turn() -> None:
@@ -218,6 +228,10 @@ async def test_count_tokens_is_passed_to_a_replica_and_is_no_turn() -> None:
         assert not shell.state.turns and not shell.state.runs
         (_, headers, _) = recorder.posts[0]
         assert "x-api-key" not in headers and "authorization" not in headers
+        raw = await claude.messages.with_raw_response.count_tokens(
+            model=MODEL, messages=[{"role": "user", "content": "x"}]
+        )
+        assert RUN not in raw.headers  # no turn, no run
         # An engine without the route answers 404, which Claude Code reads as "not
         # supported" (a made-up count would stop its compaction).
         with pytest.raises(anthropic.NotFoundError):

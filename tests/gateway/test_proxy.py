@@ -753,7 +753,9 @@ async def test_unknown_model_is_404_before_queueing() -> None:
     async with engine(instant=True) as (url, counted), gateway(endpoint("a", url)) as (gw, shell):
         r = await gw.post("/v1/chat/completions", json={**chat(), "model": "gpt-9"})
         assert r.status_code == 404
-        assert r.json() == {"error": {"message": "no Generative replica serves model 'gpt-9'"}}
+        assert r.json() == {
+            "error": {"message": f"no Generative replica serves model 'gpt-9' (served: {MODEL})"}
+        }
         assert RUN in r.headers
         assert not counted.chats and not shell.state.turns
 

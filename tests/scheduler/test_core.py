@@ -137,7 +137,9 @@ def test_unknown_model_is_rejected_404_before_queueing() -> None:
     d = Driver()
     tid = d.arrive("r1", model="nope")
     assert d.actions == [
-        Reject(turn_id=tid, status=404, message="no Generative replica serves model 'nope'")
+        Reject(
+            turn_id=tid, status=404, message="no Generative replica serves model 'nope' (served: m)"
+        )
     ]
     assert tid not in d.state.turns
     assert d.state.held_count() == 0
