@@ -22,7 +22,7 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 from urllib.parse import urlsplit
 
 from opentelemetry.trace import Span, SpanKind, StatusCode, Tracer, set_span_in_context
@@ -34,7 +34,7 @@ from gateway._http import Upstream, UpstreamAnswer, UpstreamError, wait_disconne
 from gateway._shell import Admission, AdmissionShell, Rejected
 from gateway.prober import PROBE_PERIOD_S, auth_headers
 from luftpause import telemetry
-from luftpause.config import Endpoint
+from luftpause.config import Api, Endpoint
 from luftpause.headers import RUN_HEADER
 from scheduler import (
     Event,
@@ -49,7 +49,6 @@ from scheduler import (
 
 __all__ = [
     "RUN_HEADER",
-    "Api",
     "MessagesWatch",
     "ResponsesWatch",
     "StreamWatch",
@@ -256,8 +255,7 @@ class StreamWatch:
         if error is None and obj.get("object") == "error":
             error = obj  # older vLLM: the error object itself is the event
         if self._sse and error is not None and self.error is None:
-            message = error.get("message") if isinstance(error, dict) else error
-            self.error = str(message or error)[:200]
+            self.error = _error_text(error)
         if self._tools and not self._sse:
             self._content += _texts(obj)  # a JSON body: its message's text
         usage = obj.get("usage")
@@ -372,9 +370,8 @@ class MessagesWatch(StreamWatch):
             if self.error is None:
                 data = line[5:].strip()
                 obj = _loads(data)
-                inner = obj.get("error", obj) if isinstance(obj, dict) else obj
-                message = inner.get("message") if isinstance(inner, dict) else None
-                self.error = str(message or data.decode("utf-8", "replace"))[:200]
+                inner = obj.get("error", obj) if isinstance(obj, dict) else None
+                self.error = _error_text(inner, data.decode("utf-8", "replace"))
             return
         super()._line(line)
 
@@ -384,9 +381,7 @@ class MessagesWatch(StreamWatch):
         kind = obj.get("type")
         if kind == "error":
             if self._sse and self.error is None:
-                error = obj.get("error")
-                message = error.get("message") if isinstance(error, dict) else error
-                self.error = str(message or error)[:200]
+                self.error = _error_text(obj.get("error"))
             return
         message = obj.get("message") if kind == "message_start" else obj
         if not isinstance(message, dict):
@@ -449,10 +444,8 @@ class ResponsesWatch(StreamWatch):
         kind = obj.get("type")
         if kind == "error" or (kind is None and obj.get("error") is not None):
             if self._sse and self.error is None:
-                inner = obj.get("error")
-                message = inner.get("message") if isinstance(inner, dict) else inner
-                self.error = str(message or obj.get("message") or obj.get("code") or "error")
-                self.error = self.error[:200]
+                fallback = obj.get("message") or obj.get("code") or "error"
+                self.error = _error_text(obj.get("error"), fallback)
             return
         if kind == "response.output_item.done":
             self._call(obj.get("item"))
@@ -464,9 +457,7 @@ class ResponsesWatch(StreamWatch):
             return
         status = response.get("status")
         if status == "failed" and self._sse and self.error is None:
-            error = response.get("error")
-            message = error.get("message") if isinstance(error, dict) else None
-            self.error = str(message or "the response failed")[:200]
+            self.error = _error_text(response.get("error"), "the response failed")
         usage = response.get("usage")
         if isinstance(usage, dict):
             # (Older SGLang builds named them as Chat Completions does.)
@@ -541,6 +532,13 @@ def _is_added_usage(event: bytes) -> bool:
     return (b'"choices":[]' in event or b'"choices": []' in event) and b'"usage"' in event
 
 
+def _error_text(error: object, fallback: object = None) -> str:
+    """What an engine's error says: an error object's `message`, else the error itself,
+    else `fallback`; cut to 200 characters (it goes into a log line and a span)."""
+    message = error.get("message") if isinstance(error, dict) else error
+    return str(message or fallback or error)[:200]
+
+
 def _loads(data: bytes) -> object:
     try:
         return json.loads(data)
@@ -555,15 +553,9 @@ def _int(value: object, default: int) -> int:
 # --------------------------------------------------------------------------- a turn
 
 
-# The API a turn speaks: OpenAI Chat Completions, Anthropic Messages (Claude Code's), or
-# OpenAI Responses (Codex's).
-Api = Literal["chat", "messages", "responses"]
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TurnRequest:
-    """A validated chat completion (or Anthropic Messages) request, as the proxy
-    forwards it."""
+    """A validated turn of one of the APIs (`api`), as the proxy forwards it."""
 
     turn_id: str
     run_id: str
@@ -763,10 +755,7 @@ class TurnResponse(Response):
         if self._trace is not None:
             headers += self._trace.forwarding(replica, endpoint)
         leave = _CancelOnLeave(disconnected, lambda: self._complete)
-        if t.api == "chat":
-            url = endpoint.chat_url
-        else:
-            url = endpoint.messages_url if t.api == "messages" else endpoint.responses_url
+        url = endpoint.api_url(t.api)
         body = t.body
         if t.usage_body is not None and endpoint.kind in USAGE_ASKED_OF:
             body = t.usage_body

@@ -36,7 +36,7 @@ from temporalio.client import Client as TemporalClient
 
 from activities.mcp_pool import McpPool
 from gateway._http import Upstream
-from gateway._proxy import Api, TurnRequest, TurnResponse, error_response
+from gateway._proxy import TurnRequest, TurnResponse, error_response
 from gateway._shell import AdmissionShell
 from gateway.decide import DecideError, decide, decide_request, parse_decide
 from gateway.mcp_door import DoorDeps, create_mcp_server
@@ -44,9 +44,9 @@ from gateway.metrics import GatewayMetrics
 from gateway.prober import Prober, ProbeResult, auth_headers
 from gateway.status import render_status_page, status_snapshot, sub_agent_tree
 from luftpause import telemetry
-from luftpause.config import Config, Endpoint
+from luftpause.config import Api, Config, Endpoint
 from luftpause.headers import CALLER_HEADER, CLASS_HEADER, RUN_HEADER, caller_name
-from scheduler import Policy, RunEnded, ServiceClass, State, Tick
+from scheduler import Policy, RunEnded, ServiceClass, State, Tick, unknown_model
 from workflows import Runs
 
 __all__ = [
@@ -121,7 +121,7 @@ class _NotRunning(Exception):
 
 class _Gateway(FastAPI):
     """FastAPI with one shortcut: the paths of turns (`POST /v1/chat/completions`,
-    `POST /v1/messages`) go straight to their handlers, past FastAPI's middleware,
+    `/v1/responses`, `/v1/messages`) go straight to their handlers, past FastAPI's middleware,
     routing and dependency layers (about a sixth of the gateway's CPU per turn in a
     profile).  The handlers stay registered as routes too, so everything else about
     them is unchanged."""
@@ -136,13 +136,10 @@ class _Gateway(FastAPI):
             except ClientDisconnect:  # left while sending its request: nobody to answer
                 return
             except _NotRunning as exc:
-                anthropic = scope["path"] == MESSAGES_PATH
-                response = error_response(503, str(exc), _named_run(scope), anthropic=anthropic)
+                response = _failed(scope, 503, str(exc))
             except Exception:  # past FastAPI's handlers: answer as they would, in JSON
                 log.exception("turn handler failed")
-                message = "internal error in the gateway (logged)"
-                anthropic = scope["path"] == MESSAGES_PATH
-                response = error_response(500, message, _named_run(scope), anthropic=anthropic)
+                response = _failed(scope, 500, "internal error in the gateway (logged)")
             await response(scope, receive, send)
             return
         if scope["type"] == "http" and scope["path"] == MCP_PATH:
@@ -157,6 +154,17 @@ _SERVED = (
     f"POST {COUNT_TOKENS_PATH}, "
     "GET /v1/models, POST /v1/decide, DELETE /v1/runs/{run id}"
 )
+
+
+def _anthropic(path: str) -> bool:
+    """A path of the Anthropic API (also under a base URL that repeats /v1): its errors
+    come in its shape, and its token may come in x-api-key."""
+    return path.startswith((MESSAGES_PATH, "/v1" + MESSAGES_PATH))
+
+
+def _failed(scope: Scope, status: int, message: str) -> Response:
+    """A turn that failed in the gateway itself, in its API's error shape."""
+    return error_response(status, message, _named_run(scope), anthropic=_anthropic(scope["path"]))
 
 
 class _BadRequest(Exception):
@@ -252,7 +260,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         key = request.headers.get("x-api-key") if api_key else None
         return key is not None and hmac.compare_digest(key.strip().encode("latin-1"), token)
 
-    def unauthorized(run_id: str) -> Response:
+    def unauthorized(run_id: str, *, anthropic: bool = False) -> Response:
+        if anthropic:  # where Anthropic clients may send it
+            return error_response(401, _NO_KEY, run_id, anthropic=True)
         return error_response(401, _NO_TOKEN, run_id)
 
     async def mcp_gate(scope: Scope, receive: Receive, send: Send) -> None:
@@ -275,8 +285,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             return error_response(503, str(exc), "")
         in_path = str(request.path_params.get("run_id", ""))  # DELETE /v1/runs/{run_id}
         run = in_path if _RUN_ID.fullmatch(in_path) else _named_run(request.scope)
-        anthropic = request.url.path.startswith(MESSAGES_PATH)
-        return error_response(503, str(exc), run, anthropic=anthropic)
+        return error_response(503, str(exc), run, anthropic=_anthropic(request.url.path))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -294,13 +303,13 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     # Per API other than Chat Completions, per model: its replicas that do not serve it
     # (a turn may be placed on any replica of its model, so such a model is refused).
-    lacking: dict[str, dict[str, list[str]]] = {"messages": {}, "responses": {}}
-    for e in endpoints.values():
-        for m in e.models:
-            for api, served in (("messages", e.serves_messages), ("responses", e.serves_responses)):
-                lacking[api].setdefault(m, [])
-                if not served:
-                    lacking[api][m].append(e.name)
+    lacking: dict[Api, dict[str, list[str]]] = {
+        api: {
+            m: [e.name for e in endpoints.values() if m in e.models and not e.serves(api)]
+            for m in models
+        }
+        for api in ("messages", "responses")
+    }
     # A turn refused for want of a healthy replica may look again after the next probe.
     retry_after = str(math.ceil(settings.probe_period or config.probes.period_s))
     # Replicas whose Anthropic usage counts cached tokens in `input_tokens`: SGLang, or a
@@ -322,8 +331,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         bad_run = bool(header_run) and not _RUN_ID.fullmatch(header_run)
         fallback_run = header_run if header_run and not bad_run else _new_id()
         if not authorized(request, api_key=anthropic):
-            message = _NO_KEY if anthropic else _NO_TOKEN
-            return error_response(401, message, fallback_run, anthropic=anthropic)
+            return unauthorized(fallback_run, anthropic=anthropic)
         if bad_run:
             message = f"{RUN_HEADER}: expected 1 to 128 printable ASCII characters other than /"
             return error_response(400, message, fallback_run, anthropic=anthropic)
@@ -401,7 +409,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         rt = running()
         run_id = ""  # no turn, no run: its answers carry no run id
         if not authorized(request, api_key=True):
-            return error_response(401, _NO_KEY, run_id, anthropic=True)
+            return unauthorized(run_id, anthropic=True)
         raw = await _body(request, config.max_request_bytes)
         if raw is None:
             return _too_large(config.max_request_bytes, run_id, anthropic=True)
@@ -411,8 +419,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             return error_response(exc.status, exc.message, run_id, anthropic=True)
         serving = [e for e in endpoints.values() if model in e.models]
         if not serving:
-            message = f"no Generative replica serves model '{model}' (served: {', '.join(models)})"
-            return error_response(404, message, run_id, anthropic=True)
+            return error_response(404, unknown_model(model, models), run_id, anthropic=True)
         target = _healthy_first(serving, rt.prober)[0]
         headers = {
             "content-type": request.headers.get("content-type", "application/json"),
@@ -422,7 +429,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         }
         try:
             answer = await rt.client.post(
-                target.messages_url + "/count_tokens",
+                target.api_url("messages") + "/count_tokens",
                 content=raw,
                 headers=headers,
                 timeout=httpx.Timeout(engine_idle_s, connect=CONNECT_TIMEOUT_S),
@@ -491,7 +498,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:
         if not authorized(request):
-            return error_response(401, _NO_TOKEN, _new_id())
+            return unauthorized(_new_id())
         data = [{"id": m, "object": "model", "created": 0, "owned_by": "luftpause"} for m in models]
         return Response(json.dumps({"object": "list", "data": data}), media_type="application/json")
 
@@ -519,7 +526,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def status(request: Request) -> Response:
         rt = running()
         if not authorized(request):
-            return error_response(401, _NO_TOKEN, _new_id())
+            return unauthorized(_new_id())
         view = await with_runs(await snapshot(rt))
         return Response(json.dumps(view), media_type="application/json")
 
@@ -535,7 +542,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             and hmac.compare_digest(query.encode(), settings.token.encode())
         )
         if not (by_query or authorized(request)):
-            return error_response(401, _NO_TOKEN, _new_id())
+            return unauthorized(_new_id())
         return HTMLResponse(
             render_status_page(await with_runs(await snapshot(rt))),
             headers={"cache-control": "no-store", "referrer-policy": "no-referrer"},
@@ -564,13 +571,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         """Any other path or method under /v1 (`/v1/completions`, `/v1/embeddings`, a GET
         of the chat path): an OpenAI-shaped error that says what is served."""
         path = request.url.path
-        anthropic = path.startswith(MESSAGES_PATH)  # the Anthropic API's, in its shape
+        anthropic = _anthropic(path)
         if not authorized(request, api_key=anthropic):
-            return error_response(401, _NO_TOKEN, _new_id(), anthropic=anthropic)
+            return unauthorized(_new_id(), anthropic=anthropic)
         allow = _ALLOWED.get(path) or ("DELETE" if path.startswith("/v1/runs/") else None)
         message = f"luftpause does not serve {request.method} {path}; it serves {_SERVED}"
         if path.startswith("/v1/v1/"):
-            anthropic = path.startswith("/v1" + MESSAGES_PATH)
             message = (
                 f"luftpause does not serve {request.method} {path}: the client adds /v1 "
                 "itself, so its base URL is the gateway's root (an Anthropic client's, as "

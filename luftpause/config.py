@@ -84,16 +84,23 @@ LOAD_METRICS: Mapping[str, tuple[str, str]] = {
 # Engine kinds the gateway asks for their KV pool size when `kv_tokens` is not given.
 KV_REPORTED_BY: tuple[str, ...] = ("sglang", "vllm")
 
-# Engine kinds that serve the Anthropic Messages API (`POST /v1/messages`) unless the
-# file says `messages = false`: vLLM >= 0.11.1, SGLang (since 2026-02), llama.cpp's
-# server (since 2025-11) and Ollama >= 0.14.  Routers differ (SMG and vllm-router route
-# it, sglang-router 0.3.2 does not) and hosted OpenAI-compatible APIs mostly do not:
-# those take `messages = true` where they do.
-MESSAGES_SERVED_BY: tuple[str, ...] = ("sglang", "vllm", "llamacpp", "ollama")
-# ... and the OpenAI Responses API (`POST /v1/responses`, Codex's), unless the file says
-# `responses = false`: vLLM, SGLang, llama.cpp's server (since 2026-01, stateless:
-# no previous_response_id) and Ollama >= 0.13.3 (stateless).
-RESPONSES_SERVED_BY: tuple[str, ...] = ("sglang", "vllm", "llamacpp", "ollama")
+# The APIs a turn may speak, and where each goes under an endpoint's `url` + `api_path`:
+# OpenAI Chat Completions, Anthropic Messages (Claude Code's) and OpenAI Responses
+# (Codex's).
+Api = Literal["chat", "messages", "responses"]
+API_PATHS: Mapping[Api, str] = {
+    "chat": "/chat/completions",
+    "messages": "/messages",
+    "responses": "/responses",
+}
+# Engine kinds that serve the two newer APIs themselves unless the file says
+# `messages = false` / `responses = false`.  Messages: vLLM >= 0.11.1, SGLang (since
+# 2026-02), llama.cpp's server (since 2025-11), Ollama >= 0.14.  Responses: vLLM,
+# SGLang, llama.cpp's server (since 2026-01, stateless: no previous_response_id), Ollama
+# >= 0.13.3 (stateless).  Routers differ (SMG and vllm-router route both, sglang-router
+# 0.3.2 only Responses) and hosted OpenAI-compatible APIs mostly serve neither: those
+# take `messages = true` / `responses = true` where they do.
+NEWER_APIS_SERVED_BY: tuple[str, ...] = ("sglang", "vllm", "llamacpp", "ollama")
 
 # Where each kind answers a health check when the file does not say.
 DEFAULT_HEALTH_PATH: Mapping[str, str] = {
@@ -137,9 +144,9 @@ class Endpoint(BaseModel):
     # kind = "classifier": the names of its classes in order (vLLM's /classify answers
     # probabilities as a bare list).
     labels: list[Annotated[str, Field(min_length=1)]] = []
-    # Whether it serves the Anthropic Messages API; None: by kind (MESSAGES_SERVED_BY).
+    # Whether it serves the Anthropic Messages API, and the OpenAI Responses API; None:
+    # by kind (NEWER_APIS_SERVED_BY).
     messages: bool | None = None
-    # Whether it serves the OpenAI Responses API; None: by kind (RESPONSES_SERVED_BY).
     responses: bool | None = None
 
     @field_validator("url")
@@ -208,34 +215,21 @@ class Endpoint(BaseModel):
             return self.api_path + DEFAULT_HEALTH_PATH["openai"]
         return DEFAULT_HEALTH_PATH[self.kind]
 
+    def api_url(self, api: Api) -> str:
+        """Where its turns of an API go (a hosted API's: all under its api_path)."""
+        return f"{self.url}{self.api_path}{API_PATHS[api]}"
+
     @property
     def chat_url(self) -> str:
-        """Where its turns go."""
-        return f"{self.url}{self.api_path}/chat/completions"
+        """Where its Chat Completions turns go."""
+        return self.api_url("chat")
 
-    @property
-    def serves_messages(self) -> bool:
-        """Takes Anthropic Messages turns (`POST /v1/messages`)."""
-        if self.messages is not None:
-            return self.messages
-        return self.kind in MESSAGES_SERVED_BY
-
-    @property
-    def serves_responses(self) -> bool:
-        """Takes OpenAI Responses turns (`POST /v1/responses`)."""
-        if self.responses is not None:
-            return self.responses
-        return self.kind in RESPONSES_SERVED_BY
-
-    @property
-    def responses_url(self) -> str:
-        """Where its Responses turns go."""
-        return f"{self.url}{self.api_path}/responses"
-
-    @property
-    def messages_url(self) -> str:
-        """Where its Anthropic Messages turns go (a hosted API: beside its chat path)."""
-        return f"{self.url}{self.api_path}/messages"
+    def serves(self, api: Api) -> bool:
+        """Takes turns of this API: the file's `messages` / `responses`, else by kind."""
+        if api == "chat":
+            return self.generative
+        given = self.messages if api == "messages" else self.responses
+        return given if given is not None else self.kind in NEWER_APIS_SERVED_BY
 
     @property
     def generative(self) -> bool:

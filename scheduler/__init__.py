@@ -27,6 +27,7 @@ from scheduler._types import (
     TurnFailed,
     TurnFinished,
     TurnStarted,
+    unknown_model,
 )
 
 __all__ = [
@@ -56,4 +57,5 @@ __all__ = [
     "TurnStarted",
     "TurnState",
     "decide",
+    "unknown_model",
 ]

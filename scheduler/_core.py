@@ -89,6 +89,7 @@ from scheduler._types import (
     TurnFailed,
     TurnFinished,
     TurnStarted,
+    unknown_model,
 )
 
 __all__ = ["ReplicaState", "RunState", "State", "TurnState", "decide"]
@@ -412,8 +413,7 @@ class _Tx:
                 Reject(
                     turn_id=ev.turn_id,
                     status=404,
-                    message=f"no Generative replica serves model '{ev.model}' "
-                    f"(served: {', '.join(self.models) or 'none'})",
+                    message=unknown_model(ev.model, self.models),
                 )
             )
             return

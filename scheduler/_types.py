@@ -3,6 +3,7 @@ how it is configured (replica specs and policy).  All frozen; time is a field.""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -20,6 +21,14 @@ class RunPhase(StrEnum):
     GENERATING = "generating"  # a turn of the run is admitted to its replica
     PAUSED = "paused"  # its last turn ended in tool calls: it will come back
     IDLE = "idle"  # its last turn ended otherwise (or failed): it may move
+
+
+def unknown_model(model: str, served: Iterable[str]) -> str:
+    """The 404's message for a model no replica serves, with the ones that are served
+    (a harness asking for its own default model, e.g. Claude Code's sub-agents, learns
+    what to set instead)."""
+    names = ", ".join(sorted(served)) or "none"  # sorted: a map's order is its hashes'
+    return f"no Generative replica serves model '{model}' (served: {names})"
 
 
 class SchedulerError(Exception):

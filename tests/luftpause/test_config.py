@@ -63,8 +63,9 @@ def test_a_good_file_loads_with_defaults(tmp_path: Path) -> None:
     assert a.reports_load and router.reports_load and not hosted.reports_load
     assert not judge.generative
     # The Anthropic Messages API: engines serve it, routers and hosted APIs by choice.
-    assert a.serves_messages and not router.serves_messages and not hosted.serves_messages
-    assert a.messages_url == "http://127.0.0.1:30000/v1/messages"
+    assert a.serves("messages") and not router.serves("messages")
+    assert not hosted.serves("messages") and hosted.serves("chat") and not judge.serves("chat")
+    assert a.api_url("messages") == "http://127.0.0.1:30000/v1/messages"
     # The router's engines are probed for its load; turns go to the router, not to them.
     assert cfg.replica_specs() == [
         ReplicaSpec(name="router", models=frozenset({"llama-3.2-1b"})),
@@ -91,7 +92,7 @@ def test_a_hosted_api_whose_openai_path_is_not_v1(tmp_path: Path) -> None:
 def test_the_newer_apis_default_by_kind_and_the_file_decides() -> None:
     def one(kind: str, **kw: object) -> bool:
         e = {"name": "e", "url": "http://h:1", "kind": kind, "models": ["m"], **kw}
-        return parse_config({"endpoints": [e]}).endpoints[0].serves_messages
+        return parse_config({"endpoints": [e]}).endpoints[0].serves("messages")
 
     assert all(one(k) for k in ("sglang", "vllm", "llamacpp", "ollama"))
     assert not one("router") and not one("openai")
@@ -100,8 +101,8 @@ def test_the_newer_apis_default_by_kind_and_the_file_decides() -> None:
     def responses(kind: str, **kw: object) -> bool:
         e = {"name": "e", "url": "http://h:1", "kind": kind, "models": ["m"], **kw}
         endpoint = parse_config({"endpoints": [e]}).endpoints[0]
-        assert endpoint.responses_url == "http://h:1/v1/responses"
-        return endpoint.serves_responses
+        assert endpoint.api_url("responses") == "http://h:1/v1/responses"
+        return endpoint.serves("responses")
 
     assert all(responses(k) for k in ("sglang", "vllm", "llamacpp", "ollama"))
     assert not responses("router") and not responses("openai")
