@@ -20,7 +20,9 @@ import logging
 import math
 import os
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
+import signal
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,12 +43,13 @@ from gateway._shell import AdmissionShell
 from gateway.decide import DecideError, decide, decide_request, parse_decide
 from gateway.mcp_door import DoorDeps, create_mcp_server
 from gateway.metrics import GatewayMetrics
+from gateway.pool import Pool, PoolChange, compare
 from gateway.prober import Prober, ProbeResult, auth_headers
 from gateway.status import render_status_page, status_snapshot, sub_agent_tree
 from luftpause import telemetry
-from luftpause.config import Api, Config, Endpoint
+from luftpause.config import Api, Config, ConfigError, Endpoint, load_config
 from luftpause.headers import CALLER_HEADER, CLASS_HEADER, RUN_HEADER, caller_name
-from scheduler import Policy, RunEnded, ServiceClass, State, Tick, unknown_model
+from scheduler import Policy, PoolChanged, RunEnded, ServiceClass, State, Tick, unknown_model
 from workflows import Runs
 
 __all__ = [
@@ -102,6 +105,8 @@ class GatewaySettings:
     # Where the gateway is served: the MCP door accepts only this host in `Host`
     # (the SDK's DNS-rebinding guard, on for loopback hosts).
     host: str = "127.0.0.1"
+    # The file `config` came from: SIGHUP and POST /reload read it again (gateway/pool.py).
+    config_path: str | None = None
 
 
 @dataclass(slots=True)
@@ -113,6 +118,24 @@ class _Runtime:
     upstream: Upstream  # proxied turns
     loop: asyncio.AbstractEventLoop
     prober: Prober
+
+
+class _Live:
+    """The pool the gateway serves now, and every endpoint a turn may still be on: the
+    pool's replicas and the retired ones the core has not forgotten (rule 11).  `known`
+    is one dict, changed in place: a turn held across a reload looks its replica up in
+    it once admitted, and may be admitted to one the reload added."""
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+        self.known: dict[str, Endpoint] = dict(pool.replicas)
+        self.reloading = asyncio.Lock()  # one reload at a time: the last file read wins
+
+    def replace(self, pool: Pool, still_known: Callable[[str], bool]) -> None:
+        for name in [n for n in self.known if n not in pool.replicas and not still_known(n)]:
+            del self.known[name]
+        self.known.update(pool.replicas)
+        self.pool = pool
 
 
 class _NotRunning(Exception):
@@ -176,12 +199,8 @@ class _BadRequest(Exception):
 
 def create_app(settings: GatewaySettings) -> FastAPI:
     """Build the gateway; nothing runs until the app's lifespan starts."""
-    config = settings.config
-    endpoints: dict[str, Endpoint] = {e.name: e for e in config.replicas}
-    # In the file's order: the first is the default model of `spawn` and `run` ("the
-    # pool's first"), which an operator picks by where it stands, not by its name.
-    models = list(dict.fromkeys(m for e in endpoints.values() for m in e.models))
-    classifiers = [e for e in config.endpoints if not e.generative]
+    config = settings.config  # as at start: what a reload does not change
+    live = _Live(Pool.of(config))
     runtime: _Runtime | None = None
 
     def seen() -> tuple[State, dict[str, ProbeResult]] | None:
@@ -192,7 +211,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     policy = settings.policy or config.policy.to_policy()
     engine_idle_s = policy.turn_timeout_s
     door = _Door(config, settings.token, engine_idle_s)
-    door_server = create_mcp_server(door.deps(models, lambda: runtime))
+    door_server = create_mcp_server(door.deps(live, lambda: runtime))
     door_app = door_server.streamable_http_app(streamable_http_path="/", host=settings.host)
 
     @contextlib.asynccontextmanager
@@ -218,7 +237,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             def report(results: list[ProbeResult]) -> None:
                 now = loop.time()
                 for r in results:
-                    if r.endpoint in endpoints:
+                    if r.endpoint in live.pool.replicas:
                         shell.apply(r.event(now))
 
             prober = Prober(config, client, report, period=settings.probe_period)
@@ -230,10 +249,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                 shell=shell, client=client, upstream=upstream, loop=loop, prober=prober
             )
             app.state.shell = shell  # read-only view for tests
+            hangup = _on_hangup(loop, reload_on_signal)
             try:
                 async with door_server.session_manager.run():
                     yield
             finally:
+                hangup()
                 runtime = None
                 upstream.close()
                 await door.aclose()
@@ -293,7 +314,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         error body every other answer uses, not FastAPI's `{"detail": ...}`."""
         message = (
             f"luftpause does not serve {request.method} {request.url.path}; it serves "
-            f"{_SERVED}, /mcp, GET /status, GET /, GET /metrics and GET /health"
+            f"{_SERVED}, /mcp, GET /status, GET /, GET /metrics, GET /health and POST /reload"
             if exc.status_code in (404, 405)
             else str(exc.detail)
         )
@@ -301,26 +322,40 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         response.headers.update(exc.headers or {})
         return response
 
-    # Per API other than Chat Completions, per model: its replicas that do not serve it
-    # (a turn may be placed on any replica of its model, so such a model is refused).
-    lacking: dict[Api, dict[str, list[str]]] = {
-        api: {
-            m: [e.name for e in endpoints.values() if m in e.models and not e.serves(api)]
-            for m in models
-        }
-        for api in ("messages", "responses")
-    }
     # A turn refused for want of a healthy replica may look again after the next probe.
     retry_after = str(math.ceil(settings.probe_period or config.probes.period_s))
-    # Replicas whose Anthropic usage counts cached tokens in `input_tokens`: SGLang, or a
-    # router in front of SGLang engines only (the others' are net of the cache).
-    by_name = {e.name: e for e in config.endpoints}
-    counts_cached = frozenset(
-        e.name
-        for e in endpoints.values()
-        if e.kind == "sglang"
-        or (e.load_from and all(by_name[n].kind == "sglang" for n in e.load_from))
-    )
+
+    async def reload_pool() -> PoolChange:
+        """Read the file again and serve its endpoints (gateway/pool.py says what may
+        change).  Raises ConfigError, and changes nothing, when it cannot."""
+        path = settings.config_path
+        if path is None:
+            raise ConfigError(
+                "the gateway was not started from a configuration file: nothing to reload"
+            )
+        async with live.reloading:
+            new = await asyncio.to_thread(load_config, path, os.environ)
+            rt = running()
+            change = compare(live.pool.config, new, live.known)
+            pool = Pool.of(new)
+            # From here to the probe nothing awaits: no request sees half of it.  The
+            # core first (what it admits next is looked up in `live`), then the prober.
+            rt.shell.apply(PoolChanged(now=rt.loop.time(), replicas=tuple(new.replica_specs())))
+            live.replace(pool, lambda name: name in rt.shell.state.replicas)
+            rt.prober.reconfigure(new)
+            # Replicas that joined are out of rotation until probed: probe now, so that
+            # they take turns as soon as they answer, and the reload's answer says so.
+            await rt.prober.next_round()
+        log.info("reloaded %s: %s", path, change)
+        return change
+
+    async def reload_on_signal() -> None:
+        try:
+            await reload_pool()
+        except (ConfigError, _NotRunning) as exc:
+            log.error("reload on SIGHUP: %s", exc)
+        except Exception:  # a task's error would otherwise be reported at exit only
+            log.exception("reload on SIGHUP failed")
 
     async def take_turn(request: Request, api: Api) -> Response:
         """A turn of any API: identify its run, parse it, hold it, forward it."""
@@ -338,14 +373,15 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         raw = await _body(request, config.max_request_bytes)
         if raw is None:
             return _too_large(config.max_request_bytes, fallback_run, anthropic=anthropic)
+        pool = live.pool
         try:
             body = _parse_body(raw)
             if api == "chat":
                 model, messages = _parse_chat(body)
             elif anthropic:
-                model, messages = _parse_messages(body, lacking["messages"])
+                model, messages = _parse_messages(body, pool.lacking["messages"])
             else:
-                model, messages = _parse_responses(body, lacking["responses"])
+                model, messages = _parse_responses(body, pool.lacking["responses"])
             service_class = _parse_class(request.headers.get(CLASS_HEADER))
         except _BadRequest as exc:
             return error_response(exc.status, exc.message, fallback_run, anthropic=anthropic)
@@ -376,10 +412,10 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             turn,
             shell=rt.shell,
             upstream=rt.upstream,
-            endpoints=endpoints,
+            endpoints=live.known,
             clock=rt.loop.time,
             idle_timeout=engine_idle_s,
-            input_counts_cached=counts_cached,
+            input_counts_cached=pool.counts_cached,
             retry_after=retry_after,
         )
 
@@ -413,13 +449,14 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         raw = await _body(request, config.max_request_bytes)
         if raw is None:
             return _too_large(config.max_request_bytes, run_id, anthropic=True)
+        pool = live.pool
         try:
-            model, _ = _parse_messages(_parse_body(raw), lacking["messages"], count=True)
+            model, _ = _parse_messages(_parse_body(raw), pool.lacking["messages"], count=True)
         except _BadRequest as exc:
             return error_response(exc.status, exc.message, run_id, anthropic=True)
-        serving = [e for e in endpoints.values() if model in e.models]
+        serving = [e for e in pool.replicas.values() if model in e.models]
         if not serving:
-            return error_response(404, unknown_model(model, models), run_id, anthropic=True)
+            return error_response(404, unknown_model(model, pool.models), run_id, anthropic=True)
         target = _healthy_first(serving, rt.prober)[0]
         headers = {
             "content-type": request.headers.get("content-type", "application/json"),
@@ -459,8 +496,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             caller=_caller(request),
             shell=rt.shell,
             client=rt.client,
-            endpoints=endpoints,
-            classifiers=_healthy_first(classifiers, rt.prober),
+            endpoints=live.known,
+            models=live.pool.models,
+            classifiers=_healthy_first(live.pool.classifiers, rt.prober),
             clock=rt.loop.time,
             receive=request.receive,
             answer_timeout=engine_idle_s,
@@ -499,7 +537,10 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def list_models(request: Request) -> Response:
         if not authorized(request):
             return unauthorized(_new_id())
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "luftpause"} for m in models]
+        data = [
+            {"id": m, "object": "model", "created": 0, "owned_by": "luftpause"}
+            for m in live.pool.models
+        ]
         return Response(json.dumps({"object": "list", "data": data}), media_type="application/json")
 
     async def with_runs(view: dict[str, Any]) -> dict[str, Any]:
@@ -557,6 +598,17 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         # state, ~75 ms with 100k runs; the counters take their own locks.
         exposition = await asyncio.to_thread(metrics.exposition)
         return Response(exposition, media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/reload")
+    async def reload(request: Request) -> Response:
+        """Serve the configuration file's endpoints as they are now (as SIGHUP does)."""
+        if not authorized(request):
+            return unauthorized("")
+        try:
+            change = await reload_pool()
+        except ConfigError as exc:
+            return error_response(400, str(exc), "")
+        return Response(json.dumps(change.as_json()), media_type="application/json")
 
     @app.get("/health")
     async def health() -> Response:
@@ -627,11 +679,7 @@ class _Door:
                     self._runs = Runs(client, task_queue=t.task_queue)
         return self._runs
 
-    def deps(self, models: list[str], runtime: Callable[[], _Runtime | None]) -> DoorDeps:
-        config = self._config
-        endpoints = {e.name: e for e in config.replicas}
-        classifiers = [e for e in config.endpoints if not e.generative]
-
+    def deps(self, live: _Live, runtime: Callable[[], _Runtime | None]) -> DoorDeps:
         async def decide_in_process(
             text: str, labels: list[str] | None, model: str | None, caller: str
         ) -> tuple[int, Any]:
@@ -655,8 +703,9 @@ class _Door:
                 caller=caller,
                 shell=rt.shell,
                 client=rt.client,
-                endpoints=endpoints,
-                classifiers=_healthy_first(classifiers, rt.prober),
+                endpoints=live.known,
+                models=live.pool.models,
+                classifiers=_healthy_first(live.pool.classifiers, rt.prober),
                 clock=rt.loop.time,
                 receive=receive,
                 answer_timeout=self._answer_timeout,
@@ -671,12 +720,35 @@ class _Door:
             runs=self.runs,
             upstream_tools=self._pool.list_tools,
             decide=decide_in_process,
-            models=models,
+            models=lambda: live.pool.models,
             token_identity="token" if self._token else None,
         )
 
     async def aclose(self) -> None:
         await self._pool.aclose()
+
+
+def _on_hangup(
+    loop: asyncio.AbstractEventLoop, reload: Callable[[], Coroutine[Any, Any, None]]
+) -> Callable[[], None]:
+    """Reload on SIGHUP, as daemons do; returns what undoes it.  Only where signals can
+    be had: the main thread of a process on a POSIX system (a test's app in a thread of
+    its own reloads by POST /reload)."""
+    if not hasattr(signal, "SIGHUP") or threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    tasks: set[asyncio.Task[None]] = set()
+
+    def hangup() -> None:
+        task = loop.create_task(reload(), name="reload")
+        tasks.add(task)  # kept until done: the loop holds tasks weakly
+        task.add_done_callback(tasks.discard)
+
+    loop.add_signal_handler(signal.SIGHUP, hangup)
+
+    def undo() -> None:
+        loop.remove_signal_handler(signal.SIGHUP)
+
+    return undo
 
 
 async def _tick(shell: AdmissionShell, loop: asyncio.AbstractEventLoop) -> None:
@@ -785,7 +857,7 @@ def _parse_chat(body: dict[str, Any]) -> tuple[str, list[Any]]:
 
 
 def _parse_messages(
-    body: dict[str, Any], lacking: dict[str, list[str]], *, count: bool = False
+    body: dict[str, Any], lacking: Mapping[str, list[str]], *, count: bool = False
 ) -> tuple[str, list[Any]]:
     """An Anthropic Messages request's model and messages.  A model some of whose
     replicas do not serve the API is refused: the turn could be placed on one."""
@@ -806,7 +878,9 @@ def _parse_messages(
     return model, messages
 
 
-def _parse_responses(body: dict[str, Any], lacking: dict[str, list[str]]) -> tuple[str, list[Any]]:
+def _parse_responses(
+    body: dict[str, Any], lacking: Mapping[str, list[str]]
+) -> tuple[str, list[Any]]:
     """An OpenAI Responses request's model and input items (a string input is one
     user message, and echoes nothing)."""
     model = _model(body)
@@ -817,7 +891,7 @@ def _parse_responses(body: dict[str, Any], lacking: dict[str, list[str]]) -> tup
     return model, given if isinstance(given, list) else []
 
 
-def _check_served(model: str, lacking: dict[str, list[str]], name: str, key: str) -> None:
+def _check_served(model: str, lacking: Mapping[str, list[str]], name: str, key: str) -> None:
     without = lacking.get(model)
     if without:
         raise _BadRequest(
@@ -855,7 +929,7 @@ def _parse_class(value: str | None) -> ServiceClass:
         raise _BadRequest(f"{CLASS_HEADER} must be {accepted}, got {value!r}") from None
 
 
-def _healthy_first(classifiers: list[Endpoint], prober: Prober) -> list[Endpoint]:
+def _healthy_first(classifiers: Sequence[Endpoint], prober: Prober) -> list[Endpoint]:
     """Endpoints the last probe found healthy (or has not probed yet) come first."""
     last = prober.last
 

@@ -427,6 +427,7 @@ async def decide(
     shell: AdmissionShell,
     client: httpx.AsyncClient,
     endpoints: Mapping[str, Endpoint],
+    models: Sequence[str],
     classifiers: Sequence[Endpoint],
     clock: Callable[[], float],
     receive: Receive,
@@ -434,14 +435,15 @@ async def decide(
     retry_after: str = UNAVAILABLE_RETRY_AFTER_S,
 ) -> Response:
     """Answer one validated `/v1/decide` request (see the module docstring).
-    `retry_after`: a 503's (the gateway's probe period)."""
+    `endpoints`: where an admitted turn may be; `models`: the pool's, the first the
+    default.  `retry_after`: a 503's (the gateway's probe period)."""
     if request.labels is None:
         return await _by_classifier(request, classifiers, client, run_id, answer_timeout)
     model = request.model
     if model is None:
-        model = next((m for e in endpoints.values() for m in e.models), None)
-        if model is None:
+        if not models:
             return error_response(404, "no generative endpoint is configured", run_id)
+        model = models[0]
     body = chat_body(request, model)
     turn = TurnRequest(
         turn_id=uuid.uuid4().hex,

@@ -70,7 +70,7 @@ class DoorDeps:
     upstream_tools: Callable[[], Awaitable[list[ToolInfo]]]
     # (status, JSON body) of a /v1/decide request: input, labels, model, caller
     decide: Callable[[str, list[str] | None, str | None, str], Awaitable[tuple[int, Any]]]
-    models: Sequence[str]  # the models generative endpoints serve
+    models: Callable[[], Sequence[str]]  # the models the pool serves now, its first the default
     token_identity: str | None = None  # the caller when only the token identifies it
 
 
@@ -420,13 +420,14 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
     def spec_of(a: RunArgs, ctx: Any) -> RunSpec:
         """The run a `spawn`/`run` call asks for (the model checked, the caller named)."""
         model = a.model
+        models = deps.models()
         if model is None:
-            if not deps.models:
+            if not models:
                 raise ToolError("no generative endpoint is configured; there is no model to run")
-            model = deps.models[0]
-        elif model not in deps.models:
+            model = models[0]
+        elif model not in models:
             raise ToolError(
-                f"unknown model {model!r}: expected one of {', '.join(map(repr, deps.models))}"
+                f"unknown model {model!r}: expected one of {', '.join(map(repr, models))}"
             )
         return RunSpec(
             task=a.task,

@@ -329,11 +329,28 @@ class Prober:
         }
         self._late: dict[str, int] = {}  # probes in a row that timed out, per endpoint
 
+    def reconfigure(self, config: Config) -> None:
+        """Probe the endpoints of a reloaded file from the next round on.  An endpoint
+        new in it is asked its KV pool (when the file gives none; one changed in place
+        keeps the size it reported); the last results of endpoints gone from it are
+        dropped.  A round under way reports only endpoints still in the file."""
+        before = {e.name: e for e in self._config.endpoints}
+        self._config = config
+        names = {e.name for e in config.endpoints}
+        for seen in (self.last, self._late, self._want_kv):
+            for name in [n for n in seen if n not in names]:
+                del seen[name]
+        for e in config.replicas:
+            if e.kv_tokens is None and e.kind in KV_REPORTED_BY and e.name not in before:
+                self._want_kv[e.name] = 0
+
     async def probe_once(self) -> list[ProbeResult]:
         results = await probe_pool(
             self._client, self._config, want_kv=frozenset(self._want_kv), timeout=self._timeout
         )
-        results = [self._forgive_late(r) for r in results]
+        # Endpoints a reload removed while the round was under way are not reported.
+        current = {e.name for e in self._config.endpoints}
+        results = [self._forgive_late(r) for r in results if r.endpoint in current]
         for r in results:
             if r.endpoint in self._want_kv and r.healthy:
                 if r.kv_tokens is not None:

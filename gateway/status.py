@@ -40,6 +40,8 @@ def status_snapshot(
             {
                 "name": name,
                 "healthy": r.healthy,
+                # gone from the pool (a reload): finishing its turns, then forgotten
+                "retired": r.retired,
                 "probe_error": probe.error if probe is not None else None,
                 # out of rotation this long yet: its engine failed turns in a row (rule 10)
                 "ejected_s": (
@@ -226,6 +228,7 @@ def render_status_page(snapshot: Mapping[str, Any]) -> str:
     replica_keys = [
         "name",
         "healthy",
+        "retired",
         "probe_error",
         "ejected_s",
         "failures_in_a_row",

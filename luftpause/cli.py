@@ -269,7 +269,9 @@ def _gateway(args: argparse.Namespace) -> int:
         config = load_config(args.config, os.environ)
     except ConfigError as exc:
         raise SystemExit(f"luftpause gateway: {exc}") from None
-    settings = GatewaySettings(config=config, token=config.token, host=args.host)
+    settings = GatewaySettings(
+        config=config, token=config.token, host=args.host, config_path=args.config
+    )
     telemetry.setup("luftpause-gateway")
     # One process: the scheduler's state lives in it (DESIGN.md "Processes and ports").
     uvicorn.run(

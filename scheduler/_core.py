@@ -45,6 +45,14 @@ Rules (DESIGN.md "The scheduler"), stated once, enforced here and nowhere else:
 10. A replica whose engine failed `Policy.eject_after_failures` turns in a row is out
     of rotation (unhealthy, its runs free to move) for `Policy.eject_for_s`, though its
     health check passes; then it is back as its last probe left it.
+11. The pool may change while turns run (`PoolChanged`, the whole pool as it is now).
+    A new replica joins out of rotation until a probe finds it healthy (an engine still
+    loading its weights would fail the turns sent to it); a known one takes its new
+    spec (held turns pinned to it for a model it no longer serves may go elsewhere); one
+    left out is retired: out of rotation as if unhealthy, probes ignored, its turns in
+    flight finishing there, its runs moving at their next turn, and forgotten once no
+    turn runs and no run is bound there.  A held turn whose model no replica serves any
+    more is rejected with 404.
 
 After every event no held turn is admissible (except behind a turn waiting for KV, as
 in rule 6): each event that frees capacity on a replica refills that replica.  Held
@@ -74,6 +82,7 @@ from scheduler._types import (
     Event,
     Forget,
     Policy,
+    PoolChanged,
     Reject,
     ReplicaProbed,
     ReplicaSpec,
@@ -119,6 +128,7 @@ class ReplicaState(NamedTuple):
     queued_probes: int = 0  # probes in a row that showed a queue
     failures: int = 0  # turns its engine failed in a row
     ejected_until: float | None = None  # out of rotation until then (rule 10)
+    retired: bool = False  # left the pool (rule 11): out of rotation until forgotten
 
     @property
     def healthy(self) -> bool:
@@ -206,6 +216,7 @@ class State:
         "_policy",
         "_replicas",
         "_retention",
+        "_retired",
         "_runs",
         "_seq",
         "_timeouts",
@@ -225,6 +236,7 @@ class State:
         timeouts: PQueue[tuple[float, str]],
         expiry: PQueue[tuple[float, str]],
         retention: PQueue[tuple[float, str]],
+        retired: frozenset[str] = frozenset(),
     ) -> None:
         self._policy = policy
         self._models = models
@@ -237,6 +249,7 @@ class State:
         self._timeouts = timeouts
         self._expiry = expiry
         self._retention = retention
+        self._retired = retired  # replicas that left the pool and are not forgotten yet
 
     @classmethod
     def initial(cls, replicas: Sequence[ReplicaSpec], policy: Policy | None = None) -> State:
@@ -269,7 +282,13 @@ class State:
         return self._policy
 
     @property
+    def models(self) -> Map[str, tuple[str, ...]]:
+        """Model -> the replicas of the pool that serve it (retired ones are not)."""
+        return self._models
+
+    @property
     def replicas(self) -> Map[str, ReplicaState]:
+        """Every replica the core knows: the pool's, and retired ones not yet forgotten."""
         return self._replicas
 
     @property
@@ -360,6 +379,8 @@ def decide(state: State, event: Event) -> tuple[State, list[Action]]:
         tx.tick()
     elif isinstance(event, RunEnded):
         tx.run_ended(event.run_id)
+    elif isinstance(event, PoolChanged):
+        tx.pool_changed(event.replicas)
     else:  # pragma: no cover - exhaustiveness
         raise SchedulerError(f"unknown event {event!r}")
     return tx.finish(), tx.actions
@@ -383,11 +404,13 @@ class _Tx:
         self.timeouts = state._timeouts
         self.expiry = state._expiry
         self.retention = state._retention
+        self.retired = state._retired
         self.actions: list[Action] = []
         self.refill: list[str] = []
         self.changes = 0  # admissions and re-pins so far: what makes a second look useful
 
     def finish(self) -> State:
+        retired = self._sweep_retired() if self.retired else self.retired
         return State(
             self.policy,
             self.models,
@@ -400,7 +423,20 @@ class _Tx:
             self.timeouts,
             self.expiry,
             self.retention,
+            retired,
         )
+
+    def _sweep_retired(self) -> frozenset[str]:
+        """Forget the retired replicas nothing runs on or is bound to any more; the
+        ones left."""
+        left = []
+        for name in self.retired:
+            r = self.replicas[name]
+            if r.in_flight or r.bound_runs:
+                left.append(name)
+            else:
+                del self.replicas[name]
+        return frozenset(left)
 
     # ------------------------------------------------------------------ events
 
@@ -556,7 +592,7 @@ class _Tx:
                     )
                 )
         names = [name]
-        if run is not None and run.replica is not None and run.replica != name:
+        if run is not None and run.replica not in (None, name) and run.replica in self.replicas:
             names.append(run.replica)  # the run moved; its claim there may be gone too
         if shrank and self.buckets:
             # A held turn of this run may fit a replica's KV now, wherever it may go: a
@@ -585,6 +621,8 @@ class _Tx:
         r = self.replicas.get(ev.replica)
         if r is None:
             raise SchedulerError(f"probe of unknown replica {ev.replica!r}")
+        if r.retired:
+            return  # a probe that was under way when it left the pool
         cap, queued_probes = r.cap, r.queued_probes
         if ev.repeated:
             pass  # the last result again (a late answer): no new reading of the queue
@@ -618,27 +656,99 @@ class _Tx:
         elif healthy:
             self._fill((ev.replica,))
 
-    def _release_pinned(self, name: str) -> None:
+    def _release_pinned(self, name: str, *, unserved_only: bool = False) -> None:
         """The replica left rotation: its runs may move, so their held turns may go to
-        any replica of their model."""
+        any replica of their model (`unserved_only`: only the turns of models it no
+        longer serves).  A turn whose model no replica serves any more is rejected."""
+        served = self.replicas[name].spec.models
         moved: set[str] = set()
         for cls in _CLASSES:
-            b = self.buckets.get((_PIN, name, cls))
-            if b is None:
-                continue
-            for q in list(b.queues.values()):
-                for _, tid in q:
-                    t = self.turns[tid]
-                    self._unhold(t)
+            for t in self._held_in((_PIN, name, cls)):
+                if unserved_only and t.model in served:
+                    continue
+                self._unhold(t)
+                if t.model in self.models:
                     self._hold(t, (_MODEL, t.model, t.service_class))
                     moved.add(t.model)
+                else:
+                    self._reject_held(t)
         names = sorted({n for m in moved for n in self.models[m]})
+        self._fill(sorted(names, key=lambda n: (self.replicas[n].load, n)))
+
+    def _held_in(self, key: BucketKey) -> list[TurnState]:
+        """The turns held in a bucket, in arrival order (not the callers' map order,
+        which is their hashes': actions must not depend on it)."""
+        b = self.buckets.get(key)
+        if b is None:
+            return []
+        entries = sorted(entry for q in b.queues.values() for entry in q)
+        return [self.turns[tid] for _, tid in entries]
+
+    def _reject_held(self, t: TurnState) -> None:
+        """A held turn (already out of its bucket) that can never be placed."""
+        del self.turns[t.turn_id]
+        self._drop_caller_if_unused(t.caller)
+        message = unknown_model(t.model, self.models) + "; it left the pool while the turn was held"
+        self.actions.append(Reject(turn_id=t.turn_id, status=404, message=message))
+
+    def pool_changed(self, specs: tuple[ReplicaSpec, ...]) -> None:
+        """Rule 11: the pool is now `specs`."""
+        given = {s.name: s for s in specs}
+        if len(given) != len(specs):
+            raise SchedulerError(f"replica names must be unique: {[s.name for s in specs]}")
+        retired = set(self.retired)
+        left: list[str] = []  # went out of rotation now
+        narrowed: list[str] = []  # serve fewer models than they did
+        for name in sorted(self.state._replicas.keys()):
+            r = self.replicas[name]
+            spec = given.get(name)
+            if spec is None:
+                if not r.retired:
+                    self.replicas[name] = r._replace(retired=True, probe_ok=False, cap=None)
+                    retired.add(name)
+                    if r.healthy:
+                        left.append(name)
+                continue
+            if spec.kv_tokens is None and r.spec.kv_tokens is not None:
+                spec = replace(spec, kv_tokens=r.spec.kv_tokens)  # as its engine reported
+            if r.retired:  # back before it was forgotten: as a new replica, its runs kept
+                r = r._replace(
+                    retired=False, probe_ok=False, queued=None, running=None, cap=None,
+                    queued_probes=0, failures=0, ejected_until=None,
+                )  # fmt: skip
+                retired.discard(name)
+            if not spec.models >= r.spec.models:
+                narrowed.append(name)
+            self.replicas[name] = r._replace(spec=spec)
+        for name, spec in given.items():
+            if name not in self.replicas:
+                self.replicas[name] = ReplicaState(spec, probe_ok=False)
+        models: dict[str, list[str]] = {}
+        for spec in specs:
+            for m in sorted(spec.models):
+                models.setdefault(m, []).append(spec.name)
+        self.models = Map({m: tuple(names) for m, names in models.items()})
+        self.retired = frozenset(retired)
+        for name in left:
+            self._release_pinned(name)
+        for name in narrowed:
+            self._release_pinned(name, unserved_only=True)
+        # Turns held for a model that left the pool wait for nothing now.
+        # (No bucket of theirs was made in this decision: only models served get one.)
+        gone = [k for k in self.state._buckets if k[0] == _MODEL and k[1] not in self.models]
+        for key in sorted(gone):
+            for t in self._held_in(key):
+                self._unhold(t)
+                self._reject_held(t)
+        names = self.state._replicas.keys() | given.keys()
         self._fill(sorted(names, key=lambda n: (self.replicas[n].load, n)))
 
     def _count_failure(self, name: str, engine_fault: bool, finished: bool) -> None:
         """Rule 10: count the engine's failures in a row; eject at the limit."""
         r = self.replicas[name]
         limit = self.policy.eject_after_failures
+        if r.retired:
+            return  # it has left the pool: nothing to eject it from
         if finished or not engine_fault:
             if finished and r.failures:
                 self.replicas[name] = r._replace(failures=0)
@@ -656,7 +766,7 @@ class _Tx:
     def tick(self) -> None:
         touched: list[str] = []
         forgot = False
-        for name in self.state._replicas:  # the pool's replicas never change
+        for name in sorted(self.state._replicas.keys()):  # sorted: a map's order is its hashes'
             r = self.replicas[name]
             if r.ejected_until is not None and r.ejected_until <= self.now:
                 # Back in rotation as its last probe left it.
@@ -709,8 +819,8 @@ class _Tx:
             return None
         if not run.keeps_replica:
             return None
-        r = self.replicas[run.replica]
-        if not r.healthy or model not in r.spec.models:
+        r = self.replicas.get(run.replica)  # None: it left the pool and was forgotten
+        if r is None or not r.healthy or model not in r.spec.models:
             return None
         return run.replica
 
@@ -765,7 +875,7 @@ class _Tx:
             active = still
 
     def _fill_all(self) -> None:
-        names = self.state._replicas.keys()  # the pool's replicas never change
+        names = self.state._replicas.keys()  # (a decision that changes the pool fills itself)
         self._fill(sorted(names, key=lambda n: (self.replicas[n].load, n)))
 
     def _head(self, key: BucketKey) -> tuple[tuple[int, int, str], str] | None:
@@ -926,7 +1036,7 @@ class _Tx:
             r.spec, r.probe_ok, r.queued, r.running, r.cap, r.in_flight + in_flight,
             r.paused_interactive + paused, r.bound_runs + bound, r.ws_tokens + ws,
             r.interactive_runs + interactive, r.batch_ws + batch_ws, r.queued_probes,
-            r.failures, r.ejected_until,
+            r.failures, r.ejected_until, r.retired,
         )  # fmt: skip
 
     def _set_run(self, run: RunState) -> None:

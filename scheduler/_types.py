@@ -195,6 +195,19 @@ class ReplicaProbed:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class PoolChanged:
+    """The pool is now `replicas` (rule 11): names not known yet join it (in rotation
+    once a probe finds them healthy), known names take their new spec, and names left out are
+    retired.  A retired replica takes no turns; its turns in flight finish there and its
+    runs move at their next turn; it is forgotten once nothing runs or is bound there.
+    A spec whose `kv_tokens` is None keeps the pool size the replica has (reported by
+    its engine).  A held turn whose model no replica serves any more is rejected (404)."""
+
+    now: float
+    replicas: tuple[ReplicaSpec, ...]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Tick:
     now: float
 
@@ -208,6 +221,7 @@ Event = (
     | TurnFailed
     | RunEnded
     | ReplicaProbed
+    | PoolChanged
     | Tick
 )
 
@@ -228,7 +242,8 @@ class Admit:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Reject:
-    """Answer the turn with this status and message; it was never queued."""
+    """Answer the turn with this status and message: at its arrival (it was never
+    queued), or while held, once its model has left the pool (rule 11)."""
 
     turn_id: str
     status: int

@@ -133,6 +133,7 @@ def test_snapshot_of_a_hand_built_state() -> None:
             {
                 "name": "a",
                 "healthy": True,
+                "retired": False,
                 "probe_error": None,
                 "ejected_s": None,
                 "failures_in_a_row": 0,
@@ -151,6 +152,7 @@ def test_snapshot_of_a_hand_built_state() -> None:
             {
                 "name": "b",
                 "healthy": False,
+                "retired": False,
                 "probe_error": "cannot connect",
                 "ejected_s": None,
                 "failures_in_a_row": 0,

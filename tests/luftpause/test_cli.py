@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import struct
@@ -92,6 +93,40 @@ def test_servers_outlive_clients_that_reset_their_connections(
     with urllib.request.urlopen(request, timeout=60) as r:
         assert r.status == 200
         assert json.load(r)["choices"][0]["message"]["content"]
+
+
+def _log_shows(child: Child, needle: str, timeout: float = 30.0) -> None:
+    """Wait (bounded) until the process has logged `needle`."""
+    deadline = time.monotonic() + timeout
+    while needle not in child.log.read_text(errors="replace"):
+        assert child.alive() and time.monotonic() < deadline, f"no {needle!r} in {child.log}"
+        time.sleep(0.05)
+
+
+def test_sighup_reloads_the_pool_and_a_bad_file_changes_nothing(
+    gateway: tuple[int, Child, Child], tmp_path: Path
+) -> None:
+    port, gw, _ = gateway
+    config = tmp_path / "luftpause.toml"
+    url = config.read_text().split('url = "')[1].split('"')[0]
+
+    def served() -> list[str]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as r:
+            return [m["id"] for m in json.load(r)["data"]]
+
+    assert served() == [MODEL]
+    config.write_text(
+        config.read_text()
+        + f'\n[[endpoints]]\nname = "e2"\nurl = "{url}"\nkind = "vllm"\nmodels = ["other"]\n'
+    )
+    assert gw.proc is not None
+    os.kill(gw.proc.pid, signal.SIGHUP)
+    _log_shows(gw, "reloaded")
+    assert served() == [MODEL, "other"]
+    config.write_text("[[endpoints]]\nname = 3\n")
+    os.kill(gw.proc.pid, signal.SIGHUP)
+    _log_shows(gw, "reload on SIGHUP: ")
+    assert gw.alive() and served() == [MODEL, "other"]
 
 
 def test_output_into_a_closed_pipe_ends_quietly() -> None:

@@ -13,6 +13,7 @@ from scheduler import (
     Event,
     Forget,
     Policy,
+    PoolChanged,
     Reject,
     ReplicaProbed,
     ReplicaSpec,
@@ -118,6 +119,11 @@ class Driver:
         for _ in range(self.state.policy.cap_after_queued_probes):
             self.probe(replica, queued=1, running=running)
         assert self.state.replicas[replica].cap == max(1, running)
+
+    def pool(self, **serves: Sequence[str]) -> list[Action]:
+        """The pool is now these replicas (name=models), each with `kv_tokens` None."""
+        specs = tuple(ReplicaSpec(name=n, models=frozenset(ms)) for n, ms in serves.items())
+        return self.feed(PoolChanged(now=self.step(), replicas=specs))
 
     def admitted(self) -> dict[str, str]:
         return {a.turn_id: a.replica for a in self.actions if isinstance(a, Admit)}
@@ -374,6 +380,162 @@ def test_held_pinned_turns_move_when_their_replica_turns_unhealthy() -> None:
     assert d.admitted() == {t2: "b"}
     assert d.state.replicas["a"].bound_runs == 1  # s2 is still generating there
     assert d.state.runs["r1"].replica == "b"
+
+
+# --------------------------------------------------------------------- the pool changing
+
+
+def test_a_replica_that_joins_takes_held_turns_once_a_probe_finds_it_healthy() -> None:
+    d = Driver(("a",))
+    d.cap("a", 1)
+    d.arrive("r0")
+    t1, t2 = d.arrive("r1"), d.arrive("r2")
+    assert d.held_ids() == {t1, t2}
+    d.pool(a=["m"], b=["m"])
+    assert d.state.models["m"] == ("a", "b")
+    assert d.admitted() == {} and not d.state.replicas["b"].healthy, "not probed yet"
+    d.probe("b", queued=None, running=None)
+    assert d.admitted() == {t1: "b", t2: "b"}, "uncapped until its engine reports a queue"
+
+
+def test_a_retired_replica_finishes_its_turns_and_its_runs_move() -> None:
+    d = Driver()
+    d.cap("b", 1)
+    t1 = d.arrive("r1")
+    assert d.admitted() == {t1: "a"}
+    t2 = d.arrive("r2")
+    assert d.admitted() == {t2: "b"}
+    d.finish(t1, "tool_calls")  # r1 paused on a
+    t3 = d.arrive("r3")
+    assert d.admitted() == {t3: "a"}
+    d.pool(b=["m"])  # a leaves with t3 in flight and r1 bound to it
+    a = d.state.replicas["a"]
+    assert a.retired and not a.healthy and (a.in_flight, a.bound_runs) == (1, 2)
+    t4 = d.arrive("r1")
+    assert t4 in d.held_ids() and d.state.turns[t4].bucket == ("model", "m", I)
+    d.finish(t2)
+    assert d.admitted() == {t4: "b"}, "the paused run moved to the replica left"
+    d.probe("a", queued=0, running=0)  # a probe under way as it left: ignored
+    assert not d.state.replicas["a"].healthy
+    d.finish(t3)  # its last turn there: nothing runs or is bound there now
+    assert "a" not in d.state.replicas
+    assert d.state.runs["r3"].replica == "a" and not d.state.runs["r3"].bound
+    t5 = d.arrive("r3")  # an idle run whose replica is gone: placed as any other
+    assert t5 in d.held_ids()
+    with pytest.raises(SchedulerError, match="unknown replica"):
+        d.probe("a", queued=0, running=0)
+
+
+def test_turns_held_for_a_replica_that_leaves_go_elsewhere() -> None:
+    d = _paused_on_full_a()
+    t2 = d.arrive("r1")
+    assert d.state.turns[t2].bucket == ("pin", "a", I)
+    d.pool(b=["m"])
+    assert d.admitted() == {t2: "b"}
+    assert d.state.runs["r1"].replica == "b"
+
+
+def test_a_held_turn_whose_model_leaves_the_pool_is_rejected_404() -> None:
+    d = Driver(("a", "b"), serves={"a": ["m"], "b": ["n"]})
+    d.cap("b", 1)
+    d.arrive("busy", model="n")
+    t1 = d.arrive("r1", model="n")
+    assert t1 in d.held_ids()
+    actions = d.pool(a=["m"])
+    rejects = [x for x in actions if isinstance(x, Reject)]
+    assert [(x.turn_id, x.status) for x in rejects] == [(t1, 404)]
+    assert "'n'" in rejects[0].message and "served: m" in rejects[0].message
+    assert d.held_ids() == set()
+    d.arrive("r2", model="n")
+    assert [x.status for x in d.actions if isinstance(x, Reject)] == [404]
+
+
+def test_a_replica_that_serves_fewer_models_lets_their_pinned_turns_go() -> None:
+    d = Driver(("a", "b"), models=("m", "n"))
+    d.cap("a", 1)
+    d.cap("b", 1)
+    t1 = d.arrive("r1", model="n")
+    assert d.admitted() == {t1: "a"}
+    d.finish(t1, "tool_calls")
+    d.arrive("s1", turn="s1")
+    d.arrive("s2", turn="s2")
+    assert (d.state.turns["s1"].replica, d.state.turns["s2"].replica) == ("b", "a")
+    t2 = d.arrive("r1", model="n")
+    assert d.state.turns[t2].bucket == ("pin", "a", I)
+    d.pool(a=["m"], b=["m", "n"])
+    assert d.state.turns[t2].bucket == ("model", "n", I), "a serves m only now"
+    assert d.state.models["n"] == ("b",)
+    d.finish("s2")
+    assert d.admitted() == {}, "a's free slot is not for n any more"
+    d.finish("s1")
+    assert d.admitted() == {t2: "b"}
+
+
+def test_a_replica_back_before_it_is_forgotten_keeps_its_runs() -> None:
+    d = Driver()
+    t1 = d.arrive("r1")
+    assert d.admitted() == {t1: "a"}
+    d.pool(b=["m"])
+    d.pool(a=["m"], b=["m"])
+    a = d.state.replicas["a"]
+    assert not a.retired and a.in_flight == 1
+    d.probe("a", queued=0, running=1)
+    assert d.state.replicas["a"].healthy
+    d.finish(t1, "tool_calls")
+    t2 = d.arrive("r1")
+    assert d.admitted() == {t2: "a"}, "its paused run is still its own"
+
+
+def test_a_pool_change_keeps_the_kv_pool_an_engine_reported() -> None:
+    d = Driver(("a",))
+    d.feed(ReplicaProbed(now=d.now, replica="a", healthy=True, kv_tokens=9000))
+    d.pool(a=["m"])
+    assert d.state.replicas["a"].spec.kv_tokens == 9000
+    configured = ReplicaSpec(name="a", models=frozenset({"m"}), kv_tokens=500)
+    d.feed(PoolChanged(now=d.step(), replicas=(configured,)))
+    assert d.state.replicas["a"].spec.kv_tokens == 500, "a configured one wins"
+
+
+def test_a_turn_pinned_to_a_replica_that_leaves_with_its_model_is_rejected() -> None:
+    d = Driver(("a", "b"), serves={"a": ["m", "n"], "b": ["m"]})
+    d.cap("a", 1)
+    t1 = d.arrive("r1", model="n")
+    assert d.admitted() == {t1: "a"}
+    d.finish(t1, "tool_calls")
+    d.arrive("busy", model="n", turn="busy")
+    t2 = d.arrive("r1", model="n")
+    assert d.state.turns[t2].bucket == ("pin", "a", I)
+    actions = d.pool(b=["m"])
+    assert [(x.turn_id, x.status) for x in actions if isinstance(x, Reject)] == [(t2, 404)]
+    assert d.held_ids() == set() and d.state.caller_in_flight("c") == 1  # busy, still on a
+
+
+def test_held_turns_rejected_by_a_pool_change_come_in_arrival_order() -> None:
+    d = Driver(("a",), models=("n",))
+    d.cap("a", 1)
+    d.arrive("busy", model="n")
+    held = [d.arrive(f"r{i}", model="n", caller=f"caller-{i}") for i in range(20)]
+    actions = d.pool(b=["m"])
+    assert [x.turn_id for x in actions if isinstance(x, Reject)] == held
+
+
+def test_a_retired_replica_failing_its_last_turns_is_not_ejected() -> None:
+    d = Driver(("a", "b"), policy=Policy(eject_after_failures=1))
+    t1 = d.arrive("r1")
+    assert d.admitted() == {t1: "a"}
+    d.pool(b=["m"])
+    d.feed(TurnFailed(now=d.step(), turn_id=t1, reason="x", engine_fault=True))
+    assert not [x for x in d.actions if isinstance(x, Ejected)]
+    assert "a" not in d.state.replicas
+
+
+def test_a_pool_with_a_name_twice_raises_and_changes_nothing() -> None:
+    d = Driver()
+    before = d.state
+    spec = ReplicaSpec(name="a", models=frozenset({"m"}))
+    with pytest.raises(SchedulerError, match="unique"):
+        d.feed(PoolChanged(now=1.0, replicas=(spec, spec)))
+    assert d.state is before
 
 
 # --------------------------------------------------------------------- classes and order

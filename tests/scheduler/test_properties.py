@@ -30,6 +30,7 @@ from scheduler import (
     Admit,
     Event,
     Policy,
+    PoolChanged,
     Reject,
     ReplicaProbed,
     ReplicaSpec,
@@ -49,6 +50,10 @@ from scheduler import (
 
 MODELS = ("m0", "m1")
 REPLICAS = (("a", ("m0", "m1")), ("b", ("m0",)), ("c", ("m1",)))
+# What a pool change may make of the pool (rule 11): any subset of a, b, c and a new
+# replica d, with a narrowed to one model or not.
+JOINING = ("d", ("m0", "m1"))
+NARROWED = ("a", ("m0",))
 
 arrive = st.tuples(
     st.just("arrive"),
@@ -92,6 +97,13 @@ ops = st.one_of(
     st.tuples(st.just("tick"), st.sampled_from([1.0, 30.0, 700.0, 2000.0])),
     st.tuples(st.just("end"), st.integers(0, 5)),
 )
+# The pool changing (rule 11): from where in the script, which of the candidates are in
+# the pool, whether a is narrowed, and whether to wait for a moment with turns held.
+pool_changes = st.lists(
+    st.tuples(st.integers(0, 120), st.integers(0, 15), st.booleans(), st.booleans()),
+    min_size=1,
+    max_size=6,
+)
 
 policies = st.builds(
     Policy,
@@ -117,6 +129,7 @@ class Runner:
     """Turns abstract ops into events a shell could send, and applies them."""
 
     state: State
+    kv: int | None = None  # the configured KV pool of replicas that join
     now: float = 0.0
     n: int = 0
     known: list[str] = field(default_factory=list)  # every turn id ever sent
@@ -125,6 +138,10 @@ class Runner:
     # queue: until the next probe, luftpause may not exceed it there.
     queue_cap: dict[str, int] = field(default_factory=dict)
     queued_probes: dict[str, int] = field(default_factory=dict)  # probes in a row with a queue
+
+    def pool(self) -> list[str]:
+        """The replicas in the pool now (the ones a shell probes)."""
+        return sorted(n for n, r in self.state.replicas.items() if not r.retired)
 
     def event(self, op: tuple[Any, ...]) -> Event | None:
         self.now += 0.5
@@ -157,13 +174,25 @@ class Runner:
             return TurnStarted(now=self.now, turn_id=tid)
         if kind == "probe":
             _, r, healthy, queued, running, kv, repeated = op
+            pool = self.pool()
+            if not pool:
+                return None
             return ReplicaProbed(
-                now=self.now, replica=REPLICAS[r][0], healthy=healthy, queued=queued,
+                now=self.now, replica=pool[r % len(pool)], healthy=healthy, queued=queued,
                 running=None if queued is None else running, kv_tokens=kv, repeated=repeated,
             )  # fmt: skip
         if kind == "tick":
             self.now += op[1]
             return Tick(now=self.now)
+        if kind == "pool":
+            _, members, narrowed = op
+            candidates = [NARROWED if narrowed else REPLICAS[0], *REPLICAS[1:], JOINING]
+            specs = tuple(
+                ReplicaSpec(name=n, models=frozenset(ms), kv_tokens=self.kv)
+                for i, (n, ms) in enumerate(candidates)
+                if members & (1 << i)
+            )
+            return PoolChanged(now=self.now, replicas=specs)
         return RunEnded(now=self.now, run_id=f"run{op[1]}")
 
     def apply(self, event: Event) -> list[Action]:
@@ -174,6 +203,14 @@ class Runner:
         check_step(before, event, after, actions)
         check_bookkeeping(after)
         check_work_conserving(after)
+        if isinstance(event, PoolChanged):
+            # A replica that left or came back has no cap from its engine's queue.
+            pool = {r.name for r in event.replicas}
+            for name in list(self.queue_cap) + list(self.queued_probes):
+                was = before.replicas.get(name)
+                if name not in pool or was is None or was.retired:
+                    self.queue_cap.pop(name, None)
+                    self.queued_probes.pop(name, None)
         if isinstance(event, ReplicaProbed) and not event.repeated:
             # Capped at the running count once a queue shows in enough probes in a row
             # (a repeated result is no new reading: the cap and the count stay).
@@ -228,6 +265,19 @@ def check_bookkeeping(s: State) -> None:
             assert run.counted_paused == (
                 run.phase is RunPhase.PAUSED and run.service_class is ServiceClass.INTERACTIVE
             )
+    for t in s.admitted():
+        assert t.replica in s.replicas, f"{t.turn_id} runs on a forgotten replica"
+    for run in s.runs.values():
+        assert not run.bound or run.replica in s.replicas, f"{run.run_id} bound to a forgotten one"
+    for name, r in s.replicas.items():
+        if r.retired:  # rule 11: forgotten once nothing runs or is bound there
+            assert not r.healthy and (r.in_flight or r.bound_runs), name
+    for t in held:
+        if t.bucket is not None and t.bucket[0] == "pin":
+            assert s.replicas[t.bucket[1]].healthy, f"{t.turn_id} pinned out of rotation"
+        assert any(t.model in r.spec.models for r in s.replicas.values() if not r.retired), (
+            f"{t.turn_id} held for a model no replica serves"
+        )
     for caller, n in by_caller.items():
         assert s.caller_in_flight(caller) == n
     for run in s.runs.values():
@@ -245,8 +295,8 @@ def could_use(s: State, x: Any, name: str) -> bool:
         return bool(x.bucket[1] == name)
     run = s.runs.get(x.run_id)
     if s.policy.strict_affinity and run is not None and run.replica not in (None, name):
-        home = s.replicas[run.replica]
-        if run.keeps_replica and home.healthy and x.model in home.spec.models:
+        home = s.replicas.get(run.replica)
+        if run.keeps_replica and home and home.healthy and x.model in home.spec.models:
             return False
     limit = s.kv_limit(name, x.service_class)
     if limit is None or not r.ws_tokens:
@@ -333,6 +383,14 @@ def check_step(before: State, event: Event, after: State, actions: list[Action])
         )
     else:
         assert not refused
+    rejected = {a.turn_id for a in actions if isinstance(a, Reject)}
+    if isinstance(event, PoolChanged):
+        # Rule 11: exactly the held turns whose model left the pool are rejected.
+        served = {m for r in event.replicas for m in r.models}
+        gone = {t.turn_id for t in before.held() if t.model not in served}
+        assert rejected == gone, (rejected, gone)
+    elif not isinstance(event, TurnArrived):
+        assert not rejected
     runs = dict(before.runs)
     for a in admits:
         r = after.replicas[a.replica]
@@ -346,8 +404,8 @@ def check_step(before: State, event: Event, after: State, actions: list[Action])
         # have moved it, e.g. a turn for a model its old replica does not serve)
         run = runs.get(a.run_id)
         if before.policy.strict_affinity and run is not None and run.replica is not None:
-            home = after.replicas[run.replica]
-            if run.keeps_replica and home.healthy and model in home.spec.models:
+            home = after.replicas.get(run.replica)
+            if run.keeps_replica and home and home.healthy and model in home.spec.models:
                 assert a.replica == run.replica, (
                     f"{a.turn_id}: run {a.run_id} is {run.phase} on {run.replica}, "
                     f"admitted to {a.replica}"
@@ -372,6 +430,11 @@ def check_step(before: State, event: Event, after: State, actions: list[Action])
 def drain(runner: Runner) -> None:
     """Give every replica health and unlimited capacity, then finish every admitted
     turn until nothing is held: every held turn must get admitted."""
+    if runner.pool() != [n for n, _ in REPLICAS]:  # the whole pool back (rule 11)
+        specs = [
+            ReplicaSpec(name=n, models=frozenset(ms), kv_tokens=runner.kv) for n, ms in REPLICAS
+        ]
+        runner.apply(PoolChanged(now=runner.now, replicas=tuple(specs)))
     for name, _ in REPLICAS:
         runner.apply(ReplicaProbed(now=runner.now, replica=name, healthy=True))
     for _ in range(200):
@@ -401,7 +464,7 @@ def initial(policy: Policy, kv: int | None) -> State:
 def test_invariants_hold_over_random_event_sequences(
     policy: Policy, kv: int | None, script: list[tuple[Any, ...]]
 ) -> None:
-    runner = Runner(initial(policy, kv))
+    runner = Runner(initial(policy, kv), kv)
     for op in script:
         ev = runner.event(op)
         if ev is not None:
@@ -437,3 +500,42 @@ def test_the_held_bound_refuses_exactly_new_work_at_the_bound(
         if ev is not None:
             runner.apply(ev)
     drain(runner)
+
+
+@given(
+    policy=policies,
+    kv=st.sampled_from([None, 8000, 20000]),
+    script=st.lists(ops, min_size=30, max_size=120),
+    changes=pool_changes,
+)
+def test_invariants_hold_while_the_pool_changes(
+    policy: Policy,
+    kv: int | None,
+    script: list[tuple[Any, ...]],
+    changes: list[tuple[int, int, bool, bool]],
+) -> None:
+    """Rule 11 under every other rule: replicas join, leave while turns run on them and
+    runs are bound to them, come back before they are forgotten, and serve fewer models.
+    Every replica is capped at one turn at first, and some changes wait for a moment
+    with turns held, so that held turns move or are rejected (400 examples: ~50 changes
+    with turns running on a leaving replica, ~30 with turns held, ~15 rejecting some)."""
+    runner = Runner(initial(policy, kv), kv)
+    pending = sorted(changes)
+    for i, op in enumerate(CAPPED + script):
+        held = runner.state.held_count()
+        due = [c for c in pending if i >= len(CAPPED) + c[0] and (held or not c[3])]
+        if due:
+            pending.remove(due[0])
+            change = runner.event(("pool", due[0][1], due[0][2]))
+            assert change is not None
+            runner.apply(change)
+        ev = runner.event(op)
+        if ev is not None:
+            runner.apply(ev)
+    replay = initial(policy, kv)
+    for ev, actions in runner.log:
+        replay, again = decide(replay, ev)
+        assert again == actions
+    assert summary(replay) == summary(runner.state)
+    drain(runner)
+    assert runner.state.held_count() == 0

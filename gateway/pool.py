@@ -1,0 +1,142 @@
+"""The pool the gateway serves, and changing it without a restart.
+
+A `Pool` is everything the gateway derives from the configuration's endpoints: the
+replicas turns go to, the models they serve, the classifiers, which replicas lack an
+API.  The gateway holds one at a time and replaces it whole when the file is reloaded
+(`SIGHUP`, or `POST /reload`), so a request sees one pool from start to end.
+
+What a reload may change, and what it may not:
+
+- `[[endpoints]]` entries may be added, removed, and changed in place (models, KV pool,
+  health path, key variable, which APIs it serves, a router's engines).  The core is told
+  the new pool (`scheduler.PoolChanged`, rule 11): an added replica takes turns once a
+  probe finds it healthy (the reload probes at once); a removed one finishes the turns
+  it runs, and its runs move at their next turn.
+- An endpoint's `url`, `kind` and `api_path` may not change under the same name: that is
+  another engine, whose cache holds none of the runs bound to the name.  Remove the old
+  name and add the new engine under a new one (a Kubernetes pod name does this).  This
+  holds too for a name removed earlier whose turns are still finishing.
+- Every other section is read at start only.  A reload that finds one changed applies
+  the endpoints and says which sections need a restart (`not_applied`).
+
+A file that does not load, or changes what may not change, changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from luftpause.config import Api, Config, ConfigError, Endpoint
+
+__all__ = ["Pool", "PoolChange", "compare"]
+
+# What names an engine: changed under the same name, it is another engine.
+_IDENTITY = ("url", "kind", "api_path")
+
+
+@dataclass(frozen=True, slots=True)
+class Pool:
+    config: Config
+    replicas: Mapping[str, Endpoint]  # the endpoints turns go to (Config.replicas)
+    # In the file's order: the first is the default model of `spawn`, `run` and
+    # `/v1/decide` ("the pool's first"), which an operator picks by where it stands.
+    models: tuple[str, ...]
+    classifiers: tuple[Endpoint, ...]
+    # Per API other than Chat Completions, per model: its replicas that do not serve it
+    # (a turn may be placed on any replica of its model, so such a model is refused).
+    lacking: Mapping[Api, Mapping[str, list[str]]]
+    # Replicas whose Anthropic usage counts cached tokens in `input_tokens`: SGLang, or
+    # a router in front of SGLang engines only (the others' are net of the cache).
+    counts_cached: frozenset[str]
+
+    @classmethod
+    def of(cls, config: Config) -> Pool:
+        replicas = {e.name: e for e in config.replicas}
+        models = tuple(dict.fromkeys(m for e in replicas.values() for m in e.models))
+        by_name = {e.name: e for e in config.endpoints}
+        return cls(
+            config=config,
+            replicas=replicas,
+            models=models,
+            classifiers=tuple(e for e in config.endpoints if not e.generative),
+            lacking={
+                api: {
+                    m: [e.name for e in replicas.values() if m in e.models and not e.serves(api)]
+                    for m in models
+                }
+                for api in ("messages", "responses")
+            },
+            counts_cached=frozenset(
+                e.name
+                for e in replicas.values()
+                if e.kind == "sglang"
+                or (e.load_from and all(by_name[n].kind == "sglang" for n in e.load_from))
+            ),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PoolChange:
+    """What a reload did: the answer of `POST /reload`, and its log line."""
+
+    added: tuple[str, ...]  # endpoints new in the file
+    removed: tuple[str, ...]  # endpoints gone from it (replicas: retired, rule 11)
+    changed: tuple[str, ...]  # endpoints changed in place
+    not_applied: tuple[str, ...]  # other sections that changed: they need a restart
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "added": list(self.added),
+            "removed": list(self.removed),
+            "changed": list(self.changed),
+            "not_applied": list(self.not_applied),
+        }
+
+    def __str__(self) -> str:
+        parts = [
+            f"{what} {', '.join(names)}"
+            for what, names in (
+                ("added", self.added),
+                ("removed", self.removed),
+                ("changed", self.changed),
+            )
+            if names
+        ]
+        said = "; ".join(parts) or "no endpoint changed"
+        if self.not_applied:
+            later = ", ".join(self.not_applied)
+            said += f" (changed but read at start only, restart to apply: {later})"
+        return said
+
+
+def compare(old: Config, new: Config, known: Mapping[str, Endpoint] | None = None) -> PoolChange:
+    """What reloading `new` over `old` changes.  Raises ConfigError, naming each one,
+    when an endpoint would change what names its engine: against `old`, or against
+    `known` for a replica removed earlier that the core still knows (its runs would
+    come back to a name whose engine holds none of their cache)."""
+    before = {e.name: e for e in old.endpoints}
+    after = {e.name: e for e in new.endpoints}
+    engines = {**(known or {}), **before}
+    renamed = [
+        f"endpoint {name}: {field} {getattr(engines[name], field)!r} -> {getattr(e, field)!r}"
+        for name, e in after.items()
+        if name in engines
+        for field in _IDENTITY
+        if getattr(engines[name], field) != getattr(e, field)
+    ]
+    if renamed:
+        raise ConfigError(
+            "nothing was reloaded: an endpoint's url, kind and api_path name its engine, "
+            "and another engine does not hold the runs bound to the name; remove the old "
+            "name and add the new engine under a new one (" + "; ".join(renamed) + ")"
+        )
+    rest_old = old.model_dump(exclude={"endpoints"})
+    rest_new = new.model_dump(exclude={"endpoints"})
+    return PoolChange(
+        added=tuple(n for n in after if n not in before),
+        removed=tuple(n for n in before if n not in after),
+        changed=tuple(n for n in after if n in before and before[n] != after[n]),
+        not_applied=tuple(k for k in rest_new if rest_new[k] != rest_old.get(k)),
+    )

@@ -1,0 +1,277 @@
+"""Changing the pool without a restart: `POST /reload` (and SIGHUP, tested on the
+process in tests/luftpause/test_cli.py) over a real gateway and fake engines."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+from harness import MODEL, POLL_S, POLLS, RUN, engine, gateway
+
+from gateway._shell import AdmissionShell
+from gateway.app import GatewaySettings, create_app
+from luftpause.config import load_config
+from scheduler import RunPhase
+from testkit._fake_text import key
+from testkit.loopback import serve
+
+OTHER = "other-model"
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "description": "look something up",
+            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+        },
+    }
+]
+
+
+def toml(*endpoints: dict[str, Any], extra: str = "") -> str:
+    out = []
+    for e in endpoints:
+        models = ", ".join(f'"{m}"' for m in e["models"])
+        out.append(
+            f'[[endpoints]]\nname = "{e["name"]}"\nurl = "{e["url"]}"\n'
+            f'kind = "sglang"\nmodels = [{models}]\n'
+            + "".join(f"{k} = {v}\n" for k, v in e.items() if k not in ("name", "url", "models"))
+        )
+    return "\n".join(out) + extra
+
+
+@contextlib.asynccontextmanager
+async def from_file(path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, AdmissionShell]]:
+    """A gateway started from a configuration file, as `luftpause gateway --config`."""
+    settings = GatewaySettings(config=load_config(path), probe_period=0.05, config_path=str(path))
+    app = create_app(settings)
+    async with serve(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as client:
+        yield client, app.state.shell
+
+
+def calling_task() -> str:
+    """A first user message for which the fake engine answers with a tool call."""
+    return next(f"task {i}" for i in range(1000) if key(0, "tool-calls", f"task {i}") % 4 >= 1)
+
+
+async def chat(gw: httpx.AsyncClient, run: str, messages: list[Any], model: str = MODEL) -> Any:
+    body = {"model": model, "messages": messages, "tools": TOOLS, "fake_max_tool_calls": 3}
+    r = await gw.post("/v1/chat/completions", json=body, headers={RUN: run})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+async def models(gw: httpx.AsyncClient) -> list[str]:
+    r = await gw.get("/v1/models")
+    return [m["id"] for m in r.json()["data"]]
+
+
+async def test_a_reload_adds_and_removes_replicas_and_a_paused_run_moves(
+    tmp_path: Path,
+) -> None:
+    async with engine() as (url_a, rec_a), engine(models=(MODEL, OTHER)) as (url_b, rec_b):
+        path = tmp_path / "luftpause.toml"
+        path.write_text(toml({"name": "a", "url": url_a, "models": [MODEL]}))
+        async with from_file(path) as (gw, shell):
+            messages: list[Any] = [{"role": "user", "content": calling_task()}]
+            choice = await chat(gw, "r1", messages)
+            assert choice["finish_reason"] == "tool_calls"
+            assert shell.state.runs["r1"].phase is RunPhase.PAUSED
+            assert len(rec_a.chats) == 1 and shell.state.runs["r1"].replica == "a"
+
+            path.write_text(toml({"name": "b", "url": url_b, "models": [MODEL, OTHER]}))
+            r = await gw.post("/reload")
+            assert r.status_code == 200, r.text
+            assert r.json() == {"added": ["b"], "removed": ["a"], "changed": [], "not_applied": []}
+            assert await models(gw) == [MODEL, OTHER]
+            # a is out of rotation, kept while the paused run is bound to it
+            a = shell.state.replicas["a"]
+            assert a.retired and not a.healthy and a.bound_runs == 1
+            status = (await gw.get("/status")).json()
+            assert [(x["name"], x["retired"]) for x in status["replicas"]] == [
+                ("a", True),
+                ("b", False),
+            ]
+
+            # The run's next turn goes to b; then nothing is bound to a, which is forgotten.
+            messages.append(choice["message"])
+            for call in choice["message"]["tool_calls"]:
+                messages.append({"role": "tool", "tool_call_id": call["id"], "content": "x"})
+            await chat(gw, "r1", messages)
+            assert (len(rec_a.chats), len(rec_b.chats)) == (1, 1)
+            assert "a" not in shell.state.replicas
+            status = (await gw.get("/status")).json()
+            assert [x["name"] for x in status["replicas"]] == ["b"]
+            # the model b brought is served
+            await chat(gw, "r2", [{"role": "user", "content": "hello"}], model=OTHER)
+            assert rec_b.chats[-1]["model"] == OTHER
+
+
+async def test_a_turn_streaming_from_a_removed_replica_finishes_there(tmp_path: Path) -> None:
+    # time_scale 0.5: a 256-token reply streams for seconds, long enough to reload meanwhile
+    async with engine(time_scale=0.5) as (url_a, rec_a), engine() as (url_b, rec_b):
+        path = tmp_path / "luftpause.toml"
+        path.write_text(toml({"name": "a", "url": url_a, "models": [MODEL]}))
+        async with from_file(path) as (gw, shell):
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "a long story"}],
+                "stream": True,
+                "max_tokens": 256,
+            }
+            events = []
+            async with gw.stream("POST", "/v1/chat/completions", json=body) as r:
+                lines = r.aiter_lines()
+                events.append(await anext(lines))  # the engine is answering
+                path.write_text(toml({"name": "b", "url": url_b, "models": [MODEL]}))
+                reload = await gw.post("/reload")
+                assert reload.json()["removed"] == ["a"]
+                assert shell.state.replicas["a"].in_flight == 1
+                # a new turn goes to b meanwhile
+                await chat(gw, "r2", [{"role": "user", "content": "hello"}])
+                assert len(rec_b.chats) == 1
+                events += [line async for line in lines]
+            assert r.status_code == 200
+            assert [e for e in events if e.startswith("data:")][-1] == "data: [DONE]"
+            assert len(rec_a.chats) == 1
+            assert "a" not in shell.state.replicas, "forgotten once its last turn ended"
+
+
+async def test_a_reload_that_cannot_apply_changes_nothing(tmp_path: Path) -> None:
+    async with engine() as (url_a, rec_a):
+        path = tmp_path / "luftpause.toml"
+        good = toml({"name": "a", "url": url_a, "models": [MODEL]})
+        path.write_text(good)
+        async with from_file(path) as (gw, shell):
+            before = {n: r.spec for n, r in shell.state.replicas.items()}
+
+            path.write_text(good + "\n[[endpoints]\n")
+            r = await gw.post("/reload")
+            assert r.status_code == 400
+            assert "not valid TOML" in r.json()["error"]["message"]
+            assert str(path) in r.json()["error"]["message"]
+
+            # the same name for another engine: refused, naming what changed
+            moved = toml({"name": "a", "url": "http://127.0.0.1:9", "models": [MODEL, OTHER]})
+            path.write_text(moved)
+            r = await gw.post("/reload")
+            assert r.status_code == 400
+            message = r.json()["error"]["message"]
+            assert "nothing was reloaded" in message and "endpoint a: url" in message
+
+            assert {n: r.spec for n, r in shell.state.replicas.items()} == before
+            assert await models(gw) == [MODEL]
+            await chat(gw, "r1", [{"role": "user", "content": "hello"}])
+            assert len(rec_a.chats) == 1
+
+
+async def test_sections_read_at_start_only_are_named_and_left(tmp_path: Path) -> None:
+    async with engine() as (url_a, _):
+        path = tmp_path / "luftpause.toml"
+        a = {"name": "a", "url": url_a, "models": [MODEL]}
+        path.write_text(toml(a))
+        async with from_file(path) as (gw, shell):
+            path.write_text(
+                toml({**a, "models": [MODEL, OTHER]}, extra="\n[policy]\nmax_held_per_caller = 3\n")
+            )
+            r = await gw.post("/reload")
+            assert r.json() == {
+                "added": [],
+                "removed": [],
+                "changed": ["a"],
+                "not_applied": ["policy"],
+            }
+            assert shell.state.policy.max_held_per_caller is None
+            assert shell.state.replicas["a"].spec.models == {MODEL, OTHER}
+            assert await models(gw) == [MODEL, OTHER]
+
+
+async def test_reload_needs_the_token_and_a_file() -> None:
+    async with engine() as (url, _):
+        ep = {"name": "a", "url": url, "kind": "sglang", "models": [MODEL]}
+        async with gateway(ep, token="secret") as (gw, _):
+            r = await gw.post("/reload")
+            assert r.status_code == 401
+            r = await gw.post("/reload", headers={"authorization": "Bearer secret"})
+            assert r.status_code == 400
+            assert "not started from a configuration file" in r.json()["error"]["message"]
+
+
+async def test_a_held_turn_goes_to_a_replica_that_joins_while_it_waits(tmp_path: Path) -> None:
+    async with engine(time_scale=0.5) as (url_a, rec_a), engine() as (url_b, rec_b):
+        path = tmp_path / "luftpause.toml"
+        a = {"name": "a", "url": url_a, "models": [MODEL], "kv_tokens": 400}
+        path.write_text(toml(a))
+        async with from_file(path) as (gw, shell):
+            long = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "a long story"}],
+                "stream": True,
+                "max_tokens": 256,
+            }
+            async with gw.stream("POST", "/v1/chat/completions", json=long) as first:
+                lines = first.aiter_lines()
+                await anext(lines)
+                second = asyncio.ensure_future(
+                    gw.post("/v1/chat/completions", json={**long, "stream": False})
+                )
+                for _ in range(POLLS):
+                    if shell.state.held_count():
+                        break
+                    await asyncio.sleep(POLL_S)
+                assert shell.state.held_count() == 1
+                path.write_text(toml(a, {"name": "b", "url": url_b, "models": [MODEL]}))
+                r = await gw.post("/reload")
+                assert r.json()["added"] == ["b"]
+                assert (await second).status_code == 200
+                assert (len(rec_a.chats), len(rec_b.chats)) == (1, 1)
+
+                # a, retired while its stream runs, may not come back as another engine
+                path.write_text(toml({"name": "b", "url": url_b, "models": [MODEL]}))
+                assert (await gw.post("/reload")).json()["removed"] == ["a"]
+                path.write_text(
+                    toml({**a, "url": url_b}, {"name": "b", "url": url_b, "models": [MODEL]})
+                )
+                r = await gw.post("/reload")
+                assert r.status_code == 400 and "endpoint a: url" in r.json()["error"]["message"]
+                assert shell.state.replicas["a"].retired
+                assert [line async for line in lines][-2:] == ["data: [DONE]", ""]
+
+
+async def test_a_held_turn_whose_model_leaves_the_pool_is_answered_404(tmp_path: Path) -> None:
+    # a's KV pool (400 tokens) fits one new run at a time: while the first streams, the
+    # second is held by luftpause.  Then a leaves, and its model with it.
+    async with engine(time_scale=0.5) as (url_a, _), engine(models=(OTHER,)) as (url_b, _):
+        path = tmp_path / "luftpause.toml"
+        path.write_text(toml({"name": "a", "url": url_a, "models": [MODEL], "kv_tokens": 400}))
+        async with from_file(path) as (gw, shell):
+            long = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "a long story"}],
+                "stream": True,
+                "max_tokens": 256,
+            }
+            async with gw.stream("POST", "/v1/chat/completions", json=long) as first:
+                lines = first.aiter_lines()  # kept: a dropped iterator closes the stream
+                await anext(lines)
+                second = asyncio.ensure_future(
+                    gw.post("/v1/chat/completions", json={**long, "stream": False})
+                )
+                for _ in range(POLLS):
+                    if shell.state.held_count():
+                        break
+                    await asyncio.sleep(POLL_S)
+                assert shell.state.held_count() == 1
+                path.write_text(toml({"name": "b", "url": url_b, "models": [OTHER]}))
+                assert (await gw.post("/reload")).status_code == 200
+                r = await second
+                assert r.status_code == 404
+                message = r.json()["error"]["message"]
+                assert f"model '{MODEL}'" in message and "left the pool while" in message
+                assert f"served: {OTHER}" in message
+                assert r.headers[RUN]
+                assert [line async for line in lines][-2:] == ["data: [DONE]", ""]
