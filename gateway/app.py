@@ -45,11 +45,30 @@ from gateway.mcp_door import DoorDeps, create_mcp_server
 from gateway.metrics import GatewayMetrics
 from gateway.pool import Pool, PoolChange, compare
 from gateway.prober import Prober, ProbeResult, auth_headers
-from gateway.status import render_status_page, status_snapshot, sub_agent_tree
+from gateway.status import (
+    RUNS_LIMIT,
+    RUNS_MAX,
+    WAITING,
+    render_status_page,
+    run_view,
+    runs_listing,
+    status_snapshot,
+    sub_agent_tree,
+    waiting_view,
+)
 from luftpause import telemetry
 from luftpause.config import Api, Config, ConfigError, Endpoint, load_config
 from luftpause.headers import CALLER_HEADER, CLASS_HEADER, RUN_HEADER, caller_name
-from scheduler import Policy, PoolChanged, RunEnded, ServiceClass, State, Tick, unknown_model
+from scheduler import (
+    Policy,
+    PoolChanged,
+    RunEnded,
+    RunPhase,
+    ServiceClass,
+    State,
+    Tick,
+    unknown_model,
+)
 from workflows import Runs
 
 __all__ = [
@@ -175,7 +194,7 @@ class _Gateway(FastAPI):
 _SERVED = (
     f"POST {CHAT_PATH}, POST {RESPONSES_PATH}, POST {MESSAGES_PATH} (Anthropic), "
     f"POST {COUNT_TOKENS_PATH}, "
-    "GET /v1/models, POST /v1/decide, DELETE /v1/runs/{run id}"
+    "GET /v1/models, POST /v1/decide, GET /v1/runs, GET and DELETE /v1/runs/{run id}"
 )
 
 
@@ -533,6 +552,65 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         rt.shell.apply(RunEnded(now=rt.loop.time(), run_id=run_id))
         return Response(status_code=204, headers={RUN_HEADER: run_id})
 
+    @app.get("/v1/runs")
+    async def list_runs(request: Request) -> Response:
+        """The runs luftpause knows, most recently active first (GET /v1/runs?caller=
+        &phase=&class=&limit=): how a harness's user finds its session's run."""
+        rt = running()
+        if not authorized(request):
+            return unauthorized("")
+        query = request.query_params
+        unknown = sorted(set(query) - {"caller", "phase", "class", "limit"})
+        phases = [p.value for p in RunPhase] + [WAITING]
+        phase = query.get("phase")
+        limit = query.get("limit", str(RUNS_LIMIT))
+        if unknown:
+            message = (
+                f"unknown query parameter {unknown[0]!r}: expected caller, phase, class, limit"
+            )
+            return error_response(400, message, "")
+        if phase is not None and phase not in phases:
+            return error_response(400, f"phase: expected one of {', '.join(phases)}", "")
+        if not (limit.isdigit() and 1 <= int(limit) <= RUNS_MAX):
+            return error_response(400, f"limit: expected an integer from 1 to {RUNS_MAX}", "")
+        try:
+            cls = _parse_class(query["class"]) if "class" in query else None
+        except _BadRequest as exc:
+            return error_response(400, exc.message.replace(CLASS_HEADER, "class"), "")
+        caller = query.get("caller")
+        listing = await asyncio.to_thread(
+            runs_listing,
+            rt.shell.state,
+            rt.loop.time(),
+            caller=caller_name(caller) if caller is not None else None,
+            phase=phase,
+            service_class=cls,
+            limit=int(limit),
+        )
+        return Response(json.dumps(listing), media_type="application/json")
+
+    @app.get("/v1/runs/{run_id}")
+    async def one_run(request: Request, run_id: str) -> Response:
+        rt = running()
+        if not authorized(request):
+            return unauthorized(run_id if _RUN_ID.fullmatch(run_id) else "")
+        if not _RUN_ID.fullmatch(run_id):
+            message = "run id: expected 1 to 128 printable ASCII characters other than /"
+            return error_response(400, message, "")
+        state, now = rt.shell.state, rt.loop.time()
+        held = [t for t in state.held() if t.run_id == run_id]
+        run = state.runs.get(run_id)
+        if run is None and not held:
+            message = (
+                f"run '{run_id}' is not known: never seen, ended, idle longer than "
+                "idle_run_expiry_s, or from before the gateway's last start"
+            )
+            return error_response(404, message, run_id)
+        view = run_view(run, now, len(held)) if run is not None else waiting_view(held, now)
+        return Response(
+            json.dumps(view), media_type="application/json", headers={RUN_HEADER: run_id}
+        )
+
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:
         if not authorized(request):
@@ -626,7 +704,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         anthropic = _anthropic(path)
         if not authorized(request, api_key=anthropic):
             return unauthorized(_new_id(), anthropic=anthropic)
-        allow = _ALLOWED.get(path) or ("DELETE" if path.startswith("/v1/runs/") else None)
+        allow = _ALLOWED.get(path) or ("GET, DELETE" if path.startswith("/v1/runs/") else None)
         message = f"luftpause does not serve {request.method} {path}; it serves {_SERVED}"
         if path.startswith("/v1/v1/"):
             message = (
@@ -776,6 +854,7 @@ _ALLOWED = {
     RESPONSES_PATH: "POST",
     "/v1/decide": "POST",
     "/v1/models": "GET",
+    "/v1/runs": "GET",
 }
 _NO_TOKEN = "missing or wrong bearer token"
 # On the Anthropic door, where clients send their key in x-api-key or as a bearer token.

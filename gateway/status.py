@@ -12,9 +12,25 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gateway.prober import ProbeResult
-from scheduler import RunPhase, ServiceClass, State
+from scheduler import RunPhase, RunState, ServiceClass, State, TurnState
 
-__all__ = ["TOP_CALLERS", "render_status_page", "status_snapshot"]
+__all__ = [
+    "RUNS_LIMIT",
+    "RUNS_MAX",
+    "TOP_CALLERS",
+    "WAITING",
+    "render_status_page",
+    "run_view",
+    "runs_listing",
+    "status_snapshot",
+    "waiting_view",
+]
+
+# GET /v1/runs: this many runs by default, at most RUNS_MAX.
+RUNS_LIMIT = 100
+RUNS_MAX = 1000
+# The phase GET /v1/runs gives a run none of whose turns was admitted yet.
+WAITING = "waiting"
 
 # The held-turn table lists the callers with the most held turns, at most this many.
 TOP_CALLERS = 50
@@ -117,6 +133,79 @@ def status_snapshot(
         **shell_counts,
         "now": now,
     }
+
+
+def run_view(run: RunState, now: float, held: int = 0) -> dict[str, Any]:
+    """One run as GET /v1/runs shows it: what the core knows of it."""
+    return {
+        "run_id": run.run_id,
+        "caller": run.caller,
+        "class": run.service_class.value,
+        "model": run.model,
+        "phase": run.phase.value,
+        # its last turn's replica: where it goes back to while generating or paused
+        "replica": run.replica,
+        "turns_in_flight": run.in_flight,
+        "turns_held": held,
+        "context_tokens": run.context_tokens,  # prompt + reply of its last turn
+        "kv_claim_tokens": run.ws_claim,  # counted against its replica's pool now
+        "since_s": _wait(now, run.last_active),  # in this phase for so long
+    }
+
+
+def waiting_view(turns: list[TurnState], now: float) -> dict[str, Any]:
+    """A run the core does not know yet: its first turns are held."""
+    t = turns[0]
+    return {
+        "run_id": t.run_id,
+        "caller": t.caller,
+        "class": t.service_class.value,
+        "model": t.model,
+        "phase": WAITING,
+        "replica": None,
+        "turns_in_flight": 0,
+        "turns_held": len(turns),
+        "context_tokens": 0,
+        "kv_claim_tokens": 0,
+        "since_s": _wait(now, min(x.arrived for x in turns)),
+    }
+
+
+def runs_listing(
+    state: State,
+    now: float,
+    *,
+    caller: str | None = None,
+    phase: str | None = None,
+    service_class: ServiceClass | None = None,
+    limit: int = RUNS_LIMIT,
+) -> dict[str, Any]:
+    """GET /v1/runs: the runs luftpause knows (proxied and sub-agents' alike), the most
+    recently active first, filtered by caller, phase (a RunPhase or WAITING) and
+    class; `total` counts every match.  One walk over the runs and held turns."""
+    held: dict[str, list[TurnState]] = {}
+    for t in state.held():
+        held.setdefault(t.run_id, []).append(t)
+    found: list[tuple[float, str, dict[str, Any]]] = []
+    for run in state.runs.values():
+        if (
+            (caller is None or run.caller == caller)
+            and (phase is None or run.phase.value == phase)
+            and (service_class is None or run.service_class is service_class)
+        ):
+            view = run_view(run, now, len(held.get(run.run_id, ())))
+            found.append((run.last_active, run.run_id, view))
+    if phase in (None, WAITING):
+        for run_id, turns in held.items():
+            t = turns[0]
+            if (
+                run_id not in state.runs
+                and (caller is None or t.caller == caller)
+                and (service_class is None or t.service_class is service_class)
+            ):
+                found.append((max(x.arrived for x in turns), run_id, waiting_view(turns, now)))
+    newest = heapq.nlargest(limit, found, key=lambda f: (f[0], f[1]))
+    return {"runs": [view for _, _, view in newest], "total": len(found), "limit": limit}
 
 
 def _wait(now: float, arrived: float) -> float:

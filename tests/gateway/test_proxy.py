@@ -1147,7 +1147,8 @@ def test_one_choice_ending_in_tool_calls_pauses_the_run_whatever_the_others_say(
         ("GET", "/v1/chat/completions", 405, "POST"),
         ("GET", "/v1/decide", 405, "POST"),
         ("POST", "/v1/models", 405, "GET"),
-        ("GET", "/v1/runs/r1", 405, "DELETE"),
+        ("POST", "/v1/runs/r1", 405, "GET, DELETE"),
+        ("DELETE", "/v1/runs", 405, "GET"),
     ],
 )
 async def test_other_openai_routes_get_the_error_shape_and_what_is_served(

@@ -18,7 +18,7 @@ import gateway.app as app_module
 import gateway.metrics as metrics_module
 from gateway.metrics import GatewayMetrics
 from gateway.prober import ProbeResult
-from gateway.status import TOP_CALLERS, render_status_page, status_snapshot
+from gateway.status import TOP_CALLERS, WAITING, render_status_page, runs_listing, status_snapshot
 from scheduler import (
     Event,
     Policy,
@@ -494,3 +494,75 @@ async def test_the_state_is_walked_off_the_event_loop(monkeypatch: pytest.Monkey
         assert (await gw.get("/status")).json()["replicas"][0]["name"] == "a"
     assert set(threads) == {"metrics", "status"}
     assert all(t is not loop_thread for t in threads.values())
+
+
+# --------------------------------------------------------------------------- GET /v1/runs
+
+
+def test_runs_listing_filters_and_orders_what_the_core_knows() -> None:
+    # SCENE at 10 s: r1 (alice) paused on a; r3 (bob) generating there; r2 (bob, batch)
+    # and r4 (carol) held before any of their turns was admitted.
+    state = run_events(pool(), SCENE)
+    listing = runs_listing(state, 10.0)
+    assert [(v["run_id"], v["phase"]) for v in listing["runs"]] == [
+        ("r3", "generating"),  # admitted at 5 s (a tie is broken by run id)
+        ("r1", "paused"),  # paused at 5 s
+        ("r4", WAITING),  # held since 4 s
+        ("r2", WAITING),  # held since 2 s
+    ]
+    assert listing["total"] == 4
+    r1 = listing["runs"][1]
+    assert r1 == {
+        "run_id": "r1",
+        "caller": "alice",
+        "class": "interactive",
+        "model": MODEL,
+        "phase": "paused",
+        "replica": "a",
+        "turns_in_flight": 0,
+        "turns_held": 0,
+        "context_tokens": 120,
+        "kv_claim_tokens": 170,  # 120 context + 50 reply, against a's pool
+        "since_s": 5.0,
+    }
+    assert listing["runs"][3]["turns_held"] == 1 and listing["runs"][3]["class"] == "batch"
+    only = runs_listing(state, 10.0, caller="bob")
+    assert [v["run_id"] for v in only["runs"]] == ["r3", "r2"]
+    assert [v["run_id"] for v in runs_listing(state, 10.0, phase=WAITING)["runs"]] == ["r4", "r2"]
+    assert [v["run_id"] for v in runs_listing(state, 10.0, phase="paused")["runs"]] == ["r1"]
+    batch = runs_listing(state, 10.0, service_class=BATCH)
+    assert [v["run_id"] for v in batch["runs"]] == ["r2"]
+    top = runs_listing(state, 10.0, limit=1)
+    assert [v["run_id"] for v in top["runs"]] == ["r3"] and top["total"] == 4
+
+
+async def test_a_caller_finds_its_runs_and_one_run_by_id() -> None:
+    async with engine(instant=True) as (url, _), gateway(endpoint("a", url), token="t") as (gw, _):
+        auth = {"Authorization": "Bearer t"}
+        for n in range(3):
+            r = await gw.post(
+                "/v1/chat/completions",
+                json=chat(f"q{n}"),
+                headers={**auth, "x-luftpause-caller": "alice" if n else "bob"},
+            )
+            assert r.status_code == 200
+        assert (await gw.get("/v1/runs")).status_code == 401
+        mine = (await gw.get("/v1/runs", params={"caller": "alice"}, headers=auth)).json()
+        assert mine["total"] == 2 and {v["caller"] for v in mine["runs"]} == {"alice"}
+        assert all(v["phase"] == "idle" and v["replica"] == "a" for v in mine["runs"])
+        run_id = mine["runs"][0]["run_id"]
+        one = await gw.get(f"/v1/runs/{run_id}", headers=auth)
+        assert one.status_code == 200 and one.headers["x-luftpause-run-id"] == run_id
+        assert {k: v for k, v in one.json().items() if k != "since_s"} == {
+            k: v for k, v in mine["runs"][0].items() if k != "since_s"
+        }
+        missing = await gw.get("/v1/runs/nope", headers=auth)
+        assert missing.status_code == 404 and "'nope' is not known" in missing.text
+        for params, what in (
+            ({"phase": "asleep"}, "phase: expected one of generating, paused, idle, waiting"),
+            ({"limit": "0"}, "limit: expected an integer from 1 to 1000"),
+            ({"class": "urgent"}, "class must be 'interactive' or 'batch'"),
+            ({"who": "x"}, "unknown query parameter 'who'"),
+        ):
+            bad = await gw.get("/v1/runs", params=params, headers=auth)
+            assert bad.status_code == 400 and what in bad.json()["error"]["message"], bad.text
