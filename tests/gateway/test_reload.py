@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from harness import MODEL, POLL_S, POLLS, RUN, engine, gateway
+from harness import MODEL, RUN, engine, gateway, until
 
 from gateway._shell import AdmissionShell
 from gateway.app import GatewaySettings, create_app
@@ -51,6 +51,32 @@ async def from_file(path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, Admiss
     app = create_app(settings)
     async with serve(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as client:
         yield client, app.state.shell
+
+
+# A reply that streams for seconds from an engine at time_scale 0.5.
+LONG = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "a long story"}],
+    "stream": True,
+    "max_tokens": 256,
+}
+
+
+@contextlib.asynccontextmanager
+async def one_streaming_one_held(
+    gw: httpx.AsyncClient, shell: AdmissionShell
+) -> AsyncIterator[tuple[AsyncIterator[str], asyncio.Future[httpx.Response]]]:
+    """A long reply streaming from replica a, whose KV pool (kv_tokens = 400) fits one
+    new run at a time, and a second turn luftpause holds meanwhile: the first's lines
+    to come, and the second's answer to come."""
+    async with gw.stream("POST", "/v1/chat/completions", json=LONG) as first:
+        lines = first.aiter_lines()  # kept: a dropped iterator closes the stream
+        await anext(lines)
+        second = asyncio.ensure_future(
+            gw.post("/v1/chat/completions", json={**LONG, "stream": False})
+        )
+        await until(lambda: shell.state.held_count() == 1, "the second turn held")
+        yield lines, second
 
 
 def calling_task() -> str:
@@ -117,14 +143,8 @@ async def test_a_turn_streaming_from_a_removed_replica_finishes_there(tmp_path: 
         path = tmp_path / "luftpause.toml"
         path.write_text(toml({"name": "a", "url": url_a, "models": [MODEL]}))
         async with from_file(path) as (gw, shell):
-            body = {
-                "model": MODEL,
-                "messages": [{"role": "user", "content": "a long story"}],
-                "stream": True,
-                "max_tokens": 256,
-            }
             events = []
-            async with gw.stream("POST", "/v1/chat/completions", json=body) as r:
+            async with gw.stream("POST", "/v1/chat/completions", json=LONG) as r:
                 lines = r.aiter_lines()
                 events.append(await anext(lines))  # the engine is answering
                 path.write_text(toml({"name": "b", "url": url_b, "models": [MODEL]}))
@@ -206,40 +226,26 @@ async def test_a_held_turn_goes_to_a_replica_that_joins_while_it_waits(tmp_path:
         path = tmp_path / "luftpause.toml"
         a = {"name": "a", "url": url_a, "models": [MODEL], "kv_tokens": 400}
         path.write_text(toml(a))
-        async with from_file(path) as (gw, shell):
-            long = {
-                "model": MODEL,
-                "messages": [{"role": "user", "content": "a long story"}],
-                "stream": True,
-                "max_tokens": 256,
-            }
-            async with gw.stream("POST", "/v1/chat/completions", json=long) as first:
-                lines = first.aiter_lines()
-                await anext(lines)
-                second = asyncio.ensure_future(
-                    gw.post("/v1/chat/completions", json={**long, "stream": False})
-                )
-                for _ in range(POLLS):
-                    if shell.state.held_count():
-                        break
-                    await asyncio.sleep(POLL_S)
-                assert shell.state.held_count() == 1
-                path.write_text(toml(a, {"name": "b", "url": url_b, "models": [MODEL]}))
-                r = await gw.post("/reload")
-                assert r.json()["added"] == ["b"]
-                assert (await second).status_code == 200
-                assert (len(rec_a.chats), len(rec_b.chats)) == (1, 1)
+        async with (
+            from_file(path) as (gw, shell),
+            one_streaming_one_held(gw, shell) as (lines, second),
+        ):
+            path.write_text(toml(a, {"name": "b", "url": url_b, "models": [MODEL]}))
+            r = await gw.post("/reload")
+            assert r.json()["added"] == ["b"]
+            assert (await second).status_code == 200
+            assert (len(rec_a.chats), len(rec_b.chats)) == (1, 1)
 
-                # a, retired while its stream runs, may not come back as another engine
-                path.write_text(toml({"name": "b", "url": url_b, "models": [MODEL]}))
-                assert (await gw.post("/reload")).json()["removed"] == ["a"]
-                path.write_text(
-                    toml({**a, "url": url_b}, {"name": "b", "url": url_b, "models": [MODEL]})
-                )
-                r = await gw.post("/reload")
-                assert r.status_code == 400 and "endpoint a: url" in r.json()["error"]["message"]
-                assert shell.state.replicas["a"].retired
-                assert [line async for line in lines][-2:] == ["data: [DONE]", ""]
+            # a, retired while its stream runs, may not come back as another engine
+            path.write_text(toml({"name": "b", "url": url_b, "models": [MODEL]}))
+            assert (await gw.post("/reload")).json()["removed"] == ["a"]
+            path.write_text(
+                toml({**a, "url": url_b}, {"name": "b", "url": url_b, "models": [MODEL]})
+            )
+            r = await gw.post("/reload")
+            assert r.status_code == 400 and "endpoint a: url" in r.json()["error"]["message"]
+            assert shell.state.replicas["a"].retired
+            assert [line async for line in lines][-2:] == ["data: [DONE]", ""]
 
 
 async def test_a_held_turn_whose_model_leaves_the_pool_is_answered_404(tmp_path: Path) -> None:
@@ -248,30 +254,16 @@ async def test_a_held_turn_whose_model_leaves_the_pool_is_answered_404(tmp_path:
     async with engine(time_scale=0.5) as (url_a, _), engine(models=(OTHER,)) as (url_b, _):
         path = tmp_path / "luftpause.toml"
         path.write_text(toml({"name": "a", "url": url_a, "models": [MODEL], "kv_tokens": 400}))
-        async with from_file(path) as (gw, shell):
-            long = {
-                "model": MODEL,
-                "messages": [{"role": "user", "content": "a long story"}],
-                "stream": True,
-                "max_tokens": 256,
-            }
-            async with gw.stream("POST", "/v1/chat/completions", json=long) as first:
-                lines = first.aiter_lines()  # kept: a dropped iterator closes the stream
-                await anext(lines)
-                second = asyncio.ensure_future(
-                    gw.post("/v1/chat/completions", json={**long, "stream": False})
-                )
-                for _ in range(POLLS):
-                    if shell.state.held_count():
-                        break
-                    await asyncio.sleep(POLL_S)
-                assert shell.state.held_count() == 1
-                path.write_text(toml({"name": "b", "url": url_b, "models": [OTHER]}))
-                assert (await gw.post("/reload")).status_code == 200
-                r = await second
-                assert r.status_code == 404
-                message = r.json()["error"]["message"]
-                assert f"model '{MODEL}'" in message and "left the pool while" in message
-                assert f"served: {OTHER}" in message
-                assert r.headers[RUN]
-                assert [line async for line in lines][-2:] == ["data: [DONE]", ""]
+        async with (
+            from_file(path) as (gw, shell),
+            one_streaming_one_held(gw, shell) as (lines, second),
+        ):
+            path.write_text(toml({"name": "b", "url": url_b, "models": [OTHER]}))
+            assert (await gw.post("/reload")).status_code == 200
+            r = await second
+            assert r.status_code == 404
+            message = r.json()["error"]["message"]
+            assert f"model '{MODEL}'" in message and "left the pool while" in message
+            assert f"served: {OTHER}" in message
+            assert r.headers[RUN]
+            assert [line async for line in lines][-2:] == ["data: [DONE]", ""]

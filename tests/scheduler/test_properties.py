@@ -195,6 +195,12 @@ class Runner:
             return PoolChanged(now=self.now, replicas=specs)
         return RunEnded(now=self.now, run_id=f"run{op[1]}")
 
+    def run(self, op: tuple[Any, ...]) -> None:
+        """The op's event, if it makes one now, applied."""
+        ev = self.event(op)
+        if ev is not None:
+            self.apply(ev)
+
     def apply(self, event: Event) -> list[Action]:
         before = self.state
         snapshot = summary(before)
@@ -450,6 +456,18 @@ def drain(runner: Runner) -> None:
     raise AssertionError(f"{runner.state.held_count()} turns still held after draining")
 
 
+def replays_and_drains(runner: Runner, start: State) -> None:
+    """The core is deterministic (the same events from the same start give the same
+    actions and state), and every held turn is admitted once capacity allows."""
+    replay = start
+    for ev, actions in runner.log:
+        replay, again = decide(replay, ev)
+        assert again == actions
+    assert summary(replay) == summary(runner.state)
+    drain(runner)
+    assert runner.state.held_count() == 0
+
+
 def initial(policy: Policy, kv: int | None) -> State:
     return State.initial(
         [ReplicaSpec(name=n, models=frozenset(ms), kv_tokens=kv) for n, ms in REPLICAS], policy
@@ -466,17 +484,8 @@ def test_invariants_hold_over_random_event_sequences(
 ) -> None:
     runner = Runner(initial(policy, kv), kv)
     for op in script:
-        ev = runner.event(op)
-        if ev is not None:
-            runner.apply(ev)
-    # determinism: the same events from the same start give the same actions and state
-    replay = initial(policy, kv)
-    for ev, actions in runner.log:
-        replay, again = decide(replay, ev)
-        assert again == actions
-    assert summary(replay) == summary(runner.state)
-    drain(runner)
-    assert runner.state.held_count() == 0
+        runner.run(op)
+    replays_and_drains(runner, initial(policy, kv))
 
 
 # Every replica capped at one turn from the start (a queue in two probes in a row, one
@@ -496,9 +505,7 @@ def test_the_held_bound_refuses_exactly_new_work_at_the_bound(
     policy = Policy(max_held_per_caller=bound, strict_affinity=strict)
     runner = Runner(initial(policy, None))
     for op in CAPPED + script:
-        ev = runner.event(op)
-        if ev is not None:
-            runner.apply(ev)
+        runner.run(op)
     drain(runner)
 
 
@@ -526,16 +533,6 @@ def test_invariants_hold_while_the_pool_changes(
         due = [c for c in pending if i >= len(CAPPED) + c[0] and (held or not c[3])]
         if due:
             pending.remove(due[0])
-            change = runner.event(("pool", due[0][1], due[0][2]))
-            assert change is not None
-            runner.apply(change)
-        ev = runner.event(op)
-        if ev is not None:
-            runner.apply(ev)
-    replay = initial(policy, kv)
-    for ev, actions in runner.log:
-        replay, again = decide(replay, ev)
-        assert again == actions
-    assert summary(replay) == summary(runner.state)
-    drain(runner)
-    assert runner.state.held_count() == 0
+            runner.run(("pool", due[0][1], due[0][2]))
+        runner.run(op)
+    replays_and_drains(runner, initial(policy, kv))
