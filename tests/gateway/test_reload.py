@@ -38,8 +38,10 @@ def toml(*endpoints: dict[str, Any], extra: str = "") -> str:
         models = ", ".join(f'"{m}"' for m in e["models"])
         out.append(
             f'[[endpoints]]\nname = "{e["name"]}"\nurl = "{e["url"]}"\n'
-            f'kind = "sglang"\nmodels = [{models}]\n'
-            + "".join(f"{k} = {v}\n" for k, v in e.items() if k not in ("name", "url", "models"))
+            f'kind = "{e.get("kind", "sglang")}"\nmodels = [{models}]\n'
+            + "".join(
+                f"{k} = {v}\n" for k, v in e.items() if k not in ("name", "url", "models", "kind")
+            )
         )
     return "\n".join(out) + extra
 
@@ -267,3 +269,25 @@ async def test_a_held_turn_whose_model_leaves_the_pool_is_answered_404(tmp_path:
             assert f"served: {OTHER}" in message
             assert r.headers[RUN]
             assert [line async for line in lines][-2:] == ["data: [DONE]", ""]
+
+
+async def test_a_classifier_added_by_a_reload_answers_decide(tmp_path: Path) -> None:
+    clf = "clf-model"
+    async with engine() as (url_a, _), engine(models=(clf,), instant=True) as (url_c, rec_c):
+        path = tmp_path / "luftpause.toml"
+        a = {"name": "a", "url": url_a, "models": [MODEL]}
+        path.write_text(toml(a))
+        async with from_file(path) as (gw, shell):
+            before = await gw.post("/v1/decide", json={"input": "a lovely day"})
+            assert before.status_code == 404
+            assert before.json()["error"]["message"] == "no classifier endpoint is configured"
+            c = {"name": "c", "url": url_c, "models": [clf], "kind": "classifier"}
+            path.write_text(toml(a, {**c, "labels": ["negative", "positive"]}))
+            r = await gw.post("/reload")
+            assert r.json() == {"added": ["c"], "removed": [], "changed": [], "not_applied": []}
+            after = await gw.post("/v1/decide", json={"input": "a lovely day"})
+            assert after.status_code == 200, after.text
+            assert after.json()["label"] in ("negative", "positive")
+            assert rec_c.bodies == [{"model": clf, "input": "a lovely day"}]
+            assert "c" not in shell.state.replicas  # a classifier never enters the core
+            assert await models(gw) == [MODEL]
