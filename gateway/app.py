@@ -387,7 +387,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         if not authorized(request, api_key=anthropic):
             return unauthorized(fallback_run, anthropic=anthropic)
         if bad_run:
-            message = f"{RUN_HEADER}: expected 1 to 128 printable ASCII characters other than /"
+            message = f"{RUN_HEADER}: {_RUN_ID_SHAPE}"
             return error_response(400, message, fallback_run, anthropic=anthropic)
         raw = await _body(request, config.max_request_bytes)
         if raw is None:
@@ -547,8 +547,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             return unauthorized(run_id if _RUN_ID.fullmatch(run_id) else _new_id())
         if not _RUN_ID.fullmatch(run_id):
             # It goes back in a response header: printable ASCII only, or no echo.
-            message = "run id: expected 1 to 128 printable ASCII characters other than /"
-            return error_response(400, message, "")
+            return error_response(400, _BAD_RUN_ID, "")
         rt.shell.apply(RunEnded(now=rt.loop.time(), run_id=run_id))
         return Response(status_code=204, headers={RUN_HEADER: run_id})
 
@@ -595,8 +594,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         if not authorized(request):
             return unauthorized(run_id if _RUN_ID.fullmatch(run_id) else "")
         if not _RUN_ID.fullmatch(run_id):
-            message = "run id: expected 1 to 128 printable ASCII characters other than /"
-            return error_response(400, message, "")
+            return error_response(400, _BAD_RUN_ID, "")
         state, now = rt.shell.state, rt.loop.time()
         held = [t for t in state.held() if t.run_id == run_id]
         run = state.runs.get(run_id)
@@ -888,6 +886,8 @@ def _too_large(limit: int, run_id: str, *, anthropic: bool = False) -> Response:
 
 # Printable ASCII without "/", so that every run id fits DELETE /v1/runs/{id}.
 _RUN_ID = re.compile(r"[\x21-\x2e\x30-\x7e]{1,128}")
+_RUN_ID_SHAPE = "expected 1 to 128 printable ASCII characters other than /"
+_BAD_RUN_ID = f"run id: {_RUN_ID_SHAPE}"
 
 
 _RUN_HEADER_BYTES = RUN_HEADER.encode()

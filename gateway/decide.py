@@ -352,7 +352,7 @@ async def run_turn(
         }
         telemetry.inject(headers)  # the decide span, when tracing is on
         request = client.build_request(
-            "POST", endpoint.chat_url, content=turn.body, headers=headers
+            "POST", endpoint.api_url("chat"), content=turn.body, headers=headers
         )
 
         async def exchange() -> httpx.Response:

@@ -57,7 +57,7 @@ def status_snapshot(
                 "name": name,
                 "healthy": r.healthy,
                 # gone from the pool (a reload): finishing its turns, then forgotten
-                "retired": r.retired,
+                "retired": name in state.retired,
                 "probe_error": probe.error if probe is not None else None,
                 # out of rotation this long yet: its engine failed turns in a row (rule 10)
                 "ejected_s": (
@@ -186,26 +186,37 @@ def runs_listing(
     held: dict[str, list[TurnState]] = {}
     for t in state.held():
         held.setdefault(t.run_id, []).append(t)
-    found: list[tuple[float, str, dict[str, Any]]] = []
-    for run in state.runs.values():
-        if (
-            (caller is None or run.caller == caller)
-            and (phase is None or run.phase.value == phase)
-            and (service_class is None or run.service_class is service_class)
-        ):
-            view = run_view(run, now, len(held.get(run.run_id, ())))
-            found.append((run.last_active, run.run_id, view))
-    if phase in (None, WAITING):
-        for run_id, turns in held.items():
-            t = turns[0]
-            if (
-                run_id not in state.runs
-                and (caller is None or t.caller == caller)
-                and (service_class is None or t.service_class is service_class)
-            ):
-                found.append((max(x.arrived for x in turns), run_id, waiting_view(turns, now)))
-    newest = heapq.nlargest(limit, found, key=lambda f: (f[0], f[1]))
-    return {"runs": [view for _, _, view in newest], "total": len(found), "limit": limit}
+    # (last activity, run id, caller, class, phase, the run or its held turns)
+    found: list[tuple[float, str, str, ServiceClass, str, RunState | list[TurnState]]] = [
+        (run.last_active, run_id, run.caller, run.service_class, run.phase.value, run)
+        for run_id, run in state.runs.items()
+    ]
+    found += [
+        (
+            max(t.arrived for t in turns),
+            run_id,
+            turns[0].caller,
+            turns[0].service_class,
+            WAITING,
+            turns,
+        )
+        for run_id, turns in held.items()
+        if run_id not in state.runs
+    ]
+    found = [
+        f
+        for f in found
+        if (caller is None or f[2] == caller)
+        and (service_class is None or f[3] is service_class)
+        and (phase is None or f[4] == phase)
+    ]
+    views = [
+        run_view(x, now, len(held.get(run_id, ())))
+        if isinstance(x, RunState)
+        else waiting_view(x, now)
+        for _, run_id, _, _, _, x in heapq.nlargest(limit, found, key=lambda f: (f[0], f[1]))
+    ]
+    return {"runs": views, "total": len(found), "limit": limit}
 
 
 def _wait(now: float, arrived: float) -> float:

@@ -219,11 +219,6 @@ class Endpoint(BaseModel):
         """Where its turns of an API go (a hosted API's: all under its api_path)."""
         return f"{self.url}{self.api_path}{API_PATHS[api]}"
 
-    @property
-    def chat_url(self) -> str:
-        """Where its Chat Completions turns go."""
-        return self.api_url("chat")
-
     def serves(self, api: Api) -> bool:
         """Takes turns of this API: the file's `messages` / `responses`, else by kind."""
         if api == "chat":

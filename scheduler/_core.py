@@ -128,7 +128,6 @@ class ReplicaState(NamedTuple):
     queued_probes: int = 0  # probes in a row that showed a queue
     failures: int = 0  # turns its engine failed in a row
     ejected_until: float | None = None  # out of rotation until then (rule 10)
-    retired: bool = False  # left the pool (rule 11): out of rotation until forgotten
 
     @property
     def healthy(self) -> bool:
@@ -257,13 +256,9 @@ class State:
         names = [r.name for r in replicas]
         if len(set(names)) != len(names):
             raise SchedulerError(f"replica names must be unique: {names}")
-        models: dict[str, list[str]] = {}
-        for r in replicas:
-            for m in sorted(r.models):
-                models.setdefault(m, []).append(r.name)
         return cls(
             policy or Policy(),
-            Map({m: tuple(rs) for m, rs in models.items()}),
+            _models_of(replicas),
             Map({r.name: ReplicaState(r) for r in replicas}),
             Map(),
             Map(),
@@ -290,6 +285,11 @@ class State:
     def replicas(self) -> Map[str, ReplicaState]:
         """Every replica the core knows: the pool's, and retired ones not yet forgotten."""
         return self._replicas
+
+    @property
+    def retired(self) -> frozenset[str]:
+        """The replicas that left the pool and are not forgotten yet (rule 11)."""
+        return self._retired
 
     @property
     def runs(self) -> Map[str, RunState]:
@@ -330,6 +330,15 @@ class State:
         if run is not None and run.context_tokens > context:
             context = run.context_tokens
         return context + turn.reply_tokens
+
+
+def _models_of(specs: Sequence[ReplicaSpec]) -> Map[str, tuple[str, ...]]:
+    """Model -> the replicas that serve it, in the pool's order."""
+    models: dict[str, list[str]] = {}
+    for spec in specs:
+        for m in sorted(spec.models):
+            models.setdefault(m, []).append(spec.name)
+    return Map({m: tuple(names) for m, names in models.items()})
 
 
 def _lane(run: RunState) -> int:
@@ -621,7 +630,7 @@ class _Tx:
         r = self.replicas.get(ev.replica)
         if r is None:
             raise SchedulerError(f"probe of unknown replica {ev.replica!r}")
-        if r.retired:
+        if ev.replica in self.retired:
             return  # a probe that was under way when it left the pool
         cap, queued_probes = r.cap, r.queued_probes
         if ev.repeated:
@@ -703,19 +712,24 @@ class _Tx:
             r = self.replicas[name]
             spec = given.get(name)
             if spec is None:
-                if not r.retired:
-                    self.replicas[name] = r._replace(retired=True, probe_ok=False, cap=None)
+                if name not in retired:
+                    self.replicas[name] = r._replace(probe_ok=False, cap=None)
                     retired.add(name)
                     if r.healthy:
                         left.append(name)
                 continue
             if spec.kv_tokens is None and r.spec.kv_tokens is not None:
                 spec = replace(spec, kv_tokens=r.spec.kv_tokens)  # as its engine reported
-            if r.retired:  # back before it was forgotten: as a new replica, its runs kept
+            if name in retired:  # back before it was forgotten: as a new one, its runs kept
                 r = r._replace(
-                    retired=False, probe_ok=False, queued=None, running=None, cap=None,
-                    queued_probes=0, failures=0, ejected_until=None,
-                )  # fmt: skip
+                    probe_ok=False,
+                    queued=None,
+                    running=None,
+                    cap=None,
+                    queued_probes=0,
+                    failures=0,
+                    ejected_until=None,
+                )
                 retired.discard(name)
             if not spec.models >= r.spec.models:
                 narrowed.append(name)
@@ -723,11 +737,7 @@ class _Tx:
         for name, spec in given.items():
             if name not in self.replicas:
                 self.replicas[name] = ReplicaState(spec, probe_ok=False)
-        models: dict[str, list[str]] = {}
-        for spec in specs:
-            for m in sorted(spec.models):
-                models.setdefault(m, []).append(spec.name)
-        self.models = Map({m: tuple(names) for m, names in models.items()})
+        self.models = _models_of(specs)
         self.retired = frozenset(retired)
         for name in left:
             self._release_pinned(name)
@@ -747,7 +757,7 @@ class _Tx:
         """Rule 10: count the engine's failures in a row; eject at the limit."""
         r = self.replicas[name]
         limit = self.policy.eject_after_failures
-        if r.retired:
+        if name in self.retired:
             return  # it has left the pool: nothing to eject it from
         if finished or not engine_fault:
             if finished and r.failures:
@@ -1036,7 +1046,7 @@ class _Tx:
             r.spec, r.probe_ok, r.queued, r.running, r.cap, r.in_flight + in_flight,
             r.paused_interactive + paused, r.bound_runs + bound, r.ws_tokens + ws,
             r.interactive_runs + interactive, r.batch_ws + batch_ws, r.queued_probes,
-            r.failures, r.ejected_until, r.retired,
+            r.failures, r.ejected_until,
         )  # fmt: skip
 
     def _set_run(self, run: RunState) -> None:

@@ -59,7 +59,7 @@ def test_a_good_file_loads_with_defaults(tmp_path: Path) -> None:
     a, _, router, hosted, judge = cfg.endpoints
     assert a.url == "http://127.0.0.1:30000"  # trailing slash dropped
     assert a.health == "/health" and hosted.health == "/v1/models"
-    assert a.chat_url == "http://127.0.0.1:30000/v1/chat/completions"
+    assert a.api_url("chat") == "http://127.0.0.1:30000/v1/chat/completions"
     assert a.reports_load and router.reports_load and not hosted.reports_load
     assert not judge.generative
     # The Anthropic Messages API: engines serve it, routers and hosted APIs by choice.
@@ -83,7 +83,7 @@ def test_a_hosted_api_whose_openai_path_is_not_v1(tmp_path: Path) -> None:
     )
     (gemini,) = cfg.endpoints
     assert gemini.api_path == "/v1beta/openai"  # as a client's base_url ends, slash dropped
-    assert gemini.chat_url == (
+    assert gemini.api_url("chat") == (
         "https://generativelanguage.googleapis.com/v1beta/openai/chat/completions"
     )
     assert gemini.health == "/v1beta/openai/models"

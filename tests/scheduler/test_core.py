@@ -410,7 +410,7 @@ def test_a_retired_replica_finishes_its_turns_and_its_runs_move() -> None:
     assert d.admitted() == {t3: "a"}
     d.pool(b=["m"])  # a leaves with t3 in flight and r1 bound to it
     a = d.state.replicas["a"]
-    assert a.retired and not a.healthy and (a.in_flight, a.bound_runs) == (1, 2)
+    assert "a" in d.state.retired and not a.healthy and (a.in_flight, a.bound_runs) == (1, 2)
     t4 = d.arrive("r1")
     assert t4 in d.held_ids() and d.state.turns[t4].bucket == ("model", "m", I)
     d.finish(t2)
@@ -478,7 +478,7 @@ def test_a_replica_back_before_it_is_forgotten_keeps_its_runs() -> None:
     d.pool(b=["m"])
     d.pool(a=["m"], b=["m"])
     a = d.state.replicas["a"]
-    assert not a.retired and a.in_flight == 1
+    assert "a" not in d.state.retired and a.in_flight == 1
     d.probe("a", queued=0, running=1)
     assert d.state.replicas["a"].healthy
     d.finish(t1, "tool_calls")

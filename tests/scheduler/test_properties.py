@@ -141,7 +141,7 @@ class Runner:
 
     def pool(self) -> list[str]:
         """The replicas in the pool now (the ones a shell probes)."""
-        return sorted(n for n, r in self.state.replicas.items() if not r.retired)
+        return sorted(n for n in self.state.replicas if n not in self.state.retired)
 
     def event(self, op: tuple[Any, ...]) -> Event | None:
         self.now += 0.5
@@ -214,7 +214,7 @@ class Runner:
             pool = {r.name for r in event.replicas}
             for name in list(self.queue_cap) + list(self.queued_probes):
                 was = before.replicas.get(name)
-                if name not in pool or was is None or was.retired:
+                if name not in pool or was is None or name in before.retired:
                     self.queue_cap.pop(name, None)
                     self.queued_probes.pop(name, None)
         if isinstance(event, ReplicaProbed) and not event.repeated:
@@ -275,13 +275,15 @@ def check_bookkeeping(s: State) -> None:
         assert t.replica in s.replicas, f"{t.turn_id} runs on a forgotten replica"
     for run in s.runs.values():
         assert not run.bound or run.replica in s.replicas, f"{run.run_id} bound to a forgotten one"
-    for name, r in s.replicas.items():
-        if r.retired:  # rule 11: forgotten once nothing runs or is bound there
-            assert not r.healthy and (r.in_flight or r.bound_runs), name
+    assert s.retired <= set(s.replicas.keys())
+    for name in s.retired:  # rule 11: forgotten once nothing runs or is bound there
+        r = s.replicas[name]
+        assert not r.healthy and (r.in_flight or r.bound_runs), name
     for t in held:
         if t.bucket is not None and t.bucket[0] == "pin":
             assert s.replicas[t.bucket[1]].healthy, f"{t.turn_id} pinned out of rotation"
-        assert any(t.model in r.spec.models for r in s.replicas.values() if not r.retired), (
+        pool = [r for n, r in s.replicas.items() if n not in s.retired]
+        assert any(t.model in r.spec.models for r in pool), (
             f"{t.turn_id} held for a model no replica serves"
         )
     for caller, n in by_caller.items():
