@@ -8,8 +8,9 @@ engine stops generating).  Every admitted turn ends in exactly one `TurnFinished
 `TurnFailed`; a held one that never reaches the engine ends in `TurnAbandoned`.
 
 With tracing on (luftpause/telemetry.py), a turn is a `chat {model}` span continuing the
-client's `traceparent`, with an `admit` child for the hold; the engine gets the chat
-span's `traceparent`.  With tracing off, the turn does no span work at all.
+client's `traceparent` (or, without one, under its run's `invoke_agent` span), with an
+`admit` child for the hold; the engine gets the chat span's `traceparent`.  With tracing
+off, the turn does no span work at all.
 """
 
 from __future__ import annotations
@@ -25,12 +26,20 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from opentelemetry.trace import Span, SpanKind, StatusCode, Tracer, set_span_in_context
+from opentelemetry.trace import (
+    Span,
+    SpanKind,
+    StatusCode,
+    Tracer,
+    get_current_span,
+    set_span_in_context,
+)
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from activities._recover import recover_tool_calls
 from gateway._http import Upstream, UpstreamAnswer, UpstreamError, wait_disconnect
+from gateway._runtrace import RunSpans, TurnOutcome
 from gateway._shell import Admission, AdmissionShell, Rejected
 from gateway.prober import PROBE_PERIOD_S, auth_headers
 from luftpause import telemetry
@@ -38,6 +47,7 @@ from luftpause.config import Api, Endpoint
 from luftpause.headers import RUN_HEADER
 from scheduler import (
     Event,
+    RunState,
     ServiceClass,
     TurnAbandoned,
     TurnAlive,
@@ -665,10 +675,12 @@ class TurnResponse(Response):
         idle_timeout: float = ENGINE_IDLE_TIMEOUT_S,
         input_counts_cached: frozenset[str] = frozenset(),
         retry_after: str = UNAVAILABLE_RETRY_AFTER_S,
+        runs: RunSpans | None = None,
     ) -> None:
         """`input_counts_cached`: the replicas whose Anthropic `input_tokens` count the
         cached tokens (SGLang's, see MessagesWatch).  `retry_after`: when a turn refused
-        for want of a healthy replica may look again (the next probe round)."""
+        for want of a healthy replica may look again (the next probe round).  `runs`:
+        the runs' `invoke_agent` spans, for turns that come without a trace."""
         super().__init__(status_code=200)
         self._idle = idle_timeout
         self._counts_cached = input_counts_cached
@@ -681,6 +693,7 @@ class TurnResponse(Response):
         self._ended = False
         self._complete = False  # the last body message is on its way to the client
         self._trace: _TurnTrace | None = None
+        self._runs = runs
 
     def _end(self, event: Event) -> None:
         """Report the turn's one terminal event."""
@@ -705,7 +718,7 @@ class TurnResponse(Response):
         arrived = False
         tracer = telemetry.tracer()
         if tracer is not None:
-            self._trace = _TurnTrace(tracer, t, scope["headers"], self._clock())
+            self._trace = _TurnTrace(tracer, t, scope["headers"], self._clock(), self._runs)
         try:
             arrived = True  # an abandon of a turn the core never saw is ignored by it
             outcome = await hold(self._shell, t, self._clock, disconnected)
@@ -726,7 +739,7 @@ class TurnResponse(Response):
                 # Cancelled from outside (server shutdown) or a bug: free the slot.
                 self._end(TurnAbandoned(now=self._clock(), turn_id=t.turn_id))
             if self._trace is not None:
-                self._trace.close()
+                self._trace.close(self._shell.state.runs.get(t.run_id))
 
     async def _forward(
         self,
@@ -885,19 +898,37 @@ class TurnResponse(Response):
 
 class _TurnTrace:
     """A turn's spans (GenAI semantic conventions): `chat {model}` from arrival to the
-    end of the answer, and its child `admit` for the hold.  Made only with tracing on;
-    attributes are set in batches (the SDK locks and validates per call)."""
+    end of the answer, and its child `admit` for the hold.  The chat span continues the
+    client's `traceparent`; without a valid one, it is a child of its run's
+    `invoke_agent` span (gateway/_runtrace.py).  Made only with tracing on; attributes
+    are set in batches (the SDK locks and validates per call)."""
 
-    __slots__ = ("_admit", "_arrived", "_chat")
+    __slots__ = ("_admit", "_arrived", "_chat", "_outcome", "_run_id", "_runs")
 
     def __init__(
-        self, tracer: Tracer, turn: TurnRequest, headers: list[tuple[bytes, bytes]], now: float
+        self,
+        tracer: Tracer,
+        turn: TurnRequest,
+        headers: list[tuple[bytes, bytes]],
+        now: float,
+        runs: RunSpans | None,
     ) -> None:
         carrier = {
             k.decode("latin-1"): v.decode("latin-1")
             for k, v in headers
             if k == b"traceparent" or k == b"tracestate"
         }
+        parent = telemetry.extract(carrier) if carrier else None
+        self._runs: RunSpans | None = None
+        if runs is not None and (
+            parent is None or not get_current_span(parent).get_span_context().is_valid
+        ):
+            parent = runs.turn_began(
+                tracer, turn.run_id, turn.model, turn.caller, turn.service_class.value
+            )
+            self._runs = runs
+        self._run_id = turn.run_id
+        self._outcome: TurnOutcome = None
         attributes = {
             "luftpause.run_id": turn.run_id,
             "luftpause.class": turn.service_class.value,
@@ -905,7 +936,7 @@ class _TurnTrace:
         }
         self._chat: Span = tracer.start_span(
             f"chat {turn.model}",
-            telemetry.extract(carrier) if carrier else None,
+            parent,
             kind=SpanKind.CLIENT,
             attributes={
                 "gen_ai.operation.name": "chat",
@@ -929,6 +960,7 @@ class _TurnTrace:
         if isinstance(outcome, str):
             admit.set_attributes({"luftpause.held_seconds": held, "luftpause.replica": outcome})
         elif isinstance(outcome, Rejected):
+            self._outcome = outcome
             error = {"error.type": str(outcome.status)}
             admit.set_attributes({"luftpause.held_seconds": held, **error})
             admit.set_status(StatusCode.ERROR, outcome.message)
@@ -947,6 +979,7 @@ class _TurnTrace:
 
     def ended(self, event: Event) -> None:
         """The turn's terminal event: usage and finish reason, or what went wrong."""
+        self._outcome = event
         chat = self._chat
         if isinstance(event, TurnFinished):
             usage: dict[str, int | tuple[str, ...]] = {}
@@ -965,12 +998,15 @@ class _TurnTrace:
             chat.set_attribute("error.type", "abandoned")
             chat.set_status(StatusCode.ERROR, "abandoned: the client left, or the gateway stopped")
 
-    def close(self) -> None:
-        """End the spans (the turn's response is over, however it ended)."""
+    def close(self, run: RunState | None) -> None:
+        """End the spans (the turn's response is over, however it ended); `run`: the
+        core's view of the turn's run now, which says whether its invocation is over."""
         if self._admit is not None:  # cancelled while held
             self._admit.end()
             self._admit = None
         self._chat.end()
+        if self._runs is not None:
+            self._runs.turn_ended(self._run_id, self._outcome, run)
 
 
 @functools.cache

@@ -39,6 +39,7 @@ from temporalio.client import Client as TemporalClient
 from activities.mcp_pool import McpPool
 from gateway._http import Upstream
 from gateway._proxy import TurnRequest, TurnResponse, error_response
+from gateway._runtrace import RunSpans
 from gateway._shell import AdmissionShell
 from gateway.decide import DecideError, decide, decide_request, parse_decide
 from gateway.mcp_door import DoorDeps, create_mcp_server
@@ -220,6 +221,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     """Build the gateway; nothing runs until the app's lifespan starts."""
     config = settings.config  # as at start: what a reload does not change
     live = _Live(Pool.of(config))
+    run_spans = RunSpans()  # a proxied run's invoke_agent span, with tracing on
     runtime: _Runtime | None = None
 
     def seen() -> tuple[State, dict[str, ProbeResult]] | None:
@@ -250,7 +252,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             timeout=timeout, limits=_UPSTREAM_LIMITS, trust_env=False
         ) as client:
             shell = AdmissionShell(
-                State.initial(config.replica_specs(), policy), observer=metrics.observe
+                State.initial(config.replica_specs(), policy),
+                observer=metrics.observe,
+                forgotten=lambda f: run_spans.forgotten(f.run_id, expired=f.expired),
             )
 
             def report(results: list[ProbeResult]) -> None:
@@ -277,6 +281,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                 runtime = None
                 upstream.close()
                 await door.aclose()
+                run_spans.close()
                 # Blocks the loop (≤ 5 s), but the loop has nothing left to serve.
                 telemetry.flush()
                 await prober.stop()
@@ -436,6 +441,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             idle_timeout=engine_idle_s,
             input_counts_cached=pool.counts_cached,
             retry_after=retry_after,
+            runs=run_spans,
         )
 
     @app.post(CHAT_PATH)

@@ -11,9 +11,11 @@ heavy load, sample (OTEL_TRACES_SAMPLER=parentbased_traceidratio).
 
 The spans follow the GenAI semantic conventions: `invoke_agent AgentRun` per sub-agent
 run (the Temporal interceptor's workflow span, renamed and given GenAI attributes),
-`chat {model}` per turn and `admit` for its hold (the gateway), `execute_tool {name}`
-per tool call (the worker).  W3C `traceparent` goes to engines in a header and to MCP
-tool servers in the request's `_meta` (the MCP SDK puts it there itself).
+`chat {model}` per turn and `admit` for its hold (the gateway), `invoke_agent` per
+proxied run whose turns bring no trace of their own (the gateway, gateway/_runtrace.py),
+`execute_tool {name}` per tool call (the worker).  W3C `traceparent` goes to engines in
+a header and to MCP tool servers in the request's `_meta` (the MCP SDK puts it there
+itself).
 
 Code reads the tracer through `tracer()`, never the process-wide provider, so a test
 can `use()` a provider of its own and `use(None)` afterwards: OpenTelemetry lets the

@@ -815,7 +815,7 @@ class _Tx:
             run = self.runs.get(run_id)
             if run is not None and run.phase is not RunPhase.GENERATING and run.last_active == at:
                 self._replace_run(run, None)
-                self.actions.append(Forget(run_id=run_id))
+                self.actions.append(Forget(run_id=run_id, expired=True))
                 forgot = True
         if forgot:
             self._fill_all()  # as in run_ended

@@ -252,9 +252,11 @@ class Reject:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Forget:
-    """The run's state is gone (ended or expired): drop what the shell keeps for it."""
+    """The run's state is gone: drop what the shell keeps for it.  `expired`: idle (or
+    paused on a tool) for `Policy.idle_run_expiry_s`; else the client ended it."""
 
     run_id: str
+    expired: bool = False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

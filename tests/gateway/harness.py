@@ -1,5 +1,6 @@
 """What the gateway's tests share: the gateway and fake engines served over loopback,
-an ASGI wrapper that records what reaches an upstream, tiny upstream apps, polling."""
+an ASGI wrapper that records what reaches an upstream, tiny upstream apps, polling, and
+an own-loop agent's tool loop on Chat Completions."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 from gateway._shell import AdmissionShell
 from gateway.app import GatewaySettings, create_app
 from luftpause.config import parse_config
+from testkit._fake_text import key
 from testkit.fake_engine import FakeEngineSettings
 from testkit.fake_engine import create_app as create_engine
 from testkit.loopback import serve
@@ -171,3 +173,76 @@ async def answered_health(scope: Scope, send: Send) -> bool:
         await send({"type": "http.response.body", "body": b"{}"})
         return True
     return False
+
+
+# --------------------------------------------------------------------------- tool loops
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "description": "Look something up.",
+            "parameters": {
+                "type": "object",
+                "properties": {"query": {"type": "string"}},
+                "required": ["query"],
+            },
+        },
+    }
+]
+
+
+def tool_task(calls: int, prefix: str = "task") -> str:
+    """A first user message for which the fake engine makes at least `calls` tool calls
+    (fake_max_tool_calls = 3)."""
+    return next(
+        f"{prefix} {i}" for i in range(1000) if key(0, "tool-calls", f"{prefix} {i}") % 4 >= calls
+    )
+
+
+async def turn(
+    gw: httpx.AsyncClient, messages: list[dict[str, Any]], stream: bool, **headers: str
+) -> tuple[str, dict[str, Any], str]:
+    """One turn; returns the run id header, the assistant message and the finish reason."""
+    body = {"model": MODEL, "messages": messages, "tools": TOOLS, "stream": stream}
+    body["fake_max_tool_calls"] = 3
+    if not stream:
+        r = await gw.post("/v1/chat/completions", json=body, headers=headers)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        return r.headers[RUN], choice["message"], choice["finish_reason"]
+    message: dict[str, Any] = {"role": "assistant", "content": ""}
+    finish = ""
+    async with gw.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line[6:])["choices"]:
+                finish = choice["finish_reason"] or finish
+                delta = choice["delta"]
+                message["content"] += delta.get("content") or ""
+                for call in delta.get("tool_calls", []):
+                    if "id" in call:
+                        message.setdefault("tool_calls", []).append(call)
+                    else:
+                        message["tool_calls"][-1]["function"]["arguments"] += call["function"][
+                            "arguments"
+                        ]
+        return r.headers[RUN], message, finish
+
+
+async def tool_loop(gw: httpx.AsyncClient, task: str, **headers: str) -> tuple[list[str], int]:
+    """Drive a run until its model answers; returns each turn's run id and the turns."""
+    messages: list[dict[str, Any]] = [{"role": "user", "content": task}]
+    run_ids = []
+    for n in range(10):
+        run_id, message, finish = await turn(gw, messages, stream=n % 2 == 1, **headers)
+        run_ids.append(run_id)
+        messages.append(message)
+        if finish != "tool_calls":
+            return run_ids, n + 1
+        for call in message["tool_calls"]:
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": "found"})
+    raise AssertionError("the run never ended")

@@ -13,12 +13,11 @@ import httpx
 import pytest
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
-from harness import MODEL, RUN, endpoint, engine, gateway, models_only, until
+from harness import MODEL, RUN, endpoint, engine, gateway, models_only, tool_task, until
 
 from gateway._proxy import MessagesWatch
 from gateway._shell import AdmissionShell
 from scheduler import RunPhase
-from testkit._fake_text import key
 from testkit.loopback import serve
 
 TOOLS: list[Any] = [
@@ -32,12 +31,6 @@ TOOLS: list[Any] = [
         },
     }
 ]
-
-
-def tool_task(calls: int) -> str:
-    """A first user message for which the fake engine makes at least `calls` tool calls
-    (fake_max_tool_calls = 3)."""
-    return next(f"task {i}" for i in range(1000) if key(0, "tool-calls", f"task {i}") % 4 >= calls)
 
 
 def client(gw: httpx.AsyncClient, **kw: Any) -> anthropic.AsyncAnthropic:

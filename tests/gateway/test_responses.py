@@ -11,14 +11,13 @@ import openai
 import pytest
 from fastapi import Request
 from fastapi.responses import StreamingResponse
-from harness import MODEL, RUN, endpoint, engine, gateway, models_only
+from harness import MODEL, RUN, endpoint, engine, gateway, models_only, tool_task
 from openai.types.responses import Response as OpenAIResponse
 
 from gateway._proxy import ResponsesWatch
 from gateway._shell import AdmissionShell
 from gateway.app import _echoed_function_calls, _max_tokens
 from scheduler import RunPhase
-from testkit._fake_text import key
 from testkit.loopback import serve
 
 TOOLS: list[Any] = [
@@ -34,11 +33,6 @@ TOOLS: list[Any] = [
     }
 ]
 EXTRA = {"fake_max_tool_calls": 3}
-
-
-def tool_task(calls: int) -> str:
-    """A first user message for which the fake engine makes at least `calls` tool calls."""
-    return next(f"task {i}" for i in range(1000) if key(0, "tool-calls", f"task {i}") % 4 >= calls)
 
 
 def only_run(shell: AdmissionShell) -> Any:

@@ -13,9 +13,11 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
+import httpx
 import pytest
 from opentelemetry import trace
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -25,8 +27,20 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 from temporalio.client import Client
 
+import gateway.app as gateway_app
 from luftpause import telemetry
-from tests.gateway.harness import RUN, chat, endpoint, engine, gateway, until
+from scheduler import Policy
+from tests.gateway.harness import (
+    RUN,
+    chat,
+    endpoint,
+    engine,
+    gateway,
+    tool_loop,
+    tool_task,
+    turn,
+    until,
+)
 from tests.workflows import harness as runs_harness
 from workflows import Runs, RunSpec
 
@@ -82,6 +96,7 @@ async def test_a_turn_is_a_chat_span_continuing_the_callers_trace(
 
     (chat_span,) = named(spans, "chat ")
     (admit,) = named(spans, "admit")
+    assert not named(spans, "invoke_agent")  # the caller's trace has its own
     assert chat_span.name == "chat llama-3.2-1b"
     # The chat span continues the caller's trace; admit is its child.
     assert chat_span.context is not None and admit.context is not None
@@ -116,7 +131,7 @@ async def test_a_turn_is_a_chat_span_continuing_the_callers_trace(
     assert parent_id == format(chat_span.context.span_id, "016x")
 
 
-async def test_a_streamed_turn_without_a_traceparent_starts_a_trace(
+async def test_a_streamed_turn_without_a_traceparent_is_a_run_of_its_own(
     spans: InMemorySpanExporter,
 ) -> None:
     async with engine() as (url, recorder), gateway(endpoint("e0", url)) as (client, _):
@@ -124,13 +139,102 @@ async def test_a_streamed_turn_without_a_traceparent_starts_a_trace(
         async with client.stream("POST", "/v1/chat/completions", json=body) as r:
             assert r.status_code == 200
             await r.aread()
-        await until(lambda: bool(named(spans, "chat ")), "the chat span ended")
+            run_id = r.headers[RUN]
+        await until(lambda: bool(named(spans, "invoke_agent")), "the run's span ended")
 
+    # The answer ended the run's invocation: its span is the trace's root, the turn's
+    # chat span its child.
+    (agent,) = named(spans, "invoke_agent")
     (chat_span,) = named(spans, "chat ")
-    assert chat_span.parent is None and chat_span.context is not None
-    assert attrs(chat_span)["gen_ai.usage.output_tokens"] == 4
+    assert agent.parent is None and agent.context is not None and chat_span.context is not None
+    assert chat_span.parent is not None and chat_span.parent.span_id == agent.context.span_id
+    assert chat_span.context.trace_id == agent.context.trace_id
+    a = attrs(agent)
+    assert a["gen_ai.operation.name"] == "invoke_agent"
+    assert a["gen_ai.conversation.id"] == a["luftpause.run_id"] == run_id
+    assert a["luftpause.end"] == "answered" and a["luftpause.turns"] == 1
+    assert a["gen_ai.usage.output_tokens"] == attrs(chat_span)["gen_ai.usage.output_tokens"] == 4
+    assert a["gen_ai.usage.input_tokens"] == attrs(chat_span)["gen_ai.usage.input_tokens"] > 0
+    assert agent.status.status_code is not StatusCode.ERROR
     (sent,) = recorder.headers
     assert traceparent_ids(sent["traceparent"])[0] == format(chat_span.context.trace_id, "032x")
+
+
+async def test_a_tool_loop_without_a_traceparent_is_one_trace(
+    spans: InMemorySpanExporter,
+) -> None:
+    async with engine(time_scale=50) as (url, _), gateway(endpoint("e0", url)) as (client, _):
+        ids, turns = await tool_loop(client, tool_task(2))
+        await until(lambda: bool(named(spans, "invoke_agent")), "the run's span ended")
+    assert turns >= 3 and len(set(ids)) == 1
+
+    # One span for the run, open from its first turn to its answer, over every turn.
+    (agent,) = named(spans, "invoke_agent")
+    chats = named(spans, "chat ")
+    assert len(chats) == turns and agent.context is not None
+    for c in chats:
+        assert c.parent is not None and c.parent.span_id == agent.context.span_id
+        assert c.context is not None and c.context.trace_id == agent.context.trace_id
+    assert agent.start_time is not None and agent.end_time is not None
+    assert agent.start_time <= min(c.start_time or 0 for c in chats)
+    assert agent.end_time >= max(c.end_time or 0 for c in chats)
+    a = attrs(agent)
+    assert a["luftpause.end"] == "answered" and a["luftpause.turns"] == turns
+    for usage in ("gen_ai.usage.input_tokens", "gen_ai.usage.output_tokens"):
+        assert a[usage] == sum(attrs(c)[usage] for c in chats)
+    # Later turns read the run's prefix from the cache, and the run's span says so.
+    cached = sum(attrs(c).get("gen_ai.usage.cache_read.input_tokens", 0) for c in chats)
+    assert a["gen_ai.usage.cache_read.input_tokens"] == cached > 0
+
+
+async def paused_run(client: httpx.AsyncClient) -> str:
+    """A run whose first turn ended in a tool call: its id."""
+    run_id, _, finish = await turn(client, [{"role": "user", "content": tool_task(1)}], False)
+    assert finish == "tool_calls"
+    return run_id
+
+
+async def test_a_paused_run_not_resumed_ends_its_span_at_its_last_turn(
+    spans: InMemorySpanExporter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(gateway_app, "TICK_PERIOD_S", 0.05)
+    policy = Policy(idle_run_expiry_s=0.5)
+    async with (
+        engine(time_scale=50) as (url, _),
+        gateway(endpoint("e0", url), policy=policy) as (client, _),
+    ):
+        run_id = await paused_run(client)
+        assert not named(spans, "invoke_agent")  # paused: the client will come back
+        await until(lambda: bool(named(spans, "invoke_agent")), "the run expired")
+        seen = time.time_ns()
+
+    (agent,) = named(spans, "invoke_agent")
+    (chat_span,) = named(spans, "chat ")
+    a = attrs(agent)
+    assert a["luftpause.run_id"] == run_id and a["luftpause.end"] == "expired"
+    assert agent.status.status_code is not StatusCode.ERROR
+    # It ends when the run was last active, not when the core forgot it.
+    assert agent.end_time is not None and chat_span.end_time is not None
+    assert 0 <= agent.end_time - chat_span.end_time < 100_000_000
+    assert seen - agent.end_time >= 400_000_000
+
+
+async def test_a_run_ended_by_the_client_or_left_at_a_stop_ends_its_span(
+    spans: InMemorySpanExporter,
+) -> None:
+    async with engine(time_scale=50) as (url, _), gateway(endpoint("e0", url)) as (client, _):
+        ended, left = await paused_run(client), await paused_run(client)
+        r = await client.delete(f"/v1/runs/{ended}")
+        assert r.status_code == 204
+        # The core forgot the run in the request: its span ended there.
+        (agent,) = named(spans, "invoke_agent")
+        assert attrs(agent)["luftpause.run_id"] == ended
+        assert attrs(agent)["luftpause.end"] == "ended"
+
+    # The other was still paused when the gateway stopped.
+    (_, agent) = named(spans, "invoke_agent")
+    assert attrs(agent)["luftpause.run_id"] == left
+    assert attrs(agent)["luftpause.end"] == "gateway_stopped"
 
 
 async def test_a_decision_is_a_span_the_engines_request_continues(
@@ -196,12 +300,15 @@ async def test_a_rejected_turn_is_an_error_span() -> None:
             await until(lambda: bool(named(exporter, "chat ")), "the chat span ended")
         finally:
             telemetry.use(None)
-    assert r.status_code >= 400
+    assert r.status_code == 404
     (chat_span,) = named(exporter, "chat ")
     (admit,) = named(exporter, "admit")
-    for span in (chat_span, admit):
+    (agent,) = named(exporter, "invoke_agent")  # the run never got further
+    for span in (chat_span, admit, agent):
         assert span.status.status_code is StatusCode.ERROR
-        assert attrs(span)["error.type"] == str(r.status_code)
+        assert attrs(span)["error.type"] == "404"
+    assert attrs(agent)["luftpause.end"] == "rejected"
+    assert "no-such-model" in (agent.status.description or "")
 
 
 async def test_with_tracing_off_the_engine_gets_no_traceparent() -> None:

@@ -986,7 +986,7 @@ def test_idle_runs_are_forgotten_after_expiry() -> None:
     d.feed(Tick(now=t_done + 1799))
     assert "r" in d.state.runs and d.actions == []
     d.feed(Tick(now=t_done + 1800))
-    assert d.actions == [Forget(run_id="r")]
+    assert d.actions == [Forget(run_id="r", expired=True)]
     assert "r" not in d.state.runs
     assert all(r.bound_runs == 0 for r in d.state.replicas.values())
 
