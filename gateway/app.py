@@ -62,6 +62,7 @@ from luftpause.config import Api, Config, ConfigError, Endpoint, load_config
 from luftpause.headers import CALLER_HEADER, CLASS_HEADER, RUN_HEADER, caller_name
 from scheduler import (
     Policy,
+    PolicyChanged,
     PoolChanged,
     RunEnded,
     RunPhase,
@@ -230,8 +231,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     metrics = GatewayMetrics(seen)
     # The settings' policy (tests, benches) or the file's [policy] section.
     policy = settings.policy or config.policy.to_policy()
-    engine_idle_s = policy.turn_timeout_s
-    door = _Door(config, settings.token, engine_idle_s)
+    door = _Door(config, settings.token)
     door_server = create_mcp_server(door.deps(live, lambda: runtime))
     door_app = door_server.streamable_http_app(streamable_http_path="/", host=settings.host)
 
@@ -346,9 +346,6 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         response.headers.update(exc.headers or {})
         return response
 
-    # A turn refused for want of a healthy replica may look again after the next probe.
-    retry_after = str(math.ceil(settings.probe_period or config.probes.period_s))
-
     async def reload_pool() -> PoolChange:
         """Read the file again and serve its endpoints (gateway/pool.py says what may
         change).  Raises ConfigError, and changes nothing, when it cannot."""
@@ -364,6 +361,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             pool = Pool.of(new)
             # From here to the probe nothing awaits: no request sees half of it.  The
             # core first (what it admits next is looked up in `live`), then the prober.
+            if "policy" in change.applied:  # first: the new pool is filled under it
+                rt.shell.apply(PolicyChanged(now=rt.loop.time(), policy=new.policy.to_policy()))
             rt.shell.apply(PoolChanged(now=rt.loop.time(), replicas=tuple(new.replica_specs())))
             live.replace(pool, lambda name: name in rt.shell.state.replicas)
             rt.prober.reconfigure(new)
@@ -438,9 +437,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             upstream=rt.upstream,
             endpoints=live.known,
             clock=rt.loop.time,
-            idle_timeout=engine_idle_s,
+            idle_timeout=rt.shell.state.policy.turn_timeout_s,
             input_counts_cached=pool.counts_cached,
-            retry_after=retry_after,
+            retry_after=_retry_after(rt.prober),
             runs=run_spans,
         )
 
@@ -494,7 +493,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                 target.api_url("messages") + "/count_tokens",
                 content=raw,
                 headers=headers,
-                timeout=httpx.Timeout(engine_idle_s, connect=CONNECT_TIMEOUT_S),
+                timeout=httpx.Timeout(
+                    rt.shell.state.policy.turn_timeout_s, connect=CONNECT_TIMEOUT_S
+                ),
             )
         except httpx.HTTPError as exc:
             message = f"engine {target.name}: {type(exc).__name__}: {exc}"
@@ -526,8 +527,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             classifiers=_healthy_first(live.pool.classifiers, rt.prober),
             clock=rt.loop.time,
             receive=request.receive,
-            answer_timeout=engine_idle_s,
-            retry_after=retry_after,
+            answer_timeout=rt.shell.state.policy.turn_timeout_s,
+            retry_after=_retry_after(rt.prober),
         )
         tracer = telemetry.tracer()
         if tracer is None:
@@ -730,9 +731,8 @@ class _Door:
     first use, so the proxy serves while Temporal is down), the upstream tool servers,
     and `/v1/decide` in-process."""
 
-    def __init__(self, config: Config, token: str | None, answer_timeout: float) -> None:
+    def __init__(self, config: Config, token: str | None) -> None:
         self._config = config
-        self._answer_timeout = answer_timeout  # an engine's answer to a decide turn
         self._runs: Runs | None = None
         self._lock = asyncio.Lock()
         self._pool = McpPool(config.mcp_servers)
@@ -790,7 +790,7 @@ class _Door:
                 classifiers=_healthy_first(live.pool.classifiers, rt.prober),
                 clock=rt.loop.time,
                 receive=receive,
-                answer_timeout=self._answer_timeout,
+                answer_timeout=rt.shell.state.policy.turn_timeout_s,
             )
             try:
                 body = json.loads(bytes(response.body))
@@ -831,6 +831,12 @@ def _on_hangup(
         loop.remove_signal_handler(signal.SIGHUP)
 
     return undo
+
+
+def _retry_after(prober: Prober) -> str:
+    """When a turn refused for want of a healthy replica may look again: after the next
+    probe round."""
+    return str(math.ceil(prober.period))
 
 
 async def _tick(shell: AdmissionShell, loop: asyncio.AbstractEventLoop) -> None:

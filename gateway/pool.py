@@ -16,8 +16,13 @@ What a reload may change, and what it may not:
   another engine, whose cache holds none of the runs bound to the name.  Remove the old
   name and add the new engine under a new one (a Kubernetes pod name does this).  This
   holds too for a name removed earlier whose turns are still finishing.
-- Every other section is read at start only.  A reload that finds one changed applies
-  the endpoints and says which sections need a restart (`not_applied`).
+- `[policy]` applies to the core at once (`scheduler.PolicyChanged`, rule 12): to the
+  turns held and the runs known as well as to what comes next; its `turn_timeout_s`
+  bounds the engine waits of turns that start from then on.  `[probes]` applies from
+  the next probe round.  Both are listed in `applied`.
+- Every other section (`[temporal]`, the token, tool servers, request limits) is read
+  at start only.  A reload that finds one changed applies the rest and says which
+  sections need a restart (`not_applied`).
 
 A file that does not load, or changes what may not change, changes nothing.
 """
@@ -30,10 +35,12 @@ from typing import Any
 
 from luftpause.config import Api, Config, ConfigError, Endpoint
 
-__all__ = ["Pool", "PoolChange", "compare"]
+__all__ = ["RELOADED", "Pool", "PoolChange", "compare"]
 
 # What names an engine: changed under the same name, it is another engine.
 _IDENTITY = ("url", "kind", "api_path")
+# The sections besides the endpoints that a reload applies.
+RELOADED = ("policy", "probes")
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +91,7 @@ class PoolChange:
     added: tuple[str, ...]  # endpoints new in the file
     removed: tuple[str, ...]  # endpoints gone from it (replicas: retired, rule 11)
     changed: tuple[str, ...]  # endpoints changed in place
+    applied: tuple[str, ...]  # other sections that changed and apply now (RELOADED)
     not_applied: tuple[str, ...]  # other sections that changed: they need a restart
 
     def as_json(self) -> dict[str, Any]:
@@ -91,6 +99,7 @@ class PoolChange:
             "added": list(self.added),
             "removed": list(self.removed),
             "changed": list(self.changed),
+            "applied": list(self.applied),
             "not_applied": list(self.not_applied),
         }
 
@@ -105,6 +114,8 @@ class PoolChange:
             if names
         ]
         said = "; ".join(parts) or "no endpoint changed"
+        if self.applied:
+            said += f"; applied {', '.join(f'[{k}]' for k in self.applied)}"
         if self.not_applied:
             later = ", ".join(self.not_applied)
             said += f" (changed but read at start only, restart to apply: {later})"
@@ -134,9 +145,11 @@ def compare(old: Config, new: Config, known: Mapping[str, Endpoint] | None = Non
         )
     rest_old = old.model_dump(exclude={"endpoints"})
     rest_new = new.model_dump(exclude={"endpoints"})
+    changed = [k for k in rest_new if rest_new[k] != rest_old.get(k)]
     return PoolChange(
         added=tuple(n for n in after if n not in before),
         removed=tuple(n for n in before if n not in after),
         changed=tuple(n for n in after if n in before and before[n] != after[n]),
-        not_applied=tuple(k for k in rest_new if rest_new[k] != rest_old.get(k)),
+        applied=tuple(k for k in changed if k in RELOADED),
+        not_applied=tuple(k for k in changed if k not in RELOADED),
     )

@@ -315,7 +315,8 @@ class Prober:
         self._config = config
         self._client = client
         self._report = report
-        # The file's [probes] (a test may pass a shorter period).
+        # The file's [probes] (a test may pass a shorter period, which reloads keep).
+        self._period_given = period
         self._period = period if period is not None else config.probes.period_s
         self._timeout = config.probes.timeout_s
         self._late_limit = config.probes.late_to_unhealthy
@@ -330,12 +331,17 @@ class Prober:
         self._late: dict[str, int] = {}  # probes in a row that timed out, per endpoint
 
     def reconfigure(self, config: Config) -> None:
-        """Probe the endpoints of a reloaded file from the next round on.  An endpoint
+        """Probe the endpoints of a reloaded file, with its `[probes]`, from the next
+        round on.  An endpoint
         new in it is asked its KV pool (when the file gives none; one changed in place
         keeps the size it reported); the last results of endpoints gone from it are
         dropped.  A round under way reports only endpoints still in the file."""
         before = {e.name: e for e in self._config.endpoints}
         self._config = config
+        if self._period_given is None:
+            self._period = config.probes.period_s  # from the next sleep on
+        self._timeout = config.probes.timeout_s
+        self._late_limit = config.probes.late_to_unhealthy
         names = {e.name for e in config.endpoints}
         for seen in (self.last, self._late, self._want_kv):
             for name in [n for n in seen if n not in names]:

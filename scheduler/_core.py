@@ -53,6 +53,14 @@ Rules (DESIGN.md "The scheduler"), stated once, enforced here and nowhere else:
     flight finishing there, its runs moving at their next turn, and forgotten once no
     turn runs and no run is bound there.  A held turn whose model no replica serves any
     more is rejected with 404.
+12. The policy may change while turns run (`PolicyChanged`).  What is counted stays as
+    it is: turns keep the reply size they were held with, caps stand until the next
+    probe, an ejected replica stays out for the time it was given, and KV claims made
+    stay until their runs' next change; except that claims the new policy would not make
+    (program-level admission or strict affinity switched off) are dropped at once, as
+    are caps when capping from the engine's queue is switched off, and held turns pinned
+    to a replica are freed when strict affinity is.  Then every replica is refilled
+    under the new rules.
 
 After every event no held turn is admissible (except behind a turn waiting for KV, as
 in rule 6): each event that frees capacity on a replica refills that replica.  Held
@@ -82,6 +90,7 @@ from scheduler._types import (
     Event,
     Forget,
     Policy,
+    PolicyChanged,
     PoolChanged,
     Reject,
     ReplicaProbed,
@@ -390,6 +399,8 @@ def decide(state: State, event: Event) -> tuple[State, list[Action]]:
         tx.run_ended(event.run_id)
     elif isinstance(event, PoolChanged):
         tx.pool_changed(event.replicas)
+    elif isinstance(event, PolicyChanged):
+        tx.policy_changed(event.policy)
     else:  # pragma: no cover - exhaustiveness
         raise SchedulerError(f"unknown event {event!r}")
     return tx.finish(), tx.actions
@@ -751,6 +762,28 @@ class _Tx:
                 self._unhold(t)
                 self._reject_held(t)
         names = self.state._replicas.keys() | given.keys()
+        self._fill(sorted(names, key=lambda n: (self.replicas[n].load, n)))
+
+    def policy_changed(self, policy: Policy) -> None:
+        """Rule 12: the policy is now `policy`."""
+        old, self.policy = self.policy, policy
+        names = sorted(self.state._replicas.keys())
+        if old.cap_from_engine_queue and not policy.cap_from_engine_queue:
+            for name in names:
+                r = self.replicas[name]
+                if r.cap is not None or r.queued_probes:
+                    self.replicas[name] = r._replace(cap=None, queued_probes=0)
+        if (old.kv_admission and not policy.kv_admission) or (
+            old.strict_affinity and not policy.strict_affinity
+        ):
+            # Only claims the new policy would not make: dropped (a recount makes none
+            # where there was none, so no timer needs adding).
+            for run in self.state._runs.values():  # (the runs are unchanged so far)
+                if run.ws_claim:
+                    self._set_run(run)
+        if old.strict_affinity and not policy.strict_affinity:
+            for name in names:
+                self._release_pinned(name)
         self._fill(sorted(names, key=lambda n: (self.replicas[n].load, n)))
 
     def _count_failure(self, name: str, engine_fault: bool, finished: bool) -> None:

@@ -208,6 +208,15 @@ class PoolChanged:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class PolicyChanged:
+    """The rules' constants and switches are now `policy` (rule 12), for the turns held
+    and the runs known as well as for what comes next."""
+
+    now: float
+    policy: Policy
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Tick:
     now: float
 
@@ -222,6 +231,7 @@ Event = (
     | RunEnded
     | ReplicaProbed
     | PoolChanged
+    | PolicyChanged
     | Tick
 )
 

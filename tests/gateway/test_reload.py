@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from harness import MODEL, RUN, engine, gateway, until
+from harness import MODEL, RUN, closed_port_url, engine, gateway, until
 
 from gateway._shell import AdmissionShell
 from gateway.app import GatewaySettings, create_app
@@ -47,9 +47,14 @@ def toml(*endpoints: dict[str, Any], extra: str = "") -> str:
 
 
 @contextlib.asynccontextmanager
-async def from_file(path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, AdmissionShell]]:
-    """A gateway started from a configuration file, as `luftpause gateway --config`."""
-    settings = GatewaySettings(config=load_config(path), probe_period=0.05, config_path=str(path))
+async def from_file(
+    path: Path, probe_period: float | None = 0.05
+) -> AsyncIterator[tuple[httpx.AsyncClient, AdmissionShell]]:
+    """A gateway started from a configuration file, as `luftpause gateway --config`
+    (`probe_period` None: the file's)."""
+    settings = GatewaySettings(
+        config=load_config(path), probe_period=probe_period, config_path=str(path)
+    )
     app = create_app(settings)
     async with serve(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as client:
         yield client, app.state.shell
@@ -93,6 +98,10 @@ async def chat(gw: httpx.AsyncClient, run: str, messages: list[Any], model: str 
     return r.json()["choices"][0]
 
 
+def chat_body(model: str) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
 async def models(gw: httpx.AsyncClient) -> list[str]:
     r = await gw.get("/v1/models")
     return [m["id"] for m in r.json()["data"]]
@@ -114,7 +123,13 @@ async def test_a_reload_adds_and_removes_replicas_and_a_paused_run_moves(
             path.write_text(toml({"name": "b", "url": url_b, "models": [MODEL, OTHER]}))
             r = await gw.post("/reload")
             assert r.status_code == 200, r.text
-            assert r.json() == {"added": ["b"], "removed": ["a"], "changed": [], "not_applied": []}
+            assert r.json() == {
+                "added": ["b"],
+                "removed": ["a"],
+                "changed": [],
+                "applied": [],
+                "not_applied": [],
+            }
             assert await models(gw) == [MODEL, OTHER]
             # a is out of rotation, kept while the paused run is bound to it
             a = shell.state.replicas["a"]
@@ -191,25 +206,45 @@ async def test_a_reload_that_cannot_apply_changes_nothing(tmp_path: Path) -> Non
             assert len(rec_a.chats) == 1
 
 
-async def test_sections_read_at_start_only_are_named_and_left(tmp_path: Path) -> None:
+async def test_policy_and_probes_apply_and_other_sections_are_named_and_left(
+    tmp_path: Path,
+) -> None:
     async with engine() as (url_a, _):
         path = tmp_path / "luftpause.toml"
         a = {"name": "a", "url": url_a, "models": [MODEL]}
-        path.write_text(toml(a))
-        async with from_file(path) as (gw, shell):
+        down = {"name": "down", "url": closed_port_url(), "models": [OTHER]}
+        path.write_text(toml(a, down, extra="\n[probes]\nperiod_s = 0.05\n"))
+        async with from_file(path, probe_period=None) as (gw, shell):
+            r = await gw.post("/v1/chat/completions", json=chat_body(OTHER))
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+
             path.write_text(
-                toml({**a, "models": [MODEL, OTHER]}, extra="\n[policy]\nmax_held_per_caller = 3\n")
+                toml(
+                    {**a, "models": [MODEL, OTHER]},
+                    down,
+                    extra="\n[policy]\nmax_held_per_caller = 3\n\n[probes]\nperiod_s = 3.0\n"
+                    '\n[temporal]\nnamespace = "elsewhere"\n',
+                )
             )
             r = await gw.post("/reload")
             assert r.json() == {
                 "added": [],
                 "removed": [],
                 "changed": ["a"],
-                "not_applied": ["policy"],
+                "applied": ["policy", "probes"],
+                "not_applied": ["temporal"],
             }
-            assert shell.state.policy.max_held_per_caller is None
+            assert shell.state.policy.max_held_per_caller == 3  # [policy]: in the core
             assert shell.state.replicas["a"].spec.models == {MODEL, OTHER}
             assert await models(gw) == [MODEL, OTHER]
+            path.write_text(toml(a, down, extra="\n[probes]\nperiod_s = 3.0\n"))
+            r = await gw.post("/reload")
+            assert r.json()["applied"] == ["policy"] and r.json()["removed"] == []
+            assert shell.state.policy.max_held_per_caller is None  # back to the default
+            r = await gw.post("/v1/chat/completions", json=chat_body(OTHER))
+            # [probes]: a turn refused for want of a healthy replica looks again after
+            # the next round, 3 s from now.
+            assert r.status_code == 503 and r.headers["retry-after"] == "3"
 
 
 async def test_reload_needs_the_token_and_a_file() -> None:
@@ -284,7 +319,13 @@ async def test_a_classifier_added_by_a_reload_answers_decide(tmp_path: Path) -> 
             c = {"name": "c", "url": url_c, "models": [clf], "kind": "classifier"}
             path.write_text(toml(a, {**c, "labels": ["negative", "positive"]}))
             r = await gw.post("/reload")
-            assert r.json() == {"added": ["c"], "removed": [], "changed": [], "not_applied": []}
+            assert r.json() == {
+                "added": ["c"],
+                "removed": [],
+                "changed": [],
+                "applied": [],
+                "not_applied": [],
+            }
             after = await gw.post("/v1/decide", json={"input": "a lovely day"})
             assert after.status_code == 200, after.text
             assert after.json()["label"] in ("negative", "positive")

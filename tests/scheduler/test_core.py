@@ -13,6 +13,7 @@ from scheduler import (
     Event,
     Forget,
     Policy,
+    PolicyChanged,
     PoolChanged,
     Reject,
     ReplicaProbed,
@@ -536,6 +537,61 @@ def test_a_pool_with_a_name_twice_raises_and_changes_nothing() -> None:
     with pytest.raises(SchedulerError, match="unique"):
         d.feed(PoolChanged(now=1.0, replicas=(spec, spec)))
     assert d.state is before
+
+
+# --------------------------------------------------------------------- the policy changing
+
+
+def test_a_policy_change_frees_turns_held_by_rules_switched_off() -> None:
+    d = _paused_on_full_a()
+    t2 = d.arrive("r1")
+    assert d.state.turns[t2].bucket == ("pin", "a", I)
+    d.feed(PolicyChanged(now=d.step(), policy=Policy(strict_affinity=False)))
+    assert d.admitted() == {t2: "b"}  # its pin went with strict affinity
+
+    d = Driver(("a",))
+    d.cap("a", 1)
+    d.arrive("r1")
+    t = d.arrive("r2")
+    assert t in d.held_ids()
+    d.feed(PolicyChanged(now=d.step(), policy=Policy(cap_from_engine_queue=False)))
+    assert d.admitted() == {t: "a"} and d.state.replicas["a"].cap is None
+    d.probe("a", queued=3, running=2)
+    d.probe("a", queued=3, running=2)
+    assert d.state.replicas["a"].cap is None  # nor capped again
+
+
+def test_a_policy_change_drops_the_kv_claims_it_would_not_make() -> None:
+    d = Driver(("a",), kv_tokens=10_000, policy=Policy(kv_fill=1.0))
+    t1 = d.arrive("r1", prompt=8000, max_tokens=1000)
+    d.finish(t1, "tool_calls", prompt=8000, out=1000)
+    t2 = d.arrive("r2", prompt=4000, max_tokens=1000)
+    assert t2 in d.held_ids() and d.state.replicas["a"].ws_tokens == 10_000
+    # A larger share is enough for r2 beside the paused r1, whose claim stays.
+    d.feed(PolicyChanged(now=d.step(), policy=Policy(kv_fill=1.5)))
+    assert d.admitted() == {t2: "a"}
+    assert d.state.runs["r1"].ws_claim == 10_000 and d.state.replicas["a"].ws_tokens == 15_000
+    t3 = d.arrive("r3", prompt=4000, max_tokens=1000)
+    assert t3 in d.held_ids()
+    # Program-level admission off: no claim is counted, and r3 goes in.
+    d.feed(PolicyChanged(now=d.step(), policy=Policy(kv_admission=False)))
+    assert d.admitted() == {t3: "a"}
+    assert d.state.replicas["a"].ws_tokens == 0
+    assert all(run.ws_claim == 0 for run in d.state.runs.values())
+    assert d.state.runs["r1"].phase is RunPhase.PAUSED  # its affinity is kept
+
+
+def test_a_policy_change_applies_to_what_comes_next() -> None:
+    d = Driver(("a",))
+    d.cap("a", 1)
+    d.arrive("r1")
+    d.arrive("r2", caller="x")
+    d.feed(PolicyChanged(now=d.step(), policy=Policy(max_held_per_caller=1)))
+    assert d.actions == []  # r2 stays held: the bound refuses new work only
+    d.arrive("r3", caller="x")
+    (reject,) = d.actions
+    assert isinstance(reject, Reject) and reject.status == 429
+    assert d.state.policy == Policy(max_held_per_caller=1)
 
 
 # --------------------------------------------------------------------- classes and order

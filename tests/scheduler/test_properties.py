@@ -30,6 +30,7 @@ from scheduler import (
     Admit,
     Event,
     Policy,
+    PolicyChanged,
     PoolChanged,
     Reject,
     ReplicaProbed,
@@ -123,6 +124,12 @@ policies = st.builds(
     max_held_per_caller=st.sampled_from([None, None, 1, 3]),
 )
 
+# The policy changing (rule 12): from where in the script, to what, and whether to wait
+# for a moment with turns held.
+policy_changes = st.lists(
+    st.tuples(st.integers(0, 120), policies, st.booleans()), min_size=1, max_size=4
+)
+
 
 @dataclass
 class Runner:
@@ -193,6 +200,8 @@ class Runner:
                 if members & (1 << i)
             )
             return PoolChanged(now=self.now, replicas=specs)
+        if kind == "policy":
+            return PolicyChanged(now=self.now, policy=op[1])
         return RunEnded(now=self.now, run_id=f"run{op[1]}")
 
     def run(self, op: tuple[Any, ...]) -> None:
@@ -217,6 +226,9 @@ class Runner:
                 if name not in pool or was is None or name in before.retired:
                     self.queue_cap.pop(name, None)
                     self.queued_probes.pop(name, None)
+        if isinstance(event, PolicyChanged) and not after.policy.cap_from_engine_queue:
+            self.queue_cap.clear()  # rule 12: caps from the engine's queue are dropped
+            self.queued_probes.clear()
         if isinstance(event, ReplicaProbed) and not event.repeated:
             # Capped at the running count once a queue shows in enough probes in a row
             # (a repeated result is no new reading: the cap and the count stay).
@@ -279,8 +291,19 @@ def check_bookkeeping(s: State) -> None:
     for name in s.retired:  # rule 11: forgotten once nothing runs or is bound there
         r = s.replicas[name]
         assert not r.healthy and (r.in_flight or r.bound_runs), name
+    # What the policy rules out is not there (rule 12: also right after it changed).
+    p = s.policy
+    for run in s.runs.values():
+        if run.ws_claim:
+            assert p.kv_admission, f"{run.run_id} claims KV without program-level admission"
+            assert run.phase is RunPhase.GENERATING or p.strict_affinity, (
+                f"{run.run_id} claims KV while {run.phase} without strict affinity"
+            )
+    if not p.cap_from_engine_queue:
+        assert all(r.cap is None for r in s.replicas.values()), "capped without the rule"
     for t in held:
         if t.bucket is not None and t.bucket[0] == "pin":
+            assert p.strict_affinity, f"{t.turn_id} pinned without strict affinity"
             assert s.replicas[t.bucket[1]].healthy, f"{t.turn_id} pinned out of rotation"
         pool = [r for n, r in s.replicas.items() if n not in s.retired]
         assert any(t.model in r.spec.models for r in pool), (
@@ -411,7 +434,8 @@ def check_step(before: State, event: Event, after: State, actions: list[Action])
         # the run as this admission found it (an earlier admission in the same step may
         # have moved it, e.g. a turn for a model its old replica does not serve)
         run = runs.get(a.run_id)
-        if before.policy.strict_affinity and run is not None and run.replica is not None:
+        # (after: the policy this step admitted under, which a PolicyChanged changed)
+        if after.policy.strict_affinity and run is not None and run.replica is not None:
             home = after.replicas.get(run.replica)
             if run.keeps_replica and home and home.healthy and model in home.spec.models:
                 assert a.replica == run.replica, (
@@ -529,12 +553,39 @@ def test_invariants_hold_while_the_pool_changes(
     with turns held, so that held turns move or are rejected (400 examples: ~50 changes
     with turns running on a leaving replica, ~30 with turns held, ~15 rejecting some)."""
     runner = Runner(initial(policy, kv), kv)
-    pending = sorted(changes)
+    interleave(runner, script, [(c[0], c[3], ("pool", c[1], c[2])) for c in changes])
+    replays_and_drains(runner, initial(policy, kv))
+
+
+@given(
+    policy=policies,
+    kv=st.sampled_from([None, 8000, 20000]),
+    script=st.lists(ops, min_size=30, max_size=120),
+    changes=policy_changes,
+)
+def test_invariants_hold_while_the_policy_changes(
+    policy: Policy,
+    kv: int | None,
+    script: list[tuple[Any, ...]],
+    changes: list[tuple[int, Policy, bool]],
+) -> None:
+    """Rule 12 under every other rule: any policy for any other, while turns are held,
+    pinned and running and runs claim KV."""
+    runner = Runner(initial(policy, kv), kv)
+    interleave(runner, script, [(at, wait, ("policy", p)) for at, p, wait in changes])
+    replays_and_drains(runner, initial(policy, kv))
+
+
+def interleave(
+    runner: Runner, script: list[tuple[Any, ...]], changes: list[tuple[int, bool, tuple[Any, ...]]]
+) -> None:
+    """Run CAPPED + `script`, with each change (from where in the script, whether to
+    wait for a moment with turns held, the op) run before the op it is due at."""
+    pending = sorted(changes, key=lambda c: (c[0], c[1]))
     for i, op in enumerate(CAPPED + script):
         held = runner.state.held_count()
-        due = [c for c in pending if i >= len(CAPPED) + c[0] and (held or not c[3])]
+        due = [c for c in pending if i >= len(CAPPED) + c[0] and (held or not c[1])]
         if due:
             pending.remove(due[0])
-            runner.run(("pool", due[0][1], due[0][2]))
+            runner.run(due[0][2])
         runner.run(op)
-    replays_and_drains(runner, initial(policy, kv))
