@@ -4,8 +4,8 @@ The turn goes to `/v1/chat/completions` as the run's turn (`x-luftpause-run-id` 
 workflow id, with its class and caller), so the gateway keeps the run on the replica
 that holds its prefix.  There are no client-side retries: a failed attempt raises and
 Temporal's retry policy decides, with the gateway's `Retry-After` as a floor under its delay.
-While the turn is held in the gateway's queue or generating, the activity heartbeats,
-so a dead worker is noticed within the heartbeat timeout, not the 10-minute turn limit.
+While the turn is held in the gateway's queue (for as long as it takes) or generating,
+the activity heartbeats, so a dead worker is noticed within the heartbeat timeout.
 With tracing on, the turn carries the activity span's `traceparent`, so the gateway's
 `chat` span joins the run's trace.
 """

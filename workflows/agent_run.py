@@ -99,8 +99,12 @@ DRAIN_PATCH = "budget-stop-drains-in-flight-work"
 SPENT_PATCH = "budget-tool-calls-start-no-call-over"
 
 # Named timeouts and retry policies (DESIGN.md "The runtime on Temporal").
-TURN_TIMEOUT = timedelta(minutes=10)  # a turn may wait long in the gateway's queue
-TURN_SCHEDULE_TIMEOUT = timedelta(minutes=30)
+# A turn waits in the gateway's queue as long as it takes (a held turn has no deadline:
+# one abandoned at a limit would lose its place and come back last).  The gateway bounds
+# the engine's part (`[policy] turn_timeout_s`, 10 min: 504), the heartbeat a dead
+# worker; this only ends an attempt that somehow never does.  No schedule-to-close: a
+# gateway down for long is retried (every 10 s at most) until it is back, losing no run.
+TURN_TIMEOUT = timedelta(hours=24)
 TOOL_TIMEOUT = timedelta(minutes=5)
 TOOL_SCHEDULE_TIMEOUT = timedelta(minutes=15)
 HEARTBEAT_TIMEOUT = timedelta(seconds=10)
@@ -375,7 +379,6 @@ class AgentRun:
                 caller=spec.caller,
             ),
             start_to_close_timeout=TURN_TIMEOUT,
-            schedule_to_close_timeout=TURN_SCHEDULE_TIMEOUT,
             heartbeat_timeout=HEARTBEAT_TIMEOUT,
             retry_policy=RETRY,
         )

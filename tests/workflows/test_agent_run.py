@@ -53,6 +53,23 @@ async def test_a_run_loops_through_tool_calls_and_answers(temporal_address: str)
         assert messages[-1]["content"] == status.answer
         # The gateway was told the run ended.
         assert handle not in s.shell.state.runs
+        # A turn may wait in the gateway's queue as long as it takes: no attempt limit
+        # short of a day (one would abandon the turn there and queue it again, last),
+        # none on its retries (a gateway down for long loses no run); a heartbeat
+        # notices a dead worker.
+        history = await s.client.get_workflow_handle(handle).fetch_history()
+        turns = [
+            e.activity_task_scheduled_event_attributes
+            for e in history.events
+            if e.HasField("activity_task_scheduled_event_attributes")
+            and e.activity_task_scheduled_event_attributes.activity_type.name == "llm_turn"
+        ]
+        assert len(turns) == 4
+        for t in turns:
+            assert t.start_to_close_timeout.ToSeconds() == 24 * 3600
+            assert t.schedule_to_close_timeout.ToSeconds() == 0, t.schedule_to_close_timeout
+            assert t.heartbeat_timeout.ToSeconds() == 10
+            assert t.retry_policy.maximum_attempts == 0  # unlimited
 
 
 async def test_the_tool_budget_and_max_tokens_are_respected(temporal_address: str) -> None:
