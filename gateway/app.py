@@ -41,7 +41,7 @@ from gateway._http import Upstream
 from gateway._proxy import TurnRequest, TurnResponse, error_response
 from gateway._runtrace import RunSpans
 from gateway._shell import AdmissionShell
-from gateway.decide import DecideError, decide, decide_request, parse_decide
+from gateway.decide import ClassifierLoad, DecideError, decide, decide_request, parse_decide
 from gateway.mcp_door import DoorDeps, create_mcp_server
 from gateway.metrics import GatewayMetrics
 from gateway.pool import Pool, PoolChange, compare
@@ -151,6 +151,7 @@ class _Live:
         self.pool = pool
         self.known: dict[str, Endpoint] = dict(pool.replicas)
         self.reloading = asyncio.Lock()  # one reload at a time: the last file read wins
+        self.classifier_load = ClassifierLoad()  # /v1/decide's spread over classifiers
 
     def replace(self, pool: Pool, still_known: Callable[[str], bool]) -> None:
         for name in [n for n in self.known if n not in pool.replicas and not still_known(n)]:
@@ -524,7 +525,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             client=rt.client,
             endpoints=live.known,
             models=live.pool.models,
-            classifiers=_healthy_first(live.pool.classifiers, rt.prober),
+            classifiers=live.pool.classifiers,
+            down=_down(rt.prober),
+            load=live.classifier_load,
             clock=rt.loop.time,
             receive=request.receive,
             answer_timeout=rt.shell.state.policy.turn_timeout_s,
@@ -787,7 +790,9 @@ class _Door:
                 client=rt.client,
                 endpoints=live.known,
                 models=live.pool.models,
-                classifiers=_healthy_first(live.pool.classifiers, rt.prober),
+                classifiers=live.pool.classifiers,
+                down=_down(rt.prober),
+                load=live.classifier_load,
                 clock=rt.loop.time,
                 receive=receive,
                 answer_timeout=rt.shell.state.policy.turn_timeout_s,
@@ -1020,15 +1025,15 @@ def _parse_class(value: str | None) -> ServiceClass:
         raise _BadRequest(f"{CLASS_HEADER} must be {accepted}, got {value!r}") from None
 
 
-def _healthy_first(classifiers: Sequence[Endpoint], prober: Prober) -> list[Endpoint]:
+def _down(prober: Prober) -> frozenset[str]:
+    """The endpoints the last probe found unhealthy."""
+    return frozenset(name for name, r in prober.last.items() if not r.healthy)
+
+
+def _healthy_first(endpoints: Sequence[Endpoint], prober: Prober) -> list[Endpoint]:
     """Endpoints the last probe found healthy (or has not probed yet) come first."""
-    last = prober.last
-
-    def down(e: Endpoint) -> bool:
-        r = last.get(e.name)
-        return r is not None and not r.healthy
-
-    return sorted(classifiers, key=down)
+    down = _down(prober)
+    return sorted(endpoints, key=lambda e: e.name in down)
 
 
 def _caller(request: Request) -> str:

@@ -16,7 +16,7 @@ import contextlib
 import json
 import math
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -244,7 +244,8 @@ async def classify(
     run_id: str,
     answer_timeout: float = ENGINE_IDLE_TIMEOUT_S,
 ) -> Response:
-    """Ask a classifier endpoint's `/classify`; `{label, probabilities}` or the error."""
+    """Ask a classifier endpoint's `/classify`; `{label, probabilities}` or the error.
+    Raises _Unreached when the request could not be sent (another endpoint may take it)."""
     headers = {"content-type": "application/json", **auth_headers(endpoint)}
     telemetry.inject(headers)  # the decide span, when tracing is on
     payload = json.dumps({"model": model, "input": text}).encode()
@@ -258,6 +259,8 @@ async def classify(
     except httpx.ReadTimeout:
         message = f"engine {endpoint.name}: no answer within {answer_timeout:g} s"
         return error_response(504, message, run_id)
+    except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+        raise _Unreached(f"engine {endpoint.name}: {describe_http_error(exc)}") from None
     except httpx.HTTPError as exc:
         return error_response(502, f"engine {endpoint.name}: {describe_http_error(exc)}", run_id)
     if upstream.status_code >= 400:
@@ -433,12 +436,24 @@ async def decide(
     receive: Receive,
     answer_timeout: float = ENGINE_IDLE_TIMEOUT_S,
     retry_after: str = UNAVAILABLE_RETRY_AFTER_S,
+    down: Container[str] = frozenset(),
+    load: ClassifierLoad | None = None,
 ) -> Response:
     """Answer one validated `/v1/decide` request (see the module docstring).
     `endpoints`: where an admitted turn may be; `models`: the pool's, the first the
-    default.  `retry_after`: a 503's (the gateway's probe period)."""
+    default.  `retry_after`: a 503's (the gateway's probe period).  `down`: the
+    classifiers the last probe found unhealthy; `load`: the gateway's spread of
+    classify requests."""
     if request.labels is None:
-        return await _by_classifier(request, classifiers, client, run_id, answer_timeout)
+        return await _by_classifier(
+            request,
+            classifiers,
+            down,
+            load if load is not None else ClassifierLoad(),
+            client,
+            run_id,
+            answer_timeout,
+        )
     model = request.model
     if model is None:
         if not models:
@@ -483,20 +498,75 @@ async def decide(
     return Response(json.dumps(result), headers={RUN_HEADER: run_id}, media_type="application/json")
 
 
+class ClassifierLoad:
+    """Spreads `/v1/decide` requests over the classifier endpoints that serve their
+    model: the ones the last probe found healthy first, then the one with the fewest
+    requests in flight, ties taken in turn.  A `/classify` request is one forward pass,
+    so it takes no admission (as the SGLang router's least-load policy has it); an
+    endpoint that refuses the connection is passed over for the next."""
+
+    __slots__ = ("_in_flight", "_turn")
+
+    def __init__(self) -> None:
+        self._in_flight: dict[str, int] = {}
+        self._turn = 0
+
+    def order(self, endpoints: Sequence[Endpoint], down: Container[str]) -> list[Endpoint]:
+        self._turn += 1
+        n = len(endpoints)
+        busy = self._in_flight
+        return [
+            endpoints[i]
+            for i in sorted(
+                range(n),
+                key=lambda i: (
+                    endpoints[i].name in down,
+                    busy.get(endpoints[i].name, 0),
+                    (i - self._turn) % n,
+                ),
+            )
+        ]
+
+    @contextlib.contextmanager
+    def using(self, name: str) -> Iterator[None]:
+        self._in_flight[name] = self._in_flight.get(name, 0) + 1
+        try:
+            yield
+        finally:
+            left = self._in_flight[name] - 1
+            if left:
+                self._in_flight[name] = left
+            else:
+                del self._in_flight[name]
+
+
+class _Unreached(Exception):
+    """The request never reached the classifier (refused, or no connection in time)."""
+
+
 async def _by_classifier(
     request: DecideRequest,
     classifiers: Sequence[Endpoint],
+    down: Container[str],
+    load: ClassifierLoad,
     client: httpx.AsyncClient,
     run_id: str,
     answer_timeout: float,
 ) -> Response:
     if not classifiers:
         return error_response(404, "no classifier endpoint is configured", run_id)
-    if request.model is None:
-        endpoint, model = classifiers[0], classifiers[0].models[0]
-    else:
-        found = next((e for e in classifiers if request.model in e.models), None)
-        if found is None:
-            return error_response(404, f"no classifier serves model {request.model!r}", run_id)
-        endpoint, model = found, request.model
-    return await classify(endpoint, model, request.input, client, run_id, answer_timeout)
+    # The default is the first classifier's first model, whichever endpoint answers.
+    model = classifiers[0].models[0] if request.model is None else request.model
+    serving = [e for e in classifiers if model in e.models]
+    if not serving:
+        return error_response(404, f"no classifier serves model {model!r}", run_id)
+    unreached = []
+    for endpoint in load.order(serving, down):
+        with load.using(endpoint.name):
+            try:
+                return await classify(
+                    endpoint, model, request.input, client, run_id, answer_timeout
+                )
+            except _Unreached as exc:
+                unreached.append(str(exc))
+    return error_response(502, "; ".join(unreached), run_id)

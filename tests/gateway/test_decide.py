@@ -4,6 +4,7 @@ classifier) and tiny upstream apps behind the gateway."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 from collections.abc import Callable
@@ -189,6 +190,46 @@ async def test_a_classifier_the_probe_found_down_is_passed_over() -> None:
         r = await gw.post("/v1/decide", json={"input": "x"})
         assert r.status_code == 200, r.text
         assert recorded.bodies == [{"model": CLF, "input": "x"}]
+
+
+async def test_classify_requests_spread_over_the_classifiers_and_pass_a_dead_one_over() -> None:
+    async with contextlib.AsyncExitStack() as stack:
+        one = await stack.enter_async_context(engine(models=(CLF,), labels=("no", "yes")))
+        two = await stack.enter_async_context(engine(models=(CLF,), labels=("no", "yes")))
+        # Probed once at the start (both up), not again within the test.
+        gw, _ = await stack.enter_async_context(
+            gateway(
+                endpoint("one", one[0], kind="classifier", models=(CLF,)),
+                endpoint("two", two[0], kind="classifier", models=(CLF,)),
+                probe_period=60,
+            )
+        )
+        for i in range(6):  # one at a time: in turn
+            r = await gw.post("/v1/decide", json={"input": f"x{i}"})
+            assert r.status_code == 200, r.text
+        assert (len(one[1].bodies), len(two[1].bodies)) == (3, 3)
+        answers = await asyncio.gather(
+            *(gw.post("/v1/decide", json={"input": f"y{i}"}) for i in range(8))
+        )
+        assert all(r.status_code == 200 for r in answers)
+        # Together: the fewest in flight first, so neither takes them all.
+        assert min(len(one[1].bodies), len(two[1].bodies)) >= 3 + 2
+
+    async with contextlib.AsyncExitStack() as stack:
+        one = await stack.enter_async_context(engine(models=(CLF,), labels=("no", "yes")))
+        async with engine(models=(CLF,), labels=("no", "yes")) as (dead_url, _):
+            gw, _ = await stack.enter_async_context(
+                gateway(
+                    endpoint("dead", dead_url, kind="classifier", models=(CLF,)),
+                    endpoint("one", one[0], kind="classifier", models=(CLF,)),
+                    probe_period=60,
+                )
+            )
+        # "dead" stopped after its probe: a request that cannot reach it goes to "one".
+        for i in range(4):
+            r = await gw.post("/v1/decide", json={"input": f"z{i}"})
+            assert r.status_code == 200, r.text
+        assert len(one[1].bodies) == 4
 
 
 async def test_classifier_endpoint() -> None:
