@@ -232,10 +232,12 @@ class Runner:
         if isinstance(event, ReplicaProbed) and not event.repeated:
             # Capped at the running count once a queue shows in enough probes in a row
             # (a repeated result is no new reading: the cap and the count stay).
+            # (Probes are counted only while the rule is on: a count from before it was
+            # switched on does not carry over, rule 12.)
             self.queue_cap.pop(event.replica, None)
-            n = self.queued_probes.get(event.replica, 0) + 1 if event.queued else 0
-            self.queued_probes[event.replica] = n
             capping = after.policy.cap_from_engine_queue and event.running is not None
+            n = self.queued_probes.get(event.replica, 0) + 1 if capping and event.queued else 0
+            self.queued_probes[event.replica] = n
             if capping and n >= after.policy.cap_after_queued_probes:
                 assert event.running is not None
                 self.queue_cap[event.replica] = max(1, event.running)
