@@ -127,7 +127,9 @@ class RunSpans:
         if run is None:
             return
         if run.open_turns > 0:
-            run.forgotten = True  # ended by the client: its last turn ends the span
+            # Ended by the client: its last turn ends the span.  Expired (paused past
+            # idle_run_expiry_s with its next turn held): that turn goes on with it.
+            run.forgotten = not expired
             return
         if not expired:
             self._end(run_id, "ended", at=run.last_ns)

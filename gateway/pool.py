@@ -17,9 +17,10 @@ What a reload may change, and what it may not:
   name and add the new engine under a new one (a Kubernetes pod name does this).  This
   holds too for a name removed earlier whose turns are still finishing.
 - `[policy]` applies to the core at once (`scheduler.PolicyChanged`, rule 12): to the
-  turns held and the runs known as well as to what comes next; its `turn_timeout_s`
-  bounds the engine waits of turns that start from then on.  `[probes]` applies from
-  the next probe round.  Both are listed in `applied`.
+  turns held and the runs known as well as to what comes next (its `turn_timeout_s`
+  frees the slots of silent turns in flight at once, and bounds the engine waits of
+  turns that start from then on).  `[probes]` applies from the next probe round.
+  Both are listed in `applied`.
 - Every other section (`[temporal]`, the token, tool servers, request limits) is read
   at start only.  A reload that finds one changed applies the rest and says which
   sections need a restart (`not_applied`).

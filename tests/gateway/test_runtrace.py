@@ -94,6 +94,20 @@ def test_a_run_ended_mid_turn_ends_with_that_turn() -> None:
     assert attrs(agent)["luftpause.end"] == "ended"
 
 
+def test_a_run_that_expires_while_its_turn_is_held_goes_on() -> None:
+    bed = Bed()
+    bed.begin()
+    bed.runs.turn_ended("r", finished("tool_calls"), state(RunPhase.PAUSED))
+    bed.begin()  # the tool's result, held past idle_run_expiry_s: the core forgets the run
+    bed.runs.forgotten("r", expired=True)
+    bed.runs.turn_ended("r", finished("tool_calls"), state(RunPhase.PAUSED))
+    assert not bed.ended()  # admitted at last, and paused again: the same invocation
+    bed.begin()
+    bed.runs.turn_ended("r", finished("stop"), state(RunPhase.IDLE))
+    (agent,) = bed.ended()
+    assert attrs(agent)["luftpause.end"] == "answered" and attrs(agent)["luftpause.turns"] == 3
+
+
 def test_a_paused_runs_abandoned_turn_waits_for_the_run_to_expire() -> None:
     bed = Bed()
     bed.begin()
