@@ -3,7 +3,9 @@
 The turn goes to `/v1/chat/completions` as the run's turn (`x-luftpause-run-id` = the
 workflow id, with its class and caller), so the gateway keeps the run on the replica
 that holds its prefix.  There are no client-side retries: a failed attempt raises and
-Temporal's retry policy decides, with the gateway's `Retry-After` as a floor under its delay.
+Temporal's retry policy decides, with the gateway's `Retry-After` as a floor under its delay:
+without end while the gateway is unreachable or answers 429/503 (not now), up to
+ENGINE_FAULT_ATTEMPTS attempts for other failures, never for a refused request.
 While the turn is held in the gateway's queue (for as long as it takes) or generating,
 the activity heartbeats, so a dead worker is noticed within the heartbeat timeout.
 With tracing on, the turn carries the activity span's `traceparent`, so the gateway's
@@ -33,6 +35,13 @@ __all__ = ["HEARTBEAT_EVERY_S", "LlmActivities", "heartbeating"]
 HEARTBEAT_EVERY_S = 2.0
 # Statuses a retry cannot fix: the request itself is wrong (or the model unknown).
 _PERMANENT = frozenset({400, 401, 403, 404, 405, 413, 422})
+# Answers that say "not now" (a caller over its held bound, no healthy replica for the
+# model): retried for as long as it takes, as an unreachable gateway is.
+_WAIT = frozenset({429, 503})
+# Any other failure (an engine's 500, 502 or 504 for this turn) is retried up to this
+# many attempts of the turn: a request that makes the engine fail every time must not
+# be sent again for ever (each failure also counts toward ejecting a replica).
+ENGINE_FAULT_ATTEMPTS = 20
 
 
 def _message(response: httpx.Response) -> str:
@@ -140,12 +149,17 @@ class LlmActivities:
             raise ApplicationError(
                 f"gateway {self._base}: {type(exc).__name__}: {exc}", type="GatewayUnreachable"
             ) from None
-        if response.status_code != 200:
-            message = f"gateway answered {response.status_code}: {_message(response)}"
+        status = response.status_code
+        if status != 200:
+            message = f"gateway answered {status}: {_message(response)}"
+            attempt = activity.info().attempt
+            spent = status not in _WAIT and attempt >= ENGINE_FAULT_ATTEMPTS
+            if spent:
+                message += f" (attempt {attempt} of this turn: given up)"
             raise ApplicationError(
                 message,
-                type=f"Http{response.status_code}",
-                non_retryable=response.status_code in _PERMANENT,
+                type=f"Http{status}",
+                non_retryable=status in _PERMANENT or spent,
                 next_retry_delay=_next_delay(response),
             )
         return self._output(turn, response, time.monotonic() - started)

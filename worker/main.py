@@ -15,6 +15,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 from datetime import timedelta
 
 import httpx
@@ -34,6 +35,22 @@ log = logging.getLogger(__name__)
 STICKY_TIMEOUT = timedelta(seconds=2)
 GRACEFUL_SHUTDOWN = timedelta(seconds=10)
 GATEWAY_CONNECT_TIMEOUT_S = 2.0
+# Activities at once.  An LLM turn holds its slot while the gateway holds the turn in
+# its queue, as long as that takes (an idle HTTP request and a heartbeat every few
+# seconds); with the SDK's default of 100, a backlog of held turns would keep the tool
+# calls of runs that could go on from starting.  As many as the gateway connections.
+MAX_CONCURRENT_ACTIVITIES = 1000
+# A turn's request has no read timeout (it is held for as long as it takes): TCP
+# keepalive notices a gateway host that went away without closing its connections
+# within ~60 s, and the attempt fails and is retried.
+_KEEPALIVE = [
+    (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
+    *(
+        (socket.IPPROTO_TCP, getattr(socket, name), value)
+        for name, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3))
+        if hasattr(socket, name)  # Linux; macOS has only some of them
+    ),
+]
 # Temporal may come up after the worker (compose, k8s, a restarted dev server whose port
 # opens before it serves): keep trying this long before giving up.
 TEMPORAL_CONNECT_PATIENCE_S = 60.0
@@ -69,8 +86,21 @@ def build_worker(
         interceptors=telemetry.temporal_interceptors(client),
         workflows=[AgentRun],
         activities=[llm.llm_turn, llm.end_run, tools.list_tools, tools.call_tool],
+        max_concurrent_activities=MAX_CONCURRENT_ACTIVITIES,
         sticky_queue_schedule_to_start_timeout=STICKY_TIMEOUT,
         graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
+    )
+
+
+def gateway_client() -> httpx.AsyncClient:
+    """The worker's client for the gateway: turns wait as long as they are held (no read
+    timeout), on connections that TCP keepalive checks."""
+    limits = httpx.Limits(
+        max_connections=MAX_CONCURRENT_ACTIVITIES + 24, max_keepalive_connections=256
+    )
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(None, connect=GATEWAY_CONNECT_TIMEOUT_S),
+        transport=httpx.AsyncHTTPTransport(limits=limits, socket_options=_KEEPALIVE),
     )
 
 
@@ -83,9 +113,7 @@ async def serve(config: Config, token: str | None, stop: asyncio.Event) -> None:
     if client is None:
         return  # asked to stop while Temporal was not there yet
     pool = McpPool(config.mcp_servers)
-    timeout = httpx.Timeout(None, connect=GATEWAY_CONNECT_TIMEOUT_S)
-    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
+    async with gateway_client() as http:
         llm = LlmActivities(http, base_url=config.gateway_url, token=token)
         worker = build_worker(client, task_queue=t.task_queue, llm=llm, tools=ToolActivities(pool))
         running = asyncio.create_task(worker.run())

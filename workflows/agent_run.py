@@ -15,7 +15,10 @@ Rules this module keeps:
    is a durable timer, so an idle subtree trips it too.  On excess the run and its
    descendants stop (state `Stopping`): nothing new starts, a run waiting for approval
    or for its children stops at once, and the turns and tool calls already in flight
-   finish and are counted, so the overshoot is bounded by that work.  Then every run of
+   finish and are counted, so the overshoot is bounded by that work, except that an LLM
+   turn is waited for `RunSpec.stop_turn_wait_s` at most (10 min, the gateway's turn
+   timeout: a turn it still holds in its queue has no deadline), then cancelled (runs
+   without the `STOP_WAIT_PATCH` marker wait for it).  Then every run of
    the subtree ends `Cancelled` with `budget exceeded: <which> <used>/<limit>`.  (Runs
    started before this rule, without the `DRAIN_PATCH` marker, cancel their in-flight
    work instead, as they did.)  `cancel` stops a subtree at once, in-flight work too.
@@ -97,6 +100,8 @@ BUDGET_EXCEEDED = (
 DRAIN_PATCH = "budget-stop-drains-in-flight-work"
 # `workflow.patched` id of the tool-call budget that the holder's own calls stay inside.
 SPENT_PATCH = "budget-tool-calls-start-no-call-over"
+# `workflow.patched` id of the budget stop that waits for an LLM turn a bounded time.
+STOP_WAIT_PATCH = "budget-stop-waits-for-a-turn-at-most"
 
 # Named timeouts and retry policies (DESIGN.md "The runtime on Temporal").
 # A turn waits in the gateway's queue as long as it takes (a held turn has no deadline:
@@ -181,6 +186,8 @@ class AgentRun:
         self._stop_reason: str | None = None
         self._drain = False  # set by run(): see DRAIN_PATCH
         self._spent_rule = False  # set by run(): see SPENT_PATCH
+        self._stop_wait = False  # set by run(): see STOP_WAIT_PATCH
+        self._in_turn = False  # an LLM turn of the run is in flight
         self._spawning = 0  # spawn_child updates still starting their child
         self._ended_at: str | None = None
         self._last_report: tuple[str, Totals] | None = None
@@ -194,6 +201,7 @@ class AgentRun:
         # marker (started by an older worker) keeps the stop it started with.
         self._drain = workflow.patched(DRAIN_PATCH)
         self._spent_rule = workflow.patched(SPENT_PATCH)
+        self._stop_wait = workflow.patched(STOP_WAIT_PATCH)
         work = asyncio.create_task(self._work())
         try:
             await self._until_done(work)
@@ -282,6 +290,11 @@ class AgentRun:
                     await workflow.get_external_workflow_handle(handle).signal(
                         AgentRun.stop, StopRequest(reason)
                     )
+        if self._stop_wait and self._in_turn:
+            try:
+                await workflow.wait_condition(work.done, timeout=self._spec.stop_turn_wait_s)
+            except TimeoutError:
+                work.cancel()  # the gateway drops the turn, held or generating
         await workflow.wait_condition(lambda: work.done() and self._children_done())
         if not work.cancelled():
             work.exception()  # the loop's own stop (or failure): this stop answers it
@@ -366,22 +379,26 @@ class AgentRun:
     async def _turn(self, offer: bool) -> TurnOutput:
         spec = self._spec
         assert self._tools is not None
-        turn = await workflow.execute_activity_method(
-            LlmActivities.llm_turn,
-            TurnInput(
-                run_id=self._id,
-                model=spec.model,
-                messages=self._messages,
-                tools=[t.openai_tool() for t in self._tools] if offer else [],
-                max_tokens=spec.max_tokens,
-                parallel_tool_calls=spec.parallel_tool_calls,
-                service_class=spec.service_class,
-                caller=spec.caller,
-            ),
-            start_to_close_timeout=TURN_TIMEOUT,
-            heartbeat_timeout=HEARTBEAT_TIMEOUT,
-            retry_policy=RETRY,
-        )
+        self._in_turn = True  # a budget stop waits for it a bounded time (STOP_WAIT_PATCH)
+        try:
+            turn = await workflow.execute_activity_method(
+                LlmActivities.llm_turn,
+                TurnInput(
+                    run_id=self._id,
+                    model=spec.model,
+                    messages=self._messages,
+                    tools=[t.openai_tool() for t in self._tools] if offer else [],
+                    max_tokens=spec.max_tokens,
+                    parallel_tool_calls=spec.parallel_tool_calls,
+                    service_class=spec.service_class,
+                    caller=spec.caller,
+                ),
+                start_to_close_timeout=TURN_TIMEOUT,
+                heartbeat_timeout=HEARTBEAT_TIMEOUT,
+                retry_policy=RETRY,
+            )
+        finally:
+            self._in_turn = False
         self._messages.append(turn.message)
         self._usage = self._usage.plus(
             Totals(

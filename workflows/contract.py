@@ -97,6 +97,10 @@ class RunSpec:
     budget: Budget = field(default_factory=Budget)
     # Tools that wait for the user's approval, besides those marked destructive.
     approve_tools: list[str] = field(default_factory=list)
+    # A budget stop waits this long at most for the run's LLM turn in flight, then
+    # cancels it: a turn the gateway still holds has no deadline.  The gateway's turn
+    # timeout by default (an admitted turn ends within it); not an MCP argument.
+    stop_turn_wait_s: float = 600.0
 
 
 @dataclass(frozen=True)

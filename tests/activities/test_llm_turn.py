@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import socket
 from datetime import timedelta
 from typing import Any
 
@@ -18,8 +19,10 @@ from temporalio.testing import ActivityEnvironment
 from activities import LlmActivities, TurnInput
 from activities._arguments import ArgumentsError, expected_shape, prepare_arguments
 from activities._recover import recover_tool_calls
+from activities.llm import ENGINE_FAULT_ATTEMPTS
 from testkit.loopback import serve
 from tests.gateway.harness import closed_port_url, upstream
+from worker.main import gateway_client
 from workflows.agent_run import RETRY
 
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
@@ -120,6 +123,39 @@ async def test_a_request_the_gateway_refuses_is_not_retried(status: int) -> None
     with pytest.raises(ApplicationError) as err:
         await call(app, turn())
     assert err.value.non_retryable and f"{status}: no" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("status", "attempt", "retried"),
+    [
+        (502, ENGINE_FAULT_ATTEMPTS - 1, True),
+        (502, ENGINE_FAULT_ATTEMPTS, False),  # the engine fails this turn every time
+        (500, ENGINE_FAULT_ATTEMPTS + 5, False),
+        (503, ENGINE_FAULT_ATTEMPTS * 10, True),  # no healthy replica yet: wait on
+        (429, ENGINE_FAULT_ATTEMPTS * 10, True),
+    ],
+)
+async def test_engine_failures_are_retried_a_bounded_number_of_times(
+    status: int, attempt: int, retried: bool
+) -> None:
+    app = upstream(lambda r: Response(json.dumps({"error": {"message": "x"}}), status))
+    env = ActivityEnvironment()
+    env.info = dataclasses.replace(env.info, attempt=attempt, retry_policy=RETRY)
+    with pytest.raises(ApplicationError) as err:
+        await call(app, turn(), env=env)
+    assert err.value.non_retryable is not retried
+    assert ("given up" in str(err.value)) is not retried
+
+
+async def test_the_workers_client_waits_without_a_read_timeout_on_kept_alive_sockets() -> None:
+    app = upstream(lambda r: Response("{}", media_type="application/json"))
+    async with serve(app) as url, gateway_client() as http:
+        assert http.timeout.read is None  # a turn is held as long as it takes
+        async with http.stream("GET", url) as r:
+            sock = r.extensions["network_stream"].get_extra_info("socket")
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            if hasattr(socket, "TCP_KEEPIDLE"):
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 30
 
 
 async def test_an_unreachable_gateway_is_retried() -> None:

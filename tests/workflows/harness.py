@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 from temporalio.client import Client
 from temporalio.service import RPCError
 
@@ -29,7 +28,7 @@ from testkit.fake_engine import create_app as create_engine
 from testkit.fake_mcp import FakeMcpSettings, FakeMcpState
 from testkit.fake_mcp import create_app as create_mcp
 from testkit.loopback import serve
-from worker.main import build_worker
+from worker.main import build_worker, gateway_client
 from workflows import Runs, RunSpec
 
 MODEL = "llama-3.2-1b"
@@ -146,7 +145,7 @@ async def run_worker(
     client: Client, queue: str, gateway_url: str, mcp_url: str, *, token: str | None = None
 ) -> AsyncIterator[None]:
     pool = McpPool([McpServer(name="fake", url=mcp_url)])
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=2.0)) as http:
+    async with gateway_client() as http:  # the worker's own
         llm = LlmActivities(http, base_url=gateway_url, token=token, heartbeat_every_s=0.5)
         worker = build_worker(
             client, task_queue=queue, llm=llm, tools=ToolActivities(pool, heartbeat_every_s=0.5)

@@ -194,6 +194,30 @@ async def test_the_seconds_budget_trips_on_an_idle_subtree(temporal_address: str
         assert not s.mcp.started
 
 
+async def test_a_budget_stop_waits_for_a_turn_in_flight_a_bounded_time(
+    temporal_address: str,
+) -> None:
+    # Engines 50x slower than real: the run's first turn (256 tokens) takes minutes, and
+    # is generating when the seconds budget trips.  (A turn the gateway holds in its
+    # queue is the case this is for: it has no deadline at all.)
+    async with stack(temporal_address, engine={"time_scale": 0.02}) as s:
+        handle = await s.runs.spawn(
+            RunSpec(
+                task=task_with(0, "slowturn"),
+                model=MODEL,
+                budget=Budget(seconds=1),
+                stop_turn_wait_s=1.0,
+            )
+        )
+        (status,) = await s.runs.wait([handle], timeout=30)
+        assert status.state == "Cancelled", status
+        assert status.error is not None and status.error.startswith("budget exceeded: seconds ")
+        assert status.usage.turns == 0  # cancelled after its wait, not waited for
+        # The gateway dropped the turn and was told the run ended.
+        await until(lambda: handle not in s.shell.state.runs, "the gateway forgot the run")
+        assert not list(s.shell.state.admitted())
+
+
 async def test_work_in_flight_when_a_budget_trips_finishes_and_is_counted(
     temporal_address: str,
 ) -> None:
