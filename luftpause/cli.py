@@ -302,6 +302,11 @@ _DELEGATED = {
         "measure: `bench overhead` (gateway), `bench temporal`, `bench mcp`, "
         "`bench flood` (vs the real routers)",
     ),
+    "load": (
+        "testkit.load_cli",
+        "drive a running gateway with agents: own-loop agents through the proxy, or "
+        "rounds of sub-agents over MCP (--subagents K)",
+    ),
     "worker": ("worker.main", "run a Temporal worker for sub-agent runs"),
     "up": (
         "luftpause.up",
@@ -322,7 +327,7 @@ def _delegated_parser(sub: Any, name: str, wanted: bool) -> None:
 
 
 # The commands whose standard output is their result (a table or JSON).
-_REPORTS = ("sim", "bench")
+_REPORTS = ("sim", "bench", "load")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from asyncio import FIRST_EXCEPTION
+from asyncio import FIRST_COMPLETED
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -80,6 +80,7 @@ class Load:
     tool_result_chars: int = 1600
     reply_tokens: int = 256
     minutes: float = 3.0
+    runs: int | None = None  # stop once this many runs have ended (None: the window)
     seed: int = 1
     model: str = "llama-3.2-1b"
     time_scale: float = 1.0
@@ -171,6 +172,7 @@ class _Ctx:
         self.t0 = 0.0
         self.deadline = 0.0
         self.running: dict[str, tuple[ServiceClass, float]] = {}  # run id -> class, start
+        self.enough = asyncio.Event()  # `load.runs` runs have ended
 
     def now(self) -> float:
         """Virtual seconds since the window opened."""
@@ -270,8 +272,10 @@ async def _agent(ctx: _Ctx, cls: ServiceClass, index: int) -> None:
                 )
         ended = ctx.now()  # before the run's end is reported: that is not the run's time
         del ctx.running[run_id]
-        if errors <= MAX_ERRORS_PER_RUN and ended <= ctx.deadline:
+        if errors <= MAX_ERRORS_PER_RUN and ended <= ctx.deadline and not ctx.enough.is_set():
             ctx.result.runs.append(RunRecord(run_id, cls, ended - started, turns, ended))
+            if load.runs is not None and len(ctx.result.runs) >= load.runs:
+                ctx.enough.set()
         if ctx.ends_runs:
             # The gateway forgets the run at once rather than after its idle expiry.
             try:
@@ -299,13 +303,19 @@ async def run_load(
     *,
     ends_runs: bool = False,
     progress: Callable[[str], None] | None = None,
+    token: str | None = None,
 ) -> LoadResult:
-    """Run the agents against the proxy at `url` for `load.minutes` (virtual); stop them
-    (in-flight requests are dropped) and return what ended inside the window."""
+    """Run the agents against the proxy at `url` for `load.minutes` (virtual), or until
+    `load.runs` runs have ended; stop them (in-flight requests are dropped) and return
+    what ended inside the window (whose length is then the time it took).  `token`: a
+    bearer token for every request."""
     agents = load.batch + load.interactive
     limits = httpx.Limits(max_connections=agents * 2, max_keepalive_connections=agents * 2)
     timeout = httpx.Timeout(None, connect=5)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as http:
+    auth = {"authorization": f"Bearer {token}"} if token else {}
+    async with httpx.AsyncClient(
+        limits=limits, timeout=timeout, trust_env=False, headers=auth
+    ) as http:
         ctx = _Ctx(load, http, url, ends_runs, progress)
         ctx.t0 = time.monotonic()
         ctx.deadline = load.minutes * 60
@@ -313,17 +323,22 @@ async def run_load(
             ("interactive", load.interactive),
             ("batch", load.batch),
         )
-        tasks = [asyncio.create_task(_agent(ctx, cls, i)) for cls, n in counts for i in range(n)]
+        tasks: list[asyncio.Task[Any]] = [
+            asyncio.create_task(_agent(ctx, cls, i)) for cls, n in counts for i in range(n)
+        ]
         if progress is not None:
             tasks.append(asyncio.create_task(_report(ctx)))
+        tasks.append(asyncio.create_task(ctx.enough.wait()))
         try:
             # An agent only ends by raising (a bug): say it at once, not at the end.
             done, _ = await asyncio.wait(
-                tasks, timeout=ctx.deadline / load.time_scale, return_when=FIRST_EXCEPTION
+                tasks, timeout=ctx.deadline / load.time_scale, return_when=FIRST_COMPLETED
             )
             for t in done:
                 t.result()
             end = ctx.now()
+            if ctx.enough.is_set():
+                ctx.result.minutes = end / 60
             for cls, started in ctx.running.values():
                 ctx.result.unfinished[cls] = ctx.result.unfinished.get(cls, 0) + 1
                 ctx.result.oldest_unfinished_s = max(ctx.result.oldest_unfinished_s, end - started)

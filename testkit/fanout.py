@@ -1,0 +1,202 @@
+"""The load generator's second mode: sub-agents over MCP, fanned out (DESIGN.md "The
+test kit").
+
+A client, as an orchestrating agent would, spawns `fanout` sub-agents at once over the
+gateway's MCP door (`spawn`), waits for them (`await` with mode `any`, so that each
+run's end is seen when it comes), reads what they cost (`status`) and starts the next
+round, until `rounds` rounds or `minutes` have passed.  Through the official MCP client,
+on whichever protocol generation the door and the client agree on.
+
+Per round: the wall time from the first spawn to the last end, against the slowest
+run of the round (each run timed from its spawn to the `await` that saw it end);
+wall / slowest near 1 means the fan-out cost about nothing over its slowest run.  Per
+run: its state and usage.  Runs that do not complete are counted by state, never
+hidden; a round still going when the time is up is reported as unfinished.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx2
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
+
+from testkit.sim import percentile
+
+__all__ = ["Fanout", "FanoutResult", "RoundRecord", "run_fanout"]
+
+TERMINAL = frozenset({"Completed", "Failed", "Cancelled"})
+AWAIT_MAX_S = 600  # the door's longest `await`
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fanout:
+    """What the orchestrating client does."""
+
+    fanout: int = 16
+    rounds: int | None = None  # stop after this many rounds (None: the time)
+    minutes: float = 3.0
+    # `{i}` is the run's number; the same text every round, so rounds are alike.
+    task: str = "Look up topic {i} in the knowledge base and answer in one sentence."
+    model: str | None = None  # None: the gateway's first model
+    tools: list[str] | None = None  # None: every upstream tool
+    service_class: str = "batch"
+    max_tool_calls: int | None = None
+    caller: str = "fanout"
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    wall_s: float
+    slowest_s: float
+    states: dict[str, int]
+    turns: int
+    tool_calls: int
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class FanoutResult:
+    fanout: int
+    rounds: list[RoundRecord] = field(default_factory=list)
+    unfinished_round: bool = False
+    errors: int = 0
+    first_errors: list[str] = field(default_factory=list)
+
+    def as_json(self) -> dict[str, Any]:
+        def r2(x: float | None) -> float | None:
+            return None if x is None else round(x, 2)
+
+        walls = [r.wall_s for r in self.rounds]
+        ratios = [r.wall_s / r.slowest_s for r in self.rounds if r.slowest_s > 0]
+        states: Counter[str] = Counter()
+        for r in self.rounds:
+            states.update(r.states)
+        return {
+            "fanout": self.fanout,
+            "rounds": len(self.rounds),
+            "runs_by_state": dict(sorted(states.items())),
+            "round_wall_p50_s": r2(percentile(walls, 0.5)),
+            "round_wall_p90_s": r2(percentile(walls, 0.9)),
+            "wall_over_slowest_p50": r2(percentile(ratios, 0.5)),
+            "turns": sum(r.turns for r in self.rounds),
+            "tool_calls": sum(r.tool_calls for r in self.rounds),
+            "prompt_tokens": sum(r.prompt_tokens for r in self.rounds),
+            "completion_tokens": sum(r.completion_tokens for r in self.rounds),
+            "unfinished_round": self.unfinished_round,
+            "errors": self.errors,
+            "first_errors": self.first_errors,
+        }
+
+    def error(self, text: str) -> None:
+        self.errors += 1
+        if len(self.first_errors) < 5:
+            self.first_errors.append(text[:300])
+
+
+class _ToolError(Exception):
+    pass
+
+
+async def _call(c: Client, tool: str, args: dict[str, Any]) -> Any:
+    r = await c.call_tool(tool, args)
+    if r.is_error:
+        text = " ".join(getattr(part, "text", "") for part in r.content)
+        raise _ToolError(f"{tool}: {text}")
+    return r.structured_content
+
+
+async def _round(c: Client, plan: Fanout, deadline: float, result: FanoutResult) -> bool:
+    """One round; False when the time ran out before its runs ended."""
+    started = time.monotonic()
+    spawned: dict[str, float] = {}
+    for i in range(plan.fanout):
+        args: dict[str, Any] = {
+            "task": plan.task.format(i=i),
+            "serviceClass": plan.service_class,
+        }
+        if plan.model is not None:
+            args["model"] = plan.model
+        if plan.tools is not None:
+            args["tools"] = plan.tools
+        if plan.max_tool_calls is not None:
+            args["maxToolCalls"] = plan.max_tool_calls
+        try:
+            handle = (await _call(c, "spawn", args))["handle"]
+        except _ToolError as exc:
+            result.error(str(exc))
+            continue
+        spawned[handle] = time.monotonic()
+    ended: dict[str, float] = {}
+    pending = list(spawned)
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        answer = await _call(
+            c,
+            "await",
+            {"handles": pending, "mode": "any", "timeout": max(1, min(AWAIT_MAX_S, int(left)))},
+        )
+        now = time.monotonic()
+        for run in answer["runs"]:
+            if run["state"] in TERMINAL:
+                ended[run["handle"]] = now
+        pending = [h for h in pending if h not in ended]
+    wall = time.monotonic() - started
+    runs = (await _call(c, "status", {"handles": list(spawned)}))["runs"] if spawned else []
+    usage = [r.get("usage") or {} for r in runs]
+    result.rounds.append(
+        RoundRecord(
+            wall_s=wall,
+            slowest_s=max((ended[h] - spawned[h] for h in spawned), default=0.0),
+            states=dict(Counter(r["state"] for r in runs)),
+            turns=sum(u.get("turns", 0) for u in usage),
+            tool_calls=sum(u.get("toolCalls", 0) for u in usage),
+            prompt_tokens=sum(u.get("promptTokens", 0) for u in usage),
+            completion_tokens=sum(u.get("completionTokens", 0) for u in usage),
+        )
+    )
+    for r in runs:
+        if r["state"] != "Completed":
+            result.error(f"run {r['handle']}: {r['state']}: {r.get('error')}")
+    return True
+
+
+async def run_fanout(
+    plan: Fanout,
+    url: str,
+    *,
+    token: str | None = None,
+    progress: Any = None,
+) -> FanoutResult:
+    """Fan sub-agents out through the MCP door at `url` (the gateway's `/mcp`)."""
+    headers = {"x-luftpause-caller": plan.caller}
+    if token:
+        headers["authorization"] = f"Bearer {token}"
+    result = FanoutResult(fanout=plan.fanout)
+    deadline = time.monotonic() + plan.minutes * 60
+    http = httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(30.0, read=None))
+    async with http, Client(streamable_http_client(url, http_client=http)) as c:
+        while plan.rounds is None or len(result.rounds) < plan.rounds:
+            if time.monotonic() >= deadline:
+                break
+            try:
+                if not await _round(c, plan, deadline, result):
+                    result.unfinished_round = True
+                    break
+            except _ToolError as exc:
+                result.error(str(exc))
+                break
+            if progress is not None:
+                last = result.rounds[-1]
+                progress(
+                    f"  round {len(result.rounds)}: {last.wall_s:.1f} s, slowest run "
+                    f"{last.slowest_s:.1f} s, {dict(sorted(last.states.items()))}"
+                )
+    return result

@@ -1,0 +1,72 @@
+"""`luftpause load`, the load generator's command, against a real gateway over loopback:
+own-loop agents through the proxy (with the gateway's token, bounded by a run count) and
+rounds of sub-agents over the MCP door (with Temporal and a worker)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+from testkit.fake_engine import FakeEngineSettings, create_app
+from testkit.fanout import Fanout, run_fanout
+from testkit.loopback import serve
+from tests.gateway.harness import endpoint, gateway
+from tests.workflows.harness import stack, task_with
+
+EXE = str(Path(sys.executable).parent / "luftpause")
+
+
+async def load(*args: str) -> tuple[int, str, str]:
+    """`luftpause load ARGS` (the gateway it drives is served by this test's loop)."""
+    proc = await asyncio.create_subprocess_exec(
+        EXE, "load", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def test_own_loop_agents_through_the_gateway_until_a_run_count() -> None:
+    engine = create_app(FakeEngineSettings(time_scale=20, max_tool_calls=3, seed=0))
+    async with (
+        serve(engine) as url,
+        gateway(endpoint("e0", url), token="s3cret") as (client, _),
+    ):
+        gw = str(client.base_url).rstrip("/")
+        args = ["--url", gw, "--batch", "2", "--interactive", "1", "--runs", "4"]
+        args += ["--context-chars", "2000", "--tool-s", "0.05", "--minutes", "2"]
+        code, out, err = await load(*args, "--token", "s3cret", "--json")
+        assert code == 0, err
+        result = json.loads(out)
+        # Stopped at the count, well inside the window; the model was learned from the
+        # gateway's /v1/models (with the token).
+        assert result["interactive_runs"] + result["batch_runs"] == 4, result
+        assert result["errors"] == 0 and result["turns"] >= 4
+        assert result["cached_prompt_token_share"] > 0
+        assert "llama-3.2-1b" in err  # the progress line names the model
+
+        code, out, err = await load(*args, "--token", "wrong")
+        assert code == 2 and "cannot learn the model" in err and "401" in err
+        code, out, err = await load("--url", gw, "--runs", "0")
+        assert code == 2 and "--runs must be at least 1" in err
+
+
+async def test_rounds_of_sub_agents_over_mcp(temporal_address: str) -> None:
+    async with stack(temporal_address) as s:
+        plan = Fanout(fanout=4, rounds=2, task=task_with(1, "fan") + " {i}", tools=["lookup"])
+        result = await run_fanout(plan, s.mcp_door)
+        j = result.as_json()
+        assert j["rounds"] == 2 and j["runs_by_state"] == {"Completed": 8}, j
+        assert j["errors"] == 0 and not j["unfinished_round"]
+        assert j["turns"] >= 8 and j["prompt_tokens"] > 0
+        for r in result.rounds:
+            assert 0 < r.slowest_s <= r.wall_s  # the round lasts as long as its slowest run
+
+        # The command: one round, in a table.
+        code, out, err = await load(
+            "--url", s.gateway_url, "--subagents", "3", "--rounds", "1", "--task", "hi {i}"
+        )
+        assert code == 0, err
+        assert "runs by state" in out and "Completed 3" in out, out
