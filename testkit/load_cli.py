@@ -46,11 +46,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     own.add_argument("--batch", type=int, default=48, help="batch agents (default 48)")
     own.add_argument("--interactive", type=int, default=4, help="interactive agents (default 4)")
     own.add_argument("--runs", type=int, help="stop once this many runs have ended")
-    own.add_argument("--context-chars", type=int, default=8000, help="each run's task")
-    own.add_argument("--tool-s", type=float, default=2.0, help="a tool's mean wait")
-    own.add_argument("--tool-result-chars", type=int, default=1600)
-    own.add_argument("--reply-tokens", type=int, default=256, help="max_tokens per turn")
-    own.add_argument("--seed", type=int, default=1)
+    own.add_argument(
+        "--context-chars", type=int, default=8000, help="characters of a run's task (8000)"
+    )
+    own.add_argument("--tool-s", type=float, default=2.0, help="mean seconds a tool call waits (2)")
+    own.add_argument(
+        "--tool-result-chars", type=int, default=1600, help="characters of a tool result (1600)"
+    )
+    own.add_argument("--reply-tokens", type=int, default=256, help="max_tokens per turn (256)")
+    own.add_argument("--seed", type=int, default=1, help="the agents' tool waits (1)")
     own.add_argument("--end-runs", action="store_true", help="DELETE /v1/runs/{id} after each run")
     sub = p.add_argument_group("sub-agents over MCP")
     sub.add_argument("--subagents", type=int, metavar="K", help="rounds of K spawned runs")
@@ -58,7 +62,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sub.add_argument("--task", default=Fanout.task, help="a run's task; {i} is its number")
     sub.add_argument("--tools", help="comma-separated tool names (default: all)")
     sub.add_argument(
-        "--class", dest="service_class", default="batch", choices=["batch", "interactive"]
+        "--class",
+        dest="service_class",
+        default="batch",
+        choices=["batch", "interactive"],
+        help="the runs' service class (batch)",
     )
 
 
