@@ -13,7 +13,7 @@ import contextlib
 import uuid
 from collections.abc import Sequence
 from dataclasses import replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
 from temporalio.client import (
@@ -23,6 +23,7 @@ from temporalio.client import (
     WorkflowFailureError,
     WorkflowHandle,
     WorkflowUpdateFailedError,
+    WorkflowUpdateRPCTimeoutOrCancelledError,
 )
 from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 from temporalio.converter import value_to_type
@@ -58,6 +59,10 @@ AWAIT_MAX_S = 600.0
 CANCEL_WAIT_S = 10.0  # how long `cancel` waits for the run to end before answering
 CANCEL_QUERY_TIMEOUT_S = 2.0  # then, how long it asks a worker for the run's state
 _QUERY_TIMEOUT_S = 10.0
+# How long `spawn(parent=...)` waits for the parent's worker to start the child (the
+# parent workflow starts it, so a worker must be up); then it answers with the handle
+# the child will have if the request is taken later.
+CHILD_WAIT_S = 30.0
 
 
 class Rounds:
@@ -145,9 +150,12 @@ _CLOSED = {
 class Runs:
     """Run operations for one Temporal namespace and task queue."""
 
-    def __init__(self, client: Client, *, task_queue: str) -> None:
+    def __init__(
+        self, client: Client, *, task_queue: str, child_wait_s: float = CHILD_WAIT_S
+    ) -> None:
         self._client = client
         self._queue = task_queue
+        self._child_wait_s = child_wait_s
 
     @property
     def client(self) -> Client:
@@ -166,8 +174,17 @@ class Runs:
             parent = self._handle(spec.parent)
             try:
                 return await parent.execute_update(
-                    AgentRun.spawn_child, ChildRequest(handle, replace(spec, parent=None))
+                    AgentRun.spawn_child,
+                    ChildRequest(handle, replace(spec, parent=None)),
+                    rpc_timeout=timedelta(seconds=self._child_wait_s),
                 )
+            except WorkflowUpdateRPCTimeoutOrCancelledError:
+                raise RunError(
+                    f"parent run '{spec.parent}' did not take the child within "
+                    f"{self._child_wait_s:g} s: no worker is running it (is one up on task "
+                    f"queue '{self._queue}'?); the request may still be taken when one comes, "
+                    f"and the child is then run '{handle}' (status tells)"
+                ) from None
             except WorkflowUpdateFailedError as exc:
                 raise RunError(_reason(exc)) from None
             except RPCError as exc:

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from temporalio.client import WorkflowHandle
 
-from tests.workflows.harness import MODEL, Stack, spawn_waiting, stack, task_with
-from workflows import DECLINED, Rounds, RunError, RunSpec
+from tests.workflows.harness import MODEL, Stack, run_worker, spawn_waiting, stack, task_with
+from workflows import DECLINED, Rounds, RunError, Runs, RunSpec
 
 
 def track_concurrency(s: Stack) -> dict[str, int]:
@@ -236,6 +236,25 @@ async def test_cancel_answers_in_bounded_time_with_no_worker_up(temporal_address
         history = await s.client.get_workflow_handle(handle).fetch_history()
         kinds = {e.WhichOneof("attributes") for e in history.events}
         assert "workflow_execution_cancel_requested_event_attributes" in kinds
+
+
+async def test_spawning_a_child_with_no_worker_up_answers_in_bounded_time(
+    temporal_address: str,
+) -> None:
+    async with stack(temporal_address, worker=False) as s:
+        runs = Runs(s.client, task_queue=s.task_queue, child_wait_s=1.0)
+        parent = await runs.spawn(RunSpec(task=task_with(0, "noworkerp"), model=MODEL))
+        child = RunSpec(task=task_with(0, "noworkerc"), model=MODEL, parent=parent)
+        with pytest.raises(RunError, match="no worker is running it") as err:
+            await asyncio.wait_for(runs.spawn(child, handle="run-later-child"), 10)
+        assert "run 'run-later-child'" in str(err.value) and s.task_queue in str(err.value)
+        # The request was taken when a worker came: the child has the handle it was told.
+        async with run_worker(s.client, s.task_queue, s.gateway_url, f"{s.mcp_url}/mcp"):
+            done = await s.runs.wait([parent], timeout=60)
+            assert done[0].state == "Completed"
+            assert [(c.handle, c.state) for c in done[0].children] == [
+                ("run-later-child", "Completed")
+            ]
 
 
 def test_a_tool_answer_is_cut_to_the_room_left_in_the_conversation() -> None:
