@@ -47,6 +47,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.pool import Pool, PoolChange, compare
 from gateway.prober import Prober, ProbeResult, auth_headers
 from gateway.status import (
+    PAGE_RUNS,
     RUNS_LIMIT,
     RUNS_MAX,
     WAITING,
@@ -640,14 +641,22 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             view["sub_agents"] = f"runs unavailable: {type(exc).__name__}: {exc}"[:300]
         return view
 
-    async def snapshot(rt: _Runtime) -> dict[str, Any]:
+    async def snapshot(rt: _Runtime, recent: int = 0) -> dict[str, Any]:
+        """`recent`: also list that many runs, the most recently active first."""
         # The shell's own counts on the loop (its dicts change there) ...
         counts = {"tool_call_ids_remembered": rt.shell.remembered_tool_calls()}
         state, probes, now = rt.shell.state, dict(rt.prober.last), rt.loop.time()
+
+        def walk() -> dict[str, Any]:
+            view = status_snapshot(state, probes, counts, now)
+            if recent:
+                view["recent_runs"] = runs_listing(state, now, limit=recent)["runs"]
+            return view
+
         # ... and the walk over every run and turn in a thread: the state is immutable,
         # and with 100k runs (an hour of requests without a run id) it takes ~130 ms
         # here, which the event loop would otherwise spend not serving turns.
-        return await asyncio.to_thread(status_snapshot, state, probes, counts, now)
+        return await asyncio.to_thread(walk)
 
     @app.get("/status")
     async def status(request: Request) -> Response:
@@ -671,7 +680,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         if not (by_query or authorized(request)):
             return unauthorized(_new_id())
         return HTMLResponse(
-            render_status_page(await with_runs(await snapshot(rt))),
+            render_status_page(await with_runs(await snapshot(rt, recent=PAGE_RUNS))),
             headers={"cache-control": "no-store", "referrer-policy": "no-referrer"},
         )
 

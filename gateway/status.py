@@ -35,6 +35,7 @@ WAITING = "waiting"
 # The held-turn table lists the callers with the most held turns, at most this many.
 TOP_CALLERS = 50
 PAGE_REFRESH_S = 2
+PAGE_RUNS = 20  # the runs the page lists (GET /v1/runs lists them all)
 _MAX_TREE_DEPTH = 16
 
 
@@ -359,6 +360,26 @@ def render_status_page(snapshot: Mapping[str, Any]) -> str:
         ["phase", *classes],
         [[p, *(n.get(c, 0) for c in classes)] for p, n in runs["by_phase_and_class"].items()],
     )
+    run_keys = [
+        "run_id",
+        "caller",
+        "class",
+        "model",
+        "phase",
+        "replica",
+        "turns_in_flight",
+        "turns_held",
+        "context_tokens",
+        "kv_claim_tokens",
+        "since_s",
+    ]
+    recent = snapshot.get("recent_runs")
+    recent_table = (
+        ""
+        if recent is None
+        else f"<h2>Runs, the most recently active first (top {PAGE_RUNS}; all: "
+        f"GET /v1/runs)</h2>{_table(run_keys, [[r[k] for k in run_keys] for r in recent])}"
+    )
     summary = (
         f"held {held['total']} (oldest {held['oldest_wait_s']} s), runs {runs['total']}, "
         f"tool call ids remembered {snapshot.get('tool_call_ids_remembered', 0)}"
@@ -375,6 +396,7 @@ def render_status_page(snapshot: Mapping[str, Any]) -> str:
         f"<h2>Held turns by class</h2>{held_by_class}"
         f"<h2>Held turns by caller (top {TOP_CALLERS})</h2>{held_by_caller}"
         f"<h2>Runs by phase and class</h2>{runs_table}"
+        f"{recent_table}"
         f"{_sub_agents(snapshot)}"
         "</body></html>\n"
     )

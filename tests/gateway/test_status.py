@@ -18,7 +18,14 @@ import gateway.app as app_module
 import gateway.metrics as metrics_module
 from gateway.metrics import GatewayMetrics
 from gateway.prober import ProbeResult
-from gateway.status import TOP_CALLERS, WAITING, render_status_page, runs_listing, status_snapshot
+from gateway.status import (
+    PAGE_RUNS,
+    TOP_CALLERS,
+    WAITING,
+    render_status_page,
+    runs_listing,
+    status_snapshot,
+)
 from scheduler import (
     Event,
     Policy,
@@ -215,9 +222,12 @@ def test_page_escapes_what_callers_send() -> None:
             arrived(1.0, "t1", "r1", "<script>alert(1)</script>"),
         ],
     )
-    page = render_status_page(status_snapshot(state, {}, {}, 2.0))
+    snapshot = status_snapshot(state, {}, {}, 2.0)
+    snapshot["recent_runs"] = runs_listing(state, 2.0, limit=PAGE_RUNS)["runs"]
+    page = render_status_page(snapshot)
     assert '<meta http-equiv="refresh" content="2">' in page
-    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    # in the held turns by caller, and in the runs
+    assert page.count("&lt;script&gt;alert(1)&lt;/script&gt;") == 2
     assert "<script>" not in page
 
 
@@ -355,6 +365,12 @@ async def test_status_page_and_metrics_with_held_turns() -> None:
             assert '<meta http-equiv="refresh" content="2">' in page.text
             assert "&lt;b&gt;x&lt;/b&gt;" in page.text
             assert "<b>x</b>" not in page.text
+            # The runs themselves, the two generating and the two waiting for admission.
+            assert "Runs, the most recently active first" in page.text
+            ids = {*shell.state.runs.keys(), *(t.run_id for t in shell.state.held())}
+            assert len(ids) == 4 and all(i in page.text for i in ids)
+            assert page.text.count("<td>waiting</td><td></td>") == 2  # no replica yet
+            assert page.text.count("<td>generating</td><td>a</td>") == 2
 
             m = await gw.get("/metrics")
             assert m.status_code == 200
