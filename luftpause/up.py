@@ -350,6 +350,10 @@ def _banner(where: dict[str, str], token: str | None) -> str:
             f"  own-loop agents:  base_url={gw}/v1  with headers x-luftpause-run-id,",
             "                    x-luftpause-class (interactive|batch), x-luftpause-caller",
             "",
+            "Put load on it (and watch the status page):",
+            f"  agents:           luftpause load --url {gw} --minutes 1",
+            f"  sub-agents:       luftpause load --url {gw} --subagents 16 --rounds 3",
+            "",
             "Ctrl-C stops everything started here.",
         ]
     )

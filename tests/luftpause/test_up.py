@@ -175,6 +175,19 @@ async def test_up_runs_sub_agents_and_stops_everything(state: Path) -> None:
             with urllib.request.urlopen(ask, timeout=10) as answered:
                 reply = json.load(answered)
             assert reply.get("type", reply.get("object")) == kind, reply
+        # The banner's load command works against it.
+        assert f"luftpause load --url {up.gateway} --minutes 1" in text
+        load = await asyncio.create_subprocess_exec(
+            str(Path(sys.executable).parent / "luftpause"),
+            *f"load --url {up.gateway} --minutes 1 --runs 3 --batch 2 --interactive 1".split(),
+            *["--tool-s", "0.1", "--context-chars", "1000", "--json"],
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(load.communicate(), 90)
+        assert load.returncode == 0, err.decode()
+        loaded = json.loads(out)
+        assert loaded["interactive_runs"] + loaded["batch_runs"] == 3 and not loaded["errors"]
         # The Temporal UI answers, and Temporal lists the four workflows.
         with urllib.request.urlopen(f"http://127.0.0.1:{up.ports['ui']}/", timeout=10) as ui:
             assert ui.status == 200
