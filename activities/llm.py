@@ -4,8 +4,8 @@ The turn goes to `/v1/chat/completions` as the run's turn (`x-luftpause-run-id` 
 workflow id, with its class and caller), so the gateway keeps the run on the replica
 that holds its prefix.  There are no client-side retries: a failed attempt raises and
 Temporal's retry policy decides, with the gateway's `Retry-After` as a floor under its delay:
-without end while the gateway is unreachable or answers 429/503 (not now), up to
-ENGINE_FAULT_ATTEMPTS attempts for other failures, never for a refused request.
+without end while the gateway is unreachable or answers 429/503 (not now), until the
+turn has failed ENGINE_FAULT_ATTEMPTS times otherwise, never for a refused request.
 While the turn is held in the gateway's queue (for as long as it takes) or generating,
 the activity heartbeats, so a dead worker is noticed within the heartbeat timeout.
 With tracing on, the turn carries the activity span's `traceparent`, so the gateway's
@@ -38,10 +38,18 @@ _PERMANENT = frozenset({400, 401, 403, 404, 405, 413, 422})
 # Answers that say "not now" (a caller over its held bound, no healthy replica for the
 # model): retried for as long as it takes, as an unreachable gateway is.
 _WAIT = frozenset({429, 503})
-# Any other failure (an engine's 500, 502 or 504 for this turn) is retried up to this
-# many attempts of the turn: a request that makes the engine fail every time must not
-# be sent again for ever (each failure also counts toward ejecting a replica).
+# Any other failure (an engine's 500, 502 or 504 for this turn) is retried until the turn
+# has failed so many times: a request that makes the engine fail every time must not be
+# sent again for ever (each failure also counts toward ejecting a replica).  Counted
+# across attempts in the heartbeat details, so the waits above do not count.
 ENGINE_FAULT_ATTEMPTS = 20
+
+
+def _faults_so_far() -> int:
+    """This turn's engine failures in earlier attempts (their last heartbeat's details)."""
+    details = activity.info().heartbeat_details
+    first = details[0] if details else 0
+    return first if isinstance(first, int) and not isinstance(first, bool) else 0
 
 
 def _message(response: httpx.Response) -> str:
@@ -79,10 +87,13 @@ def _next_delay(response: httpx.Response) -> timedelta | None:
 
 
 @contextlib.asynccontextmanager
-async def heartbeating(every_s: float) -> AsyncIterator[None]:
+async def heartbeating(every_s: float, *details: Any) -> AsyncIterator[None]:
+    """Heartbeat every `every_s` while the block runs, with `details` (a later attempt
+    of the activity reads the last ones in `activity.info().heartbeat_details`)."""
+
     async def beat() -> None:
         while True:
-            activity.heartbeat()
+            activity.heartbeat(*details)
             await asyncio.sleep(every_s)
 
     task = asyncio.create_task(beat())
@@ -131,8 +142,9 @@ class LlmActivities:
         headers = self._headers(turn.run_id, turn.service_class, turn.caller)
         telemetry.inject(headers)
         started = time.monotonic()
+        faults = _faults_so_far()
         try:
-            async with heartbeating(self._every):
+            async with heartbeating(self._every, faults):
                 # A caller may be any UTF-8 name (httpx would encode str values as ASCII).
                 wire = {k.encode(): v.encode() for k, v in headers.items()}
                 response = await self._http.post(
@@ -152,10 +164,13 @@ class LlmActivities:
         status = response.status_code
         if status != 200:
             message = f"gateway answered {status}: {_message(response)}"
-            attempt = activity.info().attempt
-            spent = status not in _WAIT and attempt >= ENGINE_FAULT_ATTEMPTS
-            if spent:
-                message += f" (attempt {attempt} of this turn: given up)"
+            spent = False
+            if status not in _WAIT and status not in _PERMANENT:
+                faults += 1
+                activity.heartbeat(faults)  # the next attempt counts on from here
+                spent = faults >= ENGINE_FAULT_ATTEMPTS
+                if spent:
+                    message += f" (this turn failed {faults} times: given up)"
             raise ApplicationError(
                 message,
                 type=f"Http{status}",

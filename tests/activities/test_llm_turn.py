@@ -126,25 +126,33 @@ async def test_a_request_the_gateway_refuses_is_not_retried(status: int) -> None
 
 
 @pytest.mark.parametrize(
-    ("status", "attempt", "retried"),
+    ("status", "before", "retried"),
     [
-        (502, ENGINE_FAULT_ATTEMPTS - 1, True),
-        (502, ENGINE_FAULT_ATTEMPTS, False),  # the engine fails this turn every time
+        (502, ENGINE_FAULT_ATTEMPTS - 2, True),
+        (502, ENGINE_FAULT_ATTEMPTS - 1, False),  # the engine fails this turn every time
         (500, ENGINE_FAULT_ATTEMPTS + 5, False),
         (503, ENGINE_FAULT_ATTEMPTS * 10, True),  # no healthy replica yet: wait on
         (429, ENGINE_FAULT_ATTEMPTS * 10, True),
     ],
 )
 async def test_engine_failures_are_retried_a_bounded_number_of_times(
-    status: int, attempt: int, retried: bool
+    status: int, before: int, retried: bool
 ) -> None:
     app = upstream(lambda r: Response(json.dumps({"error": {"message": "x"}}), status))
     env = ActivityEnvironment()
-    env.info = dataclasses.replace(env.info, attempt=attempt, retry_policy=RETRY)
+    # attempt 500: the attempts spent waiting (503s, an unreachable gateway) do not count
+    env.info = dataclasses.replace(
+        env.info, attempt=500, retry_policy=RETRY, heartbeat_details=[before]
+    )
+    beats: list[tuple[Any, ...]] = []
+    env.on_heartbeat = lambda *details: beats.append(details)
     with pytest.raises(ApplicationError) as err:
         await call(app, turn(), env=env)
     assert err.value.non_retryable is not retried
     assert ("given up" in str(err.value)) is not retried
+    # The count goes on to the next attempt in the last heartbeat's details.
+    counted = before + 1 if status >= 500 and status != 503 else before
+    assert beats[-1] == (counted,)
 
 
 async def test_the_workers_client_waits_without_a_read_timeout_on_kept_alive_sockets() -> None:
