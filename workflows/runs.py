@@ -13,9 +13,12 @@ import contextlib
 import uuid
 from collections.abc import Sequence
 from dataclasses import replace
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any, Literal
 
+from temporalio.api.enums.v1 import TaskQueueType
+from temporalio.api.taskqueue.v1 import TaskQueue
+from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.client import (
     Client,
     WorkflowExecutionDescription,
@@ -172,18 +175,33 @@ class Runs:
             spec = replace(spec, parent=None)  # "" (a form's empty field): no parent
         if spec.parent:
             parent = self._handle(spec.parent)
-            try:
-                return await parent.execute_update(
-                    AgentRun.spawn_child,
-                    ChildRequest(handle, replace(spec, parent=None)),
-                    rpc_timeout=timedelta(seconds=self._child_wait_s),
+            # An update left with the server is taken whenever a worker comes, even after
+            # its caller gave up (and a caller that tries again makes a second child):
+            # with no worker at all, say so before asking.
+            if not await self._worker_polls():
+                raise RunError(
+                    f"no worker polls task queue '{self._queue}': the parent run "
+                    f"'{spec.parent}' cannot start a child until one runs "
+                    "(`luftpause worker`); nothing was asked of it"
                 )
-            except WorkflowUpdateRPCTimeoutOrCancelledError:
+            try:
+                # (Not the update's rpc_timeout: the server answers a long poll at 20 s,
+                # and the SDK asks again, for ever.)
+                async with asyncio.timeout(self._child_wait_s) as waited:
+                    return await parent.execute_update(
+                        AgentRun.spawn_child, ChildRequest(handle, replace(spec, parent=None))
+                    )
+            except (TimeoutError, WorkflowUpdateRPCTimeoutOrCancelledError):
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise asyncio.CancelledError from None  # the caller's: not a timeout
+                if not waited.expired():
+                    raise
                 raise RunError(
                     f"parent run '{spec.parent}' did not take the child within "
-                    f"{self._child_wait_s:g} s: no worker is running it (is one up on task "
-                    f"queue '{self._queue}'?); the request may still be taken when one comes, "
-                    f"and the child is then run '{handle}' (status tells)"
+                    f"{self._child_wait_s:g} s (is a worker up on task queue '{self._queue}', "
+                    "and the parent's workflow task not failing?); the request may still be "
+                    f"taken later, and the child is then run '{handle}' (status tells)"
                 ) from None
             except WorkflowUpdateFailedError as exc:
                 raise RunError(_reason(exc)) from None
@@ -205,6 +223,17 @@ class Runs:
             id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
         )
         return handle
+
+    async def _worker_polls(self) -> bool:
+        """Whether a worker has polled the run's task queue for workflow tasks lately
+        (the server lists the pollers of the last few minutes)."""
+        request = DescribeTaskQueueRequest(
+            namespace=self._client.namespace,
+            task_queue=TaskQueue(name=self._queue),
+            task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW,
+        )
+        answer = await self._client.workflow_service.describe_task_queue(request)
+        return len(answer.pollers) > 0
 
     async def status(self, handle: str, *, query_timeout: float = _QUERY_TIMEOUT_S) -> RunStatus:
         """The run's status; `RunError` when no run has this handle."""

@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from typing import Any
 
 import pytest
 from temporalio.client import WorkflowHandle
 
-from tests.workflows.harness import MODEL, Stack, run_worker, spawn_waiting, stack, task_with
+from tests.workflows.harness import (
+    MODEL,
+    Stack,
+    run_worker,
+    spawn_waiting,
+    stack,
+    state_is,
+    task_with,
+    until,
+)
 from workflows import DECLINED, Rounds, RunError, Runs, RunSpec
 
 
@@ -242,19 +252,38 @@ async def test_spawning_a_child_with_no_worker_up_answers_in_bounded_time(
     temporal_address: str,
 ) -> None:
     async with stack(temporal_address, worker=False) as s:
-        runs = Runs(s.client, task_queue=s.task_queue, child_wait_s=1.0)
-        parent = await runs.spawn(RunSpec(task=task_with(0, "noworkerp"), model=MODEL))
+        # Longer than the server's 20 s long poll of an update, after which the SDK
+        # would ask again and again.
+        runs = Runs(s.client, task_queue=s.task_queue, child_wait_s=21.0)
+        spec = RunSpec(task=task_with(1, "noworkerp"), model=MODEL, tools=["delete_record"])
+        parent = await runs.spawn(spec)
         child = RunSpec(task=task_with(0, "noworkerc"), model=MODEL, parent=parent)
-        with pytest.raises(RunError, match="no worker is running it") as err:
-            await asyncio.wait_for(runs.spawn(child, handle="run-later-child"), 10)
-        assert "run 'run-later-child'" in str(err.value) and s.task_queue in str(err.value)
-        # The request was taken when a worker came: the child has the handle it was told.
+        # No worker has ever polled the queue: said at once, and nothing is asked.
+        with pytest.raises(RunError, match="no worker polls task queue"):
+            await asyncio.wait_for(runs.spawn(child, handle="run-never"), 5)
+
+        # A worker that has just gone away is still listed: the request is made, and
+        # the wait for it is bounded.
         async with run_worker(s.client, s.task_queue, s.gateway_url, f"{s.mcp_url}/mcp"):
-            done = await s.runs.wait([parent], timeout=60)
-            assert done[0].state == "Completed"
-            assert [(c.handle, c.state) for c in done[0].children] == [
-                ("run-later-child", "Completed")
-            ]
+            await until(lambda: state_is(s, parent, "AwaitingApproval"), "the parent waits")
+        with pytest.raises(RunError, match="did not take the child within 21 s") as err:
+            await asyncio.wait_for(runs.spawn(child, handle="run-later-child"), 40)
+        assert "run 'run-later-child'" in str(err.value) and s.task_queue in str(err.value)
+        # A caller that gives up first (an MCP client's own timeout) is cancelled, not
+        # answered as if the wait had run out.
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(runs.spawn(replace(child, task="cancelled")), 1)
+
+        # The requests made were taken when a worker came back: the child has the handle
+        # it was told, and so was the request its caller gave up on (the server keeps an
+        # update its caller left); the one never asked made no child.
+        async with run_worker(s.client, s.task_queue, s.gateway_url, f"{s.mcp_url}/mcp"):
+            await s.runs.approve(parent, False)
+            (done,) = await s.runs.wait([parent], timeout=60)
+            assert done.state == "Completed", done
+            kids = {c.handle: c.state for c in done.children}
+            assert kids["run-later-child"] == "Completed" and "run-never" not in kids
+            assert len(kids) == 2 and set(kids.values()) == {"Completed"}
 
 
 def test_a_tool_answer_is_cut_to_the_room_left_in_the_conversation() -> None:
