@@ -1,11 +1,13 @@
 """The load generator's second mode: sub-agents over MCP, fanned out (DESIGN.md "The
 test kit").
 
-A client, as an orchestrating agent would, spawns `fanout` sub-agents at once over the
-gateway's MCP door (`spawn`), waits for them (`await` with mode `any`, so that each
-run's end is seen when it comes), reads what they cost (`status`) and starts the next
-round, until `rounds` rounds or `minutes` have passed.  Through the official MCP client,
-on whichever protocol generation the door and the client agree on.
+A client, as an orchestrating agent would, spawns `fanout` sub-agents over the gateway's
+MCP door (`spawn`, one call after another, as a harness makes them), waits for them
+(`await` with mode `any`, so that each run's end is seen when it comes), reads what they
+cost (`status`) and starts the next round, until `rounds` rounds or `minutes` have
+passed.  Through the official MCP client, on whichever protocol generation the door and
+the client agree on.  A round still going when the time is up has its runs cancelled
+(they would skew what runs next on the gateway) and counts as a failure.
 
 Per round: the wall time from the first spawn to the last end, against the slowest
 run of the round (each run timed from its spawn to the `await` that saw it end);
@@ -26,10 +28,10 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 
 from testkit.sim import percentile
+from workflows.contract import TERMINAL_STATES
 
 __all__ = ["Fanout", "FanoutResult", "RoundRecord", "run_fanout"]
 
-TERMINAL = frozenset({"Completed", "Failed", "Cancelled"})
 AWAIT_MAX_S = 600  # the door's longest `await`
 
 
@@ -67,6 +69,13 @@ class FanoutResult:
     unfinished_round: bool = False
     errors: int = 0
     first_errors: list[str] = field(default_factory=list)
+    # What stopped the whole thing (the door unreachable, refused, not MCP...): None
+    # when it ran to its end.
+    fatal: str | None = None
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.errors or self.unfinished_round or self.fatal)
 
     def as_json(self) -> dict[str, Any]:
         def r2(x: float | None) -> float | None:
@@ -91,6 +100,7 @@ class FanoutResult:
             "unfinished_round": self.unfinished_round,
             "errors": self.errors,
             "first_errors": self.first_errors,
+            "fatal": self.fatal,
         }
 
     def error(self, text: str) -> None:
@@ -132,11 +142,18 @@ async def _round(c: Client, plan: Fanout, deadline: float, result: FanoutResult)
             result.error(str(exc))
             continue
         spawned[handle] = time.monotonic()
+    if not spawned:
+        raise _ToolError("no run of the round could be spawned")
     ended: dict[str, float] = {}
     pending = list(spawned)
     while pending:
         left = deadline - time.monotonic()
         if left <= 0:
+            for handle in pending:  # not left running for whatever comes next
+                try:
+                    await _call(c, "cancel", {"handle": handle})
+                except _ToolError as exc:
+                    result.error(str(exc))
             return False
         answer = await _call(
             c,
@@ -145,7 +162,7 @@ async def _round(c: Client, plan: Fanout, deadline: float, result: FanoutResult)
         )
         now = time.monotonic()
         for run in answer["runs"]:
-            if run["state"] in TERMINAL:
+            if run["state"] in TERMINAL_STATES:
                 ended[run["handle"]] = now
         pending = [h for h in pending if h not in ended]
     wall = time.monotonic() - started
@@ -182,21 +199,31 @@ async def run_fanout(
     result = FanoutResult(fanout=plan.fanout)
     deadline = time.monotonic() + plan.minutes * 60
     http = httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(30.0, read=None))
-    async with http, Client(streamable_http_client(url, http_client=http)) as c:
-        while plan.rounds is None or len(result.rounds) < plan.rounds:
-            if time.monotonic() >= deadline:
-                break
-            try:
-                if not await _round(c, plan, deadline, result):
-                    result.unfinished_round = True
+    try:
+        async with http, Client(streamable_http_client(url, http_client=http)) as c:
+            while plan.rounds is None or len(result.rounds) < plan.rounds:
+                if time.monotonic() >= deadline:
                     break
-            except _ToolError as exc:
-                result.error(str(exc))
-                break
-            if progress is not None:
-                last = result.rounds[-1]
-                progress(
-                    f"  round {len(result.rounds)}: {last.wall_s:.1f} s, slowest run "
-                    f"{last.slowest_s:.1f} s, {dict(sorted(last.states.items()))}"
-                )
+                try:
+                    if not await _round(c, plan, deadline, result):
+                        result.unfinished_round = True
+                        break
+                except _ToolError as exc:
+                    result.error(str(exc))
+                    break
+                if progress is not None:
+                    last = result.rounds[-1]
+                    progress(
+                        f"  round {len(result.rounds)}: {last.wall_s:.1f} s, slowest run "
+                        f"{last.slowest_s:.1f} s, {dict(sorted(last.states.items()))}"
+                    )
+    except Exception as exc:  # the door unreachable or refusing: one line, not a trace
+        result.fatal = f"MCP door {url}: {_first(exc)}"
     return result
+
+
+def _first(exc: BaseException) -> str:
+    """The first leaf of an exception group (the MCP client's task groups raise them)."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return f"{type(exc).__name__}: {exc}"[:300]

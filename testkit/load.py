@@ -109,6 +109,10 @@ class LoadResult:
     unfinished: dict[str, int] = field(default_factory=dict)
     oldest_unfinished_s: float = 0.0
 
+    @property
+    def failed(self) -> bool:
+        return self.errors > 0
+
     def count(self, cls: ServiceClass) -> int:
         return sum(1 for r in self.runs if r.service_class == cls)
 
@@ -127,6 +131,7 @@ class LoadResult:
             return None if x is None else round(x, 2)
 
         return {
+            "window_minutes": round(self.minutes, 3),  # shorter when --runs ended it
             "interactive_runs": self.count("interactive"),
             "batch_runs": self.count("batch"),
             "interactive_runs_per_min": round(self.per_min("interactive"), 2),

@@ -76,6 +76,8 @@ def _bad(args: argparse.Namespace) -> str | None:
     if args.subagents is not None:
         if args.subagents < 1:
             return "--subagents must be at least 1"
+        if args.runs is not None or args.end_runs:
+            return "--runs and --end-runs are for own-loop agents, not with --subagents"
         if args.rounds is not None and args.rounds < 1:
             return "--rounds must be at least 1"
         return None
@@ -120,8 +122,9 @@ def _fanout_table(r: FanoutResult) -> str:
         ("wall / slowest run, p50", str(j["wall_over_slowest_p50"])),
         ("turns, tool calls", f"{j['turns']}, {j['tool_calls']}"),
         ("prompt / completion tokens", f"{j['prompt_tokens']} / {j['completion_tokens']}"),
-        ("a round unfinished at the end", "yes" if j["unfinished_round"] else "no"),
+        ("a round cut off at the end", "yes: runs cancelled" if j["unfinished_round"] else "no"),
         ("errors", str(j["errors"])),
+        *([("stopped by", str(j["fatal"]))] if j["fatal"] else []),
     ]
     return _rows(rows, j["first_errors"])
 
@@ -157,6 +160,9 @@ def run(args: argparse.Namespace) -> int:
         result = asyncio.run(
             run_fanout(plan, f"{args.url.rstrip('/')}/mcp", token=args.token, progress=progress)
         )
+        if result.fatal is not None and not result.rounds:
+            print(f"luftpause load: {result.fatal}", file=sys.stderr)
+            return 2
         table = _fanout_table(result)
     else:
         try:
@@ -180,9 +186,14 @@ def run(args: argparse.Namespace) -> int:
             f"{load.batch} batch + {load.interactive} interactive agents on {model} through "
             f"{args.url}"
         )
+        if load.runs is not None and load.runs < 2 * (load.batch + load.interactive):
+            progress(
+                f"  note: --runs {load.runs} is under twice the agents: the first runs to "
+                "end are the shortest ones, so the figures lean low"
+            )
         result = asyncio.run(
             run_load(load, args.url, ends_runs=args.end_runs, progress=progress, token=args.token)
         )
         table = _load_table(result)
     print(json.dumps(result.as_json(), indent=2) if args.json else table)
-    return 1 if result.errors else 0
+    return 1 if result.failed else 0

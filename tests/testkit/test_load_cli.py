@@ -12,7 +12,7 @@ from pathlib import Path
 from testkit.fake_engine import FakeEngineSettings, create_app
 from testkit.fanout import Fanout, run_fanout
 from testkit.loopback import serve
-from tests.gateway.harness import endpoint, gateway
+from tests.gateway.harness import closed_port_url, endpoint, gateway
 from tests.workflows.harness import stack, task_with
 
 EXE = str(Path(sys.executable).parent / "luftpause")
@@ -43,6 +43,8 @@ async def test_own_loop_agents_through_the_gateway_until_a_run_count() -> None:
         # Stopped at the count, well inside the window; the model was learned from the
         # gateway's /v1/models (with the token).
         assert result["interactive_runs"] + result["batch_runs"] == 4, result
+        assert 0 < result["window_minutes"] < 2  # ended by the count
+        assert "--runs 4 is under twice the agents" in err  # the sample leans short
         assert result["errors"] == 0 and result["turns"] >= 4
         assert result["cached_prompt_token_share"] > 0
         assert "llama-3.2-1b" in err  # the progress line names the model
@@ -64,9 +66,27 @@ async def test_rounds_of_sub_agents_over_mcp(temporal_address: str) -> None:
         for r in result.rounds:
             assert 0 < r.slowest_s <= r.wall_s  # the round lasts as long as its slowest run
 
+        # A round still going when the time is up: cut off, its runs cancelled.
+        slow = Fanout(fanout=2, minutes=0.05, task=task_with(3, "slow") + " {i}", tools=["lookup"])
+        s.mcp.gate.clear()  # lookups hold until the gate opens: the runs cannot end
+        cut = await run_fanout(slow, s.mcp_door)
+        s.mcp.gate.set()
+        assert cut.unfinished_round and cut.failed and not cut.rounds
+        every = [wf.id async for wf in s.client.list_workflows(f"TaskQueue = '{s.task_queue}'")]
+        states = sorted(st.state for st in await s.runs.wait(every, timeout=30))
+        assert states == ["Cancelled"] * 2 + ["Completed"] * 8, states
+
         # The command: one round, in a table.
         code, out, err = await load(
             "--url", s.gateway_url, "--subagents", "3", "--rounds", "1", "--task", "hi {i}"
         )
         assert code == 0, err
         assert "runs by state" in out and "Completed 3" in out, out
+
+
+async def test_a_door_that_cannot_be_reached_is_one_line_and_exit_2() -> None:
+    code, out, err = await load("--url", closed_port_url(), "--subagents", "2", "--rounds", "1")
+    assert code == 2 and out == ""
+    assert err.count("\n") <= 2 and "luftpause load: MCP door " in err, err
+    code, out, err = await load("--subagents", "2", "--runs", "3")
+    assert code == 2 and "not with --subagents" in err
