@@ -10,7 +10,8 @@ Two modes, the load generator's (DESIGN.md "The test kit"):
   through the gateway's MCP door and awaited; bounded by `--minutes` or `--rounds`.
 
 Progress goes to standard error, the result (a table, or JSON with `--json`) to
-standard output.  Exit status 1 when any turn, run or round failed.
+standard output.  Exit status 1 when any turn or run failed, 2 when it could not start
+(bad flags, the gateway or its door unreachable or refusing).
 """
 
 from __future__ import annotations

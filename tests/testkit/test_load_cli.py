@@ -72,7 +72,8 @@ async def test_rounds_of_sub_agents_over_mcp(temporal_address: str) -> None:
         s.mcp.gate.clear()  # lookups hold until the gate opens: the runs cannot end
         cut = await run_fanout(slow, s.mcp_door)
         s.mcp.gate.set()
-        assert cut.unfinished_round and cut.failed and not cut.rounds
+        # (Reported apart, not a failure: a round --minutes cuts off is the usual end.)
+        assert cut.unfinished_round and not cut.failed and not cut.rounds
         every = [wf.id async for wf in s.client.list_workflows(f"TaskQueue = '{s.task_queue}'")]
         states = sorted(st.state for st in await s.runs.wait(every, timeout=30))
         assert states == ["Cancelled"] * 2 + ["Completed"] * 8, states
