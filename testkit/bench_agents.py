@@ -388,20 +388,10 @@ def _references(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]
 
 
 def _measure(args: argparse.Namespace, progress: Callable[[str], None]) -> dict[str, Any]:
-    from testkit.load import Load, run_load
+    from testkit.load import load_from_args, run_load
     from testkit.sim import ratio
 
-    base = Load(
-        batch=args.batch,
-        interactive=args.interactive,
-        context_chars=args.context_chars,
-        tool_s=args.tool_s,
-        tool_result_chars=args.tool_result_chars,
-        reply_tokens=args.reply_tokens,
-        minutes=args.minutes,
-        seed=args.seed,
-        time_scale=args.time_scale,
-    )
+    base = load_from_args(args, time_scale=args.time_scale)
     routers = _routers(Path(sys.executable).parent)
     names = _names(args.arms)
     # --policy is the measured arm's; the references stay the default policy's, as in

@@ -37,7 +37,7 @@ import httpx
 from luftpause.headers import CALLER_HEADER, CLASS_HEADER, RUN_HEADER
 from testkit.sim import percentile
 
-__all__ = ["LOOKUP_TOOL", "Load", "LoadResult", "RunRecord", "run_load"]
+__all__ = ["LOOKUP_TOOL", "Load", "LoadResult", "RunRecord", "load_from_args", "run_load"]
 
 ServiceClass = Literal["interactive", "batch"]
 
@@ -84,6 +84,22 @@ class Load:
     seed: int = 1
     model: str = "llama-3.2-1b"
     time_scale: float = 1.0
+
+
+def load_from_args(args: Any, **more: Any) -> Load:
+    """The agents' knobs from a command's flags of the same names (`luftpause load`,
+    `luftpause bench flood`), and `more`."""
+    return Load(
+        batch=args.batch,
+        interactive=args.interactive,
+        context_chars=args.context_chars,
+        tool_s=args.tool_s,
+        tool_result_chars=args.tool_result_chars,
+        reply_tokens=args.reply_tokens,
+        minutes=args.minutes,
+        seed=args.seed,
+        **more,
+    )
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 
 from testkit.fanout import Fanout, FanoutResult, run_fanout
-from testkit.load import Load, LoadResult, run_load
+from testkit.load import LoadResult, load_from_args, run_load
 
 __all__ = ["add_arguments", "run"]
 
@@ -171,18 +171,7 @@ def run(args: argparse.Namespace) -> int:
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             print(f"luftpause load: cannot learn the model from {args.url}: {exc}", file=sys.stderr)
             return 2
-        load = Load(
-            batch=args.batch,
-            interactive=args.interactive,
-            context_chars=args.context_chars,
-            tool_s=args.tool_s,
-            tool_result_chars=args.tool_result_chars,
-            reply_tokens=args.reply_tokens,
-            minutes=args.minutes,
-            runs=args.runs,
-            seed=args.seed,
-            model=model,
-        )
+        load = load_from_args(args, runs=args.runs, model=model)
         progress(
             f"{load.batch} batch + {load.interactive} interactive agents on {model} through "
             f"{args.url}"
