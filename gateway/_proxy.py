@@ -903,7 +903,7 @@ class _TurnTrace:
     `invoke_agent` span (gateway/_runtrace.py).  Made only with tracing on; attributes
     are set in batches (the SDK locks and validates per call)."""
 
-    __slots__ = ("_admit", "_arrived", "_chat", "_outcome", "_run_id", "_runs")
+    __slots__ = ("_admit", "_arrived", "_chat", "_outcome", "_run_id", "_runs", "_under_run")
 
     def __init__(
         self,
@@ -919,14 +919,15 @@ class _TurnTrace:
             if k == b"traceparent" or k == b"tracestate"
         }
         parent = telemetry.extract(carrier) if carrier else None
-        self._runs: RunSpans | None = None
+        self._runs = runs
+        self._under_run = False  # the chat span is a child of the run's invoke_agent span
         if runs is not None and (
             parent is None or not get_current_span(parent).get_span_context().is_valid
         ):
             parent = runs.turn_began(
                 tracer, turn.run_id, turn.model, turn.caller, turn.service_class.value
             )
-            self._runs = runs
+            self._under_run = True
         self._run_id = turn.run_id
         self._outcome: TurnOutcome = None
         attributes = {
@@ -1005,8 +1006,12 @@ class _TurnTrace:
             self._admit.end()
             self._admit = None
         self._chat.end()
-        if self._runs is not None:
+        if self._runs is None:
+            pass
+        elif self._under_run:
             self._runs.turn_ended(self._run_id, self._outcome, run)
+        else:  # in the caller's trace; it may still answer a run whose span is open
+            self._runs.settle(self._run_id, run)
 
 
 @functools.cache

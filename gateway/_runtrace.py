@@ -9,7 +9,8 @@ such turn's `chat` span, so one agent invocation is one trace:
 - opened at the run's first turn without a `traceparent`;
 - ended when the invocation is over, with `luftpause.end` saying how:
   - `answered`: its last turn finished with an answer, not a tool call (the core put the
-    run IDLE), and no other turn of it is open;
+    run IDLE), and no other turn of it is open; also when that turn came with a trace
+    of its own;
   - `rejected` (an error): refused before queueing (unknown model, no healthy replica, 429);
   - `abandoned`: the client left while its turn was held (at once, or once the run
     expires if it was paused on a tool: the client may still send the tool's result);
@@ -120,6 +121,20 @@ class RunSpans:
             self._end(run_id, "answered")
         # Else paused on a tool, retrying a failed turn, or generating a turn that came
         # with a trace of its own: the invocation goes on.
+
+    def settle(self, run_id: str, state: RunState | None) -> None:
+        """A turn of the run that came with a trace of its own is over: it may have
+        given the run's answer (the run went IDLE), which ends the run's span too."""
+        run = self._open.get(run_id)
+        if (
+            run is not None
+            and run.open_turns == 0
+            and state is not None
+            and state.phase is RunPhase.IDLE
+            and not state.retrying
+        ):
+            run.last_ns = time.time_ns()
+            self._end(run_id, "answered")
 
     def forgotten(self, run_id: str, *, expired: bool) -> None:
         """The core forgot the run (its `Forget` action)."""

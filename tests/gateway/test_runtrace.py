@@ -138,3 +138,16 @@ def test_a_run_refused_mid_way_goes_on_and_a_new_one_refused_ends() -> None:
     (_, stopped) = bed.ended()
     assert attrs(stopped)["luftpause.run_id"] == "r"
     assert attrs(stopped)["luftpause.end"] == "gateway_stopped"
+
+
+def test_an_answer_in_the_callers_own_trace_ends_the_runs_span() -> None:
+    bed = Bed()
+    bed.begin()
+    bed.runs.turn_ended("r", finished("tool_calls"), state(RunPhase.PAUSED))
+    bed.runs.settle("r", state(RunPhase.GENERATING, in_flight=1))  # still going
+    assert not bed.ended()
+    bed.runs.settle("r", state(RunPhase.IDLE))  # its answer came in a traced turn
+    (agent,) = bed.ended()
+    assert attrs(agent)["luftpause.end"] == "answered" and attrs(agent)["luftpause.turns"] == 1
+    bed.runs.settle("unknown", state(RunPhase.IDLE))  # a run with no span: nothing
+    assert len(bed.ended()) == 1

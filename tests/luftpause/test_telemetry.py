@@ -187,6 +187,28 @@ async def test_a_tool_loop_without_a_traceparent_is_one_trace(
     assert a["gen_ai.usage.cache_read.input_tokens"] == cached > 0
 
 
+async def test_a_run_answered_in_the_callers_own_trace_ends_its_span(
+    spans: InMemorySpanExporter,
+) -> None:
+    async with engine(time_scale=50) as (url, _), gateway(endpoint("e0", url)) as (client, _):
+        messages: list[dict[str, Any]] = [{"role": "user", "content": tool_task(1)}]
+        run_id, message, finish = await turn(client, messages, False)
+        assert finish == "tool_calls" and not named(spans, "invoke_agent")
+        messages.append(message)
+        for call in message["tool_calls"]:
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": "found"})
+        while finish == "tool_calls":  # the rest in a trace the caller started
+            again, message, finish = await turn(
+                client, messages, False, traceparent=TRACEPARENT, **{RUN: run_id}
+            )
+            assert again == run_id
+            messages.append(message)
+            for call in message.get("tool_calls") or []:
+                messages.append({"role": "tool", "tool_call_id": call["id"], "content": "x"})
+        (agent,) = named(spans, "invoke_agent")
+    assert attrs(agent)["luftpause.end"] == "answered" and attrs(agent)["luftpause.turns"] == 1
+
+
 async def paused_run(client: httpx.AsyncClient) -> str:
     """A run whose first turn ended in a tool call: its id."""
     run_id, _, finish = await turn(client, [{"role": "user", "content": tool_task(1)}], False)
