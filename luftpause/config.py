@@ -42,7 +42,7 @@ turn_timeout_s = 600.0
 idle_run_expiry_s = 1800.0
 strict_affinity = true
 kv_fill = 0.8            # with kv_tokens: the pool share bound runs may fill
-batch_kv_fill = 0.7      # ... batch runs; 1.0 = as kv_fill
+batch_kv_fill = 0.7      # ... batch runs; "off" = as kv_fill
 kv_retention_s = 60.0
 lane_batch_kv_fill = "off"   # a share (0-1) turns interactive lanes on
 max_held_per_caller = "off"  # a number: a caller with that many turns of a class held
