@@ -37,7 +37,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind, StatusCode, Tracer, set_span_in_context
 
 from gateway._shell import Rejected
-from scheduler import Event, RunPhase, RunState, TurnAbandoned, TurnFailed, TurnFinished
+from scheduler import Event, RunState, TurnAbandoned, TurnFailed, TurnFinished
 
 __all__ = ["RunSpans", "TurnOutcome"]
 
@@ -58,6 +58,12 @@ class _Open:
     last: TurnOutcome = None
     last_ns: int = 0  # when a turn of it last ended (time.time_ns)
     forgotten: bool = False  # the core forgot the run while a turn of it was open
+
+
+def _goes_on(state: RunState | None) -> bool:
+    """Whether the core's view of a run says its invocation goes on: paused on a tool,
+    retrying a failed turn, or generating (a turn that came with a trace of its own)."""
+    return state is not None and state.keeps_replica
 
 
 class RunSpans:
@@ -111,28 +117,19 @@ class RunSpans:
             return
         if run.forgotten:
             self._end(run_id, "ended")
-        elif isinstance(outcome, Rejected) and (state is None or not state.keeps_replica):
-            self._end(run_id, "rejected", error=(str(outcome.status), outcome.message))
-        elif isinstance(outcome, TurnAbandoned) and (state is None or not state.keeps_replica):
-            self._end(run_id, "abandoned")
-        elif state is None:
-            self._end(run_id, "ended")
-        elif state.phase is RunPhase.IDLE and not state.retrying:
-            self._end(run_id, "answered")
-        # Else paused on a tool, retrying a failed turn, or generating a turn that came
-        # with a trace of its own: the invocation goes on.
+        elif not _goes_on(state):
+            if isinstance(outcome, Rejected):
+                self._end(run_id, "rejected", error=(str(outcome.status), outcome.message))
+            elif isinstance(outcome, TurnAbandoned):
+                self._end(run_id, "abandoned")
+            else:
+                self._end(run_id, "ended" if state is None else "answered")
 
     def settle(self, run_id: str, state: RunState | None) -> None:
         """A turn of the run that came with a trace of its own is over: it may have
         given the run's answer (the run went IDLE), which ends the run's span too."""
         run = self._open.get(run_id)
-        if (
-            run is not None
-            and run.open_turns == 0
-            and state is not None
-            and state.phase is RunPhase.IDLE
-            and not state.retrying
-        ):
+        if run is not None and run.open_turns == 0 and state is not None and not _goes_on(state):
             run.last_ns = time.time_ns()
             self._end(run_id, "answered")
 
