@@ -674,8 +674,8 @@ class TurnResponse(Response):
         clock: Callable[[], float],
         idle_timeout: float = ENGINE_IDLE_TIMEOUT_S,
         input_counts_cached: frozenset[str] = frozenset(),
+        runs: RunSpans,
         retry_after: str = UNAVAILABLE_RETRY_AFTER_S,
-        runs: RunSpans | None = None,
     ) -> None:
         """`input_counts_cached`: the replicas whose Anthropic `input_tokens` count the
         cached tokens (SGLang's, see MessagesWatch).  `retry_after`: when a turn refused
@@ -911,7 +911,7 @@ class _TurnTrace:
         turn: TurnRequest,
         headers: list[tuple[bytes, bytes]],
         now: float,
-        runs: RunSpans | None,
+        runs: RunSpans,
     ) -> None:
         carrier = {
             k.decode("latin-1"): v.decode("latin-1")
@@ -921,9 +921,7 @@ class _TurnTrace:
         parent = telemetry.extract(carrier) if carrier else None
         self._runs = runs
         self._under_run = False  # the chat span is a child of the run's invoke_agent span
-        if runs is not None and (
-            parent is None or not get_current_span(parent).get_span_context().is_valid
-        ):
+        if parent is None or not get_current_span(parent).get_span_context().is_valid:
             parent = runs.turn_began(
                 tracer, turn.run_id, turn.model, turn.caller, turn.service_class.value
             )
@@ -1006,9 +1004,7 @@ class _TurnTrace:
             self._admit.end()
             self._admit = None
         self._chat.end()
-        if self._runs is None:
-            pass
-        elif self._under_run:
+        if self._under_run:
             self._runs.turn_ended(self._run_id, self._outcome, run)
         else:  # in the caller's trace; it may still answer a run whose span is open
             self._runs.settle(self._run_id, run)

@@ -4,9 +4,9 @@ carries out its actions.
 Rule: every `apply` runs `decide` and executes all of its actions synchronously — no
 await in between — so on one asyncio loop no other event can interleave with a
 decision.  `Admit` and `Reject` resolve the future of the held turn; `Forget` drops
-the tool call ids the proxy remembers for the run, and is passed on (the run's span
-ends).  An observer (the metrics) is then told the state before, the event and the
-actions, in the same synchronous step.
+the tool call ids the proxy remembers for the run.  An observer (the metrics, and the
+runs' trace spans) is then told the state before, the event and the actions, in the
+same synchronous step.
 """
 
 from __future__ import annotations
@@ -54,17 +54,9 @@ Observer = Callable[[State, Event, Sequence[Action]], None]
 class AdmissionShell:
     """The scheduler core in the gateway process, with the turns waiting on it."""
 
-    def __init__(
-        self,
-        state: State,
-        *,
-        observer: Observer | None = None,
-        forgotten: Callable[[Forget], None] | None = None,
-    ) -> None:
-        """`forgotten`: told of each `Forget`, after the shell dropped what it keeps."""
+    def __init__(self, state: State, *, observer: Observer | None = None) -> None:
         self._state = state
         self._observer = observer
-        self._forgotten = forgotten
         self._waiting: dict[str, asyncio.Future[Admission]] = {}
         # (caller, tool_call_id) -> (run id, or None once two runs returned it; expiry);
         # run id -> its keys, for Forget
@@ -86,8 +78,6 @@ class AdmissionShell:
                 self._resolve(action.turn_id, Rejected(action.status, action.message))
             elif isinstance(action, Forget):
                 self._forget(action.run_id)
-                if self._forgotten is not None:
-                    self._forgotten(action)
             elif isinstance(action, Ejected):
                 log.warning(
                     "replica %s: its engine failed %d turns in a row; out of rotation for "

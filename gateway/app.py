@@ -17,7 +17,6 @@ import contextlib
 import hmac
 import json
 import logging
-import math
 import os
 import re
 import signal
@@ -41,7 +40,14 @@ from gateway._http import Upstream
 from gateway._proxy import TurnRequest, TurnResponse, error_response
 from gateway._runtrace import RunSpans
 from gateway._shell import AdmissionShell
-from gateway.decide import ClassifierLoad, DecideError, decide, decide_request, parse_decide
+from gateway.decide import (
+    ClassifierLoad,
+    DecideError,
+    DecideRequest,
+    decide,
+    decide_request,
+    parse_decide,
+)
 from gateway.mcp_door import DoorDeps, create_mcp_server
 from gateway.metrics import GatewayMetrics
 from gateway.pool import Pool, PoolChange, compare
@@ -62,6 +68,9 @@ from luftpause import telemetry
 from luftpause.config import Api, Config, ConfigError, Endpoint, load_config
 from luftpause.headers import CALLER_HEADER, CLASS_HEADER, RUN_HEADER, caller_name
 from scheduler import (
+    Action,
+    Event,
+    Forget,
     Policy,
     PolicyChanged,
     PoolChanged,
@@ -253,11 +262,14 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         async with httpx.AsyncClient(
             timeout=timeout, limits=_UPSTREAM_LIMITS, trust_env=False
         ) as client:
-            shell = AdmissionShell(
-                State.initial(config.replica_specs(), policy),
-                observer=metrics.observe,
-                forgotten=lambda f: run_spans.forgotten(f.run_id, expired=f.expired),
-            )
+
+            def observe(before: State, event: Event, actions: Sequence[Action]) -> None:
+                for action in actions:  # a run the core forgot: its span ends
+                    if isinstance(action, Forget):
+                        run_spans.forgotten(action.run_id, expired=action.expired)
+                metrics.observe(before, event, actions)
+
+            shell = AdmissionShell(State.initial(config.replica_specs(), policy), observer=observe)
 
             def report(results: list[ProbeResult]) -> None:
                 now = loop.time()
@@ -441,7 +453,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             clock=rt.loop.time,
             idle_timeout=rt.shell.state.policy.turn_timeout_s,
             input_counts_cached=pool.counts_cached,
-            retry_after=_retry_after(rt.prober),
+            retry_after=rt.prober.retry_after,
             runs=run_spans,
         )
 
@@ -518,22 +530,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             parsed = parse_decide(raw)
         except DecideError as exc:
             return error_response(exc.status, exc.message, run_id)
-        answering = decide(
-            parsed,
-            run_id=run_id,
-            caller=_caller(request),
-            shell=rt.shell,
-            client=rt.client,
-            endpoints=live.known,
-            models=live.pool.models,
-            classifiers=live.pool.classifiers,
-            down=_down(rt.prober),
-            load=live.classifier_load,
-            clock=rt.loop.time,
-            receive=request.receive,
-            answer_timeout=rt.shell.state.policy.turn_timeout_s,
-            retry_after=_retry_after(rt.prober),
-        )
+        answering = _decide(rt, live, parsed, run_id, _caller(request), request.receive)
         tracer = telemetry.tracer()
         if tracer is None:
             return await answering
@@ -791,21 +788,7 @@ class _Door:
                 request = decide_request({k: v for k, v in fields.items() if v is not None})
             except DecideError as exc:
                 return exc.status, {"error": {"message": exc.message}}
-            response = await decide(
-                request,
-                run_id=_new_id(),
-                caller=caller,
-                shell=rt.shell,
-                client=rt.client,
-                endpoints=live.known,
-                models=live.pool.models,
-                classifiers=live.pool.classifiers,
-                down=_down(rt.prober),
-                load=live.classifier_load,
-                clock=rt.loop.time,
-                receive=receive,
-                answer_timeout=rt.shell.state.policy.turn_timeout_s,
-            )
+            response = await _decide(rt, live, request, _new_id(), caller, receive)
             try:
                 body = json.loads(bytes(response.body))
             except ValueError:
@@ -847,10 +830,31 @@ def _on_hangup(
     return undo
 
 
-def _retry_after(prober: Prober) -> str:
-    """When a turn refused for want of a healthy replica may look again: after the next
-    probe round."""
-    return str(math.ceil(prober.period))
+def _decide(
+    rt: _Runtime,
+    live: _Live,
+    request: DecideRequest,
+    run_id: str,
+    caller: str,
+    receive: Receive,
+) -> Coroutine[Any, Any, Response]:
+    """`/v1/decide` and the MCP door's `decide` tool alike, on the pool as it is now."""
+    return decide(
+        request,
+        run_id=run_id,
+        caller=caller,
+        shell=rt.shell,
+        client=rt.client,
+        endpoints=live.known,
+        models=live.pool.models,
+        classifiers=live.pool.classifiers,
+        down=_down(rt.prober),
+        load=live.classifier_load,
+        clock=rt.loop.time,
+        receive=receive,
+        answer_timeout=rt.shell.state.policy.turn_timeout_s,
+        retry_after=rt.prober.retry_after,
+    )
 
 
 async def _tick(shell: AdmissionShell, loop: asyncio.AbstractEventLoop) -> None:

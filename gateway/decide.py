@@ -434,10 +434,10 @@ async def decide(
     classifiers: Sequence[Endpoint],
     clock: Callable[[], float],
     receive: Receive,
+    down: Container[str],
+    load: ClassifierLoad,
     answer_timeout: float = ENGINE_IDLE_TIMEOUT_S,
     retry_after: str = UNAVAILABLE_RETRY_AFTER_S,
-    down: Container[str] = frozenset(),
-    load: ClassifierLoad | None = None,
 ) -> Response:
     """Answer one validated `/v1/decide` request (see the module docstring).
     `endpoints`: where an admitted turn may be; `models`: the pool's, the first the
@@ -446,13 +446,7 @@ async def decide(
     classify requests."""
     if request.labels is None:
         return await _by_classifier(
-            request,
-            classifiers,
-            down,
-            load if load is not None else ClassifierLoad(),
-            client,
-            run_id,
-            answer_timeout,
+            request, classifiers, down, load, client, run_id, answer_timeout
         )
     model = request.model
     if model is None:

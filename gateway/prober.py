@@ -301,6 +301,12 @@ async def probe_pool(
     return out
 
 
+def _retry_after(period: float) -> str:
+    """The `Retry-After` of a turn refused for want of a healthy replica: the next
+    probe round."""
+    return str(math.ceil(period))
+
+
 class Prober:
     """Probes the pool every period and hands each round to `report`."""
 
@@ -318,6 +324,7 @@ class Prober:
         # The file's [probes] (a test may pass a shorter period, which reloads keep).
         self._period_given = period
         self._period = period if period is not None else config.probes.period_s
+        self.retry_after = _retry_after(self._period)
         self._timeout = config.probes.timeout_s
         self._late_limit = config.probes.late_to_unhealthy
         self._task: asyncio.Task[None] | None = None
@@ -340,6 +347,7 @@ class Prober:
         self._config = config
         if self._period_given is None:
             self._period = config.probes.period_s  # from the next sleep on
+            self.retry_after = _retry_after(self._period)
         self._timeout = config.probes.timeout_s
         self._late_limit = config.probes.late_to_unhealthy
         names = {e.name for e in config.endpoints}

@@ -784,7 +784,7 @@ class _Tx:
         if old.strict_affinity and not policy.strict_affinity:
             for name in names:
                 self._release_pinned(name)
-        self._fill(sorted(names, key=lambda n: (self.replicas[n].load, n)))
+        self._fill_all()
 
     def _count_failure(self, name: str, engine_fault: bool, finished: bool) -> None:
         """Rule 10: count the engine's failures in a row; eject at the limit."""

@@ -27,12 +27,11 @@ import httpx2
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 
+from luftpause.headers import CALLER_HEADER
 from testkit.sim import percentile
-from workflows.contract import TERMINAL_STATES
+from workflows import AWAIT_MAX_S, TERMINAL_STATES
 
 __all__ = ["Fanout", "FanoutResult", "RoundRecord", "run_fanout"]
-
-AWAIT_MAX_S = 600  # the door's longest `await`
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,7 +168,7 @@ async def _round(c: Client, plan: Fanout, deadline: float, result: FanoutResult)
                 ended[run["handle"]] = now
         pending = [h for h in pending if h not in ended]
     wall = time.monotonic() - started
-    runs = (await _call(c, "status", {"handles": list(spawned)}))["runs"] if spawned else []
+    runs = (await _call(c, "status", {"handles": list(spawned)}))["runs"]
     usage = [r.get("usage") or {} for r in runs]
     result.rounds.append(
         RoundRecord(
@@ -196,7 +195,7 @@ async def run_fanout(
     progress: Any = None,
 ) -> FanoutResult:
     """Fan sub-agents out through the MCP door at `url` (the gateway's `/mcp`)."""
-    headers = {"x-luftpause-caller": plan.caller}
+    headers = {CALLER_HEADER: plan.caller}
     if token:
         headers["authorization"] = f"Bearer {token}"
     result = FanoutResult(fanout=plan.fanout)
