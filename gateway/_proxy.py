@@ -676,11 +676,15 @@ class TurnResponse(Response):
         input_counts_cached: frozenset[str] = frozenset(),
         runs: RunSpans,
         retry_after: str = UNAVAILABLE_RETRY_AFTER_S,
+        awaited: Callable[[str], str | None] = lambda model: None,
     ) -> None:
         """`input_counts_cached`: the replicas whose Anthropic `input_tokens` count the
         cached tokens (SGLang's, see MessagesWatch).  `retry_after`: when a turn refused
         for want of a healthy replica may look again (the next probe round).  `runs`:
-        the runs' `invoke_agent` spans, for turns that come without a trace."""
+        the runs' `invoke_agent` spans, for turns that come without a trace.  `awaited`:
+        why a model has no engine for now (discovered endpoints with none up), when the
+        core refused a held turn because no replica serves its model any more: the
+        answer is then 503, to be retried, not 404."""
         super().__init__(status_code=200)
         self._idle = idle_timeout
         self._counts_cached = input_counts_cached
@@ -694,6 +698,7 @@ class TurnResponse(Response):
         self._complete = False  # the last body message is on its way to the client
         self._trace: _TurnTrace | None = None
         self._runs = runs
+        self._awaited = awaited
 
     def _end(self, event: Event) -> None:
         """Report the turn's one terminal event."""
@@ -729,7 +734,10 @@ class TurnResponse(Response):
                 return
             if isinstance(outcome, Rejected):
                 self._ended = True  # never queued: nothing to report
-                answer = t.error(outcome.status, outcome.message, self._retry_after)
+                status, message = outcome.status, outcome.message
+                if status == 404 and (awaited := self._awaited(t.model)) is not None:
+                    status, message = 503, awaited
+                answer = t.error(status, message, self._retry_after)
                 await answer(scope, receive, send)
                 return
             await self._forward(outcome, scope, receive, send, disconnected)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -48,6 +49,7 @@ from gateway.decide import (
     decide_request,
     parse_decide,
 )
+from gateway.discovery import Found, Resolver
 from gateway.mcp_door import DoorDeps, create_mcp_server
 from gateway.metrics import GatewayMetrics
 from gateway.pool import Pool, PoolChange, compare
@@ -232,7 +234,8 @@ class _BadRequest(Exception):
 def create_app(settings: GatewaySettings) -> FastAPI:
     """Build the gateway; nothing runs until the app's lifespan starts."""
     config = settings.config  # as at start: what a reload does not change
-    live = _Live(Pool.of(config))
+    live = _Live(Pool.of(config))  # discovered endpoints: none until resolved at start
+    resolver = Resolver()
     run_spans = RunSpans()  # a proxied run's invoke_agent span, with tracing on
     runtime: _Runtime | None = None
 
@@ -268,8 +271,14 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                     if isinstance(action, Forget):
                         run_spans.forgotten(action.run_id, expired=action.expired)
                 metrics.observe(before, event, actions)
+                for name in before.retired:  # replicas that left the pool and are done
+                    if name not in shell.state.replicas:
+                        metrics.forget_replica(name)
 
-            shell = AdmissionShell(State.initial(config.replica_specs(), policy), observer=observe)
+            # Discovered endpoints' engines first: the core starts with them.
+            live.replace(await discovered(config, {}), lambda name: False)
+            serving = live.pool.config
+            shell = AdmissionShell(State.initial(serving.replica_specs(), policy), observer=observe)
 
             def report(results: list[ProbeResult]) -> None:
                 now = loop.time()
@@ -277,10 +286,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                     if r.endpoint in live.pool.replicas:
                         shell.apply(r.event(now))
 
-            prober = Prober(config, client, report, period=settings.probe_period)
+            prober = Prober(serving, client, report, period=settings.probe_period)
             await prober.probe_once()  # serve only with a first view of the pool
             prober.start()
             ticks = loop.create_task(_tick(shell, loop), name="scheduler-tick")
+            rediscover = loop.create_task(discover_again(), name="discovery")
             upstream = Upstream(connect_timeout=CONNECT_TIMEOUT_S)
             runtime = _Runtime(
                 shell=shell, client=client, upstream=upstream, loop=loop, prober=prober
@@ -298,10 +308,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                 run_spans.close()
                 # Blocks the loop (≤ 5 s), but the loop has nothing left to serve.
                 telemetry.flush()
+                for task in (rediscover, ticks):  # (rediscover before the prober it uses)
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
                 await prober.stop()
-                ticks.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await ticks
 
     app = _Gateway(title="luftpause gateway", lifespan=lifespan)
 
@@ -360,6 +371,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         response.headers.update(exc.headers or {})
         return response
 
+    async def discovered(file: Config, before: Mapping[str, Found]) -> Pool:
+        """The pool of `file` with its discovered endpoints' names resolved now."""
+        found = await resolver.resolve_all(file.discovered, file.discovery, before)
+        return Pool.of(file, found)
+
     async def reload_pool() -> PoolChange:
         """Read the file again and serve its endpoints (gateway/pool.py says what may
         change).  Raises ConfigError, and changes nothing, when it cannot."""
@@ -370,20 +386,48 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             )
         async with live.reloading:
             new = await asyncio.to_thread(load_config, path, os.environ)
-            rt = running()
-            change = compare(live.pool.config, new, live.known)
-            pool = Pool.of(new)
-            # From here to the probe nothing awaits: no request sees half of it.  The
-            # core first (what it admits next is looked up in `live`), then the prober.
-            if "policy" in change.applied:  # first: the new pool is filled under it
-                rt.shell.apply(PolicyChanged(now=rt.loop.time(), policy=new.policy.to_policy()))
-            rt.shell.apply(PoolChanged(now=rt.loop.time(), replicas=tuple(new.replica_specs())))
-            live.replace(pool, lambda name: name in rt.shell.state.replicas)
-            rt.prober.reconfigure(new)
-            # Replicas that joined are out of rotation until probed: probe now, so that
-            # they take turns as soon as they answer, and the reload's answer says so.
-            await rt.prober.next_round()
+            pool = await discovered(new, live.pool.found)
+            change = await serve(pool)
         log.info("reloaded %s: %s", path, change)
+        return change
+
+    async def discover_again() -> None:
+        """Every [discovery] period_s: serve what the discovered endpoints' names resolve
+        to now, when it changed (gateway/discovery.py)."""
+        while True:
+            await asyncio.sleep(live.pool.file.discovery.period_s)
+            try:
+                async with live.reloading:
+                    file = live.pool.file
+                    if not file.discovered:
+                        continue
+                    pool = await discovered(file, live.pool.found)
+                    if pool.config == live.pool.config:
+                        live.pool = dataclasses.replace(live.pool, found=pool.found)  # status
+                        continue
+                    change = await serve(pool)
+                log.info("discovery: %s", change)
+            except (ConfigError, _NotRunning) as exc:
+                log.error("discovery: %s", exc)
+            except Exception:  # the loop outlives a failed round: the next may succeed
+                log.exception("discovery failed; the next round comes in a period")
+
+    async def serve(pool: Pool) -> PoolChange:
+        """Serve `pool` instead of the current one (under `live.reloading`).  Raises
+        ConfigError, and changes nothing, when an endpoint would change its engine."""
+        rt = running()
+        new = pool.config
+        change = compare(live.pool.config, new, live.known)
+        # From here to the probe nothing awaits: no request sees half of it.  The core
+        # first (what it admits next is looked up in `live`), then the prober.
+        if "policy" in change.applied:  # first: the new pool is filled under it
+            rt.shell.apply(PolicyChanged(now=rt.loop.time(), policy=new.policy.to_policy()))
+        rt.shell.apply(PoolChanged(now=rt.loop.time(), replicas=tuple(new.replica_specs())))
+        live.replace(pool, lambda name: name in rt.shell.state.replicas)
+        rt.prober.reconfigure(new)
+        # Replicas that joined are out of rotation until probed: probe now, so that they
+        # take turns as soon as they answer, and the answer says so.
+        await rt.prober.next_round()
         return change
 
     async def reload_on_signal() -> None:
@@ -422,6 +466,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             service_class = _parse_class(request.headers.get(CLASS_HEADER))
         except _BadRequest as exc:
             return error_response(exc.status, exc.message, fallback_run, anthropic=anthropic)
+        if (awaited := pool.awaited(model)) is not None:
+            return error_response(
+                503, awaited, header_run or fallback_run, anthropic=anthropic,
+                retry_after=rt.prober.retry_after,
+            )  # fmt: skip
         now = rt.loop.time()
         caller = _caller(request)
         run_id: str | None = header_run
@@ -455,6 +504,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             input_counts_cached=pool.counts_cached,
             retry_after=rt.prober.retry_after,
             runs=run_spans,
+            awaited=lambda model: live.pool.awaited(model),
         )
 
     @app.post(CHAT_PATH)
@@ -493,6 +543,10 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         except _BadRequest as exc:
             return error_response(exc.status, exc.message, run_id, anthropic=True)
         serving = [e for e in pool.replicas.values() if model in e.models]
+        if (awaited := pool.awaited(model)) is not None:
+            return error_response(
+                503, awaited, run_id, anthropic=True, retry_after=rt.prober.retry_after
+            )
         if not serving:
             return error_response(404, unknown_model(model, pool.models), run_id, anthropic=True)
         target = _healthy_first(serving, rt.prober)[0]
@@ -623,7 +677,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             return unauthorized(_new_id())
         data = [
             {"id": m, "object": "model", "created": 0, "owned_by": "luftpause"}
-            for m in live.pool.models
+            for m in live.pool.offered
         ]
         return Response(json.dumps({"object": "list", "data": data}), media_type="application/json")
 
@@ -643,9 +697,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         # The shell's own counts on the loop (its dicts change there) ...
         counts = {"tool_call_ids_remembered": rt.shell.remembered_tool_calls()}
         state, probes, now = rt.shell.state, dict(rt.prober.last), rt.loop.time()
+        found = live.pool.found
 
         def walk() -> dict[str, Any]:
             view = status_snapshot(state, probes, counts, now)
+            if found:  # what each discovered endpoint's name resolved to
+                view["discovery"] = {name: f.as_json() for name, f in found.items()}
             if recent:
                 view["recent_runs"] = runs_listing(state, now, limit=recent)["runs"]
             return view
@@ -799,7 +856,7 @@ class _Door:
             runs=self.runs,
             upstream_tools=self._pool.list_tools,
             decide=decide_in_process,
-            models=lambda: live.pool.models,
+            models=lambda: live.pool.offered,
             token_identity="token" if self._token else None,
         )
 
@@ -846,7 +903,8 @@ def _decide(
         shell=rt.shell,
         client=rt.client,
         endpoints=live.known,
-        models=live.pool.models,
+        models=live.pool.offered,
+        awaited=live.pool.awaited,
         classifiers=live.pool.classifiers,
         down=_down(rt.prober),
         load=live.classifier_load,

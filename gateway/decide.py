@@ -438,12 +438,13 @@ async def decide(
     load: ClassifierLoad,
     answer_timeout: float = ENGINE_IDLE_TIMEOUT_S,
     retry_after: str = UNAVAILABLE_RETRY_AFTER_S,
+    awaited: Callable[[str], str | None] = lambda model: None,
 ) -> Response:
     """Answer one validated `/v1/decide` request (see the module docstring).
     `endpoints`: where an admitted turn may be; `models`: the pool's, the first the
     default.  `retry_after`: a 503's (the gateway's probe period).  `down`: the
     classifiers the last probe found unhealthy; `load`: the gateway's spread of
-    classify requests."""
+    classify requests; `awaited`: why a model has no engine now (`Pool.awaited`)."""
     if request.labels is None:
         return await _by_classifier(
             request, classifiers, down, load, client, run_id, answer_timeout
@@ -453,6 +454,8 @@ async def decide(
         if not models:
             return error_response(404, "no generative endpoint is configured", run_id)
         model = models[0]
+    if (why := awaited(model)) is not None:  # its engines are discovered, and none is up
+        return error_response(503, why, run_id, retry_after=retry_after)
     body = chat_body(request, model)
     turn = TurnRequest(
         turn_id=uuid.uuid4().hex,

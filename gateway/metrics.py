@@ -11,6 +11,7 @@ and `Reject` and every terminal event it is given.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -242,6 +243,24 @@ class GatewayMetrics:
                     self.prompt_tokens.labels(turn.replica, cls).inc(event.prompt_tokens)
                     self.cached_tokens.labels(turn.replica, cls).inc(event.cached_tokens)
                     self.completion_tokens.labels(turn.replica, cls).inc(event.completion_tokens)
+
+    def forget_replica(self, name: str) -> None:
+        """Drop the series of a replica the core forgot (it left the pool): a pool that
+        scales by discovery would otherwise add series for every address it ever had.
+        Its counts leave the sums; Prometheus keeps what it scraped."""
+        classes = [cls.value for cls in ServiceClass]
+        for counter, second in (
+            (self.admissions, classes),
+            (self.prompt_tokens, classes),
+            (self.cached_tokens, classes),
+            (self.completion_tokens, classes),
+            (self.engine_turns, OUTCOMES),
+        ):
+            for value in second:
+                with contextlib.suppress(KeyError):
+                    counter.remove(name, value)
+        with contextlib.suppress(KeyError):
+            self.ejections.remove(name)
 
     def exposition(self) -> bytes:
         """The registry in the Prometheus text format."""

@@ -19,7 +19,8 @@ What a reload may change, and what it may not:
 - `[policy]` applies to the core at once (`scheduler.PolicyChanged`, rule 12): to the
   turns held and the runs known as well as to what comes next (its `turn_timeout_s`
   frees the slots of silent turns in flight at once, and bounds the engine waits of
-  turns that start from then on).  `[probes]` applies from the next probe round.
+  turns that start from then on).  `[probes]` applies from the next probe round,
+  `[discovery]` from its next round (the reload resolves the names it gives at once).
   Both are listed in `applied`.
 - Every other section (`[temporal]`, the token, tool servers, request limits) is read
   at start only.  A reload that finds one changed applies the rest and says which
@@ -34,6 +35,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.discovery import Found
 from luftpause.config import Api, Config, ConfigError, Endpoint
 
 __all__ = ["RELOADED", "Pool", "PoolChange", "compare"]
@@ -41,12 +43,17 @@ __all__ = ["RELOADED", "Pool", "PoolChange", "compare"]
 # What names an engine: changed under the same name, it is another engine.
 _IDENTITY = ("url", "kind", "api_path")
 # The sections besides the endpoints that a reload applies.
-RELOADED = ("policy", "probes")
+RELOADED = ("policy", "probes", "discovery")
 
 
 @dataclass(frozen=True, slots=True)
 class Pool:
-    config: Config
+    file: Config  # as the file says it, discovered endpoints unexpanded
+    config: Config  # the file with each discovered endpoint's replicas (Config.expanded)
+    found: Mapping[str, Found]  # per discovered endpoint: what its name resolved to
+    # Models that only discovered endpoints with no engine now serve: their turns are
+    # answered 503 (retry), not 404, by endpoint names.
+    awaiting: Mapping[str, tuple[str, ...]]
     replicas: Mapping[str, Endpoint]  # the endpoints turns go to (Config.replicas)
     # In the file's order: the first is the default model of `spawn`, `run` and
     # `/v1/decide` ("the pool's first"), which an operator picks by where it stands.
@@ -60,12 +67,23 @@ class Pool:
     counts_cached: frozenset[str]
 
     @classmethod
-    def of(cls, config: Config) -> Pool:
+    def of(cls, file: Config, found: Mapping[str, Found] | None = None) -> Pool:
+        found = found or {}
+        config = file.expanded({name: f.addresses for name, f in found.items()})
         replicas = {e.name: e for e in config.replicas}
         models = tuple(dict.fromkeys(m for e in replicas.values() for m in e.models))
+        awaiting: dict[str, tuple[str, ...]] = {}
+        for e in file.discovered:  # (engines that take turns: Config allows no other)
+            if not (found.get(e.name) and found[e.name].addresses):
+                for m in e.models:
+                    if m not in models:
+                        awaiting[m] = (*awaiting.get(m, ()), e.name)
         by_name = {e.name: e for e in config.endpoints}
         return cls(
+            file=file,
             config=config,
+            found=dict(found),
+            awaiting=awaiting,
             replicas=replicas,
             models=models,
             classifiers=tuple(e for e in config.endpoints if not e.generative),
@@ -82,6 +100,33 @@ class Pool:
                 if e.kind == "sglang"
                 or (e.load_from and all(by_name[n].kind == "sglang" for n in e.load_from))
             ),
+        )
+
+    @property
+    def offered(self) -> tuple[str, ...]:
+        """The models served and those awaiting their engines, in the file's order:
+        `/v1/models`, what a sub-agent or `/v1/decide` may ask for (a turn for an
+        awaited one is told to come back), the first the default, whether its
+        engines are up or not."""
+        return tuple(dict.fromkeys(m for e in self.file.replicas for m in e.models))
+
+    def awaited(self, model: str) -> str | None:
+        """Why a model of discovered endpoints has no engine now (None: it has one, or
+        is not theirs): a turn for it is answered 503, to be retried."""
+        names = self.awaiting.get(model)
+        if not names:
+            return None
+        why = []
+        for name in names:
+            f = self.found.get(name)
+            if f is None or f.resolved_at is None:
+                said = f.error if f is not None and f.error else "not resolved yet"
+                why.append(f"endpoint {name}: {said}")
+            else:
+                why.append(f"endpoint {name}: {f.host} resolves to no address")
+        return (
+            f"model '{model}' has no engine now: its endpoints are discovered by name "
+            f'(discover = "dns") and none was found ({"; ".join(why)}); retry later'
         )
 
 

@@ -24,6 +24,9 @@ labels = []              # for kind = "classifier": class names, in /classify's 
 messages = true          # serves the Anthropic Messages API (/v1/messages): default true
                          # for sglang, vllm, llamacpp and ollama, false otherwise
 responses = true         # serves the OpenAI Responses API (/v1/responses): the same defaults
+discover = "dns"         # optional: url's host names a set of engines, one per address it
+                         # resolves to (a Kubernetes headless Service, a Compose service
+                         # scaled to N, Consul): each is a replica "<name>-<address>"
 
 [[mcp_servers]]          # tools for sub-agents: streamable HTTP ...
 name = "search"
@@ -36,6 +39,12 @@ command = ["npx", "-y", "@modelcontextprotocol/server-filesystem", "/srv"]
 address = "127.0.0.1:7233"
 namespace = "default"
 task_queue = "luftpause"
+
+[discovery]              # optional: for endpoints with discover = "dns"; defaults shown
+period_s = 5.0           # how often their names are resolved again
+timeout_s = 2.0
+nameservers = []         # "host[:port]" to ask instead of the system resolver,
+                         # e.g. ["127.0.0.1:8600"] for Consul's DNS interface
 
 [policy]                 # optional: the scheduler's constants (scheduler.Policy); defaults shown
 turn_timeout_s = 600.0
@@ -54,11 +63,13 @@ sub-agents' LLM turns go (default http://127.0.0.1:8080).
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import (
     BaseModel,
@@ -148,6 +159,11 @@ class Endpoint(BaseModel):
     # by kind (NEWER_APIS_SERVED_BY).
     messages: bool | None = None
     responses: bool | None = None
+    # "dns": `url`'s host names a set of engines, one per address it resolves to (a
+    # Kubernetes headless Service, a Compose service scaled to N, a Consul service).
+    # Each is a replica of its own, `<name>-<address>`, with the rest of this entry
+    # (Config.expanded); the name is resolved again every [discovery] period_s.
+    discover: Literal["dns"] | None = None
 
     @field_validator("url")
     @classmethod
@@ -204,7 +220,63 @@ class Endpoint(BaseModel):
                 "api_path is only for kind = 'openai' (an engine behind a path prefix "
                 "takes it in url, e.g. http://host/llama)"
             )
+        if self.discover is not None:
+            self._check_discoverable()
         return self
+
+    def _check_discoverable(self) -> None:
+        parts = urlsplit(self.url)
+        if self.kind == "classifier":
+            raise ValueError(
+                "discover is for endpoints that take turns, not kind = 'classifier' (give "
+                "each classifier its url)"
+            )
+        if parts.scheme != "http":
+            # Turns go to each address, where a certificate for the name does not verify.
+            raise ValueError(
+                "discover = 'dns' takes an http:// url: turns go to each address the "
+                "name resolves to, where a TLS certificate for the name would not verify"
+            )
+        host = parts.hostname or ""
+        example = "e.g. http://sglang-headless.llm.svc.cluster.local:30000"
+        if not host or parts.username is not None or _is_address(host):
+            said = ""
+            if parts.username is not None:
+                said = ", not credentials (send keys with api_key_env)"
+            elif host:
+                said = f", not the address {host}"
+            raise ValueError(
+                f"discover = 'dns' expects a host name to resolve in url{said} ({example})"
+            )
+        try:
+            host.encode("idna")  # what a resolver is asked: labels of 1-63 characters
+            _ = parts.port  # a port that is not a number or out of range raises here
+        except (UnicodeError, ValueError):
+            raise ValueError(
+                f"discover = 'dns': url {self.url!r} has no valid host name and port ({example})"
+            ) from None
+        if self.load_from:
+            raise ValueError(
+                "discover is not for kind = 'router' with load_from (a router finds its "
+                "engines itself)"
+            )
+
+    @property
+    def host(self) -> str:
+        """The host name in `url` (what discover = "dns" resolves)."""
+        return urlsplit(self.url).hostname or ""
+
+    def at(self, address: str) -> Endpoint:
+        """The replica at one address of a discovered endpoint: its url's host replaced
+        by the address, named `<name>-<address>:<port>` (a change of port in the file
+        is other engines, under other names)."""
+        parts = urlsplit(self.url)
+        host = f"[{address}]" if ":" in address else address
+        netloc = f"{host}:{parts.port or 80}"
+        url = urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+        return self.model_copy(
+            update={"name": f"{self.name}-{netloc}", "url": url, "discover": None}
+        )
 
     @property
     def health(self) -> str:
@@ -296,6 +368,60 @@ class Probes(BaseModel):
     late_to_unhealthy: Annotated[int, Field(ge=1, strict=True)] = 2
 
 
+class Discovery(BaseModel):
+    """`[discovery]`: how endpoints with `discover = "dns"` are resolved."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # Envoy's STRICT_DNS default refresh is 5 s; a pod that left is then retired (its
+    # turns finish) within a period, and a new one joins once a probe finds it healthy.
+    period_s: Annotated[float, Field(gt=0, le=3600, strict=True)] = 5.0
+    timeout_s: Annotated[float, Field(gt=0, le=60, strict=True)] = 2.0
+    # Which addresses are engines.  "v4_preferred": the IPv4 ones, or the IPv6 ones when
+    # there is no IPv4 one (a dual-stack pod has one of each: counted twice, its KV pool
+    # and cap would be too); "v4_only", "v6_only"; "all": every address is an engine.
+    family: Literal["v4_preferred", "v4_only", "v6_only", "all"] = "v4_preferred"
+    # Ask these servers ("host" or "host:port", host an IP address) instead of the
+    # system resolver, e.g. Consul's DNS interface on 127.0.0.1:8600.  Empty: the
+    # system's (getaddrinfo: /etc/hosts, resolv.conf and its search domains).
+    nameservers: list[str] = []
+
+    @field_validator("nameservers")
+    @classmethod
+    def _servers(cls, v: list[str]) -> list[str]:
+        for server in v:
+            nameserver_address(server)
+        return v
+
+
+def nameserver_address(server: str) -> tuple[str, int]:
+    """("127.0.0.1:8600" | "10.0.0.10" | "[::1]:53" | "::1") -> (address, port).  A host
+    name is refused: resolving the resolver would need another resolver."""
+    server = server.strip()
+    if _is_address(server):
+        return server, 53
+    try:
+        parts = urlsplit("//" + server)
+        host = parts.hostname or ""
+        port = 53 if parts.port is None else parts.port
+    except ValueError:  # a port out of range, or not a number
+        host, port = "", 0
+    if not _is_address(host) or port == 0:
+        raise ValueError(
+            f"expected a nameserver as an IP address with an optional port, e.g. "
+            f"127.0.0.1:8600 or [::1]:53, not {server!r}"
+        )
+    return host, port
+
+
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
 _POLICY = Policy()
 # strict: TOML's true/false are not shares (false would read as 0.0: lanes on at 0).
 _Share = Annotated[float, Field(gt=0, le=1, strict=True)]
@@ -366,6 +492,7 @@ class Config(BaseModel):
     temporal: Temporal = Temporal()
     policy: PolicyConfig = PolicyConfig()
     probes: Probes = Probes()
+    discovery: Discovery = Discovery()
     # The base URL sub-agents' LLM turns go to: the gateway (default), or a peer router
     # when a benchmark compares them.
     gateway_url: str = "http://127.0.0.1:8080"
@@ -435,6 +562,11 @@ class Config(BaseModel):
                 target = by_name.get(other)
                 if target is None:
                     raise ValueError(f"endpoint '{e.name}': load_from names unknown '{other}'")
+                if target.discover is not None:
+                    raise ValueError(
+                        f"endpoint '{e.name}': load_from names '{other}', whose engines are "
+                        "discovered (discover = 'dns'); name engines given by url"
+                    )
                 if target.kind not in LOAD_METRICS:
                     raise ValueError(
                         f"endpoint '{e.name}': load_from '{other}' is kind '{target.kind}', "
@@ -461,6 +593,28 @@ class Config(BaseModel):
             for what, name, field, var in named
             if var and not environ.get(var, "").strip()
         ]
+
+    @property
+    def discovered(self) -> list[Endpoint]:
+        """The endpoints with `discover`: each stands for the engines at its name's
+        addresses."""
+        return [e for e in self.endpoints if e.discover is not None]
+
+    def expanded(self, addresses: Mapping[str, Sequence[str]]) -> Config:
+        """This configuration with each discovered endpoint replaced by one endpoint per
+        address its name resolved to (`addresses`, by endpoint name; none: no engine),
+        in the file's order.  A replica name that an endpoint of the file has already is
+        left out (the file's wins)."""
+        if not self.discovered:
+            return self
+        given = {e.name for e in self.endpoints}
+        endpoints: list[Endpoint] = []
+        for e in self.endpoints:
+            if e.discover is None:
+                endpoints.append(e)
+                continue
+            endpoints += [r for a in addresses.get(e.name, ()) if (r := e.at(a)).name not in given]
+        return self.model_copy(update={"endpoints": endpoints})
 
     def replica_specs(self) -> list[ReplicaSpec]:
         """The replicas as the scheduler core sees them."""

@@ -272,6 +272,76 @@ def test_the_newer_apis_default_by_kind_and_the_file_decides() -> None:
             "gateway_url: expected the gateway's root, without the trailing /v1 "
             "(luftpause adds /v1/chat/completions): http://gw:8080",
         ),
+        (
+            '[[endpoints]]\nname="a"\nurl="https://pods.test:1"\nkind="sglang"\nmodels=["m"]\n'
+            'discover="dns"',
+            "discover = 'dns' takes an http:// url: turns go to each address the name "
+            "resolves to, where a TLS certificate for the name would not verify",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://10.0.0.5:1"\nkind="sglang"\nmodels=["m"]\n'
+            'discover="dns"',
+            "discover = 'dns' expects a host name to resolve in url, not the address 10.0.0.5",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://pods.test:1"\nkind="sglang"\nmodels=["m"]\n'
+            'discover="k8s"',
+            "endpoints[0].discover: Input should be 'dns'",
+        ),
+        (
+            '[[endpoints]]\nname="e"\nurl="http://pods.test:1"\nkind="sglang"\nmodels=["m"]\n'
+            'discover="dns"\n'
+            '[[endpoints]]\nname="r"\nurl="http://h:2"\nkind="router"\nmodels=["m"]\n'
+            'load_from=["e"]',
+            "endpoint 'r': load_from names 'e', whose engines are discovered",
+        ),
+        (
+            '[[endpoints]]\nname="e"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+            '[[endpoints]]\nname="r"\nurl="http://routers.test:2"\nkind="router"\n'
+            'models=["m"]\nload_from=["e"]\ndiscover="dns"',
+            "discover is not for kind = 'router' with load_from",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+            '[discovery]\nnameservers=["consul.local:8600"]',
+            "discovery.nameservers: expected a nameserver as an IP address with an optional "
+            "port, e.g. 127.0.0.1:8600 or [::1]:53, not 'consul.local:8600'",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+            '[discovery]\nnameservers=["127.0.0.1:70000"]',
+            "not '127.0.0.1:70000'",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://pods.test:99999"\nkind="sglang"\n'
+            'models=["m"]\ndiscover="dns"',
+            "discover = 'dns': url 'http://pods.test:99999' has no valid host name and port",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://' + "x" * 64 + '.test:1"\nkind="sglang"\n'
+            'models=["m"]\ndiscover="dns"',
+            "has no valid host name and port",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://:8000"\nkind="sglang"\nmodels=["m"]\n'
+            'discover="dns"',
+            "discover = 'dns' expects a host name to resolve in url (e.g. http://sglang-headless",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://u:p@pods.test:1"\nkind="sglang"\n'
+            'models=["m"]\ndiscover="dns"',
+            "not credentials (send keys with api_key_env)",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://pods.test:1"\nkind="classifier"\n'
+            'models=["m"]\ndiscover="dns"',
+            "discover is for endpoints that take turns, not kind = 'classifier'",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+            '[discovery]\nfamily="ipv4"',
+            "discovery.family: Input should be 'v4_preferred', 'v4_only', 'v6_only' or 'all'",
+        ),
     ],
 )
 def test_bad_files_name_the_field_and_the_expectation(
@@ -382,3 +452,63 @@ def test_the_readmes_example_file_is_valid() -> None:
     config = parse_config(tomllib.loads(example), "README.md")
     assert {e.kind for e in config.endpoints} >= {"sglang", "vllm", "openai", "classifier"}
     assert config.policy.to_policy() == Policy()  # it lists the defaults
+
+
+def test_a_discovered_endpoint_expands_to_one_replica_per_address() -> None:
+    cfg = parse_config(
+        {
+            "endpoints": [
+                {"name": "a", "url": "http://h:1", "kind": "vllm", "models": ["m"]},
+                {
+                    "name": "pod",
+                    "url": "http://sglang-headless.llm.svc.cluster.local:30000/engine",
+                    "kind": "sglang",
+                    "models": ["m", "n"],
+                    "kv_tokens": 9000,
+                    "discover": "dns",
+                },
+                {
+                    "name": "pod-10.0.0.7:30000",
+                    "url": "http://h:2",
+                    "kind": "vllm",
+                    "models": ["m"],
+                },
+            ],
+            "discovery": {"nameservers": ["[::1]:8600", "10.0.0.10"]},
+        }
+    )
+    assert [e.name for e in cfg.discovered] == ["pod"]
+    assert cfg.discovered[0].host == "sglang-headless.llm.svc.cluster.local"
+    assert cfg.discovery.period_s == 5.0 and cfg.discovery.nameservers == [
+        "[::1]:8600",
+        "10.0.0.10",
+    ]
+    out = cfg.expanded({"pod": ("10.0.0.6", "10.0.0.7", "fd00::5")})
+    assert [(e.name, e.url) for e in out.endpoints] == [
+        ("a", "http://h:1"),
+        # named by address and port: a port changed in the file is other engines
+        ("pod-10.0.0.6:30000", "http://10.0.0.6:30000/engine"),
+        # the file's own endpoint of that name wins over the discovered address
+        ("pod-[fd00::5]:30000", "http://[fd00::5]:30000/engine"),
+        ("pod-10.0.0.7:30000", "http://h:2"),
+    ]
+    pod = out.endpoints[1]
+    assert pod.discover is None and pod.kv_tokens == 9000 and pod.models == ["m", "n"]
+    assert [s.name for s in out.replica_specs()] == [
+        "a",
+        "pod-10.0.0.6:30000",
+        "pod-[fd00::5]:30000",
+        "pod-10.0.0.7:30000",
+    ]
+    # no address: no replica; a file without discovered endpoints is itself
+    assert [e.name for e in cfg.expanded({}).endpoints] == ["a", "pod-10.0.0.7:30000"]
+    # no port in url: http's
+    bare = cfg.discovered[0].model_copy(update={"url": "http://pods.test"})
+    assert (bare.at("10.0.0.6").name, bare.at("10.0.0.6").url) == (
+        "pod-10.0.0.6:80",
+        "http://10.0.0.6:80",
+    )
+    plain = parse_config(
+        {"endpoints": [{"name": "a", "url": "http://h:1", "kind": "vllm", "models": ["m"]}]}
+    )
+    assert plain.expanded({"a": ("10.0.0.1",)}) is plain

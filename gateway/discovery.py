@@ -1,0 +1,188 @@
+"""Engines found by name: endpoints with `discover = "dns"`.
+
+Such an endpoint stands for every engine its url's host name resolves to: the pods of a
+Kubernetes headless Service (their DNS lists the ready pods), a Compose service scaled
+to N, a Consul service.  Each address is a replica of its own, `<name>-<address>`
+(`Config.expanded`), so a pod that restarts with a new address is a new replica: its
+cache holds none of the runs bound to the old one.
+
+The gateway resolves the names at start, on every reload, and every
+`[discovery] period_s`; when the addresses changed, it serves the pool they make as a
+reload would (rule 11): a new address takes turns once a probe finds it healthy, one
+that left finishes its turns and its runs move at their next turn.
+
+What an answer means:
+- Addresses: the endpoint's engines are those.
+- No address (the name does not exist, or has no A/AAAA record: a Service with no
+  ready pod): it has no engine.  Its replicas are retired, and turns for a model only
+  it serves are answered 503 with Retry-After until an engine appears (`awaiting`),
+  not 404: the model is configured, its engines are not up.
+- No answer (a timeout, a server failure): the last answer stands, and the error is
+  logged and shown on /status.  An endpoint never resolved has no engine meanwhile.
+
+The SGLang router and vllm-router find pods through the Kubernetes API (a label
+selector, and a Role to list and watch pods); DNS needs no Role and works outside
+Kubernetes too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import socket
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import dns.asyncresolver
+import dns.exception
+import dns.nameserver
+import dns.resolver
+
+from luftpause.config import Discovery, Endpoint, nameserver_address
+
+__all__ = ["Found", "Resolver"]
+
+log = logging.getLogger("luftpause.gateway")
+
+# getaddrinfo's answers that mean "no such name / no address", not "could not ask".
+_NO_NAME = frozenset(
+    code
+    for code in (getattr(socket, "EAI_NONAME", None), getattr(socket, "EAI_NODATA", None))
+    if code is not None
+)
+
+
+class _NoAnswer(Exception):
+    """The resolver could not be asked or did not answer: the last answer stands."""
+
+
+@dataclass(frozen=True, slots=True)
+class Found:
+    """What a discovered endpoint's name resolved to."""
+
+    host: str  # the name asked
+    addresses: tuple[str, ...]  # its engines now, sorted
+    resolved_at: float | None  # wall time of the last answer (None: never answered)
+    error: str | None = None  # why the last attempt had no answer (then: the last answer's)
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "host": self.host,
+            "addresses": list(self.addresses),
+            "resolved_at": self.resolved_at,
+            "error": self.error,
+        }
+
+
+class Resolver:
+    """Resolves discovered endpoints' names (one per gateway).
+
+    A system lookup runs in a thread that a timeout cannot stop (getaddrinfo blocks):
+    while one for a name is still under way, the next round waits on it again instead
+    of starting another, so a resolver that hangs holds one thread per name, not one
+    more every period."""
+
+    def __init__(self) -> None:
+        self._lookups: dict[str, asyncio.Future[list[str]]] = {}
+
+    async def resolve_all(
+        self, endpoints: Sequence[Endpoint], section: Discovery, before: Mapping[str, Found]
+    ) -> dict[str, Found]:
+        """Resolve each endpoint's host at once (`section`'s resolver, timeout and
+        family).  An endpoint whose name could not be resolved keeps what `before` found
+        for the same host."""
+        results = await asyncio.gather(*(self._resolve(e.host, section) for e in endpoints))
+        now = time.time()
+        found: dict[str, Found] = {}
+        for e, result in zip(endpoints, results, strict=True):
+            if isinstance(result, tuple):
+                found[e.name] = Found(e.host, result, now)
+                continue
+            last = before.get(e.name)
+            if last is not None and last.host == e.host:
+                found[e.name] = Found(e.host, last.addresses, last.resolved_at, result)
+            else:
+                found[e.name] = Found(e.host, (), None, result)
+            if last is None or last.error != result:  # once per failure, not every period
+                log.warning("discovery of endpoint %s: %s", e.name, result)
+        return found
+
+    async def _resolve(self, host: str, section: Discovery) -> tuple[str, ...] | str:
+        """The host's engines' addresses, sorted (empty: none), or why it was not
+        answered."""
+        try:
+            async with asyncio.timeout(section.timeout_s):
+                if section.nameservers:
+                    addresses = await _ask(host, section)
+                else:
+                    addresses = await self._system(host)
+        except TimeoutError:
+            return f"{host}: no answer within {section.timeout_s:g} s; the last answer stands"
+        except _NoAnswer as exc:
+            return f"{host}: {exc}; the last answer stands"
+        except Exception as exc:  # one odd name must not stop the others (or the start)
+            return f"{host}: {type(exc).__name__}: {exc}; the last answer stands"
+        return _engines(addresses, section.family)
+
+    async def _system(self, host: str) -> list[str]:
+        """getaddrinfo: /etc/hosts, resolv.conf and its search domains, as any client."""
+        lookup = self._lookups.get(host)
+        if lookup is None or lookup.done():
+            lookup = asyncio.ensure_future(_getaddrinfo(host))
+            # Read its failure even when no round waits for it any more (timed out).
+            lookup.add_done_callback(lambda f: f.cancelled() or f.exception())
+            self._lookups[host] = lookup
+        return await asyncio.shield(lookup)
+
+
+def _engines(addresses: Sequence[str], family: str) -> tuple[str, ...]:
+    """The addresses that are engines, sorted: IPv4 first, each in numeric order."""
+    Ip = ipaddress.IPv4Address | ipaddress.IPv6Address
+    ips: set[Ip] = {
+        ipaddress.ip_address(a)
+        for a in addresses
+        if "%" not in a  # no scoped link-local
+    }
+    v4: list[Ip] = [ip for ip in ips if ip.version == 4]
+    v6: list[Ip] = [ip for ip in ips if ip.version == 6]
+    if family == "v4_only" or (family == "v4_preferred" and v4):
+        chosen = v4
+    elif family in ("v6_only", "v4_preferred"):
+        chosen = v6
+    else:
+        chosen = v4 + v6
+    return tuple(str(ip) for ip in sorted(chosen, key=lambda ip: (ip.version, int(ip))))
+
+
+async def _getaddrinfo(host: str) -> list[str]:
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await loop.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        if exc.errno in _NO_NAME:
+            return []
+        raise _NoAnswer(f"the system resolver failed: {exc.strerror or exc}") from None
+    return [str(info[4][0]) for info in infos]
+
+
+async def _ask(host: str, section: Discovery) -> list[str]:
+    """A and AAAA records from the configured nameservers."""
+    resolver = dns.asyncresolver.Resolver(configure=False)
+    resolver.nameservers = [
+        dns.nameserver.Do53Nameserver(*nameserver_address(s)) for s in section.nameservers
+    ]
+    resolver.lifetime = section.timeout_s
+
+    async def records(rdtype: str) -> list[str]:
+        try:
+            answer = await resolver.resolve(host, rdtype)
+        except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
+            return []
+        except dns.exception.DNSException as exc:  # timeouts, SERVFAIL, refused
+            raise _NoAnswer(f"{', '.join(section.nameservers)}: {exc}") from None
+        return [r.address for r in answer]
+
+    a, aaaa = await asyncio.gather(records("A"), records("AAAA"))
+    return a + aaaa

@@ -1,0 +1,306 @@
+"""Engines found by name (`discover = "dns"`): a real gateway, fake engines on two
+loopback addresses (127.0.0.1 and ::1, the same port, as two pods behind one headless
+Service), and a real DNS server over loopback UDP whose answers the test changes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from harness import MODEL, POLL_S, POLLS, Recorder, endpoint, gateway, until
+from test_reload import calling_task, chat, from_file, one_streaming_one_held, toml
+
+from gateway._shell import AdmissionShell
+from gateway.discovery import Resolver
+from luftpause.config import Discovery, Endpoint
+from testkit.fake_dns import fake_dns
+from testkit.fake_engine import FakeEngineSettings
+from testkit.fake_engine import create_app as create_engine
+from testkit.loopback import serve
+
+NAME = "engines.test"
+
+
+def v4(port: int) -> str:
+    return f"pod-127.0.0.1:{port}"  # a replica's name: the endpoint's, its address and port
+
+
+def v6(port: int) -> str:
+    return f"pod-[::1]:{port}"
+
+
+def _free_on_both() -> int:
+    """A port free on 127.0.0.1 and on ::1."""
+    for _ in range(50):
+        with socket.socket() as s4:
+            s4.bind(("127.0.0.1", 0))
+            port = int(s4.getsockname()[1])
+            with socket.socket(socket.AF_INET6) as s6:
+                try:
+                    s6.bind(("::1", port))
+                except OSError:
+                    continue
+                return port
+    raise RuntimeError("no port free on both 127.0.0.1 and ::1")
+
+
+@contextlib.asynccontextmanager
+async def pods(**kw: Any) -> AsyncIterator[tuple[int, Recorder, Recorder]]:
+    """Two fake engines on one port, at 127.0.0.1 and at ::1: their port and what
+    reached each."""
+    port = _free_on_both()
+    rec4 = Recorder(create_engine(FakeEngineSettings(**kw)))
+    rec6 = Recorder(create_engine(FakeEngineSettings(**kw)))
+    async with serve(rec4, host="127.0.0.1", port=port), serve(rec6, host="::1", port=port):
+        yield port, rec4, rec6
+
+
+@contextlib.asynccontextmanager
+async def discovering(
+    port: int, dns: str, **kw: Any
+) -> AsyncIterator[tuple[httpx.AsyncClient, AdmissionShell]]:
+    """A gateway whose one endpoint is discovered by asking `dns`; every address is an
+    engine (family "all": the two pods here are one IPv4 and one IPv6 address)."""
+    pod = endpoint("pod", f"http://{NAME}:{port}", discover="dns", **kw)
+    discovery = {"nameservers": [dns], "period_s": 0.05, "timeout_s": 0.5, "family": "all"}
+    async with gateway(pod, sections={"discovery": discovery}) as (gw, shell):
+        yield gw, shell
+
+
+def serving(shell: AdmissionShell) -> set[str]:
+    state = shell.state
+    return {n for n, r in state.replicas.items() if n not in state.retired and r.healthy}
+
+
+async def discovery_of(gw: httpx.AsyncClient) -> Any:
+    return (await gw.get("/status")).json()["discovery"]["pod"]
+
+
+async def discovered(gw: httpx.AsyncClient, pred: Callable[[Any], bool], what: str) -> Any:
+    """/status's discovery of "pod" once `pred` holds of it (bounded polling)."""
+    for _ in range(POLLS // 10):
+        found = await discovery_of(gw)
+        if pred(found):
+            return found
+        await asyncio.sleep(POLL_S * 10)
+    raise AssertionError(f"never happened: {what}")
+
+
+def hello() -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+async def test_engines_join_and_leave_as_the_name_resolves(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, "gateway.app")
+    async with pods() as (port, rec4, rec6), fake_dns() as (dns, where):
+        dns.records[NAME] = ["127.0.0.1"]
+        V4, V6 = v4(port), v6(port)
+        async with discovering(port, where) as (gw, shell):
+            # resolved before the gateway serves: the core starts with the engine
+            assert set(shell.state.replicas) == {V4}
+            messages: list[Any] = [{"role": "user", "content": calling_task()}]
+            paused = await chat(gw, "r1", messages)
+            assert paused["finish_reason"] == "tool_calls"
+            assert shell.state.runs["r1"].replica == V4 and len(rec4.chats) == 1
+
+            # a second pod is ready: it joins once probed, and a new run goes there
+            dns.records[NAME] = ["127.0.0.1", "::1"]
+            await until(lambda: serving(shell) == {V4, V6}, "the new pod in rotation")
+            await chat(gw, "r2", [{"role": "user", "content": "hello"}])
+            assert len(rec6.chats) == 1 and shell.state.runs["r2"].replica == V6
+            # the same answer, round after round, changes nothing
+            asked = dns.asked
+            await until(lambda: dns.asked >= asked + 20, "ten more rounds")
+            changes = [r.getMessage() for r in caplog.records if "discovery:" in r.getMessage()]
+            assert changes == [f"discovery: added {V6}"]
+
+            # the first pod goes: retired, and the run paused on it moves at its next turn
+            dns.records[NAME] = ["::1"]
+            await until(lambda: V4 in shell.state.retired, "the old pod retired")
+            messages.append(paused["message"])
+            for call in paused["message"]["tool_calls"]:
+                messages.append({"role": "tool", "tool_call_id": call["id"], "content": "x"})
+            await chat(gw, "r1", messages)
+            assert (len(rec4.chats), len(rec6.chats)) == (1, 2)
+            assert set(shell.state.replicas) == {V6}, "forgotten once nothing is bound there"
+            metrics = (await gw.get("/metrics")).text
+            assert f'replica="{V6}"' in metrics and V4 not in metrics, "its series are gone"
+            found = await discovery_of(gw)
+            assert (found["host"], found["addresses"], found["error"]) == (NAME, ["::1"], None)
+
+            # the DNS server stops answering: the last answer stands, and status says why
+            dns.silent = True
+            found = await discovered(gw, lambda f: f["error"] is not None, "a round unanswered")
+            assert found["addresses"] == ["::1"] and "no answer within 0.5 s" in found["error"]
+            assert serving(shell) == {V6}
+            r = await gw.post("/v1/chat/completions", json=hello())
+            assert r.status_code == 200, r.text
+
+            # the Service has no ready pod (NXDOMAIN): no engine, and turns are told to
+            # come back (503), not that the model is unknown (404)
+            dns.silent = False
+            dns.records.clear()
+            state = lambda: shell.state  # noqa: E731
+            await until(lambda: state().retired == set(state().replicas), "every pod retired")
+            r = await gw.post("/v1/chat/completions", json=hello())
+            assert r.status_code == 503 and r.headers["retry-after"]
+            message = r.json()["error"]["message"]
+            assert f"model '{MODEL}' has no engine now" in message
+            assert f"endpoint pod: {NAME} resolves to no address" in message
+            listed = (await gw.get("/v1/models")).json()["data"]
+            assert [m["id"] for m in listed] == [MODEL], "still offered: its engines come back"
+            r = await gw.post("/v1/decide", json={"input": "go?", "labels": ["yes", "no"]})
+            assert r.status_code == 503 and "has no engine now" in r.json()["error"]["message"]
+
+            dns.records[NAME] = ["127.0.0.1"]
+            await until(lambda: serving(shell) == {V4}, "a pod back")
+            r = await gw.post("/v1/chat/completions", json=hello())
+            assert r.status_code == 200, r.text
+            assert len(rec4.chats) == 2
+
+
+async def test_a_name_with_no_engine_at_start_answers_503_until_one_appears() -> None:
+    async with (
+        pods() as (port, rec4, _),
+        fake_dns() as (dns, where),
+        discovering(port, where) as (gw, shell),
+    ):
+        assert not shell.state.replicas
+        r = await gw.post("/v1/messages", json={**hello(), "max_tokens": 4})
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["type"] == "overloaded_error"  # Anthropic's 503
+        assert "has no engine now" in r.json()["error"]["message"]
+        r = await gw.post("/v1/messages/count_tokens", json=hello())
+        assert r.status_code == 503 and "has no engine now" in r.json()["error"]["message"]
+
+        dns.records[NAME] = ["127.0.0.1"]
+        await until(lambda: serving(shell) == {v4(port)}, "the pod in rotation")
+        r = await gw.post("/v1/chat/completions", json=hello())
+        assert r.status_code == 200, r.text
+        assert len(rec4.chats) == 1
+
+
+async def test_a_turn_held_when_the_last_engine_leaves_is_told_to_retry() -> None:
+    # kv_tokens = 400: one run at a time, so the second turn is held by the gateway
+    async with pods(time_scale=0.5) as (port, _, _), fake_dns() as (dns, where):
+        dns.records[NAME] = ["127.0.0.1"]
+        async with (
+            discovering(port, where, kv_tokens=400) as (gw, shell),
+            one_streaming_one_held(gw, shell) as (lines, second),
+        ):
+            dns.records.clear()
+            answer = await second
+            assert answer.status_code == 503, answer.text
+            assert "has no engine now" in answer.json()["error"]["message"]
+            # the turn streaming from the pod that left finishes there
+            events = [line async for line in lines]
+            assert [e for e in events if e.startswith("data:")][-1] == "data: [DONE]"
+
+
+async def test_the_system_resolver_finds_localhost() -> None:
+    async with pods() as (port, rec4, rec6):
+        pod = endpoint("pod", f"http://localhost:{port}", discover="dns")
+        async with gateway(pod) as (gw, shell):
+            # getaddrinfo reads /etc/hosts: localhost is 127.0.0.1 (and ::1 where listed,
+            # which family "v4_preferred" leaves out: one engine, not two)
+            assert set(shell.state.replicas) == {v4(port)}
+            r = await gw.post("/v1/chat/completions", json=hello())
+            assert r.status_code == 200, r.text
+            assert (len(rec4.chats), len(rec6.chats)) == (1, 0)
+            found = await discovery_of(gw)
+            assert found["host"] == "localhost" and "127.0.0.1" in found["addresses"]
+
+
+async def test_a_reload_resolves_at_once_and_applies_discovery(tmp_path: Path) -> None:
+    async with pods() as (port, _, rec6), fake_dns() as (dns, where):
+        dns.records[NAME] = ["127.0.0.1"]
+        dns.records["other.test"] = ["::1"]
+        path = tmp_path / "luftpause.toml"
+
+        def write(host: str, period: float) -> None:
+            pod = {"name": "pod", "url": f"http://{host}:{port}", "models": [MODEL]}
+            section = (
+                f'\n[discovery]\nnameservers = ["{where}"]\nperiod_s = {period}\nfamily = "all"\n'
+            )
+            path.write_text(toml({**pod, "discover": '"dns"'}, extra=section))
+
+        write(NAME, 0.05)
+        V4, V6 = v4(port), v6(port)
+        async with from_file(path) as (gw, shell):
+            assert set(shell.state.replicas) == {V4}
+            r = await gw.post("/reload")
+            unchanged = {"added": [], "removed": [], "changed": [], "applied": []}
+            assert r.json() == {**unchanged, "not_applied": []}
+
+            # another name, resolved by the reload itself (the next round is a minute away)
+            write("other.test", 60.0)
+            r = await gw.post("/reload")
+            assert r.json() == {
+                **unchanged,
+                "added": [V6],
+                "removed": [V4],
+                "applied": ["discovery"],
+                "not_applied": [],
+            }
+            assert serving(shell) == {V6}
+            r = await gw.post("/v1/chat/completions", json=hello())
+            assert r.status_code == 200, r.text
+            assert len(rec6.chats) == 1
+
+
+@pytest.mark.parametrize(
+    ("family", "answer", "engines"),
+    [
+        # a dual-stack pod is one engine, not two
+        (
+            "v4_preferred",
+            ["10.0.0.9", "fd00::9", "10.0.0.10", "10.0.0.9"],
+            ["10.0.0.9", "10.0.0.10"],
+        ),
+        ("v4_preferred", ["fd00::9"], ["fd00::9"]),  # an IPv6-only cluster
+        ("v4_only", ["fd00::9"], []),
+        ("v6_only", ["10.0.0.9", "fd00::9"], ["fd00::9"]),
+        ("all", ["fd00::9", "10.0.0.9"], ["10.0.0.9", "fd00::9"]),
+    ],
+)
+async def test_which_addresses_are_engines(
+    family: str, answer: list[str], engines: list[str]
+) -> None:
+    async with fake_dns() as (dns, where):
+        dns.records[NAME] = answer
+        pod = Endpoint(
+            name="pod", url=f"http://{NAME}:1", kind="sglang", models=["m"], discover="dns"
+        )
+        section = Discovery(nameservers=[where], family=family)  # type: ignore[arg-type]
+        found = await Resolver().resolve_all([pod], section, {})
+        assert found["pod"].addresses == tuple(engines) and found["pod"].error is None
+
+
+async def test_an_unanswered_name_keeps_the_last_answer_for_that_name_only() -> None:
+    async with fake_dns() as (dns, where):
+        dns.records[NAME] = ["10.0.0.9"]
+        pod = Endpoint(
+            name="pod", url=f"http://{NAME}:1", kind="sglang", models=["m"], discover="dns"
+        )
+        section = Discovery(nameservers=[where], timeout_s=0.2)
+        resolver = Resolver()
+        before = await resolver.resolve_all([pod], section, {})
+        dns.silent = True
+        kept = await resolver.resolve_all([pod], section, before)
+        assert kept["pod"].addresses == ("10.0.0.9",) and "no answer within 0.2 s" in str(
+            kept["pod"].error
+        )
+        assert kept["pod"].resolved_at == before["pod"].resolved_at
+        # the file now names another host: the old host's answer is not this one's
+        moved = pod.model_copy(update={"url": "http://elsewhere.test:1"})
+        fresh = await resolver.resolve_all([moved], section, before)
+        assert fresh["pod"].addresses == () and fresh["pod"].resolved_at is None
