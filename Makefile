@@ -21,7 +21,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 typecheck: $(STAMP)
-	$(BIN)/mypy scheduler testkit/engine.py testkit/fake_engine.py testkit/loopback.py testkit/overhead.py testkit/bench_temporal.py testkit/bench_mcp.py testkit/bench.py testkit/load.py testkit/load_cli.py testkit/fanout.py testkit/bench_agents.py luftpause/config.py luftpause/up.py luftpause/telemetry.py luftpause/temporal_dev.py luftpause/headers.py gateway activities workflows worker
+	$(BIN)/mypy scheduler testkit/engine.py testkit/fake_engine.py testkit/loopback.py testkit/overhead.py testkit/bench_temporal.py testkit/bench_mcp.py testkit/bench.py testkit/load.py testkit/load_cli.py testkit/fanout.py testkit/bench_agents.py testkit/fake_dns.py luftpause/config.py luftpause/up.py luftpause/telemetry.py luftpause/temporal_dev.py luftpause/headers.py gateway activities workflows worker
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest
