@@ -2,9 +2,11 @@
 
 Such an endpoint stands for every engine its url's host name resolves to: the pods of a
 Kubernetes headless Service (their DNS lists the ready pods), a Compose service scaled
-to N, a Consul service.  Each address is a replica of its own, `<name>-<address>`
-(`Config.expanded`), so a pod that restarts with a new address is a new replica: its
-cache holds none of the runs bound to the old one.
+to N, a Consul service; with `discover = "dns-srv"`, the targets and ports of the
+name's SRV records (Consul and Nomad services on dynamic ports).  Each engine is a
+replica of its own, `<name>-<address>:<port>` (`Config.expanded`), so a pod that
+restarts with a new address is a new replica: its cache holds none of the runs bound
+to the old one.
 
 The gateway resolves the names at start, on every reload, and every
 `[discovery] period_s`; when the addresses changed, it serves the pool they make as a
@@ -53,6 +55,8 @@ _NO_NAME = frozenset(
     if code is not None
 )
 
+_Ip = ipaddress.IPv4Address | ipaddress.IPv6Address
+
 
 class _NoAnswer(Exception):
     """The resolver could not be asked or did not answer: the last answer stands."""
@@ -63,14 +67,14 @@ class Found:
     """What a discovered endpoint's name resolved to."""
 
     host: str  # the name asked
-    addresses: tuple[str, ...]  # its engines now, sorted
+    engines: tuple[str, ...]  # "address:port" of its engines now, sorted
     resolved_at: float | None  # wall time of the last answer (None: never answered)
     error: str | None = None  # why the last attempt had no answer (then: the last answer's)
 
     def as_json(self) -> dict[str, object]:
         return {
             "host": self.host,
-            "addresses": list(self.addresses),
+            "engines": list(self.engines),
             "resolved_at": self.resolved_at,
             "error": self.error,
         }
@@ -90,10 +94,10 @@ class Resolver:
     async def resolve_all(
         self, endpoints: Sequence[Endpoint], section: Discovery, before: Mapping[str, Found]
     ) -> dict[str, Found]:
-        """Resolve each endpoint's host at once (`section`'s resolver, timeout and
+        """Resolve each endpoint's name at once (`section`'s resolver, timeout and
         family).  An endpoint whose name could not be resolved keeps what `before` found
-        for the same host."""
-        results = await asyncio.gather(*(self._resolve(e.host, section) for e in endpoints))
+        for the same name."""
+        results = await asyncio.gather(*(self._resolve(e, section) for e in endpoints))
         now = time.time()
         found: dict[str, Found] = {}
         for e, result in zip(endpoints, results, strict=True):
@@ -102,29 +106,34 @@ class Resolver:
                 continue
             last = before.get(e.name)
             if last is not None and last.host == e.host:
-                found[e.name] = Found(e.host, last.addresses, last.resolved_at, result)
+                found[e.name] = Found(e.host, last.engines, last.resolved_at, result)
             else:
                 found[e.name] = Found(e.host, (), None, result)
             if last is None or last.error != result:  # once per failure, not every period
                 log.warning("discovery of endpoint %s: %s", e.name, result)
         return found
 
-    async def _resolve(self, host: str, section: Discovery) -> tuple[str, ...] | str:
-        """The host's engines' addresses, sorted (empty: none), or why it was not
+    async def _resolve(self, e: Endpoint, section: Discovery) -> tuple[str, ...] | str:
+        """The endpoint's engines, sorted (empty: none), or why its name was not
         answered."""
+        host = e.host
         try:
             async with asyncio.timeout(section.timeout_s):
-                if section.nameservers:
-                    addresses = await _ask(host, section)
+                if e.discover == "dns-srv":
+                    engines = await _srv(host, section)
                 else:
-                    addresses = await self._system(host)
+                    if section.nameservers:
+                        addresses = await _records(_resolver(section), host, section)
+                    else:
+                        addresses = await self._system(host)
+                    engines = [(ip, e.port) for ip in _family(addresses, section.family)]
         except TimeoutError:
             return f"{host}: no answer within {section.timeout_s:g} s; the last answer stands"
         except _NoAnswer as exc:
             return f"{host}: {exc}; the last answer stands"
         except Exception as exc:  # one odd name must not stop the others (or the start)
             return f"{host}: {type(exc).__name__}: {exc}; the last answer stands"
-        return _engines(addresses, section.family)
+        return tuple(_netloc(ip, port) for ip, port in sorted(set(engines), key=_order))
 
     async def _system(self, host: str) -> list[str]:
         """getaddrinfo: /etc/hosts, resolv.conf and its search domains, as any client."""
@@ -137,23 +146,25 @@ class Resolver:
         return await asyncio.shield(lookup)
 
 
-def _engines(addresses: Sequence[str], family: str) -> tuple[str, ...]:
-    """The addresses that are engines, sorted: IPv4 first, each in numeric order."""
-    Ip = ipaddress.IPv4Address | ipaddress.IPv6Address
-    ips: set[Ip] = {
-        ipaddress.ip_address(a)
-        for a in addresses
-        if "%" not in a  # no scoped link-local
-    }
-    v4: list[Ip] = [ip for ip in ips if ip.version == 4]
-    v6: list[Ip] = [ip for ip in ips if ip.version == 6]
+def _family(addresses: Sequence[str], family: str) -> list[_Ip]:
+    """The addresses that are engines (`[discovery] family`)."""
+    ips = {ipaddress.ip_address(a) for a in addresses if "%" not in a}  # no scoped link-local
+    v4: list[_Ip] = [ip for ip in ips if ip.version == 4]
+    v6: list[_Ip] = [ip for ip in ips if ip.version == 6]
     if family == "v4_only" or (family == "v4_preferred" and v4):
-        chosen = v4
-    elif family in ("v6_only", "v4_preferred"):
-        chosen = v6
-    else:
-        chosen = v4 + v6
-    return tuple(str(ip) for ip in sorted(chosen, key=lambda ip: (ip.version, int(ip))))
+        return v4
+    if family in ("v6_only", "v4_preferred"):
+        return v6
+    return v4 + v6
+
+
+def _order(engine: tuple[_Ip, int]) -> tuple[int, int, int]:
+    ip, port = engine
+    return ip.version, int(ip), port  # IPv4 first, each in numeric order
+
+
+def _netloc(ip: _Ip, port: int) -> str:
+    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
 
 
 async def _getaddrinfo(host: str) -> list[str]:
@@ -167,22 +178,66 @@ async def _getaddrinfo(host: str) -> list[str]:
     return [str(info[4][0]) for info in infos]
 
 
-async def _ask(host: str, section: Discovery) -> list[str]:
-    """A and AAAA records from the configured nameservers."""
-    resolver = dns.asyncresolver.Resolver(configure=False)
-    resolver.nameservers = [
-        dns.nameserver.Do53Nameserver(*nameserver_address(s)) for s in section.nameservers
-    ]
+def _resolver(section: Discovery) -> dns.asyncresolver.Resolver:
+    """dnspython's resolver: the configured nameservers, else the system's resolv.conf
+    (its search domains too)."""
+    if section.nameservers:
+        resolver = dns.asyncresolver.Resolver(configure=False)
+        resolver.nameservers = [
+            dns.nameserver.Do53Nameserver(*nameserver_address(s)) for s in section.nameservers
+        ]
+    else:
+        try:
+            resolver = dns.asyncresolver.Resolver()
+        except dns.exception.DNSException as exc:  # no /etc/resolv.conf
+            raise _NoAnswer(f"no resolver configuration: {exc}") from None
+        resolver.use_search_by_default = True
     resolver.lifetime = section.timeout_s
+    return resolver
 
-    async def records(rdtype: str) -> list[str]:
+
+def _asked(section: Discovery) -> str:
+    return ", ".join(section.nameservers) or "the resolv.conf nameservers"
+
+
+async def _records(
+    resolver: dns.asyncresolver.Resolver, host: str, section: Discovery
+) -> list[str]:
+    """The A and AAAA records of a name."""
+
+    async def of(rdtype: str) -> list[str]:
         try:
             answer = await resolver.resolve(host, rdtype)
         except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
             return []
         except dns.exception.DNSException as exc:  # timeouts, SERVFAIL, refused
-            raise _NoAnswer(f"{', '.join(section.nameservers)}: {exc}") from None
+            raise _NoAnswer(f"{_asked(section)}: {exc}") from None
         return [r.address for r in answer]
 
-    a, aaaa = await asyncio.gather(records("A"), records("AAAA"))
+    a, aaaa = await asyncio.gather(of("A"), of("AAAA"))
     return a + aaaa
+
+
+async def _srv(host: str, section: Discovery) -> list[tuple[_Ip, int]]:
+    """The engines of an SRV name: its records of the lowest priority (the others are
+    fallbacks, RFC 2782), each target's addresses on the record's port."""
+    resolver = _resolver(section)
+    try:
+        answer = await resolver.resolve(host, "SRV")
+    except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
+        return []
+    except dns.exception.DNSException as exc:
+        raise _NoAnswer(f"{_asked(section)}: {exc}") from None
+    records = list(answer)
+    if not records:
+        return []
+    first = min(r.priority for r in records)
+    chosen = [r for r in records if r.priority == first and str(r.target) != "."]
+    targets = sorted({r.target.to_text() for r in chosen})
+    found = await asyncio.gather(*(_records(resolver, t, section) for t in targets))
+    addresses = dict(zip(targets, found, strict=True))
+    return [
+        (ip, int(r.port))
+        for r in chosen
+        for ip in _family(addresses[r.target.to_text()], section.family)
+    ]

@@ -69,12 +69,12 @@ class Pool:
     @classmethod
     def of(cls, file: Config, found: Mapping[str, Found] | None = None) -> Pool:
         found = found or {}
-        config = file.expanded({name: f.addresses for name, f in found.items()})
+        config = file.expanded({name: f.engines for name, f in found.items()})
         replicas = {e.name: e for e in config.replicas}
         models = tuple(dict.fromkeys(m for e in replicas.values() for m in e.models))
         awaiting: dict[str, tuple[str, ...]] = {}
         for e in file.discovered:  # (engines that take turns: Config allows no other)
-            if not (found.get(e.name) and found[e.name].addresses):
+            if not (found.get(e.name) and found[e.name].engines):
                 for m in e.models:
                     if m not in models:
                         awaiting[m] = (*awaiting.get(m, ()), e.name)
@@ -123,10 +123,10 @@ class Pool:
                 said = f.error if f is not None and f.error else "not resolved yet"
                 why.append(f"endpoint {name}: {said}")
             else:
-                why.append(f"endpoint {name}: {f.host} resolves to no address")
+                why.append(f"endpoint {name}: {f.host} resolves to no engine")
         return (
             f"model '{model}' has no engine now: its endpoints are discovered by name "
-            f'(discover = "dns") and none was found ({"; ".join(why)}); retry later'
+            f"(discover) and none was found ({'; '.join(why)}); retry later"
         )
 
 

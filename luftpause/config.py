@@ -26,7 +26,8 @@ messages = true          # serves the Anthropic Messages API (/v1/messages): def
 responses = true         # serves the OpenAI Responses API (/v1/responses): the same defaults
 discover = "dns"         # optional: url's host names a set of engines, one per address it
                          # resolves to (a Kubernetes headless Service, a Compose service
-                         # scaled to N, Consul): each is a replica "<name>-<address>"
+                         # scaled to N, Consul): each is a replica "<name>-<address>:<port>";
+                         # "dns-srv": url names SRV records (no port), which give them
 
 [[mcp_servers]]          # tools for sub-agents: streamable HTTP ...
 name = "search"
@@ -160,10 +161,13 @@ class Endpoint(BaseModel):
     messages: bool | None = None
     responses: bool | None = None
     # "dns": `url`'s host names a set of engines, one per address it resolves to (a
-    # Kubernetes headless Service, a Compose service scaled to N, a Consul service).
-    # Each is a replica of its own, `<name>-<address>`, with the rest of this entry
-    # (Config.expanded); the name is resolved again every [discovery] period_s.
-    discover: Literal["dns"] | None = None
+    # Kubernetes headless Service, a Compose service scaled to N, a Consul service), on
+    # url's port.  "dns-srv": the host is an SRV name (`_http._tcp.<service>`), whose
+    # records give each engine's host and port (Consul or Nomad services on dynamic
+    # ports, a headless Service's named port).  Each engine is a replica of its own,
+    # `<name>-<address>:<port>`, with the rest of this entry (Config.expanded); the
+    # names are resolved again every [discovery] period_s.
+    discover: Literal["dns", "dns-srv"] | None = None
 
     @field_validator("url")
     @classmethod
@@ -231,30 +235,37 @@ class Endpoint(BaseModel):
                 "discover is for endpoints that take turns, not kind = 'classifier' (give "
                 "each classifier its url)"
             )
+        how = f"discover = '{self.discover}'"
         if parts.scheme != "http":
             # Turns go to each address, where a certificate for the name does not verify.
             raise ValueError(
-                "discover = 'dns' takes an http:// url: turns go to each address the "
-                "name resolves to, where a TLS certificate for the name would not verify"
+                f"{how} takes an http:// url: turns go to each address the name "
+                "resolves to, where a TLS certificate for the name would not verify"
             )
         host = parts.hostname or ""
-        example = "e.g. http://sglang-headless.llm.svc.cluster.local:30000"
+        example = (
+            "e.g. http://_http._tcp.sglang.service.consul"
+            if self.discover == "dns-srv"
+            else "e.g. http://sglang-headless.llm.svc.cluster.local:30000"
+        )
         if not host or parts.username is not None or _is_address(host):
             said = ""
             if parts.username is not None:
                 said = ", not credentials (send keys with api_key_env)"
             elif host:
                 said = f", not the address {host}"
-            raise ValueError(
-                f"discover = 'dns' expects a host name to resolve in url{said} ({example})"
-            )
+            raise ValueError(f"{how} expects a host name to resolve in url{said} ({example})")
         try:
             host.encode("idna")  # what a resolver is asked: labels of 1-63 characters
-            _ = parts.port  # a port that is not a number or out of range raises here
+            port = parts.port  # a port that is not a number or out of range raises here
         except (UnicodeError, ValueError):
             raise ValueError(
-                f"discover = 'dns': url {self.url!r} has no valid host name and port ({example})"
+                f"{how}: url {self.url!r} has no valid host name and port ({example})"
             ) from None
+        if self.discover == "dns-srv" and port is not None:
+            raise ValueError(
+                f"{how}: the SRV records give each engine's port; url takes none ({example})"
+            )
         if self.load_from:
             raise ValueError(
                 "discover is not for kind = 'router' with load_from (a router finds its "
@@ -266,13 +277,16 @@ class Endpoint(BaseModel):
         """The host name in `url` (what discover = "dns" resolves)."""
         return urlsplit(self.url).hostname or ""
 
-    def at(self, address: str) -> Endpoint:
-        """The replica at one address of a discovered endpoint: its url's host replaced
-        by the address, named `<name>-<address>:<port>` (a change of port in the file
-        is other engines, under other names)."""
+    @property
+    def port(self) -> int:
+        """The port in `url` (http's when it gives none)."""
+        return urlsplit(self.url).port or 80
+
+    def at(self, netloc: str) -> Endpoint:
+        """The replica of a discovered endpoint at `netloc` ("10.0.0.5:30000",
+        "[fd00::5]:30000"): its url's host and port replaced, named `<name>-<netloc>`
+        (another port is another engine, under another name)."""
         parts = urlsplit(self.url)
-        host = f"[{address}]" if ":" in address else address
-        netloc = f"{host}:{parts.port or 80}"
         url = urlunsplit((parts.scheme, netloc, parts.path, "", ""))
         return self.model_copy(
             update={"name": f"{self.name}-{netloc}", "url": url, "discover": None}
@@ -600,11 +614,11 @@ class Config(BaseModel):
         addresses."""
         return [e for e in self.endpoints if e.discover is not None]
 
-    def expanded(self, addresses: Mapping[str, Sequence[str]]) -> Config:
+    def expanded(self, engines: Mapping[str, Sequence[str]]) -> Config:
         """This configuration with each discovered endpoint replaced by one endpoint per
-        address its name resolved to (`addresses`, by endpoint name; none: no engine),
-        in the file's order.  A replica name that an endpoint of the file has already is
-        left out (the file's wins)."""
+        engine its name resolved to (`engines`: "address:port"s by endpoint name; none:
+        no engine), in the file's order.  A replica name that an endpoint of the file
+        has already is left out (the file's wins)."""
         if not self.discovered:
             return self
         given = {e.name for e in self.endpoints}
@@ -613,7 +627,7 @@ class Config(BaseModel):
             if e.discover is None:
                 endpoints.append(e)
                 continue
-            endpoints += [r for a in addresses.get(e.name, ()) if (r := e.at(a)).name not in given]
+            endpoints += [r for a in engines.get(e.name, ()) if (r := e.at(a)).name not in given]
         return self.model_copy(update={"endpoints": endpoints})
 
     def replica_specs(self) -> list[ReplicaSpec]:

@@ -3,8 +3,8 @@ Kubernetes cluster's CoreDNS (a headless Service's ready pods) or Consul's DNS, 
 `discover = "dns"` with `[discovery] nameservers`.
 
 It speaks the protocol (dnspython builds and parses the messages): A and AAAA records
-for the names in `records`, NXDOMAIN for other names, and, while `silent` is set, no
-answer at all (a resolver that times out)."""
+for the names in `records`, SRV records for those in `services`, NXDOMAIN for other
+names, and, while `silent` is set, no answer at all (a resolver that times out)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ __all__ = ["FakeDns", "fake_dns"]
 class FakeDns(asyncio.DatagramProtocol):
     def __init__(self) -> None:
         self.records: dict[str, list[str]] = {}  # name (no trailing dot) -> addresses
+        # SRV name -> (priority, weight, port, target) records
+        self.services: dict[str, list[tuple[int, int, int, str]]] = {}
         self.silent = False
         self.asked = 0  # queries received (answered or not)
         self._transport: asyncio.DatagramTransport | None = None
@@ -42,9 +44,15 @@ class FakeDns(asyncio.DatagramProtocol):
         question = query.question[0]
         name = question.name.to_text(omit_final_dot=True).lower()
         addresses = self.records.get(name)
-        if addresses is None:
+        if name not in self.records and name not in self.services:
             answer.set_rcode(dns.rcode.NXDOMAIN)
-        else:
+        elif question.rdtype == dns.rdatatype.SRV:
+            srv = [f"{p} {w} {port} {target}" for p, w, port, target in self.services.get(name, [])]
+            if srv:
+                answer.answer.append(
+                    dns.rrset.from_text_list(question.name, 5, dns.rdataclass.IN, "SRV", srv)
+                )
+        elif addresses is not None:
             version = 4 if question.rdtype == dns.rdatatype.A else 6
             wanted = [a for a in addresses if ipaddress.ip_address(a).version == version]
             if wanted:  # none of the type: an empty answer (NOERROR, no records)

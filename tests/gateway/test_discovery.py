@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from harness import MODEL, POLL_S, POLLS, Recorder, endpoint, gateway, until
+from harness import MODEL, POLL_S, POLLS, Recorder, endpoint, engine, gateway, until
 from test_reload import calling_task, chat, from_file, one_streaming_one_held, toml
 
 from gateway._shell import AdmissionShell
@@ -135,12 +135,17 @@ async def test_engines_join_and_leave_as_the_name_resolves(
             metrics = (await gw.get("/metrics")).text
             assert f'replica="{V6}"' in metrics and V4 not in metrics, "its series are gone"
             found = await discovery_of(gw)
-            assert (found["host"], found["addresses"], found["error"]) == (NAME, ["::1"], None)
+            assert (found["host"], found["engines"], found["error"]) == (
+                NAME,
+                [f"[::1]:{port}"],
+                None,
+            )
 
             # the DNS server stops answering: the last answer stands, and status says why
             dns.silent = True
             found = await discovered(gw, lambda f: f["error"] is not None, "a round unanswered")
-            assert found["addresses"] == ["::1"] and "no answer within 0.5 s" in found["error"]
+            assert found["engines"] == [f"[::1]:{port}"]
+            assert "no answer within 0.5 s" in found["error"]
             assert serving(shell) == {V6}
             r = await gw.post("/v1/chat/completions", json=hello())
             assert r.status_code == 200, r.text
@@ -155,7 +160,7 @@ async def test_engines_join_and_leave_as_the_name_resolves(
             assert r.status_code == 503 and r.headers["retry-after"]
             message = r.json()["error"]["message"]
             assert f"model '{MODEL}' has no engine now" in message
-            assert f"endpoint pod: {NAME} resolves to no address" in message
+            assert f"endpoint pod: {NAME} resolves to no engine" in message
             listed = (await gw.get("/v1/models")).json()["data"]
             assert [m["id"] for m in listed] == [MODEL], "still offered: its engines come back"
             r = await gw.post("/v1/decide", json={"input": "go?", "labels": ["yes", "no"]})
@@ -217,7 +222,7 @@ async def test_the_system_resolver_finds_localhost() -> None:
             assert r.status_code == 200, r.text
             assert (len(rec4.chats), len(rec6.chats)) == (1, 0)
             found = await discovery_of(gw)
-            assert found["host"] == "localhost" and "127.0.0.1" in found["addresses"]
+            assert (found["host"], found["engines"]) == ("localhost", [f"127.0.0.1:{port}"])
 
 
 async def test_a_reload_resolves_at_once_and_applies_discovery(tmp_path: Path) -> None:
@@ -282,7 +287,8 @@ async def test_which_addresses_are_engines(
         )
         section = Discovery(nameservers=[where], family=family)  # type: ignore[arg-type]
         found = await Resolver().resolve_all([pod], section, {})
-        assert found["pod"].addresses == tuple(engines) and found["pod"].error is None
+        netlocs = tuple(f"[{a}]:1" if ":" in a else f"{a}:1" for a in engines)  # url's port
+        assert found["pod"].engines == netlocs and found["pod"].error is None
 
 
 async def test_an_unanswered_name_keeps_the_last_answer_for_that_name_only() -> None:
@@ -296,11 +302,54 @@ async def test_an_unanswered_name_keeps_the_last_answer_for_that_name_only() -> 
         before = await resolver.resolve_all([pod], section, {})
         dns.silent = True
         kept = await resolver.resolve_all([pod], section, before)
-        assert kept["pod"].addresses == ("10.0.0.9",) and "no answer within 0.2 s" in str(
+        assert kept["pod"].engines == ("10.0.0.9:1",) and "no answer within 0.2 s" in str(
             kept["pod"].error
         )
         assert kept["pod"].resolved_at == before["pod"].resolved_at
         # the file now names another host: the old host's answer is not this one's
         moved = pod.model_copy(update={"url": "http://elsewhere.test:1"})
         fresh = await resolver.resolve_all([moved], section, before)
-        assert fresh["pod"].addresses == () and fresh["pod"].resolved_at is None
+        assert fresh["pod"].engines == () and fresh["pod"].resolved_at is None
+
+
+async def test_srv_records_give_the_engines_and_their_ports() -> None:
+    async with fake_dns() as (dns, where):
+        name = "_http._tcp.pods.test"
+        dns.services[name] = [
+            (10, 5, 8001, "a.test."),
+            (10, 5, 8002, "b.test."),
+            (10, 5, 8003, "a.test."),  # two engines on one host
+            (20, 5, 9000, "c.test."),  # a fallback (a higher priority value): not an engine
+        ]
+        dns.records |= {"a.test": ["10.0.0.1", "fd00::1"], "b.test": ["10.0.0.2"]}
+        dns.records["c.test"] = ["10.0.0.3"]
+        pod = Endpoint(
+            name="pod", url=f"http://{name}", kind="sglang", models=["m"], discover="dns-srv"
+        )
+        found = await Resolver().resolve_all([pod], Discovery(nameservers=[where]), {})
+        assert found["pod"].engines == ("10.0.0.1:8001", "10.0.0.1:8003", "10.0.0.2:8002")
+        dns.services[name] = []  # the service has no instance: no engine
+        found = await Resolver().resolve_all([pod], Discovery(nameservers=[where]), found)
+        assert found["pod"].engines == () and found["pod"].error is None
+
+
+async def test_a_gateway_serves_the_engines_an_srv_name_gives() -> None:
+    async with (
+        engine() as (url_a, rec_a),
+        engine() as (url_b, rec_b),
+        fake_dns() as (dns, where),
+    ):
+        ports = [int(u.rsplit(":", 1)[1]) for u in (url_a, url_b)]
+        name = "_http._tcp.engines.test"
+        dns.services[name] = [(0, 1, ports[0], "node.test.")]
+        dns.records["node.test"] = ["127.0.0.1"]
+        pod = endpoint("pod", f"http://{name}", discover="dns-srv")
+        section = {"nameservers": [where], "period_s": 0.05}
+        async with gateway(pod, sections={"discovery": section}) as (gw, shell):
+            first, second = (f"pod-127.0.0.1:{p}" for p in ports)
+            assert set(shell.state.replicas) == {first}
+            dns.services[name].append((0, 1, ports[1], "node.test."))  # one more instance
+            await until(lambda: serving(shell) == {first, second}, "the second in rotation")
+            for run in ("r1", "r2"):  # one run on each: the least loaded first
+                await chat(gw, run, [{"role": "user", "content": calling_task()}])
+            assert (len(rec_a.chats), len(rec_b.chats)) == (1, 1)

@@ -286,7 +286,7 @@ def test_the_newer_apis_default_by_kind_and_the_file_decides() -> None:
         (
             '[[endpoints]]\nname="a"\nurl="http://pods.test:1"\nkind="sglang"\nmodels=["m"]\n'
             'discover="k8s"',
-            "endpoints[0].discover: Input should be 'dns'",
+            "endpoints[0].discover: Input should be 'dns' or 'dns-srv'",
         ),
         (
             '[[endpoints]]\nname="e"\nurl="http://pods.test:1"\nkind="sglang"\nmodels=["m"]\n'
@@ -331,6 +331,11 @@ def test_the_newer_apis_default_by_kind_and_the_file_decides() -> None:
             '[[endpoints]]\nname="a"\nurl="http://u:p@pods.test:1"\nkind="sglang"\n'
             'models=["m"]\ndiscover="dns"',
             "not credentials (send keys with api_key_env)",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://_http._tcp.pods.test:1"\nkind="sglang"\n'
+            'models=["m"]\ndiscover="dns-srv"',
+            "discover = 'dns-srv': the SRV records give each engine's port; url takes none",
         ),
         (
             '[[endpoints]]\nname="a"\nurl="http://pods.test:1"\nkind="classifier"\n'
@@ -483,7 +488,7 @@ def test_a_discovered_endpoint_expands_to_one_replica_per_address() -> None:
         "[::1]:8600",
         "10.0.0.10",
     ]
-    out = cfg.expanded({"pod": ("10.0.0.6", "10.0.0.7", "fd00::5")})
+    out = cfg.expanded({"pod": ("10.0.0.6:30000", "10.0.0.7:30000", "[fd00::5]:30000")})
     assert [(e.name, e.url) for e in out.endpoints] == [
         ("a", "http://h:1"),
         # named by address and port: a port changed in the file is other engines
@@ -502,12 +507,9 @@ def test_a_discovered_endpoint_expands_to_one_replica_per_address() -> None:
     ]
     # no address: no replica; a file without discovered endpoints is itself
     assert [e.name for e in cfg.expanded({}).endpoints] == ["a", "pod-10.0.0.7:30000"]
-    # no port in url: http's
-    bare = cfg.discovered[0].model_copy(update={"url": "http://pods.test"})
-    assert (bare.at("10.0.0.6").name, bare.at("10.0.0.6").url) == (
-        "pod-10.0.0.6:80",
-        "http://10.0.0.6:80",
-    )
+    # the port the engines are on: url's, or http's
+    assert cfg.discovered[0].port == 30000
+    assert cfg.discovered[0].model_copy(update={"url": "http://pods.test"}).port == 80
     plain = parse_config(
         {"endpoints": [{"name": "a", "url": "http://h:1", "kind": "vllm", "models": ["m"]}]}
     )
