@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import itertools
 import math
 import socket
@@ -30,6 +29,8 @@ from urllib.parse import urlsplit
 import httptools
 import httpx
 from starlette.types import Message, Receive
+
+from luftpause.config import is_address
 
 __all__ = [
     "MAX_CONNECTIONS",
@@ -79,14 +80,6 @@ RESEND_WINDOW_S = 0.5
 
 
 HAPPY_EYEBALLS_DELAY_S = 0.25
-
-
-def _is_address(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
 
 
 def _interleaved(infos: Sequence[tuple[object, ...]]) -> list[str]:
@@ -477,7 +470,7 @@ class Upstream:
                 port=parts.port or (443 if tls else 80),
                 tls=tls,
                 host_header=parts.netloc,
-                literal=_is_address(parts.hostname),
+                literal=is_address(parts.hostname),
             )
             target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
             known = self._targets[url] = (origin, target)

@@ -248,7 +248,7 @@ class Endpoint(BaseModel):
             if self.discover == "dns-srv"
             else "e.g. http://sglang-headless.llm.svc.cluster.local:30000"
         )
-        if not host or parts.username is not None or _is_address(host):
+        if not host or parts.username is not None or is_address(host):
             said = ""
             if parts.username is not None:
                 said = ", not credentials (send keys with api_key_env)"
@@ -412,7 +412,7 @@ def nameserver_address(server: str) -> tuple[str, int]:
     """("127.0.0.1:8600" | "10.0.0.10" | "[::1]:53" | "::1") -> (address, port).  A host
     name is refused: resolving the resolver would need another resolver."""
     server = server.strip()
-    if _is_address(server):
+    if is_address(server):
         return server, 53
     try:
         parts = urlsplit("//" + server)
@@ -420,7 +420,7 @@ def nameserver_address(server: str) -> tuple[str, int]:
         port = 53 if parts.port is None else parts.port
     except ValueError:  # a port out of range, or not a number
         host, port = "", 0
-    if not _is_address(host) or port == 0:
+    if not is_address(host) or port == 0:
         raise ValueError(
             f"expected a nameserver as an IP address with an optional port, e.g. "
             f"127.0.0.1:8600 or [::1]:53, not {server!r}"
@@ -428,7 +428,8 @@ def nameserver_address(server: str) -> tuple[str, int]:
     return host, port
 
 
-def _is_address(host: str) -> bool:
+def is_address(host: str) -> bool:
+    """An IP address literal (not a name to resolve)."""
     try:
         ipaddress.ip_address(host)
     except ValueError:
