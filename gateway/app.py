@@ -22,6 +22,7 @@ import os
 import re
 import signal
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -271,8 +272,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                     if isinstance(action, Forget):
                         run_spans.forgotten(action.run_id, expired=action.expired)
                 metrics.observe(before, event, actions)
-                for name in before.retired:  # replicas that left the pool and are done
-                    if name not in shell.state.replicas:
+                after = shell.state.replicas
+                # Replicas the core forgot (they left the pool and are done): a pool
+                # change may forget one it retires at once, and add another.
+                if len(after) < len(before.replicas) or isinstance(event, PoolChanged):
+                    for name in set(before.replicas.keys()) - set(after.keys()):
                         metrics.forget_replica(name)
 
             # Discovered endpoints' engines first: the core starts with them.
@@ -702,7 +706,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         def walk() -> dict[str, Any]:
             view = status_snapshot(state, probes, counts, now)
             if found:  # what each discovered endpoint's name resolved to
-                view["discovery"] = {name: f.as_json() for name, f in found.items()}
+                wall = time.time()
+                view["discovery"] = {name: f.as_json(wall) for name, f in found.items()}
             if recent:
                 view["recent_runs"] = runs_listing(state, now, limit=recent)["runs"]
             return view
@@ -904,7 +909,7 @@ def _decide(
         client=rt.client,
         endpoints=live.known,
         models=live.pool.offered,
-        awaited=live.pool.awaited,
+        awaited=lambda model: live.pool.awaited(model),  # the pool when it answers
         classifiers=live.pool.classifiers,
         down=_down(rt.prober),
         load=live.classifier_load,

@@ -318,11 +318,13 @@ async def run_turn(
     receive: Receive,
     answer_timeout: float = ENGINE_IDLE_TIMEOUT_S,
     retry_after: str = UNAVAILABLE_RETRY_AFTER_S,
+    awaited: Callable[[str], str | None] = lambda model: None,
 ) -> Response | dict[str, Any]:
     """One non-streaming chat turn through the core: held until admitted, posted to the
     admitted replica; its parsed JSON answer, or the response for the client.  Exactly one
     terminal event is reported per arrived turn (none for a rejected one).  An engine
-    that has not answered `answer_timeout` after admission fails the turn (504)."""
+    that has not answered `answer_timeout` after admission fails the turn (504).
+    `awaited`: as TurnResponse's (a 404 for a model whose engines all left is a 503)."""
     disconnected = asyncio.ensure_future(wait_disconnect(receive))
     arrived = ended = False
 
@@ -344,9 +346,10 @@ async def run_turn(
             return error_response(_CLIENT_LEFT, "client disconnected while held", turn.run_id)
         if isinstance(outcome, Rejected):
             ended = True  # never queued: nothing to report
-            return error_response(
-                outcome.status, outcome.message, turn.run_id, retry_after=retry_after
-            )
+            status, message = outcome.status, outcome.message
+            if status == 404 and (why := awaited(turn.model)) is not None:
+                status, message = 503, why
+            return error_response(status, message, turn.run_id, retry_after=retry_after)
         endpoint = endpoints[outcome]
         headers = {
             "content-type": turn.content_type,
@@ -479,6 +482,7 @@ async def decide(
             receive=receive,
             answer_timeout=answer_timeout,
             retry_after=retry_after,
+            awaited=awaited,
         )
     finally:
         shell.apply(RunEnded(now=clock(), run_id=run_id))

@@ -1,4 +1,4 @@
-"""Engines found by name: endpoints with `discover = "dns"`.
+"""Engines found by name: endpoints with `discover = "dns"` or `"dns-srv"`.
 
 Such an endpoint stands for every engine its url's host name resolves to: the pods of a
 Kubernetes headless Service (their DNS lists the ready pods), a Compose service scaled
@@ -70,12 +70,15 @@ class Found:
     engines: tuple[str, ...]  # "address:port" of its engines now, sorted
     resolved_at: float | None  # wall time of the last answer (None: never answered)
     error: str | None = None  # why the last attempt had no answer (then: the last answer's)
+    asked: str = ""  # what was asked (how, name, port): a last answer is kept for the same
 
-    def as_json(self) -> dict[str, object]:
+    def as_json(self, now: float) -> dict[str, object]:
+        """For /status: `answered_s_ago` is None until a first answer."""
+        ago = None if self.resolved_at is None else round(max(0.0, now - self.resolved_at), 1)
         return {
             "host": self.host,
             "engines": list(self.engines),
-            "resolved_at": self.resolved_at,
+            "answered_s_ago": ago,
             "error": self.error,
         }
 
@@ -101,14 +104,15 @@ class Resolver:
         now = time.time()
         found: dict[str, Found] = {}
         for e, result in zip(endpoints, results, strict=True):
+            asked = f"{e.discover} {e.host}:{e.port}"
             if isinstance(result, tuple):
-                found[e.name] = Found(e.host, result, now)
+                found[e.name] = Found(e.host, result, now, asked=asked)
                 continue
             last = before.get(e.name)
-            if last is not None and last.host == e.host:
-                found[e.name] = Found(e.host, last.engines, last.resolved_at, result)
+            if last is not None and last.asked == asked:
+                found[e.name] = Found(e.host, last.engines, last.resolved_at, result, asked)
             else:
-                found[e.name] = Found(e.host, (), None, result)
+                found[e.name] = Found(e.host, (), None, result, asked)
             if last is None or last.error != result:  # once per failure, not every period
                 log.warning("discovery of endpoint %s: %s", e.name, result)
         return found
@@ -193,6 +197,9 @@ def _resolver(section: Discovery) -> dns.asyncresolver.Resolver:
             raise _NoAnswer(f"no resolver configuration: {exc}") from None
         resolver.use_search_by_default = True
     resolver.lifetime = section.timeout_s
+    # Each server its share of the time: one that does not answer must leave time to
+    # ask the next (dnspython's per-server timeout is 2 s, the whole default lifetime).
+    resolver.timeout = section.timeout_s / max(1, len(resolver.nameservers))
     return resolver
 
 
@@ -211,11 +218,12 @@ async def _records(
         except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
             return []
         except dns.exception.DNSException as exc:  # timeouts, SERVFAIL, refused
-            raise _NoAnswer(f"{_asked(section)}: {exc}") from None
+            raise _NoAnswer(f"{_asked(section)}: {host} {rdtype}: {exc}") from None
         return [r.address for r in answer]
 
-    a, aaaa = await asyncio.gather(of("A"), of("AAAA"))
-    return a + aaaa
+    wanted = {"v4_only": ("A",), "v6_only": ("AAAA",)}.get(section.family, ("A", "AAAA"))
+    found = await asyncio.gather(*(of(rdtype) for rdtype in wanted))
+    return [address for addresses in found for address in addresses]
 
 
 async def _srv(host: str, section: Discovery) -> list[tuple[_Ip, int]]:
@@ -232,7 +240,9 @@ async def _srv(host: str, section: Discovery) -> list[tuple[_Ip, int]]:
     if not records:
         return []
     first = min(r.priority for r in records)
-    chosen = [r for r in records if r.priority == first and str(r.target) != "."]
+    # A target "." says the service is not there; port 0 is no port.  A target that
+    # cannot be resolved (no answer) fails the round: the last answer stands whole.
+    chosen = [r for r in records if r.priority == first and str(r.target) != "." and r.port]
     targets = sorted({r.target.to_text() for r in chosen})
     found = await asyncio.gather(*(_records(resolver, t, section) for t in targets))
     addresses = dict(zip(targets, found, strict=True))

@@ -73,11 +73,13 @@ class Pool:
         replicas = {e.name: e for e in config.replicas}
         models = tuple(dict.fromkeys(m for e in replicas.values() for m in e.models))
         awaiting: dict[str, tuple[str, ...]] = {}
-        for e in file.discovered:  # (engines that take turns: Config allows no other)
-            if not (found.get(e.name) and found[e.name].engines):
-                for m in e.models:
-                    if m not in models:
-                        awaiting[m] = (*awaiting.get(m, ()), e.name)
+        # Discovered endpoints with no engine now (they take turns: Config allows no
+        # other).  Their APIs still decide what a turn for their models may be.
+        empty = [e for e in file.discovered if not (e.name in found and found[e.name].engines)]
+        for e in empty:
+            for m in e.models:
+                if m not in models:
+                    awaiting[m] = (*awaiting.get(m, ()), e.name)
         by_name = {e.name: e for e in config.endpoints}
         return cls(
             file=file,
@@ -89,8 +91,12 @@ class Pool:
             classifiers=tuple(e for e in config.endpoints if not e.generative),
             lacking={
                 api: {
-                    m: [e.name for e in replicas.values() if m in e.models and not e.serves(api)]
-                    for m in models
+                    m: [
+                        e.name
+                        for e in (*replicas.values(), *empty)
+                        if m in e.models and not e.serves(api)
+                    ]
+                    for m in (*models, *awaiting)
                 }
                 for api in ("messages", "responses")
             },

@@ -323,6 +323,17 @@ def _sub_agents(snapshot: Mapping[str, Any]) -> str:
     return f"<h2>Sub-agent runs (recent)</h2>{_table(headers, _tree_rows(tree))}"
 
 
+def _discovery(snapshot: Mapping[str, Any]) -> str:
+    found = snapshot.get("discovery")
+    if not found:
+        return ""
+    keys = ["host", "engines", "answered_s_ago", "error"]
+    rows = [[name, *(f.get(k) for k in keys)] for name, f in found.items()]
+    for row in rows:
+        row[2] = ", ".join(row[2])
+    return f"<h2>Engines found by name</h2>{_table(['endpoint', *keys], rows)}"
+
+
 def render_status_page(snapshot: Mapping[str, Any]) -> str:
     """The snapshot as a self-contained HTML page that reloads itself every 2 s; every
     value is escaped (callers are whatever clients sent)."""
@@ -393,6 +404,7 @@ def render_status_page(snapshot: Mapping[str, Any]) -> str:
         "<h1>luftpause</h1>"
         f"<p>{html.escape(summary)}</p>"
         f"<h2>Replicas</h2>{replicas}"
+        f"{_discovery(snapshot)}"
         f"<h2>Held turns by class</h2>{held_by_class}"
         f"<h2>Held turns by caller (top {TOP_CALLERS})</h2>{held_by_caller}"
         f"<h2>Runs by phase and class</h2>{runs_table}"

@@ -41,10 +41,10 @@ address = "127.0.0.1:7233"
 namespace = "default"
 task_queue = "luftpause"
 
-[discovery]              # optional: for endpoints with discover = "dns"; defaults shown
+[discovery]              # optional: for endpoints with discover; defaults shown
 period_s = 5.0           # how often their names are resolved again
 timeout_s = 2.0
-nameservers = []         # "host[:port]" to ask instead of the system resolver,
+nameservers = []         # "address[:port]" to ask instead of the system resolver,
                          # e.g. ["127.0.0.1:8600"] for Consul's DNS interface
 
 [policy]                 # optional: the scheduler's constants (scheduler.Policy); defaults shown
@@ -244,7 +244,7 @@ class Endpoint(BaseModel):
             )
         host = parts.hostname or ""
         example = (
-            "e.g. http://_http._tcp.sglang.service.consul"
+            "e.g. http://_sglang._tcp.service.consul"
             if self.discover == "dns-srv"
             else "e.g. http://sglang-headless.llm.svc.cluster.local:30000"
         )
@@ -262,6 +262,8 @@ class Endpoint(BaseModel):
             raise ValueError(
                 f"{how}: url {self.url!r} has no valid host name and port ({example})"
             ) from None
+        if port == 0:
+            raise ValueError(f"{how}: url {self.url!r} has port 0 ({example})")
         if self.discover == "dns-srv" and port is not None:
             raise ValueError(
                 f"{how}: the SRV records give each engine's port; url takes none ({example})"
@@ -274,7 +276,7 @@ class Endpoint(BaseModel):
 
     @property
     def host(self) -> str:
-        """The host name in `url` (what discover = "dns" resolves)."""
+        """The host name in `url` (what `discover` resolves)."""
         return urlsplit(self.url).hostname or ""
 
     @property
@@ -383,7 +385,7 @@ class Probes(BaseModel):
 
 
 class Discovery(BaseModel):
-    """`[discovery]`: how endpoints with `discover = "dns"` are resolved."""
+    """`[discovery]`: how endpoints with `discover` are resolved."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 

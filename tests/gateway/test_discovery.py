@@ -18,8 +18,9 @@ from harness import MODEL, POLL_S, POLLS, Recorder, endpoint, engine, gateway, u
 from test_reload import calling_task, chat, from_file, one_streaming_one_held, toml
 
 from gateway._shell import AdmissionShell
-from gateway.discovery import Resolver
-from luftpause.config import Discovery, Endpoint
+from gateway.discovery import Found, Resolver
+from gateway.pool import Pool
+from luftpause.config import Discovery, Endpoint, parse_config
 from testkit.fake_dns import fake_dns
 from testkit.fake_engine import FakeEngineSettings
 from testkit.fake_engine import create_app as create_engine
@@ -140,6 +141,8 @@ async def test_engines_join_and_leave_as_the_name_resolves(
                 [f"[::1]:{port}"],
                 None,
             )
+            page = (await gw.get("/")).text  # the status page shows it too
+            assert "Engines found by name" in page and f"[::1]:{port}" in page
 
             # the DNS server stops answering: the last answer stands, and status says why
             dns.silent = True
@@ -307,9 +310,10 @@ async def test_an_unanswered_name_keeps_the_last_answer_for_that_name_only() -> 
         )
         assert kept["pod"].resolved_at == before["pod"].resolved_at
         # the file now names another host: the old host's answer is not this one's
-        moved = pod.model_copy(update={"url": "http://elsewhere.test:1"})
-        fresh = await resolver.resolve_all([moved], section, before)
-        assert fresh["pod"].engines == () and fresh["pod"].resolved_at is None
+        for url in ("http://elsewhere.test:1", f"http://{NAME}:2"):  # another name, port
+            moved = pod.model_copy(update={"url": url})
+            fresh = await resolver.resolve_all([moved], section, before)
+            assert fresh["pod"].engines == () and fresh["pod"].resolved_at is None
 
 
 async def test_srv_records_give_the_engines_and_their_ports() -> None:
@@ -353,3 +357,73 @@ async def test_a_gateway_serves_the_engines_an_srv_name_gives() -> None:
             for run in ("r1", "r2"):  # one run on each: the least loaded first
                 await chat(gw, run, [{"role": "user", "content": calling_task()}])
             assert (len(rec_a.chats), len(rec_b.chats)) == (1, 1)
+
+
+async def test_a_replica_that_leaves_with_nothing_bound_drops_its_series() -> None:
+    async with pods() as (port, rec4, _), fake_dns() as (dns, where):
+        dns.records[NAME] = ["127.0.0.1", "::1"]
+        async with discovering(port, where) as (gw, shell):
+            r = await gw.post("/v1/chat/completions", json=hello())  # no tools: run idle
+            assert r.status_code == 200 and len(rec4.chats) == 1
+            assert f'replica="{v4(port)}"' in (await gw.get("/metrics")).text
+            dns.records[NAME] = ["::1"]  # retired and forgotten in one step
+            await until(lambda: v4(port) not in shell.state.replicas, "the pod forgotten")
+            assert v4(port) not in (await gw.get("/metrics")).text
+
+
+async def test_a_held_decision_whose_engines_all_left_is_told_to_retry() -> None:
+    async with pods(time_scale=0.5) as (port, _, _), fake_dns() as (dns, where):
+        dns.records[NAME] = ["127.0.0.1"]
+        async with (
+            discovering(port, where, kv_tokens=400) as (gw, shell),
+            one_streaming_one_held(gw, shell) as (lines, second),
+        ):
+            # a decision too large for the KV left: held behind the two turns
+            body = {"input": "x " * 200, "labels": ["yes", "no"]}
+            decision = asyncio.ensure_future(gw.post("/v1/decide", json=body))
+            await until(lambda: shell.state.held_count() == 2, "the decision held")
+            dns.records.clear()
+            answer = await decision
+            assert answer.status_code == 503, answer.text
+            assert "has no engine now" in answer.json()["error"]["message"]
+            assert (await second).status_code == 503
+            events = [line async for line in lines]
+            assert [e for e in events if e.startswith("data:")][-1] == "data: [DONE]"
+
+
+async def test_a_server_that_does_not_answer_leaves_time_for_the_next() -> None:
+    async with fake_dns() as (dead, first), fake_dns() as (live, second):
+        dead.silent = True
+        live.records[NAME] = ["10.0.0.9"]
+        pod = Endpoint(
+            name="pod", url=f"http://{NAME}:1", kind="sglang", models=["m"], discover="dns"
+        )
+        section = Discovery(nameservers=[first, second], timeout_s=1.0)
+        found = await Resolver().resolve_all([pod], section, {})
+        assert found["pod"].engines == ("10.0.0.9:1",) and found["pod"].error is None
+        assert dead.asked >= 1 and live.asked >= 1
+
+
+def test_models_awaiting_engines_keep_their_place_and_their_apis() -> None:
+    file = parse_config(
+        {
+            "endpoints": [
+                {
+                    "name": "pod",
+                    "url": "http://hosted.test:8000",
+                    "kind": "openai",
+                    "models": ["big"],
+                    "discover": "dns",
+                },
+                {"name": "a", "url": "http://h:1", "kind": "sglang", "models": ["small"]},
+            ]
+        }
+    )
+    pool = Pool.of(file, {})
+    assert pool.models == ("small",) and pool.awaiting == {"big": ("pod",)}
+    assert pool.offered == ("big", "small"), "the file's first is the default, up or not"
+    assert pool.lacking["messages"]["big"] == ["pod"], "an openai kind serves no Messages"
+    assert pool.awaited("small") is None and "not resolved yet" in str(pool.awaited("big"))
+    found = {"pod": Found("hosted.test", ("10.0.0.9:8000",), 1.0)}
+    up = Pool.of(file, found)
+    assert up.models == ("big", "small") and not up.awaiting and up.awaited("big") is None

@@ -338,6 +338,11 @@ def test_the_newer_apis_default_by_kind_and_the_file_decides() -> None:
             "discover = 'dns-srv': the SRV records give each engine's port; url takes none",
         ),
         (
+            '[[endpoints]]\nname="a"\nurl="http://pods.test:0"\nkind="sglang"\nmodels=["m"]\n'
+            'discover="dns"',
+            "discover = 'dns': url 'http://pods.test:0' has port 0",
+        ),
+        (
             '[[endpoints]]\nname="a"\nurl="http://pods.test:1"\nkind="classifier"\n'
             'models=["m"]\ndiscover="dns"',
             "discover is for endpoints that take turns, not kind = 'classifier'",
