@@ -30,12 +30,13 @@ Kubernetes too.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import ipaddress
 import logging
 import socket
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import dns.asyncresolver
 import dns.exception
@@ -63,6 +64,13 @@ class _NoAnswer(Exception):
 
 
 @dataclass(frozen=True, slots=True)
+class _Answer:
+    engines: tuple[str, ...]  # "address:port", sorted
+    targets: Mapping[str, tuple[str, ...]]  # dns-srv: each target's addresses
+    partial: str | None  # dns-srv: targets not answered (their last addresses kept)
+
+
+@dataclass(frozen=True, slots=True)
 class Found:
     """What a discovered endpoint's name resolved to."""
 
@@ -71,6 +79,8 @@ class Found:
     resolved_at: float | None  # wall time of the last answer (None: never answered)
     error: str | None = None  # why the last attempt had no answer (then: the last answer's)
     asked: str = ""  # what was asked (how, name, port): a last answer is kept for the same
+    # dns-srv: each target's addresses, for a target that gets no answer next time
+    targets: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def as_json(self, now: float) -> dict[str, object]:
         """For /status: `answered_s_ago` is None until a first answer."""
@@ -100,31 +110,46 @@ class Resolver:
         """Resolve each endpoint's name at once (`section`'s resolver, timeout and
         family).  An endpoint whose name could not be resolved keeps what `before` found
         for the same name."""
-        results = await asyncio.gather(*(self._resolve(e, section) for e in endpoints))
+        asked = {e.name: f"{e.discover} {e.host}:{e.port}" for e in endpoints}
+        lasts = {
+            e.name: last
+            for e in endpoints
+            if (last := before.get(e.name)) is not None and last.asked == asked[e.name]
+        }
+        results = await asyncio.gather(
+            *(self._resolve(e, section, lasts.get(e.name)) for e in endpoints)
+        )
         now = time.time()
         found: dict[str, Found] = {}
         for e, result in zip(endpoints, results, strict=True):
-            asked = f"{e.discover} {e.host}:{e.port}"
-            if isinstance(result, tuple):
-                found[e.name] = Found(e.host, result, now, asked=asked)
+            last = lasts.get(e.name)
+            if isinstance(result, _Answer):
+                found[e.name] = Found(
+                    e.host, result.engines, now, result.partial, asked[e.name], result.targets
+                )
+                if result.partial is not None and (last is None or last.error != result.partial):
+                    log.warning("discovery of endpoint %s: %s", e.name, result.partial)
                 continue
-            last = before.get(e.name)
-            if last is not None and last.asked == asked:
-                found[e.name] = Found(e.host, last.engines, last.resolved_at, result, asked)
+            if last is not None:
+                found[e.name] = dataclasses.replace(last, error=result)
             else:
-                found[e.name] = Found(e.host, (), None, result, asked)
+                found[e.name] = Found(e.host, (), None, result, asked[e.name])
             if last is None or last.error != result:  # once per failure, not every period
                 log.warning("discovery of endpoint %s: %s", e.name, result)
         return found
 
-    async def _resolve(self, e: Endpoint, section: Discovery) -> tuple[str, ...] | str:
-        """The endpoint's engines, sorted (empty: none), or why its name was not
+    async def _resolve(self, e: Endpoint, section: Discovery, last: Found | None) -> _Answer | str:
+        """The endpoint's engines (none: it has none), or why its name was not
         answered."""
         host = e.host
+        targets: dict[str, tuple[str, ...]] = {}
+        partial = None
         try:
             async with asyncio.timeout(section.timeout_s):
                 if e.discover == "dns-srv":
-                    engines = await _srv(host, section)
+                    engines, targets, partial = await _srv(
+                        host, section, last.targets if last is not None else {}
+                    )
                 else:
                     if section.nameservers:
                         addresses = await _records(_resolver(section), host, section)
@@ -137,7 +162,8 @@ class Resolver:
             return f"{host}: {exc}; the last answer stands"
         except Exception as exc:  # one odd name must not stop the others (or the start)
             return f"{host}: {type(exc).__name__}: {exc}; the last answer stands"
-        return tuple(_netloc(ip, port) for ip, port in sorted(set(engines), key=_order))
+        netlocs = tuple(_netloc(ip, port) for ip, port in sorted(set(engines), key=_order))
+        return _Answer(netlocs, targets, partial)
 
     async def _system(self, host: str) -> list[str]:
         """getaddrinfo: /etc/hosts, resolv.conf and its search domains, as any client."""
@@ -226,28 +252,43 @@ async def _records(
     return [address for addresses in found for address in addresses]
 
 
-async def _srv(host: str, section: Discovery) -> list[tuple[_Ip, int]]:
+async def _srv(
+    host: str, section: Discovery, last: Mapping[str, tuple[str, ...]]
+) -> tuple[list[tuple[_Ip, int]], dict[str, tuple[str, ...]], str | None]:
     """The engines of an SRV name: its records of the lowest priority (the others are
-    fallbacks, RFC 2782), each target's addresses on the record's port."""
+    fallbacks, RFC 2782), each target's addresses on the record's port; each target's
+    addresses; and which targets got no answer (their addresses in `last` stand in)."""
     resolver = _resolver(section)
     try:
         answer = await resolver.resolve(host, "SRV")
     except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
-        return []
+        return [], {}, None
     except dns.exception.DNSException as exc:
         raise _NoAnswer(f"{_asked(section)}: {exc}") from None
     records = list(answer)
     if not records:
-        return []
+        return [], {}, None
     first = min(r.priority for r in records)
-    # A target "." says the service is not there; port 0 is no port.  A target that
-    # cannot be resolved (no answer) fails the round: the last answer stands whole.
+    # A target "." says the service is not there; port 0 is no port.
     chosen = [r for r in records if r.priority == first and str(r.target) != "." and r.port]
-    targets = sorted({r.target.to_text() for r in chosen})
-    found = await asyncio.gather(*(_records(resolver, t, section) for t in targets))
-    addresses = dict(zip(targets, found, strict=True))
-    return [
+    names = sorted({r.target.to_text() for r in chosen})
+    results = await asyncio.gather(
+        *(_records(resolver, t, section) for t in names), return_exceptions=True
+    )
+    targets: dict[str, tuple[str, ...]] = {}
+    missed = []
+    for name, result in zip(names, results, strict=True):
+        if isinstance(result, _NoAnswer):  # this target's engines as last answered
+            targets[name] = last.get(name, ())
+            kept = "its last addresses kept" if name in last else "none known"
+            missed.append(f"target {name}: {result} ({kept})")
+        elif isinstance(result, BaseException):
+            raise result
+        else:
+            targets[name] = tuple(result)
+    engines = [
         (ip, int(r.port))
         for r in chosen
-        for ip in _family(addresses[r.target.to_text()], section.family)
+        for ip in _family(targets[r.target.to_text()], section.family)
     ]
+    return engines, targets, "; ".join(missed) or None

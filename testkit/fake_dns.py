@@ -4,7 +4,8 @@ Kubernetes cluster's CoreDNS (a headless Service's ready pods) or Consul's DNS, 
 
 It speaks the protocol (dnspython builds and parses the messages): A and AAAA records
 for the names in `records`, SRV records for those in `services`, NXDOMAIN for other
-names, and, while `silent` is set, no answer at all (a resolver that times out)."""
+names, SERVFAIL for those in `failing`, and, while `silent` is set, no answer at all
+(a resolver that times out)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ class FakeDns(asyncio.DatagramProtocol):
         self.records: dict[str, list[str]] = {}  # name (no trailing dot) -> addresses
         # SRV name -> (priority, weight, port, target) records
         self.services: dict[str, list[tuple[int, int, int, str]]] = {}
+        self.failing: set[str] = set()  # names answered SERVFAIL
         self.silent = False
         self.asked = 0  # queries received (answered or not)
         self._transport: asyncio.DatagramTransport | None = None
@@ -44,7 +46,9 @@ class FakeDns(asyncio.DatagramProtocol):
         question = query.question[0]
         name = question.name.to_text(omit_final_dot=True).lower()
         addresses = self.records.get(name)
-        if name not in self.records and name not in self.services:
+        if name in self.failing:
+            answer.set_rcode(dns.rcode.SERVFAIL)
+        elif name not in self.records and name not in self.services:
             answer.set_rcode(dns.rcode.NXDOMAIN)
         elif question.rdtype == dns.rdatatype.SRV:
             srv = [f"{p} {w} {port} {target}" for p, w, port, target in self.services.get(name, [])]

@@ -332,6 +332,21 @@ async def test_srv_records_give_the_engines_and_their_ports() -> None:
         )
         found = await Resolver().resolve_all([pod], Discovery(nameservers=[where]), {})
         assert found["pod"].engines == ("10.0.0.1:8001", "10.0.0.1:8003", "10.0.0.2:8002")
+        # a target whose name gets no answer keeps its engines; a new one joins meanwhile
+        dns.services[name] += [(10, 5, 8004, "d.test."), (10, 5, 8005, "e.test.")]
+        dns.records["d.test"] = ["10.0.0.4"]
+        dns.failing |= {"b.test", "e.test"}
+        found = await Resolver().resolve_all([pod], Discovery(nameservers=[where]), found)
+        assert found["pod"].engines == (
+            "10.0.0.1:8001",
+            "10.0.0.1:8003",
+            "10.0.0.2:8002",
+            "10.0.0.4:8004",
+        )
+        error = str(found["pod"].error)
+        assert "target b.test." in error and "its last addresses kept" in error
+        assert "target e.test." in error and "none known" in error
+        dns.failing.clear()
         dns.services[name] = []  # the service has no instance: no engine
         found = await Resolver().resolve_all([pod], Discovery(nameservers=[where]), found)
         assert found["pod"].engines == () and found["pod"].error is None
