@@ -197,23 +197,6 @@ async def test_a_name_with_no_engine_at_start_answers_503_until_one_appears() ->
         assert len(rec4.chats) == 1
 
 
-async def test_a_turn_held_when_the_last_engine_leaves_is_told_to_retry() -> None:
-    # kv_tokens = 400: one run at a time, so the second turn is held by the gateway
-    async with pods(time_scale=0.5) as (port, _, _), fake_dns() as (dns, where):
-        dns.records[NAME] = ["127.0.0.1"]
-        async with (
-            discovering(port, where, kv_tokens=400) as (gw, shell),
-            one_streaming_one_held(gw, shell) as (lines, second),
-        ):
-            dns.records.clear()
-            answer = await second
-            assert answer.status_code == 503, answer.text
-            assert "has no engine now" in answer.json()["error"]["message"]
-            # the turn streaming from the pod that left finishes there
-            events = [line async for line in lines]
-            assert [e for e in events if e.startswith("data:")][-1] == "data: [DONE]"
-
-
 async def test_the_system_resolver_finds_localhost() -> None:
     async with pods() as (port, rec4, rec6):
         pod = endpoint("pod", f"http://localhost:{port}", discover="dns")
@@ -386,7 +369,8 @@ async def test_a_replica_that_leaves_with_nothing_bound_drops_its_series() -> No
             assert v4(port) not in (await gw.get("/metrics")).text
 
 
-async def test_a_held_decision_whose_engines_all_left_is_told_to_retry() -> None:
+async def test_held_turns_whose_engines_all_left_are_told_to_retry() -> None:
+    # kv_tokens = 400: one run at a time, so the second turn is held by the gateway
     async with pods(time_scale=0.5) as (port, _, _), fake_dns() as (dns, where):
         dns.records[NAME] = ["127.0.0.1"]
         async with (
@@ -401,7 +385,9 @@ async def test_a_held_decision_whose_engines_all_left_is_told_to_retry() -> None
             answer = await decision
             assert answer.status_code == 503, answer.text
             assert "has no engine now" in answer.json()["error"]["message"]
-            assert (await second).status_code == 503
+            second_answer = await second  # the chat turn held too
+            assert second_answer.status_code == 503, second_answer.text
+            assert "has no engine now" in second_answer.json()["error"]["message"]
             events = [line async for line in lines]
             assert [e for e in events if e.startswith("data:")][-1] == "data: [DONE]"
 
