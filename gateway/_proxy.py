@@ -611,16 +611,24 @@ async def hold(
     turn: TurnRequest,
     clock: Callable[[], float],
     disconnected: asyncio.Future[None],
+    awaited: Callable[[str], str | None] = lambda model: None,
 ) -> Admission | None:
     """Report the turn's arrival and wait, with no deadline, for the core to admit or
     reject it.  None: the client left while the turn was held; the caller reports it
-    abandoned, and no engine request is made."""
+    abandoned, and no engine request is made.  `awaited`: why a model has no engine
+    for now (discovered endpoints with none up, `Pool.awaited`): the core's 404 for a
+    turn whose model no replica serves any more is then a 503, to be retried."""
     admission = shell.arrive(turn.arrival(clock()))
     if not admission.done():
         await asyncio.wait((admission, disconnected), return_when=asyncio.FIRST_COMPLETED)
     if not admission.done() or disconnected.done():
         return None
-    return admission.result()
+    outcome = admission.result()
+    if isinstance(outcome, Rejected) and outcome.status == 404:
+        why = awaited(turn.model)
+        if why is not None:
+            return Rejected(503, why)
+    return outcome
 
 
 class _ClientLeft(Exception):
@@ -682,9 +690,7 @@ class TurnResponse(Response):
         cached tokens (SGLang's, see MessagesWatch).  `retry_after`: when a turn refused
         for want of a healthy replica may look again (the next probe round).  `runs`:
         the runs' `invoke_agent` spans, for turns that come without a trace.  `awaited`:
-        why a model has no engine for now (discovered endpoints with none up), when the
-        core refused a held turn because no replica serves its model any more: the
-        answer is then 503, to be retried, not 404."""
+        as `hold`'s."""
         super().__init__(status_code=200)
         self._idle = idle_timeout
         self._counts_cached = input_counts_cached
@@ -726,7 +732,7 @@ class TurnResponse(Response):
             self._trace = _TurnTrace(tracer, t, scope["headers"], self._clock(), self._runs)
         try:
             arrived = True  # an abandon of a turn the core never saw is ignored by it
-            outcome = await hold(self._shell, t, self._clock, disconnected)
+            outcome = await hold(self._shell, t, self._clock, disconnected, self._awaited)
             if self._trace is not None:
                 self._trace.admitted(outcome, self._clock())
             if outcome is None:
@@ -734,10 +740,7 @@ class TurnResponse(Response):
                 return
             if isinstance(outcome, Rejected):
                 self._ended = True  # never queued: nothing to report
-                status, message = outcome.status, outcome.message
-                if status == 404 and (awaited := self._awaited(t.model)) is not None:
-                    status, message = 503, awaited
-                answer = t.error(status, message, self._retry_after)
+                answer = t.error(outcome.status, outcome.message, self._retry_after)
                 await answer(scope, receive, send)
                 return
             await self._forward(outcome, scope, receive, send, disconnected)

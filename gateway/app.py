@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import hmac
 import json
 import logging
@@ -165,6 +164,10 @@ class _Live:
         self.known: dict[str, Endpoint] = dict(pool.replicas)
         self.reloading = asyncio.Lock()  # one reload at a time: the last file read wins
         self.classifier_load = ClassifierLoad()  # /v1/decide's spread over classifiers
+
+    def awaited(self, model: str) -> str | None:
+        """`Pool.awaited` of the pool served when asked (a held turn asks on its answer)."""
+        return self.pool.awaited(model)
 
     def replace(self, pool: Pool, still_known: Callable[[str], bool]) -> None:
         for name in [n for n in self.known if n not in pool.replicas and not still_known(n)]:
@@ -407,7 +410,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                         continue
                     pool = await discovered(file, live.pool.found)
                     if pool.config == live.pool.config:
-                        live.pool = dataclasses.replace(live.pool, found=pool.found)  # status
+                        live.pool = pool  # the same engines: only what /status shows
                         continue
                     change = await serve(pool)
                 log.info("discovery: %s", change)
@@ -508,7 +511,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             input_counts_cached=pool.counts_cached,
             retry_after=rt.prober.retry_after,
             runs=run_spans,
-            awaited=lambda model: live.pool.awaited(model),
+            awaited=live.awaited,
         )
 
     @app.post(CHAT_PATH)
@@ -909,7 +912,7 @@ def _decide(
         client=rt.client,
         endpoints=live.known,
         models=live.pool.offered,
-        awaited=lambda model: live.pool.awaited(model),  # the pool when it answers
+        awaited=live.awaited,
         classifiers=live.pool.classifiers,
         down=_down(rt.prober),
         load=live.classifier_load,

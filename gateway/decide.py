@@ -324,7 +324,7 @@ async def run_turn(
     admitted replica; its parsed JSON answer, or the response for the client.  Exactly one
     terminal event is reported per arrived turn (none for a rejected one).  An engine
     that has not answered `answer_timeout` after admission fails the turn (504).
-    `awaited`: as TurnResponse's (a 404 for a model whose engines all left is a 503)."""
+    `awaited`: as `hold`'s (a 404 for a model whose engines all left is a 503)."""
     disconnected = asyncio.ensure_future(wait_disconnect(receive))
     arrived = ended = False
 
@@ -340,16 +340,15 @@ async def run_turn(
 
     try:
         arrived = True  # an abandon of a turn the core never saw is ignored by it
-        outcome = await hold(shell, turn, clock, disconnected)
+        outcome = await hold(shell, turn, clock, disconnected, awaited)
         if outcome is None:
             end(TurnAbandoned(now=clock(), turn_id=turn.turn_id))
             return error_response(_CLIENT_LEFT, "client disconnected while held", turn.run_id)
         if isinstance(outcome, Rejected):
             ended = True  # never queued: nothing to report
-            status, message = outcome.status, outcome.message
-            if status == 404 and (why := awaited(turn.model)) is not None:
-                status, message = 503, why
-            return error_response(status, message, turn.run_id, retry_after=retry_after)
+            return error_response(
+                outcome.status, outcome.message, turn.run_id, retry_after=retry_after
+            )
         endpoint = endpoints[outcome]
         headers = {
             "content-type": turn.content_type,
