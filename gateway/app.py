@@ -18,7 +18,6 @@ import hmac
 import json
 import logging
 import os
-import re
 import signal
 import threading
 import time
@@ -68,7 +67,15 @@ from gateway.status import (
 )
 from luftpause import telemetry
 from luftpause.config import Api, Config, ConfigError, Endpoint, load_config
-from luftpause.headers import CALLER_HEADER, CLASS_HEADER, RUN_HEADER, caller_name
+from luftpause.headers import (
+    CALLER_HEADER,
+    CLASS_HEADER,
+    RUN_HEADER,
+    RUN_ID,
+    RUN_ID_SHAPE,
+    caller_name,
+    session_run,
+)
 from scheduler import (
     Action,
     Event,
@@ -361,7 +368,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         if not request.url.path.startswith("/v1/"):
             return error_response(503, str(exc), "")
         in_path = str(request.path_params.get("run_id", ""))  # DELETE /v1/runs/{run_id}
-        run = in_path if _RUN_ID.fullmatch(in_path) else _named_run(request.scope)
+        run = in_path if RUN_ID.fullmatch(in_path) else _named_run(request.scope)
         return error_response(503, str(exc), run, anthropic=_anthropic(request.url.path))
 
     @app.exception_handler(StarletteHTTPException)
@@ -451,12 +458,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         anthropic = api == "messages"
         header_run = request.headers.get(RUN_HEADER, "").strip()
         # As DELETE /v1/runs/{id} takes it (and it is echoed in a response header).
-        bad_run = bool(header_run) and not _RUN_ID.fullmatch(header_run)
+        bad_run = bool(header_run) and not RUN_ID.fullmatch(header_run)
         fallback_run = header_run if header_run and not bad_run else _new_id()
         if not authorized(request, api_key=anthropic):
             return unauthorized(fallback_run, anthropic=anthropic)
         if bad_run:
-            message = f"{RUN_HEADER}: {_RUN_ID_SHAPE}"
+            message = f"{RUN_HEADER}: {RUN_ID_SHAPE}"
             return error_response(400, message, fallback_run, anthropic=anthropic)
         raw = await _body(request, config.max_request_bytes)
         if raw is None:
@@ -481,9 +488,15 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         now = rt.loop.time()
         caller = _caller(request)
         run_id: str | None = header_run
+        joined_by = "header"
+        if not run_id and pool.file.session_runs:
+            run_id = session_run(request.headers.get)
+            joined_by = "session"
         if not run_id:
             echoed = _ECHOED[api](messages)
             run_id = rt.shell.run_for_tool_calls(caller, echoed, now)
+            joined_by = "tool_calls" if run_id else "new"
+        metrics.turn_runs.labels(joined_by).inc()
         turn = TurnRequest(
             turn_id=_new_id(),
             run_id=run_id or fallback_run,
@@ -613,8 +626,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def end_run(request: Request, run_id: str) -> Response:
         rt = running()
         if not authorized(request):
-            return unauthorized(run_id if _RUN_ID.fullmatch(run_id) else _new_id())
-        if not _RUN_ID.fullmatch(run_id):
+            return unauthorized(run_id if RUN_ID.fullmatch(run_id) else _new_id())
+        if not RUN_ID.fullmatch(run_id):
             # It goes back in a response header: printable ASCII only, or no echo.
             return error_response(400, _BAD_RUN_ID, "")
         rt.shell.apply(RunEnded(now=rt.loop.time(), run_id=run_id))
@@ -661,8 +674,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def one_run(request: Request, run_id: str) -> Response:
         rt = running()
         if not authorized(request):
-            return unauthorized(run_id if _RUN_ID.fullmatch(run_id) else "")
-        if not _RUN_ID.fullmatch(run_id):
+            return unauthorized(run_id if RUN_ID.fullmatch(run_id) else "")
+        if not RUN_ID.fullmatch(run_id):
             return error_response(400, _BAD_RUN_ID, "")
         state, now = rt.shell.state, rt.loop.time()
         held = [t for t in state.held() if t.run_id == run_id]
@@ -981,9 +994,7 @@ def _too_large(limit: int, run_id: str, *, anthropic: bool = False) -> Response:
 
 
 # Printable ASCII without "/", so that every run id fits DELETE /v1/runs/{id}.
-_RUN_ID = re.compile(r"[\x21-\x2e\x30-\x7e]{1,128}")
-_RUN_ID_SHAPE = "expected 1 to 128 printable ASCII characters other than /"
-_BAD_RUN_ID = f"run id: {_RUN_ID_SHAPE}"
+_BAD_RUN_ID = f"run id: {RUN_ID_SHAPE}"
 
 
 _RUN_HEADER_BYTES = RUN_HEADER.encode()
@@ -995,7 +1006,7 @@ def _named_run(scope: Scope) -> str:
     for key, value in scope["headers"]:
         if key == _RUN_HEADER_BYTES:
             named = value.decode("latin-1").strip()
-            return named if _RUN_ID.fullmatch(named) else _new_id()
+            return named if RUN_ID.fullmatch(named) else _new_id()
     return _new_id()
 
 

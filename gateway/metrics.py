@@ -120,6 +120,14 @@ class GatewayMetrics:
         self.turns = Counter(
             "luftpause_turns", "Turns ended, by outcome", ["outcome"], registry=self.registry
         )
+        # What named the run of a turn that arrived: x-luftpause-run-id, a harness's
+        # session header, the tool calls it echoed, or nothing (a run of its own).
+        self.turn_runs = Counter(
+            "luftpause_turn_runs",
+            "Turns that arrived, by what named their run: header, session, tool_calls, new",
+            ["by"],
+            registry=self.registry,
+        )
         # Which refusal: 404 (no replica serves the model), 503 (none healthy), 429 (a
         # caller over max_held_per_caller).
         self.rejected = Counter(

@@ -42,8 +42,8 @@ __all__ = ["RELOADED", "Pool", "PoolChange", "compare"]
 
 # What names an engine: changed under the same name, it is another engine.
 _IDENTITY = ("url", "kind", "api_path")
-# The sections besides the endpoints that a reload applies.
-RELOADED = ("policy", "probes", "discovery")
+# The sections and settings besides the endpoints that a reload applies.
+RELOADED = ("policy", "probes", "discovery", "session_runs")
 
 
 @dataclass(frozen=True, slots=True)

@@ -516,6 +516,10 @@ class Config(BaseModel):
     # The largest request body the gateway reads (413 beyond): a held turn keeps its
     # body in memory until admitted.  A 1M-token context is ~4 MB of text.
     max_request_bytes: Annotated[int, Field(ge=1024, strict=True)] = 32 * 1024 * 1024
+    # A harness's session header (Claude Code's x-claude-code-session-id, Codex's
+    # session-id, OpenCode's x-session-affinity) names the run of a turn that has no
+    # x-luftpause-run-id, before echoed tool calls are looked at (luftpause/headers.py).
+    session_runs: bool = True
     # The bearer token /v1/*, /mcp and /status require, and the worker sends (env
     # LUFTPAUSE_TOKEN overrides it).  None: open access, with a warning at start.
     token: Annotated[str | None, Field(repr=False)] = None

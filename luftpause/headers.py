@@ -1,11 +1,43 @@
 """The proxy's request headers: one spelling for the gateway that reads them and the
-sub-agent activities (and harnesses) that send them.  DESIGN.md "Inputs it sees"."""
+sub-agent activities (and harnesses) that send them.  DESIGN.md "Inputs it sees".
+
+Besides its own, the gateway reads the session headers coding harnesses send on every
+request of a conversation, so that a session's turns are one run before (or without)
+any tool call they could echo: `session_run`."""
+
+import hashlib
+import re
+from collections.abc import Callable
 
 RUN_HEADER = "x-luftpause-run-id"  # the run a turn belongs to (1-128 printable ASCII)
 CLASS_HEADER = "x-luftpause-class"  # interactive (default) | batch
 CALLER_HEADER = "x-luftpause-caller"  # who is asking, for fairness; cut to 128 bytes
 
 CALLER_MAX_BYTES = 128
+
+# What a harness sends on every request of one conversation, and the prefix of the run
+# id it names; the first present wins.
+SESSION_HEADERS: tuple[tuple[str, str], ...] = (
+    ("x-claude-code-session-id", "claude-code"),  # Claude Code 2.1.86 and later
+    ("session-id", "codex"),  # Codex CLI
+    ("session_id", "codex"),  # Codex CLI, earlier versions
+    ("x-session-affinity", "session"),  # OpenCode
+    ("x-session-id", "session"),  # OpenCode 1.17 and later, OpenRouter's clients
+)
+# Claude Code (2.1.139 and later) names the sub-agent (Task tool) a request is of: each
+# sub-agent of a session is a run of its own, as its turns share no prefix with the
+# main conversation's.  The main agent sends none.
+AGENT_HEADER = "x-claude-code-agent-id"
+# Claude Code's routing hint (2.1.273 and later, to a gateway only with
+# CLAUDE_CODE_GATEWAY_HINT_HEADERS=1): `auxiliary` requests (titles, safety checks on a
+# small model) are no step of the conversation; they stay out of its run, whose phase
+# (paused on a tool) they would otherwise end.  Compaction joins: it carries the
+# conversation, which the run's replica holds in its cache.
+REQUEST_CLASS_HEADER = "x-claude-code-request-class"
+OUTSIDE_THE_RUN = frozenset({"auxiliary"})
+# A run id as x-luftpause-run-id takes it; a session id that does not fit is hashed.
+RUN_ID = re.compile(r"[\x21-\x2e\x30-\x7e]{1,128}")
+RUN_ID_SHAPE = "expected 1 to 128 printable ASCII characters other than /"
 
 
 def caller_name(header_text: str) -> str:
@@ -21,4 +53,41 @@ def caller_name(header_text: str) -> str:
     return name.encode()[:CALLER_MAX_BYTES].decode("utf-8", errors="ignore").strip()
 
 
-__all__ = ["CALLER_HEADER", "CALLER_MAX_BYTES", "CLASS_HEADER", "RUN_HEADER", "caller_name"]
+def session_run(header: Callable[[str], str | None]) -> str | None:
+    """The run a harness's session headers name (`header(name)` reads one), or None.
+
+    `claude-code:<session>`, with `:<agent>` for a sub-agent's requests, `codex:<session>`
+    or `session:<id>`.  A value the run id cannot carry as it is (over 128 characters in
+    all, a `/`, anything but printable ASCII) is named by its SHA-256 instead."""
+    for name, prefix in SESSION_HEADERS:
+        session = (header(name) or "").strip()
+        if not session:
+            continue
+        if prefix == "claude-code":
+            kind = (header(REQUEST_CLASS_HEADER) or "").strip().lower()
+            if kind in OUTSIDE_THE_RUN:
+                return None
+            agent = (header(AGENT_HEADER) or "").strip()
+            if agent:
+                session = f"{session}:{agent}"
+        run_id = f"{prefix}:{session}"
+        if RUN_ID.fullmatch(run_id):
+            return run_id
+        digest = hashlib.sha256(session.encode("utf-8", "replace")).hexdigest()
+        return f"{prefix}:{digest[:32]}"
+    return None
+
+
+__all__ = [
+    "AGENT_HEADER",
+    "CALLER_HEADER",
+    "CALLER_MAX_BYTES",
+    "CLASS_HEADER",
+    "REQUEST_CLASS_HEADER",
+    "RUN_HEADER",
+    "RUN_ID",
+    "RUN_ID_SHAPE",
+    "SESSION_HEADERS",
+    "caller_name",
+    "session_run",
+]

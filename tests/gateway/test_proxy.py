@@ -226,6 +226,67 @@ async def test_an_echoed_id_never_joins_a_turn_to_another_run() -> None:
         assert echoed not in (alice, second, bob)
 
 
+async def test_a_harness_session_header_names_the_run() -> None:
+    # Two Claude Code sessions of one caller on an engine whose call ids repeat (Kimi's
+    # numbering): their echoes name neither run, their session headers do.
+    async def turn(gw: httpx.AsyncClient, headers: dict[str, str], echo: bool = False) -> str:
+        body = chat("look it up", tools=TOOLS)
+        if echo:
+            echoed = {"role": "tool", "tool_call_id": "functions.lookup:0", "content": "found"}
+            body["messages"] += [NUMBERED_CALL, echoed]
+        caller = {"x-luftpause-caller": "alice"}
+        r = await gw.post("/v1/chat/completions", json=body, headers=caller | headers)
+        assert r.status_code == 200, r.text
+        return r.headers[RUN]
+
+    def joined(text: str, by: str) -> float:
+        found = re.search(rf'^luftpause_turn_runs_total\{{by="{by}"\}} (\S+)$', text, re.M)
+        return float(found[1]) if found else 0.0
+
+    session = "5f0c1a2e-0000-4000-8000-000000000001"
+    cc = {"x-claude-code-session-id": session}
+    async with (
+        serve(upstream(numbered_call)) as url,
+        gateway(endpoint("a", url, kind="openai")) as (gw, shell),
+    ):
+        first = await turn(gw, cc)
+        assert first == f"claude-code:{session}"
+        second = await turn(gw, {"x-claude-code-session-id": "s2"})
+        assert second == "claude-code:s2"
+        assert await turn(gw, cc, echo=True) == first
+        assert await turn(gw, {}, echo=True) not in (first, second)  # the echo names neither
+        # A sub-agent of the session (Claude Code 2.1.139+) is a run of its own.
+        assert await turn(gw, cc | {"x-claude-code-agent-id": "a1b2"}) == f"{first}:a1b2"
+        # Background requests (routing hints on) stay out of the conversation's run;
+        # a compaction carries the conversation and joins it.
+        hint = "x-claude-code-request-class"
+        assert re.fullmatch("[0-9a-f]{32}", await turn(gw, cc | {hint: "auxiliary"}))
+        assert await turn(gw, cc | {hint: "compaction"}) == first
+        # The gateway's own header wins; Codex's and OpenCode's headers name runs too.
+        assert await turn(gw, cc | {RUN: "mine"}) == "mine"
+        assert await turn(gw, {"session-id": "c1"}) == "codex:c1"
+        assert await turn(gw, {"session_id": "c1"}) == "codex:c1"  # earlier Codex versions
+        assert await turn(gw, {"x-session-affinity": "ses_01"}) == "session:ses_01"
+        # A value the run id cannot carry is named by its hash, the same each turn.
+        odd = {"x-claude-code-session-id": "team/42 " + "x" * 200}
+        hashed = await turn(gw, odd)
+        assert re.fullmatch("claude-code:[0-9a-f]{32}", hashed)
+        assert await turn(gw, odd) == hashed
+        assert shell.state.runs[first].replica == "a"  # the core knows it by that name
+
+        text = (await gw.get("/metrics")).text
+        assert (joined(text, "session"), joined(text, "header")) == (10, 1)
+        assert joined(text, "new") == 2  # the lone echo and the auxiliary request
+
+    # Off in the file: the session header is not read.
+    async with (
+        serve(upstream(numbered_call)) as url,
+        gateway(endpoint("a", url, kind="openai"), sections={"session_runs": False}) as (gw, _),
+    ):
+        a, b = await turn(gw, cc), await turn(gw, cc)
+        assert a != b and not a.startswith("claude-code:")
+
+
 async def test_a_paused_run_keeps_its_replica() -> None:
     async with (
         engine(time_scale=50) as (url_a, a),

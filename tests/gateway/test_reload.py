@@ -206,7 +206,7 @@ async def test_a_reload_that_cannot_apply_changes_nothing(tmp_path: Path) -> Non
             assert len(rec_a.chats) == 1
 
 
-async def test_policy_and_probes_apply_and_other_sections_are_named_and_left(
+async def test_policy_probes_and_session_runs_apply_and_others_are_named_and_left(
     tmp_path: Path,
 ) -> None:
     async with engine() as (url_a, _):
@@ -218,8 +218,12 @@ async def test_policy_and_probes_apply_and_other_sections_are_named_and_left(
             r = await gw.post("/v1/chat/completions", json=chat_body(OTHER))
             assert r.status_code == 503 and r.headers["retry-after"] == "1"
 
+            session = {"x-claude-code-session-id": "s1"}
+            r = await gw.post("/v1/chat/completions", json=chat_body(MODEL), headers=session)
+            assert r.headers[RUN] == "claude-code:s1"
             path.write_text(
-                toml(
+                "session_runs = false\n"
+                + toml(
                     {**a, "models": [MODEL, OTHER]},
                     down,
                     extra="\n[policy]\nmax_held_per_caller = 3\n\n[probes]\nperiod_s = 3.0\n"
@@ -231,15 +235,18 @@ async def test_policy_and_probes_apply_and_other_sections_are_named_and_left(
                 "added": [],
                 "removed": [],
                 "changed": ["a"],
-                "applied": ["policy", "probes"],
+                "applied": ["policy", "probes", "session_runs"],
                 "not_applied": ["temporal"],
             }
             assert shell.state.policy.max_held_per_caller == 3  # [policy]: in the core
             assert shell.state.replicas["a"].spec.models == {MODEL, OTHER}
             assert await models(gw) == [MODEL, OTHER]
+            r = await gw.post("/v1/chat/completions", json=chat_body(MODEL), headers=session)
+            assert r.headers[RUN] != "claude-code:s1"  # session headers are not read now
             path.write_text(toml(a, down, extra="\n[probes]\nperiod_s = 3.0\n"))
             r = await gw.post("/reload")
-            assert r.json()["applied"] == ["policy"] and r.json()["removed"] == []
+            assert r.json()["applied"] == ["policy", "session_runs"]
+            assert r.json()["removed"] == []
             assert shell.state.policy.max_held_per_caller is None  # back to the default
             r = await gw.post("/v1/chat/completions", json=chat_body(OTHER))
             # [probes]: a turn refused for want of a healthy replica looks again after
