@@ -114,10 +114,23 @@ class _Driver:
         self._t0 = time.monotonic()
         self._wake = asyncio.Event()
         self._pending: dict[str, _Pending] = {}
+        self._stopped_at: float | None = None  # the virtual time the clock stands at
         self.running = False
 
     def now(self) -> float:
+        if self._stopped_at is not None:
+            return self._stopped_at
         return (time.monotonic() - self._t0) * self._scale
+
+    def stop(self) -> None:
+        if self._stopped_at is None:
+            self._stopped_at = self.now()
+
+    def go(self) -> None:
+        if self._stopped_at is not None:
+            self._t0 = time.monotonic() - self._stopped_at / self._scale
+            self._stopped_at = None
+            self._wake.set()
 
     def submit(self, request: EngineRequest) -> _Pending:
         loop = asyncio.get_running_loop()
@@ -159,7 +172,7 @@ class _Driver:
                 self._wake.clear()
                 self.poll()
                 t = self.engine.next_event_time()
-                if t is None:
+                if t is None or self._stopped_at is not None:
                     await self._wake.wait()
                     continue
                 delay = (t - self.now()) / self._scale
@@ -171,6 +184,26 @@ class _Driver:
                         await self._wake.wait()
         finally:
             self.running = False
+
+
+class EngineClock:
+    """The virtual clock of a served fake engine (`app.state.clock`), for tests that must
+    look at a state which, in wall time, lasts only as long as one decode.
+
+    `stop()` stands the clock still: requests are still accepted, queued and admitted to
+    the running batch, and the metrics report them, but no prefill or decode progresses
+    until `go()`, from where the clock resumes without a jump."""
+
+    def __init__(self, drivers: list[_Driver]) -> None:
+        self._drivers = drivers
+
+    def stop(self) -> None:
+        for d in self._drivers:
+            d.stop()
+
+    def go(self) -> None:
+        for d in self._drivers:
+            d.go()
 
 
 # --------------------------------------------------------------------------- requests
@@ -811,6 +844,7 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
                     await task
 
     app = FastAPI(title=f"fake {s.flavor} engine", lifespan=lifespan)
+    app.state.clock = EngineClock([] if driver is None else [driver])
 
     def metric_values() -> dict[str, float]:
         if driver is None:

@@ -41,6 +41,7 @@ from gateway._shell import AdmissionShell
 from luftpause import telemetry
 from scheduler import Policy, RunPhase, ServiceClass
 from testkit.engine import EngineParams
+from testkit.fake_engine import EngineClock
 from testkit.loopback import serve
 
 
@@ -397,9 +398,12 @@ async def test_later_turns_hit_the_prefix_cache() -> None:
 @contextlib.asynccontextmanager
 async def capped(
     sections: dict[str, Any] | None = None,
-) -> AsyncIterator[tuple[httpx.AsyncClient, AdmissionShell, Recorder, list[Any]]]:
+) -> AsyncIterator[tuple[httpx.AsyncClient, AdmissionShell, Recorder, list[Any], EngineClock]]:
     """A gateway before an engine that runs one request at a time, with two long turns
-    sent, so the engine reports a queue and the core holds further turns."""
+    sent, so the engine reports a queue and the core holds further turns.
+
+    The engine's clock stands still until the test calls `clock.go()`: the queue lasts
+    as long as the test needs it, not one decode of wall time a busy machine can miss."""
     one = replace(EngineParams.reference(), max_running_requests=1)
     async with (
         engine(time_scale=1, engine=one) as (url, counted),
@@ -408,6 +412,8 @@ async def capped(
             shell,
         ),
     ):
+        clock: EngineClock = counted.app.state.clock
+        clock.stop()
         long = [
             asyncio.create_task(
                 gw.post(
@@ -420,15 +426,16 @@ async def capped(
         ]
         await until(lambda: shell.state.replicas["a"].cap == 1, "capped at the engine's 1")
         try:
-            yield gw, shell, counted, long
+            yield gw, shell, counted, long, clock
         finally:
+            clock.go()
             for t in long:
                 t.cancel()
             await asyncio.gather(*long, return_exceptions=True)
 
 
 async def test_held_turns_go_interactive_first_then_fewest_in_flight_caller() -> None:
-    async with capped() as (gw, shell, counted, long):
+    async with capped() as (gw, shell, counted, long, clock):
 
         async def send(content: str, cls: str, caller: str) -> httpx.Response:
             headers = {"x-luftpause-class": cls, "x-luftpause-caller": caller}
@@ -444,6 +451,7 @@ async def test_held_turns_go_interactive_first_then_fewest_in_flight_caller() ->
             held.append(asyncio.create_task(send(content, cls, caller)))
             n = len(held)
             await until(lambda: shell.state.held_count() == n, "turn held")  # noqa: B023
+        clock.go()
         done = await asyncio.gather(*long, *held)
         assert [r.status_code for r in done] == [200] * 5
         order = [body["messages"][0]["content"] for body in counted.chats]
@@ -454,7 +462,8 @@ async def test_held_turns_go_interactive_first_then_fewest_in_flight_caller() ->
 
 
 async def test_a_caller_over_the_files_held_bound_gets_429_for_new_work() -> None:
-    async with capped({"policy": {"max_held_per_caller": 1}}) as (gw, shell, counted, long):
+    limit = {"policy": {"max_held_per_caller": 1}}
+    async with capped(limit) as (gw, shell, counted, long, clock):
         x = {"x-luftpause-caller": "x"}
         held = [asyncio.create_task(gw.post("/v1/chat/completions", json=chat("1"), headers=x))]
         await until(lambda: shell.state.held_count() == 1, "turn held")
@@ -471,6 +480,7 @@ async def test_a_caller_over_the_files_held_bound_gets_429_for_new_work() -> Non
         y = {"x-luftpause-caller": "y"}
         held.append(asyncio.create_task(gw.post("/v1/chat/completions", json=chat(), headers=y)))
         await until(lambda: shell.state.held_count() == 2, "y's turn held")
+        clock.go()
         assert [r.status_code for r in await asyncio.gather(*long, *held)] == [200] * 4
         text = (await gw.get("/metrics")).text
         assert 'luftpause_turns_total{outcome="rejected"} 2.0' in text
@@ -479,12 +489,13 @@ async def test_a_caller_over_the_files_held_bound_gets_429_for_new_work() -> Non
 
 
 async def test_a_held_client_that_leaves_makes_no_engine_request() -> None:
-    async with capped() as (gw, shell, counted, long):
+    async with capped() as (gw, shell, counted, long, clock):
         waiting = asyncio.create_task(gw.post("/v1/chat/completions", json=chat("left")))
         await until(lambda: shell.state.held_count() == 1, "turn held")
         waiting.cancel()
         await asyncio.gather(waiting, return_exceptions=True)
         await until(lambda: shell.state.held_count() == 0, "held turn left the queue")
+        clock.go()
         assert [r.status_code for r in await asyncio.gather(*long)] == [200, 200]
         await until(lambda: not shell.state.turns, "all turns done")
         assert len(counted.chats) == 2  # only the two long turns reached the engine

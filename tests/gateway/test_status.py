@@ -319,9 +319,11 @@ def value(parsed: Samples, name: str, **labels: str) -> float:
 async def test_status_page_and_metrics_with_held_turns() -> None:
     one = replace(EngineParams.reference(), max_running_requests=1)
     async with (
-        engine(time_scale=1, engine=one) as (url, _),
+        engine(time_scale=1, engine=one) as (url, counted),
         gateway(endpoint("a", url)) as (gw, shell),
     ):
+        # The engine's clock stands still: the queue of one lasts until the test ends.
+        counted.app.state.clock.stop()
 
         def send(content: str, cls: str, caller: str, max_tokens: int) -> asyncio.Task[Any]:
             headers = {"x-luftpause-class": cls, "x-luftpause-caller": caller}

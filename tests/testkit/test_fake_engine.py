@@ -111,6 +111,30 @@ async def test_completion_with_usage() -> None:
         assert body["choices"][0]["finish_reason"] == ("length" if n == 256 else "stop")
 
 
+async def test_a_stopped_clock_holds_the_engine_where_it_stands() -> None:
+    one = replace(EngineParams.reference(), max_running_requests=1)
+    app = create_app(FakeEngineSettings(time_scale=20, engine=one))
+    async with serve(app) as url, httpx.AsyncClient(base_url=url, timeout=20) as client:
+        app.state.clock.stop()
+        sent = [
+            asyncio.create_task(
+                client.post("/v1/chat/completions", json=chat(f"q {i}", max_tokens=60))
+            )
+            for i in range(2)
+        ]
+        await wait_metric(client, "sglang:num_queue_reqs", lambda v: v == 1)
+        # At 20x both replies take ~70 ms of wall time; a clock that moved would have
+        # finished them within the half second this waits.
+        done, _ = await asyncio.wait(sent, timeout=0.5)
+        assert not done
+        assert await metric(client, "sglang:num_running_reqs") == 1
+        assert await metric(client, "sglang:num_queue_reqs") == 1
+        app.state.clock.go()
+        replies = [r.json() for r in await asyncio.gather(*sent)]
+        assert [r["usage"]["completion_tokens"] for r in replies] == [60, 60]
+        assert await metric(client, "sglang:num_queue_reqs") == 0
+
+
 async def test_stream_chunks_arrive_over_time_and_end_with_done() -> None:
     # 1x: 60 tokens take ~0.7 s, so the engine is still generating when the first
     # content chunk arrives.
