@@ -43,7 +43,7 @@ from gateway._runtrace import RunSpans, TurnOutcome
 from gateway._shell import Admission, AdmissionShell, Rejected
 from gateway.prober import PROBE_PERIOD_S, auth_headers
 from luftpause import telemetry
-from luftpause.config import Api, Endpoint
+from luftpause.config import DP_RANK_HEADER, Api, Endpoint
 from luftpause.headers import RUN_HEADER
 from scheduler import (
     Event,
@@ -769,6 +769,8 @@ class TurnResponse(Response):
             ("user-agent", _USER_AGENT),
             *auth_headers(endpoint, anthropic=t.api == "messages").items(),
         ]
+        if endpoint.dp_rank is not None:  # a rank of a data-parallel server: pin it there
+            headers.append((DP_RANK_HEADER, str(endpoint.dp_rank)))
         passed = _PASSED_ON_MESSAGES if t.api == "messages" else _PASSED_ON
         for name, value in scope["headers"]:
             # The client's request id goes on, so engine logs can be matched with it

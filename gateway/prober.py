@@ -17,6 +17,11 @@ answers: SGLang's `/get_server_info` (`max_total_num_tokens`), vLLM's
 `vllm:cache_config_info` gauge (`num_gpu_blocks` x `block_size`).  The core takes the
 first answer, which turns on program-level admission there.  Not knowing it is no
 error: the replica is admitted by load alone.
+
+A server with data-parallel ranks (`dp_size`) is probed once per round for all its
+ranks' replicas: its health is theirs, each rank's load is the samples of its rank's
+label (SGLang's `dp_rank`, vLLM's `engine`), and each rank's KV pool is one rank's
+(SGLang's `max_total_num_tokens`; vLLM's `cache_config_info` of that engine).
 """
 
 from __future__ import annotations
@@ -26,14 +31,21 @@ import contextlib
 import logging
 import math
 import os
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway._http import describe_http_error
-from luftpause.config import KV_REPORTED_BY, LOAD_METRICS, Config, Endpoint, Probes
+from luftpause.config import (
+    DP_RANK_LABEL,
+    KV_REPORTED_BY,
+    LOAD_METRICS,
+    Config,
+    Endpoint,
+    Probes,
+)
 from scheduler import ReplicaProbed
 
 __all__ = [
@@ -43,6 +55,7 @@ __all__ = [
     "Prober",
     "auth_headers",
     "parse_load",
+    "parse_rank_loads",
     "probe_endpoint",
     "probe_pool",
 ]
@@ -69,6 +82,8 @@ class ProbeResult:
     kv_tokens: int | None = None  # the KV pool size the engine reported, when asked
     timed_out: bool = False  # no answer within the probe's timeout
     repeated: bool = False  # the last result, repeated for a late answer (see _forgive_late)
+    # The /metrics answer, kept only while probe_ranks splits it over the ranks.
+    exposition: str | None = None
 
     def event(self, now: float) -> ReplicaProbed:
         return ReplicaProbed(
@@ -97,6 +112,25 @@ def parse_load(kind: str, text: str) -> tuple[int, int] | None:
     schedulers`, and each attention context-parallel rank, all holding the same batch).
     SGLang with priority scheduling adds one sample per priority beside the total (the
     total has `priority=""`): those are skipped, or summed where no total is beside them."""
+    loads = _loads(kind, text, None)
+    return None if loads is None else loads[""]
+
+
+def parse_rank_loads(kind: str, text: str) -> dict[int, tuple[int, int]] | None:
+    """(queued, running) per data-parallel rank, by the label the kind tells them apart
+    by (`DP_RANK_LABEL`), as `parse_load` counts them; None when the gauges are absent.
+    Samples without the label (or with one that is no rank number) are left out."""
+    label = DP_RANK_LABEL.get(kind)
+    if label is None:
+        return None
+    loads = _loads(kind, text, label)
+    if loads is None:
+        return None
+    return {int(rank): load for rank, load in loads.items() if rank.isdigit()}
+
+
+def _loads(kind: str, text: str, rank_label: str | None) -> dict[str, tuple[int, int]] | None:
+    """`parse_load`'s counts, per value of `rank_label` (None: all under "")."""
     names = LOAD_METRICS.get(kind)
     if names is None:
         return None
@@ -120,23 +154,34 @@ def parse_load(kind: str, text: str) -> tuple[int, int] | None:
                 totals[key] = max(totals.get(key, sample.value), sample.value)
     for key, values in by_priority.items():
         totals.setdefault(key, sum(values.values()))  # no total beside them: their sum
-    sums = {name: 0.0 for name in names}
-    found = set()
-    for (name, _), value in totals.items():
-        sums[name] += value
-        found.add(name)
-    if len(found) < 2:
-        return None
-    for name in names:
-        if not math.isfinite(sums[name]):  # the format allows +Inf and NaN
-            raise ValueError(f"{name} is {sums[name]}")
-    return int(sums[names[0]]), int(sums[names[1]])
+    sums: dict[str, dict[str, float]] = {}  # rank -> gauge -> value
+    for (name, labels), value in totals.items():
+        rank = "" if rank_label is None else dict(labels).get(rank_label)
+        if rank is None:
+            continue
+        by_name = sums.setdefault(rank, {})
+        by_name[name] = by_name.get(name, 0.0) + value
+    out = {}
+    for rank, by_name in sums.items():
+        if len(by_name) < 2:
+            continue
+        for name in names:
+            if not math.isfinite(by_name[name]):  # the format allows +Inf and NaN
+                raise ValueError(f"{name} is {by_name[name]}")
+        out[rank] = (int(by_name[names[0]]), int(by_name[names[1]]))
+    return out or None
 
 
 def parse_vllm_kv_tokens(text: str) -> int | None:
     """vLLM's KV pool in tokens from `vllm:cache_config_info`'s labels (its
     CacheConfig): `num_gpu_blocks` x `block_size`, summed over its engines (one sample
     per `engine` label under data parallelism, as its load is summed)."""
+    pools = parse_vllm_kv_pools(text)
+    return None if pools is None else sum(pools.values()) or None
+
+
+def parse_vllm_kv_pools(text: str) -> dict[str, int] | None:
+    """vLLM's KV pool in tokens per engine (data-parallel rank; "" without the label)."""
     pools: dict[str, int] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -149,16 +194,17 @@ def parse_vllm_kv_tokens(text: str) -> int | None:
                 if blocks <= 0 or size <= 0:
                     return None
                 pools[sample.labels.get("engine", "")] = blocks * size
-    return sum(pools.values()) or None
+    return pools
 
 
-def parse_sglang_kv_tokens(info: object) -> int | None:
+def parse_sglang_kv_tokens(info: object, *, one_rank: bool = False) -> int | None:
     """SGLang's KV pool in tokens from `/get_server_info`: its scheduler's
-    `max_total_num_tokens`, which is one data-parallel rank's, times `dp_size`."""
+    `max_total_num_tokens`, which is one data-parallel rank's, times `dp_size` (not
+    with `one_rank`: a rank's replica)."""
     if not isinstance(info, dict):
         return None
     value, ranks = info.get("max_total_num_tokens"), info.get("dp_size", 1)
-    if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
+    if one_rank or not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
         ranks = 1
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
         return value * ranks
@@ -192,9 +238,10 @@ async def probe_endpoint(
     *,
     timeout: float = PROBE_TIMEOUT_S,
     want_kv: bool = False,
+    keep_exposition: bool = False,
 ) -> ProbeResult:
     """Health, and load where the kind reports it (and the KV pool size, when
-    `want_kv`).  Never raises."""
+    `want_kv`; the /metrics answer, with `keep_exposition`).  Never raises."""
     headers = auth_headers(endpoint)
     kv: int | None = None
     try:
@@ -255,18 +302,80 @@ async def probe_endpoint(
         running=load[1] if load else None,
         error=note,
         kv_tokens=kv,
+        exposition=metrics.text if keep_exposition and metrics.status_code < 400 else None,
     )
 
 
 async def _sglang_kv_tokens(
-    client: httpx.AsyncClient, endpoint: Endpoint, headers: dict[str, str], timeout: float
+    client: httpx.AsyncClient,
+    endpoint: Endpoint,
+    headers: dict[str, str],
+    timeout: float,
+    *,
+    one_rank: bool = False,
 ) -> int | None:
     try:
         async with asyncio.timeout(timeout):
             info = await client.get(endpoint.url + "/get_server_info", headers=headers)
-        return parse_sglang_kv_tokens(info.json()) if info.status_code == 200 else None
+        if info.status_code != 200:
+            return None
+        return parse_sglang_kv_tokens(info.json(), one_rank=one_rank)
     except (httpx.HTTPError, ValueError, TimeoutError):
         return None  # not knowing it is no reason to call the engine unhealthy
+
+
+async def probe_ranks(
+    client: httpx.AsyncClient,
+    ranks: Sequence[Endpoint],
+    *,
+    timeout: float = PROBE_TIMEOUT_S,
+    want_kv: bool = False,
+) -> list[ProbeResult]:
+    """One probe of a server with data-parallel ranks, a result per rank's replica:
+    the server's health, each rank's load from its rank's samples, each rank's KV pool
+    (when `want_kv`).  A rank the exposition shows no load for reports none (uncapped).
+    Never raises."""
+    server = ranks[0]
+    whole = await probe_endpoint(client, server, timeout=timeout, keep_exposition=True)
+    if not whole.healthy:
+        return [replace(whole, endpoint=e.name) for e in ranks]
+    label = DP_RANK_LABEL[server.kind]
+    loads: dict[int, tuple[int, int]] = {}
+    note = whole.error  # why the server's load is unknown, if it is
+    if whole.exposition is not None and note is None:
+        try:
+            loads = parse_rank_loads(server.kind, whole.exposition) or {}
+        except Exception as exc:  # the whole parsed; a rank's value that is no count
+            note = f"reports no load: /metrics: {exc}"
+    pools: Mapping[str, int] = {}
+    one_pool: int | None = None
+    if want_kv and server.kind == "vllm" and whole.exposition is not None:
+        with contextlib.suppress(Exception):
+            pools = parse_vllm_kv_pools(whole.exposition) or {}
+    elif want_kv and server.kind == "sglang":
+        headers = auth_headers(server)
+        one_pool = await _sglang_kv_tokens(client, server, headers, timeout, one_rank=True)
+    out = []
+    for e in ranks:
+        assert e.dp_rank is not None
+        load = loads.get(e.dp_rank)
+        error = note
+        if load is None and note is None:
+            error = (
+                f"reports no load for rank {e.dp_rank}: /metrics has no samples labelled "
+                f'{label}="{e.dp_rank}"; admitted uncapped'
+            )
+        out.append(
+            ProbeResult(
+                endpoint=e.name,
+                healthy=True,
+                queued=load[0] if load else None,
+                running=load[1] if load else None,
+                error=error,
+                kv_tokens=pools.get(str(e.dp_rank), one_pool),
+            )
+        )
+    return out
 
 
 async def probe_pool(
@@ -276,15 +385,22 @@ async def probe_pool(
     want_kv: frozenset[str] = frozenset(),
     timeout: float = PROBE_TIMEOUT_S,
 ) -> list[ProbeResult]:
-    """One round over every endpoint, concurrently; routers get their engines' load.
-    Endpoints named in `want_kv` are also asked their KV pool size."""
-    results = await asyncio.gather(
-        *(
-            probe_endpoint(client, e, timeout=timeout, want_kv=e.name in want_kv)
-            for e in config.endpoints
-        )
-    )
-    by_name = {r.endpoint: r for r in results}
+    """One round over every endpoint, concurrently (a server once for all its ranks);
+    routers get their engines' load.  Endpoints named in `want_kv` are also asked their
+    KV pool size."""
+    servers: dict[str, list[Endpoint]] = {}  # a server's name -> its ranks' replicas
+    for e in config.endpoints:
+        servers.setdefault(e.server, []).append(e)
+
+    async def probe(ranks: list[Endpoint]) -> list[ProbeResult]:
+        wanted = any(e.name in want_kv for e in ranks)
+        if ranks[0].dp_rank is None:
+            return [await probe_endpoint(client, ranks[0], timeout=timeout, want_kv=wanted)]
+        return await probe_ranks(client, ranks, timeout=timeout, want_kv=wanted)
+
+    rounds = await asyncio.gather(*(probe(ranks) for ranks in servers.values()))
+    by_name = {r.endpoint: r for results in rounds for r in results}
+    results = [by_name[e.name] for e in config.endpoints]
     out = []
     for e, r in zip(config.endpoints, results, strict=True):
         if e.kind == "router" and r.healthy and e.load_from:

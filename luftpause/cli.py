@@ -187,6 +187,13 @@ def _fake_engine_parser(sub: Any) -> None:
         action="store_true",
         help="the engine schedules its queue by the request's priority field",
     )
+    p.add_argument(
+        "--dp-size",
+        type=int,
+        default=1,
+        help="data-parallel ranks, each a simulated engine with its own KV cache; a "
+        "request goes to the rank its X-Data-Parallel-Rank names, else round robin",
+    )
 
 
 def _fake_engine(args: argparse.Namespace) -> int:
@@ -218,6 +225,7 @@ def _fake_engine(args: argparse.Namespace) -> int:
             instant=args.instant,
             seed=args.seed,
             engine=params,
+            dp_size=args.dp_size,
             **extra,
         )
     except ValueError as exc:

@@ -86,6 +86,13 @@ from scheduler import Policy, ReplicaSpec
 
 Kind = Literal["sglang", "vllm", "llamacpp", "ollama", "openai", "router", "classifier"]
 
+# The header that pins a request to one data-parallel rank of a server, and the kinds
+# that take it (SGLang's chat, completions and messages routes; vLLM's), with the label
+# their /metrics tell the ranks' load apart by.
+DP_RANK_HEADER = "X-Data-Parallel-Rank"
+DP_RANK_LABEL: Mapping[str, str] = {"sglang": "dp_rank", "vllm": "engine"}
+DP_RANK_HEADER_KINDS = frozenset(DP_RANK_LABEL)
+
 # The Prometheus gauges each engine kind reports its load in: (queued, running).
 LOAD_METRICS: Mapping[str, tuple[str, str]] = {
     "sglang": ("sglang:num_queue_reqs", "sglang:num_running_reqs"),
@@ -168,6 +175,14 @@ class Endpoint(BaseModel):
     # `<name>-<address>:<port>`, with the rest of this entry (Config.expanded); the
     # names are resolved again every [discovery] period_s.
     discover: Literal["dns", "dns-srv"] | None = None
+    # The server runs this many data-parallel ranks (SGLang --dp-size, with or without
+    # --enable-dp-attention; vLLM --data-parallel-size), each with a KV cache of its own.
+    # Each rank is then a replica, `<name>@<rank>`, whose turns carry the header
+    # `X-Data-Parallel-Rank`: a run stays on the rank that holds its prefix, where the
+    # engine's own balancer (SGLang's round robin) would spread its turns over the ranks.
+    dp_size: Annotated[int, Field(ge=1, le=1024, strict=True)] = 1
+    # The rank a replica is (Config.expanded sets it); not for the file.
+    dp_rank: int | None = None
 
     @field_validator("url")
     @classmethod
@@ -226,6 +241,17 @@ class Endpoint(BaseModel):
             )
         if self.discover is not None:
             self._check_discoverable()
+        if self.dp_rank is not None:
+            raise ValueError(
+                "dp_rank is set by luftpause on each rank's replica; give the server's "
+                "dp_size instead"
+            )
+        if self.dp_size > 1 and self.kind not in DP_RANK_HEADER_KINDS:
+            raise ValueError(
+                f"dp_size is for kind 'sglang' or 'vllm', which take the rank of a request in "
+                f"{DP_RANK_HEADER}; kind '{self.kind}' does not (give each server as an "
+                "endpoint of its own)"
+            )
         return self
 
     def _check_discoverable(self) -> None:
@@ -283,6 +309,21 @@ class Endpoint(BaseModel):
     def port(self) -> int:
         """The port in `url` (http's when it gives none)."""
         return urlsplit(self.url).port or 80
+
+    def ranks(self) -> list[Endpoint]:
+        """The replicas of its data-parallel ranks, `<name>@<rank>` (itself when it has
+        one rank)."""
+        if self.dp_size == 1:
+            return [self]
+        return [
+            self.model_copy(update={"name": f"{self.name}@{rank}", "dp_rank": rank})
+            for rank in range(self.dp_size)
+        ]
+
+    @property
+    def server(self) -> str:
+        """The name of the server a replica is on: a rank's endpoint without `@<rank>`."""
+        return self.name if self.dp_rank is None else self.name.rsplit("@", 1)[0]
 
     def at(self, netloc: str) -> Endpoint:
         """The replica of a discovered endpoint at `netloc` ("10.0.0.5:30000",
@@ -588,6 +629,12 @@ class Config(BaseModel):
                         f"endpoint '{e.name}': load_from names '{other}', whose engines are "
                         "discovered (discover = 'dns'); name engines given by url"
                     )
+                if target.dp_size > 1:
+                    raise ValueError(
+                        f"endpoint '{e.name}': load_from names '{other}', whose ranks are "
+                        "replicas of their own (dp_size); a router in front of them balances "
+                        "its ranks itself: drop dp_size there"
+                    )
                 if target.kind not in LOAD_METRICS:
                     raise ValueError(
                         f"endpoint '{e.name}': load_from '{other}' is kind '{target.kind}', "
@@ -624,17 +671,21 @@ class Config(BaseModel):
     def expanded(self, engines: Mapping[str, Sequence[str]]) -> Config:
         """This configuration with each discovered endpoint replaced by one endpoint per
         engine its name resolved to (`engines`: "address:port"s by endpoint name; none:
-        no engine), in the file's order.  A replica name that an endpoint of the file
-        has already is left out (the file's wins)."""
-        if not self.discovered:
+        no engine), and each server with data-parallel ranks by one endpoint per rank
+        (`<name>@<rank>`; a discovered one's engines each), in the file's order.  A
+        discovered replica's name that an endpoint of the file has already is left out
+        (the file's wins)."""
+        if not self.discovered and all(e.dp_size == 1 for e in self.endpoints):
             return self
         given = {e.name for e in self.endpoints}
         endpoints: list[Endpoint] = []
         for e in self.endpoints:
             if e.discover is None:
-                endpoints.append(e)
+                endpoints += e.ranks()
                 continue
-            endpoints += [r for a in engines.get(e.name, ()) if (r := e.at(a)).name not in given]
+            for a in engines.get(e.name, ()):
+                if (r := e.at(a)).name not in given:
+                    endpoints += r.ranks()
         return self.model_copy(update={"endpoints": endpoints})
 
     def replica_specs(self) -> list[ReplicaSpec]:

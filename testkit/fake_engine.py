@@ -25,6 +25,7 @@ import itertools
 import json
 import logging
 import math
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -84,6 +85,11 @@ class FakeEngineSettings:
     # (`fake_max_tool_calls`), decided by its first user message
     max_tool_calls: int = DEFAULT_MAX_TOOL_CALLS
     engine: EngineParams = field(default_factory=EngineParams.reference)
+    # Data-parallel ranks (SGLang --dp-size, vLLM --data-parallel-size): as many
+    # simulated engines, each with its own KV cache.  A request goes to the rank its
+    # X-Data-Parallel-Rank header names, else to the next in turn (SGLang's default
+    # round robin); /metrics labels each rank's load (SGLang `dp_rank`, vLLM `engine`).
+    dp_size: int = 1
 
     def __post_init__(self) -> None:
         if self.flavor not in FLAVORS:
@@ -94,6 +100,8 @@ class FakeEngineSettings:
             raise ValueError("time_scale must be a positive finite number")
         if not self.labels:
             raise ValueError("at least one label is needed")
+        if not 1 <= self.dp_size <= 64:
+            raise ValueError(f"dp_size must be 1 to 64, got {self.dp_size}")
 
 
 # --------------------------------------------------------------------------- engine driver
@@ -795,16 +803,20 @@ _METRICS: dict[str, tuple[tuple[str, str, str], ...]] = {
 }
 
 
-def _metrics_text(flavor: str, model: str, values: dict[str, float]) -> str:
+# The label a data-parallel server's metrics tell its ranks apart by.
+_RANK_LABEL = {"sglang": "dp_rank", "vllm": "engine", "llamacpp": "rank"}
+
+
+def _metrics_text(flavor: str, model: str, ranks: list[dict[str, float]]) -> str:
+    """The gauges; one sample per rank, labelled by rank when there are several."""
     label = json.dumps(model)
     lines = []
     for suffix, field_name, help_text in _METRICS[flavor]:
         name = f"{flavor}:{suffix}"
-        lines += [
-            f"# HELP {name} {help_text}",
-            f"# TYPE {name} gauge",
-            f"{name}{{model_name={label}}} {float(values[field_name])}",
-        ]
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
+        for rank, values in enumerate(ranks):
+            by_rank = f',{_RANK_LABEL[flavor]}="{rank}"' if len(ranks) > 1 else ""
+            lines.append(f"{name}{{model_name={label}{by_rank}}} {float(values[field_name])}")
     return "\n".join(lines) + "\n"
 
 
@@ -826,7 +838,8 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
     s = settings
     params = s.engine
     block_chars = params.block_tokens * CHARS_PER_TOKEN
-    driver = None if s.instant else _Driver(params, s.time_scale)
+    drivers = [] if s.instant else [_Driver(params, s.time_scale) for _ in range(s.dp_size)]
+    turn_order = itertools.count()  # round robin over the ranks, for requests naming none
     pool = FillerPool(s.seed)
     ids = itertools.count(1)
     instant_cache: dict[bytes, tuple[bytes, str]] = {}
@@ -834,37 +847,59 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        task = None if driver is None else driver.start()
+        tasks = [d.start() for d in drivers]
         try:
             yield
         finally:
-            if task is not None:
+            for task in tasks:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
 
     app = FastAPI(title=f"fake {s.flavor} engine", lifespan=lifespan)
-    app.state.clock = EngineClock([] if driver is None else [driver])
+    app.state.clock = EngineClock(drivers)
 
-    def metric_values() -> dict[str, float]:
-        if driver is None:
-            return {"running": 0, "queued": 0, "token_usage": 0.0, "cache_hit_rate": 0.0}
-        driver.poll()
-        m = driver.engine.metrics()
-        return {
-            "running": m.running,
-            "queued": m.queued,
-            "token_usage": m.token_usage,
-            "cache_hit_rate": m.cache_hit_rate,
-        }
+    def rank_values() -> list[dict[str, float]]:
+        """Each rank's gauges."""
+        if not drivers:
+            return [{"running": 0, "queued": 0, "token_usage": 0.0, "cache_hit_rate": 0.0}]
+        out = []
+        for d in drivers:
+            d.poll()
+            m = d.engine.metrics()
+            out.append(
+                {
+                    "running": m.running,
+                    "queued": m.queued,
+                    "token_usage": m.token_usage,
+                    "cache_hit_rate": m.cache_hit_rate,
+                }
+            )
+        return out
 
-    def load() -> dict[str, int]:
-        v = metric_values()
+    def rank_load(v: dict[str, float]) -> dict[str, int]:
         return {
             "load": int(v["running"] + v["queued"]),
             "num_reqs": int(v["running"]),
             "num_waiting_reqs": int(v["queued"]),
         }
+
+    def load() -> dict[str, int]:
+        ranks = [rank_load(v) for v in rank_values()]
+        return {k: sum(r[k] for r in ranks) for k in ranks[0]}
+
+    def rank_of(request: Request) -> _Driver:
+        """The rank a request goes to: its X-Data-Parallel-Rank, else the next in turn.
+        A value that is no rank of this server is a 400, as SGLang answers it."""
+        assert drivers
+        given = request.headers.get("x-data-parallel-rank")
+        if given is None:
+            return drivers[next(turn_order) % len(drivers)]
+        if not re.fullmatch(r" *[0-9]+ *", given) or int(given) >= len(drivers):
+            raise _HTTPError(
+                400, f"X-Data-Parallel-Rank must be a rank 0 to {len(drivers) - 1}: {given!r}"
+            )
+        return drivers[int(given)]
 
     def plan(chat: _Chat) -> tuple[str, int, Reply]:
         text = "".join(render_message(m) for m in chat.messages)
@@ -1001,8 +1036,9 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
         raw = await request.body()
         try:
             chat = _parse_chat(_parse_json(raw), s.models, s.max_tool_calls)
-            if driver is None:
+            if not drivers:
                 return instant_reply(raw, chat)
+            driver = rank_of(request)
             if not driver.running:
                 return _error(503, "the engine is not running")
             text, conv, reply = plan(chat)
@@ -1046,7 +1082,7 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
             chat = _parse_chat(convert(body), s.models, s.max_tool_calls)
             text, _, reply = plan(chat)
             rid = f"{prefix}{next(ids):024x}"
-            if driver is None:  # instant: no engine, nothing cached
+            if not drivers:  # instant: no engine, nothing cached
                 prompt = max(1, -(-len(text) // CHARS_PER_TOKEN))
                 events = events_for(rid, chat, reply, prompt)
                 usage = _usage(prompt, reply.n_tokens, 0)
@@ -1058,6 +1094,7 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
                     else events.content(0, len(reply.tokens))
                 )
                 return Response(steps + events.end(usage), media_type=_SSE)
+            driver = rank_of(request)
             if not driver.running:
                 return error(503, "the engine is not running")
             ereq = engine_request(chat, text, reply, rid)
@@ -1155,17 +1192,21 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        text = _metrics_text(s.flavor, s.models[0], metric_values())
+        text = _metrics_text(s.flavor, s.models[0], rank_values())
         if s.flavor == "vllm":
-            # vLLM exports its CacheConfig as labels of an info gauge; the pool in
-            # tokens is num_gpu_blocks x block_size.
+            # vLLM exports its CacheConfig as labels of an info gauge, one per engine
+            # (rank); the pool in tokens is num_gpu_blocks x block_size.
             blocks = params.kv_pool_tokens // params.block_tokens
             text += (
                 "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
                 "# TYPE vllm:cache_config_info gauge\n"
-                f'vllm:cache_config_info{{block_size="{params.block_tokens}",'
-                f'cache_dtype="auto",num_gpu_blocks="{blocks}"}} 1.0\n'
             )
+            for rank in range(s.dp_size):
+                engine = f'engine="{rank}",' if s.dp_size > 1 else ""
+                text += (
+                    f'vllm:cache_config_info{{block_size="{params.block_tokens}",'
+                    f'cache_dtype="auto",{engine}num_gpu_blocks="{blocks}"}} 1.0\n'
+                )
         return Response(text, media_type=_PROMETHEUS)
 
     async def server_info() -> Response:
@@ -1173,13 +1214,14 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
             {
                 "model_path": s.models[0],
                 "served_model_name": s.models[0],
-                "max_total_num_tokens": params.kv_pool_tokens,
+                "max_total_num_tokens": params.kv_pool_tokens,  # one rank's
+                "dp_size": s.dp_size,
                 "max_running_requests": params.max_running_requests,
                 "chunked_prefill_size": params.chunked_prefill_tokens,
                 "page_size": params.block_tokens,
                 "enable_priority_scheduling": params.priority_scheduling,
                 "version": f"fake-{s.flavor}",
-                "internal_states": [{"load": load()["load"]}],
+                "internal_states": [{"load": r["load"]} for r in map(rank_load, rank_values())],
             }
         )
 
@@ -1187,7 +1229,8 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
         return _json({"model_path": s.models[0], "is_generation": True, "tokenizer_path": None})
 
     async def loads(model: str | None = None) -> Response:
-        return _json({"model": model or s.models[0], "loads": [load()], **load()})
+        ranks = [rank_load(v) for v in rank_values()]
+        return _json({"model": model or s.models[0], "loads": ranks, **load()})
 
     for path in ("/server_info", "/get_server_info"):
         app.add_api_route(path, server_info, methods=["GET"])

@@ -24,6 +24,7 @@ from gateway.prober import (
     ProbeResult,
     auth_headers,
     parse_load,
+    parse_rank_loads,
     probe_endpoint,
     probe_pool,
 )
@@ -96,6 +97,27 @@ def test_parse_load_counts_each_request_once_across_ranks() -> None:
         for e in (0, 1, 2)
     )
     assert parse_load("vllm", vllm_dp) == (3, 18)
+
+
+def test_parse_rank_loads_tells_the_data_parallel_ranks_apart() -> None:
+    """Per rank as parse_load counts the whole: copies once, priorities skipped."""
+    sglang = "".join(
+        f'sglang:num_{name}_reqs{{model_name="m",tp_rank="{tp}",dp_rank="{dp}",'
+        f'priority="{p}"}} {value + dp + (10 if p else 0)}\n'
+        for name, value in (("queue", 3), ("running", 10))
+        for dp in (0, 1)
+        for tp in (0, 1)
+        for p in ("", "5")
+    )
+    assert parse_rank_loads("sglang", sglang) == {0: (3, 10), 1: (4, 11)}
+    vllm = "".join(
+        f'vllm:num_requests_{name}{{engine="{e}",model_name="m"}} {v * (e + 1)}\n'
+        for name, v in (("waiting", 1), ("running", 6))
+        for e in (0, 1, 2)
+    )
+    assert parse_rank_loads("vllm", vllm) == {0: (1, 6), 1: (2, 12), 2: (3, 18)}
+    assert parse_rank_loads("sglang", SGLANG) is None  # no rank labels: no rank's load
+    assert parse_rank_loads("llamacpp", LLAMACPP) is None  # takes no rank
 
 
 def _endpoint(kind: str = "sglang", url: str = "http://engine", **kw: object) -> Endpoint:
@@ -289,6 +311,58 @@ async def test_against_the_fake_engine_over_loopback(flavor: str) -> None:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@pytest.mark.parametrize("flavor", ["sglang", "vllm"])
+async def test_a_data_parallel_server_is_probed_once_for_its_ranks(flavor: str) -> None:
+    """dp_size = 2: the ranks are replicas `a@0`, `a@1`, probed with one /metrics a
+    round; each rank's load and KV pool are its own."""
+    one_at_a_time = replace(EngineParams.reference(), max_running_requests=1)
+    settings = FakeEngineSettings(flavor=flavor, time_scale=0.05, engine=one_at_a_time, dp_size=2)
+    engine_app = create_app(settings)
+    scrapes = []
+
+    async def counted(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] == "/metrics":
+            scrapes.append(scope["path"])
+        await engine_app(scope, receive, send)
+
+    async with serve(counted) as url, httpx.AsyncClient(timeout=30) as c:
+        endpoint = {"name": "a", "url": url, "kind": flavor, "models": ["m"], "dp_size": 2}
+        config = parse_config({"endpoints": [endpoint]}).expanded({})
+        assert [(e.name, e.dp_rank, e.server) for e in config.endpoints] == [
+            ("a@0", 0, "a"),
+            ("a@1", 1, "a"),
+        ]
+        body = {"model": "llama-3.2-1b", "messages": [{"role": "user", "content": "hi"}]}
+        # Two long generations on rank 1, which runs one at a time: it runs one and
+        # queues one; rank 0 is idle.
+        rank_1 = {"X-Data-Parallel-Rank": "1"}
+        tasks = [asyncio.create_task(c.post(url + "/v1/chat/completions", json=body,
+                                            headers=rank_1)) for _ in range(2)]  # fmt: skip
+        for _ in range(500):  # bounded: the engine admits at its next step
+            before = len(scrapes)
+            results = await probe_pool(c, config, want_kv=frozenset({"a@0", "a@1"}))
+            assert len(scrapes) == before + 1  # one scrape for both ranks
+            if [(r.queued, r.running) for r in results] == [(0, 0), (1, 1)]:
+                break
+            await asyncio.sleep(0.01)
+        assert [(r.endpoint, r.healthy, r.queued, r.running, r.error) for r in results] == [
+            ("a@0", True, 0, 0, None),
+            ("a@1", True, 1, 1, None),
+        ]
+        assert [r.kv_tokens for r in results] == [56_000, 56_000]  # one rank's pool each
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        # A rank its metrics do not show: healthy, load unknown (uncapped), and why.
+        three = parse_config({"endpoints": [{**endpoint, "dp_size": 3}]}).expanded({})
+        third = (await probe_pool(c, three))[2]
+        assert (third.endpoint, third.healthy, third.running) == ("a@2", True, None)
+        assert third.error is not None and "no samples labelled" in third.error
+    # A server down is every rank down.
+    down = await probe_pool(httpx.AsyncClient(), config)
+    assert [(r.endpoint, r.healthy) for r in down] == [("a@0", False), ("a@1", False)]
 
 
 @pytest.mark.parametrize(("flavor", "expected"), [("sglang", 56_000), ("vllm", 56_000)])

@@ -308,6 +308,49 @@ async def test_a_paused_run_keeps_its_replica() -> None:
         assert a.chats and b.chats  # new runs were spread over both
 
 
+async def test_each_data_parallel_rank_is_a_replica_and_a_run_keeps_its_rank() -> None:
+    # One server with two data-parallel ranks (SGLang --dp-size 2): two KV caches behind
+    # one URL.  Named with dp_size, each rank is a replica, a@0 and a@1, and each turn
+    # names its rank in X-Data-Parallel-Rank; unnamed, the engine's round robin moves a
+    # run's next turn to the other rank's cache.
+    def cached(text: str) -> float:
+        values = re.findall(r"^luftpause_cached_tokens_total\{[^}]*\} (\S+)$", text, re.M)
+        return sum(float(v) for v in values)
+
+    task = tool_task(3, "a long context " * 40)  # several cache blocks
+    async with (
+        engine(time_scale=50, dp_size=2) as (url, counted),
+        gateway(endpoint("a", url, dp_size=2)) as (gw, shell),
+    ):
+        assert set(shell.state.replicas) == {"a@0", "a@1"}
+        assert shell.state.replicas["a@1"].spec.kv_tokens == 56_000  # one rank's pool
+        ids, turns = await tool_loop(gw, task)
+        assert turns >= 3 and len(set(ids)) == 1
+        ranks = [h["x-data-parallel-rank"] for h in counted.headers]
+        assert len(set(ranks)) == 1, f"the run moved between ranks: {ranks}"
+        pinned = cached((await gw.get("/metrics")).text)
+
+        # Runs at once are spread over the ranks, each staying on its own.
+        tasks = [tool_task(2, f"run {i}") for i in range(6)]
+        await asyncio.gather(*(tool_loop(gw, t) for t in tasks))
+        on: dict[str, set[str]] = {}
+        for h, body in zip(counted.headers, counted.chats, strict=True):
+            on.setdefault(body["messages"][0]["content"], set()).add(h["x-data-parallel-rank"])
+        assert all(len(r) == 1 for r in on.values()), on
+        assert set().union(*on.values()) == {"0", "1"}
+
+    async with (
+        engine(time_scale=50, dp_size=2) as (url, counted),
+        gateway(endpoint("a", url)) as (gw, shell),
+    ):
+        assert set(shell.state.replicas) == {"a"}
+        ids, turns = await tool_loop(gw, task)
+        assert "x-data-parallel-rank" not in counted.headers[0]
+        unpinned = cached((await gw.get("/metrics")).text)
+    # Round robin over two caches: only every other turn finds its prefix.
+    assert 0 < unpinned < pinned
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_calls_written_as_text_pause_the_run_as_real_ones_do(stream: bool) -> None:
     # Engines without a tool-call parser answer "stop" with the call in the text; the

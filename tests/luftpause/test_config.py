@@ -348,6 +348,26 @@ def test_the_newer_apis_default_by_kind_and_the_file_decides() -> None:
             "discover is for endpoints that take turns, not kind = 'classifier'",
         ),
         (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="llamacpp"\nmodels=["m"]\ndp_size=2',
+            "dp_size is for kind 'sglang' or 'vllm', which take the rank of a request in "
+            "X-Data-Parallel-Rank; kind 'llamacpp' does not",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\ndp_size=0',
+            "endpoints[0].dp_size: Input should be greater than or equal to 1",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\ndp_rank=1',
+            "dp_rank is set by luftpause on each rank's replica; give the server's dp_size",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+            'dp_size=2\n[[endpoints]]\nname="r"\nurl="http://h:2"\nkind="router"\n'
+            'models=["m"]\nload_from=["a"]',
+            "endpoint 'r': load_from names 'a', whose ranks are replicas of their own "
+            "(dp_size); a router in front of them balances its ranks itself",
+        ),
+        (
             '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
             '[discovery]\nfamily="ipv4"',
             "discovery.family: Input should be 'v4_preferred', 'v4_only', 'v6_only' or 'all'",
@@ -519,3 +539,22 @@ def test_a_discovered_endpoint_expands_to_one_replica_per_address() -> None:
         {"endpoints": [{"name": "a", "url": "http://h:1", "kind": "vllm", "models": ["m"]}]}
     )
     assert plain.expanded({"a": ("10.0.0.1",)}) is plain
+
+
+def test_a_data_parallel_server_expands_to_one_replica_per_rank() -> None:
+    sglang = {"name": "dp", "url": "http://h:1", "kind": "sglang", "models": ["m"], "dp_size": 2}
+    pod = {**sglang, "name": "pod", "url": "http://pods.test:30000", "discover": "dns"}
+    cfg = parse_config({"endpoints": [sglang, pod]})
+    out = cfg.expanded({"pod": ("10.0.0.6:30000",)})
+    assert [(e.name, e.url, e.dp_rank, e.server) for e in out.endpoints] == [
+        ("dp@0", "http://h:1", 0, "dp"),
+        ("dp@1", "http://h:1", 1, "dp"),
+        ("pod-10.0.0.6:30000@0", "http://10.0.0.6:30000", 0, "pod-10.0.0.6:30000"),
+        ("pod-10.0.0.6:30000@1", "http://10.0.0.6:30000", 1, "pod-10.0.0.6:30000"),
+    ]
+    assert [s.name for s in out.replica_specs()] == [e.name for e in out.endpoints]
+    # Without discovery the ranks still expand; one rank is the server itself.
+    alone = parse_config({"endpoints": [sglang]})
+    assert [e.name for e in alone.expanded({}).endpoints] == ["dp@0", "dp@1"]
+    one = parse_config({"endpoints": [{**sglang, "dp_size": 1}]})
+    assert one.expanded({}) is one and one.endpoints[0].server == "dp"

@@ -135,6 +135,31 @@ async def test_a_stopped_clock_holds_the_engine_where_it_stands() -> None:
         assert await metric(client, "sglang:num_queue_reqs") == 0
 
 
+async def test_data_parallel_ranks_keep_caches_of_their_own() -> None:
+    async with fake_engine(time_scale=50, dp_size=2) as client:
+
+        async def cached(rank: str) -> int:
+            body = chat("a long context " * 40, max_tokens=5)
+            r = await client.post("/v1/chat/completions", json=body, headers={H: rank})
+            assert r.status_code == 200, r.text
+            return int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+        H = "X-Data-Parallel-Rank"
+        assert await cached("1") == 0
+        assert await cached("1") > 0  # the prefix is in rank 1's cache ...
+        assert await cached("0") == 0  # ... and not in rank 0's
+        for bad in ("2", "-1", "one"):
+            r = await client.post("/v1/chat/completions", json=chat(), headers={H: bad})
+            assert r.status_code == 400
+            assert r.json()["error"]["message"] == (
+                f"X-Data-Parallel-Rank must be a rank 0 to 1: {bad!r}"
+            )
+        text = (await client.get("/metrics")).text
+        assert re.search(r'^sglang:num_running_reqs\{[^}]*dp_rank="1"[^}]*\} 0\.0$', text, re.M)
+        info = (await client.get("/get_server_info")).json()
+        assert info["dp_size"] == 2
+
+
 async def test_stream_chunks_arrive_over_time_and_end_with_done() -> None:
     # 1x: 60 tokens take ~0.7 s, so the engine is still generating when the first
     # content chunk arrives.
