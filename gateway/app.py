@@ -73,6 +73,7 @@ from luftpause.headers import (
     RUN_HEADER,
     RUN_ID,
     RUN_ID_SHAPE,
+    TENANT_HEADER,
     caller_name,
     session_run,
 )
@@ -235,6 +236,35 @@ def _failed(scope: Scope, status: int, message: str) -> Response:
     return error_response(status, message, _named_run(scope), anthropic=_anthropic(scope["path"]))
 
 
+@dataclass(frozen=True, slots=True)
+class Who:
+    """Who a request's token says it is from."""
+
+    # The caller whose own token (`[[callers]]`) it sent; None: the operator's token
+    # (or none is set), whose requests name their caller in the header.
+    tenant: str | None = None
+
+
+OPERATOR = Who()
+
+
+def owns(state: State, run_id: str, caller: str) -> bool:
+    """Whether the run the core knows by `run_id` is `caller`'s (a run known by its
+    held turns only: theirs)."""
+    run = state.runs.get(run_id)
+    if run is not None:
+        return run.caller == caller
+    held = [t for t in state.held() if t.run_id == run_id]
+    return bool(held) and all(t.caller == caller for t in held)
+
+
+def not_known(run_id: str) -> str:
+    return (
+        f"run '{run_id}' is not known: never seen, ended, idle longer than "
+        "idle_run_expiry_s, or from before the gateway's last start"
+    )
+
+
 class _BadRequest(Exception):
     def __init__(self, message: str, status: int = 400) -> None:
         super().__init__(message)
@@ -256,6 +286,13 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     metrics = GatewayMetrics(seen)
     # The settings' policy (tests, benches) or the file's [policy] section.
     policy = settings.policy or config.policy.to_policy()
+    if config.callers and settings.token is None:
+        raise ConfigError(
+            "callers: callers' tokens need the operator's token as well (token, or "
+            "LUFTPAUSE_TOKEN); without one, every request would be let in"
+        )
+    # A caller's own token -> its name (`[[callers]]`), read once: a restart rotates them.
+    tenants = config.caller_tokens(os.environ)
     door = _Door(config, settings.token)
     door_server = create_mcp_server(door.deps(live, lambda: runtime))
     door_app = door_server.streamable_http_app(streamable_http_path="/", host=settings.host)
@@ -330,31 +367,85 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     app = _Gateway(title="luftpause gateway", lifespan=lifespan)
 
-    def authorized(request: Request, *, api_key: bool = False) -> bool:
-        """The bearer token, or with `api_key` (the Anthropic API's routes) the same
-        token in `x-api-key`, where Claude Code sends ANTHROPIC_API_KEY."""
+    def identify(request: Request | Scope, *, api_key: bool = False) -> Who | None:
+        """Who the credentials say the request is from, or None (401): the bearer
+        token, or with `api_key` (the Anthropic API's routes) the same in `x-api-key`,
+        where Claude Code sends ANTHROPIC_API_KEY.  The operator's token (or none set:
+        open access) names no caller; a caller's own token names that caller."""
         if settings.token is None:
-            return True
-        token = settings.token.encode()
-        scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(
-            credentials.strip().encode("latin-1"), token
-        ):
-            return True
-        key = request.headers.get("x-api-key") if api_key else None
-        return key is not None and hmac.compare_digest(key.strip().encode("latin-1"), token)
+            return OPERATOR
+        headers = request.headers if isinstance(request, Request) else Request(request).headers
+        scheme, _, credentials = headers.get("authorization", "").partition(" ")
+        given = [credentials.strip()] if scheme.lower() == "bearer" else []
+        if api_key and (key := headers.get("x-api-key")) is not None:
+            given.append(key.strip())
+        for value in given:
+            sent = value.encode("latin-1", errors="replace")
+            if hmac.compare_digest(sent, settings.token.encode()):
+                return OPERATOR
+            # Every caller's token is compared, so the time taken tells nothing.
+            found = [n for t, n in tenants.items() if hmac.compare_digest(sent, t.encode())]
+            if found:
+                return Who(tenant=found[0])
+        return None
+
+    def authorized(request: Request, *, api_key: bool = False) -> bool:
+        """Only the operator's token (or none set): /status, /, /reload."""
+        return identify(request, api_key=api_key) == OPERATOR
 
     def unauthorized(run_id: str, *, anthropic: bool = False) -> Response:
         if anthropic:  # where Anthropic clients may send it
             return error_response(401, _NO_KEY, run_id, anthropic=True)
         return error_response(401, _NO_TOKEN, run_id)
 
+    def refused(who: Who | None, run_id: str, *, anthropic: bool = False) -> Response:
+        """401 for no (or a wrong) token; 403 for a caller's token where only the
+        operator's is taken."""
+        if who is None:
+            return unauthorized(run_id, anthropic=anthropic)
+        message = (
+            f"this token is caller '{who.tenant}''s, which may not use this route; "
+            "it takes the operator's token"
+        )
+        return error_response(403, message, run_id, anthropic=anthropic)
+
+    def caller_of(request: Request, who: Who) -> str:
+        """The caller a request is from: a caller's token says it; else the header."""
+        return who.tenant if who.tenant is not None else _caller(request)
+
+    def other_caller(request: Request, who: Who) -> str | None:
+        """Why a caller's request may not go on: its header names another caller."""
+        named = request.headers.get(CALLER_HEADER)
+        if who.tenant is None or not named or caller_name(named) == who.tenant:
+            return None
+        return (
+            f"{CALLER_HEADER} says '{caller_name(named)}', but this token is caller "
+            f"'{who.tenant}''s: leave the header out, or name that caller"
+        )
+
     async def mcp_gate(scope: Scope, receive: Receive, send: Send) -> None:
-        """`/mcp` takes the same bearer token as `/v1/*`."""
-        if scope["type"] == "http" and not authorized(Request(scope)):
+        """`/mcp` takes the same bearer tokens as `/v1/*`.  A caller's token makes the
+        request that caller's: the door reads it from TENANT_HEADER, which only the gate
+        sets (a client's own is dropped)."""
+        if scope["type"] != "http":
+            await door_app(scope, receive, send)
+            return
+        who = identify(scope)
+        if who is None:
             await unauthorized("")(scope, receive, send)
             return
-        await door_app(scope, receive, send)
+        request = Request(scope)
+        if (why := other_caller(request, who)) is not None:
+            await error_response(403, why, "")(scope, receive, send)
+            return
+        tenant = TENANT_HEADER.encode()
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() != tenant]
+        if who.tenant is not None:
+            caller = CALLER_HEADER.lower().encode()
+            headers = [(k, v) for k, v in headers if k.lower() != caller]
+            name = who.tenant.encode()
+            headers += [(tenant, name), (caller, name)]
+        await door_app({**scope, "headers": headers}, receive, send)
 
     app.mount(MCP_PATH, mcp_gate)
 
@@ -460,8 +551,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         # As DELETE /v1/runs/{id} takes it (and it is echoed in a response header).
         bad_run = bool(header_run) and not RUN_ID.fullmatch(header_run)
         fallback_run = header_run if header_run and not bad_run else _new_id()
-        if not authorized(request, api_key=anthropic):
+        who = identify(request, api_key=anthropic)
+        if who is None:
             return unauthorized(fallback_run, anthropic=anthropic)
+        if (why := other_caller(request, who)) is not None:
+            return error_response(403, why, fallback_run, anthropic=anthropic)
         if bad_run:
             message = f"{RUN_HEADER}: {RUN_ID_SHAPE}"
             return error_response(400, message, fallback_run, anthropic=anthropic)
@@ -486,7 +580,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                 retry_after=rt.prober.retry_after,
             )  # fmt: skip
         now = rt.loop.time()
-        caller = _caller(request)
+        caller = caller_of(request, who)
         run_id: str | None = header_run
         joined_by = "header"
         if not run_id and pool.file.session_runs:
@@ -552,7 +646,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         which Claude Code takes as "not supported"."""
         rt = running()
         run_id = ""  # no turn, no run: its answers carry no run id
-        if not authorized(request, api_key=True):
+        if identify(request, api_key=True) is None:
             return unauthorized(run_id, anthropic=True)
         raw = await _body(request, config.max_request_bytes)
         if raw is None:
@@ -595,8 +689,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def decide_label(request: Request) -> Response:
         rt = running()
         run_id = _new_id()
-        if not authorized(request):
+        who = identify(request)
+        if who is None:
             return unauthorized(run_id)
+        if (why := other_caller(request, who)) is not None:
+            return error_response(403, why, run_id)
         raw = await _body(request, config.max_request_bytes)
         if raw is None:
             return _too_large(config.max_request_bytes, run_id)
@@ -604,7 +701,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             parsed = parse_decide(raw)
         except DecideError as exc:
             return error_response(exc.status, exc.message, run_id)
-        answering = _decide(rt, live, parsed, run_id, _caller(request), request.receive)
+        answering = _decide(rt, live, parsed, run_id, caller_of(request, who), request.receive)
         tracer = telemetry.tracer()
         if tracer is None:
             return await answering
@@ -625,11 +722,14 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.delete("/v1/runs/{run_id}")
     async def end_run(request: Request, run_id: str) -> Response:
         rt = running()
-        if not authorized(request):
+        who = identify(request)
+        if who is None:
             return unauthorized(run_id if RUN_ID.fullmatch(run_id) else _new_id())
         if not RUN_ID.fullmatch(run_id):
             # It goes back in a response header: printable ASCII only, or no echo.
             return error_response(400, _BAD_RUN_ID, "")
+        if who.tenant is not None and not owns(rt.shell.state, run_id, who.tenant):
+            return error_response(404, not_known(run_id), run_id)
         rt.shell.apply(RunEnded(now=rt.loop.time(), run_id=run_id))
         return Response(status_code=204, headers={RUN_HEADER: run_id})
 
@@ -638,7 +738,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         """The runs luftpause knows, most recently active first (GET /v1/runs?caller=
         &phase=&class=&limit=): how a harness's user finds its session's run."""
         rt = running()
-        if not authorized(request):
+        who = identify(request)
+        if who is None:
             return unauthorized("")
         query = request.query_params
         unknown = sorted(set(query) - {"caller", "phase", "class", "limit"})
@@ -659,6 +760,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         except _BadRequest as exc:
             return error_response(400, exc.message.replace(CLASS_HEADER, "class"), "")
         caller = query.get("caller")
+        if who.tenant is not None:  # a caller's token lists that caller's runs only
+            if caller is not None and caller_name(caller) != who.tenant:
+                message = f"caller: this token is caller '{who.tenant}''s; it lists only its runs"
+                return error_response(403, message, "")
+            caller = who.tenant
         listing = await asyncio.to_thread(
             runs_listing,
             rt.shell.state,
@@ -673,19 +779,17 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.get("/v1/runs/{run_id}")
     async def one_run(request: Request, run_id: str) -> Response:
         rt = running()
-        if not authorized(request):
+        who = identify(request)
+        if who is None:
             return unauthorized(run_id if RUN_ID.fullmatch(run_id) else "")
         if not RUN_ID.fullmatch(run_id):
             return error_response(400, _BAD_RUN_ID, "")
         state, now = rt.shell.state, rt.loop.time()
         held = [t for t in state.held() if t.run_id == run_id]
         run = state.runs.get(run_id)
-        if run is None and not held:
-            message = (
-                f"run '{run_id}' is not known: never seen, ended, idle longer than "
-                "idle_run_expiry_s, or from before the gateway's last start"
-            )
-            return error_response(404, message, run_id)
+        mine = who.tenant is None or owns(state, run_id, who.tenant)
+        if (run is None and not held) or not mine:
+            return error_response(404, not_known(run_id), run_id)
         view = run_view(run, now, len(held)) if run is not None else waiting_view(held, now)
         return Response(
             json.dumps(view), media_type="application/json", headers={RUN_HEADER: run_id}
@@ -693,7 +797,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:
-        if not authorized(request):
+        if identify(request) is None:
             return unauthorized(_new_id())
         data = [
             {"id": m, "object": "model", "created": 0, "owned_by": "luftpause"}
@@ -737,7 +841,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def status(request: Request) -> Response:
         rt = running()
         if not authorized(request):
-            return unauthorized(_new_id())
+            return refused(identify(request), _new_id())
         view = await with_runs(await snapshot(rt))
         return Response(json.dumps(view), media_type="application/json")
 
@@ -753,7 +857,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             and hmac.compare_digest(query.encode(), settings.token.encode())
         )
         if not (by_query or authorized(request)):
-            return unauthorized(_new_id())
+            return refused(identify(request), _new_id())
         return HTMLResponse(
             render_status_page(await with_runs(await snapshot(rt, recent=PAGE_RUNS))),
             headers={"cache-control": "no-store", "referrer-policy": "no-referrer"},
@@ -773,7 +877,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def reload(request: Request) -> Response:
         """Serve the configuration file's endpoints as they are now (as SIGHUP does)."""
         if not authorized(request):
-            return unauthorized("")
+            return refused(identify(request), "")
         try:
             change = await reload_pool()
         except ConfigError as exc:
@@ -794,7 +898,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         of the chat path): an OpenAI-shaped error that says what is served."""
         path = request.url.path
         anthropic = _anthropic(path)
-        if not authorized(request, api_key=anthropic):
+        if identify(request, api_key=anthropic) is None:
             return unauthorized(_new_id(), anthropic=anthropic)
         allow = _ALLOWED.get(path) or ("GET, DELETE" if path.startswith("/v1/runs/") else None)
         message = f"luftpause does not serve {request.method} {path}; it serves {_SERVED}"

@@ -30,11 +30,12 @@ from temporalio.service import RPCError, RPCStatusCode
 from activities.contract import ToolInfo
 from gateway import _approval as approval
 from gateway.mcp_tasks import TasksExtension
-from luftpause.headers import CALLER_HEADER, caller_name
+from luftpause.headers import CALLER_HEADER, TENANT_HEADER, caller_name
 from workflows import (
     AWAIT_MAX_S,
     TERMINAL_STATES,
     Budget,
+    CallerRuns,
     Rounds,
     RunError,
     Runs,
@@ -228,14 +229,25 @@ def _version() -> str:
         return "0"
 
 
-def caller_of(ctx: Any, token_identity: str | None) -> str:
-    """Who is asking, for fairness and listing: the header the harness sets, else the
-    legacy session, else the token's identity, else anonymous."""
-    # A tool's Context has `headers`; the lowlevel context of an extension has the
-    # HTTP `request`.
+def _headers(ctx: Any) -> Any:
+    """A request's HTTP headers: a tool's Context has `headers`; the lowlevel context
+    of an extension has the HTTP `request`."""
     headers = getattr(ctx, "headers", None)
     if headers is None:
         headers = getattr(getattr(ctx, "request", None), "headers", None) or {}
+    return headers
+
+
+def tenant_of(ctx: Any) -> str | None:
+    """The caller whose own token sent the request (the gateway's gate says so), or
+    None: the operator's token, or no token set."""
+    return _headers(ctx).get(TENANT_HEADER) or None
+
+
+def caller_of(ctx: Any, token_identity: str | None) -> str:
+    """Who is asking, for fairness and listing: the header the harness sets, else the
+    legacy session, else the token's identity, else anonymous."""
+    headers = _headers(ctx)
     named = headers.get(CALLER_HEADER)
     if named:
         return caller_name(named) or ANONYMOUS
@@ -395,7 +407,7 @@ Handle = Annotated[str, Field(min_length=1, max_length=200, description="a run h
 def create_mcp_server(deps: DoorDeps) -> MCPServer:
     """The MCP server of the door, built from its dependencies."""
     tasks = TasksExtension(
-        runs=lambda: runs(),
+        runs=lambda ctx: runs(ctx),
         start_run=lambda arguments, ctx: start_task_run(arguments, ctx),
         view=lambda status: view(status).model_dump(),
     )
@@ -411,11 +423,14 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
         log_level="WARNING",
     )
 
-    async def runs() -> Runs:
+    async def runs(ctx: Any) -> Runs:
+        """The runs a request may see: a caller's own token, only that caller's."""
         try:
-            return await deps.runs()
+            every = await deps.runs()
         except Exception as exc:
             raise ToolError(f"the run store (Temporal) is unreachable: {exc}") from None
+        tenant = tenant_of(ctx)
+        return every if tenant is None else CallerRuns(every, tenant)
 
     def spec_of(a: RunArgs, ctx: Any) -> RunSpec:
         """The run a `spawn`/`run` call asks for (the model checked, the caller named)."""
@@ -457,10 +472,10 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
                 f"the tools() list ({', '.join(sorted(known)) or 'none configured'})"
             )
 
-    async def spawn_run(spec: RunSpec) -> str:
+    async def spawn_run(spec: RunSpec, ctx: Any) -> str:
         await check_tools(spec.tools)
         await check_tools(spec.approve_tools)
-        r = await runs()
+        r = await runs(ctx)
         try:
             return await r.spawn(spec)
         except RunError as exc:
@@ -480,7 +495,7 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
             return None, f"run: {_problems(exc)}"
         try:
             spec = spec_of(a, ctx)
-            return await spawn_run(spec), ""
+            return await spawn_run(spec, ctx), ""
         except ToolError as exc:
             return None, str(exc)
 
@@ -505,7 +520,7 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
         can answer elicitations is asked: mid-call on legacy sessions; on 2026-07-28 by
         ending this round with an input-required result (the client answers and calls
         again, and `request_state` carries the deadline and the questions asked)."""
-        r = await runs()
+        r = await runs(ctx)
         if not 0 < timeout <= AWAIT_MAX_S:
             raise ToolError(f"timeout: expected more than 0 and at most {AWAIT_MAX_S:g} seconds")
         loop = asyncio.get_running_loop()
@@ -642,7 +657,7 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
         `maxToolCalls` calls it must answer."""
         arguments = _arguments(locals())
         spec = spec_of(RunArgs.model_validate(arguments), ctx)
-        handle = await spawn_run(spec)
+        handle = await spawn_run(spec, ctx)
         return SpawnResult(handle=handle, state="Running")
 
     @mcp.tool(name="await", annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
@@ -694,7 +709,7 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
             waited = await wait(ctx, [spawned], "all", timeout, spawned=spawned)
             return waited if isinstance(waited, InputRequiredResult) else view(waited[0][0])
         spec = spec_of(RunArgs.model_validate(arguments), ctx)
-        handle = await spawn_run(spec)
+        handle = await spawn_run(spec, ctx)
         waited = await wait(ctx, [handle], "all", timeout, spawned=handle)
         return waited if isinstance(waited, InputRequiredResult) else view(waited[0][0])
 
@@ -726,7 +741,7 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
     ) -> StatusResult:
         """Show runs: state, parent and children, usage of the run and its subtree,
         budget, and any approval it waits for."""
-        r = await runs()
+        r = await runs(ctx)
         try:
             filters: dict[str, Any] = {
                 "state": state,
@@ -751,7 +766,7 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
     async def cancel(ctx: Context, handle: Handle) -> RunView:
         """Cancel a run and its running descendants at once (their work in flight too).
         Returns the run once it has ended, or as it is after about 10 s."""
-        r = await runs()
+        r = await runs(ctx)
         try:
             return view(await r.cancel(handle))
         except RunError as exc:
@@ -772,7 +787,7 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
     ) -> RunView:
         """Answer the approval a run waits for (state AwaitingApproval): allow or
         decline its pending tool call. A declined call is reported to the run's model."""
-        r = await runs()
+        r = await runs(ctx)
         try:
             return view(await r.approve(handle, allow, callId))
         except RunError as exc:

@@ -75,7 +75,7 @@ class TasksExtension(Extension):
 
     def __init__(
         self,
-        runs: Callable[[], Awaitable[Runs]],
+        runs: Callable[[Any], Awaitable[Runs]],  # the runs a request (its ctx) may see
         start_run: Callable[[dict[str, Any], Any], Awaitable[tuple[str | None, str]]],
         view: Callable[[RunStatus], dict[str, Any]],
     ) -> None:
@@ -106,7 +106,7 @@ class TasksExtension(Extension):
         handle, error = await self._start(dict(params.arguments or {}), ctx)
         if handle is None:
             return CallToolResult(content=[TextContent(type="text", text=error)], is_error=True)
-        status = await (await self._runs()).status(handle)
+        status = await (await self._runs(ctx)).status(handle)
         return {"resultType": "task", **self._task(status)}
 
     def _task(self, status: RunStatus) -> dict[str, Any]:
@@ -138,18 +138,18 @@ class TasksExtension(Extension):
             task["statusMessage"] = status.error or "cancelled"
         return task
 
-    async def _status(self, task_id: str) -> RunStatus:
+    async def _status(self, ctx: Any, task_id: str) -> RunStatus:
         try:
-            return await (await self._runs()).status(task_id)
+            return await (await self._runs(ctx)).status(task_id)
         except RunError as exc:
             raise MCPError(code=_INVALID_PARAMS, message=f"unknown task: {exc}") from None
 
     async def get(self, ctx: Any, params: TaskIdParams) -> dict[str, Any]:
-        return {"resultType": "complete", **self._task(await self._status(params.task_id))}
+        return {"resultType": "complete", **self._task(await self._status(ctx, params.task_id))}
 
     async def update(self, ctx: Any, params: UpdateParams) -> EmptyResult:
-        status = await self._status(params.task_id)
-        runs = await self._runs()
+        status = await self._status(ctx, params.task_id)
+        runs = await self._runs(ctx)
         for key, response in params.input_responses.items():
             handle, call_id = approval.parse_key(key)
             if handle != status.handle:
@@ -173,7 +173,7 @@ class TasksExtension(Extension):
         """Acknowledged once the cancellation is requested (the run ends after; no worker
         needs to be up)."""
         try:
-            await (await self._runs()).request_cancel(params.task_id)
+            await (await self._runs(ctx)).request_cancel(params.task_id)
         except RunError as exc:
             raise MCPError(code=_INVALID_PARAMS, message=f"unknown task: {exc}") from None
         return EmptyResult()

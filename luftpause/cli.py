@@ -280,10 +280,14 @@ def _gateway(args: argparse.Namespace) -> int:
     settings = GatewaySettings(
         config=config, token=config.token, host=args.host, config_path=args.config
     )
+    try:
+        app = create_app(settings)
+    except ConfigError as exc:  # callers' tokens, read from the environment
+        raise SystemExit(f"luftpause gateway: {args.config}: {exc}") from None
     telemetry.setup("luftpause-gateway")
     # One process: the scheduler's state lives in it (DESIGN.md "Processes and ports").
     uvicorn.run(
-        create_app(settings),
+        app,
         host=args.host,
         port=args.port,
         workers=1,

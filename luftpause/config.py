@@ -540,6 +540,19 @@ class PolicyConfig(BaseModel):
         return Policy(**self.model_dump())
 
 
+class Caller(BaseModel):
+    """A caller that proves who it is: the bearer token in `token_env` is this caller's
+    alone (`[[callers]]`).  Its requests are this caller's whatever they say, and it
+    sees and touches only its own runs; the operator's `token` names any caller."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:@-]+$")]
+    # The environment variable holding the caller's token (never the token itself: the
+    # file is read by more people than the secret should be).
+    token_env: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+
+
 class Config(BaseModel):
     """The whole file."""
 
@@ -564,6 +577,8 @@ class Config(BaseModel):
     # The bearer token /v1/*, /mcp and /status require, and the worker sends (env
     # LUFTPAUSE_TOKEN overrides it).  None: open access, with a warning at start.
     token: Annotated[str | None, Field(repr=False)] = None
+    # Callers with tokens of their own (Caller); they need the operator's `token`.
+    callers: list[Caller] = []
 
     @field_validator("token")
     @classmethod
@@ -606,6 +621,19 @@ class Config(BaseModel):
         dupes = sorted({n for n in servers if servers.count(n) > 1})
         if dupes:
             raise ValueError(f"mcp server names must be unique; repeated: {', '.join(dupes)}")
+        for what, values in (
+            ("caller names", [c.name for c in self.callers]),
+            ("callers' token_env", [c.token_env for c in self.callers]),
+        ):
+            dupes = sorted({v for v in values if values.count(v) > 1})
+            if dupes:
+                raise ValueError(f"{what} must be unique; repeated: {', '.join(dupes)}")
+        if self.callers and self.token is None:
+            raise ValueError(
+                "callers: callers' tokens need the operator's token as well (token, or "
+                "LUFTPAUSE_TOKEN): the worker sends it with sub-agents' turns, and /status "
+                "and /reload take only it; without one, every request would be let in"
+            )
         by_name = {e.name: e for e in self.endpoints}
         behind: dict[str, str] = {}  # engine -> the router whose load it is
         for e in self.endpoints:
@@ -656,11 +684,43 @@ class Config(BaseModel):
         fails every probe; the processes warn at start so that it is not a mystery."""
         named = [("endpoint", e.name, "api_key_env", e.api_key_env) for e in self.endpoints]
         named += [("mcp server", m.name, "token_env", m.token_env) for m in self.mcp_servers]
-        return [
+        unset = [
             f"{what} {name}: {field} = {var!r}, but {var} is not set: its requests go without a key"
             for what, name, field, var in named
             if var and not environ.get(var, "").strip()
         ]
+        return unset + [
+            f"caller {c.name}: token_env = {c.token_env!r}, but {c.token_env} is not set: "
+            "no token is this caller's"
+            for c in self.callers
+            if not environ.get(c.token_env, "").strip()
+        ]
+
+    def caller_tokens(self, environ: Mapping[str, str]) -> dict[str, str]:
+        """Each caller's token (from its `token_env`; unset ones are left out, as
+        `unset_keys` says) -> its name.  Raises ConfigError for a value that is no
+        bearer token, or a token two callers, or a caller and the operator, share."""
+        tokens: dict[str, str] = {}
+        for c in self.callers:
+            value = environ.get(c.token_env, "")
+            if not value.strip():
+                continue
+            try:
+                token = bearer_token(value)
+            except ValueError as exc:
+                raise ConfigError(f"caller {c.name}: {c.token_env}: {exc}") from None
+            if token == self.token:
+                raise ConfigError(
+                    f"caller {c.name}: {c.token_env} holds the operator's token; a caller's "
+                    "token must be its own"
+                )
+            if token in tokens:
+                raise ConfigError(
+                    f"callers {tokens[token]} and {c.name}: {c.token_env} holds the same "
+                    "token as the other's; each caller's token must be its own"
+                )
+            tokens[token] = c.name
+        return tokens
 
     @property
     def discovered(self) -> list[Endpoint]:

@@ -15,6 +15,10 @@ CALLER_HEADER = "x-luftpause-caller"  # who is asking, for fairness; cut to 128 
 
 CALLER_MAX_BYTES = 128
 
+# Set by the gateway on a request to its MCP door when a caller's own token
+# (`[[callers]]`) sent it: that caller's name.  The gateway drops a client's own.
+TENANT_HEADER = "x-luftpause-tenant"
+
 # What a harness sends on every request of one conversation, and the prefix of the run
 # id it names; the first present wins.
 SESSION_HEADERS: tuple[tuple[str, str], ...] = (
@@ -88,6 +92,7 @@ __all__ = [
     "RUN_ID",
     "RUN_ID_SHAPE",
     "SESSION_HEADERS",
+    "TENANT_HEADER",
     "caller_name",
     "session_run",
 ]

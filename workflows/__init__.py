@@ -13,7 +13,7 @@ from workflows.contract import (
     RunStatus,
     Totals,
 )
-from workflows.runs import AWAIT_MAX_S, Rounds, RunError, Runs, new_handle
+from workflows.runs import AWAIT_MAX_S, CallerRuns, Rounds, RunError, Runs, new_handle
 
 __all__ = [
     "AWAIT_MAX_S",
@@ -23,6 +23,7 @@ __all__ = [
     "TERMINAL_STATES",
     "AgentRun",
     "Budget",
+    "CallerRuns",
     "ChildSummary",
     "PendingApproval",
     "Rounds",

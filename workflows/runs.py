@@ -50,7 +50,7 @@ from workflows.contract import (
     Totals,
 )
 
-__all__ = ["AWAIT_MAX_S", "Rounds", "RunError", "Runs", "new_handle"]
+__all__ = ["AWAIT_MAX_S", "CallerRuns", "Rounds", "RunError", "Runs", "new_handle"]
 
 
 def _quoted(value: str) -> str:
@@ -364,12 +364,7 @@ class Runs:
     async def request_cancel(self, handle: str) -> None:
         """Ask Temporal to cancel the run (and so its running descendants) unless it has
         ended; `RunError` when no run has this handle.  Needs no worker."""
-        try:
-            desc = await self._handle(handle).describe()
-        except RPCError as exc:
-            if exc.status in (RPCStatusCode.NOT_FOUND, RPCStatusCode.INVALID_ARGUMENT):
-                raise RunError(f"no run with handle '{handle}'") from None
-            raise
+        desc = await self._describe(handle)
         if desc.status == WorkflowExecutionStatus.RUNNING:
             await self._handle(handle).cancel()
 
@@ -428,3 +423,51 @@ class Runs:
         async for wf in self._client.list_workflows(query, limit=limit):
             handles.append(wf.id)
         return handles
+
+
+class CallerRuns(Runs):
+    """The runs of one caller, for a request that proved it is that caller (a token
+    of its own).  Another caller's run is to it no run at all, with the error an
+    unknown handle gets: it can neither read nor touch one, nor learn that it exists.
+    Ownership is the run's caller search attribute, which Temporal answers without a
+    worker."""
+
+    def __init__(self, runs: Runs, caller: str) -> None:
+        super().__init__(runs.client, task_queue=runs._queue, child_wait_s=runs._child_wait_s)
+        self.caller = caller
+
+    async def _describe(self, handle: str) -> WorkflowExecutionDescription:
+        desc = await super()._describe(handle)
+        if desc.typed_search_attributes.get(CALLER) != self.caller:
+            raise RunError(f"no run with handle '{handle}'")
+        return desc
+
+    async def spawn(self, spec: RunSpec, *, handle: str | None = None) -> str:
+        if spec.caller != self.caller:
+            raise RunError(f"this caller is '{self.caller}'; it spawns runs as itself")
+        if spec.parent and spec.parent.strip():
+            await self._describe(spec.parent)  # a child only of its own runs
+        return await super().spawn(spec, handle=handle)
+
+    async def list(
+        self,
+        *,
+        caller: str | None = None,
+        state: str | None = None,
+        root: str | None = None,
+        parent: str | None = None,
+        service_class: str | None = None,
+        model: str | None = None,
+        limit: int = 20,
+    ) -> list[str]:
+        if caller is not None and caller != self.caller:
+            return []
+        return await super().list(
+            caller=self.caller,
+            state=state,
+            root=root,
+            parent=parent,
+            service_class=service_class,
+            model=model,
+            limit=limit,
+        )

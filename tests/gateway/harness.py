@@ -27,6 +27,7 @@ from testkit.loopback import serve
 
 MODEL = "llama-3.2-1b"
 RUN = "x-luftpause-run-id"
+CALLER = "x-luftpause-caller"
 # Bounded polling: 1000 x 10 ms.
 POLLS, POLL_S = 1000, 0.01
 

@@ -16,6 +16,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from harness import (
+    CALLER,
     MODEL,
     POLL_S,
     POLLS,
@@ -846,6 +847,68 @@ async def test_token_is_required_and_never_forwarded(monkeypatch: pytest.MonkeyP
         r = await gw.post("/v1/chat/completions", json=chat(), headers=auth | bad_run)
         assert r.status_code == 400 and RUN in r.headers
         assert [h["authorization"] for h in seen] == ["Bearer sk-upstream"]
+
+
+async def test_a_callers_own_token_names_it_and_shows_it_only_its_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TEAM_A_TOKEN", "tok-a\n")  # a secret file's newline is dropped
+    monkeypatch.setenv("TEAM_B_TOKEN", "tok-b")
+    callers = [
+        {"name": "team-a", "token_env": "TEAM_A_TOKEN"},
+        {"name": "team-b", "token_env": "TEAM_B_TOKEN"},
+    ]
+    sections = {"token": "op", "callers": callers}
+    a, b = {"authorization": "Bearer tok-a"}, {"authorization": "Bearer tok-b"}
+    operator = {"authorization": "Bearer op"}
+    async with (
+        engine(instant=True) as (url, counted),
+        gateway(endpoint("a", url), token="op", sections=sections) as (gw, shell),
+    ):
+        # The token names the caller: no header needed, and another's name is refused.
+        r = await gw.post("/v1/chat/completions", json=chat("a's"), headers=a | {RUN: "ra"})
+        assert r.status_code == 200 and shell.state.runs["ra"].caller == "team-a"
+        r = await gw.post("/v1/chat/completions", json=chat(), headers=b | {CALLER: "team-b"})
+        assert r.status_code == 200
+        r = await gw.post("/v1/chat/completions", json=chat(), headers=a | {CALLER: "team-b"})
+        assert r.status_code == 403 and RUN in r.headers
+        assert r.json()["error"]["message"] == (
+            "x-luftpause-caller says 'team-b', but this token is caller 'team-a''s: "
+            "leave the header out, or name that caller"
+        )
+        body = {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}
+        r = await gw.post("/v1/messages", json=body, headers={"x-api-key": "tok-b"})
+        assert r.status_code == 200  # Claude Code's ANTHROPIC_API_KEY may be a caller's
+        assert len(counted.chats) == 2  # the refused turn never reached the engine
+        # The operator's token names any caller, as before.
+        r = await gw.post(
+            "/v1/chat/completions", json=chat(), headers=operator | {CALLER: "x", RUN: "rx"}
+        )
+        assert r.status_code == 200 and shell.state.runs["rx"].caller == "x"
+
+        # Runs: a caller sees and ends only its own; another's is not known to it.
+        listed = (await gw.get("/v1/runs", headers=a)).json()["runs"]
+        assert [run["run_id"] for run in listed] == ["ra"]
+        assert (await gw.get("/v1/runs?caller=team-b", headers=a)).status_code == 403
+        assert (await gw.get("/v1/runs/ra", headers=a)).status_code == 200
+        for method in ("GET", "DELETE"):
+            r = await gw.request(method, "/v1/runs/ra", headers=b)
+            assert r.status_code == 404
+            assert r.json()["error"]["message"].startswith("run 'ra' is not known")
+        assert "ra" in shell.state.runs  # b's DELETE ended nothing
+        assert (await gw.delete("/v1/runs/ra", headers=a)).status_code == 204
+        assert "ra" not in shell.state.runs
+        assert len((await gw.get("/v1/runs", headers=operator)).json()["runs"]) >= 2
+
+        # The operator's routes take only the operator's token.
+        for method, path in (("GET", "/status"), ("GET", "/"), ("POST", "/reload")):
+            r = await gw.request(method, path, headers=a)
+            assert r.status_code == 403, path
+            assert "caller 'team-a''s, which may not use this route" in r.json()["error"]["message"]
+        assert (await gw.get("/status", headers=operator)).status_code == 200
+        assert (await gw.get("/v1/models", headers=b)).status_code == 200
+        wrong = {"authorization": "Bearer tok"}
+        assert (await gw.get("/v1/models", headers=wrong)).status_code == 401
 
 
 async def test_a_replica_that_fails_its_turns_is_taken_out_of_rotation() -> None:

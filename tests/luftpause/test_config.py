@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import tomllib
 from dataclasses import fields
 from pathlib import Path
@@ -558,3 +559,51 @@ def test_a_data_parallel_server_expands_to_one_replica_per_rank() -> None:
     assert [e.name for e in alone.expanded({}).endpoints] == ["dp@0", "dp@1"]
     one = parse_config({"endpoints": [{**sglang, "dp_size": 1}]})
     assert one.expanded({}) is one and one.endpoints[0].server == "dp"
+
+
+def test_callers_tokens_come_from_the_environment_each_its_own() -> None:
+    base = {"endpoints": [{"name": "a", "url": "http://h:1", "kind": "vllm", "models": ["m"]}]}
+    callers = [
+        {"name": "team-a", "token_env": "TEAM_A_TOKEN"},
+        {"name": "team-b", "token_env": "TEAM_B_TOKEN"},
+    ]
+    cfg = parse_config({**base, "token": "op", "callers": callers})
+    env = {"TEAM_A_TOKEN": " tok-a\n", "TEAM_B_TOKEN": "tok-b"}
+    assert cfg.caller_tokens(env) == {"tok-a": "team-a", "tok-b": "team-b"}
+    # An unset variable: no token is that caller's, and the start says so.
+    assert cfg.caller_tokens({"TEAM_A_TOKEN": "tok-a"}) == {"tok-a": "team-a"}
+    assert cfg.unset_keys({"TEAM_A_TOKEN": "tok-a"}) == [
+        "caller team-b: token_env = 'TEAM_B_TOKEN', but TEAM_B_TOKEN is not set: "
+        "no token is this caller's"
+    ]
+    for env, message in [
+        ({"TEAM_A_TOKEN": "op"}, "caller team-a: TEAM_A_TOKEN holds the operator's token"),
+        (
+            {"TEAM_A_TOKEN": "same", "TEAM_B_TOKEN": "same"},
+            "callers team-a and team-b: TEAM_B_TOKEN holds the same token as the other's",
+        ),
+        ({"TEAM_A_TOKEN": "two words"}, "caller team-a: TEAM_A_TOKEN: expected a bearer token"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            cfg.caller_tokens(env)
+    for data, message in [
+        ({**base, "callers": callers}, "callers: callers' tokens need the operator's token"),
+        (
+            {**base, "token": "op", "callers": [callers[0], {**callers[1], "name": "team-a"}]},
+            "caller names must be unique; repeated: team-a",
+        ),
+        (
+            {
+                **base,
+                "token": "op",
+                "callers": [callers[0], {**callers[1], "token_env": "TEAM_A_TOKEN"}],
+            },
+            "callers' token_env must be unique; repeated: TEAM_A_TOKEN",
+        ),
+        (
+            {**base, "token": "op", "callers": [{"name": "team a", "token_env": "T"}]},
+            "callers[0].name: String should match pattern",
+        ),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            parse_config(data)

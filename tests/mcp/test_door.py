@@ -194,6 +194,11 @@ def _seconds(a: str, b: str) -> float:
     return (datetime.fromisoformat(b) - datetime.fromisoformat(a)).total_seconds()
 
 
+async def _listed(c: Client, handle: str) -> bool:
+    """Whether `status` without handles (this caller's recent runs) lists the run."""
+    return handle in [r["handle"] for r in result(await c.call_tool("status", {}))["runs"]]
+
+
 async def _state(c: Client, handle: str, state: str) -> bool:
     (st,) = result(await c.call_tool("status", {"handles": [handle]}))["runs"]
     return bool(st["state"] == state)
@@ -316,6 +321,60 @@ async def test_caller_header_and_bearer_token(temporal_address: str, mode: str) 
             r = await http.post(s.mcp_door, json={"jsonrpc": "2.0", "id": 1, "method": "ping"})
         assert r.status_code == 401
         assert r.json() == {"error": {"message": "missing or wrong bearer token"}}
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_callers_own_token_sees_and_touches_only_its_runs(
+    temporal_address: str, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TEAM_A_TOKEN", "tok-a")
+    monkeypatch.setenv("TEAM_B_TOKEN", "tok-b")
+    callers = [
+        {"name": "team-a", "token_env": "TEAM_A_TOKEN"},
+        {"name": "team-b", "token_env": "TEAM_B_TOKEN"},
+    ]
+    async with stack(temporal_address, token="op", callers=callers) as s:
+        a = {"authorization": b"Bearer tok-a"}
+        async with _client(s.mcp_door, mode, a) as c:
+            handle = await spawn(c, task=task_with(1, "mine"), tools=["delete_record"])
+            await until(lambda: _state(c, handle, "AwaitingApproval"), "it waits")
+            (st,) = await s.runs.statuses([handle])
+            assert st.caller == "team-a"  # the token's caller, with no header sent
+            await until(lambda: _listed(c, handle), "listed (Temporal's list may lag)")
+
+        b = {"authorization": b"Bearer tok-b"}
+        unknown = f"no run with handle '{handle}'"
+        async with _client(s.mcp_door, mode, b) as c:
+            for name, args in [
+                ("status", {"handles": [handle]}),
+                ("await", {"handles": [handle], "timeout": 1}),
+                ("cancel", {"handle": handle}),
+                ("approve", {"handle": handle, "allow": True}),
+                ("spawn", {"task": "x", "model": MODEL, "parent": handle}),
+            ]:
+                assert unknown in error_text(await c.call_tool(name, args)), name
+            assert not await _listed(c, handle)
+        (st,) = await s.runs.statuses([handle])
+        assert st.state == "AwaitingApproval" and st.children == []  # nothing was done
+
+        # A caller's token cannot speak for another caller; the operator's can.
+        async with httpx.AsyncClient() as http:
+            r = await http.post(
+                s.mcp_door,
+                json={"jsonrpc": "2.0", "id": 1, "method": "ping"},
+                headers={**a, "x-luftpause-caller": "team-b"},
+            )
+        assert r.status_code == 403
+        assert r.json()["error"]["message"] == (
+            "x-luftpause-caller says 'team-b', but this token is caller 'team-a''s: "
+            "leave the header out, or name that caller"
+        )
+        operator = {"authorization": b"Bearer op", "x-luftpause-caller": b"team-a"}
+        async with _client(s.mcp_door, mode, operator) as c:
+            (run,) = result(await c.call_tool("status", {"handles": [handle]}))["runs"]
+            assert run["state"] == "AwaitingApproval"
+            denied = result(await c.call_tool("approve", {"handle": handle, "allow": False}))
+            assert denied["pendingApproval"] is None
 
 
 @contextlib.asynccontextmanager

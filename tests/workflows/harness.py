@@ -114,6 +114,7 @@ async def stack(
     mcp_time_scale: float = TIME_SCALE,
     worker: bool = True,
     token: str | None = None,
+    callers: list[dict[str, str]] | None = None,
 ) -> AsyncIterator[Stack]:
     """Gateway + two fake engines + fake MCP + (optionally) a worker on a fresh task queue."""
     async with contextlib.AsyncExitStack() as stack_:
@@ -121,7 +122,12 @@ async def stack(
         urls, mcp_url, mcp_state = fakes.engines, fakes.mcp_url, fakes.mcp
         queue = f"test-{uuid.uuid4().hex[:12]}"
         app = gateway_app(
-            urls, temporal=temporal_address, queue=queue, mcp_url=f"{mcp_url}/mcp", token=token
+            urls,
+            temporal=temporal_address,
+            queue=queue,
+            mcp_url=f"{mcp_url}/mcp",
+            token=token,
+            callers=callers,
         )
         gateway_url = await stack_.enter_async_context(serve(app))
         client = await connect(temporal_address)
@@ -190,6 +196,7 @@ def gateway_app(
     queue: str | None = None,
     mcp_url: str | None = None,
     token: str | None = None,
+    callers: list[dict[str, str]] | None = None,  # [[callers]]: name, token_env
 ) -> Any:
     """A gateway over these engines (the first also serves /classify), with its MCP
     door on `temporal`/`queue` and the fake MCP's tools when given."""
@@ -205,6 +212,8 @@ def gateway_app(
         data["temporal"] = {"address": temporal, "task_queue": queue or "luftpause"}
     if mcp_url is not None:
         data["mcp_servers"] = [{"name": "fake", "url": mcp_url}]
+    if callers:
+        data |= {"callers": callers, "token": token}
     return create_app(GatewaySettings(config=parse_config(data), probe_period=0.05, token=token))
 
 
