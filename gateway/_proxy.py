@@ -715,11 +715,15 @@ class TurnResponse(Response):
             if self._trace is not None:
                 self._trace.ended(event)
 
-    def _fail(self, reason: str, *, engine: bool = False) -> None:
+    def _fail(self, reason: str, *, engine: bool = False, client_left: bool = False) -> None:
         """`engine`: the engine's fault (counts toward ejecting its replica)."""
         self._end(
             TurnFailed(
-                now=self._clock(), turn_id=self._turn.turn_id, reason=reason, engine_fault=engine
+                now=self._clock(),
+                turn_id=self._turn.turn_id,
+                reason=reason,
+                engine_fault=engine,
+                client_left=client_left,
             )
         )
 
@@ -791,7 +795,7 @@ class TurnResponse(Response):
                 async with asyncio.timeout(self._idle):
                     answer = await self._upstream.post(url, body, headers)
         except _ClientLeft:
-            self._fail("client disconnected before the engine answered")
+            self._fail("client disconnected before the engine answered", client_left=True)
             return
         except TimeoutError:
             # A hung engine would otherwise hold the client (and the request) forever.
@@ -810,7 +814,7 @@ class TurnResponse(Response):
                     answer, send, hide_usage=body is t.usage_body, replica=replica
                 )
         except _ClientLeft:
-            self._fail("client disconnected mid-stream")
+            self._fail("client disconnected mid-stream", client_left=True)
             return
         finally:
             answer.close()  # mid-stream: closes the connection, the engine stops

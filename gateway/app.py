@@ -522,7 +522,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         ConfigError, and changes nothing, when an endpoint would change its engine."""
         rt = running()
         new = pool.config
-        change = compare(live.pool.config, new, live.known)
+        change = compare(live.pool.config, new, live.known, started=config)
         # From here to the probe nothing awaits: no request sees half of it.  The core
         # first (what it admits next is looked up in `live`), then the prober.
         if "policy" in change.applied:  # first: the new pool is filled under it

@@ -335,8 +335,16 @@ async def run_turn(
             shell.forget_turn(turn.turn_id)
             shell.apply(event)
 
-    def fail(reason: str, engine: bool = False) -> None:
-        end(TurnFailed(now=clock(), turn_id=turn.turn_id, reason=reason, engine_fault=engine))
+    def fail(reason: str, engine: bool = False, client_left: bool = False) -> None:
+        end(
+            TurnFailed(
+                now=clock(),
+                turn_id=turn.turn_id,
+                reason=reason,
+                engine_fault=engine,
+                client_left=client_left,
+            )
+        )
 
     try:
         arrived = True  # an abandon of a turn the core never saw is ignored by it
@@ -382,7 +390,7 @@ async def run_turn(
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
             if disconnected.done():
-                fail("client disconnected before the engine answered")
+                fail("client disconnected before the engine answered", client_left=True)
                 return error_response(_CLIENT_LEFT, "client disconnected", turn.run_id)
             message = f"engine {outcome}: no answer within {answer_timeout:g} s"
             fail(message, engine=True)

@@ -34,9 +34,13 @@ from scheduler import (
     TurnStarted,
 )
 
-__all__ = ["OUTCOMES", "GatewayMetrics", "Source"]
+__all__ = ["ENGINE_OUTCOMES", "OUTCOMES", "GatewayMetrics", "Source"]
 
 OUTCOMES = ("finished", "failed", "abandoned", "rejected", "timed_out")
+# luftpause_engine_turns: `failed` is the engine's fault only (what ejection counts);
+# an error status about the request (4xx, 429, 503 busy) and a client that left are
+# apart, so that an alert on failures is not set off by users pressing Esc.
+ENGINE_OUTCOMES = ("finished", "failed", "error_status", "client_left", "timed_out")
 _HELD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _TURN_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
@@ -141,7 +145,9 @@ class GatewayMetrics:
         # held) are in luftpause_turns only.
         self.engine_turns = Counter(
             "luftpause_engine_turns",
-            "Turns admitted to a replica that ended, by replica and outcome",
+            "Turns admitted to a replica that ended, by replica and outcome: failed (the "
+            "engine's fault), error_status (it answered 4xx/429/503 busy), client_left, "
+            "finished, timed_out",
             ["replica", "outcome"],
             registry=self.registry,
         )
@@ -246,7 +252,10 @@ class GatewayMetrics:
                 cls = turn.service_class.value
                 elapsed = max(0.0, event.now - turn.admitted_at)
                 self.turn_seconds.labels(cls).observe(elapsed)
-                self.engine_turns.labels(turn.replica, outcome).inc()
+                engine_outcome = outcome
+                if isinstance(event, TurnFailed) and not event.engine_fault:
+                    engine_outcome = "client_left" if event.client_left else "error_status"
+                self.engine_turns.labels(turn.replica, engine_outcome).inc()
                 if isinstance(event, TurnFinished):
                     self.prompt_tokens.labels(turn.replica, cls).inc(event.prompt_tokens)
                     self.cached_tokens.labels(turn.replica, cls).inc(event.cached_tokens)
@@ -262,7 +271,7 @@ class GatewayMetrics:
             (self.prompt_tokens, classes),
             (self.cached_tokens, classes),
             (self.completion_tokens, classes),
-            (self.engine_turns, OUTCOMES),
+            (self.engine_turns, ENGINE_OUTCOMES),
         ):
             for value in second:
                 with contextlib.suppress(KeyError):

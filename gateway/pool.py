@@ -174,8 +174,15 @@ class PoolChange:
         return said
 
 
-def compare(old: Config, new: Config, known: Mapping[str, Endpoint] | None = None) -> PoolChange:
-    """What reloading `new` over `old` changes.  Raises ConfigError, naming each one,
+def compare(
+    old: Config,
+    new: Config,
+    known: Mapping[str, Endpoint] | None = None,
+    started: Config | None = None,
+) -> PoolChange:
+    """What reloading `new` over `old` changes; what a reload does not apply is told
+    against `started` (the configuration the process started with, by default `old`),
+    since that is what it still runs.  Raises ConfigError, naming each one,
     when an endpoint would change what names its engine: against `old`, or against
     `known` for a replica removed earlier that the core still knows (its runs would
     come back to a name whose engine holds none of their cache)."""
@@ -197,11 +204,13 @@ def compare(old: Config, new: Config, known: Mapping[str, Endpoint] | None = Non
         )
     rest_old = old.model_dump(exclude={"endpoints"})
     rest_new = new.model_dump(exclude={"endpoints"})
-    changed = [k for k in rest_new if rest_new[k] != rest_old.get(k)]
+    rest_started = rest_old if started is None else started.model_dump(exclude={"endpoints"})
     return PoolChange(
         added=tuple(n for n in after if n not in before),
         removed=tuple(n for n in before if n not in after),
         changed=tuple(n for n in after if n in before and before[n] != after[n]),
-        applied=tuple(k for k in changed if k in RELOADED),
-        not_applied=tuple(k for k in changed if k not in RELOADED),
+        applied=tuple(k for k in rest_new if k in RELOADED and rest_new[k] != rest_old.get(k)),
+        not_applied=tuple(
+            k for k in rest_new if k not in RELOADED and rest_new[k] != rest_started.get(k)
+        ),
     )

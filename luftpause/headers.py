@@ -41,7 +41,7 @@ REQUEST_CLASS_HEADER = "x-claude-code-request-class"
 OUTSIDE_THE_RUN = frozenset({"auxiliary"})
 # A run id as x-luftpause-run-id takes it; a session id that does not fit is hashed.
 RUN_ID = re.compile(r"[\x21-\x2e\x30-\x7e]{1,128}")
-RUN_ID_SHAPE = "expected 1 to 128 printable ASCII characters other than /"
+RUN_ID_SHAPE = "expected 1 to 128 printable ASCII characters, no spaces and no /"
 
 
 def caller_name(header_text: str) -> str:

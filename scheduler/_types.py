@@ -169,6 +169,9 @@ class TurnFailed:
     # The engine failed it: unreachable, a 5xx, broke off or went silent mid-answer.
     # Not the client leaving, and not an answer about the request (4xx, 429).
     engine_fault: bool = False
+    # The client went away before the answer was whole (for the metrics; the core
+    # treats it as any failure that is not the engine's).
+    client_left: bool = False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

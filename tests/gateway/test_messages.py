@@ -278,7 +278,9 @@ async def test_an_engines_error_fails_the_turn_and_reaches_the_client(
                 "Bearer hosted-key",
             )
             text = (await gw.get("/metrics")).text
-            assert 'luftpause_engine_turns_total{outcome="failed",replica="a"} 1.0' in text
+            # A 400 is the engine's answer about the request, not its failure.
+            outcome = "error_status" if how == "400" else "failed"
+            assert f'luftpause_engine_turns_total{{outcome="{outcome}",replica="a"}} 1.0' in text
             await until(lambda: not shell.state.turns, "the slot is freed")
             # A 400 is about the request, not the engine failing (toward ejecting it).
             assert shell.state.replicas["a"].failures == (0 if how == "400" else 1)

@@ -795,6 +795,10 @@ async def test_client_leaving_mid_stream_stops_the_engine() -> None:
                 await asyncio.sleep(POLL_S)
             else:
                 raise AssertionError("the engine kept generating")
+        # Not the engine's failure: an alert on failed turns stays quiet.
+        text = (await gw.get("/metrics")).text
+        assert 'luftpause_engine_turns_total{outcome="client_left",replica="a"} 1.0' in text
+        assert 'luftpause_engine_turns_total{outcome="failed",replica="a"}' not in text
 
 
 async def test_unknown_model_is_404_before_queueing() -> None:
@@ -1154,7 +1158,8 @@ async def test_hostile_run_ids_and_deep_json_get_400_not_500() -> None:
             assert r.status_code == 400, bad
             message = r.json()["error"]["message"]
             assert message == (
-                "x-luftpause-run-id: expected 1 to 128 printable ASCII characters other than /"
+                "x-luftpause-run-id: expected 1 to 128 printable ASCII characters, "
+                "no spaces and no /"
             )
         assert not shell.state.runs
         deep = b"[" * 200_000

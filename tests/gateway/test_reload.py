@@ -246,6 +246,8 @@ async def test_policy_probes_and_session_runs_apply_and_others_are_named_and_lef
             path.write_text(toml(a, down, extra="\n[probes]\nperiod_s = 3.0\n"))
             r = await gw.post("/reload")
             assert r.json()["applied"] == ["policy", "session_runs"]
+            # [temporal] is back as the gateway started with it: nothing waits for a restart.
+            assert r.json()["not_applied"] == []
             assert r.json()["removed"] == []
             assert shell.state.policy.max_held_per_caller is None  # back to the default
             r = await gw.post("/v1/chat/completions", json=chat_body(OTHER))

@@ -244,7 +244,7 @@ def test_metrics_observe_admissions_outcomes_and_affinity() -> None:
             *SCENE,
             arrived(6.0, "t5", "r1", "alice"),  # r1 comes back: held for a (affinity)
             TurnAbandoned(now=6.5, turn_id="t4"),  # carol leaves while held
-            TurnFailed(now=7.0, turn_id="t3"),  # frees a: r1's turn is admitted there
+            TurnFailed(now=7.0, turn_id="t3", engine_fault=True),  # frees a: r1's turn goes there
             TurnStarted(now=7.25, turn_id="t5"),  # its first byte 0.25 s after admission
             TurnStarted(now=7.5, turn_id="t2"),  # still held (no such report): not counted
             TurnAbandoned(now=9.0, turn_id="unknown"),  # the core never knew it: not counted
