@@ -28,6 +28,8 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, Response
+from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
+from mcp.server.auth.provider import AccessToken
 from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -258,6 +260,15 @@ def owns(state: State, run_id: str, caller: str) -> bool:
     return bool(held) and all(t.caller == caller for t in held)
 
 
+def anothers(state: State, run_id: str, caller: str) -> bool:
+    """Whether the core knows `run_id` as a run of a caller other than `caller` (by
+    its last caller, or by held turns of another)."""
+    run = state.runs.get(run_id)
+    if run is not None:
+        return run.caller != caller
+    return any(t.run_id == run_id and t.caller != caller for t in state.held())
+
+
 def not_known(run_id: str) -> str:
     return (
         f"run '{run_id}' is not known: never seen, ended, idle longer than "
@@ -292,7 +303,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             "LUFTPAUSE_TOKEN); without one, every request would be let in"
         )
     # A caller's own token -> its name (`[[callers]]`), read once: a restart rotates them.
-    tenants = config.caller_tokens(os.environ)
+    tenants = config.caller_tokens(os.environ, settings.token)
     door = _Door(config, settings.token)
     door_server = create_mcp_server(door.deps(live, lambda: runtime))
     door_app = door_server.streamable_http_app(streamable_http_path="/", host=settings.host)
@@ -445,7 +456,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             headers = [(k, v) for k, v in headers if k.lower() != caller]
             name = who.tenant.encode()
             headers += [(tenant, name), (caller, name)]
-        await door_app({**scope, "headers": headers}, receive, send)
+        # The SDK binds a session to the principal that opened it, and answers 404
+        # to the same session id sent with another caller's token.
+        principal = "operator" if who.tenant is None else f"caller:{who.tenant}"
+        user = AuthenticatedUser(AccessToken(token="", client_id=principal, scopes=[]))
+        await door_app({**scope, "headers": headers, "user": user}, receive, send)
 
     app.mount(MCP_PATH, mcp_gate)
 
@@ -590,6 +605,14 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             echoed = _ECHOED[api](messages)
             run_id = rt.shell.run_for_tool_calls(caller, echoed, now)
             joined_by = "tool_calls" if run_id else "new"
+        if run_id and who.tenant is not None and anothers(rt.shell.state, run_id, caller):
+            # A caller's token may not join (and so take over) another caller's run.
+            named_by = RUN_HEADER if joined_by == "header" else "session header"
+            message = (
+                f"run '{run_id}' (named by the {named_by}) is another caller's; a "
+                f"caller's token joins only its own runs: name another run"
+            )
+            return error_response(409, message, run_id, anthropic=anthropic)
         metrics.turn_runs.labels(joined_by).inc()
         turn = TurnRequest(
             turn_id=_new_id(),

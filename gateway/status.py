@@ -172,6 +172,14 @@ def waiting_view(turns: list[TurnState], now: float) -> dict[str, Any]:
     }
 
 
+def _callers(found: RunState | list[TurnState]) -> set[str]:
+    """Whose a run is: its caller; a run known by its held turns only, theirs (one
+    caller, as gateway.app.owns has it, or it is no one caller's alone)."""
+    if isinstance(found, RunState):
+        return {found.caller}
+    return {t.caller for t in found}
+
+
 def runs_listing(
     state: State,
     now: float,
@@ -207,7 +215,7 @@ def runs_listing(
     found = [
         f
         for f in found
-        if (caller is None or f[2] == caller)
+        if (caller is None or _callers(f[5]) == {caller})
         and (service_class is None or f[3] is service_class)
         and (phase is None or f[4] == phase)
     ]

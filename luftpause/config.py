@@ -547,10 +547,24 @@ class Caller(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:@-]+$")]
+    name: Annotated[str, Field(min_length=1, max_length=128)]
     # The environment variable holding the caller's token (never the token itself: the
     # file is read by more people than the secret should be).
     token_env: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9_.:@-]+", v):
+            raise ValueError("expected letters, digits and _ . : @ - only")
+        # The names luftpause gives callers that name none: a caller with a token of
+        # its own must not share a name with requests that prove nothing.
+        if v in ("anonymous", "token") or v.startswith("mcp-session:"):
+            raise ValueError(
+                f"'{v}' is the name of callers that name none (anonymous, token, "
+                "mcp-session:<id>); choose another"
+            )
+        return v
 
 
 class Config(BaseModel):
@@ -696,10 +710,14 @@ class Config(BaseModel):
             if not environ.get(c.token_env, "").strip()
         ]
 
-    def caller_tokens(self, environ: Mapping[str, str]) -> dict[str, str]:
+    def caller_tokens(
+        self, environ: Mapping[str, str], operator: str | None = None
+    ) -> dict[str, str]:
         """Each caller's token (from its `token_env`; unset ones are left out, as
         `unset_keys` says) -> its name.  Raises ConfigError for a value that is no
-        bearer token, or a token two callers, or a caller and the operator, share."""
+        bearer token, or a token two callers, or a caller and the operator (`operator`,
+        the token the gateway takes; by default the file's), share."""
+        operator = self.token if operator is None else operator
         tokens: dict[str, str] = {}
         for c in self.callers:
             value = environ.get(c.token_env, "")
@@ -709,7 +727,7 @@ class Config(BaseModel):
                 token = bearer_token(value)
             except ValueError as exc:
                 raise ConfigError(f"caller {c.name}: {c.token_env}: {exc}") from None
-            if token == self.token:
+            if token == operator:
                 raise ConfigError(
                     f"caller {c.name}: {c.token_env} holds the operator's token; a caller's "
                     "token must be its own"

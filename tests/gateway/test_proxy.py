@@ -890,6 +890,14 @@ async def test_a_callers_own_token_names_it_and_shows_it_only_its_runs(
         )
         assert r.status_code == 200 and shell.state.runs["rx"].caller == "x"
 
+        # Nor may a caller's token join another's run, which would make it its own.
+        r = await gw.post("/v1/chat/completions", json=chat(), headers=b | {RUN: "ra"})
+        assert r.status_code == 409 and r.headers[RUN] == "ra"
+        assert r.json()["error"]["message"].startswith(
+            "run 'ra' (named by the x-luftpause-run-id) is another caller's"
+        )
+        assert shell.state.runs["ra"].caller == "team-a" and len(counted.chats) == 3
+
         # Runs: a caller sees and ends only its own; another's is not known to it.
         listed = (await gw.get("/v1/runs", headers=a)).json()["runs"]
         assert [run["run_id"] for run in listed] == ["ra"]

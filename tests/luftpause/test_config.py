@@ -586,6 +586,9 @@ def test_callers_tokens_come_from_the_environment_each_its_own() -> None:
     ]:
         with pytest.raises(ConfigError, match=re.escape(message)):
             cfg.caller_tokens(env)
+    # The token the gateway takes (LUFTPAUSE_TOKEN may differ from the file's) counts.
+    with pytest.raises(ConfigError, match="TEAM_A_TOKEN holds the operator's token"):
+        cfg.caller_tokens({"TEAM_A_TOKEN": "from-env"}, "from-env")
     for data, message in [
         ({**base, "callers": callers}, "callers: callers' tokens need the operator's token"),
         (
@@ -602,8 +605,15 @@ def test_callers_tokens_come_from_the_environment_each_its_own() -> None:
         ),
         (
             {**base, "token": "op", "callers": [{"name": "team a", "token_env": "T"}]},
-            "callers[0].name: String should match pattern",
+            "callers[0].name: expected letters, digits and _ . : @ - only",
         ),
+        *[
+            (
+                {**base, "token": "op", "callers": [{"name": name, "token_env": "T"}]},
+                f"callers[0].name: '{name}' is the name of callers that name none",
+            )
+            for name in ("anonymous", "token", "mcp-session:abc")
+        ],
     ]:
         with pytest.raises(ConfigError, match=re.escape(message)):
             parse_config(data)

@@ -364,11 +364,35 @@ async def test_a_callers_own_token_sees_and_touches_only_its_runs(
                 json={"jsonrpc": "2.0", "id": 1, "method": "ping"},
                 headers={**a, "x-luftpause-caller": "team-b"},
             )
-        assert r.status_code == 403
-        assert r.json()["error"]["message"] == (
-            "x-luftpause-caller says 'team-b', but this token is caller 'team-a''s: "
-            "leave the header out, or name that caller"
-        )
+            assert r.status_code == 403
+            assert r.json()["error"]["message"] == (
+                "x-luftpause-caller says 'team-b', but this token is caller 'team-a''s: "
+                "leave the header out, or name that caller"
+            )
+            # A session opened with a's token is no session to b's (nor the operator's).
+            accept = {"accept": "application/json, text/event-stream"}
+            hello = {
+                "protocolVersion": "2025-06-18",
+                "capabilities": {},
+                "clientInfo": {"name": "t", "version": "0"},
+            }
+            opened = await http.post(
+                s.mcp_door,
+                json={"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": hello},
+                headers={**a, **accept},
+            )
+            assert opened.status_code == 200
+            session = {"mcp-session-id": opened.headers["mcp-session-id"], **accept}
+            ping = {"jsonrpc": "2.0", "id": 2, "method": "ping"}
+            for token, code in (
+                (b"Bearer tok-b", 404),
+                (b"Bearer op", 404),
+                (b"Bearer tok-a", 200),
+            ):
+                r = await http.post(
+                    s.mcp_door, json=ping, headers={**session, "authorization": token}
+                )
+                assert r.status_code == code, token
         operator = {"authorization": b"Bearer op", "x-luftpause-caller": b"team-a"}
         async with _client(s.mcp_door, mode, operator) as c:
             (run,) = result(await c.call_tool("status", {"handles": [handle]}))["runs"]
