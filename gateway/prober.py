@@ -58,6 +58,7 @@ __all__ = [
     "parse_rank_loads",
     "probe_endpoint",
     "probe_pool",
+    "served_ranks",
 ]
 
 log = logging.getLogger(__name__)
@@ -306,22 +307,35 @@ async def probe_endpoint(
     )
 
 
-async def _sglang_kv_tokens(
-    client: httpx.AsyncClient,
-    endpoint: Endpoint,
-    headers: dict[str, str],
-    timeout: float,
-    *,
-    one_rank: bool = False,
-) -> int | None:
+async def _sglang_server_info(
+    client: httpx.AsyncClient, endpoint: Endpoint, headers: dict[str, str], timeout: float
+) -> object:
+    """SGLang's `/get_server_info` (its server arguments and scheduler's), or None:
+    not knowing it is no reason to call the engine unhealthy."""
     try:
         async with asyncio.timeout(timeout):
             info = await client.get(endpoint.url + "/get_server_info", headers=headers)
-        if info.status_code != 200:
-            return None
-        return parse_sglang_kv_tokens(info.json(), one_rank=one_rank)
+        return info.json() if info.status_code == 200 else None
     except (httpx.HTTPError, ValueError, TimeoutError):
-        return None  # not knowing it is no reason to call the engine unhealthy
+        return None
+
+
+async def _sglang_kv_tokens(
+    client: httpx.AsyncClient, endpoint: Endpoint, headers: dict[str, str], timeout: float
+) -> int | None:
+    return parse_sglang_kv_tokens(await _sglang_server_info(client, endpoint, headers, timeout))
+
+
+def served_ranks(kind: str, info: object, loads: Mapping[int, object]) -> int | None:
+    """How many data-parallel ranks the server says it has, None when it does not say:
+    SGLang's `dp_size` in `/get_server_info`; vLLM's highest `engine` label in /metrics
+    (plus one; a server that labels none says nothing)."""
+    if kind == "sglang" and isinstance(info, dict):
+        n = info.get("dp_size")
+        return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else None
+    if kind == "vllm" and loads:
+        return max(loads) + 1
+    return None
 
 
 async def probe_ranks(
@@ -349,15 +363,27 @@ async def probe_ranks(
             note = f"reports no load: /metrics: {exc}"
     pools: Mapping[str, int] = {}
     one_pool: int | None = None
+    info: object = None
     if want_kv and server.kind == "vllm" and whole.exposition is not None:
         with contextlib.suppress(Exception):
             pools = parse_vllm_kv_pools(whole.exposition) or {}
-    elif want_kv and server.kind == "sglang":
-        headers = auth_headers(server)
-        one_pool = await _sglang_kv_tokens(client, server, headers, timeout, one_rank=True)
+    elif server.kind == "sglang":  # every round: its dp_size tells which ranks exist
+        info = await _sglang_server_info(client, server, auth_headers(server), timeout)
+        if want_kv:
+            one_pool = parse_sglang_kv_tokens(info, one_rank=True)
+    served = served_ranks(server.kind, info, loads)
     out = []
     for e in ranks:
         assert e.dp_rank is not None
+        if served is not None and e.dp_rank >= served:
+            # The engine would answer every turn sent to it 400 (an answer, not an
+            # engine fault, so nothing would eject it): no turn goes there.
+            why = (
+                f"the server has {served} data-parallel rank{'s' * (served > 1)}, not "
+                f"rank {e.dp_rank}: set dp_size = {served} for {server.server}"
+            )
+            out.append(ProbeResult(endpoint=e.name, healthy=False, error=why))
+            continue
         load = loads.get(e.dp_rank)
         error = note
         if load is None and note is None:

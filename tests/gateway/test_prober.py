@@ -27,6 +27,7 @@ from gateway.prober import (
     parse_rank_loads,
     probe_endpoint,
     probe_pool,
+    served_ranks,
 )
 from luftpause.config import ConfigError, Endpoint, parse_config
 from scheduler import ReplicaSpec, State, Tick, decide
@@ -118,6 +119,12 @@ def test_parse_rank_loads_tells_the_data_parallel_ranks_apart() -> None:
     assert parse_rank_loads("vllm", vllm) == {0: (1, 6), 1: (2, 12), 2: (3, 18)}
     assert parse_rank_loads("sglang", SGLANG) is None  # no rank labels: no rank's load
     assert parse_rank_loads("llamacpp", LLAMACPP) is None  # takes no rank
+    # How many ranks a server says it has: SGLang's dp_size; vLLM's highest engine.
+    assert served_ranks("sglang", {"dp_size": 4}, {}) == 4
+    for info in (None, {}, {"dp_size": True}, {"dp_size": 0}, []):
+        assert served_ranks("sglang", info, {0: (0, 0)}) is None  # it does not say
+    assert served_ranks("vllm", None, {0: (1, 6), 2: (3, 18)}) == 3  # a gap is a rank
+    assert served_ranks("vllm", None, {}) is None
 
 
 def _endpoint(kind: str = "sglang", url: str = "http://engine", **kw: object) -> Endpoint:
@@ -355,11 +362,18 @@ async def test_a_data_parallel_server_is_probed_once_for_its_ranks(flavor: str) 
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        # A rank its metrics do not show: healthy, load unknown (uncapped), and why.
+        # A rank the server does not have (dp_size set too large): every turn sent
+        # there would be a 400, so it is out of rotation, and /status says why.
         three = parse_config({"endpoints": [{**endpoint, "dp_size": 3}]}).expanded({})
-        third = (await probe_pool(c, three))[2]
-        assert (third.endpoint, third.healthy, third.running) == ("a@2", True, None)
-        assert third.error is not None and "no samples labelled" in third.error
+        results = await probe_pool(c, three)
+        assert [(r.endpoint, r.healthy) for r in results] == [
+            ("a@0", True),
+            ("a@1", True),
+            ("a@2", False),
+        ]
+        assert results[2].error == (
+            "the server has 2 data-parallel ranks, not rank 2: set dp_size = 2 for a"
+        )
     # A server down is every rank down.
     down = await probe_pool(httpx.AsyncClient(), config)
     assert [(r.endpoint, r.healthy) for r in down] == [("a@0", False), ("a@1", False)]
