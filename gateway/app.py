@@ -51,7 +51,7 @@ from gateway.decide import (
     parse_decide,
 )
 from gateway.discovery import Found, Resolver
-from gateway.mcp_door import DoorDeps, create_mcp_server
+from gateway.mcp_door import RUN_STORE_DOWN, DoorDeps, create_mcp_server
 from gateway.metrics import GatewayMetrics
 from gateway.pool import Pool, PoolChange, compare
 from gateway.prober import Prober, ProbeResult, auth_headers
@@ -967,11 +967,19 @@ class _Door:
             async with self._lock:
                 if self._runs is None:
                     t = self._config.temporal
-                    client = await TemporalClient.connect(
-                        t.address,
-                        namespace=t.namespace,
-                        interceptors=telemetry.temporal_interceptors(),  # spawns join traces
-                    )
+                    try:
+                        client = await TemporalClient.connect(
+                            t.address,
+                            namespace=t.namespace,
+                            interceptors=telemetry.temporal_interceptors(),  # spawns join traces
+                        )
+                    except RuntimeError as exc:  # the SDK's "Failed client connect: ..."
+                        # Named with the address: a gateway left without [temporal]
+                        # looks for it at the default, 127.0.0.1:7233.
+                        raise ConnectionError(
+                            f"{RUN_STORE_DOWN} at {t.address} ([temporal] address, or "
+                            f"LUFTPAUSE_TEMPORAL_ADDRESS) is unreachable: {exc}"
+                        ) from exc
                     self._runs = Runs(client, task_queue=t.task_queue)
         return self._runs
 

@@ -45,6 +45,7 @@ from workflows import (
 from workflows.contract import RunState
 
 __all__ = [
+    "RUN_STORE_DOWN",
     "AwaitResult",
     "DecideResult",
     "DoorDeps",
@@ -57,6 +58,8 @@ log = logging.getLogger(__name__)
 
 SESSION_HEADER = "mcp-session-id"
 ANONYMOUS = "anonymous"
+# How a tool error names Temporal being down (the gateway's _Door adds its address).
+RUN_STORE_DOWN = "the run store (Temporal)"
 DEFAULT_AWAIT_S = 60.0
 PROGRESS_EVERY_S = 5.0
 MAX_TOOL_CALLS_LIMIT = 64
@@ -370,7 +373,7 @@ def _unavailable(exc: BaseException | None) -> str | None:
         down = (RPCStatusCode.UNAVAILABLE, RPCStatusCode.DEADLINE_EXCEEDED)
         if isinstance(e, RPCError) and e.status in down:
             # Connected once, gone since (the first connection's failure says the same).
-            return f"the run store (Temporal) is unreachable: {e.message}"
+            return f"{RUN_STORE_DOWN} is unreachable: {e.message}"
         if isinstance(e, ConnectionError) and str(e).startswith("mcp server "):
             return f"a tool server is unreachable: {e}"
     return None
@@ -428,7 +431,9 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
         try:
             every = await deps.runs()
         except Exception as exc:
-            raise ToolError(f"the run store (Temporal) is unreachable: {exc}") from None
+            if str(exc).startswith(RUN_STORE_DOWN):  # the gateway named its address
+                raise ToolError(str(exc)) from None
+            raise ToolError(f"{RUN_STORE_DOWN} is unreachable: {exc}") from None
         tenant = tenant_of(ctx)
         return every if tenant is None else CallerRuns(every, tenant)
 

@@ -623,6 +623,18 @@ async def test_a_part_that_is_down_is_named_not_hidden_as_a_crash(temporal_addre
             text = r.content[0].text
             assert text.startswith("Error executing tool spawn: a tool server is unreachable:")
             assert "mcp server 'fake'" in text
+        # Temporal never reached: the address it was looked for at is named.
+        nowhere = f"127.0.0.1:{free_port()}"
+        port = free_port()
+        app = gateway_app(fakes.engines, temporal=nowhere)
+        await es.enter_async_context(serve(app, port=port))
+        async with Client(f"http://127.0.0.1:{port}/mcp", mode="legacy") as c:
+            r = await c.call_tool("spawn", {"task": "t", "model": MODEL})
+            assert r.is_error
+            assert r.content[0].text.startswith(
+                f"Error executing tool spawn: the run store (Temporal) at {nowhere} "
+                "([temporal] address, or LUFTPAUSE_TEMPORAL_ADDRESS) is unreachable: "
+            ), r.content[0].text
         # Temporal reached once, then gone (the dev server stopped).
         with tempfile.TemporaryDirectory() as tmp:
             server = DevServer(log_file=Path(tmp) / "temporal.log")
