@@ -125,9 +125,14 @@ class RunView(BaseModel):
     error: str | None = None
     pendingApproval: PendingApprovalView | None = None
     parent: str | None = None
-    children: list[ChildView] = []
-    usage: UsageView | None = None
-    subtree: UsageView | None = None
+    # null in `await`'s answer, which stays short for up to 1,000 runs: `status` has them.
+    children: list[ChildView] | None = Field(
+        None, description="the runs it spawned; null in await's answer (ask status)"
+    )
+    usage: UsageView | None = Field(None, description="its own; null in await's answer")
+    subtree: UsageView | None = Field(
+        None, description="its and its descendants'; null in await's answer"
+    )
     budget: BudgetView | None = None
 
 
@@ -213,7 +218,7 @@ def view(status: RunStatus, *, detail: bool = True) -> RunView:
         parent=status.parent,
         children=[ChildView(handle=c.handle, state=c.state) for c in status.children]
         if detail
-        else [],
+        else None,
         usage=_usage(status.usage) if detail else None,
         subtree=_usage(status.subtree) if detail else None,
         budget=budget,

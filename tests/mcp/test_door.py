@@ -72,6 +72,8 @@ async def test_spawn_six_and_await_all_any_and_timeout(temporal_address: str, mo
         for run in every["runs"]:
             assert run["state"] == "Completed" and run["answer"]
             assert (run["toolCalls"], run["failedToolCalls"]) == (2, 0)
+            # Not "no children": await leaves the details to status.
+            assert (run["children"], run["usage"], run["subtree"]) == (None, None, None)
 
 
 @pytest.mark.parametrize("mode", MODES)
