@@ -158,8 +158,10 @@ def _fake_engine_parser(sub: Any) -> None:
         ),
     )
     p.add_argument("--flavor", choices=["sglang", "vllm", "llamacpp"], default="sglang")
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True, help="port to listen on")
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: %(default)s)"
+    )
     p.add_argument(
         "--model",
         action="append",
@@ -251,8 +253,14 @@ def _gateway_parser(sub: Any) -> None:
         default=os.environ.get("LUFTPAUSE_CONFIG", "luftpause.toml"),
         help="path of luftpause.toml (default: $LUFTPAUSE_CONFIG or ./luftpause.toml)",
     )
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080)
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default: %(default)s; 0.0.0.0 for every interface)",
+    )
+    p.add_argument(
+        "--port", type=int, default=8080, help="port to listen on (default: %(default)s)"
+    )
     p.add_argument(
         "--shutdown-grace-s",
         type=float,

@@ -835,4 +835,4 @@ def _describe(error: Mapping[str, Any]) -> str:
     msg = msg.removeprefix("Value error, ")
     if error.get("type") == "extra_forbidden":
         msg = "unknown field"
-    return f"{where or 'file'}: {msg}"
+    return f"{where}: {msg}" if where else msg  # the whole file's checks name their fields

@@ -615,5 +615,6 @@ def test_callers_tokens_come_from_the_environment_each_its_own() -> None:
             for name in ("anonymous", "token", "mcp-session:abc")
         ],
     ]:
-        with pytest.raises(ConfigError, match=re.escape(message)):
+        with pytest.raises(ConfigError, match=re.escape(message)) as raised:
             parse_config(data)
+        assert "file:" not in str(raised.value)  # a whole-file check names its field
