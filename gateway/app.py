@@ -848,6 +848,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
         def walk() -> dict[str, Any]:
             view = status_snapshot(state, probes, counts, now)
+            view["time"] = time.time()  # when this was seen (UNIX seconds); ages are _s
             if found:  # what each discovered endpoint's name resolved to
                 wall = time.time()
                 view["discovery"] = {name: f.as_json(wall) for name, f in found.items()}

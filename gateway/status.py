@@ -132,7 +132,6 @@ def status_snapshot(
         },
         "runs": {"by_phase_and_class": runs, "total": len(state.runs)},
         **shell_counts,
-        "now": now,
     }
 
 
