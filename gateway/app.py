@@ -51,7 +51,7 @@ from gateway.decide import (
     parse_decide,
 )
 from gateway.discovery import Found, Resolver
-from gateway.mcp_door import RUN_STORE_DOWN, DoorDeps, create_mcp_server
+from gateway.mcp_door import RUN_STORE_DOWN, DoorDeps, RunStoreDown, create_mcp_server
 from gateway.metrics import GatewayMetrics
 from gateway.pool import Pool, PoolChange, compare
 from gateway.prober import Prober, ProbeResult, auth_headers
@@ -607,12 +607,17 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             joined_by = "tool_calls" if run_id else "new"
         if run_id and who.tenant is not None and anothers(rt.shell.state, run_id, caller):
             # A caller's token may not join (and so take over) another caller's run.
-            named_by = RUN_HEADER if joined_by == "header" else "session header"
+            # 403, as other_caller's refusal: SDKs retry a 409, and this never changes.
+            how = {
+                "header": f"named by {RUN_HEADER}",
+                "session": "named by the session header",
+                "tool_calls": "found by the tool call ids this request echoes",
+            }[joined_by]
             message = (
-                f"run '{run_id}' (named by the {named_by}) is another caller's; a "
-                f"caller's token joins only its own runs: name another run"
+                f"run '{run_id}' ({how}) is another caller's; a caller's token joins "
+                f"only its own runs: send {RUN_HEADER} with a run id of your own"
             )
-            return error_response(409, message, run_id, anthropic=anthropic)
+            return error_response(403, message, run_id, anthropic=anthropic)
         metrics.turn_runs.labels(joined_by).inc()
         turn = TurnRequest(
             turn_id=_new_id(),
@@ -844,13 +849,13 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         # The shell's own counts on the loop (its dicts change there) ...
         counts = {"tool_call_ids_remembered": rt.shell.remembered_tool_calls()}
         state, probes, now = rt.shell.state, dict(rt.prober.last), rt.loop.time()
+        wall = time.time()  # the same moment as `now`, which the ages count back from
         found = live.pool.found
 
         def walk() -> dict[str, Any]:
             view = status_snapshot(state, probes, counts, now)
-            view["time"] = time.time()  # when this was seen (UNIX seconds); ages are _s
+            view["time"] = wall  # when this was seen (UNIX seconds); ages are _s
             if found:  # what each discovered endpoint's name resolved to
-                wall = time.time()
                 view["discovery"] = {name: f.as_json(wall) for name, f in found.items()}
             if recent:
                 view["recent_runs"] = runs_listing(state, now, limit=recent)["runs"]
@@ -977,7 +982,7 @@ class _Door:
                     except RuntimeError as exc:  # the SDK's "Failed client connect: ..."
                         # Named with the address: a gateway left without [temporal]
                         # looks for it at the default, 127.0.0.1:7233.
-                        raise ConnectionError(
+                        raise RunStoreDown(
                             f"{RUN_STORE_DOWN} at {t.address} ([temporal] address, or "
                             f"LUFTPAUSE_TEMPORAL_ADDRESS) is unreachable: {exc}"
                         ) from exc

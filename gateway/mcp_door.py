@@ -49,6 +49,7 @@ __all__ = [
     "AwaitResult",
     "DecideResult",
     "DoorDeps",
+    "RunStoreDown",
     "RunView",
     "SpawnResult",
     "create_mcp_server",
@@ -58,8 +59,15 @@ log = logging.getLogger(__name__)
 
 SESSION_HEADER = "mcp-session-id"
 ANONYMOUS = "anonymous"
-# How a tool error names Temporal being down (the gateway's _Door adds its address).
+# How a tool error names Temporal being down.
 RUN_STORE_DOWN = "the run store (Temporal)"
+
+
+class RunStoreDown(ConnectionError):
+    """Temporal could not be connected to; the message says where it was looked for
+    (DoorDeps.runs raises it, and the tools pass its message on)."""
+
+
 DEFAULT_AWAIT_S = 60.0
 PROGRESS_EVERY_S = 5.0
 MAX_TOOL_CALLS_LIMIT = 64
@@ -436,7 +444,7 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
         try:
             every = await deps.runs()
         except Exception as exc:
-            if str(exc).startswith(RUN_STORE_DOWN):  # the gateway named its address
+            if isinstance(exc, RunStoreDown):  # it names the address
                 raise ToolError(str(exc)) from None
             raise ToolError(f"{RUN_STORE_DOWN} is unreachable: {exc}") from None
         tenant = tenant_of(ctx)

@@ -40,7 +40,9 @@ OUTCOMES = ("finished", "failed", "abandoned", "rejected", "timed_out")
 # luftpause_engine_turns: `failed` is the engine's fault only (what ejection counts);
 # an error status about the request (4xx, 429, 503 busy) and a client that left are
 # apart, so that an alert on failures is not set off by users pressing Esc.
-ENGINE_OUTCOMES = ("finished", "failed", "error_status", "client_left", "timed_out")
+ENGINE_OUTCOMES = (
+    "finished", "failed", "error_status", "client_left", "abandoned", "timed_out",
+)  # fmt: skip
 _HELD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _TURN_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
@@ -147,7 +149,7 @@ class GatewayMetrics:
             "luftpause_engine_turns",
             "Turns admitted to a replica that ended, by replica and outcome: failed (the "
             "engine's fault), error_status (it answered 4xx/429/503 busy), client_left, "
-            "finished, timed_out",
+            "abandoned (the gateway stopped it: shutdown), finished, timed_out",
             ["replica", "outcome"],
             registry=self.registry,
         )

@@ -350,7 +350,14 @@ async def probe_ranks(
     (when `want_kv`).  A rank the exposition shows no load for reports none (uncapped).
     Never raises."""
     server = ranks[0]
-    whole = await probe_endpoint(client, server, timeout=timeout, keep_exposition=True)
+    probed = probe_endpoint(client, server, timeout=timeout, keep_exposition=True)
+    info: object = None
+    if server.kind == "sglang":  # every round, beside the probe: its dp_size tells
+        # which ranks exist (and, when wanted, one rank's KV pool)
+        asked = _sglang_server_info(client, server, auth_headers(server), timeout)
+        whole, info = await asyncio.gather(probed, asked)
+    else:
+        whole = await probed
     if not whole.healthy:
         return [replace(whole, endpoint=e.name) for e in ranks]
     label = DP_RANK_LABEL[server.kind]
@@ -363,14 +370,11 @@ async def probe_ranks(
             note = f"reports no load: /metrics: {exc}"
     pools: Mapping[str, int] = {}
     one_pool: int | None = None
-    info: object = None
     if want_kv and server.kind == "vllm" and whole.exposition is not None:
         with contextlib.suppress(Exception):
             pools = parse_vllm_kv_pools(whole.exposition) or {}
-    elif server.kind == "sglang":  # every round: its dp_size tells which ranks exist
-        info = await _sglang_server_info(client, server, auth_headers(server), timeout)
-        if want_kv:
-            one_pool = parse_sglang_kv_tokens(info, one_rank=True)
+    elif want_kv and server.kind == "sglang":
+        one_pool = parse_sglang_kv_tokens(info, one_rank=True)
     served = served_ranks(server.kind, info, loads)
     out = []
     for e in ranks:

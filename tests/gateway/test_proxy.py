@@ -892,15 +892,28 @@ async def test_a_callers_own_token_names_it_and_shows_it_only_its_runs(
 
         # Nor may a caller's token join another's run, which would make it its own.
         r = await gw.post("/v1/chat/completions", json=chat(), headers=b | {RUN: "ra"})
-        assert r.status_code == 409 and r.headers[RUN] == "ra"
-        assert r.json()["error"]["message"].startswith(
-            "run 'ra' (named by the x-luftpause-run-id) is another caller's"
+        assert r.status_code == 403 and r.headers[RUN] == "ra"
+        assert r.json()["error"]["message"] == (
+            "run 'ra' (named by x-luftpause-run-id) is another caller's; a caller's token "
+            "joins only its own runs: send x-luftpause-run-id with a run id of your own"
         )
+        # ... by a harness's session header either, in the API's own error shape.
+        session = {"x-claude-code-session-id": "s-1"}
+        r = await gw.post("/v1/messages", json=body, headers={"x-api-key": "tok-a"} | session)
+        assert r.status_code == 200 and shell.state.runs[r.headers[RUN]].caller == "team-a"
+        r = await gw.post("/v1/messages", json=body, headers={"x-api-key": "tok-b"} | session)
+        assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
+        assert "(named by the session header) is another caller's" in r.json()["error"]["message"]
         assert shell.state.runs["ra"].caller == "team-a" and len(counted.chats) == 3
+        # The operator's token names any caller, into any run (the worker's turns).
+        r = await gw.post(
+            "/v1/chat/completions", json=chat(), headers=operator | {CALLER: "team-a", RUN: "ra"}
+        )
+        assert r.status_code == 200 and shell.state.runs["ra"].caller == "team-a"
 
         # Runs: a caller sees and ends only its own; another's is not known to it.
         listed = (await gw.get("/v1/runs", headers=a)).json()["runs"]
-        assert [run["run_id"] for run in listed] == ["ra"]
+        assert [run["run_id"] for run in listed] == ["ra", "claude-code:s-1"]
         assert (await gw.get("/v1/runs?caller=team-b", headers=a)).status_code == 403
         assert (await gw.get("/v1/runs/ra", headers=a)).status_code == 200
         for method in ("GET", "DELETE"):
