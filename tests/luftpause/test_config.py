@@ -6,8 +6,11 @@ import re
 import tomllib
 from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from luftpause.config import Config, ConfigError, load_config, parse_config
 from scheduler import Policy, ReplicaSpec
@@ -618,3 +621,89 @@ def test_callers_tokens_come_from_the_environment_each_its_own() -> None:
         with pytest.raises(ConfigError, match=re.escape(message)) as raised:
             parse_config(data)
         assert "file:" not in str(raised.value)  # a whole-file check names its field
+
+
+# Values a TOML file can hold, and the file's own keys, so that a drawn file gets past
+# the first check and into each section's.
+_TOML = st.recursive(
+    st.booleans()
+    | st.integers(min_value=-(2**63), max_value=2**63 - 1)
+    | st.floats(allow_nan=True)
+    | st.sampled_from(["", "m", "http://h:1", "h:1", "/v1", "sglang", "router", "dns", "a"])
+    | st.text(max_size=10),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=10,
+)
+_SECTIONS = {
+    "endpoints": [
+        "name", "url", "kind", "models", "health_path", "api_key_env", "api_path",
+        "load_from", "kv_tokens", "labels", "messages", "responses", "discover", "dp_size",
+        "dp_rank",
+    ],
+    "mcp_servers": ["name", "url", "command", "env", "token_env", "protocol"],
+    "callers": ["name", "token_env"],
+}  # fmt: skip
+_TABLES = {
+    "temporal": ["address", "namespace", "task_queue"],
+    "probes": ["period_s", "timeout_s", "late_to_unhealthy"],
+    "discovery": ["period_s", "timeout_s", "family", "nameservers"],
+    "policy": [
+        "turn_timeout_s", "batch_kv_fill", "kv_fill", "lane_batch_kv_fill", "kv_admission",
+        "eject_after_failures", "max_held_per_caller", "cap_increase",
+    ],
+}  # fmt: skip
+
+
+def _entry(keys: list[str]) -> st.SearchStrategy[dict[str, Any]]:
+    return st.dictionaries(st.sampled_from(keys), _TOML, max_size=len(keys))
+
+
+_FILES = st.fixed_dictionaries(
+    {
+        "endpoints": st.lists(
+            st.builds(
+                lambda base, bent: {**base, **bent},
+                st.fixed_dictionaries(
+                    {
+                        "name": st.sampled_from(["a", "b", "a b"]),
+                        "url": st.sampled_from(["http://h:1", "http://g:2", "h"]),
+                        "kind": st.sampled_from(
+                            ["sglang", "vllm", "llamacpp", "openai", "router", "classifier"]
+                        ),
+                        "models": st.sampled_from([["m"], [], ["m", "n"]]),
+                    }
+                ),
+                _entry(_SECTIONS["endpoints"]),
+            ),
+            max_size=3,
+        )
+    },
+    optional={
+        "mcp_servers": st.lists(_entry(_SECTIONS["mcp_servers"]), max_size=2),
+        "callers": st.lists(_entry(_SECTIONS["callers"]), max_size=2),
+        "token": _TOML,
+        "gateway_url": _TOML,
+        "session_runs": _TOML,
+        "max_request_bytes": _TOML,
+        **{name: _entry(keys) | _TOML for name, keys in _TABLES.items()},
+    },
+)
+
+
+@given(data=_FILES)
+def test_a_file_of_any_shape_is_taken_or_refused_with_a_reason(data: dict[str, Any]) -> None:
+    """`luftpause up`, the gateway and POST /reload turn a ConfigError into a message
+    and a 400; any other exception would be a traceback and a 500."""
+    try:
+        cfg = parse_config(data)
+    except ConfigError as exc:
+        assert str(exc).startswith("configuration: ") and len(str(exc)) > len("configuration: ")
+        return
+    # What the gateway does with a file it took, before it serves.
+    cfg.policy.to_policy()
+    expanded = cfg.expanded({})
+    expanded.replica_specs()
+    cfg.unset_keys({})
+    cfg.caller_tokens({}, cfg.token)
