@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import gateway.app as app_module
 import gateway.metrics as metrics_module
+from gateway.app import anothers, owns
 from gateway.metrics import GatewayMetrics
 from gateway.prober import ProbeResult
 from gateway.status import (
@@ -584,3 +585,34 @@ async def test_a_caller_finds_its_runs_and_one_run_by_id() -> None:
         ):
             bad = await gw.get("/v1/runs", params=params, headers=auth)
             assert bad.status_code == 400 and what in bad.json()["error"]["message"], bad.text
+
+
+def test_whose_a_run_is_by_its_run_or_by_its_held_turns_alone() -> None:
+    """owns() (GET/DELETE of a run), anothers() (a caller's turn joining it) and the
+    listing's caller filter agree: a run known only by held turns is its callers'
+    when they are one caller, no one's alone when they are several."""
+    state = run_events(
+        pool(),
+        [
+            *CAPPED,
+            arrived(0.0, "busy", "admitted", "ann"),  # takes a's one slot: ann's run
+            arrived(1.0, "h1", "held", "bob"),  # held: known by this turn only
+            arrived(1.0, "m1", "mixed", "bob"),
+            arrived(1.0, "m2", "mixed", "cat"),  # two callers' held turns, one run id
+        ],
+    )
+    assert "admitted" in state.runs and "held" not in state.runs
+    cases = {
+        # run id, caller: owns, anothers
+        ("admitted", "ann"): (True, False),
+        ("admitted", "bob"): (False, True),
+        ("held", "bob"): (True, False),
+        ("held", "ann"): (False, True),
+        ("mixed", "bob"): (False, True),
+        ("never", "bob"): (False, False),  # unknown: a new run, anyone's to start
+    }
+    for (run_id, caller), expected in cases.items():
+        assert (owns(state, run_id, caller), anothers(state, run_id, caller)) == expected
+    for caller, ids in (("ann", ["admitted"]), ("bob", ["held"]), ("cat", [])):
+        listed = runs_listing(state, 2.0, caller=caller)["runs"]
+        assert [r["run_id"] for r in listed] == ids, caller
