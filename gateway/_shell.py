@@ -58,6 +58,11 @@ class AdmissionShell:
         self._state = state
         self._observer = observer
         self._waiting: dict[str, asyncio.Future[Admission]] = {}
+        # The turns waiting to be admitted (held), by run: turn id -> (run id, caller),
+        # and run id -> caller -> how many, so that whose a run known only by its held
+        # turns is costs no walk over every held turn.
+        self._waiting_for: dict[str, tuple[str, str]] = {}
+        self._waiting_runs: dict[str, dict[str, int]] = {}
         # (caller, tool_call_id) -> (run id, or None once two runs returned it; expiry);
         # run id -> its keys, for Forget
         self._tool_calls: dict[tuple[str, str], tuple[str | None, float]] = {}
@@ -97,19 +102,44 @@ class AdmissionShell:
         (possibly already done on return)."""
         future: asyncio.Future[Admission] = asyncio.get_running_loop().create_future()
         self._waiting[event.turn_id] = future
+        self._waiting_for[event.turn_id] = (event.run_id, event.caller)
+        by_caller = self._waiting_runs.setdefault(event.run_id, {})
+        by_caller[event.caller] = by_caller.get(event.caller, 0) + 1
         try:
             self.apply(event)
         except BaseException:
-            self._waiting.pop(event.turn_id, None)
+            self._unwait(event.turn_id)
             raise
         return future
 
     def forget_turn(self, turn_id: str) -> None:
         """The turn's handler no longer waits (its terminal event was reported)."""
-        self._waiting.pop(turn_id, None)
+        self._unwait(turn_id)
+
+    def callers_of(self, run_id: str) -> frozenset[str]:
+        """Whose run `run_id` is: the caller the core knows it by, or (a run known only
+        by held turns) the callers of those turns; none for a run the core does not
+        know."""
+        run = self._state.runs.get(run_id)
+        if run is not None:
+            return frozenset((run.caller,))
+        return frozenset(self._waiting_runs.get(run_id, ()))
+
+    def _unwait(self, turn_id: str) -> asyncio.Future[Admission] | None:
+        future = self._waiting.pop(turn_id, None)
+        found = self._waiting_for.pop(turn_id, None)
+        if found is not None:
+            run_id, caller = found
+            by_caller = self._waiting_runs[run_id]
+            by_caller[caller] -= 1
+            if not by_caller[caller]:
+                del by_caller[caller]
+                if not by_caller:
+                    del self._waiting_runs[run_id]
+        return future
 
     def _resolve(self, turn_id: str, outcome: Admission) -> None:
-        future = self._waiting.pop(turn_id, None)
+        future = self._unwait(turn_id)
         if future is None or future.done():
             log.warning("no handler waits for turn %s (%r)", turn_id, outcome)
             return

@@ -250,23 +250,16 @@ class Who:
 OPERATOR = Who()
 
 
-def owns(state: State, run_id: str, caller: str) -> bool:
+def owns(shell: AdmissionShell, run_id: str, caller: str) -> bool:
     """Whether the run the core knows by `run_id` is `caller`'s (a run known by its
-    held turns only: theirs)."""
-    run = state.runs.get(run_id)
-    if run is not None:
-        return run.caller == caller
-    held = [t for t in state.held() if t.run_id == run_id]
-    return bool(held) and all(t.caller == caller for t in held)
+    held turns only: theirs, when they are all that caller's)."""
+    return shell.callers_of(run_id) == {caller}
 
 
-def anothers(state: State, run_id: str, caller: str) -> bool:
+def anothers(shell: AdmissionShell, run_id: str, caller: str) -> bool:
     """Whether the core knows `run_id` as a run of a caller other than `caller` (by
     its last caller, or by held turns of another)."""
-    run = state.runs.get(run_id)
-    if run is not None:
-        return run.caller != caller
-    return any(t.run_id == run_id and t.caller != caller for t in state.held())
+    return bool(shell.callers_of(run_id) - {caller})
 
 
 def not_known(run_id: str) -> str:
@@ -605,7 +598,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             echoed = _ECHOED[api](messages)
             run_id = rt.shell.run_for_tool_calls(caller, echoed, now)
             joined_by = "tool_calls" if run_id else "new"
-        if run_id and who.tenant is not None and anothers(rt.shell.state, run_id, caller):
+        if run_id and who.tenant is not None and anothers(rt.shell, run_id, caller):
             # A caller's token may not join (and so take over) another caller's run.
             # 403, as other_caller's refusal: SDKs retry a 409, and this never changes.
             how = {
@@ -756,7 +749,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         if not RUN_ID.fullmatch(run_id):
             # It goes back in a response header: printable ASCII only, or no echo.
             return error_response(400, _BAD_RUN_ID, "")
-        if who.tenant is not None and not owns(rt.shell.state, run_id, who.tenant):
+        if who.tenant is not None and not owns(rt.shell, run_id, who.tenant):
             return error_response(404, not_known(run_id), run_id)
         rt.shell.apply(RunEnded(now=rt.loop.time(), run_id=run_id))
         return Response(status_code=204, headers={RUN_HEADER: run_id})
@@ -815,7 +808,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         state, now = rt.shell.state, rt.loop.time()
         held = [t for t in state.held() if t.run_id == run_id]
         run = state.runs.get(run_id)
-        mine = who.tenant is None or owns(state, run_id, who.tenant)
+        mine = who.tenant is None or owns(rt.shell, run_id, who.tenant)
         if (run is None and not held) or not mine:
             return error_response(404, not_known(run_id), run_id)
         view = run_view(run, now, len(held)) if run is not None else waiting_view(held, now)

@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import gateway.app as app_module
 import gateway.metrics as metrics_module
+from gateway._shell import AdmissionShell
 from gateway.app import anothers, owns
 from gateway.metrics import GatewayMetrics
 from gateway.prober import ProbeResult
@@ -587,21 +588,23 @@ async def test_a_caller_finds_its_runs_and_one_run_by_id() -> None:
             assert bad.status_code == 400 and what in bad.json()["error"]["message"], bad.text
 
 
-def test_whose_a_run_is_by_its_run_or_by_its_held_turns_alone() -> None:
+async def test_whose_a_run_is_by_its_run_or_by_its_held_turns_alone() -> None:
     """owns() (GET/DELETE of a run), anothers() (a caller's turn joining it) and the
     listing's caller filter agree: a run known only by held turns is its callers'
     when they are one caller, no one's alone when they are several."""
-    state = run_events(
-        pool(),
-        [
-            *CAPPED,
-            arrived(0.0, "busy", "admitted", "ann"),  # takes a's one slot: ann's run
-            arrived(1.0, "h1", "held", "bob"),  # held: known by this turn only
-            arrived(1.0, "m1", "mixed", "bob"),
-            arrived(1.0, "m2", "mixed", "cat"),  # two callers' held turns, one run id
-        ],
-    )
-    assert "admitted" in state.runs and "held" not in state.runs
+    shell = AdmissionShell(pool())
+    for ev in CAPPED:
+        shell.apply(ev)
+    admitted = shell.arrive(arrived(0.0, "busy", "admitted", "ann"))  # a's one slot
+    for ev in (
+        arrived(1.0, "h1", "held", "bob"),  # held: known by this turn only
+        arrived(1.0, "m1", "mixed", "bob"),
+        arrived(1.0, "m2", "mixed", "cat"),  # two callers' held turns, one run id
+        arrived(1.0, "m3", "mixed", "cat"),
+    ):
+        shell.arrive(ev)
+    state = shell.state
+    assert admitted.done() and "admitted" in state.runs and "held" not in state.runs
     cases = {
         # run id, caller: owns, anothers
         ("admitted", "ann"): (True, False),
@@ -612,7 +615,15 @@ def test_whose_a_run_is_by_its_run_or_by_its_held_turns_alone() -> None:
         ("never", "bob"): (False, False),  # unknown: a new run, anyone's to start
     }
     for (run_id, caller), expected in cases.items():
-        assert (owns(state, run_id, caller), anothers(state, run_id, caller)) == expected
+        assert (owns(shell, run_id, caller), anothers(shell, run_id, caller)) == expected
     for caller, ids in (("ann", ["admitted"]), ("bob", ["held"]), ("cat", [])):
         listed = runs_listing(state, 2.0, caller=caller)["runs"]
         assert [r["run_id"] for r in listed] == ids, caller
+    # As turns stop waiting, the index follows: bob's turn given up leaves cat's run.
+    shell.apply(TurnAbandoned(now=2.0, turn_id="m1"))
+    shell.forget_turn("m1")
+    assert owns(shell, "mixed", "cat") and not anothers(shell, "mixed", "cat")
+    for turn in ("h1", "m2", "m3"):
+        shell.apply(TurnAbandoned(now=2.0, turn_id=turn))
+        shell.forget_turn(turn)
+    assert shell.callers_of("held") == shell.callers_of("mixed") == frozenset()
