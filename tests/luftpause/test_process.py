@@ -131,13 +131,15 @@ def child():
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,  # else an orphan keeps the session's output open
     )
-    print("CHILD", proc.pid, flush=True)
-    yield
+    yield proc
     proc.terminate()
     proc.wait()
     print("TORN DOWN", flush=True)
 
 def test_blocks(child):
+    # Said here, not in the fixture: a signal between the fixture's print and its
+    # yield would end the setup, which has no teardown to run.
+    print("CHILD", child.pid, flush=True)
     sys.stdin.read()
 """
 

@@ -23,6 +23,7 @@ import pytest
 from mcp import Client, StdioServerParameters
 from mcp.types import CallToolResult, TextContent
 
+import testkit.fake_mcp as fake_mcp_module
 from testkit.fake_mcp import (
     FakeMcpSettings,
     FakeMcpState,
@@ -145,13 +146,25 @@ async def test_get_counts_reports_completed_and_started_calls() -> None:
 # --------------------------------------------------------------------------- in process
 
 
-async def test_durations_scale_and_answers_follow_the_seed() -> None:
+async def test_durations_scale_and_answers_follow_the_seed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The durations the server asks to sleep, read where it asks (a stopwatch would
+    # also time a loaded machine).
+    asked: dict[str, float] = {}
+    sleep = fake_mcp_module.anyio.sleep
+
+    async def recorded(seconds: float) -> None:
+        asked[asyncio.current_task().get_name()] = seconds  # type: ignore[union-attr]
+        await sleep(0)
+
+    monkeypatch.setattr(fake_mcp_module.anyio, "sleep", recorded)
+
     async def answer(settings: FakeMcpSettings, query: str) -> tuple[str, float]:
         server = create_server(settings, FakeMcpState())
-        t0 = time.perf_counter()
         result = await server.call_tool("lookup", {"query": query})
         assert isinstance(result, CallToolResult)
-        return text(result), time.perf_counter() - t0
+        return text(result), asked[asyncio.current_task().get_name()]  # type: ignore[union-attr]
 
     async def answers(settings: FakeMcpSettings) -> list[tuple[str, float]]:
         return await asyncio.gather(*(answer(settings, f"q{i}") for i in range(6)))
@@ -161,11 +174,11 @@ async def test_durations_scale_and_answers_follow_the_seed() -> None:
         answers(FakeMcpSettings(time_scale=20)),
         answers(FakeMcpSettings(time_scale=20, seed=1)),
     )
-    assert [a for a, _ in seed0] == [a for a, _ in again]
+    assert seed0 == again  # the same answers after the same durations
     assert [a for a, _ in seed0] != [a for a, _ in seed1]
-    # Uniform 0.5–1.5 virtual seconds at 20x: 0.025–0.075 s of wall time, never the
-    # unscaled 0.5 s.
-    assert all(0.025 <= s < 0.5 for _, s in seed0 + again + seed1)
+    assert [s for _, s in seed0] != [s for _, s in seed1]
+    # Uniform 0.5–1.5 virtual seconds at 20x: 0.025–0.075 s, never the unscaled 0.5 s.
+    assert all(0.025 <= s <= 0.075 for _, s in seed0 + again + seed1)
 
 
 async def test_a_cancelled_call_is_started_but_not_completed() -> None:
