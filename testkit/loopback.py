@@ -7,13 +7,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import uvicorn
 
 # Bounded wait for startup: 1000 x 10 ms.
 _POLLS, _POLL_S = 1000, 0.01
+
+
+class _SharedProcessServer(uvicorn.Server):
+    """A server in a process others share (a test session, a bench): the signals are
+    the process's.  uvicorn installs its handlers for a server's life and restores
+    what it found, so servers stopped out of order left a stopped one's handler in
+    place; sse_starlette reads that as "shutting down" and ends every SSE stream in
+    the process, and the session's own SIGTERM handler was lost."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
 
 @contextlib.asynccontextmanager
@@ -29,7 +41,7 @@ async def serve(app: Any, *, host: str = "127.0.0.1", port: int = 0) -> AsyncIte
     sock.bind((host, port))
     port = sock.getsockname()[1]
     config = uvicorn.Config(app, ws="none", lifespan="on", access_log=False, log_level="warning")
-    server = uvicorn.Server(config)
+    server = _SharedProcessServer(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
         for _ in range(_POLLS):
