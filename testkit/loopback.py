@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import queue
 import socket
-from collections.abc import AsyncIterator, Iterator
-from typing import Any
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any, TypeVar
 
 import uvicorn
+
+T = TypeVar("T")
 
 # Bounded wait for startup: 1000 x 10 ms.
 _POLLS, _POLL_S = 1000, 0.01
@@ -82,3 +86,37 @@ def serve_until_signalled(app: Any, *, host: str, port: int) -> None:
         timeout_graceful_shutdown=2,
     )
     _Server(config).run()
+
+
+@contextlib.contextmanager
+def on_own_loop(
+    opened: Callable[[], contextlib.AbstractAsyncContextManager[T]], *, timeout: float = 120
+) -> Iterator[tuple[T, asyncio.AbstractEventLoop]]:
+    """Enter the async context `opened()` makes on an event loop in a thread of its
+    own; yield what it yields and that loop (for `asyncio.run_coroutine_threadsafe`);
+    exit it there when the block ends.  For synchronous callers of async servers, such
+    as hypothesis tests, which cannot run in the test's own loop."""
+    started: queue.Queue[tuple[T, asyncio.AbstractEventLoop, asyncio.Event] | BaseException]
+    started = queue.Queue()
+
+    async def main() -> None:
+        try:
+            async with opened() as value:
+                stop = asyncio.Event()
+                started.put((value, asyncio.get_running_loop(), stop))
+                await stop.wait()
+        except BaseException as exc:  # handed to the caller's thread
+            started.put(exc)
+            raise
+
+    thread = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
+    thread.start()
+    got = started.get(timeout=timeout)
+    if isinstance(got, BaseException):
+        raise got
+    value, loop, stop = got
+    try:
+        yield value, loop
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(timeout=timeout)

@@ -8,18 +8,18 @@ first check and into the parsers' corners, and from raw bytes, so that they do n
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import json
-import queue
-import threading
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import pytest
 from harness import MODEL, endpoint, engine, gateway
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from testkit.loopback import on_own_loop
 
 # The field names of Chat Completions, Messages, Responses and /v1/decide, and the
 # values their parsers branch on.
@@ -105,36 +105,17 @@ ROUTES = [
 ]
 
 
+@contextlib.asynccontextmanager
+async def _gateway() -> AsyncIterator[str]:
+    async with engine(instant=True) as (url, _), gateway(endpoint("a", url)) as (client, _):
+        yield str(client.base_url).rstrip("/")
+
+
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
     """The gateway, with one instant fake engine, served from a thread's own loop."""
-    started: queue.Queue[tuple[str, asyncio.AbstractEventLoop, asyncio.Event] | BaseException]
-    started = queue.Queue()
-
-    async def main() -> None:
-        try:
-            async with (
-                engine(instant=True) as (url, _),
-                gateway(endpoint("a", url)) as (client, _),
-            ):
-                stop = asyncio.Event()
-                started.put((str(client.base_url), asyncio.get_running_loop(), stop))
-                await stop.wait()
-        except BaseException as exc:
-            started.put(exc)
-            raise
-
-    thread = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
-    thread.start()
-    got = started.get(timeout=60)
-    if isinstance(got, BaseException):
-        raise got
-    url, loop, stop = got
-    try:
-        yield url.rstrip("/")
-    finally:
-        loop.call_soon_threadsafe(stop.set)
-        thread.join(timeout=60)
+    with on_own_loop(_gateway) as (url, _):
+        yield url
 
 
 def _said_what_was_wrong(r: httpx.Response) -> None:

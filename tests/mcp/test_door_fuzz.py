@@ -10,9 +10,8 @@ arguments' checks are what is driven there."""
 from __future__ import annotations
 
 import asyncio
-import queue
-import threading
-from collections.abc import Callable, Coroutine, Iterator
+import contextlib
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any
 
 import pytest
@@ -20,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mcp import Client
 
+from testkit.loopback import on_own_loop
 from tests.workflows.harness import stack
 
 Call = Callable[[str, dict[str, Any]], Any]
@@ -95,35 +95,19 @@ CALLS = st.one_of(
 def call(temporal_address: str) -> Iterator[Call]:
     """call(tool, arguments) -> the CallToolResult, through the official client on a
     stack served from a thread's own loop."""
-    started: queue.Queue[tuple[Client, asyncio.AbstractEventLoop, asyncio.Event] | BaseException]
-    started = queue.Queue()
 
-    async def main() -> None:
-        try:
-            async with stack(temporal_address) as s, Client(s.mcp_door, mode="legacy") as c:
-                stop = asyncio.Event()
-                started.put((c, asyncio.get_running_loop(), stop))
-                await stop.wait()
-        except BaseException as exc:  # handed to the test thread
-            started.put(exc)
-            raise
+    @contextlib.asynccontextmanager
+    async def client() -> AsyncIterator[Client]:
+        async with stack(temporal_address) as s, Client(s.mcp_door, mode="legacy") as c:
+            yield c
 
-    thread = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
-    thread.start()
-    got = started.get(timeout=120)
-    if isinstance(got, BaseException):
-        raise got
-    client, loop, stop = got
+    with on_own_loop(client) as (c, loop):
 
-    def call(tool: str, arguments: dict[str, Any]) -> Any:
-        coroutine: Coroutine[Any, Any, Any] = client.call_tool(tool, arguments)
-        return asyncio.run_coroutine_threadsafe(coroutine, loop).result(timeout=60)
+        def call(tool: str, arguments: dict[str, Any]) -> Any:
+            coroutine: Coroutine[Any, Any, Any] = c.call_tool(tool, arguments)
+            return asyncio.run_coroutine_threadsafe(coroutine, loop).result(timeout=60)
 
-    try:
         yield call
-    finally:
-        loop.call_soon_threadsafe(stop.set)
-        thread.join(timeout=60)
 
 
 @settings(max_examples=400)
