@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import tomllib
 from dataclasses import fields
@@ -12,6 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gateway.pool import Pool, compare
 from luftpause.config import Config, ConfigError, load_config, parse_config
 from scheduler import Policy, ReplicaSpec
 
@@ -701,9 +703,21 @@ def test_a_file_of_any_shape_is_taken_or_refused_with_a_reason(data: dict[str, A
     except ConfigError as exc:
         assert str(exc).startswith("configuration: ") and len(str(exc)) > len("configuration: ")
         return
-    # What the gateway does with a file it took, before it serves.
+    # What the gateway does with a file it took, before it serves and when a reload
+    # brings it (over the file it runs, and back).
     cfg.policy.to_policy()
     expanded = cfg.expanded({})
     expanded.replica_specs()
     cfg.unset_keys({})
     cfg.caller_tokens({}, cfg.token)
+    pool = Pool.of(cfg)
+    pool.awaited("m")
+    running = parse_config(tomllib.loads(GOOD))
+    for old, new in ((running, pool.config), (pool.config, running)):
+        try:
+            change = compare(old, new, started=running)
+        except ConfigError as exc:
+            assert str(exc).startswith("nothing was reloaded: "), exc
+        else:
+            json.dumps(change.as_json())
+            assert str(change)
