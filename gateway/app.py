@@ -600,6 +600,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             joined_by = "tool_calls" if run_id else "new"
         if run_id and who.tenant is not None and anothers(rt.shell, run_id, caller):
             # A caller's token may not join (and so take over) another caller's run.
+            # Nothing awaits from here to the arrival (TurnResponse -> hold ->
+            # shell.arrive), so of two callers naming one new run id, one starts it.
             # 403, as other_caller's refusal: SDKs retry a 409, and this never changes.
             how = {
                 "header": f"named by {RUN_HEADER}",

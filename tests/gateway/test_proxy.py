@@ -934,6 +934,14 @@ async def test_a_callers_own_token_names_it_and_shows_it_only_its_runs(
         assert (await gw.get("/v1/models", headers=b)).status_code == 200
         wrong = {"authorization": "Bearer tok"}
         assert (await gw.get("/v1/models", headers=wrong)).status_code == 401
+        # Two callers naming one new run id at once: one starts it, the other is
+        # refused (the check and the arrival are one step of the event loop).
+        for i in range(20):
+            pair = await asyncio.gather(
+                gw.post("/v1/chat/completions", json=chat(), headers=a | {RUN: f"new-{i}"}),
+                gw.post("/v1/chat/completions", json=chat(), headers=b | {RUN: f"new-{i}"}),
+            )
+            assert sorted(r.status_code for r in pair) == [200, 403], i
 
 
 async def test_a_replica_that_fails_its_turns_is_taken_out_of_rotation() -> None:
