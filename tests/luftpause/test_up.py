@@ -9,12 +9,15 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx2
 import pytest
 from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
 from temporalio.client import Client as TemporalClient
 
 from luftpause.temporal_dev import free_port
@@ -58,10 +61,18 @@ def alive(pid: int) -> bool:
 
 
 class Up:
-    def __init__(self, state: Path, time_scale: float) -> None:
+    def __init__(
+        self,
+        state: Path,
+        time_scale: float,
+        config: Path | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.state = state
         self.ports = {"port": free_port(), "temporal": free_port(), "ui": free_port()}
         self.time_scale = time_scale
+        self.config = config  # --config: the user's file
+        self.env = env or {}
         self.proc: subprocess.Popen[str] | None = None
         self.output: list[str] = []
 
@@ -84,11 +95,12 @@ class Up:
                 str(self.state),
                 "--time-scale",
                 str(self.time_scale),
+                *(["--config", str(self.config)] if self.config is not None else []),
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env={k: v for k, v in os.environ.items() if k != "LUFTPAUSE_TOKEN"},
+            env={k: v for k, v in os.environ.items() if k != "LUFTPAUSE_TOKEN"} | self.env,
         )
         assert self.proc.stdout is not None
         loop = asyncio.get_running_loop()
@@ -272,3 +284,82 @@ async def test_a_port_in_use_is_named_with_its_flag(state: Path) -> None:
         '(make up ARGS="--port N")' in out.stderr
     )
     assert f"port {port} is already in use" in made.stderr, made.stderr
+
+
+async def test_up_with_a_file_serves_its_callers_by_their_own_tokens(
+    state: Path, tmp_path: Path
+) -> None:
+    """`up --config` with the operator's token and two `[[callers]]`, their tokens in
+    the environment: each caller's token is that caller on the proxy and over MCP,
+    and the worker (the operator's token) runs a caller's sub-agent to its end."""
+    engine_port = free_port()
+    engine = subprocess.Popen(
+        [EXE, "fake-engine", "--port", str(engine_port), "--instant"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    config = tmp_path / "luftpause.toml"
+    config.write_text(
+        f"""token = "op"
+
+[[endpoints]]
+name = "fake"
+url = "http://127.0.0.1:{engine_port}"
+kind = "sglang"
+models = ["llama-3.2-1b"]
+
+[[callers]]
+name = "team-a"
+token_env = "TEAM_A_TOKEN"
+
+[[callers]]
+name = "team-b"
+token_env = "TEAM_B_TOKEN"
+"""
+    )
+    up = Up(state, 20, config, {"TEAM_A_TOKEN": "tok-a", "TEAM_B_TOKEN": "tok-b"})
+
+    def post(path: str, body: dict[str, object], token: str, run: str) -> int:
+        ask = urllib.request.Request(
+            f"{up.gateway}{path}",
+            data=json.dumps(body).encode(),
+            headers={
+                "content-type": "application/json",
+                "authorization": f"Bearer {token}",
+                "x-luftpause-run-id": run,
+            },
+        )
+        try:
+            with urllib.request.urlopen(ask, timeout=30) as answered:
+                return int(answered.status)
+        except urllib.error.HTTPError as refused:
+            return refused.code
+
+    def runs(token: str) -> list[str]:
+        ask = urllib.request.Request(
+            f"{up.gateway}/v1/runs", headers={"authorization": f"Bearer {token}"}
+        )
+        with urllib.request.urlopen(ask, timeout=10) as answered:
+            return [r["run_id"] for r in json.load(answered)["runs"]]
+
+    try:
+        await up.start()
+        turn = {"model": "llama-3.2-1b", "messages": [{"role": "user", "content": "hi"}]}
+        assert post("/v1/chat/completions", turn, "tok-a", "ra") == 200
+        assert post("/v1/chat/completions", turn, "tok-b", "ra") == 403
+        assert runs("tok-a") == ["ra"] and runs("tok-b") == []
+        http = httpx2.AsyncClient(
+            headers={"authorization": "Bearer tok-a"}, timeout=httpx2.Timeout(30.0, read=None)
+        )
+        async with http, Client(streamable_http_client(f"{up.gateway}/mcp", http_client=http)) as c:
+            r = await c.call_tool("spawn", {"task": "say hi", "model": "llama-3.2-1b"})
+            assert not r.is_error, r.content
+            handle = r.structured_content["handle"]
+            r = await c.call_tool("await", {"handles": [handle], "timeout": 120})
+        assert r.structured_content["runs"][0]["state"] == "Completed", r.structured_content
+        code, _ = up.stop()
+        assert code == 0, "".join(up.output)
+    finally:
+        up.kill_all()
+        engine.terminate()
+        engine.wait(30)
