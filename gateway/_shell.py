@@ -57,11 +57,10 @@ class AdmissionShell:
     def __init__(self, state: State, *, observer: Observer | None = None) -> None:
         self._state = state
         self._observer = observer
-        self._waiting: dict[str, asyncio.Future[Admission]] = {}
-        # The turns waiting to be admitted (held), by run: turn id -> (run id, caller),
-        # and run id -> caller -> how many, so that whose a run known only by its held
-        # turns is costs no walk over every held turn.
-        self._waiting_for: dict[str, tuple[str, str]] = {}
+        # The turns whose handlers wait to be admitted: turn id -> (its future, run id,
+        # caller); and run id -> caller -> how many, so that whose a run known only by
+        # its held turns is costs no walk over every held turn.
+        self._waiting: dict[str, tuple[asyncio.Future[Admission], str, str]] = {}
         self._waiting_runs: dict[str, dict[str, int]] = {}
         # (caller, tool_call_id) -> (run id, or None once two runs returned it; expiry);
         # run id -> its keys, for Forget
@@ -101,8 +100,7 @@ class AdmissionShell:
         """Report a turn; the future resolves when the core admits or rejects it
         (possibly already done on return)."""
         future: asyncio.Future[Admission] = asyncio.get_running_loop().create_future()
-        self._waiting[event.turn_id] = future
-        self._waiting_for[event.turn_id] = (event.run_id, event.caller)
+        self._waiting[event.turn_id] = (future, event.run_id, event.caller)
         by_caller = self._waiting_runs.setdefault(event.run_id, {})
         by_caller[event.caller] = by_caller.get(event.caller, 0) + 1
         try:
@@ -126,16 +124,16 @@ class AdmissionShell:
         return frozenset(self._waiting_runs.get(run_id, ()))
 
     def _unwait(self, turn_id: str) -> asyncio.Future[Admission] | None:
-        future = self._waiting.pop(turn_id, None)
-        found = self._waiting_for.pop(turn_id, None)
-        if found is not None:
-            run_id, caller = found
-            by_caller = self._waiting_runs[run_id]
-            by_caller[caller] -= 1
-            if not by_caller[caller]:
-                del by_caller[caller]
-                if not by_caller:
-                    del self._waiting_runs[run_id]
+        waiting = self._waiting.pop(turn_id, None)
+        if waiting is None:
+            return None
+        future, run_id, caller = waiting
+        by_caller = self._waiting_runs[run_id]
+        by_caller[caller] -= 1
+        if not by_caller[caller]:
+            del by_caller[caller]
+            if not by_caller:
+                del self._waiting_runs[run_id]
         return future
 
     def _resolve(self, turn_id: str, outcome: Admission) -> None:

@@ -443,9 +443,9 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
         """The runs a request may see: a caller's own token, only that caller's."""
         try:
             every = await deps.runs()
+        except RunStoreDown as exc:  # it names the address
+            raise ToolError(str(exc)) from None
         except Exception as exc:
-            if isinstance(exc, RunStoreDown):  # it names the address
-                raise ToolError(str(exc)) from None
             raise ToolError(f"{RUN_STORE_DOWN} is unreachable: {exc}") from None
         tenant = tenant_of(ctx)
         return every if tenant is None else CallerRuns(every, tenant)
