@@ -114,6 +114,9 @@ __all__ = ["ReplicaState", "RunState", "State", "TurnState", "decide"]
 
 _INTERACTIVE = ServiceClass.INTERACTIVE
 _BATCH = ServiceClass.BATCH
+_GENERATING = RunPhase.GENERATING
+_PAUSED = RunPhase.PAUSED
+_IDLE = RunPhase.IDLE
 _CLASSES = (_INTERACTIVE, _BATCH)
 _PIN = "pin"
 _MODEL = "model"
@@ -177,7 +180,7 @@ class RunState(NamedTuple):
     @property
     def keeps_replica(self) -> bool:
         """Its next turn goes to its replica while that is healthy (rule 3)."""
-        return self.phase is not RunPhase.IDLE or self.retrying
+        return self.phase is not _IDLE or self.retrying
 
 
 class TurnState(NamedTuple):
@@ -508,6 +511,13 @@ class _Tx:
             if ev.max_tokens > 0
             else (p.assumed_reply_tokens)
         )
+        run = self.runs.get(ev.run_id)
+        pinned = self._pinned_replica(run, ev.model)
+        key = (
+            (_MODEL, ev.model, ev.service_class)
+            if pinned is None
+            else (_PIN, pinned, ev.service_class)
+        )
         turn = TurnState(
             ev.turn_id,
             ev.run_id,
@@ -518,20 +528,20 @@ class _Tx:
             self.seq,
             ev.prompt_tokens,
             reply,
-            None,
+            key,
             None,
             0.0,
             False,
         )
-        run = self.runs.get(ev.run_id)
-        pinned = self._pinned_replica(run, ev.model)
+        self._hold(turn, key)
         if pinned is not None:
-            self._hold(turn, (_PIN, pinned, ev.service_class))
             self._fill((pinned,))
             return
-        self._hold(turn, (_MODEL, ev.model, ev.service_class))
         replicas = self.replicas
-        if not any(replicas[n].has_slot() for n in serving):
+        for n in serving:
+            if replicas[n].has_slot():
+                break
+        else:
             return  # all full: the common case under load, and nothing to pick
         # An idle run goes back to its last replica if it can; others least loaded first,
         # or, with lanes, interactive runs where most interactive runs are (rule 9).
@@ -606,7 +616,7 @@ class _Tx:
                     run._replace(
                         in_flight=0,
                         context_tokens=context,
-                        phase=RunPhase.PAUSED if paused else RunPhase.IDLE,
+                        phase=_PAUSED if paused else _IDLE,
                         last_active=self.now,
                         retrying=finish_reason is None,
                     )
@@ -832,12 +842,7 @@ class _Tx:
             at, run_id = self.retention.first()
             self.retention = self.retention.popleft()
             run = self.runs.get(run_id)
-            if (
-                run is not None
-                and run.phase is RunPhase.PAUSED
-                and run.ws_claim
-                and run.last_active == at
-            ):
+            if run is not None and run.phase is _PAUSED and run.ws_claim and run.last_active == at:
                 self._set_run(run._replace(ws_claim=0))
                 assert run.replica is not None
                 touched.append(run.replica)
@@ -846,7 +851,7 @@ class _Tx:
             at, run_id = self.expiry.first()
             self.expiry = self.expiry.popleft()
             run = self.runs.get(run_id)
-            if run is not None and run.phase is not RunPhase.GENERATING and run.last_active == at:
+            if run is not None and run.phase is not _GENERATING and run.last_active == at:
                 self._replace_run(run, None)
                 self.actions.append(Forget(run_id=run_id, expired=True))
                 forgot = True
@@ -1048,7 +1053,7 @@ class _Tx:
                 t.service_class,
                 caller,
                 t.model,
-                RunPhase.GENERATING,
+                _GENERATING,
                 name,
                 in_flight,
                 context,
@@ -1097,24 +1102,22 @@ class _Tx:
             return
         phase = run.phase
         name = run.replica
-        bound = phase is not RunPhase.IDLE and name is not None
+        bound = phase is not _IDLE and name is not None
         claim = 0
         counted_paused = False
         if bound:
             assert name is not None
             lapsed = (
-                old is not None
-                and old.phase is RunPhase.PAUSED
-                and phase is RunPhase.PAUSED
-                and not run.ws_claim
+                old is not None and old.phase is _PAUSED and phase is _PAUSED and not run.ws_claim
             )
             kv = self.replicas[name].spec.kv_tokens
             # A paused run claims KV only where it will come back: with strict affinity.
-            keeps = phase is RunPhase.GENERATING or self.policy.strict_affinity
+            keeps = phase is _GENERATING or self.policy.strict_affinity
             if keeps and not lapsed and self.policy.kv_admission and kv is not None:
                 claim = run.context_tokens + run.reply_tokens
-            counted_paused = phase is RunPhase.PAUSED and run.service_class is _INTERACTIVE
-        run = RunState._make((*run[:10], bound, claim, counted_paused, run.ended, run.retrying))
+            counted_paused = phase is _PAUSED and run.service_class is _INTERACTIVE
+        if (run.bound, run.ws_claim, run.counted_paused) != (bound, claim, counted_paused):
+            run = RunState._make((*run[:10], bound, claim, counted_paused, *run[13:]))
         if old is not None and old.bound and name is not None and old.replica == name:
             self._adjust(
                 name,
@@ -1138,9 +1141,9 @@ class _Tx:
                     batch_ws=_batch_claim(run),
                 )
         was = old.phase if old is not None and old.last_active == run.last_active else None
-        if phase is not RunPhase.GENERATING and was in (None, RunPhase.GENERATING):
+        if phase is not _GENERATING and was in (None, _GENERATING):
             self.expiry = self.expiry.append((run.last_active, run.run_id))
-        if phase is RunPhase.PAUSED and claim and was is not RunPhase.PAUSED:
+        if phase is _PAUSED and claim and was is not _PAUSED:
             self.retention = self.retention.append((run.last_active, run.run_id))
         self.runs[run.run_id] = run
 
@@ -1166,7 +1169,8 @@ class _Tx:
         )
 
     def _hold(self, t: TurnState, key: BucketKey) -> None:
-        t = t._replace(bucket=key)
+        if t.bucket != key:
+            t = t._replace(bucket=key)
         self.turns[t.turn_id] = t
         c = self.callers.get(t.caller, _NEW_CALLER)
         b = self.buckets.get(key, _EMPTY_BUCKET)
