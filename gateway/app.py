@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hmac
 import json
 import logging
@@ -150,6 +151,13 @@ class GatewaySettings:
     host: str = "127.0.0.1"
     # The file `config` came from: SIGHUP and POST /reload read it again (gateway/pool.py).
     config_path: str | None = None
+    # Once started, collect and then move every object made so far out of the cyclic
+    # collector's reach (`gc.freeze`): the ~150k objects of the imports, the app.  A
+    # full collection, which stops the event loop and every stream with it, then walks
+    # only what came since: a third of the time under load (`bench.gc_pauses`,
+    # bench/RESULTS.md).  For the process `luftpause gateway` runs; not for tests that
+    # build many apps in one process (the garbage of each would never be collected).
+    freeze_heap: bool = False
 
 
 @dataclass(slots=True)
@@ -352,6 +360,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             )
             app.state.shell = shell  # read-only view for tests
             hangup = _on_hangup(loop, reload_on_signal)
+            if settings.freeze_heap:
+                gc.collect()
+                gc.freeze()
             try:
                 async with door_server.session_manager.run():
                     yield

@@ -12,9 +12,20 @@ and `Reject` and every terminal event it is given.
 from __future__ import annotations
 
 import contextlib
+import gc
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from gateway.prober import ProbeResult
@@ -45,6 +56,8 @@ ENGINE_OUTCOMES = (
 )  # fmt: skip
 _HELD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _TURN_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+_GC_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
 
 Source = Callable[[], tuple[State, Mapping[str, ProbeResult]] | None]
 """What the scrape-time gauges read: the core's state and the last probes (None while
@@ -106,12 +119,65 @@ class _StateCollector:
         return [held, runs, in_flight, cap, queued, running, healthy]
 
 
+class _GcPauses:
+    """How long the cyclic garbage collector stopped the process, by generation.
+
+    A collection stops the event loop, so every turn the gateway is streaming waits it
+    out; a full one walks every object the process holds.  Timed with `gc.callbacks`,
+    which is process-wide: one instance, installed once, is exposed in every app's
+    registry (its histogram belongs to none)."""
+
+    def __init__(self) -> None:
+        self.pauses = Histogram(
+            "luftpause_gc_pause_seconds",
+            "Time the process stood still for the cyclic garbage collector, by generation "
+            "(2: a full collection)",
+            ["generation"],
+            buckets=_GC_BUCKETS,
+            registry=None,
+        )
+        self._started = 0.0
+        self._installed = False
+
+    def install(self) -> None:
+        if not self._installed:
+            gc.callbacks.append(self._on_gc)
+            self._installed = True
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            seconds = time.perf_counter() - self._started
+            self.pauses.labels(str(info["generation"])).observe(seconds)
+
+    def collect(self) -> Iterable[Metric]:
+        yield from self.pauses.collect()
+        yield GaugeMetricFamily(
+            "luftpause_gc_frozen_objects",
+            "Objects moved out of the collector's reach once the gateway had started "
+            "(gc.freeze): a full collection does not walk them",
+            value=gc.get_freeze_count(),
+        )
+
+
+_GC_PAUSES = _GcPauses()
+
+
 class GatewayMetrics:
     """The gateway's metrics and the registry `/metrics` exposes."""
 
     def __init__(self, source: Source) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_StateCollector(source))
+        # The process's own, as any prometheus_client service has them in its default
+        # registry: CPU, memory, file descriptors, the Python version, collections
+        # (each registers itself; the GC collector only on CPython).
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+        _GC_PAUSES.install()
+        self.registry.register(_GC_PAUSES)
         self.admissions = Counter(
             "luftpause_admissions",
             "Turns admitted, by replica and class",

@@ -286,7 +286,11 @@ def _gateway(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         raise SystemExit(f"luftpause gateway: {exc}") from None
     settings = GatewaySettings(
-        config=config, token=config.token, host=args.host, config_path=args.config
+        config=config,
+        token=config.token,
+        host=args.host,
+        config_path=args.config,
+        freeze_heap=True,
     )
     try:
         app = create_app(settings)

@@ -134,6 +134,8 @@ class Arm:
             "status": dict(sorted(self.status.items())),
             "p50_ms": round(percentile(lat, 50) * 1000, 3),
             "p99_ms": round(percentile(lat, 99) * 1000, 3),
+            # The slowest: a stall of the process (a full garbage collection) shows here.
+            "max_ms": round(lat[-1] * 1000, 3) if lat else math.nan,
             "mean_ms": round(sum(lat) / len(lat) * 1000, 3) if lat else math.nan,
             "req_per_s": round(len(lat) / self.busy_s, 1) if self.busy_s else 0.0,
             # CPU of the process answering hey (the engine direct, else the gateway).
@@ -307,13 +309,14 @@ def _goal(added: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _table(result: dict[str, Any]) -> str:
     head = f"{'path':<9} {'body':<6} {'c':>3} {'requests':>8} {'errors':>6}"
-    head += f" {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8} {'cpu ms/req':>10}"
+    head += f" {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'req/s':>8} {'cpu ms/req':>10}"
     lines = [head, "-" * len(head)]
     for a in result["arms"]:
         body = "stream" if a["stream"] else "plain"
         lines.append(
             f"{a['path']:<9} {body:<6} {a['concurrency']:>3} {a['requests']:>8} "
-            f"{a['errors']:>6} {a['p50_ms']:>8.2f} {a['p99_ms']:>8.2f} {a['req_per_s']:>8,.0f}"
+            f"{a['errors']:>6} {a['p50_ms']:>8.2f} {a['p99_ms']:>8.2f} {a['max_ms']:>8.2f}"
+            f" {a['req_per_s']:>8,.0f}"
             f" {a['server_cpu_ms_per_req']:>10.3f}"
         )
     lines.append("")

@@ -5,6 +5,7 @@ over real loopback HTTP with a fake engine."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
 from collections.abc import Sequence
@@ -420,6 +421,23 @@ async def test_metrics_after_one_turn() -> None:
         parsed = parse_metrics((await gw.get("/metrics")).text)
         assert value(parsed, "luftpause_affinity_hits_total") == 1
         assert value(parsed, "luftpause_admissions_total", replica="a", **interactive) == 2
+
+
+async def test_metrics_show_the_process_and_its_gc_pauses() -> None:
+    async with engine(instant=True) as (url, _), gateway(endpoint("a", url)) as (gw, _):
+        before = parse_metrics((await gw.get("/metrics")).text)
+        full = {"generation": "2"}
+        count = before.get(("luftpause_gc_pause_seconds_count", frozenset(full.items())), 0.0)
+        gc.collect()  # a full collection: the gateway's loop stood still for it
+        after = parse_metrics((await gw.get("/metrics")).text)
+        assert value(after, "luftpause_gc_pause_seconds_count", **full) == count + 1
+        assert value(after, "luftpause_gc_pause_seconds_sum", **full) > 0
+        # The process's own, as prometheus_client's default registry has them.
+        assert value(after, "process_resident_memory_bytes") > 0
+        assert value(after, "python_gc_collections_total", **full) >= count + 1
+        assert any(name == "python_info" for name, _ in after)
+        # Tests build gateways in one process and do not freeze its heap.
+        assert value(after, "luftpause_gc_frozen_objects") == gc.get_freeze_count()
 
 
 async def test_status_needs_the_token_and_the_page_takes_it_as_a_query() -> None:

@@ -177,6 +177,18 @@ def test_the_gateway_keeps_an_idle_connection_longer_than_client_pools_do(
         assert _get_health(s).startswith(b"HTTP/1.1 200")
 
 
+def test_the_gateway_process_keeps_its_startup_heap_from_the_collector(
+    gateway: tuple[int, Child, Child],
+) -> None:
+    # A full collection walked the ~150k objects of the imports and stopped every
+    # stream for ~100 ms under load; the gateway freezes them once it has started.
+    port, _, _ = gateway
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    (line,) = [s for s in text.splitlines() if s.startswith("luftpause_gc_frozen_objects ")]
+    assert float(line.split()[1]) > 50_000, line
+
+
 def test_a_stopping_gateway_lets_the_turns_in_flight_finish(tmp_path: Path) -> None:
     # A deploy sends SIGTERM: a reply streaming meanwhile (here ~7 s) is let finish
     # within --shutdown-grace-s, instead of being cut after uvicorn's few seconds.
