@@ -14,7 +14,9 @@ Rules (DESIGN.md "The scheduler"), stated once, enforced here and nowhere else:
    (strict affinity) unless that replica is unhealthy, and so does the retry of a
    failed turn (its run is idle, but its prefix is cached there).  Any other idle run
    prefers its last replica but may move; a new run goes to the least loaded healthy
-   replica.
+   replica.  A run's replica is that of its last admitted turn, except that a run
+   generating on a healthy replica stays there when another of its turns goes elsewhere
+   (a model that replica does not serve): its prefix and KV claim are where that turn runs.
 4. Batch turns leave one slot for every interactive run paused on a tool there, and
    stop at `Policy.batch_kv_fill` of a replica's KV pool (interactive runs may fill
    `Policy.kv_fill`).
@@ -1038,6 +1040,17 @@ class _Tx:
             )
         )
         old = self.runs.get(t.run_id)
+        if old is not None and old.phase is _GENERATING and old.replica not in (None, name):
+            home = self.replicas.get(old.replica)
+            if home is not None and home.healthy:
+                # Another of its turns is generating there (this one is for a model that
+                # replica does not serve, or affinity is off): the run, its prefix and
+                # its KV claim stay where that turn runs.
+                self._replace_run(
+                    old,
+                    old._replace(in_flight=old.in_flight + 1, caller=caller, last_active=self.now),
+                )
+                return
         context = t.prompt_tokens
         in_flight = 1
         if old is not None:

@@ -344,6 +344,30 @@ def test_without_strict_affinity_the_turn_moves() -> None:
     assert d.admitted() == {t2: "b"}
 
 
+def test_a_turn_for_another_model_leaves_a_generating_run_where_it_is() -> None:
+    # A harness's background request on a small model joins the session's run while
+    # its turn on the main model generates.  Moving the run with it released the KV the
+    # generating turn holds and sent the run's next main-model turn elsewhere.
+    d = Driver(("a", "b"), kv_tokens=10_000, serves={"a": ["big"], "b": ["small"]})
+    t1 = d.arrive("r1", model="big", prompt=3000)
+    assert d.admitted() == {t1: "a"}
+    claim = d.state.replicas["a"].ws_tokens
+    assert claim > 3000
+    t2 = d.arrive("r1", model="small", prompt=500)
+    assert d.admitted() == {t2: "b"}
+    run = d.state.runs["r1"]
+    assert (run.replica, run.in_flight, run.model) == ("a", 2, "big")
+    assert d.state.replicas["a"].ws_tokens == claim, "a's generating turn keeps its KV"
+    assert (d.state.replicas["a"].bound_runs, d.state.replicas["b"].bound_runs) == (1, 0)
+    d.finish(t2)
+    d.finish(t1, "tool_calls")
+    assert d.state.runs["r1"].phase is RunPhase.PAUSED and d.state.runs["r1"].replica == "a"
+    d.cap("a", 0)  # full: the run's next main-model turn waits for a, its prefix is there
+    d.arrive("s1", model="big", turn="s1")
+    t3 = d.arrive("r1", model="big")
+    assert d.state.turns[t3].bucket == ("pin", "a", I)
+
+
 def test_idle_run_prefers_its_replica_but_may_move() -> None:
     d = Driver()
     d.cap("a", 1)

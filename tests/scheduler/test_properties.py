@@ -445,7 +445,12 @@ def check_step(before: State, event: Event, after: State, actions: list[Action])
                     f"admitted to {a.replica}"
                 )
         if run is not None:
-            runs[a.run_id] = run._replace(phase=RunPhase.GENERATING, replica=a.replica)
+            # A run generating on a replica in rotation stays there when another of its
+            # turns goes elsewhere (a model that replica does not serve); else it moves.
+            home = after.replicas.get(run.replica) if run.replica is not None else None
+            stays = run.phase is RunPhase.GENERATING and home is not None and home.healthy
+            if not stays:
+                runs[a.run_id] = run._replace(phase=RunPhase.GENERATING, replica=a.replica)
     held_interactive = [t for t in after.held() if t.service_class is ServiceClass.INTERACTIVE]
     for a in admits:
         if a.service_class is not ServiceClass.BATCH:
