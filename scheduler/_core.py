@@ -84,7 +84,7 @@ from typing import NamedTuple
 
 from immutables import Map
 
-from scheduler._persistent import PQueue, PSortedSet, empty
+from scheduler._persistent import PSortedSet, empty
 from scheduler._types import (
     Action,
     Admit,
@@ -246,9 +246,9 @@ class State:
         callers: Map[str, _Caller],
         buckets: Map[BucketKey, _Bucket],
         seq: int,
-        timeouts: PQueue[tuple[float, str]],
-        expiry: PQueue[tuple[float, str]],
-        retention: PQueue[tuple[float, str]],
+        timeouts: PSortedSet[tuple[float, str]],
+        expiry: PSortedSet[tuple[float, str]],
+        retention: PSortedSet[tuple[float, str]],
         retired: frozenset[str] = frozenset(),
     ) -> None:
         self._policy = policy
@@ -279,9 +279,9 @@ class State:
             Map(),
             Map(),
             0,
-            PQueue(),
-            PQueue(),
-            PQueue(),
+            empty(),
+            empty(),
+            empty(),
         )
 
     # ----------------------------------------------------------------- read access
@@ -362,6 +362,20 @@ def _lane(run: RunState) -> int:
 
 def _batch_claim(run: RunState) -> int:
     return run.ws_claim if run.service_class is _BATCH else 0
+
+
+def _expiry_key(run: RunState | None) -> tuple[float, str] | None:
+    """The run's entry in the expiry timer (rule 8): while it is not generating."""
+    if run is None or run.phase is _GENERATING:
+        return None
+    return run.last_active, run.run_id
+
+
+def _retention_key(run: RunState | None) -> tuple[float, str] | None:
+    """The run's entry in the KV-retention timer (rule 6): while paused with a claim."""
+    if run is None or run.phase is not _PAUSED or not run.ws_claim:
+        return None
+    return run.last_active, run.run_id
 
 
 def _kv_share(policy: Policy, service_class: ServiceClass, lane: bool) -> float:
@@ -567,7 +581,7 @@ class _Tx:
         t = self.turns.get(turn_id)
         if t is not None and t.replica is not None and self.now > t.alive_at:
             self.turns[turn_id] = t._replace(alive_at=self.now)
-            self.timeouts = self.timeouts.append((self.now, turn_id))  # the older one is stale
+            self.timeouts = self.timeouts.remove((t.alive_at, turn_id)).add((self.now, turn_id))
 
     def abandon(self, turn_id: str) -> None:
         t = self.turns.get(turn_id)
@@ -598,6 +612,7 @@ class _Tx:
         if t is None or t.replica is None:
             return  # unknown (timed out already) or still held: nothing to free
         del self.turns[turn_id]
+        self.timeouts = self.timeouts.remove((t.alive_at, turn_id))
         name = t.replica
         self._adjust(name, in_flight=-1)
         self._count_failure(name, engine_fault, finish_reason is not None)
@@ -828,35 +843,29 @@ class _Tx:
                 self.replicas[name] = r._replace(ejected_until=None)
                 if r.probe_ok:
                     touched.append(name)
-        # Timers are FIFO queues (now never goes back); an entry whose subject changed
-        # since it was queued is stale and skipped.
+        # Each timer holds an entry (time, id) exactly while its subject waits for it,
+        # so handling the earliest entry removes it (through turn_done and
+        # _replace_run): nothing stale piles up behind a busy gateway.
         deadline = self.now - self.policy.turn_timeout_s
-        while self.timeouts and self.timeouts.first()[0] <= deadline:
-            at, tid = self.timeouts.first()
-            self.timeouts = self.timeouts.popleft()
-            t = self.turns.get(tid)
-            if t is not None and t.replica is not None and t.alive_at == at:
-                touched.append(t.replica)
-                self.actions.append(TimedOut(turn_id=tid, run_id=t.run_id, replica=t.replica))
-                self.turn_done(tid, None, 0, 0)
+        while self.timeouts and self.timeouts.min()[0] <= deadline:
+            tid = self.timeouts.min()[1]
+            t = self.turns[tid]
+            assert t.replica is not None
+            touched.append(t.replica)
+            self.actions.append(TimedOut(turn_id=tid, run_id=t.run_id, replica=t.replica))
+            self.turn_done(tid, None, 0, 0)
         deadline = self.now - self.policy.kv_retention_s
-        while self.retention and self.retention.first()[0] <= deadline:
-            at, run_id = self.retention.first()
-            self.retention = self.retention.popleft()
-            run = self.runs.get(run_id)
-            if run is not None and run.phase is _PAUSED and run.ws_claim and run.last_active == at:
-                self._set_run(run._replace(ws_claim=0))
-                assert run.replica is not None
-                touched.append(run.replica)
+        while self.retention and self.retention.min()[0] <= deadline:
+            run = self.runs[self.retention.min()[1]]
+            self._set_run(run._replace(ws_claim=0))  # its claim lapses
+            assert run.replica is not None
+            touched.append(run.replica)
         deadline = self.now - self.policy.idle_run_expiry_s
-        while self.expiry and self.expiry.first()[0] <= deadline:
-            at, run_id = self.expiry.first()
-            self.expiry = self.expiry.popleft()
-            run = self.runs.get(run_id)
-            if run is not None and run.phase is not _GENERATING and run.last_active == at:
-                self._replace_run(run, None)
-                self.actions.append(Forget(run_id=run_id, expired=True))
-                forgot = True
+        while self.expiry and self.expiry.min()[0] <= deadline:
+            run_id = self.expiry.min()[1]
+            self._replace_run(self.runs[run_id], None)
+            self.actions.append(Forget(run_id=run_id, expired=True))
+            forgot = True
         if forgot:
             self._fill_all()  # as in run_ended
         elif touched:
@@ -1029,7 +1038,7 @@ class _Tx:
             t.turn_id, t.run_id, t.service_class, caller, t.model, t.arrived, t.seq,
             t.prompt_tokens, t.reply_tokens, None, name, self.now, False, self.now,
         )  # fmt: skip
-        self.timeouts = self.timeouts.append((self.now, t.turn_id))
+        self.timeouts = self.timeouts.add((self.now, t.turn_id))
         self.actions.append(
             Admit(
                 turn_id=t.turn_id,
@@ -1111,6 +1120,7 @@ class _Tx:
         if run is None:
             if old is not None:
                 self._unbind(old)
+                self._retime(old, None)
                 del self.runs[old.run_id]
             return
         phase = run.phase
@@ -1153,12 +1163,24 @@ class _Tx:
                     interactive=_lane(run),
                     batch_ws=_batch_claim(run),
                 )
-        was = old.phase if old is not None and old.last_active == run.last_active else None
-        if phase is not _GENERATING and was in (None, _GENERATING):
-            self.expiry = self.expiry.append((run.last_active, run.run_id))
-        if phase is _PAUSED and claim and was is not _PAUSED:
-            self.retention = self.retention.append((run.last_active, run.run_id))
+        self._retime(old, run)
         self.runs[run.run_id] = run
+
+    def _retime(self, old: RunState | None, run: RunState | None) -> None:
+        """Keep a run's timers in step with its record: an expiry entry while it is not
+        generating, a retention entry while it is paused with a claim on the pool."""
+        before, after = _expiry_key(old), _expiry_key(run)
+        if before != after:
+            if before is not None:
+                self.expiry = self.expiry.remove(before)
+            if after is not None:
+                self.expiry = self.expiry.add(after)
+        before, after = _retention_key(old), _retention_key(run)
+        if before != after:
+            if before is not None:
+                self.retention = self.retention.remove(before)
+            if after is not None:
+                self.retention = self.retention.add(after)
 
     def _unbind(self, run: RunState) -> None:
         if run.bound and run.replica is not None:

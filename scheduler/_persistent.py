@@ -1,6 +1,6 @@
 """Persistent (immutable) containers the core needs beyond `immutables.Map`.
 
-`PSortedSet` holds the held-turn order; `PQueue` is a FIFO for the timers.
+`PSortedSet` holds the held-turn order and the timers.
 """
 
 from __future__ import annotations
@@ -9,10 +9,7 @@ from bisect import bisect_left
 from collections.abc import Iterator
 from typing import Any, Generic, TypeVar
 
-from immutables import Map
-
 K = TypeVar("K", bound=tuple[Any, ...])
-T = TypeVar("T")
 
 _CHUNK = 32  # keys per chunk; a chunk splits at twice this
 
@@ -107,41 +104,3 @@ _EMPTY: PSortedSet[Any] = PSortedSet()
 def empty() -> PSortedSet[Any]:
     """The empty set (shared)."""
     return _EMPTY
-
-
-class PQueue(Generic[T]):
-    """An immutable FIFO queue over a HAMT: append and popleft are O(log32 n) in C.
-
-    The core's timers are queues, not sorted sets, because `now` never goes back: a
-    timer set later never expires earlier.  Entries made stale by a later change are
-    skipped when they reach the front (lazy deletion)."""
-
-    __slots__ = ("_head", "_items", "_tail")
-
-    def __init__(self, items: Map[int, T] | None = None, head: int = 0, tail: int = 0) -> None:
-        self._items: Map[int, T] = items if items is not None else Map()
-        self._head = head
-        self._tail = tail
-
-    def __len__(self) -> int:
-        return self._tail - self._head
-
-    def __bool__(self) -> bool:
-        return self._tail > self._head
-
-    def __iter__(self) -> Iterator[T]:
-        return (self._items[i] for i in range(self._head, self._tail))
-
-    def first(self) -> T:
-        """The oldest item.  Raises ValueError when empty."""
-        if self._tail == self._head:
-            raise ValueError("first() of an empty PQueue")
-        return self._items[self._head]
-
-    def append(self, item: T) -> PQueue[T]:
-        return PQueue(self._items.set(self._tail, item), self._head, self._tail + 1)
-
-    def popleft(self) -> PQueue[T]:
-        if self._tail == self._head:
-            raise ValueError("popleft() of an empty PQueue")
-        return PQueue(self._items.delete(self._head), self._head + 1, self._tail)

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from scheduler._persistent import PQueue, PSortedSet, empty
+from scheduler._persistent import PSortedSet, empty
 
 keys = st.tuples(st.integers(0, 30), st.integers(0, 500), st.text("abc", max_size=2))
 
@@ -57,26 +57,3 @@ def test_sorted_set_splits_and_stays_ordered_at_scale() -> None:
         s = s.remove((i,))
     assert list(s) == [(i,) for i in range(5000) if i % 3]
     assert s.min() == (1,)
-
-
-@given(st.lists(st.one_of(st.integers(), st.none()), max_size=200))
-def test_queue_is_fifo_and_persistent(ops: list[int | None]) -> None:
-    q: PQueue[int] = PQueue()
-    model: list[int] = []
-    history = []
-    for op in ops:
-        if op is None:
-            if model:
-                assert q.first() == model[0]
-                q = q.popleft()
-                model.pop(0)
-            else:
-                with pytest.raises(ValueError):
-                    q.popleft()
-        else:
-            q = q.append(op)
-            model.append(op)
-        history.append((q, list(model)))
-        assert len(q) == len(model) and list(q) == model
-    for version, expected in history:
-        assert list(version) == expected

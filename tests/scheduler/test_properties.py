@@ -317,6 +317,20 @@ def check_bookkeeping(s: State) -> None:
         n = sum(1 for t in s.admitted() if t.run_id == run.run_id)
         assert run.in_flight == n
         assert (run.phase is RunPhase.GENERATING) == (n > 0)
+    # Each timer holds exactly the entries of what waits for it, in order: none left
+    # behind by a turn that finished or a run that went on, so they stay the size of
+    # the state however long the gateway runs.
+    assert list(s._timeouts) == sorted((t.alive_at, t.turn_id) for t in s.admitted())
+    assert list(s._expiry) == sorted(
+        (run.last_active, run.run_id)
+        for run in s.runs.values()
+        if run.phase is not RunPhase.GENERATING
+    )
+    assert list(s._retention) == sorted(
+        (run.last_active, run.run_id)
+        for run in s.runs.values()
+        if run.phase is RunPhase.PAUSED and run.ws_claim
+    )
 
 
 def could_use(s: State, x: Any, name: str) -> bool:
