@@ -11,8 +11,10 @@ and `Reject` and every terminal event it is given.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import gc
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -26,7 +28,8 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 
 from gateway.prober import ProbeResult
 from scheduler import (
@@ -125,17 +128,13 @@ class _GcPauses:
     A collection stops the event loop, so every turn the gateway is streaming waits it
     out; a full one walks every object the process holds.  Timed with `gc.callbacks`,
     which is process-wide: one instance, installed once, is exposed in every app's
-    registry (its histogram belongs to none)."""
+    registry.  The callback only counts into plain lists: it runs inside whatever
+    allocation set the collector off, which may be prometheus_client's own code holding
+    a metric's (non-reentrant) lock, so it must not take one."""
 
     def __init__(self) -> None:
-        self.pauses = Histogram(
-            "luftpause_gc_pause_seconds",
-            "Time the process stood still for the cyclic garbage collector, by generation "
-            "(2: a full collection)",
-            ["generation"],
-            buckets=_GC_BUCKETS,
-            registry=None,
-        )
+        # Per generation: observations per bucket (the last one +Inf), then the sum.
+        self._stats = [[0.0] * (len(_GC_BUCKETS) + 2) for _ in range(3)]
         self._started = 0.0
         self._installed = False
 
@@ -147,12 +146,27 @@ class _GcPauses:
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
             self._started = time.perf_counter()
-        else:
-            seconds = time.perf_counter() - self._started
-            self.pauses.labels(str(info["generation"])).observe(seconds)
+            return
+        seconds = time.perf_counter() - self._started
+        stats = self._stats[info["generation"]]
+        stats[bisect.bisect_left(_GC_BUCKETS, seconds)] += 1
+        stats[-1] += seconds
 
     def collect(self) -> Iterable[Metric]:
-        yield from self.pauses.collect()
+        pauses = HistogramMetricFamily(
+            "luftpause_gc_pause_seconds",
+            "Time the process stood still for the cyclic garbage collector, by generation "
+            "(2: a full collection)",
+            labels=["generation"],
+        )
+        for generation, stats in enumerate(self._stats):
+            snapshot = list(stats)  # one copy: the callback may run between reads
+            buckets, seen = [], 0.0
+            for bound, n in zip((*_GC_BUCKETS, math.inf), snapshot[:-1], strict=True):
+                seen += n
+                buckets.append((floatToGoString(bound), seen))
+            pauses.add_metric([str(generation)], buckets, sum_value=snapshot[-1])
+        yield pauses
         yield GaugeMetricFamily(
             "luftpause_gc_frozen_objects",
             "Objects moved out of the collector's reach once the gateway had started "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -14,6 +15,7 @@ from typing import Any
 
 import pytest
 from harness import chat, closed_port_url, endpoint, engine, gateway, until
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import gateway.app as app_module
@@ -438,6 +440,37 @@ async def test_metrics_show_the_process_and_its_gc_pauses() -> None:
         assert any(name == "python_info" for name, _ in after)
         # Tests build gateways in one process and do not freeze its heap.
         assert value(after, "luftpause_gc_frozen_objects") == gc.get_freeze_count()
+
+
+def test_the_gc_pause_timer_takes_no_lock() -> None:
+    # A collection starts inside whatever allocation set it off, which may be
+    # prometheus_client's own code holding a metric's lock (a scrape copying a metric's
+    # children); a timer that took such a lock would hang the gateway's event loop.
+    pauses = metrics_module._GcPauses()
+    calls: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            calls.append(frame.f_code.co_qualname)
+        elif event == "c_call":
+            calls.append(arg.__qualname__)
+
+    info = {"generation": 2, "collected": 0, "uncollectable": 0}
+    sys.setprofile(profile)
+    try:
+        for _ in range(2):  # the first time, and once anything it made exists
+            pauses._on_gc("start", info)
+            pauses._on_gc("stop", info)
+    finally:
+        sys.setprofile(None)
+    # Nothing but itself, the clock and a bisection: no metric object, so no lock.
+    assert set(calls) <= {"_GcPauses._on_gc", "perf_counter", "bisect_left", "setprofile"}, calls
+    registry = CollectorRegistry()
+    registry.register(pauses)
+    parsed = parse_metrics(generate_latest(registry).decode())
+    assert value(parsed, "luftpause_gc_pause_seconds_count", generation="2") == 2
+    assert value(parsed, "luftpause_gc_pause_seconds_bucket", generation="2", le="+Inf") == 2
+    assert value(parsed, "luftpause_gc_pause_seconds_count", generation="0") == 0
 
 
 async def test_status_needs_the_token_and_the_page_takes_it_as_a_query() -> None:
