@@ -29,7 +29,6 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.utils import floatToGoString
 
 from gateway.prober import ProbeResult
 from scheduler import (
@@ -164,7 +163,7 @@ class _GcPauses:
             buckets, seen = [], 0.0
             for bound, n in zip((*_GC_BUCKETS, math.inf), snapshot[:-1], strict=True):
                 seen += n
-                buckets.append((floatToGoString(bound), seen))
+                buckets.append(("+Inf" if bound == math.inf else repr(float(bound)), seen))
             pauses.add_metric([str(generation)], buckets, sum_value=snapshot[-1])
         yield pauses
         yield GaugeMetricFamily(
