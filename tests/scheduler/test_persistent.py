@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from math import isqrt
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -57,3 +59,20 @@ def test_sorted_set_splits_and_stays_ordered_at_scale() -> None:
         s = s.remove((i,))
     assert list(s) == [(i,) for i in range(5000) if i % 3]
     assert s.min() == (1,)
+
+
+def test_chunks_grow_with_the_set_so_an_update_copies_about_sqrt_n() -> None:
+    # A timer takes its entries at the end and loses them anywhere: with chunks of a
+    # fixed 32 keys, each update copied a tuple of n/32 chunk references.
+    s: PSortedSet[tuple[float, str]] = empty()
+    n = 40_000
+    for i in range(n):
+        s = s.add((float(i), f"run{i}"))
+    chunks = s._chunks
+    assert sum(len(c) for c in chunks) == n
+    assert len(chunks) < 4 * isqrt(n), len(chunks)  # n / 32 would be 1,250
+    assert max(len(c) for c in chunks) <= 2 * isqrt(n)
+    for i in range(0, n, 2):
+        s = s.remove((float(i), f"run{i}"))
+    assert list(s) == [(float(i), f"run{i}") for i in range(1, n, 2)]
+    assert s.min() == (1.0, "run1")
