@@ -16,7 +16,9 @@ Rules (DESIGN.md "The scheduler"), stated once, enforced here and nowhere else:
    prefers its last replica but may move; a new run goes to the least loaded healthy
    replica.  A run's replica is that of its last admitted turn, except that a run
    generating on a healthy replica stays there when another of its turns goes elsewhere
-   (a model that replica does not serve): its prefix and KV claim are where that turn runs.
+   (a model that replica does not serve, or affinity off): its prefix and KV claim stay
+   where that turn runs, and the turn away claims its own KV where it runs, until it
+   ends; its usage is not the run's context.
 4. Batch turns leave one slot for every interactive run paused on a tool there, and
    stop at `Policy.batch_kv_fill` of a replica's KV pool (interactive runs may fill
    `Policy.kv_fill`).
@@ -200,6 +202,9 @@ class TurnState(NamedTuple):
     admitted_at: float
     started: bool
     alive_at: float = 0.0  # admission, or the last TurnAlive: the turn timeout counts from it
+    # KV this turn claims on its replica by itself: a turn admitted away from its run's
+    # replica (rule 3), whose run's claim stays there.  0: none (its run's claim counts).
+    claim: int = 0
 
 
 class _Bucket(NamedTuple):
@@ -614,7 +619,8 @@ class _Tx:
         del self.turns[turn_id]
         self.timeouts = self.timeouts.remove((t.alive_at, turn_id))
         name = t.replica
-        self._adjust(name, in_flight=-1)
+        batch = t.claim if t.service_class is _BATCH else 0
+        self._adjust(name, in_flight=-1, ws=-t.claim, batch_ws=-batch)
         self._count_failure(name, engine_fault, finish_reason is not None)
         self._caller_in_flight(t.caller, -1)
         self._drop_caller_if_unused(t.caller)
@@ -622,6 +628,8 @@ class _Tx:
         shrank = False  # the context its other (held) turns are sized by got smaller
         if run is not None:
             context = prompt + completion if prompt else run.context_tokens
+            if run.replica != name:
+                context = run.context_tokens  # a turn away from the run's prefix (rule 3)
             shrank = context < run.context_tokens or (run.ended and run.in_flight == 1)
             if run.in_flight > 1:
                 self._set_run(run._replace(in_flight=run.in_flight - 1, context_tokens=context))
@@ -800,6 +808,13 @@ class _Tx:
                 r = self.replicas[name]
                 if r.cap is not None or r.queued_probes:
                     self.replicas[name] = r._replace(cap=None, queued_probes=0)
+        if old.kv_admission and not policy.kv_admission:
+            for t in self.state._turns.values():
+                if t.claim:  # a turn away from its run's replica (rule 3)
+                    assert t.replica is not None
+                    batch = t.claim if t.service_class is _BATCH else 0
+                    self._adjust(t.replica, ws=-t.claim, batch_ws=-batch)
+                    self.turns[t.turn_id] = t._replace(claim=0)
         if (old.kv_admission and not policy.kv_admission) or (
             old.strict_affinity and not policy.strict_affinity
         ):
@@ -1025,7 +1040,17 @@ class _Tx:
             if other != key:
                 self._rekey(other, caller, c.in_flight, n)
         self.callers[caller] = _Caller(n, buckets)
-        self._adjust(name, in_flight=1)
+        old = self.runs.get(t.run_id)
+        away = False  # the run stays on its replica (rule 3): this turn claims for itself
+        if old is not None and old.phase is _GENERATING and old.replica not in (None, name):
+            home = self.replicas.get(old.replica)
+            away = home is not None and home.healthy
+        claim = 0
+        if away and self.policy.kv_admission and self.replicas[name].spec.kv_tokens is not None:
+            assert old is not None  # as _kv_fits sized it
+            claim = max(t.prompt_tokens, old.context_tokens) + t.reply_tokens
+        batch = claim if t.service_class is _BATCH else 0
+        self._adjust(name, in_flight=1, ws=claim, batch_ws=batch)
         if key[0] == _MODEL and self.policy.kv_admission:
             # It may have been the better turn that kept the others of its bucket from
             # another replica's KV (see _pick): that replica may go on now.
@@ -1036,7 +1061,7 @@ class _Tx:
                         self.refill.append(peer)
         self.turns[t.turn_id] = TurnState(
             t.turn_id, t.run_id, t.service_class, caller, t.model, t.arrived, t.seq,
-            t.prompt_tokens, t.reply_tokens, None, name, self.now, False, self.now,
+            t.prompt_tokens, t.reply_tokens, None, name, self.now, False, self.now, claim,
         )  # fmt: skip
         self.timeouts = self.timeouts.add((self.now, t.turn_id))
         self.actions.append(
@@ -1048,24 +1073,26 @@ class _Tx:
                 held_s=self.now - t.arrived,
             )
         )
-        old = self.runs.get(t.run_id)
-        if old is not None and old.phase is _GENERATING and old.replica not in (None, name):
-            home = self.replicas.get(old.replica)
-            if home is not None and home.healthy:
-                # Another of its turns is generating there (this one is for a model that
-                # replica does not serve, or affinity is off): the run, its prefix and
-                # its KV claim stay where that turn runs.
-                self._replace_run(
-                    old,
-                    old._replace(in_flight=old.in_flight + 1, caller=caller, last_active=self.now),
-                )
-                return
+        if away:
+            # Another of its turns is generating on its replica (this one is for a model
+            # that replica does not serve, or affinity is off): the run, its prefix and
+            # its KV claim stay where that turn runs; this turn's claim is its own.
+            assert old is not None
+            self._replace_run(
+                old, old._replace(in_flight=old.in_flight + 1, caller=caller, last_active=self.now)
+            )
+            return
         context = t.prompt_tokens
         in_flight = 1
         if old is not None:
             in_flight += old.in_flight
             if old.context_tokens > context:
                 context = old.context_tokens
+            elif context > old.context_tokens and buckets:
+                # Its other held turns are sized by this context now: one larger than
+                # its class's limit on its own may go in where it waited (rule 6).
+                for kind, target, _ in buckets:
+                    self.refill.extend((target,) if kind == _PIN else self.models.get(target, ()))
             if old.bound and old.replica is not None and old.replica != name:
                 self.refill.append(old.replica)
         self._replace_run(

@@ -368,6 +368,28 @@ def test_a_turn_for_another_model_leaves_a_generating_run_where_it_is() -> None:
     assert d.state.turns[t3].bucket == ("pin", "a", I)
 
 
+def test_a_turn_away_from_its_runs_replica_claims_kv_where_it_runs() -> None:
+    # The run's claim stays with its replica; the turn on the other one counts there
+    # until it ends, and its usage is not the run's context (helper-55's two cases).
+    policy = Policy(kv_fill=0.8)
+    d = Driver(("a", "b"), kv_tokens=10_000, policy=policy, serves={"a": ["big"], "b": ["small"]})
+    t1 = d.arrive("r1", model="big", prompt=6000)
+    claim_a = d.state.replicas["a"].ws_tokens
+    t2 = d.arrive("r1", model="small", prompt=500)
+    assert d.admitted() == {t2: "b"}
+    assert d.state.turns[t2].claim == 6256  # sized as admission sized it: the run's context
+    assert d.state.replicas["b"].ws_tokens == 6256
+    t3 = d.arrive("r3", model="small", prompt=2000)
+    assert t3 in d.held_ids(), "b's pool (8,000) holds the turn away; r3 waits"
+    d.finish(t2, prompt=500, out=50)
+    assert d.state.runs["r1"].context_tokens == 6000, "the small model's usage is not r1's"
+    assert d.state.replicas["a"].ws_tokens == claim_a, "a's generating turn keeps its claim"
+    assert d.admitted() == {t3: "b"}, "b's KV is free again"
+    assert d.state.replicas["b"].ws_tokens == d.state.runs["r3"].ws_claim
+    d.finish(t1, "tool_calls", prompt=6000, out=100)
+    assert d.state.runs["r1"].context_tokens == 6100
+
+
 def test_idle_run_prefers_its_replica_but_may_move() -> None:
     d = Driver()
     d.cap("a", 1)

@@ -272,14 +272,16 @@ def check_bookkeeping(s: State) -> None:
         assert r.in_flight == in_flight[name], name
         bound = [run for run in s.runs.values() if run.bound and run.replica == name]
         assert r.bound_runs == len(bound)
-        assert r.ws_tokens == sum(run.ws_claim for run in bound)
+        # A turn away from its run's replica claims its own KV where it runs (rule 3).
+        away = [t for t in s.admitted() if t.replica == name and t.claim]
+        assert r.ws_tokens == sum(run.ws_claim for run in bound) + sum(t.claim for t in away)
         assert r.paused_interactive == sum(run.counted_paused for run in bound)
         assert r.interactive_runs == sum(
             run.service_class is ServiceClass.INTERACTIVE and run.ws_claim > 0 for run in bound
         )
         assert r.batch_ws == sum(
             run.ws_claim for run in bound if run.service_class is ServiceClass.BATCH
-        )
+        ) + sum(t.claim for t in away if t.service_class is ServiceClass.BATCH)
         for run in bound:
             assert run.phase is not RunPhase.IDLE
             assert run.counted_paused == (
@@ -301,6 +303,8 @@ def check_bookkeeping(s: State) -> None:
             assert run.phase is RunPhase.GENERATING or p.strict_affinity, (
                 f"{run.run_id} claims KV while {run.phase} without strict affinity"
             )
+    for t in s.admitted():
+        assert not t.claim or p.kv_admission, f"{t.turn_id} claims KV without the rule"
     if not p.cap_from_engine_queue:
         assert all(r.cap is None for r in s.replicas.values()), "capped without the rule"
     for t in held:
@@ -357,6 +361,8 @@ def could_use(s: State, x: Any, name: str) -> bool:
         run.ws_claim
         for run in s.runs.values()
         if run.bound and run.replica == name and run.service_class is x.service_class
+    ) + sum(
+        t.claim for t in s.admitted() if t.replica == name and t.service_class is x.service_class
     )
     return need > limit and own == 0
 
