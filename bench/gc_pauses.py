@@ -25,7 +25,16 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from testkit.overhead import MODEL, Arm, _Children, _free_port, _hey, _machine, _wait_healthy
+from testkit.overhead import (
+    MODEL,
+    Arm,
+    _Children,
+    _free_port,
+    _hey,
+    _machine,
+    _per_round,
+    _wait_healthy,
+)
 
 ARMS = ("frozen", "unfrozen")
 _BUCKETS = ("0.01", "0.05", "0.1")  # pauses longer than these are counted
@@ -97,17 +106,16 @@ def _measure(args: argparse.Namespace, hey: str, workdir: Path, children: _Child
     url = {arm: f"http://127.0.0.1:{port}" for arm, port in ports.items()}
     for arm in ARMS:
         _hey(hey, url[arm], body, requests=500, concurrency=args.concurrency)
+    requests = _per_round(args.requests, 1, args.concurrency)  # hey drops a remainder
     lat = {arm: Arm(arm, False, args.concurrency) for arm in ARMS}
     gc_total: dict[str, dict[str, float]] = {arm: {} for arm in ARMS}
     frozen: dict[str, float] = {}
     for i in range(args.rounds):
         for arm in ARMS[i % 2 :] + ARMS[: i % 2]:
             before = _gc(ports[arm])
-            csv_text = _hey(
-                hey, url[arm], body, requests=args.requests, concurrency=args.concurrency
-            )
+            csv_text = _hey(hey, url[arm], body, requests=requests, concurrency=args.concurrency)
             after = _gc(ports[arm])
-            lat[arm].add(args.requests, csv_text, 0.0)
+            lat[arm].add(requests, csv_text, 0.0)
             for k, v in after.items():
                 if k == "frozen_objects":
                     frozen[arm] = v
@@ -138,7 +146,7 @@ def _measure(args: argparse.Namespace, hey: str, workdir: Path, children: _Child
         )
     return {
         "machine": _machine(),
-        "requests_per_round": args.requests,
+        "requests_per_round": requests,
         "concurrency": args.concurrency,
         "rounds": args.rounds,
         "arms": arms,
