@@ -18,7 +18,9 @@ Rules (DESIGN.md "The scheduler"), stated once, enforced here and nowhere else:
    generating on a healthy replica stays there when another of its turns goes elsewhere
    (a model that replica does not serve, or affinity off): its prefix and KV claim stay
    where that turn runs, and the turn away claims its own KV where it runs, until it
-   ends; its usage is not the run's context.
+   ends; its usage is not the run's context.  (A turn's usage sets its run's context,
+   which sizes the run's claim and its held turns, but does not shrink it while
+   another turn of the run still runs there.)
 4. Batch turns leave one slot for every interactive run paused on a tool there, and
    stop at `Policy.batch_kv_fill` of a replica's KV pool (interactive runs may fill
    `Policy.kv_fill`).
@@ -626,11 +628,15 @@ class _Tx:
         self._drop_caller_if_unused(t.caller)
         run = self.runs.get(t.run_id)
         shrank = False  # the context its other (held) turns are sized by got smaller
+        grown = False  # ... or larger
         if run is not None:
             context = prompt + completion if prompt else run.context_tokens
             if run.replica != name:
                 context = run.context_tokens  # a turn away from the run's prefix (rule 3)
+            elif run.in_flight > 1 and context < run.context_tokens:
+                context = run.context_tokens  # another of its turns still holds more there
             shrank = context < run.context_tokens or (run.ended and run.in_flight == 1)
+            grown = context > run.context_tokens
             if run.in_flight > 1:
                 self._set_run(run._replace(in_flight=run.in_flight - 1, context_tokens=context))
             elif run.ended:
@@ -649,6 +655,8 @@ class _Tx:
         names = [name]
         if run is not None and run.replica not in (None, name) and run.replica in self.replicas:
             names.append(run.replica)  # the run moved; its claim there may be gone too
+        if run is not None and grown:
+            names += [n for n in self._grown() if n not in names]
         if shrank and self.buckets:
             # A held turn of this run may fit a replica's KV now, wherever it may go: a
             # report shorter than the gateway's estimate, or the run's end.  (Only when
@@ -658,6 +666,19 @@ class _Tx:
                 key=lambda n: (self.replicas[n].load, n),
             )
         self._fill(names)
+
+    def _grown(self) -> list[str]:
+        """A run's context grew: its held turns are larger now, and one larger than its
+        class's limit on its own may go in (rule 6) where it waited.  The replicas
+        where that can happen: KV known, a slot free (in the pool's order)."""
+        if not self.buckets or not self.policy.kv_admission:
+            return []
+        replicas = self.replicas
+        return [
+            n
+            for n in sorted(self.state._replicas.keys())
+            if replicas[n].spec.kv_tokens is not None and replicas[n].has_slot()
+        ]
 
     def run_ended(self, run_id: str) -> None:
         run = self.runs.get(run_id)
@@ -1088,11 +1109,8 @@ class _Tx:
             in_flight += old.in_flight
             if old.context_tokens > context:
                 context = old.context_tokens
-            elif context > old.context_tokens and buckets:
-                # Its other held turns are sized by this context now: one larger than
-                # its class's limit on its own may go in where it waited (rule 6).
-                for kind, target, _ in buckets:
-                    self.refill.extend((target,) if kind == _PIN else self.models.get(target, ()))
+            elif context > old.context_tokens:
+                self.refill += self._grown()
             if old.bound and old.replica is not None and old.replica != name:
                 self.refill.append(old.replica)
         self._replace_run(

@@ -390,6 +390,39 @@ def test_a_turn_away_from_its_runs_replica_claims_kv_where_it_runs() -> None:
     assert d.state.runs["r1"].context_tokens == 6100
 
 
+def test_a_short_turn_of_a_run_does_not_shrink_it_while_a_longer_one_runs() -> None:
+    # One replica serves both models (a session's main and small ones): the small
+    # turn's usage would have sized the run's claim while its 6,000-token turn ran.
+    d = Driver(("a",), kv_tokens=10_000, policy=Policy(kv_fill=0.8), models=("big", "small"))
+    t1 = d.arrive("r1", model="big", prompt=6000)
+    t2 = d.arrive("r1", model="small", prompt=500)
+    assert d.admitted() == {t2: "a"}
+    d.finish(t2, prompt=500, out=50)
+    assert d.state.runs["r1"].context_tokens == 6000 and t1 in d.state.turns
+    t3 = d.arrive("r2", model="big", prompt=6000)
+    assert t3 in d.held_ids()
+    d.finish(t1, prompt=6000, out=100)
+    assert d.admitted() == {t3: "a"}
+
+
+@pytest.mark.parametrize("grows_at", ["admission", "finish"])
+def test_a_held_turn_its_run_made_too_large_to_wait_goes_in_alone(grows_at: str) -> None:
+    # Rule 6: a turn larger than its class's limit on its own goes in once no other run
+    # of its class holds KV there.  Its run's context growing elsewhere can make it so.
+    policy = Policy(kv_fill=1.0, batch_kv_fill=0.7)
+    d = Driver(("a", "b"), kv_tokens=10_000, policy=policy, serves={"a": ["m1"], "b": ["m0"]})
+    d.arrive("q", cls=B, caller="cq", model="m0", prompt=6700)
+    t1 = d.arrive("R", caller="c1", model="m1", prompt=1000)
+    x = d.arrive("R", caller="c2", model="m0", prompt=3000)
+    assert x in d.held_ids(), "3,256 beside q's 6,956 is past b's 10,000"
+    if grows_at == "admission":
+        d.arrive("R", caller="c1", model="m1", prompt=9800)
+    else:
+        d.finish(t1, "tool_calls", prompt=9000, out=800)
+    assert d.state.runs["R"].context_tokens == 9800
+    assert d.admitted()[x] == "b", "10,056 on its own: it no longer waits beside q"
+
+
 def test_idle_run_prefers_its_replica_but_may_move() -> None:
     d = Driver()
     d.cap("a", 1)
