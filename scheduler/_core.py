@@ -378,6 +378,20 @@ def _expiry_key(run: RunState | None) -> tuple[float, str] | None:
     return run.last_active, run.run_id
 
 
+def _rekeyed(
+    timer: PSortedSet[tuple[float, str]],
+    before: tuple[float, str] | None,
+    after: tuple[float, str] | None,
+) -> PSortedSet[tuple[float, str]]:
+    """The timer with its entry `before` replaced by `after` (None: no entry)."""
+    if before != after:
+        if before is not None:
+            timer = timer.remove(before)
+        if after is not None:
+            timer = timer.add(after)
+    return timer
+
+
 def _retention_key(run: RunState | None) -> tuple[float, str] | None:
     """The run's entry in the KV-retention timer (rule 6): while paused with a claim."""
     if run is None or run.phase is not _PAUSED or not run.ws_claim:
@@ -588,7 +602,7 @@ class _Tx:
         t = self.turns.get(turn_id)
         if t is not None and t.replica is not None and self.now > t.alive_at:
             self.turns[turn_id] = t._replace(alive_at=self.now)
-            self.timeouts = self.timeouts.remove((t.alive_at, turn_id)).add((self.now, turn_id))
+            self.timeouts = _rekeyed(self.timeouts, (t.alive_at, turn_id), (self.now, turn_id))
 
     def abandon(self, turn_id: str) -> None:
         t = self.turns.get(turn_id)
@@ -1214,18 +1228,8 @@ class _Tx:
     def _retime(self, old: RunState | None, run: RunState | None) -> None:
         """Keep a run's timers in step with its record: an expiry entry while it is not
         generating, a retention entry while it is paused with a claim on the pool."""
-        before, after = _expiry_key(old), _expiry_key(run)
-        if before != after:
-            if before is not None:
-                self.expiry = self.expiry.remove(before)
-            if after is not None:
-                self.expiry = self.expiry.add(after)
-        before, after = _retention_key(old), _retention_key(run)
-        if before != after:
-            if before is not None:
-                self.retention = self.retention.remove(before)
-            if after is not None:
-                self.retention = self.retention.add(after)
+        self.expiry = _rekeyed(self.expiry, _expiry_key(old), _expiry_key(run))
+        self.retention = _rekeyed(self.retention, _retention_key(old), _retention_key(run))
 
     def _unbind(self, run: RunState) -> None:
         if run.bound and run.replica is not None:
