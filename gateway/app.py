@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import hmac
 import json
 import logging
@@ -69,6 +68,7 @@ from gateway.status import (
     waiting_view,
 )
 from luftpause import telemetry
+from luftpause._process import freeze_heap
 from luftpause.config import Api, Config, ConfigError, Endpoint, load_config
 from luftpause.headers import (
     CALLER_HEADER,
@@ -361,8 +361,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             app.state.shell = shell  # read-only view for tests
             hangup = _on_hangup(loop, reload_on_signal)
             if settings.freeze_heap:
-                gc.collect()
-                gc.freeze()
+                log.info("%s", freeze_heap())
             try:
                 async with door_server.session_manager.run():
                     yield

@@ -1,6 +1,6 @@
 """Child processes by their PID: starting one that does not outlive its parent,
 stopping one (SIGTERM, then SIGKILL if it does not exit in time) and reading the CPU
-time it used.
+time it used; and, for a server process once it has started, freezing its heap.
 
 Every process luftpause (or a test) starts is stopped through here, never by name.
 """
@@ -8,16 +8,18 @@ Every process luftpause (or a test) starts is stopped through here, never by nam
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cpu_seconds", "kill", "spawn", "terminate"]
+__all__ = ["cpu_seconds", "freeze_heap", "kill", "spawn", "terminate"]
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -92,3 +94,24 @@ def cpu_seconds(pid: int) -> float | None:
         return None
     fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def freeze_heap() -> str:
+    """Collect, then move every object the process holds out of the cyclic garbage
+    collector's reach (`gc.freeze`); for a server once it has started.  A full
+    collection stops the event loop while it walks every object it can reach: ~130k
+    to ~150k of them are the imports, which live as long as the process.  Afterwards
+    it walks only what came since.  Returns a line for the log that says what it did.
+    Not for a process that builds servers again and again, as tests do: the garbage
+    of each would stay."""
+    started = time.perf_counter()
+    gc.collect()
+    before = time.perf_counter() - started
+    gc.freeze()
+    started = time.perf_counter()
+    gc.collect()
+    after = time.perf_counter() - started
+    return (
+        f"froze {gc.get_freeze_count():,} objects of the startup heap: a full garbage "
+        f"collection took {before * 1000:.0f} ms before, {after * 1000:.1f} ms after"
+    )

@@ -25,6 +25,7 @@ from temporalio.worker import Worker
 from activities import LlmActivities, ToolActivities
 from activities.mcp_pool import McpPool
 from luftpause import telemetry
+from luftpause._process import freeze_heap
 from luftpause.config import Config, ConfigError, load_config
 from workflows import AgentRun
 
@@ -116,6 +117,9 @@ async def serve(config: Config, token: str | None, stop: asyncio.Event) -> None:
     async with gateway_client() as http:
         llm = LlmActivities(http, base_url=config.gateway_url, token=token)
         worker = build_worker(client, task_queue=t.task_queue, llm=llm, tools=ToolActivities(pool))
+        # A full collection stops the loop, and with it the workflow tasks and the
+        # activities of every run this worker carries (luftpause._process.freeze_heap).
+        log.info("%s", freeze_heap())
         running = asyncio.create_task(worker.run())
         log.info(
             "worker on task queue %r (temporal %s, gateway %s, mcp servers: %s)",

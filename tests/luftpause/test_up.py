@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -165,6 +166,11 @@ async def test_up_runs_sub_agents_and_stops_everything(state: Path) -> None:
             runs = r.structured_content["runs"]
         assert [x["state"] for x in runs] == ["Completed"] * 4
         assert all(x["toolCalls"] == 2 for x in runs)
+        # The gateway and the worker froze their startup heaps once started.
+        for name in ("gateway", "worker"):
+            log = (state / "logs" / f"{name}.log").read_text()
+            logged = re.search(r"froze ([\d,]+) objects", log)
+            assert logged and int(logged[1].replace(",", "")) > 50_000, name
         # The fake pool's classifier has its classes named: decide's label is among them.
         body = json.dumps({"input": "hello"}).encode()
         ask = urllib.request.Request(
