@@ -151,12 +151,10 @@ class GatewaySettings:
     host: str = "127.0.0.1"
     # The file `config` came from: SIGHUP and POST /reload read it again (gateway/pool.py).
     config_path: str | None = None
-    # Once started, collect and then move every object made so far out of the cyclic
-    # collector's reach (`gc.freeze`): the ~150k objects of the imports, the app.  A
-    # full collection, which stops the event loop and every stream with it, then walks
-    # only what came since: a third of the time under load (`bench.gc_pauses`,
-    # bench/RESULTS.md).  For the process `luftpause gateway` runs; not for tests that
-    # build many apps in one process (the garbage of each would never be collected).
+    # Once started, `luftpause._process.freeze_heap()`: full collections, which stop
+    # every stream, then skip the startup heap (`bench.gc_pauses`: a third of the time
+    # under load).  For the process `luftpause gateway` runs, not for tests that build
+    # many apps in one process.
     freeze_heap: bool = False
 
 

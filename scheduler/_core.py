@@ -346,11 +346,7 @@ class State:
 
     def kv_need(self, turn: TurnState) -> int:
         """The KV working set the turn's run will claim if admitted as a new binding."""
-        run = self._runs.get(turn.run_id)
-        context = turn.prompt_tokens
-        if run is not None and run.context_tokens > context:
-            context = run.context_tokens
-        return context + turn.reply_tokens
+        return _kv_need(turn, self._runs.get(turn.run_id))
 
 
 def _models_of(specs: Sequence[ReplicaSpec]) -> Map[str, tuple[str, ...]]:
@@ -369,6 +365,20 @@ def _lane(run: RunState) -> int:
 
 def _batch_claim(run: RunState) -> int:
     return run.ws_claim if run.service_class is _BATCH else 0
+
+
+def _batch_part(turn: TurnState, claim: int) -> int:
+    """The part of a turn's own claim that counts in its replica's batch_ws."""
+    return claim if turn.service_class is _BATCH else 0
+
+
+def _kv_need(turn: TurnState, run: RunState | None) -> int:
+    """The KV the turn's run needs on a replica that takes it: its context (the turn's
+    prompt, or the run's context if larger) and the reply."""
+    context = turn.prompt_tokens
+    if run is not None and run.context_tokens > context:
+        context = run.context_tokens
+    return context + turn.reply_tokens
 
 
 def _expiry_key(run: RunState | None) -> tuple[float, str] | None:
@@ -635,8 +645,7 @@ class _Tx:
         del self.turns[turn_id]
         self.timeouts = self.timeouts.remove((t.alive_at, turn_id))
         name = t.replica
-        batch = t.claim if t.service_class is _BATCH else 0
-        self._adjust(name, in_flight=-1, ws=-t.claim, batch_ws=-batch)
+        self._adjust(name, in_flight=-1, ws=-t.claim, batch_ws=-_batch_part(t, t.claim))
         self._count_failure(name, engine_fault, finish_reason is not None)
         self._caller_in_flight(t.caller, -1)
         self._drop_caller_if_unused(t.caller)
@@ -847,8 +856,7 @@ class _Tx:
             for t in self.state._turns.values():
                 if t.claim:  # a turn away from its run's replica (rule 3)
                     assert t.replica is not None
-                    batch = t.claim if t.service_class is _BATCH else 0
-                    self._adjust(t.replica, ws=-t.claim, batch_ws=-batch)
+                    self._adjust(t.replica, ws=-t.claim, batch_ws=-_batch_part(t, t.claim))
                     self.turns[t.turn_id] = t._replace(claim=0)
         if (old.kv_admission and not policy.kv_admission) or (
             old.strict_affinity and not policy.strict_affinity
@@ -940,10 +948,7 @@ class _Tx:
         run = self.runs.get(t.run_id)
         if run is not None and run.replica == name and run.ws_claim:
             return True  # already claimed here
-        context = t.prompt_tokens
-        if run is not None and run.context_tokens > context:
-            context = run.context_tokens
-        need = context + t.reply_tokens
+        need = _kv_need(t, run)
         limit = kv * _kv_share(self.policy, t.service_class, r.interactive_runs > 0)
         if r.ws_tokens + need <= limit:
             return True
@@ -1082,10 +1087,8 @@ class _Tx:
             away = home is not None and home.healthy
         claim = 0
         if away and self.policy.kv_admission and self.replicas[name].spec.kv_tokens is not None:
-            assert old is not None  # as _kv_fits sized it
-            claim = max(t.prompt_tokens, old.context_tokens) + t.reply_tokens
-        batch = claim if t.service_class is _BATCH else 0
-        self._adjust(name, in_flight=1, ws=claim, batch_ws=batch)
+            claim = _kv_need(t, old)  # as _kv_fits sized it
+        self._adjust(name, in_flight=1, ws=claim, batch_ws=_batch_part(t, claim))
         if key[0] == _MODEL and self.policy.kv_admission:
             # It may have been the better turn that kept the others of its bucket from
             # another replica's KV (see _pick): that replica may go on now.
