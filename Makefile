@@ -4,7 +4,12 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: up test lint typecheck unit clean
+# The scheduler's core compiled with mypyc (luftpause/native.py), rebuilt when its
+# sources change.  Without a C compiler it says so and the core runs interpreted.
+CORE   := $(VENV)/.core
+CORE_SOURCES := scheduler/_core.py scheduler/_persistent.py luftpause/native.py
+
+.PHONY: up test lint typecheck unit core clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -12,8 +17,16 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+$(CORE): $(STAMP) $(CORE_SOURCES)
+	-$(BIN)/python -m luftpause.native
+	touch $(CORE)
+
+core:
+	rm -f $(CORE)
+	$(MAKE) $(CORE)
+
 # `make up ARGS="--port 8090"`: any flag of `luftpause up --help`.
-up: $(STAMP)
+up: $(CORE)
 	$(BIN)/luftpause up $(ARGS)
 
 lint: $(STAMP)
@@ -21,12 +34,12 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 typecheck: $(STAMP)
-	$(BIN)/mypy scheduler testkit/engine.py testkit/fake_engine.py testkit/loopback.py testkit/overhead.py testkit/bench_temporal.py testkit/bench_mcp.py testkit/bench.py testkit/load.py testkit/load_cli.py testkit/fanout.py testkit/bench_agents.py testkit/fake_dns.py luftpause/config.py luftpause/up.py luftpause/telemetry.py luftpause/temporal_dev.py luftpause/headers.py gateway activities workflows worker
+	$(BIN)/mypy scheduler testkit/engine.py testkit/fake_engine.py testkit/loopback.py testkit/overhead.py testkit/bench_temporal.py testkit/bench_mcp.py testkit/bench.py testkit/load.py testkit/load_cli.py testkit/fanout.py testkit/bench_agents.py testkit/fake_dns.py testkit/trace.py luftpause/config.py luftpause/up.py luftpause/telemetry.py luftpause/temporal_dev.py luftpause/headers.py luftpause/native.py gateway activities workflows worker
 
-unit: $(STAMP)
+unit: $(CORE)
 	$(BIN)/python -m pytest
 
 test: lint typecheck unit
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) build scheduler/*.so

@@ -80,6 +80,7 @@ from luftpause.headers import (
     caller_name,
     session_run,
 )
+from luftpause.native import core_build
 from scheduler import (
     Action,
     Event,
@@ -358,6 +359,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             )
             app.state.shell = shell  # read-only view for tests
             hangup = _on_hangup(loop, reload_on_signal)
+            core = core_build()
+            # Stale: compiled before its source last changed (`make core` rebuilds it).
+            (log.warning if core.endswith("stale") else log.info)("scheduler core: %s", core)
             if settings.freeze_heap:
                 log.info("%s", freeze_heap())
             try:

@@ -108,7 +108,8 @@ def _sim(args: argparse.Namespace) -> int:
             print(
                 f"{result['decisions_per_s']:,} decisions/s with {result['held_turns']:,} "
                 f"held turns ({result['decisions']:,} decisions in {result['seconds']} s, "
-                f"{result['replicas']} replicas, {result['callers']:,} callers)"
+                f"{result['replicas']} replicas, {result['callers']:,} callers, "
+                f"{result['core']} core)"
             )
         return 0
     sc = SCENARIOS[args.scenario]

@@ -82,7 +82,7 @@ an unknown replica) raise `SchedulerError` and leave the state as it was.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -324,15 +324,15 @@ class State:
         c = self._callers.get(caller)
         return c.in_flight if c is not None else 0
 
-    def held(self) -> Iterator[TurnState]:
+    def held(self) -> list[TurnState]:
         """Held turns, in no particular order."""
-        return (t for t in self._turns.values() if t.replica is None)
+        return [t for t in self._turns.values() if t.replica is None]
 
     def held_count(self) -> int:
         return sum(len(q) for b in self._buckets.values() for q in b.queues.values())
 
-    def admitted(self) -> Iterator[TurnState]:
-        return (t for t in self._turns.values() if t.replica is not None)
+    def admitted(self) -> list[TurnState]:
+        return [t for t in self._turns.values() if t.replica is not None]
 
     def kv_limit(
         self, replica: str, service_class: ServiceClass = ServiceClass.INTERACTIVE

@@ -15,6 +15,7 @@ from types import FrameType
 import pytest
 from hypothesis import HealthCheck, settings
 
+from luftpause import native
 from luftpause.temporal_dev import DevServer
 
 settings.register_profile(
@@ -43,6 +44,13 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     signal.signal(signal.SIGTERM, _interrupt)
+    stale = native.stale()
+    if stale:  # the tests would run the core as it was compiled, not as it reads
+        pytest.exit(
+            f"{', '.join(stale)} changed after the core was compiled: `make core` "
+            "rebuilds it (`make test` does), or delete scheduler/*.so to run it interpreted",
+            returncode=4,
+        )
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, replace
 from typing import Any
 
+from luftpause.native import core_build
 from scheduler import (
     Admit,
     Policy,
@@ -226,6 +227,7 @@ def bench_core(held: int = 10_000, decisions: int = 50_000, replicas: int = 4) -
         "decisions_per_s": round(done / elapsed),
         "replicas": replicas,
         "callers": callers,
+        "core": core_build(),  # compiled (mypyc) or interpreted: luftpause/native.py
     }
 
 

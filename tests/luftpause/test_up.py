@@ -21,6 +21,7 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from temporalio.client import Client as TemporalClient
 
+from luftpause import native
 from luftpause.temporal_dev import free_port
 from tests.luftpause.test_process import wait_gone
 from tests.workflows.harness import task_with
@@ -171,6 +172,10 @@ async def test_up_runs_sub_agents_and_stops_everything(state: Path) -> None:
             log = (state / "logs" / f"{name}.log").read_text()
             logged = re.search(r"froze ([\d,]+) objects", log)
             assert logged and int(logged[1].replace(",", "")) > 50_000, name
+        # ... and the gateway said how its scheduler core runs: as this checkout built it.
+        gateway_log = (state / "logs" / "gateway.log").read_text()
+        build = re.escape(native.core_build())
+        assert re.search(rf"scheduler core: {build}$", gateway_log, re.MULTILINE), build
         # The fake pool's classifier has its classes named: decide's label is among them.
         body = json.dumps({"input": "hello"}).encode()
         ask = urllib.request.Request(

@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import pytest
 
+from luftpause import native
 from testkit.sim import SCENARIOS, simulate, simulate_fanout
 from testkit.sim._report import bench_core, compare
 
@@ -77,6 +78,7 @@ def test_bench_core_keeps_the_held_count() -> None:
     assert result["held_turns"] == 2000
     assert 2000 <= result["decisions"] <= 2002  # whole cycles of finish, start, arrival
     assert result["decisions_per_s"] > 0
+    assert result["core"] == native.core_build()  # which core the number is of
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
