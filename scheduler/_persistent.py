@@ -70,10 +70,15 @@ class PSortedSet(Generic[K]):
             return PSortedSet(((key,),), (key,), 1)
         i = bisect_left(maxes, key)
         if i == len(maxes):
-            i -= 1  # beyond every key: append to the last chunk
-        chunk = chunks[i]
-        j = bisect_left(chunk, key)
-        chunk = chunk[:j] + (key,) + chunk[j:]
+            # Beyond every key (a timer's new entry, nearly always): append to the last
+            # chunk, and it is the new maximum.
+            i -= 1
+            chunk = chunks[i] + (key,)
+            j = len(chunk) - 1
+        else:
+            chunk = chunks[i]
+            j = bisect_left(chunk, key)
+            chunk = chunk[:j] + (key,) + chunk[j:]
         half = max(_CHUNK, isqrt(self._len))
         if len(chunk) <= 2 * half:
             new_chunks = chunks[:i] + (chunk,) + chunks[i + 1 :]
