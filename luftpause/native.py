@@ -51,27 +51,28 @@ def core_build() -> str:
     "interpreted"."""
     import scheduler._core
 
-    if not (scheduler._core.__file__ or "").endswith(_SUFFIX):
+    where = scheduler._core.__file__ or ""
+    if not where.endswith(_SUFFIX):
         return "interpreted"
-    return "compiled, stale" if stale() else "compiled"
+    return "compiled, stale" if stale(Path(where).parent.parent) else "compiled"
 
 
-def remove() -> None:
-    for ext in extensions():
+def remove(root: Path = ROOT) -> None:
+    for ext in extensions(root):
         ext.unlink()
 
 
-def build() -> None:
-    """Compile the core in place; raises if mypyc or the C compiler fails (then no
-    extension is left)."""
+def build(root: Path = ROOT) -> None:
+    """Compile the core in place (in `root`, a checkout or a copy of its `scheduler/`);
+    raises if mypyc or the C compiler fails (then no extension is left)."""
     import os
 
     from mypyc.build import mypycify
     from setuptools import Distribution
 
-    remove()  # an old extension never outlives a failed build
+    remove(root)  # an old extension never outlives a failed build
     cwd = Path.cwd()
-    os.chdir(ROOT)  # mypycify takes paths relative to the project
+    os.chdir(root)  # mypycify takes paths relative to the project
     try:
         modules = mypycify(list(SOURCES), group_name=GROUP, target_dir="build/mypyc")
         # A bare Distribution: nothing of pyproject.toml is read (only the extensions).
@@ -85,13 +86,13 @@ def build() -> None:
         )
         dist.verbose = False
         dist.run_command("build_ext")
-        for ext in extensions():
+        for ext in extensions(root):
             # Built from the sources as they are now; an unchanged module was copied
             # from an earlier build with that build's time, which `stale()` would read
             # as older than a source touched since (a checkout, a stash).
             os.utime(ext)
     except BaseException:
-        remove()
+        remove(root)
         raise
     finally:
         os.chdir(cwd)

@@ -83,3 +83,18 @@ def test_the_build_leaves_the_core_compiled_and_current() -> None:
         "_persistent",
         "_mypyc__mypyc",
     }
+
+
+def test_bench_core_compare_runs_each_arm_on_its_own_core() -> None:
+    """bench/core_compare.py builds each arm apart from the checkout's own build."""
+    _require_compiled()
+    from bench.core_compare import compare
+
+    before = {p.name: p.stat().st_mtime for p in native.extensions()}
+    report = compare(["HEAD:py", ".:mypyc"], rounds=1, decisions=600)
+    arms = report["arms"]
+    assert arms["HEAD:py"]["core"] == "interpreted"
+    assert arms[".:mypyc"]["core"] == "compiled"
+    assert all(len(a["decisions_per_s"]) == 1 for a in arms.values())
+    assert arms["HEAD:py"]["vs_first"] == 1.0
+    assert {p.name: p.stat().st_mtime for p in native.extensions()} == before
