@@ -84,11 +84,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import NamedTuple
+from typing import Final
 
 from immutables import Map
 
-from scheduler._persistent import PSortedSet, empty
+from scheduler._persistent import PSortedSet, Record, empty
 from scheduler._types import (
     Action,
     Admit,
@@ -131,21 +131,47 @@ _MODEL = "model"
 BucketKey = tuple[str, str, ServiceClass]
 
 
-class ReplicaState(NamedTuple):
-    spec: ReplicaSpec
-    probe_ok: bool = True  # its last probe passed
-    queued: int | None = None  # the engine's load at the last probe
-    running: int | None = None
-    cap: int | None = None  # None: uncapped
-    in_flight: int = 0  # turns luftpause admitted here and not yet finished
-    paused_interactive: int = 0  # interactive runs paused on a tool here
-    bound_runs: int = 0  # generating or paused runs whose replica this is
-    ws_tokens: int = 0  # their KV working set (context + reply), while claimed
-    interactive_runs: int = 0  # interactive runs holding KV here (its lane, rule 9)
-    batch_ws: int = 0  # the part of ws_tokens that batch runs claim
-    queued_probes: int = 0  # probes in a row that showed a queue
-    failures: int = 0  # turns its engine failed in a row
-    ejected_until: float | None = None  # out of rotation until then (rule 10)
+class ReplicaState(Record):
+    """A replica as the core counts it."""
+
+    _FIELDS = (
+        "spec", "probe_ok", "queued", "running", "cap", "in_flight", "paused_interactive",
+        "bound_runs", "ws_tokens", "interactive_runs", "batch_ws", "queued_probes",
+        "failures", "ejected_until",
+    )  # fmt: skip
+    __slots__ = _FIELDS
+
+    def __init__(
+        self,
+        spec: ReplicaSpec,
+        probe_ok: bool = True,
+        queued: int | None = None,
+        running: int | None = None,
+        cap: int | None = None,
+        in_flight: int = 0,
+        paused_interactive: int = 0,
+        bound_runs: int = 0,
+        ws_tokens: int = 0,
+        interactive_runs: int = 0,
+        batch_ws: int = 0,
+        queued_probes: int = 0,
+        failures: int = 0,
+        ejected_until: float | None = None,
+    ) -> None:
+        self.spec: Final = spec
+        self.probe_ok: Final = probe_ok  # its last probe passed
+        self.queued: Final = queued  # the engine's load at the last probe
+        self.running: Final = running
+        self.cap: Final = cap  # None: uncapped
+        self.in_flight: Final = in_flight  # turns luftpause admitted here and not yet finished
+        self.paused_interactive: Final = paused_interactive  # runs paused on a tool here
+        self.bound_runs: Final = bound_runs  # generating or paused runs whose replica this is
+        self.ws_tokens: Final = ws_tokens  # their KV working set (context + reply), while claimed
+        self.interactive_runs: Final = interactive_runs  # interactive runs holding KV here (rule 9)
+        self.batch_ws: Final = batch_ws  # the part of ws_tokens that batch runs claim
+        self.queued_probes: Final = queued_probes  # probes in a row that showed a queue
+        self.failures: Final = failures  # turns its engine failed in a row
+        self.ejected_until: Final = ejected_until  # out of rotation until then (rule 10)
 
     @property
     def healthy(self) -> bool:
@@ -166,22 +192,49 @@ class ReplicaState(NamedTuple):
         return self.in_flight + self.paused_interactive < self.cap
 
 
-class RunState(NamedTuple):
-    run_id: str
-    service_class: ServiceClass
-    caller: str
-    model: str
-    phase: RunPhase
-    replica: str | None  # the replica of its last admitted turn
-    in_flight: int
-    context_tokens: int  # prompt + reply of its last turn
-    reply_tokens: int  # the reply length reserved for its turns
-    last_active: float  # when it last changed phase
-    bound: bool  # counted in its replica's bound_runs
-    ws_claim: int  # tokens counted in its replica's ws_tokens (0: none)
-    counted_paused: bool  # counted in its replica's paused_interactive
-    ended: bool = False  # ended by the client while turns were in flight
-    retrying: bool = False  # idle because its last turn failed: the retry goes back
+class RunState(Record):
+    """A run the core knows: generating, paused on a tool, or idle."""
+
+    _FIELDS = (
+        "run_id", "service_class", "caller", "model", "phase", "replica", "in_flight",
+        "context_tokens", "reply_tokens", "last_active", "bound", "ws_claim",
+        "counted_paused", "ended", "retrying",
+    )  # fmt: skip
+    __slots__ = _FIELDS
+
+    def __init__(
+        self,
+        run_id: str,
+        service_class: ServiceClass,
+        caller: str,
+        model: str,
+        phase: RunPhase,
+        replica: str | None,
+        in_flight: int,
+        context_tokens: int,
+        reply_tokens: int,
+        last_active: float,
+        bound: bool,
+        ws_claim: int,
+        counted_paused: bool,
+        ended: bool = False,
+        retrying: bool = False,
+    ) -> None:
+        self.run_id: Final = run_id
+        self.service_class: Final = service_class
+        self.caller: Final = caller
+        self.model: Final = model
+        self.phase: Final = phase
+        self.replica: Final = replica  # the replica of its last admitted turn
+        self.in_flight: Final = in_flight
+        self.context_tokens: Final = context_tokens  # prompt + reply of its last turn
+        self.reply_tokens: Final = reply_tokens  # the reply length reserved for its turns
+        self.last_active: Final = last_active  # when it last changed phase
+        self.bound: Final = bound  # counted in its replica's bound_runs
+        self.ws_claim: Final = ws_claim  # tokens counted in its replica's ws_tokens (0: none)
+        self.counted_paused: Final = counted_paused  # counted in its replica's paused_interactive
+        self.ended: Final = ended  # ended by the client while turns were in flight
+        self.retrying: Final = retrying  # idle because its last turn failed: the retry goes back
 
     @property
     def keeps_replica(self) -> bool:
@@ -189,36 +242,79 @@ class RunState(NamedTuple):
         return self.phase is not _IDLE or self.retrying
 
 
-class TurnState(NamedTuple):
-    turn_id: str
-    run_id: str
-    service_class: ServiceClass
-    caller: str
-    model: str
-    arrived: float
-    seq: int
-    prompt_tokens: int
-    reply_tokens: int
-    bucket: BucketKey | None  # while held
-    replica: str | None  # once admitted
-    admitted_at: float
-    started: bool
-    alive_at: float = 0.0  # admission, or the last TurnAlive: the turn timeout counts from it
-    # KV this turn claims on its replica by itself: a turn admitted away from its run's
-    # replica (rule 3), whose run's claim stays there.  0: none (its run's claim counts).
-    claim: int = 0
+class TurnState(Record):
+    """A turn the core knows: held (in a bucket) or admitted (to a replica)."""
+
+    _FIELDS = (
+        "turn_id", "run_id", "service_class", "caller", "model", "arrived", "seq",
+        "prompt_tokens", "reply_tokens", "bucket", "replica", "admitted_at", "started",
+        "alive_at", "claim",
+    )  # fmt: skip
+    __slots__ = _FIELDS
+
+    def __init__(
+        self,
+        turn_id: str,
+        run_id: str,
+        service_class: ServiceClass,
+        caller: str,
+        model: str,
+        arrived: float,
+        seq: int,
+        prompt_tokens: int,
+        reply_tokens: int,
+        bucket: BucketKey | None,
+        replica: str | None,
+        admitted_at: float,
+        started: bool,
+        alive_at: float = 0.0,
+        claim: int = 0,
+    ) -> None:
+        self.turn_id: Final = turn_id
+        self.run_id: Final = run_id
+        self.service_class: Final = service_class
+        self.caller: Final = caller
+        self.model: Final = model
+        self.arrived: Final = arrived
+        self.seq: Final = seq
+        self.prompt_tokens: Final = prompt_tokens
+        self.reply_tokens: Final = reply_tokens
+        self.bucket: Final = bucket  # while held
+        self.replica: Final = replica  # once admitted
+        self.admitted_at: Final = admitted_at
+        self.started: Final = started
+        # Admission, or the last TurnAlive: the turn timeout counts from it.
+        self.alive_at: Final = alive_at
+        # KV this turn claims on its replica by itself: a turn admitted away from its
+        # run's replica (rule 3), whose run's claim stays there.  0: none (its run's
+        # claim counts).
+        self.claim: Final = claim
 
 
-class _Bucket(NamedTuple):
-    # caller -> that caller's held turns here, as (seq, turn_id)
-    queues: Map[str, PSortedSet[tuple[int, str]]]
-    # (caller's turns in flight, seq of its oldest held turn here, caller)
-    order: PSortedSet[tuple[int, int, str]]
+class _Bucket(Record):
+    """The turns held for one place (a replica, or any replica of a model) and class."""
+
+    _FIELDS = ("queues", "order")
+    __slots__ = _FIELDS
+
+    def __init__(
+        self,
+        queues: Map[str, PSortedSet[tuple[int, str]]],
+        order: PSortedSet[tuple[int, int, str]],
+    ) -> None:
+        # caller -> that caller's held turns here, as (seq, turn_id)
+        self.queues: Final = queues
+        # (caller's turns in flight, seq of its oldest held turn here, caller)
+        self.order: Final = order
 
 
-class _Caller(NamedTuple):
-    in_flight: int
-    buckets: frozenset[BucketKey]  # where it has held turns
+class _Caller(Record):
+    _FIELDS = ("in_flight", "buckets")
+    __slots__ = _FIELDS
+
+    def __init__(self, in_flight: int, buckets: frozenset[BucketKey]) -> None:
+        self.in_flight: Final = in_flight
+        self.buckets: Final = buckets  # where it has held turns
 
 
 _EMPTY_BUCKET = _Bucket(Map(), empty())

@@ -133,7 +133,7 @@ def _summary(state: State) -> tuple[object, ...]:
     """The state in an order of its own (a map's or a set's order is its hashes')."""
     return (
         [
-            (n, sorted(r.spec.models), r.spec.kv_tokens, r[1:])
+            (n, sorted(r.spec.models), r.spec.kv_tokens, r._values()[1:])
             for n, r in sorted(state.replicas.items())
         ],
         sorted(state.runs.items()),

@@ -8,7 +8,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from luftpause import native
+from scheduler import RunPhase, RunState, ServiceClass
 from scheduler._persistent import PSortedSet, empty
+from tests.system import missing_tool
 
 keys = st.tuples(st.integers(0, 30), st.integers(0, 500), st.text("abc", max_size=2))
 
@@ -76,3 +79,36 @@ def test_chunks_grow_with_the_set_so_an_update_copies_about_sqrt_n() -> None:
         s = s.remove((float(i), f"run{i}"))
     assert list(s) == [(float(i), f"run{i}") for i in range(1, n, 2)]
     assert s.min() == (1.0, "run1")
+
+
+def _run(**changes: object) -> RunState:
+    run = RunState(
+        "r", ServiceClass.BATCH, "c", "m", RunPhase.PAUSED, "a", 0, 2_000, 256, 1.0, True,
+        2_256, False,
+    )  # fmt: skip
+    return run._replace(**changes)
+
+
+def test_a_record_is_a_value_as_a_named_tuple_was() -> None:
+    run = _run()
+    assert run == _run() and hash(run) == hash(_run())
+    assert run != _run(retrying=True) and run != _run()._values()
+    assert repr(run).startswith("RunState(run_id='r', service_class=<ServiceClass.BATCH")
+    assert repr(run).endswith("counted_paused=False, ended=False, retrying=False)")
+    changed = run._replace(phase=RunPhase.IDLE, in_flight=2)
+    assert (changed.phase, changed.in_flight, changed.context_tokens) == (RunPhase.IDLE, 2, 2_000)
+    assert (run.phase, run.in_flight) == (RunPhase.PAUSED, 0)  # the original is unchanged
+    with pytest.raises(TypeError, match=r"no fields \['phse'\]"):
+        run._replace(phse=RunPhase.IDLE)
+    # _FIELDS lists the fields in the order of __init__ (what equality and repr read).
+    assert RunState(*run._values()) == run
+
+
+def test_a_compiled_record_cannot_be_changed_in_place() -> None:
+    """Interpreted, mypy's Final rejects an assignment; compiled, the attribute itself."""
+    if native.core_build() != "compiled":
+        missing_tool("the core runs interpreted (`make core` compiles it)")
+    run = _run()
+    with pytest.raises(AttributeError, match="not writable"):
+        run.in_flight = 3  # type: ignore[misc]
+    assert run.in_flight == 0
