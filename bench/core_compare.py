@@ -15,6 +15,7 @@ a number from another sitting.  Prints a table, or one JSON object with `--json`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
@@ -61,7 +62,8 @@ def prepare(arm: str, into: Path) -> Path:
         raise SystemExit(f"bench.core_compare: {arm!r}: the mode is mypyc or py")
     _source(source, into)
     if mode == "mypyc":
-        native.build(into)  # its own output goes to stderr
+        with contextlib.redirect_stdout(sys.stderr):  # mypyc's notes; stdout is the report
+            native.build(into)
     return into
 
 

@@ -5,7 +5,7 @@ hand).  The core (`scheduler/_core.py`, `scheduler/_persistent.py`) is plain, fu
 typed Python; mypyc, which ships with mypy, compiles it to C extension modules written
 beside their sources (`scheduler/_core.cpython-311-x86_64-linux-gnu.so`, ...), where
 Python's import takes them before the `.py`.  The decisions are the same (tests check
-it); `luftpause sim bench-core` makes about 1.6x as many per second (bench/RESULTS.md).
+it); `luftpause sim bench-core` makes about 1.9x as many per second (bench/RESULTS.md).
 The same pattern as black's and mypy's own wheels, but built in the checkout.
 
 Without a C compiler the build fails, says so, and leaves no extension behind: the
