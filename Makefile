@@ -4,10 +4,11 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-# The scheduler's core compiled with mypyc (luftpause/native.py), rebuilt when its
-# sources change.  Without a C compiler it says so and the core runs interpreted.
+# The scheduler's core compiled with mypyc into build/native (luftpause/native.py),
+# rebuilt when its sources change.  Without a C compiler it says so, the core runs
+# interpreted, and the next make tries again.
 CORE   := $(VENV)/.core
-CORE_SOURCES := scheduler/_core.py scheduler/_persistent.py luftpause/native.py
+CORE_SOURCES := scheduler/_core.py scheduler/_persistent.py scheduler/_types.py luftpause/native.py
 
 .PHONY: up test lint typecheck unit core clean
 
@@ -17,9 +18,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+# The stamp is touched first: a source saved while the compiler runs is newer than it.
 $(CORE): $(STAMP) $(CORE_SOURCES)
-	-$(BIN)/python -m luftpause.native
 	touch $(CORE)
+	$(BIN)/python -m luftpause.native || rm -f $(CORE)
 
 core:
 	rm -f $(CORE)

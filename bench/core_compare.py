@@ -63,7 +63,8 @@ def prepare(arm: str, into: Path) -> Path:
     _source(source, into)
     if mode == "mypyc":
         with contextlib.redirect_stdout(sys.stderr):  # mypyc's notes; stdout is the report
-            native.build(into)
+            # In place: a revision from before build/native was looked in finds it there.
+            native.build(into, inplace=True)
     return into
 
 

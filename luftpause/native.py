@@ -1,60 +1,84 @@
-"""The scheduler's core compiled with mypyc, in place: `python -m luftpause.native`.
+"""The scheduler's core compiled with mypyc: `python -m luftpause.native`.
 
 `make up` and `make test` run it whenever the core's sources change (`make core` by
 hand).  The core (`scheduler/_core.py`, `scheduler/_persistent.py`) is plain, fully
-typed Python; mypyc, which ships with mypy, compiles it to C extension modules written
-beside their sources (`scheduler/_core.cpython-311-x86_64-linux-gnu.so`, ...), where
-Python's import takes them before the `.py`.  The decisions are the same (tests check
-it); `luftpause sim bench-core` makes about 1.9x as many per second (bench/RESULTS.md).
-The same pattern as black's and mypy's own wheels, but built in the checkout.
+typed Python; mypyc, which ships with mypy, compiles it to C extension modules in
+`build/native/scheduler/` (`_core.cpython-311-x86_64-linux-gnu.so`, ...), and
+`scheduler/__init__.py` puts that directory first on the package's `__path__`, so
+`import scheduler._core` takes the extension.  The build stays out of `scheduler/`: a
+checkout of a revision from before it (`git bisect`) does not look there and runs its
+own sources.  The decisions are the same (tests check it); `luftpause sim bench-core`
+makes about 1.9x as many per second (bench/RESULTS.md).  The pattern of black's and
+mypy's own wheels, built in the checkout.
 
-Without a C compiler the build fails, says so, and leaves no extension behind: the
-core then runs interpreted.  An extension older than its source would run the old
-code, so `core_build()` reports it, the test suite stops on it, and the servers log it.
+Compiled, the core holds to its annotations at run time: an int passed where a float is
+declared becomes a float, a float where an int is declared is a TypeError, and its
+records are read-only (and cannot be copied or pickled).  The gateway and the simulator
+pass what the annotations say.
+
+Without a C compiler (and Python's headers) the build fails, says so, and leaves no
+extension behind: the core then runs interpreted.  An extension older than a source of
+the core would run old code, so `core_build()` reports it, the test suite stops on it,
+and the gateway logs it.
 """
 
 from __future__ import annotations
 
 import importlib.machinery
+import os
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # What is compiled; `scheduler/_types.py` stays interpreted (its events and actions are
-# built by the shells, and compiling it measured no faster).
+# built by the shells, and compiling it measured no faster), but the compiled core is
+# built against its declarations, so a change to it makes the build stale too.
 SOURCES = ("scheduler/_core.py", "scheduler/_persistent.py")
+DEPENDS = (*SOURCES, "scheduler/_types.py")
+NATIVE = "build/native"  # the build's root: its modules in build/native/scheduler/
 GROUP = "scheduler._mypyc"  # the shared runtime module, kept inside the package
 _SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]
 
 
 def extensions(root: Path = ROOT) -> list[Path]:
-    """The compiled modules present in the checkout."""
-    return sorted((root / "scheduler").glob(f"*{_SUFFIX}"))
+    """The compiled modules of the checkout (or copy) at `root`: the build's, and any
+    built in place beside the sources (bench.core_compare's copies)."""
+    found = [*(root / NATIVE / "scheduler").glob(f"*{_SUFFIX}")]
+    return sorted(found + [*(root / "scheduler").glob(f"*{_SUFFIX}")])
 
 
 def stale(root: Path = ROOT) -> list[str]:
-    """The core's sources changed after their extension was built (or an extension has
-    no source any more): the extension would run old code."""
-    found = []
-    for ext in extensions(root):
-        if ext.name.startswith(GROUP.split(".")[1]):
-            continue  # the shared runtime: the modules' own checks cover it
-        source = ext.with_name(ext.name.removesuffix(_SUFFIX) + ".py")
-        if not source.exists() or source.stat().st_mtime > ext.stat().st_mtime:
-            found.append(source.relative_to(root).as_posix())
-    return found
+    """The core's sources that changed after its extensions were built (or that are gone
+    while an extension of them is there): the extensions would run old code."""
+    built = extensions(root)
+    if not built:
+        return []
+    oldest = min(ext.stat().st_mtime for ext in built)
+    found: list[str] = []
+    for name in DEPENDS:
+        path = root / name
+        if path.exists() and path.stat().st_mtime > oldest:
+            found.append(name)
+    for ext in built:
+        name = f"scheduler/{ext.name.removesuffix(_SUFFIX)}.py"
+        if not ext.name.startswith(GROUP.split(".")[1]) and not (root / name).exists():
+            found.append(name)
+    return sorted(set(found))
 
 
 def core_build() -> str:
     """How the scheduler's core runs in this process: "compiled" (mypyc),
-    "compiled, stale" (older than its source: `make core` rebuilds it), or
+    "compiled, stale" (older than a source: `make core` rebuilds it), or
     "interpreted"."""
     import scheduler._core
 
-    where = scheduler._core.__file__ or ""
-    if not where.endswith(_SUFFIX):
+    where = Path(scheduler._core.__file__ or "")
+    if not where.name.endswith(_SUFFIX):
         return "interpreted"
-    return "compiled, stale" if stale(Path(where).parent.parent) else "compiled"
+    # build/native/scheduler/_core...so, or scheduler/_core...so: the root above either.
+    root = where.parents[3] if where.parent.parent.as_posix().endswith(NATIVE) else where.parents[1]
+    return "compiled, stale" if stale(root) else "compiled"
 
 
 def remove(root: Path = ROOT) -> None:
@@ -62,24 +86,27 @@ def remove(root: Path = ROOT) -> None:
         ext.unlink()
 
 
-def build(root: Path = ROOT) -> None:
-    """Compile the core in place (in `root`, a checkout or a copy of its `scheduler/`);
-    raises if mypyc or the C compiler fails (then no extension is left)."""
-    import os
-
+def build(root: Path = ROOT, *, inplace: bool = False) -> None:
+    """Compile the core of the checkout (or copy of `scheduler/`) at `root` into
+    `root/build/native`, or beside its sources (`inplace`: a revision from before the
+    package looked in build/native).  Raises if mypyc or the C compiler fails; then no
+    extension is left."""
     from mypyc.build import mypycify
     from setuptools import Distribution
 
     remove(root)  # an old extension never outlives a failed build
+    # The extensions are stamped with this time, not the build's end: a source saved
+    # while the compiler runs is newer than them, hence stale.
+    began = time.time()
     cwd = Path.cwd()
     os.chdir(root)  # mypycify takes paths relative to the project
     try:
         modules = mypycify(list(SOURCES), group_name=GROUP, target_dir="build/mypyc")
         # A bare Distribution: nothing of pyproject.toml is read (only the extensions).
         options = {
-            "inplace": True,
+            "inplace": inplace,
             "build_temp": "build/mypyc/temp",
-            "build_lib": "build/mypyc/lib",
+            "build_lib": NATIVE,
         }
         dist = Distribution(
             {"name": "luftpause-core", "ext_modules": modules, "options": {"build_ext": options}}
@@ -87,10 +114,9 @@ def build(root: Path = ROOT) -> None:
         dist.verbose = False
         dist.run_command("build_ext")
         for ext in extensions(root):
-            # Built from the sources as they are now; an unchanged module was copied
-            # from an earlier build with that build's time, which `stale()` would read
-            # as older than a source touched since (a checkout, a stash).
-            os.utime(ext)
+            # An unchanged module may have been copied from an earlier build with that
+            # build's time.
+            os.utime(ext, (began, began))
     except BaseException:
         remove(root)
         raise
@@ -101,14 +127,14 @@ def build(root: Path = ROOT) -> None:
 def main() -> int:
     try:
         build()
-    except Exception as exc:  # the compiler's own output has said what went wrong
+    except (Exception, SystemExit) as exc:  # mypyc exits on a type error; it has said why
         print(
             f"luftpause: the scheduler's core was not compiled ({type(exc).__name__}: {exc}); "
             "it runs interpreted (the same decisions, slower)",
             file=sys.stderr,
         )
         return 1
-    names = ", ".join(p.name for p in extensions())
+    names = ", ".join(p.relative_to(ROOT).as_posix() for p in extensions())
     print(f"luftpause: compiled the scheduler's core with mypyc: {names}")
     return 0
 

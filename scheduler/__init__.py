@@ -4,8 +4,13 @@
 the simulator are the shells that report events and carry out actions.
 """
 
-from scheduler._core import ReplicaState, RunState, State, TurnState, decide
-from scheduler._types import (
+# The core compiled with mypyc, where `make` builds it (luftpause/native.py), is looked
+# for first: build/native/scheduler/ beside this package.  Without a build, the modules
+# here are imported as they are.
+__path__.insert(0, __path__[0].rpartition("/")[0] + "/build/native/scheduler")
+
+from scheduler._core import ReplicaState, RunState, State, TurnState, decide  # noqa: E402
+from scheduler._types import (  # noqa: E402 (after the path above)
     Action,
     Admit,
     Ejected,

@@ -118,16 +118,19 @@ def empty() -> PSortedSet[Any]:
 
 
 class Record:
-    """An immutable record with named fields: what a NamedTuple gives, as a plain class.
+    """A record with named fields, immutable: what the core used NamedTuples for, as a
+    plain class.
 
     A subclass lists its fields in `_FIELDS` (and `__slots__`), in the order of its
-    `__init__`, which sets each once as `Final`.  mypy rejects any later assignment;
-    compiled (luftpause/native.py), each record is a native class whose attributes are
-    read-only and read as C struct fields, and building one costs ~30 ns against ~270 ns
-    for a NamedTuple (whose `__new__` stays interpreted), and reading a field far less:
-    1.3x the compiled core's decisions per second (bench/RESULTS.md).  Equality, hash and
-    repr are by field, in order; `_replace` builds a changed copy (the hot paths build
-    theirs whole)."""
+    `__init__`, which sets each once as `Final`: mypy rejects any later assignment, and
+    compiled (luftpause/native.py) the attribute itself is read-only.  Compiled, each
+    record is a native class: building one costs ~30 ns against ~270 ns for a
+    NamedTuple (whose `__new__` stays interpreted), and a field is read as a C struct
+    member; 1.27x the compiled core's decisions per second (bench/RESULTS.md).
+    Equality, hash and repr are by field, in order, as a NamedTuple's; unlike one, a
+    record is no tuple (no indexing, iteration or ordering), and compiled it cannot be
+    copied or pickled.  `_replace` builds a changed copy (TypeError for a field it
+    does not have); the hot paths build theirs whole."""
 
     __slots__ = ()
     _FIELDS: ClassVar[tuple[str, ...]] = ()
@@ -136,11 +139,9 @@ class Record:
         return tuple([getattr(self, name) for name in self._FIELDS])
 
     def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, Record)
-            and type(other) is type(self)
-            and self._values() == other._values()
-        )
+        if not isinstance(other, Record):
+            return NotImplemented
+        return type(other) is type(self) and self._values() == other._values()
 
     def __hash__(self) -> int:
         return hash(self._values())

@@ -4,7 +4,7 @@ Every kind of event, including contract violations, pool and policy changes, and
 clock jumps past the turn timeout, the KV retention and the idle-run expiry.  Two
 processes that run the same trace must print the same digest: the compiled core and
 the interpreted one (luftpause/native.py), and any two hash seeds (the core's actions
-must not depend on a map's order).  `python -m testkit.trace [seed] [events]`."""
+must not depend on a map's order).  `python -m testkit.trace [seed [events [runs [callers]]]]`."""
 
 from __future__ import annotations
 
@@ -56,16 +56,18 @@ def _policy(rng: random.Random) -> Policy:
     )
 
 
-def _event(rng: random.Random, now: float, k: int, turns: list[str]) -> Event:
+def _event(
+    rng: random.Random, now: float, k: int, turns: list[str], runs: int, callers: int
+) -> Event:
     roll = rng.random()
     known = rng.choice(turns) if turns and rng.random() < 0.95 else f"t{rng.randrange(k + 1)}"
     if roll < 0.30:
         return TurnArrived(
             now=now,
             turn_id=f"t{k}" if rng.random() < 0.98 else known,  # now and then a duplicate
-            run_id=f"run{rng.randrange(25)}",
+            run_id=f"run{rng.randrange(runs)}",
             service_class=rng.choice([ServiceClass.INTERACTIVE, ServiceClass.BATCH]),
-            caller=f"c{rng.randrange(5)}",
+            caller=f"c{rng.randrange(callers)}",
             model=rng.choice(_MODELS + ("m9",)) if rng.random() < 0.05 else rng.choice(_MODELS),
             prompt_tokens=rng.choice([0, 500, 3_000, 9_000]),
             max_tokens=rng.choice([0, 200, 50_000]),
@@ -87,7 +89,7 @@ def _event(rng: random.Random, now: float, k: int, turns: list[str]) -> Event:
     if roll < 0.76:
         return TurnAbandoned(now=now, turn_id=known)
     if roll < 0.79:
-        return RunEnded(now=now, run_id=f"run{rng.randrange(25)}")
+        return RunEnded(now=now, run_id=f"run{rng.randrange(runs)}")
     if roll < 0.93:
         queued = rng.choice([None, 0, 0, 1, 3])
         return ReplicaProbed(
@@ -106,8 +108,10 @@ def _event(rng: random.Random, now: float, k: int, turns: list[str]) -> Event:
     return PolicyChanged(now=now, policy=_policy(rng))
 
 
-def digest(seed: int = 0, events: int = 3_000) -> str:
-    """The sha256 of every step's actions (or contract error) and the state after it."""
+def digest(seed: int = 0, events: int = 3_000, runs: int = 25, callers: int = 5) -> str:
+    """The sha256 of every step's actions (or contract error) and the state after it.
+    Many `runs` and `callers` make large held-turn orders and timers (their persistent
+    sets split into many chunks)."""
     rng = random.Random(seed)
     state = State.initial(_pool(rng), _policy(rng))
     h = hashlib.sha256()
@@ -116,7 +120,7 @@ def digest(seed: int = 0, events: int = 3_000) -> str:
     for k in range(events):
         # Mostly small steps; now and then a jump past the timeouts and the expiry.
         now += rng.choice([0.1, 0.5, 2.0, 30.0, 700.0, 2_000.0]) if rng.random() < 0.05 else 0.2
-        event = _event(rng, now, k, turns)
+        event = _event(rng, now, k, turns, runs, callers)
         try:
             state, actions = decide(state, event)
         except SchedulerError as exc:
@@ -144,9 +148,9 @@ def _summary(state: State) -> tuple[object, ...]:
 
 
 def main(argv: list[str]) -> None:
-    seed = int(argv[0]) if argv else 0
-    events = int(argv[1]) if len(argv) > 1 else 3_000
-    print(digest(seed, events))
+    """`python -m testkit.trace [seed [events [runs [callers]]]]`"""
+    numbers = [int(a) for a in argv]
+    print(digest(*numbers))
 
 
 if __name__ == "__main__":

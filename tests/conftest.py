@@ -48,7 +48,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if stale:  # the tests would run the core as it was compiled, not as it reads
         pytest.exit(
             f"{', '.join(stale)} changed after the core was compiled: `make core` "
-            "rebuilds it (`make test` does), or delete scheduler/*.so to run it interpreted",
+            "rebuilds it (`make test` does), or delete build/native to run it interpreted",
             returncode=4,
         )
 

@@ -28,13 +28,24 @@ def test_make_test_runs_the_compiled_core() -> None:
     _require_compiled()
     import scheduler._core
     import scheduler._persistent
+    import scheduler._types
 
     for module in (scheduler._core, scheduler._persistent):
-        assert module.__file__ is not None and module.__file__.endswith(".so"), module.__file__
+        where = module.__file__ or ""
+        assert where.startswith(str(ROOT / "build/native/scheduler/")), where
+        assert where.endswith(".so"), where
+    assert scheduler._types.__file__ == str(ROOT / "scheduler/_types.py")
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_compiled_and_interpreted_cores_decide_alike(tmp_path: Path, seed: int) -> None:
+# (seed, events, runs, callers): small pools of runs and callers meet each other's
+# turns often; many make held-turn orders and timers of several chunks each.
+TRACES = [(0, 3_000, 25, 5), (1, 3_000, 25, 5), (2, 3_000, 25, 5), (3, 6_000, 2_000, 400)]
+
+
+@pytest.mark.parametrize("trace", TRACES, ids=[str(t[0]) for t in TRACES])
+def test_compiled_and_interpreted_cores_decide_alike(
+    tmp_path: Path, trace: tuple[int, int, int, int]
+) -> None:
     """The same seeded trace (every kind of event, contract violations, pool and policy
     changes, clock jumps past every timer) in this process, compiled, and in another,
     interpreted from a copy of the sources and with another hash seed."""
@@ -46,43 +57,51 @@ def test_compiled_and_interpreted_cores_decide_alike(tmp_path: Path, seed: int) 
     code = (
         "import scheduler._core, testkit.trace as t; "
         "assert scheduler._core.__file__.endswith('.py'), scheduler._core.__file__; "
-        f"print(t.digest({seed}, 3000))"
+        f"print(t.digest{trace})"
     )
-    env = {**os.environ, "PYTHONPATH": str(tmp_path), "PYTHONHASHSEED": str(100 + seed)}
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "PYTHONHASHSEED": str(100 + trace[0])}
     interpreted = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True
     )
     assert interpreted.returncode == 0, interpreted.stderr
-    assert interpreted.stdout.strip() == digest(seed, 3000)
+    assert interpreted.stdout.strip() == digest(*trace)
 
 
-def test_an_extension_older_than_its_source_is_stale(tmp_path: Path) -> None:
-    """What keeps the suite (conftest) and the servers from running old code."""
-    pkg = tmp_path / "scheduler"
-    pkg.mkdir()
+def test_an_extension_older_than_a_source_of_the_core_is_stale(tmp_path: Path) -> None:
+    """What keeps the suite (conftest) and the gateway from running old code."""
+    src, out = tmp_path / "scheduler", tmp_path / "build/native/scheduler"
+    src.mkdir()
+    out.mkdir(parents=True)
     suffix = native._SUFFIX
     for name in ("_core", "_persistent", "_mypyc__mypyc"):
-        (pkg / f"{name}{suffix}").write_bytes(b"")
-    (pkg / "_core.py").write_text("")
-    (pkg / "_persistent.py").write_text("")
-    os.utime(pkg / "_core.py", (1_000, 1_000))
-    os.utime(pkg / f"_core{suffix}", (2_000, 2_000))
-    os.utime(pkg / "_persistent.py", (3_000, 3_000))  # changed after its build
-    os.utime(pkg / f"_persistent{suffix}", (2_000, 2_000))
-    assert native.stale(tmp_path) == ["scheduler/_persistent.py"]
-    (pkg / "_core.py").unlink()  # an extension whose source is gone
-    assert native.stale(tmp_path) == ["scheduler/_core.py", "scheduler/_persistent.py"]
+        (out / f"{name}{suffix}").write_bytes(b"")
+        os.utime(out / f"{name}{suffix}", (2_000, 2_000))
+    for name in ("_core", "_persistent", "_types", "__init__"):
+        (src / f"{name}.py").write_text("")
+        os.utime(src / f"{name}.py", (1_000, 1_000))
+    assert native.stale(tmp_path) == []
+    os.utime(src / "__init__.py", (3_000, 3_000))  # not compiled, nor compiled against
+    assert native.stale(tmp_path) == []
+    os.utime(src / "_types.py", (3_000, 3_000))  # the compiled core is built against it
+    assert native.stale(tmp_path) == ["scheduler/_types.py"]
+    os.utime(src / "_persistent.py", (3_000, 3_000))
+    assert native.stale(tmp_path) == ["scheduler/_persistent.py", "scheduler/_types.py"]
+    (src / "_core.py").unlink()  # an extension whose source is gone
+    assert native.stale(tmp_path) == [
+        "scheduler/_core.py",
+        "scheduler/_persistent.py",
+        "scheduler/_types.py",
+    ]
 
 
 def test_the_build_leaves_the_core_compiled_and_current() -> None:
     """`make core` ran before the suite (the conftest stops on a stale build)."""
     _require_compiled()
     assert native.stale() == []
-    assert {p.name.split(".")[0] for p in native.extensions()} == {
-        "_core",
-        "_persistent",
-        "_mypyc__mypyc",
-    }
+    built = native.extensions()
+    assert {p.name.split(".")[0] for p in built} == {"_core", "_persistent", "_mypyc__mypyc"}
+    # Out of the package: a checkout of an older revision does not look there.
+    assert {p.parent for p in built} == {ROOT / "build/native/scheduler"}
 
 
 def test_bench_core_compare_runs_each_arm_on_its_own_core() -> None:
