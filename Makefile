@@ -36,7 +36,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 typecheck: $(STAMP)
-	$(BIN)/mypy scheduler testkit/engine.py testkit/fake_engine.py testkit/loopback.py testkit/overhead.py testkit/bench_temporal.py testkit/bench_mcp.py testkit/bench.py testkit/load.py testkit/load_cli.py testkit/fanout.py testkit/bench_agents.py testkit/fake_dns.py testkit/trace.py luftpause/config.py luftpause/up.py luftpause/telemetry.py luftpause/temporal_dev.py luftpause/headers.py luftpause/native.py bench/core_compare.py gateway activities workflows worker
+	$(BIN)/mypy scheduler testkit/engine.py testkit/fake_engine.py testkit/loopback.py testkit/overhead.py testkit/bench_temporal.py testkit/bench_mcp.py testkit/bench.py testkit/load.py testkit/load_cli.py testkit/fanout.py testkit/bench_agents.py testkit/fake_dns.py testkit/trace.py luftpause/config.py luftpause/up.py luftpause/telemetry.py luftpause/temporal_dev.py luftpause/headers.py luftpause/native.py bench/core_compare.py setup.py gateway activities workflows worker
 
 unit: $(CORE)
 	$(BIN)/python -m pytest

@@ -49,9 +49,10 @@ def extensions(root: Path = ROOT) -> list[Path]:
 
 
 def stale(root: Path = ROOT) -> list[str]:
-    """The core's sources that changed after its extensions were built (or that are gone
-    while an extension of them is there): the extensions would run old code."""
-    built = extensions(root)
+    """The core's sources that changed after `make` built it into build/native (or that
+    are gone while an extension of them is there): the extensions would run old code.
+    (Extensions beside the sources come with them, from a wheel or bench.core_compare.)"""
+    built = sorted((root / NATIVE / "scheduler").glob(f"*{_SUFFIX}"))
     if not built:
         return []
     oldest = min(ext.stat().st_mtime for ext in built)
@@ -76,9 +77,9 @@ def core_build() -> str:
     where = Path(scheduler._core.__file__ or "")
     if not where.name.endswith(_SUFFIX):
         return "interpreted"
-    # build/native/scheduler/_core...so, or scheduler/_core...so: the root above either.
-    root = where.parents[3] if where.parent.parent.as_posix().endswith(NATIVE) else where.parents[1]
-    return "compiled, stale" if stale(root) else "compiled"
+    if not where.parent.parent.as_posix().endswith(NATIVE):
+        return "compiled"  # beside its sources: a wheel's, or bench.core_compare's copy
+    return "compiled, stale" if stale(where.parents[3]) else "compiled"
 
 
 def remove(root: Path = ROOT) -> None:

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -117,3 +118,63 @@ def test_bench_core_compare_runs_each_arm_on_its_own_core() -> None:
     assert all(len(a["decisions_per_s"]) == 1 for a in arms.values())
     assert arms["HEAD:py"]["vs_first"] == 1.0
     assert {p.name: p.stat().st_mtime for p in native.extensions()} == before
+
+
+def test_a_wheel_built_with_mypy_carries_the_compiled_core(tmp_path: Path) -> None:
+    """deploy/Dockerfile's build stage: `pip wheel --no-build-isolation` where mypy is
+    installed compiles the core into the wheel (setup.py), beside its sources."""
+    _require_compiled()  # the compiler is there
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "setup.py", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, src)
+    junk = shutil.ignore_patterns("__pycache__", "*.so", "build")
+    for package in (
+        "luftpause",
+        "scheduler",
+        "gateway",
+        "testkit",
+        "workflows",
+        "activities",
+        "worker",
+    ):
+        shutil.copytree(ROOT / package, src / package, ignore=junk)
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input"]
+    wheels = tmp_path / "wheels"
+    built = subprocess.run(
+        [*pip, "wheel", "--no-deps", "--no-build-isolation", "--wheel-dir", str(wheels), str(src)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert built.returncode == 0, built.stderr[-3000:]
+    (wheel,) = wheels.glob("luftpause-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        compiled = sorted(n for n in z.namelist() if n.endswith(".so"))
+    assert [n.split(".")[0] for n in compiled] == [
+        "scheduler/_core",
+        "scheduler/_mypyc__mypyc",
+        "scheduler/_persistent",
+    ]
+    site = tmp_path / "site"
+    installed = subprocess.run(
+        [*pip, "install", "--no-deps", "--target", str(site), str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert installed.returncode == 0, installed.stderr[-3000:]
+    code = (
+        "import scheduler._core as c; from luftpause.native import core_build; "
+        "print(core_build()); print(c.__file__)"
+    )
+    ran = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,  # not the checkout
+        env={**os.environ, "PYTHONPATH": str(site)},
+        capture_output=True,
+        text=True,
+    )
+    assert ran.returncode == 0, ran.stderr
+    build, where = ran.stdout.split()
+    assert build == "compiled" and where.startswith(str(site / "scheduler")), ran.stdout
