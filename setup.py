@@ -17,6 +17,9 @@ from typing import Any
 from setuptools import setup
 from setuptools.command.build_ext import build_ext
 
+# setuptools' build backend runs this file without the project on sys.path; what is
+# compiled is luftpause/native.py's to say (it imports only the standard library).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from luftpause.native import GROUP, SOURCES
 
 
