@@ -8,6 +8,7 @@ STAMP  := $(VENV)/.installed
 # rebuilt when its sources change.  Without a C compiler it says so, the core runs
 # interpreted, and the next make tries again.
 CORE   := $(VENV)/.core
+# luftpause/native.py's DEPENDS, and the build itself.
 CORE_SOURCES := scheduler/_core.py scheduler/_persistent.py scheduler/_types.py luftpause/native.py
 
 .PHONY: up test lint typecheck unit core clean

@@ -38,21 +38,25 @@ SOURCES = ("scheduler/_core.py", "scheduler/_persistent.py")
 DEPENDS = (*SOURCES, "scheduler/_types.py")
 NATIVE = "build/native"  # the build's root: its modules in build/native/scheduler/
 GROUP = "scheduler._mypyc"  # the shared runtime module, kept inside the package
+_RUNTIME = GROUP.rpartition(".")[2]  # its file's name starts so: it has no source
 _SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]
+
+
+def _compiled_in(directory: Path) -> list[Path]:
+    return sorted(directory.glob(f"*{_SUFFIX}"))
 
 
 def extensions(root: Path = ROOT) -> list[Path]:
     """The compiled modules of the checkout (or copy) at `root`: the build's, and any
     built in place beside the sources (bench.core_compare's copies)."""
-    found = [*(root / NATIVE / "scheduler").glob(f"*{_SUFFIX}")]
-    return sorted(found + [*(root / "scheduler").glob(f"*{_SUFFIX}")])
+    return _compiled_in(root / NATIVE / "scheduler") + _compiled_in(root / "scheduler")
 
 
 def stale(root: Path = ROOT) -> list[str]:
     """The core's sources that changed after `make` built it into build/native (or that
     are gone while an extension of them is there): the extensions would run old code.
     (Extensions beside the sources come with them, from a wheel or bench.core_compare.)"""
-    built = sorted((root / NATIVE / "scheduler").glob(f"*{_SUFFIX}"))
+    built = _compiled_in(root / NATIVE / "scheduler")
     if not built:
         return []
     oldest = min(ext.stat().st_mtime for ext in built)
@@ -63,7 +67,7 @@ def stale(root: Path = ROOT) -> list[str]:
             found.append(name)
     for ext in built:
         name = f"scheduler/{ext.name.removesuffix(_SUFFIX)}.py"
-        if not ext.name.startswith(GROUP.split(".")[1]) and not (root / name).exists():
+        if not ext.name.startswith(_RUNTIME) and not (root / name).exists():
             found.append(name)
     return sorted(set(found))
 

@@ -7,11 +7,13 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
 
+from bench.core_compare import compare, prepare
 from luftpause import native
 from testkit.trace import digest
 from tests.system import missing_tool
@@ -51,10 +53,7 @@ def test_compiled_and_interpreted_cores_decide_alike(
     changes, clock jumps past every timer) in this process, compiled, and in another,
     interpreted from a copy of the sources and with another hash seed."""
     _require_compiled()
-    copy = tmp_path / "scheduler"
-    copy.mkdir()
-    for source in (ROOT / "scheduler").glob("*.py"):
-        shutil.copy(source, copy)
+    prepare(".:py", tmp_path)  # this checkout's scheduler/*.py, as bench.core_compare does
     code = (
         "import scheduler._core, testkit.trace as t; "
         "assert scheduler._core.__file__.endswith('.py'), scheduler._core.__file__; "
@@ -108,7 +107,6 @@ def test_the_build_leaves_the_core_compiled_and_current() -> None:
 def test_bench_core_compare_runs_each_arm_on_its_own_core() -> None:
     """bench/core_compare.py builds each arm apart from the checkout's own build."""
     _require_compiled()
-    from bench.core_compare import compare
 
     before = {p.name: p.stat().st_mtime for p in native.extensions()}
     report = compare(["HEAD:py", ".:mypyc"], rounds=1, decisions=600)
@@ -129,16 +127,10 @@ def test_a_wheel_built_with_mypy_carries_the_compiled_core(tmp_path: Path) -> No
     for name in ("pyproject.toml", "setup.py", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, src)
     junk = shutil.ignore_patterns("__pycache__", "*.so", "build")
-    for package in (
-        "luftpause",
-        "scheduler",
-        "gateway",
-        "testkit",
-        "workflows",
-        "activities",
-        "worker",
-    ):
-        shutil.copytree(ROOT / package, src / package, ignore=junk)
+    # The distribution's packages, as pyproject finds them (and the Dockerfile copies).
+    found = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    for package in found["packages"]["find"]["include"]:
+        shutil.copytree(ROOT / package.rstrip("*"), src / package.rstrip("*"), ignore=junk)
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input"]
     wheels = tmp_path / "wheels"
     built = subprocess.run(
