@@ -478,8 +478,15 @@ def check_step(before: State, event: Event, after: State, actions: list[Action])
         run = before.runs.get(a.run_id)
         continuing = run is not None and run.bound and run.replica == a.replica
         for x in held_interactive:
-            if continuing and behind_kv_wait(after, x, a.replica):
-                continue  # a run already holding KV there goes on; new runs wait
+            # A run already holding KV there goes on; new runs wait.  Whether x waited
+            # for KV is judged before the step too: the admission itself may shrink the
+            # run's claim (a smaller reply than its last turn's), so that x fits after.
+            was = before.turns.get(x.turn_id)
+            if continuing and (
+                behind_kv_wait(after, x, a.replica)
+                or (was is not None and was.bucket and behind_kv_wait(before, was, a.replica))
+            ):
+                continue
             assert not could_use(after, x, a.replica), (
                 f"batch {a.turn_id} admitted to {a.replica} while interactive {x.turn_id} "
                 "that could use it is held"
