@@ -80,6 +80,10 @@ def status_snapshot(
                 "interactive_lane": (
                     state.policy.lane_batch_kv_fill is not None and r.interactive_runs > 0
                 ),
+                # the GPU it shares, and the replica there that takes the device's new
+                # runs while this one takes none and drains (rule 13)
+                "device": r.spec.device,
+                "led_by": state.led_by(name),
             }
         )
 

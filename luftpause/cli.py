@@ -29,6 +29,12 @@ def _sim_parser(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--arms", help="comma-separated arms (default: all)")
     p.add_argument("--engines", type=int, help="number of simulated engines")
+    p.add_argument(
+        "--replicas-per-gpu",
+        type=int,
+        help="engines that time-slice one GPU (default 2, as the reference bed; the "
+        "luftpause arm is told which share one, for policy pack_shared_devices)",
+    )
     p.add_argument("--batch", type=int, help="batch agents (closed loop)")
     p.add_argument("--interactive", type=int, help="interactive agents (closed loop)")
     p.add_argument("--runs", type=int, help="fanout: runs started together")
@@ -113,28 +119,32 @@ def _sim(args: argparse.Namespace) -> int:
             )
         return 0
     sc = SCENARIOS[args.scenario]
-    engine = sc.engine
-    if args.kv_tokens is not None:
-        engine = replace(engine, kv_pool_tokens=args.kv_tokens)
-    if args.max_running is not None:
-        engine = replace(engine, max_running_requests=args.max_running)
-    sc = scenario_with(
-        sc,
-        engines=args.engines,
-        batch=args.batch,
-        interactive=args.interactive,
-        runs=args.runs,
-        context_chars=args.context_chars,
-        max_tool_calls=args.max_tool_calls,
-        tool_s=args.tool_s,
-        tool_result_chars=args.tool_result_chars,
-        reply_tokens=args.reply_tokens,
-        minutes=args.minutes,
-        seed=args.seed,
-        engine_priority=True if args.engine_priority else None,
-        engine=engine,
-        policy=_policy(args.policy),
-    )
+    try:  # a knob out of range is a ValueError naming it
+        engine = sc.engine
+        if args.kv_tokens is not None:
+            engine = replace(engine, kv_pool_tokens=args.kv_tokens)
+        if args.max_running is not None:
+            engine = replace(engine, max_running_requests=args.max_running)
+        sc = scenario_with(
+            sc,
+            engines=args.engines,
+            replicas_per_gpu=args.replicas_per_gpu,
+            batch=args.batch,
+            interactive=args.interactive,
+            runs=args.runs,
+            context_chars=args.context_chars,
+            max_tool_calls=args.max_tool_calls,
+            tool_s=args.tool_s,
+            tool_result_chars=args.tool_result_chars,
+            reply_tokens=args.reply_tokens,
+            minutes=args.minutes,
+            seed=args.seed,
+            engine_priority=True if args.engine_priority else None,
+            engine=engine,
+            policy=_policy(args.policy),
+        )
+    except ValueError as e:
+        raise SystemExit(f"luftpause sim: {e}") from None
     arms = args.arms.split(",") if args.arms else list(ARMS)
     unknown = [a for a in arms if a not in ARMS]
     if unknown:

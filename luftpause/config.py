@@ -28,6 +28,8 @@ discover = "dns"         # optional: url's host names a set of engines, one per 
                          # resolves to (a Kubernetes headless Service, a Compose service
                          # scaled to N, Consul): each is a replica "<name>-<address>:<port>";
                          # "dns-srv": url names SRV records (no port), which give them
+device = "gpu0"          # optional: endpoints with the same label time-slice one GPU
+                         # (with policy.pack_shared_devices)
 
 [[mcp_servers]]          # tools for sub-agents: streamable HTTP ...
 name = "search"
@@ -55,6 +57,8 @@ kv_fill = 0.8            # with kv_tokens: the pool share bound runs may fill
 batch_kv_fill = 0.7      # ... batch runs; "off" = as kv_fill
 kv_retention_s = 60.0
 lane_batch_kv_fill = "off"   # a share (0-1) turns interactive lanes on
+pack_shared_devices = false  # endpoints with the same `device` share one GPU: while
+                             # interactive runs hold KV there, new runs go beside them
 max_held_per_caller = "off"  # a number: a caller with that many turns of a class held
                              # gets 429 for new work of it (a run in progress never)
 ```
@@ -183,6 +187,11 @@ class Endpoint(BaseModel):
     dp_size: Annotated[int, Field(ge=1, le=1024, strict=True)] = 1
     # The rank a replica is (Config.expanded sets it); not for the file.
     dp_rank: int | None = None
+    # The GPU it shares with other endpoints (any label: endpoints with the same label
+    # time-slice one device, e.g. two SGLang servers each started with
+    # --mem-fraction-static 0.4 on GPU 0).  The scheduler packs new runs onto one of
+    # them while interactive runs are there, with `policy.pack_shared_devices` (rule 13).
+    device: Annotated[str, Field(min_length=1, max_length=128)] | None = None
 
     @field_validator("url")
     @classmethod
@@ -241,6 +250,14 @@ class Endpoint(BaseModel):
             )
         if self.discover is not None:
             self._check_discoverable()
+        if self.device is not None and (
+            self.kind in ("router", "classifier") or self.discover or self.dp_size > 1
+        ):
+            raise ValueError(
+                "device is for one engine server on one GPU it shares with other "
+                "endpoints; not for kind 'router' or 'classifier', discover or dp_size > 1 "
+                "(their engines or ranks are on devices of their own)"
+            )
         if self.dp_rank is not None:
             raise ValueError(
                 "dp_rank is set by luftpause on each rank's replica; give the server's "
@@ -508,6 +525,7 @@ class PolicyConfig(BaseModel):
     lane_batch_kv_fill: Annotated[float, Field(ge=0, le=1, strict=True)] | None = (
         _POLICY.lane_batch_kv_fill
     )
+    pack_shared_devices: bool = _POLICY.pack_shared_devices
     eject_after_failures: Annotated[int, Field(ge=1, strict=True)] | None = (
         _POLICY.eject_after_failures
     )
@@ -614,7 +632,7 @@ class Config(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _lanes_need_kv(self) -> Config:
+    def _kv_policies_need_kv(self) -> Config:
         p = self.policy
         known = any(e.kv_tokens or e.kind in KV_REPORTED_BY for e in self.replicas)
         if p.lane_batch_kv_fill is not None and not (p.kv_admission and known):
@@ -623,6 +641,17 @@ class Config(BaseModel):
                 "they need kv_admission = true and a known KV pool (kv_tokens, or "
                 f"endpoints of kind {' or '.join(KV_REPORTED_BY)}, which report theirs)"
             )
+        if p.pack_shared_devices:
+            shared = [e for e in self.replicas if e.device is not None]
+            if not (
+                p.kv_admission and any(e.kv_tokens or e.kind in KV_REPORTED_BY for e in shared)
+            ):
+                raise ValueError(
+                    "policy.pack_shared_devices: it packs new runs beside the interactive "
+                    "runs holding KV on a shared GPU; it needs kv_admission = true and "
+                    "endpoints that give a `device` and a known KV pool (kv_tokens, or "
+                    f"kind {' or '.join(KV_REPORTED_BY)})"
+                )
         return self
 
     @model_validator(mode="after")
@@ -769,7 +798,9 @@ class Config(BaseModel):
     def replica_specs(self) -> list[ReplicaSpec]:
         """The replicas as the scheduler core sees them."""
         return [
-            ReplicaSpec(name=e.name, models=frozenset(e.models), kv_tokens=e.kv_tokens)
+            ReplicaSpec(
+                name=e.name, models=frozenset(e.models), kv_tokens=e.kv_tokens, device=e.device
+            )
             for e in self.replicas
         ]
 

@@ -67,6 +67,12 @@ Rules (DESIGN.md "The scheduler"), stated once, enforced here and nowhere else:
     are caps when capping from the engine's queue is switched off, and held turns pinned
     to a replica are freed when strict affinity is.  Then every replica is refilled
     under the new rules.
+13. Shared devices (`Policy.pack_shared_devices`, replicas that declare a `device`):
+    replicas on one GPU time-slice it, so each decodes at about half speed while the
+    other has work.  While interactive runs hold KV on a device, the device's replica in
+    rotation with the most of them (the first by name on a tie) leads it, and the
+    device's other replicas take no new runs: their runs go on there (rule 3) and end,
+    and the leader's decode steps get the whole GPU.
 
 After every event no held turn is admissible (except behind a turn waiting for KV, as
 in rule 6): each event that frees capacity on a replica refills that replica.  Held
@@ -82,11 +88,11 @@ an unknown replica) raise `SchedulerError` and leave the state as it was.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import Final
 
-from immutables import Map
+from immutables import Map, MapMutation
 
 from scheduler._persistent import PSortedSet, Record, empty
 from scheduler._types import (
@@ -444,6 +450,42 @@ class State:
         """The KV working set the turn's run will claim if admitted as a new binding."""
         return _kv_need(turn, self._runs.get(turn.run_id))
 
+    def led_by(self, replica: str) -> str | None:
+        """The replica of its device that takes the device's new runs while this one
+        takes none and drains (rule 13), or None."""
+        r = self._replicas[replica]
+        if r.spec.device is None or not self._policy.pack_shared_devices:
+            return None
+        return _leader(self._replicas, self._replicas.keys(), self._retired, replica, r)
+
+
+def _leader(
+    replicas: Map[str, ReplicaState] | MapMutation[str, ReplicaState],
+    names: Iterable[str],
+    retired: frozenset[str],
+    name: str,
+    r: ReplicaState,
+) -> str | None:
+    """Rule 13: the replica in rotation on r's device (of `names`) that holds the most
+    interactive runs with KV, the first by name on a tie, if it is not r; None: r leads
+    (or none holds any)."""
+    best, most = name, r.interactive_runs
+    device = r.spec.device
+    for other in names:
+        o = replicas.get(other)
+        if (
+            o is not None
+            and o.interactive_runs >= most
+            and o.interactive_runs
+            and other != name
+            and o.spec.device == device
+            and o.healthy
+            and other not in retired
+            and (o.interactive_runs > most or other < best)
+        ):
+            best, most = other, o.interactive_runs
+    return None if best == name else best
+
 
 def _models_of(specs: Sequence[ReplicaSpec]) -> Map[str, tuple[str, ...]]:
     """Model -> the replicas that serve it, in the pool's order."""
@@ -549,6 +591,12 @@ def decide(state: State, event: Event) -> tuple[State, list[Action]]:
         tx.policy_changed(event.policy)
     else:  # pragma: no cover - exhaustiveness
         raise SchedulerError(f"unknown event {event!r}")
+    if tx.refill:
+        # Replicas a change opened after their last look (rule 13: the device's leader
+        # changed, or left rotation).
+        names = list(dict.fromkeys(tx.refill))
+        tx.refill.clear()
+        tx._fill(names)
     return tx.finish(), tx.actions
 
 
@@ -849,6 +897,8 @@ class _Tx:
         )
         self.replicas[ev.replica] = after
         healthy = after.healthy
+        if healthy != r.healthy and spec.device is not None:
+            self.refill += self._device_mates(ev.replica)  # rule 13: the leader may change
         if r.healthy and not healthy:
             self._release_pinned(ev.replica)
         elif healthy:
@@ -989,6 +1039,7 @@ class _Tx:
         self.actions.append(Ejected(replica=name, until=until, failures=failures))
         if r.healthy:
             self._release_pinned(name)
+            self.refill += self._device_mates(name)  # rule 13: the leader may change
 
     def tick(self) -> None:
         touched: list[str] = []
@@ -1000,6 +1051,7 @@ class _Tx:
                 self.replicas[name] = r._replace(ejected_until=None)
                 if r.probe_ok:
                     touched.append(name)
+                    self.refill += self._device_mates(name)  # rule 13
         # Each timer holds an entry (time, id) exactly while its subject waits for it,
         # so handling the earliest entry removes it (through turn_done and
         # _replace_run): nothing stale piles up behind a busy gateway.
@@ -1103,7 +1155,9 @@ class _Tx:
         r = self.replicas[name]
         if not r.has_slot():
             return None
-        kv_blocked = False  # a better unbound run waits for KV: no unbound run jumps it
+        # A better unbound run waits for KV: no unbound run jumps it.  A replica whose
+        # device another one leads (rule 13) takes no unbound run at all.
+        kv_blocked = r.spec.device is not None and self._led_elsewhere(name, r)
         for cls in _CLASSES:
             if cls is _BATCH and not r.batch_room(self.policy):
                 return None
@@ -1146,6 +1200,27 @@ class _Tx:
                 if home is not None and home != name and t.model in self.replicas[home].spec.models:
                     self.refill.append(home)
         return None
+
+    def _led_elsewhere(self, name: str, r: ReplicaState) -> bool:
+        """Rule 13: whether another replica of its device takes the device's new runs."""
+        if not self.policy.pack_shared_devices:
+            return False
+        # (the pool as this event found it: a replica that joins starts out of rotation)
+        return (
+            _leader(self.replicas, self.state._replicas.keys(), self.retired, name, r) is not None
+        )
+
+    def _device_mates(self, name: str) -> list[str]:
+        """The other replicas of its device (rule 13), in the pool's name order."""
+        device = self.replicas[name].spec.device
+        if device is None or not self.policy.pack_shared_devices:
+            return []
+        replicas = self.replicas
+        return sorted(
+            n
+            for n in self.state._replicas
+            if n != name and n in replicas and replicas[n].spec.device == device
+        )
 
     def _bound_elsewhere(self, t: TurnState, name: str) -> str | None:
         run = self.runs.get(t.run_id)
@@ -1263,6 +1338,8 @@ class _Tx:
     ) -> None:
         """Change a replica's counters (one copy of its record)."""
         r = self.replicas[name]
+        if interactive and r.spec.device is not None:
+            self.refill += self._device_mates(name)  # which one leads may change (rule 13)
         self.replicas[name] = ReplicaState(
             r.spec, r.probe_ok, r.queued, r.running, r.cap, r.in_flight + in_flight,
             r.paused_interactive + paused, r.bound_runs + bound, r.ws_tokens + ws,

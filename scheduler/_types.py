@@ -50,6 +50,11 @@ class ReplicaSpec:
     # /get_server_info max_total_num_tokens, vLLM's cache_config_info) and set by the
     # first probe that carries it.  Enables program-level admission on this replica.
     kv_tokens: int | None = None
+    # The accelerator it shares with other replicas (any label; the same label on two
+    # replicas means they time-slice one GPU, as SGLang or vLLM processes started with
+    # a --mem-fraction-static / --gpu-memory-utilization share of one device do).
+    # None: a device of its own.  Enables rule 13 on it.
+    device: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -107,6 +112,13 @@ class Policy:
     # on a replica holding interactive runs batch runs stop at `lane_batch_kv_fill` of the
     # pool.  Batch fills the other replicas whole.  None: off.
     lane_batch_kv_fill: float | None = None
+    # Shared devices (rule 13): replicas that time-slice one GPU each decode at about
+    # half its speed while both have work.  While interactive runs hold KV on a replica
+    # of a device, its other replicas take no new runs, so they drain and the
+    # interactive runs' replica gets the whole device: interactive runs/min 1.6x, batch
+    # runs/min 0.75x in the simulated flood (bench/RESULTS.md).  Only for
+    # replicas that declare a `device`.  Off: a trade of batch for interactive work.
+    pack_shared_devices: bool = False
 
 
 # --------------------------------------------------------------------------- events

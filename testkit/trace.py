@@ -41,7 +41,8 @@ def _pool(rng: random.Random) -> tuple[ReplicaSpec, ...]:
     for i in range(rng.randint(1, 4)):
         models = frozenset(m for m in _MODELS if rng.random() < 0.7) or frozenset({"m0"})
         kv = rng.choice([None, 6_000, 20_000])
-        specs.append(ReplicaSpec(name=f"r{i}", models=models, kv_tokens=kv))
+        device = rng.choice([None, "g0", "g0", "g1"])  # replicas sharing a GPU (rule 13)
+        specs.append(ReplicaSpec(name=f"r{i}", models=models, kv_tokens=kv, device=device))
     return tuple(specs)
 
 
@@ -53,6 +54,7 @@ def _policy(rng: random.Random) -> Policy:
         lane_batch_kv_fill=rng.choice([None, 0.3]),
         max_held_per_caller=rng.choice([None, None, 2]),
         eject_after_failures=rng.choice([None, 2]),
+        pack_shared_devices=rng.random() < 0.7,
     )
 
 
@@ -137,7 +139,7 @@ def _summary(state: State) -> tuple[object, ...]:
     """The state in an order of its own (a map's or a set's order is its hashes')."""
     return (
         [
-            (n, sorted(r.spec.models), r.spec.kv_tokens, r._values()[1:])
+            (n, sorted(r.spec.models), r.spec.kv_tokens, r.spec.device, r._values()[1:])
             for n, r in sorted(state.replicas.items())
         ],
         sorted(state.runs.items()),

@@ -200,11 +200,19 @@ class Luftpause(Arm):
         model: str,
         kv_tokens: int | None,
         policy: Policy,
+        replicas_per_gpu: int = 1,
     ) -> None:
         super().__init__(n_engines, send)
         self.model = model
+        # The replicas know the GPU they share, as a pool's config says it (rule 13).
+        k = max(1, replicas_per_gpu)
         specs = [
-            ReplicaSpec(name=str(i), models=frozenset({model}), kv_tokens=kv_tokens)
+            ReplicaSpec(
+                name=str(i),
+                models=frozenset({model}),
+                kv_tokens=kv_tokens,
+                device=f"gpu{i // k}" if k > 1 else None,
+            )
             for i in range(n_engines)
         ]
         self.state = State.initial(specs, policy)

@@ -58,6 +58,22 @@ class Scenario:
     # (the reference bed runs two replicas on one GPU; a lone run gets all of it).
     replicas_per_gpu: int = 2
 
+    def __post_init__(self) -> None:
+        for name in ("engines", "replicas_per_gpu"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("batch", "interactive", "runs", "max_tool_calls", "context_chars"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("tool_s", "tool_result_chars"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.reply_tokens < 1 or not self.minutes > 0:
+            raise ValueError(
+                f"reply_tokens must be >= 1 and minutes > 0, got {self.reply_tokens}, "
+                f"{self.minutes}"
+            )
+
 
 SCENARIOS: dict[str, Scenario] = {
     "flood": Scenario(name="flood", batch=48, interactive=4, context_chars=8000),
@@ -337,7 +353,12 @@ def make_arm(name: str, scenario: Scenario, send: Send) -> Arm:
     n = scenario.engines
     if name == "luftpause":
         return Luftpause(
-            n, send, model=MODEL, kv_tokens=scenario.engine.kv_pool_tokens, policy=scenario.policy
+            n,
+            send,
+            model=MODEL,
+            kv_tokens=scenario.engine.kv_pool_tokens,
+            policy=scenario.policy,
+            replicas_per_gpu=scenario.replicas_per_gpu,
         )
     arms: dict[str, type[Arm]] = {
         "direct": Direct,

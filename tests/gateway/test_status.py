@@ -161,6 +161,8 @@ def test_snapshot_of_a_hand_built_state() -> None:
                 "kv_limit_tokens": 8000,
                 "kv_batch_limit_tokens": 7000,  # 70 % of the pool (no lane here)
                 "interactive_lane": False,
+                "device": None,
+                "led_by": None,
             },
             {
                 "name": "b",
@@ -179,6 +181,8 @@ def test_snapshot_of_a_hand_built_state() -> None:
                 "kv_limit_tokens": None,
                 "kv_batch_limit_tokens": None,
                 "interactive_lane": False,
+                "device": None,
+                "led_by": None,
             },
         ],
         "held": {
@@ -538,6 +542,20 @@ def test_snapshot_shows_an_interactive_lane_and_its_batch_limit() -> None:
     (a,) = status_snapshot(state, {}, {}, 2.0)["replicas"]
     assert a["interactive_lane"] is True and a["kv_batch_limit_tokens"] == 2500
     assert a["kv_limit_tokens"] == 8000
+
+
+def test_snapshot_shows_which_replica_of_a_shared_gpu_takes_its_new_runs() -> None:
+    specs = [
+        ReplicaSpec(name=n, models=frozenset({MODEL}), kv_tokens=10_000, device="gpu0")
+        for n in ("a", "b")
+    ]
+    pack = Policy(pack_shared_devices=True)
+    state = run_events(State.initial(specs, pack), [arrived(1.0, "t1", "r1", "alice", prompt=9)])
+    a, b = status_snapshot(state, {}, {}, 2.0)["replicas"]
+    assert (a["device"], a["led_by"]) == ("gpu0", None)
+    assert (b["device"], b["led_by"]) == ("gpu0", "a")  # a holds the interactive run
+    off = run_events(State.initial(specs), [arrived(1.0, "t1", "r1", "alice", prompt=9)])
+    assert [r["led_by"] for r in status_snapshot(off, {}, {}, 2.0)["replicas"]] == [None, None]
 
 
 async def test_the_state_is_walked_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:

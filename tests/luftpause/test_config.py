@@ -247,6 +247,28 @@ def test_the_newer_apis_default_by_kind_and_the_file_decides() -> None:
             "and a known KV pool (kv_tokens, or endpoints of kind sglang or vllm",
         ),
         (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="ollama"\nmodels=["m"]\n'
+            'device="gpu0"\n[policy]\npack_shared_devices=true',
+            "policy.pack_shared_devices: it packs new runs beside the interactive runs holding "
+            "KV on a shared GPU; it needs kv_admission = true and endpoints that give a "
+            "`device` and a known KV pool",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+            "[policy]\npack_shared_devices=true",
+            "endpoints that give a `device`",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+            'dp_size=2\ndevice="gpu0"',
+            "endpoints[0]: device is for one engine server on one GPU it shares with other "
+            "endpoints; not for kind 'router' or 'classifier', discover or dp_size > 1",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\ndevice=""',
+            "endpoints[0].device: String should have at least 1 character",
+        ),
+        (
             '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
             "[policy]\nturn_timeout_s=0.001",
             "policy.turn_timeout_s: Input should be greater than or equal to 1",
@@ -479,6 +501,23 @@ def test_the_policy_section_sets_the_schedulers_constants(tmp_path: Path) -> Non
         turn_timeout_s=120.0,
         max_held_per_caller=64,
     )
+
+
+def test_endpoints_on_one_gpu_reach_the_core_with_their_device(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path,
+        '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+        'device="gpu0"\n[[endpoints]]\nname="b"\nurl="http://h:2"\nkind="sglang"\n'
+        'models=["m"]\ndevice="gpu0"\n[[endpoints]]\nname="c"\nurl="http://h:3"\n'
+        'kind="vllm"\nmodels=["m"]\n[policy]\npack_shared_devices=true\n',
+    )
+    config = load_config(path)
+    assert config.policy.to_policy().pack_shared_devices
+    assert {s.name: s.device for s in config.replica_specs()} == {
+        "a": "gpu0",
+        "b": "gpu0",
+        "c": None,
+    }
 
 
 def test_the_readmes_example_file_is_valid() -> None:

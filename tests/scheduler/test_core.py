@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import pytest
 
@@ -48,10 +49,14 @@ class Driver:
         kv_tokens: int | None = None,
         policy: Policy | None = None,
         serves: dict[str, Sequence[str]] | None = None,  # per replica, instead of `models`
+        devices: dict[str, str] | None = None,  # replica -> the GPU it shares (rule 13)
     ) -> None:
         specs = [
             ReplicaSpec(
-                name=r, models=frozenset((serves or {}).get(r, models)), kv_tokens=kv_tokens
+                name=r,
+                models=frozenset((serves or {}).get(r, models)),
+                kv_tokens=kv_tokens,
+                device=(devices or {}).get(r),
             )
             for r in replicas
         ]
@@ -936,6 +941,87 @@ def test_without_lanes_a_new_interactive_run_goes_to_the_least_loaded_replica() 
     first = d.admitted()[i1]
     i2 = d.arrive("i2", cls=I, prompt=1000, max_tokens=200, caller="u2")
     assert d.admitted()[i2] != first
+
+
+# --------------------------------------------------------------------- shared devices
+
+PACK = Policy(kv_fill=1.0, batch_kv_fill=None, pack_shared_devices=True)
+G0 = {"a": "g0", "b": "g0"}  # a and b time-slice one GPU; c has its own
+
+
+def test_on_a_shared_device_new_runs_go_where_interactive_runs_are() -> None:
+    d = Driver(("a", "b", "c"), kv_tokens=10_000, policy=PACK, devices=G0)
+    i1 = d.arrive("i1", cls=I, prompt=1000, max_tokens=200)
+    assert d.admitted() == {i1: "a"}
+    got = {}
+    for n in range(4):
+        got.update(d.admitted() if d.arrive(f"x{n}", cls=B, prompt=200, max_tokens=100) else {})
+    # least loaded first, but never b while a (its device) holds an interactive run
+    assert set(got.values()) == {"a", "c"}
+    assert d.state.replicas["b"].load == 0
+    assert d.state.replicas["b"].load < min(d.state.replicas[n].load for n in "ac")
+    i2 = d.arrive("i2", cls=I, prompt=1000, max_tokens=200, caller="u2")
+    assert d.admitted()[i2] != "b"  # b is the least loaded, and closed to new runs
+
+
+def test_without_packing_or_a_device_the_same_runs_spread() -> None:
+    for policy, devices in ((PACK, None), (replace(PACK, pack_shared_devices=False), G0)):
+        d = Driver(("a", "b"), kv_tokens=10_000, policy=policy, devices=devices)
+        d.arrive("i1", cls=I, prompt=1000, max_tokens=200)
+        x = d.arrive("x", cls=B, prompt=200, max_tokens=100)
+        assert d.admitted() == {x: "b"}
+
+
+def test_the_other_replica_of_the_device_drains_its_runs_then_opens() -> None:
+    d = Driver(("a", "b"), kv_tokens=3_000, policy=PACK, devices=G0)
+    x1 = d.arrive("x1", cls=B, prompt=1600, max_tokens=200)
+    assert d.admitted() == {x1: "a"}  # no interactive run yet: batch spreads
+    x2 = d.arrive("x2", cls=B, prompt=1000, max_tokens=200)
+    assert d.admitted() == {x2: "b"}
+    d.finish(x1, "tool_calls", prompt=1600, out=200)  # paused on a
+    d.finish(x2, "tool_calls", prompt=1000, out=200)  # paused on b
+    i1 = d.arrive("i1", cls=I, prompt=600, max_tokens=200)  # equal loads: a
+    assert d.admitted() == {i1: "a"}  # fits a's 3,000 beside x1 (1,800)
+    x3 = d.arrive("x3", cls=B, prompt=1400, max_tokens=200)
+    assert x3 in d.held_ids()  # a is full, and b is closed to new runs
+    # b's own run goes on there (strict affinity): it drains, it is not cut off
+    t = d.arrive("x2", cls=B, prompt=1400, max_tokens=200)
+    assert d.admitted() == {t: "b"}
+    d.finish(t, "stop", prompt=1400, out=200)
+    assert x3 in d.held_ids() and d.state.replicas["b"].load == 0
+    d.finish(i1, "stop", prompt=600, out=200)  # no interactive run on the device now
+    assert d.admitted() == {x3: "b"}
+
+
+def test_the_device_opens_when_its_leader_leaves_rotation() -> None:
+    d = Driver(("a", "b"), kv_tokens=3_000, policy=PACK, devices=G0)
+    i1 = d.arrive("i1", cls=I, prompt=1000, max_tokens=200)
+    x1 = d.arrive("x1", cls=B, prompt=1400, max_tokens=200)
+    assert d.admitted() == {x1: "a"}
+    x2 = d.arrive("x2", cls=B, prompt=1400, max_tokens=200)
+    assert x2 in d.held_ids()  # a is full; b is closed
+    d.probe("a", None, None, healthy=False)
+    assert d.admitted() == {x2: "b"}
+    d.probe("a", None, None, healthy=True)  # a leads again: b takes no new run
+    d.finish(i1, "tool_calls", prompt=1000, out=200)
+    x3 = d.arrive("x3", cls=B, prompt=200, max_tokens=100)
+    assert x3 in d.held_ids()
+
+
+def test_on_a_tie_the_first_replica_of_the_device_leads() -> None:
+    d = Driver(("a", "b"), kv_tokens=10_000, policy=PACK, devices=G0)
+    i1 = d.arrive("i1", cls=I, prompt=1000, max_tokens=200)
+    d.probe("a", None, None, healthy=False)
+    i2 = d.arrive("i2", cls=I, prompt=1000, max_tokens=200, caller="u2")
+    assert d.admitted() == {i2: "b"}
+    d.finish(i2, "tool_calls", prompt=1000, out=200)
+    d.probe("a", None, None, healthy=True)  # one interactive run on each: a leads
+    assert d.state.replicas["a"].interactive_runs == d.state.replicas["b"].interactive_runs == 1
+    x = d.arrive("x", cls=B, prompt=200, max_tokens=100)
+    assert d.admitted() == {x: "a"}
+    d.finish(i1, "stop", prompt=1000, out=200)  # a's run is idle: b leads now
+    y = d.arrive("y", cls=B, prompt=200, max_tokens=100)
+    assert d.admitted() == {y: "b"}
 
 
 # --------------------------------------------------------------------- lifecycle

@@ -55,6 +55,13 @@ REPLICAS = (("a", ("m0", "m1")), ("b", ("m0",)), ("c", ("m1",)))
 # replica d, with a narrowed to one model or not.
 JOINING = ("d", ("m0", "m1"))
 NARROWED = ("a", ("m0",))
+# Replicas a, b and d time-slice one GPU (rule 13); c has its own.
+DEVICES = {"a": "g0", "b": "g0", "c": None, "d": "g0"}
+
+
+def spec(name: str, models: Any, kv: int | None) -> ReplicaSpec:
+    return ReplicaSpec(name=name, models=frozenset(models), kv_tokens=kv, device=DEVICES[name])
+
 
 arrive = st.tuples(
     st.just("arrive"),
@@ -121,6 +128,7 @@ policies = st.builds(
     batch_kv_fill=st.sampled_from([None, 0.7, 0.5]),
     kv_retention_s=st.sampled_from([60.0, 5.0]),
     lane_batch_kv_fill=st.sampled_from([None, 0.3]),
+    pack_shared_devices=st.booleans(),
     max_held_per_caller=st.sampled_from([None, None, 1, 3]),
 )
 
@@ -195,9 +203,7 @@ class Runner:
             _, members, narrowed = op
             candidates = [NARROWED if narrowed else REPLICAS[0], *REPLICAS[1:], JOINING]
             specs = tuple(
-                ReplicaSpec(name=n, models=frozenset(ms), kv_tokens=self.kv)
-                for i, (n, ms) in enumerate(candidates)
-                if members & (1 << i)
+                spec(n, ms, self.kv) for i, (n, ms) in enumerate(candidates) if members & (1 << i)
             )
             return PoolChanged(now=self.now, replicas=specs)
         if kind == "policy":
@@ -337,6 +343,24 @@ def check_bookkeeping(s: State) -> None:
     )
 
 
+def led_elsewhere(s: State, name: str) -> bool:
+    """Rule 13, recounted from the runs: another replica in rotation on the device holds
+    more interactive runs with KV (or as many, and sorts first)."""
+    device = s.replicas[name].spec.device
+    if device is None or not s.policy.pack_shared_devices:
+        return False
+    lanes = Counter(
+        run.replica
+        for run in s.runs.values()
+        if run.bound and run.ws_claim and run.service_class is ServiceClass.INTERACTIVE
+    )
+    return any(
+        lanes[n] and (lanes[n], name) > (lanes[name], n)  # ties: the first name leads
+        for n, r in s.replicas.items()
+        if n != name and r.spec.device == device and r.healthy and n not in s.retired
+    )
+
+
 def could_use(s: State, x: Any, name: str) -> bool:
     """Whether held interactive turn x could have gone to replica `name`."""
     r = s.replicas[name]
@@ -344,6 +368,8 @@ def could_use(s: State, x: Any, name: str) -> bool:
         return False
     if x.bucket[0] == "pin":
         return bool(x.bucket[1] == name)
+    if led_elsewhere(s, name):
+        return False  # its device's new runs go to another replica (rule 13)
     run = s.runs.get(x.run_id)
     if s.policy.strict_affinity and run is not None and run.replica not in (None, name):
         home = s.replicas.get(run.replica)
@@ -410,6 +436,46 @@ def check_work_conserving(s: State) -> None:
                 )
 
 
+def pinned_to(s: State, run: Any, model: str) -> str | None:
+    """The replica a turn of the run must go to (rule 3), or None: it is free."""
+    if run is None or run.replica is None or not s.policy.strict_affinity:
+        return None
+    home = s.replicas.get(run.replica)
+    if not run.keeps_replica or home is None or not home.healthy or model not in home.spec.models:
+        return None
+    return str(run.replica)
+
+
+def check_device_leader(before: State, event: Event, after: State, admits: list[Admit]) -> None:
+    """Rule 13: a replica another one on its device leads takes no new run.  Judged on
+    the state after the step, which is the state every admission saw, except when an
+    interactive run claimed KV on another replica in the same step (a pinned turn, which
+    may make that one the leader after this one's admissions), or in a tick or a pool or
+    policy change (a claim may lapse, or the pool change, between admissions)."""
+    if isinstance(event, (Tick, PoolChanged, PolicyChanged)):
+        return
+    interactive_to = {
+        a.replica
+        for a in admits
+        if (t := after.turns.get(a.turn_id)) is not None
+        and t.service_class is ServiceClass.INTERACTIVE
+    }
+    for a in admits:
+        if interactive_to - {a.replica}:
+            continue
+        turn = before.turns.get(a.turn_id)
+        if turn is not None:
+            new_run = turn.bucket is not None and turn.bucket[0] == "model"
+        else:  # it arrived now: a new run unless it goes where its run is pinned (rule 3)
+            run = before.runs.get(a.run_id)
+            new_run = pinned_to(before, run, getattr(event, "model", "")) != a.replica
+        if new_run and a.replica in after.replicas and led_elsewhere(after, a.replica):
+            raise AssertionError(
+                f"new run {a.run_id} admitted to {a.replica}, which another replica of "
+                f"its device leads: {after.replicas[a.replica]}"
+            )
+
+
 def check_step(before: State, event: Event, after: State, actions: list[Action]) -> None:
     admits = [a for a in actions if isinstance(a, Admit)]
     refused = [a for a in actions if isinstance(a, Reject) and a.status == 429]
@@ -444,6 +510,7 @@ def check_step(before: State, event: Event, after: State, actions: list[Action])
         assert rejected == gone, (rejected, gone)
     elif not isinstance(event, TurnArrived):
         assert not rejected
+    check_device_leader(before, event, after, admits)
     runs = dict(before.runs)
     for a in admits:
         r = after.replicas[a.replica]
@@ -497,9 +564,7 @@ def drain(runner: Runner) -> None:
     """Give every replica health and unlimited capacity, then finish every admitted
     turn until nothing is held: every held turn must get admitted."""
     if runner.pool() != [n for n, _ in REPLICAS]:  # the whole pool back (rule 11)
-        specs = [
-            ReplicaSpec(name=n, models=frozenset(ms), kv_tokens=runner.kv) for n, ms in REPLICAS
-        ]
+        specs = [spec(n, ms, runner.kv) for n, ms in REPLICAS]
         runner.apply(PoolChanged(now=runner.now, replicas=tuple(specs)))
     for name, _ in REPLICAS:
         runner.apply(ReplicaProbed(now=runner.now, replica=name, healthy=True))
@@ -529,9 +594,7 @@ def replays_and_drains(runner: Runner, start: State) -> None:
 
 
 def initial(policy: Policy, kv: int | None) -> State:
-    return State.initial(
-        [ReplicaSpec(name=n, models=frozenset(ms), kv_tokens=kv) for n, ms in REPLICAS], policy
-    )
+    return State.initial([spec(n, ms, kv) for n, ms in REPLICAS], policy)
 
 
 @given(

@@ -126,6 +126,32 @@ def test_cli_rejects_bad_flags_clearly() -> None:
     out = _cli("sim", "flood", "--policy", "batch_kv_fill=most")
     assert out.returncode != 0 and "expected a number (or none), got 'most'" in out.stderr
     assert "Traceback" not in out.stderr
+    for flag, message in (
+        ("--engines", "engines must be >= 1, got 0"),
+        ("--replicas-per-gpu", "replicas_per_gpu must be >= 1, got 0"),
+        ("--kv-tokens", "kv_pool_tokens must hold at least one block"),
+    ):
+        out = _cli("sim", "flood", flag, "0")
+        assert out.returncode != 0 and f"luftpause sim: {message}" in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr
+
+
+def test_packing_a_shared_gpu_trades_batch_runs_for_interactive_ones() -> None:
+    """Rule 13 on the flood: the interactive runs' replica gets the GPU to itself
+    (bench/RESULTS.md has the 3-minute, 3-seed figures); on replicas that do not share
+    a GPU the switch changes nothing."""
+    sc = replace(SCENARIOS["flood"], minutes=2.0)
+    pack = replace(sc.policy, pack_shared_devices=True)
+    plain = simulate(sc, "luftpause")
+    packed = simulate(replace(sc, policy=pack), "luftpause")
+    print(plain.interactive_runs, plain.batch_runs, packed.interactive_runs, packed.batch_runs)
+    assert packed.interactive_runs >= 1.3 * plain.interactive_runs
+    assert packed.batch_runs < plain.batch_runs
+    own = replace(sc, replicas_per_gpu=1)
+    a = simulate(own, "luftpause").as_json()
+    b = simulate(replace(own, policy=pack), "luftpause").as_json()
+    a.pop("wall_s"), b.pop("wall_s")
+    assert a == b
 
 
 def test_cli_policy_switches_an_optional_knob_off_and_on() -> None:
