@@ -34,14 +34,23 @@ VARIANTS: dict[str, dict[str, object]] = {
         "lane_batch_kv_fill": 0.3,
         "batch_kv_fill": None,
     },
+    "+ shared-GPU packing (pack_shared_devices)": {"pack_shared_devices": True},
 }
 
-# --frontier: the P/W trade-off along the two knobs that move it.
+# --frontier: the P/W trade-off along the knobs that move it.
 FRONTIER: dict[str, dict[str, object]] = {
     **{f"batch_kv_fill={f}": {"batch_kv_fill": f} for f in (0.75, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2)},
     **{
         f"lanes, lane_batch_kv_fill={f}": {"lane_batch_kv_fill": f, "batch_kv_fill": None}
         for f in (0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
+    },
+    **{
+        f"packed GPU, kv_fill=0.9, batch_kv_fill={f}": {
+            "pack_shared_devices": True,
+            "kv_fill": 0.9,
+            "batch_kv_fill": f,
+        }
+        for f in (0.9, 0.85, 0.8, 0.75, 0.7, 0.6)
     },
 }
 
