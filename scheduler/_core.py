@@ -71,11 +71,13 @@ Rules (DESIGN.md "The scheduler"), stated once, enforced here and nowhere else:
     replicas on one GPU time-slice it, so each decodes at about half speed while the
     other has work.  While interactive runs hold KV on a device, the device's replica in
     rotation with the most of them (the first by name on a tie) leads it, and the
-    device's other replicas take no new runs: their runs go on there (rule 3) and end,
-    and the leader's decode steps get the whole GPU.
+    device's other replicas take no new runs of the models it serves: with strict
+    affinity their runs go on there (rule 3) and end, and the leader's decode steps get
+    the whole GPU.
 
 After every event no held turn is admissible (except behind a turn waiting for KV, as
-in rule 6): each event that frees capacity on a replica refills that replica.  Held
+in rule 6): each event that frees capacity on a replica refills that replica, and one
+that may change which replica leads a device (rule 13) refills the device's replicas.  Held
 turns are bucketed by where they may go (one replica, or any replica serving a model)
 and class; each bucket orders its callers by (turns in flight, oldest held turn) in a
 persistent sorted set, so picking the next turn for a replica reads a few bucket heads
@@ -130,6 +132,7 @@ _GENERATING = RunPhase.GENERATING
 _PAUSED = RunPhase.PAUSED
 _IDLE = RunPhase.IDLE
 _CLASSES = (_INTERACTIVE, _BATCH)
+_NO_MODELS: frozenset[str] = frozenset()
 _PIN = "pin"
 _MODEL = "model"
 
@@ -1155,9 +1158,10 @@ class _Tx:
         r = self.replicas[name]
         if not r.has_slot():
             return None
-        # A better unbound run waits for KV: no unbound run jumps it.  A replica whose
-        # device another one leads (rule 13) takes no unbound run at all.
-        kv_blocked = r.spec.device is not None and self._led_elsewhere(name, r)
+        # A replica whose device another one leads (rule 13) takes no unbound run of a
+        # model the leader serves.
+        closed = self._led_models(name, r) if r.spec.device is not None else _NO_MODELS
+        kv_blocked = False  # a better unbound run waits for KV: no unbound run jumps it
         for cls in _CLASSES:
             if cls is _BATCH and not r.batch_room(self.policy):
                 return None
@@ -1167,6 +1171,8 @@ class _Tx:
                 best = None
                 if not skip_models:
                     for m in r.spec.models:
+                        if m in closed:
+                            continue
                         h = self._head((_MODEL, m, cls))
                         if h is not None and (best is None or h[0] < best[0]):
                             best = h
@@ -1201,14 +1207,14 @@ class _Tx:
                     self.refill.append(home)
         return None
 
-    def _led_elsewhere(self, name: str, r: ReplicaState) -> bool:
-        """Rule 13: whether another replica of its device takes the device's new runs."""
+    def _led_models(self, name: str, r: ReplicaState) -> frozenset[str]:
+        """Rule 13: the models whose new runs go to the replica that leads its device
+        (those the leader serves), none if it leads or packing is off."""
         if not self.policy.pack_shared_devices:
-            return False
+            return _NO_MODELS
         # (the pool as this event found it: a replica that joins starts out of rotation)
-        return (
-            _leader(self.replicas, self.state._replicas.keys(), self.retired, name, r) is not None
-        )
+        leader = _leader(self.replicas, self.state._replicas.keys(), self.retired, name, r)
+        return _NO_MODELS if leader is None else self.replicas[leader].spec.models
 
     def _device_mates(self, name: str) -> list[str]:
         """The other replicas of its device (rule 13), in the pool's name order."""
@@ -1338,8 +1344,10 @@ class _Tx:
     ) -> None:
         """Change a replica's counters (one copy of its record)."""
         r = self.replicas[name]
-        if interactive and r.spec.device is not None:
-            self.refill += self._device_mates(name)  # which one leads may change (rule 13)
+        if interactive and r.spec.device is not None and self.policy.pack_shared_devices:
+            # Which one leads may change (rule 13): this one, or the others, may open.
+            self.refill.append(name)
+            self.refill += self._device_mates(name)
         self.replicas[name] = ReplicaState(
             r.spec, r.probe_ok, r.queued, r.running, r.cap, r.in_flight + in_flight,
             r.paused_interactive + paused, r.bound_runs + bound, r.ws_tokens + ws,

@@ -114,10 +114,11 @@ class Policy:
     lane_batch_kv_fill: float | None = None
     # Shared devices (rule 13): replicas that time-slice one GPU each decode at about
     # half its speed while both have work.  While interactive runs hold KV on a replica
-    # of a device, its other replicas take no new runs, so they drain and the
-    # interactive runs' replica gets the whole device: interactive runs/min 1.6x, batch
-    # runs/min 0.75x in the simulated flood (bench/RESULTS.md).  Only for
-    # replicas that declare a `device`.  Off: a trade of batch for interactive work.
+    # of a device, its other replicas take no new runs of the models it serves, so they
+    # drain and the interactive runs' replica gets the whole device: interactive
+    # runs/min 1.6x, batch runs/min 0.75x in the simulated flood (bench/RESULTS.md).
+    # Only for replicas that declare a `device`.  Off by default, as it trades batch
+    # work for interactive.
     pack_shared_devices: bool = False
 
 

@@ -1024,6 +1024,51 @@ def test_on_a_tie_the_first_replica_of_the_device_leads() -> None:
     assert d.admitted() == {y: "b"}
 
 
+def test_a_led_replica_still_takes_models_its_leader_does_not_serve() -> None:
+    d = Driver(
+        ("a", "b"), kv_tokens=10_000, policy=PACK, devices=G0, serves={"a": ["m1"], "b": ["m0"]}
+    )
+    a1 = d.arrive("A", cls=I, model="m1", prompt=500)
+    d.finish(a1, "tool_calls", prompt=500, out=50)  # a leads the GPU
+    assert d.state.led_by("b") == "a"
+    b1 = d.arrive("B", cls=I, model="m0", prompt=500)
+    assert d.admitted() == {b1: "b"}  # no replica that leads serves m0: not held forever
+
+
+def test_a_replica_that_comes_to_lead_its_device_is_refilled() -> None:
+    # A run generating on b claims KV there only once the pool counts (kv_admission on
+    # while it runs); a turn of it away on c makes the claim, and b leads with a slot
+    # free: the new run held for the device goes to b in the same step.
+    plain = replace(PACK, kv_fill=0.8, batch_kv_fill=0.7, kv_admission=False)
+    d = Driver(
+        ("a", "b", "c"),
+        kv_tokens=10_000,
+        policy=plain,
+        devices=G0,
+        serves={"a": ["m0", "m1"], "b": ["m0"], "c": ["m1"]},
+    )
+    t0 = d.arrive("R0", cls=I, model="m0", prompt=500, max_tokens=100)
+    assert d.admitted() == {t0: "a"}
+    d.probe("a", None, None, healthy=False)
+    t1 = d.arrive("R1", cls=I, model="m0", prompt=500, max_tokens=100, caller="u1")
+    t2 = d.arrive("R2", cls=I, model="m0", prompt=500, max_tokens=100, caller="u2")
+    assert d.admitted() == {t2: "b"} and d.state.turns[t1].replica == "b"
+    d.probe("a", None, None)
+    d.feed(PolicyChanged(now=d.step(), policy=replace(plain, kv_admission=True)))
+    d.finish(t0, "tool_calls", prompt=500, out=100)  # a: one interactive run with KV
+    d.finish(t1, "tool_calls", prompt=500, out=100)  # b: one too; a leads on the tie
+    assert d.state.led_by("b") == "a"
+    d.cap("a", 1)
+    t3 = d.arrive("R0", cls=I, model="m0", prompt=600, max_tokens=100)
+    assert d.admitted() == {t3: "a"}  # pinned there; a is full now
+    t4 = d.arrive("R4", cls=I, model="m0", prompt=500, max_tokens=100, caller="u4")
+    assert t4 in d.held_ids()  # a full, b led by a
+    t5 = d.arrive("R2", cls=I, model="m1", prompt=500, max_tokens=100, caller="u2")
+    assert d.state.turns[t5].replica == "c"  # away from b, which does not serve m1
+    assert d.admitted()[t4] == "b"  # R2's claim made b the leader, and it looked again
+    assert d.state.led_by("b") is None and d.state.led_by("a") == "b"
+
+
 # --------------------------------------------------------------------- lifecycle
 
 

@@ -343,22 +343,34 @@ def check_bookkeeping(s: State) -> None:
     )
 
 
-def led_elsewhere(s: State, name: str) -> bool:
-    """Rule 13, recounted from the runs: another replica in rotation on the device holds
-    more interactive runs with KV (or as many, and sorts first)."""
+def leader_of(s: State, name: str) -> str | None:
+    """Rule 13, recounted from the runs: the replica in rotation on the device that holds
+    the most interactive runs with KV (the first by name on a tie), if not this one."""
     device = s.replicas[name].spec.device
     if device is None or not s.policy.pack_shared_devices:
-        return False
+        return None
     lanes = Counter(
         run.replica
         for run in s.runs.values()
         if run.bound and run.ws_claim and run.service_class is ServiceClass.INTERACTIVE
     )
-    return any(
-        lanes[n] and (lanes[n], name) > (lanes[name], n)  # ties: the first name leads
+    rivals = [
+        (lanes[n], n)
         for n, r in s.replicas.items()
-        if n != name and r.spec.device == device and r.healthy and n not in s.retired
-    )
+        if n != name and lanes[n] and r.spec.device == device and r.healthy and n not in s.retired
+    ]
+    if not rivals:
+        return None
+    most, first = min(rivals, key=lambda c: (-c[0], c[1]))
+    leads = most > lanes[name] or (most == lanes[name] and first < name)
+    return first if leads else None
+
+
+def closed_to(s: State, name: str, model: str) -> bool:
+    """Rule 13: a new run of this model does not go to the replica (its device's leader
+    serves the model)."""
+    leader = leader_of(s, name)
+    return leader is not None and model in s.replicas[leader].spec.models
 
 
 def could_use(s: State, x: Any, name: str) -> bool:
@@ -368,7 +380,7 @@ def could_use(s: State, x: Any, name: str) -> bool:
         return False
     if x.bucket[0] == "pin":
         return bool(x.bucket[1] == name)
-    if led_elsewhere(s, name):
+    if closed_to(s, name, x.model):
         return False  # its device's new runs go to another replica (rule 13)
     run = s.runs.get(x.run_id)
     if s.policy.strict_affinity and run is not None and run.replica not in (None, name):
@@ -447,33 +459,48 @@ def pinned_to(s: State, run: Any, model: str) -> str | None:
 
 
 def check_device_leader(before: State, event: Event, after: State, admits: list[Admit]) -> None:
-    """Rule 13: a replica another one on its device leads takes no new run.  Judged on
-    the state after the step, which is the state every admission saw, except when an
-    interactive run claimed KV on another replica in the same step (a pinned turn, which
-    may make that one the leader after this one's admissions), or in a tick or a pool or
-    policy change (a claim may lapse, or the pool change, between admissions)."""
-    if isinstance(event, (Tick, PoolChanged, PolicyChanged)):
+    """Rule 13: a replica another one on its device leads takes no new run of a model
+    the leader serves.  Judged on the state after the step, which is the state every
+    admission saw, unless an interactive run was admitted on the device in the step (a
+    pinned turn may make another replica the leader after this one's admissions).  In a
+    tick and a policy change claims may lapse or drop between admissions: there only
+    where the replica and its leader kept their counts through the step."""
+    if isinstance(event, PoolChanged):
         return
-    interactive_to = {
-        a.replica
+    device_of = {n: r.spec.device for n, r in after.replicas.items()}
+    interactive_on = {
+        device_of.get(a.replica)
         for a in admits
         if (t := after.turns.get(a.turn_id)) is not None
         and t.service_class is ServiceClass.INTERACTIVE
     }
+    bound_now: set[tuple[str, str]] = set()  # (run, replica) bound by an earlier admission
     for a in admits:
-        if interactive_to - {a.replica}:
-            continue
         turn = before.turns.get(a.turn_id)
-        if turn is not None:
-            new_run = turn.bucket is not None and turn.bucket[0] == "model"
-        else:  # it arrived now: a new run unless it goes where its run is pinned (rule 3)
-            run = before.runs.get(a.run_id)
-            new_run = pinned_to(before, run, getattr(event, "model", "")) != a.replica
-        if new_run and a.replica in after.replicas and led_elsewhere(after, a.replica):
-            raise AssertionError(
-                f"new run {a.run_id} admitted to {a.replica}, which another replica of "
-                f"its device leads: {after.replicas[a.replica]}"
-            )
+        model = turn.model if turn is not None else getattr(event, "model", "")
+        run = before.runs.get(a.run_id)
+        new_run = (a.run_id, a.replica) not in bound_now and pinned_to(
+            before, run, model
+        ) != a.replica
+        bound_now.add((a.run_id, a.replica))
+        name = a.replica
+        if not new_run or name not in after.replicas or device_of[name] in interactive_on:
+            continue
+        if not closed_to(after, name, model):
+            continue
+        if isinstance(event, (Tick, PolicyChanged)):
+            leader = leader_of(after, name)
+            if leader is None or leader_of(before, name) != leader:
+                continue
+            if any(
+                before.replicas[n].interactive_runs != after.replicas[n].interactive_runs
+                for n in (name, leader)
+            ):
+                continue
+        raise AssertionError(
+            f"new run {a.run_id} admitted to {name}, which another replica of its device "
+            f"leads: {after.replicas[name]}"
+        )
 
 
 def check_step(before: State, event: Event, after: State, actions: list[Action]) -> None:
