@@ -15,10 +15,13 @@ Rules (DESIGN.md "The scheduler"), stated once, enforced here and nowhere else:
    failed turn (its run is idle, but its prefix is cached there).  Any other idle run
    prefers its last replica but may move; a new run goes to the least loaded healthy
    replica.  A run's replica is that of its last admitted turn, except that a run
-   generating on a healthy replica stays there when another of its turns goes elsewhere
-   (a model that replica does not serve, or affinity off): its prefix and KV claim stay
-   where that turn runs, and the turn away claims its own KV where it runs, until it
-   ends; its usage is not the run's context.  (A turn's usage sets its run's context,
+   generating on a healthy replica, or paused on a tool there (with strict affinity),
+   stays there when another of its turns goes elsewhere (a model that replica does not
+   serve, or affinity off): its prefix and KV claim stay where that turn runs or will
+   come back, and the turn away claims its own KV where it runs, until it ends; its
+   usage is not the run's context, and a paused run stays paused through it (a
+   harness's side request to a small model while a tool runs does not cost the run
+   its replica).  (A turn's usage sets its run's context,
    which sizes the run's claim and its held turns, but does not shrink it while
    another turn of the run still runs there.)
 4. Batch turns leave one slot for every interactive run paused on a tool there, and
@@ -523,8 +526,9 @@ def _kv_need(turn: TurnState, run: RunState | None) -> int:
 
 
 def _expiry_key(run: RunState | None) -> tuple[float, str] | None:
-    """The run's entry in the expiry timer (rule 8): while it is not generating."""
-    if run is None or run.phase is _GENERATING:
+    """The run's entry in the expiry timer (rule 8): while it is not generating and no
+    turn of it runs (a paused run's turn away, rule 3, keeps it)."""
+    if run is None or run.phase is _GENERATING or run.in_flight:
         return None
     return run.last_active, run.run_id
 
@@ -818,16 +822,19 @@ class _Tx:
             else:
                 # Paused on a tool, or idle (retrying if it failed): built whole, as
                 # the finish path is the core's hottest (a _replace costs twice as much).
-                phase = _PAUSED if finish_reason == "tool_calls" else _IDLE
+                # A turn away from a run paused on a tool leaves it paused (rule 3).
+                kept = run.phase is _PAUSED
+                phase = _PAUSED if kept or finish_reason == "tool_calls" else _IDLE
                 after = RunState(
                     run.run_id, run.service_class, run.caller, run.model, phase, run.replica,
-                    0, context, run.reply_tokens, self.now, run.bound, run.ws_claim,
-                    run.counted_paused, run.ended, finish_reason is None,
+                    0, context, run.reply_tokens, run.last_active if kept else self.now,
+                    run.bound, run.ws_claim, run.counted_paused, run.ended,
+                    finish_reason is None and not kept,
                 )  # fmt: skip
                 self._set_run(after)
         names = [name]
         if run is not None and run.replica not in (None, name) and run.replica in self.replicas:
-            names.append(run.replica)  # the run moved; its claim there may be gone too
+            names.append(run.replica)  # the run moved, or this turn ran away from it
         if run is not None and grown:
             names += [n for n in self._grown() if n not in names]
         if shrank and self.buckets:
@@ -1262,7 +1269,11 @@ class _Tx:
         self.callers[caller] = _Caller(n, buckets)
         old = self.runs.get(t.run_id)
         away = False  # the run stays on its replica (rule 3): this turn claims for itself
-        if old is not None and old.phase is _GENERATING and old.replica not in (None, name):
+        if (
+            old is not None
+            and old.replica not in (None, name)
+            and (old.phase is _GENERATING or (old.phase is _PAUSED and self.policy.strict_affinity))
+        ):
             home = self.replicas.get(old.replica)
             away = home is not None and home.healthy
         claim = 0
@@ -1292,12 +1303,16 @@ class _Tx:
             )
         )
         if away:
-            # Another of its turns is generating on its replica (this one is for a model
-            # that replica does not serve, or affinity is off): the run, its prefix and
-            # its KV claim stay where that turn runs; this turn's claim is its own.
+            # Another of its turns is generating on its replica, or it is paused there on
+            # a tool (this one is for a model that replica does not serve, or affinity is
+            # off): the run, its phase, its prefix and its KV claim stay there; this
+            # turn's claim is its own.
+            # A paused run stays paused since its pause: its claim's retention (rule 6)
+            # and its expiry (rule 8) do not restart for a side turn.
             assert old is not None
+            active = old.last_active if old.phase is _PAUSED else self.now
             self._replace_run(
-                old, old._replace(in_flight=old.in_flight + 1, caller=caller, last_active=self.now)
+                old, old._replace(in_flight=old.in_flight + 1, caller=caller, last_active=active)
             )
             return
         context = t.prompt_tokens

@@ -373,6 +373,66 @@ def test_a_turn_for_another_model_leaves_a_generating_run_where_it_is() -> None:
     assert d.state.turns[t3].bucket == ("pin", "a", I)
 
 
+@pytest.mark.parametrize("outcome", ["stop", "tool_calls", "failed"])
+def test_a_turn_for_another_model_leaves_a_paused_run_paused_where_it_is(outcome: str) -> None:
+    # The same while the run is paused on a tool: Claude Code's small-model requests
+    # come while its tools run.  The run moved to the small model's replica, and its
+    # next main-model turn lost its prefix and its claim on the pool.
+    d = Driver(("a", "b"), kv_tokens=10_000, serves={"a": ["big"], "b": ["small"]})
+    t1 = d.arrive("r1", model="big", prompt=3000)
+    d.finish(t1, "tool_calls", prompt=3000, out=100)
+    claim = d.state.replicas["a"].ws_tokens
+    assert d.state.runs["r1"].phase is RunPhase.PAUSED and claim > 3000
+    t2 = d.arrive("r1", model="small", prompt=500)
+    assert d.admitted() == {t2: "b"}
+    run = d.state.runs["r1"]
+    assert (run.phase, run.replica, run.in_flight) == (RunPhase.PAUSED, "a", 1)
+    assert d.state.replicas["a"].ws_tokens == claim and d.state.replicas["b"].bound_runs == 0
+    if outcome == "failed":
+        d.feed(TurnFailed(now=d.step(), turn_id=t2))
+    else:
+        d.finish(t2, outcome, prompt=500, out=50)
+    run = d.state.runs["r1"]
+    assert (run.phase, run.replica, run.in_flight) == (RunPhase.PAUSED, "a", 0)
+    assert run.context_tokens == 3100 and d.state.replicas["a"].ws_tokens == claim
+    d.cap("a", 0)
+    d.arrive("s1", model="big", turn="s1")  # a is full now
+    t3 = d.arrive("r1", model="big", prompt=3200)  # the tool's result waits for a
+    assert d.state.turns[t3].bucket == ("pin", "a", I)
+
+
+def test_a_side_turn_neither_restarts_a_paused_runs_retention_nor_lets_it_expire() -> None:
+    policy = Policy(kv_retention_s=60.0, idle_run_expiry_s=100.0)
+    d = Driver(("a", "b"), kv_tokens=10_000, policy=policy, serves={"a": ["big"], "b": ["small"]})
+    t1 = d.arrive("r1", model="big", prompt=3000)
+    d.finish(t1, "tool_calls", prompt=3000, out=100)
+    paused_at = d.now
+    d.now = paused_at + 30
+    t2 = d.arrive("r1", model="small", prompt=500)  # 31 s into the tool call
+    d.feed(Tick(now=paused_at + 61))
+    assert d.state.runs["r1"].ws_claim == 0  # lapsed 60 s after the pause, as without t2
+    d.feed(TurnAlive(now=paused_at + 90, turn_id=t2))
+    d.feed(Tick(now=paused_at + 150))
+    assert d.actions == [] and d.state.runs["r1"].in_flight == 1  # not forgotten under t2
+    d.now = paused_at + 150
+    d.finish(t2, prompt=500, out=50)
+    assert d.state.runs["r1"].phase is RunPhase.PAUSED
+    d.feed(Tick(now=d.step()))
+    assert d.actions == [Forget(run_id="r1", expired=True)]  # paused > 100 s since its pause
+
+
+def test_without_strict_affinity_a_paused_run_moves_with_its_turn() -> None:
+    d = Driver(
+        ("a", "b"), policy=Policy(strict_affinity=False), serves={"a": ["big"], "b": ["small"]}
+    )
+    t1 = d.arrive("r1", model="big")
+    d.finish(t1, "tool_calls")
+    t2 = d.arrive("r1", model="small")
+    assert d.admitted() == {t2: "b"}
+    run = d.state.runs["r1"]
+    assert (run.phase, run.replica) == (RunPhase.GENERATING, "b")
+
+
 def test_a_turn_away_from_its_runs_replica_claims_kv_where_it_runs() -> None:
     # The run's claim stays with its replica; the turn on the other one counts there
     # until it ends, and its usage is not the run's context (helper-55's two cases).

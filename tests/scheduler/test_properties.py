@@ -324,9 +324,14 @@ def check_bookkeeping(s: State) -> None:
     for caller, n in by_caller.items():
         assert s.caller_in_flight(caller) == n
     for run in s.runs.values():
-        n = sum(1 for t in s.admitted() if t.run_id == run.run_id)
-        assert run.in_flight == n
-        assert (run.phase is RunPhase.GENERATING) == (n > 0)
+        mine = [t for t in s.admitted() if t.run_id == run.run_id]
+        assert run.in_flight == len(mine)
+        if run.phase is RunPhase.GENERATING:
+            assert mine
+        elif run.phase is RunPhase.IDLE:
+            assert not mine
+        else:  # paused on a tool: only turns of other models, away from its replica (rule 3)
+            assert all(t.replica != run.replica for t in mine), (run, mine)
     # Each timer holds exactly the entries of what waits for it, in order: none left
     # behind by a turn that finished or a run that went on, so they stay the size of
     # the state however long the gateway runs.
@@ -334,7 +339,7 @@ def check_bookkeeping(s: State) -> None:
     assert list(s._expiry) == sorted(
         (run.last_active, run.run_id)
         for run in s.runs.values()
-        if run.phase is not RunPhase.GENERATING
+        if run.phase is not RunPhase.GENERATING and not run.in_flight
     )
     assert list(s._retention) == sorted(
         (run.last_active, run.run_id)
@@ -559,10 +564,14 @@ def check_step(before: State, event: Event, after: State, actions: list[Action])
                     f"admitted to {a.replica}"
                 )
         if run is not None:
-            # A run generating on a replica in rotation stays there when another of its
-            # turns goes elsewhere (a model that replica does not serve); else it moves.
+            # A run generating on a replica in rotation, or paused on a tool there (with
+            # strict affinity), stays there when another of its turns goes elsewhere (a
+            # model that replica does not serve); else it moves.
             home = after.replicas.get(run.replica) if run.replica is not None else None
-            stays = run.phase is RunPhase.GENERATING and home is not None and home.healthy
+            holds = run.phase is RunPhase.GENERATING or (
+                run.phase is RunPhase.PAUSED and after.policy.strict_affinity
+            )
+            stays = holds and home is not None and home.healthy
             if not stays:
                 runs[a.run_id] = run._replace(phase=RunPhase.GENERATING, replica=a.replica)
     held_interactive = [t for t in after.held() if t.service_class is ServiceClass.INTERACTIVE]
