@@ -210,7 +210,7 @@ class RunState(Record):
     _FIELDS = (
         "run_id", "service_class", "caller", "model", "phase", "replica", "in_flight",
         "context_tokens", "reply_tokens", "last_active", "bound", "ws_claim",
-        "counted_paused", "ended", "retrying",
+        "counted_paused", "ended", "retrying", "home_outcome",
     )  # fmt: skip
     __slots__ = _FIELDS
 
@@ -231,6 +231,7 @@ class RunState(Record):
         counted_paused: bool,
         ended: bool = False,
         retrying: bool = False,
+        home_outcome: str = "",
     ) -> None:
         self.run_id: Final = run_id
         self.service_class: Final = service_class
@@ -247,6 +248,9 @@ class RunState(Record):
         self.counted_paused: Final = counted_paused  # counted in its replica's paused_interactive
         self.ended: Final = ended  # ended by the client while turns were in flight
         self.retrying: Final = retrying  # idle because its last turn failed: the retry goes back
+        # How its last turn on its replica ended while a turn of it away still ran
+        # ("tool_calls", "stop", "failed"; "" none): what the run does when that one ends.
+        self.home_outcome: Final = home_outcome
 
     @property
     def keeps_replica(self) -> bool:
@@ -816,20 +820,31 @@ class _Tx:
             shrank = context < run.context_tokens or (run.ended and run.in_flight == 1)
             grown = context > run.context_tokens
             if run.in_flight > 1:
-                self._set_run(run._replace(in_flight=run.in_flight - 1, context_tokens=context))
+                outcome = run.home_outcome
+                if run.replica == name:  # the run's own turn ended; one may run away
+                    outcome = "failed" if finish_reason is None else finish_reason
+                self._set_run(
+                    run._replace(
+                        in_flight=run.in_flight - 1, context_tokens=context, home_outcome=outcome
+                    )
+                )
             elif run.ended:
                 self._replace_run(run, None)  # its last turn is done: forget it now
             else:
                 # Paused on a tool, or idle (retrying if it failed): built whole, as
                 # the finish path is the core's hottest (a _replace costs twice as much).
-                # A turn away from a run paused on a tool leaves it paused (rule 3).
+                # A turn away from a run paused on a tool leaves it paused, and the last
+                # turn to end, if it ran away, leaves the run as its own turn did (rule 3).
                 kept = run.phase is _PAUSED
-                phase = _PAUSED if kept or finish_reason == "tool_calls" else _IDLE
+                reason = finish_reason
+                if run.home_outcome and run.replica != name:
+                    reason = None if run.home_outcome == "failed" else run.home_outcome
+                phase = _PAUSED if kept or reason == "tool_calls" else _IDLE
                 after = RunState(
                     run.run_id, run.service_class, run.caller, run.model, phase, run.replica,
                     0, context, run.reply_tokens, run.last_active if kept else self.now,
                     run.bound, run.ws_claim, run.counted_paused, run.ended,
-                    finish_reason is None and not kept,
+                    reason is None and not kept,
                 )  # fmt: skip
                 self._set_run(after)
         names = [name]
@@ -1404,7 +1419,7 @@ class _Tx:
             run = RunState(
                 run.run_id, run.service_class, run.caller, run.model, run.phase, run.replica,
                 run.in_flight, run.context_tokens, run.reply_tokens, run.last_active, bound,
-                claim, counted_paused, run.ended, run.retrying,
+                claim, counted_paused, run.ended, run.retrying, run.home_outcome,
             )  # fmt: skip
         if old is not None and old.bound and name is not None and old.replica == name:
             self._adjust(

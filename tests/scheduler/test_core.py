@@ -401,6 +401,35 @@ def test_a_turn_for_another_model_leaves_a_paused_run_paused_where_it_is(outcome
     assert d.state.turns[t3].bucket == ("pin", "a", I)
 
 
+@pytest.mark.parametrize(
+    ("home", "phase", "retrying"),
+    [
+        ("tool_calls", RunPhase.PAUSED, False),
+        ("stop", RunPhase.IDLE, False),
+        ("failed", RunPhase.IDLE, True),
+    ],
+)
+def test_a_side_turn_that_ends_last_leaves_the_run_as_its_own_turn_did(
+    home: str, phase: RunPhase, retrying: bool
+) -> None:
+    # Paused; a side turn goes to b; the tool's result comes back and its turn runs on
+    # a; that turn ends, then the side turn: the run's own turn says what it does next.
+    d = Driver(("a", "b"), kv_tokens=10_000, serves={"a": ["big"], "b": ["small"]})
+    t1 = d.arrive("r1", model="big", prompt=3000)
+    d.finish(t1, "tool_calls", prompt=3000, out=100)
+    side = d.arrive("r1", model="small", prompt=500)
+    t3 = d.arrive("r1", model="big", prompt=3200)
+    assert d.admitted() == {t3: "a"} and d.state.runs["r1"].phase is RunPhase.GENERATING
+    if home == "failed":
+        d.feed(TurnFailed(now=d.step(), turn_id=t3))
+    else:
+        d.finish(t3, home, prompt=3200, out=100)
+    d.finish(side, "stop", prompt=500, out=50)
+    run = d.state.runs["r1"]
+    assert (run.phase, run.retrying, run.replica, run.in_flight) == (phase, retrying, "a", 0)
+    assert run.context_tokens == (3300 if home != "failed" else 3200)  # the prompt sent
+
+
 def test_a_side_turn_neither_restarts_a_paused_runs_retention_nor_lets_it_expire() -> None:
     policy = Policy(kv_retention_s=60.0, idle_run_expiry_s=100.0)
     d = Driver(("a", "b"), kv_tokens=10_000, policy=policy, serves={"a": ["big"], "b": ["small"]})
