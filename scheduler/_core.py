@@ -923,7 +923,7 @@ class _Tx:
         self.replicas[ev.replica] = after
         healthy = after.healthy
         if healthy != r.healthy and spec.device is not None:
-            self.refill += self._device_mates(ev.replica)  # rule 13: the leader may change
+            self._refill_device(ev.replica)
         if r.healthy and not healthy:
             self._release_pinned(ev.replica)
         elif healthy:
@@ -1064,7 +1064,7 @@ class _Tx:
         self.actions.append(Ejected(replica=name, until=until, failures=failures))
         if r.healthy:
             self._release_pinned(name)
-            self.refill += self._device_mates(name)  # rule 13: the leader may change
+            self._refill_device(name)
 
     def tick(self) -> None:
         touched: list[str] = []
@@ -1076,7 +1076,7 @@ class _Tx:
                 self.replicas[name] = r._replace(ejected_until=None)
                 if r.probe_ok:
                     touched.append(name)
-                    self.refill += self._device_mates(name)  # rule 13
+                    self._refill_device(name)
         # Each timer holds an entry (time, id) exactly while its subject waits for it,
         # so handling the earliest entry removes it (through turn_done and
         # _replace_run): nothing stale piles up behind a busy gateway.
@@ -1238,16 +1238,15 @@ class _Tx:
         leader = _leader(self.replicas, self.state._replicas.keys(), self.retired, name, r)
         return _NO_MODELS if leader is None else self.replicas[leader].spec.models
 
-    def _device_mates(self, name: str) -> list[str]:
-        """The other replicas of its device (rule 13), in the pool's name order."""
+    def _refill_device(self, name: str) -> None:
+        """Rule 13: which replica leads this one's device may change (its interactive
+        claims, its health): every replica of the device may take new runs now."""
         device = self.replicas[name].spec.device
         if device is None or not self.policy.pack_shared_devices:
-            return []
+            return
         replicas = self.replicas
-        return sorted(
-            n
-            for n in self.state._replicas
-            if n != name and n in replicas and replicas[n].spec.device == device
+        self.refill += sorted(
+            n for n in self.state._replicas if n in replicas and replicas[n].spec.device == device
         )
 
     def _bound_elsewhere(self, t: TurnState, name: str) -> str | None:
@@ -1374,10 +1373,8 @@ class _Tx:
     ) -> None:
         """Change a replica's counters (one copy of its record)."""
         r = self.replicas[name]
-        if interactive and r.spec.device is not None and self.policy.pack_shared_devices:
-            # Which one leads may change (rule 13): this one, or the others, may open.
-            self.refill.append(name)
-            self.refill += self._device_mates(name)
+        if interactive and r.spec.device is not None:
+            self._refill_device(name)
         self.replicas[name] = ReplicaState(
             r.spec, r.probe_ok, r.queued, r.running, r.cap, r.in_flight + in_flight,
             r.paused_interactive + paused, r.bound_runs + bound, r.ws_tokens + ws,

@@ -387,11 +387,8 @@ def could_use(s: State, x: Any, name: str) -> bool:
         return bool(x.bucket[1] == name)
     if closed_to(s, name, x.model):
         return False  # its device's new runs go to another replica (rule 13)
-    run = s.runs.get(x.run_id)
-    if s.policy.strict_affinity and run is not None and run.replica not in (None, name):
-        home = s.replicas.get(run.replica)
-        if run.keeps_replica and home and home.healthy and x.model in home.spec.models:
-            return False
+    if pinned_to(s, s.runs.get(x.run_id), x.model) not in (None, name):
+        return False
     limit = s.kv_limit(name, x.service_class)
     if limit is None or not r.ws_tokens:
         return True
