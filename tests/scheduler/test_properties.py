@@ -481,8 +481,11 @@ def check_device_leader(before: State, event: Event, after: State, admits: list[
         turn = before.turns.get(a.turn_id)
         model = turn.model if turn is not None else getattr(event, "model", "")
         run = before.runs.get(a.run_id)
+        # (a policy change pins the run under the new policy: strict affinity turned on
+        # sends a paused run's held turn back to its replica)
+        rules = after if isinstance(event, PolicyChanged) else before
         new_run = (a.run_id, a.replica) not in bound_now and pinned_to(
-            before, run, model
+            rules, run, model
         ) != a.replica
         bound_now.add((a.run_id, a.replica))
         name = a.replica
