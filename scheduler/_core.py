@@ -18,8 +18,9 @@ Rules (DESIGN.md "The scheduler"), stated once, enforced here and nowhere else:
    generating on a healthy replica, or paused on a tool there (with strict affinity),
    stays there when another of its turns goes elsewhere (a model that replica does not
    serve, or affinity off): its prefix and KV claim stay where that turn runs or will
-   come back, and the turn away claims its own KV where it runs, until it ends; its
-   usage is not the run's context, and a paused run stays paused through it (a
+   come back, and the turn away claims KV where it runs, until it ends, for its own
+   prompt and reply (its request is not the run's conversation); its usage is not the
+   run's context, and a paused run stays paused through it (a
    harness's side request to a small model while a tool runs does not cost the run
    its replica).  (A turn's usage sets its run's context,
    which sizes the run's claim and its held turns, but does not shrink it while
@@ -457,7 +458,8 @@ class State:
         return kv * _kv_share(self._policy, service_class, r.interactive_runs > 0)
 
     def kv_need(self, turn: TurnState) -> int:
-        """The KV working set the turn's run will claim if admitted as a new binding."""
+        """The KV working set the turn's run will claim if admitted as a new binding (a
+        turn away from its run's replica claims its own prompt and reply, rule 3)."""
         return _kv_need(turn, self._runs.get(turn.run_id))
 
     def led_by(self, replica: str) -> str | None:
@@ -527,6 +529,13 @@ def _kv_need(turn: TurnState, run: RunState | None) -> int:
     if run is not None and run.context_tokens > context:
         context = run.context_tokens
     return context + turn.reply_tokens
+
+
+def _away_need(turn: TurnState) -> int:
+    """The KV a turn away from its run's replica claims where it runs (rule 3): its own
+    prompt and reply.  Its request is not the run's conversation (a harness's side
+    request to a small model), so the run's context does not size it."""
+    return turn.prompt_tokens + turn.reply_tokens
 
 
 def _expiry_key(run: RunState | None) -> tuple[float, str] | None:
@@ -840,6 +849,8 @@ class _Tx:
                 if run.home_outcome and run.replica != name:
                     reason = None if run.home_outcome == "failed" else run.home_outcome
                 phase = _PAUSED if kept or reason == "tool_calls" else _IDLE
+                if not kept and (phase is _IDLE or not self.policy.strict_affinity):
+                    grown = True  # it may move now: its held turns are sized by its context
                 after = RunState(
                     run.run_id, run.service_class, run.caller, run.model, phase, run.replica,
                     0, context, run.reply_tokens, run.last_active if kept else self.now,
@@ -861,6 +872,12 @@ class _Tx:
                 key=lambda n: (self.replicas[n].load, n),
             )
         self._fill(names)
+
+    def _kept_changed(self) -> None:
+        """A replica left or rejoined rotation: its runs may move now, or are kept there
+        again (rule 3), so their held turns elsewhere are sized by their run's context,
+        or by their own requests (smaller), from now on."""
+        self.refill += self._grown()
 
     def _grown(self) -> list[str]:
         """A run's context grew: its held turns are larger now, and one larger than its
@@ -922,8 +939,10 @@ class _Tx:
         )
         self.replicas[ev.replica] = after
         healthy = after.healthy
-        if healthy != r.healthy and spec.device is not None:
-            self._refill_device(ev.replica)
+        if healthy != r.healthy:
+            self._kept_changed()
+            if spec.device is not None:
+                self._refill_device(ev.replica)
         if r.healthy and not healthy:
             self._release_pinned(ev.replica)
         elif healthy:
@@ -1062,6 +1081,7 @@ class _Tx:
         until = self.now + self.policy.eject_for_s
         self.replicas[name] = r._replace(failures=0, ejected_until=until)
         self.actions.append(Ejected(replica=name, until=until, failures=failures))
+        self._kept_changed()
         if r.healthy:
             self._release_pinned(name)
             self._refill_device(name)
@@ -1076,6 +1096,7 @@ class _Tx:
                 self.replicas[name] = r._replace(ejected_until=None)
                 if r.probe_ok:
                     touched.append(name)
+                    self._kept_changed()
                     self._refill_device(name)
         # Each timer holds an entry (time, id) exactly while its subject waits for it,
         # so handling the earliest entry removes it (through turn_done and
@@ -1117,6 +1138,24 @@ class _Tx:
             return None
         return run.replica
 
+    def _kept(self, run: RunState | None) -> bool:
+        """Whether the run stays on its replica when a turn of it goes elsewhere (rule
+        3): a turn of it generates there or (strict affinity) it is paused there on a
+        tool, and the replica is healthy."""
+        if run is None or run.replica is None:
+            return False
+        if run.phase is not _GENERATING and not (
+            run.phase is _PAUSED and self.policy.strict_affinity
+        ):
+            return False
+        home = self.replicas.get(run.replica)
+        return home is not None and home.healthy
+
+    def _runs_away(self, run: RunState | None, name: str) -> bool:
+        """Whether a turn of the run admitted to `name` runs away from it: the run, its
+        phase, its prefix and its KV claim stay on its replica."""
+        return run is not None and run.replica != name and self._kept(run)
+
     def _kv_fits(self, t: TurnState, name: str, r: ReplicaState) -> bool:
         kv = r.spec.kv_tokens
         if kv is None or not self.policy.kv_admission or r.ws_tokens == 0:
@@ -1124,7 +1163,7 @@ class _Tx:
         run = self.runs.get(t.run_id)
         if run is not None and run.replica == name and run.ws_claim:
             return True  # already claimed here
-        need = _kv_need(t, run)
+        need = _away_need(t) if self._runs_away(run, name) else _kv_need(t, run)
         limit = kv * _kv_share(self.policy, t.service_class, r.interactive_runs > 0)
         if r.ws_tokens + need <= limit:
             return True
@@ -1282,17 +1321,10 @@ class _Tx:
                 self._rekey(other, caller, c.in_flight, n)
         self.callers[caller] = _Caller(n, buckets)
         old = self.runs.get(t.run_id)
-        away = False  # the run stays on its replica (rule 3): this turn claims for itself
-        if (
-            old is not None
-            and old.replica not in (None, name)
-            and (old.phase is _GENERATING or (old.phase is _PAUSED and self.policy.strict_affinity))
-        ):
-            home = self.replicas.get(old.replica)
-            away = home is not None and home.healthy
+        away = self._runs_away(old, name)  # the run stays: this turn claims for itself
         claim = 0
         if away and self.policy.kv_admission and self.replicas[name].spec.kv_tokens is not None:
-            claim = _kv_need(t, old)  # as _kv_fits sized it
+            claim = _away_need(t)  # as _kv_fits sized it
         self._adjust(name, in_flight=1, ws=claim, batch_ws=_batch_part(t, claim))
         if key[0] == _MODEL and self.policy.kv_admission:
             # It may have been the better turn that kept the others of its bucket from
@@ -1336,6 +1368,10 @@ class _Tx:
             if old.context_tokens > context:
                 context = old.context_tokens
             elif context > old.context_tokens:
+                self.refill += self._grown()
+            if not self._kept(old):
+                # Kept on its replica from now on, the run's other held turns are sized
+                # by their own requests wherever they would run away to: smaller.
                 self.refill += self._grown()
             if old.bound and old.replica is not None and old.replica != name:
                 self.refill.append(old.replica)

@@ -471,10 +471,10 @@ def test_a_turn_away_from_its_runs_replica_claims_kv_where_it_runs() -> None:
     claim_a = d.state.replicas["a"].ws_tokens
     t2 = d.arrive("r1", model="small", prompt=500)
     assert d.admitted() == {t2: "b"}
-    assert d.state.turns[t2].claim == 6256  # sized as admission sized it: the run's context
-    assert d.state.replicas["b"].ws_tokens == 6256
-    t3 = d.arrive("r3", model="small", prompt=2000)
-    assert t3 in d.held_ids(), "b's pool (8,000) holds the turn away; r3 waits"
+    assert d.state.turns[t2].claim == 756  # its own prompt and reply, not r1's 6,000
+    assert d.state.replicas["b"].ws_tokens == 756
+    t3 = d.arrive("r3", model="small", prompt=7100)
+    assert t3 in d.held_ids(), "b's pool (8,000) holds the turn away and r3 is 7,356: r3 waits"
     d.finish(t2, prompt=500, out=50)
     assert d.state.runs["r1"].context_tokens == 6000, "the small model's usage is not r1's"
     assert d.state.replicas["a"].ws_tokens == claim_a, "a's generating turn keeps its claim"
@@ -482,6 +482,85 @@ def test_a_turn_away_from_its_runs_replica_claims_kv_where_it_runs() -> None:
     assert d.state.replicas["b"].ws_tokens == d.state.runs["r3"].ws_claim
     d.finish(t1, "tool_calls", prompt=6000, out=100)
     assert d.state.runs["r1"].context_tokens == 6100
+
+
+def test_a_turn_away_is_sized_by_its_own_prompt_not_its_runs_context() -> None:
+    # Claude Code's small-model requests come while its main turn runs or its tools do:
+    # a 500-token side request of a run with a 6,000-token context is 756 tokens of KV
+    # on the replica that runs it, so a new 6,000-token run fits there beside it.
+    d = Driver(
+        ("a", "b"), kv_tokens=10_000, policy=Policy(kv_fill=0.8),
+        serves={"a": ["big"], "b": ["small"]},
+    )  # fmt: skip
+    t1 = d.arrive("r1", model="big", prompt=6000)
+    d.finish(t1, "tool_calls", prompt=6000, out=100)
+    side = d.arrive("r1", model="small", prompt=500)
+    assert d.admitted() == {side: "b"} and d.state.runs["r1"].phase is RunPhase.PAUSED
+    t2 = d.arrive("r2", model="small", prompt=6000)
+    assert d.admitted() == {t2: "b"}, "756 + 6,256 fit in b's 8,000"
+    # A second side request that does not fit beside them waits for b's KV.
+    other = d.arrive("r2x", model="big", prompt=100)
+    d.finish(other, "tool_calls", prompt=100, out=10)
+    side2 = d.arrive("r2x", model="small", prompt=1000)
+    assert side2 in d.held_ids(), "7,012 + 1,256 > 8,000"
+    assert d.state.replicas["b"].ws_tokens == 756 + 6256
+    d.finish(side, prompt=500, out=20)
+    assert d.admitted()[side2] == "b" and d.state.turns[side2].claim == 1256
+    assert d.state.runs["r1"].ws_claim == 6100 + 256, "r1 kept its claim on a throughout"
+
+
+@pytest.mark.parametrize("kept_by", ["admission", "recovery", "ejection_end"])
+def test_a_held_side_turn_that_shrinks_as_its_run_is_kept_goes_in(kept_by: str) -> None:
+    # Held while its run could move, a side turn is sized by the run's context; once
+    # the run is kept on its replica (a turn of it admitted there, or that replica back
+    # in rotation) it is sized by its own request, and the replica it waits for takes it
+    # (helper-60's two cases: nothing looked at b again).
+    policy = Policy(kv_fill=0.8, eject_after_failures=1, eject_for_s=30.0)
+    d = Driver(("a", "b"), kv_tokens=10_000, policy=policy, serves={"a": ["big"], "b": ["small"]})
+    t1 = d.arrive("r1", model="big", prompt=6000)
+    d.arrive("r2", model="small", prompt=5000)  # 5,256 of b's 8,000
+    if kept_by == "admission":
+        d.finish(t1, "stop", prompt=6000, out=100)  # r1 idle: it may move
+    elif kept_by == "recovery":
+        d.probe("a", None, None, healthy=False)
+    else:
+        t3 = d.arrive("r3", model="big", prompt=100)
+        d.feed(TurnFailed(now=d.step(), turn_id=t3, engine_fault=True))  # a ejected
+        assert not d.state.replicas["a"].healthy and t1 in d.state.turns
+    side = d.arrive("r1", model="small", prompt=500)
+    assert side in d.held_ids() and d.state.kv_need(d.state.turns[side]) > 6000
+    if kept_by == "admission":
+        d.arrive("r1", model="big", prompt=6100)  # generating on a again
+    elif kept_by == "recovery":
+        d.probe("a", None, None)
+    else:
+        d.feed(Tick(now=d.now + 31))  # a back in rotation, r1 generating there
+    assert side not in d.held_ids(), "756 beside r2's 5,256 fits b"
+    assert d.state.turns[side].replica == "b" and d.state.turns[side].claim == 756
+
+
+@pytest.mark.parametrize("left_by", ["probe", "ejection", "finish"])
+def test_a_held_side_turn_that_grows_as_its_run_may_move_is_looked_at_again(left_by: str) -> None:
+    # The other way: its run's replica leaves rotation, or its turn there ends, the run
+    # may move, and its side turn is sized by the run's context again.  Larger than b's
+    # interactive limit on its own, it goes in while no other interactive run holds KV
+    # there (rule 6), so b must look at it again.
+    policy = Policy(kv_fill=0.8, batch_kv_fill=0.7, eject_after_failures=1)
+    d = Driver(("a", "b"), kv_tokens=10_000, policy=policy, serves={"a": ["big"], "b": ["small"]})
+    t3 = d.arrive("r3", cls=B, model="big", prompt=100, caller="c3")  # on a, and
+    t1 = d.arrive("r1", model="big", prompt=9800)  # r1 generating beside it
+    d.arrive("q", cls=B, model="small", prompt=6700, caller="cq")  # 6,956 of b
+    side = d.arrive("r1", model="small", prompt=1500)
+    assert side in d.held_ids(), "1,756 beside q's 6,956 is past b's 8,000"
+    if left_by == "probe":
+        d.probe("a", None, None, healthy=False)
+    elif left_by == "ejection":
+        d.feed(TurnFailed(now=d.step(), turn_id=t3, engine_fault=True))
+    else:
+        d.finish(t1, "stop", prompt=9800, out=0)  # idle: r1 may move
+    assert d.state.replicas["a"].healthy is (left_by == "finish")
+    assert d.state.turns[side].replica == "b", "10,056 on its own, beside batch only"
+    assert d.state.runs["r1"].replica == "b"
 
 
 def test_a_short_turn_of_a_run_does_not_shrink_it_while_a_longer_one_runs() -> None:
@@ -499,22 +578,26 @@ def test_a_short_turn_of_a_run_does_not_shrink_it_while_a_longer_one_runs() -> N
     assert d.admitted() == {t3: "a"}
 
 
-@pytest.mark.parametrize("grows_at", ["admission", "finish"])
-def test_a_held_turn_its_run_made_too_large_to_wait_goes_in_alone(grows_at: str) -> None:
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_held_turn_its_run_made_too_large_to_wait_goes_in_alone(strict: bool) -> None:
     # Rule 6: a turn larger than its class's limit on its own goes in once no other run
-    # of its class holds KV there.  Its run's context growing elsewhere can make it so.
-    policy = Policy(kv_fill=1.0, batch_kv_fill=0.7)
+    # of its class holds KV there.  Its run's context growing elsewhere can make it so,
+    # when the turn would take the run with it (affinity off); with strict affinity the
+    # run stays paused on a and the turn, away from it, is sized by its own request.
+    policy = Policy(kv_fill=1.0, batch_kv_fill=0.7, strict_affinity=strict)
     d = Driver(("a", "b"), kv_tokens=10_000, policy=policy, serves={"a": ["m1"], "b": ["m0"]})
     d.arrive("q", cls=B, caller="cq", model="m0", prompt=6700)
     t1 = d.arrive("R", caller="c1", model="m1", prompt=1000)
     x = d.arrive("R", caller="c2", model="m0", prompt=3000)
     assert x in d.held_ids(), "3,256 beside q's 6,956 is past b's 10,000"
-    if grows_at == "admission":
-        d.arrive("R", caller="c1", model="m1", prompt=9800)
-    else:
-        d.finish(t1, "tool_calls", prompt=9000, out=800)
+    d.finish(t1, "tool_calls", prompt=9000, out=800)
     assert d.state.runs["R"].context_tokens == 9800
-    assert d.admitted()[x] == "b", "10,056 on its own: it no longer waits beside q"
+    if strict:
+        assert x in d.held_ids(), "away from R, it is still 3,256 beside q"
+        assert d.state.runs["R"].replica == "a"
+    else:
+        assert d.admitted()[x] == "b", "10,056 on its own: it no longer waits beside q"
+        assert d.state.runs["R"].replica == "b"
 
 
 def test_idle_run_prefers_its_replica_but_may_move() -> None:
@@ -923,12 +1006,27 @@ def test_a_held_turn_sized_by_its_runs_context_is_placed_when_that_context_shrin
     d.probe("c", None, None, healthy=False)
     w = d.arrive("R", cls=B, prompt=6000, max_tokens=256, caller="r")  # on a
     d.probe("c", None, None)
-    d.cap("a", 1)  # a is capped at its one running turn
+    # With a healthy, y would run away from R's turn there, sized by its own request
+    # (rule 3); a out of rotation, R may move and y takes it along.
+    d.probe("a", None, None, healthy=False)
     y = d.arrive("R", cls=B, max_tokens=256, caller="r")  # sized by R's 6,000: fits nowhere
     assert y in d.held_ids() and d.state.kv_need(d.state.turns[y]) == 6256
-    d.probe("a", None, None, healthy=False)
     d.finish(w, "stop", prompt=100, out=10)  # R's context is 110 now: y fits on c
     assert d.admitted() == {y: "c"}
+
+
+def test_a_parallel_turn_away_from_its_generating_run_is_sized_by_its_own_request() -> None:
+    # Affinity off: a turn of a run that generates on a may run on c; the run, its
+    # context and its claim stay on a, and this turn claims what it asks for on c.
+    policy = Policy(strict_affinity=False, kv_fill=0.8, batch_kv_fill=None)
+    d = Driver(("a", "c"), kv_tokens=8000, policy=policy)
+    d.arrive("T", cls=I, prompt=500, max_tokens=100, caller="t")  # on a: 600 of 6,400
+    w = d.arrive("R", cls=B, prompt=6000, max_tokens=256, caller="r")  # on c
+    assert d.admitted() == {w: "c"}
+    d.cap("c", 1)
+    y = d.arrive("R", cls=B, prompt=400, max_tokens=256, caller="r")
+    assert d.admitted() == {y: "a"} and d.state.turns[y].claim == 656
+    assert d.state.runs["R"].replica == "c" and d.state.replicas["a"].ws_tokens == 600 + 656
 
 
 def test_batch_waits_while_an_interactive_turn_behind_a_kv_wait_could_go() -> None:

@@ -281,6 +281,8 @@ def check_bookkeeping(s: State) -> None:
         # A turn away from its run's replica claims its own KV where it runs (rule 3).
         away = [t for t in s.admitted() if t.replica == name and t.claim]
         assert r.ws_tokens == sum(run.ws_claim for run in bound) + sum(t.claim for t in away)
+        # ... sized by its own request, not by its run's context.
+        assert all(t.claim == t.prompt_tokens + t.reply_tokens for t in away)
         assert r.paused_interactive == sum(run.counted_paused for run in bound)
         assert r.interactive_runs == sum(
             run.service_class is ServiceClass.INTERACTIVE and run.ws_claim > 0 for run in bound
@@ -392,7 +394,8 @@ def could_use(s: State, x: Any, name: str) -> bool:
     limit = s.kv_limit(name, x.service_class)
     if limit is None or not r.ws_tokens:
         return True
-    need = s.kv_need(x)
+    run = s.runs.get(x.run_id)
+    need = x.prompt_tokens + x.reply_tokens if runs_away(s, run, name) else s.kv_need(x)
     if r.ws_tokens + need <= limit:
         return True
     # A turn larger than its class's limit there goes in once no other run of its class
@@ -448,6 +451,18 @@ def check_work_conserving(s: State) -> None:
                     f"held turn {x.turn_id} is admissible on {name}: {x}; "
                     f"replica {s.replicas[name]}; run {s.runs.get(x.run_id)}"
                 )
+
+
+def runs_away(s: State, run: Any, name: str) -> bool:
+    """Whether a turn of the run admitted to `name` leaves the run on its replica (rule
+    3): generating there, or paused there on a tool with strict affinity, and healthy."""
+    if run is None or run.replica in (None, name):
+        return False
+    home = s.replicas.get(run.replica)
+    kept = run.phase is RunPhase.GENERATING or (
+        run.phase is RunPhase.PAUSED and s.policy.strict_affinity
+    )
+    return kept and home is not None and home.healthy
 
 
 def pinned_to(s: State, run: Any, model: str) -> str | None:
