@@ -78,6 +78,7 @@ from luftpause.headers import (
     RUN_ID_SHAPE,
     TENANT_HEADER,
     caller_name,
+    caller_text,
     session_run,
 )
 from luftpause.native import core_build
@@ -482,6 +483,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         run = in_path if RUN_ID.fullmatch(in_path) else _named_run(request.scope)
         return error_response(503, str(exc), run, anthropic=_anthropic(request.url.path))
 
+    @app.exception_handler(ClientDisconnect)
+    async def client_left(request: Request, exc: ClientDisconnect) -> Response:
+        """A client that left while sending its request: nobody to answer, nothing to
+        log (the turn paths' shortcut does the same)."""
+        return Response(status_code=400)
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         """Paths and methods no route serves (outside /v1, e.g. POST /status): the
@@ -699,12 +706,18 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         if not serving:
             return error_response(404, unknown_model(model, pool.models), run_id, anthropic=True)
         target = _healthy_first(serving, rt.prober)[0]
+        # The client's header values as it sent them (the server decoded them as
+        # latin-1; httpx would encode a str as ASCII and fail on anything else).
+        sent = request.headers
         headers = {
-            "content-type": request.headers.get("content-type", "application/json"),
-            "user-agent": "luftpause-gateway",
-            **{k: v for k in _ANTHROPIC_HEADERS if (v := request.headers.get(k)) is not None},
-            **auth_headers(target, anthropic=True),
+            b"content-type": sent.get("content-type", "application/json").encode("latin-1"),
+            b"user-agent": b"luftpause-gateway",
         }
+        for k in _ANTHROPIC_HEADERS:
+            if (v := sent.get(k)) is not None:
+                headers[k.encode()] = v.encode("latin-1")
+        for k, v in auth_headers(target, anthropic=True).items():
+            headers[k.encode()] = v.encode()
         try:
             answer = await rt.client.post(
                 target.api_url("messages") + "/count_tokens",
@@ -788,7 +801,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             return error_response(400, message, "")
         if phase is not None and phase not in phases:
             return error_response(400, f"phase: expected one of {', '.join(phases)}", "")
-        if not (limit.isdigit() and 1 <= int(limit) <= RUNS_MAX):
+        if not (_decimal(limit) and 1 <= int(limit) <= RUNS_MAX):
             return error_response(400, f"limit: expected an integer from 1 to {RUNS_MAX}", "")
         try:
             cls = _parse_class(query["class"]) if "class" in query else None
@@ -796,7 +809,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             return error_response(400, exc.message.replace(CLASS_HEADER, "class"), "")
         caller = query.get("caller")
         if who.tenant is not None:  # a caller's token lists that caller's runs only
-            if caller is not None and caller_name(caller) != who.tenant:
+            if caller is not None and caller_text(caller) != who.tenant:
                 message = f"caller: this token is caller '{who.tenant}''s; it lists only its runs"
                 return error_response(403, message, "")
             caller = who.tenant
@@ -804,7 +817,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             runs_listing,
             rt.shell.state,
             rt.loop.time(),
-            caller=caller_name(caller) if caller is not None else None,
+            caller=caller_text(caller) if caller is not None else None,
             phase=phase,
             service_class=cls,
             limit=int(limit),
@@ -920,7 +933,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             return error_response(400, str(exc), "")
         return Response(json.dumps(change.as_json()), media_type="application/json")
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         return Response(json.dumps({"status": "ok"}), media_type="application/json")
 
@@ -1124,7 +1137,7 @@ async def _body(request: Request, limit: int) -> bytes | None:
     """The request's body, or None once it is longer than `limit` (read no further: a
     held turn keeps its body in memory until admitted)."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    if declared is not None and _decimal(declared) and int(declared) > limit:
         return None
     chunks: list[bytes] = []
     size = 0
@@ -1134,6 +1147,12 @@ async def _body(request: Request, limit: int) -> bytes | None:
             return None
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def _decimal(text: str) -> bool:
+    """ASCII digits, short enough for int(): str.isdigit() also takes "²", which int()
+    refuses, and int() refuses more than 4,300 digits."""
+    return text.isascii() and text.isdigit() and len(text) <= 18
 
 
 def _too_large(limit: int, run_id: str, *, anthropic: bool = False) -> Response:
@@ -1164,6 +1183,11 @@ def _new_id() -> str:
 
 
 def _parse_body(raw: bytes) -> dict[str, Any]:
+    encoding = json.detect_encoding(raw[:4])
+    if encoding not in ("utf-8", "utf-8-sig"):
+        # json.loads would take UTF-16 and UTF-32; the bytes go on to the engine, and
+        # a streamed turn's get a field appended in UTF-8 (RFC 8259: JSON is UTF-8).
+        raise _BadRequest(f"request body is not valid JSON: expected UTF-8, not {encoding}")
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:

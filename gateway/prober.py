@@ -127,7 +127,11 @@ def parse_rank_loads(kind: str, text: str) -> dict[int, tuple[int, int]] | None:
     loads = _loads(kind, text, label)
     if loads is None:
         return None
-    return {int(rank): load for rank, load in loads.items() if rank.isdigit()}
+    return {
+        int(rank): load
+        for rank, load in loads.items()
+        if rank.isascii() and rank.isdigit() and len(rank) < 10
+    }
 
 
 def _loads(kind: str, text: str, rank_label: str | None) -> dict[str, tuple[int, int]] | None:

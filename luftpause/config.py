@@ -844,6 +844,9 @@ def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> Confi
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"{p}: cannot read the configuration file: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        message = f"{p}: not valid TOML: not UTF-8 at byte {exc.start}"
+        raise ConfigError(message) from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

@@ -54,7 +54,13 @@ def caller_name(header_text: str) -> str:
         name = raw.decode("utf-8")
     except UnicodeDecodeError:
         name = raw.decode("latin-1")
-    return name.encode()[:CALLER_MAX_BYTES].decode("utf-8", errors="ignore").strip()
+    return caller_text(name)
+
+
+def caller_text(text: str) -> str:
+    """A caller named in text already decoded (a query parameter, `?caller=`), as
+    `caller_name` makes it of a header."""
+    return text.encode(errors="replace")[:CALLER_MAX_BYTES].decode("utf-8", errors="ignore").strip()
 
 
 def session_run(header: Callable[[str], str | None]) -> str | None:

@@ -65,7 +65,7 @@ class Recorder:
             if not message.get("more_body"):
                 break
         body = b"".join(chunks)
-        headers = {k.decode(): v.decode() for k, v in scope["headers"]}
+        headers = {k.decode(): v.decode("latin-1") for k, v in scope["headers"]}  # as servers do
         self.posts.append((scope["path"], headers, json.loads(body)))
         replayed = False
 

@@ -92,7 +92,8 @@ headers = st.fixed_dictionaries(
         "x-luftpause-caller": header_text,
         "x-claude-code-session-id": header_text,
         "content-type": st.sampled_from(["application/json", "text/plain", "x/y; charset=zz"]),
-        "anthropic-version": st.sampled_from(["2023-06-01", "", "x"]),
+        "anthropic-version": st.sampled_from(["2023-06-01", "", "x"]) | header_text,
+        "anthropic-beta": header_text,
     },
 ).map(lambda h: {k: v.strip().encode("latin-1") for k, v in h.items()})
 
@@ -142,7 +143,8 @@ def test_a_turn_of_any_shape_is_served_or_refused_with_a_reason(
 @given(
     query=st.dictionaries(
         st.sampled_from(["caller", "phase", "class", "limit", "x"]),
-        st.text(max_size=8) | st.sampled_from(["idle", "waiting", "batch", "0", "1000", "-1"]),
+        st.text(max_size=8)
+        | st.sampled_from(["idle", "waiting", "batch", "0", "1000", "-1", "²", "9" * 5000]),
         max_size=3,
     ),
     run_id=st.text(min_size=1, max_size=20),

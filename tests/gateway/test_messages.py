@@ -225,6 +225,13 @@ async def test_count_tokens_is_passed_to_a_replica_and_is_no_turn() -> None:
             model=MODEL, messages=[{"role": "user", "content": "x"}]
         )
         assert RUN not in raw.headers  # no turn, no run
+        # A header value beyond ASCII goes on as the client sent it (httpx would refuse
+        # it as a str: a 500 before).
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+        beta = b"caf\xe9-2025"
+        r = await gw.post("/v1/messages/count_tokens", json=body, headers={"anthropic-beta": beta})
+        assert r.status_code == 200 and r.json()["input_tokens"] > 0
+        assert recorder.posts[-1][1]["anthropic-beta"] == beta.decode("latin-1")
         # An engine without the route answers 404, which Claude Code reads as "not
         # supported" (a made-up count would stop its compaction).
         with pytest.raises(anthropic.NotFoundError):

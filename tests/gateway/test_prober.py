@@ -117,6 +117,12 @@ def test_parse_rank_loads_tells_the_data_parallel_ranks_apart() -> None:
         for e in (0, 1, 2)
     )
     assert parse_rank_loads("vllm", vllm) == {0: (1, 6), 1: (2, 12), 2: (3, 18)}
+    odd = "".join(  # labels str.isdigit() takes and int() does not: not ranks
+        f'vllm:num_requests_{name}{{engine="{e}",model_name="m"}} 1\n'
+        for name in ("waiting", "running")
+        for e in ("²", "9" * 5000, "0")
+    )
+    assert parse_rank_loads("vllm", odd) == {0: (1, 1)}
     assert parse_rank_loads("sglang", SGLANG) is None  # no rank labels: no rank's load
     assert parse_rank_loads("llamacpp", LLAMACPP) is None  # takes no rank
     # How many ranks a server says it has: SGLang's dp_size; vLLM's highest engine.

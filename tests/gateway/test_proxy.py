@@ -1091,6 +1091,8 @@ async def test_a_hosted_api_under_its_own_path_gets_turns_and_probes_there(
     [
         (b"{not json", {}, "request body is not valid JSON: "),
         (b"[1, 2]", {}, "request body is not valid JSON: "),
+        (json.dumps(chat()).encode("utf-16-le"), {}, "expected UTF-8, not utf-16-le"),
+        (json.dumps(chat()).encode("utf-32"), {}, "expected UTF-8, not utf-32"),
         (b'{"messages": [{"role": "user", "content": "x"}]}', {}, "'model'"),
         (b'{"model": 3, "messages": [{"role": "user"}]}', {}, "'model'"),
         (b'{"model": "llama-3.2-1b"}', {}, "'messages'"),
@@ -1281,6 +1283,15 @@ def test_one_choice_ending_in_tool_calls_pauses_the_run_whatever_the_others_say(
     watch.feed(json.dumps(body).encode())
     watch.close()
     assert watch.finish_reason == "tool_calls"
+
+
+async def test_health_answers_get_and_head() -> None:
+    # Load balancers' health checks use either (a HEAD is a GET without the body).
+    async with engine(instant=True) as (url, _), gateway(endpoint("a", url)) as (gw, _):
+        got, head = await gw.get("/health"), await gw.head("/health")
+        assert (got.status_code, got.json()) == (200, {"status": "ok"})
+        assert (head.status_code, head.content) == (200, b"")
+        assert (await gw.post("/health")).status_code == 405
 
 
 @pytest.mark.parametrize(

@@ -635,6 +635,15 @@ async def test_a_caller_finds_its_runs_and_one_run_by_id() -> None:
                 headers={**auth, "x-luftpause-caller": "alice" if n else "bob"},
             )
             assert r.status_code == 200
+        for name in ("😀bot", "?bot"):  # a header carries UTF-8 bytes; a query, text
+            r = await gw.post(
+                "/v1/chat/completions",
+                json=chat(name),
+                headers={**auth, "x-luftpause-caller": name.encode()},
+            )
+            assert r.status_code == 200
+            found = (await gw.get("/v1/runs", params={"caller": name}, headers=auth)).json()
+            assert [v["caller"] for v in found["runs"]] == [name]
         assert (await gw.get("/v1/runs")).status_code == 401
         mine = (await gw.get("/v1/runs", params={"caller": "alice"}, headers=auth)).json()
         assert mine["total"] == 2 and {v["caller"] for v in mine["runs"]} == {"alice"}
@@ -650,6 +659,8 @@ async def test_a_caller_finds_its_runs_and_one_run_by_id() -> None:
         for params, what in (
             ({"phase": "asleep"}, "phase: expected one of generating, paused, idle, waiting"),
             ({"limit": "0"}, "limit: expected an integer from 1 to 1000"),
+            ({"limit": "²"}, "limit: expected an integer from 1 to 1000"),  # isdigit()
+            ({"limit": "9" * 5000}, "limit: expected an integer from 1 to 1000"),  # int()
             ({"class": "urgent"}, "class must be 'interactive' or 'batch'"),
             ({"who": "x"}, "unknown query parameter 'who'"),
         ):

@@ -417,6 +417,10 @@ def test_unreadable_and_non_toml_files(tmp_path: Path) -> None:
         load_config(tmp_path / "missing.toml")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(_write(tmp_path, "[[endpoints]\nname="))
+    latin = tmp_path / "latin.toml"
+    latin.write_bytes(b'# caf\xe9\n[[endpoints]]\nname = "a"\n')
+    with pytest.raises(ConfigError, match="not valid TOML: not UTF-8 at byte 5"):
+        load_config(latin)
 
 
 def test_parse_config_takes_a_mapping() -> None:
