@@ -72,6 +72,13 @@ DEFAULT_AWAIT_S = 60.0
 PROGRESS_EVERY_S = 5.0
 MAX_TOOL_CALLS_LIMIT = 64
 MAX_TOKENS_LIMIT = 32_768
+# A run's task and system prompt travel in its workflow's input, which Temporal refuses
+# past 2 MB (its default blob limit): 200k characters each stay under it in any UTF-8.
+PROMPT_MAX_CHARS = 200_000
+# A budget's clock is a workflow timer; a month is longer than any agent should run.
+BUDGET_SECONDS_MAX = 30 * 86_400.0
+MODEL_MAX_CHARS = 200
+HANDLE_MAX_CHARS = 200
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -401,23 +408,25 @@ class RunArgs(BaseModel):
     # uses; names a client made up are refused before (_DoorServer, start_task_run).
     model_config = ConfigDict(extra="ignore")
 
-    task: str = Field(min_length=1)
-    model: str | None = None
+    task: str = Field(min_length=1, max_length=PROMPT_MAX_CHARS)
+    model: str | None = Field(None, max_length=MODEL_MAX_CHARS)
     serviceClass: Literal["interactive", "batch"] = "interactive"
-    system: str | None = None
+    system: str | None = Field(None, max_length=PROMPT_MAX_CHARS)
     maxToolCalls: int = Field(8, ge=0, le=MAX_TOOL_CALLS_LIMIT)
     tools: list[str] | None = None
     maxTokens: int = Field(256, ge=0, le=MAX_TOKENS_LIMIT)
     parallelToolCalls: bool = False
-    parent: str | None = None
+    parent: str | None = Field(None, min_length=1, max_length=HANDLE_MAX_CHARS)
     budgetTokens: int | None = Field(None, gt=0)
     budgetToolCalls: int | None = Field(None, gt=0)
-    budgetSeconds: float | None = Field(None, gt=0)
+    budgetSeconds: float | None = Field(None, gt=0, le=BUDGET_SECONDS_MAX)
     approveTools: list[str] | None = None
     timeout: float = Field(AWAIT_MAX_S, gt=0, le=AWAIT_MAX_S)
 
 
-Handle = Annotated[str, Field(min_length=1, max_length=200, description="a run handle from spawn")]
+Handle = Annotated[
+    str, Field(min_length=1, max_length=HANDLE_MAX_CHARS, description="a run handle from spawn")
+]
 
 
 def create_mcp_server(deps: DoorDeps) -> MCPServer:
@@ -627,15 +636,25 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
     )
     async def spawn(
         ctx: Context,
-        task: Annotated[str, Field(min_length=1, description="what the sub-agent should do")],
+        task: Annotated[
+            str,
+            Field(
+                min_length=1,
+                max_length=PROMPT_MAX_CHARS,
+                description="what the sub-agent should do",
+            ),
+        ],
         model: Annotated[
-            str | None, Field(description="model name; default: the pool's first")
+            str | None,
+            Field(max_length=MODEL_MAX_CHARS, description="model name; default: the pool's first"),
         ] = None,
         serviceClass: Annotated[
             Literal["interactive", "batch"],
             Field(description="interactive runs are admitted before batch runs"),
         ] = "interactive",
-        system: Annotated[str | None, Field(description="system prompt")] = None,
+        system: Annotated[
+            str | None, Field(max_length=PROMPT_MAX_CHARS, description="system prompt")
+        ] = None,
         maxToolCalls: Annotated[
             int, Field(ge=0, le=MAX_TOOL_CALLS_LIMIT, description="tool-call budget of the run")
         ] = 8,
@@ -649,7 +668,7 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
             bool, Field(description="run a turn's tool calls concurrently")
         ] = False,
         parent: Annotated[
-            str | None, Field(description="handle of a running run this one belongs to")
+            Handle | None, Field(description="handle of a running run this one belongs to")
         ] = None,
         budgetTokens: Annotated[
             int | None, Field(gt=0, description="tokens, whole subtree")
@@ -663,7 +682,8 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
             ),
         ] = None,
         budgetSeconds: Annotated[
-            float | None, Field(gt=0, description="seconds, whole subtree")
+            float | None,
+            Field(gt=0, le=BUDGET_SECONDS_MAX, description="seconds, whole subtree (max 30 days)"),
         ] = None,
         approveTools: Annotated[
             list[str] | None, Field(description="tools that wait for the user's approval")
@@ -702,20 +722,28 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
     @mcp.tool(annotations=ToolAnnotations(read_only_hint=False, destructive_hint=False))
     async def run(
         ctx: Context,
-        task: Annotated[str, Field(min_length=1, description="what the sub-agent should do")],
+        task: Annotated[
+            str,
+            Field(
+                min_length=1,
+                max_length=PROMPT_MAX_CHARS,
+                description="what the sub-agent should do",
+            ),
+        ],
         model: Annotated[
-            str | None, Field(description="model name; default: the pool's first")
+            str | None,
+            Field(max_length=MODEL_MAX_CHARS, description="model name; default: the pool's first"),
         ] = None,
         serviceClass: Literal["interactive", "batch"] = "interactive",
-        system: str | None = None,
+        system: Annotated[str | None, Field(max_length=PROMPT_MAX_CHARS)] = None,
         maxToolCalls: Annotated[int, Field(ge=0, le=MAX_TOOL_CALLS_LIMIT)] = 8,
         tools: list[str] | None = None,
         maxTokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)] = 256,
         parallelToolCalls: bool = False,
-        parent: str | None = None,
+        parent: Handle | None = None,
         budgetTokens: Annotated[int | None, Field(gt=0)] = None,
         budgetToolCalls: Annotated[int | None, Field(gt=0)] = None,
-        budgetSeconds: Annotated[float | None, Field(gt=0)] = None,
+        budgetSeconds: Annotated[float | None, Field(gt=0, le=BUDGET_SECONDS_MAX)] = None,
         approveTools: list[str] | None = None,
         timeout: Annotated[float, Field(gt=0, le=AWAIT_MAX_S)] = AWAIT_MAX_S,
     ) -> RunView | InputRequiredResult:
@@ -736,7 +764,10 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
         ctx: Context,
         handles: Annotated[
             list[Handle] | None,
-            Field(description="runs to show; default: this caller's 20 most recent runs"),
+            Field(
+                max_length=1000,
+                description="runs to show; default: this caller's 20 most recent runs",
+            ),
         ] = None,
         state: Annotated[
             RunState | None,
@@ -794,7 +825,9 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
     async def approve(
         ctx: Context,
         handle: Handle,
-        allow: Annotated[bool, Field(description="true to let the tool call run")],
+        allow: Annotated[
+            bool, Field(strict=True, description="true to let the tool call run (a boolean)")
+        ],
         callId: Annotated[
             str | None,
             Field(
@@ -840,7 +873,7 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
             list[str] | None,
             Field(description="2 to 20 labels to choose from; omit for the classifier's labels"),
         ] = None,
-        model: str | None = None,
+        model: Annotated[str | None, Field(max_length=MODEL_MAX_CHARS)] = None,
     ) -> DecideResult:
         """Classify `input` in one pass: with `labels`, one 1-token turn scored from the
         first token's logprobs; without, the configured single-pass classifier."""

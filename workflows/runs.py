@@ -128,6 +128,17 @@ def _reason(exc: WorkflowUpdateFailedError) -> str:
     return cause.message if isinstance(cause, FailureError) else str(cause or exc)
 
 
+def _refused(exc: RPCError, parent: str | None) -> None:
+    """Raise a RunError if Temporal refused the run's input as too large (its blob
+    limit, 2 MB by default); return otherwise."""
+    if exc.status == RPCStatusCode.INVALID_ARGUMENT and "size" in exc.message.lower():
+        to = f"parent run '{parent}'" if parent is not None else "Temporal"
+        raise RunError(
+            f"the run's input is too large for {to}: {exc.message} (task and system "
+            "prompt, together under the server's payload limit, 2 MB by default)"
+        ) from None
+
+
 async def _final(h: WorkflowHandle[AgentRun, RunStatus]) -> RunStatus:
     """An ended run's last status from its history: the result, or the details of the
     failure it ended with (budget stops and failed runs carry it)."""
@@ -206,6 +217,7 @@ class Runs:
             except WorkflowUpdateFailedError as exc:
                 raise RunError(_reason(exc)) from None
             except RPCError as exc:
+                _refused(exc, spec.parent)
                 if exc.status != RPCStatusCode.NOT_FOUND:
                     raise
                 # Updates reach only running workflows: say which case this is.
@@ -213,15 +225,19 @@ class Runs:
                 raise RunError(
                     f"parent run '{spec.parent}' has ended ({state}); it takes no children"
                 ) from None
-        await self._client.start_workflow(
-            AgentRun.run,
-            AgentRunInput(spec),
-            id=handle,
-            task_queue=self._queue,
-            search_attributes=search_attributes(spec, handle),
-            id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
-            id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
-        )
+        try:
+            await self._client.start_workflow(
+                AgentRun.run,
+                AgentRunInput(spec),
+                id=handle,
+                task_queue=self._queue,
+                search_attributes=search_attributes(spec, handle),
+                id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+                id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
+            )
+        except RPCError as exc:
+            _refused(exc, None)
+            raise
         return handle
 
     async def _worker_polls(self) -> bool:
@@ -384,6 +400,11 @@ class Runs:
         except WorkflowUpdateFailedError as exc:
             raise RunError(_reason(exc)) from None
         except RPCError as exc:
+            if exc.status == RPCStatusCode.FAILED_PRECONDITION:
+                raise RunError(
+                    f"run '{handle}' cannot take the answer now: {exc.message} (its worker "
+                    "fails to run it; the worker's log says why)"
+                ) from None
             if exc.status != RPCStatusCode.NOT_FOUND:
                 raise
             state = (await self.status(handle)).state

@@ -147,11 +147,39 @@ async def test_malformed_calls_get_clear_tool_errors(temporal_address: str, mode
             ("decide", {"input": "x", "labels": [f"l{i}" for i in range(21)]}, "2 to 20"),
             ("decide", {"input": "x", "labels": ["a", "b", "a"]}, "repeated: 'a'"),
             ("decide", {"input": "x", "labels": ["a", "b"], "model": "gpt-9"}, "gpt-9"),
+            # Bounds found by helper-62: past Temporal's payload limit (a bare "Error
+            # executing tool"), a budget timer that overflows (a run that never runs),
+            # echoes of a megabyte (past the client's SSE event limit), coerced booleans.
+            ("spawn", {"task": "x" * 200_001}, "task: String should have at most 200000"),
+            ("run", {"task": "x", "system": "y" * 200_001}, "system: String should have at most"),
+            (
+                "spawn",
+                {"task": "x", "budgetSeconds": 1e300},
+                "budgetSeconds: Input should be less than or equal to 2592000",
+            ),
+            (
+                "spawn",
+                {"task": "x", "parent": "p" * 10_000},
+                "parent: String should have at most 200",
+            ),
+            (
+                "spawn",
+                {"task": "x", "model": "m" * 1_000_000},
+                "model: String should have at most 200",
+            ),
+            ("decide", {"input": "x", "model": "m" * 300}, "model: String should have at most 200"),
+            (
+                "approve",
+                {"handle": "run-nope", "allow": "yes"},
+                "allow: Input should be a valid bool",
+            ),
+            ("status", {"handles": ["run-a"] * 1001}, "handles: List should have at most 1000"),
         ]
         for tool, args, needle in cases:
             text = error_text(await c.call_tool(tool, args))
-            assert needle in text, (tool, args, text)
-            assert "pydantic" not in text and "validation error" not in text, text
+            assert needle in text, (tool, args, text[:300])
+            assert "pydantic" not in text and "validation error" not in text, text[:300]
+            assert len(text) < 2000, (tool, text[:300])  # what was wrong, not the input back
         handle = await spawn(c, task=task_with(0, "noop"))
         await c.call_tool("await", {"handles": [handle]})
         text = error_text(await c.call_tool("approve", {"handle": handle, "allow": True}))
