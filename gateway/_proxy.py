@@ -65,6 +65,7 @@ __all__ = [
     "TurnRequest",
     "TurnResponse",
     "error_response",
+    "no_answer",
 ]
 
 log = logging.getLogger(__name__)
@@ -195,6 +196,8 @@ class StreamWatch:
         self._lead: bool | None = None  # whether the text starts like a call (None: no text yet)
         self._capture = False
         self.finish_reason: str | None = None
+        # A JSON answer (not a stream) whose body is not a JSON object: no API's answer.
+        self.shapeless = False
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.cached_tokens = 0
@@ -213,10 +216,12 @@ class StreamWatch:
         ):
             return  # whole lines that carry nothing the watch reads: most streamed tokens
         if self._too_big:
-            if self._sse and b"\n" in chunk:  # skip to the next line and resume
-                self._too_big = False
-                self._buffer = bytearray(chunk[chunk.rindex(b"\n") + 1 :])
-            return
+            if not (self._sse and b"\n" in chunk):
+                return
+            # Skip to the end of the oversized line and read on from there: the lines
+            # after it in this chunk (often the finish and the usage) count.
+            self._too_big = False
+            chunk = chunk[chunk.index(b"\n") + 1 :]
         self._buffer += chunk
         if self._sse:
             *lines, rest = self._buffer.split(b"\n")
@@ -237,7 +242,9 @@ class StreamWatch:
         if self._sse:
             self._line(bytes(self._buffer))
         else:
-            self._inspect(_loads(bytes(self._buffer)))
+            body = _loads(bytes(self._buffer))
+            self.shapeless = not isinstance(body, dict)
+            self._inspect(body)
         self._buffer = bytearray()
         if self._tools and self.finish_reason == "stop" and not self.tool_call_ids:
             for event in self._events:
@@ -549,15 +556,52 @@ def _error_text(error: object, fallback: object = None) -> str:
     return str(message or fallback or error)[:200]
 
 
+def no_answer(status: int, location: bytes | None) -> str | None:
+    """Why an engine's status is no answer to a turn (None: it is one): a status HTTP
+    does not have (the server could not even send it on), a redirect (luftpause posts
+    to the endpoint's URL only), or an answer without a body."""
+    if not 200 <= status < 600:
+        return f"answered status {status}, which HTTP does not have"
+    if 300 <= status < 400:
+        where = f" to {location.decode('latin-1')[:200]}" if location else ""
+        return (
+            f"answered {status} (a redirect{where}); luftpause does not follow redirects: "
+            "set the endpoint's url to where it points"
+        )
+    if status in (204, 205):
+        return f"answered {status} without a body"
+    return None
+
+
+def _carries(chunk: bytes) -> bool:
+    """Whether a piece of an answer carries more than keep-alives: SSE comments (`: ping`)
+    and blank lines, or whitespace in a JSON body."""
+    rest = chunk.lstrip()
+    while rest.startswith(b":"):  # a comment line; what follows it may be an event
+        end = rest.find(b"\n")
+        if end < 0:
+            return False
+        rest = rest[end + 1 :].lstrip()
+    return bool(rest)
+
+
 def _loads(data: bytes) -> object:
     try:
         return json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested past the parser's depth
         return None
 
 
+# No engine's context comes near this; a count beyond it (or below 0) is no count, and
+# would size the run's KV claim in the core.
+_MAX_TOKEN_COUNT = 1 << 31
+
+
 def _int(value: object, default: int) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else default
+    """A token count from an engine's usage, or `default` if it is not one."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < _MAX_TOKEN_COUNT:
+        return value
+    return default
 
 
 # --------------------------------------------------------------------------- a turn
@@ -808,6 +852,12 @@ class TurnResponse(Response):
             self._fail(message, engine=True)
             await t.error(502, message)(scope, receive, send)
             return
+        if (why := no_answer(answer.status, answer.header(b"location"))) is not None:
+            answer.close()
+            message = f"engine {replica}: {why}"
+            self._fail(message, engine=True)
+            await t.error(502, message)(scope, receive, send)
+            return
         try:
             with leave:
                 ok = await self._pump(
@@ -845,12 +895,13 @@ class TurnResponse(Response):
         await send({"type": "http.response.start", "status": answer.status, "headers": headers})
         started = False
         loop = asyncio.get_running_loop()
-        alive_at = loop.time()
+        alive_at = last_data = loop.time()
         try:
             # Only waiting on the engine counts: a slow client is not an idle engine.
             async with asyncio.timeout(self._idle) as idle:
                 while chunk := await answer.read():
                     idle.reschedule(None)
+                    carries = _carries(chunk)
                     if not started:
                         started = True
                         self._shell.apply(TurnStarted(now=self._clock(), turn_id=t.turn_id))
@@ -863,8 +914,12 @@ class TurnResponse(Response):
                     if chunk:
                         await send({"type": "http.response.body", "body": chunk, "more_body": True})
                     now = loop.time()
-                    idle.reschedule(now + self._idle)
-                    if now - alive_at >= ALIVE_EVERY_S:
+                    if carries:
+                        last_data = now
+                    # Keep-alive comments and blanks are no progress: an engine that
+                    # only pings is as stalled as a silent one.
+                    idle.reschedule(last_data + self._idle)
+                    if carries and now - alive_at >= ALIVE_EVERY_S:
                         # The core frees the slot of a turn silent for its turn timeout;
                         # a stream longer than that is no lost turn.
                         alive_at = now
@@ -890,6 +945,9 @@ class TurnResponse(Response):
             return True
         if watch.error is not None:
             self._fail(f"engine error in the stream: {watch.error}", engine=True)
+            return True
+        if watch.shapeless:
+            self._fail(f"engine answered {answer.status} without a JSON object", engine=True)
             return True
         self._end(
             TurnFinished(

@@ -39,7 +39,7 @@ from temporalio.client import Client as TemporalClient
 
 from activities.mcp_pool import McpPool
 from gateway._http import Upstream
-from gateway._proxy import TurnRequest, TurnResponse, error_response
+from gateway._proxy import TurnRequest, TurnResponse, error_response, no_answer
 from gateway._runtrace import RunSpans
 from gateway._shell import AdmissionShell
 from gateway.decide import (
@@ -728,8 +728,17 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                 ),
             )
         except httpx.HTTPError as exc:
-            message = f"engine {target.name}: {type(exc).__name__}: {exc}"
+            detail = str(exc) or (
+                "no answer in time" if isinstance(exc, httpx.TimeoutException) else "failed"
+            )
+            message = f"engine {target.name}: {type(exc).__name__}: {detail}"
             return error_response(502, message, run_id, anthropic=True)
+        location = answer.headers.get("location")
+        why = no_answer(
+            answer.status_code, location.encode("latin-1", "replace") if location else None
+        )
+        if why is not None:
+            return error_response(502, f"engine {target.name}: {why}", run_id, anthropic=True)
         kept = {k: v for k, v in answer.headers.items() if k in ("content-type", "retry-after")}
         return Response(answer.content, answer.status_code, headers=kept)
 

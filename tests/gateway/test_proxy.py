@@ -38,6 +38,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from starlette.types import Receive, Scope, Send
 
 import gateway._proxy as proxy_module
+from gateway._proxy import StreamWatch
 from gateway._shell import AdmissionShell
 from luftpause import telemetry
 from scheduler import Policy, RunPhase, ServiceClass
@@ -1316,3 +1317,148 @@ async def test_other_openai_routes_get_the_error_shape_and_what_is_served(
         message = r.json()["error"]["message"]
         assert message.startswith(f"luftpause does not serve {method} {path}; it serves POST ")
         assert not counted.chats
+
+
+# --------------------------------------------------------------------------- engines that misbehave
+# (helper-63's hunt: each of these got a 500, a traceback, a wrong run state or a success)
+
+
+def test_the_watch_takes_no_count_an_engine_could_not_mean() -> None:
+    usage = {"prompt_tokens": -5, "completion_tokens": 10**40}
+    for sse in (False, True):
+        watch = StreamWatch(sse=sse)
+        body = json.dumps({"choices": [], "usage": usage}).encode()
+        watch.feed(b"data: " + body + b"\n\n" if sse else body)
+        watch.close()
+        assert (watch.prompt_tokens, watch.completion_tokens) == (0, 0)  # kept as estimated
+    deep = b"[" * 200_000 + b"]" * 200_000  # past the parser's depth: no count, no crash
+    for sse in (False, True):
+        watch = StreamWatch(sse=sse)
+        watch.feed(b'data: {"usage": ' + deep + b"}\n\n" if sse else deep)
+        watch.close()
+        assert watch.shapeless is not sse and watch.prompt_tokens == 0
+
+
+def test_the_lines_after_an_oversized_one_in_its_last_chunk_are_read() -> None:
+    watch = StreamWatch(sse=True)
+    huge = b"data: " + b'{"choices": [{"delta": {"content": "' + b"x" * (6 << 20)
+    watch.feed(huge[: 5 << 20])  # past the 4 MB a line is read up to
+    end = (
+        b'"}}]}\n\ndata: {"choices": [{"delta": {}, "finish_reason": "tool_calls"}]}\n\n'
+        b'data: {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 2}}\n\n'
+    )
+    watch.feed(huge[5 << 20 :] + end)
+    watch.close()
+    assert watch.finish_reason == "tool_calls" and watch.prompt_tokens == 7
+
+
+@contextlib.asynccontextmanager
+async def raw_engine(answer: bytes) -> AsyncIterator[str]:
+    """An engine on a raw socket (an ASGI server cannot send every status): probes get
+    an empty model list, a turn gets `answer` as it is."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = re.search(rb"(?i)content-length: *(\d+)", head)
+                await reader.readexactly(int(length.group(1)) if length else 0)
+                if head.startswith(b"GET"):
+                    body = b'{"object": "list", "data": []}'
+                    size = str(len(body)).encode()
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: " + size + b"\r\n\r\n" + body)
+                else:
+                    writer.write(answer)
+                await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+@pytest.mark.parametrize(
+    ("answer", "said"),
+    [
+        (b"HTTP/1.1 999 Odd\r\ncontent-length: 0\r\n\r\n", "answered status 999, which HTTP"),
+        (
+            b"HTTP/1.1 307 Moved\r\nlocation: http://elsewhere.example/v1\r\n"
+            b"content-length: 0\r\n\r\n",
+            "answered 307 (a redirect to http://elsewhere.example/v1); luftpause does not",
+        ),
+        (b"HTTP/1.1 204 No Content\r\n\r\n", "answered 204 without a body"),
+    ],
+)
+async def test_a_status_that_is_no_answer_is_a_502_naming_the_engine(
+    answer: bytes, said: str
+) -> None:
+    async with raw_engine(answer) as url, gateway(endpoint("a", url, kind="openai")) as (gw, shell):
+        r = await gw.post("/v1/chat/completions", json=chat())
+        message = r.json()["error"]["message"]
+        assert r.status_code == 502 and message.startswith(f"engine a: {said}"), message
+        await until(lambda: not shell.state.turns, "the turn failed and freed its slot")
+        metrics = (await gw.get("/metrics")).text
+        assert 'luftpause_turns_total{outcome="failed"} 1.0' in metrics
+
+
+async def test_a_json_answer_that_is_no_json_object_fails_the_turn_on_the_engine() -> None:
+    def garbled(request: Request) -> Response:
+        return Response(b"<html>gateway error</html>", media_type="application/json")
+
+    async with (
+        serve(upstream(garbled)) as url,
+        gateway(endpoint("a", url, kind="openai")) as (gw, shell),
+    ):
+        r = await gw.post("/v1/chat/completions", json=chat())
+        assert r.status_code == 200 and r.content == b"<html>gateway error</html>"  # as sent
+        await until(lambda: not shell.state.turns, "turn ended")
+        metrics = (await gw.get("/metrics")).text
+        assert 'luftpause_turns_total{outcome="failed"} 1.0' in metrics
+        assert shell.state.replicas["a"].failures == 1  # the engine's fault
+
+
+async def test_an_engine_that_only_pings_is_stalled() -> None:
+    released = asyncio.Event()
+
+    async def pinging(scope: Scope, receive: Receive, send: Send) -> None:
+        if await answered_health(scope, send):
+            return
+        start = [(b"content-type", b"text/event-stream")]
+        await send({"type": "http.response.start", "status": 200, "headers": start})
+        await send({"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True})
+        while not released.is_set():
+            await send({"type": "http.response.body", "body": b": ping\n\n", "more_body": True})
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(released.wait(), 0.1)  # the engine's pace
+
+    policy = Policy(turn_timeout_s=0.5)
+    async with (
+        serve(pinging) as url,
+        gateway(endpoint("a", url, kind="openai"), policy=policy) as (gw, shell),
+    ):
+        try:
+            # (bounded: pings that kept the turn alive would keep this stream open)
+            async with asyncio.timeout(30):
+                with pytest.raises(httpx.RemoteProtocolError):
+                    async with gw.stream(
+                        "POST", "/v1/chat/completions", json=chat(stream=True)
+                    ) as r:
+                        async for _ in r.aiter_raw():
+                            pass
+            await until(lambda: not shell.state.turns, "the turn failed and freed its slot")
+            metrics = (await gw.get("/metrics")).text
+            assert 'luftpause_turns_total{outcome="failed"} 1.0' in metrics
+        finally:
+            released.set()
+
+
+def test_keep_alives_are_told_from_data() -> None:
+    assert not proxy_module._carries(b": ping\n\n")
+    assert not proxy_module._carries(b"  \n")
+    assert not proxy_module._carries(b": a\n: b\n\n")
+    assert proxy_module._carries(b': ping\n\ndata: {"x": 1}\n\n')
+    assert proxy_module._carries(b"data: {}\n\n")
+    assert proxy_module._carries(b'{"choices"')
