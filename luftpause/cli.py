@@ -14,6 +14,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from luftpause._args import port, seconds
+
 
 def _sim_parser(sub: Any) -> None:
     p = sub.add_parser(
@@ -90,6 +92,17 @@ def _policy(overrides: Sequence[str]) -> Any:
         except ValueError:
             optional = " (or none)" if kind.endswith("| None") else ""
             raise SystemExit(f"--policy {name}: expected a number{optional}, got {raw!r}") from None
+    # The ranges a configuration file's [policy] is held to (a share is 0 to 1, ...).
+    from pydantic import ValidationError
+
+    from luftpause.config import PolicyConfig
+
+    try:
+        PolicyConfig.model_validate(changes)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(part) for part in error["loc"])
+        raise SystemExit(f"--policy {where}: {error['msg']}, got {error['input']!r}") from None
     return replace(policy, **changes)
 
 
@@ -107,6 +120,11 @@ def _sim(args: argparse.Namespace) -> int:
     )
 
     if args.scenario == "bench-core":
+        if args.held < 1 or args.decisions < 1:
+            raise SystemExit(
+                f"luftpause sim bench-core: --held and --decisions must be >= 1, got "
+                f"{args.held} and {args.decisions}"
+            )
         result = bench_core(held=args.held, decisions=args.decisions)
         if args.json:
             print(json.dumps(result, indent=2))
@@ -169,7 +187,7 @@ def _fake_engine_parser(sub: Any) -> None:
         ),
     )
     p.add_argument("--flavor", choices=["sglang", "vllm", "llamacpp"], default="sglang")
-    p.add_argument("--port", type=int, required=True, help="port to listen on")
+    p.add_argument("--port", type=port, required=True, help="port to listen on")
     p.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default: %(default)s)"
     )
@@ -218,10 +236,13 @@ def _fake_engine(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     params = EngineParams.reference()
-    if args.kv_tokens is not None:
-        params = replace(params, kv_pool_tokens=args.kv_tokens)
-    if args.max_running is not None:
-        params = replace(params, max_running_requests=args.max_running)
+    try:
+        if args.kv_tokens is not None:
+            params = replace(params, kv_pool_tokens=args.kv_tokens)
+        if args.max_running is not None:
+            params = replace(params, max_running_requests=args.max_running)
+    except ValueError as exc:
+        raise SystemExit(f"luftpause fake-engine: {exc}") from None
     if args.priority_scheduling:
         params = replace(params, priority_scheduling=True)
     extra: dict[str, Any] = {}
@@ -270,11 +291,11 @@ def _gateway_parser(sub: Any) -> None:
         help="address to listen on (default: %(default)s; 0.0.0.0 for every interface)",
     )
     p.add_argument(
-        "--port", type=int, default=8080, help="port to listen on (default: %(default)s)"
+        "--port", type=port, default=8080, help="port to listen on (default: %(default)s)"
     )
     p.add_argument(
         "--shutdown-grace-s",
-        type=float,
+        type=seconds,
         default=30.0,
         help="on SIGTERM, how long turns in flight may go on before they are cut "
         "(default 30; keep your orchestrator's grace period above it)",

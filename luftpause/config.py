@@ -138,9 +138,18 @@ DEFAULT_HEALTH_PATH: Mapping[str, str] = {
 
 
 def _check_http_url(v: str, example: str) -> None:
-    """Every URL luftpause is given is http(s) with a host; the error shows one."""
+    """Every URL luftpause is given is http(s) with a host (and a port 1-65535 if it
+    names one); the error shows one."""
+    expected = f"expected an http:// or https:// URL, e.g. {example}"
     if not v.startswith(("http://", "https://")) or len(v) < len("http://x"):
-        raise ValueError(f"expected an http:// or https:// URL, e.g. {example}")
+        raise ValueError(expected)
+    parts = urlsplit(v)
+    try:
+        port = parts.port  # ValueError for a port that is no number or out of range
+    except ValueError:
+        raise ValueError(f"{expected}; the port of {v!r} is not 1-65535") from None
+    if any(c.isspace() for c in v) or (port is None and parts.netloc.endswith(":")):
+        raise ValueError(f"{expected}; {v!r} is not one")
 
 
 class ConfigError(Exception):

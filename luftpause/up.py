@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from luftpause._args import port
 from luftpause._process import kill, spawn, terminate
 from luftpause.config import ConfigError, bearer_token, load_config
 from luftpause.temporal_dev import DevServer, DevServerError, free_port
@@ -46,11 +47,11 @@ class UpError(Exception):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--port", type=int, default=8080, help="gateway port (default 8080)")
+    p.add_argument("--port", type=port, default=8080, help="gateway port (default 8080)")
     p.add_argument(
-        "--temporal-port", type=int, default=7233, help="Temporal gRPC port (default 7233)"
+        "--temporal-port", type=port, default=7233, help="Temporal gRPC port (default 7233)"
     )
-    p.add_argument("--ui-port", type=int, default=8233, help="Temporal Web UI port (default 8233)")
+    p.add_argument("--ui-port", type=port, default=8233, help="Temporal Web UI port (default 8233)")
     p.add_argument(
         "--state-dir",
         default=os.environ.get("LUFTPAUSE_STATE_DIR")
@@ -185,14 +186,18 @@ class Up:
         return str(beside) if beside.exists() else "luftpause"
 
     def check_ports(self) -> None:
-        for port, flag in (
+        chosen = (
             (self.args.port, "--port"),
             (self.args.temporal_port, "--temporal-port"),
             (self.args.ui_port, "--ui-port"),
-        ):
-            if not _port_free(port):
+        )
+        for number, flag in chosen:
+            if [n for n, _ in chosen].count(number) > 1:
+                others = " and ".join(f for n, f in chosen if n == number)
+                raise UpError(f"{others} are both {number}; give each its own port")
+            if not _port_free(number):
                 raise UpError(
-                    f"port {port} is already in use; choose another with {flag} N "
+                    f"port {number} is already in use; choose another with {flag} N "
                     f'(make up ARGS="{flag} N")'
                 )
 

@@ -43,6 +43,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from activities.contract import IDEMPOTENCY_META_KEY
+from luftpause._args import port
 from testkit.loopback import serve_until_signalled
 
 __all__ = [
@@ -321,7 +322,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the flags of `luftpause fake-mcp` to its subcommand parser."""
     parser.add_argument("--transport", choices=["http", "stdio"], default="http")
     parser.add_argument("--host", default="127.0.0.1", help="http: address to bind")
-    parser.add_argument("--port", type=int, help="http: port to bind (required for http)")
+    parser.add_argument("--port", type=port, help="http: port to bind (required for http)")
     parser.add_argument(
         "--time-scale",
         type=float,

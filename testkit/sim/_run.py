@@ -66,11 +66,11 @@ class Scenario:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("tool_s", "tool_result_chars"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.reply_tokens < 1 or not self.minutes > 0:
+            if not 0 <= getattr(self, name) < math.inf:  # NaN too
+                raise ValueError(f"{name} must be finite and >= 0, got {getattr(self, name)}")
+        if self.reply_tokens < 1 or not 0 < self.minutes <= 10_000:
             raise ValueError(
-                f"reply_tokens must be >= 1 and minutes > 0, got {self.reply_tokens}, "
+                f"reply_tokens must be >= 1 and minutes 0 to 10000, got {self.reply_tokens}, "
                 f"{self.minutes}"
             )
 

@@ -237,3 +237,36 @@ def test_a_stopping_gateway_lets_the_turns_in_flight_finish(tmp_path: Path) -> N
     finally:
         gw.stop()
         engine.stop()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("fake-engine", "--port", "70000"), "argument --port: expected a port 1-65535, got 70000"),
+        (("fake-engine", "--port", "0"), "argument --port: expected a port 1-65535, got 0"),
+        (("fake-mcp", "--port", "-1"), "argument --port: expected a port 1-65535, got -1"),
+        (("gateway", "--port", "x"), "argument --port: expected a port 1-65535, got 'x'"),
+        (("up", "--ui-port", "65536"), "argument --ui-port: expected a port 1-65535, got 65536"),
+        (
+            ("gateway", "--shutdown-grace-s", "nan"),
+            "argument --shutdown-grace-s: expected finite seconds >= 0, got 'nan'",
+        ),
+        (("up", "--port", "9100", "--ui-port", "9100"), "--port and --ui-port are both 9100"),
+        (
+            ("fake-engine", "--port", "8000", "--kv-tokens", "0"),
+            "luftpause fake-engine: kv_pool_tokens must hold at least one block",
+        ),
+    ],
+)
+def test_bad_flags_are_named_before_anything_starts(argv: tuple[str, ...], message: str) -> None:
+    # Found by helper-64: a port out of range was bound modulo 65536 (70000 -> 4464)
+    # or picked at random; the others gave a traceback.
+    out = subprocess.run(
+        [sys.executable, "-m", "luftpause", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode != 0 and message in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr

@@ -123,6 +123,18 @@ def test_the_newer_apis_default_by_kind_and_the_file_decides() -> None:
             '[[endpoints]]\nname="a"\nurl="127.0.0.1:1"\nkind="sglang"\nmodels=["m"]',
             "endpoints[0].url: expected an http:// or https:// URL",
         ),
+        (  # passed, and the gateway died at startup with httpx's InvalidURL
+            '[[endpoints]]\nname="a"\nurl="http://127.0.0.1:abc"\nkind="sglang"\nmodels=["m"]',
+            "the port of 'http://127.0.0.1:abc' is not 1-65535",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://127.0.0.1:99999"\nkind="sglang"\nmodels=["m"]',
+            "the port of 'http://127.0.0.1:99999' is not 1-65535",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://exa mple.com"\nkind="sglang"\nmodels=["m"]',
+            "'http://exa mple.com' is not one",
+        ),
         (
             '[[endpoints]]\nname="a"\nurl="https://api.example.com/v1/"\nkind="openai"\n'
             'models=["m"]',
@@ -343,7 +355,8 @@ def test_the_newer_apis_default_by_kind_and_the_file_decides() -> None:
         (
             '[[endpoints]]\nname="a"\nurl="http://pods.test:99999"\nkind="sglang"\n'
             'models=["m"]\ndiscover="dns"',
-            "discover = 'dns': url 'http://pods.test:99999' has no valid host name and port",
+            "endpoints[0].url: expected an http:// or https:// URL, e.g. "
+            "http://127.0.0.1:30000; the port of 'http://pods.test:99999' is not 1-65535",
         ),
         (
             '[[endpoints]]\nname="a"\nurl="http://' + "x" * 64 + '.test:1"\nkind="sglang"\n'

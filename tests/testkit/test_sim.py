@@ -134,6 +134,17 @@ def test_cli_rejects_bad_flags_clearly() -> None:
         out = _cli("sim", "flood", flag, "0")
         assert out.returncode != 0 and f"luftpause sim: {message}" in out.stderr, out.stderr
         assert "Traceback" not in out.stderr
+    # Found by helper-64: values that gave a traceback, ran forever or a meaningless table.
+    for argv, message in (
+        (("light", "--tool-s", "nan"), "tool_s must be finite and >= 0, got nan"),
+        (("light", "--minutes", "inf"), "minutes 0 to 10000, got 256, inf"),
+        (("light", "--policy", "kv_fill=-1"), "--policy kv_fill: Input should be greater than 0"),
+        (("light", "--policy", "max_held_per_caller=0"), "--policy max_held_per_caller:"),
+        (("bench-core", "--held", "0"), "--held and --decisions must be >= 1, got 0"),
+    ):
+        out = _cli("sim", *argv)
+        assert out.returncode != 0 and message in out.stderr, (argv, out.stderr)
+        assert "Traceback" not in out.stderr
 
 
 def test_packing_a_shared_gpu_trades_batch_runs_for_interactive_ones() -> None:
