@@ -424,6 +424,10 @@ class RunArgs(BaseModel):
     timeout: float = Field(AWAIT_MAX_S, gt=0, le=AWAIT_MAX_S)
 
 
+Task = Annotated[
+    str,
+    Field(min_length=1, max_length=PROMPT_MAX_CHARS, description="what the sub-agent should do"),
+]
 Handle = Annotated[
     str, Field(min_length=1, max_length=HANDLE_MAX_CHARS, description="a run handle from spawn")
 ]
@@ -636,14 +640,7 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
     )
     async def spawn(
         ctx: Context,
-        task: Annotated[
-            str,
-            Field(
-                min_length=1,
-                max_length=PROMPT_MAX_CHARS,
-                description="what the sub-agent should do",
-            ),
-        ],
+        task: Task,
         model: Annotated[
             str | None,
             Field(max_length=MODEL_MAX_CHARS, description="model name; default: the pool's first"),
@@ -722,14 +719,7 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
     @mcp.tool(annotations=ToolAnnotations(read_only_hint=False, destructive_hint=False))
     async def run(
         ctx: Context,
-        task: Annotated[
-            str,
-            Field(
-                min_length=1,
-                max_length=PROMPT_MAX_CHARS,
-                description="what the sub-agent should do",
-            ),
-        ],
+        task: Task,
         model: Annotated[
             str | None,
             Field(max_length=MODEL_MAX_CHARS, description="model name; default: the pool's first"),

@@ -32,6 +32,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import platform
 import shutil
@@ -519,7 +520,7 @@ def run(args: argparse.Namespace) -> int:
         bad = ", ".join(unknown) or "(none)"
         print(f"luftpause bench: unknown arm {bad}; arms are {', '.join(ARMS)}", file=sys.stderr)
         return 2
-    if args.minutes <= 0 or args.engines < 1 or args.time_scale <= 0:
+    if not 0 < args.minutes < math.inf or args.engines < 1 or not 0 < args.time_scale < math.inf:
         print("luftpause bench: --minutes, --engines and --time-scale must be > 0", file=sys.stderr)
         return 2
     if args.batch < 0 or args.interactive < 0 or args.batch + args.interactive == 0:

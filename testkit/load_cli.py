@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import sys
 from typing import Any
@@ -72,8 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _bad(args: argparse.Namespace) -> str | None:
-    if args.minutes <= 0:
-        return "--minutes must be > 0"
+    if not 0 < args.minutes < math.inf:  # NaN too
+        return f"--minutes must be a finite number > 0, got {args.minutes}"
     if args.subagents is not None:
         if args.subagents < 1:
             return "--subagents must be at least 1"

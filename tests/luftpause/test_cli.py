@@ -256,6 +256,11 @@ def test_a_stopping_gateway_lets_the_turns_in_flight_finish(tmp_path: Path) -> N
             ("fake-engine", "--port", "8000", "--kv-tokens", "0"),
             "luftpause fake-engine: kv_pool_tokens must hold at least one block",
         ),
+        (  # exited 0 and printed "nan min"
+            ("load", "--url", "http://127.0.0.1:9", "--minutes", "nan"),
+            "--minutes must be a finite number > 0, got nan",
+        ),
+        (("bench", "flood", "--minutes", "nan"), "--minutes, --engines and --time-scale must be"),
     ],
 )
 def test_bad_flags_are_named_before_anything_starts(argv: tuple[str, ...], message: str) -> None:
