@@ -1365,14 +1365,12 @@ class _Tx:
         in_flight = 1
         if old is not None:
             in_flight += old.in_flight
+            if context > old.context_tokens or not self._kept(old):
+                # The run's other held turns are larger now, or (kept on its replica
+                # from now on) sized by their own requests where they would run away to.
+                self.refill += self._grown()
             if old.context_tokens > context:
                 context = old.context_tokens
-            elif context > old.context_tokens:
-                self.refill += self._grown()
-            if not self._kept(old):
-                # Kept on its replica from now on, the run's other held turns are sized
-                # by their own requests wherever they would run away to: smaller.
-                self.refill += self._grown()
             if old.bound and old.replica is not None and old.replica != name:
                 self.refill.append(old.replica)
         self._replace_run(
