@@ -15,16 +15,16 @@ Rules (DESIGN.md "The scheduler"), stated once, enforced here and nowhere else:
    failed turn (its run is idle, but its prefix is cached there).  Any other idle run
    prefers its last replica but may move; a new run goes to the least loaded healthy
    replica.  A run's replica is that of its last admitted turn, except that a run
-   generating on a healthy replica, or paused on a tool there (with strict affinity),
-   stays there when another of its turns goes elsewhere (a model that replica does not
-   serve, or affinity off): its prefix and KV claim stay where that turn runs or will
-   come back, and the turn away claims KV where it runs, until it ends, for its own
-   prompt and reply (its request is not the run's conversation); its usage is not the
-   run's context, and a paused run stays paused through it (a
-   harness's side request to a small model while a tool runs does not cost the run
-   its replica).  (A turn's usage sets its run's context,
-   which sizes the run's claim and its held turns, but does not shrink it while
-   another turn of the run still runs there.)
+   generating on a healthy replica, or paused on a tool there or retrying a failed
+   turn there (with strict affinity), stays there when another of its turns goes
+   elsewhere (a model that replica does not serve, or affinity off): its prefix and KV
+   claim stay where that turn runs or will come back, and the turn away claims KV
+   where it runs, until it ends, for its own prompt and reply (its request is not the
+   run's conversation); its usage is not the run's context, and a paused (or
+   retrying) run stays so through it (a harness's side request to a small model while
+   a tool runs does not cost the run its replica).  (A turn's usage sets its run's
+   context, which sizes the run's claim and its held turns, but does not shrink it
+   while another turn of the run still runs there.)
 4. Batch turns leave one slot for every interactive run paused on a tool there, and
    stop at `Policy.batch_kv_fill` of a replica's KV pool (interactive runs may fill
    `Policy.kv_fill`).
@@ -842,20 +842,25 @@ class _Tx:
             else:
                 # Paused on a tool, or idle (retrying if it failed): built whole, as
                 # the finish path is the core's hottest (a _replace costs twice as much).
-                # A turn away from a run paused on a tool leaves it paused, and the last
-                # turn to end, if it ran away, leaves the run as its own turn did (rule 3).
-                kept = run.phase is _PAUSED
+                # A turn away from a run paused on a tool (or idle, retrying a failed
+                # turn) leaves it so, and the last turn to end, if it ran away, leaves
+                # the run as its own turn did (rule 3).
+                kept = run.phase is not _GENERATING
                 reason = finish_reason
                 if run.home_outcome and run.replica != name:
                     reason = None if run.home_outcome == "failed" else run.home_outcome
-                phase = _PAUSED if kept or reason == "tool_calls" else _IDLE
-                if not kept and (phase is _IDLE or not self.policy.strict_affinity):
-                    grown = True  # it may move now: its held turns are sized by its context
+                if kept:
+                    phase = run.phase
+                    retrying = run.retrying
+                else:
+                    phase = _PAUSED if reason == "tool_calls" else _IDLE
+                    retrying = reason is None
+                    if not (self.policy.strict_affinity and (retrying or phase is _PAUSED)):
+                        grown = True  # it may move now: its held turns are sized by its context
                 after = RunState(
                     run.run_id, run.service_class, run.caller, run.model, phase, run.replica,
                     0, context, run.reply_tokens, run.last_active if kept else self.now,
-                    run.bound, run.ws_claim, run.counted_paused, run.ended,
-                    reason is None and not kept,
+                    run.bound, run.ws_claim, run.counted_paused, run.ended, retrying,
                 )  # fmt: skip
                 self._set_run(after)
         names = [name]
@@ -1141,11 +1146,11 @@ class _Tx:
     def _kept(self, run: RunState | None) -> bool:
         """Whether the run stays on its replica when a turn of it goes elsewhere (rule
         3): a turn of it generates there or (strict affinity) it is paused there on a
-        tool, and the replica is healthy."""
+        tool or idle with a failed turn to retry there, and the replica is healthy."""
         if run is None or run.replica is None:
             return False
         if run.phase is not _GENERATING and not (
-            run.phase is _PAUSED and self.policy.strict_affinity
+            self.policy.strict_affinity and (run.phase is _PAUSED or run.retrying)
         ):
             return False
         home = self.replicas.get(run.replica)
@@ -1353,10 +1358,11 @@ class _Tx:
             # a tool (this one is for a model that replica does not serve, or affinity is
             # off): the run, its phase, its prefix and its KV claim stay there; this
             # turn's claim is its own.
-            # A paused run stays paused since its pause: its claim's retention (rule 6)
-            # and its expiry (rule 8) do not restart for a side turn.
+            # A paused (or retrying) run stays so since its pause (or failed turn): its
+            # claim's retention (rule 6) and its expiry (rule 8) do not restart for a
+            # side turn.
             assert old is not None
-            active = old.last_active if old.phase is _PAUSED else self.now
+            active = self.now if old.phase is _GENERATING else old.last_active
             self._replace_run(
                 old, old._replace(in_flight=old.in_flight + 1, caller=caller, last_active=active)
             )

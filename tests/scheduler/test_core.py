@@ -430,6 +430,55 @@ def test_a_side_turn_that_ends_last_leaves_the_run_as_its_own_turn_did(
     assert run.context_tokens == (3300 if home != "failed" else 3200)  # the prompt sent
 
 
+@pytest.mark.parametrize("side_ends", ["stop", "tool_calls", "failed"])
+def test_a_side_turn_of_a_run_retrying_a_failed_turn_leaves_it_retrying_there(
+    side_ends: str,
+) -> None:
+    # Its turn on a failed: the retry goes back to a, where its prefix is.  A side
+    # request to a model a does not serve meanwhile runs on b for itself; it neither
+    # takes the run to b (the retry would then be a turn away from its own run) nor,
+    # when it ends, pauses or frees the run (helper-60's case).
+    d = Driver(("a", "b"), kv_tokens=10_000, policy=Policy(kv_fill=0.8),
+               serves={"a": ["big"], "b": ["small"]})  # fmt: skip
+    t1 = d.arrive("r1", model="big", prompt=6000)
+    d.feed(TurnFailed(now=d.step(), turn_id=t1, reason="502"))
+    failed_at = d.now
+    side = d.arrive("r1", model="small", prompt=500)
+    assert d.admitted() == {side: "b"} and d.state.turns[side].claim == 756
+    run = d.state.runs["r1"]
+    assert (run.phase, run.retrying, run.replica, run.in_flight) == (RunPhase.IDLE, True, "a", 1)
+    if side_ends == "failed":
+        d.feed(TurnFailed(now=d.step(), turn_id=side))
+    else:
+        d.finish(side, side_ends, prompt=500, out=50)
+    run = d.state.runs["r1"]
+    assert (run.phase, run.retrying, run.replica, run.in_flight) == (RunPhase.IDLE, True, "a", 0)
+    assert run.last_active == failed_at and d.state.replicas["b"].ws_tokens == 0
+    retry = d.arrive("r1", model="big", prompt=6000)
+    assert d.admitted() == {retry: "a"} and d.state.runs["r1"].ws_claim == 6256
+
+
+def test_the_retry_held_for_its_replica_stays_the_runs_own_turn_beside_a_side_turn() -> None:
+    # The retry waits for a (full); a side turn goes to b meanwhile.  When a frees a
+    # slot the retry runs there as the run's own turn: the run generates on a with its
+    # claim, not on b with the retry "away" from it.
+    d = Driver(("a", "b"), kv_tokens=10_000, policy=Policy(kv_fill=0.8),
+               serves={"a": ["big"], "b": ["small"]})  # fmt: skip
+    d.cap("a", 1)
+    t1 = d.arrive("r1", model="big", prompt=3000)
+    d.feed(TurnFailed(now=d.step(), turn_id=t1))
+    other = d.arrive("r2", model="big", prompt=100)
+    retry = d.arrive("r1", model="big", prompt=3000)
+    assert d.admitted() == {} and d.state.turns[retry].bucket == ("pin", "a", I)
+    side = d.arrive("r1", model="small", prompt=500)
+    assert d.admitted() == {side: "b"}
+    d.finish(other, "stop", prompt=100, out=10)
+    assert d.admitted() == {retry: "a"} and d.state.turns[retry].claim == 0
+    run = d.state.runs["r1"]
+    assert (run.phase, run.replica, run.in_flight) == (RunPhase.GENERATING, "a", 2)
+    assert run.ws_claim == 3256 and d.state.replicas["a"].ws_tokens == 3256
+
+
 def test_a_side_turn_neither_restarts_a_paused_runs_retention_nor_lets_it_expire() -> None:
     policy = Policy(kv_retention_s=60.0, idle_run_expiry_s=100.0)
     d = Driver(("a", "b"), kv_tokens=10_000, policy=policy, serves={"a": ["big"], "b": ["small"]})
@@ -539,7 +588,7 @@ def test_a_held_side_turn_that_shrinks_as_its_run_is_kept_goes_in(kept_by: str) 
     assert d.state.turns[side].replica == "b" and d.state.turns[side].claim == 756
 
 
-@pytest.mark.parametrize("left_by", ["probe", "ejection", "finish"])
+@pytest.mark.parametrize("left_by", ["probe", "ejection", "finish", "failed"])
 def test_a_held_side_turn_that_grows_as_its_run_may_move_is_looked_at_again(left_by: str) -> None:
     # The other way: its run's replica leaves rotation, or its turn there ends, the run
     # may move, and its side turn is sized by the run's context again.  Larger than b's
@@ -556,8 +605,13 @@ def test_a_held_side_turn_that_grows_as_its_run_may_move_is_looked_at_again(left
         d.probe("a", None, None, healthy=False)
     elif left_by == "ejection":
         d.feed(TurnFailed(now=d.step(), turn_id=t3, engine_fault=True))
-    else:
+    elif left_by == "finish":
         d.finish(t1, "stop", prompt=9800, out=0)  # idle: r1 may move
+    else:
+        d.feed(TurnFailed(now=d.step(), turn_id=t1))  # r1 retries on a: it stays there
+        assert side in d.held_ids(), "still 1,756 beside q: its run did not leave a"
+        assert d.state.runs["r1"].replica == "a" and d.state.runs["r1"].retrying
+        return
     assert d.state.replicas["a"].healthy is (left_by == "finish")
     assert d.state.turns[side].replica == "b", "10,056 on its own, beside batch only"
     assert d.state.runs["r1"].replica == "b"

@@ -330,9 +330,9 @@ def check_bookkeeping(s: State) -> None:
         assert run.in_flight == len(mine)
         if run.phase is RunPhase.GENERATING:
             assert mine
-        elif run.phase is RunPhase.IDLE:
+        elif run.phase is RunPhase.IDLE and not run.retrying:
             assert not mine
-        else:  # paused on a tool: only turns of other models, away from its replica (rule 3)
+        else:  # paused on a tool, or retrying a failed turn: only turns away (rule 3)
             assert all(t.replica != run.replica for t in mine), (run, mine)
     # Each timer holds exactly the entries of what waits for it, in order: none left
     # behind by a turn that finished or a run that went on, so they stay the size of
@@ -455,12 +455,13 @@ def check_work_conserving(s: State) -> None:
 
 def runs_away(s: State, run: Any, name: str) -> bool:
     """Whether a turn of the run admitted to `name` leaves the run on its replica (rule
-    3): generating there, or paused there on a tool with strict affinity, and healthy."""
+    3): generating there, or with strict affinity paused there on a tool or retrying a
+    failed turn there, and healthy."""
     if run is None or run.replica in (None, name):
         return False
     home = s.replicas.get(run.replica)
     kept = run.phase is RunPhase.GENERATING or (
-        run.phase is RunPhase.PAUSED and s.policy.strict_affinity
+        s.policy.strict_affinity and (run.phase is RunPhase.PAUSED or run.retrying)
     )
     return kept and home is not None and home.healthy
 
