@@ -12,10 +12,11 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
-__all__ = ["DevServer", "DevServerError", "free_port", "temporal_binary"]
+__all__ = ["DevServer", "DevServerError", "StartInterrupted", "free_port", "temporal_binary"]
 
 from luftpause._process import kill, spawn, terminate
 from workflows.contract import SEARCH_ATTRIBUTES
@@ -27,6 +28,10 @@ READY_TIMEOUT_S = 30.0
 
 class DevServerError(RuntimeError):
     """The dev server could not be started."""
+
+
+class StartInterrupted(DevServerError):
+    """Asked to stop while it started: it was stopped again."""
 
 
 def temporal_binary() -> str:
@@ -101,8 +106,9 @@ class DevServer:
             cmd += ["--db-filename", str(self.db_file), *DB_FLAGS]
         return cmd + list(self.extra_args)
 
-    def start(self) -> None:
-        """Start it and wait until its gRPC port accepts connections."""
+    def start(self, stop: threading.Event | None = None) -> None:
+        """Start it and wait until its gRPC port accepts connections, or `stop` is set
+        (then it is stopped again and `StartInterrupted` raised)."""
         if _listening(self.host, self.port):
             raise DevServerError(f"port {self.port} is already in use")
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115
@@ -113,6 +119,9 @@ class DevServer:
                 out.close()  # type: ignore[union-attr]
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not _listening(self.host, self.port):
+            if stop is not None and stop.is_set():
+                self.stop()
+                raise StartInterrupted("interrupted while the temporal dev server started")
             if self.process.poll() is not None:
                 raise DevServerError(
                     f"temporal dev server exited with {self.process.returncode}"

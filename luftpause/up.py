@@ -28,7 +28,7 @@ from pathlib import Path
 from luftpause._args import port
 from luftpause._process import kill, spawn, terminate
 from luftpause.config import ConfigError, bearer_token, load_config
-from luftpause.temporal_dev import DevServer, DevServerError, free_port
+from luftpause.temporal_dev import DevServer, DevServerError, StartInterrupted, free_port
 
 __all__ = ["Child", "add_arguments", "run", "wait_http"]
 
@@ -44,6 +44,10 @@ TASK_QUEUE = "luftpause"
 
 class UpError(Exception):
     """`luftpause up` cannot start; the message says why and what to change."""
+
+
+class Interrupted(UpError):
+    """Ctrl-C, SIGTERM or SIGHUP while starting: stop what started, quietly."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -112,9 +116,18 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def wait_http(url: str, what: str, child: Child | None, timeout: float = HEALTH_TIMEOUT_S) -> None:
+def wait_http(
+    url: str,
+    what: str,
+    child: Child | None,
+    timeout: float = HEALTH_TIMEOUT_S,
+    stop: threading.Event | None = None,
+) -> None:
+    """Wait until `url` answers below 500; `Interrupted` once `stop` is set."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if stop is not None and stop.is_set():
+            raise Interrupted(f"stopped while waiting for {what}")
         if child is not None and not child.alive():
             raise UpError(f"{what} exited during startup; see {child.log}")
         try:
@@ -127,9 +140,17 @@ def wait_http(url: str, what: str, child: Child | None, timeout: float = HEALTH_
     raise UpError(f"{what} did not answer {url} within {timeout:g} s")
 
 
-def _wait_log(child: Child, needle: str, what: str, timeout: float = HEALTH_TIMEOUT_S) -> None:
+def _wait_log(
+    child: Child,
+    needle: str,
+    what: str,
+    timeout: float = HEALTH_TIMEOUT_S,
+    stop: threading.Event | None = None,
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if stop is not None and stop.is_set():
+            raise Interrupted(f"stopped while waiting for {what}")
         if not child.alive():
             raise UpError(f"{what} exited during startup; see {child.log}")
         if needle in child.log.read_text(errors="replace"):
@@ -202,6 +223,8 @@ class Up:
                 )
 
     def child(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Child:
+        if self.stopping.is_set():
+            raise Interrupted(f"stopped before starting {name}")
         c = Child(name, argv, self.logs / f"{name}.log", env or {})
         c.start()
         self.children.append(c)
@@ -235,7 +258,9 @@ class Up:
             log_file=self.logs / "temporal.log",
         )
         try:
-            self.temporal.start()
+            self.temporal.start(self.stopping)
+        except StartInterrupted as exc:
+            raise Interrupted(str(exc)) from None
         except DevServerError as exc:
             raise UpError(f"temporal dev server: {exc}") from None
         temporal = self.temporal.address
@@ -259,7 +284,7 @@ class Up:
                     [self.exe(), "fake-engine", "--port", str(port), "--time-scale", scale],
                 )
                 url = f"http://127.0.0.1:{port}"
-                wait_http(f"{url}/health", f"fake engine {name}", c)
+                wait_http(f"{url}/health", f"fake engine {name}", c, stop=self.stopping)
                 engines.append(url)
             mcp_port = free_port()
             c = self.child(
@@ -267,7 +292,9 @@ class Up:
                 [self.exe(), "fake-mcp", "--port", str(mcp_port), "--time-scale", scale],
             )
             mcp_url = f"http://127.0.0.1:{mcp_port}/mcp"
-            wait_http(f"http://127.0.0.1:{mcp_port}/counts", "fake MCP server", c)
+            wait_http(
+                f"http://127.0.0.1:{mcp_port}/counts", "fake MCP server", c, stop=self.stopping
+            )
             config = self.state / "luftpause.toml"
             _fake_config(config, engines, mcp_url, gateway, temporal)
             where["engines"] = ", ".join(engines)
@@ -293,9 +320,9 @@ class Up:
             ],
             env,
         )
-        wait_http(f"{gateway}/health", "the gateway", gw)
+        wait_http(f"{gateway}/health", "the gateway", gw, stop=self.stopping)
         worker = self.child("worker", [self.exe(), "worker", "--config", str(config)], env)
-        _wait_log(worker, "worker on task queue", "the worker")
+        _wait_log(worker, "worker on task queue", "the worker", stop=self.stopping)
         where["config"] = str(config)
         return where
 
@@ -319,7 +346,9 @@ class Up:
                 self.say("the Temporal dev server exited; restarting it")
                 t.process = None
                 try:
-                    t.start()
+                    t.start(self.stopping)
+                except StartInterrupted:
+                    return
                 except DevServerError as exc:
                     self.say(f"temporal dev server: {exc}. Stopping.")
                     return
@@ -383,6 +412,8 @@ def run(args: argparse.Namespace) -> int:
             say("note: no token is set; the gateway is open to anyone on this machine")
         say(_banner(where, up.token_from))
         up.supervise()
+    except Interrupted:
+        pass  # asked to stop while starting: stop what started
     except UpError as exc:
         print(f"luftpause up: {exc}", file=sys.stderr, flush=True)
         up.stop()

@@ -10,10 +10,13 @@ import re
 import signal
 import subprocess
 import sys
+import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx2
 import pytest
@@ -21,8 +24,9 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from temporalio.client import Client as TemporalClient
 
-from luftpause import native
-from luftpause.temporal_dev import free_port
+from luftpause import native, temporal_dev
+from luftpause.temporal_dev import DevServer, StartInterrupted, free_port
+from luftpause.up import Interrupted, wait_http
 from tests.luftpause.test_process import wait_gone
 from tests.workflows.harness import task_with
 
@@ -295,6 +299,67 @@ async def test_a_port_in_use_is_named_with_its_flag(state: Path) -> None:
         '(make up ARGS="--port N")' in out.stderr
     )
     assert f"port {port} is already in use" in made.stderr, made.stderr
+
+
+def test_waiting_for_a_child_ends_when_up_is_asked_to_stop() -> None:
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(Interrupted, match="stopped while waiting for the gateway"):
+        # Nothing listens there: without the event it would wait out its 60 s.
+        wait_http(f"http://127.0.0.1:{free_port()}/health", "the gateway", None, stop=stop)
+
+
+def test_the_dev_server_asked_to_stop_while_starting_is_stopped_again(tmp_path: Path) -> None:
+    stop = threading.Event()
+    stop.set()
+    server = DevServer(log_file=tmp_path / "temporal.log")
+    spawned: list[int] = []
+    real_spawn = temporal_dev.spawn
+
+    def spy(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
+        proc = real_spawn(*args, **kwargs)
+        spawned.append(proc.pid)
+        return proc
+
+    temporal_dev.spawn = spy  # type: ignore[assignment]
+    try:
+        with pytest.raises(StartInterrupted):
+            server.start(stop)
+    finally:
+        temporal_dev.spawn = real_spawn  # type: ignore[assignment]
+    assert len(spawned) == 1 and server.process is None
+    assert not alive(spawned[0]), "stopped by its PID, not left listening"
+
+
+def test_ctrl_c_while_starting_stops_what_started_at_once(state: Path) -> None:
+    # Before: the signal was only looked at once every process had come up (several
+    # seconds, the banner printed), then everything stopped.
+    argv = [EXE, "up", "--state-dir", str(state), "--time-scale", "20"]
+    for flag in ("--port", "--temporal-port", "--ui-port"):
+        argv += [flag, str(free_port())]
+    env = {k: v for k, v in os.environ.items() if k != "LUFTPAUSE_TOKEN"}
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        temporal = None
+        while temporal is None and time.monotonic() < deadline and proc.poll() is None:
+            temporal = next((k for k in children_of(proc.pid) if b"start-dev" in cmdline(k)), None)
+            if temporal is None:
+                time.sleep(0.02)  # polling /proc: no event says a child was spawned
+        assert temporal is not None, "the Temporal dev server never started"
+        kids = children_of(proc.pid)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        text = out.decode(errors="replace")
+        assert proc.returncode == 0 and text.endswith("stopped.\n"), text
+        assert "luftpause is up" not in text and "Traceback" not in text, text
+        assert temporal in kids and not wait_gone(kids, 15), "every child stopped by its PID"
+    finally:
+        if proc.poll() is None:
+            for kid in children_of(proc.pid):
+                os.kill(kid, signal.SIGKILL)
+            proc.kill()
+            proc.communicate()
 
 
 async def test_up_with_a_file_serves_its_callers_by_their_own_tokens(
