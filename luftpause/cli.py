@@ -418,5 +418,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = 128 + signal.SIGPIPE
+    except KeyboardInterrupt:
+        # Ctrl-C in a report (`sim`, `bench`, `load`): what it started has been stopped
+        # on the way out (their `finally` blocks); no traceback, the shell's status.
+        if args.command not in _REPORTS:
+            raise
+        print(f"luftpause {args.command}: interrupted", file=sys.stderr, flush=True)
+        code = 128 + signal.SIGINT
     # temporalio can abort at interpreter exit (sdk-python#300): leave without teardown.
     os._exit(code)

@@ -166,7 +166,11 @@ class FakeMcpState:
         """Write `snapshot()` to `path` atomically: a reader sees the old or the new file."""
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(self.snapshot(), sort_keys=True), encoding="utf-8")
-        os.replace(tmp, path)
+        try:
+            os.replace(tmp, path)
+        except OSError:
+            tmp.unlink(missing_ok=True)  # `path` is a directory, say: leave nothing behind
+            raise
 
 
 # --------------------------------------------------------------------------- the server
@@ -348,7 +352,15 @@ def run(args: argparse.Namespace) -> int:
         return 2
     state = FakeMcpState(counts_file=args.counts_file)
     if args.counts_file is not None:
-        state.write(args.counts_file)  # readers find a file (all zero) from the start
+        try:
+            state.write(args.counts_file)  # readers find a file (all zero) from the start
+        except OSError as exc:
+            print(
+                f"luftpause fake-mcp: --counts-file {args.counts_file}: "
+                f"cannot write there ({exc.strerror or exc})",
+                file=sys.stderr,
+            )
+            return 2
     if args.transport == "stdio":
         anyio.run(create_server(settings, state).run_stdio_async)
         return 0

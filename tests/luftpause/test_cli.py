@@ -261,6 +261,10 @@ def test_a_stopping_gateway_lets_the_turns_in_flight_finish(tmp_path: Path) -> N
             "--minutes must be a finite number > 0, got nan",
         ),
         (("bench", "flood", "--minutes", "nan"), "--minutes, --engines and --time-scale must be"),
+        (  # a traceback
+            ("fake-mcp", "--port", "9", "--counts-file", "/nonexistent/dir/counts.json"),
+            "--counts-file /nonexistent/dir/counts.json: cannot write there (No such file",
+        ),
     ],
 )
 def test_bad_flags_are_named_before_anything_starts(argv: tuple[str, ...], message: str) -> None:
@@ -275,3 +279,51 @@ def test_bad_flags_are_named_before_anything_starts(argv: tuple[str, ...], messa
     )
     assert out.returncode != 0 and message in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_a_counts_file_that_is_a_directory_is_refused_and_leaves_nothing(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "luftpause",
+            "fake-mcp",
+            "--port",
+            "9",
+            "--counts-file",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 2 and f"--counts-file {tmp_path}: cannot write there" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert not list(tmp_path.parent.glob(f".{tmp_path.name}.*.tmp")), "its temporary file is gone"
+
+
+def test_ctrl_c_in_a_report_ends_it_without_a_traceback() -> None:
+    # `luftpause load` against a gateway that never answers: its first request is in
+    # flight once our socket accepts it.
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen()
+        srv.settimeout(60)
+        url = f"http://127.0.0.1:{srv.getsockname()[1]}"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "luftpause", "load", "--url", url, "--minutes", "1"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            conn, _ = srv.accept()
+            with conn:  # open, unanswered, until it has ended
+                proc.send_signal(signal.SIGINT)
+                _, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert proc.returncode == 130 and err == "luftpause load: interrupted\n", err

@@ -121,8 +121,11 @@ def test_bench_flood_compares_luftpause_with_the_sglang_router_and_smg() -> None
             3,
         )
         assert arm["cached_prompt_token_share"] > 0, name
-        # What each part needed of the CPUs while the agents ran (from /proc).
-        assert arm["cpu_s"]["proxy"] > 0 and arm["cpu_s"]["engines"] > 0, (name, arm["cpu_s"])
+        # What each part needed of the CPUs while the agents ran (from /proc); a Rust
+        # router under this light a load may need less than a clock tick (10 ms).
+        cpu = arm["cpu_s"]
+        assert cpu["proxy"] >= 0 and cpu["engines"] > 0, (name, cpu)
+        assert cpu["proxy"] > 0 or name != "luftpause", cpu  # a Python gateway
         assert arm["cpu_s"]["load"] > 0, name
     # luftpause's own account of what it held: every admitted turn, by class.
     held = report["arms"]["luftpause"]["held"]
