@@ -11,6 +11,7 @@ from typing import Any
 
 __all__ = [
     "IDEMPOTENCY_META_KEY",
+    "NOT_SENT",
     "EndRunInput",
     "ToolCall",
     "ToolInfo",
@@ -21,10 +22,17 @@ __all__ = [
 ]
 
 
-# Sent in every tools/call's `_meta`: "<run id>/<tool call id>".  Temporal runs an
-# activity at least once; a server that remembers this key can answer a retried call
-# with the first call's result instead of running it again.
+# Sent in every tools/call's `_meta`: "<run id>/<tool call id>".  A call of a tool its
+# server marks read-only or idempotent is sent again when the worker running it dies
+# (Temporal runs an activity at least once); a server that remembers this key can
+# answer the repeat with the first call's result.  Other tools' calls are sent at most
+# once (workflows/agent_run.py).
 IDEMPOTENCY_META_KEY = "io.luftpause/idempotency-key"
+
+# The ApplicationError type of a tool call that never left the worker: its server could
+# not be reached (connecting, or opening the session).  Sending it later is safe for
+# every tool; any other failure may come after the server ran the call.
+NOT_SENT = "McpUnreachable"
 
 
 @dataclass(frozen=True)
@@ -76,6 +84,13 @@ class ToolInfo:
     input_schema: dict[str, Any]
     read_only: bool = False
     destructive: bool = False
+    idempotent: bool = False  # its server's idempotentHint
+
+    @property
+    def repeatable(self) -> bool:
+        """Whether a call that may have run can be sent again: the server marks the tool
+        read-only or idempotent (MCP's hints; both default to false)."""
+        return self.read_only or self.idempotent
 
     def openai_tool(self) -> dict[str, Any]:
         """The tool as an OpenAI chat completions `tools` entry."""

@@ -3,7 +3,9 @@
 A call whose arguments do not fit the tool's schema (after coercing scalars) is never
 sent: it completes with an error the model reads, naming the expected shape.  A tool
 that reports an error (`isError`) completes too — the model sees it as the tool's
-answer.  Only a failure to reach the server raises, for Temporal to retry.
+answer.  Only a failure to reach the server raises: `McpUnreachable` (NOT_SENT) when the
+call never left the worker, `McpUnavailable` when it may have reached the server; the
+workflow decides which to send again (workflows/agent_run.py, `_call`).
 
 An answer longer than `TOOL_OUTPUT_MAX_CHARS` is cut, with a note the model reads.
 Uncut, one large answer (a fetched page, an image as base64) would overflow the model's
@@ -23,9 +25,9 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities._arguments import ArgumentsError, prepare_arguments
-from activities.contract import ToolInfo, ToolInput, ToolOutput
+from activities.contract import NOT_SENT, ToolInfo, ToolInput, ToolOutput
 from activities.llm import HEARTBEAT_EVERY_S, heartbeating
-from activities.mcp_pool import McpPool, UnknownTool
+from activities.mcp_pool import McpPool, UnknownTool, Unreachable
 from luftpause import telemetry
 
 __all__ = ["TOOL_OUTPUT_MAX_CHARS", "ToolActivities", "capped"]
@@ -108,6 +110,11 @@ class ToolActivities:
                 )
         except UnknownTool as exc:
             raise ApplicationError(str(exc), non_retryable=True) from None
+        except Unreachable as exc:  # never sent: safe to send later, whatever the tool
+            raise ApplicationError(
+                f"mcp server '{call.server}', tool '{call.tool}': not reached: {exc}",
+                type=NOT_SENT,
+            ) from None
         except Exception as exc:
             raise ApplicationError(
                 f"mcp server '{call.server}', tool '{call.tool}': {type(exc).__name__}: {exc}",

@@ -171,6 +171,11 @@ class ToolView(BaseModel):
     server: str
     readOnly: bool
     destructive: bool
+    idempotent: bool
+    repeatable: bool = Field(
+        description="a call cut off after it may have run is sent again (readOnly or "
+        "idempotent); otherwise the run's model is told its outcome is unknown"
+    )
     inputSchema: dict[str, Any]
 
 
@@ -849,6 +854,8 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
                     server=t.server,
                     readOnly=t.read_only,
                     destructive=t.destructive,
+                    idempotent=t.idempotent,
+                    repeatable=t.repeatable,
                     inputSchema=t.input_schema,
                 )
                 for t in listed

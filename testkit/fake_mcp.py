@@ -114,6 +114,10 @@ class FakeMcpState:
     """Completed calls per (tool, canonical arguments)."""
     started: dict[tuple[str, str], int] = field(default_factory=dict)
     """Calls begun per (tool, canonical arguments)."""
+    received: dict[tuple[str, str], int] = field(default_factory=dict)
+    """Calls that reached a tool (past its input schema) per (tool, canonical
+    arguments), answered from the idempotency key's memory or not: a call sent twice
+    counts 2."""
     _: KW_ONLY
     counts_file: Path | None = None
     """When set, `snapshot()` is written here (atomically) after every completed call."""
@@ -123,13 +127,23 @@ class FakeMcpState:
     replayed: int = 0
     """Calls answered from `answers` instead of running again."""
     gate: asyncio.Event = field(default_factory=lambda: _opened(asyncio.Event()))
-    """`lookup` and `deep_search` wait here after their simulated time. Open unless a
-    test closes it (`gate.clear()`) to hold calls in flight, then `gate.set()`."""
+    """`lookup` and `deep_search` wait here after their simulated time, `delete_record`
+    once begun. Open unless a test closes it (`gate.clear()`) to hold calls in flight,
+    then `gate.set()`."""
 
     @staticmethod
     def key(tool: str, arguments: Mapping[str, Any]) -> tuple[str, str]:
         """The counting key of a call: defaults of the tool filled in, JSON with sorted keys."""
         return tool, _canonical({**_DEFAULTS.get(tool, {}), **arguments})
+
+    def receive(self, tool: str, arguments: Mapping[str, Any]) -> None:
+        """Count a tools/call request as it arrives (before `once` looks at its key)."""
+        k = self.key(tool, arguments)
+        self.received[k] = self.received.get(k, 0) + 1
+
+    def resent(self) -> list[tuple[str, str, int]]:
+        """The (tool, canonical arguments, count) entries received more than once."""
+        return [(t, a, n) for (t, a), n in sorted(self.received.items()) if n > 1]
 
     def begin(self, tool: str, arguments: Mapping[str, Any]) -> tuple[str, str]:
         """Count a call as started; return its key for `finish`."""
@@ -160,7 +174,11 @@ class FakeMcpState:
                 for (t, a), n in sorted(table.items())
             ]
 
-        return {"completed": rows(self.counts), "started": rows(self.started)}
+        return {
+            "completed": rows(self.counts),
+            "started": rows(self.started),
+            "received": rows(self.received),
+        }
 
     def write(self, path: Path) -> None:
         """Write `snapshot()` to `path` atomically: a reader sees the old or the new file."""
@@ -197,10 +215,13 @@ def create_server(settings: FakeMcpSettings, state: FakeMcpState) -> MCPServer:
         await anyio.sleep(rng.uniform(*seconds) / settings.time_scale)
         await state.gate.wait()
 
-    async def once(ctx: Context, compute: Callable[[], Awaitable[str]]) -> str:
+    async def once(
+        ctx: Context, tool: str, arguments: Mapping[str, Any], compute: Callable[[], Awaitable[str]]
+    ) -> str:
         """Run a call at most once per idempotency key (`_meta`, sent by luftpause's
         worker): a retried call gets the first call's answer, and a retry that arrives
-        while the first still runs waits for it."""
+        while the first still runs waits for it.  Every arrival is counted (`received`)."""
+        state.receive(tool, arguments)
         try:
             meta = ctx.request_context.meta or {}
         except ValueError:  # called in-process, outside a request: no _meta
@@ -249,7 +270,7 @@ def create_server(settings: FakeMcpSettings, state: FakeMcpState) -> MCPServer:
             state.finish(key)
             return answer
 
-        return await once(ctx, compute)
+        return await once(ctx, "lookup", {"query": query}, compute)
 
     @mcp.tool(annotations=_READ_ONLY)
     async def deep_search(
@@ -270,7 +291,7 @@ def create_server(settings: FakeMcpSettings, state: FakeMcpState) -> MCPServer:
             state.finish(key)
             return answer
 
-        return await once(ctx, compute)
+        return await once(ctx, "deep_search", {"query": query, "depth": depth}, compute)
 
     @mcp.tool(annotations=_DESTRUCTIVE)
     async def delete_record(
@@ -281,16 +302,18 @@ def create_server(settings: FakeMcpSettings, state: FakeMcpState) -> MCPServer:
 
         async def compute() -> str:
             key = state.begin("delete_record", {"record_id": record_id})
+            await state.gate.wait()
             state.finish(key)
             return f"deleted {record_id}"
 
-        return await once(ctx, compute)
+        return await once(ctx, "delete_record", {"record_id": record_id}, compute)
 
     @mcp.tool(annotations=_READ_ONLY)
     async def fail(
         reason: Annotated[str, Field(description="The message the error carries.")],
     ) -> str:
         """Always fail with a tool error carrying the reason (for tests of failed calls)."""
+        state.receive("fail", {"reason": reason})
         state.begin("fail", {"reason": reason})
         # ToolError: the result has isError true and our text; anything else would be
         # reported as a crash ("Error executing tool fail").

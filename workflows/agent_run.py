@@ -32,6 +32,15 @@ Rules this module keeps:
    `AwaitingApproval` until the `approve` update answers; answers are kept (and carried
    across continue-as-new), so an answered call is never asked again after a restart.
 4. **Determinism.** No clock but `workflow.now()`, no I/O but activities, no randomness.
+5. **A tool call that may have run is sent again only if its tool is repeatable**
+   (its server marks it `readOnlyHint` or `idempotentHint`).  Temporal runs an
+   activity at least once: a worker that dies while its server runs a call would send
+   the call again, and a server that ignores the idempotency key in `_meta` would run
+   it twice (an approved `delete`, twice).  Other tools' calls get one attempt; one that
+   never left the worker (the server unreachable) is sent again later, and any other
+   failure answers the model that the outcome is unknown (`UNKNOWN_OUTCOME`), so it can
+   check before calling again.  (Runs without the `ONCE_PATCH` marker retry every call,
+   as they did.)
 """
 
 from __future__ import annotations
@@ -57,6 +66,7 @@ with workflow.unsafe.imports_passed_through():
     # The contract module by its own name: the converter resolves the dataclasses'
     # annotations through sys.modules, which in the sandbox holds only what was imported.
     from activities.contract import (
+        NOT_SENT,
         EndRunInput,
         ToolCall,
         ToolInfo,
@@ -102,6 +112,17 @@ DRAIN_PATCH = "budget-stop-drains-in-flight-work"
 SPENT_PATCH = "budget-tool-calls-start-no-call-over"
 # `workflow.patched` id of the budget stop that waits for an LLM turn a bounded time.
 STOP_WAIT_PATCH = "budget-stop-waits-for-a-turn-at-most"
+# `workflow.patched` id of tool calls sent at most once unless the tool is repeatable.
+ONCE_PATCH = "tool-calls-at-most-once-unless-repeatable"
+
+# What the model reads when a call of a tool that is not repeatable may have run but no
+# answer came (rule 5).
+UNKNOWN_OUTCOME = (
+    "Error: the outcome of this call is unknown: it was sent to the tool's server, but "
+    "no answer came back ({why}). It may or may not have taken effect, and it was not "
+    "sent again because the server does not mark tool '{tool}' read-only or idempotent. "
+    "Check before calling it again."
+)
 
 # Named timeouts and retry policies (DESIGN.md "The runtime on Temporal").
 # A turn waits in the gateway's queue as long as it takes (a held turn has no deadline:
@@ -119,6 +140,7 @@ RETRY = RetryPolicy(
     backoff_coefficient=2.0,
     maximum_interval=timedelta(seconds=10),
 )
+ONCE = RetryPolicy(maximum_attempts=1)  # a call of a tool that is not repeatable (rule 5)
 END_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=3)
 
 
@@ -202,6 +224,7 @@ class AgentRun:
         self._drain = workflow.patched(DRAIN_PATCH)
         self._spent_rule = workflow.patched(SPENT_PATCH)
         self._stop_wait = workflow.patched(STOP_WAIT_PATCH)
+        self._once = workflow.patched(ONCE_PATCH)
         work = asyncio.create_task(self._work())
         try:
             await self._until_done(work)
@@ -469,21 +492,63 @@ class AgentRun:
                 is_error=True,
                 executed=False,
             )
-        return await workflow.execute_activity_method(
-            ToolActivities.call_tool,
-            ToolInput(
-                run_id=self._id,
-                server=tool.server,
-                tool=tool.name,
-                arguments=call.arguments,
-                input_schema=tool.input_schema,
-                call_id=call.id,
-            ),
-            start_to_close_timeout=TOOL_TIMEOUT,
-            schedule_to_close_timeout=TOOL_SCHEDULE_TIMEOUT,
-            heartbeat_timeout=HEARTBEAT_TIMEOUT,
-            retry_policy=RETRY,
+        inp = ToolInput(
+            run_id=self._id,
+            server=tool.server,
+            tool=tool.name,
+            arguments=call.arguments,
+            input_schema=tool.input_schema,
+            call_id=call.id,
         )
+        if not self._once or tool.repeatable:
+            return await workflow.execute_activity_method(
+                ToolActivities.call_tool,
+                inp,
+                start_to_close_timeout=TOOL_TIMEOUT,
+                schedule_to_close_timeout=TOOL_SCHEDULE_TIMEOUT,
+                heartbeat_timeout=HEARTBEAT_TIMEOUT,
+                retry_policy=RETRY,
+            )
+        return await self._call_once(inp)
+
+    async def _call_once(self, inp: ToolInput) -> ToolOutput:
+        """A call of a tool that is not repeatable (rule 5): one attempt per send, sent
+        again only while it never left the worker (its server unreachable: NOT_SENT),
+        with RETRY's backoff, for TOOL_SCHEDULE_TIMEOUT at most.  Any other failure (the
+        worker died, the connection broke mid-call, no answer in TOOL_TIMEOUT) may come
+        after the server ran it: the model is told the outcome is unknown."""
+        delay = RETRY.initial_interval
+        assert delay is not None and RETRY.maximum_interval is not None
+        waited = timedelta()
+        while True:
+            try:
+                return await workflow.execute_activity_method(
+                    ToolActivities.call_tool,
+                    inp,
+                    start_to_close_timeout=TOOL_TIMEOUT,
+                    heartbeat_timeout=HEARTBEAT_TIMEOUT,
+                    retry_policy=ONCE,
+                )
+            except ActivityError as exc:
+                cause = exc.cause
+                if isinstance(cause, CancelledError):
+                    raise
+                if isinstance(cause, ApplicationError):
+                    if cause.non_retryable:
+                        raise  # no such tool: the run fails, as with any tool
+                    if cause.type == NOT_SENT:
+                        if waited + delay > TOOL_SCHEDULE_TIMEOUT:
+                            raise  # down for as long as a repeatable call is retried
+                        await workflow.sleep(delay)
+                        waited += delay
+                        delay = min(delay * RETRY.backoff_coefficient, RETRY.maximum_interval)
+                        continue
+                why = str(cause) if cause is not None else str(exc)
+                return ToolOutput(
+                    content=UNKNOWN_OUTCOME.format(why=why, tool=inp.tool),
+                    is_error=True,
+                    executed=True,
+                )
 
     def _needs_approval(self, name: str) -> bool:
         if name in self._spec.approve_tools:

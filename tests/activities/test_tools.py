@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+import asyncio
+from pathlib import Path
+from typing import Annotated, Any, Literal
 
+import pytest
 from mcp.server.mcpserver import MCPServer
 from pydantic import Field
+from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
 from activities import ToolActivities, ToolInput
+from activities.contract import NOT_SENT
 from activities.mcp_pool import McpPool
 from activities.tools import TOOL_OUTPUT_MAX_CHARS
 from luftpause.config import McpServer
 from testkit.loopback import serve
+from tests.workflows.harness import FakeMcpProcess
 
 
 def _server() -> MCPServer:
@@ -56,3 +62,84 @@ async def test_a_long_answer_is_cut_with_a_note_and_a_short_one_is_kept() -> Non
             assert server.calls == [TOOL_OUTPUT_MAX_CHARS, 1_500_000]  # type: ignore[attr-defined]
         finally:
             await pool.aclose()
+
+
+# ------------------------------------------------- what may have reached the server
+
+
+def _lookup(schema: dict[str, Any], call_id: str) -> ToolInput:
+    return ToolInput(run_id="r", server="s", tool="lookup", arguments='{"query": "q"}',
+                     input_schema=schema, call_id=call_id)  # fmt: skip
+
+
+@pytest.mark.parametrize("protocol", ["auto", "legacy", "2026-07-28"])
+async def test_a_call_that_cannot_have_reached_its_server_says_so(
+    tmp_path: Path, protocol: Literal["auto", "legacy", "2026-07-28"]
+) -> None:
+    # The SDK reports a refused connection as "Connection closed" and a restarted
+    # server's unknown session as "Session not found", like a call cut mid-way; the
+    # workflow sends a call again only if it cannot have run (NOT_SENT).
+    server = FakeMcpProcess(tmp_path, time_scale=100)
+    server.start()
+    pool = McpPool([McpServer(name="s", url=f"http://127.0.0.1:{server.port}/mcp",
+                              protocol=protocol)])  # fmt: skip
+    tools = ToolActivities(pool)
+    env = ActivityEnvironment()
+    try:
+        listed = {t.name: t for t in await env.run(tools.list_tools)}
+        assert listed["lookup"].repeatable and not listed["delete_record"].repeatable
+        schema = listed["lookup"].input_schema
+        assert not (await env.run(tools.call_tool, _lookup(schema, "c1"))).is_error
+        server.child.kill()
+        for n in (2, 3):  # on the connection it had, then on a new one
+            with pytest.raises(ApplicationError) as down:
+                await env.run(tools.call_tool, _lookup(schema, f"c{n}"))
+            assert down.value.type == NOT_SENT, down.value
+        server.start()
+        served = await env.run(tools.call_tool, _lookup(schema, "c4"))
+        assert not served.is_error and served.executed
+        server.child.kill()
+        server.start()  # the same port, a new server: the old session is unknown there
+        outcomes = []
+        for n in (5, 6):
+            try:
+                outcomes.append(
+                    not (await env.run(tools.call_tool, _lookup(schema, f"c{n}"))).is_error
+                )
+            except ApplicationError as exc:
+                outcomes.append(exc.type)
+        # Legacy sessions: the first call meets "Session not found" (not run there);
+        # the stateless revision has no session to lose.
+        assert outcomes in ([NOT_SENT, True], [True, True]), outcomes
+        assert outcomes[0] == NOT_SENT or protocol != "legacy"
+        received = server.counts()["received"]
+        assert [r["count"] for r in received] == [(1 if outcomes[0] is True else 0) + 1]
+    finally:
+        await pool.aclose()
+        server.child.kill()
+
+
+@pytest.mark.parametrize("protocol", ["auto", "legacy", "2026-07-28"])
+async def test_a_call_cut_while_its_server_runs_it_may_have_run(
+    tmp_path: Path, protocol: Literal["auto", "legacy", "2026-07-28"]
+) -> None:
+    server = FakeMcpProcess(tmp_path, time_scale=0.2)  # lookup: 2.5-7.5 s
+    server.start()
+    pool = McpPool([McpServer(name="s", url=f"http://127.0.0.1:{server.port}/mcp",
+                              protocol=protocol)])  # fmt: skip
+    tools = ToolActivities(pool)
+    env = ActivityEnvironment()
+    try:
+        schema = next(t for t in await env.run(tools.list_tools) if t.name == "lookup").input_schema
+        call = asyncio.ensure_future(env.run(tools.call_tool, _lookup(schema, "m1")))
+        for _ in range(600):  # until the server has begun it (bounded: 30 s)
+            if server.counts()["started"]:
+                break
+            await asyncio.sleep(0.05)
+        server.child.kill()
+        with pytest.raises(ApplicationError) as cut:
+            await call
+        assert cut.value.type == "McpUnavailable", cut.value
+    finally:
+        await pool.aclose()
+        server.child.kill()

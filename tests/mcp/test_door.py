@@ -55,7 +55,12 @@ async def test_spawn_six_and_await_all_any_and_timeout(temporal_address: str, mo
     async with stack(temporal_address, mcp_time_scale=5) as s, Client(s.mcp_door, mode=mode) as c:
         tools = result(await c.call_tool("tools", {}))["tools"]
         assert {t["name"] for t in tools} >= {"lookup", "deep_search", "delete_record"}
-        assert next(t for t in tools if t["name"] == "delete_record")["destructive"] is True
+        by_name = {t["name"]: t for t in tools}
+        assert by_name["delete_record"]["destructive"] is True
+        assert (by_name["delete_record"]["repeatable"], by_name["lookup"]["repeatable"]) == (
+            False,
+            True,
+        )
 
         handles = [await spawn(c, task=task_with(2, f"six{i}"), tools=["lookup"]) for i in range(6)]
         # A short timeout returns states without answers.

@@ -140,6 +140,13 @@ async def test_get_counts_reports_completed_and_started_calls() -> None:
             {"tool": "deep_search", "arguments": {"depth": 2, "query": "r"}, "count": 1},
             {"tool": "fail", "arguments": {"reason": "x"}, "count": 1},
         ],
+        # Every call that reached a tool (past its input schema), answered from the
+        # memory of its idempotency key or not.
+        "received": [
+            {"tool": "deep_search", "arguments": {"depth": 1, "query": "q"}, "count": 2},
+            {"tool": "deep_search", "arguments": {"depth": 2, "query": "r"}, "count": 1},
+            {"tool": "fail", "arguments": {"reason": "x"}, "count": 1},
+        ],
     }
 
 
@@ -241,7 +248,7 @@ async def test_stdio_subprocess_serves_tools_and_writes_the_counts_file(
     assert "delete_record" in names
     assert not result.is_error and "stdio" in text(result)
     row = {"tool": "lookup", "arguments": {"query": "stdio"}, "count": 2}
-    assert counts == {"completed": [row], "started": [row]}
+    assert counts == {"completed": [row], "started": [row], "received": [row]}
     assert [p.name for p in tmp_path.iterdir()] == ["counts.json"]  # no tmp file left
 
 

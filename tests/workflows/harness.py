@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import sys
+import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -21,7 +23,8 @@ from activities.mcp_pool import McpPool
 from gateway._shell import AdmissionShell
 from gateway.app import GatewaySettings, create_app
 from luftpause.config import McpServer, parse_config
-from luftpause.up import Child
+from luftpause.temporal_dev import free_port
+from luftpause.up import Child, wait_http
 from testkit._fake_text import DEFAULT_MAX_TOOL_CALLS, directives, key
 from testkit.fake_engine import FakeEngineSettings
 from testkit.fake_engine import create_app as create_engine
@@ -236,3 +239,22 @@ def worker_process(config: Path, log: Path) -> Child:
     """`luftpause worker` as a subprocess (start, stop or kill it by its PID)."""
     exe = str(Path(sys.executable).parent / "luftpause")
     return Child("worker", [exe, "worker", "--config", str(config)], log)
+
+
+class FakeMcpProcess:
+    """`luftpause fake-mcp` as a process on one port: killed (SIGKILL, by PID) and
+    started again there, as a tool server that crashes and comes back."""
+
+    def __init__(self, tmp: Path, time_scale: float) -> None:
+        self.port = free_port()
+        exe = str(Path(sys.executable).parent / "luftpause")
+        argv = [exe, "fake-mcp", "--port", str(self.port), "--time-scale", str(time_scale)]
+        self.child = Child("fake-mcp", argv, tmp / "fake-mcp.log")
+
+    def start(self) -> None:
+        self.child.start()
+        wait_http(f"http://127.0.0.1:{self.port}/counts", "the fake MCP server", self.child)
+
+    def counts(self) -> dict[str, Any]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/counts", timeout=10) as r:
+            return dict(json.load(r))

@@ -9,7 +9,7 @@ purpose: when a change to `AgentRun` is meant to alter its commands, guard the c
 with `workflow.patched(...)` first, so that runs already in flight replay; the old
 histories then keep proving that they still do: record only the scenarios that are
 new (`budget_drained` was recorded after `DRAIN_PATCH`, `budget_spent` after
-`SPENT_PATCH`; the others before both).
+`SPENT_PATCH`, `once_calls` after `ONCE_PATCH`; the others before them).
 """
 
 from __future__ import annotations
@@ -128,6 +128,24 @@ async def _cancelled_tree(s: Stack) -> None:
     await _save(s, "cancelled_tree", [parent, child])
 
 
+async def _once_calls(s: Stack) -> None:
+    # Two calls of a tool that is not repeatable (ONCE_PATCH): one approved and run with
+    # a single attempt, one declined.
+    h = await s.runs.spawn(
+        RunSpec(task=task_with(2, "once"), model=MODEL, tools=["delete_record"], caller="eve")
+    )
+    await until(lambda: state_is(s, h, "AwaitingApproval"), "the first call waits")
+    await s.runs.approve(h, True)
+
+    async def second_waits() -> bool:
+        return sum(s.mcp.counts.values()) == 1 and await state_is(s, h, "AwaitingApproval")
+
+    await until(second_waits, "the second call waits")
+    await s.runs.approve(h, False)
+    await s.runs.wait([h])
+    await _save(s, "once_calls", [h])
+
+
 SCENARIOS = {
     "tool_loop": _tool_loop,
     "parallel_calls": _parallel_calls,
@@ -136,6 +154,7 @@ SCENARIOS = {
     "budget_drained": _budget_drained,
     "budget_spent": _budget_spent,
     "cancelled_tree": _cancelled_tree,
+    "once_calls": _once_calls,
 }
 
 

@@ -1,5 +1,7 @@
 """Durability: the worker killed, the Temporal dev server and the gateway restarted
-mid-run — every run completes, and no completed tool call is repeated."""
+mid-run — every run completes; no completed call of a tool that is not repeatable is
+sent again, and a repeatable one is answered from the first call by a server that
+remembers the idempotency key."""
 
 from __future__ import annotations
 
@@ -7,10 +9,13 @@ import contextlib
 import uuid
 from pathlib import Path
 
+from activities.contract import NOT_SENT
 from luftpause.temporal_dev import DevServer
 from testkit.loopback import serve
 from tests.workflows.harness import (
     MODEL,
+    FakeMcpProcess,
+    Stack,
     connect,
     gateway_app,
     run_worker,
@@ -57,9 +62,56 @@ async def test_worker_killed_mid_run(temporal_address: str, tmp_path: Path) -> N
             code = worker.stop(30)
         assert code == 0, (tmp_path / "worker.log").read_text()[-3000:]
         assert [st.state for st in statuses] == ["Completed"] * RUNS
-        assert all(st.usage.tool_calls == 3 for st in statuses)
+        # lookup is read-only: a call the dead worker left is sent again, and answered.
+        assert all((st.usage.tool_calls, st.usage.failed_tool_calls) == (3, 0) for st in statuses)
         assert sum(s.mcp.counts.values()) == RUNS * 3
         assert s.mcp.repeated() == []
+
+
+async def test_a_call_that_may_have_run_is_not_sent_again_unless_repeatable(
+    temporal_address: str, tmp_path: Path
+) -> None:
+    # helper-65: an approved delete_record was running at the server when the worker
+    # died; the retry sent it again, and only this fake's memory of the idempotency key
+    # kept a real server from deleting twice.  delete_record is destructive and not
+    # idempotent: it is sent once, and the model is told its outcome is unknown.
+    async with stack(temporal_address, worker=False) as s:
+        config = worker_config(
+            tmp_path / "luftpause.toml",
+            temporal=temporal_address,
+            queue=s.task_queue,
+            gateway_url=s.gateway_url,
+            mcp_url=f"{s.mcp_url}/mcp",
+        )
+        worker = worker_process(config, tmp_path / "worker.log")
+        worker.start()
+        try:
+            spec = RunSpec(task=task_with(1, "once"), model=MODEL, tools=["delete_record"])
+            handle = await s.runs.spawn(spec)
+            s.mcp.gate.clear()  # the delete, once begun, waits at the server
+            await until(lambda: _pending(s, handle), "the delete asks for approval", polls=600)
+            await s.runs.approve(handle, True)
+            await until(lambda: s.mcp.started, "the delete reached the server", polls=600)
+            worker.kill()
+            s.mcp.gate.set()  # it completes at the server; nobody hears the answer
+            worker.start()
+            (status,) = await s.runs.wait([handle], timeout=120)
+            transcript = await s.runs.transcript(handle)  # a query: with a worker up
+        finally:
+            s.mcp.gate.set()
+            code = worker.stop(30)
+        assert code == 0, (tmp_path / "worker.log").read_text()[-3000:]
+        assert status.state == "Completed"
+        assert (status.usage.tool_calls, status.usage.failed_tool_calls) == (1, 1)
+        assert s.mcp.resent() == [] and sum(s.mcp.received.values()) == 1, s.mcp.received
+        assert sum(s.mcp.counts.values()) == 1
+        (told,) = [m for m in transcript if m["role"] == "tool"]
+        assert told["content"].startswith("Error: the outcome of this call is unknown"), told
+        assert "tool 'delete_record' read-only or idempotent" in told["content"]
+
+
+async def _pending(s: Stack, handle: str) -> bool:
+    return (await s.runs.status(handle)).pending_approval is not None
 
 
 async def test_dev_server_and_gateway_restarted_mid_run(tmp_path: Path) -> None:
@@ -125,3 +177,43 @@ async def test_a_worker_started_before_temporal_waits_for_it(tmp_path: Path) -> 
     finally:
         worker.kill()
         server.stop()
+
+
+async def test_a_call_its_server_never_got_is_sent_once_the_server_is_back(
+    temporal_address: str, tmp_path: Path
+) -> None:
+    # The tool server dies between calls.  An approved delete_record (not repeatable)
+    # cannot have reached it (the connection is refused): it is sent again, with
+    # backoff, once the server is back, and runs once; the model sees its answer.
+    server = FakeMcpProcess(tmp_path, time_scale=100)
+    server.start()
+    try:
+        async with stack(temporal_address, worker=False) as s:
+            mcp_url = f"http://127.0.0.1:{server.port}/mcp"
+            async with run_worker(s.client, s.task_queue, s.gateway_url, mcp_url):
+                spec = RunSpec(task=task_with(1, "back"), model=MODEL, tools=["delete_record"])
+                handle = await s.runs.spawn(spec)
+                await until(lambda: _pending(s, handle), "the delete asks for approval")
+                server.child.kill()
+                await s.runs.approve(handle, True)
+                await until(lambda: _failed_attempts(s, handle), "an attempt that found no server")
+                server.start()
+                (status,) = await s.runs.wait([handle], timeout=60)
+                transcript = await s.runs.transcript(handle)
+        assert status.state == "Completed"
+        assert (status.usage.tool_calls, status.usage.failed_tool_calls) == (1, 0)
+        assert [r["count"] for r in server.counts()["completed"]] == [1]
+        (told,) = [m for m in transcript if m["role"] == "tool"]
+        assert told["content"].startswith("deleted "), told
+    finally:
+        server.child.kill()
+
+
+async def _failed_attempts(s: Stack, handle: str) -> int:
+    """Tool-call attempts of the run that failed as never sent (its history)."""
+    n = 0
+    async for event in s.client.get_workflow_handle(handle).fetch_history_events():
+        failure = event.activity_task_failed_event_attributes.failure
+        if failure.application_failure_info.type == NOT_SENT:
+            n += 1
+    return n

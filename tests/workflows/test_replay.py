@@ -16,7 +16,7 @@ from temporalio.client import WorkflowHistory
 from temporalio.worker import Replayer
 
 from workflows import AgentRun
-from workflows.agent_run import DRAIN_PATCH, SPENT_PATCH
+from workflows.agent_run import DRAIN_PATCH, ONCE_PATCH, SPENT_PATCH
 from workflows.contract import AgentRunInput
 
 HISTORIES = sorted((Path(__file__).parent / "histories").glob("*.json"))
@@ -38,6 +38,7 @@ def test_the_recorded_histories_cover_the_run_paths() -> None:
         "budget_drained",
         "budget_spent",
         "cancelled_tree",
+        "once_calls",
     }
     for kind in (
         "ACTIVITY_TASK_COMPLETED",  # LLM turns and tool calls
@@ -66,7 +67,13 @@ def test_histories_from_before_and_after_the_drain_patch_are_both_replayed() -> 
     # Runs started before DRAIN_PATCH must keep replaying the old stop (cancel in-flight
     # work); runs started after it take the new one (in-flight work finishes).
     after = {p.stem for p in HISTORIES if DRAIN_PATCH in _patches(p)}
-    assert after == {"budget_drained-0", "budget_drained-1", "budget_drained-2", "budget_spent"}
+    assert after == {
+        "budget_drained-0",
+        "budget_drained-1",
+        "budget_drained-2",
+        "budget_spent",
+        "once_calls",
+    }
     assert {"budget_tripped", "cancelled_tree-0"} <= {p.stem for p in HISTORIES} - after
 
 
@@ -75,9 +82,29 @@ def test_histories_from_before_and_after_the_spent_patch_are_both_replayed() -> 
     # had no room for (its second call tripped it); it must replay that way.
     # `budget_spent` was recorded after: of a round of three, two calls ran.
     after = {p.stem for p in HISTORIES if SPENT_PATCH in _patches(p)}
-    assert after == {"budget_spent"}
+    assert after == {"budget_spent", "once_calls"}
     tripped = (Path(__file__).parent / "histories" / "budget_tripped.json").read_text("utf-8")
     assert "budget exceeded: tool_calls 2/1" in tripped
+
+
+def test_histories_from_before_and_after_the_once_patch_are_both_replayed() -> None:
+    # Runs started before ONCE_PATCH retried every tool call (the approved
+    # delete_record of tree_with_approval's parent); `once_calls`, recorded after, gives
+    # a call of a tool that is not repeatable one attempt.
+    after = {p.stem for p in HISTORIES if ONCE_PATCH in _patches(p)}
+    assert after == {"once_calls"}
+
+    def call_tool_attempts(stem: str) -> list[int | None]:
+        events = json.loads((HISTORIES[0].parent / f"{stem}.json").read_text("utf-8"))["events"]
+        return [
+            a["retryPolicy"].get("maximumAttempts")
+            for e in events
+            if (a := e.get("activityTaskScheduledEventAttributes"))
+            and a["activityType"]["name"] == "call_tool"
+        ]
+
+    assert call_tool_attempts("once_calls") == [1]
+    assert call_tool_attempts("tree_with_approval-0") == [None]  # retried without limit
 
 
 @pytest.mark.parametrize("path", HISTORIES, ids=[p.stem for p in HISTORIES])
