@@ -48,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
@@ -114,6 +115,12 @@ SPENT_PATCH = "budget-tool-calls-start-no-call-over"
 STOP_WAIT_PATCH = "budget-stop-waits-for-a-turn-at-most"
 # `workflow.patched` id of tool calls sent at most once unless the tool is repeatable.
 ONCE_PATCH = "tool-calls-at-most-once-unless-repeatable"
+# `workflow.patched` id of the budget check after the run's last turn, and of a run
+# that ends (cancelled, stopped, failed) waiting a bounded time for the ends of the
+# children it cancelled, so that its final status shows how they ended.
+ENDS_PATCH = "budget-checked-after-the-answer-and-children-ends-awaited"
+# How long a run that ends waits for the children it cancelled to end (ENDS_PATCH).
+CHILDREN_END_WAIT = timedelta(seconds=10)
 
 # What the model reads when a call of a tool that is not repeatable may have run but no
 # answer came (rule 5).
@@ -225,6 +232,7 @@ class AgentRun:
         self._spent_rule = workflow.patched(SPENT_PATCH)
         self._stop_wait = workflow.patched(STOP_WAIT_PATCH)
         self._once = workflow.patched(ONCE_PATCH)
+        self._ends = workflow.patched(ENDS_PATCH)
         work = asyncio.create_task(self._work())
         try:
             await self._until_done(work)
@@ -233,6 +241,13 @@ class AgentRun:
             if self._stopping():
                 raise _Stop(self._stop_reason or "")
             work.result()  # raises what the loop raised
+            if self._ends and self._exceeded is None:
+                # Its own last turn may have taken its subtree over the budget it holds
+                # (nothing else looks after the answer): then the subtree stops, as on
+                # any excess, instead of its children working on past it.
+                self._exceeded = self._over()
+                if self._exceeded is not None:
+                    raise _Stop(self._exceeded)
             await self._wait_children()
             self._set_state("Completed")
         except _Stop as stop:
@@ -275,7 +290,7 @@ class AgentRun:
         try:
             await workflow.wait_condition(done, timeout=max(left, 0.001))
         except TimeoutError:
-            self._exceeded = f"budget exceeded: seconds {self._elapsed():.0f}/{limit:g}"
+            self._exceeded = self._seconds_over(limit)
         if self._exceeded is None and not done():  # pragma: no cover - defensive
             await workflow.wait_condition(done)
 
@@ -292,7 +307,7 @@ class AgentRun:
                 try:
                     await workflow.wait_condition(done, timeout=max(limit - self._elapsed(), 0.001))
                 except TimeoutError:
-                    self._exceeded = f"budget exceeded: seconds {self._elapsed():.0f}/{limit:g}"
+                    self._exceeded = self._seconds_over(limit)
             if self._exceeded is not None:
                 raise _Stop(self._exceeded)
             if self._stopping():
@@ -330,7 +345,7 @@ class AgentRun:
                 await work
         self._error = reason
         self._pending = None
-        for handle, child in self._children.items():
+        for handle, child in list(self._children.items()):
             if child.state not in TERMINAL_STATES:
                 ext = workflow.get_external_workflow_handle(handle)
                 try:
@@ -338,6 +353,13 @@ class AgentRun:
                     await ext.cancel()
                 except Exception:
                     pass
+        if self._ends and not self._children_done():
+            # Their watchers record how they end; without this wait the run's final
+            # status would show them as they last reported ("Stopping", "Running").
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                await workflow.wait_condition(
+                    self._children_done, timeout=CHILDREN_END_WAIT.total_seconds()
+                )
         self._set_state(state)
         await self._finish()
 
@@ -577,6 +599,12 @@ class AgentRun:
 
     # ------------------------------------------------------------------ budgets
 
+    def _seconds_over(self, limit: float) -> str:
+        """The message of a seconds budget passed: used seconds up to the next tenth, so
+        they never read as less than the limit (2.47 of 2.4 is "2.5", not "2")."""
+        used = math.ceil(self._elapsed() * 10) / 10
+        return f"budget exceeded: seconds {used:g}/{limit:g}"
+
     def _elapsed(self) -> float:
         return (workflow.now() - datetime.fromisoformat(self._started_at)).total_seconds()
 
@@ -615,7 +643,7 @@ class AgentRun:
         if limits.tool_calls is not None and used.tool_calls > limits.tool_calls:
             return f"budget exceeded: tool_calls {used.tool_calls}/{limits.tool_calls}"
         if limits.seconds is not None and self._elapsed() >= limits.seconds:
-            return f"budget exceeded: seconds {self._elapsed():.0f}/{limits.seconds:g}"
+            return self._seconds_over(limits.seconds)
         return None
 
     def _children_done(self) -> bool:

@@ -9,7 +9,8 @@ purpose: when a change to `AgentRun` is meant to alter its commands, guard the c
 with `workflow.patched(...)` first, so that runs already in flight replay; the old
 histories then keep proving that they still do: record only the scenarios that are
 new (`budget_drained` was recorded after `DRAIN_PATCH`, `budget_spent` after
-`SPENT_PATCH`, `once_calls` after `ONCE_PATCH`; the others before them).
+`SPENT_PATCH`, `once_calls` after `ONCE_PATCH`, `answer_over_budget` and
+`cancelled_tree_waits` after `ENDS_PATCH`; the others before them).
 """
 
 from __future__ import annotations
@@ -146,6 +147,25 @@ async def _once_calls(s: Stack) -> None:
     await _save(s, "once_calls", [h])
 
 
+async def _answer_over_budget(s: Stack) -> None:
+    # The holder's answer takes its subtree over the budget (ENDS_PATCH): the child
+    # waiting for approval is stopped, and the holder waits for it to end.
+    parent = await spawn_waiting(s, "aob", budget=Budget(tokens=300))
+    child = await spawn_waiting(s, "aobk", parent=parent)
+    await s.runs.approve(parent, True)
+    await s.runs.wait([parent, child], timeout=30)
+    await _save(s, "answer_over_budget", [parent, child])
+
+
+async def _cancelled_tree_waits(s: Stack) -> None:
+    # As `cancelled_tree`, after ENDS_PATCH: the parent waits for its child to end.
+    parent = await spawn_waiting(s, "p")
+    child = await spawn_waiting(s, "c", parent=parent)
+    await s.runs.cancel(parent)
+    await s.runs.wait([child], timeout=30)
+    await _save(s, "cancelled_tree_waits", [parent, child])
+
+
 SCENARIOS = {
     "tool_loop": _tool_loop,
     "parallel_calls": _parallel_calls,
@@ -155,6 +175,8 @@ SCENARIOS = {
     "budget_spent": _budget_spent,
     "cancelled_tree": _cancelled_tree,
     "once_calls": _once_calls,
+    "answer_over_budget": _answer_over_budget,
+    "cancelled_tree_waits": _cancelled_tree_waits,
 }
 
 

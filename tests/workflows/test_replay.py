@@ -16,10 +16,17 @@ from temporalio.client import WorkflowHistory
 from temporalio.worker import Replayer
 
 from workflows import AgentRun
-from workflows.agent_run import DRAIN_PATCH, ONCE_PATCH, SPENT_PATCH
+from workflows.agent_run import DRAIN_PATCH, ENDS_PATCH, ONCE_PATCH, SPENT_PATCH
 from workflows.contract import AgentRunInput
 
 HISTORIES = sorted((Path(__file__).parent / "histories").glob("*.json"))
+# Recorded after ENDS_PATCH (and so after every earlier patch).
+AFTER_ENDS = {
+    "answer_over_budget-0",
+    "answer_over_budget-1",
+    "cancelled_tree_waits-0",
+    "cancelled_tree_waits-1",
+}
 
 
 def _history(path: Path) -> WorkflowHistory:
@@ -39,6 +46,8 @@ def test_the_recorded_histories_cover_the_run_paths() -> None:
         "budget_spent",
         "cancelled_tree",
         "once_calls",
+        "answer_over_budget",
+        "cancelled_tree_waits",
     }
     for kind in (
         "ACTIVITY_TASK_COMPLETED",  # LLM turns and tool calls
@@ -67,13 +76,17 @@ def test_histories_from_before_and_after_the_drain_patch_are_both_replayed() -> 
     # Runs started before DRAIN_PATCH must keep replaying the old stop (cancel in-flight
     # work); runs started after it take the new one (in-flight work finishes).
     after = {p.stem for p in HISTORIES if DRAIN_PATCH in _patches(p)}
-    assert after == {
-        "budget_drained-0",
-        "budget_drained-1",
-        "budget_drained-2",
-        "budget_spent",
-        "once_calls",
-    }
+    assert (
+        after
+        == {
+            "budget_drained-0",
+            "budget_drained-1",
+            "budget_drained-2",
+            "budget_spent",
+            "once_calls",
+        }
+        | AFTER_ENDS
+    )
     assert {"budget_tripped", "cancelled_tree-0"} <= {p.stem for p in HISTORIES} - after
 
 
@@ -82,7 +95,7 @@ def test_histories_from_before_and_after_the_spent_patch_are_both_replayed() -> 
     # had no room for (its second call tripped it); it must replay that way.
     # `budget_spent` was recorded after: of a round of three, two calls ran.
     after = {p.stem for p in HISTORIES if SPENT_PATCH in _patches(p)}
-    assert after == {"budget_spent", "once_calls"}
+    assert after == {"budget_spent", "once_calls"} | AFTER_ENDS
     tripped = (Path(__file__).parent / "histories" / "budget_tripped.json").read_text("utf-8")
     assert "budget exceeded: tool_calls 2/1" in tripped
 
@@ -92,7 +105,7 @@ def test_histories_from_before_and_after_the_once_patch_are_both_replayed() -> N
     # delete_record of tree_with_approval's parent); `once_calls`, recorded after, gives
     # a call of a tool that is not repeatable one attempt.
     after = {p.stem for p in HISTORIES if ONCE_PATCH in _patches(p)}
-    assert after == {"once_calls"}
+    assert after == {"once_calls"} | AFTER_ENDS
 
     def call_tool_attempts(stem: str) -> list[int | None]:
         events = json.loads((HISTORIES[0].parent / f"{stem}.json").read_text("utf-8"))["events"]
@@ -105,6 +118,19 @@ def test_histories_from_before_and_after_the_once_patch_are_both_replayed() -> N
 
     assert call_tool_attempts("once_calls") == [1]
     assert call_tool_attempts("tree_with_approval-0") == [None]  # retried without limit
+
+
+def test_histories_from_before_and_after_the_ends_patch_are_both_replayed() -> None:
+    # After ENDS_PATCH: `answer_over_budget`, whose holder's answer trips its budget,
+    # and `cancelled_tree_waits`, whose cancelled parent waits (a timer) for its child
+    # to end; `cancelled_tree` (before) closed at once.
+    after = {p.stem for p in HISTORIES if ENDS_PATCH in _patches(p)}
+    assert after == AFTER_ENDS
+    holder = (HISTORIES[0].parent / "answer_over_budget-0.json").read_text("utf-8")
+    assert '"BudgetExceeded"' in holder
+    waits = (HISTORIES[0].parent / "cancelled_tree_waits-0.json").read_text("utf-8")
+    before = (HISTORIES[0].parent / "cancelled_tree-0.json").read_text("utf-8")
+    assert "EVENT_TYPE_TIMER_STARTED" in waits and "EVENT_TYPE_TIMER_STARTED" not in before
 
 
 @pytest.mark.parametrize("path", HISTORIES, ids=[p.stem for p in HISTORIES])

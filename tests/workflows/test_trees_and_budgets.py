@@ -90,6 +90,10 @@ async def test_cancelling_a_parent_cancels_running_descendants(temporal_address:
         assert [st.state for st in statuses] == ["Cancelled", "Cancelled"]
         assert statuses[1].root == parent and statuses[1].parent == child
         assert not s.mcp.started  # no destructive call ran
+        # Each run's final status shows how the child it cancelled ended (helper-66:
+        # the parent closed before the end came and showed it "Stopping" for ever).
+        ended = await s.runs.status(parent), await s.runs.status(child)
+        assert [[c.state for c in st.children] for st in ended] == [["Cancelled"], ["Cancelled"]]
 
 
 async def test_the_token_budget_trips_and_cancels_the_subtree(temporal_address: str) -> None:
@@ -113,6 +117,37 @@ async def test_the_token_budget_trips_and_cancels_the_subtree(temporal_address: 
         assert status.budget is not None and status.budget.exceeded == status.error
         assert status.budget.used.tokens == int(used)
         assert kid.state == "Cancelled" and kid.error == status.error
+
+
+async def test_a_budget_its_holders_last_turn_crosses_stops_the_subtree(
+    temporal_address: str,
+) -> None:
+    # helper-66: the parent's answer took its subtree past the budget and nothing
+    # looked: its child's approval stayed open and, approved, deleted; a new child was
+    # taken.  The answer is the last work in flight; then the subtree stops.
+    async with stack(temporal_address) as s:
+        parent = await spawn_waiting(s, "op", budget=Budget(tokens=300))
+        child = await spawn_waiting(s, "ok", parent=parent)
+        before = await s.runs.status(parent)
+        assert before.budget is not None and before.budget.used.tokens < 300
+        await s.runs.approve(parent, True)  # its delete runs, then its answer crosses 300
+        status, kid = await s.runs.wait([parent, child], timeout=30)
+        assert status.state == kid.state == "Cancelled", status
+        assert status.error is not None and status.error.startswith("budget exceeded: tokens ")
+        assert status.budget is not None and status.budget.exceeded == status.error
+        assert kid.error == status.error and kid.usage.tool_calls == 0
+        assert sum(s.mcp.counts.values()) == 1  # the parent's approved call; not the child's
+        assert [c.state for c in status.children] == ["Cancelled"]
+
+
+async def test_a_single_runs_answer_that_crosses_its_budget_trips_it(temporal_address: str) -> None:
+    async with stack(temporal_address) as s:
+        (status,) = await s.runs.wait(
+            [await s.runs.spawn(RunSpec(task=task_with(0), model=MODEL, budget=Budget(tokens=50)))]
+        )
+        assert status.state == "Cancelled" and status.budget is not None
+        assert status.error is not None and status.error.startswith("budget exceeded: tokens ")
+        assert status.budget.exceeded == status.error and status.budget.used.tokens > 50
 
 
 async def test_a_run_holding_a_tool_call_budget_makes_no_call_over_it(
@@ -182,7 +217,7 @@ async def test_a_run_a_budget_stopped_shows_its_status_with_no_worker_up(
 
 async def test_the_seconds_budget_trips_on_an_idle_subtree(temporal_address: str) -> None:
     async with stack(temporal_address) as s:
-        parent = await spawn_waiting(s, "p", budget=Budget(seconds=2))
+        parent = await spawn_waiting(s, "p", budget=Budget(seconds=2.4))
         child = await s.runs.spawn(
             RunSpec(task=task_with(1, "c"), model=MODEL, tools=["delete_record"], parent=parent)
         )
@@ -190,7 +225,9 @@ async def test_the_seconds_budget_trips_on_an_idle_subtree(temporal_address: str
         status, kid = await s.runs.wait([parent, child], timeout=30)
         assert status.state == kid.state == "Cancelled"
         assert status.error is not None and status.error.startswith("budget exceeded: seconds ")
-        assert status.error.endswith("/2") and kid.error == status.error
+        assert status.error.endswith("/2.4") and kid.error == status.error
+        used = float(status.error.removeprefix("budget exceeded: seconds ").split("/")[0])
+        assert used >= 2.4  # to the next tenth ("2.5/2.4"); it read "2/2.4" (helper-66)
         assert not s.mcp.started
 
 
