@@ -288,6 +288,30 @@ def caller_of(ctx: Any, token_identity: str | None) -> str:
 APPROVAL_POLL_S = 0.5
 
 
+async def _moot(
+    r: Runs, handles: list[str], mode: str, handle: str, call_id: str, deadline: float
+) -> None:
+    """Return once a question about run `handle`'s pending call `call_id` has no point:
+    the wait's condition is met (a run ended), or the run waits for that call no more
+    (answered elsewhere, stopped).  Rounds of APPROVAL_POLL_S until `deadline`."""
+    loop = asyncio.get_running_loop()
+    seen = Rounds()
+    while (left := deadline - loop.time()) > 0:
+        statuses = await r.wait(
+            handles,
+            mode="all" if mode == "all" else "any",
+            timeout=max(0.001, min(left, APPROVAL_POLL_S)),
+            rounds=seen,
+            until_one_ends=True,
+        )
+        ended = sum(1 for st in statuses if st.state in TERMINAL_STATES)
+        if ended == len(statuses) if mode == "all" else ended > 0:
+            return
+        now = next(st for st in statuses if st.handle == handle)
+        if now.pending_approval is None or now.pending_approval.call_id != call_id:
+            return
+
+
 @dataclass(frozen=True)
 class _State:
     """What a 2026-07-28 `await`/`run` carries between rounds in `request_state`."""
@@ -606,30 +630,50 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
                         spawned=spawned,
                     ).dump(),
                 )
-            for s in waiting:
+            if waiting:
+                # One question a round (the next round reads the runs again, so no run
+                # is asked about from a stale status), for as long as it has a point.
+                s = waiting[0]
                 asked.add(approval.question_key(s))
                 pending = s.pending_approval
                 assert pending is not None
+                question = asyncio.ensure_future(
+                    ctx.elicit(approval.message(s), schema=approval.ApprovalForm)
+                )
+                moot = asyncio.ensure_future(
+                    _moot(r, handles, mode, s.handle, pending.call_id, deadline)
+                )
                 try:
                     # Within the call's timeout: a user who does not answer does not
                     # hold the call (the approval stays open, for `approve` or the
-                    # next `await`).
-                    answer = await asyncio.wait_for(
-                        ctx.elicit(approval.message(s), schema=approval.ApprovalForm),
-                        max(0.001, deadline - loop.time()),
+                    # next `await`); nor past the wait's end (a run ended), or an
+                    # answer given elsewhere (`approve`, another client).
+                    await asyncio.wait(
+                        (question, moot),
+                        timeout=max(0.001, deadline - loop.time()),
+                        return_when=asyncio.FIRST_COMPLETED,
                     )
-                except TimeoutError:
-                    break  # the next round finds the deadline passed and returns
-                except Exception as exc:  # the client refused the request: use `approve`
-                    log.info("elicitation for %s failed: %s", s.handle, exc)
-                    continue
-                allow = approval.answer(
-                    answer.action,
-                    answer.data.model_dump() if isinstance(answer, AcceptedElicitation) else None,
-                )
-                if allow is not None:
-                    with contextlib.suppress(RunError):
-                        await r.approve(s.handle, allow, pending.call_id)
+                finally:
+                    for task in (question, moot):
+                        task.cancel()
+                    await asyncio.gather(question, moot, return_exceptions=True)
+                answer = None
+                if not question.cancelled():
+                    if (refused := question.exception()) is not None:
+                        # The client refused the request: use `approve`.
+                        log.info("elicitation for %s failed: %s", s.handle, refused)
+                    else:
+                        answer = question.result()
+                if answer is not None:
+                    allow = approval.answer(
+                        answer.action,
+                        answer.data.model_dump()
+                        if isinstance(answer, AcceptedElicitation)
+                        else None,
+                    )
+                    if allow is not None:
+                        with contextlib.suppress(RunError):
+                            await r.approve(s.handle, allow, pending.call_id)
             # Progress whenever a run ends, and every PROGRESS_EVERY_S while none does.
             if ended != reported[0] or loop.time() - reported[1] >= PROGRESS_EVERY_S:
                 reported = (ended, loop.time())

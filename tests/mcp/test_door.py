@@ -307,6 +307,52 @@ async def test_a_question_nobody_answers_does_not_hold_await_past_its_timeout(
         assert not waited["done"]
 
 
+@pytest.mark.parametrize("moot_by", ["another_run_ended", "answered_elsewhere"])
+async def test_an_open_question_does_not_hold_await_once_it_has_no_point(
+    temporal_address: str, moot_by: str
+) -> None:
+    # helper-66: a legacy await waited on its open question (up to its timeout) after
+    # another covered run had ended (mode any), or after `approve` answered the call.
+    released = asyncio.Event()
+    asked = asyncio.Event()
+
+    async def on_elicit(context: Any, params: Any) -> ElicitResult:
+        asked.set()
+        await released.wait()  # a user who has not answered yet
+        return ANSWERS["refuse"]
+
+    caller = {"x-luftpause-caller": f"moot-{moot_by}-{time.time_ns()}"}
+    async with (
+        stack(temporal_address) as s,
+        _client(s.mcp_door, "legacy", caller, elicitation_callback=on_elicit) as c,
+        _client(s.mcp_door, "legacy", caller) as other,  # the same caller, another session
+    ):
+        a = await spawn(c, task=task_with(1, "moot-a"), tools=["delete_record"])
+        b = await spawn(c, task=task_with(1, "moot-b"), tools=["delete_record"])
+        await until(lambda: _state(c, b, "AwaitingApproval"), "b waits for approval")
+        handles = [a] if moot_by == "answered_elsewhere" else [a, b]
+        call = asyncio.ensure_future(
+            c.call_tool("await", {"handles": handles, "mode": "any", "timeout": 600})
+        )
+        try:
+            await asyncio.wait_for(asked.wait(), 60)
+            if moot_by == "another_run_ended":
+                await other.call_tool("cancel", {"handle": b})
+            else:
+                await other.call_tool("approve", {"handle": a, "allow": True})
+            # Bounded: before, the call ended only at its 600 s timeout.
+            waited = result(await asyncio.wait_for(call, 60))
+        finally:
+            released.set()
+            call.cancel()
+        assert waited["done"] is True
+        states = {r["handle"]: r["state"] for r in waited["runs"]}
+        if moot_by == "another_run_ended":
+            assert states[b] == "Cancelled"
+        else:
+            assert states[a] == "Completed" and sum(s.mcp.counts.values()) == 1
+
+
 async def test_an_await_asks_a_worker_about_each_run_once_a_round(
     temporal_address: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
