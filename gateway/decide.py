@@ -135,12 +135,22 @@ def decide_request(body: dict[str, Any]) -> DecideRequest:
             400,
             f"labels: expected {MIN_LABELS} to {MAX_LABELS} distinct labels, got {len(labels)}",
         )
-    repeated = sorted({lab for lab in labels if labels.count(lab) > 1})
+    # Scoring compares a label with the model's first token without case and without
+    # the spaces around it, so labels equal that way could never be told apart.
+    folded = [_folded(lab) for lab in labels]
+    repeated = [lab for i, lab in enumerate(labels) if folded.index(folded[i]) != i]
     if repeated:
         raise DecideError(
-            400, f"labels: expected distinct labels; repeated: {', '.join(map(repr, repeated))}"
+            400,
+            "labels: expected distinct labels (compared without case and surrounding "
+            f"spaces); repeated: {', '.join(map(repr, repeated))}",
         )
     return DecideRequest(text, tuple(labels), model)
+
+
+def _folded(label: str) -> str:
+    """A label as scoring compares it with a token."""
+    return label.strip().casefold()
 
 
 def chat_body(request: DecideRequest, model: str) -> bytes:
@@ -186,9 +196,14 @@ def score_labels(
             tokens.append((stripped, math.exp(min(float(logprob), 0.0))))
     scores: dict[str, float] = {}
     unscored: list[str] = []
+    exact = {_folded(label) for label in labels}
     for label in labels:
-        folded = label.casefold()
-        matched = [p for tok, p in tokens if folded.startswith(tok)]
+        folded = _folded(label)
+        # A token that is a whole label counts for that label only ("yes" is not the
+        # start of "yesterday" then); other tokens for every label they begin.
+        matched = [
+            p for tok, p in tokens if folded.startswith(tok) and (tok == folded or tok not in exact)
+        ]
         if matched:
             scores[label] = max(matched)
         else:

@@ -126,6 +126,22 @@ async def test_unscored_labels_and_none_matched() -> None:
         assert not shell.state.runs
 
 
+def test_a_token_that_is_a_whole_label_scores_that_label_only() -> None:
+    # helper-66: "yes" begins "yesterday", so both took the token "yes" (0.5 each), and
+    # a label with a space around it never matched the model's (stripped) token.
+    top = [{"token": "Yes", "logprob": -0.1}, {"token": " yesterday", "logprob": -3.0}]
+    got = decision(["yesterday", "yes"], top)
+    yes, yesterday = math.exp(-0.1), math.exp(-3.0)
+    assert got["label"] == "yes"
+    assert got["probabilities"] == pytest.approx(
+        {"yesterday": yesterday / (yes + yesterday), "yes": yes / (yes + yesterday)}
+    )
+    assert decision([" yes", "no"], [{"token": "yes", "logprob": -0.2}])["label"] == " yes"
+    # A token that is no whole label still counts for every label it begins.
+    both = decision(["yes", "yesterday"], [{"token": "ye", "logprob": -0.5}])
+    assert both["probabilities"] == pytest.approx({"yes": 0.5, "yesterday": 0.5})
+
+
 def test_ties_go_to_the_first_label() -> None:
     top = [{"token": "b", "logprob": -1.0}, {"token": "A", "logprob": -1.0}]
     assert decision(["bb", "aa"], top)["label"] == "bb"
@@ -291,7 +307,16 @@ BAD: list[tuple[Any, str]] = [
         {"input": "x", "labels": [f"l{i}" for i in range(21)]},
         "labels: expected 2 to 20 distinct labels, got 21",
     ),
-    ({"input": "x", "labels": ["a", "b", "a"]}, "labels: expected distinct labels; repeated: 'a'"),
+    (
+        {"input": "x", "labels": ["a", "b", "a"]},
+        "labels: expected distinct labels (compared without case and surrounding spaces); "
+        "repeated: 'a'",
+    ),
+    (  # scored alike: always 0.5 each (helper-66)
+        {"input": "x", "labels": ["Yes", "no", " yes "]},
+        "labels: expected distinct labels (compared without case and surrounding spaces); "
+        "repeated: ' yes '",
+    ),
     ({"input": "x", "labels": ["a", 3]}, "labels[1]: expected a non-empty string"),
     ({"input": "x", "labels": ["a", ""]}, "labels[1]: expected a non-empty string"),
     ({"input": "x", "labels": "a, b"}, "labels: expected a list of 2 to 20 distinct strings"),
