@@ -855,7 +855,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:
         if identify(request) is None:
-            return unauthorized(_new_id())
+            return unauthorized(_named_run(request.scope))
         data = [
             {"id": m, "object": "model", "created": 0, "owned_by": "luftpause"}
             for m in live.pool.offered
@@ -956,8 +956,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         of the chat path): an OpenAI-shaped error that says what is served."""
         path = request.url.path
         anthropic = _anthropic(path)
+        run = _named_run(request.scope)  # echoed, as on every /v1 answer
         if identify(request, api_key=anthropic) is None:
-            return unauthorized(_new_id(), anthropic=anthropic)
+            return unauthorized(run, anthropic=anthropic)
         allow = _ALLOWED.get(path) or ("GET, DELETE" if path.startswith("/v1/runs/") else None)
         message = f"luftpause does not serve {request.method} {path}; it serves {_SERVED}"
         if path.startswith("/v1/v1/"):
@@ -967,8 +968,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                 "ANTHROPIC_BASE_URL), without /v1"
             )
         if allow is None:
-            return error_response(404, message, _new_id(), anthropic=anthropic)
-        response = error_response(405, message, _new_id(), anthropic=anthropic)
+            return error_response(404, message, run, anthropic=anthropic)
+        response = error_response(405, message, run, anthropic=anthropic)
         response.headers["allow"] = allow  # RFC 9110: a 405 says what the path takes
         return response
 

@@ -839,8 +839,11 @@ async def test_token_is_required_and_never_forwarded(monkeypatch: pytest.MonkeyP
         assert (
             await gw.post("/v1/chat/completions", json=chat(), headers=bad_run)
         ).status_code == 401
-        refused = await gw.post("/v1/completions", json=chat())
+        refused = await gw.post("/v1/completions", json=chat(), headers={RUN: "r-401"})
         assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
+        assert refused.headers[RUN] == "r-401"
+        models = await gw.get("/v1/models", headers={RUN: "r-models"})
+        assert (models.status_code, models.headers[RUN]) == (401, "r-models")
         assert (await gw.get("/health")).status_code == 200
         assert not seen
 
@@ -1311,8 +1314,10 @@ async def test_other_openai_routes_get_the_error_shape_and_what_is_served(
     method: str, path: str, status: int, allow: str | None
 ) -> None:
     async with engine(instant=True) as (url, counted), gateway(endpoint("a", url)) as (gw, _):
-        r = await gw.request(method, path, json=chat())
-        assert r.status_code == status and RUN in r.headers
+        r = await gw.request(method, path, json=chat(), headers={RUN: "keep-me"})
+        # The run the client named is echoed, as on every /v1 answer (helper-65: a new
+        # random id came back here).
+        assert r.status_code == status and r.headers[RUN] == "keep-me"
         assert r.headers.get("allow") == allow  # RFC 9110: a 405 names the methods
         message = r.json()["error"]["message"]
         assert message.startswith(f"luftpause does not serve {method} {path}; it serves POST ")
