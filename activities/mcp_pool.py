@@ -62,15 +62,16 @@ _KEY_BYTES = IDEMPOTENCY_META_KEY.encode()
 
 
 class _Delivery(httpx2.AsyncBaseTransport):
-    """An HTTP server's transport that notes, by idempotency key, whether each tools/call
-    may have reached the server: False when the connection could not be made (nothing
-    was sent) or the server answered 404 (a session it no longer knows: it ran
-    nothing), True once the request was sent otherwise.  A key it never saw was never
-    sent.  The SDK reports all of these as one error ("Connection closed", "Session not
-    found"); the workflow sends a call again only if it cannot have run."""
+    """Wraps a transport of an HTTP server's client (the direct one, and each proxy one
+    httpx builds from the environment) and notes, by idempotency key, whether each
+    tools/call may have reached the server: False when the connection could not be
+    made (nothing was sent) or the server answered 404 (a session it no longer knows:
+    it ran nothing), True once the request was sent otherwise.  A key it never saw was
+    never sent.  The SDK reports all of these as one error ("Connection closed",
+    "Session not found"); the workflow sends a call again only if it cannot have run."""
 
-    def __init__(self, reached: dict[str, bool]) -> None:
-        self._inner = httpx2.AsyncHTTPTransport()
+    def __init__(self, inner: httpx2.AsyncBaseTransport, reached: dict[str, bool]) -> None:
+        self._inner = inner
         self._reached = reached
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
@@ -87,8 +88,43 @@ class _Delivery(httpx2.AsyncBaseTransport):
             self._reached[key] = False
         return response
 
+    async def __aenter__(self) -> _Delivery:
+        await self._inner.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self._inner.__aexit__(*exc_info)
+
     async def aclose(self) -> None:
         await self._inner.aclose()
+
+
+def _noting_delivery(http: httpx2.AsyncClient, reached: dict[str, bool]) -> httpx2.AsyncClient:
+    """`http` with every transport it may use wrapped in `_Delivery`.  (Given as
+    `transport=`, a transport would turn off the proxies httpx takes from
+    HTTP(S)_PROXY, so the ones it built are wrapped instead.)"""
+    http._transport = _Delivery(http._transport, reached)
+    http._mounts = {
+        pattern: None if t is None else _Delivery(t, reached) for pattern, t in http._mounts.items()
+    }
+    return http
+
+
+# How long a failed call waits for its connection to close before it says whether the
+# call may have reached the server: until then, requests the SDK queued may still go.
+SETTLE_TIMEOUT_S = 5.0
+
+
+class _Generation:
+    """One opening of a server's connection: its client (once ready), what stops it,
+    and the task that owns it."""
+
+    __slots__ = ("owner", "ready", "stop")
+
+    def __init__(self) -> None:
+        self.ready: asyncio.Future[Client] = asyncio.get_running_loop().create_future()
+        self.stop = asyncio.Event()
+        self.owner: asyncio.Task[None] | None = None
 
 
 class _Connection:
@@ -96,9 +132,7 @@ class _Connection:
 
     def __init__(self, server: McpServer) -> None:
         self.server = server
-        self._ready: asyncio.Future[Client] | None = None
-        self._stop = asyncio.Event()
-        self._owner: asyncio.Task[None] | None = None
+        self._gen: _Generation | None = None
         # HTTP servers: whether a call (by idempotency key) may have reached the server.
         self.reached: dict[str, bool] | None = {} if server.command is None else None
 
@@ -117,55 +151,71 @@ class _Connection:
         if token:  # stripped: a token file's newline would be an illegal header
             headers["authorization"] = f"Bearer {token}"
         assert self.reached is not None
+        http = httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(30.0, read=None))
         # The transport does not close a client it was given: this block does.
         async with (
-            httpx2.AsyncClient(
-                headers=headers,
-                timeout=httpx2.Timeout(30.0, read=None),
-                transport=_Delivery(self.reached),
-            ) as http,
+            _noting_delivery(http, self.reached),
             Client(streamable_http_client(s.url, http_client=http), mode=s.protocol) as client,
         ):
             yield client
 
-    async def _own(self, ready: asyncio.Future[Client]) -> None:
+    async def _own(self, gen: _Generation) -> None:
         try:
             async with self._client() as client:
-                ready.set_result(client)
-                await self._stop.wait()
+                gen.ready.set_result(client)
+                await gen.stop.wait()
         except BaseException as exc:
-            if not ready.done():
-                ready.set_exception(
+            if not gen.ready.done():
+                gen.ready.set_exception(
                     ConnectionError(f"mcp server '{self.server.name}': {type(exc).__name__}: {exc}")
                 )
             if isinstance(exc, asyncio.CancelledError):
                 raise
         finally:
-            if self._ready is ready:
-                self._ready = None
+            if self._gen is gen:
+                self._gen = None
 
-    async def client(self) -> Client:
-        if self._ready is None:
-            self._stop = asyncio.Event()
-            self._ready = asyncio.get_running_loop().create_future()
-            self._owner = asyncio.create_task(self._own(self._ready))
-        ready = self._ready
+    async def client(self) -> tuple[Client, _Generation]:
+        """The open client (opened if need be) and the opening it belongs to."""
+        gen = self._gen
+        if gen is None:
+            gen = self._gen = _Generation()
+            gen.owner = asyncio.create_task(self._own(gen))
         try:
-            return await asyncio.wait_for(asyncio.shield(ready), CONNECT_TIMEOUT_S)
+            return await asyncio.wait_for(asyncio.shield(gen.ready), CONNECT_TIMEOUT_S), gen
         except (TimeoutError, ConnectionError):
-            self.drop()
+            self.drop(gen)
             raise
 
-    def drop(self) -> None:
-        """Close this connection; the next call reopens it."""
-        self._ready = None
-        self._stop.set()
+    def drop(self, gen: _Generation | None = None) -> None:
+        """Close an opening (default: the current one); the next call opens anew.  An
+        opening that was replaced meanwhile leaves the new one alone."""
+        gen = gen or self._gen
+        if gen is None:
+            return
+        gen.stop.set()
+        if self._gen is gen:
+            self._gen = None
+
+    async def settle(self, gen: _Generation, timeout: float = SETTLE_TIMEOUT_S) -> bool:
+        """Drop an opening and wait until it is closed: nothing more goes out on it.
+        False if it took longer than `timeout`."""
+        self.drop(gen)
+        if gen.owner is None:
+            return True
+        try:
+            await asyncio.wait_for(asyncio.shield(gen.owner), timeout)
+        except TimeoutError:
+            return False
+        except BaseException:  # it ended, one way or another
+            return gen.owner.done()
+        return True
 
     async def close(self) -> None:
-        self.drop()
-        if self._owner is not None:
+        gen = self._gen
+        if gen is not None:
             with contextlib.suppress(Exception, asyncio.CancelledError):
-                await asyncio.wait_for(self._owner, 5)
+                await self.settle(gen)
 
 
 class McpPool:
@@ -182,11 +232,12 @@ class McpPool:
         """Every server's tools; when two servers offer one name, the first listed wins."""
         tools: dict[str, ToolInfo] = {}
         for name, conn in self._conns.items():
+            gen = None
             try:
-                client = await conn.client()
+                client, gen = await conn.client()
                 listing = await client.list_tools()
             except Exception:
-                conn.drop()
+                conn.drop(gen)
                 raise
             for tool in listing.tools:
                 if tool.name in tools:
@@ -220,7 +271,7 @@ class McpPool:
         if conn is None:
             raise UnknownTool(f"no mcp server named '{server}' is configured")
         try:
-            client = await conn.client()
+            client, gen = await conn.client()
         except Exception as exc:
             raise Unreachable(f"{type(exc).__name__}: {exc}") from exc
         reached = conn.reached if key else None
@@ -230,8 +281,11 @@ class McpPool:
             meta: Any = {IDEMPOTENCY_META_KEY: key} if key else None
             result = await client.call_tool(tool, arguments, meta=meta)
         except Exception as exc:
-            conn.drop()
-            if reached is not None and not reached.get(key or "", False):
+            # Closed, the connection sends nothing more: a request of this call the SDK
+            # still had queued (another call's failure closed the session under it)
+            # either went out before, and was noted, or never will.
+            settled = await conn.settle(gen)
+            if settled and reached is not None and not reached.get(key or "", False):
                 why = f"{type(exc).__name__}: {exc}"
                 raise Unreachable(f"the call did not reach it: {why}") from exc
             raise

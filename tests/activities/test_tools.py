@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -12,9 +13,9 @@ from pydantic import Field
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
-from activities import ToolActivities, ToolInput
+from activities import ToolActivities, ToolInput, mcp_pool
 from activities.contract import NOT_SENT
-from activities.mcp_pool import McpPool
+from activities.mcp_pool import McpPool, Unreachable
 from activities.tools import TOOL_OUTPUT_MAX_CHARS
 from luftpause.config import McpServer
 from testkit.loopback import serve
@@ -143,3 +144,84 @@ async def test_a_call_cut_while_its_server_runs_it_may_have_run(
     finally:
         await pool.aclose()
         server.child.kill()
+
+
+@pytest.mark.parametrize("protocol", ["legacy", "2026-07-28"])
+async def test_a_call_another_calls_failure_cut_off_is_never_sent_if_it_says_so(
+    tmp_path: Path, protocol: Literal["legacy", "2026-07-28"], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # helper-67: parallel calls share a session; one call's failure closes it, and the
+    # others are told "Connection closed" while the SDK may still send their queued
+    # POSTs as it closes.  Read too early, "never sent" was wrong (46 of 223 calls in
+    # 20 s): the workflow would have sent them twice.  Whatever the interleaving, a call
+    # said not to have reached the server must not have been sent.
+    sent: set[str] = set()
+    handle = mcp_pool._Delivery.handle_async_request
+
+    async def noted(self: Any, request: Any) -> Any:
+        key = mcp_pool._call_key(request)
+        response = await handle(self, request)  # a connect error raises: not sent
+        if key is not None and response.status_code != 404:
+            sent.add(key)
+        return response
+
+    monkeypatch.setattr(mcp_pool._Delivery, "handle_async_request", noted)
+    server = FakeMcpProcess(tmp_path, time_scale=1000)
+    server.start()
+    pool = McpPool([McpServer(name="s", url=f"http://127.0.0.1:{server.port}/mcp",
+                              protocol=protocol)])  # fmt: skip
+    said_unsent: list[str] = []
+    rng = random.Random(7)
+    try:
+        for n in range(40):  # bounded: about 4 s
+            await pool.call("s", "lookup", {"query": "warm"})
+
+            async def cut() -> None:
+                await asyncio.sleep(0.003)
+                pool._conns["s"].drop()  # what another call's failure does
+
+            async def call(i: int, n: int = n) -> None:
+                await asyncio.sleep(rng.uniform(0, 0.006))
+                key = f"k{n}-{i}"
+                try:
+                    await pool.call("s", "delete_record", {"record_id": key}, key=key)
+                except Unreachable:
+                    said_unsent.append(key)
+                except Exception:
+                    pass  # may have reached it: the workflow says "unknown"
+
+            await asyncio.gather(cut(), *(call(i) for i in range(6)))
+    finally:
+        await pool.aclose()  # every opening closed: nothing more can be sent
+        server.child.kill()
+    assert said_unsent, "the interleavings never cut a call off before it was sent"
+    assert not sent & set(said_unsent), sorted(sent & set(said_unsent))
+
+
+async def test_an_http_server_is_reached_through_the_proxy_the_environment_names(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # helper-67: handing httpx a transport of our own turned off the proxies it takes
+    # from HTTP(S)_PROXY; a deployment reaching its tool servers through one lost them.
+    seen: list[bytes] = []
+
+    async def proxy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen.append(await reader.readline())  # the request line, in absolute form
+        writer.write(b"HTTP/1.1 502 Bad Gateway\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(proxy, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    for name in ("NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy", "HTTPS_PROXY", "https_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{port}")
+    pool = McpPool([McpServer(name="s", url="http://mcp.invalid/mcp", protocol="legacy")])
+    try:
+        with pytest.raises(Unreachable):
+            await pool.call("s", "lookup", {"query": "q"}, key="k")
+    finally:
+        await pool.aclose()
+        server.close()
+        await server.wait_closed()
+    assert seen and seen[0].startswith(b"POST http://mcp.invalid/mcp "), seen
