@@ -43,6 +43,7 @@ from workflows import (
     RunStatus,
 )
 from workflows.contract import RunState
+from workflows.runs import STATUS_UNAVAILABLE
 
 __all__ = [
     "RUN_STORE_DOWN",
@@ -308,6 +309,8 @@ async def _moot(
         if ended == len(statuses) if mode == "all" else ended > 0:
             return
         now = next(st for st in statuses if st.handle == handle)
+        if (now.error or "").startswith(STATUS_UNAVAILABLE):
+            continue  # no worker answered: what it waits for is not known, not changed
         if now.pending_approval is None or now.pending_approval.call_id != call_id:
             return
 

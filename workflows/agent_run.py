@@ -125,8 +125,8 @@ CHILDREN_END_WAIT = timedelta(seconds=10)
 # What the model reads when a call of a tool that is not repeatable may have run but no
 # answer came (rule 5).
 UNKNOWN_OUTCOME = (
-    "Error: the outcome of this call is unknown: it was sent to the tool's server, but "
-    "no answer came back ({why}). It may or may not have taken effect, and it was not "
+    "Error: the outcome of this call is unknown: no answer came back ({why}), and it may "
+    "have reached the tool's server. It may or may not have taken effect, and it was not "
     "sent again because the server does not mark tool '{tool}' read-only or idempotent. "
     "Check before calling it again."
 )
@@ -218,6 +218,7 @@ class AgentRun:
         self._stop_wait = False  # set by run(): see STOP_WAIT_PATCH
         self._in_turn = False  # an LLM turn of the run is in flight
         self._spawning = 0  # spawn_child updates still starting their child
+        self._ending = False  # in _halt: cancelled, stopped or failed, closing
         self._ended_at: str | None = None
         self._last_report: tuple[str, Totals] | None = None
         self._watchers: set[asyncio.Task[None]] = set()
@@ -339,6 +340,7 @@ class AgentRun:
 
     async def _halt(self, work: asyncio.Task[None], state: str, reason: str) -> None:
         """Stop the loop and the subtree, record why, report the end."""
+        self._ending = True  # takes no children from now on (see _validate_spawn)
         if not work.done():
             work.cancel()
             with contextlib.suppress(BaseException):
@@ -818,6 +820,10 @@ class AgentRun:
     def _validate_spawn(self, request: ChildRequest) -> None:
         if self._state in TERMINAL_STATES:
             raise ValueError(f"run '{self._id}' has ended ({self._state}); it takes no children")
+        if self._ending:
+            # Closing (waiting for the ends of the children it cancelled): a child
+            # started now would run on unasked until the close cancels it.
+            raise ValueError(f"run '{self._id}' is ending ({self._error}); it takes no children")
         reason = self._exceeded or self._stop_reason
         if reason:
             raise ValueError(f"run '{self._id}' is stopping ({reason}); it takes no children")

@@ -52,6 +52,10 @@ from workflows.contract import (
 
 __all__ = ["AWAIT_MAX_S", "CallerRuns", "Rounds", "RunError", "Runs", "new_handle"]
 
+# The error of a status Temporal gave because no worker answered its query (the run's
+# state as Temporal knows it; nothing of what it waits for).
+STATUS_UNAVAILABLE = "status unavailable: "
+
 
 def _quoted(value: str) -> str:
     """A string literal of Temporal's list filter."""
@@ -292,7 +296,7 @@ class Runs:
                 children=[],
                 usage=Totals(),
                 subtree=Totals(),
-                error=f"status unavailable: {exc}",
+                error=f"{STATUS_UNAVAILABLE}{exc}",
             )
         closed = _CLOSED.get(desc.status) if desc.status else None
         if closed is not None and status.state not in TERMINAL_STATES:
