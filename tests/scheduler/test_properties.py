@@ -580,12 +580,13 @@ def check_step(before: State, event: Event, after: State, actions: list[Action])
                     f"admitted to {a.replica}"
                 )
         if run is not None:
-            # A run generating on a replica in rotation, or paused on a tool there (with
-            # strict affinity), stays there when another of its turns goes elsewhere (a
-            # model that replica does not serve); else it moves.
+            # A run generating on a replica in rotation, or paused on a tool there or
+            # retrying a failed turn there (with strict affinity), stays there when
+            # another of its turns goes elsewhere (a model that replica does not
+            # serve); else it moves.
             home = after.replicas.get(run.replica) if run.replica is not None else None
             holds = run.phase is RunPhase.GENERATING or (
-                run.phase is RunPhase.PAUSED and after.policy.strict_affinity
+                after.policy.strict_affinity and (run.phase is RunPhase.PAUSED or run.retrying)
             )
             stays = holds and home is not None and home.healthy
             if not stays:
@@ -738,3 +739,33 @@ def interleave(
             pending.remove(due[0])
             runner.run(due[0][2])
         runner.run(op)
+
+
+def test_the_oracle_keeps_a_retrying_run_home_when_its_side_turn_and_retry_go_in_together() -> None:
+    # helper-67: a retrying run's side turn (to a) and its retry (to b, its replica)
+    # admitted in one step, by a tick that times out the turns filling both replicas.
+    # The core is right; the oracle took the run to a with its side turn.
+    from tests.scheduler.test_core import Driver
+
+    d = Driver(("a", "b"), policy=Policy(turn_timeout_s=50.0),
+               serves={"a": ["small", "big"], "b": ["big"]})  # fmt: skip
+    d.cap("a", 1)
+    d.cap("b", 1)
+    d.arrive("y", model="small")  # a full
+    t1 = d.arrive("r1", model="big")
+    assert d.admitted() == {t1: "b"}
+    d.feed(TurnFailed(now=d.step(), turn_id=t1))  # r1 idle, retrying on b
+    d.arrive("x", model="big")  # b full
+    side = d.arrive("r1", model="small")
+    retry = d.arrive("r1", model="big")
+    before = d.state
+    event = Tick(now=d.step(60.0))
+    after, actions = decide(before, event)
+    assert {(a.turn_id, a.replica) for a in actions if isinstance(a, Admit)} == {
+        (side, "a"),
+        (retry, "b"),
+    }
+    run = after.runs["r1"]
+    assert (run.phase, run.replica, run.in_flight) == (RunPhase.GENERATING, "b", 2)
+    check_bookkeeping(after)
+    check_step(before, event, after, actions)
