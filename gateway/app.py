@@ -382,7 +382,15 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                         await task
                 await prober.stop()
 
-    app = _Gateway(title="luftpause gateway", lifespan=lifespan)
+    # FastAPI's own telemetry off: with a tracer provider set it would trace every
+    # other request as an HTTP span, `url.query` included, and the status page takes
+    # the operator's token as `?token=` (helper-68); the gateway's spans are its own
+    # (chat, admit, invoke_agent), and /metrics is Prometheus.
+    app = _Gateway(
+        title="luftpause gateway",
+        lifespan=lifespan,
+        telemetry={"tracing": False, "metrics": False, "logs": False},
+    )
 
     def identify(request: Request | Scope, *, api_key: bool = False) -> Who | None:
         """Who the credentials say the request is from, or None (401): the bearer

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import http.server
 import os
+import signal
 import subprocess
 import sys
 import textwrap
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, ClassVar
 
 import httpx
@@ -29,8 +31,11 @@ from temporalio.client import Client
 
 import gateway.app as gateway_app
 from luftpause import telemetry
+from luftpause.temporal_dev import free_port
+from luftpause.up import Child, wait_http
 from scheduler import Policy
 from tests.gateway.harness import (
+    MODEL,
     RUN,
     chat,
     endpoint,
@@ -481,3 +486,58 @@ def test_setup_exports_over_otlp_http(service_env: str | None) -> None:
     assert service == (service_env or "luftpause-test")
     names = [s.name for scope in resource_spans.scope_spans for s in scope.spans]
     assert names == ["hello"]
+
+
+def test_the_gateway_exports_no_http_spans_and_no_token(tmp_path: Path) -> None:
+    # helper-68: with a tracer provider set, FastAPI traced every request outside the
+    # turn paths as an HTTP span with its `url.query`: opening the status page as
+    # documented (`/?token=...`) exported the operator's token to the collector, and
+    # each /metrics scrape added spans of its own.
+    _Collector.received = []
+    collector = http.server.HTTPServer(("127.0.0.1", 0), _Collector)
+    thread = threading.Thread(target=collector.serve_forever, daemon=True)
+    thread.start()
+    token = "s3cret-token-for-the-page"
+    port = free_port()
+    config = tmp_path / "luftpause.toml"
+    config.write_text(
+        f'token = "{token}"\n[[endpoints]]\nname = "e"\nurl = "http://127.0.0.1:9"\n'
+        f'kind = "openai"\nmodels = ["{MODEL}"]\n'
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env["OTEL_EXPORTER_OTLP_ENDPOINT"] = f"http://127.0.0.1:{collector.server_port}"
+    exe = str(Path(sys.executable).parent / "luftpause")
+    gw = Child("gateway", [exe, "gateway", "--config", str(config), "--port", str(port)],
+               tmp_path / "gateway.log", env)  # fmt: skip
+    try:
+        gw.start()
+        base = f"http://127.0.0.1:{port}"
+        wait_http(f"{base}/health", "the gateway", gw)
+        assert httpx.get(f"{base}/?token={token}", timeout=10).status_code == 200
+        assert httpx.get(f"{base}/status?token={token}", timeout=10).status_code == 401
+        for _ in range(3):
+            assert httpx.get(f"{base}/metrics", timeout=10).status_code == 200
+        # A turn no healthy replica can take: the gateway's own (error) span is
+        # exported, so the export itself works.
+        r = httpx.post(
+            f"{base}/v1/chat/completions",
+            json=chat(),
+            headers={"authorization": f"Bearer {token}"},
+            timeout=30,
+        )
+        assert r.status_code == 503
+    finally:
+        assert gw.stop() in (0, -signal.SIGTERM)  # its exporter flushes on the way out
+        collector.shutdown()
+        collector.server_close()
+    spans = [
+        span
+        for request in _Collector.received
+        for resource in request.resource_spans
+        for scope in resource.scope_spans
+        for span in scope.spans
+    ]
+    names = {span.name for span in spans}
+    assert any(name.startswith("chat ") for name in names), names
+    assert not any(name.startswith(("GET ", "POST ", "HEAD ")) for name in names), names
+    assert not any(token.encode() in request.SerializeToString() for request in _Collector.received)
