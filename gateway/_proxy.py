@@ -353,6 +353,10 @@ _STOP_REASONS = {
 }
 
 
+# The error of a Messages stream's `event: error` until its data line says more.
+_ERROR_EVENT = "an error event without data"
+
+
 class MessagesWatch(StreamWatch):
     """The watch of an Anthropic Messages answer (`/v1/messages`): the stop reason from
     `message_delta` (or the message), tool use ids from `content_block_start` (or the
@@ -381,10 +385,12 @@ class MessagesWatch(StreamWatch):
         if line.startswith(b"event:"):
             if line[6:].strip() == b"error":
                 self._fast = False  # its data line may carry no watched key
+                if self.error is None:
+                    self.error = _ERROR_EVENT  # an error, even if no data line follows
             return
         if not self._fast and line.startswith(b"data:"):
             self._fast = True
-            if self.error is None:
+            if self.error is None or self.error is _ERROR_EVENT:
                 data = line[5:].strip()
                 obj = _loads(data)
                 inner = obj.get("error", obj) if isinstance(obj, dict) else None

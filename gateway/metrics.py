@@ -49,10 +49,13 @@ from scheduler import (
 
 __all__ = ["ENGINE_OUTCOMES", "OUTCOMES", "GatewayMetrics", "Source"]
 
-OUTCOMES = ("finished", "failed", "abandoned", "rejected", "timed_out")
-# luftpause_engine_turns: `failed` is the engine's fault only (what ejection counts);
-# an error status about the request (4xx, 429, 503 busy) and a client that left are
-# apart, so that an alert on failures is not set off by users pressing Esc.
+# luftpause_turns and luftpause_engine_turns: `failed` is the engine's fault only (what
+# ejection counts); an error status about the request (4xx, 429, 503 busy) and a client
+# that left mid-turn are apart, so that an alert on failures is not set off by users
+# pressing Esc.
+OUTCOMES = (
+    "finished", "failed", "error_status", "client_left", "abandoned", "rejected", "timed_out",
+)  # fmt: skip
 ENGINE_OUTCOMES = (
     "finished", "failed", "error_status", "client_left", "abandoned", "timed_out",
 )  # fmt: skip
@@ -325,7 +328,13 @@ class GatewayMetrics:
             if isinstance(event, TurnFinished):
                 outcome = "finished"
             elif isinstance(event, TurnFailed):
-                outcome = "failed"
+                outcome = (
+                    "failed"
+                    if event.engine_fault
+                    else "client_left"
+                    if event.client_left
+                    else "error_status"
+                )
             else:
                 outcome = "abandoned"
             self.turns.labels(outcome).inc()
@@ -333,10 +342,7 @@ class GatewayMetrics:
                 cls = turn.service_class.value
                 elapsed = max(0.0, event.now - turn.admitted_at)
                 self.turn_seconds.labels(cls).observe(elapsed)
-                engine_outcome = outcome
-                if isinstance(event, TurnFailed) and not event.engine_fault:
-                    engine_outcome = "client_left" if event.client_left else "error_status"
-                self.engine_turns.labels(turn.replica, engine_outcome).inc()
+                self.engine_turns.labels(turn.replica, outcome).inc()
                 if isinstance(event, TurnFinished):
                     self.prompt_tokens.labels(turn.replica, cls).inc(event.prompt_tokens)
                     self.cached_tokens.labels(turn.replica, cls).inc(event.cached_tokens)

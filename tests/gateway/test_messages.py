@@ -288,6 +288,7 @@ async def test_an_engines_error_fails_the_turn_and_reaches_the_client(
             # A 400 is the engine's answer about the request, not its failure.
             outcome = "error_status" if how == "400" else "failed"
             assert f'luftpause_engine_turns_total{{outcome="{outcome}",replica="a"}} 1.0' in text
+            assert f'luftpause_turns_total{{outcome="{outcome}"}} 1.0' in text
             await until(lambda: not shell.state.turns, "the slot is freed")
             # A 400 is about the request, not the engine failing (toward ejecting it).
             assert shell.state.replicas["a"].failures == (0 if how == "400" else 1)
@@ -329,6 +330,12 @@ def test_the_watch_reads_a_stream_cut_anywhere_and_not_the_models_text() -> None
             watch.feed(failed[:cut])
             watch.feed(failed[cut:])
             assert watch.error == "KV full"
+    # An error event with no data line is an error still (helper-63: it counted as
+    # finished), and one whose data follows says what it was.
+    bare = MessagesWatch(sse=True)
+    bare.feed(stream[: stream.index(b"\n\n") + 2] + b"event: error\n\n")
+    bare.close()
+    assert bare.error == "an error event without data"
     whole = MessagesWatch(sse=False, input_counts_cached=True)
     whole.feed(json.dumps({"type": "message", "stop_reason": "max_tokens", "content": []}).encode())
     whole.feed(b'\n{"usage": {"input_tokens": 50, "cache_read_input_tokens": 30}}')

@@ -800,6 +800,9 @@ async def test_client_leaving_mid_stream_stops_the_engine() -> None:
         text = (await gw.get("/metrics")).text
         assert 'luftpause_engine_turns_total{outcome="client_left",replica="a"} 1.0' in text
         assert 'luftpause_engine_turns_total{outcome="failed",replica="a"}' not in text
+        # ... nor one on all turns (helper-68: it counted `failed` there).
+        assert 'luftpause_turns_total{outcome="client_left"} 1.0' in text
+        assert 'luftpause_turns_total{outcome="failed"} 0.0' in text
 
 
 async def test_unknown_model_is_404_before_queueing() -> None:
