@@ -5,7 +5,10 @@ cancel scopes, which must be entered and left by the same task, while tool calls
 from many activity tasks at once.  A connection that fails is dropped and reopened by
 the next call, so an upstream server that restarts costs one failed activity (sent
 again: it never reached the server), not a worker restart.  Whether a failed call may
-have reached its server is noted by idempotency key (`_Delivery`).
+have reached an HTTP server is noted by idempotency key (`_Delivery`).  A stdio server
+gives no such sign (and 2026-07-28 has no ping to ask it first): a call that fails on
+it may have run, including the first call after the process died while idle, which a
+tool that is not repeatable then answers as of unknown outcome.
 """
 
 from __future__ import annotations

@@ -543,7 +543,9 @@ class AgentRun:
         after the server ran it: the model is told the outcome is unknown."""
         delay = RETRY.initial_interval
         assert delay is not None and RETRY.maximum_interval is not None
-        waited = timedelta()
+        # From the first send, attempts included (an attempt may spend CONNECT_TIMEOUT_S
+        # on a server that does not answer): as schedule-to-close bounds a repeatable one.
+        give_up = workflow.now() + TOOL_SCHEDULE_TIMEOUT
         while True:
             try:
                 return await workflow.execute_activity_method(
@@ -561,10 +563,9 @@ class AgentRun:
                     if cause.non_retryable:
                         raise  # no such tool: the run fails, as with any tool
                     if cause.type == NOT_SENT:
-                        if waited + delay > TOOL_SCHEDULE_TIMEOUT:
+                        if workflow.now() + delay > give_up:
                             raise  # down for as long as a repeatable call is retried
                         await workflow.sleep(delay)
-                        waited += delay
                         delay = min(delay * RETRY.backoff_coefficient, RETRY.maximum_interval)
                         continue
                 why = str(cause) if cause is not None else str(exc)
