@@ -977,6 +977,10 @@ class TurnResponse(Response):
 # --------------------------------------------------------------------------- tracing
 
 
+# gen_ai.provider.name by endpoint kind where the name differs from the kind.
+_PROVIDERS = {"llamacpp": "llama.cpp"}
+
+
 class _TurnTrace:
     """A turn's spans (GenAI semantic conventions): `chat {model}` from arrival to the
     end of the answer, and its child `admit` for the hold.  The chat span continues the
@@ -1052,7 +1056,15 @@ class _TurnTrace:
 
     def forwarding(self, replica: str, endpoint: Endpoint) -> list[tuple[str, str]]:
         """Where the turn goes, and the `traceparent` header the engine continues."""
-        self._chat.set_attributes({"luftpause.replica": replica, **_server(endpoint.url)})
+        self._chat.set_attributes(
+            {
+                "luftpause.replica": replica,
+                # GenAI semconv's required attribute: the engine the endpoint is (its
+                # kind; a well-known value where there is one).
+                "gen_ai.provider.name": _PROVIDERS.get(endpoint.kind, endpoint.kind),
+                **_server(endpoint.url),
+            }
+        )
         carrier: dict[str, str] = {}
         telemetry.inject(carrier, set_span_in_context(self._chat))
         return list(carrier.items())

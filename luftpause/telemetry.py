@@ -196,6 +196,7 @@ class _InvokeAgent(TracingWorkflowInboundInterceptor):
         attributes: dict[str, str] = {
             "gen_ai.operation.name": "invoke_agent",
             "gen_ai.agent.name": info.workflow_type,
+            "gen_ai.agent.id": info.workflow_id,
             "gen_ai.conversation.id": info.workflow_id,
             "luftpause.run_id": info.workflow_id,
         }

@@ -127,6 +127,7 @@ async def test_a_turn_is_a_chat_span_continuing_the_callers_trace(
     assert c["gen_ai.response.finish_reasons"] == ("length",)
     assert c["server.address"] == "127.0.0.1"
     assert c["luftpause.replica"] == "e0"
+    assert c["gen_ai.provider.name"] == "sglang"  # the semconv's required attribute
     assert chat_span.status.status_code is not StatusCode.ERROR
 
     # The engine continues the gateway's chat span.
@@ -374,7 +375,7 @@ async def test_a_run_is_one_trace_of_agent_turns_and_tool_calls(
     assert agent.name == "invoke_agent AgentRun" and agent.context is not None
     a = attrs(agent)
     assert a["gen_ai.operation.name"] == "invoke_agent"
-    assert a["gen_ai.conversation.id"] == handle == a["luftpause.run_id"]
+    assert a["gen_ai.conversation.id"] == handle == a["luftpause.run_id"] == a["gen_ai.agent.id"]
     run_trace = agent.context.trace_id
 
     (tool,) = named(spans, "execute_tool ")
