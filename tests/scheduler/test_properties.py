@@ -22,7 +22,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from scheduler import (
@@ -509,6 +509,22 @@ def check_device_leader(before: State, event: Event, after: State, admits: list[
             continue
         if not closed_to(after, name, model):
             continue
+        leader = leader_of(after, name)
+        if leader is not None and leader_of(before, name) != leader:
+            # A replica that learned its pool size from a probe: the claims of runs
+            # bound there appear at their next change, which can be a turn of theirs
+            # admitted elsewhere in this very step, and can make it the leader (the
+            # deep profile's two cases, 2026-12-02).  Not a new run led away.
+            admitted_there = {x.run_id for x in admits if x.replica == leader}
+            if any(
+                run.replica == leader
+                and run.ws_claim
+                and run.service_class is ServiceClass.INTERACTIVE
+                and run.run_id not in admitted_there
+                and not getattr(before.runs.get(run.run_id), "ws_claim", 0)
+                for run in after.runs.values()
+            ):
+                continue
         if isinstance(event, (Tick, PolicyChanged)):
             leader = leader_of(after, name)
             if leader is None or leader_of(before, name) != leader:
@@ -707,6 +723,97 @@ def test_invariants_hold_while_the_pool_changes(
     replays_and_drains(runner, initial(policy, kv))
 
 
+# Found by the deep profile (2026-12-02): a replica that learned its pool size from a
+# probe gets the claim of a run generating there at that run's next change, here a turn
+# of it admitted away to b, which made it the device's leader in the same step.
+@example(
+    policy=Policy(
+        strict_affinity=False,
+        cap_after_queued_probes=1,
+        reserve_for_paused_interactive=False,
+        kv_fill=1.0,
+        batch_kv_fill=None,
+        eject_after_failures=None,
+        pack_shared_devices=True,
+    ),
+    kv=None,
+    script=[
+        ("abandon", 0),
+        ("arrive", 0, ServiceClass.INTERACTIVE, 0, 0, 0, 0),
+        ("arrive", 0, ServiceClass.INTERACTIVE, 0, 0, 0, 0),
+        ("arrive", 0, ServiceClass.INTERACTIVE, 0, 0, 0, 0),
+        ("arrive", 0, ServiceClass.INTERACTIVE, 0, 0, 0, 0),
+        ("arrive", 0, ServiceClass.INTERACTIVE, 0, 0, 0, 0),
+        ("finish", 0, "tool_calls", 0, 0),
+        ("arrive", 0, ServiceClass.INTERACTIVE, 0, 0, 0, 0),
+        ("arrive", 0, ServiceClass.INTERACTIVE, 0, 0, 0, 0),
+        ("arrive", 0, ServiceClass.INTERACTIVE, 0, 0, 0, 0),
+        ("arrive", 0, ServiceClass.INTERACTIVE, 0, 0, 0, 0),
+        ("arrive", 0, ServiceClass.INTERACTIVE, 0, 0, 0, 0),
+        ("finish", 41, "tool_calls", 0, 0),
+        ("finish", 0, "tool_calls", 0, 0),
+        ("arrive", 0, ServiceClass.INTERACTIVE, 0, 0, 0, 0),
+        ("arrive", 0, ServiceClass.INTERACTIVE, 0, 0, 0, 0),
+        ("arrive", 0, ServiceClass.INTERACTIVE, 0, 0, 0, 0),
+        ("arrive", 0, ServiceClass.INTERACTIVE, 0, 0, 0, 0),
+        ("finish", 0, "tool_calls", 0, 0),
+        ("arrive", 0, ServiceClass.INTERACTIVE, 0, 0, 0, 0),
+        ("arrive", 0, ServiceClass.INTERACTIVE, 0, 0, 0, 0),
+        ("finish", 0, "tool_calls", 0, 0),
+        ("finish", 0, "tool_calls", 0, 0),
+        ("finish", 0, "tool_calls", 0, 0),
+        ("probe", 2, False, None, 0, None, False),
+        ("tick", 2000.0),
+        ("abandon", 0),
+        ("arrive", 2, ServiceClass.INTERACTIVE, 2, 0, 4381, 0),
+        ("finish", 0, "tool_calls", 0, 0),
+        ("fail", 0, False),
+        ("abandon", 0),
+        ("arrive", 0, ServiceClass.INTERACTIVE, 0, 0, 0, 0),
+        ("finish", 38, "tool_calls", 0, 46),
+        ("abandon", 0),
+        ("arrive", 0, ServiceClass.INTERACTIVE, 0, 0, 301, 0),
+        ("abandon", 41),
+        ("tick", 700.0),
+        ("abandon", 20),
+        ("finish", 44, "tool_calls", 64, 406),
+        ("abandon", 23),
+        ("probe", 1, True, None, 0, None, False),
+        ("arrive", 0, ServiceClass.INTERACTIVE, 0, 0, 0, 0),
+        ("abandon", 0),
+        ("finish", 0, "tool_calls", 0, 0),
+        ("finish", 0, "tool_calls", 0, 0),
+        ("finish", 0, "tool_calls", 0, 0),
+        ("finish", 11, "tool_calls", 0, 0),
+        ("arrive", 0, ServiceClass.INTERACTIVE, 0, 1, 4661, 0),
+        ("finish", 28, "tool_calls", 110, 245),
+        ("fail", 42, False),
+        ("abandon", 33),
+        ("probe", 0, True, None, 0, 8000, False),
+        ("abandon", 0),
+        ("fail", 0, False),
+        ("arrive", 2, ServiceClass.BATCH, 0, 0, 0, 0),
+        ("finish", 0, "tool_calls", 0, 0),
+        ("finish", 0, "tool_calls", 0, 0),
+        ("started", 0),
+    ],
+    changes=[
+        (
+            89,
+            Policy(
+                strict_affinity=False,
+                cap_from_engine_queue=False,
+                cap_after_queued_probes=1,
+                reserve_for_paused_interactive=False,
+                kv_admission=False,
+                kv_fill=1.0,
+                batch_kv_fill=None,
+                eject_after_failures=None,
+            ),
+            False,
+        ),
+    ],
+)
 @given(
     policy=policies,
     kv=st.sampled_from([None, 8000, 20000]),
