@@ -210,8 +210,13 @@ class _Connection:
             await asyncio.wait_for(asyncio.shield(gen.owner), timeout)
         except TimeoutError:
             return False
-        except BaseException:  # it ended, one way or another
-            return gen.owner.done()
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if gen.owner.cancelled() and not (task is not None and task.cancelling()):
+                return True  # the owner was cancelled (closed all the same)
+            raise  # this call was: the cancellation goes on
+        except Exception:
+            return True  # it ended with an error: closed all the same
         return True
 
     async def close(self) -> None:

@@ -289,6 +289,13 @@ def caller_of(ctx: Any, token_identity: str | None) -> str:
 APPROVAL_POLL_S = 0.5
 
 
+def _ended(statuses: Sequence[RunStatus], mode: str) -> tuple[int, bool]:
+    """How many of the runs an `await` covers have ended, and whether that meets its
+    condition (all of them, or any)."""
+    ended = sum(1 for st in statuses if st.state in TERMINAL_STATES)
+    return ended, ended == len(statuses) if mode == "all" else ended > 0
+
+
 async def _moot(
     r: Runs, handles: list[str], mode: str, handle: str, call_id: str, deadline: float
 ) -> None:
@@ -305,8 +312,7 @@ async def _moot(
             rounds=seen,
             until_one_ends=True,
         )
-        ended = sum(1 for st in statuses if st.state in TERMINAL_STATES)
-        if ended == len(statuses) if mode == "all" else ended > 0:
+        if _ended(statuses, mode)[1]:
             return
         now = next(st for st in statuses if st.handle == handle)
         if (now.error or "").startswith(STATUS_UNAVAILABLE):
@@ -613,8 +619,7 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
                 )
             except RunError as exc:
                 raise ToolError(str(exc)) from None
-            ended = sum(1 for s in statuses if s.state in TERMINAL_STATES)
-            done = ended == len(statuses) if mode == "all" else ended > 0
+            ended, done = _ended(statuses, mode)
             if done or loop.time() >= deadline:
                 return statuses, done
             waiting = [
