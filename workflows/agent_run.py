@@ -49,6 +49,7 @@ import asyncio
 import contextlib
 import json
 import math
+from collections.abc import Awaitable
 from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
@@ -149,6 +150,19 @@ RETRY = RetryPolicy(
 )
 ONCE = RetryPolicy(maximum_attempts=1)  # a call of a tool that is not repeatable (rule 5)
 END_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=3)
+
+
+def _send(inp: ToolInput, *, once: bool) -> Awaitable[ToolOutput]:
+    """The tool call activity: retried by Temporal for TOOL_SCHEDULE_TIMEOUT, or (`once`,
+    rule 5) one attempt, which the run itself sends again only if it never left."""
+    return workflow.execute_activity_method(
+        ToolActivities.call_tool,
+        inp,
+        start_to_close_timeout=TOOL_TIMEOUT,
+        schedule_to_close_timeout=None if once else TOOL_SCHEDULE_TIMEOUT,
+        heartbeat_timeout=HEARTBEAT_TIMEOUT,
+        retry_policy=ONCE if once else RETRY,
+    )
 
 
 class _Stop(Exception):
@@ -525,14 +539,7 @@ class AgentRun:
             call_id=call.id,
         )
         if not self._once or tool.repeatable:
-            return await workflow.execute_activity_method(
-                ToolActivities.call_tool,
-                inp,
-                start_to_close_timeout=TOOL_TIMEOUT,
-                schedule_to_close_timeout=TOOL_SCHEDULE_TIMEOUT,
-                heartbeat_timeout=HEARTBEAT_TIMEOUT,
-                retry_policy=RETRY,
-            )
+            return await _send(inp, once=False)
         return await self._call_once(inp)
 
     async def _call_once(self, inp: ToolInput) -> ToolOutput:
@@ -548,13 +555,7 @@ class AgentRun:
         give_up = workflow.now() + TOOL_SCHEDULE_TIMEOUT
         while True:
             try:
-                return await workflow.execute_activity_method(
-                    ToolActivities.call_tool,
-                    inp,
-                    start_to_close_timeout=TOOL_TIMEOUT,
-                    heartbeat_timeout=HEARTBEAT_TIMEOUT,
-                    retry_policy=ONCE,
-                )
+                return await _send(inp, once=True)
             except ActivityError as exc:
                 cause = exc.cause
                 if isinstance(cause, CancelledError):

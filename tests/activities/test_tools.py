@@ -68,6 +68,11 @@ async def test_a_long_answer_is_cut_with_a_note_and_a_short_one_is_kept() -> Non
 # ------------------------------------------------- what may have reached the server
 
 
+def _pool(server: FakeMcpProcess, protocol: Literal["auto", "legacy", "2026-07-28"]) -> McpPool:
+    return McpPool([McpServer(name="s", url=f"http://127.0.0.1:{server.port}/mcp",
+                              protocol=protocol)])  # fmt: skip
+
+
 def _lookup(schema: dict[str, Any], call_id: str) -> ToolInput:
     return ToolInput(run_id="r", server="s", tool="lookup", arguments='{"query": "q"}',
                      input_schema=schema, call_id=call_id)  # fmt: skip
@@ -82,8 +87,7 @@ async def test_a_call_that_cannot_have_reached_its_server_says_so(
     # workflow sends a call again only if it cannot have run (NOT_SENT).
     server = FakeMcpProcess(tmp_path, time_scale=100)
     server.start()
-    pool = McpPool([McpServer(name="s", url=f"http://127.0.0.1:{server.port}/mcp",
-                              protocol=protocol)])  # fmt: skip
+    pool = _pool(server, protocol)
     tools = ToolActivities(pool)
     env = ActivityEnvironment()
     try:
@@ -126,8 +130,7 @@ async def test_a_call_cut_while_its_server_runs_it_may_have_run(
 ) -> None:
     server = FakeMcpProcess(tmp_path, time_scale=0.2)  # lookup: 2.5-7.5 s
     server.start()
-    pool = McpPool([McpServer(name="s", url=f"http://127.0.0.1:{server.port}/mcp",
-                              protocol=protocol)])  # fmt: skip
+    pool = _pool(server, protocol)
     tools = ToolActivities(pool)
     env = ActivityEnvironment()
     try:
@@ -168,8 +171,7 @@ async def test_a_call_another_calls_failure_cut_off_is_never_sent_if_it_says_so(
     monkeypatch.setattr(mcp_pool._Delivery, "handle_async_request", noted)
     server = FakeMcpProcess(tmp_path, time_scale=1000)
     server.start()
-    pool = McpPool([McpServer(name="s", url=f"http://127.0.0.1:{server.port}/mcp",
-                              protocol=protocol)])  # fmt: skip
+    pool = _pool(server, protocol)
     said_unsent: list[str] = []
     rng = random.Random(7)
     try:

@@ -120,13 +120,13 @@ async def _budget_drained(s: Stack) -> None:
     await _save(s, "budget_drained", [parent, held, quick])
 
 
-async def _cancelled_tree(s: Stack) -> None:
+async def _cancelled_tree(s: Stack, name: str = "cancelled_tree") -> None:
     # A parent cancelled while its child waits on an approval.
     parent = await spawn_waiting(s, "p")
     child = await spawn_waiting(s, "c", parent=parent)
     await s.runs.cancel(parent)
     await s.runs.wait([child], timeout=30)
-    await _save(s, "cancelled_tree", [parent, child])
+    await _save(s, name, [parent, child])
 
 
 async def _once_calls(s: Stack) -> None:
@@ -159,11 +159,7 @@ async def _answer_over_budget(s: Stack) -> None:
 
 async def _cancelled_tree_waits(s: Stack) -> None:
     # As `cancelled_tree`, after ENDS_PATCH: the parent waits for its child to end.
-    parent = await spawn_waiting(s, "p")
-    child = await spawn_waiting(s, "c", parent=parent)
-    await s.runs.cancel(parent)
-    await s.runs.wait([child], timeout=30)
-    await _save(s, "cancelled_tree_waits", [parent, child])
+    await _cancelled_tree(s, "cancelled_tree_waits")
 
 
 SCENARIOS = {

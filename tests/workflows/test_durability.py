@@ -11,6 +11,7 @@ from pathlib import Path
 
 from activities.contract import NOT_SENT
 from luftpause.temporal_dev import DevServer
+from luftpause.up import Child
 from testkit.loopback import serve
 from tests.workflows.harness import (
     MODEL,
@@ -41,15 +42,7 @@ def specs(prefix: str) -> list[RunSpec]:
 async def test_worker_killed_mid_run(temporal_address: str, tmp_path: Path) -> None:
     # Tool calls of 0.5-1.5 s: runs are mid-call when the worker dies.
     async with stack(temporal_address, mcp_time_scale=1, worker=False) as s:
-        config = worker_config(
-            tmp_path / "luftpause.toml",
-            temporal=temporal_address,
-            queue=s.task_queue,
-            gateway_url=s.gateway_url,
-            mcp_url=f"{s.mcp_url}/mcp",
-        )
-        worker = worker_process(config, tmp_path / "worker.log")
-        worker.start()
+        worker = _worker_process(s, temporal_address, tmp_path)
         try:
             handles = [await s.runs.spawn(spec) for spec in specs("kill")]
             await until(lambda: sum(s.mcp.counts.values()) >= 8, "calls completed", polls=600)
@@ -76,15 +69,7 @@ async def test_a_call_that_may_have_run_is_not_sent_again_unless_repeatable(
     # kept a real server from deleting twice.  delete_record is destructive and not
     # idempotent: it is sent once, and the model is told its outcome is unknown.
     async with stack(temporal_address, worker=False) as s:
-        config = worker_config(
-            tmp_path / "luftpause.toml",
-            temporal=temporal_address,
-            queue=s.task_queue,
-            gateway_url=s.gateway_url,
-            mcp_url=f"{s.mcp_url}/mcp",
-        )
-        worker = worker_process(config, tmp_path / "worker.log")
-        worker.start()
+        worker = _worker_process(s, temporal_address, tmp_path)
         try:
             spec = RunSpec(task=task_with(1, "once"), model=MODEL, tools=["delete_record"])
             handle = await s.runs.spawn(spec)
@@ -108,6 +93,20 @@ async def test_a_call_that_may_have_run_is_not_sent_again_unless_repeatable(
         (told,) = [m for m in transcript if m["role"] == "tool"]
         assert told["content"].startswith("Error: the outcome of this call is unknown"), told
         assert "tool 'delete_record' read-only or idempotent" in told["content"]
+
+
+def _worker_process(s: Stack, temporal_address: str, tmp_path: Path) -> Child:
+    """`luftpause worker` for the stack, as a process started (kill it by its PID)."""
+    config = worker_config(
+        tmp_path / "luftpause.toml",
+        temporal=temporal_address,
+        queue=s.task_queue,
+        gateway_url=s.gateway_url,
+        mcp_url=f"{s.mcp_url}/mcp",
+    )
+    worker = worker_process(config, tmp_path / "worker.log")
+    worker.start()
+    return worker
 
 
 async def _pending(s: Stack, handle: str) -> bool:
