@@ -10,7 +10,7 @@ pays a few `is None` tests a turn (~0.1 µs).  On, a turn's two spans cost the g
 heavy load, sample (OTEL_TRACES_SAMPLER=parentbased_traceidratio).
 
 The spans follow the GenAI semantic conventions: `invoke_agent AgentRun` per sub-agent
-run (the Temporal interceptor's workflow span, renamed and given GenAI attributes),
+run (from its start to its close, recorded when it closes; `_InvokeAgent`),
 `chat {model}` per turn and `admit` for its hold (the gateway), `invoke_agent` per
 proxied run whose turns bring no trace of their own (the gateway, gateway/_runtrace.py),
 `execute_tool {name}` per tool call (the worker).  W3C `traceparent` goes to engines in
@@ -24,18 +24,30 @@ global provider be set once per process.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import os
 from collections.abc import Mapping, MutableMapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace import Tracer as SdkTracer
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from opentelemetry.trace import SpanKind, Tracer
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import (
+    NonRecordingSpan,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TraceFlags,
+    Tracer,
+)
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from temporalio import workflow
 from temporalio.client import Client
@@ -45,6 +57,7 @@ from temporalio.worker import ExecuteWorkflowInput, WorkflowInterceptorClassInpu
 __all__ = [
     "FLUSH_TIMEOUT_S",
     "TRACER_NAME",
+    "TracedRun",
     "extract",
     "flush",
     "inject",
@@ -162,6 +175,33 @@ def temporal_interceptors(client: Client | None = None) -> list[TracingIntercept
     return [_RunTracing(t)]
 
 
+# The extern function (run outside the workflow sandbox) that records a run's span.
+_RUN_SPAN_EXTERN = "__luftpause_invoke_agent_span"
+
+
+@runtime_checkable
+class TracedRun(Protocol):
+    """A workflow that says how it ended on its `invoke_agent` span (`AgentRun`)."""
+
+    def span_end(self) -> tuple[dict[str, str | int], str | None]:
+        """Attributes of the closed run (its state, its usage), and the error it ended
+        with, or None: the span's status is an error only then.  Asked once, at close."""
+        ...
+
+
+@dataclass(frozen=True)
+class _RunSpan:
+    """A run's `invoke_agent` span, recorded when the run closes."""
+
+    name: str
+    context: SpanContext  # its ids, chosen when the run began (derived from its run id)
+    parent: SpanContext | None  # None: the root of the run's trace
+    start_ns: int
+    end_ns: int
+    attributes: dict[str, str | int]
+    error: str | None
+
+
 class _RunTracing(TracingInterceptor):
     """Temporal's tracing interceptor, whose workflow span is the GenAI `invoke_agent`."""
 
@@ -169,43 +209,140 @@ class _RunTracing(TracingInterceptor):
         self, input: WorkflowInterceptorClassInput
     ) -> type[TracingWorkflowInboundInterceptor]:
         super().workflow_interceptor_class(input)  # registers the span extern function
+        input.unsafe_extern_functions[_RUN_SPAN_EXTERN] = self._record_run_span
         return _InvokeAgent
+
+    def _record_run_span(self, span: _RunSpan) -> None:
+        """Hand a closed run's span to the span processors: a span whose ids were fixed
+        when the run began, which the SDK's `start_span` cannot make (it draws ids)."""
+        t = self.tracer
+        if not isinstance(t, SdkTracer) or not span.context.trace_flags.sampled:
+            return
+        t.span_processor.on_end(
+            ReadableSpan(
+                span.name,
+                context=span.context,
+                parent=span.parent,
+                resource=t.resource,
+                attributes=span.attributes,
+                kind=SpanKind.INTERNAL,
+                status=Status(StatusCode.ERROR, span.error) if span.error else Status(),
+                start_time=span.start_ns,
+                end_time=span.end_ns,
+                instrumentation_scope=InstrumentationScope(TRACER_NAME),
+            )
+        )
 
 
 class _InvokeAgent(TracingWorkflowInboundInterceptor):
-    """Names the run's workflow span `invoke_agent {type}` (for `RunWorkflow:{type}`)
-    with GenAI attributes.  Like every workflow span of the interceptor it is recorded
-    with no duration: a span kept open across workflow tasks would not survive replay.
+    """The run's `invoke_agent {type}` span, with GenAI attributes, from the run's start
+    to its close, the parent of every span of the run: Temporal's (StartActivity,
+    StartChildWorkflow, HandleSignal, CompleteWorkflow), the worker's `execute_tool`
+    and the gateway's `chat`.
 
-    The workflow's spans (and so its activities' and the gateway's) are children of the
-    span that started the run, carried in the run's Temporal headers.  A run started
-    without one (by a client without the interceptor: the CLI, a test) gets a parent
-    derived from its run id instead, so it is still one trace, replays included; that
-    parent is never recorded itself."""
+    Temporal's interceptor records workflow spans with no duration, since a span kept
+    open across workflow tasks would not survive a replay.  This one is never open: its
+    ids are derived from the run id when the run begins (on every worker that replays
+    it, the same), its children are parented to them through the workflow's context,
+    and the span itself is recorded once, when the run closes, with the workflow's start
+    and close times.  So it is exported only then, like the gateway's run spans.
+
+    Its parent is the span that started the run, carried in the run's Temporal headers
+    (a parent run's StartChildWorkflow, the MCP door's caller).  A run started without
+    one (by a client without the interceptor: the CLI, a test) is the root of a trace
+    of its own, whose id is derived from its run id too."""
+
+    def __init__(self, next: Any) -> None:
+        super().__init__(next)
+        self._run_context: SpanContext | None = None
+        self._parent_context: SpanContext | None = None
 
     def _load_workflow_context_carrier(self) -> dict[str, Any] | None:
-        carrier = super()._load_workflow_context_carrier()
-        if not carrier:
-            digest = hashlib.sha256(workflow.info().run_id.encode()).hexdigest()
-            carrier = {"traceparent": f"00-{digest[:32]}-{digest[32:48]}-01"}
-            self._workflow_context_carrier = carrier
-        return carrier
+        if self._run_context is not None:
+            return self._workflow_context_carrier
+        run_id = workflow.info().run_id
+        carrier = super()._load_workflow_context_carrier() or {}
+        outer = self.text_map_propagator.extract(carrier)
+        parent = trace.get_current_span(outer).get_span_context()
+        if parent.is_valid:
+            trace_id, flags, state = parent.trace_id, parent.trace_flags, parent.trace_state
+            self._parent_context = parent
+        else:
+            trace_id, flags, state = _derived_id(f"trace/{run_id}", 128), TraceFlags(1), None
+        self._run_context = SpanContext(
+            trace_id,
+            _derived_id(f"invoke_agent/{run_id}", 64),
+            is_remote=True,
+            trace_flags=flags,
+            trace_state=state,
+        )
+        inner: dict[str, Any] = {}
+        self.text_map_propagator.inject(
+            inner, trace.set_span_in_context(NonRecordingSpan(self._run_context), outer)
+        )
+        self._workflow_context_carrier = inner
+        return inner
 
     async def execute_workflow(self, input: ExecuteWorkflowInput) -> Any:
         info = workflow.info()
-        attributes: dict[str, str] = {
+        attributes: dict[str, str | int] = {
             "gen_ai.operation.name": "invoke_agent",
             "gen_ai.agent.name": info.workflow_type,
             "gen_ai.agent.id": info.workflow_id,
             "gen_ai.conversation.id": info.workflow_id,
             "luftpause.run_id": info.workflow_id,
+            "temporalWorkflowID": info.workflow_id,
+            "temporalRunID": info.run_id,
         }
         if info.parent is not None:
             attributes["luftpause.parent_run_id"] = info.parent.workflow_id
         with self._top_level_workflow_context(success_is_complete=True):
-            self._completed_span(
-                f"invoke_agent {info.workflow_type}",
-                kind=SpanKind.INTERNAL,
-                additional_attributes=attributes,
+            try:
+                result = await self.next.execute_workflow(input)
+            except workflow.ContinueAsNewError:
+                attributes["luftpause.end"] = "continued_as_new"
+                self._close(info, attributes, None)
+                raise
+            except asyncio.CancelledError:  # cancelled, or evicted (then replaying)
+                self._close(info, attributes, None)
+                raise
+            except Exception as exc:
+                if workflow.is_failure_exception(exc):  # else a task failure: retried
+                    self._close(info, attributes, f"{type(exc).__name__}: {exc}")
+                raise
+            self._close(info, attributes, None)
+            return result
+
+    def _close(
+        self, info: workflow.Info, attributes: dict[str, str | int], error: str | None
+    ) -> None:
+        """Record the run's span: it closed.  Not while replaying: a replay of a run that
+        closed recorded it then, and an eviction (which counts as replaying) is no close."""
+        if workflow.unsafe.is_replaying():
+            return
+        self._load_workflow_context_carrier()
+        assert self._run_context is not None
+        instance = workflow.instance()
+        if isinstance(instance, TracedRun) and "luftpause.end" not in attributes:
+            more, error = instance.span_end()
+            attributes.update(more)
+        if error is not None:
+            attributes["error.type"] = attributes.get("luftpause.state", "error")
+        start = info.workflow_start_time
+        workflow.extern_functions()[_RUN_SPAN_EXTERN](
+            _RunSpan(
+                name=f"invoke_agent {info.workflow_type}",
+                context=self._run_context,
+                parent=self._parent_context,
+                start_ns=int(start.timestamp() * 1e9),
+                end_ns=workflow.time_ns(),
+                attributes=attributes,
+                error=error,
             )
-            return await self.next.execute_workflow(input)
+        )
+
+
+def _derived_id(seed: str, bits: int) -> int:
+    """A nonzero trace (128 bits) or span (64 bits) id derived from `seed`."""
+    digest = hashlib.sha256(seed.encode()).digest()
+    return int.from_bytes(digest[: bits // 8], "big") or 1

@@ -763,6 +763,21 @@ class AgentRun:
             ended_at=self._ended_at,
         )
 
+    def span_end(self) -> tuple[dict[str, str | int], str | None]:
+        """How the run ended, for its `invoke_agent` span (luftpause/telemetry.py)."""
+        usage = self._usage
+        attributes: dict[str, str | int] = {
+            "luftpause.state": self._state,
+            "luftpause.turns": usage.turns,
+            "luftpause.tool_calls": usage.tool_calls,
+            "gen_ai.usage.input_tokens": usage.prompt_tokens,
+            "gen_ai.usage.output_tokens": usage.completion_tokens,
+            "luftpause.subtree_tokens": self.subtree().tokens,
+        }
+        if usage.cached_tokens:
+            attributes["gen_ai.usage.cache_read.input_tokens"] = usage.cached_tokens
+        return attributes, (self._error or "failed") if self._state == "Failed" else None
+
     @workflow.query
     def transcript(self) -> list[dict[str, Any]]:
         """The run's messages so far, in the OpenAI chat shape."""

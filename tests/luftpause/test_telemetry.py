@@ -75,6 +75,21 @@ def attrs(span: ReadableSpan) -> dict[str, Any]:
     return dict(span.attributes or {})
 
 
+def descends_from(
+    exporter: InMemorySpanExporter, span: ReadableSpan, ancestor: ReadableSpan
+) -> bool:
+    """Whether `ancestor` is on `span`'s chain of recorded parents."""
+    assert ancestor.context is not None
+    by_id = {s.context.span_id: s for s in exporter.get_finished_spans() if s.context}
+    parent = span.parent
+    while parent is not None:
+        if parent.span_id == ancestor.context.span_id:
+            return True
+        up = by_id.get(parent.span_id)
+        parent = up.parent if up is not None else None
+    return False
+
+
 def traceparent_ids(value: str) -> tuple[str, str]:
     """(trace id, parent span id) of a W3C traceparent header."""
     version, trace_id, span_id, _flags = value.split("-")
@@ -391,8 +406,23 @@ async def test_a_run_is_one_trace_of_agent_turns_and_tool_calls(
     assert all(attrs(c)["luftpause.run_id"] == handle for c in chats)
     assert seen_by_tool == [run_trace]
     # Started by a client without tracing: the run is still one trace, Temporal's spans
-    # (StartActivity, RunActivity, CompleteWorkflow) included.
+    # (StartActivity, RunActivity, CompleteWorkflow) included, and its span is the root:
+    # every other span descends from it, and it lasts from the run's start to its close.
     assert {s.context.trace_id for s in spans.get_finished_spans() if s.context} == {run_trace}
+    assert agent.parent is None
+    others = [s for s in spans.get_finished_spans() if s is not agent]
+    assert all(descends_from(spans, s, agent) for s in others), [s.name for s in others]
+    assert agent.start_time is not None and agent.end_time is not None
+    assert all(agent.start_time <= (s.start_time or 0) for s in chats + [tool])
+    assert all(agent.end_time >= (s.end_time or 0) for s in chats + [tool])
+    assert a["luftpause.state"] == "Completed" and agent.status.status_code is StatusCode.UNSET
+    assert (a["luftpause.turns"], a["luftpause.tool_calls"]) == (2, 1)
+    assert a["gen_ai.usage.input_tokens"] == sum(
+        attrs(c)["gen_ai.usage.input_tokens"] for c in chats
+    )
+    assert a["gen_ai.usage.output_tokens"] == sum(
+        attrs(c)["gen_ai.usage.output_tokens"] for c in chats
+    )
 
 
 async def test_a_run_started_in_a_trace_continues_it(
@@ -420,6 +450,54 @@ async def test_a_run_started_in_a_trace_continues_it(
     assert start.context is not None and start.context.trace_id == caller_trace
     assert agent.parent is not None and agent.parent.span_id == start.context.span_id
     assert chat_span.context is not None and chat_span.context.trace_id == caller_trace
+    assert descends_from(spans, chat_span, agent)
+
+
+async def test_a_runs_span_is_one_across_a_worker_restart(
+    temporal_address: str, spans: InMemorySpanExporter
+) -> None:
+    # The run's span is recorded when it closes, by whichever worker closes it; the spans
+    # the first worker made before the restart are its children all the same.
+    async with runs_harness.stack(temporal_address, worker=False) as s:
+        mcp = f"{s.mcp_url}/mcp"
+        spec = RunSpec(
+            task=runs_harness.task_with(1, "restart"),
+            model=runs_harness.MODEL,
+            tools=["delete_record"],
+        )
+        async with runs_harness.run_worker(s.client, s.task_queue, s.gateway_url, mcp):
+            handle = await s.runs.spawn(spec)
+            await runs_harness.until(
+                lambda: runs_harness.state_is(s, handle, "AwaitingApproval"), "it asks"
+            )
+            before = {x.context.span_id for x in spans.get_finished_spans() if x.context}
+        assert not named(spans, "invoke_agent ")  # open runs have no span yet
+        async with runs_harness.run_worker(s.client, s.task_queue, s.gateway_url, mcp):
+            await s.runs.approve(handle, True)
+            (status,) = await s.runs.wait([handle], timeout=60)
+        assert status.state == "Completed", status
+
+    (agent,) = named(spans, "invoke_agent ")
+    first_chat = next(c for c in named(spans, "chat ") if c.context and c.context.span_id in before)
+    assert descends_from(spans, first_chat, agent)  # made by the first worker
+    (tool,) = named(spans, "execute_tool ")
+    assert descends_from(spans, tool, agent)  # by the second
+    assert agent.start_time is not None and first_chat.start_time is not None
+    assert agent.start_time <= first_chat.start_time
+
+
+async def test_a_failed_run_is_an_error_span(
+    temporal_address: str, spans: InMemorySpanExporter
+) -> None:
+    async with runs_harness.stack(temporal_address) as s:
+        handle = await s.runs.spawn(RunSpec(task="hello", model="no-such-model"))
+        (status,) = await s.runs.wait([handle], timeout=60)
+    assert status.state == "Failed", status
+    (agent,) = named(spans, "invoke_agent ")
+    a = attrs(agent)
+    assert a["luftpause.state"] == "Failed" and a["error.type"] == "Failed"
+    assert agent.status.status_code is StatusCode.ERROR
+    assert "no-such-model" in (agent.status.description or "")
 
 
 # --------------------------------------------------------------------------- setup
