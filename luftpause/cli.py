@@ -307,6 +307,7 @@ def _gateway(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from gateway._server import BoundedHead
     from gateway.app import KEEPALIVE_S, GatewaySettings, create_app
     from luftpause import telemetry
     from luftpause.config import ConfigError, load_config
@@ -334,6 +335,7 @@ def _gateway(args: argparse.Namespace) -> int:
         app,
         host=args.host,
         port=args.port,
+        http=BoundedHead,  # a request head is bounded (gateway/_server.py)
         workers=1,
         ws="none",
         access_log=False,

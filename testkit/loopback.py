@@ -33,10 +33,13 @@ class _SharedProcessServer(uvicorn.Server):
 
 
 @contextlib.asynccontextmanager
-async def serve(app: Any, *, host: str = "127.0.0.1", port: int = 0) -> AsyncIterator[str]:
+async def serve(
+    app: Any, *, host: str = "127.0.0.1", port: int = 0, http: Any = "auto"
+) -> AsyncIterator[str]:
     """Run `app` under uvicorn on a free port of `host` (or `port`, to restart a server
-    where its clients expect it); yield its base URL; stop it (lifespan shutdown
-    included) when the block ends."""
+    where its clients expect it), with uvicorn's `http` protocol (the gateway's:
+    gateway/_server.py); yield its base URL; stop it (lifespan shutdown included) when
+    the block ends."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     # Accepted connections inherit it (Linux): without it, an answer written in two
@@ -44,7 +47,9 @@ async def serve(app: Any, *, host: str = "127.0.0.1", port: int = 0) -> AsyncIte
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((host, port))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, ws="none", lifespan="on", access_log=False, log_level="warning")
+    config = uvicorn.Config(
+        app, http=http, ws="none", lifespan="on", access_log=False, log_level="warning"
+    )
     server = _SharedProcessServer(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:

@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from gateway._server import BoundedHead
 from gateway._shell import AdmissionShell
 from gateway.app import GatewaySettings, create_app
 from luftpause.config import parse_config
@@ -99,7 +100,10 @@ async def gateway(
     app = create_app(
         GatewaySettings(config=config, token=token, probe_period=probe_period, policy=policy)
     )
-    async with serve(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as client:
+    async with (
+        serve(app, http=BoundedHead) as url,
+        httpx.AsyncClient(base_url=url, timeout=30) as client,
+    ):
         yield client, app.state.shell
 
 

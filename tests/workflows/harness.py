@@ -20,6 +20,7 @@ from temporalio.service import RPCError
 
 from activities import LlmActivities, ToolActivities
 from activities.mcp_pool import McpPool
+from gateway._server import BoundedHead
 from gateway._shell import AdmissionShell
 from gateway.app import GatewaySettings, create_app
 from luftpause.config import McpServer, parse_config
@@ -132,7 +133,7 @@ async def stack(
             token=token,
             callers=callers,
         )
-        gateway_url = await stack_.enter_async_context(serve(app))
+        gateway_url = await stack_.enter_async_context(serve(app, http=BoundedHead))
         client = await connect(temporal_address)
         if worker:
             await stack_.enter_async_context(

@@ -1,0 +1,90 @@
+"""The gateway's HTTP server protocol (gateway/_server.py): a request head is bounded,
+a request's body is not counted against it.  Raw sockets to the gateway over loopback,
+as an abusive client would send the bytes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from gateway._server import MAX_HEAD_BYTES
+from tests.gateway.harness import chat, endpoint, engine, gateway
+
+LIMIT_S = 10.0
+
+
+@asynccontextmanager
+async def connection() -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+    async with engine() as (url, _), gateway(endpoint("e0", url)) as (client, _):
+        reader, writer = await asyncio.open_connection(client.base_url.host, client.base_url.port)
+        try:
+            yield reader, writer
+        finally:
+            writer.close()
+            await writer.wait_closed()
+
+
+async def answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+    """One HTTP/1.1 answer: status, headers, body."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), LIMIT_S)
+    status_line, *lines = head.decode().split("\r\n")[:-2]
+    headers = {k.lower(): v.strip() for k, v in (line.split(":", 1) for line in lines)}
+    if "content-length" in headers:
+        body = await asyncio.wait_for(reader.readexactly(int(headers["content-length"])), LIMIT_S)
+    else:  # chunked
+        body = b""
+        while size := int(await asyncio.wait_for(reader.readline(), LIMIT_S), 16):
+            body += await asyncio.wait_for(reader.readexactly(size + 2), LIMIT_S)
+            body = body[:-2]
+        await reader.readline()
+    return int(status_line.split()[1]), headers, body
+
+
+def padding(n: int) -> bytes:
+    """Header lines of about `n` bytes in all."""
+    line = b"x-pad: " + b"a" * 1000 + b"\r\n"
+    return line * (n // len(line))
+
+
+async def test_a_head_without_end_is_refused_and_the_connection_closed() -> None:
+    async with connection() as (reader, writer):
+        writer.write(b"GET /health HTTP/1.1\r\nhost: gw\r\n")
+        sent = 0
+        try:  # header lines without end, in reads of their own
+            while sent < 4 * MAX_HEAD_BYTES:
+                writer.write(padding(16 * 1024))
+                await writer.drain()
+                sent += 16 * 1024
+        except ConnectionError:
+            pass  # the gateway closed it under us: what the test waits for anyway
+        status, headers, body = await answer(reader)
+        assert status == 431 and headers["connection"] == "close"
+        assert str(MAX_HEAD_BYTES) in json.loads(body)["error"]["message"]
+        assert await asyncio.wait_for(reader.read(), LIMIT_S) == b""  # closed
+
+
+async def test_heads_under_the_bound_pass_one_after_another_on_a_connection() -> None:
+    # Each head is under the bound; together they are over it: each is counted alone.
+    async with connection() as (reader, writer):
+        for _ in range(3):
+            writer.write(
+                b"GET /health HTTP/1.1\r\nhost: gw\r\n" + padding(MAX_HEAD_BYTES // 2) + b"\r\n"
+            )
+            status, _, body = await answer(reader)
+            assert status == 200, body
+
+
+async def test_a_large_body_is_not_counted_as_head() -> None:
+    # Sent in one write: the head and the first reads of the body arrive together.
+    body = json.dumps(chat("x" * 150_000, max_tokens=2))  # over the bound, inside the KV pool
+    async with connection() as (reader, writer):
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+            + f"content-length: {len(body)}\r\n\r\n".encode()
+            + body.encode()
+        )
+        status, _, answered = await answer(reader)
+        assert status == 200, answered
+        assert json.loads(answered)["choices"][0]["finish_reason"] == "length"
