@@ -7,11 +7,20 @@ import json
 from typing import Any
 
 from mcp.server.elicitation import render_elicitation_schema
+from mcp_types import ClientCapabilities
 from pydantic import BaseModel, Field
 
 from workflows import RunStatus
 
-__all__ = ["MODERN", "ApprovalForm", "elicit_params", "message", "parse_key", "question_key"]
+__all__ = [
+    "MODERN",
+    "ApprovalForm",
+    "can_ask",
+    "elicit_params",
+    "message",
+    "parse_key",
+    "question_key",
+]
 
 MODERN = "2026-07-28"  # the stateless protocol revision
 _PREFIX = "approve:"
@@ -41,10 +50,20 @@ def question_key(status: RunStatus) -> str:
     return f"{_PREFIX}{status.handle}:{status.pending_approval.call_id}"
 
 
-def parse_key(key: str) -> tuple[str, str | None]:
-    """(handle, call id) of a question key."""
+def parse_key(key: str) -> tuple[str, str] | None:
+    """(handle, call id) of a question key; None for a key not of that shape (never
+    issued: ignored, as MCP asks of keys a server did not ask)."""
+    if not key.startswith(_PREFIX):
+        return None
     handle, _, call_id = key.removeprefix(_PREFIX).partition(":")
-    return handle, call_id or None
+    return (handle, call_id) if handle and call_id else None
+
+
+def can_ask(capabilities: ClientCapabilities | None) -> bool:
+    """Whether a client declared form-mode elicitation (`elicitation: {}` included,
+    which means form before URL mode existed): only then is it asked."""
+    e = capabilities.elicitation if capabilities is not None else None
+    return e is not None and (e.form is not None or e.url is None)
 
 
 def message(status: RunStatus) -> str:

@@ -371,11 +371,24 @@ def _problems(exc: ValidationError) -> str:
     )
 
 
+def _each(handles: list[str], statuses: list[RunStatus]) -> list[RunStatus]:
+    """The status of each handle, in order, from the statuses of the distinct ones."""
+    by_handle = {s.handle: s for s in statuses}
+    return [by_handle[h] for h in handles]
+
+
 class _DoorServer(MCPServer):
     """The SDK's server, stricter and plainer about a call's arguments: a name the tool
     does not take is an error (a misspelt `maxToolcalls` would silently be the default),
     and a value out of shape says which field and why, without pydantic's headline and
     links (the SDK's `Error executing tool <name>:` prefix is kept, as on every error)."""
+
+    def tool_result(self, name: str, value: Any) -> dict[str, Any]:
+        """The result a call of tool `name` that returned `value` has on the wire."""
+        tool = self._tool_manager.get_tool(name)
+        assert tool is not None, name
+        result = tool.fn_metadata.convert_result(value)
+        return result.model_dump(mode="json", by_alias=True, exclude_none=True)
 
     async def call_tool(self, name: str, arguments: dict[str, Any], context: Any = None) -> Any:
         tool = self._tool_manager.get_tool(name)
@@ -476,7 +489,7 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
     tasks = TasksExtension(
         runs=lambda ctx: runs(ctx),
         start_run=lambda arguments, ctx: start_task_run(arguments, ctx),
-        view=lambda status: view(status).model_dump(),
+        result=lambda status: mcp.tool_result("run", view(status)),
     )
     mcp = _DoorServer(
         name="luftpause",
@@ -573,13 +586,18 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
         return the question keys that were asked."""
         state = _State.load(ctx.request_state)
         for key, response in (ctx.input_responses or {}).items():
-            handle, call_id = approval.parse_key(key)
+            # Only answers to questions this call asked (the sealed state says which):
+            # any other key is ignored, as MCP asks, so an answer lands on no call the
+            # user was not shown.
+            parsed = approval.parse_key(key) if key in state.asked else None
+            if parsed is None:
+                continue
             allow = approval.answer(
                 getattr(response, "action", None), getattr(response, "content", None)
             )
             if allow is not None:
                 with contextlib.suppress(RunError):  # answered meanwhile by `approve`
-                    await r.approve(handle, allow, call_id)
+                    await r.approve(parsed[0], allow, parsed[1])
         return state.asked
 
     async def wait(
@@ -598,7 +616,7 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
         now_wall = time.time()
         deadline = loop.time() + state.seconds_left(now_wall, timeout)
         caps = ctx.client_capabilities
-        can_elicit = caps is not None and caps.elicitation is not None
+        can_elicit = approval.can_ask(caps)
         modern = ctx.protocol_version == approval.MODERN
         statuses: list[RunStatus] = []
         seen = Rounds()
@@ -752,7 +770,13 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
         handle = await spawn_run(spec, ctx)
         return SpawnResult(handle=handle, state="Running")
 
-    @mcp.tool(name="await", annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
+    # Not read-only: the user's answers to the approval questions it asks let calls run.
+    @mcp.tool(
+        name="await",
+        annotations=ToolAnnotations(
+            read_only_hint=False, destructive_hint=False, open_world_hint=False
+        ),
+    )
     async def await_(
         ctx: Context,
         handles: Annotated[list[Handle], Field(min_length=1, max_length=1000)],
@@ -767,11 +791,12 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
         run's state and, for finished runs, the answer with `toolCalls` and
         `failedToolCalls` (0 tool calls means the answer did not come from tools).
         A run waiting for the user's approval is asked about, if the client can."""
-        waited = await wait(ctx, handles, mode, timeout)
+        waited = await wait(ctx, list(dict.fromkeys(handles)), mode, timeout)
         if isinstance(waited, InputRequiredResult):
             return waited
         statuses, done = waited
-        return AwaitResult(runs=[view(s, detail=False) for s in statuses], done=done)
+        runs_ = [view(s, detail=False) for s in _each(handles, statuses)]
+        return AwaitResult(runs=runs_, done=done)
 
     @mcp.tool(annotations=ToolAnnotations(read_only_hint=False, destructive_hint=False))
     async def run(
@@ -854,7 +879,8 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
                     "state, root, parent, serviceClass and model filter the default list: "
                     "give them without handles"
                 )
-            return StatusResult(runs=[view(s) for s in await r.statuses(handles)])
+            statuses = await r.statuses(list(dict.fromkeys(handles)))  # each asked once
+            return StatusResult(runs=[view(s) for s in _each(handles, statuses)])
         except RunError as exc:
             raise ToolError(str(exc)) from None
 

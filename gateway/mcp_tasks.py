@@ -9,9 +9,12 @@ gateway restart, and any gateway on the same Temporal namespace can answer for t
 
 The SDK ships the wire types of the older in-core tasks only, so the SEP-2663 shapes
 are written here as plain JSON (`taskId`, `status`, `createdAt`, `lastUpdatedAt`,
-`ttlMs`, `pollIntervalMs`, `inputRequests`, `result`, `statusMessage`).  A run that
-failed is a `completed` task whose result has `isError: true` (the spec keeps `failed`
-for JSON-RPC errors); a cancelled run is a `cancelled` task saying why.
+`ttlMs`, `pollIntervalMs`, `inputRequests`, `result`, `statusMessage`).  An ended
+run's task is `completed` with the result the `run` call itself returns (a run that
+failed, or that its budget stopped, included: the call succeeded, its result says how
+the run ended); a run cancelled on request is a `cancelled` task saying why.  Only a
+client that declared the extension may use tasks/* (-32021 otherwise), and only one
+that declared form elicitation is sent the approval question (`inputRequests`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from mcp.server.extension import Extension, MethodBinding
+from mcp.server.mcpserver import require_client_extension
 from mcp.shared.exceptions import MCPError
 from mcp_types import (
     CallToolRequestParams,
@@ -77,11 +81,11 @@ class TasksExtension(Extension):
         self,
         runs: Callable[[Any], Awaitable[Runs]],  # the runs a request (its ctx) may see
         start_run: Callable[[dict[str, Any], Any], Awaitable[tuple[str | None, str]]],
-        view: Callable[[RunStatus], dict[str, Any]],
+        result: Callable[[RunStatus], dict[str, Any]],  # what `run` returns for an ended run
     ) -> None:
         self._runs = runs
         self._start = start_run
-        self._view = view
+        self._result = result
 
     def methods(self) -> Sequence[MethodBinding]:
         return [
@@ -107,12 +111,14 @@ class TasksExtension(Extension):
         if handle is None:
             return CallToolResult(content=[TextContent(type="text", text=error)], is_error=True)
         status = await (await self._runs(ctx)).status(handle)
-        return {"resultType": "task", **self._task(status)}
+        return {"resultType": "task", **self._task(status, ctx)}
 
-    def _task(self, status: RunStatus) -> dict[str, Any]:
+    def _task(self, status: RunStatus, ctx: Any) -> dict[str, Any]:
+        stopped = status.budget is not None and status.budget.exceeded is not None
+        state = "completed" if stopped else _STATUS.get(status.state, "working")
         task: dict[str, Any] = {
             "taskId": status.handle,
-            "status": _STATUS.get(status.state, "working"),
+            "status": state,
             "createdAt": _iso(status.started_at),
             "lastUpdatedAt": _iso(status.ended_at),
             "ttlMs": TTL_MS,
@@ -120,40 +126,39 @@ class TasksExtension(Extension):
         }
         if status.state == "AwaitingApproval" and status.pending_approval is not None:
             task["statusMessage"] = approval.message(status)
-            task["inputRequests"] = {
-                approval.question_key(status): {
-                    "method": "elicitation/create",
-                    "params": approval.elicit_params(status),
+            if approval.can_ask(ctx.session.client_capabilities):
+                task["inputRequests"] = {
+                    approval.question_key(status): {
+                        "method": "elicitation/create",
+                        "params": approval.elicit_params(status),
+                    }
                 }
-            }
-        elif status.state in ("Completed", "Failed"):
-            failed = status.state == "Failed"
-            text = (status.error or "failed") if failed else (status.answer or "")
-            task["result"] = {
-                "content": [{"type": "text", "text": text}],
-                "structuredContent": self._view(status),
-                "isError": failed,
-            }
+        elif state == "completed":
+            # Exactly what the `run` call itself would have returned.
+            task["result"] = self._result(status)
         elif status.state == "Cancelled":
             task["statusMessage"] = status.error or "cancelled"
         return task
 
     async def _status(self, ctx: Any, task_id: str) -> RunStatus:
+        require_client_extension(ctx, TASKS)  # -32021 for a client that did not opt in
         try:
             return await (await self._runs(ctx)).status(task_id)
         except RunError as exc:
             raise MCPError(code=_INVALID_PARAMS, message=f"unknown task: {exc}") from None
 
     async def get(self, ctx: Any, params: TaskIdParams) -> dict[str, Any]:
-        return {"resultType": "complete", **self._task(await self._status(ctx, params.task_id))}
+        status = await self._status(ctx, params.task_id)
+        return {"resultType": "complete", **self._task(status, ctx)}
 
     async def update(self, ctx: Any, params: UpdateParams) -> EmptyResult:
         status = await self._status(ctx, params.task_id)
         runs = await self._runs(ctx)
+        pending = status.pending_approval
+        asked = approval.question_key(status) if pending is not None else None
         for key, response in params.input_responses.items():
-            handle, call_id = approval.parse_key(key)
-            if handle != status.handle:
-                continue  # never issued for this task: ignored, as the spec asks
+            if pending is None or key != asked:
+                continue  # not outstanding (never issued, or answered): ignored, as MCP asks
             action = response.get("action") if isinstance(response, dict) else None
             content = response.get("content") if isinstance(response, dict) else None
             allow = approval.answer(action, content)
@@ -166,12 +171,13 @@ class TasksExtension(Extension):
                 continue  # dismissed: the approval stays open
             # Answered already, or superseded (the run moved on or ended): ignored.
             with contextlib.suppress(RunError):
-                await runs.approve(handle, allow, call_id)
+                await runs.approve(status.handle, allow, pending.call_id)
         return EmptyResult()
 
     async def cancel(self, ctx: Any, params: TaskIdParams) -> EmptyResult:
         """Acknowledged once the cancellation is requested (the run ends after; no worker
         needs to be up)."""
+        require_client_extension(ctx, TASKS)
         try:
             await (await self._runs(ctx)).request_cancel(params.task_id)
         except RunError as exc:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import tempfile
 import time
 import uuid
@@ -29,6 +30,7 @@ from tests.workflows.harness import (
     run_worker,
     stack,
     start_fakes,
+    state_is,
     task_with,
     until,
 )
@@ -614,17 +616,20 @@ def test_a_carried_deadline_is_held_to_the_longest_wait() -> None:
     assert _State(deadline=1e12).seconds_left(1000.0, 30.0) == 600.0
 
 
-def test_a_task_for_a_failed_run_is_completed_with_an_error_result() -> None:
-    # SEP-2663 keeps `failed` for JSON-RPC errors; a run's failure is its tool result.
+def test_an_ended_runs_task_is_completed_with_what_run_returns() -> None:
+    # What the `run` call itself returns, a failed run's and a budget-stopped run's
+    # included (SEP-2663 keeps `failed` for JSON-RPC errors); a run cancelled on request
+    # is a cancelled task.
     from gateway.mcp_tasks import TasksExtension
     from workflows import RunStatus, Totals
+    from workflows.contract import Budget, BudgetStatus
 
-    def status(state: str, error: str | None) -> RunStatus:
+    def status(state: str, error: str | None, budget: BudgetStatus | None = None) -> RunStatus:
         return RunStatus(
             handle="run-x", state=state, task="t", model=MODEL, service_class="batch",
             caller="c", parent=None, root="run-x", children=[], usage=Totals(),
-            subtree=Totals(), error=error, started_at="2026-11-30T10:00:00+00:00",
-            ended_at="2026-11-30T10:01:00+00:00",
+            subtree=Totals(), error=error, budget=budget,
+            started_at="2026-11-30T10:00:00+00:00", ended_at="2026-11-30T10:01:00+00:00",
         )  # fmt: skip
 
     async def no_runs() -> Any:
@@ -634,20 +639,140 @@ def test_a_task_for_a_failed_run_is_completed_with_an_error_result() -> None:
         raise AssertionError("not used")
 
     ext = TasksExtension(no_runs, no_start, lambda st: {"state": st.state, "error": st.error})
-    failed = ext._task(status("Failed", "engine gone"))
+    failed = ext._task(status("Failed", "engine gone"), ctx=None)
     assert (failed["status"], failed["ttlMs"], failed["pollIntervalMs"]) == (
         "completed",
         86_400_000,
         500,
     )
-    assert failed["result"] == {
-        "content": [{"type": "text", "text": "engine gone"}],
-        "structuredContent": {"state": "Failed", "error": "engine gone"},
-        "isError": True,
-    }
-    cancelled = ext._task(status("Cancelled", "budget exceeded: tokens 900/600"))
-    assert cancelled["status"] == "cancelled" and "error" not in cancelled
-    assert cancelled["statusMessage"] == "budget exceeded: tokens 900/600"
+    assert failed["result"] == {"state": "Failed", "error": "engine gone"}
+    over = BudgetStatus(Budget(tokens=600), Budget(tokens=900), "tokens 900/600")
+    stopped = ext._task(status("Cancelled", "budget exceeded: tokens 900/600", over), ctx=None)
+    assert stopped["status"] == "completed"
+    assert stopped["result"] == {"state": "Cancelled", "error": "budget exceeded: tokens 900/600"}
+    cancelled = ext._task(status("Cancelled", "cancelled"), ctx=None)
+    assert cancelled["status"] == "cancelled" and "result" not in cancelled
+    assert cancelled["statusMessage"] == "cancelled"
+
+
+class Modern:
+    """Raw 2026-07-28 requests to the door (what an SDK client does not send)."""
+
+    def __init__(self, http: httpx.AsyncClient, url: str) -> None:
+        self.http, self.url = http, url
+
+    async def request(
+        self, method: str, params: dict[str, Any], caps: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        meta = {
+            "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+            "io.modelcontextprotocol/clientInfo": {"name": "raw", "version": "1"},
+            "io.modelcontextprotocol/clientCapabilities": caps or {},
+        }
+        headers = {
+            "accept": "application/json, text/event-stream",
+            "mcp-protocol-version": "2026-07-28",
+            "mcp-method": method,
+        }
+        if "name" in params or "taskId" in params:
+            headers["mcp-name"] = params.get("name") or params["taskId"]
+        body = {"jsonrpc": "2.0", "id": 1, "method": method, "params": {**params, "_meta": meta}}
+        r = await self.http.post(self.url, json=body, headers=headers)
+        text = r.text
+        if r.headers.get("content-type", "").startswith("text/event-stream"):
+            text = [ln[5:] for ln in text.splitlines() if ln.startswith("data:")][-1]
+        answer: dict[str, Any] = json.loads(text)
+        return answer
+
+    async def tool(
+        self, name: str, arguments: dict[str, Any], caps: dict[str, Any] | None = None, **kw: Any
+    ) -> dict[str, Any]:
+        answer = await self.request(
+            "tools/call", {"name": name, "arguments": arguments, **kw}, caps
+        )
+        result: dict[str, Any] = answer["result"]
+        return result
+
+
+TASKS_CAPS = {"extensions": {"io.modelcontextprotocol/tasks": {}}}
+FORM = {"elicitation": {"form": {}}}
+
+
+async def test_approval_answers_count_only_for_questions_the_door_asked(
+    temporal_address: str,
+) -> None:
+    # An input response whose key was never issued (no call id, another run) approves
+    # nothing: the user was not shown that call.
+    async with stack(temporal_address) as s, httpx.AsyncClient(timeout=60) as http:
+        door = Modern(http, s.mcp_door)
+        spec = {"model": MODEL, "task": task_with(1, "keys"), "tools": ["delete_record"]}
+        x = (await door.tool("spawn", spec))["structuredContent"]["handle"]
+        y = (await door.tool("spawn", spec))["structuredContent"]["handle"]
+        for h in (x, y):
+            await until(lambda h=h: state_is(s, h, "AwaitingApproval"), f"{h} waits")
+        allow = {"action": "accept", "content": {"allow": True}}
+
+        # `await` over x asks about x; its next round answers x "later" and y "allow".
+        first = await door.tool("await", {"handles": [x], "timeout": 2}, FORM)
+        assert first["resultType"] == "input_required"
+        (asked,) = first["inputRequests"]
+        assert asked.startswith(f"approve:{x}:")
+        y_call = (await s.runs.status(y)).pending_approval
+        assert y_call is not None
+        await door.tool(
+            "await",
+            {"handles": [x], "timeout": 2},  # as in the first round: the state is bound to it
+            FORM,
+            requestState=first["requestState"],
+            inputResponses={
+                asked: {"action": "cancel"},
+                f"approve:{y}:{y_call.call_id}": allow,
+                f"approve:{y}": allow,
+            },
+        )
+        # Tasks: keys without the call id, or of another task, are ignored too.
+        for key in (f"approve:{y}", y, f"approve:{x}:{y_call.call_id}"):
+            answer = await door.request(
+                "tasks/update", {"taskId": y, "inputResponses": {key: allow}}, TASKS_CAPS
+            )
+            assert "error" not in answer, answer
+        for h in (x, y):
+            st = await s.runs.status(h)
+            assert st.state == "AwaitingApproval" and st.usage.tool_calls == 0, st
+        assert sum(s.mcp.counts.values()) == 0
+
+        # A client that did not declare the extension may not use tasks/*.
+        for method, params in (
+            ("tasks/get", {"taskId": y}),
+            ("tasks/update", {"taskId": y, "inputResponses": {}}),
+            ("tasks/cancel", {"taskId": y}),
+        ):
+            answer = await door.request(method, params)
+            assert answer["error"]["code"] == -32021, answer
+        # One that did but cannot answer forms sees the question's text, not a form.
+        task = (await door.request("tasks/get", {"taskId": y}, TASKS_CAPS))["result"]
+        assert task["status"] == "input_required" and "inputRequests" not in task
+        assert "delete_record" in task["statusMessage"]
+        task = (await door.request("tasks/get", {"taskId": y}, {**TASKS_CAPS, **FORM}))["result"]
+        (key,) = task["inputRequests"]
+        answer = await door.request(
+            "tasks/update", {"taskId": y, "inputResponses": {key: allow}}, TASKS_CAPS
+        )
+        assert "error" not in answer, answer
+        await until(lambda: state_is(s, y, "Completed"), "y ran once allowed")
+        assert sum(s.mcp.counts.values()) == 1
+
+        # A handle given twice is read once and shown twice, in order.
+        shown = (await door.tool("status", {"handles": [x, y, x]}))["structuredContent"]
+        assert [r["handle"] for r in shown["runs"]] == [x, y, x]
+        # `await` lets calls run (the answers to its questions): it is not read-only.
+        (listed,) = [
+            t
+            for t in (await door.request("tools/list", {}))["result"]["tools"]
+            if t["name"] == "await"
+        ]
+        assert listed["annotations"]["readOnlyHint"] is False
+        await s.runs.request_cancel(x)
 
 
 async def test_status_lists_runs_by_state_tree_parent_class_and_model(
