@@ -257,13 +257,19 @@ class McpPool:
                     )
                     continue
                 notes = tool.annotations
+                read_only = bool(notes and notes.read_only_hint)
+                waived = {"*", tool.name} & set(conn.server.no_approval)
                 tools[tool.name] = ToolInfo(
                     server=name,
                     name=tool.name,
                     description=tool.description or "",
                     input_schema=dict(tool.input_schema or {"type": "object"}),
-                    read_only=bool(notes and notes.read_only_hint),
-                    destructive=bool(notes and notes.destructive_hint),
+                    read_only=read_only,
+                    # MCP's default: a tool not read-only may be destructive unless
+                    # its server says it is not (`destructiveHint` defaults to true).
+                    destructive=not read_only
+                    and not waived
+                    and (notes is None or notes.destructive_hint is not False),
                     idempotent=bool(notes and notes.idempotent_hint),
                 )
         return list(tools.values())

@@ -409,6 +409,11 @@ class McpServer(BaseModel):
     # disconnect and cancels the tool; on a legacy session it finishes the orphaned call,
     # and Temporal's retry runs it again (bench/RESULTS.md).
     protocol: Literal["auto", "2026-07-28", "legacy"] = "auto"
+    # Tools of this server whose calls never wait for the user's approval, whatever the
+    # server's hints say (["*"]: all of them).  By MCP's defaults a tool the server does
+    # not mark `readOnlyHint: true` or `destructiveHint: false` may be destructive, and
+    # waits; a run's `approveTools` still makes any tool wait.
+    no_approval: list[Annotated[str, Field(min_length=1, max_length=128)]] = []
 
     @field_validator("url")
     @classmethod

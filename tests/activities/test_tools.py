@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 
 import pytest
 from mcp.server.mcpserver import MCPServer
+from mcp_types import ToolAnnotations
 from pydantic import Field
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
@@ -63,6 +64,38 @@ async def test_a_long_answer_is_cut_with_a_note_and_a_short_one_is_kept() -> Non
             assert server.calls == [TOOL_OUTPUT_MAX_CHARS, 1_500_000]  # type: ignore[attr-defined]
         finally:
             await pool.aclose()
+
+
+async def test_a_tool_waits_for_approval_unless_its_server_or_the_operator_says_not() -> None:
+    # MCP's defaults: destructiveHint is true unless said otherwise, and means nothing
+    # for a read-only tool.  `no_approval` is the operator's word over the hints.
+    mcp: MCPServer = MCPServer("hints")
+    notes = {
+        "unmarked": None,
+        "marked_safe": ToolAnnotations(destructive_hint=False),
+        "read_only": ToolAnnotations(read_only_hint=True),
+        "marked_destructive": ToolAnnotations(destructive_hint=True),
+        "not_read_only": ToolAnnotations(read_only_hint=False),
+        "waived": ToolAnnotations(destructive_hint=True),
+    }
+    for name, hints in notes.items():
+        mcp.add_tool(lambda: "ok", name=name, annotations=hints)
+    app = mcp.streamable_http_app(streamable_http_path="/mcp", host="127.0.0.1")
+    async with serve(app) as url:
+        for waived, waits in (
+            (["waived"], {"unmarked", "marked_destructive", "not_read_only"}),
+            (["*"], set()),
+        ):
+            pool = McpPool([McpServer(name="s", url=f"{url}/mcp", no_approval=waived)])
+            try:
+                listed = {t.name: t for t in await ActivityEnvironment().run(
+                    ToolActivities(pool).list_tools
+                )}  # fmt: skip
+            finally:
+                await pool.aclose()
+            assert set(listed) == set(notes)
+            assert {n for n, t in listed.items() if t.destructive} == waits, waived
+            assert {n for n, t in listed.items() if t.read_only} == {"read_only"}
 
 
 # ------------------------------------------------- what may have reached the server
