@@ -386,10 +386,15 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     # other request as an HTTP span, `url.query` included, and the status page takes
     # the operator's token as `?token=` (helper-68); the gateway's spans are its own
     # (chat, admit, invoke_agent), and /metrics is Prometheus.
+    # No /docs, /redoc or /openapi.json: they answered without a token (README lists
+    # what is open), and Swagger UI loads scripts from a CDN into the gateway's origin.
     app = _Gateway(
         title="luftpause gateway",
         lifespan=lifespan,
         telemetry={"tracing": False, "metrics": False, "logs": False},
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
     )
 
     def identify(request: Request | Scope, *, api_key: bool = False) -> Who | None:

@@ -232,7 +232,16 @@ class Up:
 
     def start(self) -> dict[str, str]:
         self.check_ports()
-        self.logs.mkdir(parents=True, exist_ok=True)
+        # The Temporal database holds every run's task, transcript and answer: a state
+        # directory made here is its owner's alone; one that exists is left as it is.
+        if not self.state.exists():
+            self.state.mkdir(mode=0o700, parents=True)
+        elif self.state.stat().st_mode & 0o077:
+            self.say(
+                f"note: {self.state} can be read by other users; the Temporal database in "
+                "it holds every run's transcript (chmod 700 it to keep them private)"
+            )
+        self.logs.mkdir(mode=0o700, exist_ok=True)
         user_config = None
         if self.args.config:
             try:

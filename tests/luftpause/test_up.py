@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -180,6 +181,15 @@ async def test_up_runs_sub_agents_and_stops_everything(state: Path) -> None:
         gateway_log = (state / "logs" / "gateway.log").read_text()
         build = re.escape(native.core_build())
         assert re.search(rf"scheduler core: {build}$", gateway_log, re.MULTILINE), build
+        # The state (the Temporal database: every run's transcript) is its owner's alone.
+        assert stat.S_IMODE(state.stat().st_mode) == 0o700
+        assert stat.S_IMODE((state / "logs").stat().st_mode) == 0o700
+        # No API docs to browse without a token.
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(f"{up.gateway}{path}", timeout=10)
+            refused.value.close()  # its socket, else a ResourceWarning in a later test
+            assert refused.value.code == 404, path
         # The fake pool's classifier has its classes named: decide's label is among them.
         body = json.dumps({"input": "hello"}).encode()
         ask = urllib.request.Request(
