@@ -30,6 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, Response
 from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
 from mcp.server.auth.provider import AccessToken
+from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -137,6 +138,9 @@ _UPSTREAM_LIMITS = httpx.Limits(
 # SDKs) or longer (load balancers: 60 s): the gateway keeps them longer still, so the
 # client is the one that closes (uvicorn's 5 s would race them).
 KEEPALIVE_S = 75
+# Open MCP sessions a caller with a token of its own may hold (the SDK closes one after
+# 30 min idle, and holds at most 10,000 in all).
+MCP_SESSIONS_PER_CALLER = 1_000
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -284,6 +288,27 @@ class _BadRequest(Exception):
         self.status = status
 
 
+def _cap_sessions_per_caller(manager: StreamableHTTPSessionManager, limit: int) -> None:
+    """At most `limit` open MCP sessions per caller with a token of its own.
+
+    The SDK caps sessions for all principals together (10,000, each closed after 30 min
+    idle): one caller opening sessions without closing them filled the cap, and then
+    every session-based client (Claude Code, Codex) was refused until they expired.
+    Now such a caller is refused its own next session (503), and the others are not.
+    The operator's token, shared by whoever holds it, has the SDK's cap alone."""
+    admit = manager._admit_session
+    owners = manager._session_owners
+
+    def admit_within(requestor: Any) -> Any:
+        caller = str(requestor.get("client_id", "")) if requestor is not None else ""
+        if caller.startswith("caller:") and sum(o == requestor for o in owners.values()) >= limit:
+            log.warning("refusing an MCP session to %s: it has %d open (its most)", caller, limit)
+            return None
+        return admit(requestor)
+
+    manager._admit_session = admit_within  # type: ignore[method-assign]
+
+
 def create_app(settings: GatewaySettings) -> FastAPI:
     """Build the gateway; nothing runs until the app's lifespan starts."""
     config = settings.config  # as at start: what a reload does not change
@@ -308,6 +333,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     door = _Door(config, settings.token)
     door_server = create_mcp_server(door.deps(live, lambda: runtime))
     door_app = door_server.streamable_http_app(streamable_http_path="/", host=settings.host)
+    _cap_sessions_per_caller(door_server.session_manager, MCP_SESSIONS_PER_CALLER)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

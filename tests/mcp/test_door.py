@@ -860,3 +860,56 @@ async def test_a_part_that_is_down_is_named_not_hidden_as_a_crash(temporal_addre
         assert text.startswith(
             "Error executing tool spawn: the run store (Temporal) is unreachable: "
         ), text
+
+
+async def test_a_caller_cannot_take_every_mcp_session(
+    temporal_address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Sessions opened and never closed: the caller is refused its own next one, while
+    # another caller, and the operator, still open theirs.
+    import gateway.app
+
+    monkeypatch.setattr(gateway.app, "MCP_SESSIONS_PER_CALLER", 3)
+    monkeypatch.setenv("TEAM_A_TOKEN", "tok-a")
+    monkeypatch.setenv("TEAM_B_TOKEN", "tok-b")
+    callers = [
+        {"name": "team-a", "token_env": "TEAM_A_TOKEN"},
+        {"name": "team-b", "token_env": "TEAM_B_TOKEN"},
+    ]
+    initialize = {
+        "jsonrpc": "2.0",
+        "id": 0,
+        "method": "initialize",
+        "params": {
+            "protocolVersion": "2025-11-25",
+            "capabilities": {},
+            "clientInfo": {"name": "raw", "version": "1"},
+        },
+    }
+
+    async with (
+        stack(temporal_address, token="op", callers=callers) as s,
+        httpx.AsyncClient(timeout=30) as http,
+    ):
+
+        def headers(token: str, session: str | None = None) -> dict[str, str]:
+            h = {
+                "authorization": f"Bearer {token}",
+                "accept": "application/json, text/event-stream",
+            }
+            if session is not None:
+                h |= {"mcp-session-id": session, "mcp-protocol-version": "2025-11-25"}
+            return h
+
+        async def opened(token: str) -> httpx.Response:
+            return await http.post(s.mcp_door, json=initialize, headers=headers(token))
+
+        first = [await opened("tok-a") for _ in range(4)]
+        assert [r.status_code for r in first] == [200, 200, 200, 503]
+        assert (await opened("tok-b")).status_code == 200
+        assert [(await opened("op")).status_code for _ in range(4)] == [200] * 4
+        # A session that ends frees its place.
+        session = first[0].headers["mcp-session-id"]
+        r = await http.delete(s.mcp_door, headers=headers("tok-a", session))
+        assert r.status_code == 200, r.text
+        assert (await opened("tok-a")).status_code == 200
