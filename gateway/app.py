@@ -330,6 +330,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         )
     # A caller's own token -> its name (`[[callers]]`), read once: a restart rotates them.
     tenants = config.caller_tokens(os.environ, settings.token)
+    config.temporal.connect_options(os.environ)  # its TLS files and API key, or ConfigError
     door = _Door(config, settings.token)
     door_server = create_mcp_server(door.deps(live, lambda: runtime))
     door_app = door_server.streamable_http_app(streamable_http_path="/", host=settings.host)
@@ -1045,7 +1046,7 @@ class _Door:
                     try:
                         client = await TemporalClient.connect(
                             t.address,
-                            namespace=t.namespace,
+                            **t.connect_options(os.environ),  # TLS, API key (checked at start)
                             interceptors=telemetry.temporal_interceptors(),  # spawns join traces
                         )
                     except RuntimeError as exc:  # the SDK's "Failed client connect: ..."

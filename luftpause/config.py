@@ -433,13 +433,72 @@ class McpServer(BaseModel):
 
 
 class Temporal(BaseModel):
-    """Where the worker and the MCP door find Temporal."""
+    """Where the worker and the MCP door find Temporal, and how they prove who they are
+    to a server that asks (Temporal Cloud, a self-hosted cluster with mTLS)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     address: str = "127.0.0.1:7233"
     namespace: str = "default"
     task_queue: Annotated[str, Field(min_length=1)] = "luftpause"
+    # TLS to Temporal's frontend, verified against the system's CAs or `tls_ca_file`;
+    # on by itself when any tls_* file or an API key is given.
+    tls: bool = False
+    tls_ca_file: str | None = None  # PEM: the CA that signed the server's certificate
+    tls_cert_file: str | None = None  # PEM: this client's certificate (mTLS) ...
+    tls_key_file: str | None = None  # ... and its private key
+    tls_server_name: str | None = None  # the name the server's certificate is checked for
+    # An API key (Temporal Cloud), read from this environment variable (never the file).
+    api_key_env: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")] | None = None
+
+    @model_validator(mode="after")
+    def _cert_with_key(self) -> Temporal:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError(
+                "temporal: tls_cert_file and tls_key_file go together (a client certificate "
+                "and its private key, for mTLS)"
+            )
+        return self
+
+    @property
+    def uses_tls(self) -> bool:
+        files = (self.tls_ca_file, self.tls_cert_file, self.tls_server_name)
+        return self.tls or self.api_key_env is not None or any(f is not None for f in files)
+
+    def connect_options(self, environ: Mapping[str, str]) -> dict[str, Any]:
+        """Keyword arguments for temporalio's `Client.connect` besides the address:
+        namespace, TLS (its files read now) and the API key (from `api_key_env`).
+        Raises ConfigError naming the field for a file it cannot read or a key unset."""
+        options: dict[str, Any] = {"namespace": self.namespace}
+        if self.api_key_env is not None:
+            key = environ.get(self.api_key_env, "").strip()
+            if not key:
+                raise ConfigError(
+                    f"temporal: api_key_env = {self.api_key_env!r}, but {self.api_key_env} "
+                    "is not set"
+                )
+            options["api_key"] = key
+        if not self.uses_tls:
+            return options
+
+        def read(field: str) -> bytes | None:
+            path = getattr(self, field)
+            if path is None:
+                return None
+            try:
+                return Path(path).expanduser().read_bytes()
+            except OSError as exc:
+                raise ConfigError(f"temporal: {field} = {path!r}: {exc.strerror}") from None
+
+        from temporalio.service import TLSConfig  # the worker's and gateway's, not sim's
+
+        options["tls"] = TLSConfig(
+            server_root_ca_cert=read("tls_ca_file"),
+            client_cert=read("tls_cert_file"),
+            client_private_key=read("tls_key_file"),
+            domain=self.tls_server_name,
+        )
+        return options
 
 
 class Probes(BaseModel):

@@ -26,7 +26,7 @@ from activities import LlmActivities, ToolActivities
 from activities.mcp_pool import McpPool
 from luftpause import telemetry
 from luftpause._process import freeze_heap
-from luftpause.config import Config, ConfigError, load_config
+from luftpause.config import Config, ConfigError, Temporal, load_config
 from workflows import AgentRun
 
 __all__ = ["add_arguments", "build_worker", "run", "serve"]
@@ -58,17 +58,19 @@ TEMPORAL_CONNECT_PATIENCE_S = 60.0
 TEMPORAL_CONNECT_RETRY_S = 0.5
 
 
-async def _connect(address: str, namespace: str, stop: asyncio.Event) -> Client | None:
-    """Connect to Temporal, retrying while it is not up yet; None if asked to stop."""
+async def connect(t: Temporal, stop: asyncio.Event) -> Client | None:
+    """Connect to Temporal as `[temporal]` says (TLS, API key), retrying while it is not
+    up yet; None if asked to stop."""
+    options = t.connect_options(os.environ)  # ConfigError: a file or a key missing
     loop = asyncio.get_running_loop()
     deadline = loop.time() + TEMPORAL_CONNECT_PATIENCE_S
     while True:
         try:
-            return await Client.connect(address, namespace=namespace)
+            return await Client.connect(t.address, **options)
         except RuntimeError as exc:  # the SDK's "Failed client connect: ..."
             if loop.time() >= deadline:
                 raise
-            log.warning("Temporal at %s is not answering yet (%s); retrying", address, exc)
+            log.warning("Temporal at %s is not answering yet (%s); retrying", t.address, exc)
         try:
             await asyncio.wait_for(stop.wait(), TEMPORAL_CONNECT_RETRY_S)
             return None
@@ -110,7 +112,7 @@ async def serve(config: Config, token: str | None, stop: asyncio.Event) -> None:
     `config` already carries the environment's overrides (`load_config`); `token` is
     its `token` (or LUFTPAUSE_TOKEN), sent to the gateway."""
     t = config.temporal
-    client = await _connect(t.address, t.namespace, stop)
+    client = await connect(t, stop)
     if client is None:
         return  # asked to stop while Temporal was not there yet
     pool = McpPool(config.mcp_servers)
@@ -161,6 +163,10 @@ def run(args: argparse.Namespace) -> int:
     token = config.token
     for line in config.unset_keys(os.environ):
         logging.getLogger("luftpause.worker").warning("%s", line)
+    try:
+        config.temporal.connect_options(os.environ)  # its TLS files and API key
+    except ConfigError as exc:
+        raise SystemExit(f"luftpause worker: {args.config}: {exc}") from None
 
     telemetry.setup("luftpause-worker")
 

@@ -1,0 +1,172 @@
+"""`[temporal]` TLS, mTLS and API key: how the worker and the gateway prove who they are
+to a Temporal that asks (Temporal Cloud, a cluster with mTLS).  The dev server speaks no
+TLS, so a TLS-terminating proxy stands in front of the real one, with certificates made
+here; the connection is the SDK's, end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import ipaddress
+import ssl
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from temporalio.client import Client
+
+from gateway.app import GatewaySettings, create_app
+from luftpause.config import ConfigError, Temporal, parse_config
+from worker.main import connect
+
+Key = ec.EllipticCurvePrivateKey
+ENDPOINTS = [{"name": "e0", "url": "http://127.0.0.1:9", "kind": "sglang", "models": ["m"]}]
+
+
+def _write(path: Path, cert: x509.Certificate, key: Key) -> tuple[Path, Path]:
+    path.with_suffix(".pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    path.with_suffix(".key").write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return path.with_suffix(".pem"), path.with_suffix(".key")
+
+
+def _cert(
+    name: str, key: Key, issuer: tuple[x509.Certificate, Key] | None, *, ca: bool = False
+) -> x509.Certificate:
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.UTC)
+    b = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer[0].subject if issuer else subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
+    if not ca:
+        b = b.add_extension(
+            x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            ),
+            critical=False,
+        )
+    signer = issuer[1] if issuer else key
+    return b.sign(signer, hashes.SHA256())
+
+
+class Pki:
+    """A CA, a server certificate and a client certificate it signed, in files."""
+
+    def __init__(self, tmp: Path) -> None:
+        ca_key = ec.generate_private_key(ec.SECP256R1())
+        ca = _cert("test ca", ca_key, None, ca=True)
+        self.ca, _ = _write(tmp / "ca", ca, ca_key)
+        keys = [ec.generate_private_key(ec.SECP256R1()) for _ in range(2)]
+        self.server_cert, self.server_key = _write(
+            tmp / "server", _cert("localhost", keys[0], (ca, ca_key)), keys[0]
+        )
+        self.client_cert, self.client_key = _write(
+            tmp / "client", _cert("luftpause worker", keys[1], (ca, ca_key)), keys[1]
+        )
+
+
+@contextlib.asynccontextmanager
+async def tls_proxy(target: str, pki: Pki, *, client_certs: bool) -> AsyncIterator[str]:
+    """TLS (HTTP/2 by ALPN, as gRPC needs) on a loopback port, bytes passed on to
+    `target`; `client_certs`: a client must show a certificate the CA signed."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(pki.server_cert, pki.server_key)
+    ctx.set_alpn_protocols(["h2"])
+    if client_certs:
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        ctx.load_verify_locations(pki.ca)
+    host, port = target.rsplit(":", 1)
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            while data := await r.read(65536):
+                w.write(data)
+                await w.drain()
+        except (ConnectionError, ssl.SSLError):
+            pass
+        finally:
+            w.close()
+
+    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        ur, uw = await asyncio.open_connection(host, int(port))
+        both = [asyncio.ensure_future(pipe(r, uw)), asyncio.ensure_future(pipe(ur, w))]
+        tasks.update(both)
+        await asyncio.gather(*both)
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0, ssl=ctx)
+    try:
+        yield f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def healthy(client: Client) -> bool:
+    return bool(await client.service_client.check_health())
+
+
+async def test_the_worker_reaches_temporal_over_tls_and_mtls(
+    temporal_address: str, tmp_path: Path
+) -> None:
+    pki = Pki(tmp_path)
+    stop = asyncio.Event()
+    async with tls_proxy(temporal_address, pki, client_certs=False) as address:
+        t = Temporal(address=address, tls_ca_file=str(pki.ca), tls_server_name="localhost")
+        client = await connect(t, stop)
+        assert client is not None and await healthy(client)
+        # Plain gRPC to a TLS port, or TLS checked against the system's CAs: refused.
+        for wrong in (Temporal(address=address), Temporal(address=address, tls=True)):
+            with pytest.raises(RuntimeError):
+                await Client.connect(wrong.address, **wrong.connect_options({}))
+    async with tls_proxy(temporal_address, pki, client_certs=True) as address:
+        t = Temporal(
+            address=address,
+            tls_ca_file=str(pki.ca),
+            tls_cert_file=str(pki.client_cert),
+            tls_key_file=str(pki.client_key),
+            tls_server_name="localhost",
+        )
+        client = await connect(t, stop)
+        assert client is not None and await healthy(client)
+        anonymous = t.model_copy(update={"tls_cert_file": None, "tls_key_file": None})
+        with pytest.raises(RuntimeError):
+            client = await Client.connect(anonymous.address, **anonymous.connect_options({}))
+            await healthy(client)  # a TLS 1.3 server may refuse only at the first call
+
+
+def test_the_options_say_what_is_missing(tmp_path: Path) -> None:
+    assert Temporal().connect_options({}) == {"namespace": "default"}  # no TLS, no key
+    keyed = Temporal(api_key_env="TEMPORAL_API_KEY", namespace="ns.acct")
+    options = keyed.connect_options({"TEMPORAL_API_KEY": " k-123 "})
+    assert options["api_key"] == "k-123" and options["tls"] is not None  # a key implies TLS
+    with pytest.raises(ConfigError, match="TEMPORAL_API_KEY is not set"):
+        keyed.connect_options({})
+    missing = tmp_path / "nope.pem"
+    with pytest.raises(ConfigError, match=r"temporal: tls_ca_file = .*nope\.pem.*No such file"):
+        Temporal(tls_ca_file=str(missing)).connect_options({})
+    with pytest.raises(ConfigError, match="tls_cert_file and tls_key_file go together"):
+        parse_config({"endpoints": ENDPOINTS, "temporal": {"tls_cert_file": "c.pem"}})
+    # The gateway checks at start, rather than at its first MCP call.
+    config = parse_config({"endpoints": ENDPOINTS, "temporal": {"tls_ca_file": str(missing)}})
+    with pytest.raises(ConfigError, match="tls_ca_file"):
+        create_app(GatewaySettings(config=config))
