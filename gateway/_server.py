@@ -1,13 +1,18 @@
-"""The gateway's HTTP/1.1 server protocol: uvicorn's httptools one, with a bound on a request's
-head (its request line and headers).
+"""The gateway's HTTP/1.1 server protocol: uvicorn's httptools one, with a bound on what
+a request may send that is not its body.
 
 httptools parses a head of any size: it keeps what it has read of a header until the
 header ends, so one connection sending header lines without end held the whole of them
-in memory before any route (or token check) ran (4 such connections: 2 GB).  uvicorn's
-h11 protocol stops at 16 KiB, but parses more slowly on every request.  Here a head that
-has grown past `MAX_HEAD_BYTES` without ending is answered 431 and the connection
-closed (what else arrives on it is dropped unread).  A request's body is not counted:
-the routes bound it (`max_request_bytes`).
+in memory before any route (or token check) ran (4 such connections: 2 GB).  A chunked
+body's trailer section is parsed the same way, after the head (helper-72).  uvicorn's
+h11 protocol stops at 16 KiB, but parses more slowly on every request.
+
+Here, per request, the reads that carry none of its body are counted: while its head is
+open, and after it while no body arrives (a trailer without end).  Past `MAX_HEAD_BYTES`
+an open head is answered 431 and the connection closed (what else arrives on it is
+dropped unread); a body phase that stalls in framing is cut off.  A read in which a
+request begins or ends (pipelined requests) is not counted, so a head can grow one read
+(at most 256 KiB) past the bound.  Bodies are bounded by the routes (`max_request_bytes`).
 """
 
 from __future__ import annotations
@@ -28,34 +33,54 @@ LINGER_S = 2.0
 
 
 class BoundedHead(HttpToolsProtocol):
-    """`HttpToolsProtocol` that refuses a request head over `MAX_HEAD_BYTES` (431)."""
+    """`HttpToolsProtocol` that bounds a request's bytes outside its body (see above)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._head = 0  # bytes read of the request head in progress; -1: in its body
+        self._phase = "idle"  # "head": the request's head is open; "body": after it
+        self._counted = 0  # bytes of the request's reads that carried none of its body
+        self._edge = False  # a request began or ended in this read
+        self._body = False  # this read carried body
         self._refused = False  # answered 431: what else arrives is dropped unread
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._head = 0
+        self._phase, self._counted, self._edge = "head", 0, True
 
     def on_headers_complete(self) -> None:
-        self._head = -1
+        self._phase, self._counted = "body", 0
         super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        self._body = True
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        self._phase, self._edge = "idle", True
+        super().on_message_complete()
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return
+        self._edge = self._body = False
         super().data_received(data)
-        # Counted after parsing, so that the body following a head in the same read is
-        # not counted: a head still open took (at most) all of this read.  A read is at
-        # most 256 KiB (asyncio's), so that is what a head can hold past the bound.
-        if self._head >= 0 and not self.transport.is_closing():
-            self._head += len(data)
-            if self._head > MAX_HEAD_BYTES:
-                self._refuse_head()
+        if self._phase == "idle" or self._edge or self.transport.is_closing():
+            return
+        if self._body:
+            self._counted = 0
+            return
+        self._counted += len(data)
+        if self._counted > MAX_HEAD_BYTES:
+            self._refuse()
 
-    def _refuse_head(self) -> None:
+    def _refuse(self) -> None:
+        self._refused = True
+        in_flight = self.cycle is not None and not self.cycle.response_complete
+        if self._phase == "body" or in_flight:
+            # A request (this one, or one pipelined before it) is being answered: no
+            # second answer can be written beside it.  The connection is cut.
+            self.transport.close()
+            return
         message = f"the request's head (request line and headers) is over {MAX_HEAD_BYTES} bytes"
         body = json.dumps({"error": {"message": message}}).encode()
         self.transport.write(
@@ -67,6 +92,5 @@ class BoundedHead(HttpToolsProtocol):
         # Closing at once, with the client's bytes unread, would reset the connection,
         # and a reset can drop the answer before the client reads it: end the sending
         # side, drop what still arrives, close after a while (nginx's lingering close).
-        self._refused = True
         self.transport.write_eof()
         asyncio.get_running_loop().call_later(LINGER_S, self.transport.close)

@@ -88,3 +88,39 @@ async def test_a_large_body_is_not_counted_as_head() -> None:
         status, _, answered = await answer(reader)
         assert status == 200, answered
         assert json.loads(answered)["choices"][0]["finish_reason"] == "length"
+
+
+async def test_a_trailer_without_end_is_cut_off() -> None:
+    # A chunked body's trailer section is parsed like a head, after it: bounded too.
+    async with connection() as (reader, writer):
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\n"
+            b"content-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
+            b"1\r\n{\r\n0\r\nx-trailer: "
+        )
+        try:
+            for _ in range(4 * MAX_HEAD_BYTES // 16384):
+                writer.write(b"a" * 16384)
+                await writer.drain()
+        except ConnectionError:
+            pass  # cut off under us
+        try:
+            rest = await asyncio.wait_for(reader.read(), LIMIT_S)
+        except ConnectionResetError:
+            rest = b""
+        assert rest == b""  # no answer: the connection was cut
+
+
+async def test_pipelined_requests_past_the_bound_together_are_all_answered() -> None:
+    # Complete requests in one read count for none of the heads after them.
+    body = json.dumps(chat("x" * 100_000, max_tokens=2))
+    post = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+        + f"content-length: {len(body)}\r\n\r\n".encode()
+        + body.encode()
+    )
+    get = b"GET /health HTTP/1.1\r\nhost: gw\r\n\r\n"
+    async with connection() as (reader, writer):
+        writer.write(post + get * 3000)
+        statuses = [(await answer(reader))[0] for _ in range(3001)]
+    assert statuses == [200] * 3001
