@@ -28,6 +28,8 @@ import asyncio
 import hashlib
 import logging
 import os
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -38,6 +40,7 @@ from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace import Tracer as SdkTracer
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.sampling import Decision
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import (
     NonRecordingSpan,
@@ -175,8 +178,13 @@ def temporal_interceptors(client: Client | None = None) -> list[TracingIntercept
     return [_RunTracing(t)]
 
 
-# The extern function (run outside the workflow sandbox) that records a run's span.
+# The extern functions (run outside the workflow sandbox) that record a run's span, and
+# that sample a run started without a trace (its trace's root).
 _RUN_SPAN_EXTERN = "__luftpause_invoke_agent_span"
+_SAMPLED_EXTERN = "__luftpause_invoke_agent_sampled"
+# Runs whose spans a worker remembers having recorded (a closing workflow task that
+# Temporal turns back, e.g. for a signal that arrived meanwhile, runs, and closes, again).
+_RECORDED_MAX = 4096
 
 
 @runtime_checkable
@@ -205,19 +213,41 @@ class _RunSpan:
 class _RunTracing(TracingInterceptor):
     """Temporal's tracing interceptor, whose workflow span is the GenAI `invoke_agent`."""
 
+    def __init__(self, tracer: Tracer) -> None:
+        super().__init__(tracer)
+        self._recorded: OrderedDict[int, None] = OrderedDict()  # span ids, oldest first
+        self._lock = threading.Lock()  # workflow tasks run in threads
+
     def workflow_interceptor_class(
         self, input: WorkflowInterceptorClassInput
     ) -> type[TracingWorkflowInboundInterceptor]:
         super().workflow_interceptor_class(input)  # registers the span extern function
         input.unsafe_extern_functions[_RUN_SPAN_EXTERN] = self._record_run_span
+        input.unsafe_extern_functions[_SAMPLED_EXTERN] = self._sampled
         return _InvokeAgent
+
+    def _sampled(self, trace_id: int) -> bool:
+        """The configured sampler's word on a trace a run starts (no parent to follow);
+        deterministic for the SDK's samplers, as a replay needs."""
+        t = self.tracer
+        if not isinstance(t, SdkTracer):
+            return True
+        decision = t.sampler.should_sample(None, trace_id, "invoke_agent").decision
+        return decision is Decision.RECORD_AND_SAMPLE
 
     def _record_run_span(self, span: _RunSpan) -> None:
         """Hand a closed run's span to the span processors: a span whose ids were fixed
-        when the run began, which the SDK's `start_span` cannot make (it draws ids)."""
+        when the run began, which the SDK's `start_span` cannot make (it draws ids).
+        Once per run on this worker, however often its closing task runs."""
         t = self.tracer
         if not isinstance(t, SdkTracer) or not span.context.trace_flags.sampled:
             return
+        with self._lock:
+            if span.context.span_id in self._recorded:
+                return
+            self._recorded[span.context.span_id] = None
+            if len(self._recorded) > _RECORDED_MAX:
+                self._recorded.popitem(last=False)
         t.span_processor.on_end(
             ReadableSpan(
                 span.name,
@@ -250,7 +280,8 @@ class _InvokeAgent(TracingWorkflowInboundInterceptor):
     Its parent is the span that started the run, carried in the run's Temporal headers
     (a parent run's StartChildWorkflow, the MCP door's caller).  A run started without
     one (by a client without the interceptor: the CLI, a test) is the root of a trace
-    of its own, whose id is derived from its run id too."""
+    of its own, whose id is derived from its run id too, sampled as the configured
+    sampler says."""
 
     def __init__(self, next: Any) -> None:
         super().__init__(next)
@@ -268,7 +299,9 @@ class _InvokeAgent(TracingWorkflowInboundInterceptor):
             trace_id, flags, state = parent.trace_id, parent.trace_flags, parent.trace_state
             self._parent_context = parent
         else:
-            trace_id, flags, state = _derived_id(f"trace/{run_id}", 128), TraceFlags(1), None
+            trace_id, state = _derived_id(f"trace/{run_id}", 128), None
+            sampled = workflow.extern_functions()[_SAMPLED_EXTERN](trace_id)
+            flags = TraceFlags(TraceFlags.SAMPLED if sampled else TraceFlags.DEFAULT)
         self._run_context = SpanContext(
             trace_id,
             _derived_id(f"invoke_agent/{run_id}", 64),

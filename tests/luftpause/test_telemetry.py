@@ -26,7 +26,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import StatusCode
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
+from opentelemetry.trace import SpanContext, StatusCode, TraceFlags
 from temporalio.client import Client
 
 import gateway.app as gateway_app
@@ -620,3 +621,41 @@ def test_the_gateway_exports_no_http_spans_and_no_token(tmp_path: Path) -> None:
     assert any(name.startswith("chat ") for name in names), names
     assert not any(name.startswith(("GET ", "POST ", "HEAD ")) for name in names), names
     assert not any(token.encode() in request.SerializeToString() for request in _Collector.received)
+
+
+async def test_a_run_started_without_a_trace_is_sampled_as_configured(
+    temporal_address: str,
+) -> None:
+    # Its trace's root is the run's span: the sampler decides, and the run's spans
+    # (Temporal's, the tool's, the gateway's) follow that decision.
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(sampler=ParentBased(ALWAYS_OFF))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    telemetry.use(provider)
+    try:
+        async with runs_harness.stack(temporal_address) as s:
+            spec = RunSpec(
+                task=runs_harness.task_with(1), model=runs_harness.MODEL, tools=["lookup"]
+            )
+            (status,) = await s.runs.wait([await s.runs.spawn(spec)], timeout=60)
+            assert status.state == "Completed", status
+    finally:
+        telemetry.use(None)
+        provider.shutdown()
+    assert exporter.get_finished_spans() == ()
+
+
+def test_a_runs_span_is_recorded_once_however_often_its_close_runs() -> None:
+    # A closing workflow task that Temporal turns back (a signal came meanwhile) runs,
+    # and closes the run, again on the worker.
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing = telemetry._RunTracing(provider.get_tracer("test"))
+    ids = SpanContext(
+        int(TRACE_ID, 16), int(PARENT_SPAN_ID, 16), is_remote=True, trace_flags=TraceFlags(1)
+    )
+    span = telemetry._RunSpan("invoke_agent AgentRun", ids, None, 1, 2, {}, None)
+    for _ in range(3):
+        tracing._record_run_span(span)
+    assert [s.name for s in exporter.get_finished_spans()] == ["invoke_agent AgentRun"]
