@@ -621,6 +621,7 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
         statuses: list[RunStatus] = []
         seen = Rounds()
         reported: tuple[int, float] = (-1, loop.time())
+        beats = 0  # progress sent since the count of ended runs last changed
         while True:
             left = deadline - loop.time()
             # A client that can be asked needs new approvals seen soon; for any other,
@@ -702,10 +703,16 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
                             await r.approve(s.handle, allow, pending.call_id)
             # Progress whenever a run ends, and every PROGRESS_EVERY_S while none does.
             if ended != reported[0] or loop.time() - reported[1] >= PROGRESS_EVERY_S:
+                beats = beats + 1 if ended == reported[0] else 0
                 reported = (ended, loop.time())
+                # MCP's progress must increase with each notification: a heartbeat
+                # (no run ended since the last) adds a part short of the next run,
+                # ended + 1/2, 2/3, 3/4, ...
                 with contextlib.suppress(Exception):
                     await ctx.report_progress(
-                        ended, len(statuses), f"{ended} of {len(statuses)} runs ended"
+                        ended + beats / (beats + 1),
+                        len(statuses),
+                        f"{ended} of {len(statuses)} runs ended",
                     )
 
     @mcp.tool(

@@ -37,7 +37,7 @@ from mcp_types import (
 from pydantic import ConfigDict, Field
 
 from gateway import _approval as approval
-from workflows import RunError, Runs, RunStatus
+from workflows import TERMINAL_STATES, RunError, Runs, RunStatus
 
 __all__ = ["TASKS", "TasksExtension"]
 
@@ -114,13 +114,18 @@ class TasksExtension(Extension):
         return {"resultType": "task", **self._task(status, ctx)}
 
     def _task(self, status: RunStatus, ctx: Any) -> dict[str, Any]:
-        stopped = status.budget is not None and status.budget.exceeded is not None
+        # Stopped by its budget, and ended (it is `Stopping` while its work winds down).
+        stopped = (
+            status.state in TERMINAL_STATES
+            and status.budget is not None
+            and status.budget.exceeded is not None
+        )
         state = "completed" if stopped else _STATUS.get(status.state, "working")
         task: dict[str, Any] = {
             "taskId": status.handle,
             "status": state,
             "createdAt": _iso(status.started_at),
-            "lastUpdatedAt": _iso(status.ended_at),
+            "lastUpdatedAt": _iso(status.ended_at or status.updated_at or status.started_at),
             "ttlMs": TTL_MS,
             "pollIntervalMs": POLL_MS,
         }

@@ -234,6 +234,7 @@ class AgentRun:
         self._spawning = 0  # spawn_child updates still starting their child
         self._ending = False  # in _halt: cancelled, stopped or failed, closing
         self._ended_at: str | None = None
+        self._updated_at = workflow.now().isoformat()  # its state last changed
         self._last_report: tuple[str, Totals] | None = None
         self._watchers: set[asyncio.Task[None]] = set()
 
@@ -736,6 +737,7 @@ class AgentRun:
     def _set_state(self, state: str) -> None:
         if state != self._state:
             self._state = state
+            self._updated_at = workflow.now().isoformat()
             workflow.upsert_search_attributes([STATE.value_set(state)])
 
     # ------------------------------------------------------------------ messages
@@ -761,6 +763,7 @@ class AgentRun:
             pending_approval=self._pending,
             started_at=self._started_at,
             ended_at=self._ended_at,
+            updated_at=self._updated_at,
         )
 
     def span_end(self) -> tuple[dict[str, str | int], str | None]:

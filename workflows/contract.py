@@ -209,6 +209,7 @@ class RunStatus:
     pending_approval: PendingApproval | None = None
     started_at: str = ""
     ended_at: str | None = None
+    updated_at: str = ""  # when its state last changed ("" : not known)
 
 
 @dataclass(frozen=True)

@@ -297,6 +297,7 @@ class Runs:
                 usage=Totals(),
                 subtree=Totals(),
                 error=f"{STATUS_UNAVAILABLE}{exc}",
+                started_at=desc.start_time.isoformat() if desc.start_time else "",
             )
         closed = _CLOSED.get(desc.status) if desc.status else None
         if closed is not None and status.state not in TERMINAL_STATES:

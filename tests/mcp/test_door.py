@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import tempfile
 import time
@@ -601,7 +602,8 @@ async def test_a_long_await_sends_progress(temporal_address: str, mode: str) -> 
     assert progress, "no progress notification arrived"
     assert all(total == 4 for _, total, _ in progress)
     counts = [done for done, _, _ in progress]
-    assert counts == sorted(counts) and counts[-1] < 4  # the last run's end is the result
+    assert all(a < b for a, b in itertools.pairwise(counts))  # MCP: progress rises
+    assert counts[-1] < 4  # the last run's end is the result
     assert progress[-1][2] == f"{int(counts[-1])} of 4 runs ended"
 
 
@@ -650,6 +652,8 @@ def test_an_ended_runs_task_is_completed_with_what_run_returns() -> None:
     stopped = ext._task(status("Cancelled", "budget exceeded: tokens 900/600", over), ctx=None)
     assert stopped["status"] == "completed"
     assert stopped["result"] == {"state": "Cancelled", "error": "budget exceeded: tokens 900/600"}
+    stopping = ext._task(status("Stopping", "budget exceeded: tokens 900/600", over), ctx=None)
+    assert stopping["status"] == "working" and "result" not in stopping  # not ended yet
     cancelled = ext._task(status("Cancelled", "cancelled"), ctx=None)
     assert cancelled["status"] == "cancelled" and "result" not in cancelled
     assert cancelled["statusMessage"] == "cancelled"
@@ -753,8 +757,10 @@ async def test_approval_answers_count_only_for_questions_the_door_asked(
         task = (await door.request("tasks/get", {"taskId": y}, TASKS_CAPS))["result"]
         assert task["status"] == "input_required" and "inputRequests" not in task
         assert "delete_record" in task["statusMessage"]
-        task = (await door.request("tasks/get", {"taskId": y}, {**TASKS_CAPS, **FORM}))["result"]
-        (key,) = task["inputRequests"]
+        again = (await door.request("tasks/get", {"taskId": y}, {**TASKS_CAPS, **FORM}))["result"]
+        (key,) = again["inputRequests"]
+        # Nothing changed between the two reads: the task says when it last did.
+        assert again["lastUpdatedAt"] == task["lastUpdatedAt"] >= task["createdAt"]
         answer = await door.request(
             "tasks/update", {"taskId": y, "inputResponses": {key: allow}}, TASKS_CAPS
         )
@@ -913,3 +919,31 @@ async def test_a_caller_cannot_take_every_mcp_session(
         r = await http.delete(s.mcp_door, headers=headers("tok-a", session))
         assert r.status_code == 200, r.text
         assert (await opened("tok-a")).status_code == 200
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_progress_rises_while_no_run_ends(
+    temporal_address: str, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # MCP: "The progress value MUST increase with each notification".  The heartbeats
+    # of a wait in which no run ends climb towards the next run, never reaching it.
+    import gateway.mcp_door
+
+    monkeypatch.setattr(gateway.mcp_door, "PROGRESS_EVERY_S", 0.3)
+    progress: list[tuple[float, float | None, str | None]] = []
+
+    async def on_progress(done: float, total: float | None, message: str | None) -> None:
+        progress.append((done, total, message))
+
+    async with stack(temporal_address) as s, Client(s.mcp_door, mode=mode) as c:
+        handle = await spawn(c, task=task_with(1, "beats"), tools=["delete_record"])
+        await until(lambda: _state(c, handle, "AwaitingApproval"), "it waits")
+        r = await c.call_tool(
+            "await", {"handles": [handle], "timeout": 1.5}, progress_callback=on_progress
+        )
+        assert result(r)["done"] is False
+        await c.call_tool("cancel", {"handle": handle})
+    values = [done for done, _, _ in progress]
+    assert len(values) >= 3, progress
+    assert all(a < b for a, b in itertools.pairwise(values)) and values[-1] < 1, values
+    assert {(total, message) for _, total, message in progress} == {(1, "0 of 1 runs ended")}
