@@ -231,6 +231,7 @@ class McpPool:
 
     def __init__(self, servers: Sequence[McpServer]) -> None:
         self._conns = {s.name: _Connection(s) for s in servers}
+        self._unoffered: set[tuple[str, str]] = set()  # no_approval names warned about
 
     @property
     def servers(self) -> list[str]:
@@ -272,6 +273,17 @@ class McpPool:
                     and (notes is None or notes.destructive_hint is not False),
                     idempotent=bool(notes and notes.idempotent_hint),
                 )
+            offered = {t.name for t in listing.tools}
+            for waived_name in sorted(set(conn.server.no_approval) - offered - {"*"}):
+                if (name, waived_name) not in self._unoffered:  # once, not every run
+                    self._unoffered.add((name, waived_name))
+                    log.warning(
+                        "mcp server %r: no_approval names %r, which it does not offer "
+                        "(it offers %s)",
+                        name,
+                        waived_name,
+                        ", ".join(sorted(offered)) or "no tools",
+                    )
         return list(tools.values())
 
     async def call(

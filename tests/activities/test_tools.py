@@ -66,7 +66,9 @@ async def test_a_long_answer_is_cut_with_a_note_and_a_short_one_is_kept() -> Non
             await pool.aclose()
 
 
-async def test_a_tool_waits_for_approval_unless_its_server_or_the_operator_says_not() -> None:
+async def test_a_tool_waits_for_approval_unless_its_server_or_the_operator_says_not(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     # MCP's defaults: destructiveHint is true unless said otherwise, and means nothing
     # for a read-only tool.  `no_approval` is the operator's word over the hints.
     mcp: MCPServer = MCPServer("hints")
@@ -83,19 +85,23 @@ async def test_a_tool_waits_for_approval_unless_its_server_or_the_operator_says_
     app = mcp.streamable_http_app(streamable_http_path="/mcp", host="127.0.0.1")
     async with serve(app) as url:
         for waived, waits in (
-            (["waived"], {"unmarked", "marked_destructive", "not_read_only"}),
+            (["waived", "wavied"], {"unmarked", "marked_destructive", "not_read_only"}),
             (["*"], set()),
         ):
             pool = McpPool([McpServer(name="s", url=f"{url}/mcp", no_approval=waived)])
             try:
-                listed = {t.name: t for t in await ActivityEnvironment().run(
-                    ToolActivities(pool).list_tools
-                )}  # fmt: skip
+                for _ in range(2):  # as two runs do
+                    listed = {t.name: t for t in await ActivityEnvironment().run(
+                        ToolActivities(pool).list_tools
+                    )}  # fmt: skip
             finally:
                 await pool.aclose()
             assert set(listed) == set(notes)
             assert {n for n, t in listed.items() if t.destructive} == waits, waived
             assert {n for n, t in listed.items() if t.read_only} == {"read_only"}
+    # A misspelt name is said, once.
+    (said,) = [r.getMessage() for r in caplog.records if "no_approval" in r.getMessage()]
+    assert "no_approval names 'wavied', which it does not offer" in said
 
 
 # ------------------------------------------------- what may have reached the server
