@@ -18,6 +18,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import signal
 import threading
 import time
@@ -80,6 +81,7 @@ from luftpause.headers import (
     TENANT_HEADER,
     caller_name,
     caller_text,
+    outside_the_run,
     session_run,
 )
 from luftpause.native import core_build
@@ -650,13 +652,17 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         caller = caller_of(request, who)
         run_id: str | None = header_run
         joined_by = "header"
+        aside = False  # a harness's request outside its session's run: a run of its own
         if not run_id and pool.file.session_runs:
             run_id = session_run(request.headers.get)
             joined_by = "session"
-        if not run_id:
+            aside = outside_the_run(request.headers.get)
+        if not run_id and not aside:
             echoed = _ECHOED[api](messages)
             run_id = rt.shell.run_for_tool_calls(caller, echoed, now)
             joined_by = "tool_calls" if run_id else "new"
+        elif aside:
+            joined_by = "new"
         if run_id and who.tenant is not None and anothers(rt.shell, run_id, caller):
             # A caller's token may not join (and so take over) another caller's run.
             # Nothing awaits from here to the arrival (TurnResponse -> hold ->
@@ -683,7 +689,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             usage_body=_with_stream_usage(raw, body) if api == "chat" else None,
             content_type=request.headers.get("content-type", "application/json"),
             accept=request.headers.get("accept"),
-            prompt_tokens=len(raw) // 4,
+            prompt_tokens=_prompt_tokens(raw),
             max_tokens=_max_tokens(body),
             # Calls written as text are recovered on Chat Completions only (engines that
             # serve the newer APIs parse tool calls themselves).
@@ -745,6 +751,16 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             )
         if not serving:
             return error_response(404, unknown_model(model, pool.models), run_id, anthropic=True)
+        down = _down(rt.prober)
+        if all(e.name in down for e in serving):  # as a turn is answered: 503, not 502
+            names = ", ".join(sorted(e.name for e in serving))
+            message = (
+                f"no healthy replica serves model '{model}' "
+                f"(unhealthy at their last probe: {names})"
+            )
+            return error_response(
+                503, message, run_id, anthropic=True, retry_after=rt.prober.retry_after
+            )
         target = _healthy_first(serving, rt.prober)[0]
         # The client's header values as it sent them (the server decoded them as
         # latin-1; httpx would encode a str as ASCII and fail on anything else).
@@ -1335,6 +1351,29 @@ def _parse_class(value: str | None) -> ServiceClass:
     except ValueError:
         accepted = " or ".join(f"'{c.value}'" for c in ServiceClass)
         raise _BadRequest(f"{CLASS_HEADER} must be {accepted}, got {value!r}") from None
+
+
+# An image inlined as base64 (Anthropic's `source.data`, an OpenAI `data:image/…` URL)
+# costs a model about this many tokens (Anthropic's most for one image), where its
+# characters / 4 would be hundreds of thousands: a screenshot made a turn "larger than
+# the KV pool", held behind every other run on the replica, on every later turn too.
+INLINE_IMAGE_TOKENS = 1_600
+_BASE64_RUN = re.compile(rb"[A-Za-z0-9+/]{1024,}={0,2}")
+
+
+def _prompt_tokens(raw: bytes) -> int:
+    """A turn's prompt before its engine counts it: a token per 4 bytes of its body, but
+    INLINE_IMAGE_TOKENS for each inlined image.  Other inlined media (a PDF) keep the
+    byte count: their text is what the model reads.  The scan runs only for bodies
+    that say "base64" (a memchr-fast test): text turns pay nothing for it."""
+    if b"base64" not in raw:
+        return len(raw) // 4
+    images = image_bytes = 0
+    for m in _BASE64_RUN.finditer(raw):
+        if b"image/" in raw[max(0, m.start() - 160) : m.start()]:
+            images += 1
+            image_bytes += m.end() - m.start()
+    return (len(raw) - image_bytes) // 4 + images * INLINE_IMAGE_TOKENS
 
 
 def _down(prober: Prober) -> frozenset[str]:

@@ -63,6 +63,17 @@ def caller_text(text: str) -> str:
     return text.encode(errors="replace")[:CALLER_MAX_BYTES].decode("utf-8", errors="ignore").strip()
 
 
+def outside_the_run(header: Callable[[str], str | None]) -> bool:
+    """Whether a harness says this request is not part of its session's run: a Claude
+    Code request of class `auxiliary` (a title, a summary, a quick check).  It is a run
+    of its own, even when it echoes the session's tool calls."""
+    for name, prefix in SESSION_HEADERS:
+        if (header(name) or "").strip():
+            kind = (header(REQUEST_CLASS_HEADER) or "").strip().lower()
+            return prefix == "claude-code" and kind in OUTSIDE_THE_RUN
+    return False
+
+
 def session_run(header: Callable[[str], str | None]) -> str | None:
     """The run a harness's session headers name (`header(name)` reads one), or None.
 
@@ -100,5 +111,6 @@ __all__ = [
     "SESSION_HEADERS",
     "TENANT_HEADER",
     "caller_name",
+    "outside_the_run",
     "session_run",
 ]

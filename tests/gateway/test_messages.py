@@ -4,6 +4,8 @@ flavor (and tiny upstream apps) behind it."""
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import json
 import re
 from typing import Any
@@ -13,7 +15,17 @@ import httpx
 import pytest
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
-from harness import MODEL, RUN, endpoint, engine, gateway, models_only, tool_task, until
+from harness import (
+    MODEL,
+    RUN,
+    closed_port_url,
+    endpoint,
+    engine,
+    gateway,
+    models_only,
+    tool_task,
+    until,
+)
 
 from gateway._proxy import MessagesWatch
 from gateway._shell import AdmissionShell
@@ -351,3 +363,88 @@ def test_the_watch_reads_a_stream_cut_anywhere_and_not_the_models_text() -> None
     whole.close()
     assert (whole.finish_reason, whole.prompt_tokens, whole.cached_tokens) == ("stop", 50, 30)
     assert whole.tool_call_ids == ["toolu_2"]
+
+
+async def test_an_auxiliary_request_echoing_the_sessions_tool_calls_stays_out_of_its_run() -> None:
+    async with engine(time_scale=50) as (url, _), gateway(endpoint("a", url)) as (gw, shell):
+        session = {"x-claude-code-session-id": "sess-1"}
+        async with client(gw, api_key="k", default_headers=session) as claude:
+            messages: list[Any] = [{"role": "user", "content": tool_task(2)}]
+            message, run_id = await ask(claude, messages, stream=False)
+            assert run_id == "claude-code:sess-1" and message.stop_reason == "tool_use"
+            messages.append(
+                {"role": "assistant", "content": [b.model_dump() for b in message.content]}
+            )
+            messages.append(
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "tool_result", "tool_use_id": b.id, "content": "ok"}
+                        for b in message.content
+                        if b.type == "tool_use"
+                    ],
+                }
+            )
+            # A check on the conversation, as Claude Code's auxiliary requests make.
+            raw = await claude.messages.with_raw_response.create(
+                model=MODEL,
+                max_tokens=20,
+                messages=messages,
+                extra_headers={"x-claude-code-request-class": "auxiliary"},
+            )
+            await raw.parse()
+        assert raw.headers[RUN] != run_id  # a run of its own
+        assert shell.state.runs[run_id].phase is RunPhase.PAUSED  # the session still waits
+
+
+async def test_a_screenshot_is_a_screenshot_not_hundreds_of_thousands_of_tokens() -> None:
+    # 768 KiB of PNG is 1 MB of base64: by bytes / 4, 262k "tokens", more than the KV
+    # pool, held behind every run with KV on the replica (here a paused one).
+    png = base64.b64encode(b"\x89PNG" + bytes(range(256)) * 3072).decode()
+    async with (
+        engine(time_scale=50) as (url, _),
+        gateway(endpoint("a", url, kv_tokens=100_000)) as (gw, shell),
+    ):
+        async with client(gw, api_key="k") as claude:
+            _, paused = await ask(claude, [{"role": "user", "content": tool_task(2)}], stream=False)
+            assert shell.state.runs[paused].phase is RunPhase.PAUSED
+            content = [
+                {
+                    "type": "image",
+                    "source": {"type": "base64", "media_type": "image/png", "data": png},
+                },
+                {"type": "text", "text": "what is in this screenshot?"},
+            ]
+            answered = await asyncio.wait_for(
+                claude.messages.create(
+                    model=MODEL, max_tokens=8, messages=[{"role": "user", "content": content}]
+                ),
+                10,
+            )
+        assert answered.stop_reason in ("end_turn", "max_tokens")
+
+
+async def test_count_tokens_for_a_model_whose_replicas_are_all_down_is_503() -> None:
+    async with (
+        engine() as (url, _),
+        gateway(endpoint("a", url), endpoint("dead", closed_port_url(), models=("down",))) as (
+            gw,
+            _,
+        ),
+    ):
+        # Down from the start: the first probe, before the gateway serves, says so.
+        body = {"model": "down", "messages": [{"role": "user", "content": "x"}]}
+        r = await gw.post("/v1/messages/count_tokens", json=body)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        assert r.json()["error"]["type"] == "overloaded_error"
+        assert "no healthy replica serves model 'down'" in r.json()["error"]["message"]
+
+
+def test_a_gateway_timeout_is_anthropics_timeout_error() -> None:
+    from gateway._proxy import error_response
+
+    r = error_response(504, "engine a: no answer within 1 s", "r", anthropic=True)
+    assert json.loads(bytes(r.body)) == {
+        "type": "error",
+        "error": {"type": "timeout_error", "message": "engine a: no answer within 1 s"},
+    }
