@@ -1358,7 +1358,8 @@ def _parse_class(value: str | None) -> ServiceClass:
 # characters / 4 would be hundreds of thousands: a screenshot made a turn "larger than
 # the KV pool", held behind every other run on the replica, on every later turn too.
 INLINE_IMAGE_TOKENS = 1_600
-_BASE64_RUN = re.compile(rb"[A-Za-z0-9+/]{1024,}={0,2}")
+# Base64 of 1 KiB and more where media is inlined: a data URL's payload, or a `"data"`.
+_BASE64_RUN = re.compile(rb'(?:;base64,|"data"\s*:\s*")([A-Za-z0-9+/]{1024,}={0,2})')
 
 
 def _prompt_tokens(raw: bytes) -> int:
@@ -1370,9 +1371,12 @@ def _prompt_tokens(raw: bytes) -> int:
         return len(raw) // 4
     images = image_bytes = 0
     for m in _BASE64_RUN.finditer(raw):
-        if b"image/" in raw[max(0, m.start() - 160) : m.start()]:
+        start, end = m.span(1)
+        # Its media type is beside it: before it (`data:image/png;base64,…`, Anthropic's
+        # usual key order) or after it (a client that puts `data` first).
+        if b"image/" in raw[max(0, start - 160) : start] + raw[end : end + 160]:
             images += 1
-            image_bytes += m.end() - m.start()
+            image_bytes += end - start
     return (len(raw) - image_bytes) // 4 + images * INLINE_IMAGE_TOKENS
 
 

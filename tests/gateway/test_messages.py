@@ -448,3 +448,21 @@ def test_a_gateway_timeout_is_anthropics_timeout_error() -> None:
         "type": "error",
         "error": {"type": "timeout_error", "message": "engine a: no answer within 1 s"},
     }
+
+
+def test_the_prompt_estimate_counts_an_inlined_image_as_one_image() -> None:
+    from gateway.app import INLINE_IMAGE_TOKENS, _prompt_tokens
+
+    data = base64.b64encode(bytes(range(256)) * 400).decode()  # ~137k characters
+    text = "x" * 4000
+    anthropic_first = {"type": "base64", "media_type": "image/png", "data": data}
+    data_first = {"data": data, "type": "base64", "media_type": "image/jpeg"}
+    url = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}}
+    pdf = {"type": "base64", "media_type": "application/pdf", "data": data}
+    for part in (anthropic_first, data_first, url):
+        raw = json.dumps({"messages": [{"content": [part, text]}]}).encode()
+        assert _prompt_tokens(raw) == (len(raw) - len(data)) // 4 + INLINE_IMAGE_TOKENS, part
+    raw = json.dumps({"messages": [{"content": [pdf, text]}]}).encode()
+    assert _prompt_tokens(raw) == len(raw) // 4  # a document's text is what is read
+    raw = json.dumps({"messages": [{"content": text}]}).encode()
+    assert _prompt_tokens(raw) == len(raw) // 4
