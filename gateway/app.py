@@ -657,12 +657,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             run_id = session_run(request.headers.get)
             joined_by = "session"
             aside = outside_the_run(request.headers.get)
-        if not run_id and not aside:
-            echoed = _ECHOED[api](messages)
-            run_id = rt.shell.run_for_tool_calls(caller, echoed, now)
+        if not run_id:
+            if not aside:
+                echoed = _ECHOED[api](messages)
+                run_id = rt.shell.run_for_tool_calls(caller, echoed, now)
             joined_by = "tool_calls" if run_id else "new"
-        elif aside:
-            joined_by = "new"
         if run_id and who.tenant is not None and anothers(rt.shell, run_id, caller):
             # A caller's token may not join (and so take over) another caller's run.
             # Nothing awaits from here to the arrival (TurnResponse -> hold ->

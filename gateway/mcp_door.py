@@ -296,6 +296,20 @@ def _ended(statuses: Sequence[RunStatus], mode: str) -> tuple[int, bool]:
     return ended, ended == len(statuses) if mode == "all" else ended > 0
 
 
+async def _round(
+    r: Runs, handles: list[str], mode: str, seen: Rounds, seconds: float
+) -> list[RunStatus]:
+    """One round of a wait: the runs' statuses once one of them ends (`any`) or all have
+    (`all`), or after `seconds`; a worker is asked only about runs whose history grew."""
+    return await r.wait(
+        handles,
+        mode="all" if mode == "all" else "any",
+        timeout=max(0.001, seconds),
+        rounds=seen,
+        until_one_ends=True,
+    )
+
+
 async def _moot(
     r: Runs, handles: list[str], mode: str, handle: str, call_id: str, deadline: float
 ) -> None:
@@ -305,13 +319,7 @@ async def _moot(
     loop = asyncio.get_running_loop()
     seen = Rounds()
     while (left := deadline - loop.time()) > 0:
-        statuses = await r.wait(
-            handles,
-            mode="all" if mode == "all" else "any",
-            timeout=max(0.001, min(left, APPROVAL_POLL_S)),
-            rounds=seen,
-            until_one_ends=True,
-        )
+        statuses = await _round(r, handles, mode, seen, min(left, APPROVAL_POLL_S))
         if _ended(statuses, mode)[1]:
             return
         now = next(st for st in statuses if st.handle == handle)
@@ -629,13 +637,7 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
             # Each round asks a worker only about runs whose history grew (`Rounds`).
             step = APPROVAL_POLL_S if can_elicit else PROGRESS_EVERY_S
             try:
-                statuses = await r.wait(
-                    handles,
-                    mode="all" if mode == "all" else "any",
-                    timeout=max(0.001, min(left, step)),
-                    rounds=seen,
-                    until_one_ends=True,
-                )
+                statuses = await _round(r, handles, mode, seen, min(left, step))
             except RunError as exc:
                 raise ToolError(str(exc)) from None
             ended, done = _ended(statuses, mode)

@@ -63,40 +63,41 @@ def caller_text(text: str) -> str:
     return text.encode(errors="replace")[:CALLER_MAX_BYTES].decode("utf-8", errors="ignore").strip()
 
 
+def _named_session(header: Callable[[str], str | None]) -> tuple[str, str] | None:
+    """The first session header present: (its run id prefix, its value), or None."""
+    for name, prefix in SESSION_HEADERS:
+        if session := (header(name) or "").strip():
+            return prefix, session
+    return None
+
+
 def outside_the_run(header: Callable[[str], str | None]) -> bool:
     """Whether a harness says this request is not part of its session's run: a Claude
     Code request of class `auxiliary` (a title, a summary, a quick check).  It is a run
     of its own, even when it echoes the session's tool calls."""
-    for name, prefix in SESSION_HEADERS:
-        if (header(name) or "").strip():
-            kind = (header(REQUEST_CLASS_HEADER) or "").strip().lower()
-            return prefix == "claude-code" and kind in OUTSIDE_THE_RUN
-    return False
+    named = _named_session(header)
+    kind = (header(REQUEST_CLASS_HEADER) or "").strip().lower()
+    return named is not None and named[0] == "claude-code" and kind in OUTSIDE_THE_RUN
 
 
 def session_run(header: Callable[[str], str | None]) -> str | None:
     """The run a harness's session headers name (`header(name)` reads one), or None.
 
     `claude-code:<session>`, with `:<agent>` for a sub-agent's requests, `codex:<session>`
-    or `session:<id>`.  A value the run id cannot carry as it is (over 128 characters in
-    all, a `/`, anything but printable ASCII) is named by its SHA-256 instead."""
-    for name, prefix in SESSION_HEADERS:
-        session = (header(name) or "").strip()
-        if not session:
-            continue
-        if prefix == "claude-code":
-            kind = (header(REQUEST_CLASS_HEADER) or "").strip().lower()
-            if kind in OUTSIDE_THE_RUN:
-                return None
-            agent = (header(AGENT_HEADER) or "").strip()
-            if agent:
-                session = f"{session}:{agent}"
-        run_id = f"{prefix}:{session}"
-        if RUN_ID.fullmatch(run_id):
-            return run_id
-        digest = hashlib.sha256(session.encode("utf-8", "replace")).hexdigest()
-        return f"{prefix}:{digest[:32]}"
-    return None
+    or `session:<id>`; None for a request outside its session's run (`outside_the_run`).
+    A value the run id cannot carry as it is (over 128 characters in all, a `/`,
+    anything but printable ASCII) is named by its SHA-256 instead."""
+    named = _named_session(header)
+    if named is None or outside_the_run(header):
+        return None
+    prefix, session = named
+    if prefix == "claude-code" and (agent := (header(AGENT_HEADER) or "").strip()):
+        session = f"{session}:{agent}"
+    run_id = f"{prefix}:{session}"
+    if RUN_ID.fullmatch(run_id):
+        return run_id
+    digest = hashlib.sha256(session.encode("utf-8", "replace")).hexdigest()
+    return f"{prefix}:{digest[:32]}"
 
 
 __all__ = [
