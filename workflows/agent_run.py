@@ -67,6 +67,9 @@ from temporalio.exceptions import (
 with workflow.unsafe.imports_passed_through():
     # The contract module by its own name: the converter resolves the dataclasses'
     # annotations through sys.modules, which in the sandbox holds only what was imported.
+    # The module itself too, for the limits read at each spawn: in this form (not `from
+    # workflows import contract`, the sandbox's own package's copy) it is the host's.
+    import workflows.contract as contract
     from activities.contract import (
         NOT_SENT,
         EndRunInput,
@@ -849,6 +852,21 @@ class AgentRun:
             raise ValueError(f"run '{self._id}' is stopping ({reason}); it takes no children")
         if request.handle in self._children:
             raise ValueError(f"run '{self._id}' already has a child '{request.handle}'")
+        most = contract.MAX_RUN_CHILDREN
+        if len(self._children) >= most:
+            raise ValueError(
+                f"run '{self._id}' has had {len(self._children)} children, the most one run "
+                f"may have ({most}); start further runs without a parent"
+            )
+        events = workflow.info().get_current_history_length()
+        if events >= contract.SPAWN_HISTORY_LIMIT:
+            raise ValueError(
+                f"run '{self._id}' takes no more children: its Temporal history has {events} "
+                f"events (at {contract.SPAWN_HISTORY_LIMIT} it stops taking children, so "
+                "that the reports of those it has stay under Temporal's limit of 51,200, "
+                "past which Temporal ends the run and its tree); start further runs "
+                "without a parent"
+            )
 
     @workflow.update
     def approve(self, answer: Approval) -> str:

@@ -39,6 +39,15 @@ __all__ = [
 DEFAULT_TASK_QUEUE = "luftpause"
 DEFAULT_MAX_TOOL_CALLS = 8
 DEFAULT_MAX_TOKENS = 256
+# A run's tree is bounded by its Temporal history: every child adds its start and end,
+# and every change in the child's subtree arrives as a report (a signal), ~30 events
+# per child of three tool calls.  Temporal terminates a workflow whose history passes
+# 51,200 events, and with it (its parent close policy) every running child, so a run
+# takes no new child once it has had MAX_RUN_CHILDREN or its history has
+# SPAWN_HISTORY_LIMIT events; the rest of the history is left for the reports of the
+# children it has.  Read at each spawn (not bound at import), so tests can lower them.
+MAX_RUN_CHILDREN = 1000
+SPAWN_HISTORY_LIMIT = 20_480
 
 RunState = Literal[
     "Running",

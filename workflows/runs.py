@@ -222,6 +222,16 @@ class Runs:
                 raise RunError(_reason(exc)) from None
             except RPCError as exc:
                 _refused(exc, spec.parent)
+                if "workflow task failure" in exc.message:
+                    # The parent's task failed as it started the child (a limit of
+                    # Temporal's, such as pending children); the update was not taken.
+                    raise RunError(
+                        f"parent run '{spec.parent}' could not start the child: its "
+                        f"workflow task failed ({exc.message}); the worker's log says "
+                        "why (a per-workflow limit of Temporal's, such as "
+                        "limit.numPendingChildExecutions.error, can be the cause); no "
+                        "child was started"
+                    ) from None
                 if exc.status != RPCStatusCode.NOT_FOUND:
                     raise
                 # Updates reach only running workflows: say which case this is.

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from luftpause.temporal_dev import DevServer
 from tests.workflows.harness import (
     MODEL,
     Stack,
@@ -15,7 +17,7 @@ from tests.workflows.harness import (
     task_with,
     until,
 )
-from workflows import TERMINAL_STATES, AgentRun, Budget, RunError, Runs, RunSpec
+from workflows import TERMINAL_STATES, AgentRun, Budget, RunError, Runs, RunSpec, contract
 from workflows.contract import AgentRunInput
 from workflows.runs import new_handle
 
@@ -55,6 +57,54 @@ async def test_a_tree_reports_children_and_subtree_totals(temporal_address: str)
             await s.runs.spawn(RunSpec(task="late", model=MODEL, parent=parent))
         with pytest.raises(RunError, match="no run with handle 'run-nope'"):
             await s.runs.spawn(RunSpec(task="orphan", model=MODEL, parent="run-nope"))
+
+
+async def test_a_run_takes_children_only_while_its_history_has_room(
+    temporal_address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Temporal ends a workflow whose history passes 51,200 events, and with it every
+    # running child; a parent whose reports would take it there says no beforehand.
+    # (The limits are read at each spawn from the module the sandbox passes through.)
+    monkeypatch.setattr(contract, "MAX_RUN_CHILDREN", 2)
+    async with stack(temporal_address) as s:
+        parent = await spawn_waiting(s, "p")
+        kids = [
+            await s.runs.spawn(RunSpec(task=task_with(0, "kid"), model=MODEL, parent=parent))
+            for _ in range(2)
+        ]
+        with pytest.raises(RunError, match=r"has had 2 children, the most one run may have \(2\)"):
+            await s.runs.spawn(RunSpec(task="third", model=MODEL, parent=parent))
+        monkeypatch.setattr(contract, "MAX_RUN_CHILDREN", 1000)
+        monkeypatch.setattr(contract, "SPAWN_HISTORY_LIMIT", 1)
+        with pytest.raises(RunError, match=r"its Temporal history has \d+ events"):
+            await s.runs.spawn(RunSpec(task="fourth", model=MODEL, parent=parent))
+        # The refusals changed nothing: the parent goes on with the children it has.
+        await s.runs.approve(parent, True)
+        (status,) = await s.runs.wait([parent], timeout=30)
+        assert status.state == "Completed", status
+        assert sorted(c.handle for c in status.children) == sorted(kids)
+
+
+async def test_a_child_temporal_refuses_to_start_is_said_so(tmp_path: Path) -> None:
+    # A server whose limit on pending children is lower than luftpause's: the parent's
+    # workflow task fails as it starts the child, and the caller read only "unexpected
+    # workflow task failure".
+    server = DevServer(
+        log_file=tmp_path / "server.log",
+        extra_args=("--dynamic-config-value", "limit.numPendingChildExecutions.error=1"),
+    )
+    server.start()
+    try:
+        async with stack(server.address) as s:
+            parent = await spawn_waiting(s, "p")
+            kid = await spawn_waiting(s, "kid", parent=parent)
+            with pytest.raises(RunError, match="could not start the child: its workflow task"):
+                await s.runs.spawn(RunSpec(task="second", model=MODEL, parent=parent))
+            status = await s.runs.status(parent)
+            assert status.state == "AwaitingApproval"
+            assert [c.handle for c in status.children] == [kid]
+    finally:
+        server.stop()
 
 
 async def test_an_empty_parent_is_no_parent(temporal_address: str) -> None:
