@@ -362,12 +362,15 @@ class Upstream:
         self._tls: ssl.SSLContext | None = None
 
     async def post(
-        self, url: str, body: bytes, headers: Sequence[tuple[str, str]]
+        self, url: str, body: bytes, headers: Sequence[tuple[str, str]], *, query: bytes = b""
     ) -> UpstreamAnswer:
-        """Send `body` to `url`; return once the engine's status and headers are in.
-        Cancelled meanwhile, the connection is closed (the engine sees the client go).
-        Raises UpstreamError when the engine cannot be reached or answers nothing."""
+        """Send `body` to `url` (with the client's `query` string, as it came); return
+        once the engine's status and headers are in.  Cancelled meanwhile, the
+        connection is closed (the engine sees the client go).  Raises UpstreamError
+        when the engine cannot be reached or answers nothing."""
         origin, target = self._target(url)
+        if query:  # (not in the URL: the cache of parsed URLs stays one per endpoint)
+            target += ("&" if "?" in target else "?") + query.decode("latin-1")
         head = [f"POST {target} HTTP/1.1", f"host: {origin.host_header}"]
         head += [f"{name}: {value}" for name, value in headers]
         head.append(f"content-length: {len(body)}")

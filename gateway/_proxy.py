@@ -58,6 +58,7 @@ from scheduler import (
 )
 
 __all__ = [
+    "DROP_UPSTREAM",
     "RUN_HEADER",
     "MessagesWatch",
     "ResponsesWatch",
@@ -75,7 +76,7 @@ _MAX_JSON_BODY = 64 * 1024 * 1024
 # An SSE line longer than this is passed through but not inspected.
 _MAX_SSE_LINE = 4 * 1024 * 1024
 # Not passed on from the engine: hop-by-hop headers, and those the server sets itself.
-_DROP_UPSTREAM = frozenset(
+DROP_UPSTREAM = frozenset(
     {
         b"connection",
         b"keep-alive",
@@ -519,7 +520,8 @@ class ResponsesWatch(StreamWatch):
             self.tool_call_ids.append(call_id)
 
 
-_EVENT_END = re.compile(rb"\r?\n\r?\n")
+# A blank line: two line ends, each CRLF, LF or a CR alone (the SSE grammar's three).
+_EVENT_END = re.compile(rb"(?:\r\n|\r(?!\n)|\n)(?:\r\n|\r(?!\n)|\n)")
 
 
 class _AddedUsage:
@@ -633,6 +635,9 @@ class TurnRequest:
     # ask for usage; sent to the engine kinds known to take it (USAGE_ASKED_OF), whose
     # usage-only event is then read and not forwarded.  None: `body` is sent.
     usage_body: bytes | None = None
+    # The client's stream_options has no include_usage: vLLM then sends usage (its
+    # default), so a vLLM replica gets `body` and the client its usage event, as direct.
+    usage_by_default: bool = False
     api: Api = "chat"
 
     def error(
@@ -838,13 +843,19 @@ class TurnResponse(Response):
         leave = _CancelOnLeave(disconnected, lambda: self._complete)
         url = endpoint.api_url(t.api)
         body = t.body
-        if t.usage_body is not None and endpoint.kind in USAGE_ASKED_OF:
+        if (
+            t.usage_body is not None
+            and endpoint.kind in USAGE_ASKED_OF
+            and not (t.usage_by_default and endpoint.kind == "vllm")
+        ):
             body = t.usage_body
         try:
             # asyncio.timeout, not wait_for: no extra task per turn on the hot path.
             with leave:
                 async with asyncio.timeout(self._idle):
-                    answer = await self._upstream.post(url, body, headers)
+                    answer = await self._upstream.post(
+                        url, body, headers, query=scope["query_string"]
+                    )
         except _ClientLeft:
             self._fail("client disconnected before the engine answered", client_left=True)
             return
@@ -888,7 +899,7 @@ class TurnResponse(Response):
         t = self._turn
         media = answer.header(b"content-type") or b""
         encoded = (answer.header(b"content-encoding") or b"identity").lower() != b"identity"
-        sse = media.startswith(b"text/event-stream")
+        sse = media.lower().startswith(b"text/event-stream")  # a media type has no case
         watch: StreamWatch
         if t.api == "chat":
             watch = StreamWatch(sse=sse, tools=t.tools)
@@ -897,7 +908,7 @@ class TurnResponse(Response):
         else:
             watch = ResponsesWatch(sse=sse)
         hide = _AddedUsage() if hide_usage and sse and not encoded else None
-        headers = [(k, v) for k, v in answer.headers if k not in _DROP_UPSTREAM]
+        headers = [(k, v) for k, v in answer.headers if k not in DROP_UPSTREAM]
         headers.append((_RUN_HEADER_BYTES, t.run_id.encode("latin-1")))
         await send({"type": "http.response.start", "status": answer.status, "headers": headers})
         started = False

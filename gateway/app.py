@@ -41,7 +41,7 @@ from temporalio.client import Client as TemporalClient
 
 from activities.mcp_pool import McpPool
 from gateway._http import Upstream
-from gateway._proxy import TurnRequest, TurnResponse, error_response, no_answer
+from gateway._proxy import DROP_UPSTREAM, TurnRequest, TurnResponse, error_response, no_answer
 from gateway._runtrace import RunSpans
 from gateway._shell import AdmissionShell
 from gateway.decide import (
@@ -686,6 +686,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             model=model,
             body=raw,
             usage_body=_with_stream_usage(raw, body) if api == "chat" else None,
+            usage_by_default=api == "chat" and _usage_by_default(body),
             content_type=request.headers.get("content-type", "application/json"),
             accept=request.headers.get("accept"),
             prompt_tokens=_prompt_tokens(raw),
@@ -773,9 +774,10 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                 headers[k.encode()] = v.encode("latin-1")
         for k, v in auth_headers(target, anthropic=True).items():
             headers[k.encode()] = v.encode()
+        query = request.scope.get("query_string", b"").decode("latin-1")
         try:
             answer = await rt.client.post(
-                target.api_url("messages") + "/count_tokens",
+                target.api_url("messages") + "/count_tokens" + (f"?{query}" if query else ""),
                 content=raw,
                 headers=headers,
                 timeout=httpx.Timeout(
@@ -794,8 +796,15 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         )
         if why is not None:
             return error_response(502, f"engine {target.name}: {why}", run_id, anthropic=True)
-        kept = {k: v for k, v in answer.headers.items() if k in ("content-type", "retry-after")}
-        return Response(answer.content, answer.status_code, headers=kept)
+        # The engine's headers as a turn's answer gets them (request-id, rate limits),
+        # but its content-encoding: httpx has decoded the body.
+        reply = Response(answer.content, answer.status_code)  # sets content-length only
+        reply.raw_headers += [
+            (k.lower(), v)
+            for k, v in answer.headers.raw
+            if k.lower() not in DROP_UPSTREAM and k.lower() != b"content-encoding"
+        ]
+        return reply
 
     @app.post("/v1/decide")
     async def decide_label(request: Request) -> Response:
@@ -1424,9 +1433,19 @@ def _with_stream_usage(raw: bytes, body: dict[str, Any]) -> bytes | None:
         if end.endswith(b"}"):  # one field more, the client's bytes otherwise unchanged
             return end[:-1] + b',"stream_options":{"include_usage":true}}'
         return None  # pragma: no cover - a JSON object always ends with }
-    if not isinstance(options, dict) or options.get("include_usage") is True:
-        return None  # the client's own (or malformed: the engine says so)
+    if not isinstance(options, dict) or options.get("include_usage") not in (False, None):
+        # The client's own: true, or a value the engine reads its way ("1", 1, ...; a
+        # malformed one it refuses).  (0 == False: a 0 is read as false, as pydantic
+        # reads it.)
+        return None
     return json.dumps({**body, "stream_options": {**options, "include_usage": True}}).encode()
+
+
+def _usage_by_default(body: dict[str, Any]) -> bool:
+    """The client sent `stream_options` without `include_usage`, which vLLM reads as
+    true (its default there; SGLang's and OpenAI's is false)."""
+    options = body.get("stream_options")
+    return isinstance(options, dict) and "include_usage" not in options
 
 
 def _max_tokens(body: dict[str, Any]) -> int:

@@ -271,9 +271,13 @@ def _parse_model(body: dict[str, Any], models: tuple[str, ...]) -> str:
 
 
 def _parse_chat(
-    body: dict[str, Any], models: tuple[str, ...], max_tool_calls: int = DEFAULT_MAX_TOOL_CALLS
+    body: dict[str, Any],
+    models: tuple[str, ...],
+    max_tool_calls: int = DEFAULT_MAX_TOOL_CALLS,
+    flavor: str = "sglang",
 ) -> _Chat:
-    """Validate a chat completion request; unknown fields are ignored (routers add some)."""
+    """Validate a chat completion request; unknown fields are ignored (routers add some).
+    `stream_options` without `include_usage` asks for usage of vLLM (its default)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _HTTPError(400, "'messages' must be a non-empty list of message objects")
@@ -309,7 +313,8 @@ def _parse_chat(
         model=model,
         messages=messages,
         stream=body.get("stream") is True,
-        include_usage=isinstance(options, dict) and options.get("include_usage") is True,
+        include_usage=isinstance(options, dict)
+        and options.get("include_usage", flavor == "vllm") is True,
         max_tokens=max_tokens,
         logprobs=body.get("logprobs") is True,
         top_logprobs=top,
@@ -1035,7 +1040,7 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         raw = await request.body()
         try:
-            chat = _parse_chat(_parse_json(raw), s.models, s.max_tool_calls)
+            chat = _parse_chat(_parse_json(raw), s.models, s.max_tool_calls, s.flavor)
             if not drivers:
                 return instant_reply(raw, chat)
             driver = rank_of(request)

@@ -252,6 +252,31 @@ async def test_count_tokens_is_passed_to_a_replica_and_is_no_turn() -> None:
             )
 
 
+async def test_count_tokens_passes_the_engines_headers_and_the_clients_query() -> None:
+    # Only content-type and retry-after came back (README: "passed as it is"), and the
+    # query string (Anthropic's `?beta=true`) was dropped (helper-76).
+    seen: list[str] = []
+    app = models_only()
+
+    @app.post("/v1/messages/count_tokens")
+    async def count(request: Request) -> Response:
+        seen.append(request.url.query)
+        headers = {"request-id": "req_1", "anthropic-ratelimit-requests-remaining": "9"}
+        return Response(b'{"input_tokens": 3}', media_type="application/json", headers=headers)
+
+    async with (
+        serve(app) as url,
+        gateway(endpoint("a", url, kind="openai", messages=True)) as (gw, _),
+    ):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+        r = await gw.post("/v1/messages/count_tokens?beta=true", json=body)
+        assert r.status_code == 200 and r.json() == {"input_tokens": 3}
+        assert r.headers["request-id"] == "req_1"
+        assert r.headers["anthropic-ratelimit-requests-remaining"] == "9"
+        assert r.headers["content-type"] == "application/json"
+        assert RUN not in r.headers and seen == ["beta=true"]
+
+
 # An engine's error: Anthropic's event, llama.cpp's own event body (after its `event:`
 # line, in a chunk of its own), and a 400 before any stream.
 ANTHROPIC_ERROR = {"type": "error", "error": {"type": "overloaded_error", "message": "KV full"}}

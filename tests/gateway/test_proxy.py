@@ -145,6 +145,84 @@ async def test_usage_is_asked_only_of_engines_known_to_take_the_option(
         assert all("usage" not in json.loads(e) for e in events[:-1])
 
 
+@pytest.mark.parametrize(("flavor", "shown"), [("vllm", True), ("sglang", False)])
+async def test_stream_options_without_include_usage_read_as_the_engine_reads_them(
+    flavor: str, shown: bool
+) -> None:
+    # vLLM reads `stream_options` without `include_usage` as true (its default): its
+    # clients got no usage event through luftpause, which hid it as its own (helper-76).
+    async with (
+        engine(instant=True, flavor=flavor) as (url, counted),
+        gateway(endpoint("a", url, flavor)) as (gw, shell),
+    ):
+        body = chat(stream=True, stream_options={"continuous_usage_stats": False})
+        async with gw.stream("POST", "/v1/chat/completions", json=body) as r:
+            events = [ln[6:] async for ln in r.aiter_lines() if ln.startswith("data: ")]
+            run_id = r.headers[RUN]
+        usages = [json.loads(e)["usage"] for e in events[:-1] if json.loads(e).get("usage")]
+        assert bool(usages) is shown, events
+        # vLLM gets the client's options as they came; SGLang is asked (and hides it).
+        assert counted.chats[-1]["stream_options"] == (
+            {"continuous_usage_stats": False}
+            if flavor == "vllm"
+            else {"continuous_usage_stats": False, "include_usage": True}
+        )
+        await until(lambda: not shell.state.turns, "turn finished")
+        assert shell.state.runs[run_id].context_tokens > 0  # the engine's counts, either way
+
+
+@pytest.mark.parametrize("value", [1, "true"])
+async def test_an_include_usage_that_is_no_boolean_goes_to_the_engine_as_sent(value: Any) -> None:
+    # pydantic (vLLM, SGLang) reads 1 and "true" as true: rewritten to true, the usage
+    # event was hidden from a client that had asked for it.
+    async with engine(instant=True) as (url, counted), gateway(endpoint("a", url)) as (gw, _):
+        body = chat(stream=True, stream_options={"include_usage": value})
+        r = await gw.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200
+        sent = counted.chats[-1]["stream_options"]["include_usage"]
+        assert type(sent) is type(value) and sent == value  # (True == 1 in Python)
+
+
+async def test_the_clients_query_string_reaches_the_engine() -> None:
+    # Azure's api-version, or an SDK's extra_query, went nowhere (helper-76).
+    def echo(request: Request) -> Response:
+        body = {"choices": [{"index": 0, "message": {"content": request.url.query}}]}
+        return Response(json.dumps(body), media_type="application/json")
+
+    async with (
+        serve(upstream(echo)) as url,
+        gateway(endpoint("a", url, kind="openai")) as (gw, _),
+    ):
+        query = "api-version=2024-10-21&x=%C3%A9+1"
+        r = await gw.post(f"/v1/chat/completions?{query}", json=chat())
+        assert r.json()["choices"][0]["message"]["content"] == query
+        r = await gw.post("/v1/chat/completions", json=chat())
+        assert r.json()["choices"][0]["message"]["content"] == ""
+
+
+async def test_a_stream_whose_media_type_is_not_lower_case_is_still_a_stream() -> None:
+    # Media types have no case: "Text/Event-Stream" was read as a JSON body, so the
+    # turn failed on a healthy engine and the usage event the gateway added leaked.
+    events = (
+        b'data: {"choices": [{"index": 0, "delta": {"content": "hi"}}]}\n\n'
+        b'data: {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}\n\n'
+        b'data: {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 1}}\n\n'
+        b"data: [DONE]\n\n"
+    )
+    answer = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: Text/Event-Stream; Charset=UTF-8\r\n"
+        b"content-length: " + str(len(events)).encode() + b"\r\n\r\n" + events
+    )
+    async with raw_engine(answer) as url, gateway(endpoint("a", url)) as (gw, shell):
+        async with gw.stream("POST", "/v1/chat/completions", json=chat(stream=True)) as r:
+            got = [ln[6:] async for ln in r.aiter_lines() if ln.startswith("data: ")]
+            run_id = r.headers[RUN]
+        assert len(got) == 3 and all("usage" not in e for e in got), got
+        await until(lambda: not shell.state.turns, "turn finished")
+        assert shell.state.runs[run_id].context_tokens == 8
+        assert shell.state.replicas["a"].failures == 0
+
+
 def test_the_added_usage_event_is_dropped_however_the_stream_is_cut() -> None:
     from gateway._proxy import _AddedUsage
 
@@ -157,11 +235,17 @@ def test_the_added_usage_event_is_dropped_however_the_stream_is_cut() -> None:
     kept = stream.replace(
         b'data: {"id": "x", "choices": [], "usage": {"prompt_tokens": 3}}\n\n', b""
     )
-    for size in (1, 7, 50, len(stream)):
-        hide = _AddedUsage()
-        pieces = [stream[i : i + size] for i in range(0, len(stream), size)]
-        out = b"".join(hide.filter(p) for p in pieces[:-1]) + hide.filter(pieces[-1], last=True)
-        assert out == kept, size
+    # Lines may end in CR alone too (the SSE grammar): such a stream was one event, and
+    # dropped whole as the added one.
+    cr = stream.replace(b"\r\n", b"\n").replace(b"\n", b"\r")
+    cr_kept = kept.replace(b"\r\n", b"\n").replace(b"\n", b"\r")
+    for whole, left in ((stream, kept), (cr, cr_kept)):
+        for size in (1, 7, 50, len(whole)):
+            hide = _AddedUsage()
+            pieces = [whole[i : i + size] for i in range(0, len(whole), size)]
+            out = b"".join(hide.filter(p) for p in pieces[:-1])
+            out += hide.filter(pieces[-1], last=True)
+            assert out == left, (size, out)
 
 
 # --------------------------------------------------------------------------- runs
