@@ -125,6 +125,9 @@ ONCE_PATCH = "tool-calls-at-most-once-unless-repeatable"
 ENDS_PATCH = "budget-checked-after-the-answer-and-children-ends-awaited"
 # How long a run that ends waits for the children it cancelled to end (ENDS_PATCH).
 CHILDREN_END_WAIT = timedelta(seconds=10)
+# `workflow.patched` id of a run that ends as it was ending when the report of its end
+# to the gateway fails (a local activity's failure comes bare; it failed the run).
+END_REPORT_PATCH = "a-failed-end-report-fails-no-run"
 
 # What the model reads when a call of a tool that is not repeatable may have run but no
 # answer came (rule 5).
@@ -405,9 +408,17 @@ class AgentRun:
                 start_to_close_timeout=SHORT_TIMEOUT,
                 retry_policy=END_RETRY,
             )
-        except ActivityError as exc:
+        except (ActivityError, ApplicationError) as exc:
+            # A local activity whose retries are spent fails bare (an ApplicationError,
+            # not an ActivityError): with the gateway down for a few seconds as a run
+            # ended, the run ended Failed, and its cause (cancel, budget) was lost
+            # from its history (helper-75).  Histories from before kept that ending.
+            if isinstance(exc, ApplicationError) and not workflow.patched(END_REPORT_PATCH):
+                raise
             workflow.logger.warning(
-                "could not report the end of run %s to the gateway: %s", self._id, exc.cause
+                "could not report the end of run %s to the gateway: %s",
+                self._id,
+                exc.cause if isinstance(exc, ActivityError) else exc,
             )
         await workflow.wait_condition(workflow.all_handlers_finished)
 

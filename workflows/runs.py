@@ -45,6 +45,7 @@ from workflows.contract import (
     AgentRunInput,
     Approval,
     ChildRequest,
+    ChildSummary,
     RunSpec,
     RunStatus,
     Totals,
@@ -55,6 +56,8 @@ __all__ = ["AWAIT_MAX_S", "CallerRuns", "Rounds", "RunError", "Runs", "new_handl
 # The error of a status Temporal gave because no worker answered its query (the run's
 # state as Temporal knows it; nothing of what it waits for).
 STATUS_UNAVAILABLE = "status unavailable: "
+# Children of one ended run whose ends are read at once (`Runs._with_children_ends`).
+_CHILDREN_READ_AT_ONCE = 16
 
 
 def _quoted(value: str) -> str:
@@ -281,6 +284,44 @@ class Runs:
         self, desc: WorkflowExecutionDescription, query_timeout: float = _QUERY_TIMEOUT_S
     ) -> RunStatus:
         """The status of the run `desc` describes (it follows continue-as-new)."""
+        status = await self._recorded_status(desc, query_timeout)
+        if status.state in TERMINAL_STATES and any(
+            c.state not in TERMINAL_STATES for c in status.children
+        ):
+            status = await self._with_children_ends(status, query_timeout)
+        return status
+
+    async def _with_children_ends(self, status: RunStatus, query_timeout: float) -> RunStatus:
+        """An ended run whose children were still ending when it closed: how they ended,
+        from their own runs.  A run waits for the ends of the children it cancels
+        (10 s, `agent_run.CHILDREN_END_WAIT`), but with Temporal or the workers down meanwhile
+        they end later, and its own record keeps them "Stopping" for ever (helper-75)."""
+        gate = asyncio.Semaphore(_CHILDREN_READ_AT_ONCE)
+
+        async def now(child: ChildSummary) -> ChildSummary:
+            if child.state in TERMINAL_STATES:
+                return child
+            async with gate:
+                try:
+                    seen = await self.status(child.handle, query_timeout=query_timeout)
+                except (RunError, RPCError):
+                    return child  # gone (retention), or Temporal is down: as recorded
+            if seen.state not in TERMINAL_STATES or (seen.error or "").startswith(
+                STATUS_UNAVAILABLE
+            ):
+                return child  # no worker to replay it: its totals are unknown
+            return ChildSummary(child.handle, seen.state, seen.subtree)
+
+        children = list(await asyncio.gather(*(now(c) for c in status.children)))
+        subtree = status.usage
+        for child in children:
+            subtree = subtree.plus(child.subtree)
+        return replace(status, children=children, subtree=subtree)
+
+    async def _recorded_status(
+        self, desc: WorkflowExecutionDescription, query_timeout: float
+    ) -> RunStatus:
+        """The status as the run itself has it (or, with no worker, what Temporal knows)."""
         handle = desc.id
         h = self._handle(handle)
         if desc.status in (WorkflowExecutionStatus.COMPLETED, WorkflowExecutionStatus.FAILED):

@@ -9,6 +9,8 @@ import contextlib
 import uuid
 from pathlib import Path
 
+from temporalio.client import Client, WorkflowExecutionDescription, WorkflowExecutionStatus
+
 from activities.contract import NOT_SENT
 from luftpause.temporal_dev import DevServer
 from luftpause.up import Child
@@ -216,3 +218,39 @@ async def _failed_attempts(s: Stack, handle: str) -> int:
         if failure.application_failure_info.type == NOT_SENT:
             n += 1
     return n
+
+
+async def test_a_run_that_ends_while_the_gateway_is_down_ends_as_it_was_ending(
+    temporal_address: str,
+) -> None:
+    # The report of a run's end to the gateway (a local activity, three attempts) failed
+    # bare, and the run ended Failed with "All connection attempts failed": its cancel
+    # was lost from its history, and with no worker up `status` said Failed (helper-75).
+    async with contextlib.AsyncExitStack() as stack_:
+        fakes = await start_fakes(stack_)
+        gateway = contextlib.AsyncExitStack()
+        gateway_url = await gateway.enter_async_context(serve(gateway_app(fakes.engines)))
+        client = await connect(temporal_address)
+        queue = f"test-{uuid.uuid4().hex[:12]}"
+        await stack_.enter_async_context(
+            run_worker(client, queue, gateway_url, f"{fakes.mcp_url}/mcp")
+        )
+        runs = Runs(client, task_queue=queue)
+        spec = RunSpec(task=task_with(1, "end"), model=MODEL, tools=["delete_record"])
+        handle = await runs.spawn(spec)
+        await until(lambda: _state(runs, handle, "AwaitingApproval"), "the run waits", polls=600)
+        await gateway.aclose()
+        await runs.cancel(handle)
+        described = await until(lambda: _closed(client, handle), "the run closed", polls=600)
+        assert described.status == WorkflowExecutionStatus.CANCELED
+        status = await runs.status(handle)
+        assert status.state == "Cancelled" and status.error == "cancelled", status
+
+
+async def _state(runs: Runs, handle: str, state: str) -> bool:
+    return (await runs.status(handle)).state == state
+
+
+async def _closed(client: Client, handle: str) -> WorkflowExecutionDescription | None:
+    described = await client.get_workflow_handle(handle).describe()
+    return described if described.close_time is not None else None

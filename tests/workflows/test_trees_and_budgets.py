@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from tests.workflows.harness import (
     until,
 )
 from workflows import TERMINAL_STATES, AgentRun, Budget, RunError, Runs, RunSpec, contract
-from workflows.contract import AgentRunInput
+from workflows.contract import AgentRunInput, ChildSummary, RunStatus, Totals
 from workflows.runs import new_handle
 
 
@@ -105,6 +106,36 @@ async def test_a_child_temporal_refuses_to_start_is_said_so(tmp_path: Path) -> N
             assert [c.handle for c in status.children] == [kid]
     finally:
         server.stop()
+
+
+async def test_an_ended_runs_status_shows_how_its_children_ended_after_it_closed(
+    temporal_address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A run waits 10 s at most for the ends of the children it cancels; with Temporal or
+    # the workers down meanwhile they end after it closed, and its record showed them
+    # "Stopping" with their old totals for ever (helper-75, in a chaos run).  Here the
+    # record is made so: when it happens is a race of the runs' workflow tasks.
+    async with stack(temporal_address) as s:
+        parent = await spawn_waiting(s, "p")
+        kid = await spawn_waiting(s, "kid", parent=parent)
+        await s.runs.cancel(parent)
+        record = await s.runs.status(parent)
+        (ended,) = await s.runs.wait([kid], timeout=30)
+        assert ended.state == "Cancelled" and ended.usage.turns > 0
+        stale = ChildSummary(kid, "Stopping", Totals())
+        recorded = Runs._recorded_status
+
+        async def as_recorded(self: Runs, desc: Any, query_timeout: float) -> RunStatus:
+            status = await recorded(self, desc, query_timeout)
+            if desc.id != parent:
+                return status
+            return replace(status, children=[stale], subtree=status.usage)
+
+        monkeypatch.setattr(Runs, "_recorded_status", as_recorded)
+        status = await s.runs.status(parent)
+        assert status.state == "Cancelled" == record.state
+        assert [(c.handle, c.state) for c in status.children] == [(kid, "Cancelled")]
+        assert status.subtree == status.usage.plus(ended.subtree) == record.subtree
 
 
 async def test_an_empty_parent_is_no_parent(temporal_address: str) -> None:
