@@ -38,11 +38,31 @@ def _types(schema: Mapping[str, Any]) -> list[str]:
     return []
 
 
+def _valid(value: Any, schema: Mapping[str, Any]) -> bool:
+    """Whether the value already fits its (sub-)schema: it is then left as it is (a
+    `string | integer` "007" stays a string, a `string | null` "None" a string).  A
+    sub-schema that cannot be checked alone (a `$ref` to the root's `$defs`) is coerced
+    as before."""
+    try:
+        return bool(jsonschema.validators.validator_for(schema)(schema).is_valid(value))
+    except Exception:
+        return False
+
+
 def _coerce(value: Any, schema: Any) -> Any:
-    if not isinstance(schema, Mapping):  # `true` / `false` sub-schemas: nothing to coerce
+    # `true` / `false` sub-schemas: nothing to coerce
+    if not isinstance(schema, Mapping) or _valid(value, schema):
         return value
+    if isinstance(value, dict):  # an object's own properties, as the top level's
+        props = schema.get("properties")
+        if isinstance(props, Mapping):
+            return {k: _coerce(v, props[k]) if k in props else v for k, v in value.items()}
+        return value
+    if isinstance(value, list):
+        items = schema.get("items")
+        return [_coerce(v, items) for v in value] if isinstance(items, Mapping) else value
     types = _types(schema)
-    if not types or isinstance(value, (dict, list)):
+    if not types:
         return value
     if isinstance(value, str):
         text = value.strip()
@@ -55,10 +75,10 @@ def _coerce(value: Any, schema: Any) -> Any:
         if "null" in types and text.lower() in ("null", "none"):
             return None
         return value
-    if "string" in types and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return str(value)
     if "integer" in types and isinstance(value, float) and value.is_integer():
         return int(value)
+    if "string" in types and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
     return value
 
 
@@ -130,9 +150,7 @@ def prepare_arguments(tool: str, raw: str, schema: Mapping[str, Any]) -> dict[st
             f"the arguments for tool '{tool}' must be a JSON object {shape}, "
             f"not {type(args).__name__}"
         )
-    props = schema.get("properties")
-    if isinstance(props, Mapping):
-        args = {k: _coerce(v, props[k]) if k in props else v for k, v in args.items()}
+    args = dict(_coerce(args, schema))
     try:
         validator = jsonschema.validators.validator_for(schema)(schema)
         error = best_match(validator.iter_errors(args))

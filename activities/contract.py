@@ -17,6 +17,7 @@ __all__ = [
     "ToolInfo",
     "ToolInput",
     "ToolOutput",
+    "ToolsWanted",
     "TurnInput",
     "TurnOutput",
 ]
@@ -102,6 +103,14 @@ class ToolInfo:
                 "parameters": self.input_schema,
             },
         }
+
+
+@dataclass(frozen=True)
+class ToolsWanted:
+    """The tools a run offers its model, by name (None: every server's): a run that
+    names its tools needs only the servers that offer them."""
+
+    names: list[str] | None = None
 
 
 @dataclass(frozen=True)

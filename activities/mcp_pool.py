@@ -18,13 +18,15 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from typing import Any
 
 import httpx2
 from mcp import Client
-from mcp.client.stdio import StdioServerParameters
+from mcp.client.stdio import StdioServerParameters, get_default_environment
 from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.exceptions import MCPError
+from mcp_types import INVALID_PARAMS, METHOD_NOT_FOUND
 
 from activities.contract import IDEMPOTENCY_META_KEY, ToolInfo
 from luftpause.config import McpServer
@@ -34,6 +36,12 @@ __all__ = ["McpPool", "UnknownTool", "Unreachable"]
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 20.0
+# Pages of a server's tools/list read at most (a server that hands back a cursor for
+# ever would otherwise hold the listing for ever).
+MAX_TOOL_PAGES = 100
+# JSON-RPC errors by which a server says it did not run the call: no such tool or
+# method, or arguments it refuses.  The model is told; nothing is sent again.
+_REFUSED = frozenset({METHOD_NOT_FOUND, INVALID_PARAMS})
 
 
 class UnknownTool(LookupError):
@@ -73,14 +81,20 @@ class _Delivery(httpx2.AsyncBaseTransport):
     never sent.  The SDK reports all of these as one error ("Connection closed",
     "Session not found"); the workflow sends a call again only if it cannot have run."""
 
-    def __init__(self, inner: httpx2.AsyncBaseTransport, reached: dict[str, bool]) -> None:
+    def __init__(
+        self, inner: httpx2.AsyncBaseTransport, reached: dict[str, bool], errors: list[int]
+    ) -> None:
         self._inner = inner
         self._reached = reached
+        self._errors = errors  # the last error status of another request (the SDK drops it)
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
         key = _call_key(request)
         if key is None:
-            return await self._inner.handle_async_request(request)
+            response = await self._inner.handle_async_request(request)
+            if response.status_code >= 400:
+                self._errors[:] = [response.status_code]
+            return response
         self._reached[key] = True
         try:
             response = await self._inner.handle_async_request(request)
@@ -88,7 +102,9 @@ class _Delivery(httpx2.AsyncBaseTransport):
             self._reached[key] = False
             raise
         if response.status_code == 404:
-            self._reached[key] = False
+            # A session or server gone, which ran nothing, unless the 404 is the server's
+            # own answer that it ran nothing (2026-07-28 sends METHOD_NOT_FOUND so).
+            self._reached[key] = await _refusal(response)
         return response
 
     async def __aenter__(self) -> _Delivery:
@@ -102,13 +118,28 @@ class _Delivery(httpx2.AsyncBaseTransport):
         await self._inner.aclose()
 
 
-def _noting_delivery(http: httpx2.AsyncClient, reached: dict[str, bool]) -> httpx2.AsyncClient:
+async def _refusal(response: httpx2.Response) -> bool:
+    """Whether a 404 is a JSON-RPC error by which the server refuses the call itself
+    (read whole: it is short, and the SDK reads it from the buffer after)."""
+    if not (response.headers.get("content-type") or "").startswith("application/json"):
+        return False
+    try:
+        body = json.loads(await response.aread())
+        return isinstance(body, dict) and body["error"]["code"] in _REFUSED
+    except (ValueError, KeyError, TypeError, httpx2.HTTPError):
+        return False
+
+
+def _noting_delivery(
+    http: httpx2.AsyncClient, reached: dict[str, bool], errors: list[int]
+) -> httpx2.AsyncClient:
     """`http` with every transport it may use wrapped in `_Delivery`.  (Given as
     `transport=`, a transport would turn off the proxies httpx takes from
     HTTP(S)_PROXY, so the ones it built are wrapped instead.)"""
-    http._transport = _Delivery(http._transport, reached)
+    http._transport = _Delivery(http._transport, reached, errors)
     http._mounts = {
-        pattern: None if t is None else _Delivery(t, reached) for pattern, t in http._mounts.items()
+        pattern: None if t is None else _Delivery(t, reached, errors)
+        for pattern, t in http._mounts.items()
     }
     return http
 
@@ -138,12 +169,15 @@ class _Connection:
         self._gen: _Generation | None = None
         # HTTP servers: whether a call (by idempotency key) may have reached the server.
         self.reached: dict[str, bool] | None = {} if server.command is None else None
+        self.errors: list[int] = []  # HTTP servers: the last error status, for messages
 
     @contextlib.asynccontextmanager
     async def _client(self) -> AsyncIterator[Client]:
         s = self.server
         if s.command is not None:
-            env = {**os.environ, **s.env} if s.env else None
+            # The SDK's safe default (HOME, PATH, ...) and the server's own: not the
+            # worker's whole environment, which holds its tokens.
+            env = {**get_default_environment(), **s.env} if s.env else None
             params = StdioServerParameters(command=s.command[0], args=s.command[1:], env=env)
             async with Client(params, mode=s.protocol) as client:
                 yield client
@@ -157,21 +191,25 @@ class _Connection:
         http = httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(30.0, read=None))
         # The transport does not close a client it was given: this block does.
         async with (
-            _noting_delivery(http, self.reached),
+            _noting_delivery(http, self.reached, self.errors),
             Client(streamable_http_client(s.url, http_client=http), mode=s.protocol) as client,
         ):
             yield client
 
     async def _own(self, gen: _Generation) -> None:
+        self.errors.clear()
         try:
             async with self._client() as client:
                 gen.ready.set_result(client)
                 await gen.stop.wait()
         except BaseException as exc:
             if not gen.ready.done():
-                gen.ready.set_exception(
-                    ConnectionError(f"mcp server '{self.server.name}': {type(exc).__name__}: {exc}")
-                )
+                leaf = _leaf(exc)  # the SDK's task groups wrap the cause (a 401, a refusal)
+                why = f"{type(leaf).__name__}: {leaf}"
+                if self.errors:  # the SDK says "Server returned an error response"
+                    why += f" (HTTP {self.errors[0]})"
+                gen.ready.set_exception(ConnectionError(f"mcp server '{self.server.name}': {why}"))
+                gen.ready.exception()  # read: no "never retrieved" when no one waits
             if isinstance(exc, asyncio.CancelledError):
                 raise
         finally:
@@ -186,7 +224,12 @@ class _Connection:
             gen.owner = asyncio.create_task(self._own(gen))
         try:
             return await asyncio.wait_for(asyncio.shield(gen.ready), CONNECT_TIMEOUT_S), gen
-        except (TimeoutError, ConnectionError):
+        except TimeoutError:
+            self.drop(gen)
+            raise ConnectionError(
+                f"mcp server '{self.server.name}': not open within {CONNECT_TIMEOUT_S:g} s"
+            ) from None
+        except ConnectionError:
             self.drop(gen)
             raise
 
@@ -197,6 +240,16 @@ class _Connection:
         if gen is None:
             return
         gen.stop.set()
+        if not gen.ready.done():
+            # Still opening (a server that never answers `initialize`): the owner would
+            # never see `stop`, and its process or connection would stay for ever.  Its
+            # waiters are answered here: an owner cancelled before it ran answers no one.
+            gen.ready.set_exception(
+                ConnectionError(f"mcp server '{self.server.name}': gave up opening it")
+            )
+            gen.ready.exception()  # read: no "never retrieved" when no one waits
+            if gen.owner is not None:
+                gen.owner.cancel()
         if self._gen is gen:
             self._gen = None
 
@@ -237,18 +290,27 @@ class McpPool:
     def servers(self) -> list[str]:
         return list(self._conns)
 
-    async def list_tools(self) -> list[ToolInfo]:
-        """Every server's tools; when two servers offer one name, the first listed wins."""
+    async def list_tools(self, wanted: Collection[str] | None = None) -> list[ToolInfo]:
+        """Every server's tools; when two servers offer one name, the first listed wins.
+        A server that cannot be reached fails the listing, unless `wanted` names the
+        tools needed and the servers reached offer them all (one server down no longer
+        hides every other server's tools from runs that do not need it)."""
         tools: dict[str, ToolInfo] = {}
+        down: dict[str, str] = {}
+        after_down: set[str] = set()  # found only past a server that was down
         for name, conn in self._conns.items():
             gen = None
             try:
                 client, gen = await conn.client()
-                listing = await client.list_tools()
-            except Exception:
-                conn.drop(gen)
-                raise
-            for tool in listing.tools:
+                listed = await _every_tool(client, name)
+            except Exception as exc:
+                if gen is not None:  # (an opening that failed was dropped by client())
+                    conn.drop(gen)
+                if wanted is None:
+                    raise
+                down[name] = f"{type(exc).__name__}: {exc}"
+                continue
+            for tool in listed:
                 if tool.name in tools:
                     log.warning(
                         "tool %r of mcp server %r is shadowed by %r's",
@@ -259,6 +321,8 @@ class McpPool:
                     continue
                 notes = tool.annotations
                 read_only = bool(notes and notes.read_only_hint)
+                if down:
+                    after_down.add(tool.name)
                 waived = {"*", tool.name} & set(conn.server.no_approval)
                 tools[tool.name] = ToolInfo(
                     server=name,
@@ -273,7 +337,7 @@ class McpPool:
                     and (notes is None or notes.destructive_hint is not False),
                     idempotent=bool(notes and notes.idempotent_hint),
                 )
-            offered = {t.name for t in listing.tools}
+            offered = {t.name for t in listed}
             for waived_name in sorted(set(conn.server.no_approval) - offered - {"*"}):
                 if (name, waived_name) not in self._unoffered:  # once, not every run
                     self._unoffered.add((name, waived_name))
@@ -284,6 +348,17 @@ class McpPool:
                         waived_name,
                         ", ".join(sorted(offered)) or "no tools",
                     )
+        if down:
+            # A name found only after a server that is down may be that server's: the
+            # first listed wins, and the run must not get another server's tool of that
+            # name (another implementation, other approvals) because the first was down.
+            missing = sorted(n for n in set(wanted or ()) if n not in tools or n in after_down)
+            if missing:
+                raise ConnectionError(
+                    f"no server reached before those down offers {', '.join(missing)}; "
+                    "unreachable: " + "; ".join(f"'{n}' ({why})" for n, why in down.items())
+                )
+            log.info("listing tools without unreachable mcp servers %s", ", ".join(down))
         return list(tools.values())
 
     async def call(
@@ -307,6 +382,9 @@ class McpPool:
             meta: Any = {IDEMPOTENCY_META_KEY: key} if key else None
             result = await client.call_tool(tool, arguments, meta=meta)
         except Exception as exc:
+            answer = _answered(exc, reached, key)
+            if answer is not None:
+                return answer, True  # the connection is sound: it stays open
             # Closed, the connection sends nothing more: a request of this call the SDK
             # still had queued (another call's failure closed the session under it)
             # either went out before, and was noted, or never will.
@@ -318,13 +396,99 @@ class McpPool:
         finally:
             if reached is not None:
                 reached.pop(key or "", None)
-        parts = []
-        for block in result.content:
-            text = getattr(block, "text", None)
-            parts.append(text if isinstance(text, str) else block.model_dump_json())
+        parts = [_text_of(block) for block in result.content]
         if not parts and result.structured_content is not None:
             parts.append(json.dumps(result.structured_content))
         return "\n".join(parts), bool(result.is_error)
 
     async def aclose(self) -> None:
         await asyncio.gather(*(c.close() for c in self._conns.values()))
+
+
+async def _every_tool(client: Client, server: str) -> list[Any]:
+    """A server's tools, every page of them (`nextCursor`)."""
+    listing = await client.list_tools()
+    tools = list(listing.tools)
+    cursors: set[str] = set()
+    while listing.next_cursor is not None:
+        if listing.next_cursor in cursors or len(cursors) >= MAX_TOOL_PAGES:
+            log.warning(
+                "mcp server %r: tools/list stopped after %d pages (a cursor came back)",
+                server,
+                len(cursors) + 1,
+            )
+            break
+        cursors.add(listing.next_cursor)
+        listing = await client.list_tools(cursor=listing.next_cursor)
+        tools += listing.tools
+    return tools
+
+
+def _answered(exc: Exception, reached: dict[str, bool] | None, key: str | None) -> str | None:
+    """What the model is told of a call the server answered with an error (None: no
+    answer came, the call failed on the way).  Such an answer is not sent again:
+    - a JSON-RPC error by which the server says it ran nothing (no such tool or method,
+      arguments it refuses), unless an HTTP 404 said it, which `_Delivery` notes as a
+      session or a server gone (sent again once it is back);
+    - a result the SDK refused for not matching the tool's own output schema: the tool
+      ran and answered, and would answer the same."""
+    if isinstance(exc, MCPError) and exc.code in _REFUSED:
+        if reached is not None and reached.get(key or "") is False:
+            return None
+        return f"Error: {exc.message}" + _error_data(exc.data)
+    if isinstance(exc, RuntimeError) and _from(exc, "validate_tool_result"):
+        return f"Error: the tool's answer was refused: {exc}"
+    return None
+
+
+def _leaf(exc: BaseException) -> BaseException:
+    """The first error an exception group holds, however deep (itself if none)."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _error_data(data: object) -> str:
+    """A JSON-RPC error's data, for the model (short: it explains, it is no answer)."""
+    if data is None:
+        return ""
+    text = data if isinstance(data, str) else json.dumps(data, default=str)
+    return f" ({text[:2000]})"
+
+
+def _from(exc: BaseException, function: str) -> bool:
+    """Whether `exc` was raised in a function of this name (the SDK's own checks raise
+    plain RuntimeErrors)."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == function:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _text_of(block: Any) -> str:
+    """A content block as the model reads it: text as it is; an image, audio or binary
+    resource as a note of what it was (its base64 would only fill the context); a text
+    resource as its text; a link as its URI."""
+    kind = getattr(block, "type", "")
+    text = getattr(block, "text", None)
+    if isinstance(text, str):
+        return text
+    if kind in ("image", "audio"):
+        data = getattr(block, "data", "") or ""
+        size = len(data) * 3 // 4
+        return f"[{kind} {getattr(block, 'mime_type', None) or ''}, {size} bytes, not shown]"
+    if kind == "resource":
+        resource = getattr(block, "resource", None)
+        inner = getattr(resource, "text", None)
+        uri = getattr(resource, "uri", "")
+        if isinstance(inner, str):
+            return f"[resource {uri}]\n{inner}"
+        blob = getattr(resource, "blob", "") or ""
+        mime = getattr(resource, "mime_type", None) or ""
+        return f"[resource {uri}, {mime}, {len(blob) * 3 // 4} bytes, not shown]"
+    if kind == "resource_link":
+        name = getattr(block, "name", "")
+        return f"[resource link {getattr(block, 'uri', '')}: {name}]"
+    return str(block.model_dump_json(by_alias=True, exclude_none=True))

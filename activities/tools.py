@@ -25,7 +25,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities._arguments import ArgumentsError, prepare_arguments
-from activities.contract import NOT_SENT, ToolInfo, ToolInput, ToolOutput
+from activities.contract import NOT_SENT, ToolInfo, ToolInput, ToolOutput, ToolsWanted
 from activities.llm import HEARTBEAT_EVERY_S, heartbeating
 from activities.mcp_pool import McpPool, UnknownTool, Unreachable
 from luftpause import telemetry
@@ -55,10 +55,11 @@ class ToolActivities:
         self._every = heartbeat_every_s
 
     @activity.defn(name="list_tools")
-    async def list_tools(self) -> list[ToolInfo]:
-        """The tools of every configured server."""
+    async def list_tools(self, wanted: ToolsWanted | None = None) -> list[ToolInfo]:
+        """The tools of every configured server (`wanted`: enough servers to find the
+        tools named there)."""
         try:
-            return await self._pool.list_tools()
+            return await self._pool.list_tools(wanted.names if wanted is not None else None)
         except Exception as exc:
             raise ApplicationError(f"listing tools: {exc}", type="McpUnavailable") from None
 

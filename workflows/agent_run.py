@@ -77,6 +77,7 @@ with workflow.unsafe.imports_passed_through():
         ToolInfo,
         ToolInput,
         ToolOutput,
+        ToolsWanted,
         TurnInput,
         TurnOutput,
     )
@@ -123,6 +124,8 @@ ONCE_PATCH = "tool-calls-at-most-once-unless-repeatable"
 # that ends (cancelled, stopped, failed) waiting a bounded time for the ends of the
 # children it cancelled, so that its final status shows how they ended.
 ENDS_PATCH = "budget-checked-after-the-answer-and-children-ends-awaited"
+# `workflow.patched` id of the tool listing that names the tools a run offers.
+NAMED_TOOLS_PATCH = "tools-listed-by-the-names-a-run-offers"
 # How long a run that ends waits for the children it cancelled to end (ENDS_PATCH).
 CHILDREN_END_WAIT = timedelta(seconds=10)
 # `workflow.patched` id of a run that ends as it was ending when the report of its end
@@ -431,14 +434,22 @@ class AgentRun:
                 self._messages.append({"role": "system", "content": spec.system})
             self._messages.append({"role": "user", "content": spec.task})
         if self._tools is None:
-            listed = await workflow.execute_local_activity_method(
-                ToolActivities.list_tools,
-                start_to_close_timeout=SHORT_TIMEOUT,
-                # Tool servers down for this long fail the run (it says which) rather
-                # than leave it Running with nothing to show.
-                schedule_to_close_timeout=TOOL_SCHEDULE_TIMEOUT,
-                retry_policy=RETRY,
-            )
+            # Tool servers down for this long fail the run (it says which) rather than
+            # leave it Running with nothing to show; a run that names its tools waits
+            # only for the servers that offer them (NAMED_TOOLS_PATCH).
+            timeouts: dict[str, Any] = {
+                "start_to_close_timeout": SHORT_TIMEOUT,
+                "schedule_to_close_timeout": TOOL_SCHEDULE_TIMEOUT,
+                "retry_policy": RETRY,
+            }
+            if workflow.patched(NAMED_TOOLS_PATCH):
+                listed = await workflow.execute_local_activity_method(
+                    ToolActivities.list_tools, ToolsWanted(spec.tools), **timeouts
+                )
+            else:
+                listed = await workflow.execute_local_activity_method(
+                    ToolActivities.list_tools, **timeouts
+                )
             allowed = None if spec.tools is None else set(spec.tools)
             self._tools = [t for t in listed if allowed is None or t.name in allowed]
         while True:

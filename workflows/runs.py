@@ -304,8 +304,8 @@ class Runs:
             async with gate:
                 try:
                     seen = await self.status(child.handle, query_timeout=query_timeout)
-                except (RunError, RPCError):
-                    return child  # gone (retention), or Temporal is down: as recorded
+                except Exception:
+                    return child  # gone (retention), Temporal down, a failed query: as recorded
             if seen.state not in TERMINAL_STATES or (seen.error or "").startswith(
                 STATUS_UNAVAILABLE
             ):

@@ -305,3 +305,40 @@ def test_the_ways_models_write_calls_as_text(text: str, expected: list[tuple[str
     calls = recover_tool_calls(text, {"lookup"}, salt="run/1")
     assert [(c.name, json.loads(c.arguments)["query"]) for c in calls] == expected
     assert len({c.id for c in calls}) == len(calls)
+
+
+def test_a_value_that_fits_is_kept_and_nested_values_are_coerced_too() -> None:
+    # A union a value already fits was coerced anyway: "007" for `string | integer`
+    # reached the tool as 7, "None" for `string | null` as null, 2.5 for `string |
+    # number` as "2.5"; and nothing inside objects or arrays was coerced (helper-77).
+    schema = {
+        "type": "object",
+        "properties": {
+            "order": {"anyOf": [{"type": "string"}, {"type": "integer"}]},
+            "note": {"type": ["string", "null"]},
+            "label": {"anyOf": [{"type": "string"}, {"type": "number"}]},
+            "window": {"type": "object", "properties": {"days": {"type": "integer"}}},
+            "ids": {"type": "array", "items": {"type": "integer"}},
+        },
+    }
+    raw = (
+        '{"order": "007", "note": "None", "label": 2.5, "window": {"days": "3"}, '
+        '"ids": ["1", 2], "extra": "5"}'
+    )
+    assert prepare_arguments("t", raw, schema) == {
+        "order": "007",
+        "note": "None",
+        "label": 2.5,
+        "window": {"days": 3},
+        "ids": [1, 2],
+        "extra": "5",
+    }
+    # Coerced where the value fits none of the branches, as before (helper-78: a
+    # branch of the right type that takes only one value is no fit).
+    assert prepare_arguments("t", '{"note": 5, "order": 7.5}', schema) == {
+        "note": "5",
+        "order": "7.5",
+    }
+    count = {"properties": {"n": {"anyOf": [{"type": "integer"}, {"const": "all"}]}}}
+    assert prepare_arguments("t", '{"n": "10"}', count) == {"n": 10}
+    assert prepare_arguments("t", '{"n": "all"}', count) == {"n": "all"}

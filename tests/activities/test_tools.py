@@ -3,22 +3,29 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import random
+import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import mcp_types as types
 import pytest
+from mcp.server.lowlevel import Server
 from mcp.server.mcpserver import MCPServer
-from mcp_types import ToolAnnotations
+from mcp.shared.exceptions import MCPError
+from mcp_types import INVALID_PARAMS, METHOD_NOT_FOUND, ToolAnnotations
 from pydantic import Field
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
 from activities import ToolActivities, ToolInput, mcp_pool
-from activities.contract import NOT_SENT
+from activities.contract import NOT_SENT, ToolsWanted
 from activities.mcp_pool import McpPool, Unreachable
 from activities.tools import TOOL_OUTPUT_MAX_CHARS
 from luftpause.config import McpServer
+from luftpause.temporal_dev import free_port
 from testkit.loopback import serve
 from tests.workflows.harness import FakeMcpProcess
 
@@ -266,3 +273,263 @@ async def test_an_http_server_is_reached_through_the_proxy_the_environment_names
         server.close()
         await server.wait_closed()
     assert seen and seen[0].startswith(b"POST http://mcp.invalid/mcp "), seen
+
+
+# ------------------------------------------------- what upstream servers answer
+
+
+def _paged_server(names: list[str], per_page: int) -> Server[Any]:
+    """A low-level server that lists its tools `per_page` at a time (`nextCursor`)."""
+
+    async def list_tools(ctx: Any, params: Any) -> types.ListToolsResult:
+        start = int(params.cursor) if params is not None and params.cursor else 0
+        end = start + per_page
+        return types.ListToolsResult(
+            tools=[types.Tool(name=n, input_schema={"type": "object"}) for n in names[start:end]],
+            next_cursor=str(end) if end < len(names) else None,
+        )
+
+    async def call_tool(ctx: Any, params: Any) -> types.CallToolResult:
+        return types.CallToolResult(content=[types.TextContent(type="text", text=params.name)])
+
+    return Server("paged", on_list_tools=list_tools, on_call_tool=call_tool)
+
+
+@pytest.mark.parametrize("protocol", ["legacy", "2026-07-28"])
+async def test_every_page_of_a_servers_tools_is_listed(
+    protocol: Literal["legacy", "2026-07-28"],
+) -> None:
+    # The SDK's list_tools returns one page: tools past it were invisible (helper-77).
+    names = [f"t{i}" for i in range(7)]
+    app = _paged_server(names, 3).streamable_http_app(streamable_http_path="/mcp", host="127.0.0.1")
+    async with serve(app) as url:
+        pool = McpPool([McpServer(name="s", url=f"{url}/mcp", protocol=protocol)])
+        try:
+            assert [t.name for t in await pool.list_tools()] == names
+            assert await pool.call("s", "t6", {}) == ("t6", False)
+        finally:
+            await pool.aclose()
+
+
+_READ_ONLY = types.ToolAnnotations(read_only_hint=True)
+_READING = {"type": "object", "properties": {"celsius": {"type": "number"}}}
+
+
+def _answering_server(ran: list[str]) -> Server[Any]:
+    """forecast: refuses a city it does not know (invalid params); reading: answers
+    against its own output schema; screenshot: an image, a text resource and a link,
+    as browser tools answer."""
+
+    async def list_tools(ctx: Any, params: Any) -> types.ListToolsResult:
+        city = {"type": "object", "properties": {"city": {"type": "string"}}}
+        return types.ListToolsResult(
+            tools=[
+                types.Tool(name="forecast", input_schema=city, annotations=_READ_ONLY),
+                types.Tool(name="old_tool", input_schema={"type": "object"}),
+                types.Tool(
+                    name="reading",
+                    input_schema={"type": "object"},
+                    output_schema=_READING,
+                    annotations=_READ_ONLY,
+                ),
+                types.Tool(
+                    name="screenshot", input_schema={"type": "object"}, annotations=_READ_ONLY
+                ),
+            ]
+        )
+
+    async def call_tool(ctx: Any, params: Any) -> types.CallToolResult:
+        ran.append(params.name)
+        if params.name == "forecast":
+            raise MCPError(INVALID_PARAMS, "unknown city 'Atlantis'", {"known": ["Oslo"]})
+        if params.name == "old_tool":  # (2026-07-28 answers this with HTTP 404)
+            raise MCPError(METHOD_NOT_FOUND, "tool 'old_tool' is gone")
+        if params.name == "reading":
+            warm = {"celsius": "warm"}
+            return types.CallToolResult(
+                content=[types.TextContent(type="text", text=json.dumps(warm))],
+                structured_content=warm,
+            )
+        return types.CallToolResult(
+            content=[
+                types.ImageContent(type="image", data="A" * 4000, mime_type="image/png"),
+                types.EmbeddedResource(
+                    type="resource",
+                    resource=types.TextResourceContents(uri="file:///a.txt", text="the page"),
+                ),
+                types.ResourceLink(type="resource_link", uri="file:///b.png", name="b.png"),
+            ]
+        )
+
+    return Server("answers", on_list_tools=list_tools, on_call_tool=call_tool)
+
+
+@pytest.mark.parametrize("protocol", ["legacy", "2026-07-28"])
+async def test_an_error_the_server_answers_reaches_the_model_once(
+    protocol: Literal["legacy", "2026-07-28"],
+) -> None:
+    # A JSON-RPC error (invalid params) and a result the SDK refuses against the tool's
+    # output schema were read as a lost connection: a read-only tool ran again and
+    # again for 15 minutes, then the run failed; the connection was dropped each time
+    # (a stdio server lost its state). The server had answered (helper-77).
+    ran: list[str] = []
+    app = _answering_server(ran).streamable_http_app(streamable_http_path="/mcp", host="127.0.0.1")
+    async with serve(app) as url:
+        pool = McpPool([McpServer(name="s", url=f"{url}/mcp", protocol=protocol)])
+        tools = ToolActivities(pool)
+        env = ActivityEnvironment()
+        try:
+            listed = {t.name: t for t in await env.run(tools.list_tools)}
+
+            def call(tool: str, arguments: str, call_id: str) -> ToolInput:
+                schema = listed[tool].input_schema
+                return ToolInput(
+                    run_id="r", server="s", tool=tool, arguments=arguments,
+                    input_schema=schema, call_id=call_id,
+                )  # fmt: skip
+
+            opened = pool._conns["s"]._gen
+            refused = await env.run(tools.call_tool, call("forecast", '{"city": "Atlantis"}', "1"))
+            assert refused.is_error and refused.executed
+            assert refused.content == 'Error: unknown city \'Atlantis\' ({"known": ["Oslo"]})'
+            wrong = await env.run(tools.call_tool, call("reading", "{}", "2"))
+            assert wrong.is_error and wrong.content.startswith(
+                "Error: the tool's answer was refused: Invalid structured content"
+            ), wrong.content
+            gone = await env.run(tools.call_tool, call("old_tool", "{}", "4"))
+            assert gone.is_error and gone.content == "Error: tool 'old_tool' is gone"
+            assert ran == ["forecast", "reading", "old_tool"]  # once each
+            assert pool._conns["s"]._gen is opened  # the connection was kept
+            shown = await env.run(tools.call_tool, call("screenshot", "{}", "3"))
+            assert shown.content.split("\n") == [
+                "[image image/png, 3000 bytes, not shown]",
+                "[resource file:///a.txt]",
+                "the page",
+                "[resource link file:///b.png: b.png]",
+            ]
+        finally:
+            await pool.aclose()
+
+
+async def test_a_stdio_server_gets_its_own_environment_not_the_workers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # With any `env` set, a stdio server got the worker's whole environment, its
+    # LUFTPAUSE_TOKEN and every other secret included (helper-77).
+    monkeypatch.setenv("LUFTPAUSE_TOKEN", "secret")
+    script = Path(__file__).with_name("env_server.py")
+    pool = McpPool(
+        [McpServer(name="s", command=[sys.executable, str(script)], env={"REGION": "eu"})]
+    )
+    try:
+        seen = json.loads((await pool.call("s", "environment", {}))[0])
+        assert seen["REGION"] == "eu" and "LUFTPAUSE_TOKEN" not in seen
+        assert seen["PATH"] == os.environ["PATH"]  # the SDK's safe default stays
+    finally:
+        await pool.aclose()
+
+
+async def test_an_opening_that_times_out_leaves_no_process_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A server that never answered `initialize` kept its process (or connection) for
+    # ever: each timed-out attempt left one more (helper-77).
+    monkeypatch.setattr(mcp_pool, "CONNECT_TIMEOUT_S", 0.5)
+    script = Path(__file__).with_name("stuck_server.py")
+    pids = []
+    for attempt in range(2):
+        pid_file = tmp_path / f"pid{attempt}"
+        server = McpServer(name="s", command=[sys.executable, str(script), str(pid_file)])
+        pool = McpPool([server])
+        try:
+            with pytest.raises(Unreachable, match=r"mcp server 's': not open within 0\.5 s"):
+                await pool.call("s", "anything", {})
+            pids.append(int(pid_file.read_text()))
+            for _ in range(200):  # bounded: 10 s
+                if not _alive(pids[-1]):
+                    break
+                await asyncio.sleep(0.05)
+            assert not _alive(pids[-1]), "the server's process was left running"
+        finally:
+            await pool.aclose()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def test_a_run_that_names_its_tools_needs_only_the_servers_that_offer_them() -> None:
+    # One server refusing connections failed every listing, so even a run limited to
+    # another server's tools waited 15 minutes and failed (helper-77).
+    names = ["lookup", "search"]
+    app = _paged_server(names, 10).streamable_http_app(
+        streamable_http_path="/mcp", host="127.0.0.1"
+    )
+    async with serve(app) as url:
+        gone = McpServer(name="gone", url=f"http://127.0.0.1:{free_port()}/mcp")
+        up = McpServer(name="up", url=f"{url}/mcp")
+        pool = McpPool([up, gone])
+        tools = ToolActivities(pool)
+        env = ActivityEnvironment()
+        shadowing = McpPool([gone, up])
+        try:
+            listed = await env.run(tools.list_tools, ToolsWanted(["lookup"]))
+            assert [(t.server, t.name) for t in listed] == [("up", "lookup"), ("up", "search")]
+            # Listed after a server that is down, "lookup" may be that server's (the first
+            # listed wins): the run does not get the other's in its place (helper-78).
+            with pytest.raises(ConnectionError, match="before those down offers lookup"):
+                await shadowing.list_tools(["lookup"])
+            # Every tool (no names), or a tool no server reached offers: the listing
+            # fails (and is tried again), naming the server that is down.
+            for wanted in (None, ToolsWanted(None), ToolsWanted(["lookup", "gone_tool"])):
+                with pytest.raises(ApplicationError, match=r"listing tools: .*gone") as failed:
+                    await env.run(tools.list_tools, *([wanted] if wanted else []))
+                assert not failed.value.non_retryable
+            with pytest.raises(ApplicationError, match="down offers gone_tool"):
+                await env.run(tools.list_tools, ToolsWanted(["gone_tool"]))
+        finally:
+            await pool.aclose()
+            await shadowing.aclose()
+
+
+async def test_an_opening_given_up_answers_everyone_waiting_for_it_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Cancelled before it ran, an opening's owner answered no one: every caller waiting
+    # on it sat out the whole connect timeout (helper-78).
+    monkeypatch.setattr(mcp_pool, "CONNECT_TIMEOUT_S", 30.0)
+    server = McpServer(name="s", command=[sys.executable, "-c", "import time; time.sleep(30)"])
+    pool = McpPool([server])
+    conn = pool._conns["s"]
+    try:
+        waiter = asyncio.create_task(conn.client())
+        await asyncio.sleep(0)  # the opening exists; its owner has not run yet
+        conn.drop()
+        with pytest.raises(ConnectionError, match="gave up opening it"):
+            await asyncio.wait_for(waiter, 5)
+    finally:
+        await pool.aclose()
+
+
+async def test_a_server_that_refuses_the_token_says_so() -> None:
+    # A 401 read "ExceptionGroup: unhandled errors in a TaskGroup (1 sub-exception)", as
+    # a refused connection did (helper-77).
+    async def refuse(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"www-authenticate", b"Bearer")]})  # fmt: skip
+        await send({"type": "http.response.body", "body": b"no"})
+
+    async with serve(refuse) as url:
+        pool = McpPool([McpServer(name="s", url=f"{url}/mcp")])
+        try:
+            with pytest.raises(Unreachable) as refused:
+                await pool.call("s", "anything", {})
+            assert "401" in str(refused.value) and "TaskGroup" not in str(refused.value)
+        finally:
+            await pool.aclose()
