@@ -10,7 +10,7 @@ import json
 import sys
 import urllib.request
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,7 @@ from gateway._server import BoundedHead
 from gateway._shell import AdmissionShell
 from gateway.app import GatewaySettings, create_app
 from luftpause.config import McpServer, parse_config
-from luftpause.temporal_dev import free_port
+from luftpause.temporal_dev import DevServer, free_port
 from luftpause.up import Child, wait_http
 from testkit._fake_text import DEFAULT_MAX_TOOL_CALLS, directives, key
 from testkit.fake_engine import FakeEngineSettings
@@ -108,6 +108,19 @@ async def start_fakes(
         serve(create_mcp(FakeMcpSettings(time_scale=mcp_time_scale), mcp_state))
     )
     return Fakes(urls, mcp_url, mcp_state)
+
+
+@contextlib.contextmanager
+def dev_server_with(tmp_path: Path, setting: str) -> Iterator[DevServer]:
+    """A dev server of its own with one dynamic config `setting` ("key=value")."""
+    server = DevServer(
+        log_file=tmp_path / "temporal.log", extra_args=("--dynamic-config-value", setting)
+    )
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @contextlib.asynccontextmanager

@@ -11,8 +11,15 @@ from pathlib import Path
 from activities import LlmActivities, ToolActivities
 from activities.mcp_pool import McpPool
 from luftpause.config import McpServer
-from luftpause.temporal_dev import DevServer
-from tests.workflows.harness import MODEL, Stack, run_worker, stack, task_with, until
+from tests.workflows.harness import (
+    MODEL,
+    Stack,
+    dev_server_with,
+    run_worker,
+    stack,
+    task_with,
+    until,
+)
 from worker.main import build_worker
 from workflows import Runs, RunSpec
 
@@ -113,12 +120,7 @@ async def _listed(runs: Runs, caller: str, n: int) -> list[str] | None:
 
 async def test_a_long_run_continues_as_new_and_keeps_its_state(tmp_path: Path) -> None:
     # A server that suggests continue-as-new after 20 history events.
-    server = DevServer(
-        log_file=tmp_path / "temporal.log",
-        extra_args=("--dynamic-config-value", "limit.historyCount.suggestContinueAsNew=20"),
-    )
-    server.start()
-    try:
+    with dev_server_with(tmp_path, "limit.historyCount.suggestContinueAsNew=20") as server:
         async with stack(server.address) as s:
             task = task_with(3, "long")
             handle = await s.runs.spawn(RunSpec(task=task, model=MODEL, tools=["lookup"]))
@@ -132,5 +134,3 @@ async def test_a_long_run_continues_as_new_and_keeps_its_state(tmp_path: Path) -
             assert len(runs_of_handle) >= 2  # it continued as new at least once
             messages = await s.runs.transcript(handle)
             assert [m["role"] for m in messages].count("tool") == 3
-    finally:
-        server.stop()

@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from luftpause.temporal_dev import DevServer
 from tests.workflows.harness import (
     MODEL,
     Stack,
     connect,
+    dev_server_with,
     spawn_waiting,
     stack,
     task_with,
@@ -90,12 +90,7 @@ async def test_a_child_temporal_refuses_to_start_is_said_so(tmp_path: Path) -> N
     # A server whose limit on pending children is lower than luftpause's: the parent's
     # workflow task fails as it starts the child, and the caller read only "unexpected
     # workflow task failure".
-    server = DevServer(
-        log_file=tmp_path / "server.log",
-        extra_args=("--dynamic-config-value", "limit.numPendingChildExecutions.error=1"),
-    )
-    server.start()
-    try:
+    with dev_server_with(tmp_path, "limit.numPendingChildExecutions.error=1") as server:
         async with stack(server.address) as s:
             parent = await spawn_waiting(s, "p")
             kid = await spawn_waiting(s, "kid", parent=parent)
@@ -104,8 +99,6 @@ async def test_a_child_temporal_refuses_to_start_is_said_so(tmp_path: Path) -> N
             status = await s.runs.status(parent)
             assert status.state == "AwaitingApproval"
             assert [c.handle for c in status.children] == [kid]
-    finally:
-        server.stop()
 
 
 async def test_an_ended_runs_status_shows_how_its_children_ended_after_it_closed(
