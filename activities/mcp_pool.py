@@ -26,7 +26,17 @@ from mcp import Client
 from mcp.client.stdio import StdioServerParameters, get_default_environment
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
-from mcp_types import INVALID_PARAMS, METHOD_NOT_FOUND
+from mcp_types import (
+    INVALID_PARAMS,
+    METHOD_NOT_FOUND,
+    AudioContent,
+    ContentBlock,
+    EmbeddedResource,
+    ImageContent,
+    ResourceLink,
+    TextContent,
+    TextResourceContents,
+)
 
 from activities.contract import IDEMPOTENCY_META_KEY, ToolInfo
 from luftpause.config import McpServer
@@ -467,28 +477,24 @@ def _from(exc: BaseException, function: str) -> bool:
     return False
 
 
-def _text_of(block: Any) -> str:
+def _text_of(block: ContentBlock) -> str:
     """A content block as the model reads it: text as it is; an image, audio or binary
     resource as a note of what it was (its base64 would only fill the context); a text
     resource as its text; a link as its URI."""
-    kind = getattr(block, "type", "")
-    text = getattr(block, "text", None)
-    if isinstance(text, str):
-        return text
-    if kind in ("image", "audio"):
-        data = getattr(block, "data", "") or ""
-        size = len(data) * 3 // 4
-        return f"[{kind} {getattr(block, 'mime_type', None) or ''}, {size} bytes, not shown]"
-    if kind == "resource":
-        resource = getattr(block, "resource", None)
-        inner = getattr(resource, "text", None)
-        uri = getattr(resource, "uri", "")
-        if isinstance(inner, str):
-            return f"[resource {uri}]\n{inner}"
-        blob = getattr(resource, "blob", "") or ""
-        mime = getattr(resource, "mime_type", None) or ""
-        return f"[resource {uri}, {mime}, {len(blob) * 3 // 4} bytes, not shown]"
-    if kind == "resource_link":
-        name = getattr(block, "name", "")
-        return f"[resource link {getattr(block, 'uri', '')}: {name}]"
+    if isinstance(block, TextContent):
+        return block.text
+    if isinstance(block, (ImageContent, AudioContent)):
+        return f"[{block.type} {block.mime_type}, {_decoded_size(block.data)} bytes, not shown]"
+    if isinstance(block, EmbeddedResource):
+        inner = block.resource
+        if isinstance(inner, TextResourceContents):
+            return f"[resource {inner.uri}]\n{inner.text}"
+        mime = inner.mime_type or ""
+        return f"[resource {inner.uri}, {mime}, {_decoded_size(inner.blob)} bytes, not shown]"
+    if isinstance(block, ResourceLink):
+        return f"[resource link {block.uri}: {block.name}]"
     return str(block.model_dump_json(by_alias=True, exclude_none=True))
+
+
+def _decoded_size(base64: str) -> int:
+    return len(base64) * 3 // 4

@@ -639,10 +639,7 @@ class AgentRun:
         return (workflow.now() - datetime.fromisoformat(self._started_at)).total_seconds()
 
     def subtree(self) -> Totals:
-        total = self._usage
-        for child in self._children.values():
-            total = total.plus(child.subtree)
-        return total
+        return self._usage.with_children(self._children.values())
 
     def _calls_left(self) -> int:
         """Tool calls this run may still start: its own `max_tool_calls`, and (with

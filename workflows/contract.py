@@ -8,6 +8,7 @@ tests all speak these types.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -128,6 +129,13 @@ class Totals:
     @property
     def tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
+
+    def with_children(self, children: Iterable[ChildSummary]) -> Totals:
+        """These totals (a run's own) and its children's subtrees: the run's subtree."""
+        total = self
+        for child in children:
+            total = total.plus(child.subtree)
+        return total
 
     def plus(self, other: Totals) -> Totals:
         return Totals(

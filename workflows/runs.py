@@ -313,10 +313,7 @@ class Runs:
             return ChildSummary(child.handle, seen.state, seen.subtree)
 
         children = list(await asyncio.gather(*(now(c) for c in status.children)))
-        subtree = status.usage
-        for child in children:
-            subtree = subtree.plus(child.subtree)
-        return replace(status, children=children, subtree=subtree)
+        return replace(status, children=children, subtree=status.usage.with_children(children))
 
     async def _recorded_status(
         self, desc: WorkflowExecutionDescription, query_timeout: float

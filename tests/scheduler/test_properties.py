@@ -738,6 +738,18 @@ def test_invariants_hold_while_the_pool_changes(
     replays_and_drains(runner, initial(policy, kv))
 
 
+# The fields of the two policies drawn below that are not Policy's defaults (each draw
+# also had a policy change at op 30 of 30 ops, past the end: never applied, so none).
+_DRAWN: dict[str, Any] = {
+    "eject_after_failures": None,
+    "cap_after_queued_probes": 1,
+    "reserve_for_paused_interactive": False,
+    "kv_fill": 1.0,
+    "batch_kv_fill": None,
+    "pack_shared_devices": True,
+}
+
+
 # Found by the deep profile (2026-12-02): a replica that learned its pool size from a
 # probe gets the claim of a run generating there at that run's next change, here a turn
 # of it admitted away to b, which made it the device's leader in the same step.
@@ -830,25 +842,11 @@ def test_invariants_hold_while_the_pool_changes(
     ],
 )
 # Found by a fresh draw (2026-12-02): a run whose last turn in flight ended in the step
-# is idle when its held turn is admitted elsewhere in that step.
+# is idle when its held turn is admitted elsewhere in that step.  (Which turn goes
+# where depends on the order of hashed sets: the old checker fails it under
+# PYTHONHASHSEED=0, not under 1-5.)
 @example(
-    policy=Policy(
-        turn_timeout_s=600.0,
-        eject_after_failures=None,
-        eject_for_s=30.0,
-        idle_run_expiry_s=1800.0,
-        strict_affinity=True,
-        cap_from_engine_queue=True,
-        cap_after_queued_probes=1,
-        reserve_for_paused_interactive=False,
-        kv_admission=True,
-        kv_fill=1.0,
-        batch_kv_fill=None,
-        kv_retention_s=60.0,
-        lane_batch_kv_fill=None,
-        pack_shared_devices=True,
-        max_held_per_caller=None,
-    ),
+    policy=Policy(**_DRAWN, strict_affinity=True),
     kv=8000,
     script=[
         ("finish", 0, "tool_calls", 0, 0),
@@ -882,29 +880,7 @@ def test_invariants_hold_while_the_pool_changes(
         ("arrive", 0, ServiceClass.INTERACTIVE, 0, 0, 0, 0),
         ("arrive", 0, ServiceClass.INTERACTIVE, 0, 0, 0, 0),
     ],
-    changes=[
-        (
-            30,
-            Policy(
-                turn_timeout_s=600.0,
-                eject_after_failures=None,
-                eject_for_s=30.0,
-                idle_run_expiry_s=1800.0,
-                strict_affinity=False,
-                cap_from_engine_queue=False,
-                cap_after_queued_probes=1,
-                reserve_for_paused_interactive=False,
-                kv_admission=False,
-                kv_fill=1.0,
-                batch_kv_fill=None,
-                kv_retention_s=60.0,
-                lane_batch_kv_fill=None,
-                pack_shared_devices=False,
-                max_held_per_caller=None,
-            ),
-            False,
-        )
-    ],
+    changes=[],
 )
 # Known to fail (a fresh draw, 2026-12-02; pack_shared_devices, off by default): a
 # replica back in rotation takes an unbound turn of a model its device's leader serves.
@@ -912,23 +888,7 @@ def test_invariants_hold_while_the_pool_changes(
 # replica was out, so it saw a tie and led itself; the recount below sees the leader.
 # Kept as a strict expected failure until the core's count or rule 13's check is mended.
 @example(
-    policy=Policy(
-        turn_timeout_s=600.0,
-        eject_after_failures=None,
-        eject_for_s=30.0,
-        idle_run_expiry_s=1800.0,
-        strict_affinity=False,
-        cap_from_engine_queue=True,
-        cap_after_queued_probes=1,
-        reserve_for_paused_interactive=False,
-        kv_admission=True,
-        kv_fill=1.0,
-        batch_kv_fill=None,
-        kv_retention_s=60.0,
-        lane_batch_kv_fill=None,
-        pack_shared_devices=True,
-        max_held_per_caller=None,
-    ),
+    policy=Policy(**_DRAWN, strict_affinity=False),
     kv=8000,
     script=[
         ("finish", 0, "tool_calls", 0, 0),
@@ -962,29 +922,7 @@ def test_invariants_hold_while_the_pool_changes(
         ("finish", 0, "tool_calls", 0, 0),
         ("probe", 0, False, None, 0, None, False),
     ],
-    changes=[
-        (
-            30,
-            Policy(
-                turn_timeout_s=600.0,
-                eject_after_failures=None,
-                eject_for_s=30.0,
-                idle_run_expiry_s=1800.0,
-                strict_affinity=False,
-                cap_from_engine_queue=False,
-                cap_after_queued_probes=1,
-                reserve_for_paused_interactive=False,
-                kv_admission=False,
-                kv_fill=1.0,
-                batch_kv_fill=None,
-                kv_retention_s=60.0,
-                lane_batch_kv_fill=None,
-                pack_shared_devices=False,
-                max_held_per_caller=None,
-            ),
-            False,
-        )
-    ],
+    changes=[],
 ).xfail(raises=AssertionError, reason="rule 13 with a stale interactive-run count")
 @given(
     policy=policies,
