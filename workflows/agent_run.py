@@ -9,7 +9,11 @@ likewise offers no tools once its subtree has made that many calls.
 Rules this module keeps:
 1. **Trees.** `spawn_child` (an update) starts a child workflow with REQUEST_CANCEL as
    its parent close policy; a run waits for its running children before it completes.
-   Every run reports its subtree's state and totals to its parent by signal.
+   Every run reports its subtree's state and totals to its parent by signal, one
+   report on its way at a time (the latest rides on the next); in a subtree under no
+   budget a change of totals alone goes at most every `contract.REPORT_EVERY_S`, a
+   change of state at once.  (Runs without the `REPORTS_PATCH` marker report every
+   change as it comes.)
 2. **Budgets** limit a run's whole subtree.  The run that holds a budget checks it
    before every turn and tool round and on every report from below; the seconds budget
    is a durable timer, so an idle subtree trips it too.  On excess the run and its
@@ -131,6 +135,10 @@ CHILDREN_END_WAIT = timedelta(seconds=10)
 # `workflow.patched` id of a run that ends as it was ending when the report of its end
 # to the gateway fails (a local activity's failure comes bare; it failed the run).
 END_REPORT_PATCH = "a-failed-end-report-fails-no-run"
+# `workflow.patched` id of reports up the tree sent one at a time, the latest state
+# riding on the next one, and totals alone at most every `REPORT_EVERY_S` in a subtree
+# under no budget (rule 1).
+REPORTS_PATCH = "reports-up-one-at-a-time"
 
 # What the model reads when a call of a tool that is not repeatable may have run but no
 # answer came (rule 5).
@@ -245,6 +253,11 @@ class AgentRun:
         self._ended_at: str | None = None
         self._updated_at = workflow.now().isoformat()  # its state last changed
         self._last_report: tuple[str, Totals] | None = None
+        self._coalesce = False  # set by run(): see REPORTS_PATCH
+        self._reporting = False  # the reporter is on its way (REPORTS_PATCH)
+        self._report_again = False  # the run or its subtree changed since it left
+        self._flushing = False  # a report held back goes now (continue-as-new)
+        self._reported_at: datetime | None = None  # the last report up left then
         self._watchers: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ run
@@ -258,6 +271,7 @@ class AgentRun:
         self._stop_wait = workflow.patched(STOP_WAIT_PATCH)
         self._once = workflow.patched(ONCE_PATCH)
         self._ends = workflow.patched(ENDS_PATCH)
+        self._coalesce = workflow.patched(REPORTS_PATCH)
         work = asyncio.create_task(self._work())
         try:
             await self._until_done(work)
@@ -700,13 +714,76 @@ class AgentRun:
     # ------------------------------------------------------------------ tree
 
     async def _report_up(self) -> None:
-        parent = self._spec.parent
-        if not parent:  # "" was let through before Runs.spawn read it as no parent
+        """Report the run's state and subtree totals to its parent (rule 1).
+
+        Every report is a signal, and an event in each ancestor's history up to the
+        root's; Temporal ends a workflow past 51,200 events, and a root with it its
+        whole tree.  So (REPORTS_PATCH) one report is on its way at a time, sent by a
+        reporter task: changes made meanwhile (a burst of reports from below, handled
+        in one workflow task) go up as one, in the next report.  A change of totals
+        alone in a subtree under no budget waits until `REPORT_EVERY_S` has passed since
+        the last report (a change of state ends the wait).  Returns at once, except
+        that a run that has ended returns once its end has gone up."""
+        if not self._spec.parent:  # "" was let through before Runs.spawn read it as none
             return
+        if not self._coalesce:
+            await self._send_report()
+            return
+        self._report_again = True
+        if not self._reporting:
+            self._reporting = True
+            reporter = asyncio.create_task(self._reporter())
+            self._watchers.add(reporter)
+            reporter.add_done_callback(self._watchers.discard)
+        if self._state in TERMINAL_STATES:
+            await workflow.wait_condition(lambda: not self._reporting)
+
+    async def _reporter(self) -> None:
+        try:
+            while self._report_again:
+                hold = self._report_hold()
+                if hold > 0:
+                    # Held back: a change of state, or a flush, sends it at once.
+                    with contextlib.suppress(TimeoutError):
+                        await workflow.wait_condition(self._report_due, timeout=hold)
+                self._report_again = False
+                await self._send_report()
+        except BaseException:
+            # Cancelled on its way: whoever reports next sends it.
+            self._report_again, self._last_report = True, None
+            raise
+        finally:
+            self._reporting = False
+
+    def _report_hold(self) -> float:
+        """Seconds the next report waits: totals alone, under no budget, sooner than
+        `REPORT_EVERY_S` after the last report."""
+        last, at = self._last_report, self._reported_at
+        if self._report_due() or last is None or at is None:
+            return 0.0
+        if self._spec.under_budget or self._spec.budget.any():
+            return 0.0
+        return contract.REPORT_EVERY_S - (workflow.now() - at).total_seconds()
+
+    def _report_due(self) -> bool:
+        last = self._last_report
+        return self._flushing or last is None or last[0] != self._state
+
+    async def _flush_reports(self) -> None:
+        """Send a report held back, and wait until it has gone."""
+        self._flushing = True
+        try:
+            await workflow.wait_condition(lambda: not self._reporting)
+        finally:
+            self._flushing = False
+
+    async def _send_report(self) -> None:
+        parent = self._spec.parent
         report = (self._state, self.subtree())
-        if report == self._last_report:
+        if not parent or report == self._last_report:
             return
         self._last_report = report
+        self._reported_at = workflow.now()
         try:
             await workflow.get_external_workflow_handle(parent).signal(
                 AgentRun.report, ChildReport(self._id, report[0], report[1])
@@ -742,6 +819,8 @@ class AgentRun:
         await workflow.wait_condition(workflow.all_handlers_finished)
         if self._drain and not self._children_done():
             return  # a child was spawned meanwhile
+        if self._coalesce:
+            await self._flush_reports()  # the next run reports afresh
         workflow.continue_as_new(
             AgentRunInput(
                 spec=self._spec,
@@ -832,6 +911,7 @@ class AgentRun:
             parent=self._id,
             root=self._root,
             caller=request.spec.caller or self._spec.caller,
+            under_budget=self._spec.under_budget or self._spec.budget.any(),
         )
         self._spawning += 1
         try:

@@ -49,6 +49,14 @@ DEFAULT_MAX_TOKENS = 256
 # children it has.  Read at each spawn (not bound at import), so tests can lower them.
 MAX_RUN_CHILDREN = 1000
 SPAWN_HISTORY_LIMIT = 20_480
+# A run under no budget reports a change of its subtree's totals alone (not of its
+# state, not its end) at most once in this many seconds; the latest totals ride on the
+# next report.  Every report is an event in each ancestor's history up to the root's,
+# so a busy subtree sends its root at most one per child per this many seconds, not
+# one per change of every run below.  A run under a budget (its own or an ancestor's)
+# reports every change at once: the holder checks the budget on each.  Read at each
+# report, so tests can change it.
+REPORT_EVERY_S = 5.0
 
 RunState = Literal[
     "Running",
@@ -111,6 +119,9 @@ class RunSpec:
     # cancels it: a turn the gateway still holds has no deadline.  The gateway's turn
     # timeout by default (an admitted turn ends within it); not an MCP argument.
     stop_turn_wait_s: float = 600.0
+    # Set by the parent: a run above holds a budget, which counts every change of this
+    # run's subtree at once (see REPORT_EVERY_S).  Not an MCP argument.
+    under_budget: bool = False
 
 
 @dataclass(frozen=True)

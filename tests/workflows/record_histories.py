@@ -10,7 +10,8 @@ with `workflow.patched(...)` first, so that runs already in flight replay; the o
 histories then keep proving that they still do: record only the scenarios that are
 new (`budget_drained` was recorded after `DRAIN_PATCH`, `budget_spent` after
 `SPENT_PATCH`, `once_calls` after `ONCE_PATCH`, `answer_over_budget` and
-`cancelled_tree_waits` after `ENDS_PATCH`; the others before them).
+`cancelled_tree_waits` after `ENDS_PATCH`, `reports_held` after `REPORTS_PATCH`; the
+others before them).
 """
 
 from __future__ import annotations
@@ -162,6 +163,26 @@ async def _cancelled_tree_waits(s: Stack) -> None:
     await _cancelled_tree(s, "cancelled_tree_waits")
 
 
+async def _reports_held(s: Stack) -> None:
+    # After REPORTS_PATCH: a tree under no budget, root > mid > two busy kids, whose
+    # reports of totals alone wait for REPORT_EVERY_S (timers), and go at a change of
+    # state.
+    root = await spawn_waiting(s, "rh")
+    mid = await spawn_waiting(s, "rhm", parent=root)
+    kids = [
+        await s.runs.spawn(
+            RunSpec(task=task_with(3, "rhk"), model=MODEL, tools=["lookup"], parent=mid)
+        )
+        for _ in range(2)
+    ]
+    await s.runs.wait(kids, timeout=60)
+    await s.runs.approve(mid, True)
+    await s.runs.wait([mid], timeout=60)
+    await s.runs.approve(root, True)
+    await s.runs.wait([root], timeout=60)
+    await _save(s, "reports_held", [root, mid, kids[0]])
+
+
 SCENARIOS = {
     "tool_loop": _tool_loop,
     "parallel_calls": _parallel_calls,
@@ -173,6 +194,7 @@ SCENARIOS = {
     "once_calls": _once_calls,
     "answer_over_budget": _answer_over_budget,
     "cancelled_tree_waits": _cancelled_tree_waits,
+    "reports_held": _reports_held,
 }
 
 

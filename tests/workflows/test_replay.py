@@ -16,17 +16,19 @@ from temporalio.client import WorkflowHistory
 from temporalio.worker import Replayer
 
 from workflows import AgentRun
-from workflows.agent_run import DRAIN_PATCH, ENDS_PATCH, ONCE_PATCH, SPENT_PATCH
+from workflows.agent_run import DRAIN_PATCH, ENDS_PATCH, ONCE_PATCH, REPORTS_PATCH, SPENT_PATCH
 from workflows.contract import AgentRunInput
 
 HISTORIES = sorted((Path(__file__).parent / "histories").glob("*.json"))
+# Recorded after REPORTS_PATCH (and so after every earlier patch).
+AFTER_REPORTS = {"reports_held-0", "reports_held-1", "reports_held-2"}
 # Recorded after ENDS_PATCH (and so after every earlier patch).
 AFTER_ENDS = {
     "answer_over_budget-0",
     "answer_over_budget-1",
     "cancelled_tree_waits-0",
     "cancelled_tree_waits-1",
-}
+} | AFTER_REPORTS
 
 
 def _history(path: Path) -> WorkflowHistory:
@@ -48,6 +50,7 @@ def test_the_recorded_histories_cover_the_run_paths() -> None:
         "once_calls",
         "answer_over_budget",
         "cancelled_tree_waits",
+        "reports_held",
     }
     for kind in (
         "ACTIVITY_TASK_COMPLETED",  # LLM turns and tool calls
@@ -131,6 +134,22 @@ def test_histories_from_before_and_after_the_ends_patch_are_both_replayed() -> N
     waits = (HISTORIES[0].parent / "cancelled_tree_waits-0.json").read_text("utf-8")
     before = (HISTORIES[0].parent / "cancelled_tree-0.json").read_text("utf-8")
     assert "EVENT_TYPE_TIMER_STARTED" in waits and "EVENT_TYPE_TIMER_STARTED" not in before
+
+
+def test_histories_from_before_and_after_the_reports_patch_are_both_replayed() -> None:
+    # After REPORTS_PATCH (`reports_held`), a run under no budget holds back reports of
+    # totals alone (a timer, cancelled at its next change of state): a kid of three tool
+    # calls reports twice, where `tree_with_approval`'s kids of two reported each change.
+    assert {p.stem for p in HISTORIES if REPORTS_PATCH in _patches(p)} == AFTER_REPORTS
+
+    def events(stem: str) -> list[str]:
+        path = HISTORIES[0].parent / f"{stem}.json"
+        return [e["eventType"] for e in json.loads(path.read_text("utf-8"))["events"]]
+
+    sent = "EVENT_TYPE_SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED"
+    assert "EVENT_TYPE_TIMER_STARTED" in events("reports_held-1")  # the mid
+    assert events("reports_held-2").count(sent) == 2  # the kid: its first change, its end
+    assert events("tree_with_approval-1").count(sent) > 2
 
 
 @pytest.mark.parametrize("path", HISTORIES, ids=[p.stem for p in HISTORIES])

@@ -7,19 +7,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from temporalio.api.enums.v1 import EventType
 
 from tests.workflows.harness import (
     MODEL,
     Stack,
     connect,
     dev_server_with,
+    run_worker,
     spawn_waiting,
     stack,
+    state_is,
     task_with,
     until,
 )
 from workflows import TERMINAL_STATES, AgentRun, Budget, RunError, Runs, RunSpec, contract
-from workflows.contract import AgentRunInput, ChildSummary, RunStatus, Totals
+from workflows.contract import AgentRunInput, ChildReport, ChildSummary, RunStatus, Totals
 from workflows.runs import new_handle
 
 
@@ -84,6 +87,98 @@ async def test_a_run_takes_children_only_while_its_history_has_room(
         (status,) = await s.runs.wait([parent], timeout=30)
         assert status.state == "Completed", status
         assert sorted(c.handle for c in status.children) == sorted(kids)
+
+
+async def test_reports_that_arrive_together_go_up_as_one(temporal_address: str) -> None:
+    # Every report is a signal event in every ancestor's history, up to the root's, and
+    # Temporal ends a root past 51,200 events with its whole tree.  A run sends one
+    # report up at a time: reports from below that arrive together (here five, queued
+    # while no worker was up) go up as one, with the latest totals.
+    async with stack(temporal_address, worker=False) as s:
+        mcp = f"{s.mcp_url}/mcp"
+        async with run_worker(s.client, s.task_queue, s.gateway_url, mcp):
+            root = await spawn_waiting(s, "root")
+            mid = await spawn_waiting(s, "mid", parent=root)
+            kid = await spawn_waiting(s, "kid", parent=mid)
+            settled = await until(
+                lambda: _when(s, root, lambda st: _child(st, mid).subtree.tool_calls == 0
+                              and _child(st, mid).subtree.turns == 2),
+                "the root saw its subtree wait",
+            )  # fmt: skip
+        before = await _signals(s, root)
+        for turns in range(10, 15):
+            await s.client.get_workflow_handle(mid).signal(
+                AgentRun.report, ChildReport(kid, "AwaitingApproval", Totals(turns=turns))
+            )
+        async with run_worker(s.client, s.task_queue, s.gateway_url, mcp):
+            status = await until(
+                lambda: _when(s, root, lambda st: _child(st, mid).subtree.turns == 1 + 14),
+                "the root saw the last report",
+            )
+            assert _child(status, mid).state == "AwaitingApproval"
+            assert settled.subtree.turns == 3
+            # Before: five, one by one, sent in one workflow task, so they could arrive
+            # in any order, and the root kept the fourth's totals.
+            assert await _signals(s, root) - before == 1
+            await s.runs.cancel(root)
+
+
+async def test_totals_alone_go_up_at_most_every_few_seconds_unless_under_a_budget(
+    temporal_address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A subtree under no budget reports a change of totals alone at most every
+    # REPORT_EVERY_S; a change of state goes at once, with the latest totals.  Under a
+    # budget every change goes at once: its holder checks the budget on each.
+    monkeypatch.setattr(contract, "REPORT_EVERY_S", 3600.0)
+    async with stack(temporal_address) as s:
+        await _a_tree_reports(s, Budget())
+        await _a_tree_reports(s, Budget(tokens=10**9))
+
+
+async def _a_tree_reports(s: Stack, budget: Budget) -> None:
+    root = await s.runs.spawn(
+        RunSpec(task=task_with(1, "root"), model=MODEL, tools=["delete_record"], budget=budget)
+    )
+    await until(lambda: state_is(s, root, "AwaitingApproval"), "the root waits")
+    mid = await spawn_waiting(s, "mid", parent=root)
+    await until(  # its first report, and its change of state, go at once
+        lambda: _when(s, root, lambda st: _child(st, mid).state == "AwaitingApproval"),
+        "the root saw the mid wait",
+    )
+    kid = await s.runs.spawn(
+        RunSpec(task=task_with(2, "kid"), model=MODEL, tools=["lookup"], parent=mid)
+    )
+    (done,) = await s.runs.wait([kid], timeout=60)
+    below = await until(
+        lambda: _when(s, mid, lambda st: _child(st, kid).state == "Completed"),
+        "the mid saw its child end",
+    )
+    assert below.subtree.turns == 1 + done.usage.turns
+    if budget.any():
+        await until(
+            lambda: _when(s, root, lambda st: _child(st, mid).subtree == below.subtree),
+            "the mid's totals reached the budget's holder at once",
+        )
+    else:
+        assert _child(await s.runs.status(root), mid).subtree.turns < below.subtree.turns
+        await s.runs.approve(mid, True)  # a change of state: all of it goes
+        await until(
+            lambda: _when(s, root, lambda st: _child(st, mid).subtree.turns >= below.subtree.turns),
+            "the mid's change of state took its totals up",
+        )
+    await s.runs.cancel(root)
+
+
+async def _signals(s: Stack, handle: str) -> int:
+    """The signals in the run's history."""
+    history = await s.client.get_workflow_handle(handle).fetch_history()
+    return sum(e.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED
+               for e in history.events)  # fmt: skip
+
+
+def _child(status: RunStatus, handle: str) -> ChildSummary:
+    (child,) = [c for c in status.children if c.handle == handle]
+    return child
 
 
 async def test_a_child_temporal_refuses_to_start_is_said_so(tmp_path: Path) -> None:
