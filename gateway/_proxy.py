@@ -21,7 +21,7 @@ import json
 import logging
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -65,6 +65,7 @@ __all__ = [
     "StreamWatch",
     "TurnRequest",
     "TurnResponse",
+    "dropped_upstream",
     "error_response",
     "no_answer",
 ]
@@ -522,6 +523,9 @@ class ResponsesWatch(StreamWatch):
 
 # A blank line: two line ends, each CRLF, LF or a CR alone (the SSE grammar's three).
 _EVENT_END = re.compile(rb"(?:\r\n|\r(?!\n)|\n)(?:\r\n|\r(?!\n)|\n)")
+# An empty `choices` list, however the engine spaces its JSON (`"choices":[]`,
+# `"choices": []`, `"choices" : [ ]`): as cheap a search as a test for `[]`.
+_EMPTY_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
 
 
 class _AddedUsage:
@@ -530,23 +534,41 @@ class _AddedUsage:
     whole events: a partial one waits for its end (a client cannot use half an event).
     SGLang puts `"usage": null` in every chunk, so the test is the empty choices."""
 
-    __slots__ = ("_tail",)
+    __slots__ = ("_cr", "_tail")
 
     def __init__(self) -> None:
         self._tail = b""
+        # The last piece ended an event with a CR, which may be half of a CRLF whose LF
+        # comes first in the next piece: None, or whether that event was dropped (its
+        # LF then goes with it; else the LF is passed on, not held for the next event).
+        self._cr: bool | None = None
 
     def filter(self, chunk: bytes, *, last: bool = False) -> bytes:
-        if not self._tail and b"[]" not in chunk and (last or chunk.endswith(b"\n\n")):
-            return chunk  # whole events, none with an empty list: most chunks
+        lead = b""
+        if self._cr is not None and chunk:
+            dropped, self._cr = self._cr, None
+            if chunk.startswith(b"\n"):
+                chunk = chunk[1:]
+                lead = b"" if dropped else b"\n"
+        if (
+            not self._tail
+            and (last or chunk.endswith(b"\n\n"))
+            and _EMPTY_CHOICES.search(chunk) is None
+        ):
+            return lead + chunk  # whole events, none with empty choices: most chunks
         data = self._tail + chunk if self._tail else chunk
-        kept = []
+        kept = [lead]
         start = 0
+        dropped = False
         for m in _EVENT_END.finditer(data):
-            if not _is_added_usage(data[start : m.end()]):
+            dropped = _is_added_usage(data[start : m.end()])
+            if not dropped:
                 kept.append(data[start : m.end()])
             start = m.end()
         rest = data[start:]
         self._tail = b"" if last else rest
+        if not last and start and not rest and data.endswith(b"\r"):
+            self._cr = dropped
         if last and rest and not _is_added_usage(rest):
             kept.append(rest)
         return b"".join(kept)
@@ -555,7 +577,16 @@ class _AddedUsage:
 def _is_added_usage(event: bytes) -> bool:
     """The usage-only event: empty choices and a usage (bytes tests, no parse: inside a
     JSON string these quotes would be escaped)."""
-    return (b'"choices":[]' in event or b'"choices": []' in event) and b'"usage"' in event
+    return b'"usage"' in event and _EMPTY_CHOICES.search(event) is not None
+
+
+def dropped_upstream(headers: Sequence[tuple[bytes, bytes]]) -> frozenset[bytes]:
+    """The engine's headers (names lower case) not passed on: DROP_UPSTREAM, and those
+    its `Connection` header names, hop-by-hop too (RFC 9110 7.6.1)."""
+    named = {
+        token.strip().lower() for k, v in headers if k == b"connection" for token in v.split(b",")
+    }
+    return DROP_UPSTREAM | named if named else DROP_UPSTREAM
 
 
 def _error_text(error: object, fallback: object = None) -> str:
@@ -908,7 +939,8 @@ class TurnResponse(Response):
         else:
             watch = ResponsesWatch(sse=sse)
         hide = _AddedUsage() if hide_usage and sse and not encoded else None
-        headers = [(k, v) for k, v in answer.headers if k not in DROP_UPSTREAM]
+        drop = dropped_upstream(answer.headers)
+        headers = [(k, v) for k, v in answer.headers if k not in drop]
         headers.append((_RUN_HEADER_BYTES, t.run_id.encode("latin-1")))
         await send({"type": "http.response.start", "status": answer.status, "headers": headers})
         started = False

@@ -41,7 +41,13 @@ from temporalio.client import Client as TemporalClient
 
 from activities.mcp_pool import McpPool
 from gateway._http import Upstream
-from gateway._proxy import DROP_UPSTREAM, TurnRequest, TurnResponse, error_response, no_answer
+from gateway._proxy import (
+    TurnRequest,
+    TurnResponse,
+    dropped_upstream,
+    error_response,
+    no_answer,
+)
 from gateway._runtrace import RunSpans
 from gateway._shell import AdmissionShell
 from gateway.decide import (
@@ -799,11 +805,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         # The engine's headers as a turn's answer gets them (request-id, rate limits),
         # but its content-encoding: httpx has decoded the body.
         reply = Response(answer.content, answer.status_code)  # sets content-length only
-        reply.raw_headers += [
-            (k.lower(), v)
-            for k, v in answer.headers.raw
-            if k.lower() not in DROP_UPSTREAM and k.lower() != b"content-encoding"
-        ]
+        engine_headers = [(k.lower(), v) for k, v in answer.headers.raw]
+        drop = dropped_upstream(engine_headers) | {b"content-encoding"}
+        reply.raw_headers += [(k, v) for k, v in engine_headers if k not in drop]
         return reply
 
     @app.post("/v1/decide")
