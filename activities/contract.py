@@ -86,6 +86,14 @@ class ToolInfo:
     read_only: bool = False
     destructive: bool = False
     idempotent: bool = False  # its server's idempotentHint
+    # The function name the model is offered and calls, when engines would refuse the
+    # tool's own (activities/tool_names.py); "" = its own name.
+    function: str = ""
+
+    @property
+    def offered(self) -> str:
+        """The name the run's model knows the tool by."""
+        return self.function or self.name
 
     @property
     def repeatable(self) -> bool:
@@ -98,7 +106,7 @@ class ToolInfo:
         return {
             "type": "function",
             "function": {
-                "name": self.name,
+                "name": self.offered,
                 "description": self.description,
                 "parameters": self.input_schema,
             },

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 from collections.abc import AsyncIterator, Collection, Sequence
+from dataclasses import replace
 from typing import Any
 
 import httpx2
@@ -39,6 +40,7 @@ from mcp_types import (
 )
 
 from activities.contract import IDEMPOTENCY_META_KEY, ToolInfo
+from activities.tool_names import function_names
 from luftpause.config import McpServer
 
 __all__ = ["McpPool", "UnknownTool", "Unreachable"]
@@ -304,7 +306,8 @@ class McpPool:
         """Every server's tools; when two servers offer one name, the first listed wins.
         A server that cannot be reached fails the listing, unless `wanted` names the
         tools needed and the servers reached offer them all (one server down no longer
-        hides every other server's tools from runs that do not need it)."""
+        hides every other server's tools from runs that do not need it).  A tool that
+        engines would refuse by its name gets one they take (activities/tool_names.py)."""
         tools: dict[str, ToolInfo] = {}
         down: dict[str, str] = {}
         after_down: set[str] = set()  # found only past a server that was down
@@ -369,7 +372,11 @@ class McpPool:
                     "unreachable: " + "; ".join(f"'{n}' ({why})" for n, why in down.items())
                 )
             log.info("listing tools without unreachable mcp servers %s", ", ".join(down))
-        return list(tools.values())
+        aliases = function_names((t.server, t.name) for t in tools.values())
+        return [
+            replace(t, function=aliases[(t.server, t.name)]) if (t.server, t.name) in aliases else t
+            for t in tools.values()
+        ]
 
     async def call(
         self, server: str, tool: str, arguments: dict[str, Any], *, key: str | None = None

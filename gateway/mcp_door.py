@@ -168,6 +168,11 @@ class StatusResult(BaseModel):
 
 class ToolView(BaseModel):
     name: str
+    function: str = Field(
+        description="the name a run's model is offered and calls: the tool's own, unless "
+        "engines would refuse it (OpenAI and Anthropic take ^[a-zA-Z0-9_-]{1,64}$; open "
+        "engines' parsers want an identifier)"
+    )
     description: str
     server: str
     readOnly: bool
@@ -937,6 +942,7 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
             tools=[
                 ToolView(
                     name=t.name,
+                    function=t.offered,
                     description=t.description,
                     server=t.server,
                     readOnly=t.read_only,

@@ -68,6 +68,21 @@ _PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
 _ID_PLACEHOLDER = "chatcmpl-" + "0" * 24
 
 
+_OPENAI_FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+
+
+def _check_tool_names(tools: list[dict[str, Any]]) -> None:
+    """OpenAI's check of function names, and its answer (`strict_tool_names`)."""
+    for i, tool in enumerate(tools):
+        name = tool["function"]["name"]
+        if not _OPENAI_FUNCTION_NAME.fullmatch(name):
+            raise _HTTPError(
+                400,
+                f"Invalid 'tools[{i}].function.name': string does not match pattern. "
+                "Expected a string that matches the pattern '^[a-zA-Z0-9_-]{1,64}$'.",
+            )
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class FakeEngineSettings:
     """Configuration of one fake engine."""
@@ -90,6 +105,9 @@ class FakeEngineSettings:
     # X-Data-Parallel-Rank header names, else to the next in turn (SGLang's default
     # round robin); /metrics labels each rank's load (SGLang `dp_rank`, vLLM `engine`).
     dp_size: int = 1
+    # Refuse a function name OpenAI refuses (^[a-zA-Z0-9_-]{1,64}$) with its 400, as a
+    # hosted endpoint does; the open engines take any name.
+    strict_tool_names: bool = False
 
     def __post_init__(self) -> None:
         if self.flavor not in FLAVORS:
@@ -1041,6 +1059,8 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
         raw = await request.body()
         try:
             chat = _parse_chat(_parse_json(raw), s.models, s.max_tool_calls, s.flavor)
+            if s.strict_tool_names:
+                _check_tool_names(chat.tools)
             if not drivers:
                 return instant_reply(raw, chat)
             driver = rank_of(request)

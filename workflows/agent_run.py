@@ -526,7 +526,7 @@ class AgentRun:
         # Approvals first, one at a time, in the model's order; then execution.
         approved: list[ToolCall] = []
         for call in run:
-            if self._needs_approval(call.name) and not await self._approval(call):
+            if self._needs_approval(call) and not await self._approval(call):
                 outputs[call.id] = ToolOutput(content=DECLINED, is_error=True, executed=False)
             else:
                 approved.append(call)
@@ -562,9 +562,9 @@ class AgentRun:
 
     async def _call(self, call: ToolCall) -> ToolOutput:
         assert self._tools is not None
-        tool = next((t for t in self._tools if t.name == call.name), None)
+        tool = self._tool(call)
         if tool is None:
-            names = ", ".join(t.name for t in self._tools) or "none"
+            names = ", ".join(t.offered for t in self._tools) or "none"
             return ToolOutput(
                 content=f"Error: there is no tool named '{call.name}'; the tools are: {names}",
                 is_error=True,
@@ -616,10 +616,17 @@ class AgentRun:
                     executed=True,
                 )
 
-    def _needs_approval(self, name: str) -> bool:
-        if name in self._spec.approve_tools:
+    def _tool(self, call: ToolCall) -> ToolInfo | None:
+        """The tool a call asks for: by the name the model was offered, or by the tool's
+        own (a model may write that, read in a description or an earlier answer)."""
+        tools = self._tools or []
+        found = next((t for t in tools if t.offered == call.name), None)
+        return found or next((t for t in tools if t.name == call.name), None)
+
+    def _needs_approval(self, call: ToolCall) -> bool:
+        tool = self._tool(call)
+        if (tool.name if tool is not None else call.name) in self._spec.approve_tools:
             return True
-        tool = next((t for t in self._tools or [] if t.name == name), None)
         return tool is not None and tool.destructive and not tool.read_only
 
     async def _approval(self, call: ToolCall) -> bool:
@@ -630,7 +637,10 @@ class AgentRun:
                 arguments: Any = json.loads(call.arguments) if call.arguments.strip() else {}
             except ValueError:
                 arguments = call.arguments
-            self._pending = PendingApproval(call.id, call.name, arguments)
+            tool = self._tool(call)
+            self._pending = PendingApproval(
+                call.id, tool.name if tool is not None else call.name, arguments
+            )
             self._set_state("AwaitingApproval")
             await self._report_up()
             await workflow.wait_condition(lambda: call.id in self._answers or self._halting())

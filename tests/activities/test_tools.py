@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -425,6 +426,28 @@ async def test_a_stdio_server_gets_its_own_environment_not_the_workers(
         seen = json.loads((await pool.call("s", "environment", {}))[0])
         assert seen["REGION"] == "eu" and "LUFTPAUSE_TOKEN" not in seen
         assert seen["PATH"] == os.environ["PATH"]  # the SDK's safe default stays
+    finally:
+        await pool.aclose()
+
+
+async def test_a_tool_engines_would_refuse_by_name_is_offered_by_one_they_take() -> None:
+    # `files.read` or `files/delete` in a request's tools: OpenAI answers 400 to the whole
+    # turn, and every run offered the server's tools failed on its first turn.
+    script = Path(__file__).with_name("named_server.py")
+    pool = McpPool([McpServer(name="named", command=[sys.executable, str(script)])])
+    try:
+        tools = {t.name: t for t in await pool.list_tools()}
+        offered = {name: t.openai_tool()["function"]["name"] for name, t in tools.items()}
+        assert offered["files/delete"] == "files_delete"
+        assert offered["2fa-check"] == "t_2fa_check"
+        assert offered["files_read"] == "files_read"  # its own: `files.read` gets another
+        assert offered["files.read"].startswith("files_read_")
+        assert len(set(offered.values())) == len(offered)
+        assert all(re.fullmatch(r"[A-Za-z][A-Za-z0-9_]{0,63}", n) for n in offered.values())
+        assert tools["files.read"].function == offered["files.read"]
+        assert tools["files_read"].function == ""  # a name that needs none keeps none
+        # A call goes to the server by the tool's own name.
+        assert await pool.call("named", "files.read", {"path": "a"}) == ("contents of a", False)
     finally:
         await pool.aclose()
 

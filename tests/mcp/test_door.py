@@ -60,6 +60,7 @@ async def test_spawn_six_and_await_all_any_and_timeout(temporal_address: str, mo
         assert {t["name"] for t in tools} >= {"lookup", "deep_search", "delete_record"}
         by_name = {t["name"]: t for t in tools}
         assert by_name["delete_record"]["destructive"] is True
+        assert by_name["lookup"]["function"] == "lookup"  # a name engines take is kept
         assert (by_name["delete_record"]["repeatable"], by_name["lookup"]["repeatable"]) == (
             False,
             True,

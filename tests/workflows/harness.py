@@ -10,7 +10,7 @@ import json
 import sys
 import urllib.request
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -132,6 +132,7 @@ async def stack(
     worker: bool = True,
     token: str | None = None,
     callers: list[dict[str, str]] | None = None,
+    mcp_servers: Sequence[McpServer] = (),
 ) -> AsyncIterator[Stack]:
     """Gateway + two fake engines + fake MCP + (optionally) a worker on a fresh task queue."""
     async with contextlib.AsyncExitStack() as stack_:
@@ -150,7 +151,9 @@ async def stack(
         client = await connect(temporal_address)
         if worker:
             await stack_.enter_async_context(
-                run_worker(client, queue, gateway_url, f"{mcp_url}/mcp", token=token)
+                run_worker(
+                    client, queue, gateway_url, f"{mcp_url}/mcp", token=token, more=mcp_servers
+                )
             )
         yield Stack(
             runs=Runs(client, task_queue=queue),
@@ -165,9 +168,16 @@ async def stack(
 
 @contextlib.asynccontextmanager
 async def run_worker(
-    client: Client, queue: str, gateway_url: str, mcp_url: str, *, token: str | None = None
+    client: Client,
+    queue: str,
+    gateway_url: str,
+    mcp_url: str,
+    *,
+    token: str | None = None,
+    more: Sequence[McpServer] = (),
 ) -> AsyncIterator[None]:
-    pool = McpPool([McpServer(name="fake", url=mcp_url)])
+    """A worker whose tools are the fake MCP server's (`fake`), and `more` servers'."""
+    pool = McpPool([McpServer(name="fake", url=mcp_url), *more])
     async with gateway_client() as http:  # the worker's own
         llm = LlmActivities(http, base_url=gateway_url, token=token, heartbeat_every_s=0.5)
         worker = build_worker(

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
 from temporalio.client import WorkflowHandle
 
+from luftpause.config import McpServer
 from tests.workflows.harness import (
     MODEL,
     Stack,
@@ -186,6 +189,45 @@ async def test_approve_tools_names_a_tool_that_is_not_destructive(temporal_addre
         await s.runs.approve(handle, True, call_id=status.pending_approval.call_id)
         (status,) = await s.runs.wait([handle])
         assert status.state == "Completed" and sum(s.mcp.counts.values()) == 1
+
+
+async def test_a_tool_named_as_engines_refuse_is_offered_by_a_name_they_take(
+    temporal_address: str,
+) -> None:
+    # An engine that checks function names as OpenAI does answered 400 to every turn that
+    # offered `files.read`: the run failed on its first turn.  Its model now calls it by
+    # a name it takes; approvals and `approve_tools` still speak of the tool's own name.
+    script = Path(__file__).parents[1] / "activities" / "named_server.py"
+    named = McpServer(name="named", command=[sys.executable, str(script)])
+    engine = {"strict_tool_names": True}
+    async with stack(temporal_address, engine=engine, mcp_servers=[named]) as s:
+        read = await s.runs.spawn(
+            RunSpec(task=task_with(1, "read"), model=MODEL, tools=["files.read"])
+        )
+        delete = await s.runs.spawn(
+            RunSpec(task=task_with(1, "delete"), model=MODEL, tools=["files/delete"])
+        )
+        check = await s.runs.spawn(
+            RunSpec(task=task_with(1, "2fa"), model=MODEL, tools=["2fa-check"],
+                    approve_tools=["2fa-check"])
+        )  # fmt: skip
+        for handle, tool in ((delete, "files/delete"), (check, "2fa-check")):
+            pending = (await _pending(s, handle)).pending_approval
+            assert pending is not None and pending.tool == tool
+            await s.runs.approve(handle, True)
+        done = await s.runs.wait([read, delete, check], timeout=60)
+        assert [d.state for d in done] == ["Completed"] * 3, done
+        assert [(d.usage.tool_calls, d.usage.failed_tool_calls) for d in done] == [(1, 0)] * 3
+        for handle, function, answer in (
+            (read, "files_read_", "contents of "),
+            (delete, "files_delete", "deleted "),
+            (check, "t_2fa_check", "checked "),
+        ):
+            messages = await s.runs.transcript(handle)
+            (call,) = [c for m in messages for c in m.get("tool_calls") or ()]
+            assert call["function"]["name"].startswith(function)
+            (reply,) = [m for m in messages if m["role"] == "tool"]
+            assert reply["content"].startswith(answer), reply
 
 
 async def _pending(s: Stack, handle: str) -> Any:

@@ -1,0 +1,58 @@
+"""The function names a run's model is offered for MCP tools (activities/tool_names.py)."""
+
+from __future__ import annotations
+
+import random
+import re
+
+from activities.tool_names import FUNCTION_NAME, function_names
+
+# What OpenAI and Anthropic take; Gemini wants a letter or "_" first.
+OPENAI = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+LONG = "synchronize_all_customer_records_across_every_connected_billing_system"
+
+
+def test_a_name_engines_take_is_kept_and_another_made_one() -> None:
+    tools = [
+        ("files", "read_file"),
+        ("files", "files.read"),
+        ("gh", "github/create_issue"),
+        ("auth", "2fa-check"),
+        ("auth", "get-token"),
+        ("crm", LONG),
+        ("crm", "é"),
+    ]
+    names = function_names(tools)
+    # (`get-token`: a dash, which the open engines' `pythonic` parsers refuse)
+    assert names == {
+        ("files", "files.read"): "files_read",
+        ("gh", "github/create_issue"): "github_create_issue",
+        ("auth", "2fa-check"): "t_2fa_check",
+        ("auth", "get-token"): "get_token",
+        ("crm", LONG): LONG[:55] + "_" + names[("crm", LONG)][-8:],
+        ("crm", "é"): "t__",
+    }
+    assert all(FUNCTION_NAME.fullmatch(n) and OPENAI.fullmatch(n) for n in names.values())
+
+
+def test_names_are_unique_and_the_same_whatever_the_order_of_the_listing() -> None:
+    # `x.y` would be named as `x_y`, which is a tool's own name: it keeps it, and `x.y`
+    # gets a name of its own; so do `a.b` and `a/b`, both `a_b`, and two long ones
+    # alike in their first 55 characters.
+    tools = [
+        ("s", "x.y"),
+        ("s", "x_y"),
+        ("s", "a.b"),
+        ("t", "a/b"),
+        ("s", LONG + ".1"),
+        ("s", LONG + ".2"),
+    ]
+    first = function_names(tools)
+    assert ("s", "x_y") not in first and first[("s", "x.y")] != "x_y"
+    offered = [first.get(k, k[1]) for k in tools]
+    assert len(set(offered)) == len(tools)
+    assert all(FUNCTION_NAME.fullmatch(n) for n in offered)
+    rng = random.Random(7)
+    for _ in range(20):
+        rng.shuffle(tools)
+        assert function_names(tools) == first
