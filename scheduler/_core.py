@@ -1061,9 +1061,12 @@ class _Tx:
         ):
             # Only claims the new policy would not make: dropped (a recount makes none
             # where there was none, so no timer needs adding).
-            for run in self.state._runs.values():  # (the runs are unchanged so far)
-                if run.ws_claim:
-                    self._set_run(run)
+            # By run id, not the map's order (its hashes'): dropping an interactive
+            # run's claim queues its device's replicas for a refill (rule 13), and
+            # _release_pinned's _fill below visits them in that order.
+            runs = self.state._runs  # (the runs are unchanged so far)
+            for run_id in sorted(k for k, run in runs.items() if run.ws_claim):
+                self._set_run(runs[run_id])
         if old.strict_affinity and not policy.strict_affinity:
             for name in names:
                 self._release_pinned(name)

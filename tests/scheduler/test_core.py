@@ -1622,3 +1622,64 @@ def test_the_retry_of_a_failed_turn_is_a_run_in_progress_under_the_held_bound() 
     assert {held, retry} <= d.held_ids()
     d.arrive("new", caller="alice")
     assert [a.status for a in d.actions if isinstance(a, Reject)] == [429]
+
+
+def test_a_policy_change_decides_alike_in_any_map_order() -> None:
+    """Dropping claims (kv_admission and strict affinity switched off) queues the
+    devices of the interactive runs that held them for a refill (rule 13); the order
+    must be the runs' ids', not the runs map's (their hashes', PYTHONHASHSEED's).
+    Here the map visits the run on r0 first; by id, the run on r1 comes first, so r1's
+    device (r1, r2) is refilled before r0, and the held turn goes to idle r2."""
+    from immutables import Map
+
+    on_r1, on_r0 = next(
+        (a, b)
+        for a, b in ((f"a{i}", f"b{i}") for i in range(1000))
+        if [k for k in Map({a: 0, b: 0, "bb": 0, "new": 0}) if k in (a, b)] == [b, a]
+    )
+    specs = [
+        ReplicaSpec(name="r0", models=frozenset({"m1"}), kv_tokens=6000, device="g0"),
+        ReplicaSpec(name="r1", models=frozenset({"m0", "m1"}), kv_tokens=20000, device="g1"),
+        ReplicaSpec(name="r2", models=frozenset({"m1"}), kv_tokens=12000, device="g1"),
+        ReplicaSpec(name="r3", models=frozenset({"m0"}), device=None),
+    ]
+    policy = Policy(strict_affinity=True, kv_admission=True, pack_shared_devices=True)
+    state, now = State.initial(specs, policy), 0.0
+
+    def step(event: Event) -> list[tuple[str, str]]:
+        nonlocal state
+        state, actions = decide(state, event)
+        return [(a.turn_id, a.replica) for a in actions if isinstance(a, Admit)]
+
+    def probe(name: str, healthy: bool = True, queued: int | None = None) -> None:
+        nonlocal now
+        now += 0.1
+        running = None if queued is None else 2
+        step(ReplicaProbed(now=now, replica=name, healthy=healthy, queued=queued, running=running))
+
+    def arrive(
+        tid: str, run: str, cls: ServiceClass, model: str, prompt: int
+    ) -> list[tuple[str, str]]:
+        nonlocal now
+        now += 0.1
+        return step(
+            TurnArrived(
+                now=now, turn_id=tid, run_id=run, service_class=cls, caller=run,
+                model=model, prompt_tokens=prompt, max_tokens=200,
+            )
+        )  # fmt: skip
+
+    for name in ("r0", "r2", "r3"):
+        probe(name, healthy=False)
+    assert arrive("t1", on_r1, I, "m1", 2000) == [("t1", "r1")]  # r1 leads g1: r2 closed
+    assert arrive("t2", "bb", B, "m0", 2000) == [("t2", "r1")]
+    probe("r1", queued=1)
+    probe("r1", queued=1)  # capped at its 2 turns
+    assert arrive("t3", "bb", B, "m0", 500) == []  # pinned to r1
+    probe("r0")
+    assert arrive("t4", on_r0, I, "m1", 9000) == [("t4", "r0")]  # fills r0's KV
+    probe("r2")
+    probe("r3")
+    assert arrive("t5", "new", I, "m1", 500) == []
+    switched = Policy(strict_affinity=False, kv_admission=False, pack_shared_devices=True)
+    assert step(PolicyChanged(now=now + 0.1, policy=switched)) == [("t3", "r3"), ("t5", "r2")]
