@@ -497,16 +497,19 @@ def check_device_leader(before: State, event: Event, after: State, admits: list[
     # A batch turn of an interactive run holding KV on the device, admitted later in the
     # step, makes the run batch and its replica a lane less: an earlier admission saw the
     # count before it (found by a fresh draw, 2026-12-02).
-    interactive_on |= {
+    # So are the admissions up to it; one after it saw the change, which the state after
+    # the step shows (helper-82).
+    lane_changed = [
         device_of.get(b.replica)
-        for a in admits
         if (b := before.runs.get(a.run_id)) is not None
         and (c := after.runs.get(a.run_id)) is not None
         and b.bound
         and lane(b) != lane(c)
-    }
+        else None
+        for a in admits
+    ]
     bound_now: set[tuple[str, str]] = set()  # (run, replica) bound by an earlier admission
-    for a in admits:
+    for i, a in enumerate(admits):
         turn = before.turns.get(a.turn_id)
         model = turn.model if turn is not None else getattr(event, "model", "")
         run = before.runs.get(a.run_id)
@@ -524,7 +527,12 @@ def check_device_leader(before: State, event: Event, after: State, admits: list[
         )
         bound_now.add((a.run_id, a.replica))
         name = a.replica
-        if not new_run or name not in after.replicas or device_of[name] in interactive_on:
+        if (
+            not new_run
+            or name not in after.replicas
+            or device_of[name] in interactive_on
+            or device_of[name] in lane_changed[i:]
+        ):
             continue
         if not closed_to(after, name, model):
             continue
