@@ -19,7 +19,7 @@ import json
 import logging
 import os
 from collections.abc import AsyncIterator, Collection, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx2
@@ -43,7 +43,7 @@ from activities.contract import IDEMPOTENCY_META_KEY, ToolInfo
 from activities.tool_names import function_names
 from luftpause.config import McpServer
 
-__all__ = ["McpPool", "UnknownTool", "Unreachable"]
+__all__ = ["Listing", "McpPool", "UnknownTool", "Unreachable"]
 
 log = logging.getLogger(__name__)
 
@@ -291,6 +291,14 @@ class _Connection:
                 await self.settle(gen)
 
 
+@dataclass(frozen=True)
+class Listing:
+    """The tools of the servers reached, and why each other one was not."""
+
+    tools: list[ToolInfo]
+    unreachable: dict[str, str]  # server -> the error
+
+
 class McpPool:
     """The configured upstream MCP servers: list their tools, call one."""
 
@@ -308,6 +316,11 @@ class McpPool:
         tools needed and the servers reached offer them all (one server down no longer
         hides every other server's tools from runs that do not need it).  A tool that
         engines would refuse by its name gets one they take (activities/tool_names.py)."""
+        return (await self.listing(wanted)).tools
+
+    async def listing(self, wanted: Collection[str] | None = None) -> Listing:
+        """`list_tools`, with the servers that could not be reached (`wanted` empty:
+        whatever the servers reached offer)."""
         tools: dict[str, ToolInfo] = {}
         down: dict[str, str] = {}
         after_down: set[str] = set()  # found only past a server that was down
@@ -373,10 +386,15 @@ class McpPool:
                 )
             log.info("listing tools without unreachable mcp servers %s", ", ".join(down))
         aliases = function_names((t.server, t.name) for t in tools.values())
-        return [
-            replace(t, function=aliases[(t.server, t.name)]) if (t.server, t.name) in aliases else t
-            for t in tools.values()
-        ]
+        return Listing(
+            [
+                replace(t, function=aliases[(t.server, t.name)])
+                if (t.server, t.name) in aliases
+                else t
+                for t in tools.values()
+            ],
+            down,
+        )
 
     async def call(
         self, server: str, tool: str, arguments: dict[str, Any], *, key: str | None = None

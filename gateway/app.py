@@ -1114,7 +1114,7 @@ class _Door:
 
         return DoorDeps(
             runs=self.runs,
-            upstream_tools=self._pool.list_tools,
+            upstream_tools=self._pool.listing,
             decide=decide_in_process,
             models=lambda: live.pool.offered,
             token_identity="token" if self._token else None,

@@ -15,7 +15,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -27,7 +27,7 @@ from mcp_types import ElicitRequest, ElicitRequestFormParams, InputRequiredResul
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from temporalio.service import RPCError, RPCStatusCode
 
-from activities.contract import ToolInfo
+from activities.mcp_pool import Listing
 from gateway import _approval as approval
 from gateway.mcp_tasks import TasksExtension
 from luftpause.headers import CALLER_HEADER, TENANT_HEADER, caller_name
@@ -87,7 +87,9 @@ class DoorDeps:
     """What the door needs from the gateway process."""
 
     runs: Callable[[], Awaitable[Runs]]  # connects to Temporal on first use
-    upstream_tools: Callable[[], Awaitable[list[ToolInfo]]]
+    # The upstream tools (McpPool.listing): every server's, or (names given) enough
+    # servers' for those names; an empty list: whatever the servers reached offer.
+    upstream_tools: Callable[[Collection[str] | None], Awaitable[Listing]]
     # (status, JSON body) of a /v1/decide request: input, labels, model, caller
     decide: Callable[[str, list[str] | None, str | None, str], Awaitable[tuple[int, Any]]]
     models: Callable[[], Sequence[str]]  # the models the pool serves now, its first the default
@@ -187,6 +189,11 @@ class ToolView(BaseModel):
 
 class ToolsResult(BaseModel):
     tools: list[ToolView]
+    unreachable: dict[str, str] = Field(
+        default_factory=dict,
+        description="servers that could not be reached, with the error: their tools are "
+        "not listed, and a run that names no tools waits for them",
+    )
 
 
 class DecideResult(BaseModel):
@@ -559,7 +566,11 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
     async def check_tools(names: list[str] | None) -> None:
         if not names:
             return
-        known = {t.name for t in await deps.upstream_tools()}
+        try:
+            # Only the servers that offer these names need be up, as for the run.
+            known = {t.name for t in (await deps.upstream_tools(names)).tools}
+        except ConnectionError as exc:
+            raise ToolError(f"a tool server is unreachable: {exc}") from None
         unknown = [n for n in names if n not in known]
         if unknown:
             raise ToolError(
@@ -935,10 +946,11 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
     async def tools(ctx: Context) -> ToolsResult:
         """The upstream tools sub-agents may use (pass names to spawn's `tools`)."""
         try:
-            listed = await deps.upstream_tools()
-        except Exception as exc:
-            raise ToolError(f"the upstream tool servers are unreachable: {exc}") from None
+            listing = await deps.upstream_tools(())
+        except Exception as exc:  # (a server's unreachable is in the listing)
+            raise ToolError(f"the upstream tools could not be listed: {exc}") from None
         return ToolsResult(
+            unreachable=listing.unreachable,
             tools=[
                 ToolView(
                     name=t.name,
@@ -951,8 +963,8 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
                     repeatable=t.repeatable,
                     inputSchema=t.input_schema,
                 )
-                for t in listed
-            ]
+                for t in listing.tools
+            ],
         )
 
     @mcp.tool(annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))

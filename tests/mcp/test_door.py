@@ -21,6 +21,7 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp_types import ElicitResult
 
+from luftpause.config import McpServer
 from luftpause.temporal_dev import DevServer, free_port
 from testkit.loopback import serve
 from tests.mcp.tasks_client import CreateOnly, TaskCreated, TasksClient, cancel_task, follow
@@ -51,6 +52,29 @@ def error_text(r: Any) -> str:
 
 async def spawn(c: Client, **kw: Any) -> str:
     return str(result(await c.call_tool("spawn", {"model": MODEL, **kw}))["handle"])
+
+
+async def test_one_tool_server_down_hides_only_its_own_tools(temporal_address: str) -> None:
+    # `tools` failed whole while any server was down, and so did every spawn that named
+    # tools, though a run that names its tools needs only the servers that offer them.
+    gone = McpServer(name="gone", url=f"http://127.0.0.1:{free_port()}/mcp")
+    async with (
+        stack(temporal_address, mcp_servers=[gone]) as s,
+        Client(s.mcp_door, mode="2026-07-28") as c,
+    ):
+        listed = result(await c.call_tool("tools", {}))
+        assert {t["name"] for t in listed["tools"]} >= {"lookup", "delete_record"}
+        assert list(listed["unreachable"]) == ["gone"]
+        assert "onnect" in listed["unreachable"]["gone"]
+        handle = await spawn(c, task=task_with(1, "up"), tools=["lookup"])
+        done = result(await c.call_tool("await", {"handles": [handle], "timeout": 60}))
+        assert done["runs"][0]["state"] == "Completed" and done["runs"][0]["toolCalls"] == 1
+        # A name no server reached offers may be the one that is down's: said so.
+        refused = await c.call_tool("spawn", {"model": MODEL, "task": "x", "tools": ["nope"]})
+        assert refused.is_error
+        text = error_text(refused)
+        assert text.startswith("Error executing tool spawn: a tool server is unreachable: ")
+        assert "offers nope" in text and "unreachable: 'gone'" in text
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -146,6 +146,7 @@ async def stack(
             mcp_url=f"{mcp_url}/mcp",
             token=token,
             callers=callers,
+            mcp_servers=mcp_servers,
         )
         gateway_url = await stack_.enter_async_context(serve(app, http=BoundedHead))
         client = await connect(temporal_address)
@@ -224,6 +225,7 @@ def gateway_app(
     mcp_url: str | None = None,
     token: str | None = None,
     callers: list[dict[str, str]] | None = None,  # [[callers]]: name, token_env
+    mcp_servers: Sequence[McpServer] = (),
 ) -> Any:
     """A gateway over these engines (the first also serves /classify), with its MCP
     door on `temporal`/`queue` and the fake MCP's tools when given."""
@@ -238,7 +240,8 @@ def gateway_app(
     if temporal is not None:
         data["temporal"] = {"address": temporal, "task_queue": queue or "luftpause"}
     if mcp_url is not None:
-        data["mcp_servers"] = [{"name": "fake", "url": mcp_url}]
+        more = [m.model_dump(exclude_defaults=True) for m in mcp_servers]
+        data["mcp_servers"] = [{"name": "fake", "url": mcp_url}, *more]
     if callers:
         data |= {"callers": callers, "token": token}
     return create_app(GatewaySettings(config=parse_config(data), probe_period=0.05, token=token))
