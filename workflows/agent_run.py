@@ -739,6 +739,12 @@ class AgentRun:
         if not self._coalesce:
             await self._send_report()
             return
+        last = self._last_report
+        if last is not None and last[0] in TERMINAL_STATES:
+            # Its end has gone up, and a parent takes no report of a child after its end:
+            # a late one from below (a child that ended past CHILDREN_END_WAIT) would only
+            # hold this run's close for REPORT_EVERY_S (helper-82).
+            return
         self._report_again = True
         if not self._reporting:
             self._reporting = True
@@ -771,7 +777,7 @@ class AgentRun:
         last, at = self._last_report, self._reported_at
         if self._report_due() or last is None or at is None:
             return 0.0
-        if self._spec.under_budget or self._spec.budget.any():
+        if self._spec.under_budget:
             return 0.0
         return contract.REPORT_EVERY_S - (workflow.now() - at).total_seconds()
 
@@ -826,11 +832,15 @@ class AgentRun:
             return
         if not self._children_done():
             return  # closing this run would cancel its running children
+        if self._coalesce:
+            # The next run reports afresh.  First: the flush may take workflow tasks, in
+            # which a child may be spawned; the checks below see it (helper-82).
+            await self._flush_reports()
         await workflow.wait_condition(workflow.all_handlers_finished)
         if self._drain and not self._children_done():
             return  # a child was spawned meanwhile
-        if self._coalesce:
-            await self._flush_reports()  # the next run reports afresh
+        if self._coalesce and self._reporting:
+            return  # a report went on its way meanwhile: at the next check
         workflow.continue_as_new(
             AgentRunInput(
                 spec=self._spec,
@@ -921,7 +931,7 @@ class AgentRun:
             parent=self._id,
             root=self._root,
             caller=request.spec.caller or self._spec.caller,
-            under_budget=self._spec.under_budget or self._spec.budget.any(),
+            under_budget=self._spec.under_budget or self._spec.budget.counts_usage(),
         )
         self._spawning += 1
         try:

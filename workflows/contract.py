@@ -53,9 +53,10 @@ SPAWN_HISTORY_LIMIT = 20_480
 # state, not its end) at most once in this many seconds; the latest totals ride on the
 # next report.  Every report is an event in each ancestor's history up to the root's,
 # so a busy subtree sends its root at most one per child per this many seconds, not
-# one per change of every run below.  A run under a budget (its own or an ancestor's)
-# reports every change at once: the holder checks the budget on each.  Read at each
-# report, so tests can change it.
+# one per change of every run below.  A run under an ancestor's budget of tokens or
+# tool calls reports every change at once: the holder checks the budget on each.  Read
+# at each report, so tests can change it.  Part of a run's replay (whether a report
+# waits is a timer or none): change it only behind a new `workflow.patched` id.
 REPORT_EVERY_S = 5.0
 
 RunState = Literal[
@@ -95,6 +96,11 @@ class Budget:
     def any(self) -> bool:
         return self.tokens is not None or self.tool_calls is not None or self.seconds is not None
 
+    def counts_usage(self) -> bool:
+        """Whether the budget's holder counts what its subtree reports (tokens or tool
+        calls; the seconds budget is a timer)."""
+        return self.tokens is not None or self.tool_calls is not None
+
 
 @dataclass(frozen=True)
 class RunSpec:
@@ -119,8 +125,9 @@ class RunSpec:
     # cancels it: a turn the gateway still holds has no deadline.  The gateway's turn
     # timeout by default (an admitted turn ends within it); not an MCP argument.
     stop_turn_wait_s: float = 600.0
-    # Set by the parent: a run above holds a budget, which counts every change of this
-    # run's subtree at once (see REPORT_EVERY_S).  Not an MCP argument.
+    # Set by the parent: a run above holds a budget of tokens or tool calls, which counts
+    # every change of this run's subtree at once (see REPORT_EVERY_S).  Not an MCP
+    # argument.
     under_budget: bool = False
 
 

@@ -128,19 +128,22 @@ async def test_totals_alone_go_up_at_most_every_few_seconds_unless_under_a_budge
 ) -> None:
     # A subtree under no budget reports a change of totals alone at most every
     # REPORT_EVERY_S; a change of state goes at once, with the latest totals.  Under a
-    # budget every change goes at once: its holder checks the budget on each.
+    # budget of tokens or tool calls every change goes at once: its holder checks the
+    # budget on each.  A run's own budget is its own to check: its reports wait.
     monkeypatch.setattr(contract, "REPORT_EVERY_S", 3600.0)
     async with stack(temporal_address) as s:
-        await _a_tree_reports(s, Budget())
-        await _a_tree_reports(s, Budget(tokens=10**9))
+        await _a_tree_reports(s, Budget(), Budget())
+        await _a_tree_reports(s, Budget(tokens=10**9), Budget())
+        await _a_tree_reports(s, Budget(seconds=3600), Budget())
+        await _a_tree_reports(s, Budget(), Budget(tool_calls=100))
 
 
-async def _a_tree_reports(s: Stack, budget: Budget) -> None:
+async def _a_tree_reports(s: Stack, budget: Budget, mids: Budget) -> None:
     root = await s.runs.spawn(
         RunSpec(task=task_with(1, "root"), model=MODEL, tools=["delete_record"], budget=budget)
     )
     await until(lambda: state_is(s, root, "AwaitingApproval"), "the root waits")
-    mid = await spawn_waiting(s, "mid", parent=root)
+    mid = await spawn_waiting(s, "mid", parent=root, budget=mids)
     await until(  # its first report, and its change of state, go at once
         lambda: _when(s, root, lambda st: _child(st, mid).state == "AwaitingApproval"),
         "the root saw the mid wait",
@@ -154,7 +157,7 @@ async def _a_tree_reports(s: Stack, budget: Budget) -> None:
         "the mid saw its child end",
     )
     assert below.subtree.turns == 1 + done.usage.turns
-    if budget.any():
+    if budget.counts_usage():
         await until(
             lambda: _when(s, root, lambda st: _child(st, mid).subtree == below.subtree),
             "the mid's totals reached the budget's holder at once",
