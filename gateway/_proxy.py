@@ -368,10 +368,11 @@ class MessagesWatch(StreamWatch):
     Engines split usage differently: llama.cpp puts `input_tokens` (net of the cache, as
     Anthropic's API does) and `cache_read_input_tokens` in `message_start`; vLLM repeats
     `input_tokens` in the last `message_delta` (net of the cache where it reports
-    `cache_read_input_tokens`, since vLLM PR #40912; before, it reported no cache and its
-    `input_tokens` were the whole prompt); SGLang reports them in the last
-    `message_delta` only, and its `input_tokens` count the cached tokens too
-    (`input_counts_cached`)."""
+    `cache_read_input_tokens`, since vLLM PR #40912, while its `message_start`, written
+    before the cache hit is known, still counts the whole prompt; before that PR it
+    reported no cache and its `input_tokens` were the whole prompt in both); SGLang
+    reports them in the last `message_delta` only, and its `input_tokens` count the
+    cached tokens too (`input_counts_cached`).  The last reading of a field wins."""
 
     _KEYS = (b'"usage"', b'"stop_reason"', b'"tool_use"', b'"error"', b"event: error")
 
@@ -429,12 +430,17 @@ class MessagesWatch(StreamWatch):
     def _usage(self, usage: object) -> None:
         if not isinstance(usage, dict):
             return
-        # Each field is the total so far wherever it appears: the largest reading wins.
-        self._input = max(self._input, _int(usage.get("input_tokens"), 0))
-        self._cache_read = max(self._cache_read, _int(usage.get("cache_read_input_tokens"), 0))
-        self._cache_write = max(
-            self._cache_write, _int(usage.get("cache_creation_input_tokens"), 0)
-        )
+        # Each field is the total so far wherever it appears (Anthropic's message_delta
+        # usage is cumulative): a later reading replaces an earlier one, but a 0 (or a
+        # field left out) says nothing (SGLang's message_start has zeros, llama.cpp's
+        # message_delta only output_tokens).  Not the largest reading: vLLM's
+        # message_start counts the whole prompt in input_tokens before it knows its
+        # cache hit, and its message_delta the part net of the cache beside the cached
+        # part, so the largest input_tokens plus the cached part counted the cached
+        # tokens twice (helper-83).
+        self._input = _int(usage.get("input_tokens"), 0) or self._input
+        self._cache_read = _int(usage.get("cache_read_input_tokens"), 0) or self._cache_read
+        self._cache_write = _int(usage.get("cache_creation_input_tokens"), 0) or self._cache_write
         self.completion_tokens = max(self.completion_tokens, _int(usage.get("output_tokens"), 0))
         self.cached_tokens = self._cache_read
         if self._input_counts_cached:

@@ -775,7 +775,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             b"content-type": sent.get("content-type", "application/json").encode("latin-1"),
             b"user-agent": b"luftpause-gateway",
         }
-        for k in _ANTHROPIC_HEADERS:
+        # As a turn's: the API's headers, and the request ids (engine logs match them).
+        for k in (*_ANTHROPIC_HEADERS, "x-request-id", "x-correlation-id"):
             if (v := sent.get(k)) is not None:
                 headers[k.encode()] = v.encode("latin-1")
         for k, v in auth_headers(target, anthropic=True).items():

@@ -560,8 +560,10 @@ class _AnthropicEvents:
     """The events of one Anthropic Messages stream, with the same steps as `_Chunks`.
     Usage goes where each flavor puts it: SGLang in the last `message_delta` only, its
     `input_tokens` counting the cached ones; llama.cpp in `message_start`, net of the
-    cache, with `cache_read_input_tokens`; vLLM in both, net of the cache as since its
-    PR #40912 (with --enable-prompt-tokens-details; before, no cache figure at all)."""
+    cache, with `cache_read_input_tokens`; vLLM in both: in `message_start` the whole
+    prompt (its cache hit not known yet, no cache fields), in the last `message_delta`
+    net of the cache with `cache_read_input_tokens`, as since its PR #40912 (with
+    --enable-prompt-tokens-details; before, no cache figure at all)."""
 
     def __init__(self, rid: str, chat: _Chat, reply: Reply, flavor: str, prompt: int) -> None:
         self._rid, self._chat, self._reply = rid, chat, reply
@@ -573,7 +575,9 @@ class _AnthropicEvents:
 
     def role(self, cached: int = 0) -> str:
         usage: dict[str, Any] = {"input_tokens": 0, "output_tokens": 0}
-        if self._flavor != "sglang":
+        if self._flavor == "vllm":
+            usage = {"input_tokens": self._prompt, "output_tokens": 0}
+        elif self._flavor != "sglang":
             usage = {
                 "input_tokens": self._prompt - cached,
                 "output_tokens": 0,
@@ -627,7 +631,11 @@ class _AnthropicEvents:
         if self._flavor == "sglang":
             tail |= {"input_tokens": usage["prompt_tokens"], "cache_read_input_tokens": cached}
         elif self._flavor == "vllm":
-            tail |= {"input_tokens": usage["prompt_tokens"] - cached}
+            tail |= {
+                "input_tokens": usage["prompt_tokens"] - cached,
+                "cache_read_input_tokens": cached,
+                "cache_creation_input_tokens": 0,
+            }
         reason = _STOP_REASONS.get(self._reply.finish_reason, "end_turn")
         delta = {"delta": {"stop_reason": reason, "stop_sequence": None}, "usage": tail}
         stop = "" if self._reply.tool_calls else self._event("content_block_stop", {"index": 0})

@@ -256,11 +256,13 @@ async def test_count_tokens_passes_the_engines_headers_and_the_clients_query() -
     # Only content-type and retry-after came back (README: "passed as it is"), and the
     # query string (Anthropic's `?beta=true`) was dropped (helper-76).
     seen: list[str] = []
+    ids: list[str | None] = []
     app = models_only()
 
     @app.post("/v1/messages/count_tokens")
     async def count(request: Request) -> Response:
         seen.append(request.url.query)
+        ids.append(request.headers.get("x-request-id"))
         headers = {"request-id": "req_1", "anthropic-ratelimit-requests-remaining": "9"}
         return Response(b'{"input_tokens": 3}', media_type="application/json", headers=headers)
 
@@ -269,8 +271,11 @@ async def test_count_tokens_passes_the_engines_headers_and_the_clients_query() -
         gateway(endpoint("a", url, kind="openai", messages=True)) as (gw, _),
     ):
         body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
-        r = await gw.post("/v1/messages/count_tokens?beta=true", json=body)
+        r = await gw.post(
+            "/v1/messages/count_tokens?beta=true", json=body, headers={"x-request-id": "rq-7"}
+        )
         assert r.status_code == 200 and r.json() == {"input_tokens": 3}
+        assert ids == ["rq-7"]  # as a turn's request id (helper-83: it was dropped)
         assert r.headers["request-id"] == "req_1"
         assert r.headers["anthropic-ratelimit-requests-remaining"] == "9"
         assert r.headers["content-type"] == "application/json"
@@ -491,3 +496,98 @@ def test_the_prompt_estimate_counts_an_inlined_image_as_one_image() -> None:
     assert _prompt_tokens(raw) == len(raw) // 4  # a document's text is what is read
     raw = json.dumps({"messages": [{"content": text}]}).encode()
     assert _prompt_tokens(raw) == len(raw) // 4
+
+
+def _vllm_stream(start_usage: dict[str, int], end_usage: dict[str, int]) -> bytes:
+    """A Messages stream as vLLM writes it since its PR #40912 (helper-83): the
+    `message_start` before the engine's cache figure is known (the whole prompt in
+    `input_tokens`, no cache fields), the final `message_delta` net of the cache."""
+    events = [
+        {
+            "type": "message_start",
+            "message": {
+                "id": "msg_1",
+                "type": "message",
+                "role": "assistant",
+                "content": [],
+                "model": MODEL,
+                "stop_reason": None,
+                "usage": start_usage,
+            },
+        },
+        {
+            "type": "content_block_start",
+            "index": 0,
+            "content_block": {"type": "tool_use", "id": "toolu_v", "name": "Bash", "input": {}},
+        },
+        {"type": "content_block_stop", "index": 0},
+        {"type": "message_delta", "delta": {"stop_reason": "tool_use"}, "usage": end_usage},
+        {"type": "message_stop"},
+    ]
+    return "".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in events).encode()
+
+
+@pytest.mark.parametrize(
+    ("start", "end", "prompt", "cached"),
+    [
+        # vLLM since PR #40912: 1,000 tokens of prompt, 900 of them from its prefix cache.
+        (
+            {"input_tokens": 1000, "output_tokens": 0},
+            {
+                "input_tokens": 100,
+                "output_tokens": 9,
+                "cache_read_input_tokens": 900,
+                "cache_creation_input_tokens": 0,
+            },
+            1000,
+            900,
+        ),
+        # vLLM before it: the whole prompt in both, no cache figure.
+        (
+            {"input_tokens": 1000, "output_tokens": 0},
+            {"input_tokens": 1000, "output_tokens": 9},
+            1000,
+            0,
+        ),
+        # llama.cpp: net of the cache in message_start, output only in message_delta.
+        (
+            {"input_tokens": 100, "cache_read_input_tokens": 900, "output_tokens": 0},
+            {"output_tokens": 9},
+            1000,
+            900,
+        ),
+    ],
+)
+async def test_a_cache_figure_known_only_at_the_end_is_not_counted_twice(
+    start: dict[str, int], end: dict[str, int], prompt: int, cached: int
+) -> None:
+    # vLLM's message_start said the whole prompt (its cache figure not known yet), its
+    # message_delta the part net of the cache and the cached part: the largest
+    # `input_tokens` plus the cached part counted the cached tokens twice, so a Claude
+    # Code run on vLLM (prefix hits of 90 % and more) was sized at nearly twice its
+    # context.  Anthropic's usage in message_delta is cumulative: the last reading is
+    # the count.
+    stream = _vllm_stream(start, end)
+
+    async def messages(request: Request) -> Response:
+        return Response(stream, media_type="text/event-stream")
+
+    app = models_only()
+    app.get("/health")(lambda: {})
+    app.post("/v1/messages")(messages)
+    async with (
+        serve(app) as url,
+        gateway(endpoint("a", url, kind="vllm")) as (gw, shell),
+    ):
+        body = {"model": MODEL, "max_tokens": 16, "stream": True}
+        body["messages"] = [{"role": "user", "content": "x"}]
+        async with gw.stream("POST", "/v1/messages", json=body) as r:
+            raw = b"".join([chunk async for chunk in r.aiter_raw()])
+        assert raw == stream  # passed through as it came
+        await until(lambda: not shell.state.turns, "turn finished")
+        run = shell.state.runs[r.headers[RUN]]
+        assert run.phase is RunPhase.PAUSED
+        assert run.context_tokens == prompt + 9
+        text = (await gw.get("/metrics")).text
+        assert metric(text, "luftpause_prompt_tokens_total") == prompt
+        assert metric(text, "luftpause_cached_tokens_total") == cached
