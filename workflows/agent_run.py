@@ -108,6 +108,7 @@ with workflow.unsafe.imports_passed_through():
         RunStatus,
         StopRequest,
         Totals,
+        settled,
     )
 
 __all__ = ["DECLINED", "AgentRun"]
@@ -800,9 +801,12 @@ class AgentRun:
             return
         self._last_report = report
         self._reported_at = workflow.now()
+        # Settled only on its end (the last report), so not part of what a report
+        # repeats: a change of it alone sends nothing.
+        final = report[0] in TERMINAL_STATES and settled(self._children.values())
         try:
             await workflow.get_external_workflow_handle(parent).signal(
-                AgentRun.report, ChildReport(self._id, report[0], report[1])
+                AgentRun.report, ChildReport(self._id, report[0], report[1], final)
             )
         except Exception:
             workflow.logger.info("run %s: parent %s no longer takes reports", self._id, parent)
@@ -811,7 +815,7 @@ class AgentRun:
         try:
             status: RunStatus = await child
             state = "Completed"
-            subtree = status.subtree
+            subtree, final = status.subtree, settled(status.children)
         except ChildWorkflowError as exc:
             # A child stopped by a budget ends as Failed in Temporal (it cannot cancel
             # itself) but is Cancelled as a run, like every run its budget stopped.
@@ -821,8 +825,10 @@ class AgentRun:
                 isinstance(cause, ApplicationError) and cause.type == BUDGET_EXCEEDED
             )
             state = "Cancelled" if stopped else "Failed"
-            subtree = self._children[handle].subtree
-        self._children[handle] = ChildSummary(handle, state, subtree)
+            # As its end report left it; with none (terminated), not settled.
+            known = self._children[handle]
+            subtree, final = known.subtree, known.settled and known.state in TERMINAL_STATES
+        self._children[handle] = ChildSummary(handle, state, subtree, final)
         if self._exceeded is None:
             self._exceeded = self._over()
         await self._report_up()
@@ -913,7 +919,9 @@ class AgentRun:
         known = self._children.get(report.handle)
         if known is not None and known.state in TERMINAL_STATES:
             return  # the watcher saw it end; a late report changes nothing
-        self._children[report.handle] = ChildSummary(report.handle, report.state, report.subtree)
+        self._children[report.handle] = ChildSummary(
+            report.handle, report.state, report.subtree, report.settled
+        )
         if self._exceeded is None:
             self._exceeded = self._over()
         await self._report_up()
@@ -944,7 +952,7 @@ class AgentRun:
             )
         finally:
             self._spawning -= 1
-        self._children[request.handle] = ChildSummary(request.handle, "Running")
+        self._children[request.handle] = ChildSummary(request.handle, "Running", settled=False)
         watcher = asyncio.create_task(self._watch(request.handle, child))
         self._watchers.add(watcher)
         watcher.add_done_callback(self._watchers.discard)

@@ -35,6 +35,7 @@ __all__ = [
     "RunStatus",
     "StopRequest",
     "Totals",
+    "settled",
 ]
 
 DEFAULT_TASK_QUEUE = "luftpause"
@@ -190,6 +191,16 @@ class ChildSummary:
     handle: str
     state: str
     subtree: Totals = field(default_factory=Totals)
+    # The child has ended, and every run below it had ended when it did: its subtree is
+    # final.  A run that closes while a child it cancelled is still ending (past
+    # CHILDREN_END_WAIT) reports its end unsettled, and `Runs.status` reads the rest
+    # from the runs below.  True in records from before the field (as they were read).
+    settled: bool = True
+
+
+def settled(children: Iterable[ChildSummary]) -> bool:
+    """Whether every one of a run's children has ended, each with its subtree final."""
+    return all(c.state in TERMINAL_STATES and c.settled for c in children)
 
 
 @dataclass(frozen=True)
@@ -199,6 +210,7 @@ class ChildReport:
     handle: str
     state: str
     subtree: Totals
+    settled: bool = True  # as ChildSummary.settled; False on every report before the end
 
 
 @dataclass(frozen=True)

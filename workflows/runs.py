@@ -49,6 +49,7 @@ from workflows.contract import (
     RunSpec,
     RunStatus,
     Totals,
+    settled,
 )
 
 __all__ = ["AWAIT_MAX_S", "CallerRuns", "Rounds", "RunError", "Runs", "new_handle"]
@@ -56,8 +57,8 @@ __all__ = ["AWAIT_MAX_S", "CallerRuns", "Rounds", "RunError", "Runs", "new_handl
 # The error of a status Temporal gave because no worker answered its query (the run's
 # state as Temporal knows it; nothing of what it waits for).
 STATUS_UNAVAILABLE = "status unavailable: "
-# Children of one ended run whose ends are read at once (`Runs._with_children_ends`).
-_CHILDREN_READ_AT_ONCE = 16
+# Runs below an ended run whose ends are read at once (`Runs._with_children_ends`).
+_READS_AT_ONCE = 16
 
 
 def _quoted(value: str) -> str:
@@ -285,35 +286,53 @@ class Runs:
     ) -> RunStatus:
         """The status of the run `desc` describes (it follows continue-as-new)."""
         status = await self._recorded_status(desc, query_timeout)
-        if status.state in TERMINAL_STATES and any(
-            c.state not in TERMINAL_STATES for c in status.children
-        ):
-            status = await self._with_children_ends(status, query_timeout)
+        return await self._settle(status, query_timeout, asyncio.Semaphore(_READS_AT_ONCE))
+
+    async def _settle(
+        self, status: RunStatus, query_timeout: float, gate: asyncio.Semaphore
+    ) -> RunStatus:
+        if status.state in TERMINAL_STATES and not settled(status.children):
+            status = await self._with_children_ends(status, query_timeout, gate)
         return status
 
-    async def _with_children_ends(self, status: RunStatus, query_timeout: float) -> RunStatus:
+    async def _with_children_ends(
+        self, status: RunStatus, query_timeout: float, gate: asyncio.Semaphore
+    ) -> RunStatus:
         """An ended run whose children were still ending when it closed: how they ended,
         from their own runs.  A run waits for the ends of the children it cancels
         (10 s, `agent_run.CHILDREN_END_WAIT`), but with Temporal or the workers down meanwhile
-        they end later, and its own record keeps them "Stopping" for ever (helper-75)."""
-        gate = asyncio.Semaphore(_CHILDREN_READ_AT_ONCE)
+        they end later, and its own record keeps them "Stopping" for ever (helper-75).
+        So with a child that ended so (unsettled): its record has what it reported
+        before the runs below it ended (helper-84).  Each such child's own status reads
+        its own children the same way, down the tree (`gate`, shared by the whole tree,
+        bounds the reads at once); the budget's use follows."""
 
         async def now(child: ChildSummary) -> ChildSummary:
-            if child.state in TERMINAL_STATES:
+            if child.state in TERMINAL_STATES and child.settled:
                 return child
-            async with gate:
-                try:
-                    seen = await self.status(child.handle, query_timeout=query_timeout)
-                except Exception:
-                    return child  # gone (retention), Temporal down, a failed query: as recorded
+            try:
+                async with gate:  # not held while the runs below are read
+                    desc = await self._describe(child.handle)
+                    seen = await self._recorded_status(desc, query_timeout)
+                seen = await self._settle(seen, query_timeout, gate)
+            except Exception:
+                return child  # gone (retention), Temporal down, a failed query: as recorded
             if seen.state not in TERMINAL_STATES or (seen.error or "").startswith(
                 STATUS_UNAVAILABLE
             ):
                 return child  # no worker to replay it: its totals are unknown
-            return ChildSummary(child.handle, seen.state, seen.subtree)
+            # An ended child keeps the state its parent saw (a budget's stop is
+            # Cancelled there, as here).
+            state = child.state if child.state in TERMINAL_STATES else seen.state
+            return ChildSummary(child.handle, state, seen.subtree, settled(seen.children))
 
         children = list(await asyncio.gather(*(now(c) for c in status.children)))
-        return replace(status, children=children, subtree=status.usage.with_children(children))
+        subtree = status.usage.with_children(children)
+        budget = status.budget
+        if budget is not None:
+            used = replace(budget.used, tokens=subtree.tokens, tool_calls=subtree.tool_calls)
+            budget = replace(budget, used=used)
+        return replace(status, children=children, subtree=subtree, budget=budget)
 
     async def _recorded_status(
         self, desc: WorkflowExecutionDescription, query_timeout: float

@@ -229,6 +229,56 @@ async def test_an_ended_runs_status_shows_how_its_children_ended_after_it_closed
         assert status.subtree == status.usage.plus(ended.subtree) == record.subtree
 
 
+async def test_an_ended_runs_status_reads_below_a_child_that_ended_before_its_own(
+    temporal_address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The same one level down (helper-84, in a chaos run): a child that closed while
+    # its own child was still ending reported totals without that child's end, and
+    # its parent's record kept them, in the subtree and in the budget's use.  Its end
+    # report says it was not settled, and the parent's status reads below it.
+    async with stack(temporal_address) as s:
+        parent = await spawn_waiting(s, "p", budget=Budget(tokens=10**9))
+        kid = await spawn_waiting(s, "kid", parent=parent)
+        grandkid = await spawn_waiting(s, "gk", parent=kid)
+        running = await s.runs.status(parent)
+        assert [(c.handle, c.settled) for c in running.children] == [(kid, False)]
+        await s.runs.cancel(parent)
+        ended, below = await s.runs.wait([kid, grandkid], timeout=30)
+        assert below.state == "Cancelled" and below.usage.turns > 0
+        record = await until(
+            lambda: _when(s, parent, lambda st: st.state in TERMINAL_STATES),
+            "the parent ended",
+        )
+        # As it happens almost always: the kid's end came after the grandkid's.
+        assert record.children == [ChildSummary(kid, "Cancelled", ended.subtree, True)]
+        assert record.subtree == record.usage.plus(ended.usage).plus(below.subtree)
+        assert record.budget is not None and record.budget.used.tokens == record.subtree.tokens
+
+        before = record.usage.plus(ended.usage)  # the kid's end as if the grandkid's was late
+        stale = {
+            parent: (ChildSummary(kid, "Cancelled", ended.usage, settled=False), before),
+            kid: (ChildSummary(grandkid, "Stopping", Totals(), settled=False), ended.usage),
+        }
+        recorded = Runs._recorded_status
+
+        async def as_recorded(self: Runs, desc: Any, query_timeout: float) -> RunStatus:
+            status = await recorded(self, desc, query_timeout)
+            if desc.id not in stale:
+                return status
+            child, subtree = stale[desc.id]
+            budget = status.budget
+            if budget is not None:
+                used = replace(budget.used, tokens=subtree.tokens)
+                budget = replace(budget, used=used)
+            return replace(status, children=[child], subtree=subtree, budget=budget)
+
+        monkeypatch.setattr(Runs, "_recorded_status", as_recorded)
+        status = await s.runs.status(parent)
+        assert status.children == record.children
+        assert status.subtree == record.subtree
+        assert status.budget == record.budget
+
+
 async def test_an_empty_parent_is_no_parent(temporal_address: str) -> None:
     # A harness that fills optional fields with "" once started a run that signalled
     # the workflow "" with its usage: a failing command, so it never moved and could
@@ -583,8 +633,13 @@ async def test_a_terminated_child_reads_cancelled_in_its_parent_as_in_status(
         await s.client.get_workflow_handle(child).terminate("by an operator")
         status = await _child_end_seen(s, parent)
         assert [(c.handle, c.state) for c in status.children] == [(child, "Cancelled")]
+        # It sent no end report: what it last reported may not be all (helper-84) ...
+        assert not status.children[0].settled
         assert (await s.runs.status(child)).state == "Cancelled"
         await _decline_and_end(s, parent)
+        # ... so the parent's ended status reads it.
+        (ended,) = (await s.runs.status(parent)).children
+        assert (ended.state, ended.settled) == ("Cancelled", True)
 
 
 async def test_an_idle_runs_budget_seconds_keep_counting_in_its_status(
