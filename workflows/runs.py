@@ -374,7 +374,7 @@ class Runs:
 
     async def transcript(self, handle: str) -> list[dict[str, Any]]:
         """The run's messages so far."""
-        await self.status(handle)
+        await self._describe(handle)  # RunError if unknown
         return await self._handle(handle).query(AgentRun.transcript)
 
     async def statuses(
@@ -466,7 +466,7 @@ class Runs:
 
     async def approve(self, handle: str, allow: bool, call_id: str | None = None) -> RunStatus:
         """Answer the run's pending approval."""
-        await self.status(handle)
+        await self._describe(handle)  # RunError if unknown
         try:
             await self._handle(handle).execute_update(AgentRun.approve, Approval(allow, call_id))
         except WorkflowUpdateFailedError as exc:
