@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from urllib.parse import urlsplit
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -227,14 +229,27 @@ _METRICS_HINT = {
 def auth_headers(
     endpoint: Endpoint, environ: Mapping[str, str] = os.environ, *, anthropic: bool = False
 ) -> dict[str, str]:
-    """The endpoint's own key (never a client's): `Authorization: Bearer $api_key_env`,
-    and with `anthropic` (a Messages API request) in `x-api-key` too, where Anthropic-
-    compatible hosts read it.  Blanks around it are dropped (a key file's newline would
-    be an illegal header)."""
+    """The endpoint's own key (never a client's), in the header its `api_key_header`
+    names; by default `Authorization: Bearer $api_key_env`, and with `anthropic` (a
+    Messages API request) in `x-api-key` too, where Anthropic-compatible hosts read it.
+    Blanks around it are dropped (a key file's newline would be an illegal header)."""
     key = environ.get(endpoint.api_key_env, "").strip() if endpoint.api_key_env else ""
     if not key:
         return {}
-    return {"Authorization": f"Bearer {key}", **({"x-api-key": key} if anthropic else {})}
+    header = endpoint.api_key_header
+    if header is None and _anthropic_host(endpoint.url):
+        header = "x-api-key"
+    if header == "x-api-key":
+        return {"x-api-key": key}
+    bearer = {"Authorization": f"Bearer {key}"}
+    return bearer if header == "authorization" or not anthropic else {**bearer, "x-api-key": key}
+
+
+@functools.cache
+def _anthropic_host(url: str) -> bool:
+    """api.anthropic.com and its kin: an API key goes in x-api-key only."""
+    host = (urlsplit(url).hostname or "").lower()
+    return host == "anthropic.com" or host.endswith(".anthropic.com")
 
 
 async def probe_endpoint(

@@ -168,6 +168,13 @@ class Endpoint(BaseModel):
     models: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
     health_path: str | None = None
     api_key_env: str | None = None
+    # Where the key goes.  "authorization": `Authorization: Bearer <key>` on every
+    # request (vLLM and SGLang's --api-key read only that, on every API).  "x-api-key":
+    # `x-api-key: <key>` on every request (api.anthropic.com, which takes a Bearer as an
+    # OAuth token and answers 401 "Invalid bearer token" to an API key there).  None: by
+    # host, "x-api-key" for *.anthropic.com, else Bearer, and on Messages API requests
+    # x-api-key too, where other Anthropic-compatible hosts read it.
+    api_key_header: Literal["authorization", "x-api-key"] | None = None
     # kind = "openai": the path of its OpenAI-compatible API under `url`, as in an OpenAI
     # client's base_url (most hosted APIs: /v1; Gemini: /v1beta/openai).
     api_path: str = "/v1"

@@ -220,6 +220,35 @@ async def test_hosted_key_comes_from_the_environment(monkeypatch: pytest.MonkeyP
     assert auth_headers(e, {"HOSTED_KEY_FOR_TEST": " \n"}) == {}
 
 
+@pytest.mark.parametrize(
+    ("url", "header", "chat", "messages"),
+    [
+        # By default: Bearer, which vLLM and SGLang read, and x-api-key beside it on a
+        # Messages request, where Anthropic-compatible hosts read it.
+        ("https://api.example.com", None, {"Authorization": "Bearer k"},
+         {"Authorization": "Bearer k", "x-api-key": "k"}),
+        # api.anthropic.com takes a Bearer as an OAuth token: the key goes in x-api-key only.
+        ("https://api.anthropic.com", None, {"x-api-key": "k"}, {"x-api-key": "k"}),
+        ("https://API.Anthropic.com:443", None, {"x-api-key": "k"}, {"x-api-key": "k"}),
+        ("https://anthropic.com.example.net", None, {"Authorization": "Bearer k"},
+         {"Authorization": "Bearer k", "x-api-key": "k"}),
+        # Chosen in the file, whatever the host.
+        ("https://api.anthropic.com", "authorization", {"Authorization": "Bearer k"},
+         {"Authorization": "Bearer k"}),
+        ("https://llm.internal", "x-api-key", {"x-api-key": "k"}, {"x-api-key": "k"}),
+        ("https://llm.internal", "authorization", {"Authorization": "Bearer k"},
+         {"Authorization": "Bearer k"}),
+    ],
+)  # fmt: skip
+def test_the_key_goes_in_the_header_the_endpoint_reads(
+    url: str, header: str | None, chat: dict[str, str], messages: dict[str, str]
+) -> None:
+    e = _endpoint("openai", url=url, api_key_env="K", api_key_header=header)
+    assert auth_headers(e, {"K": "k"}) == chat
+    assert auth_headers(e, {"K": "k"}, anthropic=True) == messages
+    assert auth_headers(e, {}, anthropic=True) == {}
+
+
 def test_an_unsendable_request_is_described_without_its_headers() -> None:
     exc = httpx.LocalProtocolError("Illegal header value b'Bearer sk-secret\\x00'")
     assert "sk-secret" not in describe_http_error(exc)

@@ -696,9 +696,9 @@ _TOML = st.recursive(
 )
 _SECTIONS = {
     "endpoints": [
-        "name", "url", "kind", "models", "health_path", "api_key_env", "api_path",
-        "load_from", "kv_tokens", "labels", "messages", "responses", "discover", "dp_size",
-        "dp_rank",
+        "name", "url", "kind", "models", "health_path", "api_key_env", "api_key_header",
+        "api_path", "load_from", "kv_tokens", "labels", "messages", "responses", "discover",
+        "dp_size", "dp_rank",
     ],
     "mcp_servers": ["name", "url", "command", "env", "token_env", "protocol"],
     "callers": ["name", "token_env"],
