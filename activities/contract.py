@@ -6,6 +6,7 @@ histories recorded by an older worker still decode.
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,10 +114,30 @@ class ToolInfo:
         }
 
 
+def chosen_tools(listed: Sequence[ToolInfo], names: Collection[str] | None) -> list[ToolInfo]:
+    """The tools of a listing that `names` asks for (None: all): each by the name its
+    model is offered (`web__search`, a tool whose name an earlier server's has), or by
+    its own name, which picks the first server listed that offers it."""
+    if names is None:
+        return list(listed)
+    wanted, seen, chosen = set(names), set(), []
+    for t in listed:
+        if t.offered in wanted or (t.name in wanted and t.name not in seen):
+            chosen.append(t)
+        seen.add(t.name)
+    return chosen
+
+
+def unknown_tools(listed: Sequence[ToolInfo], names: Collection[str]) -> list[str]:
+    """The names no tool of the listing goes by (`chosen_tools` takes none for them)."""
+    known = {t.name for t in listed} | {t.offered for t in listed}
+    return [n for n in names if n not in known]
+
+
 @dataclass(frozen=True)
 class ToolsWanted:
-    """The tools a run offers its model, by name (None: every server's): a run that
-    names its tools needs only the servers that offer them."""
+    """The tools a run offers its model, by name or by function name (None: every
+    server's): a run that names its tools needs only the servers that offer them."""
 
     names: list[str] | None = None
 

@@ -311,17 +311,21 @@ class McpPool:
         return list(self._conns)
 
     async def list_tools(self, wanted: Collection[str] | None = None) -> list[ToolInfo]:
-        """Every server's tools; when two servers offer one name, the first listed wins.
-        A server that cannot be reached fails the listing, unless `wanted` names the
-        tools needed and the servers reached offer them all (one server down no longer
-        hides every other server's tools from runs that do not need it).  A tool that
-        engines would refuse by its name gets one they take (activities/tool_names.py)."""
+        """Every server's tools, in the order of the servers and of their listings.  When
+        two servers offer one name, the first listed keeps it and each later one's is
+        offered as `<server>__<name>` (activities/tool_names.py).  A server that cannot
+        be reached fails the listing, unless `wanted` names the tools needed (by name,
+        or by the function name a listing gave them) and the servers reached offer them
+        all (one server down no longer hides every other server's tools from runs that
+        do not need it).  A tool that engines would refuse by its name gets one they
+        take."""
         return (await self.listing(wanted)).tools
 
     async def listing(self, wanted: Collection[str] | None = None) -> Listing:
         """`list_tools`, with the servers that could not be reached (`wanted` empty:
         whatever the servers reached offer)."""
-        tools: dict[str, ToolInfo] = {}
+        tools: list[ToolInfo] = []
+        first: set[str] = set()  # the names listed, each by the first server offering it
         down: dict[str, str] = {}
         after_down: set[str] = set()  # found only past a server that was down
         for name, conn in self._conns.items():
@@ -337,31 +341,26 @@ class McpPool:
                 down[name] = f"{type(exc).__name__}: {exc}"
                 continue
             for tool in listed:
-                if tool.name in tools:
-                    log.warning(
-                        "tool %r of mcp server %r is shadowed by %r's",
-                        tool.name,
-                        name,
-                        tools[tool.name].server,
-                    )
-                    continue
                 notes = tool.annotations
                 read_only = bool(notes and notes.read_only_hint)
-                if down:
+                if down and tool.name not in first:
                     after_down.add(tool.name)
+                first.add(tool.name)
                 waived = {"*", tool.name} & set(conn.server.no_approval)
-                tools[tool.name] = ToolInfo(
-                    server=name,
-                    name=tool.name,
-                    description=tool.description or "",
-                    input_schema=dict(tool.input_schema or {"type": "object"}),
-                    read_only=read_only,
-                    # MCP's default: a tool not read-only may be destructive unless
-                    # its server says it is not (`destructiveHint` defaults to true).
-                    destructive=not read_only
-                    and not waived
-                    and (notes is None or notes.destructive_hint is not False),
-                    idempotent=bool(notes and notes.idempotent_hint),
+                tools.append(
+                    ToolInfo(
+                        server=name,
+                        name=tool.name,
+                        description=tool.description or "",
+                        input_schema=dict(tool.input_schema or {"type": "object"}),
+                        read_only=read_only,
+                        # MCP's default: a tool not read-only may be destructive unless
+                        # its server says it is not (`destructiveHint` defaults to true).
+                        destructive=not read_only
+                        and not waived
+                        and (notes is None or notes.destructive_hint is not False),
+                        idempotent=bool(notes and notes.idempotent_hint),
+                    )
                 )
             offered = {t.name for t in listed}
             for waived_name in sorted(set(conn.server.no_approval) - offered - {"*"}):
@@ -374,27 +373,40 @@ class McpPool:
                         waived_name,
                         ", ".join(sorted(offered)) or "no tools",
                     )
+        owner: dict[str, str] = {}
+        for t in tools:
+            owner.setdefault(t.name, t.server)
+        aliases = function_names(
+            ((t.server, t.name) for t in tools),
+            qualified=[(t.server, t.name) for t in tools if owner[t.name] != t.server],
+        )
+        tools = [
+            replace(t, function=aliases[(t.server, t.name)]) if (t.server, t.name) in aliases else t
+            for t in tools
+        ]
         if down:
             # A name found only after a server that is down may be that server's: the
             # first listed wins, and the run must not get another server's tool of that
             # name (another implementation, other approvals) because the first was down.
-            missing = sorted(n for n in set(wanted or ()) if n not in tools or n in after_down)
+            # A shadowed tool's function name (`web__search`) names its server and needs
+            # no other; another's depends on the names the server down may offer.
+            functions = {
+                t.function
+                for t in tools
+                if t.function and (owner[t.name] != t.server or t.name not in after_down)
+            }
+            missing = sorted(
+                n
+                for n in set(wanted or ())
+                if n not in functions and (n not in first or n in after_down)
+            )
             if missing:
                 raise ConnectionError(
                     f"no server reached before those down offers {', '.join(missing)}; "
                     "unreachable: " + "; ".join(f"'{n}' ({why})" for n, why in down.items())
                 )
             log.info("listing tools without unreachable mcp servers %s", ", ".join(down))
-        aliases = function_names((t.server, t.name) for t in tools.values())
-        return Listing(
-            [
-                replace(t, function=aliases[(t.server, t.name)])
-                if (t.server, t.name) in aliases
-                else t
-                for t in tools.values()
-            ],
-            down,
-        )
+        return Listing(tools, down)
 
     async def call(
         self, server: str, tool: str, arguments: dict[str, Any], *, key: str | None = None

@@ -12,7 +12,10 @@ A tool whose name is an identifier of at most 64 characters (`FUNCTION_NAME`) ke
 Another gets its name with every other character made `_`, `t_` in front unless it then
 starts with a letter, cut past 64 to 55 characters and `_` and 8 hex digits of its
 server's and name's SHA-256; one that would then be named as another tool of the listing
-gets those 8 digits instead, of (server, name, n) for the first n that is free.  A pure
+gets those 8 digits instead, of (server, name, n) for the first n that is free.  When
+two servers offer one name, the first listed keeps it and each other's is offered as
+`<server>__<name>` (Claude Code's `mcp__<server>__<tool>` without its prefix), by the
+same rules: a run reaches every server's tool, and names the one it wants.  A pure
 function of the listing, whatever its order, decided in the tool-listing activity: a
 run's listing is in its history, so its names never change across turns, replays and
 restarts, and a rule changed later changes no run already going.
@@ -37,16 +40,21 @@ def _hashed(name: str, *key: object) -> str:
     return f"{name[: MAX_FUNCTION_NAME - _DIGITS - 1]}_{digest}"
 
 
-def function_names(tools: Iterable[tuple[str, str]]) -> dict[tuple[str, str], str]:
+def function_names(
+    tools: Iterable[tuple[str, str]], qualified: Iterable[tuple[str, str]] = ()
+) -> dict[tuple[str, str], str]:
     """(server, tool name) -> the function name the model is offered and calls, for the
-    tools that need one other than their own (the others keep theirs)."""
-    keys = sorted(set(tools))
-    taken = {name for _, name in keys if FUNCTION_NAME.fullmatch(name)}
+    tools that need one other than their own (the others keep theirs).  A `qualified`
+    tool (one whose name an earlier server's tool has) is offered as `<server>__<name>`,
+    made a name engines take by the same rules."""
+    keys = sorted(set(tools) | set(qualified))
+    q = set(qualified)
+    taken = {n for s, n in keys if (s, n) not in q and FUNCTION_NAME.fullmatch(n)}
     names: dict[tuple[str, str], str] = {}
     for server, name in keys:
-        if name in taken:
+        if (server, name) not in q and name in taken:
             continue
-        alias = _UNSAFE.sub("_", name)
+        alias = _UNSAFE.sub("_", f"{server}__{name}" if (server, name) in q else name)
         if not alias[:1].isalpha() or not alias[:1].isascii():
             alias = f"t_{alias}"
         if len(alias) > MAX_FUNCTION_NAME:

@@ -27,6 +27,7 @@ from mcp_types import ElicitRequest, ElicitRequestFormParams, InputRequiredResul
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from temporalio.service import RPCError, RPCStatusCode
 
+from activities.contract import unknown_tools
 from activities.mcp_pool import Listing
 from gateway import _approval as approval
 from gateway.mcp_tasks import TasksExtension
@@ -103,6 +104,7 @@ class PendingApprovalView(BaseModel):
     tool: str
     arguments: Any
     callId: str
+    server: str = ""  # the tool's MCP server
 
 
 class UsageView(BaseModel):
@@ -243,7 +245,10 @@ def view(status: RunStatus, *, detail: bool = True) -> RunView:
         error=status.error,
         pendingApproval=(
             PendingApprovalView(
-                tool=pending.tool, arguments=pending.arguments, callId=pending.call_id
+                tool=pending.tool,
+                arguments=pending.arguments,
+                callId=pending.call_id,
+                server=pending.server,
             )
             if pending is not None
             else None
@@ -568,14 +573,15 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
             return
         try:
             # Only the servers that offer these names need be up, as for the run.
-            known = {t.name for t in (await deps.upstream_tools(names)).tools}
+            listed = (await deps.upstream_tools(names)).tools
         except ConnectionError as exc:
             raise ToolError(f"a tool server is unreachable: {exc}") from None
-        unknown = [n for n in names if n not in known]
+        unknown = unknown_tools(listed, names)
         if unknown:
+            known = sorted({t.name for t in listed} | {t.offered for t in listed})
             raise ToolError(
                 f"unknown tool(s) {', '.join(map(repr, unknown))}: expected names from "
-                f"the tools() list ({', '.join(sorted(known)) or 'none configured'})"
+                f"the tools() list ({', '.join(known) or 'none configured'})"
             )
 
     async def spawn_run(spec: RunSpec, ctx: Any) -> str:
@@ -756,7 +762,11 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
             int, Field(ge=0, le=MAX_TOOL_CALLS_LIMIT, description="tool-call budget of the run")
         ] = 8,
         tools: Annotated[
-            list[str] | None, Field(description="names of the tools it may use; default all")
+            list[str] | None,
+            Field(
+                description="the tools it may use, by name or by function as tools() "
+                "lists them (a function picks its server's); default all"
+            ),
         ] = None,
         maxTokens: Annotated[
             int, Field(ge=0, le=MAX_TOKENS_LIMIT, description="reply tokens per turn; 0 = engine")

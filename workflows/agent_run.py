@@ -84,6 +84,7 @@ with workflow.unsafe.imports_passed_through():
         ToolsWanted,
         TurnInput,
         TurnOutput,
+        chosen_tools,
     )
     from activities.llm import LlmActivities
     from activities.tools import ToolActivities
@@ -465,8 +466,9 @@ class AgentRun:
                 listed = await workflow.execute_local_activity_method(
                     ToolActivities.list_tools, **timeouts
                 )
-            allowed = None if spec.tools is None else set(spec.tools)
-            self._tools = [t for t in listed if allowed is None or t.name in allowed]
+            # (By name or by function name; a listing before shadowed tools were listed
+            # has neither twice, and picks what `t.name in spec.tools` did.)
+            self._tools = chosen_tools(listed, spec.tools)
         while True:
             self._check_budget()
             await self._maybe_continue_as_new()
@@ -626,7 +628,8 @@ class AgentRun:
 
     def _needs_approval(self, call: ToolCall) -> bool:
         tool = self._tool(call)
-        if (tool.name if tool is not None else call.name) in self._spec.approve_tools:
+        named = {tool.name, tool.offered} if tool is not None else {call.name}
+        if not named.isdisjoint(self._spec.approve_tools):
             return True
         return tool is not None and tool.destructive and not tool.read_only
 
@@ -640,7 +643,10 @@ class AgentRun:
                 arguments = call.arguments
             tool = self._tool(call)
             self._pending = PendingApproval(
-                call.id, tool.name if tool is not None else call.name, arguments
+                call.id,
+                tool.name if tool is not None else call.name,
+                arguments,
+                tool.server if tool is not None else "",
             )
             self._set_state("AwaitingApproval")
             await self._report_up()

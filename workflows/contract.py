@@ -176,6 +176,9 @@ class PendingApproval:
     call_id: str
     tool: str
     arguments: Any
+    # The tool's MCP server ("" for a call of a tool the run was not offered): two
+    # servers may offer one name.
+    server: str = ""
 
 
 @dataclass(frozen=True)

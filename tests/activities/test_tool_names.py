@@ -56,3 +56,18 @@ def test_names_are_unique_and_the_same_whatever_the_order_of_the_listing() -> No
     for _ in range(20):
         rng.shuffle(tools)
         assert function_names(tools) == first
+
+
+def test_a_name_an_earlier_server_has_is_offered_with_its_servers() -> None:
+    # `search` of server `web` and `docs.search` of `my-docs` come after other servers'
+    # tools of those names; `web__search` is also a tool's own name elsewhere.
+    tools = [("a", "search"), ("a", "docs.search"), ("x", "web__search")]
+    qualified = [("web", "search"), ("my-docs", "docs.search")]
+    names = function_names(tools, qualified)
+    assert names[("my-docs", "docs.search")] == "my_docs__docs_search"
+    assert names[("a", "docs.search")] == "docs_search"
+    assert ("a", "search") not in names and ("x", "web__search") not in names
+    assert names[("web", "search")].startswith("web__search_")  # the name was taken
+    offered = [names.get(k, k[1]) for k in tools + qualified]
+    assert len(set(offered)) == len(offered)
+    assert all(FUNCTION_NAME.fullmatch(n) for n in offered)

@@ -22,7 +22,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
 from activities import ToolActivities, ToolInput, mcp_pool
-from activities.contract import NOT_SENT, ToolsWanted
+from activities.contract import NOT_SENT, ToolsWanted, chosen_tools, unknown_tools
 from activities.mcp_pool import McpPool, Unreachable
 from activities.tools import TOOL_OUTPUT_MAX_CHARS
 from luftpause.config import McpServer
@@ -517,6 +517,53 @@ async def test_a_run_that_names_its_tools_needs_only_the_servers_that_offer_them
         finally:
             await pool.aclose()
             await shadowing.aclose()
+
+
+async def test_a_name_two_servers_offer_reaches_each_by_its_function_name() -> None:
+    def server(label: str, names: list[str]) -> Any:
+        async def list_tools(ctx: Any, params: Any) -> types.ListToolsResult:
+            return types.ListToolsResult(
+                tools=[types.Tool(name=n, input_schema={"type": "object"}) for n in names]
+            )
+
+        async def call_tool(ctx: Any, params: Any) -> types.CallToolResult:
+            text = f"{label}:{params.name}"
+            return types.CallToolResult(content=[types.TextContent(type="text", text=text)])
+
+        s = Server(label, on_list_tools=list_tools, on_call_tool=call_tool)
+        return s.streamable_http_app(streamable_http_path="/mcp", host="127.0.0.1")
+
+    async with (
+        serve(server("a", ["lookup", "search"])) as a_url,
+        serve(server("b", ["lookup", "extra"])) as b_url,
+    ):
+        a = McpServer(name="a", url=f"{a_url}/mcp")
+        b = McpServer(name="b", url=f"{b_url}/mcp")
+        gone = McpServer(name="gone", url=f"http://127.0.0.1:{free_port()}/mcp")
+        pool = McpPool([a, b, gone])
+        first_gone = McpPool([gone, a, b])
+        try:
+            listed = await pool.list_tools(["b__lookup"])
+            assert [(t.server, t.name, t.offered) for t in listed] == [
+                ("a", "lookup", "lookup"),
+                ("a", "search", "search"),
+                ("b", "lookup", "b__lookup"),
+                ("b", "extra", "extra"),
+            ]
+            pick = [(t.server, t.name) for t in chosen_tools(listed, ["lookup", "extra"])]
+            assert pick == [("a", "lookup"), ("b", "extra")]
+            assert [t.server for t in chosen_tools(listed, ["b__lookup"])] == ["b"]
+            assert unknown_tools(listed, ["b__lookup", "a__lookup", "lookup"]) == ["a__lookup"]
+            assert await pool.call("b", "lookup", {}) == ("b:lookup", False)
+            # With a server listed first down, `lookup` may be its own; `b__lookup` names
+            # its server whoever else offers the name.
+            with pytest.raises(ConnectionError, match="down offers lookup"):
+                await first_gone.list_tools(["lookup"])
+            listed = await first_gone.list_tools(["b__lookup"])
+            assert [t.server for t in chosen_tools(listed, ["b__lookup"])] == ["b"]
+        finally:
+            await pool.aclose()
+            await first_gone.aclose()
 
 
 async def test_an_opening_given_up_answers_everyone_waiting_for_it_at_once(

@@ -23,10 +23,13 @@ from mcp_types import ElicitResult
 
 from luftpause.config import McpServer
 from luftpause.temporal_dev import DevServer, free_port
+from testkit.fake_mcp import FakeMcpSettings, FakeMcpState
+from testkit.fake_mcp import create_app as create_mcp
 from testkit.loopback import serve
 from tests.mcp.tasks_client import CreateOnly, TaskCreated, TasksClient, cancel_task, follow
 from tests.workflows.harness import (
     MODEL,
+    TIME_SCALE,
     connect,
     gateway_app,
     run_worker,
@@ -75,6 +78,40 @@ async def test_one_tool_server_down_hides_only_its_own_tools(temporal_address: s
         text = error_text(refused)
         assert text.startswith("Error executing tool spawn: a tool server is unreachable: ")
         assert "offers nope" in text and "unreachable: 'gone'" in text
+
+
+async def test_a_tool_two_servers_offer_is_reached_on_each(temporal_address: str) -> None:
+    # When two servers offered one name, the first listed won and the other's tool could
+    # not be reached at all.  It is now offered as `<server>__<name>`.
+    twin_state = FakeMcpState()
+    async with contextlib.AsyncExitStack() as es:
+        twin_url = await es.enter_async_context(
+            serve(create_mcp(FakeMcpSettings(time_scale=TIME_SCALE), twin_state))
+        )
+        twin = McpServer(name="twin", url=f"{twin_url}/mcp")
+        s = await es.enter_async_context(stack(temporal_address, mcp_servers=[twin]))
+        c = await es.enter_async_context(Client(s.mcp_door, mode="2026-07-28"))
+        listed = result(await c.call_tool("tools", {}))["tools"]
+        by_function = {t["function"]: t for t in listed}
+        assert (by_function["lookup"]["server"], by_function["twin__lookup"]["server"]) == (
+            "fake",
+            "twin",
+        )
+        assert by_function["twin__delete_record"]["name"] == "delete_record"
+        # By its function name, the twin's tool; by its own, the first server's.
+        handle = await spawn(c, task=task_with(1, "twin"), tools=["twin__delete_record"])
+        await until(lambda: _state(c, handle, "AwaitingApproval"), "the run waits")
+        (st,) = result(await c.call_tool("status", {"handles": [handle]}))["runs"]
+        assert st["pendingApproval"]["tool"] == "delete_record"
+        assert st["pendingApproval"]["server"] == "twin"
+        result(await c.call_tool("approve", {"handle": handle, "allow": True}))
+        done = result(await c.call_tool("await", {"handles": [handle], "timeout": 60}))
+        assert done["runs"][0]["state"] == "Completed"
+        assert sum(twin_state.counts.values()) == 1 and not s.mcp.counts
+        refused = await c.call_tool(
+            "spawn", {"model": MODEL, "task": "x", "tools": ["fake__lookup"]}
+        )
+        assert "unknown tool(s) 'fake__lookup'" in error_text(refused)
 
 
 @pytest.mark.parametrize("mode", MODES)
