@@ -253,6 +253,8 @@ class Endpoint(BaseModel):
     def _router_only_fields(self) -> Endpoint:
         if self.load_from and self.kind != "router":
             raise ValueError("load_from is only for kind = 'router'")
+        if self.api_key_header is not None and self.api_key_env is None:
+            raise ValueError("api_key_header is where api_key_env's key goes: set api_key_env too")
         if self.labels and self.kind != "classifier":
             raise ValueError("labels is only for kind = 'classifier'")
         for api in ("messages", "responses"):

@@ -199,6 +199,11 @@ def test_the_newer_apis_default_by_kind_and_the_file_decides() -> None:
             "load_from is only for kind = 'router'",
         ),
         (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="openai"\nmodels=["m"]\n'
+            'api_key_header="x-api-key"',
+            "api_key_header is where api_key_env's key goes: set api_key_env too",
+        ),
+        (
             '[[endpoints]]\nname="e"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
             '[[endpoints]]\nname="r"\nurl="http://h:2"\nkind="router"\nmodels=["m"]\n'
             'load_from=["e", "e"]',
