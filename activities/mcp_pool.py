@@ -305,6 +305,9 @@ class McpPool:
     def __init__(self, servers: Sequence[McpServer]) -> None:
         self._conns = {s.name: _Connection(s) for s in servers}
         self._unoffered: set[tuple[str, str]] = set()  # no_approval names warned about
+        # Each server's tool names as it last listed them: while it is down they still
+        # decide which server owns a name and what the others' tools are called.
+        self._last: dict[str, list[str]] = {}
 
     @property
     def servers(self) -> list[str]:
@@ -317,17 +320,30 @@ class McpPool:
         be reached fails the listing, unless `wanted` names the tools needed (by name,
         or by the function name a listing gave them) and the servers reached offer them
         all (one server down no longer hides every other server's tools from runs that
-        do not need it).  A tool that engines would refuse by its name gets one they
-        take."""
+        do not need it), under names that a server down cannot change: by the names it
+        listed last, it owns no name asked for and changes no function name asked for.
+        A tool that engines would refuse by its name gets one they take."""
         return (await self.listing(wanted)).tools
 
     async def listing(self, wanted: Collection[str] | None = None) -> Listing:
         """`list_tools`, with the servers that could not be reached (`wanted` empty:
         whatever the servers reached offer)."""
         tools: list[ToolInfo] = []
-        first: set[str] = set()  # the names listed, each by the first server offering it
         down: dict[str, str] = {}
-        after_down: set[str] = set()  # found only past a server that was down
+        # (server, name) in the servers' order: what decides owners and function names.
+        # A server down counts with the names it listed last; one never listed makes
+        # every name first seen after it unsure (it may offer it), and every alias.
+        every: list[tuple[str, str]] = []
+        first: set[str] = set()
+        never_listed = False
+        unsure: set[str] = set()
+
+        def count(server: str, tool: str) -> None:
+            if tool not in first and never_listed:
+                unsure.add(tool)
+            first.add(tool)
+            every.append((server, tool))
+
         for name, conn in self._conns.items():
             gen = None
             try:
@@ -339,13 +355,20 @@ class McpPool:
                 if wanted is None:
                     raise
                 down[name] = f"{type(exc).__name__}: {exc}"
+                if name not in self._last:
+                    never_listed = True
+                for tool_name in self._last.get(name, ()):
+                    count(name, tool_name)
                 continue
+            names: list[str] = []
             for tool in listed:
+                if tool.name in names:
+                    log.warning("mcp server %r lists tool %r twice", name, tool.name)
+                    continue
+                names.append(tool.name)
+                count(name, tool.name)
                 notes = tool.annotations
                 read_only = bool(notes and notes.read_only_hint)
-                if down and tool.name not in first:
-                    after_down.add(tool.name)
-                first.add(tool.name)
                 waived = {"*", tool.name} & set(conn.server.no_approval)
                 tools.append(
                     ToolInfo(
@@ -362,8 +385,8 @@ class McpPool:
                         idempotent=bool(notes and notes.idempotent_hint),
                     )
                 )
-            offered = {t.name for t in listed}
-            for waived_name in sorted(set(conn.server.no_approval) - offered - {"*"}):
+            self._last[name] = names
+            for waived_name in sorted(set(conn.server.no_approval) - set(names) - {"*"}):
                 if (name, waived_name) not in self._unoffered:  # once, not every run
                     self._unoffered.add((name, waived_name))
                     log.warning(
@@ -371,35 +394,25 @@ class McpPool:
                         "(it offers %s)",
                         name,
                         waived_name,
-                        ", ".join(sorted(offered)) or "no tools",
+                        ", ".join(names) or "no tools",
                     )
         owner: dict[str, str] = {}
-        for t in tools:
-            owner.setdefault(t.name, t.server)
-        aliases = function_names(
-            ((t.server, t.name) for t in tools),
-            qualified=[(t.server, t.name) for t in tools if owner[t.name] != t.server],
-        )
+        for server, tool_name in every:
+            owner.setdefault(tool_name, server)
+        aliases = function_names(every, qualified=[(s, n) for s, n in every if owner[n] != s])
         tools = [
             replace(t, function=aliases[(t.server, t.name)]) if (t.server, t.name) in aliases else t
             for t in tools
         ]
         if down:
-            # A name found only after a server that is down may be that server's: the
-            # first listed wins, and the run must not get another server's tool of that
-            # name (another implementation, other approvals) because the first was down.
-            # A shadowed tool's function name (`web__search`) names its server and needs
-            # no other; another's depends on the names the server down may offer.
-            functions = {
-                t.function
-                for t in tools
-                if t.function and (owner[t.name] != t.server or t.name not in after_down)
-            }
-            missing = sorted(
-                n
-                for n in set(wanted or ())
-                if n not in functions and (n not in first or n in after_down)
-            )
+            # A name a server down may own is not sure: the run must not get another
+            # server's tool of that name (another implementation, other approvals)
+            # because the first was down.  Nor is an alias while a server never listed
+            # is down: its names could change it.
+            sure = {t.name for t in tools if owner[t.name] == t.server} - unsure
+            if not never_listed:
+                sure |= {t.function for t in tools if t.function}
+            missing = sorted(n for n in set(wanted or ()) if n not in sure)
             if missing:
                 raise ConnectionError(
                     f"no server reached before those down offers {', '.join(missing)}; "

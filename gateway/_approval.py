@@ -71,7 +71,8 @@ def message(status: RunStatus) -> str:
     p = status.pending_approval
     assert p is not None
     args = json.dumps(p.arguments)[:500]
-    return f"Sub-agent {status.handle} wants to call {p.tool} with {args}. Allow it?"
+    tool = f"{p.tool} (of {p.server})" if p.server else p.tool
+    return f"Sub-agent {status.handle} wants to call {tool} with {args}. Allow it?"
 
 
 def elicit_params(status: RunStatus) -> dict[str, Any]:

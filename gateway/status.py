@@ -280,7 +280,10 @@ def sub_agent_tree(statuses: Sequence[Any]) -> list[dict[str, Any]]:
             "turn_seconds": round(sub.turn_seconds, 2),
             "tool_seconds": round(sub.tool_seconds, 2),
             "note": (
-                f"waits for approval of {pending.tool}" if pending is not None else s.error or ""
+                f"waits for approval of {pending.tool}"
+                + (f" (of {pending.server})" if pending.server else "")
+                if pending is not None
+                else s.error or ""
             ),
             "children": [
                 node(by_handle[c.handle], depth + 1)

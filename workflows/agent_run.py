@@ -141,6 +141,9 @@ END_REPORT_PATCH = "a-failed-end-report-fails-no-run"
 # riding on the next one, and totals alone at most every `REPORT_EVERY_S` in a subtree
 # under no budget (rule 1).
 REPORTS_PATCH = "reports-up-one-at-a-time"
+# `workflow.patched` id of a run's tools and approvals chosen by function name too (a
+# later server's tool of a name already listed is offered as `<server>__<name>`).
+TOOLS_BY_FUNCTION_PATCH = "tools-chosen-by-function-name-too"
 
 # What the model reads when a call of a tool that is not repeatable may have run but no
 # answer came (rule 5).
@@ -466,9 +469,11 @@ class AgentRun:
                 listed = await workflow.execute_local_activity_method(
                     ToolActivities.list_tools, **timeouts
                 )
-            # (By name or by function name; a listing before shadowed tools were listed
-            # has neither twice, and picks what `t.name in spec.tools` did.)
-            self._tools = chosen_tools(listed, spec.tools)
+            if workflow.patched(TOOLS_BY_FUNCTION_PATCH):
+                self._tools = chosen_tools(listed, spec.tools)
+            else:
+                allowed = None if spec.tools is None else set(spec.tools)
+                self._tools = [t for t in listed if allowed is None or t.name in allowed]
         while True:
             self._check_budget()
             await self._maybe_continue_as_new()
@@ -628,7 +633,12 @@ class AgentRun:
 
     def _needs_approval(self, call: ToolCall) -> bool:
         tool = self._tool(call)
-        named = {tool.name, tool.offered} if tool is not None else {call.name}
+        if tool is None:
+            named = {call.name}
+        elif workflow.patched(TOOLS_BY_FUNCTION_PATCH):
+            named = {tool.name, tool.offered}
+        else:
+            named = {tool.name}
         if not named.isdisjoint(self._spec.approve_tools):
             return True
         return tool is not None and tool.destructive and not tool.read_only

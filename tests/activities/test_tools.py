@@ -533,37 +533,44 @@ async def test_a_name_two_servers_offer_reaches_each_by_its_function_name() -> N
         s = Server(label, on_list_tools=list_tools, on_call_tool=call_tool)
         return s.streamable_http_app(streamable_http_path="/mcp", host="127.0.0.1")
 
-    async with (
-        serve(server("a", ["lookup", "search"])) as a_url,
-        serve(server("b", ["lookup", "extra"])) as b_url,
-    ):
-        a = McpServer(name="a", url=f"{a_url}/mcp")
+    async with serve(server("b", ["lookup", "extra", "files.read"])) as b_url:
         b = McpServer(name="b", url=f"{b_url}/mcp")
-        gone = McpServer(name="gone", url=f"http://127.0.0.1:{free_port()}/mcp")
-        pool = McpPool([a, b, gone])
-        first_gone = McpPool([gone, a, b])
-        try:
-            listed = await pool.list_tools(["b__lookup"])
-            assert [(t.server, t.name, t.offered) for t in listed] == [
+        async with serve(server("a", ["lookup", "search", "files_read"])) as a_url:
+            a = McpServer(name="a", url=f"{a_url}/mcp")
+            pool = McpPool([a, b])
+            never_saw_a = McpPool([a, b])
+            listed = await pool.list_tools()
+            offered = [(t.server, t.name, t.offered) for t in listed]
+            assert offered[:5] == [
                 ("a", "lookup", "lookup"),
                 ("a", "search", "search"),
+                ("a", "files_read", "files_read"),
                 ("b", "lookup", "b__lookup"),
                 ("b", "extra", "extra"),
             ]
+            assert offered[5][2].startswith("files_read_")  # `files.read`: the name is a's
             pick = [(t.server, t.name) for t in chosen_tools(listed, ["lookup", "extra"])]
             assert pick == [("a", "lookup"), ("b", "extra")]
             assert [t.server for t in chosen_tools(listed, ["b__lookup"])] == ["b"]
             assert unknown_tools(listed, ["b__lookup", "a__lookup", "lookup"]) == ["a__lookup"]
             assert await pool.call("b", "lookup", {}) == ("b:lookup", False)
-            # With a server listed first down, `lookup` may be its own; `b__lookup` names
-            # its server whoever else offers the name.
-            with pytest.raises(ConnectionError, match="down offers lookup"):
-                await first_gone.list_tools(["lookup"])
-            listed = await first_gone.list_tools(["b__lookup"])
-            assert [t.server for t in chosen_tools(listed, ["b__lookup"])] == ["b"]
+        try:
+            # `a` is down now.  Its names, as it listed them last, still decide who owns
+            # `lookup` and what b's tools are called: the same names as with it up.
+            listed = await pool.list_tools(["b__lookup", offered[5][2]])
+            assert [(t.server, t.offered) for t in listed] == [(s, o) for s, _, o in offered[3:]]
+            # A name it owns may be its own tool: not another server's in its place.
+            for wanted in ("lookup", "files_read"):
+                with pytest.raises(ConnectionError, match=f"down offers {wanted}"):
+                    await pool.list_tools([wanted])
+            # Never listed, a server down could own any name listed after it, and
+            # change any alias: those are not sure.
+            for wanted in ("b__lookup", "extra"):
+                with pytest.raises(ConnectionError, match=f"down offers {wanted}"):
+                    await never_saw_a.list_tools([wanted])
         finally:
             await pool.aclose()
-            await first_gone.aclose()
+            await never_saw_a.aclose()
 
 
 async def test_an_opening_given_up_answers_everyone_waiting_for_it_at_once(

@@ -10,8 +10,8 @@ with `workflow.patched(...)` first, so that runs already in flight replay; the o
 histories then keep proving that they still do: record only the scenarios that are
 new (`budget_drained` was recorded after `DRAIN_PATCH`, `budget_spent` after
 `SPENT_PATCH`, `once_calls` after `ONCE_PATCH`, `answer_over_budget` and
-`cancelled_tree_waits` after `ENDS_PATCH`, `reports_held` after `REPORTS_PATCH`; the
-others before them).
+`cancelled_tree_waits` after `ENDS_PATCH`, `reports_held` after `REPORTS_PATCH`,
+`tools_by_function` after `TOOLS_BY_FUNCTION_PATCH`; the others before them).
 """
 
 from __future__ import annotations
@@ -183,6 +183,15 @@ async def _reports_held(s: Stack) -> None:
     await _save(s, "reports_held", [root, mid, kids[0]])
 
 
+async def _tools_by_function(s: Stack) -> None:
+    # After TOOLS_BY_FUNCTION_PATCH: a run that names its tools, and the tool it must ask
+    # approval for, by name, is approved and finishes.
+    h = await spawn_waiting(s, "tbf", approve_tools=["delete_record"])
+    await s.runs.approve(h, True)
+    await s.runs.wait([h], timeout=60)
+    await _save(s, "tools_by_function", [h])
+
+
 SCENARIOS = {
     "tool_loop": _tool_loop,
     "parallel_calls": _parallel_calls,
@@ -195,6 +204,7 @@ SCENARIOS = {
     "answer_over_budget": _answer_over_budget,
     "cancelled_tree_waits": _cancelled_tree_waits,
     "reports_held": _reports_held,
+    "tools_by_function": _tools_by_function,
 }
 
 

@@ -16,12 +16,21 @@ from temporalio.client import WorkflowHistory
 from temporalio.worker import Replayer
 
 from workflows import AgentRun
-from workflows.agent_run import DRAIN_PATCH, ENDS_PATCH, ONCE_PATCH, REPORTS_PATCH, SPENT_PATCH
+from workflows.agent_run import (
+    DRAIN_PATCH,
+    ENDS_PATCH,
+    ONCE_PATCH,
+    REPORTS_PATCH,
+    SPENT_PATCH,
+    TOOLS_BY_FUNCTION_PATCH,
+)
 from workflows.contract import AgentRunInput
 
 HISTORIES = sorted((Path(__file__).parent / "histories").glob("*.json"))
+# Recorded after TOOLS_BY_FUNCTION_PATCH (and so after every earlier patch).
+AFTER_FUNCTIONS = {"tools_by_function"}
 # Recorded after REPORTS_PATCH (and so after every earlier patch).
-AFTER_REPORTS = {"reports_held-0", "reports_held-1", "reports_held-2"}
+AFTER_REPORTS = {"reports_held-0", "reports_held-1", "reports_held-2"} | AFTER_FUNCTIONS
 # Recorded after ENDS_PATCH (and so after every earlier patch).
 AFTER_ENDS = {
     "answer_over_budget-0",
@@ -51,6 +60,7 @@ def test_the_recorded_histories_cover_the_run_paths() -> None:
         "answer_over_budget",
         "cancelled_tree_waits",
         "reports_held",
+        "tools_by_function",
     }
     for kind in (
         "ACTIVITY_TASK_COMPLETED",  # LLM turns and tool calls
@@ -150,6 +160,15 @@ def test_histories_from_before_and_after_the_reports_patch_are_both_replayed() -
     assert "EVENT_TYPE_TIMER_STARTED" in events("reports_held-1")  # the mid
     assert events("reports_held-2").count(sent) == 2  # the kid: its first change, its end
     assert events("tree_with_approval-1").count(sent) > 2
+
+
+def test_histories_from_before_and_after_the_tools_by_function_patch_are_both_replayed() -> None:
+    # Before TOOLS_BY_FUNCTION_PATCH a run's tools and approvals were chosen by the
+    # tools' own names only (`tree_with_approval`'s parent asks approval of
+    # delete_record that way); after it, by function name too.
+    assert {p.stem for p in HISTORIES if TOOLS_BY_FUNCTION_PATCH in _patches(p)} == (
+        AFTER_FUNCTIONS
+    )
 
 
 @pytest.mark.parametrize("path", HISTORIES, ids=[p.stem for p in HISTORIES])

@@ -591,7 +591,7 @@ async def test_status_shows_recent_runs_as_trees_with_subtree_costs(
 
             node = await until(tree, "the parent and its child on /status")
             assert node["state"] == "AwaitingApproval"
-            assert node["note"] == "waits for approval of delete_record"
+            assert node["note"] == "waits for approval of delete_record (of fake)"
             (kid,) = node["children"]
             assert (kid["handle"], kid["depth"], kid["state"]) == (child, 1, "Completed")
             assert node["tool_calls"] == kid["tool_calls"] == 1  # the subtree's costs
