@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
@@ -59,6 +60,10 @@ __all__ = ["AWAIT_MAX_S", "CallerRuns", "Rounds", "RunError", "Runs", "new_handl
 STATUS_UNAVAILABLE = "status unavailable: "
 # Runs below an ended run whose ends are read at once (`Runs._with_children_ends`).
 _READS_AT_ONCE = 16
+# Children whose ends were read that way and found final, kept so that they are read
+# once, not at every status of the runs above them (their runs are closed: what they
+# hold no longer changes).
+_FINAL_KEPT = 4096
 
 
 def _quoted(value: str) -> str:
@@ -178,6 +183,8 @@ class Runs:
         self._client = client
         self._queue = task_queue
         self._child_wait_s = child_wait_s
+        # handle -> (state, subtree) of an unsettled child read to its final end.
+        self._final: OrderedDict[str, tuple[str, Totals]] = OrderedDict()
 
     @property
     def client(self) -> Client:
@@ -310,6 +317,11 @@ class Runs:
         async def now(child: ChildSummary) -> ChildSummary:
             if child.state in TERMINAL_STATES and child.settled:
                 return child
+            final = self._final.get(child.handle)
+            if final is not None:
+                self._final.move_to_end(child.handle)
+                state = child.state if child.state in TERMINAL_STATES else final[0]
+                return ChildSummary(child.handle, state, final[1], True)
             try:
                 async with gate:  # not held while the runs below are read
                     desc = await self._describe(child.handle)
@@ -324,6 +336,10 @@ class Runs:
             # An ended child keeps the state its parent saw (a budget's stop is
             # Cancelled there, as here).
             state = child.state if child.state in TERMINAL_STATES else seen.state
+            if settled(seen.children):
+                self._final[child.handle] = (seen.state, seen.subtree)
+                if len(self._final) > _FINAL_KEPT:
+                    self._final.popitem(last=False)
             return ChildSummary(child.handle, state, seen.subtree, settled(seen.children))
 
         children = list(await asyncio.gather(*(now(c) for c in status.children)))

@@ -272,11 +272,22 @@ async def test_an_ended_runs_status_reads_below_a_child_that_ended_before_its_ow
                 budget = replace(budget, used=used)
             return replace(status, children=[child], subtree=subtree, budget=budget)
 
-        monkeypatch.setattr(Runs, "_recorded_status", as_recorded)
+        read: list[str] = []
+
+        async def counted(self: Runs, desc: Any, query_timeout: float) -> RunStatus:
+            read.append(desc.id)
+            return await as_recorded(self, desc, query_timeout)
+
+        monkeypatch.setattr(Runs, "_recorded_status", counted)
         status = await s.runs.status(parent)
         assert status.children == record.children
         assert status.subtree == record.subtree
         assert status.budget == record.budget
+        assert read == [parent, kid, grandkid]
+        # Found final, the kid's end is not read again at the next status.
+        read.clear()
+        assert await s.runs.status(parent) == status
+        assert read == [parent]
 
 
 async def test_an_empty_parent_is_no_parent(temporal_address: str) -> None:
