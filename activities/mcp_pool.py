@@ -320,8 +320,9 @@ class McpPool:
         be reached fails the listing, unless `wanted` names the tools needed (by name,
         or by the function name a listing gave them) and the servers reached offer them
         all (one server down no longer hides every other server's tools from runs that
-        do not need it), under names that a server down cannot change: by the names it
-        listed last, it owns no name asked for and changes no function name asked for.
+        do not need it), under names that a server down cannot change as far as its last
+        listing tells: it owns no name asked for and changes no function name asked for
+        (a server that added a name since this process last listed it may own it).
         A tool that engines would refuse by its name gets one they take."""
         return (await self.listing(wanted)).tools
 
@@ -361,11 +362,13 @@ class McpPool:
                     count(name, tool_name)
                 continue
             names: list[str] = []
+            seen: set[str] = set()
             for tool in listed:
-                if tool.name in names:
+                if tool.name in seen:
                     log.warning("mcp server %r lists tool %r twice", name, tool.name)
                     continue
                 names.append(tool.name)
+                seen.add(tool.name)
                 count(name, tool.name)
                 notes = tool.annotations
                 read_only = bool(notes and notes.read_only_hint)
@@ -409,7 +412,14 @@ class McpPool:
             # server's tool of that name (another implementation, other approvals)
             # because the first was down.  Nor is an alias while a server never listed
             # is down: its names could change it.
-            sure = {t.name for t in tools if owner[t.name] == t.server} - unsure
+            # (A tool offered under an alias is not sure while a server never listed is
+            # down, even by its own name: the alias is what the model and approveTools
+            # know it by, and that server's names could change it.)
+            sure = {
+                t.name
+                for t in tools
+                if owner[t.name] == t.server and not (never_listed and t.function)
+            } - unsure
             if not never_listed:
                 sure |= {t.function for t in tools if t.function}
             missing = sorted(n for n in set(wanted or ()) if n not in sure)

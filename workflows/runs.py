@@ -183,8 +183,9 @@ class Runs:
         self._client = client
         self._queue = task_queue
         self._child_wait_s = child_wait_s
-        # handle -> (state, subtree) of an unsettled child read to its final end.
-        self._final: OrderedDict[str, tuple[str, Totals]] = OrderedDict()
+        # handle -> (Temporal run id, state, subtree) of an unsettled child read to its
+        # final end (a reset starts another run under the handle: read again then).
+        self._final: OrderedDict[str, tuple[str, str, Totals]] = OrderedDict()
 
     @property
     def client(self) -> Client:
@@ -317,14 +318,14 @@ class Runs:
         async def now(child: ChildSummary) -> ChildSummary:
             if child.state in TERMINAL_STATES and child.settled:
                 return child
-            final = self._final.get(child.handle)
-            if final is not None:
-                self._final.move_to_end(child.handle)
-                state = child.state if child.state in TERMINAL_STATES else final[0]
-                return ChildSummary(child.handle, state, final[1], True)
             try:
                 async with gate:  # not held while the runs below are read
                     desc = await self._describe(child.handle)
+                    final = self._final.get(child.handle)
+                    if final is not None and final[0] == desc.run_id:
+                        self._final.move_to_end(child.handle)
+                        state = child.state if child.state in TERMINAL_STATES else final[1]
+                        return ChildSummary(child.handle, state, final[2], True)
                     seen = await self._recorded_status(desc, query_timeout)
                 seen = await self._settle(seen, query_timeout, gate)
             except Exception:
@@ -337,7 +338,7 @@ class Runs:
             # Cancelled there, as here).
             state = child.state if child.state in TERMINAL_STATES else seen.state
             if settled(seen.children):
-                self._final[child.handle] = (seen.state, seen.subtree)
+                self._final[child.handle] = (desc.run_id, seen.state, seen.subtree)
                 if len(self._final) > _FINAL_KEPT:
                     self._final.popitem(last=False)
             return ChildSummary(child.handle, state, seen.subtree, settled(seen.children))

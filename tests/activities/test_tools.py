@@ -539,6 +539,7 @@ async def test_a_name_two_servers_offer_reaches_each_by_its_function_name() -> N
             a = McpServer(name="a", url=f"{a_url}/mcp")
             pool = McpPool([a, b])
             never_saw_a = McpPool([a, b])
+            a_last = McpPool([b, a])
             listed = await pool.list_tools()
             offered = [(t.server, t.name, t.offered) for t in listed]
             assert offered[:5] == [
@@ -568,9 +569,20 @@ async def test_a_name_two_servers_offer_reaches_each_by_its_function_name() -> N
             for wanted in ("b__lookup", "extra"):
                 with pytest.raises(ConnectionError, match=f"down offers {wanted}"):
                     await never_saw_a.list_tools([wanted])
+            # Listed after b, it owns none of b's names, but its `files_read` would make
+            # b's `files.read` another alias than `files_read` (helper-87): not sure
+            # either, even by its own name.  b's `lookup` is.
+            assert [t.name for t in await a_last.list_tools(["lookup"])] == [
+                "lookup",
+                "extra",
+                "files.read",
+            ]
+            with pytest.raises(ConnectionError, match=r"down offers files\.read"):
+                await a_last.list_tools(["files.read"])
         finally:
             await pool.aclose()
             await never_saw_a.aclose()
+            await a_last.aclose()
 
 
 async def test_an_opening_given_up_answers_everyone_waiting_for_it_at_once(
