@@ -410,11 +410,10 @@ class McpPool:
         if down:
             # A name a server down may own is not sure: the run must not get another
             # server's tool of that name (another implementation, other approvals)
-            # because the first was down.  Nor is an alias while a server never listed
-            # is down: its names could change it.
-            # (A tool offered under an alias is not sure while a server never listed is
-            # down, even by its own name: the alias is what the model and approveTools
-            # know it by, and that server's names could change it.)
+            # because the first was down.  While a server never listed is down, no
+            # tool offered under an alias is sure either, by its alias or by its own
+            # name: that server's names could change the alias, which is what the
+            # model and approveTools know it by.
             sure = {
                 t.name
                 for t in tools
