@@ -71,8 +71,7 @@ def message(status: RunStatus) -> str:
     p = status.pending_approval
     assert p is not None
     args = json.dumps(p.arguments)[:500]
-    tool = f"{p.tool} (of {p.server})" if p.server else p.tool
-    return f"Sub-agent {status.handle} wants to call {tool} with {args}. Allow it?"
+    return f"Sub-agent {status.handle} wants to call {p.described} with {args}. Allow it?"
 
 
 def elicit_params(status: RunStatus) -> dict[str, Any]:

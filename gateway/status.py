@@ -280,8 +280,7 @@ def sub_agent_tree(statuses: Sequence[Any]) -> list[dict[str, Any]]:
             "turn_seconds": round(sub.turn_seconds, 2),
             "tool_seconds": round(sub.tool_seconds, 2),
             "note": (
-                f"waits for approval of {pending.tool}"
-                + (f" (of {pending.server})" if pending.server else "")
+                f"waits for approval of {pending.described}"
                 if pending is not None
                 else s.error or ""
             ),

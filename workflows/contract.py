@@ -180,6 +180,11 @@ class PendingApproval:
     # servers may offer one name.
     server: str = ""
 
+    @property
+    def described(self) -> str:
+        """The tool, with its server when known: `delete_record (of fake)`."""
+        return f"{self.tool} (of {self.server})" if self.server else self.tool
+
 
 @dataclass(frozen=True)
 class Approval:

@@ -318,14 +318,21 @@ class Runs:
         async def now(child: ChildSummary) -> ChildSummary:
             if child.state in TERMINAL_STATES and child.settled:
                 return child
+
+            def ended(state: str, subtree: Totals, whole: bool) -> ChildSummary:
+                # An ended child keeps the state its parent saw (a budget's stop is
+                # Cancelled there, as here).
+                if child.state in TERMINAL_STATES:
+                    state = child.state
+                return ChildSummary(child.handle, state, subtree, whole)
+
             try:
                 async with gate:  # not held while the runs below are read
                     desc = await self._describe(child.handle)
                     final = self._final.get(child.handle)
                     if final is not None and final[0] == desc.run_id:
                         self._final.move_to_end(child.handle)
-                        state = child.state if child.state in TERMINAL_STATES else final[1]
-                        return ChildSummary(child.handle, state, final[2], True)
+                        return ended(final[1], final[2], True)
                     seen = await self._recorded_status(desc, query_timeout)
                 seen = await self._settle(seen, query_timeout, gate)
             except Exception:
@@ -334,14 +341,12 @@ class Runs:
                 STATUS_UNAVAILABLE
             ):
                 return child  # no worker to replay it: its totals are unknown
-            # An ended child keeps the state its parent saw (a budget's stop is
-            # Cancelled there, as here).
-            state = child.state if child.state in TERMINAL_STATES else seen.state
-            if settled(seen.children):
+            whole = settled(seen.children)
+            if whole:
                 self._final[child.handle] = (desc.run_id, seen.state, seen.subtree)
                 if len(self._final) > _FINAL_KEPT:
                     self._final.popitem(last=False)
-            return ChildSummary(child.handle, state, seen.subtree, settled(seen.children))
+            return ended(seen.state, seen.subtree, whole)
 
         children = list(await asyncio.gather(*(now(c) for c in status.children)))
         subtree = status.usage.with_children(children)
