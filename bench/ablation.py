@@ -3,7 +3,9 @@
 Run: .venv/bin/python bench/ablation.py [--seeds 1,2] [--json]
 Each variant switches one mechanism off (or changes one constant) from the default
 Policy; P and W are against the same reference arms (the best of cache_aware and the
-default luftpause policy, each alone) for every variant.
+default luftpause policy, each alone) for every variant.  A change named `engine.<field>`
+changes the simulated engines' EngineParams instead (the same for the variant's
+reference run alone).
 """
 
 from __future__ import annotations
@@ -52,6 +54,18 @@ FRONTIER: dict[str, dict[str, object]] = {
         }
         for f in (0.9, 0.85, 0.8, 0.75, 0.7, 0.6)
     },
+    # Not a router mechanism: engines that preempt batch decode while interactive turns
+    # decode (EngineParams.low_priority_decode_cap; SGLang has no such mode).
+    **{f"engine decode cap {c}": {"engine.low_priority_decode_cap": c} for c in (0, 2, 4, 8, 16)},
+    **{
+        f"packed GPU, kv_fill=0.9, batch_kv_fill=0.75, engine decode cap {c}": {
+            "pack_shared_devices": True,
+            "kv_fill": 0.9,
+            "batch_kv_fill": 0.75,
+            "engine.low_priority_decode_cap": c,
+        }
+        for c in (4, 8, 16)
+    },
 }
 
 
@@ -64,10 +78,14 @@ def main() -> None:
         action="store_true",
         help="sweep batch_kv_fill and interactive lanes instead of the ablation variants",
     )
+    ap.add_argument("--minutes", type=float, default=3.0, help="virtual minutes per run (flood: 3)")
+    ap.add_argument("--only", help="run only the variants whose name contains this")
     args = ap.parse_args()
     variants = FRONTIER if args.frontier else VARIANTS
+    if args.only:
+        variants = {k: v for k, v in variants.items() if args.only in k}
     seeds = [int(s) for s in args.seeds.split(",")]
-    base = SCENARIOS["flood"]
+    base = replace(SCENARIOS["flood"], minutes=args.minutes)
     ref_i = mean(
         max(simulate(replace(base, seed=s), a, batch=False).interactive_per_min
             for a in ("cache_aware", "luftpause"))
@@ -83,15 +101,20 @@ def main() -> None:
     ca_b = mean(r.batch_per_min for r in ca)
     rows = {}
     for name, change in variants.items():
-        policy = replace(Policy(), **change)  # type: ignore[arg-type]
-        res = [simulate(replace(base, seed=s, policy=policy), "luftpause") for s in seeds]
+        engine_change = {
+            k.removeprefix("engine."): v for k, v in change.items() if k.startswith("engine.")
+        }
+        policy_change = {k: v for k, v in change.items() if not k.startswith("engine.")}
+        policy = replace(Policy(), **policy_change)  # type: ignore[arg-type]
+        sc = replace(base, engine=replace(base.engine, **engine_change))  # type: ignore[arg-type]
+        res = [simulate(replace(sc, seed=s, policy=policy), "luftpause") for s in seeds]
         i = mean(r.interactive_per_min for r in res)
         b = mean(r.batch_per_min for r in res)
         # The same interactive runs alone under this variant: a policy can also make the
         # reference faster (lanes pack interactive runs onto one replica of the GPU).
         own_i = mean(
             simulate(
-                replace(base, seed=s, policy=policy), "luftpause", batch=False
+                replace(sc, seed=s, policy=policy), "luftpause", batch=False
             ).interactive_per_min
             for s in seeds
         )
@@ -109,6 +132,7 @@ def main() -> None:
         }
     out = {
         "seeds": seeds,
+        "minutes": args.minutes,
         "reference": {"interactive_alone": round(ref_i, 2), "batch_alone": round(ref_b, 2)},
         "cache_aware": {"interactive_per_min": round(ca_i, 2), "batch_per_min": round(ca_b, 2)},
         "variants": rows,
@@ -128,7 +152,8 @@ def main() -> None:
     print("alone: the interactive runs alone under the variant's own policy; P*: P against "
           "the better of that and the reference")  # fmt: skip
     print(f"reference alone: interactive {ref_i:.2f}/min, batch {ref_b:.2f}/min; "
-          f"cache_aware: interactive {ca_i:.2f}, batch {ca_b:.2f} (seeds {seeds})")  # fmt: skip
+          f"cache_aware: interactive {ca_i:.2f}, batch {ca_b:.2f} (seeds {seeds}, "
+          f"{args.minutes:g} virtual minutes)")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -52,6 +52,14 @@ def _sim_parser(sub: Any) -> None:
         action="store_true",
         help="engines schedule by priority and interactive turns are sent high",
     )
+    p.add_argument(
+        "--engine-decode-cap",
+        type=int,
+        metavar="N",
+        help="engines preempt batch decode (not an SGLang feature): while an interactive "
+        "turn decodes, at most N batch turns decode in its steps; interactive turns are "
+        "sent high",
+    )
     p.add_argument("--kv-tokens", type=int, help="KV pool per engine, tokens")
     p.add_argument("--max-running", type=int, help="engine running-request limit")
     p.add_argument(
@@ -143,6 +151,8 @@ def _sim(args: argparse.Namespace) -> int:
             engine = replace(engine, kv_pool_tokens=args.kv_tokens)
         if args.max_running is not None:
             engine = replace(engine, max_running_requests=args.max_running)
+        if args.engine_decode_cap is not None:
+            engine = replace(engine, low_priority_decode_cap=args.engine_decode_cap)
         sc = scenario_with(
             sc,
             engines=args.engines,

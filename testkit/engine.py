@@ -24,7 +24,9 @@ Model (continuous batching, as SGLang's scheduler with default settings):
   tokens (the first request of a step is always taken, its prefill just takes longer).
   Prefill step time = overhead + uncached_tokens / (prefill rate * share).  At its
   end every admitted request has its first token.
-* Otherwise a *decode step* produces one token for every running request.  Step time =
+* Otherwise a *decode step* produces one token for every running request (with
+  `low_priority_decode_cap`, which SGLang lacks: for the highest-priority ones and at most
+  that many others).  Step time =
   overhead + (weights + kv_bytes_per_token * total context) / (bandwidth * share).
   Between state changes the batch is fixed and its context grows by `batch` tokens per
   step, so a run of k steps costs k*base + inc*k*(k-1)/2 and is jumped over in closed form.
@@ -105,10 +107,19 @@ class EngineParams:
     step_overhead_s: float = 1e-3
     # SGLang default is FCFS; True mimics --enable-priority-scheduling (no preemption).
     priority_scheduling: bool = False
+    # Decode preemption, which SGLang does not have: while running requests of the
+    # highest priority present decode, at most this many lower-priority running requests
+    # (the first admitted) decode in the same steps; the others keep their KV and their
+    # running slots, and wait for as long as higher-priority requests decode.
+    # None: every running request decodes in every step, as in SGLang.  For measuring
+    # what an engine that preempts batch decode would buy (bench/RESULTS.md).
+    low_priority_decode_cap: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
+        if self.low_priority_decode_cap is not None and self.low_priority_decode_cap < 0:
+            raise ValueError("low_priority_decode_cap must be >= 0 or None")
         if self.block_tokens < 1:
             raise ValueError("block_tokens must be >= 1")
         if self.kv_pool_tokens < self.block_tokens:
@@ -246,9 +257,16 @@ class SimEngine:
 
         # running set (insertion order = admission order)
         self._running: dict[str, _Running] = {}
+        # the running requests the decode segment steps (all of them unless
+        # low_priority_decode_cap holds some back)
+        self._active: list[_Running] = []
         self._prefill_batch: list[_Running] = []
         self._prefill_end = 0.0
+        self._prefill_start = 0.0
         self._prefill_uncached = 0  # tokens the prefill step in flight computes
+        # Set to a list to have every completed prefill step appended as (start, end):
+        # the time no request decodes (bench/interactive_time.py).
+        self.prefill_log: list[tuple[float, float]] | None = None
 
         # decode segment: boundary k is at t0 + k*base + inc*k*(k-1)/2, where base and inc
         # follow from the batch (size n, total context ctx at step 1) and the bandwidth
@@ -402,7 +420,7 @@ class SimEngine:
             b_k = self._boundary_time(k)
             b_next = self._boundary_time(k + 1)
             left = min((b_next - now) / (b_next - b_k), 1.0)
-            for run in self._running.values():
+            for run in self._active:
                 run.gen_base += k
             self._seg_ctx += self._seg_n * k
             self._seg_steps = 0
@@ -439,7 +457,7 @@ class SimEngine:
         run = self._running.get(request_id)
         if run is None:
             return 0
-        if self._phase is not _Phase.DECODE:
+        if self._phase is not _Phase.DECODE or not self._stepped(run):
             return run.gen_base
         k = min(self._steps_by(now), self._k_target())
         return min(run.gen_base + k, run.request.output_tokens)
@@ -499,6 +517,7 @@ class SimEngine:
             self._phase = _Phase.PREFILL
             self._prefill_batch = admitted
             self._prefill_uncached = uncached
+            self._prefill_start = tb
             self._prefill_end = tb + self._p.step_overhead_s + uncached / self._prefill_rate
             self._check_at = None
             self._dirty = False
@@ -514,6 +533,8 @@ class SimEngine:
     def _end_prefill(self, out: list[EngineOutput]) -> None:
         tb = self._prefill_end
         self._clock = tb
+        if self.prefill_log is not None:
+            self.prefill_log.append((self._prefill_start, tb))
         batch, self._prefill_batch = self._prefill_batch, []
         bt = self._bt
         for run in batch:
@@ -543,7 +564,11 @@ class SimEngine:
         self._clock = tb
         if self._check_at is not None and k >= self._check_at:
             self._check_at = None
-        finished = [r for r in self._running.values() if r.gen_base + k >= r.request.output_tokens]
+        finished = [
+            r
+            for r in self._active
+            if r.gen_base + k >= r.request.output_tokens and self._is_running(r)
+        ]
         for run in finished:
             del self._running[run.request.request_id]
             self._finish(run, tb, out)
@@ -557,7 +582,7 @@ class SimEngine:
     def _materialize(self) -> None:
         if self._phase is _Phase.DECODE and self._seg_steps:
             k = self._seg_steps
-            for run in self._running.values():
+            for run in self._active:
                 run.gen_base += k
         self._seg_steps = 0
 
@@ -565,8 +590,9 @@ class SimEngine:
         self._phase = _Phase.DECODE
         self._t0 = t
         self._seg_steps = 0
-        self._seg_n = len(self._running)
-        self._seg_ctx = sum(r.request.prompt_tokens + r.gen_base for r in self._running.values())
+        self._active = self._decoding()
+        self._seg_n = len(self._active)
+        self._seg_ctx = sum(r.request.prompt_tokens + r.gen_base for r in self._active)
         self._plan_segment()
         self._k_finish = self._min_remaining()
         self._check_at = None
@@ -579,10 +605,30 @@ class SimEngine:
         self._base = p.step_overhead_s + (p.weights_bytes + p.kv_bytes_per_token * ctx) / self._bw
         self._inc = p.kv_bytes_per_token * self._seg_n / self._bw
 
+    def _decoding(self) -> list[_Running]:
+        """The running requests a new decode segment steps."""
+        running = list(self._running.values())
+        cap = self._p.low_priority_decode_cap
+        if cap is None or not running:
+            return running
+        top = max(r.request.priority for r in running)
+        low = [r for r in running if r.request.priority < top]
+        if len(low) <= cap:
+            return running
+        held = {id(r) for r in low[cap:]}
+        return [r for r in running if id(r) not in held]
+
+    def _is_running(self, run: _Running) -> bool:
+        """False for a request of the segment that was cancelled since it began."""
+        return self._running.get(run.request.request_id) is run
+
+    def _stepped(self, run: _Running) -> bool:
+        """Whether the decode segment steps this running request."""
+        return self._p.low_priority_decode_cap is None or any(r is run for r in self._active)
+
     def _min_remaining(self) -> int | None:
-        if not self._running:
-            return None
-        return min(r.request.output_tokens - r.gen_base for r in self._running.values())
+        left = [r.request.output_tokens - r.gen_base for r in self._active if self._is_running(r)]
+        return min(left) if left else None
 
     def _k_target(self) -> int:
         kf, kc = self._k_finish, self._check_at

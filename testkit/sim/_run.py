@@ -95,6 +95,18 @@ class RunRecord:
 
 
 @dataclass
+class TurnTimes:
+    """When one turn reached each stage (`simulate(..., timeline=True)`)."""
+
+    service_class: ServiceClass
+    arrived: float
+    sent: float | None = None  # handed to an engine
+    engine: int | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+
+@dataclass
 class ArmResult:
     arm: str
     minutes: float
@@ -106,6 +118,9 @@ class ArmResult:
     moved_runs: int = 0
     makespan_s: float = 0.0
     wall_s: float = 0.0
+    # With timeline=True: every turn's times, and each engine's prefill steps (start, end)
+    turns: dict[str, TurnTimes] = field(default_factory=dict)
+    prefill_steps: list[list[tuple[float, float]]] = field(default_factory=list)
 
     @property
     def interactive_per_min(self) -> float:
@@ -213,12 +228,18 @@ class _Agent:
 class Simulation:
     """One arm on one scenario, in virtual time."""
 
-    def __init__(self, scenario: Scenario, arm: str, *, closed_loop: bool = True) -> None:
+    def __init__(
+        self, scenario: Scenario, arm: str, *, closed_loop: bool = True, timeline: bool = False
+    ) -> None:
         self.scenario = scenario
         params = scenario.engine
         if scenario.engine_priority:
             params = replace(params, priority_scheduling=True)
         self.engines = [SimEngine(params) for _ in range(scenario.engines)]
+        self.timeline: dict[str, TurnTimes] | None = {} if timeline else None
+        if timeline:
+            for engine in self.engines:
+                engine.prefill_log = []
         k = max(1, scenario.replicas_per_gpu)
         self.gpus = [
             list(range(i, min(i + k, len(self.engines)))) for i in range(0, len(self.engines), k)
@@ -248,11 +269,14 @@ class Simulation:
 
     def arrive(self, turn: Turn, agent: _Agent, now: float) -> None:
         self._inflight[turn.turn_id] = (turn, agent)
+        if self.timeline is not None:
+            self.timeline[turn.turn_id] = TurnTimes(turn.service_class, now)
         self.arm.arrive(turn, now)
 
     def _send(self, turn: Turn, engine: int) -> None:
         sc = self.scenario
-        high = turn.service_class is ServiceClass.INTERACTIVE and sc.engine_priority
+        ranked = sc.engine_priority or sc.engine.low_priority_decode_cap is not None
+        high = turn.service_class is ServiceClass.INTERACTIVE and ranked
         n_out = math.ceil(sc.reply_tokens / sc.engine.block_tokens)
         first = len(turn.prompt_blocks)
         stream = turn.prompt_blocks[0][0] if turn.prompt_blocks else 0
@@ -268,6 +292,9 @@ class Simulation:
             ),
             self.clock,
         )
+        if self.timeline is not None:
+            times = self.timeline[turn.turn_id]
+            times.sent, times.engine = self.clock, engine
         self._share_gpu(engine)
 
     def _schedule_engine(self, e: int) -> None:
@@ -287,6 +314,8 @@ class Simulation:
         for out in self.engines[e].advance(now):
             turn, agent = self._inflight[out.request_id]
             if isinstance(out, FirstToken):
+                if self.timeline is not None:
+                    self.timeline[out.request_id].first_token = out.time
                 self.arm.started(turn, out.time)
             elif isinstance(out, Finished):
                 self._finished(turn, agent, e, out)
@@ -304,6 +333,8 @@ class Simulation:
 
     def _finished(self, turn: Turn, agent: _Agent, e: int, out: Finished) -> None:
         del self._inflight[turn.turn_id]
+        if self.timeline is not None:
+            self.timeline[turn.turn_id].finished = out.time
         self.prompt_tokens += out.prompt_tokens
         self.cached_tokens += out.cached_tokens
         tool = agent.turn_finished(turn, e, out.time)
@@ -383,12 +414,20 @@ def _agents(
     return out
 
 
-def simulate(sc: Scenario, arm: str, *, batch: bool = True, interactive: bool = True) -> ArmResult:
-    """Run one arm closed-loop for `sc.minutes` virtual minutes."""
+def simulate(
+    sc: Scenario,
+    arm: str,
+    *,
+    batch: bool = True,
+    interactive: bool = True,
+    timeline: bool = False,
+) -> ArmResult:
+    """Run one arm closed-loop for `sc.minutes` virtual minutes (`timeline`: keep every
+    turn's times and the engines' prefill steps in the result)."""
     import time
 
     t0 = time.perf_counter()
-    sim = Simulation(sc, arm)
+    sim = Simulation(sc, arm, timeline=timeline)
     until = sc.minutes * 60.0
     sim.run(_agents(sc, batch=batch, interactive=interactive), until)
     res = ArmResult(arm=arm, minutes=sc.minutes)
@@ -404,6 +443,9 @@ def simulate(sc: Scenario, arm: str, *, batch: bool = True, interactive: bool = 
             res.batch_runs += 1
     res.prompt_tokens = sim.prompt_tokens
     res.cached_tokens = sim.cached_tokens
+    if sim.timeline is not None:
+        res.turns = sim.timeline
+        res.prefill_steps = [e.prefill_log or [] for e in sim.engines]
     res.wall_s = time.perf_counter() - t0
     return res
 

@@ -139,6 +139,22 @@ def test_generated_tokens_streams_during_decode() -> None:
     )
 
 
+def test_prefill_log_records_each_completed_prefill_step() -> None:
+    e = SimEngine(REF)
+    assert e.prefill_log is None  # off unless asked for
+    e.prefill_log = []
+    e.submit(req("a", 2000, 20), 0.0)
+    e.advance(0.0)
+    e.submit(req("b", 800, 5), 0.05)  # waits for the step boundary after 0.05
+    first, _ = by_id(run_all(e))
+    t_a = prefill_time(REF, 2000)
+    assert e.prefill_log[0] == (0.0, pytest.approx(t_a, rel=1e-12))
+    start_b, end_b = e.prefill_log[1]
+    assert 0.05 < start_b < first["b"].time == end_b
+    assert end_b - start_b == pytest.approx(prefill_time(REF, 800), rel=1e-9)
+    assert len(e.prefill_log) == 2
+
+
 def test_single_output_token_finishes_at_prefill_end() -> None:
     e = SimEngine(REF)
     e.submit(req("a", 160, 1), 0.0)
@@ -386,6 +402,57 @@ def test_priority_scheduling_orders_queue() -> None:
     assert order == ["x", "q0", "q1", "q2", "q3", "q4"]
 
 
+def test_low_priority_decode_cap_holds_batch_decode_back() -> None:
+    """With the cap, lower-priority requests beyond it decode only in steps without a
+    higher-priority request; their KV stays and they finish later.  Without it, every
+    running request decodes in every step (the high one's steps read all their KV)."""
+    cap0 = dataclasses.replace(REF, low_priority_decode_cap=0)
+    cap1 = dataclasses.replace(REF, low_priority_decode_cap=1)
+    ends: dict[int | None, dict[str, float]] = {}
+    for p in (REF, cap0, cap1):
+        e = SimEngine(p)
+        e.submit(req("l1", 1000, 200), 0.0)
+        e.submit(req("l2", 3000, 200), 0.0)
+        e.advance(0.0)
+        t_h = prefill_time(p, 4000) + 0.05  # mid-decode
+        e.submit(req("h", 500, 50, priority=1), t_h)
+        outs = e.advance(t_h)
+        start = e.next_event_time()  # the next step boundary, where h's prefill begins
+        assert start is not None
+        outs += e.advance(start)
+        h_first = start + prefill_time(p, 500)
+        outs += e.advance(h_first)
+        l1_done = e.generated_tokens("l1", h_first)
+        l2_done = e.generated_tokens("l2", h_first)
+        mid = h_first + 0.1  # h decodes 49 tokens in about 0.35 s
+        outs += e.advance(mid)
+        if p.low_priority_decode_cap is not None:
+            # l2, held back, makes no progress while h decodes; l1 only under cap 1
+            assert e.generated_tokens("l2", mid) == l2_done
+            l1_steps = e.generated_tokens("l1", mid) - l1_done
+            assert (l1_steps > 0) == (p.low_priority_decode_cap == 1)
+        else:
+            assert e.generated_tokens("l2", mid) > l2_done
+        outs += run_all(e)
+        first, fin = by_id(outs)
+        assert first["h"].time == pytest.approx(h_first, rel=1e-12)
+        ends[p.low_priority_decode_cap] = {r: fin[r].time for r in ("h", "l1", "l2")}
+        if p.low_priority_decode_cap is None:
+            continue
+        # h decodes with at most `cap` of the low requests: l1, the first admitted
+        with_l1 = p.low_priority_decode_cap == 1
+        steps = sum(
+            decode_step(p, 500 + g + (1000 + l1_done + g - 1 if with_l1 else 0))
+            for g in range(1, 50)
+        )
+        assert fin["h"].time == pytest.approx(h_first + steps, rel=1e-9)
+    assert ends[0]["h"] < ends[1]["h"] < ends[None]["h"]
+    assert ends[None]["l2"] < ends[1]["l2"]
+    assert ends[None]["l1"] < ends[0]["l1"] and ends[1]["l1"] == pytest.approx(
+        ends[None]["l1"], abs=0.2
+    )
+
+
 def test_cancel_frees_space_for_queued_request() -> None:
     p = dataclasses.replace(REF, kv_pool_tokens=2600)
     e = SimEngine(p)
@@ -616,6 +683,7 @@ _share_op = st.tuples(
     prio=st.booleans(),
     small=st.booleans(),
     shares=st.lists(_share_op, max_size=12),
+    decode_cap=st.sampled_from([None, 0, 1]),
 )
 def test_time_slicing_is_consistent(
     ops: list[tuple[float, int, int, int, int, int]],
@@ -623,10 +691,12 @@ def test_time_slicing_is_consistent(
     prio: bool,
     small: bool,
     shares: list[tuple[float, float]],
+    decode_cap: int | None,
 ) -> None:
     p = dataclasses.replace(
         REF,
         priority_scheduling=prio,
+        low_priority_decode_cap=decode_cap,
         kv_pool_tokens=4000 if small else REF.kv_pool_tokens,
         max_running_requests=4 if small else 48,
         chunked_prefill_tokens=3000,

@@ -7,10 +7,12 @@ import os
 import subprocess
 import sys
 from dataclasses import replace
+from itertools import pairwise
 
 import pytest
 
 from luftpause import native
+from scheduler import ServiceClass
 from testkit.sim import SCENARIOS, simulate, simulate_fanout
 from testkit.sim._report import bench_core, compare
 
@@ -136,6 +138,7 @@ def test_cli_rejects_bad_flags_clearly() -> None:
         assert "Traceback" not in out.stderr
     # Found by helper-64: values that gave a traceback, ran forever or a meaningless table.
     for argv, message in (
+        (("flood", "--engine-decode-cap", "-1"), "low_priority_decode_cap must be >= 0"),
         (("light", "--tool-s", "nan"), "tool_s must be finite and >= 0, got nan"),
         (("light", "--minutes", "inf"), "minutes 0 to 10000, got 256, inf"),
         (("light", "--policy", "kv_fill=-1"), "--policy kv_fill: Input should be greater than 0"),
@@ -171,3 +174,37 @@ def test_cli_policy_switches_an_optional_knob_off_and_on() -> None:
     lanes = json.loads(_cli(*args, "--policy", "lane_batch_kv_fill=0.3").stdout)
     assert off["scenario"]["policy"]["batch_kv_fill"] is None
     assert lanes["scenario"]["policy"]["lane_batch_kv_fill"] == 0.3
+
+
+def test_engines_that_preempt_batch_decode_give_interactive_runs_the_steps() -> None:
+    """`--engine-decode-cap 0`: engines step only interactive turns while any decodes.
+    Interactive runs gain, and batch pays far more than it gives (bench/RESULTS.md:
+    engine preemption lies on the same P/W frontier as the router's batch_kv_fill)."""
+    sc = replace(SCENARIOS["flood"], minutes=1.5)
+    plain = simulate(sc, "luftpause")
+    preempt = replace(sc, engine=replace(sc.engine, low_priority_decode_cap=0))
+    held_back = simulate(preempt, "luftpause")
+    print(plain.as_json(), held_back.as_json())
+    assert held_back.interactive_runs > plain.interactive_runs
+    assert held_back.batch_runs < 0.5 * plain.batch_runs
+
+
+def test_timeline_keeps_each_turns_stages_and_the_engines_prefill_steps() -> None:
+    sc = replace(SCENARIOS["flood"], minutes=0.5)
+    plain = simulate(sc, "luftpause")
+    res = simulate(sc, "luftpause", timeline=True)
+    assert not plain.turns and not plain.prefill_steps
+    assert res.interactive_runs == plain.interactive_runs  # watching changes nothing
+    assert res.batch_runs == plain.batch_runs
+    done = [t for t in res.turns.values() if t.finished is not None]
+    assert len(done) >= res.interactive_runs + res.batch_runs
+    for t in done:
+        assert t.sent is not None and t.first_token is not None and t.engine is not None
+        assert t.arrived <= t.sent <= t.first_token <= t.finished
+    assert {t.service_class for t in done} == set(ServiceClass)
+    for steps in res.prefill_steps:
+        assert steps, "each engine prefilled"
+        assert all(a < b <= c for (a, b), (c, _) in pairwise(steps))
+    # every turn's first token ends a prefill step of its engine
+    ends = [{b for _, b in steps} for steps in res.prefill_steps]
+    assert all(t.first_token in ends[t.engine] for t in done if t.engine is not None)
