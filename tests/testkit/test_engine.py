@@ -155,6 +155,21 @@ def test_prefill_log_records_each_completed_prefill_step() -> None:
     assert len(e.prefill_log) == 2
 
 
+def test_a_request_admitted_mid_decode_has_no_tokens_during_its_prefill() -> None:
+    e = SimEngine(REF)
+    e.submit(req("a", 2000, 200), 0.0)
+    e.advance(0.0)
+    e.submit(req("b", 3000, 20), 0.5)  # a has decoded for a while
+    e.advance(0.5)
+    start = e.next_event_time()
+    assert start is not None
+    e.advance(start)  # b's prefill starts at this step boundary
+    assert e.generated_tokens("a", start) > 1
+    assert e.generated_tokens("b", start + 0.01) == 0
+    e.advance(start + prefill_time(REF, 3000))
+    assert e.generated_tokens("b", start + prefill_time(REF, 3000)) == 1
+
+
 def test_single_output_token_finishes_at_prefill_end() -> None:
     e = SimEngine(REF)
     e.submit(req("a", 160, 1), 0.0)
