@@ -8,6 +8,10 @@ Run: .venv/bin/python bench/interactive_time.py [--seeds 1,2,3] [--minutes 3]
 Turns that arrive in the first `--skip-s` virtual seconds are left out: at t=0 every
 agent starts at once, and the batch runs fill both replicas before the interactive runs
 arrive (a start-up effect the rates include, the per-turn figures do not).
+
+It also counts the batch turns luftpause held, and how many of them began a run.  Those
+have no attained service yet, so least-attained-service order among the held turns
+(Autellix's) is arrival order for them.
 """
 
 from __future__ import annotations
@@ -87,6 +91,22 @@ def _covered(res: ArmResult, skip_s: float, until: float) -> float:
     return covered / (until - skip_s) if until > skip_s else 0.0
 
 
+def held_batch(res: ArmResult) -> tuple[int, int, float, float]:
+    """Batch turns held (sent later than they arrived): how many, how many of them were
+    their run's first turn, and the seconds held by each kind."""
+    held = first = 0
+    held_s = first_s = 0.0
+    for turn_id, t in res.turns.items():
+        if t.service_class is not ServiceClass.BATCH or t.sent is None or t.sent <= t.arrived:
+            continue
+        held += 1
+        held_s += t.sent - t.arrived
+        if turn_id.endswith("-t1"):  # the simulator's ids: <run>-t<turn number>
+            first += 1
+            first_s += t.sent - t.arrived
+    return held, first, held_s, first_s
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", default="1,2,3")
@@ -97,6 +117,7 @@ def main() -> None:
     seeds = [int(s) for s in args.seeds.split(",")]
     base = replace(SCENARIOS["flood"], minutes=args.minutes)
     rows: dict[str, dict[str, float]] = {}
+    held = {"held": 0, "first": 0, "held_s": 0.0, "first_s": 0.0}
     for name, (policy_change, engine_change) in VARIANTS.items():
         sc = replace(
             base,
@@ -113,12 +134,14 @@ def main() -> None:
                 figures["interactive_per_min"] = res.interactive_per_min
                 figures["batch_per_min"] = res.batch_per_min
                 per_seed.append(figures)
+                for key, value in zip(held, held_batch(res), strict=True):
+                    held[key] += value
             rows[name if batch else f"{name}, alone"] = {
                 k: round(mean(f[k] for f in per_seed), 3) for k in per_seed[0]
             }
     if args.json:
         print(json.dumps({"seeds": seeds, "minutes": args.minutes, "skip_s": args.skip_s,
-                          "variants": rows}, indent=2))  # fmt: skip
+                          "variants": rows, "held_batch_turns": held}, indent=2))  # fmt: skip
         return
     print(f"{'variant':<46}{'int/min':>8}{'batch/min':>10}{'held':>7}{'to 1st':>7}"
           f"{'decode':>7}{'stall':>7}{'step ms':>8}{'in eng':>8}")  # fmt: skip
@@ -134,6 +157,10 @@ def main() -> None:
           f"{args.minutes:g} virtual minutes, seeds {seeds}); stall: the engine's prefill "
           "steps during its decode; step ms: its decode time without them, per token; "
           "in eng: share of the time some interactive turn is in an engine")  # fmt: skip
+    if held["held"]:
+        print(f"batch turns luftpause held, all variants and seeds: {held['held']:,}, of which "
+              f"{held['first']:,} began their run ({held['first_s'] / held['held_s']:.1%} of "
+              "the time held)")  # fmt: skip
 
 
 if __name__ == "__main__":
