@@ -60,6 +60,12 @@ def _sim_parser(sub: Any) -> None:
         "turn decodes, at most N batch turns decode in its steps; interactive turns are "
         "sent high",
     )
+    p.add_argument(
+        "--engine-mixed-chunk",
+        action="store_true",
+        help="engines decode the running requests in prefill steps too (SGLang's "
+        "--enable-mixed-chunk)",
+    )
     p.add_argument("--kv-tokens", type=int, help="KV pool per engine, tokens")
     p.add_argument("--max-running", type=int, help="engine running-request limit")
     p.add_argument(
@@ -153,6 +159,8 @@ def _sim(args: argparse.Namespace) -> int:
             engine = replace(engine, max_running_requests=args.max_running)
         if args.engine_decode_cap is not None:
             engine = replace(engine, low_priority_decode_cap=args.engine_decode_cap)
+        if args.engine_mixed_chunk:
+            engine = replace(engine, mixed_chunk=True)
         sc = scenario_with(
             sc,
             engines=args.engines,

@@ -114,6 +114,10 @@ class EngineParams:
     # None: every running request decodes in every step, as in SGLang.  For measuring
     # what an engine that preempts batch decode would buy (bench/RESULTS.md).
     low_priority_decode_cap: int | None = None
+    # SGLang's --enable-mixed-chunk (off by default): the running requests decode one
+    # token in each prefill step, which then takes the longer of its prefill compute and
+    # the decode's memory reads (overhead + max(prefill, decode time)).
+    mixed_chunk: bool = False
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:
@@ -264,6 +268,10 @@ class SimEngine:
         self._prefill_end = 0.0
         self._prefill_start = 0.0
         self._prefill_uncached = 0  # tokens the prefill step in flight computes
+        # mixed_chunk: the running requests that decode a token in that step, and the
+        # bytes the step reads for them (weights and their KV)
+        self._mixed: list[_Running] = []
+        self._mixed_bytes = 0.0
         # Set to a list to have every completed prefill step appended as (start, end):
         # the time no request decodes (bench/interactive_time.py).
         self.prefill_log: list[tuple[float, float]] | None = None
@@ -401,15 +409,15 @@ class SimEngine:
             return
         self._sync(now, start_idle=False)
         p = self._p
-        old_prefill_rate = self._prefill_rate
+        old_prefill_rate, old_bw = self._prefill_rate, self._bw
         self._share = share
         self._bw = p.bandwidth_bytes_per_s * share
         self._prefill_rate = p.prefill_tokens_per_s * share
         if self._phase is _Phase.PREFILL:
             # The step ends after prefill_end > now (else _sync processed it).  Its remaining
             # fraction takes that fraction of the step's length at the new share.
-            old_len = p.step_overhead_s + self._prefill_uncached / old_prefill_rate
-            new_len = p.step_overhead_s + self._prefill_uncached / self._prefill_rate
+            old_len = self._prefill_len(old_prefill_rate, old_bw)
+            new_len = self._prefill_len(self._prefill_rate, self._bw)
             end = now + (self._prefill_end - now) * (new_len / old_len)
             self._prefill_end = max(end, math.nextafter(now, math.inf))
         elif self._phase is _Phase.DECODE:
@@ -517,8 +525,14 @@ class SimEngine:
             self._phase = _Phase.PREFILL
             self._prefill_batch = admitted
             self._prefill_uncached = uncached
+            self._mixed = (
+                [r for r in self._decoding() if r.prefilled] if self._p.mixed_chunk else []
+            )
+            self._mixed_bytes = self._p.weights_bytes + self._p.kv_bytes_per_token * sum(
+                r.request.prompt_tokens + r.gen_base for r in self._mixed
+            )
             self._prefill_start = tb
-            self._prefill_end = tb + self._p.step_overhead_s + uncached / self._prefill_rate
+            self._prefill_end = tb + self._prefill_len(self._prefill_rate, self._bw)
             self._check_at = None
             self._dirty = False
         elif changed:
@@ -556,6 +570,14 @@ class SimEngine:
             out.append(FirstToken(req.request_id, tb, run.cached_tokens))
             if req.output_tokens <= 1:
                 del self._running[req.request_id]
+                self._finish(run, tb, out)
+        mixed, self._mixed = self._mixed, []
+        for run in mixed:  # a token each, decoded in the same step
+            if not self._is_running(run):
+                continue
+            run.gen_base += 1
+            if run.gen_base >= run.request.output_tokens:
+                del self._running[run.request.request_id]
                 self._finish(run, tb, out)
         self._at_boundary(tb, changed=True)
 
@@ -604,6 +626,13 @@ class SimEngine:
         ctx = self._seg_ctx
         self._base = p.step_overhead_s + (p.weights_bytes + p.kv_bytes_per_token * ctx) / self._bw
         self._inc = p.kv_bytes_per_token * self._seg_n / self._bw
+
+    def _prefill_len(self, rate: float, bw: float) -> float:
+        """The prefill step in flight's length at this prefill rate and bandwidth."""
+        compute = self._prefill_uncached / rate
+        if self._mixed:
+            return self._p.step_overhead_s + max(compute, self._mixed_bytes / bw)
+        return self._p.step_overhead_s + compute
 
     def _decoding(self) -> list[_Running]:
         """The running requests a new decode segment steps."""

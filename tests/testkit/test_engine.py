@@ -468,6 +468,45 @@ def test_low_priority_decode_cap_holds_batch_decode_back() -> None:
     )
 
 
+def test_mixed_chunk_decodes_the_running_requests_in_prefill_steps() -> None:
+    """SGLang's --enable-mixed-chunk: a prefill step also gives each running request a
+    token, and lasts the longer of its compute and those requests' memory reads."""
+    seen: dict[bool, tuple[float, float, int, int]] = {}
+    for mixed in (False, True):
+        p = dataclasses.replace(REF, mixed_chunk=mixed)
+        e = SimEngine(p)
+        e.submit(req("a", 6000, 100), 0.0)
+        e.advance(0.0)
+        e.submit(req("b", 3000, 5), 0.5)  # compute-bound: 0.2 s of prefill at half a GPU
+        e.advance(0.5)
+        start = e.next_event_time()
+        assert start is not None
+        e.advance(start)
+        before = e.generated_tokens("a", start)
+        end = start + prefill_time(p, 3000)  # compute is longer than a decode step here
+        first, _ = by_id(e.advance(end))
+        assert first["b"].time == pytest.approx(end, rel=1e-12)
+        assert e.generated_tokens("a", end) == before + mixed
+        # memory-bound: a 16-token prefill beside a's 6000+ tokens of KV
+        e.submit(req("c", 16, 2), end + 0.001)
+        e.advance(end + 0.001)
+        c_start = e.next_event_time()
+        assert c_start is not None
+        e.advance(c_start)
+        a_ctx = 6000 + e.generated_tokens("a", c_start)
+        b_ctx = 3000 + e.generated_tokens("b", c_start)
+        reads = p.weights_bytes + p.kv_bytes_per_token * (a_ctx + b_ctx)
+        memory = p.step_overhead_s + reads / (p.bandwidth_bytes_per_s * p.gpu_share)
+        step = max(memory, prefill_time(p, 16)) if mixed else prefill_time(p, 16)
+        first, _ = by_id(e.advance(c_start + step))
+        assert first["c"].time == pytest.approx(c_start + step, rel=1e-12)
+        _, fin = by_id(run_all(e))
+        seen[mixed] = (fin["a"].time, fin["b"].time, before, len(fin))
+    # the tokens decoded in prefill steps are decode steps saved
+    assert seen[True][0] < seen[False][0]
+    assert seen[True][1] < seen[False][1]
+
+
 def test_cancel_frees_space_for_queued_request() -> None:
     p = dataclasses.replace(REF, kv_pool_tokens=2600)
     e = SimEngine(p)
@@ -699,6 +738,7 @@ _share_op = st.tuples(
     small=st.booleans(),
     shares=st.lists(_share_op, max_size=12),
     decode_cap=st.sampled_from([None, 0, 1]),
+    mixed=st.booleans(),
 )
 def test_time_slicing_is_consistent(
     ops: list[tuple[float, int, int, int, int, int]],
@@ -707,11 +747,13 @@ def test_time_slicing_is_consistent(
     small: bool,
     shares: list[tuple[float, float]],
     decode_cap: int | None,
+    mixed: bool,
 ) -> None:
     p = dataclasses.replace(
         REF,
         priority_scheduling=prio,
         low_priority_decode_cap=decode_cap,
+        mixed_chunk=mixed,
         kv_pool_tokens=4000 if small else REF.kv_pool_tokens,
         max_running_requests=4 if small else 48,
         chunked_prefill_tokens=3000,

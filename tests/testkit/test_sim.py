@@ -116,6 +116,14 @@ def test_cli_sim_table_and_flags() -> None:
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[0].split()[:3] == ["arm", "int/min", "int"]
     assert "luftpause" in out.stdout and "approximation" in out.stdout
+    # the engine flags reach the engines: mixed prefill steps decode too, so runs end sooner
+    p50 = {}
+    for flags in ((), ("--engine-mixed-chunk",)):
+        argv = ("sim", "light", "--minutes", "0.5", "--batch", "4", "--arms", "luftpause")
+        out = _cli(*argv, "--json", *flags)
+        assert out.returncode == 0, out.stderr
+        p50[flags] = json.loads(out.stdout)["arms"]["luftpause"]["interactive_p50_s"]
+    assert p50[("--engine-mixed-chunk",)] < p50[()]
 
 
 def test_cli_rejects_bad_flags_clearly() -> None:
