@@ -15,8 +15,7 @@ import json
 from dataclasses import replace
 from statistics import mean
 
-from scheduler import Policy
-from testkit.sim import SCENARIOS, simulate
+from testkit.sim import SCENARIOS, simulate, variant
 
 VARIANTS: dict[str, dict[str, object]] = {
     "luftpause (default)": {},
@@ -101,21 +100,14 @@ def main() -> None:
     ca_b = mean(r.batch_per_min for r in ca)
     rows = {}
     for name, change in variants.items():
-        engine_change = {
-            k.removeprefix("engine."): v for k, v in change.items() if k.startswith("engine.")
-        }
-        policy_change = {k: v for k, v in change.items() if not k.startswith("engine.")}
-        policy = replace(Policy(), **policy_change)  # type: ignore[arg-type]
-        sc = replace(base, engine=replace(base.engine, **engine_change))  # type: ignore[arg-type]
-        res = [simulate(replace(sc, seed=s, policy=policy), "luftpause") for s in seeds]
+        sc = variant(base, change)
+        res = [simulate(replace(sc, seed=s), "luftpause") for s in seeds]
         i = mean(r.interactive_per_min for r in res)
         b = mean(r.batch_per_min for r in res)
         # The same interactive runs alone under this variant: a policy can also make the
         # reference faster (lanes pack interactive runs onto one replica of the GPU).
         own_i = mean(
-            simulate(
-                replace(sc, seed=s, policy=policy), "luftpause", batch=False
-            ).interactive_per_min
+            simulate(replace(sc, seed=s), "luftpause", batch=False).interactive_per_min
             for s in seeds
         )
         rows[name] = {

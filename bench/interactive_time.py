@@ -21,21 +21,17 @@ import json
 from dataclasses import replace
 from statistics import mean
 
-from scheduler import Policy, ServiceClass
-from testkit.sim import SCENARIOS, ArmResult, simulate
+from scheduler import ServiceClass
+from testkit.sim import SCENARIOS, ArmResult, simulate, variant
 
-VARIANTS: dict[str, tuple[dict[str, object], dict[str, object]]] = {
-    # name: (Policy changes, EngineParams changes)
-    "luftpause (default)": ({}, {}),
-    "batch_kv_fill=0.6": ({"batch_kv_fill": 0.6}, {}),
-    "packed GPU, kv_fill=0.9, batch_kv_fill=0.75": (
-        {"pack_shared_devices": True, "kv_fill": 0.9, "batch_kv_fill": 0.75},
-        {},
-    ),
-    "the same, engine decode cap 8": (
-        {"pack_shared_devices": True, "kv_fill": 0.9, "batch_kv_fill": 0.75},
-        {"low_priority_decode_cap": 8},
-    ),
+# Scheduler Policy fields by name, the engines' EngineParams fields as `engine.<field>`
+# (bench/ablation.py's variants).
+PACKED: dict[str, object] = {"pack_shared_devices": True, "kv_fill": 0.9, "batch_kv_fill": 0.75}
+VARIANTS: dict[str, dict[str, object]] = {
+    "luftpause (default)": {},
+    "batch_kv_fill=0.6": {"batch_kv_fill": 0.6},
+    "packed GPU, kv_fill=0.9, batch_kv_fill=0.75": PACKED,
+    "the same, engine decode cap 8": {**PACKED, "engine.low_priority_decode_cap": 8},
 }
 
 
@@ -91,20 +87,19 @@ def _covered(res: ArmResult, skip_s: float, until: float) -> float:
     return covered / (until - skip_s) if until > skip_s else 0.0
 
 
-def held_batch(res: ArmResult) -> tuple[int, int, float, float]:
+def held_batch(res: ArmResult) -> dict[str, float]:
     """Batch turns held (sent later than they arrived): how many, how many of them were
     their run's first turn, and the seconds held by each kind."""
-    held = first = 0
-    held_s = first_s = 0.0
+    out = {"held": 0.0, "first": 0.0, "held_s": 0.0, "first_s": 0.0}
     for turn_id, t in res.turns.items():
         if t.service_class is not ServiceClass.BATCH or t.sent is None or t.sent <= t.arrived:
             continue
-        held += 1
-        held_s += t.sent - t.arrived
+        out["held"] += 1
+        out["held_s"] += t.sent - t.arrived
         if turn_id.endswith("-t1"):  # the simulator's ids: <run>-t<turn number>
-            first += 1
-            first_s += t.sent - t.arrived
-    return held, first, held_s, first_s
+            out["first"] += 1
+            out["first_s"] += t.sent - t.arrived
+    return out
 
 
 def main() -> None:
@@ -117,13 +112,9 @@ def main() -> None:
     seeds = [int(s) for s in args.seeds.split(",")]
     base = replace(SCENARIOS["flood"], minutes=args.minutes)
     rows: dict[str, dict[str, float]] = {}
-    held = {"held": 0, "first": 0, "held_s": 0.0, "first_s": 0.0}
-    for name, (policy_change, engine_change) in VARIANTS.items():
-        sc = replace(
-            base,
-            policy=replace(Policy(), **policy_change),  # type: ignore[arg-type]
-            engine=replace(base.engine, **engine_change),  # type: ignore[arg-type]
-        )
+    held = dict.fromkeys(("held", "first", "held_s", "first_s"), 0.0)
+    for name, change in VARIANTS.items():
+        sc = variant(base, change)
         for batch in (True, False):
             per_seed = []
             for s in seeds:
@@ -134,7 +125,7 @@ def main() -> None:
                 figures["interactive_per_min"] = res.interactive_per_min
                 figures["batch_per_min"] = res.batch_per_min
                 per_seed.append(figures)
-                for key, value in zip(held, held_batch(res), strict=True):
+                for key, value in held_batch(res).items():
                     held[key] += value
             rows[name if batch else f"{name}, alone"] = {
                 k: round(mean(f[k] for f in per_seed), 3) for k in per_seed[0]
@@ -158,8 +149,8 @@ def main() -> None:
           "steps during its decode; step ms: its decode time without them, per token; "
           "in eng: share of the time some interactive turn is in an engine")  # fmt: skip
     if held["held"]:
-        print(f"batch turns luftpause held, all variants and seeds: {held['held']:,}, of which "
-              f"{held['first']:,} began their run ({held['first_s'] / held['held_s']:.1%} of "
+        print(f"batch turns luftpause held, all variants and seeds: {held['held']:,.0f}, of which "
+              f"{held['first']:,.0f} began their run ({held['first_s'] / held['held_s']:.1%} of "
               "the time held)")  # fmt: skip
 
 

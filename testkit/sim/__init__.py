@@ -1,7 +1,7 @@
 """The virtual-time simulator behind `luftpause sim`."""
 
 from testkit.sim._arms import ARMS, Arm, Turn
-from testkit.sim._report import ratio
+from testkit.sim._report import ratio, variant
 from testkit.sim._run import (
     SCENARIOS,
     ArmResult,
@@ -26,4 +26,5 @@ __all__ = [
     "ratio",
     "simulate",
     "simulate_fanout",
+    "variant",
 ]

@@ -233,3 +233,15 @@ def bench_core(held: int = 10_000, decisions: int = 50_000, replicas: int = 4) -
 
 def scenario_with(sc: Scenario, **changes: Any) -> Scenario:
     return replace(sc, **{k: v for k, v in changes.items() if v is not None})
+
+
+def variant(sc: Scenario, changes: dict[str, object]) -> Scenario:
+    """The scenario with a measured variant's changes: scheduler Policy fields by name,
+    the simulated engines' EngineParams fields as `engine.<field>`."""
+    engine = {k.removeprefix("engine."): v for k, v in changes.items() if k.startswith("engine.")}
+    policy = {k: v for k, v in changes.items() if not k.startswith("engine.")}
+    return replace(
+        sc,
+        policy=replace(sc.policy, **policy),  # type: ignore[arg-type]
+        engine=replace(sc.engine, **engine),  # type: ignore[arg-type]
+    )

@@ -13,7 +13,7 @@ import pytest
 
 from luftpause import native
 from scheduler import ServiceClass
-from testkit.sim import SCENARIOS, simulate, simulate_fanout
+from testkit.sim import SCENARIOS, simulate, simulate_fanout, variant
 from testkit.sim._report import bench_core, compare
 
 
@@ -216,3 +216,13 @@ def test_timeline_keeps_each_turns_stages_and_the_engines_prefill_steps() -> Non
     # every turn's first token ends a prefill step of its engine
     ends = [{b for _, b in steps} for steps in res.prefill_steps]
     assert all(t.first_token in ends[t.engine] for t in done if t.engine is not None)
+
+
+def test_a_variant_changes_policy_fields_and_engine_fields() -> None:
+    sc = SCENARIOS["flood"]
+    v = variant(sc, {"kv_fill": 0.9, "engine.low_priority_decode_cap": 8})
+    assert v.policy == replace(sc.policy, kv_fill=0.9)
+    assert v.engine == replace(sc.engine, low_priority_decode_cap=8)
+    assert replace(v, policy=sc.policy, engine=sc.engine) == sc
+    with pytest.raises(TypeError):
+        variant(sc, {"engine.kv_fill": 0.9})  # a Policy field is not an engine's
