@@ -2,7 +2,8 @@
 
 Every `[probes] period_s` (default `PROBE_PERIOD_S`) each endpoint's health path is
 fetched, and for engines that report load, `/metrics` (SGLang, vLLM, llama.cpp gauge
-names in `LOAD_METRICS`); a router's load is the sum over its `load_from` engines.  Each
+names in `LOAD_METRICS`); a router's load is the sum over its healthy `load_from` engines
+(unknown while one of them reports none: part of the sum would cap it too low).  Each
 round becomes one `ReplicaProbed` event per generative endpoint for the core.  Both
 fetches share one timeout (`timeout_s`).  A failed health check or a refused connection
 marks the endpoint unhealthy at once; probes without an answer in time do so only when
@@ -453,9 +454,19 @@ async def probe_pool(
     out = []
     for e, r in zip(config.endpoints, results, strict=True):
         if e.kind == "router" and r.healthy and e.load_from:
-            engines = [by_name[n] for n in e.load_from]
+            # The engines it can place turns on: a router drops an unhealthy one as
+            # luftpause does.  One of them whose load is unknown makes the sum
+            # unknown: a part of it would cap the router at part of what it runs.
+            engines = [x for x in (by_name[n] for n in e.load_from) if x.healthy]
+            silent = [x.endpoint for x in engines if x.queued is None or x.running is None]
             known = [x for x in engines if x.queued is not None and x.running is not None]
-            if known:
+            if silent:
+                r = ProbeResult(
+                    endpoint=e.name,
+                    healthy=True,
+                    error=f"load unknown: no load from {', '.join(silent)} (load_from)",
+                )
+            elif known:
                 r = ProbeResult(
                     endpoint=e.name,
                     healthy=True,

@@ -313,6 +313,45 @@ async def test_router_load_is_the_sum_of_its_engines() -> None:
     ]
 
 
+async def test_router_load_leaves_out_unhealthy_engines_and_is_unknown_with_a_silent_one() -> None:
+    """A router places turns only on its healthy engines, so their sum is its load; a
+    healthy engine whose load is unknown makes the router's unknown (never capped), as
+    the part it knows would cap the router at part of what it runs."""
+    cfg = parse_config(
+        {
+            "endpoints": [
+                {"name": "a", "url": "http://a", "kind": "sglang", "models": ["m"]},
+                {"name": "b", "url": "http://b", "kind": "vllm", "models": ["m"]},
+                {"name": "r", "url": "http://r", "kind": "router", "models": ["m"],
+                 "load_from": ["a", "b"]},
+            ]
+        }
+    )  # fmt: skip
+    b_health = 200
+    b_metrics = 200
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        host, path = request.url.host, request.url.path
+        if host == "b" and path == "/metrics":
+            return httpx.Response(b_metrics, text=VLLM)
+        if path == "/metrics":
+            return httpx.Response(200, text=SGLANG)
+        return httpx.Response(b_health if host == "b" else 200)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as c:
+        b_health = 503  # b is down: the router places nothing there
+        down = {r.endpoint: r for r in await probe_pool(c, cfg)}
+        b_health, b_metrics = 200, 404  # b serves, but its load is not known
+        silent = {r.endpoint: r for r in await probe_pool(c, cfg)}
+    assert not down["b"].healthy
+    assert (down["r"].healthy, down["r"].queued, down["r"].running) == (True, 4, 9)
+    assert silent["b"].healthy and silent["b"].queued is None
+    r = silent["r"]
+    assert (r.healthy, r.queued, r.running) == (True, None, None)
+    assert r.error == "load unknown: no load from b (load_from)"
+    assert r.event(0.0).queued is None  # the core leaves it uncapped
+
+
 async def test_prober_reports_each_round() -> None:
     cfg = parse_config(
         {"endpoints": [{"name": "a", "url": "http://a", "kind": "ollama", "models": ["m"]}]}
