@@ -131,6 +131,7 @@ def status_snapshot(
                 c.value: _wait(now, class_earliest[c.value]) if c.value in class_earliest else 0.0
                 for c in ServiceClass
             },
+            "callers": len(callers),  # with held turns; by_caller lists the top TOP_CALLERS
             "by_caller": by_caller,
             "oldest_wait_s": _wait(now, earliest) if earliest is not None else 0.0,
         },
@@ -419,7 +420,7 @@ def render_status_page(snapshot: Mapping[str, Any]) -> str:
         f"<h2>Replicas</h2>{replicas}"
         f"{_discovery(snapshot)}"
         f"<h2>Held turns by class</h2>{held_by_class}"
-        f"<h2>Held turns by caller (top {TOP_CALLERS})</h2>{held_by_caller}"
+        f"<h2>Held turns by caller (top {TOP_CALLERS} of {held['callers']})</h2>{held_by_caller}"
         f"<h2>Runs by phase and class</h2>{runs_table}"
         f"{recent_table}"
         f"{_sub_agents(snapshot)}"

@@ -189,6 +189,7 @@ def test_snapshot_of_a_hand_built_state() -> None:
             "total": 2,
             "by_class": {"interactive": 1, "batch": 1},
             "oldest_wait_by_class_s": {"interactive": 6.0, "batch": 8.0},
+            "callers": 2,
             "by_caller": [
                 {"caller": "bob", "held": 1, "in_flight": 1, "oldest_wait_s": 8.0},
                 {"caller": "carol", "held": 1, "in_flight": 0, "oldest_wait_s": 6.0},
@@ -216,6 +217,8 @@ def test_snapshot_lists_the_callers_with_most_held_turns_first() -> None:
     snap = status_snapshot(state, {}, {}, 20.0)
     by_caller = snap["held"]["by_caller"]
     assert len(by_caller) == TOP_CALLERS
+    assert snap["held"]["callers"] == TOP_CALLERS + 11  # the list says it is a part
+    assert f"top {TOP_CALLERS} of {TOP_CALLERS + 11}" in render_status_page(snap)
     assert by_caller[0] == {"caller": "many", "held": 3, "in_flight": 0, "oldest_wait_s": 18.0}
     assert by_caller[1]["caller"] == "caller 000"
     assert snap["held"]["total"] == TOP_CALLERS + 13
