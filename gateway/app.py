@@ -17,6 +17,7 @@ import contextlib
 import hmac
 import json
 import logging
+import math
 import os
 import re
 import signal
@@ -128,6 +129,9 @@ MCP_PATH = "/mcp"
 # task queue, read from Temporal within this time (the page still answers without them).
 STATUS_RUNS = 20
 STATUS_RUNS_TIMEOUT_S = 3.0
+# /metrics counts the sub-agent runs by state in Temporal at most this often (four
+# visibility queries), whatever the scrape interval: scrapes in between show the last.
+SUBAGENT_COUNT_EVERY_S = 5.0
 STATUS_QUERY_TIMEOUT_S = 0.5  # a run no worker answers for shows what Temporal knows
 ANONYMOUS_CALLER = "anonymous"
 CONNECT_TIMEOUT_S = 2.0
@@ -990,11 +994,33 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             headers={"cache-control": "no-store", "referrer-policy": "no-referrer"},
         )
 
+    counted_at = [-math.inf]  # when /metrics last asked Temporal (the loop's clock)
+
+    async def count_subagent_runs() -> None:
+        """Refresh `luftpause_subagent_runs` when it is due: where sub-agents run (as
+        `with_runs` decides), at most every SUBAGENT_COUNT_EVERY_S.  Temporal down or
+        slow: `luftpause_run_store_up` is 0 and the scrape still answers."""
+        if not config.mcp_servers and door.idle():
+            return
+        now = asyncio.get_running_loop().time()
+        if now - counted_at[0] < SUBAGENT_COUNT_EVERY_S:
+            return
+        counted_at[0] = now
+        counts: dict[str, int] | None
+        try:
+            counts = await asyncio.wait_for(door.count_open(), STATUS_RUNS_TIMEOUT_S)
+        except Exception as exc:
+            log.warning("counting sub-agent runs: %s: %s", type(exc).__name__, exc)
+            counts = None
+        metrics.subagent_runs.counts = counts
+        metrics.subagent_runs.tried = True
+
     @app.get("/metrics")
     async def prometheus() -> Response:
         # Unauthenticated on purpose, like most exporters: Prometheus scrapers are
         # usually configured without credentials, and the metrics carry counts and
         # replica names only — no callers, run ids or prompts.
+        await count_subagent_runs()
         # In a thread, as the status snapshot: the gauges walk the core's (immutable)
         # state, ~75 ms with 100k runs; the counters take their own locks.
         exposition = await asyncio.to_thread(metrics.exposition)
@@ -1066,6 +1092,10 @@ class _Door:
         runs = await self.runs()
         handles = await runs.list(limit=limit)
         return await runs.statuses(handles, query_timeout=STATUS_QUERY_TIMEOUT_S)
+
+    async def count_open(self) -> dict[str, int]:
+        """The sub-agent runs open in Temporal, by state."""
+        return await (await self.runs()).count_open()
 
     async def runs(self) -> Runs:
         if self._runs is None:

@@ -180,12 +180,46 @@ class _GcPauses:
 _GC_PAUSES = _GcPauses()
 
 
+class _SubAgentRuns:
+    """Sub-agent runs open in Temporal, by state, as the gateway last counted them
+    (`luftpause_subagent_runs`), and whether that count came back
+    (`luftpause_run_store_up`).  Neither is exposed until a count was tried: a gateway
+    without sub-agents has no run store to ask."""
+
+    def __init__(self) -> None:
+        self.tried = False
+        self.counts: Mapping[str, int] | None = None  # None: the last count failed
+
+    def collect(self) -> Iterable[Metric]:
+        if not self.tried:
+            return []
+        counts = self.counts
+        up = GaugeMetricFamily(
+            "luftpause_run_store_up",
+            "Whether the last count of sub-agent runs in Temporal succeeded",
+            value=0 if counts is None else 1,
+        )
+        if counts is None:
+            return [up]
+        runs = GaugeMetricFamily(
+            "luftpause_subagent_runs",
+            "Sub-agent runs open in Temporal, by state (Temporal's visibility; counted "
+            "at most every few seconds)",
+            labels=["state"],
+        )
+        for state, n in sorted(counts.items()):
+            runs.add_metric([state], n)
+        return [up, runs]
+
+
 class GatewayMetrics:
     """The gateway's metrics and the registry `/metrics` exposes."""
 
     def __init__(self, source: Source) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_StateCollector(source))
+        self.subagent_runs = _SubAgentRuns()  # set by the /metrics handler, which asks
+        self.registry.register(self.subagent_runs)
         # The process's own, as any prometheus_client service has them in its default
         # registry: CPU, memory, file descriptors, the Python version, collections
         # (each registers itself; the GC collector only on CPython).

@@ -36,6 +36,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from workflows.agent_run import AgentRun, search_attributes
 from workflows.contract import (
+    ACTIVE_STATES,
     CALLER,
     CLASS,
     MODEL,
@@ -538,6 +539,24 @@ class Runs:
         async for wf in self._client.list_workflows(query, limit=limit):
             handles.append(wf.id)
         return handles
+
+    async def count_open(self) -> dict[str, int]:
+        """How many runs on this task queue are open, by state (`Running`,
+        `AwaitingApproval`, ...): Temporal's visibility counts them by the state search
+        attribute runs keep up to date, one query per state (its count groups by
+        `ExecutionStatus` only).  It may lag a change by a moment, as `list` does."""
+        base = (
+            f"WorkflowType = 'AgentRun' AND TaskQueue = {_quoted(self._queue)} "
+            "AND ExecutionStatus = 'Running'"
+        )
+        states = sorted(ACTIVE_STATES)
+        counts = await asyncio.gather(
+            *(
+                self._client.count_workflows(f"{base} AND {STATE.name} = {_quoted(s)}")
+                for s in states
+            )
+        )
+        return {s: c.count for s, c in zip(states, counts, strict=True)}
 
 
 class CallerRuns(Runs):

@@ -536,6 +536,33 @@ async def test_status_answers_when_temporal_is_unreachable() -> None:
             assert r.json()["sub_agents"].startswith("runs unavailable: ")
             page = await http.get("/")
             assert page.status_code == 200 and "runs unavailable" in page.text
+            # /metrics answers too, and says the count of sub-agent runs failed.
+            scrape = await http.get("/metrics")
+            assert scrape.status_code == 200
+            assert "\nluftpause_run_store_up 0.0\n" in scrape.text
+            assert "luftpause_subagent_runs" not in scrape.text
+
+
+async def test_metrics_leave_out_sub_agents_where_none_run() -> None:
+    """No MCP servers and no sub-agent asked for: /metrics does not look for Temporal."""
+    import httpx
+
+    from gateway.app import GatewaySettings, create_app
+    from luftpause.config import parse_config
+    from testkit.loopback import serve
+
+    async with engine(instant=True) as (url, _):
+        config = parse_config(
+            {
+                "endpoints": [endpoint("a", url)],
+                "temporal": {"address": closed_port_url().removeprefix("http://")},
+            }
+        )
+        app = create_app(GatewaySettings(config=config, probe_period=0.05))
+        async with serve(app) as gw, httpx.AsyncClient(base_url=gw, timeout=30) as http:
+            scrape = await http.get("/metrics")
+    assert scrape.status_code == 200 and "luftpause_held_turns" in scrape.text
+    assert "luftpause_run_store_up" not in scrape.text
 
 
 def test_snapshot_shows_an_interactive_lane_and_its_batch_limit() -> None:

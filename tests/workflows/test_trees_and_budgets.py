@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from temporalio.api.enums.v1 import EventType
 
 from tests.workflows.harness import (
@@ -581,10 +582,13 @@ async def _when(s: object, handle: str, pred: object) -> object:
 
 
 async def test_status_shows_recent_runs_as_trees_with_subtree_costs(
-    temporal_address: str,
+    temporal_address: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import httpx
 
+    import gateway.app
+
+    monkeypatch.setattr(gateway.app, "SUBAGENT_COUNT_EVERY_S", 0.0)  # count at each scrape
     async with stack(temporal_address) as s:
         parent = await spawn_waiting(s, "page")
         child = await s.runs.spawn(
@@ -608,7 +612,29 @@ async def test_status_shows_recent_runs_as_trees_with_subtree_costs(
             assert node["tool_calls"] == kid["tool_calls"] == 1  # the subtree's costs
             page = (await http.get("/")).text
         assert "Sub-agent runs" in page and parent in page and child in page
-        await _decline_and_end(s, parent)
+
+        async def open_runs(http: httpx.AsyncClient, want: dict[str, float]) -> object:
+            """/metrics' count of open runs by state, once it is `want` (Temporal's
+            visibility may lag a change by a moment)."""
+            text = (await http.get("/metrics")).text
+            up = [s.value for f in text_string_to_metric_families(text) for s in f.samples
+                  if s.name == "luftpause_run_store_up"]  # fmt: skip
+            seen = {
+                s.labels["state"]: s.value
+                for f in text_string_to_metric_families(text)
+                for s in f.samples
+                if s.name == "luftpause_subagent_runs"
+            }
+            return seen if up == [1.0] and seen == want else None
+
+        quiet = {"AwaitingApproval": 0.0, "AwaitingChildren": 0.0, "Running": 0.0, "Stopping": 0.0}
+        async with httpx.AsyncClient(base_url=s.gateway_url) as http:
+            # The parent waits for approval; its child has completed (not open).
+            await until(
+                lambda: open_runs(http, {**quiet, "AwaitingApproval": 1.0}), "parent counted"
+            )
+            await _decline_and_end(s, parent)
+            await until(lambda: open_runs(http, quiet), "no run open")
 
 
 async def test_a_child_stopped_by_its_own_budget_is_cancelled_in_its_parents_view(
