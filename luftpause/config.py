@@ -599,6 +599,7 @@ class PolicyConfig(BaseModel):
     cap_from_engine_queue: bool = _POLICY.cap_from_engine_queue
     cap_after_queued_probes: Annotated[int, Field(ge=1)] = _POLICY.cap_after_queued_probes
     cap_increase: Annotated[int, Field(ge=1)] = _POLICY.cap_increase
+    cap_growth_doubles: bool = _POLICY.cap_growth_doubles
     reserve_for_paused_interactive: bool = _POLICY.reserve_for_paused_interactive
     kv_admission: bool = _POLICY.kv_admission
     kv_fill: _Share = _POLICY.kv_fill

@@ -8,7 +8,8 @@ Rules (DESIGN.md "The scheduler"), stated once, enforced here and nowhere else:
 2. A replica that is unhealthy gets no turns.  A replica whose engine reports a queue
    (in `Policy.cap_after_queued_probes` probes in a row: one probe's queue is mostly
    the engine's next step) is capped at the number the engine was running; the cap grows by
-   `Policy.cap_increase` per probe that shows no queue while luftpause fills it.  An
+   `Policy.cap_increase` at a probe that shows no queue while luftpause fills it, twice
+   that at the next such probe in a row, and so on (`Policy.cap_growth_doubles`).  An
    engine that reports no load is never capped.
 3. A generating or paused run goes only to the replica that served its last turn
    (strict affinity) unless that replica is unhealthy, and so does the retry of a
@@ -150,7 +151,7 @@ class ReplicaState(Record):
     _FIELDS = (
         "spec", "probe_ok", "queued", "running", "cap", "in_flight", "paused_interactive",
         "bound_runs", "ws_tokens", "interactive_runs", "batch_ws", "queued_probes",
-        "failures", "ejected_until",
+        "failures", "ejected_until", "cap_step",
     )  # fmt: skip
     __slots__ = _FIELDS
 
@@ -170,6 +171,7 @@ class ReplicaState(Record):
         queued_probes: int = 0,
         failures: int = 0,
         ejected_until: float | None = None,
+        cap_step: int = 0,
     ) -> None:
         self.spec: Final = spec
         self.probe_ok: Final = probe_ok  # its last probe passed
@@ -185,6 +187,7 @@ class ReplicaState(Record):
         self.queued_probes: Final = queued_probes  # probes in a row that showed a queue
         self.failures: Final = failures  # turns its engine failed in a row
         self.ejected_until: Final = ejected_until  # out of rotation until then (rule 10)
+        self.cap_step: Final = cap_step  # the cap's next growth (0: Policy.cap_increase)
 
     @property
     def healthy(self) -> bool:
@@ -916,19 +919,25 @@ class _Tx:
             raise SchedulerError(f"probe of unknown replica {ev.replica!r}")
         if ev.replica in self.retired:
             return  # a probe that was under way when it left the pool
-        cap, queued_probes = r.cap, r.queued_probes
+        p = self.policy
+        cap, queued_probes, step = r.cap, r.queued_probes, r.cap_step
         if ev.repeated:
             pass  # the last result again (a late answer): no new reading of the queue
-        elif not self.policy.cap_from_engine_queue or ev.queued is None or ev.running is None:
-            cap, queued_probes = None, 0
+        elif not p.cap_from_engine_queue or ev.queued is None or ev.running is None:
+            cap, queued_probes, step = None, 0, 0
         elif ev.queued > 0:
             queued_probes += 1
-            if queued_probes >= self.policy.cap_after_queued_probes:
+            step = 0  # near the engine's limit: growth starts over
+            if queued_probes >= p.cap_after_queued_probes:
                 cap = max(1, ev.running)
         else:
             queued_probes = 0
             if cap is not None and r.in_flight >= cap:
-                cap += self.policy.cap_increase
+                grow = max(step, p.cap_increase)
+                cap += grow
+                step = 2 * grow if p.cap_growth_doubles else grow
+            else:
+                step = 0  # luftpause had room: no sign the engine has more
         spec = r.spec
         if ev.kv_tokens is not None and ev.kv_tokens > 0 and spec.kv_tokens is None:
             # The engine told its pool size; a configured one wins.  Claims start with
@@ -941,6 +950,7 @@ class _Tx:
             running=ev.running,
             cap=cap,
             queued_probes=queued_probes,
+            cap_step=step,
         )
         self.replicas[ev.replica] = after
         healthy = after.healthy
@@ -1001,7 +1011,7 @@ class _Tx:
             spec = given.get(name)
             if spec is None:
                 if name not in retired:
-                    self.replicas[name] = r._replace(probe_ok=False, cap=None)
+                    self.replicas[name] = r._replace(probe_ok=False, cap=None, cap_step=0)
                     retired.add(name)
                     if r.healthy:
                         left.append(name)
@@ -1017,6 +1027,7 @@ class _Tx:
                     queued_probes=0,
                     failures=0,
                     ejected_until=None,
+                    cap_step=0,
                 )
                 retired.discard(name)
             if not spec.models >= r.spec.models:
@@ -1048,8 +1059,8 @@ class _Tx:
         if old.cap_from_engine_queue and not policy.cap_from_engine_queue:
             for name in names:
                 r = self.replicas[name]
-                if r.cap is not None or r.queued_probes:
-                    self.replicas[name] = r._replace(cap=None, queued_probes=0)
+                if r.cap is not None or r.queued_probes or r.cap_step:
+                    self.replicas[name] = r._replace(cap=None, queued_probes=0, cap_step=0)
         if old.kv_admission and not policy.kv_admission:
             for t in self.state._turns.values():
                 if t.claim:  # a turn away from its run's replica (rule 3)
@@ -1422,7 +1433,7 @@ class _Tx:
             r.spec, r.probe_ok, r.queued, r.running, r.cap, r.in_flight + in_flight,
             r.paused_interactive + paused, r.bound_runs + bound, r.ws_tokens + ws,
             r.interactive_runs + interactive, r.batch_ws + batch_ws, r.queued_probes,
-            r.failures, r.ejected_until,
+            r.failures, r.ejected_until, r.cap_step,
         )  # fmt: skip
 
     def _set_run(self, run: RunState) -> None:

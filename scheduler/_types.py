@@ -79,8 +79,14 @@ class Policy:
     # during the engine's current step and start at its next (SGLang counts them in
     # num_queue_reqs): capping on it holds turns an engine with room would run.
     cap_after_queued_probes: int = 2
-    # How much the cap grows per probe that shows no queue while luftpause holds turns.
+    # How much the cap grows at a probe that shows no queue while luftpause has the
+    # engine full ...
     cap_increase: int = 1
+    # ... doubling at each such probe in a row (1, 2, 4, ...), so that a cap set at a
+    # low running count (a queue of a few long prompts) grows back in a few probes; a
+    # queue, or a probe at which luftpause had room, starts it over.  False: the same
+    # step each time.
+    cap_growth_doubles: bool = True
     # Batch turns leave a slot for every interactive run paused on a tool there.
     reserve_for_paused_interactive: bool = True
     # Program-level admission: a run not yet bound to a replica is admitted there only

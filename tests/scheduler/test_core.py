@@ -258,6 +258,45 @@ def test_cap_grows_while_the_engine_keeps_up_and_shrinks_when_it_queues() -> Non
     assert d.state.replicas["a"].cap == 1
 
 
+@pytest.mark.parametrize("doubles", [True, False])
+def test_a_low_cap_grows_back_in_doubling_steps_and_starts_over_at_a_queue(
+    doubles: bool,
+) -> None:
+    """A queue of a few long prompts caps an engine at 2; when its turns are short again
+    it shows no queue while luftpause keeps it full, and the cap grows by 1, 2, 4, ...
+    (by 1 each time without doubling).  A queue, or a probe at which luftpause had room,
+    starts the growth over."""
+    d = Driver(("a",), policy=Policy(cap_growth_doubles=doubles))
+    d.cap("a", 2)
+    for i in range(40):
+        d.arrive(f"r{i}")  # full, and the rest held
+    caps = []
+    for _ in range(4):
+        d.probe("a", queued=0, running=2)
+        caps.append(d.state.replicas["a"].cap)
+        assert d.state.replicas["a"].in_flight == caps[-1]  # each growth admits as many
+    assert caps == ([3, 5, 9, 17] if doubles else [3, 4, 5, 6])
+    d.probe("a", queued=3, running=12)  # one probe's queue: not capped, but near the limit
+    assert d.state.replicas["a"].cap == caps[-1]
+    d.probe("a", queued=0, running=12)
+    assert d.state.replicas["a"].cap == caps[-1] + 1  # growth started over
+
+
+def test_cap_growth_starts_over_after_a_probe_at_which_luftpause_had_room() -> None:
+    d = Driver(("a",))
+    d.cap("a", 2)
+    d.arrive("r1")
+    d.arrive("r2")
+    d.probe("a", queued=0, running=2)  # full, nothing held: grows by 1
+    assert (d.state.replicas["a"].cap, d.state.replicas["a"].in_flight) == (3, 2)
+    d.probe("a", queued=0, running=2)  # room: no sign the engine could run more
+    assert d.state.replicas["a"].cap == 3
+    for i in range(3, 6):
+        d.arrive(f"r{i}")  # full again, two held
+    d.probe("a", queued=0, running=3)
+    assert d.state.replicas["a"].cap == 4  # by 1 again, not 2
+
+
 def test_a_repeated_probe_result_is_no_new_reading_of_the_queue() -> None:
     # The gateway repeats a healthy engine's last result when one probe answers late.
     d = Driver(("a",))
