@@ -340,6 +340,29 @@ def _arm_bed(
             c.stop()
 
 
+# The peer routers' arms (the SGLang router's two policies, SMG's priority scheduler).
+PEERS = tuple(a for a in ARMS if a != "luftpause")
+
+
+def peer_router(
+    name: str, port: int, workers: list[str], workdir: Path
+) -> tuple[list[str], Callable[[str, list[str]], None] | None]:
+    """How `luftpause bench overhead` starts peer router `name` on `port` in front of
+    `workers`, as the flood's arms do: its argv, and what to do once it answers
+    `/health` (SMG: register the workers), or None.  SystemExit when it is not
+    installed."""
+    from luftpause.temporal_dev import free_port
+
+    router = _routers(Path(sys.executable).parent)[name]
+    missing = _missing(router)
+    if missing:
+        raise SystemExit(f"luftpause bench: {name}: {missing}")
+    classes = workdir / f"{name}-smg-classes.yaml"
+    classes.write_text(SMG_CLASSES, encoding="utf-8")
+    values = {"port": str(port), "prom": str(free_port()), "smg_classes": str(classes)}
+    return _fill(router.argv, values, workers), router.setup
+
+
 def _missing(router: _Router) -> str | None:
     """Why the arm's router cannot start here, or None."""
     import importlib.util

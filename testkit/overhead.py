@@ -12,6 +12,9 @@ per-request CSV, not its summary.  Every process started here is stopped by its 
 
 `--baseline DIR` adds a third arm: a gateway run from another checkout (for instance
 `git worktree add /tmp/wt HEAD`), so before and after a change are measured in one run.
+`--peers cache_aware,smg_priority` adds the peer routers in front of the same engine,
+started as `luftpause bench flood` starts them (the SGLang router's policies, SMG's
+priority scheduler): what each adds is measured in the same rounds as the gateway.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from types import FrameType
 from typing import Any
 
 from luftpause._process import cpu_seconds, spawn
+from testkit.bench_agents import PEERS, peer_router
 
 __all__ = ["GOAL_C1_P50_MS", "GOAL_C20_P99_MS", "Arm", "add_arguments", "percentile", "run"]
 
@@ -78,6 +82,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--baseline",
         metavar="DIR",
         help="also measure a gateway run from this checkout (e.g. a git worktree of HEAD)",
+    )
+    parser.add_argument(
+        "--peers",
+        default="",
+        help="also measure these routers in front of the same engine, comma-separated, of "
+        "cache_aware, round_robin (the SGLang router), smg_priority (SMG)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -308,13 +318,13 @@ def _goal(added: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _table(result: dict[str, Any]) -> str:
-    head = f"{'path':<9} {'body':<6} {'c':>3} {'requests':>8} {'errors':>6}"
+    head = f"{'path':<12} {'body':<6} {'c':>3} {'requests':>8} {'errors':>6}"
     head += f" {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'req/s':>8} {'cpu ms/req':>10}"
     lines = [head, "-" * len(head)]
     for a in result["arms"]:
         body = "stream" if a["stream"] else "plain"
         lines.append(
-            f"{a['path']:<9} {body:<6} {a['concurrency']:>3} {a['requests']:>8} "
+            f"{a['path']:<12} {body:<6} {a['concurrency']:>3} {a['requests']:>8} "
             f"{a['errors']:>6} {a['p50_ms']:>8.2f} {a['p99_ms']:>8.2f} {a['max_ms']:>8.2f}"
             f" {a['req_per_s']:>8,.0f}"
             f" {a['server_cpu_ms_per_req']:>10.3f}"
@@ -325,7 +335,7 @@ def _table(result: dict[str, Any]) -> str:
         body = "stream" if d["stream"] else "plain"
         rate = d["rate_vs_direct"]
         lines.append(
-            f"  {d['path']:<9} {body:<6} c={d['concurrency']:<3} "
+            f"  {d['path']:<12} {body:<6} c={d['concurrency']:<3} "
             f"p50 {d['added_p50_ms']:+8.2f} ms  p99 {d['added_p99_ms']:+8.2f} ms  "
             f"rate {rate if rate is not None else '-'}x direct"
         )
@@ -354,6 +364,7 @@ def _sigterm_unwinds() -> Iterator[None]:
 
 def run(args: argparse.Namespace) -> int:
     """Measure, print a table or JSON; 0 when every request was answered 200."""
+    peers = _parse_peers(args.peers)
     hey = shutil.which("hey")
     if hey is None:
         print(
@@ -374,7 +385,7 @@ def run(args: argparse.Namespace) -> int:
         workdir = Path(tmp)
         children = _Children(workdir)
         try:
-            result = _measure(args, hey, levels, baseline, workdir, children)
+            result = _measure(args, hey, levels, baseline, peers, workdir, children)
         except (KeyboardInterrupt, _Stopped):
             print("luftpause bench: interrupted; stopping what it started", file=sys.stderr)
             return 130
@@ -386,11 +397,23 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(a["errors"] == 0 for a in result["arms"]) else 1
 
 
+def _parse_peers(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    for name in names:
+        if name not in PEERS:
+            expected = ", ".join(PEERS)
+            raise SystemExit(f"--peers: unknown router {name!r}; expected some of {expected}")
+    if len(set(names)) != len(names):
+        raise SystemExit(f"--peers: a router named twice in {text!r}")
+    return names
+
+
 def _measure(
     args: argparse.Namespace,
     hey: str,
     levels: list[int],
     baseline: Path | None,
+    peers: list[str],
     workdir: Path,
     children: _Children,
 ) -> dict[str, Any]:
@@ -424,7 +447,19 @@ def _measure(
         child = children.start(name, argv, cwd=cwd, env=genv)
         started.append((child, port))
         ports[name], pids[name] = port, child.proc.pid
+    setups = []
+    for name in peers:
+        port = _free_port()
+        workers = [f"http://127.0.0.1:{engine_port}"]
+        argv, setup = peer_router(name, port, workers, workdir)
+        child = children.start(name, argv, cwd=workdir, env=env)
+        started.append((child, port))
+        ports[name], pids[name] = port, child.proc.pid
+        if setup is not None:
+            setups.append((setup, f"http://127.0.0.1:{port}", workers))
     _wait_healthy(started)
+    for setup, proxy, workers in setups:
+        setup(proxy, workers)
 
     bodies = {}
     for stream in (False, True):
@@ -469,6 +504,7 @@ def _measure(
         "warmup_per_arm": args.warmup,
         "max_tokens": args.max_tokens,
         "baseline": str(baseline) if baseline is not None else None,
+        "peers": peers,
         "arms": reports,
         "added": added,
         "goal": _goal(added),

@@ -97,6 +97,41 @@ def test_bench_overhead_reports_every_arm_and_leaves_no_process() -> None:
     assert _gone(lambda: os.killpg(pgid, 0)), "a process of the bench's group survived"
 
 
+@needs_hey
+def test_bench_overhead_measures_the_peer_routers_in_the_same_rounds() -> None:
+    code, out, err, pgid = _bench(
+        "overhead", "--requests", "20", "--rounds", "2", "--warmup", "0", "--concurrency", "1",
+        "--peers", "cache_aware,smg_priority", "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["peers"] == ["cache_aware", "smg_priority"]
+    arms = {(a["path"], a["stream"]): a for a in report["arms"]}
+    paths = ("direct", "gateway", "cache_aware", "smg_priority")
+    assert set(arms) == {(p, s) for p in paths for s in (False, True)}
+    for key, arm in arms.items():  # every router answered every request in front of it
+        assert arm["ok"] == arm["requests"] == 20 and arm["errors"] == 0, key
+        assert arm["server_cpu_ms_per_req"] >= 0, key
+    added = {(d["path"], d["stream"]): d for d in report["added"]}
+    assert set(added) == {(p, s) for p in paths[1:] for s in (False, True)}
+    for (path, stream), d in added.items():
+        there, direct = arms[(path, stream)], arms[("direct", stream)]
+        assert d["added_p50_ms"] == pytest.approx(there["p50_ms"] - direct["p50_ms"], abs=1e-3)
+    assert set(report["pids"]) == {"engine", *paths[1:]}
+    for name, pid in report["pids"].items():
+        assert _gone(lambda pid=pid: os.kill(pid, 0)), f"{name} (pid {pid}) still runs"
+    assert _gone(lambda: os.killpg(pgid, 0)), "a process of the bench's group survived"
+
+
+@pytest.mark.parametrize(
+    ("peers", "says"),
+    [("nginx", "unknown router 'nginx'"), ("cache_aware,cache_aware", "named twice")],
+)
+def test_bench_overhead_refuses_an_unknown_or_repeated_peer(peers: str, says: str) -> None:
+    code, _, err, _ = _bench("overhead", "--peers", peers)
+    assert code != 0 and says in err
+
+
 def test_bench_without_hey_says_how_to_install_it(tmp_path: Path) -> None:
     env = {**os.environ, "PATH": str(tmp_path)}  # an empty directory: no hey on PATH
     code, out, err, _ = _bench("overhead", "--requests", "1", env=env)
