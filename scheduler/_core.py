@@ -933,9 +933,9 @@ class _Tx:
         else:
             queued_probes = 0
             if cap is not None and r.in_flight >= cap:
-                grow = max(step, p.cap_increase)
+                grow = max(step, p.cap_increase) if p.cap_growth_doubles else p.cap_increase
                 cap += grow
-                step = 2 * grow if p.cap_growth_doubles else grow
+                step = 2 * grow if p.cap_growth_doubles else 0
             else:
                 step = 0  # luftpause had room: no sign the engine has more
         spec = r.spec
@@ -1061,6 +1061,14 @@ class _Tx:
                 r = self.replicas[name]
                 if r.cap is not None or r.queued_probes or r.cap_step:
                     self.replicas[name] = r._replace(cap=None, queued_probes=0, cap_step=0)
+        elif (old.cap_increase, old.cap_growth_doubles) != (
+            policy.cap_increase,
+            policy.cap_growth_doubles,
+        ):
+            for name in names:  # the growth starts over under the new rule
+                r = self.replicas[name]
+                if r.cap_step:
+                    self.replicas[name] = r._replace(cap_step=0)
         if old.kv_admission and not policy.kv_admission:
             for t in self.state._turns.values():
                 if t.claim:  # a turn away from its run's replica (rule 3)

@@ -282,6 +282,26 @@ def test_a_low_cap_grows_back_in_doubling_steps_and_starts_over_at_a_queue(
     assert d.state.replicas["a"].cap == caps[-1] + 1  # growth started over
 
 
+def test_a_reload_of_the_growth_rule_starts_the_growth_over() -> None:
+    d = Driver(("a",))
+    d.cap("a", 2)
+    for i in range(40):
+        d.arrive(f"r{i}")
+    for _ in range(3):
+        d.probe("a", queued=0, running=2)
+    assert d.state.replicas["a"].cap == 9  # 2 + 1 + 2 + 4; the next step would be 8
+    d.feed(PolicyChanged(now=d.step(), policy=Policy(cap_growth_doubles=False)))
+    d.probe("a", queued=0, running=9)
+    d.probe("a", queued=0, running=10)
+    assert d.state.replicas["a"].cap == 11  # one turn per probe, as the new rule says
+    d.feed(PolicyChanged(now=d.step(), policy=Policy(cap_increase=2)))
+    caps = []
+    for _ in range(3):
+        d.probe("a", queued=0, running=11)
+        caps.append(d.state.replicas["a"].cap)
+    assert caps == [13, 17, 25]  # doubling again, from the new first step
+
+
 def test_cap_growth_starts_over_after_a_probe_at_which_luftpause_had_room() -> None:
     d = Driver(("a",))
     d.cap("a", 2)
