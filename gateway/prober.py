@@ -84,7 +84,7 @@ class ProbeResult:
     # Why it is unhealthy, or (healthy) why its load is unknown.
     error: str | None = None
     kv_tokens: int | None = None  # the KV pool size the engine reported, when asked
-    timed_out: bool = False  # no answer within the probe's timeout
+    timed_out: bool = False  # no answer within the probe's timeout (a router: from an engine)
     repeated: bool = False  # the last result, repeated for a late answer (see _forgive_late)
     # The /metrics answer, kept only while probe_ranks splits it over the ranks.
     exposition: str | None = None
@@ -457,9 +457,11 @@ async def probe_pool(
             # The engines it can place turns on: a router drops an unhealthy one as
             # luftpause does.  One of them whose load is unknown makes the sum
             # unknown: a part of it would cap the router at part of what it runs.
-            engines = [x for x in (by_name[n] for n in e.load_from) if x.healthy]
+            behind = [by_name[n] for n in e.load_from]
+            engines = [x for x in behind if x.healthy]
             silent = [x.endpoint for x in engines if x.queued is None or x.running is None]
             known = [x for x in engines if x.queued is not None and x.running is not None]
+            late = [x.endpoint for x in behind if x.timed_out]
             if silent:
                 r = ProbeResult(
                     endpoint=e.name,
@@ -472,6 +474,15 @@ async def probe_pool(
                     healthy=True,
                     queued=sum(x.queued or 0 for x in known),
                     running=sum(x.running or 0 for x in known),
+                )
+            if late:
+                # An engine that answered late stays in rotation for a while with its
+                # last load (`Prober._forgive_late`), and so does the router, with its
+                # last reading: not the sum without that engine's part.
+                r = replace(
+                    r,
+                    timed_out=True,
+                    error=f"no answer in time from {', '.join(late)} (load_from)",
                 )
         out.append(r)
     return out

@@ -352,6 +352,46 @@ async def test_router_load_leaves_out_unhealthy_engines_and_is_unknown_with_a_si
     assert r.event(0.0).queued is None  # the core leaves it uncapped
 
 
+async def test_a_late_engine_keeps_its_routers_last_load_as_it_keeps_its_own() -> None:
+    """An engine that answers one probe late stays in rotation with its last load, so
+    its router keeps its last load too: not the sum without that engine's part."""
+    cfg = parse_config(
+        {
+            "endpoints": [
+                {"name": "a", "url": "http://a", "kind": "sglang", "models": ["m"]},
+                {"name": "b", "url": "http://b", "kind": "vllm", "models": ["m"]},
+                {"name": "r", "url": "http://r", "kind": "router", "models": ["m"],
+                 "load_from": ["a", "b"]},
+            ],
+            "probes": {"timeout_s": 0.2, "late_to_unhealthy": 2},
+        }
+    )  # fmt: skip
+    late = asyncio.Event()  # b answers after the probe's timeout while set
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        host, path = request.url.host, request.url.path
+        if host == "b" and late.is_set():
+            await asyncio.sleep(5)
+        if path == "/metrics":
+            return httpx.Response(200, text={"a": SGLANG, "b": VLLM}[host])
+        return httpx.Response(200)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as c:
+        prober = Prober(cfg, c, lambda results: None)
+        first = {r.endpoint: r for r in await prober.probe_once()}
+        late.set()
+        second = {r.endpoint: r for r in await prober.probe_once()}
+        third = {r.endpoint: r for r in await prober.probe_once()}
+    assert (first["r"].queued, first["r"].running) == (4, 21)
+    b, r = second["b"], second["r"]
+    assert b.healthy and b.repeated and (b.queued, b.running) == (0, 12)
+    assert r.healthy and r.repeated and (r.queued, r.running) == (4, 21)
+    assert r.event(0.0).repeated  # the core reads no new queue from it
+    # Late twice in a row: b is out of rotation, and the router's load is a's alone.
+    assert not third["b"].healthy
+    assert (third["r"].healthy, third["r"].queued, third["r"].running) == (True, 4, 9)
+
+
 async def test_prober_reports_each_round() -> None:
     cfg = parse_config(
         {"endpoints": [{"name": "a", "url": "http://a", "kind": "ollama", "models": ["m"]}]}
