@@ -935,10 +935,15 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         ]
         return Response(json.dumps({"object": "list", "data": data}), media_type="application/json")
 
+    def sub_agents_here() -> bool:
+        """Whether this gateway has sub-agents to show: MCP servers configured, or a
+        sub-agent asked for since it started (else nothing waits for Temporal)."""
+        return bool(config.mcp_servers) or not door.idle()
+
     async def with_runs(view: dict[str, Any]) -> dict[str, Any]:
         """Add the recent sub-agent runs as trees (or why they cannot be read)."""
-        if not config.mcp_servers and door.idle():
-            return view  # no sub-agents here: the page does not wait for Temporal
+        if not sub_agents_here():
+            return view
         try:
             statuses = await asyncio.wait_for(door.recent(), STATUS_RUNS_TIMEOUT_S)
             view["sub_agents"] = sub_agent_tree(statuses)
@@ -997,10 +1002,10 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     counted_at = [-math.inf]  # when /metrics last asked Temporal (the loop's clock)
 
     async def count_subagent_runs() -> None:
-        """Refresh `luftpause_subagent_runs` when it is due: where sub-agents run (as
-        `with_runs` decides), at most every SUBAGENT_COUNT_EVERY_S.  Temporal down or
+        """Refresh `luftpause_subagent_runs` when it is due: where sub-agents run, at
+        most every SUBAGENT_COUNT_EVERY_S (a scrape then waits for it, ≤ 3 s).  Temporal down or
         slow: `luftpause_run_store_up` is 0 and the scrape still answers."""
-        if not config.mcp_servers and door.idle():
+        if not sub_agents_here():
             return
         now = asyncio.get_running_loop().time()
         if now - counted_at[0] < SUBAGENT_COUNT_EVERY_S:

@@ -376,6 +376,8 @@ def render_status_page(snapshot: Mapping[str, Any]) -> str:
         ["class", "held", "oldest_wait_s"],
         [[c, held["by_class"].get(c, 0), held["oldest_wait_by_class_s"][c]] for c in classes],
     )
+    n = held["callers"]
+    part = f" (the {TOP_CALLERS} with the most, of {n})" if n > TOP_CALLERS else ""
     held_by_caller = _table(
         ["caller", "held", "in_flight", "oldest_wait_s"],
         [[c["caller"], c["held"], c["in_flight"], c["oldest_wait_s"]] for c in held["by_caller"]],
@@ -420,7 +422,7 @@ def render_status_page(snapshot: Mapping[str, Any]) -> str:
         f"<h2>Replicas</h2>{replicas}"
         f"{_discovery(snapshot)}"
         f"<h2>Held turns by class</h2>{held_by_class}"
-        f"<h2>Held turns by caller (top {TOP_CALLERS} of {held['callers']})</h2>{held_by_caller}"
+        f"<h2>Held turns by caller{part}</h2>{held_by_caller}"
         f"<h2>Runs by phase and class</h2>{runs_table}"
         f"{recent_table}"
         f"{_sub_agents(snapshot)}"

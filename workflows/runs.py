@@ -523,7 +523,7 @@ class Runs:
         caller, in one state, of one tree (root's handle), children of one run, of one
         class or model, when given (by the search attributes runs keep up to date;
         Temporal's list may lag a change by a moment)."""
-        query = f"WorkflowType = 'AgentRun' AND TaskQueue = {_quoted(self._queue)}"
+        query = self._ours()
         filters = (
             (CALLER, caller),
             (STATE, state),
@@ -540,15 +540,16 @@ class Runs:
             handles.append(wf.id)
         return handles
 
+    def _ours(self) -> str:
+        """The visibility query for the runs on this task queue."""
+        return f"WorkflowType = 'AgentRun' AND TaskQueue = {_quoted(self._queue)}"
+
     async def count_open(self) -> dict[str, int]:
         """How many runs on this task queue are open, by state (`Running`,
         `AwaitingApproval`, ...): Temporal's visibility counts them by the state search
         attribute runs keep up to date, one query per state (its count groups by
         `ExecutionStatus` only).  It may lag a change by a moment, as `list` does."""
-        base = (
-            f"WorkflowType = 'AgentRun' AND TaskQueue = {_quoted(self._queue)} "
-            "AND ExecutionStatus = 'Running'"
-        )
+        base = f"{self._ours()} AND ExecutionStatus = 'Running'"
         states = sorted(ACTIVE_STATES)
         counts = await asyncio.gather(
             *(
@@ -569,6 +570,9 @@ class CallerRuns(Runs):
     def __init__(self, runs: Runs, caller: str) -> None:
         super().__init__(runs.client, task_queue=runs._queue, child_wait_s=runs._child_wait_s)
         self.caller = caller
+
+    def _ours(self) -> str:
+        return f"{super()._ours()} AND {CALLER.name} = {_quoted(self.caller)}"
 
     async def _describe(self, handle: str) -> WorkflowExecutionDescription:
         desc = await super()._describe(handle)
@@ -596,8 +600,7 @@ class CallerRuns(Runs):
     ) -> list[str]:
         if caller is not None and caller != self.caller:
             return []
-        return await super().list(
-            caller=self.caller,
+        return await super().list(  # (its query names this caller: `_ours`)
             state=state,
             root=root,
             parent=parent,

@@ -218,7 +218,7 @@ def test_snapshot_lists_the_callers_with_most_held_turns_first() -> None:
     by_caller = snap["held"]["by_caller"]
     assert len(by_caller) == TOP_CALLERS
     assert snap["held"]["callers"] == TOP_CALLERS + 11  # the list says it is a part
-    assert f"top {TOP_CALLERS} of {TOP_CALLERS + 11}" in render_status_page(snap)
+    assert f"(the {TOP_CALLERS} with the most, of {TOP_CALLERS + 11})" in render_status_page(snap)
     assert by_caller[0] == {"caller": "many", "held": 3, "in_flight": 0, "oldest_wait_s": 18.0}
     assert by_caller[1]["caller"] == "caller 000"
     assert snap["held"]["total"] == TOP_CALLERS + 13
@@ -238,6 +238,7 @@ def test_page_escapes_what_callers_send() -> None:
     snapshot["recent_runs"] = runs_listing(state, 2.0, limit=PAGE_RUNS)["runs"]
     page = render_status_page(snapshot)
     assert '<meta http-equiv="refresh" content="2">' in page
+    assert "<h2>Held turns by caller</h2>" in page  # all of them: no "of N"
     # in the held turns by caller, and in the runs
     assert page.count("&lt;script&gt;alert(1)&lt;/script&gt;") == 2
     assert "<script>" not in page

@@ -22,7 +22,16 @@ from tests.workflows.harness import (
     task_with,
     until,
 )
-from workflows import TERMINAL_STATES, AgentRun, Budget, RunError, Runs, RunSpec, contract
+from workflows import (
+    TERMINAL_STATES,
+    AgentRun,
+    Budget,
+    CallerRuns,
+    RunError,
+    Runs,
+    RunSpec,
+    contract,
+)
 from workflows.contract import AgentRunInput, ChildReport, ChildSummary, RunStatus, Totals
 from workflows.runs import new_handle
 
@@ -633,6 +642,10 @@ async def test_status_shows_recent_runs_as_trees_with_subtree_costs(
             await until(
                 lambda: open_runs(http, {**quiet, "AwaitingApproval": 1.0}), "parent counted"
             )
+            # A caller's view counts only its own runs.
+            mine = await CallerRuns(s.runs, (await s.runs.status(parent)).caller).count_open()
+            assert mine == {**dict.fromkeys(quiet, 0), "AwaitingApproval": 1}
+            assert await CallerRuns(s.runs, "someone else").count_open() == dict.fromkeys(quiet, 0)
             await _decline_and_end(s, parent)
             await until(lambda: open_runs(http, quiet), "no run open")
 
