@@ -319,15 +319,8 @@ def _arm_bed(
             encoding="utf-8",
         )
         port = free_port()
-        classes = log_dir / "smg-classes.yaml"
-        classes.write_text(SMG_CLASSES, encoding="utf-8")
-        values = {
-            "port": str(port),
-            "prom": str(free_port()),
-            "config": str(config),
-            "smg_classes": str(classes),
-        }
-        c = start("proxy", _fill(router.argv, values, workers), env={"LUFTPAUSE_TOKEN": ""})
+        argv = _router_argv(router, port, workers, log_dir, config)
+        c = start("proxy", argv, env={"LUFTPAUSE_TOKEN": ""})
         proxy = f"http://127.0.0.1:{port}"
         wait_http(f"{proxy}{router.ready_path}", "the proxy", c, timeout=READY_TIMEOUT_S)
         if router.setup is not None:
@@ -344,23 +337,37 @@ def _arm_bed(
 PEERS = tuple(a for a in ARMS if a != "luftpause")
 
 
+def _router_argv(
+    router: _Router, port: int, workers: list[str], workdir: Path, config: Path | None = None
+) -> list[str]:
+    """The router's command line, serving on `port` in front of `workers` (luftpause:
+    with `config`); SMG's classes file is written to `workdir`."""
+    from luftpause.temporal_dev import free_port
+
+    classes = workdir / "smg-classes.yaml"
+    classes.write_text(SMG_CLASSES, encoding="utf-8")
+    values = {
+        "port": str(port),
+        "prom": str(free_port()),
+        "config": str(config),
+        "smg_classes": str(classes),
+    }
+    return _fill(router.argv, values, workers)
+
+
+def peer_missing(name: str) -> str | None:
+    """Why peer router `name` cannot start here, or None."""
+    return _missing(_routers(Path(sys.executable).parent)[name])
+
+
 def peer_router(
     name: str, port: int, workers: list[str], workdir: Path
 ) -> tuple[list[str], Callable[[str, list[str]], None] | None]:
-    """How `luftpause bench overhead` starts peer router `name` on `port` in front of
-    `workers`, as the flood's arms do: its argv, and what to do once it answers
-    `/health` (SMG: register the workers), or None.  SystemExit when it is not
-    installed."""
-    from luftpause.temporal_dev import free_port
-
+    """How `luftpause bench overhead` starts peer router `name` (see `peer_missing`)
+    on `port` in front of `workers`, as the flood's arms do: its argv, and what to do
+    once it answers `/health` (SMG: register the workers), or None."""
     router = _routers(Path(sys.executable).parent)[name]
-    missing = _missing(router)
-    if missing:
-        raise SystemExit(f"luftpause bench: {name}: {missing}")
-    classes = workdir / f"{name}-smg-classes.yaml"
-    classes.write_text(SMG_CLASSES, encoding="utf-8")
-    values = {"port": str(port), "prom": str(free_port()), "smg_classes": str(classes)}
-    return _fill(router.argv, values, workers), router.setup
+    return _router_argv(router, port, workers, workdir), router.setup
 
 
 def _missing(router: _Router) -> str | None:

@@ -42,7 +42,7 @@ from types import FrameType
 from typing import Any
 
 from luftpause._process import cpu_seconds, spawn
-from testkit.bench_agents import PEERS, peer_router
+from testkit.bench_agents import PEERS, peer_missing, peer_router
 
 __all__ = ["GOAL_C1_P50_MS", "GOAL_C20_P99_MS", "Arm", "add_arguments", "percentile", "run"]
 
@@ -405,6 +405,10 @@ def _parse_peers(text: str) -> list[str]:
             raise SystemExit(f"--peers: unknown router {name!r}; expected some of {expected}")
     if len(set(names)) != len(names):
         raise SystemExit(f"--peers: a router named twice in {text!r}")
+    for name in names:
+        missing = peer_missing(name)
+        if missing:
+            raise SystemExit(f"--peers: {name}: {missing}")
     return names
 
 
