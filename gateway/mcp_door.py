@@ -122,6 +122,7 @@ class BudgetView(BaseModel):
     limits: dict[str, float | None]
     used: dict[str, float | None]
     exceeded: str | None = None
+    over: str | None = None
 
 
 class ChildView(BaseModel):
@@ -235,6 +236,7 @@ def view(status: RunStatus, *, detail: bool = True) -> RunView:
                 "seconds": b.used.seconds,
             },
             exceeded=b.exceeded,
+            over=b.over,
         )
     return RunView(
         handle=status.handle,

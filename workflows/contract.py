@@ -8,6 +8,7 @@ tests all speak these types.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -240,7 +241,25 @@ class StopRequest:
 class BudgetStatus:
     limits: Budget
     used: Budget
-    exceeded: str | None = None
+    exceeded: str | None = None  # what stopped the subtree: `budget exceeded: ...`
+    # An ended run's use past a limit that stopped nothing, "<which> <used>/<limit>":
+    # work below it that ended after it closed (Temporal or the workers down), or its
+    # own end past `seconds`.  Set by the client that reads the run (`Runs`).
+    over: str | None = None
+
+    def past_a_limit(self) -> str | None:
+        """ "<which> <used>/<limit>" for the first limit `used` is past, or None (seconds
+        up to the next tenth, as `budget exceeded` gives them)."""
+        limits, used = self.limits, self.used
+        if limits.tokens is not None and used.tokens is not None and used.tokens > limits.tokens:
+            return f"tokens {used.tokens}/{limits.tokens}"
+        calls, limit = used.tool_calls, limits.tool_calls
+        if limit is not None and calls is not None and calls > limit:
+            return f"tool_calls {calls}/{limit}"
+        seconds = used.seconds
+        if limits.seconds is not None and seconds is not None and seconds > limits.seconds:
+            return f"seconds {math.ceil(seconds * 10) / 10:g}/{limits.seconds:g}"
+        return None
 
 
 @dataclass(frozen=True)

@@ -300,8 +300,17 @@ class Runs:
     async def _settle(
         self, status: RunStatus, query_timeout: float, gate: asyncio.Semaphore
     ) -> RunStatus:
-        if status.state in TERMINAL_STATES and not settled(status.children):
+        if status.state not in TERMINAL_STATES:
+            return status
+        if not settled(status.children):
             status = await self._with_children_ends(status, query_timeout, gate)
+        budget = status.budget
+        if budget is not None and budget.exceeded is None:
+            # Nothing stopped it, yet its use is past a limit: say so, as `exceeded`
+            # cannot (it is the reason the subtree stopped).
+            over = budget.past_a_limit()
+            if over is not None:
+                status = replace(status, budget=replace(budget, over=over))
         return status
 
     async def _with_children_ends(

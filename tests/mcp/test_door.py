@@ -680,6 +680,36 @@ def test_a_carried_deadline_is_held_to_the_longest_wait() -> None:
     assert _State(deadline=1e12).seconds_left(1000.0, 30.0) == 600.0
 
 
+def test_a_budget_passed_by_late_work_shows_over_not_exceeded() -> None:
+    """`exceeded` is what stopped a subtree; a use past a limit that stopped nothing
+    (work below that ended after the run closed) is `over`, in the MCP view as well."""
+    from gateway.mcp_door import view
+    from workflows import RunStatus, Totals
+    from workflows.contract import Budget, BudgetStatus
+
+    def ended(budget: BudgetStatus) -> RunStatus:
+        return RunStatus(
+            handle="run-x", state="Completed", task="t", model=MODEL, service_class="batch",
+            caller="c", parent=None, root="run-x", children=[], usage=Totals(),
+            subtree=Totals(), budget=budget, started_at="2026-11-30T10:00:00+00:00",
+            ended_at="2026-11-30T10:01:00+00:00",
+        )  # fmt: skip
+
+    limits = Budget(tokens=100, tool_calls=4, seconds=10.0)
+    cases = [
+        (Budget(tokens=100, tool_calls=4, seconds=10.0), None),  # at a limit is not past it
+        (Budget(tokens=130, tool_calls=5, seconds=12.0), "tokens 130/100"),
+        (Budget(tokens=90, tool_calls=5, seconds=12.0), "tool_calls 5/4"),
+        (Budget(tokens=90, tool_calls=3, seconds=10.01), "seconds 10.1/10"),
+    ]
+    for used, over in cases:
+        assert BudgetStatus(limits, used).past_a_limit() == over, used
+    b = BudgetStatus(limits, Budget(tokens=130), over="tokens 130/100")
+    shown = view(ended(b)).model_dump()["budget"]
+    assert (shown["exceeded"], shown["over"]) == (None, "tokens 130/100")
+    assert shown["used"]["tokens"] == 130
+
+
 def test_an_ended_runs_task_is_completed_with_what_run_returns() -> None:
     # What the `run` call itself returns, a failed run's and a budget-stopped run's
     # included (SEP-2663 keeps `failed` for JSON-RPC errors); a run cancelled on request

@@ -298,6 +298,25 @@ async def test_an_ended_runs_status_reads_below_a_child_that_ended_before_its_ow
         read.clear()
         assert await s.runs.status(parent) == status
         assert read == [parent]
+        assert status.budget is not None and status.budget.over is None  # within 10**9
+
+        # Had the parent held a budget its recorded use just met, the grandkid's late
+        # end takes the use past it, though nothing was stopped by it: `over` says so.
+        limit = before.tokens
+
+        async def at_limit(self: Runs, desc: Any, query_timeout: float) -> RunStatus:
+            status = await as_recorded(self, desc, query_timeout)
+            if desc.id != parent or status.budget is None:
+                return status
+            limits = replace(status.budget.limits, tokens=limit)
+            return replace(status, budget=replace(status.budget, limits=limits))
+
+        monkeypatch.setattr(Runs, "_recorded_status", at_limit)
+        s.runs._final.clear()  # read the kid's end again, as a new gateway would
+        late = await s.runs.status(parent)
+        assert late.budget is not None and late.budget.exceeded is None
+        assert late.budget.used.tokens == record.subtree.tokens > limit
+        assert late.budget.over == f"tokens {record.subtree.tokens}/{limit}"
 
 
 async def test_an_empty_parent_is_no_parent(temporal_address: str) -> None:
