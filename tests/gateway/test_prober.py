@@ -29,7 +29,7 @@ from gateway.prober import (
     probe_pool,
     served_ranks,
 )
-from luftpause.config import ConfigError, Endpoint, parse_config
+from luftpause.config import Config, ConfigError, Endpoint, parse_config
 from scheduler import ReplicaSpec, State, Tick, decide
 from testkit.engine import EngineParams
 from testkit.fake_engine import FakeEngineSettings, create_app
@@ -286,17 +286,23 @@ async def test_silent_engine_times_out() -> None:
     assert not r.healthy and r.error == "no answer within 0.3 s"
 
 
-async def test_router_load_is_the_sum_of_its_engines() -> None:
-    cfg = parse_config(
+def _router_pool(**more: Any) -> Config:
+    """Engines a (SGLang) and b (vLLM), and router r whose load is theirs."""
+    return parse_config(
         {
             "endpoints": [
                 {"name": "a", "url": "http://a", "kind": "sglang", "models": ["m"]},
                 {"name": "b", "url": "http://b", "kind": "vllm", "models": ["m"]},
                 {"name": "r", "url": "http://r", "kind": "router", "models": ["m"],
                  "load_from": ["a", "b"]},
-            ]
+            ],
+            **more,
         }
     )  # fmt: skip
+
+
+async def test_router_load_is_the_sum_of_its_engines() -> None:
+    cfg = _router_pool()
 
     def handler(request: httpx.Request) -> httpx.Response:
         host, path = request.url.host, request.url.path
@@ -317,16 +323,7 @@ async def test_router_load_leaves_out_unhealthy_engines_and_is_unknown_with_a_si
     """A router places turns only on its healthy engines, so their sum is its load; a
     healthy engine whose load is unknown makes the router's unknown (never capped), as
     the part it knows would cap the router at part of what it runs."""
-    cfg = parse_config(
-        {
-            "endpoints": [
-                {"name": "a", "url": "http://a", "kind": "sglang", "models": ["m"]},
-                {"name": "b", "url": "http://b", "kind": "vllm", "models": ["m"]},
-                {"name": "r", "url": "http://r", "kind": "router", "models": ["m"],
-                 "load_from": ["a", "b"]},
-            ]
-        }
-    )  # fmt: skip
+    cfg = _router_pool()
     b_health = 200
     b_metrics = 200
 
@@ -355,17 +352,7 @@ async def test_router_load_leaves_out_unhealthy_engines_and_is_unknown_with_a_si
 async def test_a_late_engine_keeps_its_routers_last_load_as_it_keeps_its_own() -> None:
     """An engine that answers one probe late stays in rotation with its last load, so
     its router keeps its last load too: not the sum without that engine's part."""
-    cfg = parse_config(
-        {
-            "endpoints": [
-                {"name": "a", "url": "http://a", "kind": "sglang", "models": ["m"]},
-                {"name": "b", "url": "http://b", "kind": "vllm", "models": ["m"]},
-                {"name": "r", "url": "http://r", "kind": "router", "models": ["m"],
-                 "load_from": ["a", "b"]},
-            ],
-            "probes": {"timeout_s": 0.2, "late_to_unhealthy": 2},
-        }
-    )  # fmt: skip
+    cfg = _router_pool(probes={"timeout_s": 0.2, "late_to_unhealthy": 2})
     late = asyncio.Event()  # b answers after the probe's timeout while set
 
     async def handler(request: httpx.Request) -> httpx.Response:
