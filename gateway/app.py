@@ -999,18 +999,20 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             headers={"cache-control": "no-store", "referrer-policy": "no-referrer"},
         )
 
-    counted_at = [-math.inf]  # when /metrics last asked Temporal (the loop's clock)
+    counted_at = -math.inf  # when /metrics last asked Temporal (the loop's clock)
 
     async def count_subagent_runs() -> None:
         """Refresh `luftpause_subagent_runs` when it is due: where sub-agents run, at
-        most every SUBAGENT_COUNT_EVERY_S (a scrape then waits for it, ≤ 3 s).  Temporal down or
-        slow: `luftpause_run_store_up` is 0 and the scrape still answers."""
+        most every SUBAGENT_COUNT_EVERY_S (the scrape then waits for it, at most
+        STATUS_RUNS_TIMEOUT_S).  Temporal down or slow: `luftpause_run_store_up` is 0
+        and the scrape still answers."""
+        nonlocal counted_at
         if not sub_agents_here():
             return
         now = asyncio.get_running_loop().time()
-        if now - counted_at[0] < SUBAGENT_COUNT_EVERY_S:
+        if now - counted_at < SUBAGENT_COUNT_EVERY_S:
             return
-        counted_at[0] = now
+        counted_at = now
         counts: dict[str, int] | None
         try:
             counts = await asyncio.wait_for(door.count_open(), STATUS_RUNS_TIMEOUT_S)

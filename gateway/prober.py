@@ -460,7 +460,6 @@ async def probe_pool(
             behind = [by_name[n] for n in e.load_from]
             engines = [x for x in behind if x.healthy]
             silent = [x.endpoint for x in engines if x.queued is None or x.running is None]
-            known = [x for x in engines if x.queued is not None and x.running is not None]
             late = [x.endpoint for x in behind if x.timed_out]
             if silent:
                 r = ProbeResult(
@@ -468,12 +467,12 @@ async def probe_pool(
                     healthy=True,
                     error=f"load unknown: no load from {', '.join(silent)} (load_from)",
                 )
-            elif known:
+            elif engines:  # every one of them reported its load
                 r = ProbeResult(
                     endpoint=e.name,
                     healthy=True,
-                    queued=sum(x.queued or 0 for x in known),
-                    running=sum(x.running or 0 for x in known),
+                    queued=sum(x.queued or 0 for x in engines),
+                    running=sum(x.running or 0 for x in engines),
                 )
             if late:
                 # An engine that answered late stays in rotation for a while with its

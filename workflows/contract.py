@@ -248,8 +248,10 @@ class BudgetStatus:
     over: str | None = None
 
     def past_a_limit(self) -> str | None:
-        """ "<which> <used>/<limit>" for the first limit `used` is past, or None (seconds
-        up to the next tenth, as `budget exceeded` gives them)."""
+        """The first limit `used` is past, as "<which> <used>/<limit>", or None (seconds
+        up to the next tenth, as `budget exceeded` gives them).  Past, not reached: the
+        workflow's own check (`AgentRun._over`) trips the seconds budget when its timer
+        fires, at the limit; this reads a closed run's final figures."""
         limits, used = self.limits, self.used
         if limits.tokens is not None and used.tokens is not None and used.tokens > limits.tokens:
             return f"tokens {used.tokens}/{limits.tokens}"
