@@ -106,6 +106,10 @@ class _StateCollector:
         cap = replica_gauge(
             "luftpause_replica_cap", "luftpause's cap on in-flight turns (absent: uncapped)"
         )
+        slots = replica_gauge(
+            "luftpause_engine_slots",
+            "Requests the engine runs at once, configured or reported (absent: unknown)",
+        )
         queued = replica_gauge("luftpause_engine_queued", "The engine's queue at the last probe")
         running = replica_gauge(
             "luftpause_engine_running", "Requests the engine ran at the last probe"
@@ -117,11 +121,13 @@ class _StateCollector:
             healthy.add_metric([name], 1 if r.healthy else 0)
             if r.cap is not None:
                 cap.add_metric([name], r.cap)
+            if r.spec.slots is not None:
+                slots.add_metric([name], r.spec.slots)
             if r.queued is not None:
                 queued.add_metric([name], r.queued)
             if r.running is not None:
                 running.add_metric([name], r.running)
-        return [held, runs, in_flight, cap, queued, running, healthy]
+        return [held, runs, in_flight, cap, slots, queued, running, healthy]
 
 
 class _GcPauses:

@@ -8,7 +8,7 @@ API.  The gateway holds one at a time and replaces it whole when the file is rel
 What a reload may change, and what it may not:
 
 - `[[endpoints]]` entries may be added, removed, and changed in place (models, KV pool,
-  health path, key variable, which APIs it serves, a router's engines).  The core is told
+  slots, health path, key variable, which APIs it serves, a router's engines).  The core is told
   the new pool (`scheduler.PoolChanged`, rule 11): an added replica takes turns once a
   probe finds it healthy (the reload probes at once); a removed one finishes the turns
   it runs, and its runs move at their next turn.

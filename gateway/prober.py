@@ -13,11 +13,14 @@ llama.cpp without `--metrics`: `/metrics` answers 404, or lacks the names) is he
 and reports no load, so it is never capped.  Either reason is kept
 for `/status` and logged when it changes.
 
-An engine whose KV pool size the configuration does not give is asked for it until it
-answers: SGLang's `/get_server_info` (`max_total_num_tokens`), vLLM's
-`vllm:cache_config_info` gauge (`num_gpu_blocks` x `block_size`).  The core takes the
-first answer, which turns on program-level admission there.  Not knowing it is no
-error: the replica is admitted by load alone.
+An engine whose KV pool size or slots (the requests it runs at once) the
+configuration does not give is asked for them until it answers, at most `LIMIT_ASKS`
+times: SGLang's `/get_server_info` (`max_total_num_tokens`; its scheduler's
+`effective_max_running_requests_per_dp`), vLLM's `vllm:cache_config_info` gauge
+(`num_gpu_blocks` x `block_size`; vLLM does not export `max_num_seqs`), llama.cpp's
+`/props` (`total_slots`).  The core takes the first answer: a pool size turns on
+program-level admission there, slots bound the turns in flight there.  Not knowing
+them is no error: the replica is admitted by load alone.
 
 A server with data-parallel ranks (`dp_size`) is probed once per round for all its
 ranks' replicas: its health is theirs, each rank's load is the samples of its rank's
@@ -45,6 +48,7 @@ from luftpause.config import (
     DP_RANK_LABEL,
     KV_REPORTED_BY,
     LOAD_METRICS,
+    SLOTS_REPORTED_BY,
     Config,
     Endpoint,
     Probes,
@@ -69,7 +73,7 @@ log = logging.getLogger(__name__)
 # The defaults of the file's [probes] (luftpause.config.Probes).
 PROBE_PERIOD_S = Probes().period_s
 PROBE_TIMEOUT_S = Probes().timeout_s
-KV_ASKS = 3  # healthy probes that may ask an engine its KV pool before giving up
+LIMIT_ASKS = 3  # healthy probes that may ask an engine its KV pool and slots before giving up
 # Probes in a row without an answer in time that take a healthy engine out of rotation:
 # a busy engine may answer one late.  A refusal or an error status counts at once.
 LATE_PROBES_TO_UNHEALTHY = Probes().late_to_unhealthy
@@ -84,6 +88,7 @@ class ProbeResult:
     # Why it is unhealthy, or (healthy) why its load is unknown.
     error: str | None = None
     kv_tokens: int | None = None  # the KV pool size the engine reported, when asked
+    slots: int | None = None  # the requests it runs at once, as it reported, when asked
     timed_out: bool = False  # no answer within the probe's timeout (a router: from an engine)
     repeated: bool = False  # the last result, repeated for a late answer (see _forgive_late)
     # The /metrics answer, kept only while probe_ranks splits it over the ranks.
@@ -97,6 +102,7 @@ class ProbeResult:
             queued=self.queued,
             running=self.running,
             kv_tokens=self.kv_tokens,
+            slots=self.slots,
             repeated=self.repeated,
         )
 
@@ -205,6 +211,41 @@ def parse_vllm_kv_pools(text: str) -> dict[str, int] | None:
     return pools
 
 
+def _count(value: object) -> int | None:
+    """A positive count as JSON gives it, else None (a bool is no count)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    return None
+
+
+def parse_sglang_slots(info: object, *, one_rank: bool = False) -> int | None:
+    """The requests SGLang runs at once, from `/get_server_info`: its schedulers'
+    `effective_max_running_requests_per_dp` (in `internal_states`, one per
+    data-parallel rank), times `dp_size` (not with `one_rank`).  An older SGLang says
+    only its `max_running_requests` argument, when one was given; without data
+    parallelism its limit is that or lower (its request pool's size may be lower: the
+    engine's queue then caps luftpause there, as on an engine that says nothing; with
+    data parallelism, how the argument splits over the ranks depends on the version:
+    unknown)."""
+    if not isinstance(info, dict):
+        return None
+    ranks = info.get("dp_size", 1)
+    if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
+        ranks = 1
+    states = info.get("internal_states")
+    for state in states if isinstance(states, list) else []:
+        if isinstance(state, dict):
+            per_rank = _count(state.get("effective_max_running_requests_per_dp"))
+            if per_rank is not None:
+                return per_rank if one_rank else per_rank * ranks
+    return _count(info.get("max_running_requests")) if ranks == 1 else None
+
+
+def parse_llamacpp_slots(props: object) -> int | None:
+    """llama.cpp's slots (`--parallel`), from `/props`'s `total_slots`."""
+    return _count(props.get("total_slots")) if isinstance(props, dict) else None
+
+
 def parse_sglang_kv_tokens(info: object, *, one_rank: bool = False) -> int | None:
     """SGLang's KV pool in tokens from `/get_server_info`: its scheduler's
     `max_total_num_tokens`, which is one data-parallel rank's, times `dp_size` (not
@@ -258,13 +299,14 @@ async def probe_endpoint(
     endpoint: Endpoint,
     *,
     timeout: float = PROBE_TIMEOUT_S,
-    want_kv: bool = False,
+    want_limits: bool = False,
     keep_exposition: bool = False,
 ) -> ProbeResult:
-    """Health, and load where the kind reports it (and the KV pool size, when
-    `want_kv`; the /metrics answer, with `keep_exposition`).  Never raises."""
+    """Health, and load where the kind reports it (and the KV pool size and slots, when
+    `want_limits`; the /metrics answer, with `keep_exposition`).  Never raises."""
     headers = auth_headers(endpoint)
     kv: int | None = None
+    slots: int | None = None
     try:
         async with asyncio.timeout(timeout):
             health = await client.get(endpoint.url + endpoint.health, headers=headers)
@@ -309,13 +351,16 @@ async def probe_endpoint(
                 note = f"reports no load: /metrics lacks {q} and {r}"
     if note is not None:
         note += f" ({_METRICS_HINT[endpoint.kind]}); admitted uncapped"
-    if want_kv and endpoint.kind == "vllm" and load is not None:  # a parsed exposition
+    if want_limits and endpoint.kind == "vllm" and load is not None:  # a parsed exposition
         with contextlib.suppress(Exception):  # not knowing it is no reason to fail
             kv = parse_vllm_kv_tokens(metrics.text)
-    elif want_kv and endpoint.kind == "sglang":
+    elif want_limits and endpoint.kind == "sglang":
         # Apart from the health probe's time: a slow answer here (SGLang asks its
         # scheduler) must not make a healthy engine look unhealthy.
-        kv = await _sglang_kv_tokens(client, endpoint, headers, timeout)
+        info = await _sglang_server_info(client, endpoint, headers, timeout)
+        kv, slots = parse_sglang_kv_tokens(info), parse_sglang_slots(info)
+    elif want_limits and endpoint.kind == "llamacpp":
+        slots = parse_llamacpp_slots(await _get_json(client, endpoint, "/props", headers, timeout))
     return ProbeResult(
         endpoint=endpoint.name,
         healthy=True,
@@ -323,27 +368,33 @@ async def probe_endpoint(
         running=load[1] if load else None,
         error=note,
         kv_tokens=kv,
+        slots=slots,
         exposition=metrics.text if keep_exposition and metrics.status_code < 400 else None,
     )
+
+
+async def _get_json(
+    client: httpx.AsyncClient,
+    endpoint: Endpoint,
+    path: str,
+    headers: dict[str, str],
+    timeout: float,
+) -> object:
+    """The engine's JSON answer at `path`, or None: not knowing what it says there is
+    no reason to call the engine unhealthy."""
+    try:
+        async with asyncio.timeout(timeout):
+            answer = await client.get(endpoint.url + path, headers=headers)
+        return answer.json() if answer.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, TimeoutError):
+        return None
 
 
 async def _sglang_server_info(
     client: httpx.AsyncClient, endpoint: Endpoint, headers: dict[str, str], timeout: float
 ) -> object:
-    """SGLang's `/get_server_info` (its server arguments and scheduler's), or None:
-    not knowing it is no reason to call the engine unhealthy."""
-    try:
-        async with asyncio.timeout(timeout):
-            info = await client.get(endpoint.url + "/get_server_info", headers=headers)
-        return info.json() if info.status_code == 200 else None
-    except (httpx.HTTPError, ValueError, TimeoutError):
-        return None
-
-
-async def _sglang_kv_tokens(
-    client: httpx.AsyncClient, endpoint: Endpoint, headers: dict[str, str], timeout: float
-) -> int | None:
-    return parse_sglang_kv_tokens(await _sglang_server_info(client, endpoint, headers, timeout))
+    """SGLang's `/get_server_info` (its server arguments and scheduler's), or None."""
+    return await _get_json(client, endpoint, "/get_server_info", headers, timeout)
 
 
 def served_ranks(kind: str, info: object, loads: Mapping[int, object]) -> int | None:
@@ -363,17 +414,17 @@ async def probe_ranks(
     ranks: Sequence[Endpoint],
     *,
     timeout: float = PROBE_TIMEOUT_S,
-    want_kv: bool = False,
+    want_limits: bool = False,
 ) -> list[ProbeResult]:
     """One probe of a server with data-parallel ranks, a result per rank's replica:
     the server's health, each rank's load from its rank's samples, each rank's KV pool
-    (when `want_kv`).  A rank the exposition shows no load for reports none (uncapped).
-    Never raises."""
+    and slots (when `want_limits`).  A rank the exposition shows no load for reports
+    none (uncapped).  Never raises."""
     server = ranks[0]
     probed = probe_endpoint(client, server, timeout=timeout, keep_exposition=True)
     info: object = None
     if server.kind == "sglang":  # every round, beside the probe: its dp_size tells
-        # which ranks exist (and, when wanted, one rank's KV pool)
+        # which ranks exist (and, when wanted, one rank's KV pool and slots)
         asked = _sglang_server_info(client, server, auth_headers(server), timeout)
         whole, info = await asyncio.gather(probed, asked)
     else:
@@ -390,11 +441,13 @@ async def probe_ranks(
             note = f"reports no load: /metrics: {exc}"
     pools: Mapping[str, int] = {}
     one_pool: int | None = None
-    if want_kv and server.kind == "vllm" and whole.exposition is not None:
+    one_rank_slots: int | None = None
+    if want_limits and server.kind == "vllm" and whole.exposition is not None:
         with contextlib.suppress(Exception):
             pools = parse_vllm_kv_pools(whole.exposition) or {}
-    elif want_kv and server.kind == "sglang":
+    elif want_limits and server.kind == "sglang":
         one_pool = parse_sglang_kv_tokens(info, one_rank=True)
+        one_rank_slots = parse_sglang_slots(info, one_rank=True)
     served = served_ranks(server.kind, info, loads)
     out = []
     for e in ranks:
@@ -423,6 +476,7 @@ async def probe_ranks(
                 running=load[1] if load else None,
                 error=error,
                 kv_tokens=pools.get(str(e.dp_rank), one_pool),
+                slots=one_rank_slots,
             )
         )
     return out
@@ -432,21 +486,21 @@ async def probe_pool(
     client: httpx.AsyncClient,
     config: Config,
     *,
-    want_kv: frozenset[str] = frozenset(),
+    want_limits: frozenset[str] = frozenset(),
     timeout: float = PROBE_TIMEOUT_S,
 ) -> list[ProbeResult]:
     """One round over every endpoint, concurrently (a server once for all its ranks);
-    routers get their engines' load.  Endpoints named in `want_kv` are also asked their
-    KV pool size."""
+    routers get their engines' load.  Endpoints named in `want_limits` are also asked
+    their KV pool size and slots."""
     servers: dict[str, list[Endpoint]] = {}  # a server's name -> its ranks' replicas
     for e in config.endpoints:
         servers.setdefault(e.server, []).append(e)
 
     async def probe(ranks: list[Endpoint]) -> list[ProbeResult]:
-        wanted = any(e.name in want_kv for e in ranks)
+        wanted = any(e.name in want_limits for e in ranks)
         if ranks[0].dp_rank is None:
-            return [await probe_endpoint(client, ranks[0], timeout=timeout, want_kv=wanted)]
-        return await probe_ranks(client, ranks, timeout=timeout, want_kv=wanted)
+            return [await probe_endpoint(client, ranks[0], timeout=timeout, want_limits=wanted)]
+        return await probe_ranks(client, ranks, timeout=timeout, want_limits=wanted)
 
     rounds = await asyncio.gather(*(probe(ranks) for ranks in servers.values()))
     by_name = {r.endpoint: r for results in rounds for r in results}
@@ -487,6 +541,27 @@ async def probe_pool(
     return out
 
 
+def _asks_limits(e: Endpoint) -> bool:
+    """Whether its engine is asked its KV pool and slots: one of them is not configured,
+    and its kind reports it."""
+    return (e.kv_tokens is None and e.kind in KV_REPORTED_BY) or (
+        e.slots is None and e.kind in SLOTS_REPORTED_BY
+    )
+
+
+def _unsaid(config: Config, name: str) -> tuple[str, str, str]:
+    """What an endpoint was asked and did not say, for the warning: its KV pool
+    (program-level admission is off there), its slots, or both."""
+    e = next((e for e in config.endpoints if e.name == name), None)
+    kv = e is None or (e.kv_tokens is None and e.kind in KV_REPORTED_BY)
+    slots = e is None or (e.slots is None and e.kind in SLOTS_REPORTED_BY)
+    if kv and slots:
+        return "KV pool or slots", "kv_tokens and slots", "them"
+    if kv:
+        return "KV pool (program-level admission is off there)", "kv_tokens", "it"
+    return "slots", "slots", "them"
+
+
 def _retry_after(period: float) -> str:
     """The `Retry-After` of a turn refused for want of a healthy replica: the next
     probe round."""
@@ -515,20 +590,19 @@ class Prober:
         self._late_limit = config.probes.late_to_unhealthy
         self._task: asyncio.Task[None] | None = None
         self.last: dict[str, ProbeResult] = {}
-        # Replicas whose KV pool the file does not give: asked until they answer, at
-        # most KV_ASKS times while healthy (an engine that does not report it is not
-        # asked for ever: each ask can take a probe's time).
-        self._want_kv = {
-            e.name: 0 for e in config.replicas if e.kv_tokens is None and e.kind in KV_REPORTED_BY
-        }
+        # Replicas whose KV pool or slots the file does not give, where their kind
+        # reports them: asked until they answer, at most LIMIT_ASKS times while healthy
+        # (an engine that does not report them is not asked for ever: each ask can take
+        # a probe's time).
+        self._want_limits = {e.name: 0 for e in config.replicas if _asks_limits(e)}
         self._late: dict[str, int] = {}  # probes in a row that timed out, per endpoint
 
     def reconfigure(self, config: Config) -> None:
         """Probe the endpoints of a reloaded file, with its `[probes]`, from the next
         round on.  An endpoint
-        new in it is asked its KV pool (when the file gives none; one changed in place
-        keeps the size it reported); the last results of endpoints gone from it are
-        dropped.  A round under way reports only endpoints still in the file."""
+        new in it is asked its KV pool and slots (when the file gives none; one changed
+        in place keeps what it reported); the last results of endpoints gone from it
+        are dropped.  A round under way reports only endpoints still in the file."""
         before = {e.name: e for e in self._config.endpoints}
         self._config = config
         if self._period_given is None:
@@ -537,35 +611,44 @@ class Prober:
         self._timeout = config.probes.timeout_s
         self._late_limit = config.probes.late_to_unhealthy
         names = {e.name for e in config.endpoints}
-        for seen in (self.last, self._late, self._want_kv):
+        for seen in (self.last, self._late, self._want_limits):
             for name in [n for n in seen if n not in names]:
                 del seen[name]
         for e in config.replicas:
-            if e.kv_tokens is None and e.kind in KV_REPORTED_BY and e.name not in before:
-                self._want_kv[e.name] = 0
+            if _asks_limits(e) and e.name not in before:
+                self._want_limits[e.name] = 0
 
     async def probe_once(self) -> list[ProbeResult]:
         results = await probe_pool(
-            self._client, self._config, want_kv=frozenset(self._want_kv), timeout=self._timeout
+            self._client,
+            self._config,
+            want_limits=frozenset(self._want_limits),
+            timeout=self._timeout,
         )
         # Endpoints a reload removed while the round was under way are not reported.
         current = {e.name for e in self._config.endpoints}
         results = [self._forgive_late(r) for r in results if r.endpoint in current]
         for r in results:
-            if r.endpoint in self._want_kv and r.healthy:
-                if r.kv_tokens is not None:
-                    del self._want_kv[r.endpoint]
-                    log.info("endpoint %s reports a KV pool of %d tokens", r.endpoint, r.kv_tokens)
-                elif (asks := self._want_kv[r.endpoint] + 1) >= KV_ASKS:
-                    del self._want_kv[r.endpoint]
+            if r.endpoint in self._want_limits and r.healthy:
+                # One answer says all the engine reports (one call per kind).
+                if r.kv_tokens is not None or r.slots is not None:
+                    del self._want_limits[r.endpoint]
+                    if r.kv_tokens is not None:
+                        log.info(
+                            "endpoint %s reports a KV pool of %d tokens", r.endpoint, r.kv_tokens
+                        )
+                    if r.slots is not None:
+                        log.info("endpoint %s runs %d requests at once", r.endpoint, r.slots)
+                elif (asks := self._want_limits[r.endpoint] + 1) >= LIMIT_ASKS:
+                    del self._want_limits[r.endpoint]
                     log.warning(
-                        "endpoint %s did not report its KV pool (%d asks): program-level "
-                        "admission is off there; set kv_tokens to turn it on",
+                        "endpoint %s did not say its %s: set %s to give %s (%d asks)",
                         r.endpoint,
+                        *_unsaid(self._config, r.endpoint),
                         asks,
                     )
                 else:
-                    self._want_kv[r.endpoint] = asks
+                    self._want_limits[r.endpoint] = asks
             before = self.last.get(r.endpoint)
             if before is not None and before.healthy != r.healthy:
                 log.warning(
@@ -593,7 +676,11 @@ class Prober:
         if before is None or not before.healthy or late >= self._late_limit:
             return r
         return replace(
-            before, error=f"{r.error} once; still in rotation", kv_tokens=None, repeated=True
+            before,
+            error=f"{r.error} once; still in rotation",
+            kv_tokens=None,
+            slots=None,
+            repeated=True,
         )
 
     @property

@@ -70,6 +70,9 @@ def status_snapshot(
                 "engine_queued": r.queued,
                 "engine_running": r.running,
                 "cap": r.cap,
+                # the requests its engine runs at once (configured or reported): no
+                # more turns than these are in flight there (rule 2)
+                "slots": r.spec.slots,
                 "in_flight": r.in_flight,
                 "paused_interactive": r.paused_interactive,
                 "bound_runs": r.bound_runs,
@@ -361,6 +364,7 @@ def render_status_page(snapshot: Mapping[str, Any]) -> str:
         "engine_queued",
         "engine_running",
         "cap",
+        "slots",
         "in_flight",
         "paused_interactive",
         "bound_runs",

@@ -20,6 +20,10 @@ load_from = []           # for kind = "router": the engines whose load it report
                          # are probed, not sent turns: the router places turns on them)
 kv_tokens = 56000        # optional: KV pool size (SGLang and vLLM report theirs), enables
                          # program-level admission
+slots = 48               # optional: how many requests the engine runs at once (SGLang and
+                         # llama.cpp report theirs; vLLM's --max-num-seqs, a hosted API's
+                         # concurrency limit): no more turns go to it at once, the rest
+                         # wait in luftpause's order
 labels = []              # for kind = "classifier": class names, in /classify's order
 messages = true          # serves the Anthropic Messages API (/v1/messages): default true
                          # for sglang, vllm, llamacpp and ollama, false otherwise
@@ -104,8 +108,10 @@ LOAD_METRICS: Mapping[str, tuple[str, str]] = {
     "llamacpp": ("llamacpp:requests_deferred", "llamacpp:requests_processing"),
 }
 
-# Engine kinds the gateway asks for their KV pool size when `kv_tokens` is not given.
+# Engine kinds the gateway asks for their KV pool size when `kv_tokens` is not given,
+# and for the requests they run at once when `slots` is not.
 KV_REPORTED_BY: tuple[str, ...] = ("sglang", "vllm")
+SLOTS_REPORTED_BY: tuple[str, ...] = ("sglang", "llamacpp")
 
 # The APIs a turn may speak, and where each goes under an endpoint's `url` + `api_path`:
 # OpenAI Chat Completions, Anthropic Messages (Claude Code's) and OpenAI Responses
@@ -180,6 +186,11 @@ class Endpoint(BaseModel):
     api_path: str = "/v1"
     load_from: list[str] = []
     kv_tokens: Annotated[int, Field(gt=0)] | None = None
+    # How many requests the engine runs at once (each data-parallel rank's, with
+    # dp_size): SGLang's --max-running-requests, vLLM's --max-num-seqs, llama.cpp's
+    # --parallel, a hosted API's concurrency limit.  None: as the engine reports it
+    # (SGLang and llama.cpp do), else unknown.
+    slots: Annotated[int, Field(gt=0)] | None = None
     # kind = "classifier": the names of its classes in order (vLLM's /classify answers
     # probabilities as a bare list).
     labels: list[Annotated[str, Field(min_length=1)]] = []
@@ -882,7 +893,11 @@ class Config(BaseModel):
         """The replicas as the scheduler core sees them."""
         return [
             ReplicaSpec(
-                name=e.name, models=frozenset(e.models), kv_tokens=e.kv_tokens, device=e.device
+                name=e.name,
+                models=frozenset(e.models),
+                kv_tokens=e.kv_tokens,
+                device=e.device,
+                slots=e.slots,
             )
             for e in self.replicas
         ]

@@ -10,7 +10,10 @@ Rules (DESIGN.md "The scheduler"), stated once, enforced here and nowhere else:
    the engine's next step) is capped at the number the engine was running; the cap grows by
    `Policy.cap_increase` at a probe that shows no queue while luftpause fills it, twice
    that at the next such probe in a row, and so on (`Policy.cap_growth_doubles`).  An
-   engine that reports no load is never capped.
+   engine that reports no load is never capped.  A replica whose engine's slots (the
+   requests it runs at once) are known, configured or reported, takes no more turns
+   than those at once either, capped or not: the turns past them wait here in this
+   order, not in the engine's first-come queue.
 3. A generating or paused run goes only to the replica that served its last turn
    (strict affinity) unless that replica is unhealthy, and so does the retry of a
    failed turn (its run is idle, but its prefix is cached there).  Any other idle run
@@ -26,9 +29,9 @@ Rules (DESIGN.md "The scheduler"), stated once, enforced here and nowhere else:
    a tool runs does not cost the run its replica).  (A turn's usage sets its run's
    context, which sizes the run's claim and its held turns, but does not shrink it
    while another turn of the run still runs there.)
-4. Batch turns leave one slot for every interactive run paused on a tool there, and
-   stop at `Policy.batch_kv_fill` of a replica's KV pool (interactive runs may fill
-   `Policy.kv_fill`).
+4. Batch turns leave one slot (of the cap or the engine's slots) for every interactive
+   run paused on a tool there, and stop at `Policy.batch_kv_fill` of a replica's KV
+   pool (interactive runs may fill `Policy.kv_fill`).
 5. Held turns are taken interactive first, then the caller with the fewest turns in
    flight, then arrival order.  A held turn waits until placed or abandoned.  With
    `Policy.max_held_per_caller`, a caller with that many turns of a class held is
@@ -199,13 +202,26 @@ class ReplicaState(Record):
         """What "least loaded" compares: turns running here and runs coming back."""
         return self.in_flight + self.bound_runs
 
+    @property
+    def limit(self) -> int | None:
+        """The most turns luftpause has in flight here: the cap, the engine's slots,
+        whichever is lower; None: no limit."""
+        cap, slots = self.cap, self.spec.slots
+        if cap is None:
+            return slots
+        return cap if slots is None or cap < slots else slots
+
     def has_slot(self) -> bool:
-        return self.healthy and (self.cap is None or self.in_flight < self.cap)
+        if not self.healthy:
+            return False
+        limit = self.limit
+        return limit is None or self.in_flight < limit
 
     def batch_room(self, policy: Policy) -> bool:
-        if self.cap is None or not policy.reserve_for_paused_interactive:
+        limit = self.limit
+        if limit is None or not policy.reserve_for_paused_interactive:
             return True
-        return self.in_flight + self.paused_interactive < self.cap
+        return self.in_flight + self.paused_interactive < limit
 
 
 class RunState(Record):
@@ -943,6 +959,8 @@ class _Tx:
             # The engine told its pool size; a configured one wins.  Claims start with
             # each run's next change of phase.
             spec = replace(spec, kv_tokens=ev.kv_tokens)
+        if ev.slots is not None and ev.slots > 0 and spec.slots is None:
+            spec = replace(spec, slots=ev.slots)  # as the pool size: a configured one wins
         after = r._replace(
             spec=spec,
             probe_ok=ev.healthy,
@@ -1018,6 +1036,8 @@ class _Tx:
                 continue
             if spec.kv_tokens is None and r.spec.kv_tokens is not None:
                 spec = replace(spec, kv_tokens=r.spec.kv_tokens)  # as its engine reported
+            if spec.slots is None and r.spec.slots is not None:
+                spec = replace(spec, slots=r.spec.slots)
             if name in retired:  # back before it was forgotten: as a new one, its runs kept
                 r = r._replace(
                     probe_ok=False,

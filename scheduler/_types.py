@@ -55,6 +55,13 @@ class ReplicaSpec:
     # a --mem-fraction-static / --gpu-memory-utilization share of one device do).
     # None: a device of its own.  Enables rule 13 on it.
     device: str | None = None
+    # How many requests its engine runs at once, when known: configured, or reported by
+    # the engine (SGLang's effective max_running_requests in /get_server_info,
+    # llama.cpp's total_slots in /props) and set by the first probe that carries it.
+    # luftpause has no more turns in flight there (rule 2): a turn past it would wait
+    # in the engine's first-come queue, where it waits in luftpause's order instead,
+    # and batch turns leave slots for paused interactive runs (rule 4).
+    slots: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -202,8 +209,9 @@ class RunEnded:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ReplicaProbed:
     """A probe result.  `queued`/`running` None: the engine reports no load.
-    `kv_tokens`: the KV pool size the engine reported, if asked (it becomes the
-    replica's when the configuration gave none).  `repeated`: the engine did not answer
+    `kv_tokens` and `slots`: the KV pool size and the running-request limit the
+    engine reported, if asked (each becomes the replica's when the configuration gave
+    none).  `repeated`: the engine did not answer
     in time and the shell repeats its last result to keep it in rotation; it is no new
     reading of the engine's queue (the cap and the count of queued probes stay)."""
 
@@ -213,6 +221,7 @@ class ReplicaProbed:
     queued: int | None = None
     running: int | None = None
     kv_tokens: int | None = None
+    slots: int | None = None
     repeated: bool = False
 
 
@@ -222,8 +231,9 @@ class PoolChanged:
     once a probe finds them healthy), known names take their new spec, and names left out are
     retired.  A retired replica takes no turns; its turns in flight finish there and its
     runs move at their next turn; it is forgotten once nothing runs or is bound there.
-    A spec whose `kv_tokens` is None keeps the pool size the replica has (reported by
-    its engine).  A held turn whose model no replica serves any more is rejected (404)."""
+    A spec whose `kv_tokens` (or `slots`) is None keeps the pool size (or slots) the
+    replica has (reported by its engine).  A held turn whose model no replica serves
+    any more is rejected (404)."""
 
     now: float
     replicas: tuple[ReplicaSpec, ...]

@@ -1254,7 +1254,14 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
                 "page_size": params.block_tokens,
                 "enable_priority_scheduling": params.priority_scheduling,
                 "version": f"fake-{s.flavor}",
-                "internal_states": [{"load": r["load"]} for r in map(rank_load, rank_values())],
+                # One per rank, as SGLang's schedulers report theirs.
+                "internal_states": [
+                    {
+                        "load": r["load"],
+                        "effective_max_running_requests_per_dp": params.max_running_requests,
+                    }
+                    for r in map(rank_load, rank_values())
+                ],
             }
         )
 
@@ -1267,6 +1274,22 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
 
     for path in ("/server_info", "/get_server_info"):
         app.add_api_route(path, server_info, methods=["GET"])
+
+    if s.flavor == "llamacpp":
+
+        @app.get("/props")
+        async def props() -> Response:
+            # llama-server's: its slots are --parallel, and each slot gets its share of
+            # the context (-c), which default_generation_settings.n_ctx says.
+            per_slot = params.kv_pool_tokens // params.max_running_requests
+            return _json(
+                {
+                    "total_slots": params.max_running_requests,
+                    "model_path": s.models[0],
+                    "default_generation_settings": {"n_ctx": per_slot},
+                }
+            )
+
     for path in ("/model_info", "/get_model_info"):
         app.add_api_route(path, model_info, methods=["GET"])
     for path in ("/loads", "/v1/loads"):

@@ -42,7 +42,10 @@ def _pool(rng: random.Random) -> tuple[ReplicaSpec, ...]:
         models = frozenset(m for m in _MODELS if rng.random() < 0.7) or frozenset({"m0"})
         kv = rng.choice([None, 6_000, 20_000])
         device = rng.choice([None, "g0", "g0", "g1"])  # replicas sharing a GPU (rule 13)
-        specs.append(ReplicaSpec(name=f"r{i}", models=models, kv_tokens=kv, device=device))
+        slots = rng.choice([None, None, 3])  # the engine's running-request limit
+        specs.append(
+            ReplicaSpec(name=f"r{i}", models=models, kv_tokens=kv, device=device, slots=slots)
+        )
     return tuple(specs)
 
 
@@ -101,6 +104,7 @@ def _event(
             queued=queued,
             running=None if queued is None else rng.randrange(1, 5),
             kv_tokens=rng.choice([None, None, 12_000]),
+            slots=rng.choice([None, None, None, 2, 5]),
             repeated=rng.random() < 0.1,
         )
     if roll < 0.97:
@@ -139,7 +143,8 @@ def _summary(state: State) -> tuple[object, ...]:
     """The state in an order of its own (a map's or a set's order is its hashes')."""
     return (
         [
-            (n, sorted(r.spec.models), r.spec.kv_tokens, r.spec.device, r._values()[1:])
+            (n, sorted(r.spec.models), r.spec.kv_tokens, r.spec.device, r.spec.slots)
+            + tuple(r._values()[1:])
             for n, r in sorted(state.replicas.items())
         ],
         sorted(state.runs.items()),

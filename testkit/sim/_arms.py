@@ -201,6 +201,7 @@ class Luftpause(Arm):
         kv_tokens: int | None,
         policy: Policy,
         replicas_per_gpu: int = 1,
+        slots: int | None = None,
     ) -> None:
         super().__init__(n_engines, send)
         self.model = model
@@ -212,6 +213,7 @@ class Luftpause(Arm):
                 models=frozenset({model}),
                 kv_tokens=kv_tokens,
                 device=f"gpu{i // k}" if k > 1 else None,
+                slots=slots,
             )
             for i in range(n_engines)
         ]

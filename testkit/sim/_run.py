@@ -390,6 +390,8 @@ def make_arm(name: str, scenario: Scenario, send: Send) -> Arm:
             kv_tokens=scenario.engine.kv_pool_tokens,
             policy=scenario.policy,
             replicas_per_gpu=scenario.replicas_per_gpu,
+            # As the gateway learns both from SGLang's /get_server_info.
+            slots=scenario.engine.max_running_requests,
         )
     arms: dict[str, type[Arm]] = {
         "direct": Direct,

@@ -450,7 +450,7 @@ async def test_a_data_parallel_server_is_probed_once_for_its_ranks(flavor: str) 
                                             headers=rank_1)) for _ in range(2)]  # fmt: skip
         for _ in range(500):  # bounded: the engine admits at its next step
             before = len(scrapes)
-            results = await probe_pool(c, config, want_kv=frozenset({"a@0", "a@1"}))
+            results = await probe_pool(c, config, want_limits=frozenset({"a@0", "a@1"}))
             assert len(scrapes) == before + 1  # one scrape for both ranks
             if [(r.queued, r.running) for r in results] == [(0, 0), (1, 1)]:
                 break
@@ -460,6 +460,8 @@ async def test_a_data_parallel_server_is_probed_once_for_its_ranks(flavor: str) 
             ("a@1", True, 1, 1, None),
         ]
         assert [r.kv_tokens for r in results] == [56_000, 56_000]  # one rank's pool each
+        # SGLang's schedulers say each rank's running-request limit; vLLM's, nothing.
+        assert [r.slots for r in results] == ([1, 1] if flavor == "sglang" else [None, None])
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -480,18 +482,27 @@ async def test_a_data_parallel_server_is_probed_once_for_its_ranks(flavor: str) 
     assert [(r.endpoint, r.healthy) for r in down] == [("a@0", False), ("a@1", False)]
 
 
-@pytest.mark.parametrize(("flavor", "expected"), [("sglang", 56_000), ("vllm", 56_000)])
-async def test_an_engines_kv_pool_is_asked_when_wanted(flavor: str, expected: int) -> None:
-    """SGLang's /get_server_info and vLLM's cache_config_info give the pool in tokens."""
+@pytest.mark.parametrize(
+    ("flavor", "kv", "slots"),
+    [("sglang", 56_000, 48), ("vllm", 56_000, None), ("llamacpp", None, 48)],
+)
+async def test_an_engines_kv_pool_and_slots_are_asked_when_wanted(
+    flavor: str, kv: int | None, slots: int | None
+) -> None:
+    """SGLang's /get_server_info gives the pool in tokens and the requests it runs at
+    once; vLLM's cache_config_info the pool (it exports no max_num_seqs); llama.cpp's
+    /props its slots."""
     async with (
         serve(create_app(FakeEngineSettings(flavor=flavor))) as url,
         httpx.AsyncClient() as c,
     ):
         ep = _endpoint(flavor, url=url)
-        assert (await probe_endpoint(c, ep)).kv_tokens is None  # not asked
-        asked = await probe_endpoint(c, ep, want_kv=True)
-        assert asked.healthy and asked.kv_tokens == expected
-        assert asked.event(1.0).kv_tokens == expected
+        unasked = await probe_endpoint(c, ep)
+        assert (unasked.kv_tokens, unasked.slots) == (None, None)
+        asked = await probe_endpoint(c, ep, want_limits=True)
+        assert asked.healthy and (asked.kv_tokens, asked.slots) == (kv, slots)
+        event = asked.event(1.0)
+        assert (event.kv_tokens, event.slots) == (kv, slots)
 
 
 async def test_the_prober_asks_until_told_and_a_configured_pool_wins() -> None:
@@ -501,15 +512,73 @@ async def test_the_prober_asks_until_told_and_a_configured_pool_wins() -> None:
             {"endpoints": [
                 {"name": "told", "url": url, "kind": "sglang", "models": ["m"]},
                 {"name": "set", "url": url, "kind": "sglang", "models": ["m"], "kv_tokens": 9},
+                {"name": "both", "url": url, "kind": "sglang", "models": ["m"], "kv_tokens": 9,
+                 "slots": 4},
             ]}
         )  # fmt: skip
         rounds: list[list[Any]] = []
         prober = Prober(cfg, c, rounds.append, period=60)
         await prober.probe_once()
         await prober.probe_once()
-    first, second = ({r.endpoint: r.kv_tokens for r in results} for results in rounds)
-    assert first == {"told": 56_000, "set": None}  # the file's 9 is not asked about
-    assert second == {"told": None, "set": None}  # told once: not asked again
+    first, second = ({r.endpoint: (r.kv_tokens, r.slots) for r in results} for results in rounds)
+    # "set" is asked for its slots (one call tells both: the file's 9 wins in the core);
+    # "both" gives both in the file: not asked.
+    assert first == {"told": (56_000, 48), "set": (56_000, 48), "both": (None, None)}
+    assert all(told == (None, None) for told in second.values())  # told once: not again
+    assert cfg.replica_specs()[2].slots == 4
+
+
+async def test_an_engine_that_never_says_is_asked_three_times_and_told_what_to_set(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A llama-server too old for /props' total_slots (here: no /props at all).
+    engine_app = create_app(FakeEngineSettings(flavor="sglang"))
+    asked: list[str] = []
+
+    async def counted(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] == "/props":
+            asked.append(scope["path"])
+        await engine_app(scope, receive, send)
+
+    async with serve(counted) as url, httpx.AsyncClient() as c:
+        cfg = parse_config(
+            {"endpoints": [{"name": "llama", "url": url, "kind": "llamacpp", "models": ["m"]}]}
+        )
+        prober = Prober(cfg, c, lambda results: None, period=60)
+        for _ in range(4):
+            await prober.probe_once()
+    assert len(asked) == 3, "asked LIMIT_ASKS times, then not again"
+    warned = [r.getMessage() for r in caplog.records if "did not say" in r.getMessage()]
+    assert warned == ["endpoint llama did not say its slots: set slots to give them (3 asks)"]
+
+
+def test_slots_parsers_read_each_engines_limit_and_refuse_what_is_none() -> None:
+    from gateway.prober import parse_llamacpp_slots, parse_sglang_slots
+
+    def state(n: object) -> dict[str, object]:
+        return {"effective_max_running_requests_per_dp": n}
+
+    # The scheduler's effective limit, per rank, times the ranks (one rank's replica:
+    # its own); it wins over the argument, which SGLang may have lowered.
+    info = {"dp_size": 2, "max_running_requests": 999, "internal_states": [state(64)] * 2}
+    assert parse_sglang_slots(info) == 128
+    assert parse_sglang_slots(info, one_rank=True) == 64
+    # An older SGLang: the argument given, where no data parallelism splits it.
+    assert parse_sglang_slots({"max_running_requests": 32, "internal_states": [{}]}) == 32
+    assert parse_sglang_slots({"max_running_requests": 32, "dp_size": 2}) is None
+    for bad in (
+        {},
+        {"max_running_requests": None},  # SGLang's default: chosen by the scheduler
+        {"internal_states": [state(True)]},
+        {"internal_states": [state("64")], "max_running_requests": 0},
+        {"internal_states": "x"},
+        [],
+        None,
+    ):
+        assert parse_sglang_slots(bad) is None, bad
+    assert parse_llamacpp_slots({"total_slots": 4}) == 4
+    for bad in ({}, {"total_slots": 0}, {"total_slots": "4"}, None):
+        assert parse_llamacpp_slots(bad) is None
 
 
 def test_kv_pool_parsers_refuse_what_is_not_a_pool() -> None:
@@ -553,7 +622,7 @@ async def test_a_slow_server_info_does_not_make_a_healthy_engine_unhealthy() -> 
         return PlainTextResponse("{}")
 
     async with serve(sglang_stub(slow)) as url, httpx.AsyncClient() as c:
-        r = await probe_endpoint(c, _endpoint("sglang", url=url), timeout=0.3, want_kv=True)
+        r = await probe_endpoint(c, _endpoint("sglang", url=url), timeout=0.3, want_limits=True)
         release.set()
     assert (r.healthy, r.running, r.kv_tokens, r.error) == (True, 2, None, None)
 
@@ -580,7 +649,7 @@ async def test_vllm_without_metrics_asked_its_kv_pool_is_healthy_not_a_crash() -
     # FastAPI's 404 body, which the exposition parser cannot read (it raised).
     missing = httpx.Response(404, json={"detail": "Not Found"})
     async with _client({"/health": httpx.Response(200), "/metrics": missing}) as c:
-        r = await probe_endpoint(c, _endpoint("vllm"), want_kv=True)
+        r = await probe_endpoint(c, _endpoint("vllm"), want_limits=True)
     assert (r.healthy, r.queued, r.kv_tokens) == (True, None, None)
 
 

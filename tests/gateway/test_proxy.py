@@ -529,17 +529,16 @@ async def capped(
     sections: dict[str, Any] | None = None,
 ) -> AsyncIterator[tuple[httpx.AsyncClient, AdmissionShell, Recorder, list[Any], EngineClock]]:
     """A gateway before an engine that runs one request at a time, with two long turns
-    sent, so the engine reports a queue and the core holds further turns.
+    sent, so the engine reports a queue and the core holds further turns.  A vLLM
+    engine: it does not report how many requests it runs at once (an SGLang engine
+    would, and no queue would form: test_an_engine_that_reports_its_slots_...).
 
     The engine's clock stands still until the test calls `clock.go()`: the queue lasts
     as long as the test needs it, not one decode of wall time a busy machine can miss."""
     one = replace(EngineParams.reference(), max_running_requests=1)
     async with (
-        engine(time_scale=1, engine=one) as (url, counted),
-        gateway(endpoint("a", url), sections=sections) as (
-            gw,
-            shell,
-        ),
+        engine(time_scale=1, engine=one, flavor="vllm") as (url, counted),
+        gateway(endpoint("a", url, kind="vllm"), sections=sections) as (gw, shell),
     ):
         clock: EngineClock = counted.app.state.clock
         clock.stop()
@@ -561,6 +560,45 @@ async def capped(
             for t in long:
                 t.cancel()
             await asyncio.gather(*long, return_exceptions=True)
+
+
+async def test_an_engine_that_reports_its_slots_gets_no_more_turns_than_those() -> None:
+    """SGLang says in /get_server_info how many requests it runs at once: the gateway
+    learns it from the first probe and holds the turns past it, in its own order,
+    before any queue forms at the engine (from its queue alone, luftpause would have
+    sent the second turn on, to wait there first come, first served)."""
+    one = replace(EngineParams.reference(), max_running_requests=1)
+    async with (
+        engine(time_scale=1, engine=one) as (url, counted),
+        gateway(endpoint("a", url)) as (gw, shell),
+    ):
+        await until(lambda: shell.state.replicas["a"].spec.slots == 1, "the engine's slots")
+        clock: EngineClock = counted.app.state.clock
+        clock.stop()
+
+        def send(content: str, cls: str, caller: str, max_tokens: int) -> asyncio.Task[Any]:
+            headers = {"x-luftpause-class": cls, "x-luftpause-caller": caller}
+            body = chat(content, max_tokens=max_tokens)
+            return asyncio.create_task(gw.post("/v1/chat/completions", json=body, headers=headers))
+
+        try:
+            tasks = [send("long", "batch", "job", 60)]
+            await until(lambda: len(counted.chats) == 1, "the first turn at the engine")
+            tasks.append(send("batch 2", "batch", "job", 5))
+            await until(lambda: shell.state.held_count() == 1, "the second turn held")
+            tasks.append(send("interactive", "interactive", "user", 5))
+            await until(lambda: shell.state.held_count() == 2, "the third turn held")
+            status = (await gw.get("/status")).json()["replicas"][0]
+            assert (status["slots"], status["in_flight"]) == (1, 1)
+            assert len(counted.chats) == 1, "only the engine's one slot's worth reached it"
+            metrics = (await gw.get("/metrics")).text
+            assert 'luftpause_engine_slots{replica="a"} 1.0' in metrics
+        finally:
+            clock.go()
+        done = await asyncio.gather(*tasks)
+        assert [r.status_code for r in done] == [200] * 3
+        order = [body["messages"][0]["content"] for body in counted.chats]
+        assert order == ["long", "interactive", "batch 2"]
 
 
 async def test_held_turns_go_interactive_first_then_fewest_in_flight_caller() -> None:

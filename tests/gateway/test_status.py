@@ -111,8 +111,9 @@ def run_events(
 
 
 CAPPED: list[Event] = [
-    # a queue in two probes in a row caps a (Policy.cap_after_queued_probes)
-    ReplicaProbed(now=0.0, replica="a", healthy=True, queued=1, running=1),
+    # a queue in two probes in a row caps a (Policy.cap_after_queued_probes); its
+    # engine runs 8 requests at once, as it says
+    ReplicaProbed(now=0.0, replica="a", healthy=True, queued=1, running=1, slots=8),
     ReplicaProbed(now=0.0, replica="a", healthy=True, queued=1, running=1),
     ReplicaProbed(now=0.0, replica="b", healthy=False),
 ]
@@ -153,6 +154,7 @@ def test_snapshot_of_a_hand_built_state() -> None:
                 "engine_queued": 1,
                 "engine_running": 1,
                 "cap": 1,
+                "slots": 8,
                 "in_flight": 1,
                 "paused_interactive": 1,
                 "bound_runs": 2,
@@ -174,6 +176,7 @@ def test_snapshot_of_a_hand_built_state() -> None:
                 "engine_queued": None,
                 "engine_running": None,
                 "cap": None,
+                "slots": None,
                 "in_flight": 0,
                 "paused_interactive": 0,
                 "bound_runs": 0,
@@ -301,6 +304,8 @@ def test_metrics_observe_admissions_outcomes_and_affinity() -> None:
     assert sample(metrics, "luftpause_runs", phase="generating", **{"class": "interactive"}) == 1
     assert sample(metrics, "luftpause_replica_in_flight", replica="a") == 1
     assert sample(metrics, "luftpause_replica_cap", replica="a") == 1
+    assert sample(metrics, "luftpause_engine_slots", replica="a") == 8
+    assert sample(metrics, "luftpause_engine_slots", replica="b") is None  # unknown
     # A turn never reported finished times out after 10 minutes: counted as timed_out.
     assert sample(metrics, "luftpause_turns_total", outcome="timed_out") == 0
     state = run_events(state, [Tick(now=7.0 + 600)], metrics)
@@ -332,8 +337,10 @@ def value(parsed: Samples, name: str, **labels: str) -> float:
 async def test_status_page_and_metrics_with_held_turns() -> None:
     one = replace(EngineParams.reference(), max_running_requests=1)
     async with (
-        engine(time_scale=1, engine=one) as (url, counted),
-        gateway(endpoint("a", url)) as (gw, shell),
+        # vLLM: it does not report the requests it runs at once, so luftpause caps
+        # from its queue (an SGLang engine's slots would hold the second turn).
+        engine(time_scale=1, engine=one, flavor="vllm") as (url, counted),
+        gateway(endpoint("a", url, kind="vllm")) as (gw, shell),
     ):
         # The engine's clock stands still: the queue of one lasts until the test ends.
         counted.app.state.clock.stop()

@@ -44,6 +44,7 @@ url = "https://api.example.test"
 kind = "openai"
 models = ["big-model"]
 api_key_env = "HOSTED_KEY"
+slots = 8                # its plan's concurrency limit
 
 [[endpoints]]
 name = "judge"
@@ -75,7 +76,7 @@ def test_a_good_file_loads_with_defaults(tmp_path: Path) -> None:
     # The router's engines are probed for its load; turns go to the router, not to them.
     assert cfg.replica_specs() == [
         ReplicaSpec(name="router", models=frozenset({"llama-3.2-1b"})),
-        ReplicaSpec(name="hosted", models=frozenset({"big-model"})),
+        ReplicaSpec(name="hosted", models=frozenset({"big-model"}), slots=8),
     ]
 
 
@@ -236,6 +237,10 @@ def test_the_newer_apis_default_by_kind_and_the_file_decides() -> None:
             '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
             '[temporal]\nadress="x"',
             "temporal.adress: unknown field",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="vllm"\nmodels=["m"]\nslots=0',
+            "endpoints[0].slots: Input should be greater than 0",
         ),
         (
             '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
@@ -703,7 +708,7 @@ _SECTIONS = {
     "endpoints": [
         "name", "url", "kind", "models", "health_path", "api_key_env", "api_key_header",
         "api_path", "load_from", "kv_tokens", "labels", "messages", "responses", "discover",
-        "dp_size", "dp_rank",
+        "dp_size", "dp_rank", "slots",
     ],
     "mcp_servers": ["name", "url", "command", "env", "token_env", "protocol"],
     "callers": ["name", "token_env"],

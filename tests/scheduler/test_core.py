@@ -50,6 +50,7 @@ class Driver:
         policy: Policy | None = None,
         serves: dict[str, Sequence[str]] | None = None,  # per replica, instead of `models`
         devices: dict[str, str] | None = None,  # replica -> the GPU it shares (rule 13)
+        slots: dict[str, int] | None = None,  # replica -> its engine's running-request limit
     ) -> None:
         specs = [
             ReplicaSpec(
@@ -57,6 +58,7 @@ class Driver:
                 models=frozenset((serves or {}).get(r, models)),
                 kv_tokens=kv_tokens,
                 device=(devices or {}).get(r),
+                slots=(slots or {}).get(r),
             )
             for r in replicas
         ]
@@ -240,6 +242,52 @@ def test_engine_reporting_no_load_is_never_capped() -> None:
         d.arrive(f"r{i}")
         assert len(d.admitted()) == 1
     assert d.state.replicas["a"].cap is None
+
+
+def test_an_engine_with_known_slots_gets_no_more_turns_than_those() -> None:
+    # Its queue would be first come, first served: the turns past its slots wait in
+    # luftpause's order instead, interactive first, though it reports no load.
+    d = Driver(("a",), slots={"a": 2})
+    d.probe("a", queued=None, running=None)
+    b1, b2, b3 = (d.arrive(f"b{i}", cls=B, caller="job") for i in range(3))
+    assert (d.state.turns[b1].replica, d.state.turns[b2].replica) == ("a", "a")
+    assert d.held_ids() == {b3}
+    ti = d.arrive("i", cls=I, caller="user")
+    assert d.held_ids() == {b3, ti}
+    d.finish(b1)
+    assert d.admitted() == {ti: "a"}, "the freed slot goes to the interactive turn"
+    d.finish(b2)
+    assert d.admitted() == {b3: "a"}
+
+
+def test_the_lower_of_the_cap_and_the_slots_limits() -> None:
+    d = Driver(("a",), slots={"a": 3})
+    d.cap("a", 1)
+    first, second = d.arrive("r1"), d.arrive("r2")
+    assert d.held_ids() == {second} and d.state.turns[first].replica == "a"
+    d.probe("a", queued=0, running=1)  # full and no queue: the cap grows 1, then 2, ...
+    d.probe("a", queued=0, running=2)
+    d.probe("a", queued=0, running=2)
+    assert d.state.replicas["a"].cap is not None and d.state.replicas["a"].cap > 3
+    more = [d.arrive(f"r{i}") for i in range(3, 6)]
+    assert d.state.replicas["a"].in_flight == 3, "the engine's slots bound the grown cap"
+    assert d.held_ids() == set(more[1:])
+
+
+def test_reported_slots_are_taken_once_kept_by_a_pool_change_and_a_configured_one_wins() -> None:
+    d = Driver(("a",))
+    d.feed(ReplicaProbed(now=d.now, replica="a", healthy=True, slots=4))
+    assert d.state.replicas["a"].spec.slots == 4
+    d.feed(ReplicaProbed(now=d.step(), replica="a", healthy=True, slots=9))
+    assert d.state.replicas["a"].spec.slots == 4, "the first report is taken"
+    d.pool(a=["m"])
+    assert d.state.replicas["a"].spec.slots == 4, "as the engine reported"
+    configured = ReplicaSpec(name="a", models=frozenset({"m"}), slots=2)
+    d.feed(PoolChanged(now=d.step(), replicas=(configured,)))
+    assert d.state.replicas["a"].spec.slots == 2
+    e = Driver(("a",), slots={"a": 2})
+    e.feed(ReplicaProbed(now=1.0, replica="a", healthy=True, slots=8))
+    assert e.state.replicas["a"].spec.slots == 2, "a configured one wins"
 
 
 def test_cap_grows_while_the_engine_keeps_up_and_shrinks_when_it_queues() -> None:
@@ -1021,6 +1069,19 @@ def test_batch_leaves_a_slot_for_each_paused_interactive_run() -> None:
     assert d.admitted() == {ti2: "a"}
     d.finish(ti2, "stop")  # the interactive run is done: its slot goes to batch
     assert d.admitted() == {b3: "a"}
+
+
+def test_batch_leaves_a_slot_for_a_paused_interactive_run_on_an_engine_never_capped() -> None:
+    # The engine's slots are known: no queue has to form there first.
+    d = Driver(("a",), slots={"a": 2})
+    ti = d.arrive("i", cls=I, caller="user")
+    d.finish(ti, "tool_calls")
+    b1 = d.arrive("b1", cls=B, caller="job")
+    b2 = d.arrive("b2", cls=B, caller="job")
+    assert d.state.turns[b1].replica == "a" and b2 in d.held_ids()
+    assert d.state.replicas["a"].cap is None
+    ti2 = d.arrive("i", cls=I, caller="user")
+    assert d.admitted() == {ti2: "a"}
 
 
 def test_reserve_can_be_switched_off() -> None:

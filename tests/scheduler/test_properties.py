@@ -5,7 +5,8 @@ send (turns of a handful of runs, finishes, failures, abandons, probes, ticks, r
 ends) and checks after every step:
 
 - bookkeeping: every counter the core keeps equals its recount from turns and runs;
-- caps: a capped replica never has more turns in flight than its cap after an admit;
+- caps: a capped replica never has more turns in flight than its cap after an admit,
+  nor one whose engine's slots are known more than those (configured or reported);
 - affinity: a generating or paused run's turn never goes to another healthy replica;
 - classes: an interactive turn is never held while a batch turn is admitted to a
   replica it could use;
@@ -19,7 +20,7 @@ starves).
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hypothesis import example, given
@@ -57,10 +58,20 @@ JOINING = ("d", ("m0", "m1"))
 NARROWED = ("a", ("m0",))
 # Replicas a, b and d time-slice one GPU (rule 13); c has its own.
 DEVICES = {"a": "g0", "b": "g0", "c": None, "d": "g0"}
+# The joining replica's engine runs 3 requests at once, as configured, and so does a
+# narrowed by a pool change; the others' slots are unknown until a probe reports them.
+SLOTS = {"d": 3}
+NARROWED_SLOTS = 1
 
 
 def spec(name: str, models: Any, kv: int | None) -> ReplicaSpec:
-    return ReplicaSpec(name=name, models=frozenset(models), kv_tokens=kv, device=DEVICES[name])
+    return ReplicaSpec(
+        name=name,
+        models=frozenset(models),
+        kv_tokens=kv,
+        device=DEVICES[name],
+        slots=SLOTS.get(name),
+    )
 
 
 arrive = st.tuples(
@@ -87,6 +98,7 @@ probe = st.tuples(
     st.integers(0, 4),  # running
     st.sampled_from([None, None, 8000]),  # the KV pool the engine reports
     st.sampled_from([False, False, False, True]),  # a late answer's repeated last result
+    st.sampled_from([None, None, None, 2, 5]),  # the slots the engine reports
 )
 # one_of picks a branch uniformly: repeating a branch weights it, so that caps, held
 # turns and contention are common rather than rare.
@@ -155,6 +167,12 @@ class Runner:
     # queue: until the next probe, luftpause may not exceed it there.
     queue_cap: dict[str, int] = field(default_factory=dict)
     queued_probes: dict[str, int] = field(default_factory=dict)  # probes in a row with a queue
+    # The engine's slots, per replica that knows them: configured, or the first a probe
+    # reported (a configured number wins; a pool change without one keeps the reported).
+    slots: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.slots = {n: r.spec.slots for n, r in self.state.replicas.items() if r.spec.slots}
 
     def pool(self) -> list[str]:
         """The replicas in the pool now (the ones a shell probes)."""
@@ -190,13 +208,14 @@ class Runner:
                 return TurnAlive(now=self.now, turn_id=tid)
             return TurnStarted(now=self.now, turn_id=tid)
         if kind == "probe":
-            _, r, healthy, queued, running, kv, repeated = op
+            _, r, healthy, queued, running, kv, repeated, *reported = op
             pool = self.pool()
             if not pool:
                 return None
             return ReplicaProbed(
                 now=self.now, replica=pool[r % len(pool)], healthy=healthy, queued=queued,
                 running=None if queued is None else running, kv_tokens=kv, repeated=repeated,
+                slots=reported[0] if reported else None,
             )  # fmt: skip
         if kind == "tick":
             self.now += op[1]
@@ -207,6 +226,10 @@ class Runner:
             specs = tuple(
                 spec(n, ms, self.kv) for i, (n, ms) in enumerate(candidates) if members & (1 << i)
             )
+            if narrowed:  # a's slots configured now (after a probe may have reported some)
+                specs = tuple(
+                    replace(r, slots=NARROWED_SLOTS) if r.name == NARROWED[0] else r for r in specs
+                )
             return PoolChanged(now=self.now, replicas=specs)
         if kind == "policy":
             return PolicyChanged(now=self.now, policy=op[1])
@@ -226,7 +249,13 @@ class Runner:
         check_step(before, event, after, actions)
         check_bookkeeping(after)
         check_work_conserving(after)
+        probed = isinstance(event, ReplicaProbed) and event.replica not in before.retired
+        if probed and event.slots and event.replica not in self.slots:
+            self.slots[event.replica] = event.slots
         if isinstance(event, PoolChanged):
+            for r in event.replicas:
+                if r.slots is not None:
+                    self.slots[r.name] = r.slots
             # A replica that left or came back has no cap from its engine's queue.
             pool = {r.name for r in event.replicas}
             for name in list(self.queue_cap) + list(self.queued_probes):
@@ -249,7 +278,20 @@ class Runner:
             if capping and n >= after.policy.cap_after_queued_probes:
                 assert event.running is not None
                 self.queue_cap[event.replica] = max(1, event.running)
+        for name in [n for n in self.slots if n not in after.replicas]:
+            del self.slots[name]  # forgotten (rule 11): it would join anew
+        for name, r in after.replicas.items():
+            assert r.spec.slots == self.slots.get(name), (
+                f"{name}: the core counts {r.spec.slots} slots, its engine "
+                f"{self.slots.get(name)} (configured or reported)"
+            )
         for a in actions:
+            if isinstance(a, Admit) and a.replica in self.slots:
+                in_flight = after.replicas[a.replica].in_flight
+                assert in_flight <= self.slots[a.replica], (
+                    f"{a.replica}'s engine runs {self.slots[a.replica]} at once; "
+                    f"luftpause admitted up to {in_flight}"
+                )
             if isinstance(a, Admit) and a.replica in self.queue_cap:
                 in_flight = after.replicas[a.replica].in_flight
                 assert in_flight <= self.queue_cap[a.replica], (
@@ -417,11 +459,13 @@ def could_use(s: State, x: Any, name: str) -> bool:
 def admissible_alone(s: State, x: Any, name: str) -> bool:
     """Whether the rules alone would admit held turn x to the replica now."""
     r = s.replicas[name]
-    if not r.healthy or (r.cap is not None and r.in_flight >= r.cap):
+    limits = [n for n in (r.cap, r.spec.slots) if n is not None]
+    limit = min(limits) if limits else None
+    if not r.healthy or (limit is not None and r.in_flight >= limit):
         return False
-    if x.service_class is ServiceClass.BATCH and r.cap is not None:
+    if x.service_class is ServiceClass.BATCH and limit is not None:
         reserve = r.paused_interactive if s.policy.reserve_for_paused_interactive else 0
-        if r.in_flight + reserve >= r.cap:
+        if r.in_flight + reserve >= limit:
             return False
     return could_use(s, x, name)
 
