@@ -31,7 +31,9 @@ Rules (DESIGN.md "The scheduler"), stated once, enforced here and nowhere else:
    while another turn of the run still runs there.)
 4. Batch turns leave one slot (of the cap or the engine's slots) for every interactive
    run paused on a tool there, and stop at `Policy.batch_kv_fill` of a replica's KV
-   pool (interactive runs may fill `Policy.kv_fill`).
+   pool (interactive runs may fill `Policy.kv_fill`).  A paused run's slot lapses
+   with its claim on the pool, after `Policy.kv_retention_s` (a run paused that long
+   waits on a person or a long tool: batch need not stand idle for it meanwhile).
 5. Held turns are taken interactive first, then the caller with the fewest turns in
    flight, then arrival order.  A held turn waits until placed or abandoned.  With
    `Policy.max_held_per_caller`, a caller with that many turns of a class held is
@@ -580,8 +582,9 @@ def _rekeyed(
 
 
 def _retention_key(run: RunState | None) -> tuple[float, str] | None:
-    """The run's entry in the KV-retention timer (rule 6): while paused with a claim."""
-    if run is None or run.phase is not _PAUSED or not run.ws_claim:
+    """The run's entry in the retention timer (rules 4 and 6): while paused with a claim
+    on the pool or on a slot."""
+    if run is None or run.phase is not _PAUSED or not (run.ws_claim or run.counted_paused):
         return None
     return run.last_active, run.run_id
 
@@ -1159,7 +1162,7 @@ class _Tx:
         deadline = self.now - self.policy.kv_retention_s
         while self.retention and self.retention.min()[0] <= deadline:
             run = self.runs[self.retention.min()[1]]
-            self._set_run(run._replace(ws_claim=0))  # its claim lapses
+            self._set_run(run._replace(ws_claim=0, counted_paused=False))  # its claims lapse
             assert run.replica is not None
             touched.append(run.replica)
         deadline = self.now - self.policy.idle_run_expiry_s
@@ -1471,7 +1474,8 @@ class _Tx:
         """Store a run (None: delete it) and keep every counter derived from it in
         step: its replica's bound runs, KV working set and paused interactive runs,
         and its timers.  `run`'s own bound/ws_claim/counted_paused are recomputed,
-        except that a paused run whose claim lapsed (ws_claim 0) keeps none."""
+        except that a paused run whose claims lapsed (ws_claim 0, not counted_paused)
+        keeps none."""
         if run is None:
             if old is not None:
                 self._unbind(old)
@@ -1486,14 +1490,18 @@ class _Tx:
         if bound:
             assert name is not None
             lapsed = (
-                old is not None and old.phase is _PAUSED and phase is _PAUSED and not run.ws_claim
+                old is not None
+                and old.phase is _PAUSED
+                and phase is _PAUSED
+                and not run.ws_claim
+                and not run.counted_paused
             )
             kv = self.replicas[name].spec.kv_tokens
             # A paused run claims KV only where it will come back: with strict affinity.
             keeps = phase is _GENERATING or self.policy.strict_affinity
             if keeps and not lapsed and self.policy.kv_admission and kv is not None:
                 claim = run.context_tokens + run.reply_tokens
-            counted_paused = phase is _PAUSED and run.service_class is _INTERACTIVE
+            counted_paused = phase is _PAUSED and run.service_class is _INTERACTIVE and not lapsed
         if (run.bound, run.ws_claim, run.counted_paused) != (bound, claim, counted_paused):
             run = RunState(
                 run.run_id, run.service_class, run.caller, run.model, run.phase, run.replica,

@@ -94,7 +94,8 @@ class Policy:
     # queue, or a probe at which luftpause had room, starts it over.  False: the same
     # step each time.
     cap_growth_doubles: bool = True
-    # Batch turns leave a slot for every interactive run paused on a tool there.
+    # Batch turns leave a slot for every interactive run paused on a tool there (for up
+    # to kv_retention_s).
     reserve_for_paused_interactive: bool = True
     # Program-level admission: a run not yet bound to a replica is admitted there only
     # while the KV working set of the runs bound to it (context + reply) fits in
@@ -104,8 +105,9 @@ class Policy:
     # Batch runs stop at this share of the pool, leaving the rest for interactive runs
     # (rule 4 for KV); None: the same limit as interactive runs.
     batch_kv_fill: float | None = 0.7
-    # How long a paused run's claim on the pool is honoured (Continuum's KV TTL): a
-    # tool that runs longer than this no longer keeps new runs out.
+    # How long a paused run's claims on the pool and (interactive) on a slot are honoured
+    # (Continuum's KV TTL): a tool that runs longer than this no longer keeps new runs
+    # out, nor batch turns off the slot.
     kv_retention_s: float = 60.0
     # Ejection (Envoy's outlier detection; SMG's circuit breaker): a replica whose engine
     # failed this many turns in a row (`TurnFailed.engine_fault`; a finished turn resets

@@ -1084,6 +1084,46 @@ def test_batch_leaves_a_slot_for_a_paused_interactive_run_on_an_engine_never_cap
     assert d.admitted() == {ti2: "a"}
 
 
+def test_a_paused_runs_slot_lapses_with_retention_and_its_turn_still_goes_first() -> None:
+    # A tool that waits on a person (a permission prompt left open) must not keep a
+    # slot of llama.cpp's four from batch work for the run's whole expiry.
+    d = Driver(("a",), slots={"a": 2}, policy=Policy(kv_retention_s=30))
+    ti = d.arrive("i", cls=I, caller="user")
+    d.finish(ti, "tool_calls")
+    paused_at = d.now
+    b1 = d.arrive("b1", cls=B, caller="job")
+    b2 = d.arrive("b2", cls=B, caller="job")
+    assert d.state.turns[b1].replica == "a" and b2 in d.held_ids()
+    d.feed(Tick(now=paused_at + 29.9))
+    assert b2 in d.held_ids()
+    d.feed(Tick(now=paused_at + 30))
+    assert admits(d.actions) == [(b2, "a")], "its slot lapsed: batch takes it"
+    assert d.state.replicas["a"].paused_interactive == 0
+    run = d.state.runs["i"]
+    assert (run.phase, run.replica) == (RunPhase.PAUSED, "a"), "affinity is kept"
+    d.now = paused_at + 31
+    back = d.arrive("i", cls=I, caller="user")
+    b3 = d.arrive("b3", cls=B, caller="job")
+    assert {back, b3} == d.held_ids()
+    d.finish(b1)
+    assert d.admitted() == {back: "a"}, "it waits its turn, interactive first"
+
+
+def test_a_paused_runs_slot_and_kv_claim_lapse_together() -> None:
+    d = Driver(("a",), kv_tokens=10_000, slots={"a": 1}, policy=Policy(kv_retention_s=30))
+    ti = d.arrive("i", cls=I, caller="user", prompt=1000, max_tokens=100)
+    d.finish(ti, "tool_calls", prompt=1000, out=100)
+    a = d.state.replicas["a"]
+    assert (a.paused_interactive, a.ws_tokens > 0) == (1, True)
+    d.feed(Tick(now=d.now + 30))
+    a = d.state.replicas["a"]
+    assert (a.paused_interactive, a.ws_tokens) == (0, 0)
+    d.arrive("i", cls=I, caller="user", prompt=1200, max_tokens=100)  # back: claims anew
+    d.finish(d.admitted().popitem()[0], "tool_calls", prompt=1200, out=100)
+    a = d.state.replicas["a"]
+    assert (a.paused_interactive, a.ws_tokens > 0) == (1, True)
+
+
 def test_reserve_can_be_switched_off() -> None:
     d = Driver(("a",), policy=Policy(reserve_for_paused_interactive=False))
     d.cap("a", 2)

@@ -278,6 +278,12 @@ class Runner:
             if capping and n >= after.policy.cap_after_queued_probes:
                 assert event.running is not None
                 self.queue_cap[event.replica] = max(1, event.running)
+        if isinstance(event, Tick):
+            # Claims on the pool and on a slot lapse kv_retention_s after the run paused.
+            deadline = event.now - after.policy.kv_retention_s
+            for run in after.runs.values():
+                if run.phase is RunPhase.PAUSED and (run.ws_claim or run.counted_paused):
+                    assert run.last_active > deadline, f"{run.run_id} kept its claims"
         for name in [n for n in self.slots if n not in after.replicas]:
             del self.slots[name]  # forgotten (rule 11): it would join anew
         for name, r in after.replicas.items():
@@ -336,9 +342,10 @@ def check_bookkeeping(s: State) -> None:
         ) + sum(t.claim for t in away if t.service_class is ServiceClass.BATCH)
         for run in bound:
             assert run.phase is not RunPhase.IDLE
-            assert run.counted_paused == (
-                run.phase is RunPhase.PAUSED and run.service_class is ServiceClass.INTERACTIVE
-            )
+            paused = run.phase is RunPhase.PAUSED and run.service_class is ServiceClass.INTERACTIVE
+            assert paused or not run.counted_paused
+            # A paused run's slot lapses with its claim on the pool (rule 4), not apart.
+            assert run.counted_paused or not (paused and run.ws_claim)
     for t in s.admitted():
         assert t.replica in s.replicas, f"{t.turn_id} runs on a forgotten replica"
     for run in s.runs.values():
@@ -390,7 +397,7 @@ def check_bookkeeping(s: State) -> None:
     assert list(s._retention) == sorted(
         (run.last_active, run.run_id)
         for run in s.runs.values()
-        if run.phase is RunPhase.PAUSED and run.ws_claim
+        if run.phase is RunPhase.PAUSED and (run.ws_claim or run.counted_paused)
     )
 
 
