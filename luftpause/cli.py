@@ -69,6 +69,12 @@ def _sim_parser(sub: Any) -> None:
     p.add_argument("--kv-tokens", type=int, help="KV pool per engine, tokens")
     p.add_argument("--max-running", type=int, help="engine running-request limit")
     p.add_argument(
+        "--slots-unknown",
+        action="store_true",
+        help="the luftpause arm is not told the engines' running-request limit (as on "
+        "vLLM): only their queues cap it",
+    )
+    p.add_argument(
         "--policy",
         action="append",
         default=[],
@@ -176,6 +182,7 @@ def _sim(args: argparse.Namespace) -> int:
             minutes=args.minutes,
             seed=args.seed,
             engine_priority=True if args.engine_priority else None,
+            slots_known=False if args.slots_unknown else None,
             engine=engine,
             policy=_policy(args.policy),
         )

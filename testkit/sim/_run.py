@@ -57,6 +57,9 @@ class Scenario:
     # Replicas that time-share one GPU: each gets 1/k of it while k of them have work
     # (the reference bed runs two replicas on one GPU; a lone run gets all of it).
     replicas_per_gpu: int = 2
+    # The luftpause arm knows the engines' running-request limit, as the gateway learns
+    # SGLang's; False: as on vLLM (it exports none), only their queues cap it.
+    slots_known: bool = True
 
     def __post_init__(self) -> None:
         for name in ("engines", "replicas_per_gpu"):
@@ -391,7 +394,7 @@ def make_arm(name: str, scenario: Scenario, send: Send) -> Arm:
             policy=scenario.policy,
             replicas_per_gpu=scenario.replicas_per_gpu,
             # As the gateway learns both from SGLang's /get_server_info.
-            slots=scenario.engine.max_running_requests,
+            slots=scenario.engine.max_running_requests if scenario.slots_known else None,
         )
     arms: dict[str, type[Arm]] = {
         "direct": Direct,
