@@ -63,6 +63,12 @@ class ReplicaSpec:
     # and batch turns leave slots for paused interactive runs (rule 4).
     slots: int | None = None
 
+    def __post_init__(self) -> None:
+        # A pool of no tokens, or no slots, would hold every turn for ever.
+        for field, value in (("kv_tokens", self.kv_tokens), ("slots", self.slots)):
+            if value is not None and value < 1:
+                raise ValueError(f"replica {self.name!r}: {field} must be >= 1, got {value}")
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Policy:

@@ -244,6 +244,12 @@ def test_engine_reporting_no_load_is_never_capped() -> None:
     assert d.state.replicas["a"].cap is None
 
 
+def test_a_replica_of_no_slots_or_no_kv_pool_is_refused_when_made() -> None:
+    for field in ("slots", "kv_tokens"):
+        with pytest.raises(ValueError, match=f"replica 'a': {field} must be >= 1, got 0"):
+            ReplicaSpec(name="a", models=frozenset({"m"}), **{field: 0})
+
+
 def test_an_engine_with_known_slots_gets_no_more_turns_than_those() -> None:
     # Its queue would be first come, first served: the turns past its slots wait in
     # luftpause's order instead, interactive first, though it reports no load.
