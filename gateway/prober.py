@@ -229,9 +229,7 @@ def parse_sglang_slots(info: object, *, one_rank: bool = False) -> int | None:
     unknown)."""
     if not isinstance(info, dict):
         return None
-    ranks = info.get("dp_size", 1)
-    if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
-        ranks = 1
+    ranks = _count(info.get("dp_size")) or 1
     states = info.get("internal_states")
     for state in states if isinstance(states, list) else []:
         if isinstance(state, dict):
@@ -252,12 +250,10 @@ def parse_sglang_kv_tokens(info: object, *, one_rank: bool = False) -> int | Non
     with `one_rank`: a rank's replica)."""
     if not isinstance(info, dict):
         return None
-    value, ranks = info.get("max_total_num_tokens"), info.get("dp_size", 1)
-    if one_rank or not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
-        ranks = 1
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value * ranks
-    return None
+    value = _count(info.get("max_total_num_tokens"))
+    if value is None or one_rank:
+        return value
+    return value * (_count(info.get("dp_size")) or 1)
 
 
 # How to turn on the load gauges, per engine kind.
@@ -402,8 +398,7 @@ def served_ranks(kind: str, info: object, loads: Mapping[int, object]) -> int | 
     SGLang's `dp_size` in `/get_server_info`; vLLM's highest `engine` label in /metrics
     (plus one; a server that labels none says nothing)."""
     if kind == "sglang" and isinstance(info, dict):
-        n = info.get("dp_size")
-        return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else None
+        return _count(info.get("dp_size"))
     if kind == "vllm" and loads:
         return max(loads) + 1
     return None
@@ -541,20 +536,24 @@ async def probe_pool(
     return out
 
 
-def _asks_limits(e: Endpoint) -> bool:
-    """Whether its engine is asked its KV pool and slots: one of them is not configured,
-    and its kind reports it."""
-    return (e.kv_tokens is None and e.kind in KV_REPORTED_BY) or (
-        e.slots is None and e.kind in SLOTS_REPORTED_BY
+def _wanted(e: Endpoint) -> tuple[bool, bool]:
+    """Whether its engine is asked its KV pool, and its slots: not configured, and its
+    kind reports it."""
+    return (
+        e.kv_tokens is None and e.kind in KV_REPORTED_BY,
+        e.slots is None and e.kind in SLOTS_REPORTED_BY,
     )
+
+
+def _asks_limits(e: Endpoint) -> bool:
+    return any(_wanted(e))
 
 
 def _unsaid(config: Config, name: str) -> tuple[str, str, str]:
     """What an endpoint was asked and did not say, for the warning: its KV pool
     (program-level admission is off there), its slots, or both."""
     e = next((e for e in config.endpoints if e.name == name), None)
-    kv = e is None or (e.kv_tokens is None and e.kind in KV_REPORTED_BY)
-    slots = e is None or (e.slots is None and e.kind in SLOTS_REPORTED_BY)
+    kv, slots = (True, True) if e is None else _wanted(e)
     if kv and slots:
         return "KV pool or slots", "kv_tokens and slots", "them"
     if kv:

@@ -133,6 +133,18 @@ def test_parse_rank_loads_tells_the_data_parallel_ranks_apart() -> None:
     assert served_ranks("vllm", None, {}) is None
 
 
+def _counting(app: Any, path: str) -> tuple[Any, list[str]]:
+    """The app, and a list of the requests for `path` that reached it."""
+    seen: list[str] = []
+
+    async def counted(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] == path:
+            seen.append(path)
+        await app(scope, receive, send)
+
+    return counted, seen
+
+
 def _endpoint(kind: str = "sglang", url: str = "http://engine", **kw: object) -> Endpoint:
     return Endpoint.model_validate({"name": "e", "url": url, "kind": kind, "models": ["m"], **kw})
 
@@ -427,14 +439,7 @@ async def test_a_data_parallel_server_is_probed_once_for_its_ranks(flavor: str) 
     round; each rank's load and KV pool are its own."""
     one_at_a_time = replace(EngineParams.reference(), max_running_requests=1)
     settings = FakeEngineSettings(flavor=flavor, time_scale=0.05, engine=one_at_a_time, dp_size=2)
-    engine_app = create_app(settings)
-    scrapes = []
-
-    async def counted(scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] == "/metrics":
-            scrapes.append(scope["path"])
-        await engine_app(scope, receive, send)
-
+    counted, scrapes = _counting(create_app(settings), "/metrics")
     async with serve(counted) as url, httpx.AsyncClient(timeout=30) as c:
         endpoint = {"name": "a", "url": url, "kind": flavor, "models": ["m"], "dp_size": 2}
         config = parse_config({"endpoints": [endpoint]}).expanded({})
@@ -532,14 +537,7 @@ async def test_an_engine_that_never_says_is_asked_three_times_and_told_what_to_s
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     # A llama-server too old for /props' total_slots (here: no /props at all).
-    engine_app = create_app(FakeEngineSettings(flavor="sglang"))
-    asked: list[str] = []
-
-    async def counted(scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] == "/props":
-            asked.append(scope["path"])
-        await engine_app(scope, receive, send)
-
+    counted, asked = _counting(create_app(FakeEngineSettings(flavor="sglang")), "/props")
     async with serve(counted) as url, httpx.AsyncClient() as c:
         cfg = parse_config(
             {"endpoints": [{"name": "llama", "url": url, "kind": "llamacpp", "models": ["m"]}]}
