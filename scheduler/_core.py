@@ -13,7 +13,8 @@ Rules (DESIGN.md "The scheduler"), stated once, enforced here and nowhere else:
    engine that reports no load is never capped.  A replica whose engine's slots (the
    requests it runs at once) are known, configured or reported, takes no more turns
    than those at once either, capped or not: the turns past them wait here in this
-   order, not in the engine's first-come queue.
+   order, not in the engine's first-come queue.  A configured number stands; else
+   the engine's latest report does.
 3. A generating or paused run goes only to the replica that served its last turn
    (strict affinity) unless that replica is unhealthy, and so does the retry of a
    failed turn (its run is idle, but its prefix is cached there).  Any other idle run
@@ -156,7 +157,7 @@ class ReplicaState(Record):
     _FIELDS = (
         "spec", "probe_ok", "queued", "running", "cap", "in_flight", "paused_interactive",
         "bound_runs", "ws_tokens", "interactive_runs", "batch_ws", "queued_probes",
-        "failures", "ejected_until", "cap_step",
+        "failures", "ejected_until", "cap_step", "slots_given",
     )  # fmt: skip
     __slots__ = _FIELDS
 
@@ -177,6 +178,7 @@ class ReplicaState(Record):
         failures: int = 0,
         ejected_until: float | None = None,
         cap_step: int = 0,
+        slots_given: bool = False,
     ) -> None:
         self.spec: Final = spec
         self.probe_ok: Final = probe_ok  # its last probe passed
@@ -193,6 +195,9 @@ class ReplicaState(Record):
         self.failures: Final = failures  # turns its engine failed in a row
         self.ejected_until: Final = ejected_until  # out of rotation until then (rule 10)
         self.cap_step: Final = cap_step  # the cap's next growth (0: Policy.cap_increase)
+        # spec.slots is the configuration's (a probe's report does not replace it);
+        # else it is None or the engine's last report.
+        self.slots_given: Final = slots_given
 
     @property
     def healthy(self) -> bool:
@@ -414,7 +419,7 @@ class State:
         return cls(
             policy or Policy(),
             _models_of(replicas),
-            Map({r.name: ReplicaState(r) for r in replicas}),
+            Map({r.name: ReplicaState(r, slots_given=r.slots is not None) for r in replicas}),
             Map(),
             Map(),
             Map(),
@@ -962,8 +967,10 @@ class _Tx:
             # The engine told its pool size; a configured one wins.  Claims start with
             # each run's next change of phase.
             spec = replace(spec, kv_tokens=ev.kv_tokens)
-        if ev.slots is not None and ev.slots > 0 and spec.slots is None:
-            spec = replace(spec, slots=ev.slots)  # as the pool size: a configured one wins
+        if ev.slots is not None and ev.slots > 0 and not r.slots_given and ev.slots != spec.slots:
+            # The engine's latest word (asked again when what stands behind the replica
+            # changed: a router's engines); a configured number wins.
+            spec = replace(spec, slots=ev.slots)
         after = r._replace(
             spec=spec,
             probe_ok=ev.healthy,
@@ -1039,7 +1046,9 @@ class _Tx:
                 continue
             if spec.kv_tokens is None and r.spec.kv_tokens is not None:
                 spec = replace(spec, kv_tokens=r.spec.kv_tokens)  # as its engine reported
-            if spec.slots is None and r.spec.slots is not None:
+            given_slots = spec.slots is not None
+            if not given_slots and r.spec.slots is not None:
+                # As reported, or as the file gave it before: until the engine says.
                 spec = replace(spec, slots=r.spec.slots)
             if name in retired:  # back before it was forgotten: as a new one, its runs kept
                 r = r._replace(
@@ -1055,10 +1064,12 @@ class _Tx:
                 retired.discard(name)
             if not spec.models >= r.spec.models:
                 narrowed.append(name)
-            self.replicas[name] = r._replace(spec=spec)
+            self.replicas[name] = r._replace(spec=spec, slots_given=given_slots)
         for name, spec in given.items():
             if name not in self.replicas:
-                self.replicas[name] = ReplicaState(spec, probe_ok=False)
+                self.replicas[name] = ReplicaState(
+                    spec, probe_ok=False, slots_given=spec.slots is not None
+                )
         self.models = _models_of(specs)
         self.retired = frozenset(retired)
         for name in left:
@@ -1464,7 +1475,7 @@ class _Tx:
             r.spec, r.probe_ok, r.queued, r.running, r.cap, r.in_flight + in_flight,
             r.paused_interactive + paused, r.bound_runs + bound, r.ws_tokens + ws,
             r.interactive_runs + interactive, r.batch_ws + batch_ws, r.queued_probes,
-            r.failures, r.ejected_until, r.cap_step,
+            r.failures, r.ejected_until, r.cap_step, r.slots_given,
         )  # fmt: skip
 
     def _set_run(self, run: RunState) -> None:

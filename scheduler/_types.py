@@ -57,7 +57,8 @@ class ReplicaSpec:
     device: str | None = None
     # How many requests its engine runs at once, when known: configured, or reported by
     # the engine (SGLang's effective max_running_requests in /get_server_info,
-    # llama.cpp's total_slots in /props) and set by the first probe that carries it.
+    # llama.cpp's total_slots in /props; a router's, its engines' sum) and set by the
+    # probes that carry it (the latest; a configured number is never replaced).
     # luftpause has no more turns in flight there (rule 2): a turn past it would wait
     # in the engine's first-come queue, where it waits in luftpause's order instead,
     # and batch turns leave slots for paused interactive runs (rule 4).
@@ -219,9 +220,10 @@ class ReplicaProbed:
     """A probe result.  `queued`/`running` None: the engine reports no load.
     `kv_tokens` and `slots`: the KV pool size and the running-request limit the
     engine reported, if asked (each becomes the replica's when the configuration gave
-    none).  `repeated`: the engine did not answer
-    in time and the shell repeats its last result to keep it in rotation; it is no new
-    reading of the engine's queue (the cap and the count of queued probes stay)."""
+    none: the pool size the first reported, the slots the latest).  `repeated`: the
+    engine did not answer in time and the shell repeats its last result to keep it in
+    rotation; it is no new reading of the engine's queue (the cap and the count of
+    queued probes stay)."""
 
     now: float
     replica: str
@@ -240,7 +242,8 @@ class PoolChanged:
     retired.  A retired replica takes no turns; its turns in flight finish there and its
     runs move at their next turn; it is forgotten once nothing runs or is bound there.
     A spec whose `kv_tokens` (or `slots`) is None keeps the pool size (or slots) the
-    replica has (reported by its engine).  A held turn whose model no replica serves
+    replica has (reported by its engine, or given before: slots then until its engine
+    reports its own).  A held turn whose model no replica serves
     any more is rejected (404)."""
 
     now: float

@@ -280,20 +280,29 @@ def test_the_lower_of_the_cap_and_the_slots_limits() -> None:
     assert d.held_ids() == set(more[1:])
 
 
-def test_reported_slots_are_taken_once_kept_by_a_pool_change_and_a_configured_one_wins() -> None:
+def test_the_latest_reported_slots_count_and_configured_ones_stand() -> None:
     d = Driver(("a",))
-    d.feed(ReplicaProbed(now=d.now, replica="a", healthy=True, slots=4))
-    assert d.state.replicas["a"].spec.slots == 4
-    d.feed(ReplicaProbed(now=d.step(), replica="a", healthy=True, slots=9))
-    assert d.state.replicas["a"].spec.slots == 4, "the first report is taken"
-    d.pool(a=["m"])
-    assert d.state.replicas["a"].spec.slots == 4, "as the engine reported"
-    configured = ReplicaSpec(name="a", models=frozenset({"m"}), slots=2)
-    d.feed(PoolChanged(now=d.step(), replicas=(configured,)))
+    d.feed(ReplicaProbed(now=d.now, replica="a", healthy=True, slots=1))
+    _, b2 = (d.arrive(f"b{i}", cls=B, caller="job") for i in range(2))
+    assert d.held_ids() == {b2}
+    # Asked again (a router whose engines changed): the new number counts at once.
+    d.feed(ReplicaProbed(now=d.step(), replica="a", healthy=True, slots=2))
     assert d.state.replicas["a"].spec.slots == 2
+    assert d.admitted() == {b2: "a"}, "the held turn takes the slot the report added"
+    d.pool(a=["m"])
+    assert d.state.replicas["a"].spec.slots == 2, "as the engine reported"
+    configured = ReplicaSpec(name="a", models=frozenset({"m"}), slots=3)
+    d.feed(PoolChanged(now=d.step(), replicas=(configured,)))
+    assert d.state.replicas["a"].spec.slots == 3
+    d.feed(ReplicaProbed(now=d.step(), replica="a", healthy=True, slots=8))
+    assert d.state.replicas["a"].spec.slots == 3, "a configured number stands"
+    d.pool(a=["m"])  # the file no longer gives it: kept until the engine says its own
+    assert d.state.replicas["a"].spec.slots == 3
+    d.feed(ReplicaProbed(now=d.step(), replica="a", healthy=True, slots=8))
+    assert d.state.replicas["a"].spec.slots == 8
     e = Driver(("a",), slots={"a": 2})
     e.feed(ReplicaProbed(now=1.0, replica="a", healthy=True, slots=8))
-    assert e.state.replicas["a"].spec.slots == 2, "a configured one wins"
+    assert e.state.replicas["a"].spec.slots == 2, "a configured one wins from the start"
 
 
 def test_cap_grows_while_the_engine_keeps_up_and_shrinks_when_it_queues() -> None:

@@ -167,12 +167,15 @@ class Runner:
     # queue: until the next probe, luftpause may not exceed it there.
     queue_cap: dict[str, int] = field(default_factory=dict)
     queued_probes: dict[str, int] = field(default_factory=dict)  # probes in a row with a queue
-    # The engine's slots, per replica that knows them: configured, or the first a probe
-    # reported (a configured number wins; a pool change without one keeps the reported).
+    # The engine's slots, per replica that knows them: configured, or the latest a probe
+    # reported (a configured number stands; a pool change without one keeps what the
+    # replica had, which a later report replaces).
     slots: dict[str, int] = field(default_factory=dict)
+    given: set[str] = field(default_factory=set)  # replicas the pool's specs give slots
 
     def __post_init__(self) -> None:
         self.slots = {n: r.spec.slots for n, r in self.state.replicas.items() if r.spec.slots}
+        self.given = set(self.slots)
 
     def pool(self) -> list[str]:
         """The replicas in the pool now (the ones a shell probes)."""
@@ -250,12 +253,15 @@ class Runner:
         check_bookkeeping(after)
         check_work_conserving(after)
         probed = isinstance(event, ReplicaProbed) and event.replica not in before.retired
-        if probed and event.slots and event.replica not in self.slots:
+        if probed and event.slots and event.replica not in self.given:
             self.slots[event.replica] = event.slots
         if isinstance(event, PoolChanged):
             for r in event.replicas:
                 if r.slots is not None:
                     self.slots[r.name] = r.slots
+                    self.given.add(r.name)
+                else:
+                    self.given.discard(r.name)
             # A replica that left or came back has no cap from its engine's queue.
             pool = {r.name for r in event.replicas}
             for name in list(self.queue_cap) + list(self.queued_probes):
@@ -286,6 +292,7 @@ class Runner:
                     assert run.last_active > deadline, f"{run.run_id} kept its claims"
         for name in [n for n in self.slots if n not in after.replicas]:
             del self.slots[name]  # forgotten (rule 11): it would join anew
+            self.given.discard(name)
         for name, r in after.replicas.items():
             assert r.spec.slots == self.slots.get(name), (
                 f"{name}: the core counts {r.spec.slots} slots, its engine "
