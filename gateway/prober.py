@@ -18,9 +18,11 @@ configuration does not give is asked for them until it answers, at most `LIMIT_A
 times: SGLang's `/get_server_info` (`max_total_num_tokens`; its scheduler's
 `effective_max_running_requests_per_dp`), vLLM's `vllm:cache_config_info` gauge
 (`num_gpu_blocks` x `block_size`; vLLM does not export `max_num_seqs`), llama.cpp's
-`/props` (`total_slots`).  The core takes the first answer: a pool size turns on
-program-level admission there, slots bound the turns in flight there.  Not knowing
-them is no error: the replica is admitted by load alone.
+`/props` (`total_slots`).  A router's slots are the sum of its `load_from` engines'
+(each configured or reported): it runs no more at once than they do.  The core takes
+the first pool size, which turns on program-level admission there, and the latest
+slots, which bound the turns in flight there (a router is asked again when its engines
+change).  Not knowing them is no error: the replica is admitted by load alone.
 
 A server with data-parallel ranks (`dp_size`) is probed once per round for all its
 ranks' replicas: its health is theirs, each rank's load is the samples of its rank's
@@ -491,22 +493,29 @@ async def probe_pool(
     for e in config.endpoints:
         servers.setdefault(e.server, []).append(e)
 
+    # A router's slots are its engines' sum: those that report theirs are asked too.
+    by_name = {e.name: e for e in config.endpoints}
+    asked = set(want_limits)
+    for name in want_limits:
+        if (router := by_name.get(name)) is not None and router.load_from:
+            asked.update(n for n in router.load_from if _wanted(config, by_name[n])[1])
+
     async def probe(ranks: list[Endpoint]) -> list[ProbeResult]:
-        wanted = any(e.name in want_limits for e in ranks)
+        wanted = any(e.name in asked for e in ranks)
         if ranks[0].dp_rank is None:
             return [await probe_endpoint(client, ranks[0], timeout=timeout, want_limits=wanted)]
         return await probe_ranks(client, ranks, timeout=timeout, want_limits=wanted)
 
     rounds = await asyncio.gather(*(probe(ranks) for ranks in servers.values()))
-    by_name = {r.endpoint: r for results in rounds for r in results}
-    results = [by_name[e.name] for e in config.endpoints]
+    result_of = {r.endpoint: r for results in rounds for r in results}
+    results = [result_of[e.name] for e in config.endpoints]
     out = []
     for e, r in zip(config.endpoints, results, strict=True):
         if e.kind == "router" and r.healthy and e.load_from:
             # The engines it can place turns on: a router drops an unhealthy one as
             # luftpause does.  One of them whose load is unknown makes the sum
             # unknown: a part of it would cap the router at part of what it runs.
-            behind = [by_name[n] for n in e.load_from]
+            behind = [result_of[n] for n in e.load_from]
             engines = [x for x in behind if x.healthy]
             silent = [x.endpoint for x in engines if x.queued is None or x.running is None]
             late = [x.endpoint for x in behind if x.timed_out]
@@ -532,28 +541,50 @@ async def probe_pool(
                     timed_out=True,
                     error=f"no answer in time from {', '.join(late)} (load_from)",
                 )
+            if e.name in want_limits:
+                # Its slots: the sum of every engine's, once each is known (the
+                # router may place turns on each of them).
+                each = [by_name[n].slots or result_of[n].slots for n in e.load_from]
+                if None not in each:
+                    r = replace(r, slots=sum(n for n in each if n is not None))
         out.append(r)
     return out
 
 
-def _wanted(e: Endpoint) -> tuple[bool, bool]:
+def _wanted(config: Config, e: Endpoint) -> tuple[bool, bool]:
     """Whether its engine is asked its KV pool, and its slots: not configured, and its
-    kind reports it."""
+    kind reports it (a router's slots: each of its engines' is configured or reported)."""
+    if e.kind == "router":
+        if not e.load_from or config.slots_of(e) is not None:
+            return False, False
+        engines = [x for x in config.endpoints if x.name in e.load_from]
+        return False, all(x.slots is not None or x.kind in SLOTS_REPORTED_BY for x in engines)
     return (
         e.kv_tokens is None and e.kind in KV_REPORTED_BY,
         e.slots is None and e.kind in SLOTS_REPORTED_BY,
     )
 
 
-def _asks_limits(e: Endpoint) -> bool:
-    return any(_wanted(e))
+def _asks_limits(config: Config, e: Endpoint) -> bool:
+    return any(_wanted(config, e))
+
+
+def _limits_basis(config: Config, e: Endpoint) -> tuple[object, ...]:
+    """What an endpoint's KV pool and slots follow from: its own, and a router's
+    engines' (an engine added behind a router changes the router's slots)."""
+    engines = {x.name: x for x in config.endpoints}
+    behind = [(n, engines[n].kind, engines[n].slots) for n in e.load_from if n in engines]
+    return e.kv_tokens, e.slots, tuple(behind)
 
 
 def _unsaid(config: Config, name: str) -> tuple[str, str, str]:
     """What an endpoint was asked and did not say, for the warning: its KV pool
     (program-level admission is off there), its slots, or both."""
     e = next((e for e in config.endpoints if e.name == name), None)
-    kv, slots = (True, True) if e is None else _wanted(e)
+    kv, slots = (True, True) if e is None else _wanted(config, e)
+    if e is not None and e.load_from:
+        engines = ", ".join(e.load_from)
+        return f"slots (its engines' sum: {engines})", f"slots on it or on {engines}", "them"
     if kv and slots:
         return "KV pool or slots", "kv_tokens and slots", "them"
     if kv:
@@ -593,16 +624,18 @@ class Prober:
         # reports them: asked until they answer, at most LIMIT_ASKS times while healthy
         # (an engine that does not report them is not asked for ever: each ask can take
         # a probe's time).
-        self._want_limits = {e.name: 0 for e in config.replicas if _asks_limits(e)}
+        self._want_limits = {e.name: 0 for e in config.replicas if _asks_limits(config, e)}
         self._late: dict[str, int] = {}  # probes in a row that timed out, per endpoint
 
     def reconfigure(self, config: Config) -> None:
         """Probe the endpoints of a reloaded file, with its `[probes]`, from the next
-        round on.  An endpoint
-        new in it is asked its KV pool and slots (when the file gives none; one changed
-        in place keeps what it reported); the last results of endpoints gone from it
-        are dropped.  A round under way reports only endpoints still in the file."""
-        before = {e.name: e for e in self._config.endpoints}
+        round on.  An endpoint new in it is asked its KV pool and slots when the file
+        gives none, and so is one whose `kv_tokens` or `slots` the file no longer gives,
+        or a router whose engines changed (their sum is its slots); the last results of
+        endpoints gone from it are dropped.  A round under way reports only endpoints
+        still in the file."""
+        old = self._config
+        before = {e.name: _limits_basis(old, e) for e in old.endpoints}
         self._config = config
         if self._period_given is None:
             self._period = config.probes.period_s  # from the next sleep on
@@ -614,7 +647,7 @@ class Prober:
             for name in [n for n in seen if n not in names]:
                 del seen[name]
         for e in config.replicas:
-            if _asks_limits(e) and e.name not in before:
+            if _asks_limits(config, e) and before.get(e.name) != _limits_basis(config, e):
                 self._want_limits[e.name] = 0
 
     async def probe_once(self) -> list[ProbeResult]:

@@ -23,7 +23,8 @@ kv_tokens = 56000        # optional: KV pool size (SGLang and vLLM report theirs
 slots = 48               # optional: how many requests the engine runs at once (SGLang and
                          # llama.cpp report theirs; vLLM's --max-num-seqs, a hosted API's
                          # concurrency limit): no more turns go to it at once, the rest
-                         # wait in luftpause's order
+                         # wait in luftpause's order; a router's: the sum of its
+                         # load_from engines' (each configured or reported)
 labels = []              # for kind = "classifier": class names, in /classify's order
 messages = true          # serves the Anthropic Messages API (/v1/messages): default true
                          # for sglang, vllm, llamacpp and ollama, false otherwise
@@ -189,7 +190,8 @@ class Endpoint(BaseModel):
     # How many requests the engine runs at once (each data-parallel rank's, with
     # dp_size): SGLang's --max-running-requests, vLLM's --max-num-seqs, llama.cpp's
     # --parallel, a hosted API's concurrency limit.  None: as the engine reports it
-    # (SGLang and llama.cpp do), else unknown.
+    # (SGLang and llama.cpp do), else unknown; a router with load_from: the sum of its
+    # engines' (Config.slots_of).
     slots: Annotated[int, Field(gt=0)] | None = None
     # kind = "classifier": the names of its classes in order (vLLM's /classify answers
     # probabilities as a bare list).
@@ -268,9 +270,9 @@ class Endpoint(BaseModel):
             raise ValueError("api_key_header is where api_key_env's key goes: set api_key_env too")
         if self.labels and self.kind != "classifier":
             raise ValueError("labels is only for kind = 'classifier'")
-        for api in ("messages", "responses"):
-            if getattr(self, api) and self.kind == "classifier":
-                raise ValueError(f"{api} is not for kind = 'classifier' (it takes no turns)")
+        for field in ("messages", "responses", "slots", "kv_tokens"):
+            if getattr(self, field) and self.kind == "classifier":
+                raise ValueError(f"{field} is not for kind = 'classifier' (it takes no turns)")
         if self.api_path != "/v1" and self.kind != "openai":
             # Engines and routers serve /v1; one behind a path prefix takes it in url.
             raise ValueError(
@@ -889,6 +891,18 @@ class Config(BaseModel):
                     endpoints += r.ranks()
         return self.model_copy(update={"endpoints": endpoints})
 
+    def slots_of(self, e: Endpoint) -> int | None:
+        """The endpoint's slots as the file gives them: its `slots`, or for a router,
+        the sum of its `load_from` engines' when the file gives each of them (it runs no
+        more at once than they do; else the sum is asked of the engines that report)."""
+        if e.slots is not None or not e.load_from:
+            return e.slots
+        by_name = {x.name: x for x in self.endpoints}
+        given = [by_name[n].slots for n in e.load_from if n in by_name]
+        if len(given) != len(e.load_from) or None in given:
+            return None
+        return sum(n for n in given if n is not None)
+
     def replica_specs(self) -> list[ReplicaSpec]:
         """The replicas as the scheduler core sees them."""
         return [
@@ -897,7 +911,7 @@ class Config(BaseModel):
                 models=frozenset(e.models),
                 kv_tokens=e.kv_tokens,
                 device=e.device,
-                slots=e.slots,
+                slots=self.slots_of(e),
             )
             for e in self.replicas
         ]

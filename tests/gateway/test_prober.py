@@ -550,6 +550,140 @@ async def test_an_engine_that_never_says_is_asked_three_times_and_told_what_to_s
     assert warned == ["endpoint llama did not say its slots: set slots to give them (3 asks)"]
 
 
+def _engine_app(flavor: str, slots: int) -> Any:
+    params = replace(EngineParams.reference(), max_running_requests=slots)
+    return create_app(FakeEngineSettings(flavor=flavor, engine=params))  # type: ignore[arg-type]
+
+
+async def test_a_routers_slots_are_the_sum_of_its_engines_given_or_asked() -> None:
+    """A router runs no more at once than its engines: its slots are their sum, each
+    as the file gives it or as the engine says.  Only engines whose slots the file
+    lacks are asked (once), and the router is told the sum once all are known."""
+    a, asked_a = _counting(_engine_app("sglang", 3), "/get_server_info")
+    b, asked_b = _counting(_engine_app("llamacpp", 2), "/props")
+    async with (
+        serve(a) as url_a,
+        serve(b) as url_b,
+        serve(_engine_app("vllm", 64)) as url_c,
+        serve(_engine_app("sglang", 1)) as url_r,  # stands in for the router
+        httpx.AsyncClient() as c,
+    ):
+        engines = [
+            {"name": "a", "url": url_a, "kind": "sglang", "models": ["m"]},
+            {"name": "b", "url": url_b, "kind": "llamacpp", "models": ["m"]},
+            {"name": "c", "url": url_c, "kind": "vllm", "models": ["m"], "slots": 5},
+        ]
+        router = {"name": "r", "url": url_r, "kind": "router", "models": ["m"]}
+        cfg = parse_config({"endpoints": [*engines, {**router, "load_from": ["a", "b", "c"]}]})
+        assert cfg.replica_specs()[0].slots is None, "the file does not give a's and b's"
+        rounds: list[list[ProbeResult]] = []
+        prober = Prober(cfg, c, rounds.append, period=60)
+        await prober.probe_once()
+        await prober.probe_once()
+        first, second = ({r.endpoint: r.slots for r in results} for results in rounds)
+        assert first["r"] == 3 + 2 + 5
+        assert second["r"] is None and (len(asked_a), len(asked_b)) == (1, 1), "told once"
+        # A vLLM engine behind it that the file gives no slots (vLLM says none): the
+        # sum cannot be known, and nothing is asked for it.
+        silent = [*engines[:2], {**engines[2], "slots": None}]
+        unknown = parse_config({"endpoints": [*silent, {**router, "load_from": ["a", "b", "c"]}]})
+        (r,) = [
+            r for r in await Prober(unknown, c, lambda rs: None).probe_once() if r.endpoint == "r"
+        ]
+        assert r.slots is None and (len(asked_a), len(asked_b)) == (1, 1)
+        # Every engine's slots in the file: the router's are their sum from the start.
+        given = [{**e, "slots": n} for e, n in zip(engines, (4, 4, 5), strict=True)]
+        known = parse_config({"endpoints": [*given, {**router, "load_from": ["a", "b", "c"]}]})
+        assert known.replica_specs()[0].slots == 13
+        # ... unless the router's own are given.
+        own = parse_config(
+            {"endpoints": [*given, {**router, "load_from": ["a", "b", "c"], "slots": 6}]}
+        )
+        assert own.replica_specs()[0].slots == 6
+
+
+async def test_a_router_whose_engines_change_in_a_reload_is_asked_its_slots_again() -> None:
+    """An engine added behind a router (a reload) raises what the router runs at once:
+    it is asked again, and the core takes the new sum (test_core: the latest report
+    counts).  A reload that changes nothing asks nothing."""
+    a, asked_a = _counting(_engine_app("sglang", 3), "/get_server_info")
+    async with (
+        serve(a) as url_a,
+        serve(_engine_app("llamacpp", 2)) as url_b,
+        serve(_engine_app("sglang", 1)) as url_r,
+        httpx.AsyncClient() as c,
+    ):
+
+        def pool(*behind: str) -> Config:
+            return parse_config(
+                {"endpoints": [
+                    {"name": "a", "url": url_a, "kind": "sglang", "models": ["m"]},
+                    {"name": "b", "url": url_b, "kind": "llamacpp", "models": ["m"]},
+                    {"name": "r", "url": url_r, "kind": "router", "models": ["m"],
+                     "load_from": list(behind)},
+                ]}
+            )  # fmt: skip
+
+        rounds: list[list[ProbeResult]] = []
+        prober = Prober(pool("a"), c, rounds.append, period=60)
+        await prober.probe_once()
+        prober.reconfigure(pool("a"))
+        await prober.probe_once()
+        prober.reconfigure(pool("a", "b"))
+        await prober.probe_once()
+        state = State.initial(pool("a").replica_specs())
+        for results in rounds:
+            for r in results:
+                if r.endpoint == "r":
+                    state, _ = decide(state, r.event(1.0))
+    assert [next(r.slots for r in rs if r.endpoint == "r") for rs in rounds] == [3, None, 5]
+    assert len(asked_a) == 2, "asked again only with b added"
+    assert state.replicas["r"].spec.slots == 5
+
+
+async def test_slots_the_file_no_longer_gives_are_asked_of_the_engine() -> None:
+    a, asked = _counting(_engine_app("sglang", 3), "/get_server_info")
+    async with serve(a) as url, httpx.AsyncClient() as c:
+
+        def pool(**given: int) -> Config:
+            e = {"name": "a", "url": url, "kind": "sglang", "models": ["m"], "kv_tokens": 9}
+            return parse_config({"endpoints": [{**e, **given}]})
+
+        rounds: list[list[ProbeResult]] = []
+        prober = Prober(pool(slots=4), c, rounds.append, period=60)
+        await prober.probe_once()
+        prober.reconfigure(pool(slots=5))  # still the file's: nothing to ask
+        await prober.probe_once()
+        prober.reconfigure(pool())
+        await prober.probe_once()
+        await prober.probe_once()
+    assert [r.slots for (r,) in rounds] == [None, None, 3, None]
+    assert len(asked) == 1
+
+
+async def test_a_router_whose_engines_never_say_is_asked_three_times(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # b is a llama-server too old for /props' total_slots (here: no /props at all).
+    b, asked = _counting(create_app(FakeEngineSettings(flavor="sglang")), "/props")
+    async with serve(b) as url, httpx.AsyncClient() as c:
+        cfg = parse_config(
+            {"endpoints": [
+                {"name": "b", "url": url, "kind": "llamacpp", "models": ["m"]},
+                {"name": "r", "url": url, "kind": "router", "models": ["m"], "load_from": ["b"]},
+            ]}
+        )  # fmt: skip
+        prober = Prober(cfg, c, lambda results: None, period=60)
+        for _ in range(4):
+            await prober.probe_once()
+    assert len(asked) == 3
+    warned = [r.getMessage() for r in caplog.records if "did not say" in r.getMessage()]
+    assert warned == [
+        "endpoint r did not say its slots (its engines' sum: b): set slots on it or on b "
+        "to give them (3 asks)"
+    ]
+
+
 def test_slots_parsers_read_each_engines_limit_and_refuse_what_is_none() -> None:
     from gateway.prober import parse_llamacpp_slots, parse_sglang_slots
 

@@ -469,6 +469,9 @@ async def test_a_routers_engines_are_probed_for_its_load_and_not_sent_turns() ->
         ) as (client, shell),
     ):
         assert set(shell.state.replicas) == {"router"}
+        # It runs no more at once than its engines: their slots' sum (each says its own).
+        each = EngineParams.reference().max_running_requests
+        await until(lambda: shell.state.replicas["router"].spec.slots == 2 * each, "its slots")
         for _ in range(3):
             response = await client.post("/v1/chat/completions", json=chat())
             assert response.status_code == 200

@@ -234,6 +234,15 @@ def test_the_newer_apis_default_by_kind_and_the_file_decides() -> None:
             "endpoints[0]: messages is not for kind = 'classifier' (it takes no turns)",
         ),
         (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="classifier"\nmodels=["m"]\nslots=4',
+            "endpoints[0]: slots is not for kind = 'classifier' (it takes no turns)",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="classifier"\nmodels=["m"]\n'
+            "kv_tokens=4000",
+            "endpoints[0]: kv_tokens is not for kind = 'classifier' (it takes no turns)",
+        ),
+        (
             '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
             '[temporal]\nadress="x"',
             "temporal.adress: unknown field",
