@@ -141,6 +141,12 @@ END_REPORT_PATCH = "a-failed-end-report-fails-no-run"
 # riding on the next one, and totals alone at most every `REPORT_EVERY_S` in a subtree
 # under no budget (rule 1).
 REPORTS_PATCH = "reports-up-one-at-a-time"
+# `workflow.patched` id of a run that, once it is closing (`_halt`: cancelled, stopped
+# or failed), no longer makes its budget the reason from what its children report: a
+# run cancelled while its children worked ended "budget exceeded" when their last
+# totals passed the limit.  (A run without the marker reads a budget, as it did: in
+# it, a child that finished starting while it closed was sent that reason.)
+HALT_REASON_PATCH = "a-closing-run-keeps-its-reason"
 # `workflow.patched` id of a run's tools and approvals chosen by function name too (a
 # later server's tool of a name already listed is offered as `<server>__<name>`).
 TOOLS_BY_FUNCTION_PATCH = "tools-chosen-by-function-name-too"
@@ -259,6 +265,7 @@ class AgentRun:
         self._updated_at = workflow.now().isoformat()  # its state last changed
         self._last_report: tuple[str, Totals] | None = None
         self._coalesce = False  # set by run(): see REPORTS_PATCH
+        self._keep_reason = False  # set by run(): see HALT_REASON_PATCH
         self._reporting = False  # the reporter is on its way (REPORTS_PATCH)
         self._report_again = False  # the run or its subtree changed since it left
         self._flushing = False  # a report held back goes now (continue-as-new)
@@ -277,6 +284,7 @@ class AgentRun:
         self._once = workflow.patched(ONCE_PATCH)
         self._ends = workflow.patched(ENDS_PATCH)
         self._coalesce = workflow.patched(REPORTS_PATCH)
+        self._keep_reason = workflow.patched(HALT_REASON_PATCH)
         work = asyncio.create_task(self._work())
         try:
             await self._until_done(work)
@@ -714,6 +722,16 @@ class AgentRun:
             return self._seconds_over(limits.seconds)
         return None
 
+    def _check_reported(self) -> None:
+        """The budget this run holds, on a change below.  Not once the run is closing
+        (`_halt`, HALT_REASON_PATCH): what stopped it is said (a cancel, a stop, a
+        failure), and the totals its children report as they end do not make its budget
+        the reason; a closed run's status says a limit was passed in `BudgetStatus.over`
+        instead.  (While it winds down from a stop, before it closes, its own budget is
+        still checked, as before every turn.)"""
+        if self._exceeded is None and not (self._keep_reason and self._ending):
+            self._exceeded = self._over()
+
     def _children_done(self) -> bool:
         """Every child has ended, and none is still being started (counted with
         DRAIN_PATCH: a child started while this run completes, stops or continues as
@@ -845,8 +863,7 @@ class AgentRun:
             known = self._children[handle]
             subtree, final = known.subtree, known.settled and known.state in TERMINAL_STATES
         self._children[handle] = ChildSummary(handle, state, subtree, final)
-        if self._exceeded is None:
-            self._exceeded = self._over()
+        self._check_reported()
         await self._report_up()
 
     async def _maybe_continue_as_new(self) -> None:
@@ -938,8 +955,7 @@ class AgentRun:
         self._children[report.handle] = ChildSummary(
             report.handle, report.state, report.subtree, report.settled
         )
-        if self._exceeded is None:
-            self._exceeded = self._over()
+        self._check_reported()
         await self._report_up()
 
     @workflow.signal

@@ -358,6 +358,33 @@ async def test_cancelling_a_parent_cancels_running_descendants(temporal_address:
         assert [[c.state for c in st.children] for st in ended] == [["Cancelled"], ["Cancelled"]]
 
 
+async def test_a_cancelled_runs_budget_is_not_made_its_reason_by_what_ends_after(
+    temporal_address: str,
+) -> None:
+    # A run cancelled while its children still work waits for their ends; the last
+    # totals they report may take its subtree past the budget it holds.  The run was
+    # stopped by the cancel, not by its budget: `exceeded` (the reason its subtree
+    # stopped) stays None, and the limit passed is said as `over`.  The child here is
+    # a report sent by hand: when a real child's last report lands is a race.
+    async with stack(temporal_address) as s:
+        parent = await spawn_waiting(s, "p", budget=Budget(tokens=10**6))
+        kid = "run-reported-by-hand"
+        handle = s.client.get_workflow_handle(parent)
+        await handle.signal(AgentRun.report, ChildReport(kid, "Running", Totals(turns=1)))
+        await until(lambda: _when(s, parent, lambda st: bool(st.children)), "the child known")
+        await s.runs.request_cancel(parent)
+        await until(  # it waits for its running child's end (CHILDREN_END_WAIT)
+            lambda: _when(s, parent, lambda st: st.error is not None), "the parent ending"
+        )
+        spent = Totals(turns=3, prompt_tokens=2 * 10**6)
+        await handle.signal(AgentRun.report, ChildReport(kid, "Cancelled", spent))
+        (status,) = await s.runs.wait([parent], timeout=30)
+        assert (status.state, status.error) == ("Cancelled", "cancelled")
+        assert status.budget is not None and status.budget.exceeded is None
+        assert status.budget.over is not None and status.budget.over.startswith("tokens ")
+        assert status.subtree.tokens > 2 * 10**6
+
+
 async def test_the_token_budget_trips_and_cancels_the_subtree(temporal_address: str) -> None:
     # Tool calls of 0.5-1.5 s keep the child working when its first turns trip the budget.
     async with stack(temporal_address, mcp_time_scale=1) as s:
