@@ -63,7 +63,7 @@ from gateway.discovery import Found, Resolver
 from gateway.mcp_door import RUN_STORE_DOWN, DoorDeps, RunStoreDown, create_mcp_server
 from gateway.metrics import GatewayMetrics
 from gateway.pool import Pool, PoolChange, compare
-from gateway.prober import Prober, ProbeResult, auth_headers
+from gateway.prober import Prober, ProbeResult, auth_headers, slots_unknown
 from gateway.status import (
     PAGE_RUNS,
     RUNS_LIMIT,
@@ -606,7 +606,13 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         # first (what it admits next is looked up in `live`), then the prober.
         if "policy" in change.applied:  # first: the new pool is filled under it
             rt.shell.apply(PolicyChanged(now=rt.loop.time(), policy=new.policy.to_policy()))
-        rt.shell.apply(PoolChanged(now=rt.loop.time(), replicas=tuple(new.replica_specs())))
+        rt.shell.apply(
+            PoolChanged(
+                now=rt.loop.time(),
+                replicas=tuple(new.replica_specs()),
+                slots_unknown=slots_unknown(live.pool.config, new),
+            )
+        )
         live.replace(pool, lambda name: name in rt.shell.state.replicas)
         rt.prober.reconfigure(new)
         # Replicas that joined are out of rotation until probed: probe now, so that they

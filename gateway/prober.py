@@ -68,6 +68,7 @@ __all__ = [
     "probe_endpoint",
     "probe_pool",
     "served_ranks",
+    "slots_unknown",
 ]
 
 log = logging.getLogger(__name__)
@@ -577,6 +578,23 @@ def _limits_basis(config: Config, e: Endpoint) -> tuple[object, ...]:
     return e.kv_tokens, e.slots, tuple(behind)
 
 
+def slots_unknown(old: Config, new: Config) -> frozenset[str]:
+    """The replicas of `new` whose slots nothing gives or reports any more, where what
+    they follow from changed since `old` (PoolChanged.slots_unknown): a router whose
+    engines changed and whose sum cannot be known (an engine that does not say its
+    own, vLLM, without `slots`), an engine of such a kind whose `slots` the file took
+    out.  A reported number would otherwise stand for what is no longer there."""
+    before = {e.name: _limits_basis(old, e) for e in old.endpoints}
+    return frozenset(
+        e.name
+        for e in new.replicas
+        if e.name in before
+        and new.slots_of(e) is None
+        and not _wanted(new, e)[1]
+        and before[e.name] != _limits_basis(new, e)
+    )
+
+
 def _unsaid(config: Config, name: str) -> tuple[str, str, str]:
     """What an endpoint was asked and did not say, for the warning: its KV pool
     (program-level admission is off there), its slots, or both."""
@@ -660,6 +678,8 @@ class Prober:
         # Endpoints a reload removed while the round was under way are not reported.
         current = {e.name for e in self._config.endpoints}
         results = [self._forgive_late(r) for r in results if r.endpoint in current]
+        # Engines that answered this round (not down, not late and forgiven).
+        answered = {r.endpoint for r in results if r.healthy and not r.timed_out and not r.repeated}
         for r in results:
             if r.endpoint in self._want_limits and r.healthy:
                 # One answer says all the engine reports (one call per kind).
@@ -671,6 +691,8 @@ class Prober:
                         )
                     if r.slots is not None:
                         log.info("endpoint %s runs %d requests at once", r.endpoint, r.slots)
+                elif not answered.issuperset(self._behind(r.endpoint)):
+                    pass  # a router's engine could not say this round: no ask spent
                 elif (asks := self._want_limits[r.endpoint] + 1) >= LIMIT_ASKS:
                     del self._want_limits[r.endpoint]
                     log.warning(
@@ -696,6 +718,11 @@ class Prober:
         if outcome is not None:
             await outcome
         return results
+
+    def _behind(self, name: str) -> list[str]:
+        """A router's `load_from` engines (none for any other endpoint)."""
+        e = next((e for e in self._config.endpoints if e.name == name), None)
+        return e.load_from if e is not None else []
 
     def _forgive_late(self, r: ProbeResult) -> ProbeResult:
         """A healthy engine's first late answer keeps it healthy (with its last load);

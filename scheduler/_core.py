@@ -633,7 +633,7 @@ def decide(state: State, event: Event) -> tuple[State, list[Action]]:
     elif isinstance(event, RunEnded):
         tx.run_ended(event.run_id)
     elif isinstance(event, PoolChanged):
-        tx.pool_changed(event.replicas)
+        tx.pool_changed(event.replicas, event.slots_unknown)
     elif isinstance(event, PolicyChanged):
         tx.policy_changed(event.policy)
     else:  # pragma: no cover - exhaustiveness
@@ -1026,8 +1026,10 @@ class _Tx:
         message = unknown_model(t.model, self.models) + "; it left the pool while the turn was held"
         self.actions.append(Reject(turn_id=t.turn_id, status=404, message=message))
 
-    def pool_changed(self, specs: tuple[ReplicaSpec, ...]) -> None:
-        """Rule 11: the pool is now `specs`."""
+    def pool_changed(
+        self, specs: tuple[ReplicaSpec, ...], slots_unknown: frozenset[str] = frozenset()
+    ) -> None:
+        """Rule 11: the pool is now `specs` (`slots_unknown`: see PoolChanged)."""
         given = {s.name: s for s in specs}
         if len(given) != len(specs):
             raise SchedulerError(f"replica names must be unique: {[s.name for s in specs]}")
@@ -1047,7 +1049,7 @@ class _Tx:
             if spec.kv_tokens is None and r.spec.kv_tokens is not None:
                 spec = replace(spec, kv_tokens=r.spec.kv_tokens)  # as its engine reported
             given_slots = spec.slots is not None
-            if not given_slots and r.spec.slots is not None:
+            if not given_slots and r.spec.slots is not None and name not in slots_unknown:
                 # As reported, or as the file gave it before: until the engine says.
                 spec = replace(spec, slots=r.spec.slots)
             if name in retired:  # back before it was forgotten: as a new one, its runs kept

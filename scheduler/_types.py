@@ -243,11 +243,15 @@ class PoolChanged:
     runs move at their next turn; it is forgotten once nothing runs or is bound there.
     A spec whose `kv_tokens` (or `slots`) is None keeps the pool size (or slots) the
     replica has (reported by its engine, or given before: slots then until its engine
-    reports its own).  A held turn whose model no replica serves
+    reports its own), except that the replicas named in `slots_unknown` drop their
+    slots: what they stand for changed and nothing will report it (a router whose
+    engines' sum cannot be known any more, an engine that does not report its own
+    whose configured slots were taken out).  A held turn whose model no replica serves
     any more is rejected (404)."""
 
     now: float
     replicas: tuple[ReplicaSpec, ...]
+    slots_unknown: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -661,6 +661,43 @@ async def test_slots_the_file_no_longer_gives_are_asked_of_the_engine() -> None:
     assert len(asked) == 1
 
 
+async def test_a_router_whose_engine_is_down_spends_no_asks_until_it_answers(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The sum needs every engine's word: rounds in which one of them could not say
+    (down, or late) are not counted against the router's asks."""
+    up = {"b": False}
+    info = {"internal_states": [{"effective_max_running_requests_per_dp": 3}]}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        host, path = request.url.host, request.url.path
+        if host == "b" and not up["b"]:
+            return httpx.Response(503)
+        return {
+            "/metrics": httpx.Response(200, text={"a": SGLANG, "b": LLAMACPP}.get(host, "")),
+            "/get_server_info": httpx.Response(200, json=info),
+            "/props": httpx.Response(200, json={"total_slots": 2}),
+        }.get(path, httpx.Response(200))
+
+    cfg = parse_config(
+        {"endpoints": [
+            {"name": "a", "url": "http://a", "kind": "sglang", "models": ["m"]},
+            {"name": "b", "url": "http://b", "kind": "llamacpp", "models": ["m"]},
+            {"name": "r", "url": "http://r", "kind": "router", "models": ["m"],
+             "load_from": ["a", "b"]},
+        ]}
+    )  # fmt: skip
+    rounds: list[list[ProbeResult]] = []
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as c:
+        prober = Prober(cfg, c, rounds.append, period=60)
+        for _ in range(5):
+            await prober.probe_once()
+        up["b"] = True
+        await prober.probe_once()
+    assert [next(r.slots for r in rs if r.endpoint == "r") for rs in rounds] == [None] * 5 + [5]
+    assert not [r for r in caplog.records if "did not say" in r.getMessage()]
+
+
 async def test_a_router_whose_engines_never_say_is_asked_three_times(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

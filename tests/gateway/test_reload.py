@@ -341,3 +341,40 @@ async def test_a_classifier_added_by_a_reload_answers_decide(tmp_path: Path) -> 
             assert rec_c.bodies == [{"model": clf, "input": "a lovely day"}]
             assert "c" not in shell.state.replicas  # a classifier never enters the core
             assert await models(gw) == [MODEL]
+
+
+async def test_a_routers_slots_follow_its_engines_through_reloads(tmp_path: Path) -> None:
+    """The router's slots are its engines' sum: an engine added behind it by a reload
+    is asked and the sum grows; one that cannot say its own (vLLM) makes the sum
+    unknown, and the old sum is dropped rather than kept for a pool it no longer is;
+    given in the file, it counts again."""
+    from testkit.engine import EngineParams
+
+    each = EngineParams.reference().max_running_requests  # what a fake SGLang says
+    async with (
+        engine() as (url_a, _),
+        engine() as (url_b, _),
+        engine(flavor="vllm") as (url_v, _),
+        engine() as (url_r, _),  # stands in for the router
+    ):
+        a = {"name": "a", "url": url_a, "models": [MODEL]}
+        b = {"name": "b", "url": url_b, "models": [MODEL]}
+        v = {"name": "v", "url": url_v, "models": [MODEL], "kind": "vllm"}
+        r = {"name": "r", "url": url_r, "models": [MODEL], "kind": "router"}
+        path = tmp_path / "luftpause.toml"
+        path.write_text(toml(a, b, v, {**r, "load_from": '["a"]'}))
+
+        def slots() -> int | None:
+            return shell.state.replicas["r"].spec.slots
+
+        async with from_file(path) as (gw, shell):
+            await until(lambda: slots() == each, "a's slots")
+            path.write_text(toml(a, b, v, {**r, "load_from": '["a", "b"]'}))
+            assert (await gw.post("/reload")).json()["changed"] == ["r"]
+            await until(lambda: slots() == 2 * each, "a's and b's")
+            path.write_text(toml(a, b, v, {**r, "load_from": '["a", "b", "v"]'}))
+            assert (await gw.post("/reload")).status_code == 200
+            assert slots() is None, "v says none: the sum is unknown at once"
+            path.write_text(toml(a, b, {**v, "slots": 5}, {**r, "load_from": '["a", "b", "v"]'}))
+            assert (await gw.post("/reload")).status_code == 200
+            await until(lambda: slots() == 2 * each + 5, "the sum with v's from the file")

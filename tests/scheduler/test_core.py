@@ -305,6 +305,23 @@ def test_the_latest_reported_slots_count_and_configured_ones_stand() -> None:
     assert e.state.replicas["a"].spec.slots == 2, "a configured one wins from the start"
 
 
+def test_slots_nothing_will_report_any_more_are_dropped_by_a_pool_change() -> None:
+    # A router whose engines' sum can no longer be known: its old sum would bound it at
+    # what it was, not what it is.
+    d = Driver(("a",))
+    d.feed(ReplicaProbed(now=d.now, replica="a", healthy=True, slots=1))
+    b1, b2 = (d.arrive(f"b{i}", cls=B, caller="job") for i in range(2))
+    assert d.held_ids() == {b2}
+    plain = ReplicaSpec(name="a", models=frozenset({"m"}))
+    d.feed(PoolChanged(now=d.step(), replicas=(plain,), slots_unknown=frozenset({"a"})))
+    assert d.state.replicas["a"].spec.slots is None
+    assert d.admitted() == {b2: "a"}, "no bound left: the held turn goes"
+    given = ReplicaSpec(name="a", models=frozenset({"m"}), slots=4)
+    d.feed(PoolChanged(now=d.step(), replicas=(given,), slots_unknown=frozenset({"a"})))
+    assert d.state.replicas["a"].spec.slots == 4, "the file's number is known"
+    assert b1 in d.state.turns
+
+
 def test_cap_grows_while_the_engine_keeps_up_and_shrinks_when_it_queues() -> None:
     d = Driver(("a",))
     d.cap("a", 2)

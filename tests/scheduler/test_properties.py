@@ -118,9 +118,10 @@ ops = st.one_of(
     st.tuples(st.just("end"), st.integers(0, 5)),
 )
 # The pool changing (rule 11): from where in the script, which of the candidates are in
-# the pool, whether a is narrowed, and whether to wait for a moment with turns held.
+# the pool (and, bit 4, whether b's slots are unknown from then on), whether a is
+# narrowed, and whether to wait for a moment with turns held.
 pool_changes = st.lists(
-    st.tuples(st.integers(0, 120), st.integers(0, 15), st.booleans(), st.booleans()),
+    st.tuples(st.integers(0, 120), st.integers(0, 31), st.booleans(), st.booleans()),
     min_size=1,
     max_size=6,
 )
@@ -233,7 +234,8 @@ class Runner:
                 specs = tuple(
                     replace(r, slots=NARROWED_SLOTS) if r.name == NARROWED[0] else r for r in specs
                 )
-            return PoolChanged(now=self.now, replicas=specs)
+            unknown = frozenset({REPLICAS[1][0]}) if members & 16 else frozenset()
+            return PoolChanged(now=self.now, replicas=specs, slots_unknown=unknown)
         if kind == "policy":
             return PolicyChanged(now=self.now, policy=op[1])
         return RunEnded(now=self.now, run_id=f"run{op[1]}")
@@ -262,6 +264,8 @@ class Runner:
                     self.given.add(r.name)
                 else:
                     self.given.discard(r.name)
+                    if r.name in event.slots_unknown:
+                        self.slots.pop(r.name, None)  # nothing will say them now
             # A replica that left or came back has no cap from its engine's queue.
             pool = {r.name for r in event.replicas}
             for name in list(self.queue_cap) + list(self.queued_probes):
