@@ -542,12 +542,9 @@ async def probe_pool(
                     timed_out=True,
                     error=f"no answer in time from {', '.join(late)} (load_from)",
                 )
-            if e.name in want_limits:
-                # Its slots: the sum of every engine's, once each is known (the
-                # router may place turns on each of them).
-                each = [by_name[n].slots or result_of[n].slots for n in e.load_from]
-                if None not in each:
-                    r = replace(r, slots=sum(n for n in each if n is not None))
+            if e.name in want_limits:  # its slots: the sum, once each engine's is known
+                said = {n: result_of[n].slots for n in e.load_from}
+                r = replace(r, slots=config.slots_of(e, said))
         out.append(r)
     return out
 

@@ -891,17 +891,15 @@ class Config(BaseModel):
                     endpoints += r.ranks()
         return self.model_copy(update={"endpoints": endpoints})
 
-    def slots_of(self, e: Endpoint) -> int | None:
-        """The endpoint's slots as the file gives them: its `slots`, or for a router,
-        the sum of its `load_from` engines' when the file gives each of them (it runs no
-        more at once than they do; else the sum is asked of the engines that report)."""
+    def slots_of(self, e: Endpoint, reported: Mapping[str, int | None] | None = None) -> int | None:
+        """The endpoint's slots: its `slots`, or for a router, the sum of its
+        `load_from` engines' (it runs no more at once than they do) when each is known,
+        given by the file or in `reported` (what the engines said; the prober asks)."""
         if e.slots is not None or not e.load_from:
             return e.slots
         by_name = {x.name: x for x in self.endpoints}
-        given = [by_name[n].slots for n in e.load_from if n in by_name]
-        if len(given) != len(e.load_from) or None in given:
-            return None
-        return sum(n for n in given if n is not None)
+        each = [by_name[n].slots or (reported or {}).get(n) for n in e.load_from]
+        return None if None in each else sum(n or 0 for n in each)
 
     def replica_specs(self) -> list[ReplicaSpec]:
         """The replicas as the scheduler core sees them."""

@@ -533,26 +533,43 @@ async def test_the_prober_asks_until_told_and_a_configured_pool_wins() -> None:
     assert cfg.replica_specs()[2].slots == 4
 
 
+@pytest.mark.parametrize(
+    ("router", "warning"),
+    [
+        (False, "endpoint llama did not say its slots: set slots to give them (3 asks)"),
+        (
+            True,
+            "endpoint r did not say its slots (its engines' sum: llama): set slots on it or "
+            "on llama to give them (3 asks)",
+        ),
+    ],
+)
 async def test_an_engine_that_never_says_is_asked_three_times_and_told_what_to_set(
-    caplog: pytest.LogCaptureFixture,
+    router: bool, warning: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # A llama-server too old for /props' total_slots (here: no /props at all).
+    # A llama-server too old for /props' total_slots (here: no /props at all), alone
+    # or behind a router, whose sum it leaves unknown.
     counted, asked = _counting(create_app(FakeEngineSettings(flavor="sglang")), "/props")
     async with serve(counted) as url, httpx.AsyncClient() as c:
-        cfg = parse_config(
-            {"endpoints": [{"name": "llama", "url": url, "kind": "llamacpp", "models": ["m"]}]}
-        )
+        llama = {"name": "llama", "url": url, "kind": "llamacpp", "models": ["m"]}
+        r = {"name": "r", "url": url, "kind": "router", "models": ["m"], "load_from": ["llama"]}
+        cfg = parse_config({"endpoints": [llama, r] if router else [llama]})
         prober = Prober(cfg, c, lambda results: None, period=60)
         for _ in range(4):
             await prober.probe_once()
     assert len(asked) == 3, "asked LIMIT_ASKS times, then not again"
     warned = [r.getMessage() for r in caplog.records if "did not say" in r.getMessage()]
-    assert warned == ["endpoint llama did not say its slots: set slots to give them (3 asks)"]
+    assert warned == [warning]
 
 
 def _engine_app(flavor: str, slots: int) -> Any:
     params = replace(EngineParams.reference(), max_running_requests=slots)
     return create_app(FakeEngineSettings(flavor=flavor, engine=params))  # type: ignore[arg-type]
+
+
+def _slots_of(name: str, rounds: list[list[ProbeResult]]) -> list[int | None]:
+    """The slots each round's result for `name` carried."""
+    return [next(r.slots for r in results if r.endpoint == name) for results in rounds]
 
 
 async def test_a_routers_slots_are_the_sum_of_its_engines_given_or_asked() -> None:
@@ -636,7 +653,7 @@ async def test_a_router_whose_engines_change_in_a_reload_is_asked_its_slots_agai
             for r in results:
                 if r.endpoint == "r":
                     state, _ = decide(state, r.event(1.0))
-    assert [next(r.slots for r in rs if r.endpoint == "r") for rs in rounds] == [3, None, 5]
+    assert _slots_of("r", rounds) == [3, None, 5]
     assert len(asked_a) == 2, "asked again only with b added"
     assert state.replicas["r"].spec.slots == 5
 
@@ -694,31 +711,8 @@ async def test_a_router_whose_engine_is_down_spends_no_asks_until_it_answers(
             await prober.probe_once()
         up["b"] = True
         await prober.probe_once()
-    assert [next(r.slots for r in rs if r.endpoint == "r") for rs in rounds] == [None] * 5 + [5]
+    assert _slots_of("r", rounds) == [None] * 5 + [5]
     assert not [r for r in caplog.records if "did not say" in r.getMessage()]
-
-
-async def test_a_router_whose_engines_never_say_is_asked_three_times(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    # b is a llama-server too old for /props' total_slots (here: no /props at all).
-    b, asked = _counting(create_app(FakeEngineSettings(flavor="sglang")), "/props")
-    async with serve(b) as url, httpx.AsyncClient() as c:
-        cfg = parse_config(
-            {"endpoints": [
-                {"name": "b", "url": url, "kind": "llamacpp", "models": ["m"]},
-                {"name": "r", "url": url, "kind": "router", "models": ["m"], "load_from": ["b"]},
-            ]}
-        )  # fmt: skip
-        prober = Prober(cfg, c, lambda results: None, period=60)
-        for _ in range(4):
-            await prober.probe_once()
-    assert len(asked) == 3
-    warned = [r.getMessage() for r in caplog.records if "did not say" in r.getMessage()]
-    assert warned == [
-        "endpoint r did not say its slots (its engines' sum: b): set slots on it or on b "
-        "to give them (3 asks)"
-    ]
 
 
 def test_slots_parsers_read_each_engines_limit_and_refuse_what_is_none() -> None:
