@@ -47,6 +47,7 @@ import httpx
 
 from luftpause._process import spawn, terminate
 from luftpause.temporal_dev import free_port
+from testkit.bench_agents import llama_server_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "smol"
@@ -95,15 +96,10 @@ def _bed(args: argparse.Namespace, logs: Path) -> Iterator[tuple[_Procs, list[st
         for i, slots in enumerate(args.slots):
             port = free_port()
             url = f"http://127.0.0.1:{port}"
-            procs.start(
-                f"engine{i}",
-                [
-                    args.llama_server, "-m", args.model, "--alias", MODEL, "--host", "127.0.0.1",
-                    "--port", str(port), "--parallel", str(slots),
-                    "-c", str(slots * args.context_per_slot), "-t", "1", "--metrics",
-                ],
-                url + "/health",
-            )  # fmt: skip
+            argv = llama_server_argv(
+                args.llama_server, args.model, MODEL, port, slots, args.context_per_slot, 1
+            )
+            procs.start(f"engine{i}", argv, url + "/health")
             engines.append(url)
         router = None
         if args.router == "sglang":

@@ -24,6 +24,13 @@ share) where the simulator gives a lone busy replica all of it, and the fake eng
 answers a tool call in 20 tokens and a text in 40..256 where every simulated turn
 decodes 256.  The harness, the proxies and the engines share this machine's CPUs:
 compare arms with each other, in the same run.
+
+Real engines instead of fake ones: `--llama-server PATH --llama-model GGUF` starts one
+llama.cpp server per engine (`--slots`: each one's `--parallel`, `--engine-threads`
+threads each), endpoints of kind `llamacpp` for luftpause, which reads their slots from
+`/props` (the arm starts its load once the gateway knows them).  A small model on a
+CPU calls no tools, so the agents play their tool calls themselves (`scripted_tools` in
+testkit/load.py: the same calls, lengths and pauses in every arm).  Only in real time.
 """
 
 from __future__ import annotations
@@ -47,7 +54,7 @@ from typing import Any
 
 from luftpause._process import cpu_seconds
 
-__all__ = ["ARMS", "add_arguments", "run"]
+__all__ = ["ARMS", "add_arguments", "llama_server_argv", "run"]
 
 ARMS = ("luftpause", "cache_aware", "round_robin", "smg_priority")
 DEFAULT_ARMS = ("luftpause", "cache_aware", "round_robin", "smg_priority")
@@ -137,8 +144,7 @@ def _smg_workers(proxy: str, workers: list[str]) -> None:
     from luftpause.up import wait_http
 
     for url in workers:
-        with urllib.request.urlopen(f"{url}/server_info", timeout=5) as r:
-            limit = int(json.load(r)["max_running_requests"])
+        limit = _running_limit(url)
         body = {"url": url, "labels": {"max_running_requests": str(limit)}}
         req = urllib.request.Request(
             f"{proxy}/workers",
@@ -150,6 +156,20 @@ def _smg_workers(proxy: str, workers: list[str]) -> None:
             if r.status >= 300:
                 raise RuntimeError(f"smg did not take worker {url}: {r.status}")
     wait_http(f"{proxy}/readiness", "smg with its workers", None, timeout=READY_TIMEOUT_S)
+
+
+def _running_limit(url: str) -> int:
+    """The requests engine `url` runs at once: SGLang's `/server_info`, else
+    llama.cpp's `/props`."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{url}/server_info", timeout=5) as r:
+            return int(json.load(r)["max_running_requests"])
+    except urllib.error.HTTPError:
+        with urllib.request.urlopen(f"{url}/props", timeout=5) as r:
+            return int(json.load(r)["total_slots"])
 
 
 def add_arguments(parser: argparse.ArgumentParser, scenario: str) -> None:
@@ -192,6 +212,16 @@ def add_arguments(parser: argparse.ArgumentParser, scenario: str) -> None:
         help="the luftpause arm's [policy] key, e.g. batch_kv_fill=off (repeatable); "
         "the reference runs keep the default policy",
     )
+    real = parser.add_argument_group("real engines (llama.cpp) instead of fake ones")
+    real.add_argument("--llama-server", metavar="PATH", help="the llama-server binary")
+    real.add_argument("--llama-model", metavar="GGUF", help="the model file it serves")
+    real.add_argument(
+        "--slots",
+        default="4",
+        help="each engine's --parallel, comma-separated, or one for all (default 4)",
+    )
+    real.add_argument("--context-per-slot", type=int, default=4096, help="tokens (4096)")
+    real.add_argument("--engine-threads", type=int, default=1, help="threads each (1)")
     a("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -218,6 +248,7 @@ class _Bed:
     url: str
     proxy: Any  # luftpause.up.Child
     engines: list[Any]
+    slots: dict[str, int] | None = None  # what the gateway learnt of real engines' slots
 
     def check_alive(self) -> None:
         """Raise, naming the process and how it ended, if a part of the bed is gone."""
@@ -269,15 +300,77 @@ def _held_seconds(url: str) -> dict[str, Any]:
     return out
 
 
+def _slots(args: argparse.Namespace) -> list[int]:
+    """`--slots` for each of the `--engines` llama-servers; ValueError when it does
+    not fit."""
+    slots = [int(x) for x in str(args.slots).split(",")]
+    if len(slots) == 1:
+        slots *= args.engines
+    if len(slots) != args.engines or min(slots) < 1:
+        raise ValueError(f"--slots wants one count >= 1, or one per engine ({args.engines})")
+    return slots
+
+
+def _served_model(args: argparse.Namespace) -> str:
+    """The model name the engines serve and the agents ask for."""
+    return Path(args.llama_model).stem if args.llama_server else "llama-3.2-1b"
+
+
+def _engine_argv(args: argparse.Namespace, i: int, port: int) -> tuple[list[str], str]:
+    """Engine `i`'s command line on `port`, and the endpoint kind luftpause knows it by."""
+    if not args.llama_server:
+        exe = str(Path(sys.executable).parent / "luftpause")
+        argv = [exe, "fake-engine", "--port", str(port), "--seed", str(args.seed),
+                "--max-tool-calls", str(args.max_tool_calls),
+                "--time-scale", str(args.time_scale)]  # fmt: skip
+        return argv, "sglang"
+    argv = llama_server_argv(
+        args.llama_server, args.llama_model, _served_model(args), port, _slots(args)[i],
+        args.context_per_slot, args.engine_threads,
+    )  # fmt: skip
+    return argv, "llamacpp"
+
+
+def llama_server_argv(
+    exe: str, model: str, alias: str, port: int, slots: int, context_per_slot: int, threads: int
+) -> list[str]:
+    """A llama.cpp server on loopback `port` serving `model` as `alias`, with `slots`
+    requests at once (`--parallel`; its context is split evenly between them), and the
+    metrics luftpause probes."""
+    return [exe, "-m", model, "--alias", alias, "--host", "127.0.0.1", "--port", str(port),
+            "--parallel", str(slots), "-c", str(slots * context_per_slot),
+            "-t", str(threads), "--metrics"]  # fmt: skip
+
+
+def _wait_slots(url: str, expected: dict[str, int], timeout: float = 30.0) -> dict[str, int]:
+    """Wait until the gateway at `url` knows each replica's slots (it asks llama.cpp's
+    `/props` at its probes); else the arm would not measure what it says."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while True:
+        with urllib.request.urlopen(f"{url}/status", timeout=5) as r:
+            known = {x["name"]: x["slots"] for x in json.load(r)["replicas"]}
+        if known == expected:
+            return known
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the gateway's slots are {known}, not the engines' {expected}")
+        time.sleep(0.2)
+
+
 @contextlib.contextmanager
 def _arm_bed(
-    args: argparse.Namespace, router: _Router, log_dir: Path, policy: list[str]
+    args: argparse.Namespace,
+    router: _Router,
+    log_dir: Path,
+    policy: list[str],
+    luftpause: bool = False,
 ) -> Iterator[_Bed]:
-    """Fresh fake engines and the arm's proxy; yields them; stops them all."""
+    """Fresh engines and the arm's proxy (`luftpause`: the gateway); yields them;
+    stops them all."""
     from luftpause.temporal_dev import free_port
     from luftpause.up import Child, wait_http
 
-    exe = str(Path(sys.executable).parent / "luftpause")
     children: list[Child] = []
 
     def start(name: str, argv: list[str], env: dict[str, str] | None = None) -> Child:
@@ -290,29 +383,17 @@ def _arm_bed(
         workers = []
         for i in range(args.engines):
             port = free_port()
-            c = start(
-                f"engine{i}",
-                [
-                    exe,
-                    "fake-engine",
-                    "--port",
-                    str(port),
-                    "--seed",
-                    str(args.seed),
-                    "--max-tool-calls",
-                    str(args.max_tool_calls),
-                    "--time-scale",
-                    str(args.time_scale),
-                ],
-            )
+            argv, kind = _engine_argv(args, i, port)
+            c = start(f"engine{i}", argv)
             url = f"http://127.0.0.1:{port}"
-            wait_http(f"{url}/health", f"fake engine {i}", c)
+            # llama-server answers 503 while it loads the model
+            wait_http(f"{url}/health", f"engine {i}", c, timeout=READY_TIMEOUT_S)
             workers.append(url)
         config = log_dir / "luftpause.toml"
         config.write_text(
             "".join(
-                f'[[endpoints]]\nname = "e{i}"\nurl = "{u}"\nkind = "sglang"\n'
-                f'models = ["llama-3.2-1b"]\n\n'
+                f'[[endpoints]]\nname = "e{i}"\nurl = "{u}"\nkind = "{kind}"\n'
+                f'models = ["{_served_model(args)}"]\n\n'
                 for i, u in enumerate(workers)
             )
             + _policy_toml(policy),
@@ -327,7 +408,10 @@ def _arm_bed(
             router.setup(proxy, workers)
         if not c.alive():  # what answered on its port was something else
             raise RuntimeError(f"the proxy exited during startup; see {c.log}")
-        yield _Bed(proxy, c, children[: args.engines])
+        slots = None
+        if luftpause and args.llama_server:
+            slots = _wait_slots(proxy, {f"e{i}": n for i, n in enumerate(_slots(args))})
+        yield _Bed(proxy, c, children[: args.engines], slots)
     finally:
         for c in reversed(children):
             c.stop()
@@ -423,7 +507,13 @@ def _measure(args: argparse.Namespace, progress: Callable[[str], None]) -> dict[
     from testkit.load import load_from_args, run_load
     from testkit.sim import ratio
 
-    base = load_from_args(args, time_scale=args.time_scale)
+    base = load_from_args(
+        args,
+        time_scale=args.time_scale,
+        max_tool_calls=args.max_tool_calls,
+        scripted_tools=bool(args.llama_server),
+        model=_served_model(args),
+    )
     routers = _routers(Path(sys.executable).parent)
     names = _names(args.arms)
     # --policy is the measured arm's; the references stay the default policy's, as in
@@ -448,7 +538,7 @@ def _measure(args: argparse.Namespace, progress: Callable[[str], None]) -> dict[
         progress(f"arm {arm.name} ({arm.router}): {arm.load.minutes:g} virtual min")
         t0 = time.monotonic()
         try:
-            with _arm_bed(args, router, log_dir, arm.policy) as bed:
+            with _arm_bed(args, router, log_dir, arm.policy, arm.router == "luftpause") as bed:
                 load = run_load(arm.load, bed.url, ends_runs=router.ends_runs, progress=progress)
                 before, harness = bed.cpu(), time.process_time()
                 r = asyncio.run(load)
@@ -467,6 +557,8 @@ def _measure(args: argparse.Namespace, progress: Callable[[str], None]) -> dict[
         row["cpu_s"] = {k: _spent(before[k], after[k]) for k in after} | {"load": round(harness, 1)}
         if held is not None:
             row["held"] = held
+        if bed.slots is not None:
+            row["slots"] = bed.slots
         if row["errors"]:
             row["logs"] = str(log_dir)
         results[arm.name] = row
@@ -490,6 +582,19 @@ def _measure(args: argparse.Namespace, progress: Callable[[str], None]) -> dict[
         "note": "real routers and real HTTP on loopback; the engines are simulated in real "
         "time (half a GPU each, no GPU here); compare arms within one run",
     }
+    if args.llama_server:
+        out["llama_server"] = {
+            "model": Path(args.llama_model).name,
+            "slots": _slots(args),
+            "threads_each": args.engine_threads,
+            "context_per_slot": args.context_per_slot,
+            "version": _llama_version(args.llama_server),
+        }
+        out["note"] = (
+            "real routers and real HTTP on loopback; the engines are llama.cpp servers on "
+            "this machine's CPUs, which the harness and the proxies share; the agents play "
+            "their tool calls (the model calls none); compare arms within one run"
+        )
     if args.time_scale != 1:
         out["note"] += (
             f"; at time scale {args.time_scale:g} the proxies' own clocks (probe periods, "
@@ -515,11 +620,29 @@ def _measure(args: argparse.Namespace, progress: Callable[[str], None]) -> dict[
     return out
 
 
+def _llama_version(exe: str) -> str:
+    """What `llama-server --version` says of itself (its first line), or why not."""
+    import subprocess
+
+    try:
+        out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30)
+    except OSError as exc:
+        return f"unknown ({exc})"
+    lines = [ln for ln in (out.stdout + out.stderr).splitlines() if ln.startswith("version")]
+    return lines[0] if lines else "unknown"
+
+
 def _table(r: dict[str, Any]) -> str:
     load = r["load"]
+    llama = r.get("llama_server")
+    engines = (
+        f"{r['engines']} llama-servers (slots {llama['slots']}, {llama['model']})"
+        if llama
+        else f"{r['engines']} engines"
+    )
     lines = [
         f"luftpause bench {r['scenario']}: {load['batch']} batch + {load['interactive']} "
-        f"interactive agents, {r['engines']} engines, {load['context_chars']}-char contexts, "
+        f"interactive agents, {engines}, {load['context_chars']}-char contexts, "
         f"{load['minutes']:g} virtual min per arm (time scale {load['time_scale']:g})",
         f"{'arm':<30} {'int/min':>8} {'int p50 s':>10} {'int p90 s':>10} {'batch/min':>10} "
         f"{'cached':>7} {'P':>6} {'W':>6} {'errors':>7} {'CPU s: proxy':>12} {'engines':>8}",
@@ -545,6 +668,24 @@ def _table(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _llama_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the real-engine flags, or None."""
+    if not args.llama_model:
+        return "--llama-server needs --llama-model GGUF"
+    for flag, path in (("--llama-server", args.llama_server), ("--llama-model", args.llama_model)):
+        if not Path(path).is_file():
+            return f"{flag} {path}: no such file"
+    if args.time_scale != 1:
+        return "a real engine runs only in real time: --time-scale must be 1"
+    if args.context_per_slot < 256 or args.engine_threads < 1:
+        return "--context-per-slot must be >= 256 and --engine-threads >= 1"
+    try:
+        _slots(args)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     unknown = [a for a in _names(args.arms) + _names(args.reference_arms) if a not in ARMS]
     if unknown or not _names(args.arms):
@@ -557,6 +698,11 @@ def run(args: argparse.Namespace) -> int:
     if args.batch < 0 or args.interactive < 0 or args.batch + args.interactive == 0:
         print("luftpause bench: needs at least one agent", file=sys.stderr)
         return 2
+    if args.llama_server:
+        problem = _llama_problem(args)
+        if problem:
+            print(f"luftpause bench: {problem}", file=sys.stderr)
+            return 2
     bad_policy = [p for p in args.policy if "=" not in p or not p.split("=", 1)[0].strip()]
     if bad_policy:
         print(f"luftpause bench: --policy wants NAME=VALUE, got {bad_policy[0]!r}", file=sys.stderr)

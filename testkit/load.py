@@ -15,6 +15,14 @@ luftpause's run, class and caller, and SMG's `x-smg-priority` (interactive / bul
 Requests are not streamed: one answer per turn keeps the client's own CPU out of the
 measurement.
 
+`scripted_tools`, for a real model that calls no tools (a small one on a CPU): the agent
+plays the tool calls itself.  A run makes k = 0..`max_tool_calls` calls, drawn from its
+id (so every arm sees the same k); each turn before the last asks for exactly
+`tool_call_tokens` tokens (the fake engine's tool call is 20) and the last for
+`reply_tokens` (`ignore_eos`, temperature 0), and each call's result is appended as a
+user message.  The engine sees what a tool loop gives it: a conversation that grows by
+the reply and the result, turn after turn, with pauses between.
+
 Time: `time_scale` virtual seconds pass per wall second (the fake engines run that much
 faster; tool waits and the window shrink by it); every figure is in virtual time.  Only
 at time scale 1 do the figures compare proxies: their own clocks (probe periods, queue
@@ -84,6 +92,9 @@ class Load:
     seed: int = 1
     model: str = "llama-3.2-1b"
     time_scale: float = 1.0
+    scripted_tools: bool = False
+    max_tool_calls: int = 3  # scripted_tools: 0..N calls a run
+    tool_call_tokens: int = 20  # scripted_tools: the length of a turn that calls a tool
 
 
 def load_from_args(args: Any, **more: Any) -> Load:
@@ -236,16 +247,20 @@ async def _agent(ctx: _Ctx, cls: ServiceClass, index: int) -> None:
         messages: list[dict[str, Any]] = [
             {"role": "user", "content": task_text(run_id, load.context_chars)}
         ]
+        # scripted_tools: the calls this run makes (its own draw: the same in every arm)
+        calls_left = random.Random(f"{load.seed}/{run_id}").randrange(load.max_tool_calls + 1)
         started = ctx.now()
         ctx.running[run_id] = (cls, started)
         turns = errors = 0
         while True:
-            body = {
-                "model": load.model,
-                "messages": messages,
-                "tools": [LOOKUP_TOOL],
-                "max_tokens": load.reply_tokens,
-            }
+            body: dict[str, Any] = {"model": load.model, "messages": messages}
+            if load.scripted_tools:
+                body["max_tokens"] = load.tool_call_tokens if calls_left else load.reply_tokens
+                body["ignore_eos"] = True
+                body["temperature"] = 0
+            else:
+                body["tools"] = [LOOKUP_TOOL]
+                body["max_tokens"] = load.reply_tokens
             try:
                 r = await ctx.http.post(
                     f"{ctx.url}/v1/chat/completions",
@@ -275,6 +290,15 @@ async def _agent(ctx: _Ctx, cls: ServiceClass, index: int) -> None:
             ctx.result.prompt_tokens += int(usage.get("prompt_tokens") or 0)
             details = usage.get("prompt_tokens_details") or {}
             ctx.result.cached_tokens += int(details.get("cached_tokens") or 0)
+            if load.scripted_tools:
+                messages.append({"role": "assistant", "content": message.get("content") or ""})
+                if not calls_left:
+                    break
+                calls_left -= 1
+                await asyncio.sleep(load.tool_s * rng.uniform(0.5, 1.5) / load.time_scale)
+                result = task_text(f"{run_id}-call{turns}", load.tool_result_chars)
+                messages.append({"role": "user", "content": f"Result of lookup: {result}"})
+                continue
             messages.append(
                 {k: v for k, v in message.items() if k in ("role", "content", "tool_calls")}
             )

@@ -4,6 +4,7 @@ priority scheduler and the engines registered), real HTTP."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import signal
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 
 from luftpause.up import Child
 from testkit._fake_text import directives, key
@@ -228,3 +229,135 @@ def test_a_failed_metrics_scrape_is_reported_not_the_arm_lost() -> None:
 
     held = _held_seconds(f"http://127.0.0.1:{free_port()}")  # nothing listens there
     assert set(held) == {"error"} and held["error"].startswith("/metrics: ")
+
+
+async def test_scripted_agents_play_their_tool_calls_on_a_model_that_calls_none() -> None:
+    """For a real model that calls no tools: a run makes its own drawn number of calls
+    (the same in every arm), asks for exact lengths, and grows its conversation by each
+    reply and result as a tool loop would; no request offers tools."""
+    import random
+
+    from luftpause.headers import RUN_HEADER
+
+    seen: dict[str, list[dict[str, Any]]] = {}
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> dict[str, Any]:
+        body = await request.json()
+        seen.setdefault(request.headers[RUN_HEADER], []).append(body)
+        reply = f"reply {len(body['messages'])}"
+        return {
+            "choices": [{"message": {"role": "assistant", "content": reply}}],
+            "usage": {"prompt_tokens": 10, "completion_tokens": body["max_tokens"]},
+        }
+
+    load = Load(
+        batch=2, interactive=1, context_chars=300, tool_s=1.0, tool_result_chars=120,
+        minutes=0.3, time_scale=40, scripted_tools=True, max_tool_calls=3,
+        tool_call_tokens=7, reply_tokens=11, seed=5, model="smol",
+    )  # fmt: skip
+    async with serve(app) as url:
+        result = await run_load(load, url)
+    assert result.errors == 0, result.first_errors
+    assert result.count("interactive") >= 2 and result.count("batch") >= 4
+    plans = set()
+    for r in result.runs:
+        k = random.Random(f"5/{r.run_id}").randrange(4)
+        plans.add(k)
+        bodies = seen[r.run_id]
+        assert r.turns == len(bodies) == k + 1, r
+        assert [b["max_tokens"] for b in bodies] == [7] * k + [11]
+        for n, b in enumerate(bodies):
+            assert "tools" not in b and b["ignore_eos"] is True and b["temperature"] == 0
+            assert b["model"] == "smol"
+            msgs = b["messages"]
+            assert [m["role"] for m in msgs] == ["user"] + ["assistant", "user"] * n
+            assert msgs[0]["content"] == task_text(r.run_id, 300)
+            # each call's reply, then its result, as the next turn's new suffix
+            if n:
+                assert msgs[-2]["content"] == f"reply {2 * n - 1}"
+                assert msgs[-1]["content"].startswith("Result of lookup: Task of run")
+        # a prefix grows: every turn's conversation starts with the previous one's
+        for a, b in itertools.pairwise(bodies):
+            assert b["messages"][: len(a["messages"])] == a["messages"]
+    assert len(plans) > 1  # the draw differs between runs
+
+
+def test_bench_flood_on_llama_servers_asks_the_engines_for_their_slots(tmp_path: Path) -> None:
+    """`--llama-server`: engines started with llama-server's flags, known to luftpause
+    as `llamacpp` endpoints whose slots it reads from `/props` before the load starts,
+    and the agents scripted.  The binary here is a stand-in that serves the fake
+    engine's llama.cpp flavour with `--parallel` slots (llama-server is a 15-minute
+    build; `bench/RESULTS.md` has the real one)."""
+    argv_log = tmp_path / "argv.jsonl"
+    shim = tmp_path / "llama-server"
+    shim.write_text(
+        f"#!{sys.executable}\n"
+        "import json, os, sys\n"
+        "a = sys.argv[1:]\n"
+        "if a == ['--version']:\n"
+        "    print('version: 1 (stand-in)'); sys.exit(0)\n"
+        f"with open({str(argv_log)!r}, 'a') as f: f.write(json.dumps(a) + '\\n')\n"
+        "v = lambda flag: a[a.index(flag) + 1]\n"
+        f"os.execv({EXE!r}, [{EXE!r}, 'fake-engine', '--flavor', 'llamacpp', "
+        "'--port', v('--port'), '--max-running', v('--parallel'), '--model', v('--alias')])\n"
+    )
+    shim.chmod(0o755)
+    model = tmp_path / "Tiny-Model.Q4.gguf"
+    model.write_bytes(b"GGUF")
+    out = _bench_flood(
+        *f"--arms luftpause --reference-arms luftpause --batch 3 --interactive 1 "
+        f"--minutes 0.2 --engines 2 --slots 2,1 --context-per-slot 1024 --context-chars 1000 "
+        f"--max-tool-calls 2 --tool-s 1 --reply-tokens 24 "
+        f"--llama-server {shim} --llama-model {model} --json".split(),
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    assert report["llama_server"] == {
+        "model": "Tiny-Model.Q4.gguf",
+        "slots": [2, 1],
+        "threads_each": 1,
+        "context_per_slot": 1024,
+        "version": "version: 1 (stand-in)",
+    }
+    assert report["load"]["scripted_tools"] is True
+    assert report["load"]["model"] == "Tiny-Model.Q4"
+    arm = report["arms"]["luftpause"]
+    assert arm["errors"] == 0, arm["first_errors"]
+    assert arm["interactive_runs"] > 0 and arm["batch_runs"] > 0
+    assert "P" in arm and "W" in arm
+    assert arm["slots"] == {"e0": 2, "e1": 1}  # the gateway's, read from /props
+    assert "llama.cpp servers" in report["note"]
+    # three windows (the arm and two references), two engines each, llama-server's flags
+    started = [json.loads(line) for line in argv_log.read_text().splitlines()]
+    assert len(started) == 6
+    for n, a in enumerate(started):
+        slots = 2 if n % 2 == 0 else 1
+        assert a[:4] == ["-m", str(model), "--alias", "Tiny-Model.Q4"]
+        assert a[a.index("--parallel") + 1] == str(slots)
+        assert a[a.index("-c") + 1] == str(slots * 1024)
+        assert a[a.index("-t") + 1] == "1" and "--metrics" in a
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ("", "--llama-server needs --llama-model GGUF"),
+        ("--llama-model {model} --time-scale 4", "--time-scale must be 1"),
+        ("--llama-model {model} --engines 2 --slots 2,2,2", "one per engine (2)"),
+        ("--llama-model {model} --slots 0", "one count >= 1"),
+        ("--llama-model {tmp}/none.gguf", "none.gguf: no such file"),
+    ],
+)
+def test_bench_flood_refuses_real_engine_flags_that_do_not_fit(
+    tmp_path: Path, flags: str, message: str
+) -> None:
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    server = tmp_path / "llama-server"
+    server.write_text("#!/bin/sh\n")
+    args = f"--llama-server {server} " + flags.format(model=model, tmp=tmp_path)
+    out = _bench_flood(*args.split(), timeout=60)
+    assert out.returncode == 2 and message in out.stderr, out.stderr
