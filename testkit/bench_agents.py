@@ -186,7 +186,12 @@ def add_arguments(parser: argparse.ArgumentParser, scenario: str) -> None:
     a("--max-tool-calls", type=int, default=sc.max_tool_calls, help="0..N calls a run")
     a("--reply-tokens", type=int, default=sc.reply_tokens, help="max_tokens of each turn")
     a("--minutes", type=float, default=sc.minutes, help="virtual minutes per arm")
-    a("--engines", type=int, default=sc.engines, help="fake engines (one GPU each)")
+    a(
+        "--engines",
+        type=int,
+        default=sc.engines,
+        help="engines: fake ones (one GPU each), or llama-servers",
+    )
     a("--seed", type=int, default=sc.seed)
     a(
         "--time-scale",

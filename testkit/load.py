@@ -15,13 +15,19 @@ luftpause's run, class and caller, and SMG's `x-smg-priority` (interactive / bul
 Requests are not streamed: one answer per turn keeps the client's own CPU out of the
 measurement.
 
-`scripted_tools`, for a real model that calls no tools (a small one on a CPU): the agent
-plays the tool calls itself.  A run makes k = 0..`max_tool_calls` calls, drawn from its
-id (so every arm sees the same k); each turn before the last asks for exactly
-`tool_call_tokens` tokens (the fake engine's tool call is 20) and the last for
-`reply_tokens` (`ignore_eos`, temperature 0), and each call's result is appended as a
-user message.  The engine sees what a tool loop gives it: a conversation that grows by
-the reply and the result, turn after turn, with pauses between.
+`scripted_tools`, for a real model that makes no tool calls of its own (a small one on
+a CPU, served without a tool-call parser): the agent decides the calls and the model
+writes them.  A run makes k = 0..`max_tool_calls` calls, drawn from its id (so every
+arm sees the same k).  Each turn before the last offers the tool and asks, through
+`response_format` (a JSON schema, which llama.cpp, vLLM and SGLang turn into a
+grammar), for a call written as text, `{"name": "lookup", "arguments": {...}}` (about
+25 tokens; `tool_call_tokens` is its ceiling), the way such models answer; the last asks
+for `reply_tokens` of prose (`ignore_eos`).  Temperature 0 throughout.  The call and each
+result go back as plain assistant and user messages, so the engine sees what a tool loop
+gives it: a conversation that grows by the call and the result, turn after turn, with
+pauses between.  luftpause recovers the call from the text (activities/_recover.py), so
+it sees the run paused on a tool as it would with a model that calls tools; the routers
+see one answer like another.
 
 Time: `time_scale` virtual seconds pass per wall second (the fake engines run that much
 faster; tool waits and the window shrink by it); every figure is in virtual time.  Only
@@ -45,7 +51,15 @@ import httpx
 from luftpause.headers import CALLER_HEADER, CLASS_HEADER, RUN_HEADER
 from testkit.sim import percentile
 
-__all__ = ["LOOKUP_TOOL", "Load", "LoadResult", "RunRecord", "load_from_args", "run_load"]
+__all__ = [
+    "CALL_FORMAT",
+    "LOOKUP_TOOL",
+    "Load",
+    "LoadResult",
+    "RunRecord",
+    "load_from_args",
+    "run_load",
+]
 
 ServiceClass = Literal["interactive", "batch"]
 
@@ -58,6 +72,27 @@ LOOKUP_TOOL: dict[str, Any] = {
             "type": "object",
             "properties": {"query": {"type": "string"}},
             "required": ["query"],
+        },
+    },
+}
+# scripted_tools: a call of LOOKUP_TOOL as a model without a tool-call parser writes it.
+CALL_FORMAT: dict[str, Any] = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "lookup_call",
+        "schema": {
+            "type": "object",
+            "properties": {
+                "name": {"const": "lookup"},
+                "arguments": {
+                    "type": "object",
+                    "properties": {"query": {"type": "string", "enum": ["status", "owner"]}},
+                    "required": ["query"],
+                    "additionalProperties": False,
+                },
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
         },
     },
 }
@@ -94,7 +129,7 @@ class Load:
     time_scale: float = 1.0
     scripted_tools: bool = False
     max_tool_calls: int = 3  # scripted_tools: 0..N calls a run
-    tool_call_tokens: int = 20  # scripted_tools: the length of a turn that calls a tool
+    tool_call_tokens: int = 64  # scripted_tools: the ceiling of a turn that writes a call
 
 
 def load_from_args(args: Any, **more: Any) -> Load:
@@ -253,14 +288,19 @@ async def _agent(ctx: _Ctx, cls: ServiceClass, index: int) -> None:
         ctx.running[run_id] = (cls, started)
         turns = errors = 0
         while True:
-            body: dict[str, Any] = {"model": load.model, "messages": messages}
+            body: dict[str, Any] = {
+                "model": load.model,
+                "messages": messages,
+                "tools": [LOOKUP_TOOL],
+                "max_tokens": load.reply_tokens,
+            }
             if load.scripted_tools:
-                body["max_tokens"] = load.tool_call_tokens if calls_left else load.reply_tokens
-                body["ignore_eos"] = True
                 body["temperature"] = 0
-            else:
-                body["tools"] = [LOOKUP_TOOL]
-                body["max_tokens"] = load.reply_tokens
+                if calls_left:
+                    body["max_tokens"] = load.tool_call_tokens
+                    body["response_format"] = CALL_FORMAT
+                else:
+                    body["ignore_eos"] = True
             try:
                 r = await ctx.http.post(
                     f"{ctx.url}/v1/chat/completions",

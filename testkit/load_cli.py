@@ -5,7 +5,9 @@ Two modes, the load generator's (DESIGN.md "The test kit"):
 - own-loop agents through the proxy (testkit/load.py): `--batch` + `--interactive`
   closed-loop agents, each run a conversation with a tool offered, its tool results
   simulated by waiting `--tool-s`; bounded by `--minutes` or `--runs`.  Against any
-  OpenAI-compatible router too (it reads luftpause's headers or ignores them).
+  OpenAI-compatible router too (it reads luftpause's headers or ignores them).  With
+  `--scripted-tools` the agents play the tool calls themselves, for a real model that
+  makes none (testkit/load.py says how).
 - sub-agents over MCP (testkit/fanout.py, `--subagents K`): rounds of K runs spawned
   through the gateway's MCP door and awaited; bounded by `--minutes` or `--rounds`.
 
@@ -58,6 +60,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     own.add_argument("--reply-tokens", type=int, default=256, help="max_tokens per turn (256)")
     own.add_argument("--seed", type=int, default=1, help="the agents' tool waits (1)")
     own.add_argument("--end-runs", action="store_true", help="DELETE /v1/runs/{id} after each run")
+    own.add_argument(
+        "--scripted-tools",
+        action="store_true",
+        help="for a model that makes no tool calls of its own (a small one on a CPU): the "
+        "agents decide the calls, the model writes each as JSON text (response_format), "
+        "the last turn is --reply-tokens of prose (ignore_eos), each result goes back as "
+        "a user message",
+    )
+    own.add_argument(
+        "--max-tool-calls", type=int, default=3, help="--scripted-tools: 0..N calls a run (3)"
+    )
+    own.add_argument(
+        "--tool-call-tokens",
+        type=int,
+        default=64,
+        help="--scripted-tools: the ceiling of a turn that writes a call (64)",
+    )
     sub = p.add_argument_group("sub-agents over MCP")
     sub.add_argument("--subagents", type=int, metavar="K", help="rounds of K spawned runs")
     sub.add_argument("--rounds", type=int, help="stop after this many rounds")
@@ -78,8 +97,11 @@ def _bad(args: argparse.Namespace) -> str | None:
     if args.subagents is not None:
         if args.subagents < 1:
             return "--subagents must be at least 1"
-        if args.runs is not None or args.end_runs:
-            return "--runs and --end-runs are for own-loop agents, not with --subagents"
+        if args.runs is not None or args.end_runs or args.scripted_tools:
+            return (
+                "--runs, --end-runs and --scripted-tools are for own-loop agents, "
+                "not with --subagents"
+            )
         if args.rounds is not None and args.rounds < 1:
             return "--rounds must be at least 1"
         return None
@@ -87,6 +109,10 @@ def _bad(args: argparse.Namespace) -> str | None:
         return "needs at least one agent (--batch, --interactive)"
     if args.runs is not None and args.runs < 1:
         return "--runs must be at least 1"
+    if args.max_tool_calls < 0:
+        return f"--max-tool-calls must be at least 0, got {args.max_tool_calls}"
+    if args.tool_call_tokens < 1 or args.reply_tokens < 1:
+        return "--tool-call-tokens and --reply-tokens must be at least 1"
     return None
 
 
@@ -172,7 +198,14 @@ def run(args: argparse.Namespace) -> int:
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             print(f"luftpause load: cannot learn the model from {args.url}: {exc}", file=sys.stderr)
             return 2
-        load = load_from_args(args, runs=args.runs, model=model)
+        load = load_from_args(
+            args,
+            runs=args.runs,
+            model=model,
+            scripted_tools=args.scripted_tools,
+            max_tool_calls=args.max_tool_calls,
+            tool_call_tokens=args.tool_call_tokens,
+        )
         progress(
             f"{load.batch} batch + {load.interactive} interactive agents on {model} through "
             f"{args.url}"

@@ -4,6 +4,7 @@ priority scheduler and the engines registered), real HTTP."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import shutil
@@ -13,15 +14,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 from fastapi import FastAPI, Request
 
+from luftpause.headers import RUN_HEADER
 from luftpause.up import Child
+from scheduler import RunPhase
 from testkit._fake_text import directives, key
 from testkit.bench_agents import _Bed, _held_seconds, _references
 from testkit.fake_engine import FakeEngineSettings, create_app
-from testkit.load import Load, run_load, task_text
+from testkit.load import CALL_FORMAT, LOOKUP_TOOL, Load, run_load, task_text
 from testkit.loopback import serve
+from tests.gateway.harness import endpoint, gateway, until
 
 EXE = str(Path(sys.executable).parent / "luftpause")
 
@@ -231,33 +236,61 @@ def test_a_failed_metrics_scrape_is_reported_not_the_arm_lost() -> None:
     assert set(held) == {"error"} and held["error"].startswith("/metrics: ")
 
 
-async def test_scripted_agents_play_their_tool_calls_on_a_model_that_calls_none() -> None:
-    """For a real model that calls no tools: a run makes its own drawn number of calls
-    (the same in every arm), asks for exact lengths, and grows its conversation by each
-    reply and result as a tool loop would; no request offers tools."""
-    import random
+def _written_call(body: dict[str, Any]) -> str:
+    """What a model without a tool-call parser writes under the agent's `response_format`:
+    a call of the offered tool as JSON text (checked against the schema asked for)."""
+    schema = body["response_format"]["json_schema"]["schema"]
+    call = {
+        "name": schema["properties"]["name"]["const"],
+        "arguments": {"query": schema["properties"]["arguments"]["properties"]["query"]["enum"][0]},
+    }
+    jsonschema.validate(call, schema)
+    assert call["name"] in {t["function"]["name"] for t in body["tools"]}
+    return json.dumps(call, indent=2)
 
-    from luftpause.headers import RUN_HEADER
 
-    seen: dict[str, list[dict[str, Any]]] = {}
+def _scripted_engine(seen: dict[str, list[dict[str, Any]]]) -> FastAPI:
+    """An engine that writes the call when asked for one ("stop"), else prose ("length")."""
     app = FastAPI()
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> dict[str, Any]:
         body = await request.json()
-        seen.setdefault(request.headers[RUN_HEADER], []).append(body)
-        reply = f"reply {len(body['messages'])}"
+        # (luftpause does not pass its headers on: behind it, one list)
+        seen.setdefault(request.headers.get(RUN_HEADER, ""), []).append(body)
+        call = "response_format" in body
+        text = _written_call(body) if call else f"reply {len(body['messages'])}"
         return {
-            "choices": [{"message": {"role": "assistant", "content": reply}}],
-            "usage": {"prompt_tokens": 10, "completion_tokens": body["max_tokens"]},
+            "choices": [
+                {
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": "stop" if call else "length",
+                }
+            ],
+            "usage": {"prompt_tokens": 10, "completion_tokens": 5},
         }
 
+    return app
+
+
+async def test_scripted_agents_have_the_model_write_their_tool_calls() -> None:
+    """For a real model that makes no tool calls of its own: a run makes its own drawn
+    number of calls (the same in every arm), each turn before the last asks for the call
+    as JSON text, the last for prose of exact length, and the conversation grows by each
+    call and result as a tool loop's would."""
+    import random
+
+    seen: dict[str, list[dict[str, Any]]] = {}
     load = Load(
         batch=2, interactive=1, context_chars=300, tool_s=1.0, tool_result_chars=120,
         minutes=0.3, time_scale=40, scripted_tools=True, max_tool_calls=3,
-        tool_call_tokens=7, reply_tokens=11, seed=5, model="smol",
+        tool_call_tokens=30, reply_tokens=11, seed=5, model="smol",
     )  # fmt: skip
-    async with serve(app) as url:
+    async with serve(_scripted_engine(seen)) as url:
         result = await run_load(load, url)
     assert result.errors == 0, result.first_errors
     assert result.count("interactive") >= 2 and result.count("batch") >= 4
@@ -267,21 +300,46 @@ async def test_scripted_agents_play_their_tool_calls_on_a_model_that_calls_none(
         plans.add(k)
         bodies = seen[r.run_id]
         assert r.turns == len(bodies) == k + 1, r
-        assert [b["max_tokens"] for b in bodies] == [7] * k + [11]
+        assert [b["max_tokens"] for b in bodies] == [30] * k + [11]
+        assert [b.get("response_format") for b in bodies] == [CALL_FORMAT] * k + [None]
+        assert [b.get("ignore_eos", False) for b in bodies] == [False] * k + [True]
         for n, b in enumerate(bodies):
-            assert "tools" not in b and b["ignore_eos"] is True and b["temperature"] == 0
+            assert b["tools"] == [LOOKUP_TOOL] and b["temperature"] == 0
             assert b["model"] == "smol"
             msgs = b["messages"]
             assert [m["role"] for m in msgs] == ["user"] + ["assistant", "user"] * n
             assert msgs[0]["content"] == task_text(r.run_id, 300)
-            # each call's reply, then its result, as the next turn's new suffix
+            # each call as written, then its result, as the next turn's new suffix
             if n:
-                assert msgs[-2]["content"] == f"reply {2 * n - 1}"
+                assert json.loads(msgs[-2]["content"])["name"] == "lookup"
                 assert msgs[-1]["content"].startswith("Result of lookup: Task of run")
         # a prefix grows: every turn's conversation starts with the previous one's
         for a, b in itertools.pairwise(bodies):
             assert b["messages"][: len(a["messages"])] == a["messages"]
     assert len(plans) > 1  # the draw differs between runs
+
+
+async def test_a_scripted_call_pauses_the_run_in_luftpause() -> None:
+    """luftpause recovers the call the model wrote as text, so between a scripted run's
+    turns the run is paused on a tool (it keeps its replica and, interactive, a slot), as
+    with a model that calls tools; the run's last answer, prose, leaves it idle."""
+    seen: dict[str, list[dict[str, Any]]] = {}
+    load = Load(
+        batch=0, interactive=2, context_chars=200, tool_s=1.5, tool_result_chars=80,
+        minutes=0.1, scripted_tools=True, max_tool_calls=2, reply_tokens=8, seed=3,
+    )  # fmt: skip
+    async with (
+        serve(_scripted_engine(seen)) as url,
+        gateway(endpoint("e0", url)) as (gw, shell),
+    ):
+        base = str(gw.base_url).rstrip("/")
+        agents = asyncio.create_task(run_load(load, base))
+        paused = lambda: any(r.phase is RunPhase.PAUSED for r in shell.state.runs.values())  # noqa: E731
+        await until(paused, "a run paused on the call its model wrote")
+        result = await agents
+        assert result.errors == 0, result.first_errors
+        ended = [r.run_id for r in result.runs]
+        assert ended and all(shell.state.runs[i].phase is RunPhase.IDLE for i in ended)
 
 
 def test_bench_flood_on_llama_servers_asks_the_engines_for_their_slots(tmp_path: Path) -> None:

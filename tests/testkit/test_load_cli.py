@@ -8,7 +8,11 @@ import asyncio
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
+from fastapi import FastAPI, Request
+
+from luftpause.headers import RUN_HEADER
 from testkit.fake_engine import FakeEngineSettings, create_app
 from testkit.fanout import Fanout, run_fanout
 from testkit.loopback import serve
@@ -92,3 +96,47 @@ async def test_a_door_that_cannot_be_reached_is_one_line_and_exit_2() -> None:
     assert err.count("\n") <= 2 and "luftpause load: MCP door " in err, err
     code, out, err = await load("--subagents", "2", "--runs", "3")
     assert code == 2 and "not with --subagents" in err
+    code, out, err = await load("--subagents", "2", "--scripted-tools")
+    assert code == 2 and "--scripted-tools are for own-loop agents" in err
+
+
+async def test_scripted_tools_from_the_command_line() -> None:
+    """`--scripted-tools` reaches the agents: the calls' turns ask for a call written as
+    JSON, the last turn for prose, of the lengths asked; each call's result is the next
+    turn's new message."""
+    seen: dict[str, list[dict[str, Any]]] = {}
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> dict[str, Any]:
+        body = await request.json()
+        seen.setdefault(request.headers[RUN_HEADER], []).append(body)
+        return {
+            "choices": [{"message": {"role": "assistant", "content": "ok"}}],
+            "usage": {"prompt_tokens": 10, "completion_tokens": body["max_tokens"]},
+        }
+
+    async with serve(app) as url:
+        args = ["--url", url, "--model", "smol", "--batch", "2", "--interactive", "0"]
+        args += ["--runs", "6", "--tool-s", "0.01", "--context-chars", "200", "--json"]
+        args += ["--scripted-tools", "--max-tool-calls", "2", "--tool-call-tokens", "5"]
+        code, out, err = await load(*args, "--reply-tokens", "9")
+        assert code == 0, err
+        assert json.loads(out)["batch_runs"] >= 6
+        code, _, err = await load(*args[:-4], "--max-tool-calls", "-1")
+        assert code == 2 and "--max-tool-calls must be at least 0, got -1" in err
+    lengths = set()
+    for run in seen.values():
+        # 0..2 calls, then the reply (a run the count cut short has no reply yet)
+        asked = [b["max_tokens"] for b in run]
+        calls = asked.count(5)
+        assert calls <= 2 and asked == [5] * calls + [9] * (len(run) - calls), asked
+        # the calls asked for as JSON text, the reply as prose of its exact length
+        assert all(("response_format" in b) == (b["max_tokens"] == 5) for b in run)
+        assert all(b.get("ignore_eos", False) == (b["max_tokens"] == 9) for b in run)
+        if asked[-1] == 9:
+            lengths.add(len(run))
+        last = run[-1]["messages"]
+        assert [m["role"] for m in last] == ["user"] + ["assistant", "user"] * (len(run) - 1)
+        assert all(m["content"].startswith("Result of lookup: ") for m in last[2::2])
+    assert len(lengths) > 1  # the runs that ended drew different numbers of calls
