@@ -575,6 +575,19 @@ def _limits_basis(config: Config, e: Endpoint) -> tuple[object, ...]:
     return e.kv_tokens, e.slots, tuple(behind)
 
 
+def _reread(old: Config, new: Config) -> frozenset[str]:
+    """The endpoints in both whose KV pool and slots follow from something else in `new`
+    (`_limits_basis`): what a round begun under `old` read for them no longer holds."""
+    if old is new:
+        return frozenset()
+    before = {e.name: _limits_basis(old, e) for e in old.endpoints}
+    return frozenset(
+        e.name
+        for e in new.endpoints
+        if e.name in before and before[e.name] != _limits_basis(new, e)
+    )
+
+
 def slots_unknown(old: Config, new: Config) -> frozenset[str]:
     """The replicas of `new` whose slots nothing gives or reports any more, where what
     they follow from changed since `old` (PoolChanged.slots_unknown): a router whose
@@ -666,19 +679,27 @@ class Prober:
                 self._want_limits[e.name] = 0
 
     async def probe_once(self) -> list[ProbeResult]:
+        config = self._config
         results = await probe_pool(
             self._client,
-            self._config,
+            config,
             want_limits=frozenset(self._want_limits),
             timeout=self._timeout,
         )
-        # Endpoints a reload removed while the round was under way are not reported.
+        # Endpoints a reload removed while the round was under way are not reported,
+        # and neither are limits read for what the reload changed: a router's sum over
+        # its old engines, an engine's slots the file now gives or no longer does.
+        stale = _reread(config, self._config)
         current = {e.name for e in self._config.endpoints}
-        results = [self._forgive_late(r) for r in results if r.endpoint in current]
+        results = [
+            self._forgive_late(replace(r, kv_tokens=None, slots=None) if r.endpoint in stale else r)
+            for r in results
+            if r.endpoint in current
+        ]
         # Engines that answered this round (not down, not late and forgiven).
         answered = {r.endpoint for r in results if r.healthy and not r.timed_out and not r.repeated}
         for r in results:
-            if r.endpoint in self._want_limits and r.healthy:
+            if r.endpoint in self._want_limits and r.healthy and r.endpoint not in stale:
                 # One answer says all the engine reports (one call per kind).
                 if r.kv_tokens is not None or r.slots is not None:
                     del self._want_limits[r.endpoint]

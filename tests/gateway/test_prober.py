@@ -715,6 +715,50 @@ async def test_a_router_whose_engine_is_down_spends_no_asks_until_it_answers(
     assert not [r for r in caplog.records if "did not say" in r.getMessage()]
 
 
+async def test_a_round_under_way_at_a_reload_reports_no_limits_the_reload_changed() -> None:
+    """A round begun before a reload reads a router's sum over its old engines; once the
+    reload has changed them, that sum is not reported (it would stand for a pool that no
+    longer is, over the reload's "unknown" or before the new sum), and no ask is spent."""
+    answer_b = asyncio.Event()
+    b_asked = asyncio.Event()
+    info = {"internal_states": [{"effective_max_running_requests_per_dp": 3}]}
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        host, path = request.url.host, request.url.path
+        if host == "b" and path == "/props":
+            b_asked.set()
+            await answer_b.wait()
+        return {
+            "/metrics": httpx.Response(200, text={"a": SGLANG, "b": LLAMACPP}.get(host, "")),
+            "/get_server_info": httpx.Response(200, json=info),
+            "/props": httpx.Response(200, json={"total_slots": 2}),
+        }.get(path, httpx.Response(200))
+
+    def pool(*behind: str) -> Config:
+        return parse_config(
+            {"endpoints": [
+                {"name": "a", "url": "http://a", "kind": "sglang", "models": ["m"]},
+                {"name": "b", "url": "http://b", "kind": "llamacpp", "models": ["m"]},
+                {"name": "c", "url": "http://c", "kind": "sglang", "models": ["m"]},
+                {"name": "r", "url": "http://r", "kind": "router", "models": ["m"],
+                 "load_from": list(behind)},
+            ]}
+        )  # fmt: skip
+
+    rounds: list[list[ProbeResult]] = []
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as c:
+        prober = Prober(pool("a", "b"), c, rounds.append, period=60)
+        round_ = asyncio.create_task(prober.probe_once())
+        await b_asked.wait()  # the round is under way, a's and b's slots being read
+        prober.reconfigure(pool("a", "b", "c"))
+        answer_b.set()
+        await round_
+        await prober.probe_once()  # the new sum
+    assert _slots_of("r", rounds) == [None, 3 + 2 + 3]
+    # b kept its own: what it follows from did not change.
+    assert {r.endpoint: r.slots for r in rounds[0]}["b"] == 2
+
+
 def test_slots_parsers_read_each_engines_limit_and_refuse_what_is_none() -> None:
     from gateway.prober import parse_llamacpp_slots, parse_sglang_slots
 
