@@ -360,6 +360,7 @@ class Upstream:
         self._idle: dict[_Origin, list[_Connection]] = {}
         self._slots = asyncio.Semaphore(MAX_CONNECTIONS)
         self._tls: ssl.SSLContext | None = None
+        self._closed = False  # close() ran: a turn that ends later closes its connection
 
     async def post(
         self, url: str, body: bytes, headers: Sequence[tuple[str, str]], *, query: bytes = b""
@@ -412,13 +413,15 @@ class Upstream:
         idle = self._idle.setdefault(conn.origin, [])
         if len(idle) >= MAX_IDLE_PER_ENGINE:
             idle[:] = [c for c in idle if not c.closed]  # the engine closed some
-        if conn.reusable() and len(idle) < MAX_IDLE_PER_ENGINE:
+        if conn.reusable() and len(idle) < MAX_IDLE_PER_ENGINE and not self._closed:
             idle.append(conn)
         else:
             conn.close()
 
     def close(self) -> None:
-        """Close the idle connections (turns in flight close their own)."""
+        """Close the idle connections; turns in flight close their own when they end
+        (kept after this, one would stay open until collected)."""
+        self._closed = True
         for idle in self._idle.values():
             for conn in idle:
                 conn.close()

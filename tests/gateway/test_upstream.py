@@ -444,6 +444,22 @@ async def test_sequential_turns_reuse_one_connection(upstream: Upstream) -> None
     assert server.requests_per_connection() == [3]
 
 
+async def test_a_turn_that_ends_after_close_closes_its_connection() -> None:
+    """At shutdown the idle connections are closed; a turn still in flight then is not
+    put back among them when it ends (nothing would close it: it would be collected
+    open, a ResourceWarning in whatever runs next)."""
+    client = Upstream(connect_timeout=5.0)
+    async with raw_server(keep_answering()) as server:
+        answer = await client.post(server.url, BODY, [])
+        conn = answer._conn
+        assert conn is not None
+        client.close()  # the gateway shuts down while the answer is read
+        assert await read_all(answer) == b'{"ok": true}'
+        await settle()
+        # (closed: its connection_lost ran, the socket is released)
+        assert conn.closed and not any(client._idle.values()), "closed, not kept"
+
+
 @pytest.mark.parametrize(
     "answer",
     [
