@@ -29,8 +29,9 @@ Real engines instead of fake ones: `--llama-server PATH --llama-model GGUF` star
 llama.cpp server per engine (`--slots`: each one's `--parallel`, `--engine-threads`
 threads each), endpoints of kind `llamacpp` for luftpause, which reads their slots from
 `/props` (the arm starts its load once the gateway knows them).  A small model on a
-CPU calls no tools, so the agents play their tool calls themselves (`scripted_tools` in
-testkit/load.py: the same calls, lengths and pauses in every arm).  Only in real time.
+CPU makes no tool calls of its own, so the agents decide them and the model writes each
+as JSON text (`scripted_tools` in testkit/load.py: the same calls, lengths and pauses in
+every arm; luftpause recovers the calls and sees the runs paused).  Only in real time.
 """
 
 from __future__ import annotations
@@ -597,8 +598,8 @@ def _measure(args: argparse.Namespace, progress: Callable[[str], None]) -> dict[
         }
         out["note"] = (
             "real routers and real HTTP on loopback; the engines are llama.cpp servers on "
-            "this machine's CPUs, which the harness and the proxies share; the agents play "
-            "their tool calls (the model calls none); compare arms within one run"
+            "this machine's CPUs, which the harness and the proxies share; the agents decide "
+            "the tool calls, the model writes them as JSON; compare arms within one run"
         )
     if args.time_scale != 1:
         out["note"] += (

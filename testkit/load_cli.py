@@ -6,8 +6,8 @@ Two modes, the load generator's (DESIGN.md "The test kit"):
   closed-loop agents, each run a conversation with a tool offered, its tool results
   simulated by waiting `--tool-s`; bounded by `--minutes` or `--runs`.  Against any
   OpenAI-compatible router too (it reads luftpause's headers or ignores them).  With
-  `--scripted-tools` the agents play the tool calls themselves, for a real model that
-  makes none (testkit/load.py says how).
+  `--scripted-tools` the agents decide the tool calls and the model writes them as JSON
+  text, for a real model that makes none of its own (testkit/load.py says how).
 - sub-agents over MCP (testkit/fanout.py, `--subagents K`): rounds of K runs spawned
   through the gateway's MCP door and awaited; bounded by `--minutes` or `--rounds`.
 
