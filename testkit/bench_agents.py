@@ -160,17 +160,22 @@ def _smg_workers(proxy: str, workers: list[str]) -> None:
 
 
 def _running_limit(url: str) -> int:
-    """The requests engine `url` runs at once: SGLang's `/server_info`, else
-    llama.cpp's `/props`."""
+    """The requests engine `url` runs at once, read as luftpause's prober reads it:
+    SGLang's `/server_info`, else llama.cpp's `/props`."""
     import urllib.error
     import urllib.request
 
+    from gateway.prober import parse_llamacpp_slots, parse_sglang_slots
+
     try:
         with urllib.request.urlopen(f"{url}/server_info", timeout=5) as r:
-            return int(json.load(r)["max_running_requests"])
+            limit = parse_sglang_slots(json.load(r))
     except urllib.error.HTTPError:
         with urllib.request.urlopen(f"{url}/props", timeout=5) as r:
-            return int(json.load(r)["total_slots"])
+            limit = parse_llamacpp_slots(json.load(r))
+    if limit is None:
+        raise RuntimeError(f"engine {url} says nothing of how many requests it runs at once")
+    return limit
 
 
 def add_arguments(parser: argparse.ArgumentParser, scenario: str) -> None:
