@@ -575,9 +575,11 @@ def _limits_basis(config: Config, e: Endpoint) -> tuple[object, ...]:
     return e.kv_tokens, e.slots, tuple(behind)
 
 
-def _reread(old: Config, new: Config) -> frozenset[str]:
+def _limits_changed(old: Config, new: Config) -> frozenset[str]:
     """The endpoints in both whose KV pool and slots follow from something else in `new`
-    (`_limits_basis`): what a round begun under `old` read for them no longer holds."""
+    (`_limits_basis`): what a round begun under `old` read for them no longer holds,
+    they are asked again, and the core forgets slots nothing gives now (the one rule
+    behind `probe_once`, `Prober.reconfigure` and `slots_unknown`)."""
     if old is new:
         return frozenset()
     before = {e.name: _limits_basis(old, e) for e in old.endpoints}
@@ -594,14 +596,11 @@ def slots_unknown(old: Config, new: Config) -> frozenset[str]:
     engines changed and whose sum cannot be known (an engine that does not say its
     own, vLLM, without `slots`), an engine of such a kind whose `slots` the file took
     out.  A reported number would otherwise stand for what is no longer there."""
-    before = {e.name: _limits_basis(old, e) for e in old.endpoints}
+    changed = _limits_changed(old, new)
     return frozenset(
         e.name
         for e in new.replicas
-        if e.name in before
-        and new.slots_of(e) is None
-        and not _wanted(new, e)[1]
-        and before[e.name] != _limits_basis(new, e)
+        if e.name in changed and new.slots_of(e) is None and not _wanted(new, e)[1]
     )
 
 
@@ -663,7 +662,8 @@ class Prober:
         endpoints gone from it are dropped.  A round under way reports only endpoints
         still in the file."""
         old = self._config
-        before = {e.name: _limits_basis(old, e) for e in old.endpoints}
+        known = {e.name for e in old.endpoints}
+        changed = _limits_changed(old, config)
         self._config = config
         if self._period_given is None:
             self._period = config.probes.period_s  # from the next sleep on
@@ -675,7 +675,7 @@ class Prober:
             for name in [n for n in seen if n not in names]:
                 del seen[name]
         for e in config.replicas:
-            if _asks_limits(config, e) and before.get(e.name) != _limits_basis(config, e):
+            if _asks_limits(config, e) and (e.name not in known or e.name in changed):
                 self._want_limits[e.name] = 0
 
     async def probe_once(self) -> list[ProbeResult]:
@@ -689,7 +689,7 @@ class Prober:
         # Endpoints a reload removed while the round was under way are not reported,
         # and neither are limits read for what the reload changed: a router's sum over
         # its old engines, an engine's slots the file now gives or no longer does.
-        stale = _reread(config, self._config)
+        stale = _limits_changed(config, self._config)
         current = {e.name for e in self._config.endpoints}
         results = [
             self._forgive_late(replace(r, kv_tokens=None, slots=None) if r.endpoint in stale else r)
