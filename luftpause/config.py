@@ -807,6 +807,21 @@ class Config(BaseModel):
                         f"endpoint '{e.name}': load_from '{other}' is kind '{target.kind}', "
                         f"which reports no load (expected one of {', '.join(LOAD_METRICS)})"
                     )
+                if target.kv_tokens is not None:
+                    # Silently unused otherwise: luftpause admits runs by KV where it
+                    # places them, and the router places them on its engines.
+                    raise ValueError(
+                        f"endpoint '{other}': kv_tokens is not used on an engine behind "
+                        f"router '{e.name}' (load_from), which places the turns; give the "
+                        f"router kv_tokens instead (its engines' pools summed, when it keeps "
+                        f"each run on one engine)"
+                    )
+                if target.device is not None:
+                    raise ValueError(
+                        f"endpoint '{other}': device is not used on an engine behind router "
+                        f"'{e.name}' (load_from): pack_shared_devices packs the endpoints "
+                        f"turns go to, and the router places turns on its engines itself"
+                    )
         return self
 
     @property

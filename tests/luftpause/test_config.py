@@ -23,7 +23,6 @@ name = "sglang-a"
 url = "http://127.0.0.1:30000/"
 kind = "sglang"
 models = ["llama-3.2-1b"]
-kv_tokens = 56000
 
 [[endpoints]]
 name = "sglang-b"
@@ -37,6 +36,7 @@ url = "http://127.0.0.1:30100"
 kind = "router"
 models = ["llama-3.2-1b"]
 load_from = ["sglang-a", "sglang-b"]
+kv_tokens = 112000       # its engines' pools: it keeps each run on one engine
 
 [[endpoints]]
 name = "hosted"
@@ -75,7 +75,7 @@ def test_a_good_file_loads_with_defaults(tmp_path: Path) -> None:
     assert a.api_url("messages") == "http://127.0.0.1:30000/v1/messages"
     # The router's engines are probed for its load; turns go to the router, not to them.
     assert cfg.replica_specs() == [
-        ReplicaSpec(name="router", models=frozenset({"llama-3.2-1b"})),
+        ReplicaSpec(name="router", models=frozenset({"llama-3.2-1b"}), kv_tokens=112_000),
         ReplicaSpec(name="hosted", models=frozenset({"big-model"}), slots=8),
     ]
 
@@ -218,6 +218,21 @@ def test_the_newer_apis_default_by_kind_and_the_file_decides() -> None:
             '[[endpoints]]\nname="s"\nurl="http://h:3"\nkind="router"\nmodels=["m"]\n'
             'load_from=["e"]',
             "endpoint 's': load_from names 'e', which router 'r' names too",
+        ),
+        (
+            '[[endpoints]]\nname="e"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+            "kv_tokens=56000\n"
+            '[[endpoints]]\nname="r"\nurl="http://h:2"\nkind="router"\nmodels=["m"]\n'
+            'load_from=["e"]',
+            "endpoint 'e': kv_tokens is not used on an engine behind router 'r' (load_from), "
+            "which places the turns; give the router kv_tokens instead",
+        ),
+        (
+            '[[endpoints]]\nname="e"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+            'device="gpu0"\n'
+            '[[endpoints]]\nname="r"\nurl="http://h:2"\nkind="router"\nmodels=["m"]\n'
+            'load_from=["e"]',
+            "endpoint 'e': device is not used on an engine behind router 'r' (load_from)",
         ),
         (
             '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\nlabels=["x"]',
