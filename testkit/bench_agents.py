@@ -160,7 +160,7 @@ def _smg_workers(proxy: str, workers: list[str]) -> None:
 
 
 def _running_limit(url: str) -> int:
-    """The requests engine `url` runs at once, read as luftpause's prober reads it:
+    """The requests engine `url` runs at once, parsed as luftpause's prober parses it:
     SGLang's `/server_info`, else llama.cpp's `/props`."""
     import urllib.error
     import urllib.request
