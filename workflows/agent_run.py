@@ -147,6 +147,11 @@ REPORTS_PATCH = "reports-up-one-at-a-time"
 # totals passed the limit.  (A run without the marker reads a budget, as it did: in
 # it, a child that finished starting while it closed was sent that reason.)
 HALT_REASON_PATCH = "a-closing-run-keeps-its-reason"
+# `workflow.patched` id of a child that finishes starting while its parent closes
+# (cancelled, failed, stopped: `_halt` has stopped the children it had) being stopped
+# and cancelled as they were.  Without it the child worked on, to its end if it was
+# quick, until the close's wait for the children ended and Temporal cancelled it.
+LATE_CHILD_PATCH = "a-child-started-as-its-parent-closes-is-stopped"
 # `workflow.patched` id of a run's tools and approvals chosen by function name too (a
 # later server's tool of a name already listed is offered as `<server>__<name>`).
 TOOLS_BY_FUNCTION_PATCH = "tools-chosen-by-function-name-too"
@@ -261,6 +266,8 @@ class AgentRun:
         self._in_turn = False  # an LLM turn of the run is in flight
         self._spawning = 0  # spawn_child updates still starting their child
         self._ending = False  # in _halt: cancelled, stopped or failed, closing
+        self._halt_reason = ""  # why, as _halt tells the children
+        self._late_stopped: set[str] = set()  # children stopped as they started late
         self._ended_at: str | None = None
         self._updated_at = workflow.now().isoformat()  # its state last changed
         self._last_report: tuple[str, Totals] | None = None
@@ -392,6 +399,7 @@ class AgentRun:
     async def _halt(self, work: asyncio.Task[None], state: str, reason: str) -> None:
         """Stop the loop and the subtree, record why, report the end."""
         self._ending = True  # takes no children from now on (see _validate_spawn)
+        self._halt_reason = reason
         if not work.done():
             work.cancel()
             with contextlib.suppress(BaseException):
@@ -399,7 +407,8 @@ class AgentRun:
         self._error = reason
         self._pending = None
         for handle, child in list(self._children.items()):
-            if child.state not in TERMINAL_STATES:
+            # (One whose start ended while this waited for the loop was stopped then.)
+            if child.state not in TERMINAL_STATES and handle not in self._late_stopped:
                 ext = workflow.get_external_workflow_handle(handle)
                 try:
                     await ext.signal(AgentRun.stop, StopRequest(reason))
@@ -989,7 +998,15 @@ class AgentRun:
         self._watchers.add(watcher)
         watcher.add_done_callback(self._watchers.discard)
         reason = self._stop_reason or self._exceeded
-        if self._drain and reason is not None:
+        if self._ending and workflow.patched(LATE_CHILD_PATCH):
+            # The run began closing while the child was starting, after `_halt` had
+            # stopped the children it knew: this one ends as they did.
+            self._late_stopped.add(request.handle)
+            ext = workflow.get_external_workflow_handle(request.handle)
+            with contextlib.suppress(Exception):
+                await ext.signal(AgentRun.stop, StopRequest(self._halt_reason))
+                await ext.cancel()
+        elif self._drain and reason is not None:
             # The stop came while the child was starting: it stops too (rule 2).
             with contextlib.suppress(Exception):
                 await workflow.get_external_workflow_handle(request.handle).signal(

@@ -33,7 +33,9 @@ from testkit.fake_mcp import FakeMcpSettings, FakeMcpState
 from testkit.fake_mcp import create_app as create_mcp
 from testkit.loopback import serve
 from worker.main import build_worker, gateway_client
-from workflows import Runs, RunSpec
+from workflows import AgentRun, Runs, RunSpec
+from workflows.contract import ChildRequest, RunStatus
+from workflows.runs import new_handle
 
 MODEL = "llama-3.2-1b"
 # Fake engines and tools run 50x faster than real time: a 256-token turn takes ~0.1 s.
@@ -215,6 +217,33 @@ async def spawn_waiting(s: Stack, prefix: str, **spec: Any) -> str:
     )
     await until(lambda: state_is(s, handle, "AwaitingApproval"), f"run {prefix!r} waits")
     return handle
+
+
+async def spawned_as_it_closes(s: Stack) -> list[RunStatus]:
+    """A parent that takes a spawn and a cancel in one workflow task (its worker is down
+    while both reach the server; `s` runs none of its own): the spawn begins, the
+    cancel closes the run, and the child's start completes only after the close has
+    stopped the children the run had.  Returns the parent's and the child's statuses
+    once both have ended."""
+    mcp = f"{s.mcp_url}/mcp"
+    async with run_worker(s.client, s.task_queue, s.gateway_url, mcp):
+        parent = await spawn_waiting(s, "closing")
+    handle = s.client.get_workflow_handle(parent)
+    child = new_handle()
+    spec = RunSpec(task=task_with(3, "late"), model=MODEL, tools=["lookup"])
+    spawn = asyncio.create_task(
+        handle.execute_update(AgentRun.spawn_child, ChildRequest(child, spec))
+    )
+
+    async def with_the_server() -> bool:  # the update waits for a workflow task
+        return (await handle.describe()).raw_description.HasField("pending_workflow_task")
+
+    await until(with_the_server, "the spawn reaching the server")
+    await s.runs.request_cancel(parent)
+    async with run_worker(s.client, s.task_queue, s.gateway_url, mcp):
+        # Taken before the cancel, which it is in the same task with: not refused.
+        assert await spawn == child
+        return await s.runs.wait([parent, child], timeout=60)
 
 
 def gateway_app(

@@ -11,7 +11,9 @@ histories then keep proving that they still do: record only the scenarios that a
 new (`budget_drained` was recorded after `DRAIN_PATCH`, `budget_spent` after
 `SPENT_PATCH`, `once_calls` after `ONCE_PATCH`, `answer_over_budget` and
 `cancelled_tree_waits` after `ENDS_PATCH`, `reports_held` after `REPORTS_PATCH`,
-`tools_by_function` after `TOOLS_BY_FUNCTION_PATCH`; the others before them).
+`tools_by_function` after `TOOLS_BY_FUNCTION_PATCH`, `late_child` after
+`LATE_CHILD_PATCH` and `late_child_unpatched` by the same scenario at the commit before
+it, renamed; the others before them).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import argparse
 import asyncio
 import json
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from luftpause.temporal_dev import DevServer
@@ -27,12 +30,13 @@ from tests.workflows.harness import (
     MODEL,
     Stack,
     spawn_waiting,
+    spawned_as_it_closes,
     stack,
     state_is,
     task_with,
     until,
 )
-from workflows import Budget, RunSpec
+from workflows import Budget, Runs, RunSpec
 
 HERE = Path(__file__).parent / "histories"
 
@@ -192,6 +196,16 @@ async def _tools_by_function(s: Stack) -> None:
     await _save(s, "tools_by_function", [h])
 
 
+async def _late_child(s: Stack) -> None:
+    # After LATE_CHILD_PATCH: a child whose start completes as its parent closes (the
+    # spawn and the cancel in one workflow task) is stopped and cancelled by it.  On a
+    # task queue of its own, whose worker the scenario stops and starts.
+    queue = f"{s.task_queue}-late"
+    alone = replace(s, task_queue=queue, runs=Runs(s.client, task_queue=queue))
+    parent, child = await spawned_as_it_closes(alone)
+    await _save(s, "late_child", [parent.handle, child.handle])
+
+
 SCENARIOS = {
     "tool_loop": _tool_loop,
     "parallel_calls": _parallel_calls,
@@ -205,6 +219,7 @@ SCENARIOS = {
     "cancelled_tree_waits": _cancelled_tree_waits,
     "reports_held": _reports_held,
     "tools_by_function": _tools_by_function,
+    "late_child": _late_child,
 }
 
 

@@ -19,6 +19,7 @@ from workflows import AgentRun
 from workflows.agent_run import (
     DRAIN_PATCH,
     ENDS_PATCH,
+    LATE_CHILD_PATCH,
     ONCE_PATCH,
     REPORTS_PATCH,
     SPENT_PATCH,
@@ -27,8 +28,13 @@ from workflows.agent_run import (
 from workflows.contract import AgentRunInput
 
 HISTORIES = sorted((Path(__file__).parent / "histories").glob("*.json"))
-# Recorded after TOOLS_BY_FUNCTION_PATCH (and so after every earlier patch).
-AFTER_FUNCTIONS = {"tools_by_function"}
+# Recorded after LATE_CHILD_PATCH (and so after every earlier patch).
+AFTER_LATE = {"late_child-0", "late_child-1"}
+# Recorded after TOOLS_BY_FUNCTION_PATCH (and so after every earlier patch); the
+# `late_child_unpatched` ones by the `late_child` scenario at the commit before
+# LATE_CHILD_PATCH (c8025d5), as a worker of then would have left them.
+UNPATCHED_LATE = {"late_child_unpatched-0", "late_child_unpatched-1"}
+AFTER_FUNCTIONS = {"tools_by_function"} | UNPATCHED_LATE | AFTER_LATE
 # Recorded after REPORTS_PATCH (and so after every earlier patch).
 AFTER_REPORTS = {"reports_held-0", "reports_held-1", "reports_held-2"} | AFTER_FUNCTIONS
 # Recorded after ENDS_PATCH (and so after every earlier patch).
@@ -61,6 +67,7 @@ def test_the_recorded_histories_cover_the_run_paths() -> None:
         "cancelled_tree_waits",
         "reports_held",
         "tools_by_function",
+        "late_child",
     }
     for kind in (
         "ACTIVITY_TASK_COMPLETED",  # LLM turns and tool calls
@@ -169,6 +176,24 @@ def test_histories_from_before_and_after_the_tools_by_function_patch_are_both_re
     assert {p.stem for p in HISTORIES if TOOLS_BY_FUNCTION_PATCH in _patches(p)} == (
         AFTER_FUNCTIONS
     )
+
+
+def test_histories_from_before_and_after_the_late_child_patch_are_both_replayed() -> None:
+    # The same race, a spawn and a cancel taken in one workflow task, before and after
+    # LATE_CHILD_PATCH.  Before it, the parent's close did not stop the child that
+    # finished starting meanwhile, and the child ran to its end (four turns, three tool
+    # calls); after it, the parent cancels it (and the marker is only in the parent).
+    assert {p.stem for p in HISTORIES if LATE_CHILD_PATCH in _patches(p)} == {"late_child-0"}
+
+    def events(stem: str) -> list[str]:
+        path = HISTORIES[0].parent / f"{stem}.json"
+        return [e["eventType"] for e in json.loads(path.read_text("utf-8"))["events"]]
+
+    cancel = "EVENT_TYPE_REQUEST_CANCEL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED"
+    assert events("late_child-0").count(cancel) == 1
+    assert events("late_child-1")[-1] == "EVENT_TYPE_WORKFLOW_EXECUTION_CANCELED"
+    assert events("late_child_unpatched-0").count(cancel) == 0
+    assert events("late_child_unpatched-1")[-1] == "EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED"
 
 
 @pytest.mark.parametrize("path", HISTORIES, ids=[p.stem for p in HISTORIES])

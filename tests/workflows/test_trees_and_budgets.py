@@ -17,6 +17,7 @@ from tests.workflows.harness import (
     dev_server_with,
     run_worker,
     spawn_waiting,
+    spawned_as_it_closes,
     stack,
     state_is,
     task_with,
@@ -752,3 +753,27 @@ async def test_an_idle_runs_budget_seconds_keep_counting_in_its_status(
         await until(counted, "the seconds used grow while the run waits")
         await s.runs.approve(handle, False)
         await s.runs.wait([handle])
+
+
+async def test_a_child_that_finishes_starting_as_its_parent_closes_is_stopped_with_it(
+    temporal_address: str,
+) -> None:
+    # The child is stopped and cancelled as the children the closing run had were,
+    # instead of working on (here: to its end) until the close's wait for its children
+    # (CHILDREN_END_WAIT) ends and Temporal cancels it at the parent's close.
+    async with stack(temporal_address, worker=False) as s:
+        statuses = await spawned_as_it_closes(s)
+        parent, child = (st.handle for st in statuses)
+        assert [st.state for st in statuses] == ["Cancelled", "Cancelled"]
+        assert [c.state for c in statuses[0].children] == ["Cancelled"]
+        handle = s.client.get_workflow_handle(parent)
+        events = [e async for e in handle.fetch_history_events()]
+        # The parent cancelled it itself (without the fix, nothing did: it was quick
+        # and ran to its end, its tool calls with it).
+        cancels = [
+            e.request_cancel_external_workflow_execution_initiated_event_attributes
+            for e in events
+            if e.event_type
+            == EventType.EVENT_TYPE_REQUEST_CANCEL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED
+        ]
+        assert [c.workflow_execution.workflow_id for c in cancels] == [child]
