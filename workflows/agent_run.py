@@ -409,12 +409,7 @@ class AgentRun:
         for handle, child in list(self._children.items()):
             # (One whose start ended while this waited for the loop was stopped then.)
             if child.state not in TERMINAL_STATES and handle not in self._late_stopped:
-                ext = workflow.get_external_workflow_handle(handle)
-                try:
-                    await ext.signal(AgentRun.stop, StopRequest(reason))
-                    await ext.cancel()
-                except Exception:
-                    pass
+                await self._cancel_child(handle, reason)
         if self._ends and not self._children_done():
             # Their watchers record how they end; without this wait the run's final
             # status would show them as they last reported ("Stopping", "Running").
@@ -424,6 +419,13 @@ class AgentRun:
                 )
         self._set_state(state)
         await self._finish()
+
+    async def _cancel_child(self, handle: str, reason: str) -> None:
+        """Tell a child why it stops, and cancel it (it may have ended meanwhile)."""
+        ext = workflow.get_external_workflow_handle(handle)
+        with contextlib.suppress(Exception):
+            await ext.signal(AgentRun.stop, StopRequest(reason))
+            await ext.cancel()
 
     async def _finish(self) -> None:
         """Report the end up the tree and to the gateway.  Runs to its end even when a
@@ -1002,10 +1004,7 @@ class AgentRun:
             # The run began closing while the child was starting, after `_halt` had
             # stopped the children it knew: this one ends as they did.
             self._late_stopped.add(request.handle)
-            ext = workflow.get_external_workflow_handle(request.handle)
-            with contextlib.suppress(Exception):
-                await ext.signal(AgentRun.stop, StopRequest(self._halt_reason))
-                await ext.cancel()
+            await self._cancel_child(request.handle, self._halt_reason)
         elif self._drain and reason is not None:
             # The stop came while the child was starting: it stops too (rule 2).
             with contextlib.suppress(Exception):
