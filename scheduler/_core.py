@@ -29,7 +29,10 @@ Rules (DESIGN.md "The scheduler"), stated once, enforced here and nowhere else:
    retrying) run stays so through it (a harness's side request to a small model while
    a tool runs does not cost the run its replica).  (A turn's usage sets its run's
    context, which sizes the run's claim and its held turns, but does not shrink it
-   while another turn of the run still runs there.)
+   while another turn of the run still runs there.)  A held turn waits where its run
+   may go now, not where it was when the turn arrived: a run that goes idle, moves,
+   ends or is forgotten, or whose replica leaves or rejoins rotation, takes its held
+   turns with it.
 4. Batch turns leave one slot (of the cap or the engine's slots) for every interactive
    run paused on a tool there, and stop at `Policy.batch_kv_fill` of a replica's KV
    pool (interactive runs may fill `Policy.kv_fill`).  A paused run's slot lapses
@@ -53,7 +56,7 @@ Rules (DESIGN.md "The scheduler"), stated once, enforced here and nowhere else:
    one comes back; it may retry).  Turns already held when that happens keep waiting.
 8. Ticks free the slots of turns never reported finished after `turn_timeout_s` from
    their admission or their last sign of life (`TurnAlive`), and forget runs idle or
-   paused for `idle_run_expiry_s`.
+   paused for `idle_run_expiry_s` (a run with a turn held is not idle).
 9. Interactive lanes (`Policy.lane_batch_kv_fill` set): a new interactive run goes first
    to the replica where the most interactive runs hold KV, and on a replica where any
    do, new batch runs stop at `lane_batch_kv_fill` of its pool; the other replicas take
@@ -371,6 +374,7 @@ class State:
         "_buckets",
         "_callers",
         "_expiry",
+        "_held_runs",
         "_models",
         "_policy",
         "_replicas",
@@ -396,6 +400,7 @@ class State:
         expiry: PSortedSet[tuple[float, str]],
         retention: PSortedSet[tuple[float, str]],
         retired: frozenset[str] = frozenset(),
+        held_runs: Map[str, tuple[str, ...]] | None = None,
     ) -> None:
         self._policy = policy
         self._models = models
@@ -409,6 +414,9 @@ class State:
         self._expiry = expiry
         self._retention = retention
         self._retired = retired  # replicas that left the pool and are not forgotten yet
+        # run id -> its held turns' ids, in arrival order: where a change of the run
+        # (its phase, its replica, its end) finds the turns to re-bucket.
+        self._held_runs: Map[str, tuple[str, ...]] = Map() if held_runs is None else held_runs
 
     @classmethod
     def initial(cls, replicas: Sequence[ReplicaSpec], policy: Policy | None = None) -> State:
@@ -666,6 +674,7 @@ class _Tx:
         self.expiry = state._expiry
         self.retention = state._retention
         self.retired = state._retired
+        self.held_runs = state._held_runs.mutate()
         self.actions: list[Action] = []
         self.refill: list[str] = []
         self.changes = 0  # admissions and re-pins so far: what makes a second look useful
@@ -685,6 +694,7 @@ class _Tx:
             self.expiry,
             self.retention,
             retired,
+            self.held_runs.finish(),
         )
 
     def _sweep_retired(self) -> frozenset[str]:
@@ -772,6 +782,7 @@ class _Tx:
             False,
         )
         self._hold(turn, key)
+        self.held_runs[ev.run_id] = self.held_runs.get(ev.run_id, ()) + (ev.turn_id,)
         if pinned is not None:
             self._fill((pinned,))
             return
@@ -816,6 +827,7 @@ class _Tx:
         if t.replica is None:
             assert t.bucket is not None
             self._unhold(t)
+            self._unindex(t)
             del self.turns[turn_id]
             self._drop_caller_if_unused(t.caller)
             # It may have been the better turn that kept others from a replica's KV.
@@ -908,8 +920,9 @@ class _Tx:
     def _kept_changed(self) -> None:
         """A replica left or rejoined rotation: its runs may move now, or are kept there
         again (rule 3), so their held turns elsewhere are sized by their run's context,
-        or by their own requests (smaller), from now on."""
+        or by their own requests (smaller), from now on, and wait where they may go."""
         self.refill += self._grown()
+        self._rebucket_all()
 
     def _grown(self) -> list[str]:
         """A run's context grew: its held turns are larger now, and one larger than its
@@ -1021,6 +1034,7 @@ class _Tx:
 
     def _reject_held(self, t: TurnState) -> None:
         """A held turn (already out of its bucket) that can never be placed."""
+        self._unindex(t)
         del self.turns[t.turn_id]
         self._drop_caller_if_unused(t.caller)
         message = unknown_model(t.model, self.models) + "; it left the pool while the turn was held"
@@ -1085,6 +1099,9 @@ class _Tx:
             for t in self._held_in(key):
                 self._unhold(t)
                 self._reject_held(t)
+        # A replica that serves a model now, or is back in the pool: runs kept there
+        # have their held turns there.
+        self._rebucket_all()
         names = self.state._replicas.keys() | given.keys()
         self._fill(sorted(names, key=lambda n: (self.replicas[n].load, n)))
 
@@ -1125,6 +1142,8 @@ class _Tx:
         if old.strict_affinity and not policy.strict_affinity:
             for name in names:
                 self._release_pinned(name)
+        elif policy.strict_affinity and not old.strict_affinity:
+            self._rebucket_all()  # runs generating or paused pin their held turns now
         self._fill_all()
 
     def _count_failure(self, name: str, engine_fault: bool, finished: bool) -> None:
@@ -1181,7 +1200,13 @@ class _Tx:
         deadline = self.now - self.policy.idle_run_expiry_s
         while self.expiry and self.expiry.min()[0] <= deadline:
             run_id = self.expiry.min()[1]
-            self._replace_run(self.runs[run_id], None)
+            run = self.runs[run_id]
+            if run_id in self.held_runs:
+                # A turn of it waits for admission: not idle.  Looked at again a whole
+                # expiry from now (its claims lapsed long since, with their retention).
+                self._set_run(run._replace(last_active=self.now))
+                continue
+            self._replace_run(run, None)
             self.actions.append(Forget(run_id=run_id, expired=True))
             forgot = True
         if forgot:
@@ -1306,15 +1331,6 @@ class _Tx:
                     t = self.turns[best[1]]
                 else:
                     break
-                home = self._bound_elsewhere(t, name)
-                if home is not None:
-                    # Another turn of its run was admitted elsewhere since it was held:
-                    # strict affinity pins it there now.  Move it and look again.
-                    self._unhold(t)
-                    self._hold(t, (_PIN, home, cls))
-                    self.refill.append(home)
-                    self.changes += 1
-                    continue
                 if t.bucket is not None and t.bucket[0] == _PIN:
                     return t
                 if self._kv_fits(t, name, r):
@@ -1351,12 +1367,6 @@ class _Tx:
             n for n in self.state._replicas if n in replicas and replicas[n].spec.device == device
         )
 
-    def _bound_elsewhere(self, t: TurnState, name: str) -> str | None:
-        run = self.runs.get(t.run_id)
-        if run is None or run.replica == name:
-            return None
-        return self._pinned_replica(run, t.model)
-
     def _admit(self, t: TurnState, name: str) -> None:
         """Admit a held turn that heads its caller's queue in its bucket."""
         self.changes += 1
@@ -1383,6 +1393,7 @@ class _Tx:
             if other != key:
                 self._rekey(other, caller, c.in_flight, n)
         self.callers[caller] = _Caller(n, buckets)
+        self._unindex(t)
         old = self.runs.get(t.run_id)
         away = self._runs_away(old, name)  # the run stays: this turn claims for itself
         claim = 0
@@ -1494,6 +1505,8 @@ class _Tx:
                 self._unbind(old)
                 self._retime(old, None)
                 del self.runs[old.run_id]
+                if old.run_id in self.held_runs:
+                    self._rebucket(old.run_id)  # its turns are a new run's now
             return
         phase = run.phase
         name = run.replica
@@ -1545,6 +1558,10 @@ class _Tx:
                 )
         self._retime(old, run)
         self.runs[run.run_id] = run
+        if (
+            old is None or old.replica != run.replica or old.keeps_replica != run.keeps_replica
+        ) and run.run_id in self.held_runs:
+            self._rebucket(run.run_id)  # where its held turns may go changed (rule 3)
 
     def _retime(self, old: RunState | None, run: RunState | None) -> None:
         """Keep a run's timers in step with its record: an expiry entry while it is not
@@ -1637,3 +1654,42 @@ class _Tx:
         c = self.callers.get(caller)
         if c is not None and c.in_flight == 0 and not c.buckets:
             del self.callers[caller]
+
+    def _unindex(self, t: TurnState) -> None:
+        """The held turn leaves the held set (admitted, abandoned, rejected)."""
+        ids = self.held_runs[t.run_id]
+        if len(ids) == 1:
+            del self.held_runs[t.run_id]
+        else:
+            self.held_runs[t.run_id] = tuple(i for i in ids if i != t.turn_id)
+
+    def _rebucket(self, run_id: str) -> None:
+        """Rule 3 for a run's held turns, after a change of the run or of what it may
+        keep: each waits where it may go now (its run's replica while the run keeps it
+        and serves the turn's model, else any replica of its model).  Held where the
+        run was when it arrived, a turn would otherwise wait for a replica its run has
+        left, or be taken as a new run where its run is bound."""
+        run = self.runs.get(run_id)
+        for tid in self.held_runs[run_id]:
+            t = self.turns[tid]
+            pinned = self._pinned_replica(run, t.model)
+            cls = t.service_class
+            key = (_MODEL, t.model, cls) if pinned is None else (_PIN, pinned, cls)
+            if key == t.bucket:
+                continue
+            self._unhold(t)
+            self._hold(t, key)
+            self.changes += 1
+            if pinned is not None:
+                self.refill.append(pinned)
+            else:
+                serving = self.models.get(t.model, ())
+                self.refill += sorted(serving, key=lambda n: (self.replicas[n].load, n))
+
+    def _rebucket_all(self) -> None:
+        """Every run's held turns: a replica left or rejoined rotation, the pool or the
+        policy changed.  (By run id: a map's order is its hashes'.  No turn arrives in
+        the decisions that call this, so the held runs are the state's.)"""
+        for run_id in sorted(self.state._held_runs.keys()):
+            if run_id in self.held_runs:
+                self._rebucket(run_id)

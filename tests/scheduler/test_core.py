@@ -488,6 +488,68 @@ def test_without_strict_affinity_the_turn_moves() -> None:
     assert d.admitted() == {t2: "b"}
 
 
+def test_a_held_turn_of_a_run_that_goes_idle_may_move() -> None:
+    # Two turns of one run at once (a harness's session header names both): the second
+    # waits pinned to the replica where the first generates.  Once the first ends the
+    # run is idle and free to move; the turn went on waiting for that replica while
+    # the other one took a batch turn.
+    d = Driver(("a", "b"), slots={"a": 1, "b": 1})
+    r1 = d.arrive("r", caller="alice")
+    s1 = d.arrive("s", caller="bob")
+    assert d.admitted() == {s1: "b"} and r1 in d.state.turns
+    u1 = d.arrive("u", caller="carol")
+    r2 = d.arrive("r", caller="alice")
+    b1 = d.arrive("batch", cls=B, caller="dave")
+    assert d.held_ids() == {u1, r2, b1}
+    d.finish(r1)
+    assert d.admitted() == {u1: "a"}  # the oldest interactive turn
+    assert d.state.runs["r"].phase is RunPhase.IDLE
+    d.finish(s1)
+    assert d.admitted() == {r2: "b"}, "interactive before batch, wherever its idle run was"
+    assert d.held_ids() == {b1}
+
+
+def test_a_held_turn_of_a_run_that_binds_meanwhile_goes_on_as_its_run() -> None:
+    # Both turns of a new run held; the first admitted binds the run to `a`.  The
+    # second is a turn of a bound run now: it goes to `a` at the next slot there,
+    # not behind a new run that waits for KV.
+    d = Driver(("a",), kv_tokens=10_000, slots={"a": 2})
+    x1 = d.arrive("x", prompt=3000)
+    x2 = d.arrive("y", prompt=3000)
+    assert d.admitted() == {x2: "a"} and x1 in d.state.turns
+    r1 = d.arrive("r", prompt=3000)
+    n1 = d.arrive("n", prompt=6000)
+    r2 = d.arrive("r", prompt=3000)
+    assert d.held_ids() == {r1, n1, r2}
+    d.finish(x1, prompt=3000, out=100)
+    assert d.admitted() == {r1: "a"}
+    d.finish(x2, prompt=3000, out=100)
+    assert d.admitted() == {r2: "a"}, "the run is generating there"
+    assert d.held_ids() == {n1}
+
+
+def test_a_run_paused_on_a_replica_that_was_out_for_a_probe_gets_its_turn_back() -> None:
+    # Its turn came while the replica was out of rotation, so it was held for any
+    # replica of the model.  Back in rotation, the replica is where the run is paused:
+    # the turn is the run's next, not a new run's that must fit beside the others' KV.
+    d = Driver(("a", "b"), kv_tokens=10_000, slots={"b": 1})
+    p1 = d.arrive("p", prompt=3000)
+    x1 = d.arrive("x", prompt=10)
+    assert d.admitted() == {x1: "b"} and p1 in d.state.turns
+    d.finish(p1, "tool_calls", prompt=3000, out=100)
+    q1 = d.arrive("q", prompt=4100)  # b is full
+    assert d.admitted() == {q1: "a"}
+    d.feed(Tick(now=d.now + 61))  # the tool takes a while: p's claim lapses
+    d.now += 61
+    assert d.state.runs["p"].ws_claim == 0
+    d.probe("a", queued=None, running=None, healthy=False)
+    p2 = d.arrive("p", prompt=3400)
+    assert d.held_ids() == {p2}
+    d.probe("a", queued=None, running=None)
+    assert d.admitted() == {p2: "a"}, "back where its run is paused"
+    assert d.state.runs["p"].phase is RunPhase.GENERATING
+
+
 def test_a_turn_for_another_model_leaves_a_generating_run_where_it_is() -> None:
     # A harness's background request on a small model joins the session's run while
     # its turn on the main model generates.  Moving the run with it released the KV the
@@ -1688,6 +1750,20 @@ def test_idle_runs_are_forgotten_after_expiry() -> None:
     assert d.actions == [Forget(run_id="r", expired=True)]
     assert "r" not in d.state.runs
     assert all(r.bound_runs == 0 for r in d.state.replicas.values())
+
+
+def test_a_run_with_a_turn_held_is_not_forgotten_as_idle() -> None:
+    d = Driver(("a",), policy=Policy(idle_run_expiry_s=1800, turn_timeout_s=3600), slots={"a": 1})
+    t = d.arrive("r")
+    d.finish(t, "tool_calls")
+    busy = d.arrive("s")  # takes a's one slot and streams for long
+    t2 = d.arrive("r")
+    assert d.held_ids() == {t2}
+    d.feed(Tick(now=d.now + 1800))
+    assert d.actions == [] and d.state.runs["r"].phase is RunPhase.PAUSED
+    d.now += 1800
+    d.finish(busy)
+    assert d.admitted() == {t2: "a"}
 
 
 def test_activity_resets_the_expiry() -> None:

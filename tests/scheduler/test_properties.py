@@ -30,6 +30,7 @@ from scheduler import (
     Action,
     Admit,
     Event,
+    Forget,
     Policy,
     PolicyChanged,
     PoolChanged,
@@ -41,6 +42,7 @@ from scheduler import (
     ServiceClass,
     State,
     Tick,
+    TimedOut,
     TurnAbandoned,
     TurnAlive,
     TurnArrived,
@@ -387,6 +389,16 @@ def check_bookkeeping(s: State) -> None:
         )
     for caller, n in by_caller.items():
         assert s.caller_in_flight(caller) == n
+    # Rule 3: a held turn waits where its run may go now, not where the run was when
+    # the turn arrived (pinned to the run's replica while the run keeps it there, else
+    # free among its model's replicas).  Checks above judge a pinned turn by its bucket,
+    # so a stale one would pass them.
+    for t in held:
+        home = pinned_to(s, s.runs.get(t.run_id), t.model)
+        where = ("model", t.model, t.service_class) if home is None else ("pin", home)
+        assert t.bucket is not None and t.bucket[: len(where)] == where, (
+            f"{t.turn_id} held in {t.bucket}; its run {s.runs.get(t.run_id)} sends it to {where}"
+        )
     for run in s.runs.values():
         mine = [t for t in s.admitted() if t.run_id == run.run_id]
         assert run.in_flight == len(mine)
@@ -657,6 +669,11 @@ def check_step(before: State, event: Event, after: State, actions: list[Action])
         )
     else:
         assert not refused
+    # Rule 8: a run with a turn held is not idle, and is not forgotten for being so.
+    waiting = {t.run_id for t in after.held()}
+    for a in actions:
+        if isinstance(a, Forget) and a.expired:
+            assert a.run_id not in waiting, f"{a.run_id} expired while a turn of it is held"
     rejected = {a.turn_id for a in actions if isinstance(a, Reject)}
     if isinstance(event, PoolChanged):
         # Rule 11: exactly the held turns whose model left the pool are rejected.
@@ -676,6 +693,16 @@ def check_step(before: State, event: Event, after: State, actions: list[Action])
         last = run is not None and run.in_flight == 1 and not run.retrying
         if done is not None and done.replica is not None and run is not None and last:
             runs[run.run_id] = run._replace(phase=RunPhase.IDLE)
+    # A run its client ended is forgotten at once, or once its last turn in flight ends
+    # (a timeout included): a turn of it still held is a new run's then, free to go anywhere.
+    ending = {a.turn_id for a in actions if isinstance(a, TimedOut)}
+    if isinstance(event, (TurnFinished, TurnFailed, TurnAbandoned)):
+        ending.add(event.turn_id)
+    for run in before.runs.values():
+        if run.ended or (isinstance(event, RunEnded) and event.run_id == run.run_id):
+            mine = {t.turn_id for t in before.admitted() if t.run_id == run.run_id}
+            if mine <= ending:
+                runs.pop(run.run_id, None)
     for a in admits:
         r = after.replicas[a.replica]
         assert r.healthy, "admitted to an unhealthy replica"
