@@ -39,7 +39,7 @@ def _values(body: str) -> list[Any] | None:
             return values
         try:
             value, i = _DECODER.raw_decode(body, i)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
             return None
         values.extend(value if isinstance(value, list) else [value])
 

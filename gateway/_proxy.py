@@ -112,7 +112,8 @@ _PASSED_ON = frozenset({b"x-request-id", b"x-correlation-id"})
 # engines read (Claude Code sends both; its gateway guide asks for them unchanged).
 _PASSED_ON_MESSAGES = _PASSED_ON | {b"anthropic-version", b"anthropic-beta"}
 _TRACE_CONTEXT = frozenset({b"traceparent", b"tracestate"})
-# How often a streaming turn tells the core it is alive (well inside the turn timeout).
+# How often a streaming turn tells the core it is alive, at most: well inside the turn
+# timeout (a third of it, where the timeout is configured below 90 s).
 ALIVE_EVERY_S = 30.0
 # luftpause's own 503 (no healthy replica for the model) says when to look again: the
 # next probe round.
@@ -786,6 +787,7 @@ class TurnResponse(Response):
         as `hold`'s."""
         super().__init__(status_code=200)
         self._idle = idle_timeout
+        self._alive_every = min(ALIVE_EVERY_S, idle_timeout / 3)
         self._counts_cached = input_counts_cached
         self._retry_after = retry_after
         self._turn = turn
@@ -975,7 +977,7 @@ class TurnResponse(Response):
                     # Keep-alive comments and blanks are no progress: an engine that
                     # only pings is as stalled as a silent one.
                     idle.reschedule(last_data + self._idle)
-                    if carries and now - alive_at >= ALIVE_EVERY_S:
+                    if carries and now - alive_at >= self._alive_every:
                         # The core frees the slot of a turn silent for its turn timeout;
                         # a stream longer than that is no lost turn.
                         alive_at = now

@@ -872,12 +872,10 @@ async def test_a_hung_engine_fails_the_turn_after_the_idle_timeout(stall: str) -
             released.set()
 
 
-async def test_a_stream_longer_than_the_turn_timeout_keeps_its_slot(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+async def test_a_stream_longer_than_the_turn_timeout_keeps_its_slot() -> None:
     # The turn timeout frees the slots of lost turns; a reply that streams for longer
-    # (a long reasoning turn) tells the core it is alive and is not one.
-    monkeypatch.setattr(proxy_module, "ALIVE_EVERY_S", 0.3)
+    # (a long reasoning turn) tells the core it is alive and is not one: every third of
+    # the timeout where that is under 90 s (it was every 30 s whatever the timeout).
     chunks = 18  # one each 0.2 s: 3.6 s, past a tick (every 2 s) and twice the timeout
 
     async def slow(scope: Scope, receive: Receive, send: Send) -> None:
@@ -1383,6 +1381,25 @@ def test_a_prose_answer_keeps_nothing_after_its_first_words() -> None:
     watch.feed(_sse("Sure, ", *(["word "] * 5000)))
     watch.close()
     assert watch.finish_reason == "stop" and watch._events == []
+
+
+@pytest.mark.parametrize("sse", [True, False])
+def test_text_nested_past_the_json_parsers_depth_is_an_answer(sse: bool) -> None:
+    # A model may write anything; a "call" nested deeper than the JSON parser recurses
+    # raised RecursionError out of the watch after the answer was sent: the turn was
+    # counted abandoned and the run left retrying.
+    from gateway._proxy import StreamWatch
+
+    text = "[" * 3000 + "]" * 3000
+    watch = StreamWatch(sse=sse, tools=frozenset({"lookup"}))
+    if sse:
+        watch.feed(_sse(text, finish="stop"))
+    else:
+        message = {"role": "assistant", "content": text}
+        body = {"choices": [{"index": 0, "message": message, "finish_reason": "stop"}]}
+        watch.feed(json.dumps(body).encode())
+    watch.close()
+    assert watch.finish_reason == "stop" and watch.tool_call_ids == []
 
 
 def test_a_caller_header_becomes_a_name_both_doors_share() -> None:
