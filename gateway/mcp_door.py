@@ -42,6 +42,7 @@ from workflows import (
     Runs,
     RunSpec,
     RunStatus,
+    RunUnavailable,
 )
 from workflows.contract import RunState
 from workflows.runs import STATUS_UNAVAILABLE
@@ -517,6 +518,7 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
         runs=lambda ctx: runs(ctx),
         start_run=lambda arguments, ctx: start_task_run(arguments, ctx),
         result=lambda status: mcp.tool_result("run", view(status)),
+        unavailable=_unavailable,
     )
     mcp = _DoorServer(
         name="luftpause",
@@ -612,6 +614,11 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
             return await spawn_run(spec, ctx), ""
         except ToolError as exc:
             return None, str(exc)
+        except Exception as exc:
+            down = _unavailable(exc)  # as the plain tool call says it
+            if down is None:
+                raise
+            return None, down
 
     async def answer_elicited(ctx: Context, r: Runs) -> list[str]:
         """Deliver the answers a 2026-07-28 client sent for our approval questions;
@@ -628,8 +635,12 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
                 getattr(response, "action", None), getattr(response, "content", None)
             )
             if allow is not None:
-                with contextlib.suppress(RunError):  # answered meanwhile by `approve`
+                try:
                     await r.approve(parsed[0], allow, parsed[1])
+                except RunUnavailable as exc:  # not taken: say so, the client may resend
+                    raise ToolError(str(exc)) from None
+                except RunError:
+                    pass  # answered meanwhile by `approve`
         return state.asked
 
     async def wait(
@@ -725,8 +736,12 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
                         else None,
                     )
                     if allow is not None:
-                        with contextlib.suppress(RunError):
+                        try:
                             await r.approve(s.handle, allow, pending.call_id)
+                        except RunUnavailable as exc:  # the user's answer was not taken
+                            raise ToolError(str(exc)) from None
+                        except RunError:
+                            pass  # answered meanwhile by `approve`
             # Progress whenever a run ends, and every PROGRESS_EVERY_S while none does.
             if ended != reported[0] or loop.time() - reported[1] >= PROGRESS_EVERY_S:
                 beats = beats + 1 if ended == reported[0] else 0

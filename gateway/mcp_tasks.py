@@ -6,6 +6,9 @@ durable before the client knows it.  `tasks/get` reads the run's status, `tasks/
 delivers the answer to an open approval (shown as `input_required` with an elicitation
 request), `tasks/cancel` cancels the run.  The workflow is the store: tasks survive a
 gateway restart, and any gateway on the same Temporal namespace can answer for them.
+With Temporal unreachable, or no worker up to take an answer, they answer a JSON-RPC
+error that says so (an answer not taken is never acknowledged: the client may send it
+again).
 
 The SDK ships the wire types of the older in-core tasks only, so the SEP-2663 shapes
 are written here as plain JSON (`taskId`, `status`, `createdAt`, `lastUpdatedAt`,
@@ -14,18 +17,22 @@ run's task is `completed` with the result the `run` call itself returns (a run t
 failed, or that its budget stopped, included: the call succeeded, its result says how
 the run ended); a run cancelled on request is a `cancelled` task saying why.  Only a
 client that declared the extension may use tasks/* (-32021 otherwise), and only one
-that declared form elicitation is sent the approval question (`inputRequests`).
+that declared form elicitation is sent the approval question (`inputRequests`); for
+any other a run waiting for approval is a `working` task whose `statusMessage` says so
+(`input_required` must list the requests, and there is none it could answer; the
+`approve` tool answers).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
 from mcp.server.extension import Extension, MethodBinding
 from mcp.server.mcpserver import require_client_extension
+from mcp.server.mcpserver.exceptions import ToolError
 from mcp.shared.exceptions import MCPError
 from mcp_types import (
     CallToolRequestParams,
@@ -37,7 +44,7 @@ from mcp_types import (
 from pydantic import ConfigDict, Field
 
 from gateway import _approval as approval
-from workflows import TERMINAL_STATES, RunError, Runs, RunStatus
+from workflows import TERMINAL_STATES, RunError, Runs, RunStatus, RunUnavailable
 
 __all__ = ["TASKS", "TasksExtension"]
 
@@ -46,6 +53,7 @@ MODERN = frozenset({approval.MODERN})
 TTL_MS = 24 * 3600 * 1000
 POLL_MS = 500
 _INVALID_PARAMS = -32602
+_INTERNAL_ERROR = -32603
 
 _STATUS = {
     "Running": "working",
@@ -82,10 +90,26 @@ class TasksExtension(Extension):
         runs: Callable[[Any], Awaitable[Runs]],  # the runs a request (its ctx) may see
         start_run: Callable[[dict[str, Any], Any], Awaitable[tuple[str | None, str]]],
         result: Callable[[RunStatus], dict[str, Any]],  # what `run` returns for an ended run
+        unavailable: Callable[[BaseException], str | None],  # why, if Temporal is down
     ) -> None:
         self._runs = runs
         self._start = start_run
         self._result = result
+        self._unavailable = unavailable
+
+    @contextlib.contextmanager
+    def _store(self) -> Iterator[None]:
+        """The run store (Temporal) unreachable, or a run no worker takes an answer
+        for: a JSON-RPC error saying so, not a bare "Internal server error"."""
+        try:
+            yield
+        except (ToolError, RunUnavailable) as exc:  # the door's runs(): the store is down
+            raise MCPError(code=_INTERNAL_ERROR, message=str(exc)) from None
+        except Exception as exc:
+            down = self._unavailable(exc)
+            if down is None:
+                raise
+            raise MCPError(code=_INTERNAL_ERROR, message=down) from None
 
     def methods(self) -> Sequence[MethodBinding]:
         return [
@@ -110,7 +134,8 @@ class TasksExtension(Extension):
         handle, error = await self._start(dict(params.arguments or {}), ctx)
         if handle is None:
             return CallToolResult(content=[TextContent(type="text", text=error)], is_error=True)
-        status = await (await self._runs(ctx)).status(handle)
+        with self._store():
+            status = await (await self._runs(ctx)).status(handle)
         return {"resultType": "task", **self._task(status, ctx)}
 
     def _task(self, status: RunStatus, ctx: Any) -> dict[str, Any]:
@@ -130,14 +155,27 @@ class TasksExtension(Extension):
             "pollIntervalMs": POLL_MS,
         }
         if status.state == "AwaitingApproval" and status.pending_approval is not None:
-            task["statusMessage"] = approval.message(status)
             if approval.can_ask(ctx.session.client_capabilities):
+                task["statusMessage"] = approval.message(status)
                 task["inputRequests"] = {
                     approval.question_key(status): {
                         "method": "elicitation/create",
                         "params": approval.elicit_params(status),
                     }
                 }
+            else:
+                # input_required must list the requests, and this client could answer
+                # none: working, and what it waits for.
+                task["status"] = "working"
+                task["statusMessage"] = (
+                    f"{approval.message(status)} (waiting for an answer through the "
+                    f"approve tool: approve(handle='{status.handle}', allow=true|false))"
+                )
+        elif state == "input_required":
+            # Waiting for approval, but what it waits on was not read (no worker
+            # answered the status query): nothing to ask yet.
+            task["status"] = "working"
+            task["statusMessage"] = status.error or "waiting for approval"
         elif state == "completed":
             # Exactly what the `run` call itself would have returned.
             task["result"] = self._result(status)
@@ -147,23 +185,30 @@ class TasksExtension(Extension):
 
     async def _status(self, ctx: Any, task_id: str) -> RunStatus:
         require_client_extension(ctx, TASKS)  # -32021 for a client that did not opt in
-        try:
-            return await (await self._runs(ctx)).status(task_id)
-        except RunError as exc:
-            raise MCPError(code=_INVALID_PARAMS, message=f"unknown task: {exc}") from None
+        with self._store():
+            try:
+                return await (await self._runs(ctx)).status(task_id)
+            except RunError as exc:
+                raise MCPError(code=_INVALID_PARAMS, message=f"unknown task: {exc}") from None
 
     async def get(self, ctx: Any, params: TaskIdParams) -> dict[str, Any]:
         status = await self._status(ctx, params.task_id)
         return {"resultType": "complete", **self._task(status, ctx)}
 
     async def update(self, ctx: Any, params: UpdateParams) -> EmptyResult:
-        status = await self._status(ctx, params.task_id)
-        runs = await self._runs(ctx)
-        pending = status.pending_approval
-        asked = approval.question_key(status) if pending is not None else None
+        status = await self._status(ctx, params.task_id)  # the task exists, and is the caller's
+        with self._store():
+            runs = await self._runs(ctx)
         for key, response in params.input_responses.items():
-            if pending is None or key != asked:
-                continue  # not outstanding (never issued, or answered): ignored, as MCP asks
+            # The key names the call it answers, and the run takes an answer only while
+            # it waits on that call: one for a call answered or superseded is refused
+            # by the run and ignored here, as MCP asks of keys not outstanding.  (Not
+            # judged by the status read above: with no worker to answer its query it
+            # shows no approval, and an answer the client will not send again would
+            # be dropped with an acknowledgement.)
+            parsed = approval.parse_key(key)
+            if parsed is None or parsed[0] != status.handle:
+                continue  # never issued for this task: ignored
             action = response.get("action") if isinstance(response, dict) else None
             content = response.get("content") if isinstance(response, dict) else None
             allow = approval.answer(action, content)
@@ -174,17 +219,22 @@ class TasksExtension(Extension):
                 )
             if allow is None:
                 continue  # dismissed: the approval stays open
-            # Answered already, or superseded (the run moved on or ended): ignored.
-            with contextlib.suppress(RunError):
-                await runs.approve(status.handle, allow, pending.call_id)
+            with self._store():  # RunUnavailable: not taken, say so (the client may resend)
+                try:
+                    await runs.approve(status.handle, allow, parsed[1])
+                except RunUnavailable:
+                    raise
+                except RunError:
+                    pass  # answered already, or superseded (the run moved on or ended)
         return EmptyResult()
 
     async def cancel(self, ctx: Any, params: TaskIdParams) -> EmptyResult:
         """Acknowledged once the cancellation is requested (the run ends after; no worker
         needs to be up)."""
         require_client_extension(ctx, TASKS)
-        try:
-            await (await self._runs(ctx)).request_cancel(params.task_id)
-        except RunError as exc:
-            raise MCPError(code=_INVALID_PARAMS, message=f"unknown task: {exc}") from None
+        with self._store():
+            try:
+                await (await self._runs(ctx)).request_cancel(params.task_id)
+            except RunError as exc:
+                raise MCPError(code=_INVALID_PARAMS, message=f"unknown task: {exc}") from None
         return EmptyResult()

@@ -13,7 +13,15 @@ from workflows.contract import (
     RunStatus,
     Totals,
 )
-from workflows.runs import AWAIT_MAX_S, CallerRuns, Rounds, RunError, Runs, new_handle
+from workflows.runs import (
+    AWAIT_MAX_S,
+    CallerRuns,
+    Rounds,
+    RunError,
+    Runs,
+    RunUnavailable,
+    new_handle,
+)
 
 __all__ = [
     "AWAIT_MAX_S",
@@ -30,6 +38,7 @@ __all__ = [
     "RunError",
     "RunSpec",
     "RunStatus",
+    "RunUnavailable",
     "Runs",
     "Totals",
     "new_handle",

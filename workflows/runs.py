@@ -54,7 +54,15 @@ from workflows.contract import (
     settled,
 )
 
-__all__ = ["AWAIT_MAX_S", "CallerRuns", "Rounds", "RunError", "Runs", "new_handle"]
+__all__ = [
+    "AWAIT_MAX_S",
+    "CallerRuns",
+    "Rounds",
+    "RunError",
+    "RunUnavailable",
+    "Runs",
+    "new_handle",
+]
 
 # The error of a status Temporal gave because no worker answered its query (the run's
 # state as Temporal knows it; nothing of what it waits for).
@@ -76,9 +84,9 @@ AWAIT_MAX_S = 600.0
 CANCEL_WAIT_S = 10.0  # how long `cancel` waits for the run to end before answering
 CANCEL_QUERY_TIMEOUT_S = 2.0  # then, how long it asks a worker for the run's state
 _QUERY_TIMEOUT_S = 10.0
-# How long `spawn(parent=...)` waits for the parent's worker to start the child (the
-# parent workflow starts it, so a worker must be up); then it answers with the handle
-# the child will have if the request is taken later.
+# How long a request a run's worker must take (an update: `spawn(parent=...)`, which the
+# parent workflow starts, and `approve`) waits for it; then it answers that the request
+# was not taken yet (it may still be, later).
 CHILD_WAIT_S = 30.0
 
 
@@ -128,6 +136,12 @@ def _seconds_so_far(status: RunStatus) -> RunStatus:
 
 class RunError(Exception):
     """A run operation the caller asked for cannot be done; the message says why."""
+
+
+class RunUnavailable(RunError):
+    """The run could not take the request: no worker is up to run it, or none took the
+    request in time.  Unlike other RunErrors, not an answer about the request: a caller
+    that would ignore a refused answer (one answered already) must report this one."""
 
 
 def new_handle() -> str:
@@ -202,35 +216,19 @@ class Runs:
         if spec.parent is not None and not spec.parent.strip():
             spec = replace(spec, parent=None)  # "" (a form's empty field): no parent
         if spec.parent:
-            parent = self._handle(spec.parent)
-            # An update left with the server is taken whenever a worker comes, even after
-            # its caller gave up (and a caller that tries again makes a second child):
-            # with no worker at all, say so before asking.
-            if not await self._worker_polls():
-                raise RunError(
-                    f"no worker polls task queue '{self._queue}': the parent run "
-                    f"'{spec.parent}' cannot start a child until one runs "
-                    "(`luftpause worker`); nothing was asked of it"
-                )
             try:
-                # (Not the update's rpc_timeout: the server answers a long poll at 20 s,
-                # and the SDK asks again, for ever.)
-                async with asyncio.timeout(self._child_wait_s) as waited:
-                    return await parent.execute_update(
-                        AgentRun.spawn_child, ChildRequest(handle, replace(spec, parent=None))
-                    )
-            except (TimeoutError, WorkflowUpdateRPCTimeoutOrCancelledError):
-                task = asyncio.current_task()
-                if task is not None and task.cancelling():
-                    raise asyncio.CancelledError from None  # the caller's: not a timeout
-                if not waited.expired():
-                    raise
-                raise RunError(
-                    f"parent run '{spec.parent}' did not take the child within "
+                child: str = await self._update(
+                    spec.parent,
+                    AgentRun.spawn_child,
+                    ChildRequest(handle, replace(spec, parent=None)),
+                    no_worker=f"the parent run '{spec.parent}' cannot start a child until "
+                    "one runs (`luftpause worker`); nothing was asked of it",
+                    not_taken=f"parent run '{spec.parent}' did not take the child within "
                     f"{self._child_wait_s:g} s (is a worker up on task queue '{self._queue}', "
                     "and the parent's workflow task not failing?); the request may still be "
-                    f"taken later, and the child is then run '{handle}' (status tells)"
-                ) from None
+                    f"taken later, and the child is then run '{handle}' (status tells)",
+                )
+                return child
             except WorkflowUpdateFailedError as exc:
                 raise RunError(_reason(exc)) from None
             except RPCError as exc:
@@ -266,6 +264,29 @@ class Runs:
             _refused(exc, None)
             raise
         return handle
+
+    async def _update(
+        self, handle: str, update: Any, arg: Any, *, no_worker: str, not_taken: str
+    ) -> Any:
+        """`execute_update` on the run, bounded: an update left with the server is taken
+        whenever a worker comes, even after its caller gave up (and a caller that tries
+        again asks twice), so with no worker at all it is not sent (RunUnavailable:
+        "no worker polls ...: " + `no_worker`), and one not taken within
+        `child_wait_s` is given up on (RunUnavailable(`not_taken`))."""
+        if not await self._worker_polls():
+            raise RunUnavailable(f"no worker polls task queue '{self._queue}': {no_worker}")
+        try:
+            # (Not the update's rpc_timeout: the server answers a long poll at 20 s, and
+            # the SDK asks again, for ever.)
+            async with asyncio.timeout(self._child_wait_s) as waited:
+                return await self._handle(handle).execute_update(update, arg)
+        except (TimeoutError, WorkflowUpdateRPCTimeoutOrCancelledError):
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise asyncio.CancelledError from None  # the caller's: not a timeout
+            if not waited.expired():
+                raise
+            raise RunUnavailable(not_taken) from None
 
     async def _worker_polls(self) -> bool:
         """Whether a worker has polled the run's task queue for workflow tasks lately
@@ -500,7 +521,16 @@ class Runs:
         """Answer the run's pending approval."""
         await self._describe(handle)  # RunError if unknown
         try:
-            await self._handle(handle).execute_update(AgentRun.approve, Approval(allow, call_id))
+            await self._update(
+                handle,
+                AgentRun.approve,
+                Approval(allow, call_id),
+                no_worker=f"run '{handle}' cannot take the answer until one runs "
+                "(`luftpause worker`); it was not sent",
+                not_taken=f"run '{handle}' did not take the answer within "
+                f"{self._child_wait_s:g} s (is a worker up on task queue '{self._queue}'?); "
+                "it may still be taken later (status tells)",
+            )
         except WorkflowUpdateFailedError as exc:
             raise RunError(_reason(exc)) from None
         except RPCError as exc:
@@ -532,7 +562,9 @@ class Runs:
         caller, in one state, of one tree (root's handle), children of one run, of one
         class or model, when given (by the search attributes runs keep up to date;
         Temporal's list may lag a change by a moment)."""
-        query = self._ours()
+        # Not the executions a run continued from (continue-as-new): each would list
+        # the run again, with the state it had then.
+        query = f"{self._ours()} AND ExecutionStatus != 'ContinuedAsNew'"
         filters = (
             (CALLER, caller),
             (STATE, state),

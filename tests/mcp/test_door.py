@@ -732,7 +732,9 @@ def test_an_ended_runs_task_is_completed_with_what_run_returns() -> None:
     async def no_start(arguments: Any, ctx: Any) -> Any:
         raise AssertionError("not used")
 
-    ext = TasksExtension(no_runs, no_start, lambda st: {"state": st.state, "error": st.error})
+    ext = TasksExtension(
+        no_runs, no_start, lambda st: {"state": st.state, "error": st.error}, lambda exc: None
+    )
     failed = ext._task(status("Failed", "engine gone"), ctx=None)
     assert (failed["status"], failed["ttlMs"], failed["pollIntervalMs"]) == (
         "completed",
@@ -845,10 +847,12 @@ async def test_approval_answers_count_only_for_questions_the_door_asked(
         ):
             answer = await door.request(method, params)
             assert answer["error"]["code"] == -32021, answer
-        # One that did but cannot answer forms sees the question's text, not a form.
+        # One that did but cannot answer forms sees the question's text, not a form, in a
+        # task that is working: input_required must list requests it could answer.
         task = (await door.request("tasks/get", {"taskId": y}, TASKS_CAPS))["result"]
-        assert task["status"] == "input_required" and "inputRequests" not in task
+        assert task["status"] == "working" and "inputRequests" not in task
         assert "delete_record" in task["statusMessage"]
+        assert f"approve(handle='{y}'" in task["statusMessage"]
         again = (await door.request("tasks/get", {"taskId": y}, {**TASKS_CAPS, **FORM}))["result"]
         (key,) = again["inputRequests"]
         # Nothing changed between the two reads: the task says when it last did.
@@ -871,6 +875,33 @@ async def test_approval_answers_count_only_for_questions_the_door_asked(
         ]
         assert listed["annotations"]["readOnlyHint"] is False
         await s.runs.request_cancel(x)
+
+
+async def test_an_approval_answer_no_worker_can_take_is_not_acknowledged(
+    temporal_address: str,
+) -> None:
+    # tasks/update read the pending approval from the run's status; with no worker to
+    # answer the status query it showed none, and the answer was acknowledged and
+    # dropped (the client, told it was delivered, never sends it again).
+    async with (
+        stack(temporal_address, worker=False) as s,
+        httpx.AsyncClient(timeout=60) as http,
+    ):
+        door = Modern(http, s.mcp_door)
+        spec = {"model": MODEL, "task": task_with(1, "nokeytaker"), "tools": ["delete_record"]}
+        y = (await door.tool("spawn", spec))["structuredContent"]["handle"]
+        allow = {"action": "accept", "content": {"allow": True}}
+        answer = await door.request(
+            "tasks/update", {"taskId": y, "inputResponses": {f"approve:{y}:call_1": allow}},
+            TASKS_CAPS,
+        )  # fmt: skip
+        assert answer["error"]["code"] == -32603, answer
+        assert "no worker polls task queue" in answer["error"]["message"]
+        assert f"run '{y}' cannot take the answer" in answer["error"]["message"]
+        # The task itself reads as working: what it waits on is not known.
+        task = (await door.request("tasks/get", {"taskId": y}, TASKS_CAPS))["result"]
+        assert task["status"] == "working", task
+        await s.runs.request_cancel(y)
 
 
 async def test_status_lists_runs_by_state_tree_parent_class_and_model(

@@ -23,7 +23,7 @@ from tests.workflows.harness import (
     task_with,
     until,
 )
-from workflows import DECLINED, Rounds, RunError, Runs, RunSpec
+from workflows import DECLINED, Rounds, RunError, Runs, RunSpec, RunUnavailable
 
 
 def track_concurrency(s: Stack) -> dict[str, int]:
@@ -288,6 +288,32 @@ async def test_cancel_answers_in_bounded_time_with_no_worker_up(temporal_address
         history = await s.client.get_workflow_handle(handle).fetch_history()
         kinds = {e.WhichOneof("attributes") for e in history.events}
         assert "workflow_execution_cancel_requested_event_attributes" in kinds
+
+
+async def test_an_answer_no_worker_takes_is_said_not_taken_in_bounded_time(
+    temporal_address: str,
+) -> None:
+    # `approve` used to wait for ever with no worker up: the update stays with the
+    # server and the SDK asks again at each 20 s long poll.  Its callers (the approve
+    # tool, elicitation answers, tasks/update) now hear that the answer was not taken.
+    async with stack(temporal_address, worker=False) as s:
+        runs = Runs(s.client, task_queue=s.task_queue, child_wait_s=3.0)
+        spec = RunSpec(task=task_with(1, "noworkapprove"), model=MODEL, tools=["delete_record"])
+        handle = await runs.spawn(spec)
+        # No worker has ever polled the queue: said at once, and nothing is sent.
+        with pytest.raises(RunUnavailable, match="no worker polls task queue"):
+            await asyncio.wait_for(runs.approve(handle, True), 5)
+        async with run_worker(s.client, s.task_queue, s.gateway_url, f"{s.mcp_url}/mcp"):
+            await until(lambda: state_is(s, handle, "AwaitingApproval"), "the run waits")
+        # A worker that has just gone away is still listed: the answer is sent, and the
+        # wait for it is bounded.
+        with pytest.raises(RunUnavailable, match="did not take the answer within 3 s"):
+            await asyncio.wait_for(runs.approve(handle, False), 15)
+        # As the message says, it may still be taken: a worker that comes takes it.
+        async with run_worker(s.client, s.task_queue, s.gateway_url, f"{s.mcp_url}/mcp"):
+            (done,) = await s.runs.wait([handle], timeout=60)
+        assert done.state == "Completed" and done.usage.failed_tool_calls == 1
+        assert s.mcp.counts.get("delete_record", 0) == 0  # declined: never run
 
 
 async def test_spawning_a_child_with_no_worker_up_answers_in_bounded_time(

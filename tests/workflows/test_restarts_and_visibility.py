@@ -118,6 +118,11 @@ async def _listed(runs: Runs, caller: str, n: int) -> list[str] | None:
     return handles if len(handles) == n else None
 
 
+async def _listed_once(runs: Runs, handle: str, state: str) -> bool | None:
+    found = await runs.list(state=state)
+    return True if found.count(handle) == 1 else None
+
+
 async def test_a_long_run_continues_as_new_and_keeps_its_state(tmp_path: Path) -> None:
     # A server that suggests continue-as-new after 20 history events.
     with dev_server_with(tmp_path, "limit.historyCount.suggestContinueAsNew=20") as server:
@@ -132,5 +137,12 @@ async def test_a_long_run_continues_as_new_and_keeps_its_state(tmp_path: Path) -
                 wf async for wf in s.client.list_workflows(f"WorkflowId = '{handle}'")
             ]
             assert len(runs_of_handle) >= 2  # it continued as new at least once
+            # Listed once, as it is now: not again for each execution it continued from
+            # (those keep the state they had then, Running).
+            assert await until(
+                lambda: _listed_once(s.runs, handle, "Completed"), "listed once", polls=200
+            )
+            assert handle not in await s.runs.list(state="Running")
+            assert (await s.runs.list()).count(handle) == 1
             messages = await s.runs.transcript(handle)
             assert [m["role"] for m in messages].count("tool") == 3
