@@ -741,23 +741,33 @@ class _CancelOnLeave:
         self._finishing = finishing
         self._task: asyncio.Task[Any] | None = None
         self._left = False
+        self._armed: functools.partial[None] | None = None
 
     def __enter__(self) -> None:
         self._task = asyncio.current_task()
-        self._disconnected.add_done_callback(self._leave)
+        # A callback of this block's own: one the loop had already scheduled when an
+        # earlier block ended (the disconnect and the step's end in one iteration)
+        # cannot be taken back, and must not cancel this block too.
+        self._armed = functools.partial(self._leave, object())
+        self._disconnected.add_done_callback(self._armed)
 
-    def _leave(self, disconnected: asyncio.Future[None]) -> None:
+    def _leave(self, block: object, disconnected: asyncio.Future[None]) -> None:
         # Runs from the loop while the task waits inside the block (or not at all: the
         # block's exit disarms it), so the cancellation lands at an await in the block.
-        if self._task is None or disconnected.cancelled() or self._finishing():
+        armed, task = self._armed, self._task
+        if armed is None or armed.args[0] is not block or task is None or self._left:
+            return
+        if disconnected.cancelled() or self._finishing():
             return
         self._left = True
-        self._task.cancel()
+        task.cancel()
 
     def __exit__(self, kind: type[BaseException] | None, exc: object, tb: object) -> None:
         task, self._task = self._task, None
         left, self._left = self._left, False
-        self._disconnected.remove_done_callback(self._leave)
+        if self._armed is not None:
+            self._disconnected.remove_done_callback(self._armed)
+            self._armed = None
         # uncancel() > 0: cancelled from outside as well (shutdown): let that through.
         if left and kind is asyncio.CancelledError and task is not None and not task.uncancel():
             raise _ClientLeft from None

@@ -903,6 +903,36 @@ async def test_a_stream_longer_than_the_turn_timeout_keeps_its_slot() -> None:
         assert 'luftpause_turns_total{outcome="finished"} 1.0' in metrics
 
 
+async def test_a_client_leaving_as_the_engine_answers_is_one_leave() -> None:
+    # The engine's head and the client's hang-up in one loop iteration: the first
+    # block's callback was already scheduled when it ended, and cancelled the second
+    # block as well as its own: a bare CancelledError escaped (the turn counted
+    # abandoned, uvicorn logged a traceback) instead of _ClientLeft.
+    loop = asyncio.get_running_loop()
+    disconnected: asyncio.Future[None] = loop.create_future()
+    head: asyncio.Future[None] = loop.create_future()
+    leave = proxy_module._CancelOnLeave(disconnected, lambda: False)
+    streamed = asyncio.Event()
+
+    async def turn() -> str:
+        with leave:
+            await head  # the engine's head
+        try:
+            with leave:
+                streamed.set()
+                await asyncio.Event().wait()  # streaming, until the client leaves
+        except proxy_module._ClientLeft:
+            return "left"
+        return "finished"
+
+    task = asyncio.create_task(turn())
+    await asyncio.sleep(0)  # the task waits for the head
+    head.set_result(None)
+    disconnected.set_result(None)
+    assert await asyncio.wait_for(task, 5) == "left"
+    assert streamed.is_set() and task.cancelling() == 0
+
+
 async def test_client_leaving_mid_stream_stops_the_engine() -> None:
     async with engine(time_scale=1) as (url, _), gateway(endpoint("a", url)) as (gw, shell):
         body = chat("a long story", stream=True, max_tokens=2000)
