@@ -798,6 +798,7 @@ class TurnResponse(Response):
         super().__init__(status_code=200)
         self._idle = idle_timeout
         self._alive_every = min(ALIVE_EVERY_S, idle_timeout / 3)
+        self._admitted = 0.0  # the loop's time when the core admitted the turn
         self._counts_cached = input_counts_cached
         self._retry_after = retry_after
         self._turn = turn
@@ -842,6 +843,7 @@ class TurnResponse(Response):
         try:
             arrived = True  # an abandon of a turn the core never saw is ignored by it
             outcome = await hold(self._shell, t, self._clock, disconnected, self._awaited)
+            self._admitted = asyncio.get_running_loop().time()
             if self._trace is not None:
                 self._trace.admitted(outcome, self._clock())
             if outcome is None:
@@ -963,7 +965,9 @@ class TurnResponse(Response):
         await send({"type": "http.response.start", "status": answer.status, "headers": headers})
         started = False
         loop = asyncio.get_running_loop()
-        alive_at = last_data = loop.time()
+        # The core counts the turn's timeout from its admission: a first chunk later than
+        # a third of it (a long prefill, a queue in the engine) tells it at once.
+        alive_at, last_data = self._admitted, loop.time()
         try:
             # Only waiting on the engine counts: a slow client is not an idle engine.
             async with asyncio.timeout(self._idle) as idle:

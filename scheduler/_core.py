@@ -1092,8 +1092,9 @@ class _Tx:
             self._release_pinned(name)
         for name in narrowed:
             self._release_pinned(name, unserved_only=True)
-        # Turns held for a model that left the pool wait for nothing now.
-        # (No bucket of theirs was made in this decision: only models served get one.)
+        # Turns held for a model that left the pool wait for nothing now.  (No bucket of
+        # theirs was made in this decision: only models served get one; a turn whose
+        # run moved meanwhile was rejected as it was re-bucketed.)
         gone = [k for k in self.state._buckets if k[0] == _MODEL and k[1] not in self.models]
         for key in sorted(gone):
             for t in self._held_in(key):
@@ -1198,17 +1199,21 @@ class _Tx:
             assert run.replica is not None
             touched.append(run.replica)
         deadline = self.now - self.policy.idle_run_expiry_s
+        waiting: list[tuple[float, str]] = []
         while self.expiry and self.expiry.min()[0] <= deadline:
-            run_id = self.expiry.min()[1]
-            run = self.runs[run_id]
-            if run_id in self.held_runs:
-                # A turn of it waits for admission: not idle.  Looked at again a whole
-                # expiry from now (its claims lapsed long since, with their retention).
-                self._set_run(run._replace(last_active=self.now))
+            entry = self.expiry.min()
+            run = self.runs[entry[1]]
+            if entry[1] in self.held_runs:
+                # A turn of it waits for admission: not idle.  Its entry stays as it is
+                # (its claims keep their own retention), looked at again at each tick.
+                self.expiry = self.expiry.remove(entry)
+                waiting.append(entry)
                 continue
             self._replace_run(run, None)
-            self.actions.append(Forget(run_id=run_id, expired=True))
+            self.actions.append(Forget(run_id=entry[1], expired=True))
             forgot = True
+        for entry in waiting:
+            self.expiry = self.expiry.add(entry)
         if forgot:
             self._fill_all()  # as in run_ended
         elif touched:
@@ -1672,6 +1677,11 @@ class _Tx:
         run = self.runs.get(run_id)
         for tid in self.held_runs[run_id]:
             t = self.turns[tid]
+            if t.model not in self.models:
+                # Its model left the pool (rule 11) in the decision that moved its run.
+                self._unhold(t)
+                self._reject_held(t)
+                continue
             pinned = self._pinned_replica(run, t.model)
             cls = t.service_class
             key = (_MODEL, t.model, cls) if pinned is None else (_PIN, pinned, cls)

@@ -134,6 +134,10 @@ def _seconds_so_far(status: RunStatus) -> RunStatus:
     return replace(status, budget=replace(budget, used=used))
 
 
+def _no_approval(handle: str, state: str) -> str:
+    return f"run '{handle}' has ended ({state}); it has no pending approval"
+
+
 class RunError(Exception):
     """A run operation the caller asked for cannot be done; the message says why."""
 
@@ -519,7 +523,10 @@ class Runs:
 
     async def approve(self, handle: str, allow: bool, call_id: str | None = None) -> RunStatus:
         """Answer the run's pending approval."""
-        await self._describe(handle)  # RunError if unknown
+        desc = await self._describe(handle)  # RunError if unknown
+        if desc.status != WorkflowExecutionStatus.RUNNING:
+            # Said without a worker (an update to a closed run needs none to be refused).
+            raise RunError(_no_approval(handle, (await self._status(desc)).state))
         try:
             await self._update(
                 handle,
@@ -535,16 +542,13 @@ class Runs:
             raise RunError(_reason(exc)) from None
         except RPCError as exc:
             if exc.status == RPCStatusCode.FAILED_PRECONDITION:
-                raise RunError(
+                raise RunUnavailable(  # not taken: its callers must not acknowledge it
                     f"run '{handle}' cannot take the answer now: {exc.message} (its worker "
                     "fails to run it; the worker's log says why)"
                 ) from None
             if exc.status != RPCStatusCode.NOT_FOUND:
                 raise
-            state = (await self.status(handle)).state
-            raise RunError(
-                f"run '{handle}' has ended ({state}); it has no pending approval"
-            ) from None
+            raise RunError(_no_approval(handle, (await self.status(handle)).state)) from None
         return await self.status(handle)
 
     async def list(

@@ -933,6 +933,45 @@ async def test_a_client_leaving_as_the_engine_answers_is_one_leave() -> None:
     assert streamed.is_set() and task.cancelling() == 0
 
 
+async def test_a_first_chunk_later_than_a_third_of_the_turn_timeout_tells_the_core_at_once() -> (
+    None
+):
+    # The core counts the timeout from admission; the proxy counted its first alive
+    # from the first chunk, so a long prefill (or a queue in the engine) over two
+    # thirds of the timeout got a generating turn timed out.
+    go, done = asyncio.Event(), asyncio.Event()
+
+    async def late(scope: Scope, receive: Receive, send: Send) -> None:
+        if await answered_health(scope, send):
+            return
+        await go.wait()  # the head comes with the first token, as some engines send it
+        start = [(b"content-type", b"text/event-stream")]
+        await send({"type": "http.response.start", "status": 200, "headers": start})
+        delta = b'data: {"choices": [{"delta": {"content": "x"}}]}\n\n'
+        await send({"type": "http.response.body", "body": delta, "more_body": True})
+        await done.wait()
+        end = b'data: {"choices": [{"delta": {}, "finish_reason": "stop"}]}\n\ndata: [DONE]\n\n'
+        await send({"type": "http.response.body", "body": end})
+
+    policy = Policy(turn_timeout_s=3.0)
+    async with (
+        serve(late) as url,
+        gateway(endpoint("a", url, kind="openai"), policy=policy) as (gw, shell),
+    ):
+        call = asyncio.create_task(gw.post("/v1/chat/completions", json=chat(stream=True)))
+        await until(lambda: any(t.replica for t in shell.state.turns.values()), "admitted")
+        (admitted,) = [t for t in shell.state.turns.values() if t.replica]
+        await asyncio.sleep(1.2)  # the prefill: longer than a third of the timeout
+        go.set()
+        await until(
+            lambda: shell.state.turns[admitted.turn_id].alive_at > admitted.alive_at,
+            "the first chunk told the core the turn is alive",
+        )
+        done.set()
+        r = await call
+        assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+
+
 async def test_client_leaving_mid_stream_stops_the_engine() -> None:
     async with engine(time_scale=1) as (url, _), gateway(endpoint("a", url)) as (gw, shell):
         body = chat("a long story", stream=True, max_tokens=2000)

@@ -550,6 +550,27 @@ def test_a_run_paused_on_a_replica_that_was_out_for_a_probe_gets_its_turn_back()
     assert d.state.runs["p"].phase is RunPhase.GENERATING
 
 
+def test_a_held_turn_whose_run_moves_as_its_model_leaves_the_pool_is_rejected() -> None:
+    # The pool change releases x's pinned turns, and the fill that follows admits r's
+    # other turn elsewhere: r moves, and its turn pinned to x (whose model m0 left with
+    # x) was re-bucketed into a new bucket for m0 instead of being rejected.
+    d = Driver(("a", "x", "y"), serves={"a": ["m1"], "x": ["m0"], "y": ["m1"]},
+               slots={"a": 1, "x": 1, "y": 1})  # fmt: skip
+    d.arrive("s", model="m1", caller="s")
+    d.arrive("b", model="m1", caller="b")
+    r0 = d.arrive("r", model="m0", caller="r")
+    assert d.state.turns[r0].replica == "x"
+    r1 = d.arrive("r", model="m1", caller="r")
+    d.arrive("s", model="m1", caller="s")
+    r2 = d.arrive("r", model="m0", caller="r")
+    assert r1 in d.held_ids() and r2 in d.held_ids()
+    y = ReplicaSpec(name="y", models=frozenset({"m1"}), slots=2)
+    d.feed(PoolChanged(now=d.step(), replicas=(y,)))
+    assert admits(d.actions) == [(r1, "y")]
+    assert [(a.turn_id, a.status) for a in d.actions if isinstance(a, Reject)] == [(r2, 404)]
+    assert r2 not in d.state.turns
+
+
 def test_a_turn_for_another_model_leaves_a_generating_run_where_it_is() -> None:
     # A harness's background request on a small model joins the session's run while
     # its turn on the main model generates.  Moving the run with it released the KV the
@@ -1764,6 +1785,20 @@ def test_a_run_with_a_turn_held_is_not_forgotten_as_idle() -> None:
     d.now += 1800
     d.finish(busy)
     assert d.admitted() == {t2: "a"}
+
+
+def test_expiry_looks_again_at_a_run_with_a_turn_held_and_keeps_its_claims_timing() -> None:
+    # No expiry at all (0) must not spin on a run with a turn held; and looking again
+    # moves nothing else of the run (its retention counts from its pause).
+    d = Driver(("a",), policy=Policy(idle_run_expiry_s=0.0), slots={"a": 1})
+    t = d.arrive("r")
+    d.finish(t, "tool_calls")
+    paused_at = d.state.runs["r"].last_active
+    d.arrive("s")
+    t2 = d.arrive("r")
+    d.feed(Tick(now=d.step()))
+    assert d.actions == [] and t2 in d.held_ids()
+    assert d.state.runs["r"].last_active == paused_at
 
 
 def test_activity_resets_the_expiry() -> None:

@@ -303,6 +303,13 @@ async def test_an_answer_no_worker_takes_is_said_not_taken_in_bounded_time(
         # No worker has ever polled the queue: said at once, and nothing is sent.
         with pytest.raises(RunUnavailable, match="no worker polls task queue"):
             await asyncio.wait_for(runs.approve(handle, True), 5)
+        # ... but a run that has ended needs no worker to say so: a stale answer, which
+        # its callers ignore, not one left untaken.
+        gone = await runs.spawn(replace(spec, task=task_with(1, "noworkgone")))
+        await s.client.get_workflow_handle(gone).terminate("test")
+        with pytest.raises(RunError, match="has ended") as ended:
+            await asyncio.wait_for(runs.approve(gone, True), 20)
+        assert not isinstance(ended.value, RunUnavailable)
         async with run_worker(s.client, s.task_queue, s.gateway_url, f"{s.mcp_url}/mcp"):
             await until(lambda: state_is(s, handle, "AwaitingApproval"), "the run waits")
         # A worker that has just gone away is still listed: the answer is sent, and the
