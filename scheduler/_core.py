@@ -999,15 +999,16 @@ class _Tx:
             self._kept_changed()
             if spec.device is not None:
                 self._refill_device(ev.replica)
-        if r.healthy and not healthy:
-            self._release_pinned(ev.replica)
-        elif healthy:
+        # (Leaving rotation, its pinned turns were freed by _kept_changed.)
+        if healthy:
             self._fill((ev.replica,))
 
     def _release_pinned(self, name: str, *, unserved_only: bool = False) -> None:
-        """The replica left rotation: its runs may move, so their held turns may go to
-        any replica of their model (`unserved_only`: only the turns of models it no
-        longer serves).  A turn whose model no replica serves any more is rejected."""
+        """The replica left the pool, or strict affinity was switched off: its runs may
+        move, so their held turns may go to any replica of their model, filled at once
+        (`unserved_only`: only the turns of models it no longer serves).  A turn whose
+        model no replica serves any more is rejected.  (A replica that leaves rotation
+        otherwise has its pinned turns freed by `_kept_changed`.)"""
         served = self.replicas[name].spec.models
         moved: set[str] = set()
         for cls in _CLASSES:
@@ -1164,9 +1165,8 @@ class _Tx:
         until = self.now + self.policy.eject_for_s
         self.replicas[name] = r._replace(failures=0, ejected_until=until)
         self.actions.append(Ejected(replica=name, until=until, failures=failures))
-        self._kept_changed()
+        self._kept_changed()  # frees the turns pinned here
         if r.healthy:
-            self._release_pinned(name)
             self._refill_device(name)
 
     def tick(self) -> None:
