@@ -1003,36 +1003,6 @@ class _Tx:
         if healthy:
             self._fill((ev.replica,))
 
-    def _release_pinned(self, name: str, *, unserved_only: bool = False) -> None:
-        """The replica left the pool, or strict affinity was switched off: its runs may
-        move, so their held turns may go to any replica of their model, filled at once
-        (`unserved_only`: only the turns of models it no longer serves).  A turn whose
-        model no replica serves any more is rejected.  (A replica that leaves rotation
-        otherwise has its pinned turns freed by `_kept_changed`.)"""
-        served = self.replicas[name].spec.models
-        moved: set[str] = set()
-        for cls in _CLASSES:
-            for t in self._held_in((_PIN, name, cls)):
-                if unserved_only and t.model in served:
-                    continue
-                self._unhold(t)
-                if t.model in self.models:
-                    self._hold(t, (_MODEL, t.model, t.service_class))
-                    moved.add(t.model)
-                else:
-                    self._reject_held(t)
-        names = sorted({n for m in moved for n in self.models[m]})
-        self._fill(sorted(names, key=lambda n: (self.replicas[n].load, n)))
-
-    def _held_in(self, key: BucketKey) -> list[TurnState]:
-        """The turns held in a bucket, in arrival order (not the callers' map order,
-        which is their hashes': actions must not depend on it)."""
-        b = self.buckets.get(key)
-        if b is None:
-            return []
-        entries = sorted(entry for q in b.queues.values() for entry in q)
-        return [self.turns[tid] for _, tid in entries]
-
     def _reject_held(self, t: TurnState) -> None:
         """A held turn (already out of its bucket) that can never be placed."""
         self._unindex(t)
@@ -1049,8 +1019,6 @@ class _Tx:
         if len(given) != len(specs):
             raise SchedulerError(f"replica names must be unique: {[s.name for s in specs]}")
         retired = set(self.retired)
-        left: list[str] = []  # went out of rotation now
-        narrowed: list[str] = []  # serve fewer models than they did
         for name in sorted(self.state._replicas.keys()):
             r = self.replicas[name]
             spec = given.get(name)
@@ -1058,8 +1026,6 @@ class _Tx:
                 if name not in retired:
                     self.replicas[name] = r._replace(probe_ok=False, cap=None, cap_step=0)
                     retired.add(name)
-                    if r.healthy:
-                        left.append(name)
                 continue
             if spec.kv_tokens is None and r.spec.kv_tokens is not None:
                 spec = replace(spec, kv_tokens=r.spec.kv_tokens)  # as its engine reported
@@ -1079,8 +1045,6 @@ class _Tx:
                     cap_step=0,
                 )
                 retired.discard(name)
-            if not spec.models >= r.spec.models:
-                narrowed.append(name)
             self.replicas[name] = r._replace(spec=spec, slots_given=given_slots)
         for name, spec in given.items():
             if name not in self.replicas:
@@ -1089,20 +1053,9 @@ class _Tx:
                 )
         self.models = _models_of(specs)
         self.retired = frozenset(retired)
-        for name in left:
-            self._release_pinned(name)
-        for name in narrowed:
-            self._release_pinned(name, unserved_only=True)
-        # Turns held for a model that left the pool wait for nothing now.  (No bucket of
-        # theirs was made in this decision: only models served get one; a turn whose
-        # run moved meanwhile was rejected as it was re-bucketed.)
-        gone = [k for k in self.state._buckets if k[0] == _MODEL and k[1] not in self.models]
-        for key in sorted(gone):
-            for t in self._held_in(key):
-                self._unhold(t)
-                self._reject_held(t)
-        # A replica that serves a model now, or is back in the pool: runs kept there
-        # have their held turns there.
+        # Held turns wait where their runs may go in the new pool: off a replica that
+        # left or no longer serves their model, onto one that serves it now or is back
+        # with their run kept there; rejected if no replica serves their model.
         self._rebucket_all()
         names = self.state._replicas.keys() | given.keys()
         self._fill(sorted(names, key=lambda n: (self.replicas[n].load, n)))
@@ -1137,15 +1090,12 @@ class _Tx:
             # where there was none, so no timer needs adding).
             # By run id, not the map's order (its hashes'): dropping an interactive
             # run's claim queues its device's replicas for a refill (rule 13), and
-            # _release_pinned's _fill below visits them in that order.
+            # the fill below visits them in that order.
             runs = self.state._runs  # (the runs are unchanged so far)
             for run_id in sorted(k for k, run in runs.items() if run.ws_claim):
                 self._set_run(runs[run_id])
-        if old.strict_affinity and not policy.strict_affinity:
-            for name in names:
-                self._release_pinned(name)
-        elif policy.strict_affinity and not old.strict_affinity:
-            self._rebucket_all()  # runs generating or paused pin their held turns now
+        if old.strict_affinity != policy.strict_affinity:
+            self._rebucket_all()  # pinned to their runs' replicas now, or free to go
         self._fill_all()
 
     def _count_failure(self, name: str, engine_fault: bool, finished: bool) -> None:
@@ -1676,30 +1626,34 @@ class _Tx:
         left, or be taken as a new run where its run is bound."""
         run = self.runs.get(run_id)
         for tid in self.held_runs[run_id]:
-            t = self.turns[tid]
-            if t.model not in self.models:
-                # Its model left the pool (rule 11) in the decision that moved its run.
-                self._unhold(t)
-                self._reject_held(t)
-                continue
-            pinned = self._pinned_replica(run, t.model)
-            cls = t.service_class
-            key = (_MODEL, t.model, cls) if pinned is None else (_PIN, pinned, cls)
-            if key == t.bucket:
-                continue
-            self._unhold(t)
-            self._hold(t, key)
-            self.changes += 1
-            if pinned is not None:
-                self.refill.append(pinned)
-            else:
-                serving = self.models.get(t.model, ())
-                self.refill += sorted(serving, key=lambda n: (self.replicas[n].load, n))
+            self._rebucket_turn(self.turns[tid], run)
 
     def _rebucket_all(self) -> None:
-        """Every run's held turns: a replica left or rejoined rotation, the pool or the
-        policy changed.  (By run id: a map's order is its hashes'.  No turn arrives in
-        the decisions that call this, so the held runs are the state's.)"""
-        for run_id in sorted(self.state._held_runs.keys()):
-            if run_id in self.held_runs:
-                self._rebucket(run_id)
+        """Every held turn: a replica left or rejoined rotation, the pool or the policy
+        changed.  In arrival order, so that turns rejected for a model gone from the
+        pool are answered in it (a map's order is its hashes').  (No turn arrives in
+        the decisions that call this, so the held turns are the state's.)"""
+        held = sorted((t.seq, t.turn_id) for t in self.state._turns.values() if t.bucket)
+        for _, tid in held:
+            t = self.turns[tid]
+            self._rebucket_turn(t, self.runs.get(t.run_id))
+
+    def _rebucket_turn(self, t: TurnState, run: RunState | None) -> None:
+        if t.model not in self.models:
+            # Its model left the pool (rule 11), in this decision.
+            self._unhold(t)
+            self._reject_held(t)
+            return
+        pinned = self._pinned_replica(run, t.model)
+        cls = t.service_class
+        key = (_MODEL, t.model, cls) if pinned is None else (_PIN, pinned, cls)
+        if key == t.bucket:
+            return
+        self._unhold(t)
+        self._hold(t, key)
+        self.changes += 1
+        if pinned is not None:
+            self.refill.append(pinned)
+        else:
+            serving = self.models.get(t.model, ())
+            self.refill += sorted(serving, key=lambda n: (self.replicas[n].load, n))

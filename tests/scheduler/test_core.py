@@ -1985,4 +1985,4 @@ def test_a_policy_change_decides_alike_in_any_map_order() -> None:
     probe("r3")
     assert arrive("t5", "new", I, "m1", 500) == []
     switched = Policy(strict_affinity=False, kv_admission=False, pack_shared_devices=True)
-    assert step(PolicyChanged(now=now + 0.1, policy=switched)) == [("t3", "r3"), ("t5", "r2")]
+    assert step(PolicyChanged(now=now + 0.1, policy=switched)) == [("t5", "r2"), ("t3", "r3")]
