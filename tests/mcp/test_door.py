@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import re
 import tempfile
 import time
 import uuid
@@ -19,14 +20,26 @@ import httpx2
 import pytest
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
-from mcp_types import ElicitResult
+from mcp.shared.exceptions import MCPError
+from mcp_types import ElicitResult, EmptyResult
 
 from luftpause.config import McpServer
 from luftpause.temporal_dev import DevServer, free_port
 from testkit.fake_mcp import FakeMcpSettings, FakeMcpState
 from testkit.fake_mcp import create_app as create_mcp
 from testkit.loopback import serve
-from tests.mcp.tasks_client import CreateOnly, TaskCreated, TasksClient, cancel_task, follow
+from tests.mcp.tasks_client import (
+    CreateOnly,
+    GetTaskResult,
+    TaskCreated,
+    TaskIdParams,
+    TasksClient,
+    TasksGet,
+    TasksUpdate,
+    UpdateParams,
+    cancel_task,
+    follow,
+)
 from tests.workflows.harness import (
     MODEL,
     TIME_SCALE,
@@ -978,17 +991,33 @@ async def test_a_part_that_is_down_is_named_not_hidden_as_a_crash(temporal_addre
                 port = free_port()
                 app = gateway_app(fakes.engines, temporal=server.address)
                 await es.enter_async_context(serve(app, port=port))
-                async with Client(f"http://127.0.0.1:{port}/mcp", mode="legacy") as c:
+                async with (
+                    Client(f"http://127.0.0.1:{port}/mcp", mode="legacy") as c,
+                    Client(
+                        f"http://127.0.0.1:{port}/mcp", mode="2026-07-28", extensions=[CreateOnly()]
+                    ) as tc,
+                ):
                     assert not (await c.call_tool("status", {})).is_error  # connected
                     server.stop()
                     r = await c.call_tool("spawn", {"task": "t", "model": MODEL})
+                    # A Tasks client is told the same: polling or answering a task as
+                    # JSON-RPC errors, starting one as the tool's error (as without tasks).
+                    down = "the run store (Temporal) is unreachable: "
+                    get = TasksGet(params=TaskIdParams(taskId="run-0"))
+                    with pytest.raises(MCPError, match=f"^{re.escape(down)}"):
+                        await tc.session.send_request(get, GetTaskResult)
+                    key = f"approve:run-0:{uuid.uuid4().hex}"
+                    answer = {key: {"action": "accept", "content": {"allow": True}}}
+                    update = TasksUpdate(params=UpdateParams(taskId="run-0", inputResponses=answer))
+                    with pytest.raises(MCPError, match=f"^{re.escape(down)}"):
+                        await tc.session.send_request(update, EmptyResult)
+                    started = await tc.call_tool("run", {"task": "t", "model": MODEL})
+                    assert started.is_error and down in started.content[0].text
             finally:
                 server.stop()
         assert r.is_error
         text = r.content[0].text
-        assert text.startswith(
-            "Error executing tool spawn: the run store (Temporal) is unreachable: "
-        ), text
+        assert text.startswith(f"Error executing tool spawn: {down}"), text
 
 
 async def test_a_caller_cannot_take_every_mcp_session(
