@@ -203,11 +203,16 @@ class _Live:
         """`Pool.awaited` of the pool served when asked (a held turn asks on its answer)."""
         return self.pool.awaited(model)
 
-    def replace(self, pool: Pool, still_known: Callable[[str], bool]) -> None:
-        for name in [n for n in self.known if n not in pool.replicas and not still_known(n)]:
+    def forget(self, still_known: Callable[[str], bool]) -> None:
+        """Drop the retired endpoints the core has forgotten since (their last run
+        ended or went idle): their names are free for other engines."""
+        for name in [n for n in self.known if n not in self.pool.replicas and not still_known(n)]:
             del self.known[name]
-        self.known.update(pool.replicas)
+
+    def replace(self, pool: Pool, still_known: Callable[[str], bool]) -> None:
         self.pool = pool
+        self.forget(still_known)
+        self.known.update(pool.replicas)
 
 
 class _NotRunning(Exception):
@@ -601,6 +606,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         ConfigError, and changes nothing, when an endpoint would change its engine."""
         rt = running()
         new = pool.config
+        live.forget(lambda name: name in rt.shell.state.replicas)
         change = compare(live.pool.config, new, live.known, started=config)
         # From here to the probe nothing awaits: no request sees half of it.  The core
         # first (what it admits next is looked up in `live`), then the prober.

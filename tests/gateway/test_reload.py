@@ -294,6 +294,35 @@ async def test_a_held_turn_goes_to_a_replica_that_joins_while_it_waits(tmp_path:
             assert [line async for line in lines][-2:] == ["data: [DONE]", ""]
 
 
+async def test_a_name_freed_by_the_core_takes_another_engine(tmp_path: Path) -> None:
+    # Removed while a run is paused there, a replica stays known (its run may come
+    # back to it); once the run ends the core forgets it, and so does the reload's
+    # check: the name may serve another engine.  (It was refused until some other
+    # reload had run.)
+    async with engine() as (url_a, _), engine() as (url_b, _), engine() as (url_c, rec_c):
+        path = tmp_path / "luftpause.toml"
+        urls = {"a": url_a, "b": url_b}
+        path.write_text(toml(*({"name": n, "url": u, "models": [MODEL]} for n, u in urls.items())))
+        async with from_file(path) as (gw, shell):
+            choice = await chat(gw, "r1", [{"role": "user", "content": calling_task()}])
+            assert choice["finish_reason"] == "tool_calls"
+            home = shell.state.runs["r1"].replica
+            assert home is not None
+            other = "b" if home == "a" else "a"
+            kept = {"name": other, "url": urls[other], "models": [MODEL]}
+            path.write_text(toml(kept))
+            assert (await gw.post("/reload")).json()["removed"] == [home]
+            assert home in shell.state.retired
+            assert (await gw.delete("/v1/runs/r1")).status_code == 204
+            assert home not in shell.state.replicas  # forgotten with its last run
+            path.write_text(toml({"name": home, "url": url_c, "models": [MODEL]}))
+            r = await gw.post("/reload")
+            assert r.status_code == 200, r.text
+            assert (r.json()["added"], r.json()["removed"]) == ([home], [other])
+            await chat(gw, "r2", [{"role": "user", "content": "hello"}])
+            assert len(rec_c.chats) == 1  # the new engine, under the old name
+
+
 async def test_a_held_turn_whose_model_leaves_the_pool_is_answered_404(tmp_path: Path) -> None:
     # a's KV pool (400 tokens) fits one new run at a time: while the first streams, the
     # second is held by luftpause.  Then a leaves, and its model with it.
