@@ -1054,11 +1054,19 @@ class AgentRun:
     def _validate_approve(self, answer: Approval) -> None:
         if self._pending is None:
             raise ValueError(f"run '{self._id}' has no pending approval (state {self._state})")
-        if answer.call_id is not None and answer.call_id != self._pending.call_id:
+        call_id = self._pending.call_id
+        if answer.call_id is not None and answer.call_id != call_id:
             raise ValueError(
-                f"run '{self._id}' is waiting on call '{self._pending.call_id}', "
-                f"not '{answer.call_id}'"
+                f"run '{self._id}' is waiting on call '{call_id}', not '{answer.call_id}'"
             )
+        # Two answers can reach the run in one workflow task (the approve tool and an
+        # elicitation, two clients): the first stands, and one that says otherwise is
+        # refused, never acknowledged and then overwritten.  The same answer again (a
+        # resend) is taken.  (Validators do not run on replay: no patch needed.)
+        given = self._answers.get(call_id)
+        if given is not None and given != answer.allow:
+            said = "allowed" if given else "declined"
+            raise ValueError(f"run '{self._id}' has its answer to call '{call_id}' already: {said}")
 
 
 def search_attributes(spec: RunSpec, handle: str) -> TypedSearchAttributes:

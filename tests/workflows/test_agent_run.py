@@ -23,7 +23,17 @@ from tests.workflows.harness import (
     task_with,
     until,
 )
-from workflows import DECLINED, Rounds, RunError, Runs, RunSpec, RunUnavailable
+from workflows import (
+    DECLINED,
+    AgentRun,
+    PendingApproval,
+    Rounds,
+    RunError,
+    Runs,
+    RunSpec,
+    RunUnavailable,
+)
+from workflows.contract import Approval
 
 
 def track_concurrency(s: Stack) -> dict[str, int]:
@@ -168,6 +178,25 @@ async def test_approval_allowed_and_declined(temporal_address: str) -> None:
         assert sum(s.mcp.counts.values()) == 1
         tool_reply = [m for m in await s.runs.transcript(declined) if m["role"] == "tool"]
         assert tool_reply[0]["content"] == DECLINED == "Error: the user declined this tool call"
+
+
+def test_a_second_answer_to_one_call_does_not_overwrite_the_first() -> None:
+    # Two answers in one workflow task (the approve tool and an elicitation, two
+    # clients) each pass the validator before the run moves on: a decline taken and
+    # acknowledged must not be overwritten by an allow, or the destructive call runs.
+    # (Validator and handler of one update run without a yield between them, so the
+    # second validator sees the first answer; that ordering is the SDK's.)
+    run = object.__new__(AgentRun)
+    run._id, run._state, run._answers = "r", "AwaitingApproval", {}
+    run._pending = PendingApproval(call_id="c1", tool="delete_record", arguments={})
+    run._validate_approve(Approval(False, "c1"))
+    assert run.approve(Approval(False, "c1")) == "delete_record"
+    with pytest.raises(ValueError, match="answer to call 'c1' already: declined"):
+        run._validate_approve(Approval(True, "c1"))
+    with pytest.raises(ValueError, match="already: declined"):
+        run._validate_approve(Approval(True))  # an answer naming no call: the pending one
+    run._validate_approve(Approval(False, "c1"))  # the same answer again: a resend
+    assert run._answers == {"c1": False}
 
 
 async def test_approve_tools_names_a_tool_that_is_not_destructive(temporal_address: str) -> None:
