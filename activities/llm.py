@@ -45,6 +45,20 @@ _WAIT = frozenset({429, 503})
 ENGINE_FAULT_ATTEMPTS = 20
 
 
+class _BadCompletion(Exception):
+    """A 200 whose body holds no usable chat completion (what it lacks)."""
+
+
+def _count_fault(faults: int, message: str) -> tuple[bool, str]:
+    """One more engine fault for this turn: recorded in the heartbeat (the next attempt
+    counts on from there); whether the turn is given up now, and the message."""
+    faults += 1
+    activity.heartbeat(faults)
+    if faults < ENGINE_FAULT_ATTEMPTS:
+        return False, message
+    return True, f"{message} (this turn failed {faults} times: given up)"
+
+
 def _faults_so_far() -> int:
     """This turn's engine failures in earlier attempts (their last heartbeat's details)."""
     details = activity.info().heartbeat_details
@@ -166,18 +180,21 @@ class LlmActivities:
             message = f"gateway answered {status}: {_message(response)}"
             spent = False
             if status not in _WAIT and status not in _PERMANENT:
-                faults += 1
-                activity.heartbeat(faults)  # the next attempt counts on from here
-                spent = faults >= ENGINE_FAULT_ATTEMPTS
-                if spent:
-                    message += f" (this turn failed {faults} times: given up)"
+                spent, message = _count_fault(faults, message)
             raise ApplicationError(
                 message,
                 type=f"Http{status}",
                 non_retryable=status in _PERMANENT or spent,
                 next_retry_delay=_next_delay(response),
             )
-        return self._output(turn, response, time.monotonic() - started)
+        try:
+            return self._output(turn, response, time.monotonic() - started)
+        except _BadCompletion as exc:
+            # An engine (or a router before it) that answers this turn with a body no
+            # completion can be read from is failing it as a 500 would: counted, not
+            # retried for ever.
+            spent, message = _count_fault(faults, f"gateway answered 200 {exc}")
+            raise ApplicationError(message, type="BadCompletion", non_retryable=spent) from None
 
     def _output(self, turn: TurnInput, response: httpx.Response, seconds: float) -> TurnOutput:
         try:
@@ -186,9 +203,7 @@ class LlmActivities:
             message = dict(choice["message"])
             finish = str(choice.get("finish_reason") or "stop")
         except (ValueError, KeyError, IndexError, TypeError) as exc:
-            raise ApplicationError(
-                f"gateway answered 200 without a chat completion ({exc!r})", type="BadCompletion"
-            ) from None
+            raise _BadCompletion(f"without a chat completion ({exc!r})") from None
         usage = data.get("usage") or {}
         details = usage.get("prompt_tokens_details") or {}
         # Call ids key approvals and the tool servers' idempotency: they must be unique
@@ -198,6 +213,9 @@ class LlmActivities:
         for i, c in enumerate(message.get("tool_calls") or []):
             if not (isinstance(c, dict) and isinstance(c.get("function"), dict)):
                 continue
+            name = c["function"].get("name")
+            if not isinstance(name, str) or not name:
+                raise _BadCompletion(f"with a tool call that names no function: {c!r:.200}")
             call_id = str(c.get("id") or "")
             if not call_id or call_id in used:
                 base = f"{call_id or 'call'}_{len(turn.messages)}_{i}"
@@ -208,7 +226,7 @@ class LlmActivities:
             calls.append(
                 ToolCall(
                     id=call_id,
-                    name=str(c["function"]["name"]),
+                    name=name,
                     arguments=str(c["function"].get("arguments") or ""),
                 )
             )

@@ -155,6 +155,37 @@ async def test_engine_failures_are_retried_a_bounded_number_of_times(
     assert beats[-1] == (counted,)
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"choices": []},
+        {"error": {"message": "overloaded"}},  # an error object sent with a 200
+        {"choices": [{"message": {"role": "assistant", "tool_calls": [{"function": {}}]}}]},
+    ],
+    ids=["no-choices", "error-object", "tool-call-without-a-name"],
+)
+@pytest.mark.parametrize("before", [ENGINE_FAULT_ATTEMPTS - 2, ENGINE_FAULT_ATTEMPTS - 1])
+async def test_a_200_without_a_usable_completion_counts_as_an_engine_failure(
+    body: dict[str, Any], before: int
+) -> None:
+    # The turn's retry policy has no attempt limit: uncounted, an engine (or a router)
+    # that answers this turn so every time kept the run Running for ever.
+    app = upstream(lambda r: Response(json.dumps(body), media_type="application/json"))
+    env = ActivityEnvironment()
+    env.info = dataclasses.replace(
+        env.info, attempt=500, retry_policy=RETRY, heartbeat_details=[before]
+    )
+    beats: list[tuple[Any, ...]] = []
+    env.on_heartbeat = lambda *details: beats.append(details)
+    with pytest.raises(ApplicationError) as err:
+        await call(app, turn(tools=TOOLS), env=env)
+    assert err.value.type == "BadCompletion" and "gateway answered 200 with" in str(err.value)
+    assert beats[-1] == (before + 1,)
+    spent = before + 1 == ENGINE_FAULT_ATTEMPTS
+    assert err.value.non_retryable is spent
+    assert ("given up" in str(err.value)) is spent
+
+
 async def test_the_workers_client_waits_without_a_read_timeout_on_kept_alive_sockets() -> None:
     app = upstream(lambda r: Response("{}", media_type="application/json"))
     async with serve(app) as url, gateway_client() as http:
