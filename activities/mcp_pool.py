@@ -28,8 +28,11 @@ from mcp.client.stdio import StdioServerParameters, get_default_environment
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 from mcp_types import (
+    CONNECTION_CLOSED,
     INVALID_PARAMS,
     METHOD_NOT_FOUND,
+    PARSE_ERROR,
+    REQUEST_TIMEOUT,
     AudioContent,
     ContentBlock,
     EmbeddedResource,
@@ -54,6 +57,9 @@ MAX_TOOL_PAGES = 100
 # JSON-RPC errors by which a server says it did not run the call: no such tool or
 # method, or arguments it refuses.  The model is told; nothing is sent again.
 _REFUSED = frozenset({METHOD_NOT_FOUND, INVALID_PARAMS})
+# JSON-RPC errors the SDK makes up when no answer came (the connection closed, the
+# request timed out, a body it could not read): never taken for the server's answer.
+_NO_ANSWER = frozenset({CONNECTION_CLOSED, REQUEST_TIMEOUT, PARSE_ERROR})
 
 
 class UnknownTool(LookupError):
@@ -91,13 +97,21 @@ class _Delivery(httpx2.AsyncBaseTransport):
     made (nothing was sent) or the server answered 404 (a session it no longer knows:
     it ran nothing), True once the request was sent otherwise.  A key it never saw was
     never sent.  The SDK reports all of these as one error ("Connection closed",
-    "Session not found"); the workflow sends a call again only if it cannot have run."""
+    "Session not found"); the workflow sends a call again only if it cannot have run.
+    It also notes in `replied` the calls the server answered in JSON-RPC (a JSON or
+    event-stream body, or a JSON-RPC error at an error status): a JSON-RPC error the
+    SDK raises for one of those is the server's, not one it made up for an HTTP error."""
 
     def __init__(
-        self, inner: httpx2.AsyncBaseTransport, reached: dict[str, bool], errors: list[int]
+        self,
+        inner: httpx2.AsyncBaseTransport,
+        reached: dict[str, bool],
+        replied: set[str],
+        errors: list[int],
     ) -> None:
         self._inner = inner
         self._reached = reached
+        self._replied = replied
         self._errors = errors  # the last error status of another request (the SDK drops it)
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
@@ -113,10 +127,19 @@ class _Delivery(httpx2.AsyncBaseTransport):
         except (httpx2.ConnectError, httpx2.ConnectTimeout):
             self._reached[key] = False
             raise
-        if response.status_code == 404:
+        status = response.status_code
+        if status < 300:
+            kind = (response.headers.get("content-type") or "").lower()
+            if kind.startswith(("application/json", "text/event-stream")):
+                self._replied.add(key)
+            return response
+        code = await _error_code(response)
+        if status == 404:
             # A session or server gone, which ran nothing, unless the 404 is the server's
             # own answer that it ran nothing (2026-07-28 sends METHOD_NOT_FOUND so).
-            self._reached[key] = await _refusal(response)
+            self._reached[key] = code in _REFUSED
+        if code is not None and self._reached[key]:
+            self._replied.add(key)  # (a session it does not know is no answer to the call)
         return response
 
     async def __aenter__(self) -> _Delivery:
@@ -130,27 +153,28 @@ class _Delivery(httpx2.AsyncBaseTransport):
         await self._inner.aclose()
 
 
-async def _refusal(response: httpx2.Response) -> bool:
-    """Whether a 404 is a JSON-RPC error by which the server refuses the call itself
-    (read whole: it is short, and the SDK reads it from the buffer after)."""
+async def _error_code(response: httpx2.Response) -> int | None:
+    """The code of the JSON-RPC error an error status carries, if it carries one (read
+    whole: it is short, and the SDK reads it from the buffer after)."""
     if not (response.headers.get("content-type") or "").startswith("application/json"):
-        return False
+        return None
     try:
         body = json.loads(await response.aread())
-        return isinstance(body, dict) and body["error"]["code"] in _REFUSED
+        code = body["error"]["code"] if isinstance(body, dict) else None
     except (ValueError, KeyError, TypeError, httpx2.HTTPError):
-        return False
+        return None
+    return code if isinstance(code, int) and not isinstance(code, bool) else None
 
 
 def _noting_delivery(
-    http: httpx2.AsyncClient, reached: dict[str, bool], errors: list[int]
+    http: httpx2.AsyncClient, reached: dict[str, bool], replied: set[str], errors: list[int]
 ) -> httpx2.AsyncClient:
     """`http` with every transport it may use wrapped in `_Delivery`.  (Given as
     `transport=`, a transport would turn off the proxies httpx takes from
     HTTP(S)_PROXY, so the ones it built are wrapped instead.)"""
-    http._transport = _Delivery(http._transport, reached, errors)
+    http._transport = _Delivery(http._transport, reached, replied, errors)
     http._mounts = {
-        pattern: None if t is None else _Delivery(t, reached, errors)
+        pattern: None if t is None else _Delivery(t, reached, replied, errors)
         for pattern, t in http._mounts.items()
     }
     return http
@@ -181,6 +205,7 @@ class _Connection:
         self._gen: _Generation | None = None
         # HTTP servers: whether a call (by idempotency key) may have reached the server.
         self.reached: dict[str, bool] | None = {} if server.command is None else None
+        self.replied: set[str] = set()  # HTTP servers: calls answered in JSON-RPC (by key)
         self.errors: list[int] = []  # HTTP servers: the last error status, for messages
 
     @contextlib.asynccontextmanager
@@ -203,7 +228,7 @@ class _Connection:
         http = httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(30.0, read=None))
         # The transport does not close a client it was given: this block does.
         async with (
-            _noting_delivery(http, self.reached, self.errors),
+            _noting_delivery(http, self.reached, self.replied, self.errors),
             Client(streamable_http_client(s.url, http_client=http), mode=s.protocol) as client,
         ):
             yield client
@@ -451,7 +476,10 @@ class McpPool:
             meta: Any = {IDEMPOTENCY_META_KEY: key} if key else None
             result = await client.call_tool(tool, arguments, meta=meta)
         except Exception as exc:
-            answer = _answered(exc, reached, key)
+            # Said by the server (a stdio server's errors all are; an HTTP server's if
+            # it answered this call in JSON-RPC), or made up by the SDK.
+            said = conn.reached is None or (reached is not None and key in conn.replied)
+            answer = _answered(exc, reached, key, said)
             if answer is not None:
                 return answer, True  # the connection is sound: it stays open
             # Closed, the connection sends nothing more: a request of this call the SDK
@@ -465,6 +493,7 @@ class McpPool:
         finally:
             if reached is not None:
                 reached.pop(key or "", None)
+                conn.replied.discard(key or "")
         parts = [_text_of(block) for block in result.content]
         if not parts and result.structured_content is not None:
             parts.append(json.dumps(result.structured_content))
@@ -493,17 +522,25 @@ async def _every_tool(client: Client, server: str) -> list[Any]:
     return tools
 
 
-def _answered(exc: Exception, reached: dict[str, bool] | None, key: str | None) -> str | None:
+def _answered(
+    exc: Exception, reached: dict[str, bool] | None, key: str | None, said: bool
+) -> str | None:
     """What the model is told of a call the server answered with an error (None: no
     answer came, the call failed on the way).  Such an answer is not sent again:
     - a JSON-RPC error by which the server says it ran nothing (no such tool or method,
       arguments it refuses), unless an HTTP 404 said it, which `_Delivery` notes as a
       session or a server gone (sent again once it is back);
+    - any other JSON-RPC error the server `said` (an internal error, its own codes),
+      but those the SDK makes up when no answer came: the call failed in the server,
+      which answered on a connection that is sound (closing it would cut off other
+      runs' calls on it), and may have run part of it, as a tool's `isError` says;
     - a result the SDK refused for not matching the tool's own output schema: the tool
       ran and answered, and would answer the same."""
     if isinstance(exc, MCPError) and exc.code in _REFUSED:
         if reached is not None and reached.get(key or "") is False:
             return None
+        return f"Error: {exc.message}" + _error_data(exc.data)
+    if isinstance(exc, MCPError) and said and exc.code not in _NO_ANSWER:
         return f"Error: {exc.message}" + _error_data(exc.data)
     if isinstance(exc, RuntimeError) and _from(exc, "validate_tool_result"):
         return f"Error: the tool's answer was refused: {exc}"

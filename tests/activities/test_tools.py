@@ -16,7 +16,7 @@ import pytest
 from mcp.server.lowlevel import Server
 from mcp.server.mcpserver import MCPServer
 from mcp.shared.exceptions import MCPError
-from mcp_types import INVALID_PARAMS, METHOD_NOT_FOUND, ToolAnnotations
+from mcp_types import INTERNAL_ERROR, INVALID_PARAMS, METHOD_NOT_FOUND, ToolAnnotations
 from pydantic import Field
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
@@ -316,7 +316,13 @@ _READ_ONLY = types.ToolAnnotations(read_only_hint=True)
 _READING = {"type": "object", "properties": {"celsius": {"type": "number"}}}
 
 
-def _answering_server(ran: list[str]) -> Server[Any]:
+class _Mail:
+    def __init__(self) -> None:
+        self.started = asyncio.Event()
+        self.may_end = asyncio.Event()
+
+
+def _answering_server(ran: list[str], mail: _Mail) -> Server[Any]:
     """forecast: refuses a city it does not know (invalid params); reading: answers
     against its own output schema; screenshot: an image, a text resource and a link,
     as browser tools answer."""
@@ -336,6 +342,8 @@ def _answering_server(ran: list[str]) -> Server[Any]:
                 types.Tool(
                     name="screenshot", input_schema={"type": "object"}, annotations=_READ_ONLY
                 ),
+                types.Tool(name="search", input_schema={"type": "object"}, annotations=_READ_ONLY),
+                types.Tool(name="send_mail", input_schema={"type": "object"}),
             ]
         )
 
@@ -345,6 +353,12 @@ def _answering_server(ran: list[str]) -> Server[Any]:
             raise MCPError(INVALID_PARAMS, "unknown city 'Atlantis'", {"known": ["Oslo"]})
         if params.name == "old_tool":  # (2026-07-28 answers this with HTTP 404)
             raise MCPError(METHOD_NOT_FOUND, "tool 'old_tool' is gone")
+        if params.name == "search":
+            raise MCPError(INTERNAL_ERROR, "index is rebuilding")
+        if params.name == "send_mail":  # another run's call, in flight meanwhile
+            mail.started.set()
+            await mail.may_end.wait()
+            return types.CallToolResult(content=[types.TextContent(type="text", text="sent")])
         if params.name == "reading":
             warm = {"celsius": "warm"}
             return types.CallToolResult(
@@ -374,7 +388,10 @@ async def test_an_error_the_server_answers_reaches_the_model_once(
     # again for 15 minutes, then the run failed; the connection was dropped each time
     # (a stdio server lost its state). The server had answered (helper-77).
     ran: list[str] = []
-    app = _answering_server(ran).streamable_http_app(streamable_http_path="/mcp", host="127.0.0.1")
+    mail = _Mail()
+    app = _answering_server(ran, mail).streamable_http_app(
+        streamable_http_path="/mcp", host="127.0.0.1"
+    )
     async with serve(app) as url:
         pool = McpPool([McpServer(name="s", url=f"{url}/mcp", protocol=protocol)])
         tools = ToolActivities(pool)
@@ -399,7 +416,20 @@ async def test_an_error_the_server_answers_reaches_the_model_once(
             ), wrong.content
             gone = await env.run(tools.call_tool, call("old_tool", "{}", "4"))
             assert gone.is_error and gone.content == "Error: tool 'old_tool' is gone"
-            assert ran == ["forecast", "reading", "old_tool"]  # once each
+            # An internal error (any code but those the SDK makes up for no answer)
+            # is the server's answer too; another run's call on the connection goes
+            # on meanwhile (the connection was closed under it, helper-99).
+            sending = asyncio.ensure_future(
+                ActivityEnvironment().run(tools.call_tool, call("send_mail", "{}", "5"))
+            )
+            await asyncio.wait_for(mail.started.wait(), 10)
+            busy = await env.run(tools.call_tool, call("search", "{}", "6"))
+            assert busy.is_error and busy.executed
+            assert busy.content == "Error: index is rebuilding"
+            mail.may_end.set()
+            sent = await sending
+            assert (sent.content, sent.is_error) == ("sent", False)
+            assert ran == ["forecast", "reading", "old_tool", "send_mail", "search"]  # once each
             assert pool._conns["s"]._gen is opened  # the connection was kept
             shown = await env.run(tools.call_tool, call("screenshot", "{}", "3"))
             assert shown.content.split("\n") == [
