@@ -43,6 +43,23 @@ __all__ = [
 ]
 
 
+def no_answer(status: int, location: bytes | None) -> str | None:
+    """Why an engine's status is no answer to a turn (None: it is one): a status HTTP
+    does not have (the server could not even send it on), a redirect (luftpause posts
+    to the endpoint's URL only), or an answer without a body."""
+    if not 200 <= status < 600:
+        return f"answered status {status}, which HTTP does not have"
+    if 300 <= status < 400:
+        where = f" to {location.decode('latin-1')[:200]}" if location else ""
+        return (
+            f"answered {status} (a redirect{where}); luftpause does not follow redirects: "
+            "set the endpoint's url to where it points"
+        )
+    if status in (204, 205):
+        return f"answered {status} without a body"
+    return None
+
+
 def describe_http_error(exc: httpx.HTTPError) -> str:
     """What went wrong talking to an engine, for `engine <replica>: <error>` and /status."""
     if isinstance(exc, httpx.ConnectTimeout):
@@ -140,6 +157,11 @@ class _Origin:
     literal: bool  # host is an IP address: no resolution, nothing to race
 
 
+# URLs whose parse is kept: one per endpoint and API, far more than a pool has; past
+# this (pods replaced for months under discovery) the cache starts over.
+MAX_TARGETS = 4096
+
+
 class _Connection(asyncio.Protocol):
     """One keep-alive connection to an engine, one exchange at a time.  httptools
     parses the answer; its body waits in `chunks` until the proxy reads it."""
@@ -148,6 +170,9 @@ class _Connection(asyncio.Protocol):
         self.origin = origin
         self.transport: asyncio.Transport | None = None
         self.closed = False
+        # Set while the connection waits idle in its Upstream: called if the engine
+        # closes it there, so that the Upstream lets it go.
+        self.on_idle_lost: Callable[[_Connection], None] | None = None
         self._parser = httptools.HttpResponseParser(self)
         self._waiter: asyncio.Future[None] | None = None
         self._paused = False
@@ -189,6 +214,9 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self.on_idle_lost is not None:
+            forget, self.on_idle_lost = self.on_idle_lost, None
+            forget(self)
         if self.busy:
             self._closed_after = asyncio.get_running_loop().time() - self._sent_at
         if self.busy and not self.complete:
@@ -415,22 +443,41 @@ class Upstream:
             idle[:] = [c for c in idle if not c.closed]  # the engine closed some
         if conn.reusable() and len(idle) < MAX_IDLE_PER_ENGINE and not self._closed:
             idle.append(conn)
+            conn.on_idle_lost = self._lost_idle
         else:
+            if not idle:
+                del self._idle[conn.origin]
             conn.close()
+
+    def _lost_idle(self, conn: _Connection) -> None:
+        """The engine closed an idle connection (its keep-alive timeout, or it left):
+        let it go, and the engine's list once it is empty (an engine discovery replaced
+        keeps nothing here)."""
+        idle = self._idle.get(conn.origin)
+        if idle is None or conn not in idle:
+            return
+        idle.remove(conn)
+        if not idle:
+            del self._idle[conn.origin]
 
     def close(self) -> None:
         """Close the idle connections; turns in flight close their own when they end
         (kept after this, one would stay open until collected)."""
         self._closed = True
-        for idle in self._idle.values():
-            for conn in idle:
-                conn.close()
+        idles = list(self._idle.values())
         self._idle.clear()
+        for idle in idles:
+            for conn in idle:
+                conn.on_idle_lost = None
+                conn.close()
 
     def _idle_connection(self, origin: _Origin) -> _Connection | None:
         idle = self._idle.get(origin)
         while idle:
             conn = idle.pop()  # the most recently used: least likely to time out
+            conn.on_idle_lost = None
+            if not idle:
+                del self._idle[origin]
             if not conn.closed:
                 return conn
         return None
@@ -479,6 +526,8 @@ class Upstream:
                 literal=is_address(parts.hostname),
             )
             target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+            if len(self._targets) >= MAX_TARGETS:
+                self._targets.clear()  # engines come and go (discovery): start over
             known = self._targets[url] = (origin, target)
         return known
 

@@ -38,7 +38,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from activities._recover import recover_tool_calls
-from gateway._http import Upstream, UpstreamAnswer, UpstreamError, wait_disconnect
+from gateway._http import Upstream, UpstreamAnswer, UpstreamError, no_answer, wait_disconnect
 from gateway._runtrace import RunSpans, TurnOutcome
 from gateway._shell import Admission, AdmissionShell, Rejected
 from gateway.prober import PROBE_PERIOD_S, auth_headers
@@ -601,23 +601,6 @@ def _error_text(error: object, fallback: object = None) -> str:
     else `fallback`; cut to 200 characters (it goes into a log line and a span)."""
     message = error.get("message") if isinstance(error, dict) else error
     return str(message or fallback or error)[:200]
-
-
-def no_answer(status: int, location: bytes | None) -> str | None:
-    """Why an engine's status is no answer to a turn (None: it is one): a status HTTP
-    does not have (the server could not even send it on), a redirect (luftpause posts
-    to the endpoint's URL only), or an answer without a body."""
-    if not 200 <= status < 600:
-        return f"answered status {status}, which HTTP does not have"
-    if 300 <= status < 400:
-        where = f" to {location.decode('latin-1')[:200]}" if location else ""
-        return (
-            f"answered {status} (a redirect{where}); luftpause does not follow redirects: "
-            "set the endpoint's url to where it points"
-        )
-    if status in (204, 205):
-        return f"answered {status} without a body"
-    return None
 
 
 def _carries(chunk: bytes) -> bool:

@@ -41,13 +41,12 @@ from starlette.types import Receive, Scope, Send
 from temporalio.client import Client as TemporalClient
 
 from activities.mcp_pool import McpPool
-from gateway._http import Upstream
+from gateway._http import Upstream, no_answer
 from gateway._proxy import (
     TurnRequest,
     TurnResponse,
     dropped_upstream,
     error_response,
-    no_answer,
 )
 from gateway._runtrace import RunSpans
 from gateway._shell import AdmissionShell

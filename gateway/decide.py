@@ -24,7 +24,7 @@ import httpx
 from starlette.responses import Response
 from starlette.types import Receive
 
-from gateway._http import describe_http_error, wait_disconnect
+from gateway._http import describe_http_error, no_answer, wait_disconnect
 from gateway._proxy import (
     ENGINE_IDLE_TIMEOUT_S,
     UNAVAILABLE_RETRY_AFTER_S,
@@ -416,9 +416,23 @@ async def run_turn(
             message = f"engine {outcome}: {describe_http_error(exc)}"
             fail(message, engine=True)
             return error_response(502, message, turn.run_id)
+        location = upstream.headers.get("location")
+        why = no_answer(
+            upstream.status_code, location.encode("latin-1", "replace") if location else None
+        )
+        if why is not None:  # a redirect: turns are posted to the endpoint's URL only
+            message = f"engine {outcome}: {why}"
+            fail(message, engine=True)
+            return error_response(502, message, turn.run_id)
         if upstream.status_code >= 400:
             fail(f"engine answered {upstream.status_code}", engine_fault(upstream.status_code))
             return passed_through(upstream, turn.run_id)
+        try:
+            answer = upstream.json()
+        except ValueError:
+            message = f"engine {outcome}: answer is not JSON"
+            fail(message, engine=True)
+            return error_response(502, message, turn.run_id)
         watch = StreamWatch(sse=False)
         watch.feed(upstream.content)
         watch.close()
@@ -432,10 +446,6 @@ async def run_turn(
                 cached_tokens=watch.cached_tokens,
             )
         )
-        try:
-            answer = upstream.json()
-        except ValueError:
-            return error_response(502, f"engine {outcome}: answer is not JSON", turn.run_id)
         return answer if isinstance(answer, dict) else {}
     finally:
         disconnected.cancel()

@@ -45,7 +45,7 @@ from urllib.parse import urlsplit
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway._http import describe_http_error
+from gateway._http import describe_http_error, no_answer
 from luftpause.config import (
     DP_RANK_LABEL,
     KV_REPORTED_BY,
@@ -293,6 +293,15 @@ def _anthropic_host(url: str) -> bool:
     return host == "anthropic.com" or host.endswith(".anthropic.com")
 
 
+def _answered(response: httpx.Response) -> str:
+    """`answered 503`, or why a status is no answer (a redirect: where it points)."""
+    location = response.headers.get("location")
+    why = no_answer(
+        response.status_code, location.encode("latin-1", "replace") if location else None
+    )
+    return why or f"answered {response.status_code}"
+
+
 async def probe_endpoint(
     client: httpx.AsyncClient,
     endpoint: Endpoint,
@@ -309,11 +318,13 @@ async def probe_endpoint(
     try:
         async with asyncio.timeout(timeout):
             health = await client.get(endpoint.url + endpoint.health, headers=headers)
-            if health.status_code >= 400:
+            if health.status_code >= 300:
+                # A redirect too: turns are posted to the endpoint's URL only, and one
+                # that redirects them all (http -> https, a moved host) fails every turn.
                 return ProbeResult(
                     endpoint=endpoint.name,
                     healthy=False,
-                    error=f"{endpoint.health} answered {health.status_code}",
+                    error=f"{endpoint.health} {_answered(health)}",
                 )
             if endpoint.kind not in LOAD_METRICS:
                 return ProbeResult(endpoint=endpoint.name, healthy=True)
@@ -330,8 +341,8 @@ async def probe_endpoint(
     load: tuple[int, int] | None = None
     note: str | None = None  # why the load is unknown
     q, r = LOAD_METRICS[endpoint.kind]
-    if metrics.status_code in (404, 501):
-        note = f"reports no load: /metrics answered {metrics.status_code}"
+    if metrics.status_code in (404, 501) or 300 <= metrics.status_code < 400:
+        note = f"reports no load: /metrics {_answered(metrics)}"
     elif metrics.status_code >= 400:
         return ProbeResult(
             endpoint=endpoint.name,
@@ -368,7 +379,7 @@ async def probe_endpoint(
         error=note,
         kv_tokens=kv,
         slots=slots,
-        exposition=metrics.text if keep_exposition and metrics.status_code < 400 else None,
+        exposition=metrics.text if keep_exposition and metrics.status_code < 300 else None,
     )
 
 

@@ -163,6 +163,33 @@ async def test_engine_errors_are_passed_through() -> None:
         assert not shell.state.turns and not shell.state.runs
 
 
+async def test_a_redirect_or_an_answer_that_is_no_json_fails_the_turn_as_the_engines() -> None:
+    # Taken as finished turns, neither counted toward ejecting the replica (as a
+    # proxied turn's would).
+    answers = iter(
+        [
+            Response(b"", 308, headers={"location": "https://elsewhere.example/v1"}),
+            Response(b"<html>upgrade</html>", 200, media_type="text/html"),
+        ]
+    )
+    async with (
+        serve(upstream(lambda request: next(answers))) as url,
+        gateway(endpoint("a", url, kind="openai")) as (gw, shell),
+    ):
+        r = await gw.post("/v1/decide", json={"input": "hm", "labels": ["a", "b"]})
+        assert r.status_code == 502
+        assert r.json()["error"]["message"].startswith(
+            "engine a: answered 308 (a redirect to https://elsewhere.example/v1); "
+            "luftpause does not follow redirects"
+        )
+        assert shell.state.replicas["a"].failures == 1
+        r = await gw.post("/v1/decide", json={"input": "hm", "labels": ["a", "b"]})
+        assert r.status_code == 502
+        assert r.json()["error"]["message"] == "engine a: answer is not JSON"
+        assert shell.state.replicas["a"].failures == 2
+        assert not shell.state.turns and not shell.state.runs
+
+
 async def test_an_engine_that_never_answers_is_given_up_after_the_idle_limit() -> None:
     released = asyncio.Event()
 

@@ -175,6 +175,26 @@ async def test_a_failed_health_check_or_metrics_error_marks_unhealthy() -> None:
     assert not r.healthy and r.error == "/metrics answered 500"
 
 
+async def test_a_health_check_that_redirects_marks_unhealthy() -> None:
+    # Turns are posted to the endpoint's URL only: one that redirects everything
+    # (http -> https, a moved host) failed every turn 502 while /status said healthy.
+    moved = {"location": "https://elsewhere.example/health"}
+    async with _client({"/health": httpx.Response(308, headers=moved)}) as c:
+        r = await probe_endpoint(c, _endpoint())
+    assert not r.healthy
+    assert r.error == (
+        "/health answered 308 (a redirect to https://elsewhere.example/health); luftpause "
+        "does not follow redirects: set the endpoint's url to where it points"
+    )
+    # /metrics alone redirecting: the engine serves, its load is unknown (and why).
+    async with _client(
+        {"/health": httpx.Response(200), "/metrics": httpx.Response(307, headers=moved)}
+    ) as c:
+        r = await probe_endpoint(c, _endpoint())
+    assert (r.healthy, r.queued, r.running) == (True, None, None)
+    assert r.error is not None and r.error.startswith("reports no load: /metrics answered 307")
+
+
 @pytest.mark.parametrize(
     ("kind", "metrics", "why"),
     [
