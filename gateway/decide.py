@@ -37,7 +37,7 @@ from gateway._proxy import (
 from gateway._shell import AdmissionShell, Rejected
 from gateway.prober import auth_headers
 from luftpause import telemetry
-from luftpause.config import Endpoint
+from luftpause.config import DP_RANK_HEADER, Endpoint
 from luftpause.headers import RUN_HEADER
 from scheduler import (
     Event,
@@ -378,6 +378,8 @@ async def run_turn(
             "accept-encoding": "identity",
             **auth_headers(endpoint),
         }
+        if endpoint.dp_rank is not None:  # a rank of a data-parallel server: pin it there
+            headers[DP_RANK_HEADER] = str(endpoint.dp_rank)
         telemetry.inject(headers)  # the decide span, when tracing is on
         request = client.build_request(
             "POST", endpoint.api_url("chat"), content=turn.body, headers=headers

@@ -190,6 +190,17 @@ async def test_a_redirect_or_an_answer_that_is_no_json_fails_the_turn_as_the_eng
         assert not shell.state.turns and not shell.state.runs
 
 
+async def test_a_turn_admitted_to_a_data_parallel_rank_is_sent_there() -> None:
+    async with (
+        engine(dp_size=2, time_scale=20) as (url, recorded),
+        gateway(endpoint("a", url, dp_size=2)) as (gw, _shell),
+    ):
+        r = await gw.post("/v1/decide", json={"input": "good?", "labels": ["yes", "no"]})
+        assert r.status_code == 200, r.text
+        (sent,) = recorded.headers
+        assert sent.get("x-data-parallel-rank") in ("0", "1")
+
+
 async def test_an_engine_that_never_answers_is_given_up_after_the_idle_limit() -> None:
     released = asyncio.Event()
 
