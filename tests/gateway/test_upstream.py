@@ -509,6 +509,23 @@ async def test_concurrent_turns_get_own_connections_and_both_are_kept(upstream: 
     assert server.requests_per_connection() == [2, 2]
 
 
+@bounded
+async def test_idle_connections_the_engine_closes_are_let_go(upstream: Upstream) -> None:
+    """An engine that leaves (a pod discovery replaced) closes the connections kept
+    for it: kept closed, they and the engine's list stayed for the process's life."""
+    for _ in range(3):  # three engines, each gone after two turns at once
+        async with raw_server(keep_answering()) as server:
+            results = await asyncio.gather(fetch(upstream, server.url), fetch(upstream, server.url))
+            assert list(results) == [(200, b'{"ok": true}')] * 2
+            (kept,) = upstream._idle.values()
+            assert len(kept) == 2 and not any(c.closed for c in kept)
+        for _ in range(100):  # the EOFs reach connection_lost within a few iterations
+            if not upstream._idle:
+                break
+            await settle()
+        assert not upstream._idle, upstream._idle
+
+
 # --------------------------------------------------------------------------- stale retry
 
 
