@@ -664,6 +664,11 @@ class Prober:
         # a probe's time).
         self._want_limits = {e.name: 0 for e in config.replicas if _asks_limits(config, e)}
         self._late: dict[str, int] = {}  # probes in a row that timed out, per endpoint
+        # Rounds overlap (a reload's or a discovery change's beside the periodic one):
+        # when the last late probe counted ended, and when the round that last
+        # reported began, per endpoint.
+        self._late_until: dict[str, float] = {}
+        self._read_from: dict[str, float] = {}
 
     def reconfigure(self, config: Config) -> None:
         """Probe the endpoints of a reloaded file, with its `[probes]`, from the next
@@ -682,7 +687,7 @@ class Prober:
         self._timeout = config.probes.timeout_s
         self._late_limit = config.probes.late_to_unhealthy
         names = {e.name for e in config.endpoints}
-        for seen in (self.last, self._late, self._want_limits):
+        for seen in (self.last, self._late, self._want_limits, self._late_until, self._read_from):
             for name in [n for n in seen if n not in names]:
                 del seen[name]
         for e in config.replicas:
@@ -691,22 +696,32 @@ class Prober:
 
     async def probe_once(self) -> list[ProbeResult]:
         config = self._config
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         results = await probe_pool(
             self._client,
             config,
             want_limits=frozenset(self._want_limits),
             timeout=self._timeout,
         )
+        ended = loop.time()
         # Endpoints a reload removed while the round was under way are not reported,
         # and neither are limits read for what the reload changed: a router's sum over
-        # its old engines, an engine's slots the file now gives or no longer does.
+        # its old engines, an engine's slots the file now gives or no longer does.  Nor
+        # is an endpoint a round begun later has reported already: its reading is newer.
         stale = _limits_changed(config, self._config)
         current = {e.name for e in self._config.endpoints}
         results = [
-            self._forgive_late(replace(r, kv_tokens=None, slots=None) if r.endpoint in stale else r)
+            self._forgive_late(
+                replace(r, kv_tokens=None, slots=None) if r.endpoint in stale else r,
+                started,
+                ended,
+            )
             for r in results
-            if r.endpoint in current
+            if r.endpoint in current and started >= self._read_from.get(r.endpoint, -math.inf)
         ]
+        for r in results:
+            self._read_from[r.endpoint] = started
         # Engines that answered this round (not down, not late and forgiven).
         answered = {r.endpoint for r in results if r.healthy and not r.timed_out and not r.repeated}
         for r in results:
@@ -753,14 +768,24 @@ class Prober:
         e = next((e for e in self._config.endpoints if e.name == name), None)
         return e.load_from if e is not None else []
 
-    def _forgive_late(self, r: ProbeResult) -> ProbeResult:
+    def _forgive_late(
+        self, r: ProbeResult, started: float = math.inf, ended: float = math.inf
+    ) -> ProbeResult:
         """A healthy engine's first late answer keeps it healthy (with its last load);
-        LATE_PROBES_TO_UNHEALTHY in a row take it out."""
+        LATE_PROBES_TO_UNHEALTHY in a row take it out.  A late probe of a round begun
+        before the last one counted ended (`started`, `ended`: its round's) waited
+        through the same slow moment: it does not count again."""
+        name = r.endpoint
         if not r.timed_out:
-            self._late.pop(r.endpoint, None)
+            self._late.pop(name, None)
+            self._late_until.pop(name, None)
             return r
-        late = self._late[r.endpoint] = self._late.get(r.endpoint, 0) + 1
-        before = self.last.get(r.endpoint)
+        if started < self._late_until.get(name, -math.inf):
+            late = self._late.get(name, 1)
+        else:
+            late = self._late[name] = self._late.get(name, 0) + 1
+            self._late_until[name] = ended
+        before = self.last.get(name)
         if before is None or not before.healthy or late >= self._late_limit:
             return r
         return replace(

@@ -904,6 +904,64 @@ async def test_one_late_probe_keeps_a_healthy_engine_in_rotation_two_do_not() ->
     assert prober._forgive_late(late).healthy
 
 
+def _stalling_client(stalls: list[bool], stalled: asyncio.Event) -> httpx.AsyncClient:
+    """/health answers at once, or (the next of `stalls` True) never: `stalled` is set
+    when such a request has arrived."""
+    never = asyncio.Event()
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            if stalls and stalls.pop(0):
+                stalled.set()
+                await never.wait()
+            return httpx.Response(200)
+        return httpx.Response(200, text=SGLANG)
+
+    return httpx.AsyncClient(transport=httpx.MockTransport(handler))
+
+
+async def test_rounds_at_once_count_one_slow_moment_once() -> None:
+    # A reload (or a pod change) probes at once beside the periodic round: both waited
+    # through one slow moment, which took a healthy engine out as two late probes in
+    # a row (helper-100).  The next round late again does count.
+    cfg = parse_config(
+        {
+            "endpoints": [_endpoint().model_dump()],
+            "probes": {"timeout_s": 0.2, "late_to_unhealthy": 2},
+        }
+    )
+    stalled = asyncio.Event()
+    async with _stalling_client([False, True, True, True], stalled) as c:
+        prober = Prober(cfg, c, lambda results: None, period=60)
+        assert (await prober.probe_once())[0].healthy
+        periodic = asyncio.ensure_future(prober.probe_once())
+        await stalled.wait()
+        extra = await prober.probe_once()  # begun while the periodic one waits
+        (a,), (b,) = await periodic, extra
+        for r in (a, b):  # each forgiven: late once
+            assert r.healthy and r.repeated and r.error is not None
+            assert r.error.endswith("once; still in rotation")
+        assert prober.last["e"].healthy
+        (later,) = await prober.probe_once()
+        assert not later.healthy and later.timed_out
+
+
+async def test_a_round_that_ends_after_a_later_one_does_not_undo_its_reading() -> None:
+    stalled = asyncio.Event()
+    cfg = parse_config({"endpoints": [_endpoint().model_dump()], "probes": {"timeout_s": 0.3}})
+    reported: list[list[ProbeResult]] = []
+    async with _stalling_client([False, True, False], stalled) as c:
+        prober = Prober(cfg, c, reported.append, period=60)
+        await prober.probe_once()
+        slow = asyncio.ensure_future(prober.probe_once())
+        await stalled.wait()
+        (fresh,) = await prober.probe_once()  # answered while the first still waits
+        assert fresh.healthy and not fresh.repeated
+        assert await slow == []  # its late answer is older than what was reported
+        assert prober.last["e"] is fresh
+        assert [len(r) for r in reported] == [1, 1, 0]
+
+
 @pytest.mark.parametrize("value", ["+Inf", "NaN"])
 async def test_a_load_that_is_no_count_leaves_the_load_unknown(value: str) -> None:
     # The exposition format allows +Inf and NaN; int() of them raised past the probe
