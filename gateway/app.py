@@ -896,10 +896,16 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             return error_response(400, f"phase: expected one of {', '.join(phases)}", "")
         if not (_decimal(limit) and 1 <= int(limit) <= RUNS_MAX):
             return error_response(400, f"limit: expected an integer from 1 to {RUNS_MAX}", "")
-        try:
-            cls = _parse_class(query["class"]) if "class" in query else None
-        except _BadRequest as exc:
-            return error_response(400, exc.message.replace(CLASS_HEADER, "class"), "")
+        cls = None
+        if "class" in query:
+            if not query["class"].strip():  # refused, as `phase=` (a blank header: absent)
+                accepted = " or ".join(f"'{c.value}'" for c in ServiceClass)
+                message = f"class must be {accepted}, got {query['class']!r}"
+                return error_response(400, message, "")
+            try:
+                cls = _parse_class(query["class"])
+            except _BadRequest as exc:
+                return error_response(400, exc.message.replace(CLASS_HEADER, "class"), "")
         caller = query.get("caller")
         if who.tenant is not None:  # a caller's token lists that caller's runs only
             if caller is not None and caller_text(caller) != who.tenant:

@@ -700,6 +700,7 @@ async def test_a_caller_finds_its_runs_and_one_run_by_id() -> None:
             ({"limit": "²"}, "limit: expected an integer from 1 to 1000"),  # isdigit()
             ({"limit": "9" * 5000}, "limit: expected an integer from 1 to 1000"),  # int()
             ({"class": "urgent"}, "class must be 'interactive' or 'batch'"),
+            ({"class": ""}, "class must be 'interactive' or 'batch', got ''"),  # not a filter
             ({"who": "x"}, "unknown query parameter 'who'"),
         ):
             bad = await gw.get("/v1/runs", params=params, headers=auth)
