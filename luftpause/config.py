@@ -473,6 +473,21 @@ class Temporal(BaseModel):
     # An API key (Temporal Cloud), read from this environment variable (never the file).
     api_key_env: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")] | None = None
 
+    @field_validator("address")
+    @classmethod
+    def _host_port(cls, v: str) -> str:
+        # What the SDK takes: host:port, no scheme or path (a worker given anything else
+        # died with the SDK's ValueError, a traceback).
+        host, colon, port = v.rpartition(":")
+        if (
+            not colon
+            or not host
+            or not (port.isascii() and port.isdigit() and 0 < int(port) < 65536)
+            or any(c.isspace() or c in "/@?#" for c in v)
+        ):
+            raise ValueError(f"expected host:port, e.g. 127.0.0.1:7233, got {v!r}")
+        return v
+
     @model_validator(mode="after")
     def _cert_with_key(self) -> Temporal:
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
@@ -943,12 +958,18 @@ def bearer_token(value: str) -> str:
     return token
 
 
-def parse_config(data: Mapping[str, Any], source: str = "configuration") -> Config:
-    """Validate a parsed TOML document; errors name the field and the expectation."""
+def parse_config(
+    data: Mapping[str, Any],
+    source: str = "configuration",
+    from_env: Mapping[str, str] | None = None,
+) -> Config:
+    """Validate a parsed TOML document; errors name the field and the expectation (and
+    the environment variable a value came from: `from_env`, field -> variable)."""
     try:
         return Config.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(f"{source}: " + "; ".join(_describe(e) for e in exc.errors())) from None
+        said = "; ".join(_describe(e, from_env or {}) for e in exc.errors())
+        raise ConfigError(f"{source}: {said}") from None
 
 
 # Environment variables a container sets instead of editing the file: (section, key).
@@ -976,16 +997,18 @@ def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> Confi
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{p}: not valid TOML: {exc}") from None
+    from_env: dict[str, str] = {}
     for var, (section, key) in ENV_OVERRIDES.items():
         value = (env or {}).get(var)
         if value:
             target = data if section is None else data.setdefault(section, {})
             if isinstance(target, dict):
                 target[key] = value
-    return parse_config(data, str(p))
+                from_env[key if section is None else f"{section}.{key}"] = var
+    return parse_config(data, str(p), from_env)
 
 
-def _describe(error: Mapping[str, Any]) -> str:
+def _describe(error: Mapping[str, Any], from_env: Mapping[str, str]) -> str:
     loc = error.get("loc", ())
     where = ""
     for part in loc:
@@ -994,4 +1017,6 @@ def _describe(error: Mapping[str, Any]) -> str:
     msg = msg.removeprefix("Value error, ")
     if error.get("type") == "extra_forbidden":
         msg = "unknown field"
+    if where in from_env:
+        where += f" (from {from_env[where]})"
     return f"{where}: {msg}" if where else msg  # the whole file's checks name their fields

@@ -488,9 +488,29 @@ def test_environment_overrides_the_file(tmp_path: Path) -> None:
     assert config.temporal.address == "temporal:7233"
     assert config.gateway_url == "http://gw:8080"
     assert load_config(path).temporal.address == "file:7233"
-    # The environment's value is checked as the file's is.
-    with pytest.raises(ConfigError, match="gateway_url: expected an http:// or https:// URL"):
+    # The environment's value is checked as the file's is, and named as its.
+    with pytest.raises(
+        ConfigError,
+        match=r"gateway_url \(from LUFTPAUSE_GATEWAY_URL\): expected an http:// or https:// URL",
+    ):
         load_config(path, {"LUFTPAUSE_GATEWAY_URL": "127.0.0.1:8080"})
+
+
+@pytest.mark.parametrize("address", ["not a host", "http://temporal:7233", "temporal", "t:0"])
+def test_a_temporal_address_that_is_no_host_and_port_is_refused_naming_it(
+    tmp_path: Path, address: str
+) -> None:
+    # Accepted, it reached the SDK, whose ValueError ended the worker in a traceback.
+    endpoint = '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+    path = _write(tmp_path, endpoint + f"[temporal]\naddress={address!r}")
+    said = f"temporal.address: expected host:port, e.g. 127.0.0.1:7233, got {address!r}"
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        load_config(path)
+    path = _write(tmp_path, endpoint)
+    with pytest.raises(ConfigError, match=re.escape("address (from LUFTPAUSE_TEMPORAL_ADDRESS)")):
+        load_config(path, {"LUFTPAUSE_TEMPORAL_ADDRESS": address})
+    for fine in ("[::1]:7233", "ns.a1b2.tmprl.cloud:7233"):
+        assert load_config(path, {"LUFTPAUSE_TEMPORAL_ADDRESS": fine}).temporal.address == fine
 
 
 def test_the_token_comes_from_the_file_or_the_environment_stripped_and_unshown(
@@ -507,7 +527,7 @@ def test_the_token_comes_from_the_file_or_the_environment_stripped_and_unshown(
     for bad in ("  ", "two words", "caf\u00e9"):
         with pytest.raises(ConfigError) as err:
             load_config(path, {"LUFTPAUSE_TOKEN": bad})
-        assert "token: expected a bearer token: printable ASCII" in str(err.value)
+        assert "token (from LUFTPAUSE_TOKEN): expected a bearer token: printable" in str(err.value)
         assert not bad.strip() or bad.strip() not in str(err.value)
 
 
