@@ -445,6 +445,16 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = 128 + signal.SIGPIPE
+    except SystemExit as exc:
+        # A command that ends itself (`raise SystemExit("luftpause worker: ...")`) also
+        # leaves past the interpreter's teardown, where temporalio can abort
+        # (sdk-python#300: "Fatal Python error", status 134 instead of 1).
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr, flush=True)
+            code = 1
+        else:
+            code = exc.code or 0
+        sys.stdout.flush()
     except KeyboardInterrupt:
         # Ctrl-C in a report (`sim`, `bench`, `load`): what it started has been stopped
         # on the way out (their `finally` blocks); no traceback, the shell's status.

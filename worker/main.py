@@ -19,7 +19,9 @@ import socket
 from datetime import timedelta
 
 import httpx
+from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest
 from temporalio.client import Client
+from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import Worker
 
 from activities import LlmActivities, ToolActivities
@@ -78,6 +80,22 @@ async def connect(t: Temporal, stop: asyncio.Event) -> Client | None:
             pass
 
 
+async def _namespace_exists(client: Client, t: Temporal) -> None:
+    """RuntimeError naming the namespace when Temporal has none of that name (the SDK's
+    worker says so only as it starts, after this process said it was up)."""
+    request = DescribeNamespaceRequest(namespace=t.namespace)
+    try:
+        await client.workflow_service.describe_namespace(request)
+    except RPCError as exc:
+        if exc.status != RPCStatusCode.NOT_FOUND:
+            raise
+        raise RuntimeError(
+            f"Temporal at {t.address} has no namespace {t.namespace!r} ([temporal] namespace, "
+            "or LUFTPAUSE_TEMPORAL_NAMESPACE): create it (temporal operator namespace "
+            "create) or name one it has"
+        ) from None
+
+
 def build_worker(
     client: Client, *, task_queue: str, llm: LlmActivities, tools: ToolActivities
 ) -> Worker:
@@ -115,6 +133,7 @@ async def serve(config: Config, token: str | None, stop: asyncio.Event) -> None:
     client = await connect(t, stop)
     if client is None:
         return  # asked to stop while Temporal was not there yet
+    await _namespace_exists(client, t)
     pool = McpPool(config.mcp_servers)
     async with gateway_client() as http:
         llm = LlmActivities(http, base_url=config.gateway_url, token=token)

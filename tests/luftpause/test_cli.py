@@ -327,3 +327,29 @@ def test_ctrl_c_in_a_report_ends_it_without_a_traceback() -> None:
                 proc.kill()
                 proc.communicate()
     assert proc.returncode == 130 and err == "luftpause load: interrupted\n", err
+
+
+def test_a_worker_for_a_namespace_temporal_lacks_says_so_and_exits(
+    tmp_path: Path, temporal_address: str
+) -> None:
+    # The worker said it was on its task queue, then died in the SDK's validation
+    # (helper-101: `up --config` with a namespace of its own); leaving by SystemExit
+    # it could also abort in temporalio's teardown (sdk-python#300), status 134.
+    config = tmp_path / "luftpause.toml"
+    config.write_text(
+        '[[endpoints]]\nname = "e"\nurl = "http://127.0.0.1:9"\nkind = "sglang"\n'
+        f'models = ["{MODEL}"]\n[temporal]\naddress = "{temporal_address}"\n'
+        'namespace = "nowhere"\n'
+    )
+    out = subprocess.run(
+        [EXE, "worker", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "LUFTPAUSE_TEMPORAL_NAMESPACE": ""},
+    )
+    assert out.returncode == 1, out.stderr
+    assert f"Temporal at {temporal_address} has no namespace 'nowhere'" in out.stderr
+    assert "worker on task queue" not in out.stderr
+    assert "Traceback" not in out.stderr and "Fatal Python error" not in out.stderr
