@@ -12,7 +12,9 @@ nothing else; if `up` itself is killed, the kernel stops its children (`_process
 from __future__ import annotations
 
 import argparse
+import fcntl
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -40,6 +42,7 @@ HEALTH_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0
 RESTARTS_PER_MINUTE = 5
 TASK_QUEUE = "luftpause"
+NAME = "luftpause"  # the state directory's, under XDG_STATE_HOME
 
 
 class UpError(Exception):
@@ -58,9 +61,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ui-port", type=port, default=8233, help="Temporal Web UI port (default 8233)")
     p.add_argument(
         "--state-dir",
+        # (An empty variable is an unset one: XDG_STATE_HOME= made it `./luftpause`.)
         default=os.environ.get("LUFTPAUSE_STATE_DIR")
-        or str(Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local/state")) / "luftpause"),
-        help="where the Temporal db, logs and generated config live",
+        or str(Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local/state") / NAME),
+        help="where the Temporal db, logs and generated config live (one `up` at a time)",
     )
     p.add_argument("--config", help="your luftpause.toml: real engines and tool servers")
     p.add_argument(
@@ -81,9 +85,11 @@ class Child:
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
     restarts: list[float] = field(default_factory=list)
+    logged_from: int = 0  # the log's size when it last started: what it says since
 
     def start(self) -> None:
         with open(self.log, "ab") as out:
+            self.logged_from = out.tell()
             # In a session of its own: Ctrl-C reaches `up`, which stops children in order.
             self.proc = spawn(
                 self.argv,
@@ -153,8 +159,10 @@ def _wait_log(
             raise Interrupted(f"stopped while waiting for {what}")
         if not child.alive():
             raise UpError(f"{what} exited during startup; see {child.log}")
-        if needle in child.log.read_text(errors="replace"):
-            return
+        with open(child.log, "rb") as log:  # (a line from an earlier start is no sign)
+            log.seek(child.logged_from)
+            if needle in log.read().decode(errors="replace"):
+                return
         time.sleep(0.1)
     raise UpError(f"{what} did not start within {timeout:g} s; see {child.log}")
 
@@ -201,6 +209,7 @@ class Up:
         self.temporal: DevServer | None = None
         self.token_from: str | None = None  # what the banner tells clients to send
         self.stopping = threading.Event()
+        self.lock: int | None = None  # the state directory's lock, held while up runs
 
     def exe(self) -> str:
         beside = Path(sys.executable).parent / "luftpause"
@@ -230,29 +239,61 @@ class Up:
         self.children.append(c)
         return c
 
+    def claim_state(self) -> None:
+        """Make the state directory (its owner's alone) and hold its lock: two `up`s in
+        one directory would share one Temporal database (each dev server writing it)
+        and one generated config (a restarted gateway of one serving the other's
+        engines)."""
+        try:
+            # The Temporal database holds every run's task, transcript and answer: a
+            # state directory made here is its owner's alone; one that exists is left
+            # as it is.
+            if not self.state.exists():
+                self.state.mkdir(mode=0o700, parents=True)
+            elif self.state.stat().st_mode & 0o077:
+                self.say(
+                    f"note: {self.state} can be read by other users; the Temporal database "
+                    "in it holds every run's transcript (chmod 700 it to keep them private)"
+                )
+            self.logs.mkdir(mode=0o700, exist_ok=True)
+            self.lock = os.open(self.state / "up.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise UpError(
+                f"--state-dir {self.state}: cannot use it ({exc.strerror or exc}); "
+                "give a directory this user may write"
+            ) from None
+        try:
+            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(self.lock)
+            self.lock = None
+            raise UpError(
+                f"another luftpause up is using {self.state}; stop it, or give this one a "
+                'directory of its own with --state-dir (make up ARGS="--state-dir DIR '
+                '--port N --temporal-port N --ui-port N")'
+            ) from None
+
     def start(self) -> dict[str, str]:
         self.check_ports()
-        # The Temporal database holds every run's task, transcript and answer: a state
-        # directory made here is its owner's alone; one that exists is left as it is.
-        if not self.state.exists():
-            self.state.mkdir(mode=0o700, parents=True)
-        elif self.state.stat().st_mode & 0o077:
-            self.say(
-                f"note: {self.state} can be read by other users; the Temporal database in "
-                "it holds every run's transcript (chmod 700 it to keep them private)"
-            )
-        self.logs.mkdir(mode=0o700, exist_ok=True)
         user_config = None
         if self.args.config:
             try:
                 user_config = load_config(self.args.config, os.environ)
             except ConfigError as exc:
                 raise UpError(str(exc)) from None
+            t = user_config.temporal
+            if t.uses_tls:
+                raise UpError(
+                    f"{self.args.config}: [temporal] asks for TLS or an API key, but up runs "
+                    "its own local Temporal dev server (plain gRPC); take them out for up, "
+                    "or run `luftpause gateway` and `luftpause worker` against your cluster"
+                )
         elif os.environ.get("LUFTPAUSE_TOKEN"):
             try:
                 bearer_token(os.environ["LUFTPAUSE_TOKEN"])
             except ValueError as exc:
                 raise UpError(f"LUFTPAUSE_TOKEN: {exc}") from None
+        self.claim_state()
         self.token_from = (
             "$LUFTPAUSE_TOKEN"
             if os.environ.get("LUFTPAUSE_TOKEN")
@@ -260,11 +301,14 @@ class Up:
             if user_config is not None and user_config.token
             else None
         )
+        # A namespace the file names is made by the dev server (it has only "default").
+        namespace = user_config.temporal.namespace if user_config is not None else "default"
         self.temporal = DevServer(
             port=self.args.temporal_port,
             ui_port=self.args.ui_port,
             db_file=self.state / "temporal.db",
             log_file=self.logs / "temporal.log",
+            extra_args=() if namespace == "default" else ("--namespace", namespace),
         )
         try:
             self.temporal.start(self.stopping)
@@ -335,8 +379,9 @@ class Up:
         where["config"] = str(config)
         return where
 
-    def supervise(self) -> None:
-        """Restart children that die, until asked to stop."""
+    def supervise(self) -> bool:
+        """Restart children that die, until asked to stop (True) or one keeps dying or
+        the Temporal dev server cannot be restarted (False)."""
         while not self.stopping.wait(0.5):
             for c in self.children:
                 if c.alive() or self.stopping.is_set():
@@ -345,7 +390,7 @@ class Up:
                 c.restarts = [t for t in c.restarts if now - t < 60]
                 if len(c.restarts) >= RESTARTS_PER_MINUTE:
                     self.say(f"{c.name} keeps exiting; see {c.log}. Stopping.")
-                    return
+                    return False
                 code = c.proc.returncode if c.proc else None
                 self.say(f"{c.name} exited ({code}); restarting it (log: {c.log})")
                 c.restarts.append(now)
@@ -357,10 +402,11 @@ class Up:
                 try:
                     t.start(self.stopping)
                 except StartInterrupted:
-                    return
+                    return True
                 except DevServerError as exc:
                     self.say(f"temporal dev server: {exc}. Stopping.")
-                    return
+                    return False
+        return True
 
     def stop(self) -> None:
         self.stopping.set()
@@ -368,10 +414,26 @@ class Up:
             c.stop()
         if self.temporal is not None:
             self.temporal.stop()
+        if self.lock is not None:
+            os.close(self.lock)  # (releases the flock)
+            self.lock = None
 
 
-def _banner(where: dict[str, str], token: str | None) -> str:
+def _command(exe: str) -> str:
+    """How to run `exe` from where `up` was started: `luftpause` if the shell finds it,
+    else its path (`.venv/bin/luftpause` under `make up`, which puts nothing on PATH)."""
+    if shutil.which("luftpause") == exe:
+        return "luftpause"
+    try:
+        relative = os.path.relpath(exe)
+    except ValueError:
+        return exe
+    return relative if not relative.startswith("..") else exe
+
+
+def _banner(where: dict[str, str], token: str | None, exe: str = "luftpause") -> str:
     gw = where["gateway"]
+    lp = _command(exe)
     mcp = gw.replace("127.0.0.1", "localhost") + "/mcp"
     auth = f' --header "Authorization: Bearer {token}"' if token else ""
     return "\n".join(
@@ -394,8 +456,8 @@ def _banner(where: dict[str, str], token: str | None) -> str:
             "                    x-luftpause-class (interactive|batch), x-luftpause-caller",
             "",
             "Put load on it (and watch the status page):",
-            f"  agents:           luftpause load --url {gw} --minutes 1",
-            f"  sub-agents:       luftpause load --url {gw} --subagents 16 --rounds 3",
+            f"  agents:           {lp} load --url {gw} --minutes 1",
+            f"  sub-agents:       {lp} load --url {gw} --subagents 16 --rounds 3",
             "",
             "Ctrl-C stops everything started here.",
         ]
@@ -415,12 +477,13 @@ def run(args: argparse.Namespace) -> int:
     # Its children have sessions of their own and would go on without `up`.
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_signal)
+    kept_up = True
     try:
         where = up.start()
         if up.token_from is None:
             say("note: no token is set; the gateway is open to anyone on this machine")
-        say(_banner(where, up.token_from))
-        up.supervise()
+        say(_banner(where, up.token_from, up.exe()))
+        kept_up = up.supervise()
     except Interrupted:
         pass  # asked to stop while starting: stop what started
     except UpError as exc:
@@ -430,4 +493,4 @@ def run(args: argparse.Namespace) -> int:
     say("stopping …")
     up.stop()
     say("stopped.")
-    return 0
+    return 0 if kept_up else 1  # a part that kept failing: scripts and systemd see it

@@ -377,7 +377,10 @@ async def test_up_with_a_file_serves_its_callers_by_their_own_tokens(
 ) -> None:
     """`up --config` with the operator's token and two `[[callers]]`, their tokens in
     the environment: each caller's token is that caller on the proxy and over MCP,
-    and the worker (the operator's token) runs a caller's sub-agent to its end."""
+    and the worker (the operator's token) runs a caller's sub-agent to its end.  The
+    file names a Temporal namespace of its own, which up's dev server makes (the
+    worker died without it), and the worker's log holds an earlier start's ready line
+    (up took it for this start's and said it was up)."""
     engine_port = free_port()
     engine = subprocess.Popen(
         [EXE, "fake-engine", "--port", str(engine_port), "--instant"],
@@ -401,8 +404,13 @@ token_env = "TEAM_A_TOKEN"
 [[callers]]
 name = "team-b"
 token_env = "TEAM_B_TOKEN"
+
+[temporal]
+namespace = "agents"
 """
     )
+    (state / "logs").mkdir(parents=True)
+    (state / "logs" / "worker.log").write_text("INFO luftpause.worker: worker on task queue\n")
     up = Up(state, 20, config, {"TEAM_A_TOKEN": "tok-a", "TEAM_B_TOKEN": "tok-b"})
 
     def post(path: str, body: dict[str, object], token: str, run: str) -> int:
@@ -443,9 +451,70 @@ token_env = "TEAM_B_TOKEN"
             handle = r.structured_content["handle"]
             r = await c.call_tool("await", {"handles": [handle], "timeout": 120})
         assert r.structured_content["runs"][0]["state"] == "Completed", r.structured_content
+        temporal = await TemporalClient.connect(
+            f"127.0.0.1:{up.ports['temporal']}", namespace="agents"
+        )
+        assert (await temporal.get_workflow_handle(handle).describe()).status is not None
         code, _ = up.stop()
         assert code == 0, "".join(up.output)
     finally:
         up.kill_all()
         engine.terminate()
         engine.wait(30)
+
+
+def test_a_state_directory_in_use_or_unusable_is_refused_before_anything_starts(
+    tmp_path: Path,
+) -> None:
+    # Two `up`s in one directory shared one Temporal database and one generated config
+    # (a restarted gateway served the other's engines); a file as the directory gave a
+    # traceback (helper-101).
+    import fcntl
+
+    def up(state: Path) -> subprocess.CompletedProcess[str]:
+        ports = [str(free_port()) for _ in range(3)]
+        argv = ["--port", ports[0], "--temporal-port", ports[1], "--ui-port", ports[2]]
+        return subprocess.run(
+            [EXE, "up", *argv, "--state-dir", str(state)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    with open(state / "up.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a running `up` holds it
+        out = up(state)
+    assert out.returncode == 2
+    assert f"another luftpause up is using {state}; stop it, or give this one" in out.stderr
+    assert not (state / "temporal.db").exists()  # nothing started
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    out = up(afile)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"--state-dir {afile}: cannot use it (" in out.stderr, out.stderr
+
+
+def test_up_says_it_failed_when_a_part_keeps_exiting(tmp_path: Path) -> None:
+    # It gave up on a child that kept dying and exited 0 (helper-101).
+    import argparse
+
+    from luftpause import up as up_module
+
+    said: list[str] = []
+    args = argparse.Namespace(state_dir=str(tmp_path))
+    up = up_module.Up(args, said.append)
+    (tmp_path / "logs").mkdir()
+    up.child("flaky", [sys.executable, "-c", "raise SystemExit(3)"])
+    try:
+        assert up.supervise() is False
+    finally:
+        up.stop()
+    assert said[-1].startswith("flaky keeps exiting; see ")
+    assert (
+        said.count(
+            "flaky exited (3); restarting it (log: " + str(tmp_path / "logs" / "flaky.log") + ")"
+        )
+        == 5
+    )
