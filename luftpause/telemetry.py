@@ -30,7 +30,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -131,21 +131,39 @@ def tracer() -> Tracer | None:
     return _tracer
 
 
+def _within(timeout_s: float, work: Callable[[], object]) -> None:
+    """Run `work` (an export) for at most `timeout_s`: the SDK's own timeouts do not
+    bound it (force_flush's stops waiting for the processor, not the exporter's HTTP
+    request and its retries, 10 s by default).  Past it the spans are dropped; the
+    thread is a daemon, and the process is about to leave."""
+    thread = threading.Thread(target=work, name="luftpause-otlp-flush", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        log.warning(
+            "tracing: the spans still buffered were not exported within %g s (is the "
+            "collector up?); dropped",
+            timeout_s,
+        )
+
+
 def flush(timeout_s: float = FLUSH_TIMEOUT_S) -> None:
     """Export the spans still buffered, waiting at most `timeout_s`.  The gateway's
     lifespan ends with it: uvicorn re-raises SIGTERM once it has shut down, so nothing
     after `uvicorn.run` runs (nor the SDK's atexit hook: the CLI leaves by `os._exit`)."""
-    if _provider is not None:
-        _provider.force_flush(int(timeout_s * 1000))
+    provider = _provider
+    if provider is not None:
+        _within(timeout_s, lambda: provider.force_flush(int(timeout_s * 1000)))
 
 
-def shutdown() -> None:
-    """Export the spans still buffered and stop tracing.  The CLI leaves through
-    `os._exit` (past the SDK's atexit hook), so its commands call this before."""
+def shutdown(timeout_s: float = FLUSH_TIMEOUT_S) -> None:
+    """Export the spans still buffered (waiting at most `timeout_s`) and stop tracing.
+    The CLI leaves through `os._exit` (past the SDK's atexit hook), so its commands
+    call this before."""
     provider = _provider
     if provider is not None:
         use(None)
-        provider.shutdown()
+        _within(timeout_s, provider.shutdown)
 
 
 def inject(headers: MutableMapping[str, str], context: Context | None = None) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.server
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -566,6 +567,41 @@ def test_setup_exports_over_otlp_http(service_env: str | None) -> None:
     assert service == (service_env or "luftpause-test")
     names = [s.name for scope in resource_spans.scope_spans for s in scope.spans]
     assert names == ["hello"]
+
+
+def test_a_collector_that_never_answers_delays_a_stop_by_the_flush_timeout_at_most() -> None:
+    # The exporter's own timeout (10 s, and its retries) was not bounded by the flush's:
+    # a gateway under `up` was killed past its stop timeout (helper-101: 7-10 s).
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()  # connections complete in the backlog; nothing ever answers
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+        env["OTEL_EXPORTER_OTLP_ENDPOINT"] = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        script = textwrap.dedent(
+            """
+            import os, time
+            from luftpause import telemetry
+            telemetry.setup("luftpause-test")
+            with telemetry.tracer().start_as_current_span("hello"):
+                pass
+            began = time.monotonic()
+            telemetry.flush(0.5)
+            telemetry.shutdown(0.5)
+            print(round(time.monotonic() - began, 2), flush=True)
+            os._exit(0)  # as the CLI leaves
+            """
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", script],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+    waited = float(out.stdout.strip())
+    assert waited < 3.0, (waited, out.stderr)  # 0.5 s each, not the exporter's 10 s
+    assert "were not exported within 0.5 s" in out.stderr
 
 
 def test_the_gateway_exports_no_http_spans_and_no_token(tmp_path: Path) -> None:
