@@ -336,7 +336,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     def seen() -> tuple[State, dict[str, ProbeResult]] | None:
         return (runtime.shell.state, runtime.prober.last) if runtime is not None else None
 
-    metrics = GatewayMetrics(seen)
+    metrics = GatewayMetrics(seen, lambda model: live.pool.awaited(model))
     # The settings' policy (tests, benches) or the file's [policy] section.
     policy = settings.policy or config.policy.to_policy()
     if config.callers and settings.token is None:
@@ -611,11 +611,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         # first (what it admits next is looked up in `live`), then the prober.
         if "policy" in change.applied:  # first: the new pool is filled under it
             rt.shell.apply(PolicyChanged(now=rt.loop.time(), policy=new.policy.to_policy()))
+        unknown = slots_unknown(live.pool.config, new)
+        live.pool = pool  # first: the turns the core refuses now are counted by it
         rt.shell.apply(
             PoolChanged(
-                now=rt.loop.time(),
-                replicas=tuple(new.replica_specs()),
-                slots_unknown=slots_unknown(live.pool.config, new),
+                now=rt.loop.time(), replicas=tuple(new.replica_specs()), slots_unknown=unknown
             )
         )
         live.replace(pool, lambda name: name in rt.shell.state.replicas)
@@ -665,6 +665,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         except _BadRequest as exc:
             return error_response(exc.status, exc.message, fallback_run, anthropic=anthropic)
         if (awaited := pool.awaited(model)) is not None:
+            metrics.refused(503)
             return error_response(
                 503, awaited, header_run or fallback_run, anthropic=anthropic,
                 retry_after=rt.prober.retry_after,

@@ -31,6 +31,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from gateway.prober import ProbeResult
+from gateway.status import WAITING
 from scheduler import (
     Action,
     Admit,
@@ -84,18 +85,25 @@ class _StateCollector:
             "luftpause_held_turns", "Turns held by luftpause, by class", labels=["class"]
         )
         counts = {c: 0 for c in ServiceClass}
+        waiting: dict[str, ServiceClass] = {}  # runs known only by held turns -> class
         for t in state.held():
             counts[t.service_class] += 1
+            if t.run_id not in state.runs:
+                waiting.setdefault(t.run_id, t.service_class)
         for cls, n in counts.items():
             held.add_metric([cls.value], n)
         runs = GaugeMetricFamily(
-            "luftpause_runs", "Runs the core knows, by phase and class", labels=["phase", "class"]
+            "luftpause_runs",
+            "Runs by phase and class (waiting: known only by turns held, none admitted yet)",
+            labels=["phase", "class"],
         )
-        by = {(p, c): 0 for p in RunPhase for c in ServiceClass}
+        by = {(p, c): 0 for p in (*(p.value for p in RunPhase), WAITING) for c in ServiceClass}
         for run in state.runs.values():
-            by[run.phase, run.service_class] += 1
+            by[run.phase.value, run.service_class] += 1
+        for cls in waiting.values():
+            by[WAITING, cls] += 1
         for (phase, cls), n in by.items():
-            runs.add_metric([phase.value, cls.value], n)
+            runs.add_metric([phase, cls.value], n)
 
         def replica_gauge(name: str, doc: str) -> GaugeMetricFamily:
             return GaugeMetricFamily(name, doc, labels=["replica"])
@@ -221,7 +229,12 @@ class _SubAgentRuns:
 class GatewayMetrics:
     """The gateway's metrics and the registry `/metrics` exposes."""
 
-    def __init__(self, source: Source) -> None:
+    def __init__(
+        self, source: Source, awaited: Callable[[str], str | None] = lambda model: None
+    ) -> None:
+        # Why a model has no engine for now (discovered endpoints with none up): the
+        # core's 404 for a turn of it reaches its client as a 503, and is counted so.
+        self._awaited = awaited
         self.registry = CollectorRegistry()
         self.registry.register(_StateCollector(source))
         self.subagent_runs = _SubAgentRuns()  # set by the /metrics handler, which asks
@@ -331,6 +344,11 @@ class GatewayMetrics:
             self.turn_seconds.labels(cls.value)
             self.first_byte_seconds.labels(cls.value)
 
+    def refused(self, status: int) -> None:
+        """A turn refused, by the core or before it (a model with no engine now)."""
+        self.turns.labels("rejected").inc()
+        self.rejected.labels(str(status)).inc()
+
     def observe(self, before: State, event: Event, actions: Sequence[Action]) -> None:
         """Count one decision: `before` is the state the event was applied to."""
         placed: dict[str, str | None] = {}  # run -> replica of its latest admitted turn
@@ -348,13 +366,22 @@ class GatewayMetrics:
                     self.affinity_hits.inc()
                 placed[action.run_id] = action.replica
             elif isinstance(action, Reject):
-                self.turns.labels("rejected").inc()
-                self.rejected.labels(str(action.status)).inc()
+                status = action.status
+                if status == 404:  # as the client is answered (gateway/_proxy.py, hold)
+                    held = before.turns.get(action.turn_id)
+                    model = held.model if held is not None else getattr(event, "model", "")
+                    if self._awaited(model) is not None:
+                        status = 503
+                self.refused(status)
             elif isinstance(action, Ejected):
                 self.ejections.labels(action.replica).inc()
             elif isinstance(action, TimedOut):
                 self.turns.labels("timed_out").inc()
                 self.engine_turns.labels(action.replica, "timed_out").inc()
+                timed = before.turns.get(action.turn_id)
+                if timed is not None:  # the slowest turns belong in the histogram too
+                    elapsed = max(0.0, event.now - timed.admitted_at)
+                    self.turn_seconds.labels(timed.service_class.value).observe(elapsed)
         if isinstance(event, TurnStarted):
             started = before.turns.get(event.turn_id)
             if started is not None and started.replica is not None:

@@ -96,9 +96,13 @@ def status_snapshot(
     callers: dict[str, list[Any]] = {}
     total = 0
     earliest: float | None = None
+    waiting: dict[str, str] = {}  # runs known only by held turns (WAITING) -> class
+    known = state.runs
     for t in state.held():
         total += 1
         by_class[t.service_class.value] += 1
+        if t.run_id not in known:
+            waiting.setdefault(t.run_id, t.service_class.value)
         cls = t.service_class.value
         if cls not in class_earliest or t.arrived < class_earliest[cls]:
             class_earliest[cls] = t.arrived
@@ -121,9 +125,11 @@ def status_snapshot(
         for caller, (held, arrived) in top
     ]
 
-    runs = {p.value: {c.value: 0 for c in ServiceClass} for p in RunPhase}
+    runs = {p: {c.value: 0 for c in ServiceClass} for p in (*(p.value for p in RunPhase), WAITING)}
     for run in state.runs.values():
         runs[run.phase.value][run.service_class.value] += 1
+    for cls in waiting.values():  # as GET /v1/runs lists them
+        runs[WAITING][cls] += 1
 
     return {
         "replicas": replicas,
@@ -138,7 +144,7 @@ def status_snapshot(
             "by_caller": by_caller,
             "oldest_wait_s": _wait(now, earliest) if earliest is not None else 0.0,
         },
-        "runs": {"by_phase_and_class": runs, "total": len(state.runs)},
+        "runs": {"by_phase_and_class": runs, "total": len(state.runs) + len(waiting)},
         **shell_counts,
     }
 

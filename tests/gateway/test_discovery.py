@@ -187,6 +187,11 @@ async def test_a_name_with_no_engine_at_start_answers_503_until_one_appears() ->
         assert r.status_code == 503, r.text
         assert r.json()["error"]["type"] == "overloaded_error"  # Anthropic's 503
         assert "has no engine now" in r.json()["error"]["message"]
+        # Refused before the core: counted all the same (an operator whose pods are
+        # gone saw no refusals at all).
+        text = (await gw.get("/metrics")).text
+        assert 'luftpause_rejected_turns_total{status="503"} 1.0' in text
+        assert 'luftpause_turns_total{outcome="rejected"} 1.0' in text
         r = await gw.post("/v1/messages/count_tokens", json=hello())
         assert r.status_code == 503 and "has no engine now" in r.json()["error"]["message"]
 
@@ -388,6 +393,11 @@ async def test_held_turns_whose_engines_all_left_are_told_to_retry() -> None:
             second_answer = await second  # the chat turn held too
             assert second_answer.status_code == 503, second_answer.text
             assert "has no engine now" in second_answer.json()["error"]["message"]
+            # Counted as the clients were answered, not as the core's 404 ("unknown
+            # model": an alert on it would call an outage a configuration error).
+            text = (await gw.get("/metrics")).text
+            assert 'luftpause_rejected_turns_total{status="503"} 2.0' in text
+            assert 'status="404"' not in text
             events = [line async for line in lines]
             assert [e for e in events if e.startswith("data:")][-1] == "data: [DONE]"
 

@@ -204,8 +204,10 @@ def test_snapshot_of_a_hand_built_state() -> None:
                 "generating": {"interactive": 1, "batch": 0},
                 "paused": {"interactive": 1, "batch": 0},
                 "idle": {"interactive": 0, "batch": 0},
+                # r2 and r4: turns held, none admitted yet (as GET /v1/runs lists them)
+                "waiting": {"interactive": 1, "batch": 1},
             },
-            "total": 2,
+            "total": 4,
         },
         "tool_call_ids_remembered": 3,
     }
@@ -311,6 +313,9 @@ def test_metrics_observe_admissions_outcomes_and_affinity() -> None:
     state = run_events(state, [Tick(now=7.0 + 600)], metrics)
     assert sample(metrics, "luftpause_turns_total", outcome="timed_out") == 1
     assert sample(metrics, "luftpause_engine_turns_total", replica="a", outcome="timed_out") == 1
+    # ... and in the turns' time, which without it lacked exactly the slowest (t5: 600 s)
+    assert sample(metrics, "luftpause_turn_seconds_count", **{"class": "interactive"}) == 3
+    assert sample(metrics, "luftpause_turn_seconds_sum", **{"class": "interactive"}) == 606.0
     assert sample(metrics, "luftpause_replica_cap", replica="b") is None  # uncapped
     assert sample(metrics, "luftpause_replica_healthy", replica="b") == 0
     assert sample(metrics, "luftpause_engine_running", replica="a") == 1
@@ -377,7 +382,9 @@ async def test_status_page_and_metrics_with_held_turns() -> None:
                 "interactive": 2,
                 "batch": 0,
             }
-            assert snap["runs"]["total"] == 2
+            # the two waiting for admission too, as the page and GET /v1/runs count them
+            assert snap["runs"]["by_phase_and_class"]["waiting"] == {"interactive": 1, "batch": 1}
+            assert snap["runs"]["total"] == 4
             assert snap["tool_call_ids_remembered"] == 0
             assert abs(snap["time"] - time.time()) < 60  # wall time, not the loop's clock
 
@@ -406,6 +413,7 @@ async def test_status_page_and_metrics_with_held_turns() -> None:
             assert (
                 value(parsed, "luftpause_runs", phase="generating", **{"class": "interactive"}) == 2
             )
+            assert value(parsed, "luftpause_runs", phase="waiting", **{"class": "batch"}) == 1
         finally:
             for t in tasks:
                 t.cancel()
