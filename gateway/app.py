@@ -933,7 +933,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         if not RUN_ID.fullmatch(run_id):
             return error_response(400, _BAD_RUN_ID, "")
         state, now = rt.shell.state, rt.loop.time()
-        held = [t for t in state.held() if t.run_id == run_id]
+        held = state.held_of(run_id)
         run = state.runs.get(run_id)
         mine = who.tenant is None or owns(rt.shell, run_id, who.tenant)
         if (run is None and not held) or not mine:

@@ -478,6 +478,10 @@ class State:
     def held_count(self) -> int:
         return sum(len(q) for b in self._buckets.values() for q in b.queues.values())
 
+    def held_of(self, run_id: str) -> list[TurnState]:
+        """A run's held turns (by its index: no walk over every turn)."""
+        return [self._turns[tid] for tid in self._held_runs.get(run_id, ())]
+
     def admitted(self) -> list[TurnState]:
         return [t for t in self._turns.values() if t.replica is not None]
 
