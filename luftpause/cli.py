@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from luftpause._args import port, seconds
+from luftpause._args import port, positive, seconds
 
 
 def _sim_parser(sub: Any) -> None:
@@ -224,7 +224,7 @@ def _fake_engine_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--time-scale",
-        type=float,
+        type=positive,
         default=1.0,
         help="virtual seconds per wall second (20: a 5 s generation takes 0.25 s)",
     )

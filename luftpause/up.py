@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from luftpause._args import port
+from luftpause._args import port, positive
 from luftpause._process import kill, spawn, terminate
 from luftpause.config import ConfigError, bearer_token, load_config
 from luftpause.temporal_dev import DevServer, DevServerError, StartInterrupted, free_port
@@ -69,7 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="your luftpause.toml: real engines and tool servers")
     p.add_argument(
         "--time-scale",
-        type=float,
+        type=positive,
         default=1.0,
         help="fake engines and tools run this many times faster than real time (default 1)",
     )

@@ -43,7 +43,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from activities.contract import IDEMPOTENCY_META_KEY
-from luftpause._args import port
+from luftpause._args import port, positive
 from testkit.loopback import serve_until_signalled
 
 __all__ = [
@@ -352,7 +352,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=port, help="http: port to bind (required for http)")
     parser.add_argument(
         "--time-scale",
-        type=float,
+        type=positive,
         default=1.0,
         help="virtual seconds per wall second (20: a 1 s lookup takes 0.05 s)",
     )

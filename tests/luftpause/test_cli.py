@@ -252,6 +252,11 @@ def test_a_stopping_gateway_lets_the_turns_in_flight_finish(tmp_path: Path) -> N
             "argument --shutdown-grace-s: expected finite seconds >= 0, got 'nan'",
         ),
         (("up", "--port", "9100", "--ui-port", "9100"), "--port and --ui-port are both 9100"),
+        (  # refused by the fake engine only after up had started Temporal
+            ("up", "--time-scale", "0"),
+            "argument --time-scale: expected a finite number > 0, got '0'",
+        ),
+        (("fake-mcp", "--port", "9", "--time-scale", "nan"), "expected a finite number > 0"),
         (
             ("fake-engine", "--port", "8000", "--kv-tokens", "0"),
             "luftpause fake-engine: kv_pool_tokens must hold at least one block",
