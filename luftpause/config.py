@@ -167,7 +167,7 @@ class Endpoint(BaseModel):
     """One inference endpoint: an engine replica, a router in front of some, a hosted
     OpenAI-compatible API, or a single-pass classifier."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")]
     url: str
@@ -417,7 +417,7 @@ class McpServer(BaseModel):
     """An upstream MCP tool server whose tools sub-agents may call: streamable HTTP
     (`url`) or a subprocess speaking stdio (`command`)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
     url: str | None = None
@@ -458,7 +458,7 @@ class Temporal(BaseModel):
     """Where the worker and the MCP door find Temporal, and how they prove who they are
     to a server that asks (Temporal Cloud, a self-hosted cluster with mTLS)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     address: str = "127.0.0.1:7233"
     namespace: str = "default"
@@ -543,7 +543,7 @@ class Probes(BaseModel):
     reports it).  The SGLang router's --health-check-interval-secs and
     --health-check-timeout-secs, and its failure threshold for late answers."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     period_s: Annotated[float, Field(gt=0, le=300, strict=True)] = 2.0
     timeout_s: Annotated[float, Field(gt=0, le=300, strict=True)] = 2.0
@@ -555,7 +555,7 @@ class Probes(BaseModel):
 class Discovery(BaseModel):
     """`[discovery]`: how endpoints with `discover` are resolved."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     # Envoy's STRICT_DNS default refresh is 5 s; a pod that left is then retired (its
     # turns finish) within a period, and a new one joins once a probe finds it healthy.
@@ -616,7 +616,7 @@ class PolicyConfig(BaseModel):
     """`[policy]`: the admission policy's constants (`scheduler.Policy`, whose comments
     say what each does).  Omitted keys keep the defaults; optional shares take "off"."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     # At least a second: the same value bounds how long the proxy waits on an engine.
     turn_timeout_s: Annotated[float, Field(ge=1, strict=True)] = _POLICY.turn_timeout_s
@@ -674,7 +674,7 @@ class Caller(BaseModel):
     alone (`[[callers]]`).  Its requests are this caller's whatever they say, and it
     sees and touches only its own runs; the operator's `token` names any caller."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     name: Annotated[str, Field(min_length=1, max_length=128)]
     # The environment variable holding the caller's token (never the token itself: the
@@ -699,7 +699,7 @@ class Caller(BaseModel):
 class Config(BaseModel):
     """The whole file."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     endpoints: Annotated[list[Endpoint], Field(min_length=1)]
     mcp_servers: list[McpServer] = []

@@ -477,6 +477,26 @@ def test_parse_config_takes_a_mapping() -> None:
     assert cfg.endpoints[0].kind == "vllm"
 
 
+@pytest.mark.parametrize(
+    ("setting", "where"),
+    [
+        ("kv_tokens = true", "endpoints[0].kv_tokens: Input should be a valid integer"),
+        ("slots = true", "endpoints[0].slots: Input should be a valid integer"),
+        ('dp_size = "2"', "endpoints[0].dp_size: Input should be a valid integer"),
+    ],
+)
+def test_a_value_of_another_type_is_refused_not_converted(
+    tmp_path: Path, setting: str, where: str
+) -> None:
+    # `kv_tokens = true` loaded as a pool of 1 token (helper-101).
+    path = _write(
+        tmp_path,
+        f'[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n{setting}\n',
+    )
+    with pytest.raises(ConfigError, match=re.escape(where)):
+        load_config(path)
+
+
 def test_environment_overrides_the_file(tmp_path: Path) -> None:
     path = _write(
         tmp_path,
