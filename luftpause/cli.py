@@ -354,7 +354,10 @@ def _gateway(args: argparse.Namespace) -> int:
         app = create_app(settings)
     except ConfigError as exc:  # callers' tokens, read from the environment
         raise SystemExit(f"luftpause gateway: {args.config}: {exc}") from None
-    telemetry.setup("luftpause-gateway")
+    try:
+        telemetry.setup("luftpause-gateway")
+    except telemetry.TracingError as exc:
+        raise SystemExit(f"luftpause gateway: {exc}") from None
     # One process: the scheduler's state lives in it (DESIGN.md "Processes and ports").
     uvicorn.run(
         app,

@@ -61,6 +61,7 @@ __all__ = [
     "FLUSH_TIMEOUT_S",
     "TRACER_NAME",
     "TracedRun",
+    "TracingError",
     "extract",
     "flush",
     "inject",
@@ -81,6 +82,12 @@ FLUSH_TIMEOUT_S = 5.0
 _W3C = TraceContextTextMapPropagator()
 
 _provider: TracerProvider | None = None
+
+
+class TracingError(ValueError):
+    """Tracing is asked for (OTEL_EXPORTER_OTLP_ENDPOINT) with settings it cannot take."""
+
+
 _tracer: Tracer | None = None
 
 
@@ -110,8 +117,12 @@ def setup(service_name: str) -> TracerProvider | None:
     resource = Resource.create()  # reads OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES
     if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
         resource = resource.merge(Resource({SERVICE_NAME: service_name}))
+    try:  # the OTEL_BSP_* and OTEL_EXPORTER_OTLP_* variables are read here
+        processor = BatchSpanProcessor(OTLPSpanExporter())
+    except ValueError as exc:  # e.g. OTEL_BSP_SCHEDULE_DELAY=-5: a traceback at startup
+        raise TracingError(f"tracing: the OTEL_* environment variables: {exc}") from None
     provider = TracerProvider(resource=resource)
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    provider.add_span_processor(processor)
     trace.set_tracer_provider(provider)
     use(provider)
     log.info("tracing: OTLP/HTTP spans to %s as %s", endpoint, resource.attributes[SERVICE_NAME])

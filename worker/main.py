@@ -187,7 +187,10 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         raise SystemExit(f"luftpause worker: {args.config}: {exc}") from None
 
-    telemetry.setup("luftpause-worker")
+    try:
+        telemetry.setup("luftpause-worker")
+    except telemetry.TracingError as exc:
+        raise SystemExit(f"luftpause worker: {exc}") from None
 
     async def main() -> None:
         stop = asyncio.Event()

@@ -358,3 +358,26 @@ def test_a_worker_for_a_namespace_temporal_lacks_says_so_and_exits(
     assert f"Temporal at {temporal_address} has no namespace 'nowhere'" in out.stderr
     assert "worker on task queue" not in out.stderr
     assert "Traceback" not in out.stderr and "Fatal Python error" not in out.stderr
+
+
+def test_tracing_settings_it_cannot_take_are_said_not_a_traceback(tmp_path: Path) -> None:
+    config = tmp_path / "luftpause.toml"
+    config.write_text(
+        '[[endpoints]]\nname = "e"\nurl = "http://127.0.0.1:9"\nkind = "sglang"\n'
+        f'models = ["{MODEL}"]\n'
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env |= {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9", "OTEL_BSP_SCHEDULE_DELAY": "-5"}
+    out = subprocess.run(
+        [EXE, "gateway", "--config", str(config), "--port", str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=env,
+    )
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert (
+        "luftpause gateway: tracing: the OTEL_* environment variables: "
+        "schedule_delay_millis must be positive" in out.stderr
+    )
