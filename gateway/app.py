@@ -440,11 +440,14 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         openapi_url=None,
     )
 
-    def identify(request: Request | Scope, *, api_key: bool = False) -> Who | None:
+    def identify(
+        request: Request | Scope, *, api_key: bool = False, query: str | None = None
+    ) -> Who | None:
         """Who the credentials say the request is from, or None (401): the bearer
         token, or with `api_key` (the Anthropic API's routes) the same in `x-api-key`,
-        where Claude Code sends ANTHROPIC_API_KEY.  The operator's token (or none set:
-        open access) names no caller; a caller's own token names that caller."""
+        where Claude Code sends ANTHROPIC_API_KEY, or `query` (the status page's
+        `?token=`, which a browser can send).  The operator's token (or none set: open
+        access) names no caller; a caller's own token names that caller."""
         if settings.token is None:
             return OPERATOR
         headers = request.headers if isinstance(request, Request) else Request(request).headers
@@ -452,15 +455,18 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         given = [credentials.strip()] if scheme.lower() == "bearer" else []
         if api_key and (key := headers.get("x-api-key")) is not None:
             given.append(key.strip())
+        if query is not None:
+            given.append(query.strip())
+        tenant = None  # (the operator's token wins, wherever it is given)
         for value in given:
             sent = value.encode("latin-1", errors="replace")
             if hmac.compare_digest(sent, settings.token.encode()):
                 return OPERATOR
             # Every caller's token is compared, so the time taken tells nothing.
             found = [n for t, n in tenants.items() if hmac.compare_digest(sent, t.encode())]
-            if found:
-                return Who(tenant=found[0])
-        return None
+            if found and tenant is None:
+                tenant = found[0]
+        return Who(tenant=tenant) if tenant is not None else None
 
     def authorized(request: Request, *, api_key: bool = False) -> bool:
         """Only the operator's token (or none set): /status, /, /reload."""
@@ -1003,15 +1009,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def status_page(request: Request) -> Response:
         rt = running()
         # A browser cannot send the bearer header: the page also takes `?token=` (and
-        # keeps it across its own refreshes, which reload the same URL).
-        query = request.query_params.get("token")
-        by_query = (
-            settings.token is not None
-            and query is not None
-            and hmac.compare_digest(query.encode(), settings.token.encode())
-        )
-        if not (by_query or authorized(request)):
-            return refused(identify(request), _new_id())
+        # keeps it across its own refreshes, which reload the same URL).  A caller's
+        # own token there is refused as in the header (403), not taken for a wrong one.
+        who = identify(request, query=request.query_params.get("token"))
+        if who != OPERATOR:
+            return refused(who, _new_id())
         return HTMLResponse(
             render_status_page(await with_runs(await snapshot(rt, recent=PAGE_RUNS))),
             headers={"cache-control": "no-store", "referrer-policy": "no-referrer"},
@@ -1079,7 +1081,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         run = _named_run(request.scope)  # echoed, as on every /v1 answer
         if identify(request, api_key=anthropic) is None:
             return unauthorized(run, anthropic=anthropic)
-        allow = _ALLOWED.get(path) or ("GET, DELETE" if path.startswith("/v1/runs/") else None)
+        # (A run's path: /v1/runs/{run id}, one segment; /v1/runs/a/b is no path served.)
+        one_run = path.startswith("/v1/runs/") and "/" not in path.removeprefix("/v1/runs/")
+        allow = _ALLOWED.get(path) or ("GET, DELETE" if one_run else None)
         message = f"luftpause does not serve {request.method} {path}; it serves {_SERVED}"
         if path.startswith("/v1/v1/"):
             message = (

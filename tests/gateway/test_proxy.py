@@ -1129,6 +1129,12 @@ async def test_a_callers_own_token_names_it_and_shows_it_only_its_runs(
             r = await gw.request(method, path, headers=a)
             assert r.status_code == 403, path
             assert "caller 'team-a''s, which may not use this route" in r.json()["error"]["message"]
+        # The page's ?token= as the header: a caller's own token is no wrong one (401).
+        r = await gw.get("/", params={"token": a["authorization"].removeprefix("Bearer ")})
+        assert r.status_code == 403 and "caller 'team-a''s" in r.json()["error"]["message"]
+        op_token = operator["authorization"].removeprefix("Bearer ")
+        assert (await gw.get("/", params={"token": op_token}, headers=a)).status_code == 200
+        assert (await gw.get("/", params={"token": "nope"})).status_code == 401
         assert (await gw.get("/status", headers=operator)).status_code == 200
         assert (await gw.get("/v1/models", headers=b)).status_code == 200
         wrong = {"authorization": "Bearer tok"}
@@ -1522,6 +1528,8 @@ async def test_health_answers_get_and_head() -> None:
         ("POST", "/v1/models", 405, "GET"),
         ("POST", "/v1/runs/r1", 405, "GET, DELETE"),
         ("DELETE", "/v1/runs", 405, "GET"),
+        ("GET", "/v1/runs/a/b", 404, None),  # was a 405 allowing the GET it refused
+        ("DELETE", "/v1/runs/a/b", 404, None),
     ],
 )
 async def test_other_openai_routes_get_the_error_shape_and_what_is_served(
