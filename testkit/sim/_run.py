@@ -434,7 +434,11 @@ def simulate(
     t0 = time.perf_counter()
     sim = Simulation(sc, arm, timeline=timeline)
     until = sc.minutes * 60.0
-    sim.run(_agents(sc, batch=batch, interactive=interactive), until)
+    # Agents keep their indices, so their runs, without the others: the interactive
+    # agents alone (the reference) are the mixed arms' very agents, not the first
+    # batch agents' seeds.
+    first = 0 if batch else sc.batch
+    sim.run(_agents(sc, batch=batch, interactive=interactive), until, first_index=first)
     res = ArmResult(arm=arm, minutes=sc.minutes)
     for rec in sim.records:
         if rec.ended > until:

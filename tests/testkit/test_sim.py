@@ -244,3 +244,22 @@ def test_a_variant_changes_policy_fields_and_engine_fields() -> None:
     assert replace(v, policy=sc.policy, engine=sc.engine) == sc
     with pytest.raises(TypeError):
         variant(sc, {"engine.kv_fill": 0.9})  # a Policy field is not an engine's
+
+
+def test_the_interactive_reference_runs_the_mixed_arms_own_interactive_agents() -> None:
+    # Agents are seeded by their index: alone, the four interactive agents took the
+    # first batch agents' indices (and runs), so P compared different runs (helper-104).
+    from testkit.sim import SCENARIOS, simulate
+    from testkit.sim._run import TurnTimes
+
+    sc = replace(SCENARIOS["flood"], minutes=0.5)
+    mixed = simulate(sc, "luftpause", timeline=True)
+    alone = simulate(sc, "luftpause", batch=False, timeline=True)
+
+    def agents(turns: dict[str, TurnTimes], cls: ServiceClass) -> set[str]:
+        return {t.split("-")[0] for t, times in turns.items() if times.service_class is cls}
+
+    interactive = agents(mixed.turns, ServiceClass.INTERACTIVE)
+    assert interactive == {f"a{sc.batch + i}" for i in range(sc.interactive)}
+    assert agents(alone.turns, ServiceClass.INTERACTIVE) == interactive
+    assert not agents(alone.turns, ServiceClass.BATCH)
