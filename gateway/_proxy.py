@@ -708,6 +708,18 @@ async def hold(
     return outcome
 
 
+def left_while_held(shell: AdmissionShell, turn_id: str, now: float) -> Event:
+    """What to report of a turn whose client left while it was held (`hold` gave None):
+    abandoned, or, admitted in the same step of the loop as the client left, a turn
+    the client left (to the core alike: its slot is freed; the metrics tell them apart,
+    and `abandoned` on a replica means the gateway stopped it)."""
+    t = shell.state.turns.get(turn_id)
+    if t is not None and t.replica is not None:
+        reason = "client disconnected as the turn was admitted"
+        return TurnFailed(now=now, turn_id=turn_id, reason=reason, client_left=True)
+    return TurnAbandoned(now=now, turn_id=turn_id)
+
+
 class _ClientLeft(Exception):
     pass
 
@@ -830,7 +842,7 @@ class TurnResponse(Response):
             if self._trace is not None:
                 self._trace.admitted(outcome, self._clock())
             if outcome is None:
-                self._end(TurnAbandoned(now=self._clock(), turn_id=t.turn_id))
+                self._end(left_while_held(self._shell, t.turn_id, self._clock()))
                 return
             if isinstance(outcome, Rejected):
                 self._ended = True  # never queued: nothing to report

@@ -33,6 +33,7 @@ from gateway._proxy import (
     engine_fault,
     error_response,
     hold,
+    left_while_held,
 )
 from gateway._shell import AdmissionShell, Rejected
 from gateway.prober import auth_headers
@@ -365,7 +366,7 @@ async def run_turn(
         arrived = True  # an abandon of a turn the core never saw is ignored by it
         outcome = await hold(shell, turn, clock, disconnected, awaited)
         if outcome is None:
-            end(TurnAbandoned(now=clock(), turn_id=turn.turn_id))
+            end(left_while_held(shell, turn.turn_id, clock()))
             return error_response(_CLIENT_LEFT, "client disconnected while held", turn.run_id)
         if isinstance(outcome, Rejected):
             ended = True  # never queued: nothing to report

@@ -71,3 +71,28 @@ def test_an_id_is_its_callers_and_an_id_two_runs_were_given_names_neither() -> N
     assert s.run_for_tool_calls("alice", [same], now=later + 1) == "run-a3"
     s.sweep_tool_calls(now=later + TOOL_CALL_MEMORY_S)
     assert s.remembered_tool_calls() == 0
+
+
+def test_a_client_that_leaves_as_its_turn_is_admitted_left_it_and_did_not_abandon_it() -> None:
+    # hold() gives None when the client left, even if the admission came in the same
+    # step of the loop; reported as abandoned, such a turn counted on its replica as one
+    # the gateway stopped (shutdown) (helper-103).
+    from gateway._proxy import left_while_held
+    from scheduler import ReplicaProbed, TurnAbandoned, TurnFailed
+
+    s = AdmissionShell(State.initial([ReplicaSpec(name="a", models=frozenset({"m"}), slots=1)]))
+    s.apply(ReplicaProbed(now=0.0, replica="a", healthy=True))
+    for turn in ("t1", "t2"):
+        s.apply(
+            TurnArrived(
+                now=1.0, turn_id=turn, run_id=f"r-{turn}",
+                service_class=ServiceClass.INTERACTIVE, caller="c", model="m",
+            )
+        )  # fmt: skip
+    assert s.state.turns["t1"].replica == "a" and s.state.turns["t2"].replica is None
+    admitted = left_while_held(s, "t1", 2.0)
+    assert isinstance(admitted, TurnFailed) and admitted.client_left
+    assert not admitted.engine_fault
+    assert isinstance(left_while_held(s, "t2", 2.0), TurnAbandoned)
+    s.apply(admitted)  # its slot is freed: the held turn goes in
+    assert s.state.turns["t2"].replica == "a"
