@@ -47,6 +47,18 @@ async def call(
         return await (env or ActivityEnvironment()).run(llm.llm_turn, t)
 
 
+def late_attempt(faults: int) -> tuple[ActivityEnvironment, list[tuple[Any, ...]]]:
+    """The 500th attempt of a turn that failed `faults` times before (the count its last
+    heartbeat carried), under the workflow's retry policy; and the heartbeats it sends."""
+    env = ActivityEnvironment()
+    env.info = dataclasses.replace(
+        env.info, attempt=500, retry_policy=RETRY, heartbeat_details=[faults]
+    )
+    beats: list[tuple[Any, ...]] = []
+    env.on_heartbeat = lambda *details: beats.append(details)
+    return env, beats
+
+
 def completion(message: dict[str, Any], finish: str = "stop") -> Response:
     body = {
         "choices": [{"message": message, "finish_reason": finish}],
@@ -139,13 +151,8 @@ async def test_engine_failures_are_retried_a_bounded_number_of_times(
     status: int, before: int, retried: bool
 ) -> None:
     app = upstream(lambda r: Response(json.dumps({"error": {"message": "x"}}), status))
-    env = ActivityEnvironment()
     # attempt 500: the attempts spent waiting (503s, an unreachable gateway) do not count
-    env.info = dataclasses.replace(
-        env.info, attempt=500, retry_policy=RETRY, heartbeat_details=[before]
-    )
-    beats: list[tuple[Any, ...]] = []
-    env.on_heartbeat = lambda *details: beats.append(details)
+    env, beats = late_attempt(before)
     with pytest.raises(ApplicationError) as err:
         await call(app, turn(), env=env)
     assert err.value.non_retryable is not retried
@@ -171,12 +178,7 @@ async def test_a_200_without_a_usable_completion_counts_as_an_engine_failure(
     # The turn's retry policy has no attempt limit: uncounted, an engine (or a router)
     # that answers this turn so every time kept the run Running for ever.
     app = upstream(lambda r: Response(json.dumps(body), media_type="application/json"))
-    env = ActivityEnvironment()
-    env.info = dataclasses.replace(
-        env.info, attempt=500, retry_policy=RETRY, heartbeat_details=[before]
-    )
-    beats: list[tuple[Any, ...]] = []
-    env.on_heartbeat = lambda *details: beats.append(details)
+    env, beats = late_attempt(before)
     with pytest.raises(ApplicationError) as err:
         await call(app, turn(tools=TOOLS), env=env)
     assert err.value.type == "BadCompletion" and "gateway answered 200 with" in str(err.value)
