@@ -1636,8 +1636,14 @@ class _Tx:
         """Every held turn: a replica left or rejoined rotation, the pool or the policy
         changed.  In arrival order, so that turns rejected for a model gone from the
         pool are answered in it (a map's order is its hashes').  (No turn arrives in
-        the decisions that call this, so the held turns are the state's.)"""
-        held = sorted((t.seq, t.turn_id) for t in self.state._turns.values() if t.bucket)
+        the decisions that call this, so the runs with held turns are the state's; their
+        turns are read from the decision's own index, which admissions keep.)"""
+        held = sorted(
+            (self.turns[tid].seq, tid)
+            for run_id in self.state._held_runs
+            if run_id in self.held_runs
+            for tid in self.held_runs[run_id]
+        )
         for _, tid in held:
             t = self.turns[tid]
             self._rebucket_turn(t, self.runs.get(t.run_id))
