@@ -40,7 +40,7 @@ from starlette.types import Receive, Scope, Send
 from activities._recover import recover_tool_calls
 from gateway._http import Upstream, UpstreamAnswer, UpstreamError, no_answer, wait_disconnect
 from gateway._runtrace import RunSpans, TurnOutcome
-from gateway._shell import Admission, AdmissionShell, Rejected
+from gateway._shell import Admission, AdmissionShell, Rejected, as_answered
 from gateway.prober import PROBE_PERIOD_S, auth_headers
 from luftpause import telemetry
 from luftpause.config import DP_RANK_HEADER, Api, Endpoint
@@ -701,11 +701,7 @@ async def hold(
     if not admission.done() or disconnected.done():
         return None
     outcome = admission.result()
-    if isinstance(outcome, Rejected) and outcome.status == 404:
-        why = awaited(turn.model)
-        if why is not None:
-            return Rejected(503, why)
-    return outcome
+    return as_answered(outcome, turn.model, awaited) if isinstance(outcome, Rejected) else outcome
 
 
 def left_while_held(shell: AdmissionShell, turn_id: str, now: float) -> Event:

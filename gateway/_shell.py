@@ -47,6 +47,16 @@ class Rejected:
 Admission = str | Rejected
 """What a held turn's future resolves to: the replica's name, or a rejection."""
 
+
+def as_answered(rejected: Rejected, model: str, awaited: Callable[[str], str | None]) -> Rejected:
+    """The core's refusal as the client is answered (and counted): its 404 for a model
+    no replica serves is a 503, to be retried, when the model's endpoints are
+    discovered and none has an engine now (`awaited`: `Pool.awaited`)."""
+    if rejected.status == 404 and (why := awaited(model)) is not None:
+        return Rejected(503, why)
+    return rejected
+
+
 Observer = Callable[[State, Event, Sequence[Action]], None]
 """Told of every decision after its actions ran: (state before, event, actions)."""
 

@@ -30,6 +30,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from gateway._shell import Rejected, as_answered
 from gateway.prober import ProbeResult
 from gateway.status import WAITING
 from scheduler import (
@@ -366,13 +367,12 @@ class GatewayMetrics:
                     self.affinity_hits.inc()
                 placed[action.run_id] = action.replica
             elif isinstance(action, Reject):
-                status = action.status
-                if status == 404:  # as the client is answered (gateway/_proxy.py, hold)
-                    held = before.turns.get(action.turn_id)
-                    model = held.model if held is not None else getattr(event, "model", "")
-                    if self._awaited(model) is not None:
-                        status = 503
-                self.refused(status)
+                held = before.turns.get(action.turn_id)
+                model = held.model if held is not None else getattr(event, "model", "")
+                answered = as_answered(
+                    Rejected(action.status, action.message), model, self._awaited
+                )
+                self.refused(answered.status)
             elif isinstance(action, Ejected):
                 self.ejections.labels(action.replica).inc()
             elif isinstance(action, TimedOut):
