@@ -336,7 +336,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     def seen() -> tuple[State, dict[str, ProbeResult]] | None:
         return (runtime.shell.state, runtime.prober.last) if runtime is not None else None
 
-    metrics = GatewayMetrics(seen, lambda model: live.pool.awaited(model))
+    metrics = GatewayMetrics(seen, live.awaited)
     # The settings' policy (tests, benches) or the file's [policy] section.
     policy = settings.policy or config.policy.to_policy()
     if config.callers and settings.token is None:
@@ -903,16 +903,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             return error_response(400, f"phase: expected one of {', '.join(phases)}", "")
         if not (_decimal(limit) and 1 <= int(limit) <= RUNS_MAX):
             return error_response(400, f"limit: expected an integer from 1 to {RUNS_MAX}", "")
-        cls = None
-        if "class" in query:
-            if not query["class"].strip():  # refused, as `phase=` (a blank header: absent)
-                accepted = " or ".join(f"'{c.value}'" for c in ServiceClass)
-                message = f"class must be {accepted}, got {query['class']!r}"
-                return error_response(400, message, "")
-            try:
-                cls = _parse_class(query["class"])
-            except _BadRequest as exc:
-                return error_response(400, exc.message.replace(CLASS_HEADER, "class"), "")
+        try:
+            # (Blank is refused, as `phase=` is; a blank header is an absent one.)
+            cls = _parse_class(query["class"], blank=None) if "class" in query else None
+        except _BadRequest as exc:
+            return error_response(400, exc.message.replace(CLASS_HEADER, "class"), "")
         caller = query.get("caller")
         if who.tenant is not None:  # a caller's token lists that caller's runs only
             if caller is not None and caller_text(caller) != who.tenant:
@@ -1415,11 +1410,15 @@ def _echoed_tool_uses(messages: list[Any]) -> list[str]:
     ]
 
 
-def _parse_class(value: str | None) -> ServiceClass:
-    if value is None or not value.strip():  # empty, as the other headers: absent
-        return ServiceClass.INTERACTIVE
+def _parse_class(
+    value: str | None, blank: ServiceClass | None = ServiceClass.INTERACTIVE
+) -> ServiceClass:
+    """The class a header or query value names; `blank`: what an absent or empty one
+    means (None: refused)."""
+    if blank is not None and (value is None or not value.strip()):  # as other headers
+        return blank
     try:
-        return ServiceClass(value.strip().lower())
+        return ServiceClass((value or "").strip().lower())
     except ValueError:
         accepted = " or ".join(f"'{c.value}'" for c in ServiceClass)
         raise _BadRequest(f"{CLASS_HEADER} must be {accepted}, got {value!r}") from None
