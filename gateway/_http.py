@@ -60,6 +60,14 @@ def no_answer(status: int, location: bytes | None) -> str | None:
     return None
 
 
+def no_answer_of(response: httpx.Response) -> str | None:
+    """`no_answer` of an httpx response (the probe's, /v1/decide's, count_tokens')."""
+    location = response.headers.get("location")
+    return no_answer(
+        response.status_code, location.encode("latin-1", "replace") if location else None
+    )
+
+
 def describe_http_error(exc: httpx.HTTPError) -> str:
     """What went wrong talking to an engine, for `engine <replica>: <error>` and /status."""
     if isinstance(exc, httpx.ConnectTimeout):

@@ -41,7 +41,7 @@ from starlette.types import Receive, Scope, Send
 from temporalio.client import Client as TemporalClient
 
 from activities.mcp_pool import McpPool
-from gateway._http import Upstream, no_answer
+from gateway._http import Upstream, no_answer_of
 from gateway._proxy import (
     TurnRequest,
     TurnResponse,
@@ -819,10 +819,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             )
             message = f"engine {target.name}: {type(exc).__name__}: {detail}"
             return error_response(502, message, run_id, anthropic=True)
-        location = answer.headers.get("location")
-        why = no_answer(
-            answer.status_code, location.encode("latin-1", "replace") if location else None
-        )
+        why = no_answer_of(answer)
         if why is not None:
             return error_response(502, f"engine {target.name}: {why}", run_id, anthropic=True)
         # The engine's headers as a turn's answer gets them (request-id, rate limits),

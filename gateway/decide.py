@@ -24,7 +24,7 @@ import httpx
 from starlette.responses import Response
 from starlette.types import Receive
 
-from gateway._http import describe_http_error, no_answer, wait_disconnect
+from gateway._http import describe_http_error, no_answer_of, wait_disconnect
 from gateway._proxy import (
     ENGINE_IDLE_TIMEOUT_S,
     UNAVAILABLE_RETRY_AFTER_S,
@@ -419,10 +419,7 @@ async def run_turn(
             message = f"engine {outcome}: {describe_http_error(exc)}"
             fail(message, engine=True)
             return error_response(502, message, turn.run_id)
-        location = upstream.headers.get("location")
-        why = no_answer(
-            upstream.status_code, location.encode("latin-1", "replace") if location else None
-        )
+        why = no_answer_of(upstream)
         if why is not None:  # a redirect: turns are posted to the endpoint's URL only
             message = f"engine {outcome}: {why}"
             fail(message, engine=True)

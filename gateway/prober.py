@@ -45,7 +45,7 @@ from urllib.parse import urlsplit
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway._http import describe_http_error, no_answer
+from gateway._http import describe_http_error, no_answer_of
 from luftpause.config import (
     DP_RANK_LABEL,
     KV_REPORTED_BY,
@@ -295,10 +295,7 @@ def _anthropic_host(url: str) -> bool:
 
 def _answered(response: httpx.Response) -> str:
     """`answered 503`, or why a status is no answer (a redirect: where it points)."""
-    location = response.headers.get("location")
-    why = no_answer(
-        response.status_code, location.encode("latin-1", "replace") if location else None
-    )
+    why = no_answer_of(response)
     return why or f"answered {response.status_code}"
 
 
