@@ -53,7 +53,7 @@ import asyncio
 import contextlib
 import json
 import math
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
@@ -229,6 +229,24 @@ def fit_answer(content: str, room: int) -> str:
     while keep and _size(keep + note) > room:  # escaped characters take several bytes
         keep = keep[: len(keep) * 3 // 4]
     return keep + note
+
+
+def fit_round(
+    messages: Sequence[Any], tools: Sequence[ToolInfo], answers: Sequence[tuple[str, str]]
+) -> list[dict[str, Any]]:
+    """A tool round's messages, (call id, answer) each, with the answers cut to the room
+    the conversation has left.  Every turn carries the offered tools beside the
+    messages, so their definitions count against the limit too."""
+    used = _size(list(messages)) + _size([t.openai_tool() for t in tools])
+    out = []
+    for call_id, content in answers:
+        message = _tool_message(call_id, content)
+        if used + _size(message) > CONVERSATION_MAX_BYTES:
+            room = CONVERSATION_MAX_BYTES - used - _size(_tool_message(call_id, ""))
+            message = _tool_message(call_id, fit_answer(content, room))
+        used += _size(message) + 2
+        out.append(message)
+    return out
 
 
 @workflow.defn
@@ -570,14 +588,11 @@ class AgentRun:
                 is_error=True,
                 executed=False,
             )
-        used = _size(self._messages)
-        for call in calls:
-            message = _tool_message(call.id, outputs[call.id].content)
-            if used + _size(message) > CONVERSATION_MAX_BYTES:
-                room = CONVERSATION_MAX_BYTES - used - _size(_tool_message(call.id, ""))
-                message = _tool_message(call.id, fit_answer(message["content"], room))
-            used += _size(message) + 2
-            self._messages.append(message)
+        self._messages.extend(
+            fit_round(
+                self._messages, self._tools or [], [(c.id, outputs[c.id].content) for c in calls]
+            )
+        )
         self._usage = self._usage.plus(
             Totals(
                 tool_calls=len(run),

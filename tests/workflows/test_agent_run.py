@@ -401,3 +401,29 @@ def test_a_tool_answer_is_cut_to_the_room_left_in_the_conversation() -> None:
     assert cut.startswith("é") and cut.endswith(f"limit of {CONVERSATION_MAX_BYTES:,} bytes]")
     assert len(json.dumps(cut)) <= 10_000
     assert fit_answer(wide, 0).startswith("\n[luftpause: the answer was cut")
+
+
+def test_the_offered_tools_count_against_the_conversation_limit() -> None:
+    # Each turn's input is the conversation and the tools offered: a wide tool listing
+    # leaves that much less room for answers.
+    from activities.contract import ToolInfo
+    from workflows.agent_run import CONVERSATION_MAX_BYTES, fit_round
+
+    schema = {"type": "object", "description": "x" * 100_000}
+    tools = [ToolInfo("s", f"t{i}", "a tool", schema) for i in range(10)]  # ~1 MB
+    messages = [{"role": "user", "content": "go"}]
+    answers = [("call-1", "a" * 200_000), ("call-2", "b" * 400_000), ("call-3", "c")]
+    fitted = fit_round(messages, tools, answers)
+    offered = [t.openai_tool() for t in tools]
+    # (A call with no room left still gets its note, a message of its own: the limit
+    # leaves 500 kB below Temporal's for such.)
+    over = len(json.dumps(messages + fitted)) + len(json.dumps(offered)) - CONVERSATION_MAX_BYTES
+    assert over <= len(json.dumps(fitted[2])) + 2
+    # The first answer fits whole; the second is cut with its note; the third, with no
+    # room left, is the note alone.  Each call has its message, in order.
+    assert [m["tool_call_id"] for m in fitted] == ["call-1", "call-2", "call-3"]
+    assert fitted[0]["content"] == answers[0][1]
+    assert fitted[1]["content"].startswith("bbb") and "answer was cut" in fitted[1]["content"]
+    assert fitted[2]["content"].startswith("\n[luftpause: the answer was cut")
+    # Without tools the same answers fit whole.
+    assert [m["content"] for m in fit_round(messages, [], answers)] == [a for _, a in answers]
