@@ -184,6 +184,7 @@ class _Runtime:
     upstream: Upstream  # proxied turns
     loop: asyncio.AbstractEventLoop
     prober: Prober
+    refused: Callable[[int], None]  # counts a turn refused before the core (metrics)
 
 
 class _Live:
@@ -399,8 +400,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             rediscover = loop.create_task(discover_again(), name="discovery")
             upstream = Upstream(connect_timeout=CONNECT_TIMEOUT_S)
             runtime = _Runtime(
-                shell=shell, client=client, upstream=upstream, loop=loop, prober=prober
-            )
+                shell=shell, client=client, upstream=upstream, loop=loop, prober=prober,
+                refused=metrics.refused,
+            )  # fmt: skip
             app.state.shell = shell  # read-only view for tests
             hangup = _on_hangup(loop, reload_on_signal)
             core = core_build()
@@ -671,7 +673,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         except _BadRequest as exc:
             return error_response(exc.status, exc.message, fallback_run, anthropic=anthropic)
         if (awaited := pool.awaited(model)) is not None:
-            metrics.refused(503)
+            rt.refused(503)
             return error_response(
                 503, awaited, header_run or fallback_run, anthropic=anthropic,
                 retry_after=rt.prober.retry_after,
@@ -1224,6 +1226,7 @@ def _decide(
         receive=receive,
         answer_timeout=rt.shell.state.policy.turn_timeout_s,
         retry_after=rt.prober.retry_after,
+        refused=rt.refused,
     )
 
 

@@ -474,12 +474,15 @@ async def decide(
     answer_timeout: float = ENGINE_IDLE_TIMEOUT_S,
     retry_after: str = UNAVAILABLE_RETRY_AFTER_S,
     awaited: Callable[[str], str | None] = lambda model: None,
+    refused: Callable[[int], None] = lambda status: None,
 ) -> Response:
     """Answer one validated `/v1/decide` request (see the module docstring).
     `endpoints`: where an admitted turn may be; `models`: the pool's, the first the
     default.  `retry_after`: a 503's (the gateway's probe period).  `down`: the
     classifiers the last probe found unhealthy; `load`: the gateway's spread of
-    classify requests; `awaited`: why a model has no engine now (`Pool.awaited`)."""
+    classify requests; `awaited`: why a model has no engine now (`Pool.awaited`);
+    `refused`: told of a generative turn refused before it reaches the core (metrics
+    count it as they count the core's refusals)."""
     if request.labels is None:
         return await _by_classifier(
             request, classifiers, down, load, client, run_id, answer_timeout
@@ -487,9 +490,11 @@ async def decide(
     model = request.model
     if model is None:
         if not models:
+            refused(404)
             return error_response(404, "no generative endpoint is configured", run_id)
         model = models[0]
     if (why := awaited(model)) is not None:  # its engines are discovered, and none is up
+        refused(503)
         return error_response(503, why, run_id, retry_after=retry_after)
     body = chat_body(request, model)
     turn = TurnRequest(

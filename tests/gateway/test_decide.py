@@ -306,6 +306,13 @@ async def test_classifier_endpoint() -> None:
         other = await gw.post("/v1/decide", json={"input": "x", "model": "other"})
         assert other.status_code == 404
         assert other.json()["error"]["message"] == "no classifier serves model 'other'"
+        # Labels need a generative model: with none, the turn is refused as the core
+        # refuses an unknown model's, and counted so.
+        r = await gw.post("/v1/decide", json={"input": "x", "labels": ["yes", "no"]})
+        assert r.status_code == 404, r.text
+        assert r.json()["error"]["message"] == "no generative endpoint is configured"
+        text = (await gw.get("/metrics")).text
+        assert 'luftpause_rejected_turns_total{status="404"} 1.0' in text
         assert not shell.state.runs and not shell.state.turns  # never enters run state
 
 

@@ -189,9 +189,12 @@ async def test_a_name_with_no_engine_at_start_answers_503_until_one_appears() ->
         assert "has no engine now" in r.json()["error"]["message"]
         # Refused before the core: counted all the same (an operator whose pods are
         # gone saw no refusals at all).
+        # So is /v1/decide's.
+        r = await gw.post("/v1/decide", json={"input": "go?", "labels": ["yes", "no"]})
+        assert r.status_code == 503 and "has no engine now" in r.json()["error"]["message"]
         text = (await gw.get("/metrics")).text
-        assert 'luftpause_rejected_turns_total{status="503"} 1.0' in text
-        assert 'luftpause_turns_total{outcome="rejected"} 1.0' in text
+        assert 'luftpause_rejected_turns_total{status="503"} 2.0' in text
+        assert 'luftpause_turns_total{outcome="rejected"} 2.0' in text
         r = await gw.post("/v1/messages/count_tokens", json=hello())
         assert r.status_code == 503 and "has no engine now" in r.json()["error"]["message"]
 
