@@ -938,7 +938,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         mine = who.tenant is None or owns(rt.shell, run_id, who.tenant)
         if (run is None and not held) or not mine:
             return error_response(404, not_known(run_id), run_id)
-        view = run_view(run, now, len(held)) if run is not None else waiting_view(held, now)
+        view = (
+            run_view(run, now, state.replicas, len(held))
+            if run is not None
+            else waiting_view(held, now)
+        )
         return Response(
             json.dumps(view), media_type="application/json", headers={RUN_HEADER: run_id}
         )

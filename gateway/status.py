@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import heapq
 import html
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from typing import Any
 
 from gateway.prober import ProbeResult
@@ -149,8 +149,9 @@ def status_snapshot(
     }
 
 
-def run_view(run: RunState, now: float, held: int = 0) -> dict[str, Any]:
-    """One run as GET /v1/runs shows it: what the core knows of it."""
+def run_view(run: RunState, now: float, known: Container[str], held: int = 0) -> dict[str, Any]:
+    """One run as GET /v1/runs shows it: what the core knows of it.  `known`: the
+    replicas the core knows (an idle run's last one may be forgotten since)."""
     return {
         "run_id": run.run_id,
         "caller": run.caller,
@@ -158,7 +159,7 @@ def run_view(run: RunState, now: float, held: int = 0) -> dict[str, Any]:
         "model": run.model,
         "phase": run.phase.value,
         # its last turn's replica: where it goes back to while generating or paused
-        "replica": run.replica,
+        "replica": run.replica if run.replica in known else None,
         "turns_in_flight": run.in_flight,
         "turns_held": held,
         "context_tokens": run.context_tokens,  # prompt + reply of its last turn
@@ -233,7 +234,7 @@ def runs_listing(
         and (phase is None or f[4] == phase)
     ]
     views = [
-        run_view(x, now, len(held.get(run_id, ())))
+        run_view(x, now, state.replicas, len(held.get(run_id, ())))
         if isinstance(x, RunState)
         else waiting_view(x, now)
         for _, run_id, _, _, _, x in heapq.nlargest(limit, found, key=lambda f: (f[0], f[1]))

@@ -323,6 +323,30 @@ async def test_a_name_freed_by_the_core_takes_another_engine(tmp_path: Path) -> 
             assert len(rec_c.chats) == 1  # the new engine, under the old name
 
 
+async def test_an_idle_runs_forgotten_replica_is_not_named(tmp_path: Path) -> None:
+    # An idle run binds nothing: its replica, removed, is forgotten at once, and the run
+    # may go anywhere next.  /v1/runs does not name it as if it were still there.
+    async with engine() as (url_a, _), engine() as (url_b, _):
+        path = tmp_path / "luftpause.toml"
+        urls = {"a": url_a, "b": url_b}
+        path.write_text(toml(*({"name": n, "url": u, "models": [MODEL]} for n, u in urls.items())))
+        async with from_file(path) as (gw, shell):
+            choice = await chat(gw, "r1", [{"role": "user", "content": "hello"}])
+            assert choice["finish_reason"] == "stop"
+            home = shell.state.runs["r1"].replica
+            assert home is not None and shell.state.runs["r1"].phase.value == "idle"
+            assert (await gw.get("/v1/runs/r1")).json()["replica"] == home
+            other = "b" if home == "a" else "a"
+            path.write_text(toml({"name": other, "url": urls[other], "models": [MODEL]}))
+            assert (await gw.post("/reload")).json()["removed"] == [home]
+            assert home not in shell.state.replicas
+            assert (await gw.get("/v1/runs/r1")).json()["replica"] is None
+            (listed,) = (await gw.get("/v1/runs")).json()["runs"]
+            assert listed["run_id"] == "r1" and listed["replica"] is None
+            await chat(gw, "r1", [{"role": "user", "content": "hello again"}])
+            assert (await gw.get("/v1/runs/r1")).json()["replica"] == other
+
+
 async def test_a_held_turn_whose_model_leaves_the_pool_is_answered_404(tmp_path: Path) -> None:
     # a's KV pool (400 tokens) fits one new run at a time: while the first streams, the
     # second is held by luftpause.  Then a leaves, and its model with it.
