@@ -168,6 +168,15 @@ class Reply:
     def content(self) -> str | None:
         return None if self.tool_calls else "".join(self.tokens)
 
+    def cut(self, tokens: int) -> Reply:
+        """The reply as generation stopped after `tokens` (max_tokens, or a full KV
+        pool): "length"; tool calls cut off are their text so far, as an engine's tool
+        parser that finds no whole call answers it."""
+        if self.tool_calls:
+            text = calls_text(self.tool_calls)[: tokens * CHARS_PER_TOKEN]
+            return Reply((text,), tokens, "length")
+        return Reply(self.tokens[:tokens], tokens, "length", labels=self.labels)
+
     def logprobs(self, start: int, stop: int, top: int, conv: int) -> list[dict[str, Any]]:
         """OpenAI `logprobs.content` entries for tokens [start, stop), deterministic."""
         out = []
@@ -180,6 +189,7 @@ class Reply:
                 lp = alts[0][1]
                 for j in range(max(0, top - len(alts))):
                     alts.append((_WORDS[(h + j) % len(_WORDS)], -5.0 - j))
+                alts = alts[: max(top, 1)]  # as many as asked: the likeliest labels
             else:
                 alts = [(tok, lp)]
                 for j in range(1, top):
@@ -199,6 +209,17 @@ class Reply:
         return out
 
 
+def calls_text(calls: Sequence[Mapping[str, Any]]) -> str:
+    """Tool calls as a model without a tool-call parser writes them (Hermes tags)."""
+    return "".join(
+        "<tool_call>"
+        + json.dumps({"name": c["function"]["name"], "arguments": json.loads(a)})
+        + "</tool_call>"
+        for c in calls
+        if (a := c["function"]["arguments"])
+    )
+
+
 def plan_reply(
     *,
     seed: int,
@@ -209,6 +230,8 @@ def plan_reply(
     max_tool_calls: int,
     max_tokens: int,
     parallel: bool = False,
+    tool_choice: str = "auto",
+    forced: str | None = None,
 ) -> Reply:
     """Decide the reply to a conversation whose hash is `conv`.
 
@@ -216,22 +239,30 @@ def plan_reply(
     while fewer than k tool results are in the conversation, reply with one tool call (with
     `parallel`, with every remaining call, at most MAX_PARALLEL_TOOL_CALLS). Directives in
     the first user message change how calls are written (`directives`).
+    `tool_choice` "none" makes no call; "required" makes at least one each turn (of
+    the function `forced` names, when one does).  Calls that take more than
+    `max_tokens` (TOOL_CALL_TOKENS each) are cut off: their text so far, "length".
     Otherwise a text reply of min(max_tokens, 40..256) tokens ("length" when it hit
     max_tokens), starting with the preferred label when the last user message has a
     `Labels:` line.
     """
-    if tools:
+    if tools and tool_choice != "none":
         first_user = next(
             (content_text(m.get("content")) for m in messages if m.get("role") == "user"), ""
         )
         task, wanted = directives(first_user)
         k = key(seed, "tool-calls", task) % (max_tool_calls + 1)
         m = sum(1 for msg in messages if msg.get("role") == "tool")
+        if tool_choice == "required":
+            k = max(k, m + 1)
         if m < k:
             calls: list[dict[str, Any]] = []
             for i in range(m, min(k, m + MAX_PARALLEL_TOOL_CALLS) if parallel else m + 1):
                 pick = key(seed, "tool", str(conv), str(i))
-                fn = tools[pick % len(tools)]["function"]
+                fn = next(
+                    (t["function"] for t in tools if t["function"]["name"] == forced),
+                    tools[pick % len(tools)]["function"],
+                )
                 args = (
                     "{}"
                     if "malformed-args" in wanted
@@ -239,17 +270,12 @@ def plan_reply(
                 )
                 call = {"name": str(fn["name"]), "arguments": args}
                 calls.append({"id": f"call_{pick:016x}", "type": "function", "function": call})
-            n = min(TOOL_CALL_TOKENS * len(calls), max_tokens)
+            whole = Reply((), TOOL_CALL_TOKENS * len(calls), "tool_calls", tuple(calls))
+            if whole.n_tokens > max_tokens:
+                return whole.cut(max_tokens)
             if "text-tools" in wanted:
-                text = "".join(
-                    "<tool_call>"
-                    + json.dumps({"name": c["function"]["name"], "arguments": json.loads(a)})
-                    + "</tool_call>"
-                    for c in calls
-                    if (a := c["function"]["arguments"])
-                )
-                return Reply((text,), n, "stop")
-            return Reply((), n, "tool_calls", tuple(calls))
+                return Reply((calls_text(calls),), whole.n_tokens, "stop")
+            return whole
     length = 40 + conv % (_MAX_REPLY_TOKENS - 40 + 1)
     n = min(max_tokens, length)
     finish = "length" if n == max_tokens else "stop"

@@ -13,6 +13,8 @@ bytes cached per request body (the "engine that answers instantly" of the proxy-
 benchmark).
 
 What a reply says is decided in `testkit._fake_text` (filler, tool calls, label logprobs).
+Sampling fields (`temperature`, `stop`, `seed`, ...) are accepted and do not change it:
+a reply is a function of the conversation alone.
 `/metrics` speaks the flavor's Prometheus names (SGLang, vLLM or llama.cpp) and the
 endpoints the peer routers probe (`/server_info`, `/get_load`, `/loads`, ...) answer.
 """
@@ -120,6 +122,8 @@ class FakeEngineSettings:
             raise ValueError("at least one label is needed")
         if not 1 <= self.dp_size <= 64:
             raise ValueError(f"dp_size must be 1 to 64, got {self.dp_size}")
+        if self.max_tool_calls < 0:
+            raise ValueError(f"max_tool_calls must be at least 0, got {self.max_tool_calls}")
 
 
 # --------------------------------------------------------------------------- engine driver
@@ -129,6 +133,10 @@ class FakeEngineSettings:
 class _Pending:
     first: asyncio.Future[int]  # the prompt's cached tokens, at the first token
     done: asyncio.Future[Finished]
+
+
+class EngineStopped(Exception):
+    """The engine's loop died (a bug): a request waiting on it is answered 503."""
 
 
 class _Driver:
@@ -182,7 +190,10 @@ class _Driver:
                 pending.first.set_result(out.cached_tokens)
             if isinstance(out, Finished):
                 del self._pending[out.request_id]
-                pending.done.set_result(out)
+                # A client that left cancels the future its handler waited on; the
+                # handler's own cancel of the request may come after this.
+                if not pending.done.done():
+                    pending.done.set_result(out)
             else:
                 assert isinstance(out, FirstToken)
 
@@ -208,8 +219,16 @@ class _Driver:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(delay):
                         await self._wake.wait()
+        except Exception:
+            log.exception("the engine's loop died; the engine answers 503 from now on")
         finally:
             self.running = False
+            for pending in self._pending.values():  # none is ever answered otherwise
+                for future in (pending.first, pending.done):
+                    if not future.done():
+                        future.set_exception(EngineStopped())
+                        future.exception()  # seen: no "never retrieved" warning
+            self._pending.clear()
 
 
 class EngineClock:
@@ -263,6 +282,9 @@ class _Chat:
     max_tool_calls: int
     parallel_tool_calls: bool
     priority: int
+    # "auto", "none", "required", or the one function's name a named choice forces
+    tool_choice: str = "auto"
+    forced: str | None = None
 
 
 def _is_int(value: object) -> TypeGuard[int]:
@@ -303,11 +325,17 @@ def _parse_chat(
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
             raise _HTTPError(400, f"messages[{i}] must be an object with a string 'role'")
     model = _parse_model(body, models)
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    # As vLLM and SGLang: max_completion_tokens, else max_tokens (a null is not given).
+    field = (
+        "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    )
+    max_tokens = body.get(field)
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS
     elif not _is_int(max_tokens) or max_tokens < 1:
-        raise _HTTPError(400, "'max_tokens' must be a positive integer")
+        raise _HTTPError(400, f"{field!r} must be a positive integer")
+    if body.get("n") not in (None, 1):  # not silently one choice where n were asked
+        raise _HTTPError(400, "'n': the fake engine makes one choice (n = 1)")
     top = body.get("top_logprobs")
     if top is None:
         top = 0
@@ -322,6 +350,7 @@ def _parse_chat(
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise _HTTPError(400, f"tools[{i}] must have a 'function' with a string 'name'")
+    choice, forced = _parse_tool_choice(body.get("tool_choice"), tools)
     n_calls = body.get("fake_max_tool_calls")
     if not _is_int(n_calls) or n_calls < 0:
         n_calls = max_tool_calls
@@ -340,7 +369,31 @@ def _parse_chat(
         max_tool_calls=n_calls,
         parallel_tool_calls=body.get("parallel_tool_calls") is True,
         priority=priority if _is_int(priority) else 0,
+        tool_choice=choice,
+        forced=forced,
     )
+
+
+def _parse_tool_choice(value: object, tools: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """OpenAI's `tool_choice`: "auto" (the default), "none", "required", or
+    {"type": "function", "function": {"name": ...}}, which must name an offered tool (as
+    vLLM checks)."""
+    if value is None or value in ("auto", "none", "required"):
+        choice = "auto" if value is None else str(value)
+        if choice == "required" and not tools:
+            raise _HTTPError(400, "tool_choice 'required' needs 'tools'")
+        return choice, None
+    fn = value.get("function") if isinstance(value, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(value, dict) or value.get("type") != "function" or not isinstance(name, str):
+        raise _HTTPError(
+            400,
+            "'tool_choice' must be 'auto', 'none', 'required' or "
+            '{"type": "function", "function": {"name": ...}}',
+        )
+    if all(t["function"]["name"] != name for t in tools):
+        raise _HTTPError(400, f"tool_choice names {name!r}, which is not in 'tools'")
+    return "required", name
 
 
 def _from_anthropic(body: dict[str, Any]) -> dict[str, Any]:
@@ -387,8 +440,17 @@ def _from_anthropic(body: dict[str, Any]) -> dict[str, Any]:
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise _HTTPError(400, "tools: Input should be a list")
+    choice = body.get("tool_choice")
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    name = choice.get("name") if isinstance(choice, dict) else None
+    chat_choice: object = {"auto": "auto", "any": "required", "none": "none"}.get(str(kind))
+    if kind == "tool":
+        chat_choice = {"type": "function", "function": {"name": name}}
+    elif choice is not None and chat_choice is None:
+        raise _HTTPError(400, "tool_choice: expected an object with type auto, any, tool or none")
     return {
         **{k: body[k] for k in ("model", "max_tokens", "fake_max_tool_calls") if k in body},
+        **({"tool_choice": chat_choice} if choice is not None else {}),
         "stream": body.get("stream") is True,
         "messages": messages,
         "tools": [
@@ -447,8 +509,12 @@ def _from_responses(body: dict[str, Any]) -> dict[str, Any]:
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise _HTTPError(400, "tools: Input should be a list")
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "function":  # its flat form
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
     chat: dict[str, Any] = {
         **{k: body[k] for k in ("model", "fake_max_tool_calls") if k in body},
+        **({"tool_choice": choice} if choice is not None else {}),
         "stream": body.get("stream") is True,
         "messages": messages,
         "parallel_tool_calls": body.get("parallel_tool_calls") is True,
@@ -824,7 +890,8 @@ _METRICS: dict[str, tuple[tuple[str, str, str], ...]] = {
     "vllm": (
         ("num_requests_running", "running", "Number of requests in model execution batches."),
         ("num_requests_waiting", "queued", "Number of requests waiting to be processed."),
-        ("gpu_cache_usage_perc", "token_usage", "GPU KV-cache usage. 1 means 100 percent usage."),
+        # (vLLM's name since 0.10; gpu_cache_usage_perc before, removed since)
+        ("kv_cache_usage_perc", "token_usage", "KV-cache usage. 1 means 100 percent usage."),
     ),
     "llamacpp": (
         ("requests_processing", "running", "Number of requests processing."),
@@ -846,7 +913,10 @@ def _metrics_text(flavor: str, model: str, ranks: list[dict[str, float]]) -> str
         name = f"{flavor}:{suffix}"
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
         for rank, values in enumerate(ranks):
-            by_rank = f',{_RANK_LABEL[flavor]}="{rank}"' if len(ranks) > 1 else ""
+            # vLLM labels its engine even when it has one
+            by_rank = (
+                f',{_RANK_LABEL[flavor]}="{rank}"' if len(ranks) > 1 or flavor == "vllm" else ""
+            )
             lines.append(f"{name}{{model_name={label}{by_rank}}} {float(values[field_name])}")
     return "\n".join(lines) + "\n"
 
@@ -890,13 +960,18 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
     app = FastAPI(title=f"fake {s.flavor} engine", lifespan=lifespan)
     app.state.clock = EngineClock(drivers)
 
+    @app.exception_handler(EngineStopped)
+    async def stopped(request: Request, exc: EngineStopped) -> Response:
+        return _error(503, "the engine is not running")
+
     def rank_values() -> list[dict[str, float]]:
         """Each rank's gauges."""
         if not drivers:
             return [{"running": 0, "queued": 0, "token_usage": 0.0, "cache_hit_rate": 0.0}]
         out = []
         for d in drivers:
-            d.poll()
+            if d.running:
+                d.poll()
             m = d.engine.metrics()
             out.append(
                 {
@@ -946,6 +1021,8 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
             max_tool_calls=chat.max_tool_calls,
             max_tokens=chat.max_tokens,
             parallel=chat.parallel_tool_calls,
+            tool_choice=chat.tool_choice,
+            forced=chat.forced,
         )
         return text, conv, reply
 
@@ -1005,7 +1082,8 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
             output_tokens=max(1, min(reply.n_tokens, max_new)),
             max_new_tokens=max_new,
             output_blocks=tuple(out_blocks),
-            priority=chat.priority,
+            # The engine serves the highest first, as SGLang; vLLM the lowest.
+            priority=-chat.priority if s.flavor == "vllm" else chat.priority,
         )
 
     async def client_stayed(request: Request, fut: asyncio.Future[Any]) -> bool:
@@ -1042,7 +1120,7 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
             yield chunks.role(cached)
             if reply.tool_calls:
                 yield chunks.tool_calls(0)
-                done = await pending.done
+                done = await asyncio.shield(pending.done)
                 yield chunks.tool_calls(1)
             else:
                 sent, total = 0, len(reply.tokens)
@@ -1081,13 +1159,7 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
             return _error(exc.status, exc.message)
         # The engine generates output_tokens; a reply cut short by a small KV pool ends early.
         if ereq.output_tokens < reply.n_tokens:
-            reply = Reply(
-                reply.tokens[: ereq.output_tokens],
-                ereq.output_tokens,
-                "length" if not reply.tool_calls else reply.finish_reason,
-                reply.tool_calls,
-                reply.labels,
-            )
+            reply = reply.cut(ereq.output_tokens)
         pending = driver.submit(ereq)
         created = int(time.time())
         if chat.stream:
@@ -1133,10 +1205,9 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
             ereq = engine_request(chat, text, reply, rid)
         except _HTTPError as exc:
             return error(exc.status, exc.message)
-        if ereq.output_tokens < reply.n_tokens and not reply.tool_calls:
+        if ereq.output_tokens < reply.n_tokens:
             # A reply cut short by a small KV pool ends early, as on the chat route.
-            cut = reply.tokens[: ereq.output_tokens]
-            reply = Reply(cut, ereq.output_tokens, "length", (), reply.labels)
+            reply = reply.cut(ereq.output_tokens)
         pending = driver.submit(ereq)
         events = events_for(rid, chat, reply, ereq.prompt_tokens)
         if chat.stream:
@@ -1217,6 +1288,9 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        # As a real engine whose scheduler died: not healthy, so routers stop sending.
+        if any(not d.running for d in drivers):
+            return _error(503, "the engine is not running")
         return _json({})
 
     @app.get("/v1/models")

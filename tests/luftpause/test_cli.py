@@ -261,6 +261,10 @@ def test_a_stopping_gateway_lets_the_turns_in_flight_finish(tmp_path: Path) -> N
             ("fake-engine", "--port", "8000", "--kv-tokens", "0"),
             "luftpause fake-engine: kv_pool_tokens must hold at least one block",
         ),
+        (  # every request with tools answered 500 (a ZeroDivisionError)
+            ("fake-engine", "--port", "8000", "--max-tool-calls", "-1"),
+            "luftpause fake-engine: max_tool_calls must be at least 0, got -1",
+        ),
         (  # exited 0 and printed "nan min"
             ("load", "--url", "http://127.0.0.1:9", "--minutes", "nan"),
             "--minutes must be a finite number > 0, got nan",

@@ -110,6 +110,12 @@ async def test_completion_with_usage() -> None:
         assert 40 <= n <= 256
         assert body["choices"][0]["finish_reason"] == ("length" if n == 256 else "stop")
 
+        # max_completion_tokens wins; a null one is not given (SDKs send it so).
+        for limits, want in (({"max_completion_tokens": 7, "max_tokens": 30}, 7),
+                             ({"max_completion_tokens": None, "max_tokens": 5}, 5)):  # fmt: skip
+            r = await client.post("/v1/chat/completions", json=chat("a third", **limits))
+            assert r.json()["usage"]["completion_tokens"] == want, limits
+
 
 async def test_a_stopped_clock_holds_the_engine_where_it_stands() -> None:
     one = replace(EngineParams.reference(), max_running_requests=1)
@@ -289,10 +295,83 @@ async def test_tool_calls_then_an_answer() -> None:
         assert json.loads(calls[1]["function"]["arguments"])["query"].startswith("lookup-")
         assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
+        # A call max_tokens cuts off is no call: its text so far, "length" (as an
+        # engine's tool parser that finds no whole call answers).
+        body = {"messages": body["messages"], "tools": TOOLS, "fake_max_tool_calls": 3}
+        r = await client.post("/v1/chat/completions", json={**body, "max_tokens": 3})
+        cut = r.json()["choices"][0]
+        assert cut["finish_reason"] == "length" and "tool_calls" not in cut["message"]
+        assert cut["message"]["content"] == "<tool_call>{"  # 3 tokens of 4 characters
+        assert r.json()["usage"]["completion_tokens"] == 3
+
         # fake_max_tool_calls=0: never a tool call.
         body = {"messages": body["messages"], "tools": TOOLS, "fake_max_tool_calls": 0}
         r = await client.post("/v1/chat/completions", json=body)
         assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+@pytest.mark.parametrize("instant", [False, True])
+async def test_tool_choice_is_honoured(instant: bool) -> None:
+    # As vLLM and SGLang: "none" makes no call, "required" or a named function at least
+    # one (of that function) whatever the run would have done; in every API.
+    tools = [*TOOLS, {"type": "function", "function": {"name": "other"}}]
+    named = {"type": "function", "function": {"name": "other"}}
+    async with fake_engine(time_scale=100, instant=instant) as client:
+
+        async def finish(task: str, choice: Any, **kw: Any) -> tuple[str, list[str]]:
+            body = {"messages": [{"role": "user", "content": task}], "tools": tools, **kw}
+            r = await client.post("/v1/chat/completions", json={**body, "tool_choice": choice})
+            assert r.status_code == 200, r.text
+            choice0 = r.json()["choices"][0]
+            names = [c["function"]["name"] for c in choice0["message"].get("tool_calls") or []]
+            return choice0["finish_reason"], names
+
+        calls = {i: await finish(f"task number {i}", "auto") for i in range(8)}
+        silent = next(i for i, (f, _) in calls.items() if f != "tool_calls")
+        busy = next(i for i, (f, _) in calls.items() if f == "tool_calls")
+        assert (await finish(f"task number {busy}", "none"))[0] in ("stop", "length")
+        assert (await finish(f"task number {silent}", "required"))[0] == "tool_calls"
+        assert await finish(f"task number {silent}", named) == ("tool_calls", ["other"])
+        assert await finish(f"task number {busy}", named, parallel_tool_calls=True) == (
+            "tool_calls",
+            ["other"] * len(calls[busy][1]),
+        )
+        # The same through the Messages and Responses APIs' own shapes.
+        msg = {"max_tokens": 64, "messages": [{"role": "user", "content": f"task number {silent}"}]}
+        anthropic_tools = [{"name": "lookup", "input_schema": {}}, {"name": "other"}]
+        r = await client.post(
+            "/v1/messages",
+            json={
+                **msg,
+                "tools": anthropic_tools,
+                "tool_choice": {"type": "tool", "name": "other"},
+            },
+        )
+        assert r.json()["stop_reason"] == "tool_use", r.text
+        assert [b["name"] for b in r.json()["content"] if b["type"] == "tool_use"] == ["other"]
+
+        async def kinds(task: str, choice: str) -> list[str]:
+            lookup = {"type": "function", "name": "lookup", "parameters": {}}
+            body = {"input": task, "tools": [lookup], "tool_choice": choice}
+            r = await client.post("/v1/responses", json=body)
+            assert r.status_code == 200, r.text
+            return [o["type"] for o in r.json()["output"]]
+
+        tasks = [f"task number {i}" for i in range(8)]
+        calling = [t for t in tasks if "function_call" in await kinds(t, "auto")]
+        assert calling and await kinds(calling[0], "none") == ["message"]
+
+        bad = [
+            ("always", "'tool_choice' must be"),
+            ({"type": "function", "function": {"name": "nope"}}, "'nope', which is not in"),
+        ]
+        for choice, says in bad:
+            r = await client.post(
+                "/v1/chat/completions", json={**chat(), "tools": tools, "tool_choice": choice}
+            )
+            assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+        r = await client.post("/v1/chat/completions", json={**chat(), "tool_choice": "required"})
+        assert r.status_code == 400 and "needs 'tools'" in r.json()["error"]["message"]
 
 
 async def test_parallel_tool_calls_and_directives() -> None:
@@ -364,6 +443,33 @@ async def test_unknown_fields_are_accepted() -> None:
         assert r.json()["usage"]["completion_tokens"] == 5
 
 
+@pytest.mark.parametrize(("flavor", "first"), [("sglang", "p10"), ("vllm", "p0")])
+async def test_priority_order_is_the_flavors(flavor: str, first: str) -> None:
+    # With priority scheduling SGLang serves the higher value first, vLLM the lower.
+    one = replace(EngineParams.reference(), max_running_requests=1, priority_scheduling=True)
+    app = create_app(FakeEngineSettings(flavor=flavor, time_scale=20, engine=one))
+    running, queued = RUNNING[flavor]
+    async with serve(app) as url, httpx.AsyncClient(base_url=url, timeout=20) as client:
+        app.state.clock.stop()
+        done: list[str] = []
+
+        async def send(tag: str, priority: int) -> None:
+            body = chat(f"question {tag}", max_tokens=5, priority=priority)
+            r = await client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            done.append(tag)
+
+        sent = [asyncio.create_task(send("blocker", 0))]
+        await wait_metric(client, running, lambda v: v == 1)
+        sent.append(asyncio.create_task(send("p0", 0)))
+        await wait_metric(client, queued, lambda v: v == 1)
+        sent.append(asyncio.create_task(send("p10", 10)))
+        await wait_metric(client, queued, lambda v: v == 2)
+        app.state.clock.go()
+        await asyncio.gather(*sent)
+        assert done == ["blocker", first, ({"p0", "p10"} - {first}).pop()]
+
+
 @pytest.mark.parametrize("instant", [False, True])
 async def test_bad_requests_are_4xx_with_a_message(instant: bool) -> None:
     async with fake_engine(time_scale=100, instant=instant) as client:
@@ -375,6 +481,8 @@ async def test_bad_requests_are_4xx_with_a_message(instant: bool) -> None:
             (json.dumps({"messages": [{"content": "hi"}]}).encode(), 400, "messages[0]"),
             (json.dumps(chat(max_tokens="many")).encode(), 400, "max_tokens"),
             (json.dumps(chat(max_tokens=0)).encode(), 400, "max_tokens"),
+            (json.dumps(chat(max_completion_tokens=-1)).encode(), 400, "'max_completion_tokens'"),
+            (json.dumps(chat(n=3)).encode(), 400, "'n': the fake engine makes one choice"),
             (json.dumps(chat(tools=[{"type": "function"}])).encode(), 400, "tools[0]"),
             (json.dumps(chat(top_logprobs=99, logprobs=True)).encode(), 400, "top_logprobs"),
             (b"\xff\xfe", 400, "invalid JSON"),
@@ -434,10 +542,13 @@ async def test_metrics_follow_the_engine(flavor: str) -> None:
     # 0.02 virtual s per wall s: a 40+ token reply takes > 20 wall seconds.
     async with fake_engine(flavor=flavor, time_scale=0.02) as client:
         text = (await client.get("/metrics")).text
+        engine = ',engine="0"' if flavor == "vllm" else ""  # vLLM labels even its one engine
         for name in (running, queued):
             assert f"# HELP {name} " in text
             assert f"# TYPE {name} gauge" in text
-            assert f'{name}{{model_name="{MODEL}"}} 0.0' in text
+            assert f'{name}{{model_name="{MODEL}"{engine}}} 0.0' in text
+        if flavor == "vllm":  # its name since 0.10 (gpu_cache_usage_perc is gone)
+            assert f'vllm:kv_cache_usage_perc{{model_name="{MODEL}",engine="0"}} 0.0' in text
         generation = asyncio.create_task(client.post("/v1/chat/completions", json=chat()))
         assert await wait_metric(client, running, lambda v: v > 0) == 1
         assert await metric(client, queued) == 0
@@ -489,6 +600,53 @@ async def test_client_disconnect_mid_stream_stops_generation() -> None:
         # Leaving the `stream` block closed the connection mid-stream.
         await wait_metric(client, "sglang:num_running_reqs", lambda v: v == 0)
         assert await metric(client, "sglang:num_queue_reqs") == 0
+
+
+async def test_a_request_whose_waiting_handler_was_cancelled_does_not_stop_the_engine() -> None:
+    # A client leaving a streamed tool-call turn cancels the future its handler waits
+    # on; when the request ends in the engine before the handler's `finally` cancels it,
+    # the driver must carry on (it died on setting the cancelled future's result, and
+    # every later request hung).
+    from testkit.engine import EngineRequest
+    from testkit.fake_engine import _Driver
+
+    def request(rid: str, block: int) -> EngineRequest:
+        return EngineRequest(
+            request_id=rid, prompt_blocks=(block,), prompt_tokens=10, output_tokens=4,
+            max_new_tokens=4,
+        )  # fmt: skip
+
+    driver = _Driver(EngineParams.reference(), 1000.0)
+    task = driver.start()
+    try:
+        left = driver.submit(request("left", 1))
+        await left.first
+        left.done.cancel()  # as the handler's cancellation does; it has not cancelled yet
+        nxt = driver.submit(request("next", 2))
+        finished = await asyncio.wait_for(asyncio.shield(nxt.done), 10)
+        assert finished.request_id == "next" and driver.running and not task.done()
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def test_an_engine_whose_driver_died_is_not_healthy() -> None:
+    # A crash in the engine's loop (a bug, injected here) must show at /health, which
+    # routers and luftpause probe, not only to the requests that then fail.
+    app = create_app(FakeEngineSettings(time_scale=100))
+    async with serve(app) as url, httpx.AsyncClient(base_url=url, timeout=20) as client:
+        assert (await client.get("/health")).status_code == 200
+        (driver,) = app.state.clock._drivers
+
+        def broken(now: float) -> list[Any]:
+            raise RuntimeError("injected")
+
+        driver.engine.advance = broken  # type: ignore[method-assign]
+        r = await client.post("/v1/chat/completions", json=chat())
+        assert r.status_code == 503 and r.json()["error"]["message"] == "the engine is not running"
+        r = await client.get("/health")
+        assert r.status_code == 503 and "not running" in r.json()["error"]["message"]
 
 
 # --------------------------------------------------------------------------- other endpoints
@@ -543,12 +701,16 @@ async def test_probe_endpoints() -> None:
 async def test_logprobs_with_labels() -> None:
     prompt = "Is this message urgent?\nThe server is on fire.\nLabels: urgent, routine, spam"
     async with fake_engine(time_scale=100) as client:
-        req = chat(prompt, logprobs=True, top_logprobs=2, max_tokens=1)
+        req = chat(prompt, logprobs=True, top_logprobs=4, max_tokens=1)
         body = (await client.post("/v1/chat/completions", json=req)).json()
         choice = body["choices"][0]
         first = choice["logprobs"]["content"][0]
         tops = first["top_logprobs"]
-        assert {t["token"] for t in tops} >= {"urgent", "routine", "spam"}
+        assert len(tops) == 4 and {t["token"] for t in tops} >= {"urgent", "routine", "spam"}
+        # As many as asked, the likeliest first (the labels).
+        fewer = chat(prompt, logprobs=True, top_logprobs=2, max_tokens=1)
+        two = (await client.post("/v1/chat/completions", json=fewer)).json()
+        assert two["choices"][0]["logprobs"]["content"][0]["top_logprobs"] == tops[:2]
         best = max(tops, key=lambda t: t["logprob"])
         assert first["token"] == best["token"] and first["logprob"] == best["logprob"]
         assert choice["message"]["content"].startswith(first["token"])
