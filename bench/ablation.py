@@ -68,6 +68,15 @@ FRONTIER: dict[str, dict[str, object]] = {
 }
 
 
+def _mean_or_none(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return round(mean(known), 1) if known else None
+
+
+def _cell(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", default="1,2")
@@ -112,7 +121,9 @@ def main() -> None:
         )
         rows[name] = {
             "interactive_per_min": round(i, 2),
-            "interactive_p50_s": round(mean(r.percentile(0.5) or 0 for r in res), 1),
+            # The mean of the seeds' medians; a seed with no interactive run ended in
+            # the window has none (not 0 s).
+            "interactive_p50_s": _mean_or_none([r.percentile(0.5) for r in res]),
             "batch_per_min": round(b, 2),
             "cached_share": round(mean(r.cached_share for r in res), 3),
             "P": round(i / ref_i, 3),
@@ -136,7 +147,7 @@ def main() -> None:
           f"{'P':>7}{'W':>7}{'int×CA':>8}{'batch×CA':>9}{'alone':>7}{'P*':>6}")  # fmt: skip
     for name, r in rows.items():
         print(
-            f"{name:<52}{r['interactive_per_min']:>8.2f}{r['interactive_p50_s']:>7.1f}"
+            f"{name:<52}{r['interactive_per_min']:>8.2f}{_cell(r['interactive_p50_s']):>7}"
             f"{r['batch_per_min']:>10.2f}{r['cached_share']:>8.1%}{r['P']:>7.2f}{r['W']:>7.2f}"
             f"{r['interactive_vs_cache_aware']:>8.2f}{r['batch_vs_cache_aware']:>9.2f}"
             f"{r['interactive_alone_this_policy']:>7.2f}{r['P_vs_this_policy_alone']:>6.2f}"

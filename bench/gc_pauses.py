@@ -33,6 +33,8 @@ from testkit.overhead import (
     _hey,
     _machine,
     _per_round,
+    _sigterm_unwinds,
+    _Stopped,
     _wait_healthy,
 )
 
@@ -181,10 +183,15 @@ def main() -> int:
     if hey is None:
         print("hey not found on PATH; install it: apt-get install hey", file=sys.stderr)
         return 2
-    with tempfile.TemporaryDirectory(prefix="luftpause-gc-") as tmp:
+    # A SIGTERM unwinds too, so hey (which subprocess.run kills on the way out) and the
+    # servers are stopped and the directory removed.
+    with tempfile.TemporaryDirectory(prefix="luftpause-gc-") as tmp, _sigterm_unwinds():
         children = _Children(Path(tmp))
         try:
             result = _measure(args, hey, Path(tmp), children)
+        except (KeyboardInterrupt, _Stopped):
+            print("bench.gc_pauses: interrupted; stopping what it started", file=sys.stderr)
+            return 130
         finally:
             children.stop_all()
     print(json.dumps(result, indent=2) if args.json else _table(result))

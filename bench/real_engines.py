@@ -256,6 +256,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     logs.mkdir(parents=True, exist_ok=True)
     try:
         with _bed(args, logs) as bed:
+            # One unmeasured burst through each arm first: else the first arm alone
+            # meets cold engines and an empty prompt cache (every later round's prompts
+            # are the same).
+            for arm in arms:
+                print(f"warm-up {arm}: {_arm(args, arm, bed, logs)}", file=sys.stderr)
             for r in range(args.rounds):
                 for arm in arms if r % 2 == 0 else arms[::-1]:
                     runs[arm].append(_arm(args, arm, bed, logs))

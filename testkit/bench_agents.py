@@ -542,41 +542,49 @@ def _measure(args: argparse.Namespace, progress: Callable[[str], None]) -> dict[
     results: dict[str, dict[str, Any]] = {}
     # Logs stay when an arm failed or saw errors (the path is printed), else go.
     tmp = Path(tempfile.mkdtemp(prefix="luftpause-bench-"))
-    for arm in plan:
-        router = routers[arm.router]
-        log_dir = tmp / arm.name.replace("/", "-")
-        log_dir.mkdir()
-        progress(f"arm {arm.name} ({arm.router}): {arm.load.minutes:g} virtual min")
-        t0 = time.monotonic()
-        try:
-            with _arm_bed(args, router, log_dir, arm.policy, arm.router == "luftpause") as bed:
-                load = run_load(arm.load, bed.url, ends_runs=router.ends_runs, progress=progress)
-                before, harness = bed.cpu(), time.process_time()
-                r = asyncio.run(load)
-                harness = time.process_time() - harness
-                bed.check_alive()
-                after = bed.cpu()
-                held = _held_seconds(bed.url) if arm.router == "luftpause" else None
-        except Exception as exc:  # one arm's failure loses neither the others nor its logs
-            results[arm.name] = {"failed": f"{type(exc).__name__}: {exc}", "logs": str(log_dir)}
-            progress(f"  FAILED: {exc} (logs: {log_dir})")
-            continue
-        row = r.as_json()
-        row["router"] = arm.router
-        row["wall_s"] = round(time.monotonic() - t0, 1)
-        # CPU seconds during the load: what each part needed of the two vCPUs.
-        row["cpu_s"] = {k: _spent(before[k], after[k]) for k in after} | {"load": round(harness, 1)}
-        if held is not None:
-            row["held"] = held
-        if bed.slots is not None:
-            row["slots"] = bed.slots
-        if row["errors"]:
-            row["logs"] = str(log_dir)
-        results[arm.name] = row
-        progress(
-            f"  done: {row['interactive_runs_per_min']} interactive/min, "
-            f"{row['batch_runs_per_min']} batch/min, {row['errors']} errors"
-        )
+    try:
+        for arm in plan:
+            router = routers[arm.router]
+            log_dir = tmp / arm.name.replace("/", "-")
+            log_dir.mkdir()
+            progress(f"arm {arm.name} ({arm.router}): {arm.load.minutes:g} virtual min")
+            t0 = time.monotonic()
+            try:
+                with _arm_bed(args, router, log_dir, arm.policy, arm.router == "luftpause") as bed:
+                    load = run_load(
+                        arm.load, bed.url, ends_runs=router.ends_runs, progress=progress
+                    )
+                    before, harness = bed.cpu(), time.process_time()
+                    r = asyncio.run(load)
+                    harness = time.process_time() - harness
+                    bed.check_alive()
+                    after = bed.cpu()
+                    held = _held_seconds(bed.url) if arm.router == "luftpause" else None
+            except Exception as exc:  # one arm's failure loses neither the others nor its logs
+                results[arm.name] = {"failed": f"{type(exc).__name__}: {exc}", "logs": str(log_dir)}
+                progress(f"  FAILED: {exc} (logs: {log_dir})")
+                continue
+            row = r.as_json()
+            row["router"] = arm.router
+            row["wall_s"] = round(time.monotonic() - t0, 1)
+            # CPU seconds during the load: what each part needed of the two vCPUs.
+            row["cpu_s"] = {k: _spent(before[k], after[k]) for k in after} | {
+                "load": round(harness, 1)
+            }
+            if held is not None:
+                row["held"] = held
+            if bed.slots is not None:
+                row["slots"] = bed.slots
+            if row["errors"]:
+                row["logs"] = str(log_dir)
+            results[arm.name] = row
+            progress(
+                f"  done: {row['interactive_runs_per_min']} interactive/min, "
+                f"{row['batch_runs_per_min']} batch/min, {row['errors']} errors"
+            )
+    except BaseException:  # a SIGTERM or ^C: its logs stay, and it says where
+        progress(f"stopped; logs kept in {tmp}")
+        raise
     if any("logs" in r for r in results.values()):
         progress(f"logs kept in {tmp}")
     else:

@@ -69,7 +69,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "a user message",
     )
     own.add_argument(
-        "--max-tool-calls", type=int, default=3, help="--scripted-tools: 0..N calls a run (3)"
+        "--max-tool-calls",
+        type=int,
+        default=None,
+        help="--scripted-tools: 0..N calls a run (3); --subagents: each sub-agent's "
+        "maxToolCalls (the server's default)",
     )
     own.add_argument(
         "--tool-call-tokens",
@@ -94,6 +98,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _bad(args: argparse.Namespace) -> str | None:
     if not 0 < args.minutes < math.inf:  # NaN too
         return f"--minutes must be a finite number > 0, got {args.minutes}"
+    if args.max_tool_calls is not None and args.max_tool_calls < 0:
+        return f"--max-tool-calls must be at least 0, got {args.max_tool_calls}"
     if args.subagents is not None:
         if args.subagents < 1:
             return "--subagents must be at least 1"
@@ -109,8 +115,7 @@ def _bad(args: argparse.Namespace) -> str | None:
         return "needs at least one agent (--batch, --interactive)"
     if args.runs is not None and args.runs < 1:
         return "--runs must be at least 1"
-    if args.max_tool_calls < 0:
-        return f"--max-tool-calls must be at least 0, got {args.max_tool_calls}"
+
     if args.tool_call_tokens < 1 or args.reply_tokens < 1:
         return "--tool-call-tokens and --reply-tokens must be at least 1"
     return None
@@ -183,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
             model=args.model,
             tools=[t.strip() for t in args.tools.split(",") if t.strip()] if args.tools else None,
             service_class=args.service_class,
+            max_tool_calls=args.max_tool_calls,
         )
         progress(f"{plan.fanout} sub-agents a round through {args.url}/mcp")
         result = asyncio.run(
@@ -203,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
             runs=args.runs,
             model=model,
             scripted_tools=args.scripted_tools,
-            max_tool_calls=args.max_tool_calls,
+            max_tool_calls=3 if args.max_tool_calls is None else args.max_tool_calls,
             tool_call_tokens=args.tool_call_tokens,
         )
         progress(

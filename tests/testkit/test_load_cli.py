@@ -88,6 +88,13 @@ async def test_rounds_of_sub_agents_over_mcp(temporal_address: str) -> None:
         )
         assert code == 0, err
         assert "runs by state" in out and "Completed 3" in out, out
+        # --max-tool-calls reaches the sub-agents: after one lookup each must answer
+        # (two turns a run, where the task alone makes four).
+        args = ["--url", s.gateway_url, "--subagents", "2", "--rounds", "1", "--json"]
+        code, out, err = await load(*args, "--task", task_with(3, "few"), "--max-tool-calls", "1")
+        assert code == 0, err
+        j = json.loads(out)
+        assert j["runs_by_state"] == {"Completed": 2} and j["turns"] == 4, j
 
 
 async def test_a_door_that_cannot_be_reached_is_one_line_and_exit_2() -> None:

@@ -151,15 +151,18 @@ def test_arm_counts_missing_rows_and_other_statuses_as_errors() -> None:
     header = "response-time,DNS+dialup,DNS,Request-write,Response-delay,Response-read,"
     header += "status-code,offset\n"
     rows = [
-        "0.0010,0,0,0,0,0,200,0.0000",
-        "0.0030,0,0,0,0,0,200,0.0010",
-        "0.0020,0,0,0,0,0,502,0.0040",
+        "0.0020,0,0,0,0,0,200,0.0000",
+        "0.0040,0,0,0,0,0,200,0.0020",
+        "0.0001,0,0,0,0,0,502,0.0060",
+        "0.0001,0,0,0,0,0,502,0.0061",
+        "0.0001,0,0,0,0,0,503,0.0062",
     ]
     arm = Arm("gateway", False, 1)
-    arm.add(4, header + "\n".join(rows) + "\n", server_cpu_s=0.004)  # one request failed
+    arm.add(6, header + "\n".join(rows) + "\n", server_cpu_s=0.006)  # one request failed
     report = arm.report()
-    assert (report["requests"], report["ok"], report["errors"]) == (4, 2, 2)
-    assert report["status"] == {"200": 2, "502": 1}
-    assert (report["p50_ms"], report["p99_ms"], report["max_ms"]) == (2.0, 3.0, 3.0)
-    assert report["req_per_s"] == pytest.approx(3 / 0.006, rel=1e-3)
+    assert (report["requests"], report["ok"], report["errors"]) == (6, 2, 4)
+    assert report["status"] == {"200": 2, "502": 2, "503": 1}
+    # Latency and rate are the answered requests': fast errors do not flatter them.
+    assert (report["p50_ms"], report["p99_ms"], report["max_ms"]) == (2.0, 4.0, 4.0)
+    assert report["req_per_s"] == pytest.approx(2 / 0.0063, rel=1e-3)
     assert report["server_cpu_ms_per_req"] == 1.0
