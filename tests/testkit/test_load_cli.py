@@ -90,8 +90,10 @@ async def test_rounds_of_sub_agents_over_mcp(temporal_address: str) -> None:
         assert "runs by state" in out and "Completed 3" in out, out
         # --max-tool-calls reaches the sub-agents: after one lookup each must answer
         # (two turns a run, where the task alone makes four).
+        # (--tools lookup: offered every tool, a run may call one that waits for approval.)
         args = ["--url", s.gateway_url, "--subagents", "2", "--rounds", "1", "--json"]
-        code, out, err = await load(*args, "--task", task_with(3, "few"), "--max-tool-calls", "1")
+        args += ["--tools", "lookup", "--task", task_with(3, "few")]
+        code, out, err = await load(*args, "--max-tool-calls", "1")
         assert code == 0, err
         j = json.loads(out)
         assert j["runs_by_state"] == {"Completed": 2} and j["turns"] == 4, j
