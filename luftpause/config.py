@@ -847,11 +847,15 @@ class Config(BaseModel):
         behind = {n for e in self.endpoints for n in e.load_from}
         return [e for e in self.endpoints if e.generative and e.name not in behind]
 
-    def unset_keys(self, environ: Mapping[str, str]) -> list[str]:
+    def unset_keys(self, environ: Mapping[str, str], *, worker: bool = False) -> list[str]:
         """What the environment lacks: each `api_key_env` / `token_env` naming a variable
         that is unset or blank.  Requests then go without a key, and a hosted endpoint
-        fails every probe; the processes warn at start so that it is not a mystery."""
-        named = [("endpoint", e.name, "api_key_env", e.api_key_env) for e in self.endpoints]
+        fails every probe; the processes warn at start so that it is not a mystery.
+        `worker`: only what the worker uses, the MCP servers' tokens (its turns go
+        through the gateway, which alone holds the endpoints' keys and takes callers)."""
+        named = [] if worker else [
+            ("endpoint", e.name, "api_key_env", e.api_key_env) for e in self.endpoints
+        ]  # fmt: skip
         named += [("mcp server", m.name, "token_env", m.token_env) for m in self.mcp_servers]
         unset = [
             f"{what} {name}: {field} = {var!r}, but {var} is not set: its requests go without a key"
@@ -861,7 +865,7 @@ class Config(BaseModel):
         return unset + [
             f"caller {c.name}: token_env = {c.token_env!r}, but {c.token_env} is not set: "
             "no token is this caller's"
-            for c in self.callers
+            for c in ([] if worker else self.callers)
             if not environ.get(c.token_env, "").strip()
         ]
 

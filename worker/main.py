@@ -180,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
         temporal = config.temporal.model_copy(update={"task_queue": args.task_queue})
         config = config.model_copy(update={"temporal": temporal})
     token = config.token
-    for line in config.unset_keys(os.environ):
+    for line in config.unset_keys(os.environ, worker=True):
         logging.getLogger("luftpause.worker").warning("%s", line)
     try:
         config.temporal.connect_options(os.environ)  # its TLS files and API key

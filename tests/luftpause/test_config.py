@@ -569,6 +569,13 @@ def test_keys_named_but_not_in_the_environment_are_reported() -> None:
     ]
     assert len(cfg.unset_keys({})) == 3
     assert cfg.unset_keys({"KEY_A": "1", "KEY_B": "2", "TOOL_KEY": "3"}) == []
+    # The worker calls no endpoint (its turns go through the gateway): the endpoints'
+    # keys are not its to lack (deploy/compose.hosted.yaml gives the gateway alone one).
+    assert cfg.unset_keys({"TOOL_KEY": "t"}, worker=True) == []
+    assert cfg.unset_keys({}, worker=True) == [
+        "mcp server t: token_env = 'TOOL_KEY', but TOOL_KEY is not set: its requests go "
+        "without a key"
+    ]
 
 
 def test_the_policy_section_sets_the_schedulers_constants(tmp_path: Path) -> None:
@@ -711,6 +718,7 @@ def test_callers_tokens_come_from_the_environment_each_its_own() -> None:
         "caller team-b: token_env = 'TEAM_B_TOKEN', but TEAM_B_TOKEN is not set: "
         "no token is this caller's"
     ]
+    assert cfg.unset_keys({}, worker=True) == []  # callers are the gateway's
     for env, message in [
         ({"TEAM_A_TOKEN": "op"}, "caller team-a: TEAM_A_TOKEN holds the operator's token"),
         (
