@@ -1141,7 +1141,8 @@ class _TurnTrace:
                 usage["gen_ai.response.finish_reasons"] = (event.finish_reason,)
             chat.set_attributes(usage)
         elif isinstance(event, TurnFailed):
-            chat.set_attribute("error.type", "turn_failed")
+            # (A client that left is named as on `admit`, not as the turn's failure.)
+            chat.set_attribute("error.type", "client_left" if event.client_left else "turn_failed")
             chat.set_status(StatusCode.ERROR, event.reason)
         elif isinstance(event, TurnAbandoned):
             chat.set_attribute("error.type", "abandoned")
@@ -1157,7 +1158,7 @@ class _TurnTrace:
         if self._under_run:
             self._runs.turn_ended(self._run_id, self._outcome, run)
         else:  # in the caller's trace; it may still answer a run whose span is open
-            self._runs.settle(self._run_id, run)
+            self._runs.settle(self._run_id, self._outcome, run)
 
 
 @functools.cache

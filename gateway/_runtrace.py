@@ -13,11 +13,13 @@ such turn's `chat` span, so one agent invocation is one trace:
     of its own;
   - `rejected` (an error): refused before queueing (unknown model, no healthy replica, 429);
   - `abandoned`: the client left while its turn was held (at once, or once the run
-    expires if it was paused on a tool: the client may still send the tool's result);
+    expires if it was paused on a tool: the client may still send the tool's result),
+    or while its turn was answered (once the run expires: it may still send the turn
+    again); not an error, as pressing Esc in a harness is none;
   - `ended`: the client ended the run (`DELETE /v1/runs/{id}`);
-  - `expired`: paused on a tool, or after a failed turn (then an error), and not resumed
-    within `idle_run_expiry_s`: the span ends at the run's last activity, but is only
-    exported then;
+  - `expired`: paused on a tool, or after a turn that failed (then an error), and not
+    resumed within `idle_run_expiry_s`: the span ends at the run's last activity, but is
+    only exported then;
   - `gateway_stopped`: still open when the gateway stopped.
 - It carries the run's totals: turns, and the GenAI usage of its finished turns.
 
@@ -125,12 +127,15 @@ class RunSpans:
             else:
                 self._end(run_id, "ended" if state is None else "answered")
 
-    def settle(self, run_id: str, state: RunState | None) -> None:
-        """A turn of the run that came with a trace of its own is over: it may have
-        given the run's answer (the run went IDLE), which ends the run's span too."""
+    def settle(self, run_id: str, outcome: TurnOutcome, state: RunState | None) -> None:
+        """A turn of the run that came with a trace of its own is over: it is the run's
+        last (how the span ends if the run expires, and when), and it may have given the
+        run's answer (the run went IDLE), which ends the run's span too."""
         run = self._open.get(run_id)
-        if run is not None and run.open_turns == 0 and state is not None and not _goes_on(state):
-            run.last_ns = time.time_ns()
+        if run is None:
+            return
+        run.last, run.last_ns = outcome, time.time_ns()
+        if run.open_turns == 0 and state is not None and not _goes_on(state):
             self._end(run_id, "answered")
 
     def forgotten(self, run_id: str, *, expired: bool) -> None:
@@ -139,15 +144,16 @@ class RunSpans:
         if run is None:
             return
         if run.open_turns > 0:
-            # Ended by the client: its last turn ends the span.  Expired (paused past
-            # idle_run_expiry_s with its next turn held): that turn goes on with it.
-            run.forgotten = not expired
+            # Ended by the client while a turn of it is open: that turn's end ends the
+            # span.  (The core expires no run with a turn held or in flight.)
+            run.forgotten = True
             return
+        last = run.last
         if not expired:
             self._end(run_id, "ended", at=run.last_ns)
-        elif isinstance(run.last, TurnFailed):
-            self._end(run_id, "expired", error=("turn_failed", run.last.reason), at=run.last_ns)
-        elif isinstance(run.last, TurnAbandoned):
+        elif isinstance(last, TurnFailed) and not last.client_left:
+            self._end(run_id, "expired", error=("turn_failed", last.reason), at=run.last_ns)
+        elif isinstance(last, (TurnAbandoned, TurnFailed)):  # the client left
             self._end(run_id, "abandoned", at=run.last_ns)
         else:
             self._end(run_id, "expired", at=run.last_ns)

@@ -1,8 +1,8 @@
 """When a proxied run's `invoke_agent` span ends (gateway/_runtrace.py), for the cases a
 test over HTTP cannot set up on cue: turns of one run in parallel, a failed turn never
-retried, a run ended by its client mid-turn, a paused run whose turn was abandoned.  The
-real-HTTP cases (answered, rejected, expired, ended, gateway stopped) are in
-tests/luftpause/test_telemetry.py."""
+retried, a run ended by its client mid-turn, a paused run whose turn was abandoned, a
+traced turn that failed last.  The real-HTTP cases (answered, rejected, expired, ended,
+gateway stopped, a client leaving mid-stream) are in tests/luftpause/test_telemetry.py."""
 
 from __future__ import annotations
 
@@ -94,18 +94,19 @@ def test_a_run_ended_mid_turn_ends_with_that_turn() -> None:
     assert attrs(agent)["luftpause.end"] == "ended"
 
 
-def test_a_run_that_expires_while_its_turn_is_held_goes_on() -> None:
+def test_a_client_that_leaves_mid_answer_abandons_the_run_once_it_expires() -> None:
+    # Esc in a harness while the turn streams: the core keeps the run (the client may
+    # send the turn again); once it expires the invocation was abandoned, not an error.
     bed = Bed()
     bed.begin()
-    bed.runs.turn_ended("r", finished("tool_calls"), state(RunPhase.PAUSED))
-    bed.begin()  # the tool's result, held past idle_run_expiry_s: the core forgets the run
+    left = TurnFailed(now=0.0, turn_id="t", reason="client disconnected mid-stream",
+                      client_left=True)  # fmt: skip
+    bed.runs.turn_ended("r", left, state(RunPhase.IDLE, retrying=True))
+    assert not bed.ended()
     bed.runs.forgotten("r", expired=True)
-    bed.runs.turn_ended("r", finished("tool_calls"), state(RunPhase.PAUSED))
-    assert not bed.ended()  # admitted at last, and paused again: the same invocation
-    bed.begin()
-    bed.runs.turn_ended("r", finished("stop"), state(RunPhase.IDLE))
     (agent,) = bed.ended()
-    assert attrs(agent)["luftpause.end"] == "answered" and attrs(agent)["luftpause.turns"] == 3
+    assert attrs(agent)["luftpause.end"] == "abandoned" and "error.type" not in attrs(agent)
+    assert agent.status.status_code is not StatusCode.ERROR
 
 
 def test_a_paused_runs_abandoned_turn_waits_for_the_run_to_expire() -> None:
@@ -144,10 +145,30 @@ def test_an_answer_in_the_callers_own_trace_ends_the_runs_span() -> None:
     bed = Bed()
     bed.begin()
     bed.runs.turn_ended("r", finished("tool_calls"), state(RunPhase.PAUSED))
-    bed.runs.settle("r", state(RunPhase.GENERATING, in_flight=1))  # still going
-    assert not bed.ended()
-    bed.runs.settle("r", state(RunPhase.IDLE))  # its answer came in a traced turn
+    bed.runs.settle("r", finished("tool_calls"), state(RunPhase.GENERATING, in_flight=1))
+    assert not bed.ended()  # still going
+    bed.runs.settle("r", finished("stop"), state(RunPhase.IDLE))  # answered in a traced turn
     (agent,) = bed.ended()
     assert attrs(agent)["luftpause.end"] == "answered" and attrs(agent)["luftpause.turns"] == 1
-    bed.runs.settle("unknown", state(RunPhase.IDLE))  # a run with no span: nothing
+    bed.runs.settle("unknown", finished("stop"), state(RunPhase.IDLE))  # no span: nothing
     assert len(bed.ended()) == 1
+
+
+def test_a_traced_turn_that_fails_last_is_how_the_run_expires() -> None:
+    # The run's span is open (its first turn came without a trace); its next turn came
+    # in the caller's trace and failed, and nothing followed: the run expires with that
+    # failure, at its time (it ended as expired without an error, at the earlier turn).
+    bed = Bed()
+    bed.begin()
+    bed.runs.turn_ended("r", finished("tool_calls"), state(RunPhase.PAUSED))
+    (opened,) = bed.runs._open.values()
+    before = opened.last_ns
+    failed = TurnFailed(now=0.0, turn_id="t2", reason="engine a answered 500")
+    bed.runs.settle("r", failed, state(RunPhase.IDLE, retrying=True))
+    bed.runs.forgotten("r", expired=True)
+    (agent,) = bed.ended()
+    assert (
+        attrs(agent)["luftpause.end"] == "expired" and attrs(agent)["error.type"] == "turn_failed"
+    )
+    assert agent.status.description == "engine a answered 500"
+    assert agent.end_time is not None and agent.end_time > before

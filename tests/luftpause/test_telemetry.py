@@ -264,6 +264,35 @@ async def test_a_paused_run_not_resumed_ends_its_span_at_its_last_turn(
     assert seen - agent.end_time >= 400_000_000
 
 
+async def test_a_client_that_leaves_mid_stream_abandons_its_run_without_an_error(
+    spans: InMemorySpanExporter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Esc in a harness while the answer streams.  The turn's chat span says the client
+    # left (as its admit span does for a held turn); the run may come back with the
+    # turn, so its span ends once the run expires: abandoned, not an error.
+    monkeypatch.setattr(gateway_app, "TICK_PERIOD_S", 0.05)
+    policy = Policy(idle_run_expiry_s=0.5)
+    async with (
+        engine(time_scale=0.5) as (url, _),
+        gateway(endpoint("e0", url), policy=policy) as (client, _),
+    ):
+        body = chat(max_tokens=200, stream=True)
+        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if '"content": "' in line and '"role"' not in line:
+                    break  # the first words: leave
+        await until(lambda: bool(named(spans, "chat ")), "the turn's span ended")
+        (chat_span,) = named(spans, "chat ")
+        assert attrs(chat_span)["error.type"] == "client_left"
+        assert not named(spans, "invoke_agent")  # the client may send the turn again
+        await until(lambda: bool(named(spans, "invoke_agent")), "the run expired")
+
+    (agent,) = named(spans, "invoke_agent")
+    assert attrs(agent)["luftpause.end"] == "abandoned" and "error.type" not in attrs(agent)
+    assert agent.status.status_code is not StatusCode.ERROR
+
+
 async def test_a_run_ended_by_the_client_or_left_at_a_stop_ends_its_span(
     spans: InMemorySpanExporter,
 ) -> None:
