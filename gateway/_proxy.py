@@ -1161,9 +1161,10 @@ class _TurnTrace:
             self._runs.settle(self._run_id, self._outcome, run)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=256)
 def _server(url: str) -> dict[str, str | int]:
-    """`server.address` and `server.port` of an engine URL (a handful per gateway)."""
+    """`server.address` and `server.port` of an engine URL.  Bounded: with DNS
+    discovery every pod address ever seen is a URL."""
     parts = urlsplit(url)
     server: dict[str, str | int] = {}
     if parts.hostname:
