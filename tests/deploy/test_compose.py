@@ -454,6 +454,8 @@ def test_k8s_gateway_is_one_process_with_health_probes() -> None:
     selector = objects[("Service", "luftpause-gateway")]["spec"]["selector"]
     labels = gateway["spec"]["template"]["metadata"]["labels"]
     assert selector.items() <= labels.items()
+    # Discovery is DNS only: the pod needs no Kubernetes API token.
+    assert gateway["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
 
 
 def test_k8s_worker_scales_and_shuts_down_gracefully() -> None:
@@ -461,6 +463,7 @@ def test_k8s_worker_scales_and_shuts_down_gracefully() -> None:
     spec = worker["spec"]["template"]["spec"]
     assert worker["spec"]["replicas"] >= 1
     assert spec["terminationGracePeriodSeconds"] > GRACEFUL_SHUTDOWN.total_seconds()
+    assert spec["automountServiceAccountToken"] is False
     container = _container(worker)
     assert container["args"][0] == "worker"
     assert _token_from_secret(container)
