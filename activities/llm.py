@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator
 from datetime import timedelta
@@ -119,6 +120,17 @@ async def heartbeating(every_s: float, *details: Any) -> AsyncIterator[None]:
             await task
 
 
+def _encode(body: dict[str, Any]) -> bytes:
+    """The request body as UTF-8 JSON.  A lone surrogate (a task given from Python, or an
+    engine's reply that escaped one) cannot be UTF-8: then the whole body is ASCII with
+    JSON escapes, which every JSON parser reads.  (httpx's `json=` raised
+    UnicodeEncodeError, which the retry policy retried for ever.)"""
+    try:
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+    except UnicodeEncodeError:
+        return json.dumps(body, separators=(",", ":")).encode()
+
+
 class LlmActivities:
     """LLM turns and run-ended reports against one gateway (or, in a benchmark, a peer
     router at the same OpenAI-compatible path)."""
@@ -154,7 +166,9 @@ class LlmActivities:
             body["tools"] = turn.tools
             body["parallel_tool_calls"] = turn.parallel_tool_calls
         headers = self._headers(turn.run_id, turn.service_class, turn.caller)
+        headers["content-type"] = "application/json"
         telemetry.inject(headers)
+        content = _encode(body)
         started = time.monotonic()
         faults = _faults_so_far()
         try:
@@ -162,7 +176,7 @@ class LlmActivities:
                 # A caller may be any UTF-8 name (httpx would encode str values as ASCII).
                 wire = {k.encode(): v.encode() for k, v in headers.items()}
                 response = await self._http.post(
-                    f"{self._base}/v1/chat/completions", json=body, headers=wire
+                    f"{self._base}/v1/chat/completions", content=content, headers=wire
                 )
         except httpx.LocalProtocolError as exc:
             # The request itself cannot be sent (e.g. a header value HTTP forbids): the

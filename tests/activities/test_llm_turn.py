@@ -98,6 +98,32 @@ async def test_the_turn_is_sent_as_the_runs_turn() -> None:
     assert body["tools"] == TOOLS and body["parallel_tool_calls"] is True
 
 
+async def test_a_lone_surrogate_is_sent_escaped_not_retried_for_ever() -> None:
+    # A task given from Python, or an engine's reply that escaped one, can hold a lone
+    # surrogate, which UTF-8 cannot carry: the body goes as ASCII JSON escapes (it
+    # raised UnicodeEncodeError, retried for ever).  Other text goes as UTF-8.
+    bodies: list[bytes] = []
+
+    def chat(request: Request) -> Response:
+        return completion({"role": "assistant", "content": "ok"})
+
+    app = upstream(chat, [])
+
+    @app.middleware("http")
+    async def record(request: Request, call_next: Any) -> Any:
+        bodies.append(await request.body())
+        assert request.headers["content-type"] == "application/json"
+        return await call_next(request)
+
+    odd = turn(messages=[{"role": "user", "content": "summarise \ud83d this é"}])
+    out = await call(app, odd)
+    assert out.message["content"] == "ok"
+    assert b"\\ud83d" in bodies[0] and b"\\u00e9" in bodies[0]
+    assert json.loads(bodies[0])["messages"][0]["content"] == "summarise \ud83d this é"
+    await call(app, turn(messages=[{"role": "user", "content": "café"}]))
+    assert "café".encode() in bodies[1]
+
+
 async def test_retry_after_becomes_the_next_retry_delay() -> None:
     app = upstream(
         lambda r: Response(
