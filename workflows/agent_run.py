@@ -282,7 +282,7 @@ class AgentRun:
         self._spent_rule = False  # set by run(): see SPENT_PATCH
         self._stop_wait = False  # set by run(): see STOP_WAIT_PATCH
         self._in_turn = False  # an LLM turn of the run is in flight
-        self._spawning = 0  # spawn_child updates still starting their child
+        self._spawning: set[str] = set()  # the handles spawn_child is still starting
         self._ending = False  # in _halt: cancelled, stopped or failed, closing
         self._halt_reason = ""  # why, as _halt tells the children
         self._late_stopped: set[str] = set()  # children stopped as they started late
@@ -999,7 +999,7 @@ class AgentRun:
             caller=request.spec.caller or self._spec.caller,
             under_budget=self._spec.under_budget or self._spec.budget.counts_usage(),
         )
-        self._spawning += 1
+        self._spawning.add(request.handle)  # before any await: the validator counts it
         try:
             child = await workflow.start_child_workflow(
                 AgentRun.run,
@@ -1009,7 +1009,7 @@ class AgentRun:
                 search_attributes=search_attributes(spec, request.handle),
             )
         finally:
-            self._spawning -= 1
+            self._spawning.discard(request.handle)
         self._children[request.handle] = ChildSummary(request.handle, "Running", settled=False)
         watcher = asyncio.create_task(self._watch(request.handle, child))
         self._watchers.add(watcher)
@@ -1040,12 +1040,15 @@ class AgentRun:
         reason = self._exceeded or self._stop_reason
         if reason:
             raise ValueError(f"run '{self._id}' is stopping ({reason}); it takes no children")
-        if request.handle in self._children:
+        # (Children still starting count: several spawns may arrive in one workflow
+        # task, each validated before any is started.)
+        if request.handle in self._children or request.handle in self._spawning:
             raise ValueError(f"run '{self._id}' already has a child '{request.handle}'")
         most = contract.MAX_RUN_CHILDREN
-        if len(self._children) >= most:
+        had = len(self._children) + len(self._spawning)
+        if had >= most:
             raise ValueError(
-                f"run '{self._id}' has had {len(self._children)} children, the most one run "
+                f"run '{self._id}' has had {had} children, the most one run "
                 f"may have ({most}); start further runs without a parent"
             )
         events = workflow.info().get_current_history_length()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from temporalio.api.enums.v1 import EventType
+from temporalio.client import WorkflowUpdateFailedError
 
 from tests.workflows.harness import (
     MODEL,
@@ -33,7 +35,14 @@ from workflows import (
     RunSpec,
     contract,
 )
-from workflows.contract import AgentRunInput, ChildReport, ChildSummary, RunStatus, Totals
+from workflows.contract import (
+    AgentRunInput,
+    ChildReport,
+    ChildRequest,
+    ChildSummary,
+    RunStatus,
+    Totals,
+)
 from workflows.runs import new_handle
 
 
@@ -98,6 +107,45 @@ async def test_a_run_takes_children_only_while_its_history_has_room(
         (status,) = await s.runs.wait([parent], timeout=30)
         assert status.state == "Completed", status
         assert sorted(c.handle for c in status.children) == sorted(kids)
+
+
+async def test_spawns_that_arrive_together_count_against_the_limit(
+    temporal_address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Spawns taken in one workflow task (queued while no worker was up) are validated
+    # one after another; each passed the limit, as the children before it were still
+    # starting, and the run took three children where one was allowed.
+    monkeypatch.setattr(contract, "MAX_RUN_CHILDREN", 1)
+    async with stack(temporal_address, worker=False) as s:
+        mcp = f"{s.mcp_url}/mcp"
+        async with run_worker(s.client, s.task_queue, s.gateway_url, mcp):
+            parent = await spawn_waiting(s, "p")
+        handle = s.client.get_workflow_handle(parent)
+        spec = RunSpec(task=task_with(0, "kid"), model=MODEL)
+        kids = [new_handle() for _ in range(3)]
+        spawns = [
+            asyncio.create_task(handle.execute_update(AgentRun.spawn_child, ChildRequest(k, spec)))
+            for k in kids
+        ]
+
+        async def with_the_server() -> bool:  # an update waits for a workflow task
+            return (await handle.describe()).raw_description.HasField("pending_workflow_task")
+
+        await until(with_the_server, "the spawns reaching the server")
+        # No event says when the other two have reached the server: a bounded wait.  (Did
+        # one come later, a worker would see the first child: the test would pass
+        # without telling the fix apart, never fail with it.)
+        await asyncio.sleep(1.0)
+        async with run_worker(s.client, s.task_queue, s.gateway_url, mcp):
+            results = await asyncio.gather(*spawns, return_exceptions=True)
+            taken = [r for r in results if isinstance(r, str)]
+            refused = [r for r in results if isinstance(r, WorkflowUpdateFailedError)]
+            assert len(taken) == 1 and len(refused) == 2, results
+            for err in refused:
+                assert "has had 1 children, the most one run may have (1)" in str(err.cause)
+            status = await s.runs.status(parent)
+            assert [c.handle for c in status.children] == taken
+            await s.runs.cancel(parent)
 
 
 async def test_reports_that_arrive_together_go_up_as_one(temporal_address: str) -> None:
