@@ -53,7 +53,7 @@ import asyncio
 import contextlib
 import json
 import math
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Coroutine, Sequence
 from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
@@ -155,6 +155,11 @@ LATE_CHILD_PATCH = "a-child-started-as-its-parent-closes-is-stopped"
 # `workflow.patched` id of a run's tools and approvals chosen by function name too (a
 # later server's tool of a name already listed is offered as `<server>__<name>`).
 TOOLS_BY_FUNCTION_PATCH = "tools-chosen-by-function-name-too"
+# `workflow.patched` id of a close (`_halt`) that stops every child whatever cancel
+# comes meanwhile.  Without it a cancel arriving while a failing run stopped its
+# children (the first cancel it gets) left the rest to the parent-close policy, with
+# no reason given, and skipped the end report: the run's state stayed "Running".
+HALT_UNBROKEN_PATCH = "a-close-stops-every-child-whatever-cancel-comes"
 
 # What the model reads when a call of a tool that is not repeatable may have run but no
 # answer came (rule 5).
@@ -229,6 +234,17 @@ def fit_answer(content: str, room: int) -> str:
     while keep and _size(keep + note) > room:  # escaped characters take several bytes
         keep = keep[: len(keep) * 3 // 4]
     return keep + note
+
+
+async def _unbroken(work: Coroutine[Any, Any, None]) -> None:
+    """Run `work` to its end, whatever cancellation reaches the caller meanwhile (the
+    workflow's cancel is taken: what runs this closes the run anyway)."""
+    task = asyncio.create_task(work)
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            continue
 
 
 def fit_round(
@@ -424,10 +440,10 @@ class AgentRun:
                 await work
         self._error = reason
         self._pending = None
-        for handle, child in list(self._children.items()):
-            # (One whose start ended while this waited for the loop was stopped then.)
-            if child.state not in TERMINAL_STATES and handle not in self._late_stopped:
-                await self._cancel_child(handle, reason)
+        if workflow.patched(HALT_UNBROKEN_PATCH):
+            await _unbroken(self._stop_children(reason))
+        else:
+            await self._stop_children(reason)
         if self._ends and not self._children_done():
             # Their watchers record how they end; without this wait the run's final
             # status would show them as they last reported ("Stopping", "Running").
@@ -438,6 +454,12 @@ class AgentRun:
         self._set_state(state)
         await self._finish()
 
+    async def _stop_children(self, reason: str) -> None:
+        for handle, child in list(self._children.items()):
+            # (One whose start ended while this waited for the loop was stopped then.)
+            if child.state not in TERMINAL_STATES and handle not in self._late_stopped:
+                await self._cancel_child(handle, reason)
+
     async def _cancel_child(self, handle: str, reason: str) -> None:
         """Tell a child why it stops, and cancel it (it may have ended meanwhile)."""
         ext = workflow.get_external_workflow_handle(handle)
@@ -447,13 +469,8 @@ class AgentRun:
 
     async def _finish(self) -> None:
         """Report the end up the tree and to the gateway.  Runs to its end even when a
-        (second) cancellation request arrives meanwhile."""
-        task = asyncio.create_task(self._report_end())
-        while not task.done():
-            try:
-                await asyncio.shield(task)
-            except asyncio.CancelledError:
-                continue
+        cancellation request arrives meanwhile (a failing run's first)."""
+        await _unbroken(self._report_end())
 
     async def _report_end(self) -> None:
         self._ended_at = workflow.now().isoformat()

@@ -13,7 +13,8 @@ new (`budget_drained` was recorded after `DRAIN_PATCH`, `budget_spent` after
 `cancelled_tree_waits` after `ENDS_PATCH`, `reports_held` after `REPORTS_PATCH`,
 `tools_by_function` after `TOOLS_BY_FUNCTION_PATCH`, `late_child` after
 `LATE_CHILD_PATCH` and `late_child_unpatched` by the same scenario at the commit before
-it, renamed; the others before them).
+it, renamed; `cancelled_while_closing` after `HALT_UNBROKEN_PATCH`; the others before
+them).
 """
 
 from __future__ import annotations
@@ -206,6 +207,19 @@ async def _late_child(s: Stack) -> None:
     await _save(s, "late_child", [parent.handle, child.handle])
 
 
+async def _cancelled_while_closing(s: Stack) -> None:
+    # After HALT_UNBROKEN_PATCH: a failing run cancelled while its close stops its
+    # children (its activities are the stand-ins of tests/workflows/test_closing.py).
+    from tests.workflows.test_closing import CHILDREN, failing_run_cancelled_while_closing
+
+    for _ in range(3):
+        parent, _, before = await failing_run_cancelled_while_closing(s.client)
+        if before < CHILDREN:
+            await _save(s, "cancelled_while_closing", [parent])
+            return
+    raise AssertionError("the cancel never landed while the close was stopping children")
+
+
 SCENARIOS = {
     "tool_loop": _tool_loop,
     "parallel_calls": _parallel_calls,
@@ -220,6 +234,7 @@ SCENARIOS = {
     "reports_held": _reports_held,
     "tools_by_function": _tools_by_function,
     "late_child": _late_child,
+    "cancelled_while_closing": _cancelled_while_closing,
 }
 
 

@@ -19,6 +19,7 @@ from workflows import AgentRun
 from workflows.agent_run import (
     DRAIN_PATCH,
     ENDS_PATCH,
+    HALT_UNBROKEN_PATCH,
     LATE_CHILD_PATCH,
     ONCE_PATCH,
     REPORTS_PATCH,
@@ -34,7 +35,9 @@ AFTER_LATE = {"late_child-0", "late_child-1"}
 # `late_child_unpatched` ones by the `late_child` scenario at the commit before
 # LATE_CHILD_PATCH (c8025d5), as a worker of then would have left them.
 UNPATCHED_LATE = {"late_child_unpatched-0", "late_child_unpatched-1"}
-AFTER_FUNCTIONS = {"tools_by_function"} | UNPATCHED_LATE | AFTER_LATE
+# Recorded after HALT_UNBROKEN_PATCH (and so after every earlier patch).
+AFTER_UNBROKEN = {"cancelled_while_closing"}
+AFTER_FUNCTIONS = {"tools_by_function"} | UNPATCHED_LATE | AFTER_LATE | AFTER_UNBROKEN
 # Recorded after REPORTS_PATCH (and so after every earlier patch).
 AFTER_REPORTS = {"reports_held-0", "reports_held-1", "reports_held-2"} | AFTER_FUNCTIONS
 # Recorded after ENDS_PATCH (and so after every earlier patch).
@@ -68,6 +71,7 @@ def test_the_recorded_histories_cover_the_run_paths() -> None:
         "reports_held",
         "tools_by_function",
         "late_child",
+        "cancelled_while_closing",
     }
     for kind in (
         "ACTIVITY_TASK_COMPLETED",  # LLM turns and tool calls
@@ -194,6 +198,21 @@ def test_histories_from_before_and_after_the_late_child_patch_are_both_replayed(
     assert events("late_child-1")[-1] == "EVENT_TYPE_WORKFLOW_EXECUTION_CANCELED"
     assert events("late_child_unpatched-0").count(cancel) == 0
     assert events("late_child_unpatched-1")[-1] == "EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED"
+
+
+def test_a_close_cancelled_midway_is_recorded_after_its_patch() -> None:
+    # HALT_UNBROKEN_PATCH: a failing run cancelled while its close stops its children
+    # still stops every child and reports its end; no history before it has the marker
+    # (the old close replays unchanged).
+    assert {p.stem for p in HISTORIES if HALT_UNBROKEN_PATCH in _patches(p)} == {
+        "cancelled_while_closing"
+    }
+    path = HISTORIES[0].parent / "cancelled_while_closing.json"
+    kinds = [e["eventType"] for e in json.loads(path.read_text("utf-8"))["events"]]
+    requested = kinds.index("EVENT_TYPE_WORKFLOW_EXECUTION_CANCEL_REQUESTED")
+    cancel = "EVENT_TYPE_REQUEST_CANCEL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED"
+    assert 0 < kinds[:requested].count(cancel) < kinds.count(cancel)  # mid-close
+    assert kinds[-1] == "EVENT_TYPE_WORKFLOW_EXECUTION_FAILED"
 
 
 @pytest.mark.parametrize("path", HISTORIES, ids=[p.stem for p in HISTORIES])

@@ -1,0 +1,155 @@
+"""A run's close (`_halt`) against a cancel that arrives in the middle of it, on a real
+dev server.  The run's activities are stand-ins here (registered under the real names):
+the close is about what the workflow does with its children, and the test must fail the
+parent's turn and keep its children in theirs on cue."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from temporalio import activity
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
+from temporalio.exceptions import ApplicationError
+from temporalio.worker import Replayer, Worker
+
+from activities.contract import (
+    EndRunInput,
+    ToolInfo,
+    ToolInput,
+    ToolOutput,
+    ToolsWanted,
+    TurnInput,
+    TurnOutput,
+)
+from tests.workflows.harness import connect, until
+from workflows import AgentRun, Runs, RunSpec
+from workflows.agent_run import HALT_UNBROKEN_PATCH
+
+CHILDREN = 12  # the close signals and cancels each: a wide window for the cancel
+ATTEMPTS = 3  # scenarios tried until the cancel lands mid-close (bounded)
+STOP = "signal_external_workflow_execution_initiated_event_attributes"
+CANCEL = "request_cancel_external_workflow_execution_initiated_event_attributes"
+
+
+class StandIns:
+    """The activities: a turn of a "fail" task fails (non-retryable, as a gateway's 400)
+    once `fail` is set; a "block" task's turn runs until cancelled."""
+
+    def __init__(self) -> None:
+        self.fail = asyncio.Event()
+        self.ended: list[str] = []
+        self.in_turn: set[str] = set()
+
+    @activity.defn(name="list_tools")
+    async def list_tools(self, wanted: ToolsWanted | None = None) -> list[ToolInfo]:
+        return [ToolInfo("fake", "lookup", "look up", {"type": "object"}, read_only=True)]
+
+    @activity.defn(name="end_run")
+    async def end_run(self, end: EndRunInput) -> None:
+        self.ended.append(end.run_id)
+
+    @activity.defn(name="call_tool")
+    async def call_tool(self, call: ToolInput) -> ToolOutput:
+        return ToolOutput("ok", False, True)
+
+    @activity.defn(name="llm_turn")
+    async def llm_turn(self, turn: TurnInput) -> TurnOutput:
+        task = next(m["content"] for m in turn.messages if m["role"] == "user")
+        self.in_turn.add(turn.run_id)
+        try:
+            if task.startswith("fail"):
+                await self.fail.wait()
+                raise ApplicationError("engine refused", type="Http400", non_retryable=True)
+            while True:  # "block": until the close cancels it
+                activity.heartbeat()
+                await asyncio.sleep(0.2)
+        finally:
+            self.in_turn.discard(turn.run_id)
+
+
+@asynccontextmanager
+async def worker(client: Client, queue: str, fakes: StandIns) -> AsyncIterator[None]:
+    activities = [fakes.list_tools, fakes.end_run, fakes.llm_turn, fakes.call_tool]
+    async with Worker(client, task_queue=queue, workflows=[AgentRun], activities=activities):
+        yield
+
+
+async def _events(handle: WorkflowHandle[Any, Any]) -> list[Any]:
+    return list((await handle.fetch_history()).events)
+
+
+async def _closed(handle: WorkflowHandle[Any, Any]) -> bool:
+    return (await handle.describe()).status != WorkflowExecutionStatus.RUNNING
+
+
+async def failing_run_cancelled_while_closing(client: Client) -> tuple[str, StandIns, int]:
+    """A run with CHILDREN children fails; it is cancelled as soon as its close has
+    stopped its first child.  Its handle, the stand-ins, and how many children the
+    close had stopped when the cancel reached the server."""
+    queue = f"closing-{uuid.uuid4().hex[:8]}"
+    fakes = StandIns()
+    runs = Runs(client, task_queue=queue)
+    async with worker(client, queue, fakes):
+        await until(runs._worker_polls, "the worker polls")
+        parent = await runs.spawn(RunSpec(task="fail parent", model="m"))
+        kids = [
+            await runs.spawn(RunSpec(task=f"block kid {i}", model="m", parent=parent))
+            for i in range(CHILDREN)
+        ]
+        await until(lambda: set(kids) <= fakes.in_turn, "the children in their turns")
+        handle = client.get_workflow_handle(parent)
+
+        async def cancel_at_the_first_stop() -> None:
+            while True:  # bounded by the wait_for below
+                if any(e.HasField(STOP) for e in await _events(handle)):
+                    await handle.cancel()
+                    return
+                await asyncio.sleep(0.002)
+
+        canceller = asyncio.create_task(cancel_at_the_first_stop())
+        fakes.fail.set()
+        await asyncio.wait_for(canceller, 30)
+        await until(lambda: _closed(handle), "the parent closed", polls=600)
+        events = await _events(handle)
+        requested = next(
+            i
+            for i, e in enumerate(events)
+            if e.HasField("workflow_execution_cancel_requested_event_attributes")
+        )
+        before = sum(1 for e in events[:requested] if e.HasField(CANCEL))
+        return parent, fakes, before
+
+
+async def test_a_cancel_during_a_failing_runs_close_stops_every_child(
+    temporal_address: str,
+) -> None:
+    # A failing run's close signals and cancels each child, one after another; its first
+    # cancel can land in the middle.  It stopped the rest of the close: the children
+    # left were cancelled by the parent-close policy with no reason, and no end was
+    # reported (the run's state stayed "Running" in the search attributes).
+    client = await connect(temporal_address)
+    for _ in range(ATTEMPTS):
+        parent, fakes, before = await failing_run_cancelled_while_closing(client)
+        if before < CHILDREN:
+            break  # the cancel came mid-close: the case
+    assert before < CHILDREN, "the cancel never landed while the close was stopping children"
+    handle = client.get_workflow_handle(parent)
+    events = await _events(handle)
+    assert sum(1 for e in events if e.HasField(STOP)) == CHILDREN
+    assert sum(1 for e in events if e.HasField(CANCEL)) == CHILDREN
+    assert (await handle.describe()).status == WorkflowExecutionStatus.FAILED
+    assert parent in fakes.ended
+    status = await Runs(client, task_queue="unused").status(parent)
+    assert status.state == "Failed" and status.error == "Http400: engine refused", status
+    # The new close replays, marker and all.
+    history = await handle.fetch_history()
+    markers = [e for e in history.events if e.HasField("marker_recorded_event_attributes")]
+    assert any(HALT_UNBROKEN_PATCH.encode() in e.SerializeToString() for e in markers)
+    result = await Replayer(workflows=[AgentRun]).replay_workflow(
+        history, raise_on_replay_failure=False
+    )
+    assert result.replay_failure is None, result.replay_failure
