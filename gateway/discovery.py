@@ -248,8 +248,14 @@ async def _records(
         return [r.address for r in answer]
 
     wanted = {"v4_only": ("A",), "v6_only": ("AAAA",)}.get(section.family, ("A", "AAAA"))
-    found = await asyncio.gather(*(of(rdtype) for rdtype in wanted))
-    return [address for addresses in found for address in addresses]
+    found = await asyncio.gather(*(of(rdtype) for rdtype in wanted), return_exceptions=True)
+    answered = {t: a for t, a in zip(wanted, found, strict=True) if isinstance(a, list)}
+    if section.family == "v4_preferred" and answered.get("A"):
+        return answered["A"]  # these are the engines whatever AAAA says (or fails to)
+    for failure in found:
+        if isinstance(failure, BaseException):
+            raise failure
+    return [address for addresses in answered.values() for address in addresses]
 
 
 async def _srv(

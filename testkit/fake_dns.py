@@ -4,8 +4,9 @@ Kubernetes cluster's CoreDNS (a headless Service's ready pods) or Consul's DNS, 
 
 It speaks the protocol (dnspython builds and parses the messages): A and AAAA records
 for the names in `records`, SRV records for those in `services`, NXDOMAIN for other
-names, SERVFAIL for those in `failing`, and, while `silent` is set, no answer at all
-(a resolver that times out)."""
+names, SERVFAIL for those in `failing` and for the query types in `failing_types` (a
+server that mishandles AAAA), and, while `silent` is set, no answer at all (a resolver
+that times out)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ class FakeDns(asyncio.DatagramProtocol):
         # SRV name -> (priority, weight, port, target) records
         self.services: dict[str, list[tuple[int, int, int, str]]] = {}
         self.failing: set[str] = set()  # names answered SERVFAIL
+        self.failing_types: set[str] = set()  # query types answered SERVFAIL ("AAAA")
         self.silent = False
         self.asked = 0  # queries received (answered or not)
         self._transport: asyncio.DatagramTransport | None = None
@@ -46,7 +48,7 @@ class FakeDns(asyncio.DatagramProtocol):
         question = query.question[0]
         name = question.name.to_text(omit_final_dot=True).lower()
         addresses = self.records.get(name)
-        if name in self.failing:
+        if name in self.failing or dns.rdatatype.to_text(question.rdtype) in self.failing_types:
             answer.set_rcode(dns.rcode.SERVFAIL)
         elif name not in self.records and name not in self.services:
             answer.set_rcode(dns.rcode.NXDOMAIN)

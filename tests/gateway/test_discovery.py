@@ -285,6 +285,26 @@ async def test_which_addresses_are_engines(
         assert found["pod"].engines == netlocs and found["pod"].error is None
 
 
+async def test_a_failing_aaaa_query_does_not_hide_the_a_records() -> None:
+    # A server that mishandles AAAA (SERVFAIL) while it answers A: with v4_preferred the
+    # A records are the engines whatever AAAA says; the system resolver agreed, the
+    # nameservers path found no engine (at start: none ever).
+    async with fake_dns() as (dns, where):
+        dns.records[NAME] = ["10.0.0.9"]
+        dns.failing_types.add("AAAA")
+        pod = Endpoint(
+            name="pod", url=f"http://{NAME}:1", kind="sglang", models=["m"], discover="dns"
+        )
+        found = await Resolver().resolve_all([pod], Discovery(nameservers=[where]), {})
+        assert found["pod"].engines == ("10.0.0.9:1",) and found["pod"].error is None
+        # Where AAAA decides (no A record, or v6 wanted), its failure is no answer.
+        dns.records[NAME] = ["fd00::9"]
+        for family in ("v4_preferred", "v6_only"):
+            section = Discovery(nameservers=[where], family=family)  # type: ignore[arg-type]
+            found = await Resolver().resolve_all([pod], section, {})
+            assert found["pod"].engines == () and "SERVFAIL" in str(found["pod"].error), family
+
+
 async def test_an_unanswered_name_keeps_the_last_answer_for_that_name_only() -> None:
     async with fake_dns() as (dns, where):
         dns.records[NAME] = ["10.0.0.9"]
