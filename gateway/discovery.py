@@ -81,6 +81,8 @@ class Found:
     asked: str = ""  # what was asked (how, name, port): a last answer is kept for the same
     # dns-srv: each target's addresses, for a target that gets no answer next time
     targets: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # The last answer had engines and this round's none: kept until the next says so too
+    emptied: bool = False
 
     def as_json(self, now: float) -> dict[str, object]:
         """For /status: `answered_s_ago` is None until a first answer."""
@@ -123,6 +125,20 @@ class Resolver:
         found: dict[str, Found] = {}
         for e, result in zip(endpoints, results, strict=True):
             last = lasts.get(e.name)
+            if (
+                isinstance(result, _Answer)
+                and not result.engines
+                and last is not None
+                and last.engines
+                and not last.emptied
+            ):
+                # Engines that all vanish at once are believed at the second answer that
+                # says so: glibc answers "no such name" when the query for the name itself
+                # timed out and a search domain's said NXDOMAIN.
+                why = f"{e.host}: resolved to no engine; the last answer stands until the next"
+                found[e.name] = dataclasses.replace(last, error=why, emptied=True)
+                log.warning("discovery of endpoint %s: %s", e.name, why)
+                continue
             if isinstance(result, _Answer):
                 found[e.name] = Found(
                     e.host, result.engines, now, result.partial, asked[e.name], result.targets

@@ -285,6 +285,47 @@ async def test_which_addresses_are_engines(
         assert found["pod"].engines == netlocs and found["pod"].error is None
 
 
+async def test_the_system_resolvers_no_such_name_is_believed_at_the_second_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # glibc answers EAI_NONAME for a short name whose own query timed out when a search
+    # domain's answered NXDOMAIN: one such answer retired every engine of the endpoint.
+    # All of them vanishing at once is believed when the next answer says so too; a
+    # failure to ask (EAI_AGAIN) keeps the last answer, as before.
+    loop = asyncio.get_running_loop()
+    answers: list[Any] = []
+
+    async def getaddrinfo(host: str, port: Any, **kw: Any) -> Any:
+        answer = answers.pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, 0)) for a in answer]
+
+    monkeypatch.setattr(loop, "getaddrinfo", getaddrinfo)
+    pod = Endpoint(
+        name="pod", url="http://sglang-headless:1", kind="sglang", models=["m"], discover="dns"
+    )
+    resolver, section = Resolver(), Discovery()
+    no_name = socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+    again = socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+    answers += [["10.0.0.9"], no_name, ["10.0.0.9"], again, no_name, no_name]
+    first = await resolver.resolve_all([pod], section, {})
+    assert first["pod"].engines == ("10.0.0.9:1",)
+    once = await resolver.resolve_all([pod], section, first)
+    assert once["pod"].engines == ("10.0.0.9:1",) and "resolved to no engine" in str(
+        once["pod"].error
+    )
+    back = await resolver.resolve_all([pod], section, once)  # it was a blip
+    assert back["pod"].engines == ("10.0.0.9:1",) and back["pod"].error is None
+    failed = await resolver.resolve_all([pod], section, back)
+    assert failed["pod"].engines == ("10.0.0.9:1",)
+    assert "the system resolver failed: Temporary failure" in str(failed["pod"].error)
+    once = await resolver.resolve_all([pod], section, failed)
+    assert once["pod"].engines == ("10.0.0.9:1",)
+    gone = await resolver.resolve_all([pod], section, once)
+    assert gone["pod"].engines == () and gone["pod"].error is None and not answers
+
+
 async def test_a_failing_aaaa_query_does_not_hide_the_a_records() -> None:
     # A server that mishandles AAAA (SERVFAIL) while it answers A: with v4_preferred the
     # A records are the engines whatever AAAA says; the system resolver agreed, the
@@ -358,9 +399,12 @@ async def test_srv_records_give_the_engines_and_their_ports() -> None:
         assert "target b.test." in error and "its last addresses kept" in error
         assert "target e.test." in error and "none known" in error
         dns.failing.clear()
-        dns.services[name] = []  # the service has no instance: no engine
-        found = await Resolver().resolve_all([pod], Discovery(nameservers=[where]), found)
-        assert found["pod"].engines == () and found["pod"].error is None
+        dns.services[name] = []  # the service has no instance: no engine, once two answers
+        kept = await Resolver().resolve_all([pod], Discovery(nameservers=[where]), found)
+        assert kept["pod"].engines == found["pod"].engines
+        assert "resolved to no engine; the last answer stands" in str(kept["pod"].error)
+        gone = await Resolver().resolve_all([pod], Discovery(nameservers=[where]), kept)
+        assert gone["pod"].engines == () and gone["pod"].error is None
 
 
 async def test_a_gateway_serves_the_engines_an_srv_name_gives() -> None:
