@@ -286,9 +286,10 @@ def auth_headers(
     return bearer if header == "authorization" or not anthropic else {**bearer, "x-api-key": key}
 
 
-@functools.cache
+@functools.lru_cache(maxsize=256)
 def _anthropic_host(url: str) -> bool:
-    """api.anthropic.com and its kin: an API key goes in x-api-key only."""
+    """api.anthropic.com and its kin: an API key goes in x-api-key only.  (Bounded: with
+    DNS discovery every pod address ever seen is a URL.)"""
     host = (urlsplit(url).hostname or "").lower()
     return host == "anthropic.com" or host.endswith(".anthropic.com")
 
