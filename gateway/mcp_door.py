@@ -98,6 +98,23 @@ class DoorDeps:
     token_identity: str | None = None  # the caller when only the token identifies it
 
 
+def _client_cancelled(ctx: Context) -> bool:
+    """Whether the client sent `notifications/cancelled` for this call.  (mcp 2.3 keeps
+    the flag on the request's dispatch context, which the tools' Context does not
+    expose; without it, False.)"""
+    outbound = getattr(ctx.request_context.session, "_request_outbound", None)
+    event = getattr(outbound, "cancel_requested", None)
+    return bool(event is not None and event.is_set())
+
+
+async def _cancel_quietly(r: Runs | CallerRuns, handle: str) -> None:
+    """Ask for a run's cancel; a failure (Temporal away, the run ended) is logged."""
+    try:
+        await r.request_cancel(handle)
+    except Exception as exc:
+        log.warning("could not cancel run %s whose run call was cancelled: %s", handle, exc)
+
+
 # --------------------------------------------------------------------------- results
 
 
@@ -874,13 +891,19 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
         """Run one sub-agent to its end (spawn + await in one call) and return its
         answer. For several at once, prefer spawn + await."""
         arguments = _arguments(locals())
-        spawned = _State.load(ctx.request_state).spawned
-        if spawned is not None:  # a later round of the same call: never spawn twice
-            waited = await wait(ctx, [spawned], "all", timeout, spawned=spawned)
-            return waited if isinstance(waited, InputRequiredResult) else view(waited[0][0])
-        spec = spec_of(RunArgs.model_validate(arguments), ctx)
-        handle = await spawn_run(spec, ctx)
-        waited = await wait(ctx, [handle], "all", timeout, spawned=handle)
+        handle = _State.load(ctx.request_state).spawned  # a later round: never spawn twice
+        if handle is None:
+            handle = await spawn_run(spec_of(RunArgs.model_validate(arguments), ctx), ctx)
+        try:
+            waited = await wait(ctx, [handle], "all", timeout, spawned=handle)
+        except BaseException:
+            # The client cancelled the call (notifications/cancelled; Esc in a harness):
+            # the run it started goes too, as the request's work; the client never had
+            # its handle.  (Not when the gateway stops: the run goes on, and so do
+            # calls that end by the client leaving, which look the same from here.)
+            if _client_cancelled(ctx):
+                await asyncio.shield(_cancel_quietly(await runs(ctx), handle))
+            raise
         return waited if isinstance(waited, InputRequiredResult) else view(waited[0][0])
 
     @mcp.tool(annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))

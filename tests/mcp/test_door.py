@@ -179,6 +179,30 @@ async def test_cancel_a_tree_and_budgets_in_status(temporal_address: str, mode: 
         assert kid["state"] == "Cancelled"
 
 
+async def test_a_run_call_the_client_cancels_cancels_its_run(temporal_address: str) -> None:
+    # Esc in a harness sends notifications/cancelled for the `run` call: the run it
+    # started (its handle never reached the client) is cancelled too, not left waiting
+    # for an approval nobody will give.  (A 2026-07-28 client cancels by leaving, which
+    # the door cannot tell from the gateway stopping: there the run goes on.)
+    async with stack(temporal_address) as s, Client(s.mcp_door, mode="legacy") as c:
+        before = set(await s.runs.list())
+        call = asyncio.ensure_future(
+            c.call_tool("run", {"task": task_with(1, "gone"), "tools": ["delete_record"]})
+        )
+
+        async def started() -> list[str]:
+            return sorted(set(await s.runs.list()) - before)
+
+        (handle,) = await until(started, "the run started")
+        await until(lambda: state_is(s, handle, "AwaitingApproval"), "it waits")
+        call.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await call
+        (ended,) = await s.runs.wait([handle], timeout=30)
+        assert ended.state == "Cancelled", ended
+        assert sum(s.mcp.counts.values()) == 0  # the destructive call never ran
+
+
 @pytest.mark.parametrize("mode", MODES)
 async def test_approve_and_decide(temporal_address: str, mode: str) -> None:
     async with stack(temporal_address) as s, Client(s.mcp_door, mode=mode) as c:
