@@ -61,7 +61,7 @@ _STATUS = {
     "Stopping": "working",
     "AwaitingApproval": "input_required",
     "Completed": "completed",
-    "Failed": "completed",  # with the run's error as the result (isError)
+    "Failed": "completed",  # its result is what run returns: state Failed, its error
     "Cancelled": "cancelled",
 }
 
