@@ -682,6 +682,21 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
         seen = Rounds()
         reported: tuple[int, float] = (-1, loop.time())
         beats = 0  # progress sent since the count of ended runs last changed
+
+        async def progress(ended: int) -> None:
+            """Progress: a run ended, or a heartbeat.  MCP's progress must increase with
+            each notification: a heartbeat (no run ended since the last) adds a part
+            short of the next run, ended + 1/2, 2/3, 3/4, ..."""
+            nonlocal reported, beats
+            beats = beats + 1 if ended == reported[0] else 0
+            reported = (ended, loop.time())
+            with contextlib.suppress(Exception):
+                await ctx.report_progress(
+                    ended + beats / (beats + 1),
+                    len(statuses),
+                    f"{ended} of {len(statuses)} runs ended",
+                )
+
         while True:
             left = deadline - loop.time()
             # A client that can be asked needs new approvals seen soon; for any other,
@@ -728,12 +743,19 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
                     # Within the call's timeout: a user who does not answer does not
                     # hold the call (the approval stays open, for `approve` or the
                     # next `await`); nor past the wait's end (a run ended), or an
-                    # answer given elsewhere (`approve`, another client).
-                    await asyncio.wait(
-                        (question, moot),
-                        timeout=max(0.001, deadline - loop.time()),
-                        return_when=asyncio.FIRST_COMPLETED,
-                    )
+                    # answer given elsewhere (`approve`, another client).  Progress
+                    # goes on meanwhile: a client may give up a call that sends none
+                    # (Claude Code after about 5 minutes) while its user reads.
+                    while loop.time() < deadline:
+                        answered, _ = await asyncio.wait(
+                            (question, moot),
+                            timeout=max(0.001, min(deadline - loop.time(), PROGRESS_EVERY_S)),
+                            return_when=asyncio.FIRST_COMPLETED,
+                        )
+                        if answered:
+                            break
+                        if loop.time() - reported[1] >= PROGRESS_EVERY_S:
+                            await progress(ended)
                 finally:
                     for task in (question, moot):
                         task.cancel()
@@ -761,17 +783,7 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
                             pass  # answered meanwhile by `approve`
             # Progress whenever a run ends, and every PROGRESS_EVERY_S while none does.
             if ended != reported[0] or loop.time() - reported[1] >= PROGRESS_EVERY_S:
-                beats = beats + 1 if ended == reported[0] else 0
-                reported = (ended, loop.time())
-                # MCP's progress must increase with each notification: a heartbeat
-                # (no run ended since the last) adds a part short of the next run,
-                # ended + 1/2, 2/3, 3/4, ...
-                with contextlib.suppress(Exception):
-                    await ctx.report_progress(
-                        ended + beats / (beats + 1),
-                        len(statuses),
-                        f"{ended} of {len(statuses)} runs ended",
-                    )
+                await progress(ended)
 
     @mcp.tool(
         annotations=ToolAnnotations(

@@ -409,6 +409,43 @@ async def test_a_question_nobody_answers_does_not_hold_await_past_its_timeout(
         assert not waited["done"]
 
 
+async def test_progress_goes_on_while_a_question_is_open(
+    temporal_address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A legacy await that asks the user sent no progress while the question was open:
+    # a client that gives up a call without progress (Claude Code after about 5
+    # minutes) cut the call while its user read the question.
+    import gateway.mcp_door
+
+    monkeypatch.setattr(gateway.mcp_door, "PROGRESS_EVERY_S", 0.2)
+    progress: list[float] = []
+    beats = asyncio.Event()
+
+    async def on_progress(done: float, total: float | None, message: str | None) -> None:
+        progress.append(done)
+        if len(progress) >= 3:
+            beats.set()
+
+    async def on_elicit(context: Any, params: Any) -> ElicitResult:
+        progress.clear()  # only what comes while the question is open counts
+        await asyncio.wait_for(beats.wait(), 10)  # the user reads, the call goes on
+        return ANSWERS["allow"]
+
+    caller = {"x-luftpause-caller": f"reading-{time.time_ns()}"}
+    async with (
+        stack(temporal_address) as s,
+        _client(s.mcp_door, "legacy", caller, elicitation_callback=on_elicit) as c,
+    ):
+        handle = await spawn(c, task=task_with(1, "reading"), tools=["delete_record"])
+        await until(lambda: _state(c, handle, "AwaitingApproval"), "it waits")
+        r = await c.call_tool(
+            "await", {"handles": [handle], "timeout": 60}, progress_callback=on_progress
+        )
+        (st,) = result(r)["runs"]
+        assert st["state"] == "Completed" and st["toolCalls"] == 1
+        assert all(a < b for a, b in itertools.pairwise(progress))  # still rising
+
+
 @pytest.mark.parametrize("moot_by", ["another_run_ended", "answered_elsewhere"])
 async def test_an_open_question_does_not_hold_await_once_it_has_no_point(
     temporal_address: str, moot_by: str
