@@ -45,6 +45,7 @@ from pydantic import ConfigDict, Field
 
 from gateway import _approval as approval
 from workflows import TERMINAL_STATES, RunError, Runs, RunStatus, RunUnavailable
+from workflows.runs import STATUS_UNAVAILABLE
 
 __all__ = ["TASKS", "TasksExtension"]
 
@@ -52,6 +53,9 @@ TASKS = "io.modelcontextprotocol/tasks"
 MODERN = frozenset({approval.MODERN})
 TTL_MS = 24 * 3600 * 1000
 POLL_MS = 500
+# How long tasks/get (and a task's creation) asks a worker for the run's state before
+# answering with what Temporal knows: a poll every POLL_MS must not take 10 s.
+QUERY_TIMEOUT_S = 2.0
 _INVALID_PARAMS = -32602
 _INTERNAL_ERROR = -32603
 
@@ -135,7 +139,7 @@ class TasksExtension(Extension):
         if handle is None:
             return CallToolResult(content=[TextContent(type="text", text=error)], is_error=True)
         with self._store():
-            status = await (await self._runs(ctx)).status(handle)
+            status = await (await self._runs(ctx)).status(handle, query_timeout=QUERY_TIMEOUT_S)
         return {"resultType": "task", **self._task(status, ctx)}
 
     def _task(self, status: RunStatus, ctx: Any) -> dict[str, Any]:
@@ -181,13 +185,15 @@ class TasksExtension(Extension):
             task["result"] = self._result(status)
         elif status.state == "Cancelled":
             task["statusMessage"] = status.error or "cancelled"
+        elif (status.error or "").startswith(STATUS_UNAVAILABLE):
+            task["statusMessage"] = status.error  # working, as far as Temporal knows
         return task
 
     async def _status(self, ctx: Any, task_id: str) -> RunStatus:
         require_client_extension(ctx, TASKS)  # -32021 for a client that did not opt in
         with self._store():
             try:
-                return await (await self._runs(ctx)).status(task_id)
+                return await (await self._runs(ctx)).status(task_id, query_timeout=QUERY_TIMEOUT_S)
             except RunError as exc:
                 raise MCPError(code=_INVALID_PARAMS, message=f"unknown task: {exc}") from None
 

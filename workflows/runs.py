@@ -407,6 +407,7 @@ class Runs:
             status = await asyncio.wait_for(h.query(AgentRun.status), query_timeout)
         except (TimeoutError, RPCError) as exc:
             # No worker can answer (all down): say what Temporal knows.
+            why = str(exc) or f"no worker answered within {query_timeout:g} s"
             state = _CLOSED.get(desc.status, "Running") if desc.status else "Running"
             return RunStatus(
                 handle=handle,
@@ -420,7 +421,7 @@ class Runs:
                 children=[],
                 usage=Totals(),
                 subtree=Totals(),
-                error=f"{STATUS_UNAVAILABLE}{exc}",
+                error=f"{STATUS_UNAVAILABLE}{why}",
                 started_at=desc.start_time.isoformat() if desc.start_time else "",
             )
         closed = _CLOSED.get(desc.status) if desc.status else None
@@ -461,10 +462,12 @@ class Runs:
         if not 0 < timeout <= AWAIT_MAX_S:
             raise RunError(f"timeout must be more than 0 and at most {AWAIT_MAX_S:g} seconds")
         rounds = rounds if rounds is not None else Rounds()
+        # A worker not answering must not hold the wait past its timeout.
+        asking = min(timeout, _QUERY_TIMEOUT_S)
         if all(h in rounds for h in handles):
             first = [rounds[h] for h in handles]  # a run's end wakes its result wait
         else:
-            first = await self._refresh(handles, rounds)  # also checks every handle exists
+            first = await self._refresh(handles, rounds, asking)  # also checks every handle
         pending = [
             asyncio.create_task(self._ended(h))
             for h, s in zip(handles, first, strict=True)
@@ -483,22 +486,24 @@ class Runs:
                 for task in pending:
                     task.cancel()
                 await asyncio.gather(*pending, return_exceptions=True)
-        return await self._refresh(handles, rounds)
+        return await self._refresh(handles, rounds, asking)
 
-    async def _refresh(self, handles: Sequence[str], rounds: Rounds) -> list[RunStatus]:
+    async def _refresh(
+        self, handles: Sequence[str], rounds: Rounds, query_timeout: float = _QUERY_TIMEOUT_S
+    ) -> list[RunStatus]:
         """The runs' statuses.  A run seen ended is not asked again; a run whose history
         has not grown since it was seen is only described (no worker): on a long
         `await` most runs are waiting (for a tool, a turn, an approval, children)."""
-        return list(await asyncio.gather(*(self._look(h, rounds) for h in handles)))
+        return list(await asyncio.gather(*(self._look(h, rounds, query_timeout) for h in handles)))
 
-    async def _look(self, handle: str, rounds: Rounds) -> RunStatus:
+    async def _look(self, handle: str, rounds: Rounds, query_timeout: float) -> RunStatus:
         if handle in rounds and rounds[handle].state in TERMINAL_STATES:
             return rounds[handle]
         desc = await self._describe(handle)
         same = rounds.unchanged(desc)
         if same is not None:
             return _seconds_so_far(same)  # nothing happened in the run since
-        status = await self._status(desc)
+        status = await self._status(desc, query_timeout)
         rounds.saw(desc, status)
         return status
 

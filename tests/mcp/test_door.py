@@ -972,9 +972,11 @@ async def test_an_approval_answer_no_worker_can_take_is_not_acknowledged(
         assert answer["error"]["code"] == -32603, answer
         assert "no worker polls task queue" in answer["error"]["message"]
         assert f"run '{y}' cannot take the answer" in answer["error"]["message"]
-        # The task itself reads as working: what it waits on is not known.
+        # The task itself reads as working: what it waits on is not known, and it says
+        # so (a poll asks a worker 2 s at most: it asked 10 s, at every poll).
         task = (await door.request("tasks/get", {"taskId": y}, TASKS_CAPS))["result"]
         assert task["status"] == "working", task
+        assert task["statusMessage"] == "status unavailable: no worker answered within 2 s"
         await s.runs.request_cancel(y)
 
 

@@ -307,6 +307,11 @@ async def test_waiting_in_rounds_asks_a_worker_only_about_runs_whose_history_gre
 async def test_cancel_answers_in_bounded_time_with_no_worker_up(temporal_address: str) -> None:
     async with stack(temporal_address, worker=False) as s:
         handle = await s.runs.spawn(RunSpec(task=task_with(0, "nowork"), model=MODEL))
+        # A wait asks no worker longer than its own timeout (it asked for 10 s), and
+        # says why it knows only what Temporal knows (it said "status unavailable: ").
+        (seen,) = await s.runs.wait([handle], timeout=0.5)
+        assert seen.state == "Running"
+        assert seen.error == "status unavailable: no worker answered within 0.5 s"
         # The request needs Temporal only; the answer says what is known after the wait.
         await asyncio.wait_for(s.runs.request_cancel(handle), 5)
         status = await asyncio.wait_for(s.runs.cancel(handle, wait_s=0.5), 8)
