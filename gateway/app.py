@@ -572,6 +572,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         found = await resolver.resolve_all(file.discovered, file.discovery, before)
         return Pool.of(file, found)
 
+    reloaded = asyncio.Event()  # a reload resolved the names: discovery's period restarts
+
     async def reload_pool() -> PoolChange:
         """Read the file again and serve its endpoints (gateway/pool.py says what may
         change).  Raises ConfigError, and changes nothing, when it cannot."""
@@ -584,14 +586,22 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             new = await asyncio.to_thread(load_config, path, os.environ)
             pool = await discovered(new, live.pool.found)
             change = await serve(pool)
+        reloaded.set()  # the next discovery round a period from now, at its period
         log.info("reloaded %s: %s", path, change)
         return change
 
     async def discover_again() -> None:
         """Every [discovery] period_s: serve what the discovered endpoints' names resolve
-        to now, when it changed (gateway/discovery.py)."""
+        to now, when it changed (gateway/discovery.py).  A reload (which resolves at
+        once) starts the period anew, at its own period_s."""
         while True:
-            await asyncio.sleep(live.pool.file.discovery.period_s)
+            while True:
+                reloaded.clear()
+                try:
+                    async with asyncio.timeout(live.pool.file.discovery.period_s):
+                        await reloaded.wait()
+                except TimeoutError:
+                    break
             try:
                 async with live.reloading:
                     file = live.pool.file

@@ -256,6 +256,29 @@ async def test_a_reload_resolves_at_once_and_applies_discovery(tmp_path: Path) -
             assert len(rec6.chats) == 1
 
 
+async def test_a_reload_starts_the_discovery_period_anew_at_its_own_length(
+    tmp_path: Path,
+) -> None:
+    # A reload from period_s = 60 to 0.05 said "applied: discovery", but the round it
+    # asked for waited out the old 60 s first (up to an hour at the largest period).
+    async with pods() as (port, _, _), fake_dns() as (dns, where):
+        dns.records[NAME] = ["127.0.0.1"]
+        path = tmp_path / "luftpause.toml"
+
+        def write(period: float) -> None:
+            pod = {"name": "pod", "url": f"http://{NAME}:{port}", "models": [MODEL]}
+            section = f'\n[discovery]\nnameservers = ["{where}"]\nperiod_s = {period}\n'
+            path.write_text(toml({**pod, "discover": '"dns"'}, extra=section))
+
+        write(60.0)
+        async with from_file(path) as (gw, shell):
+            assert serving(shell) == {v4(port)}
+            write(0.05)
+            assert (await gw.post("/reload")).json()["applied"] == ["discovery"]
+            dns.records[NAME] = ["127.0.0.2"]  # the pod moved: seen by the next round
+            await until(lambda: f"pod-127.0.0.2:{port}" in shell.state.replicas, "a round")
+
+
 @pytest.mark.parametrize(
     ("family", "answer", "engines"),
     [
