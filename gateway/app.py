@@ -585,9 +585,13 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         async with live.reloading:
             new = await asyncio.to_thread(load_config, path, os.environ)
             pool = await discovered(new, live.pool.found)
+            before = set(live.pool.file.unset_keys(os.environ))
             change = await serve(pool)
         reloaded.set()  # the next discovery round a period from now, at its period
         log.info("reloaded %s: %s", path, change)
+        for line in new.unset_keys(os.environ):  # as at start, for what the reload brought
+            if line not in before:
+                log.warning("%s", line)
         return change
 
     async def discover_again() -> None:

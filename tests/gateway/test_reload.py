@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from harness import MODEL, RUN, closed_port_url, engine, gateway, until
 
 from gateway._shell import AdmissionShell
@@ -292,6 +293,29 @@ async def test_a_held_turn_goes_to_a_replica_that_joins_while_it_waits(tmp_path:
             assert r.status_code == 400 and "endpoint a: url" in r.json()["error"]["message"]
             assert "a" in shell.state.retired and "a" in shell.state.replicas
             assert [line async for line in lines][-2:] == ["data: [DONE]", ""]
+
+
+async def test_a_reload_warns_of_a_key_it_brings_that_is_not_set(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As the start does: an endpoint the reload adds whose api_key_env is unset goes
+    # without a key (a hosted endpoint then fails every probe); a warning says why.
+    monkeypatch.delenv("NEW_KEY", raising=False)
+    async with engine() as (url_a, _), engine() as (url_b, _):
+        path = tmp_path / "luftpause.toml"
+        a = {"name": "a", "url": url_a, "models": [MODEL]}
+        path.write_text(toml(a))
+        async with from_file(path) as (gw, _):
+            path.write_text(toml(a, {"name": "b", "url": url_b, "models": [MODEL],
+                                     "api_key_env": '"NEW_KEY"'}))  # fmt: skip
+            with caplog.at_level("WARNING"):
+                assert (await gw.post("/reload")).json()["added"] == ["b"]
+                await gw.post("/reload")  # nothing new: said once
+            said = [r.getMessage() for r in caplog.records if "NEW_KEY" in r.getMessage()]
+            assert said == [
+                "endpoint b: api_key_env = 'NEW_KEY', but NEW_KEY is not set: its requests "
+                "go without a key"
+            ]
 
 
 async def test_a_name_freed_by_the_core_takes_another_engine(tmp_path: Path) -> None:
