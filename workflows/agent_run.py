@@ -160,6 +160,11 @@ TOOLS_BY_FUNCTION_PATCH = "tools-chosen-by-function-name-too"
 # children (the first cancel it gets) left the rest to the parent-close policy, with
 # no reason given, and skipped the end report: the run's state stayed "Running".
 HALT_UNBROKEN_PATCH = "a-close-stops-every-child-whatever-cancel-comes"
+# `workflow.patched` id of a call of a tool that is not repeatable, never sent (its
+# server unreachable), that is not sent again once the run is stopping (rule 2:
+# nothing new starts after a stop).  Without it the call kept being sent, for up to
+# TOOL_SCHEDULE_TIMEOUT, and ran after the stop when the server came back.
+UNSENT_STOP_PATCH = "a-call-never-sent-is-not-sent-after-a-stop"
 
 # What the model reads when a call of a tool that is not repeatable may have run but no
 # answer came (rule 5).
@@ -665,7 +670,18 @@ class AgentRun:
                     if cause.type == NOT_SENT:
                         if workflow.now() + delay > give_up:
                             raise  # down for as long as a repeatable call is retried
-                        await workflow.sleep(delay)
+                        if workflow.patched(UNSENT_STOP_PATCH):
+                            with contextlib.suppress(TimeoutError):
+                                await workflow.wait_condition(self._halting, timeout=delay)
+                            if self._halting():
+                                why = self._stop_reason or self._exceeded
+                                return ToolOutput(
+                                    content=f"Error: not sent: this run is stopping ({why})",
+                                    is_error=True,
+                                    executed=False,
+                                )
+                        else:
+                            await workflow.sleep(delay)
                         delay = min(delay * RETRY.backoff_coefficient, RETRY.maximum_interval)
                         continue
                 why = str(cause) if cause is not None else str(exc)

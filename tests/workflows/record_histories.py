@@ -13,8 +13,8 @@ new (`budget_drained` was recorded after `DRAIN_PATCH`, `budget_spent` after
 `cancelled_tree_waits` after `ENDS_PATCH`, `reports_held` after `REPORTS_PATCH`,
 `tools_by_function` after `TOOLS_BY_FUNCTION_PATCH`, `late_child` after
 `LATE_CHILD_PATCH` and `late_child_unpatched` by the same scenario at the commit before
-it, renamed; `cancelled_while_closing` after `HALT_UNBROKEN_PATCH`; the others before
-them).
+it, renamed; `cancelled_while_closing` after `HALT_UNBROKEN_PATCH`, `unsent_stopped` after
+`UNSENT_STOP_PATCH`; the others before them).
 """
 
 from __future__ import annotations
@@ -220,6 +220,15 @@ async def _cancelled_while_closing(s: Stack) -> None:
     raise AssertionError("the cancel never landed while the close was stopping children")
 
 
+async def _unsent_stopped(s: Stack) -> None:
+    # After UNSENT_STOP_PATCH: a call whose server cannot be reached, not sent again once
+    # the run's budget stopped it (stand-ins of tests/workflows/test_closing.py).
+    from tests.workflows.test_closing import unsent_call_stopped
+
+    handle, *_ = await unsent_call_stopped(s.client)
+    await _save(s, "unsent_stopped", [handle])
+
+
 SCENARIOS = {
     "tool_loop": _tool_loop,
     "parallel_calls": _parallel_calls,
@@ -235,6 +244,7 @@ SCENARIOS = {
     "tools_by_function": _tools_by_function,
     "late_child": _late_child,
     "cancelled_while_closing": _cancelled_while_closing,
+    "unsent_stopped": _unsent_stopped,
 }
 
 

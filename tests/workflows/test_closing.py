@@ -1,23 +1,32 @@
-"""A run's close (`_halt`) against a cancel that arrives in the middle of it, on a real
-dev server.  The run's activities are stand-ins here (registered under the real names):
-the close is about what the workflow does with its children, and the test must fail the
-parent's turn and keep its children in theirs on cue."""
+"""A run's close (`_halt`) against a cancel that arrives in the middle of it, and a stop
+against a call that was never sent, on a real dev server.  The run's activities are
+stand-ins here (registered under the real names): these are about what the workflow
+does, and the tests must fail a turn, keep children in theirs, or keep a tool's server
+out of reach, on cue."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 from temporalio import activity
-from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
+from temporalio.client import (
+    Client,
+    WorkflowExecutionStatus,
+    WorkflowFailureError,
+    WorkflowHandle,
+)
 from temporalio.exceptions import ApplicationError
 from temporalio.worker import Replayer, Worker
 
 from activities.contract import (
+    NOT_SENT,
     EndRunInput,
+    ToolCall,
     ToolInfo,
     ToolInput,
     ToolOutput,
@@ -26,8 +35,8 @@ from activities.contract import (
     TurnOutput,
 )
 from tests.workflows.harness import connect, until
-from workflows import AgentRun, Runs, RunSpec
-from workflows.agent_run import HALT_UNBROKEN_PATCH
+from workflows import AgentRun, Budget, Runs, RunSpec, RunStatus
+from workflows.agent_run import HALT_UNBROKEN_PATCH, UNSENT_STOP_PATCH
 
 CHILDREN = 12  # the close signals and cancels each: a wide window for the cancel
 ATTEMPTS = 3  # scenarios tried until the cancel lands mid-close (bounded)
@@ -149,6 +158,73 @@ async def test_a_cancel_during_a_failing_runs_close_stops_every_child(
     history = await handle.fetch_history()
     markers = [e for e in history.events if e.HasField("marker_recorded_event_attributes")]
     assert any(HALT_UNBROKEN_PATCH.encode() in e.SerializeToString() for e in markers)
+    result = await Replayer(workflows=[AgentRun]).replay_workflow(
+        history, raise_on_replay_failure=False
+    )
+    assert result.replay_failure is None, result.replay_failure
+
+
+class Unreachable(StandIns):
+    """A tool that is not repeatable ("write") whose server cannot be reached: every
+    call of it fails NOT_SENT.  A "calls" task's first turn calls it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: list[str] = []
+
+    @activity.defn(name="list_tools")
+    async def list_tools(self, wanted: ToolsWanted | None = None) -> list[ToolInfo]:
+        return [ToolInfo("fake", "write", "write a record", {"type": "object"})]
+
+    @activity.defn(name="call_tool")
+    async def call_tool(self, call: ToolInput) -> ToolOutput:
+        self.sent.append(call.call_id)
+        raise ApplicationError("the server is not reachable", type=NOT_SENT)
+
+    @activity.defn(name="llm_turn")
+    async def llm_turn(self, turn: TurnInput) -> TurnOutput:
+        if not any(m["role"] == "tool" for m in turn.messages):
+            fn = {"name": "write", "arguments": "{}"}
+            message = {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": "c1", "type": "function", "function": fn}],
+            }
+            return TurnOutput(message, [ToolCall("c1", "write", "{}")], "tool_calls", 10, 10)
+        return TurnOutput({"role": "assistant", "content": "done"}, [], "stop", 10, 10)
+
+
+async def unsent_call_stopped(
+    client: Client,
+) -> tuple[str, Unreachable, RunStatus, list[dict[str, Any]]]:
+    """A run whose only call cannot be sent, stopped by its seconds budget: its handle
+    once it has ended, the stand-ins, its status and its transcript."""
+    queue = f"unsent-{uuid.uuid4().hex[:8]}"
+    fakes = Unreachable()
+    runs = Runs(client, task_queue=queue)
+    async with worker(client, queue, fakes):
+        await until(runs._worker_polls, "the worker polls")
+        handle = await runs.spawn(
+            RunSpec(task="calls write", model="m", tools=["write"], budget=Budget(seconds=1.5))
+        )
+        # Sent again while unreachable (rule 5) until the stop: then not again.  (It
+        # went on being sent, up to 15 minutes, and ran if the server came back.)
+        with contextlib.suppress(WorkflowFailureError):
+            await asyncio.wait_for(client.get_workflow_handle(handle).result(), 30)
+        return handle, fakes, await runs.status(handle), await runs.transcript(handle)
+
+
+async def test_a_call_never_sent_is_not_sent_after_a_stop(temporal_address: str) -> None:
+    client = await connect(temporal_address)
+    handle, fakes, status, transcript = await unsent_call_stopped(client)
+    assert status.state == "Cancelled" and status.error is not None
+    assert status.error.startswith("budget exceeded: seconds"), status
+    assert fakes.sent and len(fakes.sent) <= 2  # the sends before the stop (1 s apart)
+    (reply,) = [m for m in transcript if m["role"] == "tool"]
+    assert reply["content"].startswith("Error: not sent: this run is stopping (budget exceeded")
+    history = await client.get_workflow_handle(handle).fetch_history()
+    markers = [e for e in history.events if e.HasField("marker_recorded_event_attributes")]
+    assert any(UNSENT_STOP_PATCH.encode() in e.SerializeToString() for e in markers)
     result = await Replayer(workflows=[AgentRun]).replay_workflow(
         history, raise_on_replay_failure=False
     )

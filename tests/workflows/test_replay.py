@@ -25,6 +25,7 @@ from workflows.agent_run import (
     REPORTS_PATCH,
     SPENT_PATCH,
     TOOLS_BY_FUNCTION_PATCH,
+    UNSENT_STOP_PATCH,
 )
 from workflows.contract import AgentRunInput
 
@@ -36,7 +37,7 @@ AFTER_LATE = {"late_child-0", "late_child-1"}
 # LATE_CHILD_PATCH (c8025d5), as a worker of then would have left them.
 UNPATCHED_LATE = {"late_child_unpatched-0", "late_child_unpatched-1"}
 # Recorded after HALT_UNBROKEN_PATCH (and so after every earlier patch).
-AFTER_UNBROKEN = {"cancelled_while_closing"}
+AFTER_UNBROKEN = {"cancelled_while_closing", "unsent_stopped"}
 AFTER_FUNCTIONS = {"tools_by_function"} | UNPATCHED_LATE | AFTER_LATE | AFTER_UNBROKEN
 # Recorded after REPORTS_PATCH (and so after every earlier patch).
 AFTER_REPORTS = {"reports_held-0", "reports_held-1", "reports_held-2"} | AFTER_FUNCTIONS
@@ -72,6 +73,7 @@ def test_the_recorded_histories_cover_the_run_paths() -> None:
         "tools_by_function",
         "late_child",
         "cancelled_while_closing",
+        "unsent_stopped",
     }
     for kind in (
         "ACTIVITY_TASK_COMPLETED",  # LLM turns and tool calls
@@ -204,15 +206,22 @@ def test_a_close_cancelled_midway_is_recorded_after_its_patch() -> None:
     # HALT_UNBROKEN_PATCH: a failing run cancelled while its close stops its children
     # still stops every child and reports its end; no history before it has the marker
     # (the old close replays unchanged).
-    assert {p.stem for p in HISTORIES if HALT_UNBROKEN_PATCH in _patches(p)} == {
-        "cancelled_while_closing"
-    }
+    assert {p.stem for p in HISTORIES if HALT_UNBROKEN_PATCH in _patches(p)} == AFTER_UNBROKEN
     path = HISTORIES[0].parent / "cancelled_while_closing.json"
     kinds = [e["eventType"] for e in json.loads(path.read_text("utf-8"))["events"]]
     requested = kinds.index("EVENT_TYPE_WORKFLOW_EXECUTION_CANCEL_REQUESTED")
     cancel = "EVENT_TYPE_REQUEST_CANCEL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED"
     assert 0 < kinds[:requested].count(cancel) < kinds.count(cancel)  # mid-close
     assert kinds[-1] == "EVENT_TYPE_WORKFLOW_EXECUTION_FAILED"
+
+
+def test_a_call_not_sent_again_after_a_stop_is_recorded_after_its_patch() -> None:
+    # UNSENT_STOP_PATCH: the marker is where a never-sent call is to be sent again; only
+    # `unsent_stopped` got that far, and there the stop answered the call.
+    assert {p.stem for p in HISTORIES if UNSENT_STOP_PATCH in _patches(p)} == {"unsent_stopped"}
+    path = HISTORIES[0].parent / "unsent_stopped.json"
+    kinds = [e["eventType"] for e in json.loads(path.read_text("utf-8"))["events"]]
+    assert kinds[-1] == "EVENT_TYPE_WORKFLOW_EXECUTION_FAILED"  # budget exceeded
 
 
 @pytest.mark.parametrize("path", HISTORIES, ids=[p.stem for p in HISTORIES])
