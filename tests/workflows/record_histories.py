@@ -14,7 +14,8 @@ new (`budget_drained` was recorded after `DRAIN_PATCH`, `budget_spent` after
 `tools_by_function` after `TOOLS_BY_FUNCTION_PATCH`, `late_child` after
 `LATE_CHILD_PATCH` and `late_child_unpatched` by the same scenario at the commit before
 it, renamed; `cancelled_while_closing` after `HALT_UNBROKEN_PATCH`, `unsent_stopped` after
-`UNSENT_STOP_PATCH`; the others before them).
+`UNSENT_STOP_PATCH`, `seconds_tripped` and `continued_as_new` after that, to cover those
+paths; the others before them).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from luftpause.temporal_dev import DevServer
 from tests.workflows.harness import (
     MODEL,
     Stack,
+    dev_server_with,
     spawn_waiting,
     spawned_as_it_closes,
     stack,
@@ -229,6 +231,38 @@ async def _unsent_stopped(s: Stack) -> None:
     await _save(s, "unsent_stopped", [handle])
 
 
+async def _seconds_tripped(s: Stack) -> None:
+    # A seconds budget trips (by the run's own timer) while the run waits for approval.
+    h = await spawn_waiting(s, "seconds", budget=Budget(seconds=2))
+    (status,) = await s.runs.wait([h], timeout=60)
+    assert status.error is not None and status.error.startswith("budget exceeded: seconds")
+    await _save(s, "seconds_tripped", [h])
+
+
+async def _continued_as_new(s: Stack) -> None:
+    # A run that continues as new (on a dev server of its own that suggests it after 20
+    # events): each execution's history, the first ending in CONTINUED_AS_NEW.
+    with tempfile.TemporaryDirectory() as tmp:
+        setting = "limit.historyCount.suggestContinueAsNew=20"
+        with dev_server_with(Path(tmp), setting) as server:
+            async with stack(server.address) as own:
+                h = await own.runs.spawn(
+                    RunSpec(task=task_with(3, "long"), model=MODEL, tools=["lookup"])
+                )
+                (status,) = await own.runs.wait([h], timeout=120)
+                assert status.state == "Completed", status
+                executions = [
+                    wf.run_id async for wf in own.client.list_workflows(f"WorkflowId = '{h}'")
+                ]
+                assert len(executions) >= 2, executions
+                for i, run_id in enumerate(reversed(executions)):  # oldest first
+                    handle = own.client.get_workflow_handle(h, run_id=run_id)
+                    data = json.loads((await handle.fetch_history()).to_json())
+                    path = HERE / f"continued_as_new-{i}.json"
+                    path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+                    print(f"{path.relative_to(Path.cwd())}: {len(data['events'])} events")
+
+
 SCENARIOS = {
     "tool_loop": _tool_loop,
     "parallel_calls": _parallel_calls,
@@ -245,6 +279,8 @@ SCENARIOS = {
     "late_child": _late_child,
     "cancelled_while_closing": _cancelled_while_closing,
     "unsent_stopped": _unsent_stopped,
+    "seconds_tripped": _seconds_tripped,
+    "continued_as_new": _continued_as_new,
 }
 
 

@@ -38,7 +38,12 @@ AFTER_LATE = {"late_child-0", "late_child-1"}
 UNPATCHED_LATE = {"late_child_unpatched-0", "late_child_unpatched-1"}
 # Recorded after HALT_UNBROKEN_PATCH (and so after every earlier patch).
 AFTER_UNBROKEN = {"cancelled_while_closing", "unsent_stopped"}
-AFTER_FUNCTIONS = {"tools_by_function"} | UNPATCHED_LATE | AFTER_LATE | AFTER_UNBROKEN
+# Recorded after UNSENT_STOP_PATCH, to cover a seconds budget's trip and a run that
+# continues as new (each execution's history; only the first three end continued).
+AFTER_UNSENT = {"seconds_tripped"} | {f"continued_as_new-{i}" for i in range(4)}
+AFTER_FUNCTIONS = (
+    {"tools_by_function"} | UNPATCHED_LATE | AFTER_LATE | AFTER_UNBROKEN | AFTER_UNSENT
+)
 # Recorded after REPORTS_PATCH (and so after every earlier patch).
 AFTER_REPORTS = {"reports_held-0", "reports_held-1", "reports_held-2"} | AFTER_FUNCTIONS
 # Recorded after ENDS_PATCH (and so after every earlier patch).
@@ -74,6 +79,8 @@ def test_the_recorded_histories_cover_the_run_paths() -> None:
         "late_child",
         "cancelled_while_closing",
         "unsent_stopped",
+        "seconds_tripped",
+        "continued_as_new",
     }
     for kind in (
         "ACTIVITY_TASK_COMPLETED",  # LLM turns and tool calls
@@ -83,6 +90,8 @@ def test_the_recorded_histories_cover_the_run_paths() -> None:
         "SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED",  # usage reported to the parent
         "WORKFLOW_EXECUTION_CANCEL_REQUESTED",
         "UPSERT_WORKFLOW_SEARCH_ATTRIBUTES",
+        "WORKFLOW_EXECUTION_CONTINUED_AS_NEW",
+        "TIMER_FIRED",  # a seconds budget's
     ):
         assert f"EVENT_TYPE_{kind}" in kinds, kind
 
@@ -179,8 +188,10 @@ def test_histories_from_before_and_after_the_tools_by_function_patch_are_both_re
     # Before TOOLS_BY_FUNCTION_PATCH a run's tools and approvals were chosen by the
     # tools' own names only (`tree_with_approval`'s parent asks approval of
     # delete_record that way); after it, by function name too.
+    # (`continued_as_new-3`, the last execution, lists no tools (they are carried) and
+    # calls none: it never reaches the marker.)
     assert {p.stem for p in HISTORIES if TOOLS_BY_FUNCTION_PATCH in _patches(p)} == (
-        AFTER_FUNCTIONS
+        AFTER_FUNCTIONS - {"continued_as_new-3"}
     )
 
 
@@ -206,7 +217,10 @@ def test_a_close_cancelled_midway_is_recorded_after_its_patch() -> None:
     # HALT_UNBROKEN_PATCH: a failing run cancelled while its close stops its children
     # still stops every child and reports its end; no history before it has the marker
     # (the old close replays unchanged).
-    assert {p.stem for p in HISTORIES if HALT_UNBROKEN_PATCH in _patches(p)} == AFTER_UNBROKEN
+    # (Runs that close after it carry it too: a seconds budget's trip.)
+    assert {p.stem for p in HISTORIES if HALT_UNBROKEN_PATCH in _patches(p)} == (
+        AFTER_UNBROKEN | {"seconds_tripped"}
+    )
     path = HISTORIES[0].parent / "cancelled_while_closing.json"
     kinds = [e["eventType"] for e in json.loads(path.read_text("utf-8"))["events"]]
     requested = kinds.index("EVENT_TYPE_WORKFLOW_EXECUTION_CANCEL_REQUESTED")
