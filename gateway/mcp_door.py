@@ -73,6 +73,9 @@ class RunStoreDown(ConnectionError):
 
 DEFAULT_AWAIT_S = 60.0
 PROGRESS_EVERY_S = 5.0
+# Input-required rounds one 2026-07-28 await/run asks at most (the official client
+# gives up a call after 10); then it answers with the runs as they are.
+INPUT_ROUNDS_MAX = 8
 MAX_TOOL_CALLS_LIMIT = 64
 MAX_TOKENS_LIMIT = 32_768
 # A run's task and system prompt travel in its workflow's input, which Temporal refuses
@@ -373,6 +376,7 @@ class _State:
     deadline: float | None = None  # wall-clock end of the whole call
     asked: list[str] = field(default_factory=list)
     spawned: str | None = None  # `run`: the handle it already spawned
+    rounds: int = 0  # input-required results this call has returned
 
     @staticmethod
     def load(raw: str | None) -> _State:
@@ -384,12 +388,20 @@ class _State:
                 deadline=float(data["deadline"]) if data.get("deadline") is not None else None,
                 asked=[str(a) for a in data.get("asked", [])],
                 spawned=data.get("spawned"),
+                rounds=int(data.get("rounds", 0)),
             )
         except (ValueError, TypeError, KeyError):
             return _State()
 
     def dump(self) -> str:
-        return json.dumps({"deadline": self.deadline, "asked": self.asked, "spawned": self.spawned})
+        return json.dumps(
+            {
+                "deadline": self.deadline,
+                "asked": self.asked,
+                "spawned": self.spawned,
+                "rounds": self.rounds,
+            }
+        )
 
     def seconds_left(self, now_wall: float, timeout: float) -> float:
         """This round's share of the call: the whole `timeout` in the first round, then
@@ -717,6 +729,11 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
                 and s.pending_approval is not None
                 and approval.question_key(s) not in asked
             ]
+            if waiting and modern and state.rounds >= INPUT_ROUNDS_MAX:
+                # Clients give up a call past a number of rounds (the official one
+                # after 10): the runs as they are, each waiting one with its handle,
+                # for `approve` and another `await`.
+                return statuses, done
             if waiting and modern:
                 return InputRequiredResult(
                     input_requests={approval.question_key(s): _elicit_request(s) for s in waiting},
@@ -724,6 +741,7 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
                         deadline=now_wall + (deadline - loop.time()),
                         asked=sorted(asked | {approval.question_key(s) for s in waiting}),
                         spawned=spawned,
+                        rounds=state.rounds + 1,
                     ).dump(),
                 )
             if waiting:

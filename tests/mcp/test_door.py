@@ -409,6 +409,35 @@ async def test_a_question_nobody_answers_does_not_hold_await_past_its_timeout(
         assert not waited["done"]
 
 
+async def test_a_run_with_more_approvals_than_rounds_answers_with_its_handle(
+    temporal_address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One input-required round per approval: a run needing more than the client allows
+    # (the official client gives up after 10) broke the call, the run left waiting on
+    # an approval with no handle given.  Past INPUT_ROUNDS_MAX rounds the call answers
+    # with the run as it is; `approve` and `await` go on from there.
+    import gateway.mcp_door
+
+    monkeypatch.setattr(gateway.mcp_door, "INPUT_ROUNDS_MAX", 2)
+    answered: list[str] = []
+
+    async def on_elicit(context: Any, params: Any) -> ElicitResult:
+        answered.append(params.message)
+        return ANSWERS["allow"]
+
+    async with (
+        stack(temporal_address) as s,
+        Client(s.mcp_door, mode="2026-07-28", elicitation_callback=on_elicit) as c,
+    ):
+        task = task_with(3, "many")  # three delete_record calls, each to be approved
+        r = result(await c.call_tool("run", {"task": task, "tools": ["delete_record"]}))
+        assert r["state"] == "AwaitingApproval" and r["pendingApproval"] is not None, r
+        assert len(answered) == 2 and sum(s.mcp.counts.values()) == 2
+        result(await c.call_tool("approve", {"handle": r["handle"], "allow": True}))
+        (done,) = result(await c.call_tool("await", {"handles": [r["handle"]]}))["runs"]
+        assert done["state"] == "Completed" and sum(s.mcp.counts.values()) == 3
+
+
 async def test_progress_goes_on_while_a_question_is_open(
     temporal_address: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
