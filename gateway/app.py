@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import json
 import logging
@@ -1190,10 +1191,18 @@ class _Door:
             decide=decide_in_process,
             models=lambda: live.pool.offered,
             token_identity="token" if self._token else None,
+            # Rounds of a call survive a restart (the same token, the same key).
+            state_key=_state_key(self._token) if self._token else None,
         )
 
     async def aclose(self) -> None:
         await self._pool.aclose()
+
+
+def _state_key(token: str) -> bytes:
+    """The key sealing MCP request state, from the operator token: 32 bytes, as the
+    codec asks, and not the token itself."""
+    return hashlib.sha256(b"luftpause mcp request state\0" + token.encode()).digest()
 
 
 def _on_hangup(

@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal
 from mcp.server.elicitation import AcceptedElicitation
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError, UnexpectedToolError
+from mcp.server.request_state import RequestStateSecurity
 from mcp.types import ToolAnnotations
 from mcp_types import ElicitRequest, ElicitRequestFormParams, InputRequiredResult
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -76,6 +77,7 @@ PROGRESS_EVERY_S = 5.0
 # Input-required rounds one 2026-07-28 await/run asks at most (the official client
 # gives up a call after 10); then it answers with the runs as they are.
 INPUT_ROUNDS_MAX = 8
+STATE_TTL_SLACK_S = 60.0  # a sealed request state outlives the call's deadline by this
 MAX_TOOL_CALLS_LIMIT = 64
 MAX_TOKENS_LIMIT = 32_768
 # A run's task and system prompt travel in its workflow's input, which Temporal refuses
@@ -99,6 +101,10 @@ class DoorDeps:
     decide: Callable[[str, list[str] | None, str | None, str], Awaitable[tuple[int, Any]]]
     models: Callable[[], Sequence[str]]  # the models the pool serves now, its first the default
     token_identity: str | None = None  # the caller when only the token identifies it
+    # Key material sealing a 2026-07-28 call's request state between rounds (the
+    # operator token): a round after a gateway restart still opens.  None: a key of
+    # this process only (an open gateway), and such a round is refused after a restart.
+    state_key: bytes | None = None
 
 
 def _client_cancelled(ctx: Context) -> bool:
@@ -559,6 +565,13 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
             "turns and tool calls until it answers."
         ),
         log_level="WARNING",
+        # The state lives as long as any round may (a call's deadline is at most
+        # AWAIT_MAX_S away; a user answers within it).
+        request_state_security=(
+            RequestStateSecurity(keys=[deps.state_key], ttl=AWAIT_MAX_S + STATE_TTL_SLACK_S)
+            if deps.state_key
+            else RequestStateSecurity.ephemeral(ttl=AWAIT_MAX_S + STATE_TTL_SLACK_S)
+        ),
     )
 
     async def runs(ctx: Any) -> Runs:

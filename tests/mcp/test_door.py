@@ -438,6 +438,48 @@ async def test_a_run_with_more_approvals_than_rounds_answers_with_its_handle(
         assert done["state"] == "Completed" and sum(s.mcp.counts.values()) == 3
 
 
+async def test_the_rounds_of_a_run_call_survive_a_gateway_restart(temporal_address: str) -> None:
+    # A 2026-07-28 run waiting for an approval carries its state in the sealed
+    # request state; sealed with a key of the process, a round after a restart was
+    # refused (-32602 "Invalid or expired requestState") and the user's answer lost.
+    # The operator token keys it now, so the next gateway opens it.
+    queue = f"restart-{time.time_ns()}"
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    asked, restarted = asyncio.Event(), asyncio.Event()
+
+    async def on_elicit(context: Any, params: Any) -> ElicitResult:
+        asked.set()
+        await restarted.wait()  # the user answers after the gateway came back
+        return ANSWERS["allow"]
+
+    async with contextlib.AsyncExitStack() as es:
+        fakes = await start_fakes(es)
+        mcp = f"{fakes.mcp_url}/mcp"
+
+        def gateway() -> Any:
+            return gateway_app(fakes.engines, temporal=temporal_address, queue=queue,
+                               mcp_url=mcp, token="op")  # fmt: skip
+
+        client = await connect(temporal_address)
+        await es.enter_async_context(run_worker(client, queue, url, mcp, token="op"))
+        first = contextlib.AsyncExitStack()
+        await first.enter_async_context(serve(gateway(), port=port))
+        op = {"authorization": b"Bearer op"}
+        c = await es.enter_async_context(
+            _client(f"{url}/mcp", "2026-07-28", op, elicitation_callback=on_elicit)
+        )
+        args = {"task": task_with(1, "restart"), "tools": ["delete_record"]}
+        call = asyncio.ensure_future(c.call_tool("run", args))
+        await asyncio.wait_for(asked.wait(), 60)
+        await first.aclose()  # the gateway restarts between two rounds of the call
+        await es.enter_async_context(serve(gateway(), port=port))
+        restarted.set()
+        done = result(await asyncio.wait_for(call, 60))
+        assert done["state"] == "Completed" and done["toolCalls"] == 1, done
+        assert sum(fakes.mcp.counts.values()) == 1
+
+
 async def test_progress_goes_on_while_a_question_is_open(
     temporal_address: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
