@@ -23,8 +23,9 @@ from mcp.server.elicitation import AcceptedElicitation
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError, UnexpectedToolError
 from mcp.server.request_state import RequestStateSecurity
+from mcp.shared.exceptions import MCPError
 from mcp.types import ToolAnnotations
-from mcp_types import ElicitRequest, ElicitRequestFormParams, InputRequiredResult
+from mcp_types import INVALID_PARAMS, ElicitRequest, ElicitRequestFormParams, InputRequiredResult
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from temporalio.service import RPCError, RPCStatusCode
 
@@ -455,14 +456,20 @@ class _DoorServer(MCPServer):
 
     async def call_tool(self, name: str, arguments: dict[str, Any], context: Any = None) -> Any:
         tool = self._tool_manager.get_tool(name)
-        if tool is not None:
-            takes = tool.parameters.get("properties") or {}
-            unknown = sorted(set(arguments) - set(takes))
-            if unknown:
-                raise ToolError(
-                    f"Error executing tool {name}: unknown argument(s) "
-                    f"{', '.join(map(repr, unknown))}; it takes {', '.join(takes) or 'none'}"
-                )
+        if tool is None:
+            # MCP lists an unknown tool among the protocol errors (-32602), not a
+            # tool's own (isError).
+            known = ", ".join(t.name for t in self._tool_manager.list_tools())
+            raise MCPError(
+                code=INVALID_PARAMS, message=f"Unknown tool: {name}; the tools are: {known}"
+            )
+        takes = tool.parameters.get("properties") or {}
+        unknown = sorted(set(arguments) - set(takes))
+        if unknown:
+            raise ToolError(
+                f"Error executing tool {name}: unknown argument(s) "
+                f"{', '.join(map(repr, unknown))}; it takes {', '.join(takes) or 'none'}"
+            )
         try:
             return await super().call_tool(name, arguments, context)
         except ToolError as exc:

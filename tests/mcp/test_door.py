@@ -287,6 +287,12 @@ async def test_malformed_calls_get_clear_tool_errors(temporal_address: str, mode
             assert needle in text, (tool, args, text[:300])
             assert "pydantic" not in text and "validation error" not in text, text[:300]
             assert len(text) < 2000, (tool, text[:300])  # what was wrong, not the input back
+        # A tool that is not there is a protocol error (-32602), as MCP lists it, naming
+        # the tools that are.
+        with pytest.raises(MCPError) as err:
+            await c.call_tool("spwan", {"task": "x"})
+        assert err.value.code == -32602
+        assert str(err.value.message).startswith("Unknown tool: spwan; the tools are: spawn,")
         handle = await spawn(c, task=task_with(0, "noop"))
         await c.call_tool("await", {"handles": [handle]})
         text = error_text(await c.call_tool("approve", {"handle": handle, "allow": True}))
