@@ -27,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from testkit.overhead import (
     MODEL,
+    ROOT,
     Arm,
     _Children,
     _free_port,
@@ -81,7 +82,7 @@ def _gc(port: int) -> dict[str, float]:
 
 def _measure(args: argparse.Namespace, hey: str, workdir: Path, children: _Children) -> Any:
     env = {k: v for k, v in os.environ.items() if k not in ("LUFTPAUSE_TOKEN", "PYTHONPATH")}
-    root = Path(__file__).resolve().parent.parent
+    root = ROOT  # this checkout's code (python -m runs it from the working directory)
     engine_port = _free_port()
     engine = children.start(
         "engine",

@@ -41,13 +41,14 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from luftpause import native
 from luftpause._process import cpu_seconds, spawn
 from testkit.bench_agents import PEERS, peer_missing, peer_router
 
 __all__ = ["GOAL_C1_P50_MS", "GOAL_C20_P99_MS", "Arm", "add_arguments", "percentile", "run"]
 
 MODEL = "llama-3.2-1b"
-ROOT = Path(__file__).resolve().parents[1]  # the checkout this runs from
+ROOT = native.ROOT  # the checkout this runs from
 # The goal: added p50 one at a time, added p99 at 20 concurrent.
 GOAL_C1_P50_MS = 1.0
 GOAL_C20_P99_MS = 5.0
