@@ -117,10 +117,11 @@ def _client_cancelled(ctx: Context) -> bool:
     return bool(event is not None and event.is_set())
 
 
-async def _cancel_quietly(r: Runs | CallerRuns, handle: str) -> None:
-    """Ask for a run's cancel; a failure (Temporal away, the run ended) is logged."""
+async def _cancel_quietly(runs: Awaitable[Runs | CallerRuns], handle: str) -> None:
+    """Ask for a run's cancel; a failure (Temporal away, the run ended) is logged, so
+    the cancellation that asked for it is what the call ends with."""
     try:
-        await r.request_cancel(handle)
+        await (await runs).request_cancel(handle)
     except Exception as exc:
         log.warning("could not cancel run %s whose run call was cancelled: %s", handle, exc)
 
@@ -952,7 +953,7 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
             # its handle.  (Not when the gateway stops: the run goes on, and so do
             # calls that end by the client leaving, which look the same from here.)
             if _client_cancelled(ctx):
-                await asyncio.shield(_cancel_quietly(await runs(ctx), handle))
+                await asyncio.shield(_cancel_quietly(runs(ctx), handle))
             raise
         return waited if isinstance(waited, InputRequiredResult) else view(waited[0][0])
 

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import logging
 import re
 import tempfile
 import time
@@ -201,6 +202,22 @@ async def test_a_run_call_the_client_cancels_cancels_its_run(temporal_address: s
         (ended,) = await s.runs.wait([handle], timeout=30)
         assert ended.state == "Cancelled", ended
         assert sum(s.mcp.counts.values()) == 0  # the destructive call never ran
+
+
+async def test_a_cancelled_run_calls_cancel_fails_quietly(caplog: pytest.LogCaptureFixture) -> None:
+    # With Temporal away at the client's cancel, reaching the run store fails: that is
+    # logged and the call still ends as cancelled, not with the store's error.
+    from mcp.server.mcpserver.exceptions import ToolError
+
+    from gateway.mcp_door import _cancel_quietly
+
+    async def away() -> Any:
+        raise ToolError("run store (Temporal at 127.0.0.1:1) is unreachable")
+
+    with caplog.at_level(logging.WARNING, logger="gateway.mcp_door"):
+        await _cancel_quietly(away(), "run-x")
+    assert "could not cancel run run-x" in caplog.text
+    assert "unreachable" in caplog.text
 
 
 @pytest.mark.parametrize("mode", MODES)
