@@ -40,7 +40,7 @@ from starlette.types import Receive, Scope, Send
 from activities._recover import recover_tool_calls
 from gateway._http import Upstream, UpstreamAnswer, UpstreamError, no_answer, wait_disconnect
 from gateway._runtrace import RunSpans, TurnOutcome
-from gateway._shell import Admission, AdmissionShell, Rejected, as_answered
+from gateway._shell import Admission, AdmissionShell, Awaited, Rejected, as_answered
 from gateway.prober import PROBE_PERIOD_S, auth_headers
 from luftpause import telemetry
 from luftpause.config import DP_RANK_HEADER, Api, Endpoint
@@ -688,7 +688,7 @@ async def hold(
     turn: TurnRequest,
     clock: Callable[[], float],
     disconnected: asyncio.Future[None],
-    awaited: Callable[[str], str | None] = lambda model: None,
+    awaited: Callable[[str], Awaited | None] = lambda model: None,
 ) -> Admission | None:
     """Report the turn's arrival and wait, with no deadline, for the core to admit or
     reject it.  None: the client left while the turn was held; the caller reports it
@@ -779,7 +779,7 @@ class TurnResponse(Response):
         input_counts_cached: frozenset[str] = frozenset(),
         runs: RunSpans,
         retry_after: str = UNAVAILABLE_RETRY_AFTER_S,
-        awaited: Callable[[str], str | None] = lambda model: None,
+        awaited: Callable[[str], Awaited | None] = lambda model: None,
     ) -> None:
         """`input_counts_cached`: the replicas whose Anthropic `input_tokens` count the
         cached tokens (SGLang's, see MessagesWatch).  `retry_after`: when a turn refused
@@ -842,7 +842,9 @@ class TurnResponse(Response):
                 return
             if isinstance(outcome, Rejected):
                 self._ended = True  # never queued: nothing to report
-                answer = t.error(outcome.status, outcome.message, self._retry_after)
+                answer = t.error(
+                    outcome.status, outcome.message, outcome.retry_after or self._retry_after
+                )
                 await answer(scope, receive, send)
                 return
             await self._forward(outcome, scope, receive, send, disconnected)

@@ -28,7 +28,14 @@ from scheduler import (
     decide,
 )
 
-__all__ = ["TOOL_CALL_MEMORY_S", "Admission", "AdmissionShell", "Observer", "Rejected"]
+__all__ = [
+    "TOOL_CALL_MEMORY_S",
+    "Admission",
+    "AdmissionShell",
+    "Awaited",
+    "Observer",
+    "Rejected",
+]
 
 log = logging.getLogger(__name__)
 
@@ -42,18 +49,33 @@ class Rejected:
 
     status: int
     message: str
+    # A 503's Retry-After when it is not the next probe round's (None): for a model
+    # whose engines are discovered and none is up, the next discovery round's.
+    retry_after: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Awaited:
+    """Why a model of discovered endpoints has no engine now (`Pool.awaited`), and
+    when to come back: its next discovery round (a name that resolves to engines then
+    is probed at once)."""
+
+    message: str
+    retry_after: str
 
 
 Admission = str | Rejected
 """What a held turn's future resolves to: the replica's name, or a rejection."""
 
 
-def as_answered(rejected: Rejected, model: str, awaited: Callable[[str], str | None]) -> Rejected:
+def as_answered(
+    rejected: Rejected, model: str, awaited: Callable[[str], Awaited | None]
+) -> Rejected:
     """The core's refusal as the client is answered (and counted): its 404 for a model
     no replica serves is a 503, to be retried, when the model's endpoints are
     discovered and none has an engine now (`awaited`: `Pool.awaited`)."""
     if rejected.status == 404 and (why := awaited(model)) is not None:
-        return Rejected(503, why)
+        return Rejected(503, why.message, why.retry_after)
     return rejected
 
 

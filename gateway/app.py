@@ -50,7 +50,7 @@ from gateway._proxy import (
     error_response,
 )
 from gateway._runtrace import RunSpans
-from gateway._shell import AdmissionShell
+from gateway._shell import AdmissionShell, Awaited
 from gateway.decide import (
     ClassifierLoad,
     DecideError,
@@ -200,7 +200,7 @@ class _Live:
         self.reloading = asyncio.Lock()  # one reload at a time: the last file read wins
         self.classifier_load = ClassifierLoad()  # /v1/decide's spread over classifiers
 
-    def awaited(self, model: str) -> str | None:
+    def awaited(self, model: str) -> Awaited | None:
         """`Pool.awaited` of the pool served when asked (a held turn asks on its answer)."""
         return self.pool.awaited(model)
 
@@ -690,8 +690,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         if (awaited := pool.awaited(model)) is not None:
             rt.refused(503)
             return error_response(
-                503, awaited, header_run or fallback_run, anthropic=anthropic,
-                retry_after=rt.prober.retry_after,
+                503, awaited.message, header_run or fallback_run, anthropic=anthropic,
+                retry_after=awaited.retry_after,
             )  # fmt: skip
         now = rt.loop.time()
         caller = caller_of(request, who)
@@ -792,7 +792,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         serving = [e for e in pool.replicas.values() if model in e.models]
         if (awaited := pool.awaited(model)) is not None:
             return error_response(
-                503, awaited, run_id, anthropic=True, retry_after=rt.prober.retry_after
+                503, awaited.message, run_id, anthropic=True, retry_after=awaited.retry_after
             )
         if not serving:
             return error_response(404, unknown_model(model, pool.models), run_id, anthropic=True)

@@ -35,7 +35,7 @@ from gateway._proxy import (
     hold,
     left_while_held,
 )
-from gateway._shell import AdmissionShell, Rejected
+from gateway._shell import AdmissionShell, Awaited, Rejected
 from gateway.prober import auth_headers
 from luftpause import telemetry
 from luftpause.config import DP_RANK_HEADER, Endpoint
@@ -334,7 +334,7 @@ async def run_turn(
     receive: Receive,
     answer_timeout: float = ENGINE_IDLE_TIMEOUT_S,
     retry_after: str = UNAVAILABLE_RETRY_AFTER_S,
-    awaited: Callable[[str], str | None] = lambda model: None,
+    awaited: Callable[[str], Awaited | None] = lambda model: None,
 ) -> Response | dict[str, Any]:
     """One non-streaming chat turn through the core: held until admitted, posted to the
     admitted replica; its parsed JSON answer, or the response for the client.  Exactly one
@@ -371,7 +371,10 @@ async def run_turn(
         if isinstance(outcome, Rejected):
             ended = True  # never queued: nothing to report
             return error_response(
-                outcome.status, outcome.message, turn.run_id, retry_after=retry_after
+                outcome.status,
+                outcome.message,
+                turn.run_id,
+                retry_after=outcome.retry_after or retry_after,
             )
         endpoint = endpoints[outcome]
         headers = {
@@ -473,7 +476,7 @@ async def decide(
     load: ClassifierLoad,
     answer_timeout: float = ENGINE_IDLE_TIMEOUT_S,
     retry_after: str = UNAVAILABLE_RETRY_AFTER_S,
-    awaited: Callable[[str], str | None] = lambda model: None,
+    awaited: Callable[[str], Awaited | None] = lambda model: None,
     refused: Callable[[int], None] = lambda status: None,
 ) -> Response:
     """Answer one validated `/v1/decide` request (see the module docstring).
@@ -495,7 +498,7 @@ async def decide(
         model = models[0]
     if (why := awaited(model)) is not None:  # its engines are discovered, and none is up
         refused(503)
-        return error_response(503, why, run_id, retry_after=retry_after)
+        return error_response(503, why.message, run_id, retry_after=why.retry_after)
     body = chat_body(request, model)
     turn = TurnRequest(
         turn_id=uuid.uuid4().hex,

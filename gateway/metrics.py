@@ -30,7 +30,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from gateway._shell import Rejected, as_answered
+from gateway._shell import Awaited, Rejected, as_answered
 from gateway.prober import ProbeResult
 from gateway.status import WAITING
 from scheduler import (
@@ -231,7 +231,7 @@ class GatewayMetrics:
     """The gateway's metrics and the registry `/metrics` exposes."""
 
     def __init__(
-        self, source: Source, awaited: Callable[[str], str | None] = lambda model: None
+        self, source: Source, awaited: Callable[[str], Awaited | None] = lambda model: None
     ) -> None:
         # Why a model has no engine for now (discovered endpoints with none up): the
         # core's 404 for a turn of it reaches its client as a 503, and is counted so.

@@ -31,10 +31,12 @@ A file that does not load, or changes what may not change, changes nothing.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from gateway._shell import Awaited
 from gateway.discovery import Found
 from luftpause.config import Api, Config, ConfigError, Endpoint
 
@@ -116,7 +118,7 @@ class Pool:
         engines are up or not."""
         return tuple(dict.fromkeys(m for e in self.file.replicas for m in e.models))
 
-    def awaited(self, model: str) -> str | None:
+    def awaited(self, model: str) -> Awaited | None:
         """Why a model of discovered endpoints has no engine now (None: it has one, or
         is not theirs): a turn for it is answered 503, to be retried."""
         names = self.awaiting.get(model)
@@ -130,9 +132,10 @@ class Pool:
                 why.append(f"endpoint {name}: {said}")
             else:
                 why.append(f"endpoint {name}: {f.host} resolves to no engine")
-        return (
+        return Awaited(
             f"model '{model}' has no engine now: its endpoints are discovered by name "
-            f"(discover) and none was found ({'; '.join(why)}); retry later"
+            f"(discover) and none was found ({'; '.join(why)}); retry later",
+            str(math.ceil(self.file.discovery.period_s)),
         )
 
 

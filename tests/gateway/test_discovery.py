@@ -65,12 +65,13 @@ async def pods(**kw: Any) -> AsyncIterator[tuple[int, Recorder, Recorder]]:
 
 @contextlib.asynccontextmanager
 async def discovering(
-    port: int, dns: str, **kw: Any
+    port: int, dns: str, period_s: float = 0.05, **kw: Any
 ) -> AsyncIterator[tuple[httpx.AsyncClient, AdmissionShell]]:
-    """A gateway whose one endpoint is discovered by asking `dns`; every address is an
-    engine (family "all": the two pods here are one IPv4 and one IPv6 address)."""
+    """A gateway whose one endpoint is discovered by asking `dns` every `period_s`;
+    every address is an engine (family "all": the two pods here are one IPv4 and one
+    IPv6 address)."""
     pod = endpoint("pod", f"http://{NAME}:{port}", discover="dns", **kw)
-    discovery = {"nameservers": [dns], "period_s": 0.05, "timeout_s": 0.5, "family": "all"}
+    discovery = {"nameservers": [dns], "period_s": period_s, "timeout_s": 0.5, "family": "all"}
     async with gateway(pod, sections={"discovery": discovery}) as (gw, shell):
         yield gw, shell
 
@@ -180,11 +181,14 @@ async def test_a_name_with_no_engine_at_start_answers_503_until_one_appears() ->
     async with (
         pods() as (port, rec4, _),
         fake_dns() as (dns, where),
-        discovering(port, where) as (gw, shell),
+        discovering(port, where, period_s=1.5) as (gw, shell),
     ):
         assert not shell.state.replicas
         r = await gw.post("/v1/messages", json={**hello(), "max_tokens": 4})
         assert r.status_code == 503, r.text
+        # An engine can appear at the next discovery round (1.5 s), not at the next
+        # probe's (0.05 s): a client told 1 s would come back to the same answer.
+        assert r.headers["retry-after"] == "2"
         assert r.json()["error"]["type"] == "overloaded_error"  # Anthropic's 503
         assert "has no engine now" in r.json()["error"]["message"]
         # Refused before the core: counted all the same (an operator whose pods are
@@ -192,11 +196,15 @@ async def test_a_name_with_no_engine_at_start_answers_503_until_one_appears() ->
         # So is /v1/decide's.
         r = await gw.post("/v1/decide", json={"input": "go?", "labels": ["yes", "no"]})
         assert r.status_code == 503 and "has no engine now" in r.json()["error"]["message"]
+        assert r.headers["retry-after"] == "2"
         text = (await gw.get("/metrics")).text
         assert 'luftpause_rejected_turns_total{status="503"} 2.0' in text
         assert 'luftpause_turns_total{outcome="rejected"} 2.0' in text
         r = await gw.post("/v1/messages/count_tokens", json=hello())
         assert r.status_code == 503 and "has no engine now" in r.json()["error"]["message"]
+        assert r.headers["retry-after"] == "2"
+        r = await gw.post("/v1/chat/completions", json=hello())
+        assert (r.status_code, r.headers["retry-after"]) == (503, "2"), r.text
 
         dns.records[NAME] = ["127.0.0.1"]
         await until(lambda: serving(shell) == {v4(port)}, "the pod in rotation")
@@ -469,7 +477,7 @@ async def test_held_turns_whose_engines_all_left_are_told_to_retry() -> None:
     async with pods(time_scale=0.5) as (port, _, _), fake_dns() as (dns, where):
         dns.records[NAME] = ["127.0.0.1"]
         async with (
-            discovering(port, where, kv_tokens=400) as (gw, shell),
+            discovering(port, where, period_s=1.2, kv_tokens=400) as (gw, shell),
             one_streaming_one_held(gw, shell) as (lines, second),
         ):
             # a decision too large for the KV left: held behind the two turns
@@ -480,8 +488,10 @@ async def test_held_turns_whose_engines_all_left_are_told_to_retry() -> None:
             answer = await decision
             assert answer.status_code == 503, answer.text
             assert "has no engine now" in answer.json()["error"]["message"]
+            assert answer.headers["retry-after"] == "2"  # the discovery round's 1.2 s
             second_answer = await second  # the chat turn held too
             assert second_answer.status_code == 503, second_answer.text
+            assert second_answer.headers["retry-after"] == "2"
             assert "has no engine now" in second_answer.json()["error"]["message"]
             # Counted as the clients were answered, not as the core's 404 ("unknown
             # model": an alert on it would call an outage a configuration error).
