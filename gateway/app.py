@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import hmac
 import json
@@ -617,7 +618,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                         live.pool = pool  # the same engines: only what /status shows
                         continue
                     change = await serve(pool)
-                log.info("discovery: %s", change)
+                # Only what the round changed: a start-only section a reload changed
+                # is said by that reload, not again at every round.
+                log.info("discovery: %s", dataclasses.replace(change, not_applied=()))
             except (ConfigError, _NotRunning) as exc:
                 log.error("discovery: %s", exc)
             except Exception:  # the loop outlives a failed round: the next may succeed

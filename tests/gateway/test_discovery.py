@@ -265,7 +265,7 @@ async def test_a_reload_resolves_at_once_and_applies_discovery(tmp_path: Path) -
 
 
 async def test_a_reload_starts_the_discovery_period_anew_at_its_own_length(
-    tmp_path: Path,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     # A reload from period_s = 60 to 0.05 said "applied: discovery", but the round it
     # asked for waited out the old 60 s first (up to an hour at the largest period).
@@ -273,18 +273,26 @@ async def test_a_reload_starts_the_discovery_period_anew_at_its_own_length(
         dns.records[NAME] = ["127.0.0.1"]
         path = tmp_path / "luftpause.toml"
 
-        def write(period: float) -> None:
+        def write(period: float, namespace: str = "default") -> None:
             pod = {"name": "pod", "url": f"http://{NAME}:{port}", "models": [MODEL]}
-            section = f'\n[discovery]\nnameservers = ["{where}"]\nperiod_s = {period}\n'
+            section = (
+                f'\n[discovery]\nnameservers = ["{where}"]\nperiod_s = {period}\n'
+                f'\n[temporal]\nnamespace = "{namespace}"\n'
+            )
             path.write_text(toml({**pod, "discover": '"dns"'}, extra=section))
 
         write(60.0)
         async with from_file(path) as (gw, shell):
             assert serving(shell) == {v4(port)}
-            write(0.05)
-            assert (await gw.post("/reload")).json()["applied"] == ["discovery"]
-            dns.records[NAME] = ["127.0.0.2"]  # the pod moved: seen by the next round
-            await until(lambda: f"pod-127.0.0.2:{port}" in shell.state.replicas, "a round")
+            write(0.05, namespace="elsewhere")  # and a start-only section
+            r = (await gw.post("/reload")).json()
+            assert (r["applied"], r["not_applied"]) == (["discovery"], ["temporal"])
+            with caplog.at_level(logging.INFO, logger="gateway.app"):
+                dns.records[NAME] = ["127.0.0.2"]  # the pod moved: seen by the next round
+                await until(lambda: f"pod-127.0.0.2:{port}" in shell.state.replicas, "a round")
+            # the round says what it changed, not the reload's "restart to apply" again
+            (said,) = [r.getMessage() for r in caplog.records if "discovery:" in r.getMessage()]
+            assert said == f"discovery: added pod-127.0.0.2:{port}; removed {v4(port)}"
 
 
 @pytest.mark.parametrize(
