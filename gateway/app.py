@@ -339,7 +339,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     def seen() -> tuple[State, dict[str, ProbeResult]] | None:
         return (runtime.shell.state, runtime.prober.last) if runtime is not None else None
 
-    metrics = GatewayMetrics(seen, live.awaited)
+    metrics = GatewayMetrics(seen, live.awaited, lambda: live.pool.found)
     # The settings' policy (tests, benches) or the file's [policy] section.
     policy = settings.policy or config.policy.to_policy()
     if config.callers and settings.token is None:

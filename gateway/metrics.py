@@ -31,6 +31,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from gateway._shell import Awaited, Rejected, as_answered
+from gateway.discovery import Found
 from gateway.prober import ProbeResult
 from gateway.status import WAITING
 from scheduler import (
@@ -124,10 +125,17 @@ class _StateCollector:
             "luftpause_engine_running", "Requests the engine ran at the last probe"
         )
         healthy = replica_gauge("luftpause_replica_healthy", "1 when the last probe succeeded")
+        # A replica gone from the pool (a reload removed it, or its pod left discovery)
+        # that finishes its turns: out of rotation by choice, which healthy 0 is not.
+        retired = replica_gauge(
+            "luftpause_replica_retired",
+            "1 when the replica left the pool and only finishes its turns (rule 11)",
+        )
         for name in sorted(state.replicas.keys()):
             r = state.replicas[name]
             in_flight.add_metric([name], r.in_flight)
             healthy.add_metric([name], 1 if r.healthy else 0)
+            retired.add_metric([name], 1 if name in state.retired else 0)
             if r.cap is not None:
                 cap.add_metric([name], r.cap)
             if r.spec.slots is not None:
@@ -136,7 +144,45 @@ class _StateCollector:
                 queued.add_metric([name], r.queued)
             if r.running is not None:
                 running.add_metric([name], r.running)
-        return [held, runs, in_flight, cap, slots, queued, running, healthy]
+        return [held, runs, in_flight, cap, slots, queued, running, healthy, retired]
+
+
+class _Discovery:
+    """What each discovered endpoint's name resolved to (`[[endpoints]] discover`), at
+    scrape time: how many engines, whether its last round answered, and when one last
+    did (alert on `time() - luftpause_discovery_last_answer_timestamp_seconds`: the
+    gateway serves the last answer while the resolver fails)."""
+
+    def __init__(self, found: Callable[[], Mapping[str, Found]]) -> None:
+        self._found = found
+
+    def collect(self) -> Iterable[Metric]:
+        found = self._found()
+        if not found:
+            return []
+
+        def gauge(name: str, doc: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, labels=["endpoint"])
+
+        engines = gauge(
+            "luftpause_discovery_engines", "Engines the endpoint's name resolved to, as served"
+        )
+        up = gauge(
+            "luftpause_discovery_up",
+            "1 when the last lookup of the endpoint's name answered (0: it failed or "
+            "timed out, and its last answer is served)",
+        )
+        answered = gauge(
+            "luftpause_discovery_last_answer_timestamp_seconds",
+            "When a lookup of the endpoint's name last answered (Unix time; absent: never)",
+        )
+        for name in sorted(found):
+            f = found[name]
+            engines.add_metric([name], len(f.engines))
+            up.add_metric([name], 0 if f.error is not None else 1)
+            if f.resolved_at is not None:
+                answered.add_metric([name], f.resolved_at)
+        return [engines, up, answered]
 
 
 class _GcPauses:
@@ -231,13 +277,17 @@ class GatewayMetrics:
     """The gateway's metrics and the registry `/metrics` exposes."""
 
     def __init__(
-        self, source: Source, awaited: Callable[[str], Awaited | None] = lambda model: None
+        self,
+        source: Source,
+        awaited: Callable[[str], Awaited | None] = lambda model: None,
+        found: Callable[[], Mapping[str, Found]] = dict,
     ) -> None:
         # Why a model has no engine for now (discovered endpoints with none up): the
         # core's 404 for a turn of it reaches its client as a 503, and is counted so.
         self._awaited = awaited
         self.registry = CollectorRegistry()
         self.registry.register(_StateCollector(source))
+        self.registry.register(_Discovery(found))
         self.subagent_runs = _SubAgentRuns()  # set by the /metrics handler, which asks
         self.registry.register(self.subagent_runs)
         # The process's own, as any prometheus_client service has them in its default

@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import socket
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -124,10 +126,22 @@ async def test_engines_join_and_leave_as_the_name_resolves(
             await until(lambda: dns.asked >= asked + 20, "ten more rounds")
             changes = [r.getMessage() for r in caplog.records if "discovery:" in r.getMessage()]
             assert changes == [f"discovery: added {V6}"]
+            text = (await gw.get("/metrics")).text
+            assert 'luftpause_discovery_engines{endpoint="pod"} 2.0' in text
+            assert 'luftpause_discovery_up{endpoint="pod"} 1.0' in text
+            (stamp,) = re.findall(
+                r'luftpause_discovery_last_answer_timestamp_seconds\{endpoint="pod"\} (\S+)', text
+            )
+            assert abs(float(stamp) - time.time()) < 30
+            assert f'luftpause_replica_retired{{replica="{V4}"}} 0.0' in text
 
             # the first pod goes: retired, and the run paused on it moves at its next turn
             dns.records[NAME] = ["::1"]
             await until(lambda: V4 in shell.state.retired, "the old pod retired")
+            # no longer probed, it reads unhealthy: retired says it left by choice
+            text = (await gw.get("/metrics")).text
+            assert f'luftpause_replica_retired{{replica="{V4}"}} 1.0' in text
+            assert f'luftpause_replica_retired{{replica="{V6}"}} 0.0' in text
             messages.append(paused["message"])
             for call in paused["message"]["tool_calls"]:
                 messages.append({"role": "tool", "tool_call_id": call["id"], "content": "x"})
@@ -150,6 +164,9 @@ async def test_engines_join_and_leave_as_the_name_resolves(
             found = await discovered(gw, lambda f: f["error"] is not None, "a round unanswered")
             assert found["engines"] == [f"[::1]:{port}"]
             assert "no answer within 0.5 s" in found["error"]
+            text = (await gw.get("/metrics")).text  # the last answer served, and said so
+            assert 'luftpause_discovery_engines{endpoint="pod"} 1.0' in text
+            assert 'luftpause_discovery_up{endpoint="pod"} 0.0' in text
             assert serving(shell) == {V6}
             r = await gw.post("/v1/chat/completions", json=hello())
             assert r.status_code == 200, r.text
