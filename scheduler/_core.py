@@ -160,7 +160,7 @@ class ReplicaState(Record):
     _FIELDS = (
         "spec", "probe_ok", "queued", "running", "cap", "in_flight", "paused_interactive",
         "bound_runs", "ws_tokens", "interactive_runs", "batch_ws", "queued_probes",
-        "failures", "ejected_until", "cap_step", "slots_given",
+        "failures", "ejected_until", "cap_step", "slots_given", "kv_given",
     )  # fmt: skip
     __slots__ = _FIELDS
 
@@ -182,6 +182,7 @@ class ReplicaState(Record):
         ejected_until: float | None = None,
         cap_step: int = 0,
         slots_given: bool = False,
+        kv_given: bool = False,
     ) -> None:
         self.spec: Final = spec
         self.probe_ok: Final = probe_ok  # its last probe passed
@@ -201,6 +202,7 @@ class ReplicaState(Record):
         # spec.slots is the configuration's (a probe's report does not replace it);
         # else it is None or the engine's last report.
         self.slots_given: Final = slots_given
+        self.kv_given: Final = kv_given  # the same of spec.kv_tokens
 
     @property
     def healthy(self) -> bool:
@@ -232,6 +234,17 @@ class ReplicaState(Record):
         if limit is None or not policy.reserve_for_paused_interactive:
             return True
         return self.in_flight + self.paused_interactive < limit
+
+
+def _joining(spec: ReplicaSpec, *, probe_ok: bool) -> ReplicaState:
+    """A replica new to the core: its slots and KV pool given by the file when its spec
+    has them."""
+    return ReplicaState(
+        spec,
+        probe_ok=probe_ok,
+        slots_given=spec.slots is not None,
+        kv_given=spec.kv_tokens is not None,
+    )
 
 
 class RunState(Record):
@@ -427,7 +440,7 @@ class State:
         return cls(
             policy or Policy(),
             _models_of(replicas),
-            Map({r.name: ReplicaState(r, slots_given=r.slots is not None) for r in replicas}),
+            Map({r.name: _joining(r, probe_ok=True) for r in replicas}),
             Map(),
             Map(),
             Map(),
@@ -1031,8 +1044,11 @@ class _Tx:
                     self.replicas[name] = r._replace(probe_ok=False, cap=None, cap_step=0)
                     retired.add(name)
                 continue
-            if spec.kv_tokens is None and r.spec.kv_tokens is not None:
-                spec = replace(spec, kv_tokens=r.spec.kv_tokens)  # as its engine reported
+            given_kv = spec.kv_tokens is not None
+            if not given_kv and r.spec.kv_tokens is not None and not r.kv_given:
+                # As its engine reported.  One the file gave and gives no more is gone:
+                # the engine is asked again (KV admission off there until it says).
+                spec = replace(spec, kv_tokens=r.spec.kv_tokens)
             given_slots = spec.slots is not None
             if not given_slots and r.spec.slots is not None and name not in slots_unknown:
                 # As reported, or as the file gave it before: until the engine says.
@@ -1049,12 +1065,10 @@ class _Tx:
                     cap_step=0,
                 )
                 retired.discard(name)
-            self.replicas[name] = r._replace(spec=spec, slots_given=given_slots)
+            self.replicas[name] = r._replace(spec=spec, slots_given=given_slots, kv_given=given_kv)
         for name, spec in given.items():
             if name not in self.replicas:
-                self.replicas[name] = ReplicaState(
-                    spec, probe_ok=False, slots_given=spec.slots is not None
-                )
+                self.replicas[name] = _joining(spec, probe_ok=False)
         self.models = _models_of(specs)
         self.retired = frozenset(retired)
         # Held turns wait where their runs may go in the new pool: off a replica that
@@ -1447,7 +1461,7 @@ class _Tx:
             r.spec, r.probe_ok, r.queued, r.running, r.cap, r.in_flight + in_flight,
             r.paused_interactive + paused, r.bound_runs + bound, r.ws_tokens + ws,
             r.interactive_runs + interactive, r.batch_ws + batch_ws, r.queued_probes,
-            r.failures, r.ejected_until, r.cap_step, r.slots_given,
+            r.failures, r.ejected_until, r.cap_step, r.slots_given, r.kv_given,
         )  # fmt: skip
 
     def _set_run(self, run: RunState) -> None:

@@ -241,13 +241,15 @@ class PoolChanged:
     once a probe finds them healthy), known names take their new spec, and names left out are
     retired.  A retired replica takes no turns; its turns in flight finish there and its
     runs move at their next turn; it is forgotten once nothing runs or is bound there.
-    A spec whose `kv_tokens` (or `slots`) is None keeps the pool size (or slots) the
-    replica has (reported by its engine, or given before: slots then until its engine
-    reports its own), except that the replicas named in `slots_unknown` drop their
-    slots: what they stand for changed and nothing will report it (a router whose
-    engines' sum cannot be known any more, an engine that does not report its own
-    whose configured slots were taken out).  A held turn whose model no replica serves
-    any more is rejected (404)."""
+    A spec whose `slots` is None keeps the slots the replica has (reported by its
+    engine, or given before: then until its engine reports its own), except that the
+    replicas named in `slots_unknown` drop them: what they stand for changed and nothing
+    will report it (a router whose engines' sum cannot be known any more, an engine that
+    does not report its own whose configured slots were taken out).  A spec whose
+    `kv_tokens` is None keeps the pool size its engine reported; one given before is
+    dropped (KV admission is off there until the engine reports its own, if its kind
+    does: the pool size is taken once, and a configured one stood for the engine's).
+    A held turn whose model no replica serves any more is rejected (404)."""
 
     now: float
     replicas: tuple[ReplicaSpec, ...]

@@ -295,6 +295,24 @@ async def test_a_held_turn_goes_to_a_replica_that_joins_while_it_waits(tmp_path:
             assert [line async for line in lines][-2:] == ["data: [DONE]", ""]
 
 
+async def test_a_kv_pool_the_file_stops_giving_is_the_engines_again(tmp_path: Path) -> None:
+    # A reload that took kv_tokens out said "changed" and kept the file's number until
+    # a restart: the engine, asked again, was not believed while the replica had one.
+    async with engine() as (url_a, _):
+        path = tmp_path / "luftpause.toml"
+        a = {"name": "a", "url": url_a, "models": [MODEL]}
+        path.write_text(toml(a))
+        async with from_file(path) as (gw, shell):
+            reported = shell.state.replicas["a"].spec.kv_tokens
+            assert reported is not None and reported != 1000  # the fake engine's own
+            path.write_text(toml({**a, "kv_tokens": 1000}))
+            assert (await gw.post("/reload")).json()["changed"] == ["a"]
+            assert shell.state.replicas["a"].spec.kv_tokens == 1000
+            path.write_text(toml(a))
+            assert (await gw.post("/reload")).json()["changed"] == ["a"]
+            await until(lambda: shell.state.replicas["a"].spec.kv_tokens == reported, "asked again")
+
+
 async def test_a_reload_warns_of_a_key_it_brings_that_is_not_set(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1027,6 +1027,19 @@ def test_a_pool_change_keeps_the_kv_pool_an_engine_reported() -> None:
     configured = ReplicaSpec(name="a", models=frozenset({"m"}), kv_tokens=500)
     d.feed(PoolChanged(now=d.step(), replicas=(configured,)))
     assert d.state.replicas["a"].spec.kv_tokens == 500, "a configured one wins"
+    # The file gives it no more: gone (a reload said "changed" and kept 500 for ever,
+    # since a report is taken only where the replica has none), and the engine's
+    # report, asked again, is taken.
+    d.pool(a=["m"])
+    assert d.state.replicas["a"].spec.kv_tokens is None
+    assert d.state.kv_limit("a") is None
+    d.feed(ReplicaProbed(now=d.step(), replica="a", healthy=True, kv_tokens=9000))
+    assert d.state.replicas["a"].spec.kv_tokens == 9000
+    d.pool(a=["m"])  # and a reported one stays
+    assert d.state.replicas["a"].spec.kv_tokens == 9000
+    e = Driver(("a",), kv_tokens=700)  # given from the start, then taken out
+    e.pool(a=["m"])
+    assert e.state.replicas["a"].spec.kv_tokens is None
 
 
 def test_a_turn_pinned_to_a_replica_that_leaves_with_its_model_is_rejected() -> None:
