@@ -122,9 +122,10 @@ UNAVAILABLE_RETRY_AFTER_S = str(math.ceil(PROBE_PERIOD_S))
 
 def engine_fault(status: int) -> bool:
     """Whether an engine's error status is the engine failing (toward ejecting it): a
-    5xx, but not 503 (an engine saying it is busy, retry later) and no 4xx (an answer
-    about the request, or 429's rate limit)."""
-    return status >= 500 and status != 503
+    5xx, but not 503 or 529 (an engine saying it is busy, retry later; 529 is
+    Anthropic's "overloaded") and no 4xx (an answer about the request, or 429's rate
+    limit)."""
+    return status >= 500 and status not in (503, 529)
 
 
 # The "type" of an Anthropic error body, by status (its API's error reference); an
@@ -207,8 +208,11 @@ class StreamWatch:
         self.cached_tokens = 0
         self.tool_call_ids: list[str] = []
         # An error event inside a 200 stream (vLLM and SGLang send `data: {"error": ...}`
-        # when generation fails after the head): the turn failed.
+        # when generation fails after the head): the turn failed.  With the status it
+        # names (its `code`, or an Anthropic error's type), if any: an error about the
+        # request (vLLM's BadRequestError, code 400) is no fault of the engine's.
         self.error: str | None = None
+        self.error_status: int | None = None
 
     def feed(self, chunk: bytes) -> None:
         if (
@@ -257,6 +261,14 @@ class StreamWatch:
             if text and recover_tool_calls(text, self._tools, salt=""):
                 self.finish_reason = "tool_calls"
 
+    def _failed(self, error: object, fallback: object = None, *more: object) -> None:
+        """The stream carried `error` (an error object, or what stands for one): its
+        text, and the status the first of it and `more` that names one names."""
+        self.error = _error_text(error, fallback)
+        self.error_status = next(
+            (s for s in map(_error_status, (error, *more)) if s is not None), None
+        )
+
     def _line(self, line: bytes) -> None:
         line = line.rstrip(b"\r")
         if not line.startswith(b"data:"):
@@ -276,7 +288,7 @@ class StreamWatch:
         if error is None and obj.get("object") == "error":
             error = obj  # older vLLM: the error object itself is the event
         if self._sse and error is not None and self.error is None:
-            self.error = _error_text(error)
+            self._failed(error)
         if self._tools and not self._sse:
             self._content += _texts(obj)  # a JSON body: its message's text
         usage = obj.get("usage")
@@ -399,7 +411,7 @@ class MessagesWatch(StreamWatch):
                 data = line[5:].strip()
                 obj = _loads(data)
                 inner = obj.get("error", obj) if isinstance(obj, dict) else None
-                self.error = _error_text(inner, data.decode("utf-8", "replace"))
+                self._failed(inner, data.decode("utf-8", "replace"))
             return
         super()._line(line)
 
@@ -409,7 +421,7 @@ class MessagesWatch(StreamWatch):
         kind = obj.get("type")
         if kind == "error":
             if self._sse and self.error is None:
-                self.error = _error_text(obj.get("error"))
+                self._failed(obj.get("error"))
             return
         message = obj.get("message") if kind == "message_start" else obj
         if not isinstance(message, dict):
@@ -478,7 +490,7 @@ class ResponsesWatch(StreamWatch):
         if kind == "error" or (kind is None and obj.get("error") is not None):
             if self._sse and self.error is None:
                 fallback = obj.get("message") or obj.get("code") or "error"
-                self.error = _error_text(obj.get("error"), fallback)
+                self._failed(obj.get("error"), fallback, obj)
             return
         if kind == "response.output_item.done":
             self._call(obj.get("item"))
@@ -490,7 +502,7 @@ class ResponsesWatch(StreamWatch):
             return
         status = response.get("status")
         if status == "failed" and self._sse and self.error is None:
-            self.error = _error_text(response.get("error"), "the response failed")
+            self._failed(response.get("error"), "the response failed")
         usage = response.get("usage")
         if isinstance(usage, dict):
             # (Older SGLang builds named them as Chat Completions does.)
@@ -594,6 +606,39 @@ def dropped_upstream(headers: Sequence[tuple[bytes, bytes]]) -> frozenset[bytes]
         token.strip().lower() for k, v in headers if k == b"connection" for token in v.split(b",")
     }
     return DROP_UPSTREAM | named if named else DROP_UPSTREAM
+
+
+# The status an error object's type stands for, where its `code` names none:
+# Anthropic's error types (its API's error reference), and the exception names vLLM
+# and SGLang give their errors.
+_ERROR_TYPE_STATUS = {
+    "invalid_request_error": 400,
+    "BadRequestError": 400,
+    "authentication_error": 401,
+    "permission_error": 403,
+    "not_found_error": 404,
+    "NotFoundError": 404,
+    "request_too_large": 413,
+    "rate_limit_error": 429,
+    "api_error": 500,
+    "InternalServerError": 500,
+    "overloaded_error": 529,
+}
+
+
+def _error_status(error: object) -> int | None:
+    """The HTTP status an in-stream error object names: its `code` when that is one
+    (vLLM's and SGLang's: the status the error would have had before the head), else
+    what its `type` stands for; None: it names none (the engine's fault, then)."""
+    if not isinstance(error, dict):
+        return None
+    code = error.get("code")
+    if isinstance(code, str) and code.isdigit():
+        code = int(code)
+    if isinstance(code, int) and not isinstance(code, bool) and 400 <= code <= 599:
+        return code
+    kind = error.get("type")
+    return _ERROR_TYPE_STATUS.get(kind) if isinstance(kind, str) else None
 
 
 def _error_text(error: object, fallback: object = None) -> str:
@@ -1009,7 +1054,9 @@ class TurnResponse(Response):
             self._fail(f"engine answered {answer.status}", engine=engine_fault(answer.status))
             return True
         if watch.error is not None:
-            self._fail(f"engine error in the stream: {watch.error}", engine=True)
+            status = watch.error_status
+            engine = status is None or engine_fault(status)
+            self._fail(f"engine error in the stream: {watch.error}", engine=engine)
             return True
         if watch.shapeless:
             self._fail(f"engine answered {answer.status} without a JSON object", engine=True)

@@ -801,14 +801,27 @@ async def test_engine_failing_mid_stream_closes_without_done() -> None:
 
 
 @pytest.mark.parametrize(
-    "error",
+    ("error", "outcome"),
     [
-        b'{"error": {"message": "CUDA out of memory", "code": 500}}',
-        b'{"object": "error", "message": "CUDA out of memory", "code": 500}',  # older vLLM
+        (b'{"error": {"message": "CUDA out of memory", "code": 500}}', "failed"),
+        (b'{"object": "error", "message": "CUDA out of memory", "code": 500}', "failed"),
+        (b'{"error": {"message": "the engine died"}}', "failed"),  # names no status
+        # vLLM's error about the request (its BadRequestError, code 400) after the head,
+        # and SGLang's abort with its status: the request's fault, not the engine's.
+        (
+            b'{"error": {"object": "error", "message": "maximum context length is 4096",'
+            b' "type": "BadRequestError", "param": null, "code": 400}}',
+            "error_status",
+        ),
+        (b'{"error": {"message": "bad grammar", "type": "BadRequestError"}}', "error_status"),
+        (b'{"error": {"message": "too long", "code": "400"}}', "error_status"),
+        (b'{"error": {"message": "slow down", "code": 429}}', "error_status"),
     ],
 )
-async def test_an_error_event_in_a_200_stream_fails_the_turn(error: bytes) -> None:
-    # vLLM and SGLang report a failure after the head as an event, then [DONE].
+async def test_an_error_event_in_a_200_stream_fails_the_turn(error: bytes, outcome: str) -> None:
+    # vLLM and SGLang report a failure after the head as an event, then [DONE].  Only
+    # one that names no status or a 5xx is the engine failing: one client's bad
+    # requests (helper-112) ejected the only replica of a model for everyone.
     stream = b'data: {"choices": [{"delta": {"content": "Hi"}}]}\n\n' + (
         b"data: " + error + b"\n\ndata: [DONE]\n\n"
     )
@@ -820,13 +833,21 @@ async def test_an_error_event_in_a_200_stream_fails_the_turn(error: bytes) -> No
         await send({"type": "http.response.start", "status": 200, "headers": start})
         await send({"type": "http.response.body", "body": stream})
 
-    async with serve(erring) as url, gateway(endpoint("a", url, kind="openai")) as (gw, shell):
-        r = await gw.post("/v1/chat/completions", json=chat(stream=True))
-        assert r.status_code == 200 and r.content == stream  # passed through as it came
-        await until(lambda: not shell.state.turns, "turn ended")
+    policy = Policy(eject_after_failures=2)
+    async with (
+        serve(erring) as url,
+        gateway(endpoint("a", url, kind="openai"), policy=policy) as (gw, shell),
+    ):
+        for _ in range(2):
+            r = await gw.post("/v1/chat/completions", json=chat(stream=True))
+            assert r.status_code == 200 and r.content == stream  # passed through as it came
+            await until(lambda: not shell.state.turns, "turn ended")
         metrics = (await gw.get("/metrics")).text
-        assert 'luftpause_turns_total{outcome="failed"} 1.0' in metrics
+        assert f'luftpause_turns_total{{outcome="{outcome}"}} 2.0' in metrics
         assert 'luftpause_turns_total{outcome="finished"} 0.0' in metrics
+        ejected = 'luftpause_ejections_total{replica="a"} 1.0' in metrics
+        assert ejected == (outcome == "failed")
+        assert shell.state.replicas["a"].healthy == (outcome != "failed")
 
 
 @pytest.mark.parametrize("stall", ["before the head", "mid-stream"])
