@@ -112,6 +112,12 @@ _PASSED_ON = frozenset({b"x-request-id", b"x-correlation-id"})
 # engines read (Claude Code sends both; its gateway guide asks for them unchanged).
 _PASSED_ON_MESSAGES = _PASSED_ON | {b"anthropic-version", b"anthropic-beta"}
 _TRACE_CONTEXT = frozenset({b"traceparent", b"tracestate"})
+# The headers routers keep a session on one worker by: SMG's (its manual and
+# consistent_hash policies) and vllm-router's (consistent_hash: its first key).  A turn
+# to a `kind = "router"` endpoint carries the client's, else its run id in each, so
+# that behind a router with such a policy a run's turns stay on the worker holding its
+# prefix, as luftpause keeps them on a replica.
+ROUTING_KEY_HEADERS = (b"x-smg-routing-key", b"x-session-id")
 # How often a streaming turn tells the core it is alive, at most: well inside the turn
 # timeout (a third of it, where the timeout is configured below 90 s).
 ALIVE_EVERY_S = 30.0
@@ -926,6 +932,11 @@ class TurnResponse(Response):
             # (vLLM takes X-Request-Id as its own with --enable-request-id-headers); so
             # does its trace context when luftpause makes no span of its own.
             if name in passed or (self._trace is None and name in _TRACE_CONTEXT):
+                headers.append((name.decode("latin-1"), value.decode("latin-1")))
+        if endpoint.kind == "router":
+            given = dict(scope["headers"])
+            for name in ROUTING_KEY_HEADERS:
+                value = given.get(name, t.run_id.encode("latin-1"))
                 headers.append((name.decode("latin-1"), value.decode("latin-1")))
         if self._trace is not None:
             headers += self._trace.forwarding(replica, endpoint)

@@ -1248,6 +1248,34 @@ async def test_models_are_listed_in_the_files_order() -> None:
     assert listed == ["llama-3.2-1b", "llama-guard", "gpt-4o"]
 
 
+async def test_a_router_gets_the_run_as_its_routing_key() -> None:
+    # Behind a router whose policy keeps a session on one worker (SMG's manual and
+    # consistent_hash: x-smg-routing-key; vllm-router's consistent_hash: x-session-id),
+    # a run's turns then stay where its prefix is (helper-112: 4 and 4 of 8 turns on
+    # two workers, where the client's own key kept them on one).  Engines get neither.
+    seen: list[dict[str, str]] = []
+    plain: list[dict[str, str]] = []
+    async with (
+        serve(upstream(ok_chat, seen)) as url,
+        serve(upstream(ok_chat, plain)) as engine_url,
+        gateway(
+            endpoint("r", url, kind="router", health_path="/v1/models"),
+        ) as (gw, _),
+        gateway(endpoint("a", engine_url, kind="openai")) as (direct, _),
+    ):
+        for run in ("run-a", "run-a", "run-b"):
+            r = await gw.post("/v1/chat/completions", json=chat(), headers={RUN: run})
+            assert r.status_code == 200
+        own = {RUN: "run-c", "x-session-id": "sess-9", "x-smg-routing-key": "key-9"}
+        assert (await gw.post("/v1/chat/completions", json=chat(), headers=own)).is_success
+        r = await direct.post("/v1/chat/completions", json=chat(), headers=own)
+        assert r.status_code == 200
+    keys = [(h["x-smg-routing-key"], h["x-session-id"]) for h in seen]
+    assert keys == [("run-a", "run-a"), ("run-a", "run-a"), ("run-b", "run-b"), ("key-9", "sess-9")]
+    (got,) = plain
+    assert "x-smg-routing-key" not in got and "x-session-id" not in got
+
+
 @pytest.mark.parametrize("tracing", [False, True])
 async def test_the_clients_request_id_and_trace_context_reach_the_engine(tracing: bool) -> None:
     provider = TracerProvider()  # exporting nowhere: only the trace context matters
