@@ -24,6 +24,7 @@ from scheduler import (
     Forget,
     Reject,
     State,
+    TurnAbandoned,
     TurnArrived,
     decide,
 )
@@ -98,6 +99,8 @@ class AdmissionShell:
         # run id -> its keys, for Forget
         self._tool_calls: dict[tuple[str, str], tuple[str | None, float]] = {}
         self._run_tool_calls: dict[str, set[tuple[str, str]]] = {}
+        # The gateway is stopping: (its refusal, Retry-After) for a turn held from now.
+        self._draining: tuple[str, str] | None = None
 
     @property
     def state(self) -> State:
@@ -140,7 +143,27 @@ class AdmissionShell:
         except BaseException:
             self._unwait(event.turn_id)
             raise
+        if self._draining is not None and not future.done():
+            self._refuse_held(event.turn_id, event.now, *self._draining)
         return future
+
+    def drain(self, now: float, message: str, retry_after: str) -> int:
+        """The gateway is stopping: every turn held now, and every turn that would be
+        held from now on, is answered 503 `message` at once (the core is told each is
+        abandoned), instead of waiting out the shutdown's grace for a slot and being cut
+        at its end.  Turns admitted already go on.  Returns how many were held."""
+        self._draining = (message, retry_after)
+        held = list(self._waiting)
+        for turn_id in held:
+            self._refuse_held(turn_id, now, message, retry_after)
+        return len(held)
+
+    def _refuse_held(self, turn_id: str, now: float, message: str, retry_after: str) -> None:
+        future = self._unwait(turn_id)
+        if future is None or future.done():
+            return
+        self.apply(TurnAbandoned(now=now, turn_id=turn_id))
+        future.set_result(Rejected(503, message, retry_after))
 
     def forget_turn(self, turn_id: str) -> None:
         """The turn's handler no longer waits (its terminal event was reported)."""

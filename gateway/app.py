@@ -151,6 +151,11 @@ _UPSTREAM_LIMITS = httpx.Limits(
 # SDKs) or longer (load balancers: 60 s): the gateway keeps them longer still, so the
 # client is the one that closes (uvicorn's 5 s would race them).
 KEEPALIVE_S = 75
+# A held turn's answer once the gateway is stopping (503, with Retry-After).
+SHUTTING_DOWN = (
+    "the gateway is shutting down: retry (another replica of the gateway takes it, or "
+    "this one once it is back)"
+)
 # Open MCP sessions a caller with a token of its own may hold (the SDK closes one after
 # 30 min idle, and holds at most 10,000 in all).
 MCP_SESSIONS_PER_CALLER = 1_000
@@ -336,6 +341,15 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     run_spans = RunSpans()  # a proxied run's invoke_agent span, with tracing on
     runtime: _Runtime | None = None
 
+    def drain() -> None:
+        """The server began to stop (SIGTERM): the turns it holds are answered 503 now,
+        while the turns in flight finish within the shutdown's grace (`luftpause
+        gateway` calls this; see AdmissionShell.drain)."""
+        if runtime is None:
+            return
+        held = runtime.shell.drain(runtime.loop.time(), SHUTTING_DOWN, runtime.prober.retry_after)
+        log.info("shutting down: %d held turns answered 503; the turns in flight go on", held)
+
     def seen() -> tuple[State, dict[str, ProbeResult]] | None:
         return (runtime.shell.state, runtime.prober.last) if runtime is not None else None
 
@@ -406,6 +420,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                 refused=metrics.refused,
             )  # fmt: skip
             app.state.shell = shell  # read-only view for tests
+            app.state.drain = drain
             hangup = _on_hangup(loop, reload_on_signal)
             core = core_build()
             # Stale: compiled before its source last changed (`make core` rebuilds it).

@@ -7,6 +7,7 @@ or Temporal, and this module imports nothing heavy at import time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -358,8 +359,16 @@ def _gateway(args: argparse.Namespace) -> int:
         telemetry.setup("luftpause-gateway")
     except telemetry.TracingError as exc:
         raise SystemExit(f"luftpause gateway: {exc}") from None
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            # Before uvicorn waits out the grace for the requests it runs: the turns
+            # held for a slot are answered 503 now, not cut at its end (a text 500).
+            app.state.drain()
+            await super().shutdown(sockets)
+
     # One process: the scheduler's state lives in it (DESIGN.md "Processes and ports").
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
@@ -373,6 +382,11 @@ def _gateway(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=max(0, round(args.shutdown_grace_s)),
         timeout_keep_alive=KEEPALIVE_S,
     )
+    server = Server(config)
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run()
+    if not server.started:  # as uvicorn.run: the port taken, the lifespan failed
+        raise SystemExit(3)
     return 0
 
 

@@ -11,9 +11,11 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -191,7 +193,9 @@ def test_the_gateway_process_keeps_its_startup_heap_from_the_collector(
 
 def test_a_stopping_gateway_lets_the_turns_in_flight_finish(tmp_path: Path) -> None:
     # A deploy sends SIGTERM: a reply streaming meanwhile (here ~7 s) is let finish
-    # within --shutdown-grace-s, instead of being cut after uvicorn's few seconds.
+    # within --shutdown-grace-s, instead of being cut after uvicorn's few seconds.  A
+    # turn held for the slot is answered 503 at once (helper-112: it waited out the
+    # grace, then got a text 500).
     engine_port, gateway_port = free_port(), free_port()
     engine = Child(
         "engine",
@@ -201,10 +205,24 @@ def test_a_stopping_gateway_lets_the_turns_in_flight_finish(tmp_path: Path) -> N
     config = tmp_path / "luftpause.toml"
     config.write_text(
         f'[[endpoints]]\nname = "e"\nurl = "http://127.0.0.1:{engine_port}"\n'
-        f'kind = "sglang"\nmodels = ["{MODEL}"]\n'
+        f'kind = "sglang"\nmodels = ["{MODEL}"]\nslots = 1\n'
     )
     argv = [EXE, "gateway", "--config", str(config), "--port", str(gateway_port)]
     gw = Child("gateway", [*argv, "--shutdown-grace-s", "20"], tmp_path / "g.log")
+    held: list[tuple[int, float, dict[str, Any], str | None]] = []
+
+    def second_turn() -> None:  # held: the one slot streams the first
+        try:
+            urllib.request.urlopen(request, timeout=60)
+        except urllib.error.HTTPError as e:
+            held.append((e.code, time.monotonic(), json.loads(e.read()), e.headers["retry-after"]))
+
+    def held_turns() -> float:
+        url = f"http://127.0.0.1:{gateway_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as r:
+            lines = r.read().decode().splitlines()
+        return sum(float(s.split()[-1]) for s in lines if s.startswith("luftpause_held_turns{"))
+
     try:
         engine.start()
         wait_http(f"http://127.0.0.1:{engine_port}/health", "fake engine", engine)
@@ -227,11 +245,26 @@ def test_a_stopping_gateway_lets_the_turns_in_flight_finish(tmp_path: Path) -> N
         with urllib.request.urlopen(request, timeout=60) as r:
             first = r.readline()  # streaming: the turn is in flight
             assert first.startswith(b"data: ")
+            waiting = threading.Thread(target=second_turn)
+            waiting.start()
+            for _ in range(200):  # bounded: 20 s
+                if held_turns() == 1:
+                    break
+                time.sleep(0.1)
+            else:
+                raise AssertionError("the second turn was never held")
             assert gw.proc is not None
             gw.proc.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            waiting.join(timeout=30)
             rest = r.read()
+            done = time.monotonic()
         assert rest.rstrip().endswith(b"data: [DONE]")
         assert time.monotonic() - started > 5  # longer than the old, fixed grace
+        ((status, answered, body, retry_after),) = held
+        assert (status, retry_after) == (503, "2")
+        assert "the gateway is shutting down" in body["error"]["message"]
+        assert answered - signalled < done - signalled, "answered before the stream ended"
         # Then it exits (uvicorn re-raises the SIGTERM once it has shut down).
         assert gw.proc.wait(timeout=30) in (0, -signal.SIGTERM)
     finally:
