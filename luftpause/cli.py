@@ -308,7 +308,7 @@ def _gateway_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--config",
-        default=os.environ.get("LUFTPAUSE_CONFIG", "luftpause.toml"),
+        default=os.environ.get("LUFTPAUSE_CONFIG") or "luftpause.toml",  # set empty: unset
         help="path of luftpause.toml (default: $LUFTPAUSE_CONFIG or ./luftpause.toml)",
     )
     p.add_argument(

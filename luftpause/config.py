@@ -111,6 +111,17 @@ LOAD_METRICS: Mapping[str, tuple[str, str]] = {
 
 # Engine kinds the gateway asks for their KV pool size when `kv_tokens` is not given,
 # and for the requests they run at once when `slots` is not.
+# An environment variable's name, as `*_env` keys give one (an empty name was skipped
+# without a word: the endpoint went without its key).
+ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
+# The largest count a file may give (a pool size, a limit): past any engine's, and a
+# float holds it exactly (a larger one overflowed the status page's arithmetic).
+BIG = 2**53
+# Durations with no natural bound: at most a day (an `inf` is refused, as every
+# number that is not finite).
+DAY_S = 86_400.0
+# The shortest probe or discovery period and timeout: a smaller one is a busy loop.
+MIN_PERIOD_S = 0.05
 KV_REPORTED_BY: tuple[str, ...] = ("sglang", "vllm")
 SLOTS_REPORTED_BY: tuple[str, ...] = ("sglang", "llamacpp")
 
@@ -146,7 +157,8 @@ DEFAULT_HEALTH_PATH: Mapping[str, str] = {
 
 def _check_http_url(v: str, example: str) -> None:
     """Every URL luftpause is given is http(s) with a host (and a port 1-65535 if it
-    names one); the error shows one."""
+    names one), no credentials, query or fragment (paths are added to it); the error
+    shows one."""
     expected = f"expected an http:// or https:// URL, e.g. {example}"
     if not v.startswith(("http://", "https://")) or len(v) < len("http://x"):
         raise ValueError(expected)
@@ -157,6 +169,20 @@ def _check_http_url(v: str, example: str) -> None:
         raise ValueError(f"{expected}; the port of {v!r} is not 1-65535") from None
     if any(c.isspace() for c in v) or (port is None and parts.netloc.endswith(":")):
         raise ValueError(f"{expected}; {v!r} is not one")
+    if port == 0:
+        raise ValueError(f"{expected}; the port of {v!r} is not 1-65535")
+    if not parts.hostname:
+        raise ValueError(f"{expected}; {v!r} names no host")
+    if "@" in parts.netloc:
+        raise ValueError(
+            f"{expected}; credentials in the URL are not sent (give a key with "
+            f"api_key_env): {parts.scheme}://{parts.netloc.rpartition('@')[2]}{parts.path}"
+        )
+    if "?" in v or "#" in v:
+        raise ValueError(
+            f"{expected}; without a query or fragment (luftpause adds the API's paths "
+            f"to it): {v.split('?')[0].split('#')[0]}"
+        )
 
 
 class ConfigError(Exception):
@@ -167,14 +193,14 @@ class Endpoint(BaseModel):
     """One inference endpoint: an engine replica, a router in front of some, a hosted
     OpenAI-compatible API, or a single-pass classifier."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
 
     name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")]
     url: str
     kind: Kind
     models: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
     health_path: str | None = None
-    api_key_env: str | None = None
+    api_key_env: Annotated[str, Field(pattern=ENV_NAME)] | None = None
     # Where the key goes.  "authorization": `Authorization: Bearer <key>` on every
     # request (vLLM and SGLang's --api-key read only that, on every API).  "x-api-key":
     # `x-api-key: <key>` on every request (api.anthropic.com, which takes a Bearer as an
@@ -186,13 +212,13 @@ class Endpoint(BaseModel):
     # client's base_url (most hosted APIs: /v1; Gemini: /v1beta/openai).
     api_path: str = "/v1"
     load_from: list[str] = []
-    kv_tokens: Annotated[int, Field(gt=0)] | None = None
+    kv_tokens: Annotated[int, Field(gt=0, le=BIG)] | None = None
     # How many requests the engine runs at once (each data-parallel rank's, with
     # dp_size): SGLang's --max-running-requests, vLLM's --max-num-seqs, llama.cpp's
     # --parallel, a hosted API's concurrency limit.  None: as the engine reports it
     # (SGLang and llama.cpp do), else unknown; a router with load_from: the sum of its
     # engines' (Config.slots_of).
-    slots: Annotated[int, Field(gt=0)] | None = None
+    slots: Annotated[int, Field(gt=0, le=BIG)] | None = None
     # kind = "classifier": the names of its classes in order (vLLM's /classify answers
     # probabilities as a bare list).
     labels: list[Annotated[str, Field(min_length=1)]] = []
@@ -322,13 +348,10 @@ class Endpoint(BaseModel):
             if self.discover == "dns-srv"
             else "e.g. http://sglang-headless.llm.svc.cluster.local:30000"
         )
-        if not host or parts.username is not None or is_address(host):
-            said = ""
-            if parts.username is not None:
-                said = ", not credentials (send keys with api_key_env)"
-            elif host:
-                said = f", not the address {host}"
-            raise ValueError(f"{how} expects a host name to resolve in url{said} ({example})")
+        if is_address(host):  # (a URL with no host or with credentials is refused first)
+            raise ValueError(
+                f"{how} expects a host name to resolve in url, not the address {host} ({example})"
+            )
         try:
             host.encode("idna")  # what a resolver is asked: labels of 1-63 characters
             port = parts.port  # a port that is not a number or out of range raises here
@@ -336,8 +359,6 @@ class Endpoint(BaseModel):
             raise ValueError(
                 f"{how}: url {self.url!r} has no valid host name and port ({example})"
             ) from None
-        if port == 0:
-            raise ValueError(f"{how}: url {self.url!r} has port 0 ({example})")
         if self.discover == "dns-srv" and port is not None:
             raise ValueError(
                 f"{how}: the SRV records give each engine's port; url takes none ({example})"
@@ -417,14 +438,14 @@ class McpServer(BaseModel):
     """An upstream MCP tool server whose tools sub-agents may call: streamable HTTP
     (`url`) or a subprocess speaking stdio (`command`)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
 
     name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
     url: str | None = None
     command: Annotated[list[str], Field(min_length=1)] | None = None
     env: dict[str, str] = {}
     # A bearer token for an http server, read from this environment variable.
-    token_env: str | None = None
+    token_env: Annotated[str, Field(pattern=ENV_NAME)] | None = None
     # The MCP protocol generation to speak: "auto" (probe, prefer the newest),
     # "2026-07-28" (stateless) or "legacy" (session-based, 2025-11-25 and before).  A
     # stateless call is one HTTP request: when a worker dies mid-call, the server sees the
@@ -458,7 +479,7 @@ class Temporal(BaseModel):
     """Where the worker and the MCP door find Temporal, and how they prove who they are
     to a server that asks (Temporal Cloud, a self-hosted cluster with mTLS)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
 
     address: str = "127.0.0.1:7233"
     namespace: str = "default"
@@ -471,7 +492,7 @@ class Temporal(BaseModel):
     tls_key_file: str | None = None  # ... and its private key
     tls_server_name: str | None = None  # the name the server's certificate is checked for
     # An API key (Temporal Cloud), read from this environment variable (never the file).
-    api_key_env: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")] | None = None
+    api_key_env: Annotated[str, Field(pattern=ENV_NAME)] | None = None
 
     @field_validator("address")
     @classmethod
@@ -479,13 +500,22 @@ class Temporal(BaseModel):
         # What the SDK takes: host:port, no scheme or path (a worker given anything else
         # died with the SDK's ValueError, a traceback).
         host, colon, port = v.rpartition(":")
+        if host.startswith("[") and host.endswith("]"):
+            host = host[1:-1]  # an IPv6 address, bracketed: [::1]:7233
+            bracketed = is_address(host) and ":" in host
+        else:
+            bracketed = ":" not in host  # unbracketed, a second ':' is no host:port
         if (
             not colon
             or not host
+            or not bracketed
             or not (port.isascii() and port.isdigit() and 0 < int(port) < 65536)
-            or any(c.isspace() or c in "/@?#" for c in v)
+            or any(c.isspace() or c in "/@?#[]" for c in host)
         ):
-            raise ValueError(f"expected host:port, e.g. 127.0.0.1:7233, got {v!r}")
+            raise ValueError(
+                f"expected host:port, e.g. 127.0.0.1:7233 (an IPv6 address in brackets: "
+                f"[::1]:7233), got {v!r}"
+            )
         return v
 
     @model_validator(mode="after")
@@ -543,24 +573,24 @@ class Probes(BaseModel):
     reports it).  The SGLang router's --health-check-interval-secs and
     --health-check-timeout-secs, and its failure threshold for late answers."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
 
-    period_s: Annotated[float, Field(gt=0, le=300, strict=True)] = 2.0
-    timeout_s: Annotated[float, Field(gt=0, le=300, strict=True)] = 2.0
+    period_s: Annotated[float, Field(ge=MIN_PERIOD_S, le=300, strict=True)] = 2.0
+    timeout_s: Annotated[float, Field(ge=MIN_PERIOD_S, le=300, strict=True)] = 2.0
     # Late answers in a row that take a healthy engine out (a busy one may answer one
     # late: SGLang's /health can wait for its scheduler).
-    late_to_unhealthy: Annotated[int, Field(ge=1, strict=True)] = 2
+    late_to_unhealthy: Annotated[int, Field(ge=1, le=BIG, strict=True)] = 2
 
 
 class Discovery(BaseModel):
     """`[discovery]`: how endpoints with `discover` are resolved."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
 
     # Envoy's STRICT_DNS default refresh is 5 s; a pod that left is then retired (its
     # turns finish) within a period, and a new one joins once a probe finds it healthy.
-    period_s: Annotated[float, Field(gt=0, le=3600, strict=True)] = 5.0
-    timeout_s: Annotated[float, Field(gt=0, le=60, strict=True)] = 2.0
+    period_s: Annotated[float, Field(ge=MIN_PERIOD_S, le=3600, strict=True)] = 5.0
+    timeout_s: Annotated[float, Field(ge=MIN_PERIOD_S, le=60, strict=True)] = 2.0
     # Which addresses are engines.  "v4_preferred": the IPv4 ones, or the IPv6 ones when
     # there is no IPv4 one (a dual-stack pod has one of each: counted twice, its KV pool
     # and cap would be too); "v4_only", "v6_only"; "all": every address is an engine.
@@ -616,32 +646,34 @@ class PolicyConfig(BaseModel):
     """`[policy]`: the admission policy's constants (`scheduler.Policy`, whose comments
     say what each does).  Omitted keys keep the defaults; optional shares take "off"."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
 
     # At least a second: the same value bounds how long the proxy waits on an engine.
-    turn_timeout_s: Annotated[float, Field(ge=1, strict=True)] = _POLICY.turn_timeout_s
-    idle_run_expiry_s: Annotated[float, Field(ge=1, strict=True)] = _POLICY.idle_run_expiry_s
-    assumed_reply_tokens: Annotated[int, Field(ge=1)] = _POLICY.assumed_reply_tokens
-    max_reply_estimate: Annotated[int, Field(ge=1)] = _POLICY.max_reply_estimate
+    turn_timeout_s: Annotated[float, Field(ge=1, le=DAY_S, strict=True)] = _POLICY.turn_timeout_s
+    idle_run_expiry_s: Annotated[float, Field(ge=1, le=7 * DAY_S, strict=True)] = (
+        _POLICY.idle_run_expiry_s
+    )
+    assumed_reply_tokens: Annotated[int, Field(ge=1, le=BIG)] = _POLICY.assumed_reply_tokens
+    max_reply_estimate: Annotated[int, Field(ge=1, le=BIG)] = _POLICY.max_reply_estimate
     strict_affinity: bool = _POLICY.strict_affinity
     cap_from_engine_queue: bool = _POLICY.cap_from_engine_queue
-    cap_after_queued_probes: Annotated[int, Field(ge=1)] = _POLICY.cap_after_queued_probes
-    cap_increase: Annotated[int, Field(ge=1)] = _POLICY.cap_increase
+    cap_after_queued_probes: Annotated[int, Field(ge=1, le=BIG)] = _POLICY.cap_after_queued_probes
+    cap_increase: Annotated[int, Field(ge=1, le=BIG)] = _POLICY.cap_increase
     cap_growth_doubles: bool = _POLICY.cap_growth_doubles
     reserve_for_paused_interactive: bool = _POLICY.reserve_for_paused_interactive
     kv_admission: bool = _POLICY.kv_admission
     kv_fill: _Share = _POLICY.kv_fill
     batch_kv_fill: _Share | None = _POLICY.batch_kv_fill
-    kv_retention_s: Annotated[float, Field(ge=0, strict=True)] = _POLICY.kv_retention_s
+    kv_retention_s: Annotated[float, Field(ge=0, le=DAY_S, strict=True)] = _POLICY.kv_retention_s
     lane_batch_kv_fill: Annotated[float, Field(ge=0, le=1, strict=True)] | None = (
         _POLICY.lane_batch_kv_fill
     )
     pack_shared_devices: bool = _POLICY.pack_shared_devices
-    eject_after_failures: Annotated[int, Field(ge=1, strict=True)] | None = (
+    eject_after_failures: Annotated[int, Field(ge=1, le=BIG, strict=True)] | None = (
         _POLICY.eject_after_failures
     )
-    eject_for_s: Annotated[float, Field(gt=0, strict=True)] = _POLICY.eject_for_s
-    max_held_per_caller: Annotated[int, Field(ge=1, strict=True)] | None = (
+    eject_for_s: Annotated[float, Field(gt=0, le=DAY_S, strict=True)] = _POLICY.eject_for_s
+    max_held_per_caller: Annotated[int, Field(ge=1, le=BIG, strict=True)] | None = (
         _POLICY.max_held_per_caller
     )
 
@@ -674,12 +706,12 @@ class Caller(BaseModel):
     alone (`[[callers]]`).  Its requests are this caller's whatever they say, and it
     sees and touches only its own runs; the operator's `token` names any caller."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
 
     name: Annotated[str, Field(min_length=1, max_length=128)]
     # The environment variable holding the caller's token (never the token itself: the
     # file is read by more people than the secret should be).
-    token_env: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+    token_env: Annotated[str, Field(pattern=ENV_NAME)]
 
     @field_validator("name")
     @classmethod
@@ -699,7 +731,7 @@ class Caller(BaseModel):
 class Config(BaseModel):
     """The whole file."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
 
     endpoints: Annotated[list[Endpoint], Field(min_length=1)]
     mcp_servers: list[McpServer] = []
@@ -712,7 +744,7 @@ class Config(BaseModel):
     gateway_url: str = "http://127.0.0.1:8080"
     # The largest request body the gateway reads (413 beyond): a held turn keeps its
     # body in memory until admitted.  A 1M-token context is ~4 MB of text.
-    max_request_bytes: Annotated[int, Field(ge=1024, strict=True)] = 32 * 1024 * 1024
+    max_request_bytes: Annotated[int, Field(ge=1024, le=BIG, strict=True)] = 32 * 1024 * 1024
     # A harness's session header (Claude Code's x-claude-code-session-id, Codex's
     # session-id, OpenCode's x-session-affinity) names the run of a turn that has no
     # x-luftpause-run-id, before echoed tool calls are looked at (luftpause/headers.py).

@@ -400,12 +400,69 @@ def test_the_newer_apis_default_by_kind_and_the_file_decides() -> None:
         (
             '[[endpoints]]\nname="a"\nurl="http://:8000"\nkind="sglang"\nmodels=["m"]\n'
             'discover="dns"',
-            "discover = 'dns' expects a host name to resolve in url (e.g. http://sglang-headless",
+            "endpoints[0].url: expected an http:// or https:// URL, e.g. "
+            "http://127.0.0.1:30000; 'http://:8000' names no host",
+        ),
+        # Found by helper-113: each loaded, then failed at every probe or turn.
+        (
+            '[[endpoints]]\nname="a"\nurl="http://user:pw@10.0.0.1:1"\nkind="sglang"\nmodels=["m"]',
+            "credentials in the URL are not sent (give a key with api_key_env): http://10.0.0.1:1",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://10.0.0.1:1?api-version=2"\nkind="sglang"\n'
+            'models=["m"]',
+            "without a query or fragment (luftpause adds the API's paths to it): http://10.0.0.1:1",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://10.0.0.1:0"\nkind="sglang"\nmodels=["m"]',
+            "the port of 'http://10.0.0.1:0' is not 1-65535",
+        ),
+        (
+            'gateway_url="http://h:8080#x"\n'
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]',
+            "gateway_url: expected an http:// or https:// URL, e.g. http://127.0.0.1:8080; "
+            "without a query or fragment",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+            '[temporal]\naddress="::1:7233"',
+            "temporal.address: expected host:port, e.g. 127.0.0.1:7233 (an IPv6 address in "
+            "brackets: [::1]:7233), got '::1:7233'",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+            '[temporal]\naddress="a:b:7233"',
+            "temporal.address: expected host:port",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+            "[policy]\neject_for_s=inf",
+            "policy.eject_for_s: Input should be a finite number",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+            "[policy]\nturn_timeout_s=1e308",
+            "policy.turn_timeout_s: Input should be less than or equal to 86400",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+            "[probes]\nperiod_s=1e-300",
+            "probes.period_s: Input should be greater than or equal to 0.05",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+            'api_key_env=""',
+            "endpoints[0].api_key_env: String should match pattern",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+            "kv_tokens=" + "9" * 400,
+            "endpoints[0].kv_tokens: Input should be less than or equal to 9007199254740992",
         ),
         (
             '[[endpoints]]\nname="a"\nurl="http://u:p@pods.test:1"\nkind="sglang"\n'
             'models=["m"]\ndiscover="dns"',
-            "not credentials (send keys with api_key_env)",
+            "credentials in the URL are not sent (give a key with api_key_env)",
         ),
         (
             '[[endpoints]]\nname="a"\nurl="http://_http._tcp.pods.test:1"\nkind="sglang"\n'
@@ -415,7 +472,7 @@ def test_the_newer_apis_default_by_kind_and_the_file_decides() -> None:
         (
             '[[endpoints]]\nname="a"\nurl="http://pods.test:0"\nkind="sglang"\nmodels=["m"]\n'
             'discover="dns"',
-            "discover = 'dns': url 'http://pods.test:0' has port 0",
+            "the port of 'http://pods.test:0' is not 1-65535",
         ),
         (
             '[[endpoints]]\nname="a"\nurl="http://pods.test:1"\nkind="classifier"\n'
@@ -523,7 +580,10 @@ def test_a_temporal_address_that_is_no_host_and_port_is_refused_naming_it(
     # Accepted, it reached the SDK, whose ValueError ended the worker in a traceback.
     endpoint = '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
     path = _write(tmp_path, endpoint + f"[temporal]\naddress={address!r}")
-    said = f"temporal.address: expected host:port, e.g. 127.0.0.1:7233, got {address!r}"
+    said = (
+        "temporal.address: expected host:port, e.g. 127.0.0.1:7233 (an IPv6 address in "
+        f"brackets: [::1]:7233), got {address!r}"
+    )
     with pytest.raises(ConfigError, match=re.escape(said)):
         load_config(path)
     path = _write(tmp_path, endpoint)
