@@ -194,7 +194,10 @@ def _sim(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"--arms: unknown {unknown}; known: {', '.join(ARMS)}")
     if args.scenario == "fanout":
-        report = compare_fanout(sc, arms if args.arms else ("luftpause", "cache_aware"))
+        try:
+            report = compare_fanout(sc, arms if args.arms else ("luftpause", "cache_aware"))
+        except ValueError as e:  # runs that did not end in the time given
+            raise SystemExit(f"luftpause sim: {e}") from None
         print(json.dumps(report, indent=2) if args.json else fanout_table(report))
         return 0
     report = compare(sc, arms)

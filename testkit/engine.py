@@ -107,7 +107,11 @@ class EngineParams:
     prefill_tokens_per_s: float = 30_000.0
     # SGLang's Python scheduler + kernel launches per step for a 1B model with CUDA graphs.
     step_overhead_s: float = 1e-3
-    # SGLang default is FCFS; True mimics --enable-priority-scheduling (no preemption).
+    # SGLang default is FCFS; True mimics --enable-priority-scheduling (higher value
+    # first), without its preemption of a running request by one whose priority is more
+    # than --priority-scheduling-preemption-threshold (10) above it: the priorities the
+    # simulator sends (interactive 1, batch 0) are under it.  A client sending 100 vs 0
+    # to the fake engine gets no preemption, where SGLang would preempt.
     priority_scheduling: bool = False
     # Decode preemption, which SGLang does not have: while running requests of the
     # highest priority present decode, at most this many lower-priority running requests
@@ -704,7 +708,9 @@ class SimEngine:
             req = head.request
             path = self._match(req.prompt_blocks)
             m = len(path)
-            cached = min(m * bt, req.prompt_tokens)
+            # A prompt matched whole still computes its last token (its logits), as
+            # SGLang matches at most all tokens but one.
+            cached = min(m * bt, req.prompt_tokens - 1)
             uncached = req.prompt_tokens - cached
             if admitted and chunk + uncached > p.chunked_prefill_tokens:
                 break

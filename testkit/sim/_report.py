@@ -114,7 +114,7 @@ def table(report: dict[str, Any]) -> str:
     """A fixed-width table of a `compare` report."""
     head = (
         f"{'arm':<20}{'int/min':>9}{'int p50':>9}{'int p90':>9}{'batch/min':>11}"
-        f"{'cached':>8}{'moved':>7}{'P':>7}{'W':>7}"
+        f"{'cached':>8}{'moved':>7}{'P':>7}{'W':>7}{'B':>7}"
     )
     lines = [head, "-" * len(head)]
 
@@ -131,8 +131,22 @@ def table(report: dict[str, Any]) -> str:
             f"{fmt(r['interactive_p50_s'], '.1f'):>9}{fmt(r['interactive_p90_s'], '.1f'):>9}"
             f"{r['batch_runs_per_min']:>11.2f}{r['cached_prompt_token_share']:>8.1%}"
             f"{r['runs_that_moved']:>7}{fmt(r.get('P'), '.2f'):>7}{fmt(r.get('W'), '.2f'):>7}"
+            f"{fmt(r.get('batch_vs_alone'), '.2f'):>7}"
         )
     ref = report["reference"]
+    lines.append(
+        "(P: interactive runs/min / interactive-alone's; W: all runs/min / batch-alone's, "
+        "an interactive run counted as a batch run's work; B: batch runs/min / "
+        "batch-alone's)"
+    )
+    for name, r in report["arms"].items():
+        w, b = r.get("W"), r.get("batch_vs_alone")
+        if w is not None and b is not None and (w > 1 or b < 0.5):
+            lines.append(
+                f"note: {name}: W {w:.2f} with B {b:.2f}: batch work is not kept whole, "
+                "whatever W says (W > 1 when interactive runs, lighter, stand in for it; "
+                "a short --minutes undercounts long batch runs)"
+            )
     lines.append(
         f"(interactive-alone under {ref['interactive-alone']['arm']}, batch-alone under "
         f"{ref['batch-alone']['arm']}: the better of {', '.join(REFERENCE_ARMS)})"

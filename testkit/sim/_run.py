@@ -76,6 +76,27 @@ class Scenario:
                 f"reply_tokens must be >= 1 and minutes 0 to 10000, got {self.reply_tokens}, "
                 f"{self.minutes}"
             )
+        if self.context_chars < 1:
+            raise ValueError("context_chars must be >= 1 (a turn has a prompt)")
+        # A run's last turn must fit an engine's KV pool (as SGLang refuses a request
+        # longer than its context): said here, not as a traceback minutes into a run.
+        bt = self.engine.block_tokens
+        need = -(-self.largest_prompt_tokens // bt) * bt + self.reply_tokens
+        if need > self.engine.kv_pool_tokens:
+            raise ValueError(
+                f"a run's last turn needs {need:,} KV tokens (context_chars/4 + "
+                f"max_tool_calls x (reply_tokens + tool_result_chars/4) = "
+                f"{self.largest_prompt_tokens:,} prompt tokens in blocks of {bt}, and "
+                f"{self.reply_tokens} to generate); an engine's KV pool has "
+                f"{self.engine.kv_pool_tokens:,} (--kv-tokens)"
+            )
+
+    @property
+    def largest_prompt_tokens(self) -> int:
+        """The prompt of a run's last turn at most (see _Agent: the context grows by
+        each reply and tool result)."""
+        per_call = self.reply_tokens + math.ceil(self.tool_result_chars / CHARS_PER_TOKEN)
+        return math.ceil(self.context_chars / CHARS_PER_TOKEN) + self.max_tool_calls * per_call
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -463,13 +484,21 @@ def simulate_fanout(sc: Scenario, arm: str, *, together: bool) -> ArmResult:
     """`sc.runs` interactive runs from one caller: all at once, or one after another."""
     import time
 
+    if sc.runs < 1:
+        raise ValueError(f"fanout needs runs >= 1, got {sc.runs}")
     t0 = time.perf_counter()
     res = ArmResult(arm=arm if together else f"{arm} one-at-a-time", minutes=sc.minutes)
     agents = [(ServiceClass.INTERACTIVE, "harness")] * sc.runs
+    unfinished = ValueError(
+        f"{arm}: not every one of the {sc.runs} runs ended within {sc.minutes:g} minutes "
+        f"(--minutes){'' if together else ', one at a time'}: give it more"
+    )
     if together:
         sim = Simulation(sc, arm, closed_loop=False)
         sim.run(agents, sc.minutes * 60.0)
         records = sim.records
+        if len(records) < sc.runs:
+            raise unfinished
         res.prompt_tokens, res.cached_tokens = sim.prompt_tokens, sim.cached_tokens
     else:
         records = []
@@ -478,6 +507,8 @@ def simulate_fanout(sc: Scenario, arm: str, *, together: bool) -> ArmResult:
             # The i-th run alone: the same run (same seed) as when fanned out.
             sim = Simulation(sc, arm, closed_loop=False)
             sim.run(agents[i : i + 1], sc.minutes * 60.0, first_index=i)
+            if not sim.records:
+                raise unfinished
             rec = sim.records[0]
             records.append(replace(rec, started=offset, ended=offset + rec.ended))
             offset += rec.ended

@@ -1062,5 +1062,7 @@ async def test_the_files_probes_section_sets_timeout_period_and_late_limit() -> 
     # Two late answers in a row keep it in rotation, the third takes it out.
     assert [r.healthy for r in seen] == [True, True, False]
     assert seen[2].error == "no answer within 0.2 s"
-    with pytest.raises(ConfigError, match=r"probes\.timeout_s: Input should be greater than 0"):
+    with pytest.raises(
+        ConfigError, match=r"probes\.timeout_s: Input should be greater than or equal to 0\.05"
+    ):
         parse_config({"endpoints": [_endpoint().model_dump()], "probes": {"timeout_s": 0}})

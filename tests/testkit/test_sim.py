@@ -115,7 +115,14 @@ def test_cli_sim_table_and_flags() -> None:
     out = _cli("sim", "light", "--minutes", "0.5", "--batch", "4", "--arms", "luftpause")
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[0].split()[:3] == ["arm", "int/min", "int"]
+    assert out.stdout.splitlines()[0].split()[-3:] == ["P", "W", "B"]
     assert "luftpause" in out.stdout and "approximation" in out.stdout
+    # W counts interactive runs as batch work: where batch runs stop, the table says so
+    # (helper-111: W 1.67 with no batch run ended).
+    argv = ("sim", "flood", "--max-running", "1", "--minutes", "1", "--arms", "luftpause")
+    out = _cli(*argv)
+    assert out.returncode == 0, out.stderr
+    assert "note: luftpause: W " in out.stdout and "batch work is not kept whole" in out.stdout
     # the engine flags reach the engines: mixed prefill steps decode too, so runs end sooner
     p50 = {}
     for flags in ((), ("--engine-mixed-chunk",)):
@@ -152,6 +159,17 @@ def test_cli_rejects_bad_flags_clearly() -> None:
         (("light", "--policy", "kv_fill=-1"), "--policy kv_fill: Input should be greater than 0"),
         (("light", "--policy", "max_held_per_caller=0"), "--policy max_held_per_caller:"),
         (("bench-core", "--held", "0"), "--held and --decisions must be >= 1, got 0"),
+        # Found by helper-111: a traceback minutes into a run, or at its end.
+        (
+            ("flood", "--kv-tokens", "3000", "--arms", "direct"),
+            "a run's last turn needs 4,224 KV tokens",
+        ),
+        (("flood", "--context-chars", "0"), "context_chars must be >= 1"),
+        (("fanout", "--runs", "0"), "fanout needs runs >= 1, got 0"),
+        (
+            ("fanout", "--minutes", "0.05", "--runs", "2"),
+            "not every one of the 2 runs ended within 0.05 minutes",
+        ),
     ):
         out = _cli("sim", *argv)
         assert out.returncode != 0 and message in out.stderr, (argv, out.stderr)
