@@ -102,6 +102,11 @@ _HIGH_WATER = 256 * 1024
 # and gave up on it (a crash, an out-of-memory kill): sending it again would run it
 # twice, or bring the same engine down twice.  A round trip to the farthest engine.
 RESEND_WINDOW_S = 0.5
+# ... and only when the connection had been idle this long: no engine's keep-alive
+# timer is shorter (uvicorn's, SGLang's and vLLM's, 5 s; llama-server's 5 s; nginx
+# 75 s), so a connection used a moment ago that closes on a request was closed by an
+# engine that read it (helper-112: resent within 0.1 s of its first try).
+RESEND_IDLE_S = 1.0
 
 
 HAPPY_EYEBALLS_DELAY_S = 0.25
@@ -184,6 +189,8 @@ class _Connection(asyncio.Protocol):
         self._parser = httptools.HttpResponseParser(self)
         self._waiter: asyncio.Future[None] | None = None
         self._paused = False
+        self.idle_since: float | None = None  # loop time it went idle in its Upstream
+        self._idle_for = 0.0  # how long it had been idle when the request went out
         self._begin()
 
     def _begin(self) -> None:
@@ -286,6 +293,8 @@ class _Connection(asyncio.Protocol):
         self.busy = True
         assert self.transport is not None
         self._sent_at = asyncio.get_running_loop().time()
+        idle_since, self.idle_since = self.idle_since, None
+        self._idle_for = 0.0 if idle_since is None else self._sent_at - idle_since
         self.transport.write(data)
         while not self.status:
             if self.error is not None:
@@ -295,8 +304,14 @@ class _Connection(asyncio.Protocol):
     @property
     def unanswered(self) -> bool:
         """Closed by the engine before a byte of the answer arrived, as the request went
-        out (within RESEND_WINDOW_S): it crossed the close and was never read."""
-        return self.closed and not self._answered and self._closed_after <= RESEND_WINDOW_S
+        out (within RESEND_WINDOW_S) on a connection idle long enough for a keep-alive
+        timer (RESEND_IDLE_S): it crossed the close and was never read."""
+        return (
+            self.closed
+            and not self._answered
+            and self._closed_after <= RESEND_WINDOW_S
+            and self._idle_for >= RESEND_IDLE_S
+        )
 
     async def wait(self) -> None:
         """Until something arrives: the head, body, the end, or an error."""
@@ -452,6 +467,7 @@ class Upstream:
         if conn.reusable() and len(idle) < MAX_IDLE_PER_ENGINE and not self._closed:
             idle.append(conn)
             conn.on_idle_lost = self._lost_idle
+            conn.idle_since = asyncio.get_running_loop().time()
         else:
             if not idle:
                 del self._idle[conn.origin]

@@ -549,6 +549,7 @@ async def test_stale_keep_alive_connection_is_retried_on_a_new_one(
 
     async with raw_server(handle) as server:
         assert await fetch(upstream, server.url, b"turn 1") == (200, b"first")
+        age_idle(upstream)
         if when == "fin-before-request":
             # No await between the FIN and the request: the client cannot have seen
             # the FIN yet, and writes the turn onto the dying connection.
@@ -557,6 +558,37 @@ async def test_stale_keep_alive_connection_is_retried_on_a_new_one(
     assert server.requests_per_connection() == [2, 1]
     assert [r.body for r in server.peers[0].requests] == [b"turn 1", b"turn 2"]
     assert [r.body for r in server.peers[1].requests] == [b"turn 2"]
+
+
+def age_idle(upstream: Upstream) -> None:
+    """The idle connections as if they had waited as long as a keep-alive timer."""
+    for kept in upstream._idle.values():
+        for conn in kept:
+            assert conn.idle_since is not None
+            conn.idle_since -= _http.RESEND_IDLE_S
+
+
+@bounded
+async def test_a_connection_used_a_moment_ago_that_closes_on_a_turn_is_not_a_race(
+    upstream: Upstream,
+) -> None:
+    """helper-112: an engine that read the turn and closed within 0.1 s got it twice.
+    A keep-alive timer fires only on a connection idle for a while; one just used was
+    closed by an engine that read the turn.  The turn fails, sent once."""
+
+    async def handle(peer: Peer) -> None:
+        if peer.index == 0:
+            await peer.request()
+            await peer.send(http_answer(b"first"))
+            await peer.request()
+            return  # closed at once, without a byte of answer
+        await keep_answering(http_answer(b"a resend that should not have happened"))(peer)
+
+    async with raw_server(handle) as server:
+        assert await fetch(upstream, server.url, b"turn 1") == (200, b"first")
+        with pytest.raises(UpstreamError, match="closed the connection without answering"):
+            await upstream.post(server.url, b"turn 2", [])
+    assert server.requests_per_connection() == [2]
 
 
 @bounded
@@ -581,6 +613,7 @@ async def test_a_turn_the_engine_held_and_then_dropped_is_not_sent_again(
 
     async with raw_server(handle) as server:
         assert await fetch(upstream, server.url, b"turn 1") == (200, b"first")
+        age_idle(upstream)  # idle long enough: only the window tells
         with pytest.raises(UpstreamError, match="closed the connection without answering"):
             await upstream.post(server.url, b"turn 2", [])
         assert held.is_set()
@@ -611,6 +644,7 @@ def closing_without_answer(*, served_first: int) -> Handler:
 async def test_the_stale_retry_happens_once(upstream: Upstream) -> None:
     async with raw_server(closing_without_answer(served_first=1)) as server:
         await fetch(upstream, server.url)
+        age_idle(upstream)
         with pytest.raises(UpstreamError, match="closed the connection without answering"):
             await upstream.post(server.url, BODY, [])
         assert server.accepted == 2  # the stale one and one retry, not a third
