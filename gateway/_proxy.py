@@ -1009,6 +1009,11 @@ class TurnResponse(Response):
             watch = ResponsesWatch(sse=sse)
         hide = _AddedUsage() if hide_usage and sse and not encoded else None
         drop = dropped_upstream(answer.headers)
+        # The body goes as it came unless usage is hidden: so does its length, where the
+        # engine gave one (a JSON answer): an HTTP/1.0 client, which cannot read chunked
+        # framing, gets the body and not its chunks (RFC 9112 6.1).
+        if hide is None and answer.header(b"transfer-encoding") is None:
+            drop = drop - {b"content-length"}
         headers = [(k, v) for k, v in answer.headers if k not in drop]
         headers.append((_RUN_HEADER_BYTES, t.run_id.encode("latin-1")))
         await send({"type": "http.response.start", "status": answer.status, "headers": headers})

@@ -1248,6 +1248,29 @@ async def test_models_are_listed_in_the_files_order() -> None:
     assert listed == ["llama-3.2-1b", "llama-guard", "gpt-4o"]
 
 
+async def test_an_http_1_0_client_gets_the_body_not_chunks() -> None:
+    # RFC 9112 6.1: no chunked framing to an HTTP/1.0 client.  The engine's length went
+    # unsent, so uvicorn chunked every answer, and a 1.0 client read "172\r\n{...".
+    async with (
+        engine(instant=True) as (url, _),
+        gateway(endpoint("a", url)) as (gw, _),
+    ):
+        r = await gw.post("/v1/chat/completions", json=chat())  # HTTP/1.1: a length too
+        assert r.status_code == 200 and r.headers["content-length"] == str(len(r.content))
+        body = json.dumps(chat()).encode()
+        host, port = gw.base_url.host, gw.base_url.port
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.0\r\ncontent-type: application/json\r\n"
+            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
+        raw = await reader.read()  # to EOF, as a 1.0 client reads
+        writer.close()
+        head, _, rest = raw.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding" not in head.lower()
+        assert json.loads(rest)["choices"][0]["message"]["role"] == "assistant"
+
+
 async def test_a_router_gets_the_run_as_its_routing_key() -> None:
     # Behind a router whose policy keeps a session on one worker (SMG's manual and
     # consistent_hash: x-smg-routing-key; vllm-router's consistent_hash: x-session-id),
