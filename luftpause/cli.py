@@ -70,6 +70,13 @@ def _sim_parser(sub: Any) -> None:
     p.add_argument("--kv-tokens", type=int, help="KV pool per engine, tokens")
     p.add_argument("--max-running", type=int, help="engine running-request limit")
     p.add_argument(
+        "--prompt-estimate",
+        type=float,
+        help="the luftpause arm's estimate of a turn's prompt tokens, as a multiple of "
+        "the engine's count (default 1: exact; the gateway estimates from the request's "
+        "bytes, JSON and tool schemas included)",
+    )
+    p.add_argument(
         "--slots-unknown",
         action="store_true",
         help="the luftpause arm is not told the engines' running-request limit (as on "
@@ -184,6 +191,7 @@ def _sim(args: argparse.Namespace) -> int:
             seed=args.seed,
             engine_priority=True if args.engine_priority else None,
             slots_known=False if args.slots_unknown else None,
+            prompt_estimate=args.prompt_estimate,
             engine=engine,
             policy=_policy(args.policy),
         )

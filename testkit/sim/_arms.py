@@ -8,6 +8,7 @@ iteration only; the real routers are measured in real time by `luftpause bench f
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -202,9 +203,11 @@ class Luftpause(Arm):
         policy: Policy,
         replicas_per_gpu: int = 1,
         slots: int | None = None,
+        prompt_estimate: float = 1.0,
     ) -> None:
         super().__init__(n_engines, send)
         self.model = model
+        self.prompt_estimate = prompt_estimate  # Scenario.prompt_estimate
         # The replicas know the GPU they share, as a pool's config says it (rule 13).
         k = max(1, replicas_per_gpu)
         specs = [
@@ -240,7 +243,7 @@ class Luftpause(Arm):
                 service_class=turn.service_class,
                 caller=turn.caller,
                 model=self.model,
-                prompt_tokens=turn.prompt_tokens,
+                prompt_tokens=math.ceil(turn.prompt_tokens * self.prompt_estimate),
                 max_tokens=turn.max_tokens,
             )
         )

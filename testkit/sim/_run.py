@@ -60,6 +60,11 @@ class Scenario:
     # The luftpause arm knows the engines' running-request limit, as the gateway learns
     # SGLang's; False: as on vLLM (it exports none), only their queues cap it.
     slots_known: bool = True
+    # The luftpause arm's estimate of a turn's prompt, as a multiple of the engine's
+    # count.  The gateway estimates it from the request's bytes (a quarter of them),
+    # which carry JSON and tool schemas besides the text; 1 is exact (helper-111: the
+    # core's KV admission leans on it, so measure what an estimate off by 15 % costs).
+    prompt_estimate: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("engines", "replicas_per_gpu"):
@@ -76,6 +81,8 @@ class Scenario:
                 f"reply_tokens must be >= 1 and minutes 0 to 10000, got {self.reply_tokens}, "
                 f"{self.minutes}"
             )
+        if not 0.1 <= self.prompt_estimate <= 10:  # NaN too
+            raise ValueError(f"prompt_estimate must be 0.1 to 10, got {self.prompt_estimate}")
         if self.context_chars < 1:
             raise ValueError("context_chars must be >= 1 (a turn has a prompt)")
         # A run's last turn must fit an engine's KV pool (as SGLang refuses a request
@@ -416,6 +423,7 @@ def make_arm(name: str, scenario: Scenario, send: Send) -> Arm:
             replicas_per_gpu=scenario.replicas_per_gpu,
             # As the gateway learns both from SGLang's /get_server_info.
             slots=scenario.engine.max_running_requests if scenario.slots_known else None,
+            prompt_estimate=scenario.prompt_estimate,
         )
     arms: dict[str, type[Arm]] = {
         "direct": Direct,

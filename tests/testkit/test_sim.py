@@ -281,3 +281,21 @@ def test_the_interactive_reference_runs_the_mixed_arms_own_interactive_agents() 
     assert interactive == {f"a{sc.batch + i}" for i in range(sc.interactive)}
     assert agents(alone.turns, ServiceClass.INTERACTIVE) == interactive
     assert not agents(alone.turns, ServiceClass.BATCH)
+
+
+def test_the_luftpause_arm_sees_the_prompt_as_estimated() -> None:
+    # The gateway estimates a turn's prompt from its bytes; --prompt-estimate says how
+    # far off, and the core is told that number (helper-111: it was always exact).
+    from scheduler import Policy
+    from testkit.sim._arms import Luftpause, Turn
+
+    sent: list[tuple[str, int]] = []
+    arm = Luftpause(
+        1, lambda t, e: sent.append((t.turn_id, e)), model="m", kv_tokens=None,
+        policy=Policy(), prompt_estimate=1.5,
+    )  # fmt: skip
+    arm.arrive(Turn("t1", "r1", ServiceClass.BATCH, "c", ((0, 0),), 1000, 16), 0.0)
+    assert sent == [("t1", 0)]
+    assert arm.state.turns["t1"].prompt_tokens == 1500
+    with pytest.raises(ValueError, match=r"prompt_estimate must be 0\.1 to 10, got 0"):
+        replace(SCENARIOS["flood"], prompt_estimate=0)
