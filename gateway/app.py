@@ -879,9 +879,16 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             return _too_large(config.max_request_bytes, run_id)
         try:
             parsed = parse_decide(raw)
+            # A batch classification flood waits as batch work does (helper-115: every
+            # decide turn was interactive, ahead of earlier batch turns).
+            service_class = _parse_class(request.headers.get(CLASS_HEADER))
         except DecideError as exc:
             return error_response(exc.status, exc.message, run_id)
-        answering = _decide(rt, live, parsed, run_id, caller_of(request, who), request.receive)
+        except _BadRequest as exc:
+            return error_response(exc.status, exc.message, run_id)
+        answering = _decide(
+            rt, live, parsed, run_id, caller_of(request, who), request.receive, service_class
+        )
         tracer = telemetry.tracer()
         if tracer is None:
             return await answering
@@ -1253,12 +1260,14 @@ def _decide(
     run_id: str,
     caller: str,
     receive: Receive,
+    service_class: ServiceClass = ServiceClass.INTERACTIVE,
 ) -> Coroutine[Any, Any, Response]:
     """`/v1/decide` and the MCP door's `decide` tool alike, on the pool as it is now."""
     return decide(
         request,
         run_id=run_id,
         caller=caller,
+        service_class=service_class,
         shell=rt.shell,
         client=rt.client,
         endpoints=live.known,

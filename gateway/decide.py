@@ -7,6 +7,14 @@ any chat turn (in a run of its own, ended afterwards), and each label is scored 
 first token's `top_logprobs`: a token matches a label when, stripped of leading
 whitespace and compared case-insensitively, it is a non-empty prefix of the label; the
 label's score is the highest probability among its matching tokens.
+
+One token decides, so what it cannot tell apart is refused rather than guessed: a
+label that begins another ("no", "no idea": the second could never win) at parse time
+(400), and a first token that begins two labels the model put first ("Ne" of
+"Negative" and "Neutral") at scoring time (422).  So is an answer whose first token
+put less than MIN_LABEL_MASS on the labels at all (a reasoning model's `<think>`): the
+labels' probabilities, normalised among themselves, would read as certain.  `mass`
+in the answer is the probability the first token put on the labels.
 """
 
 from __future__ import annotations
@@ -68,6 +76,9 @@ __all__ = [
 
 SYSTEM_PROMPT = "Answer with exactly one of the labels."
 MIN_LABELS, MAX_LABELS = 2, 20
+# Below this much of the first token's probability on the labels, the model answered
+# something else (a `<think>`, "Maybe"): no label is picked (422).
+MIN_LABEL_MASS = 0.05
 TOP_LOGPROBS = 20
 _FIELDS = ("input", "labels", "model")
 # Status the route answers when its client left (nobody reads it; nginx's convention).
@@ -146,6 +157,21 @@ def decide_request(body: dict[str, Any]) -> DecideRequest:
             "labels: expected distinct labels (compared without case and surrounding "
             f"spaces); repeated: {', '.join(map(repr, repeated))}",
         )
+    # The first token that spells a whole label counts for it alone: a label that
+    # begins with another could never be scored (helper-115: "no idea" beside "no").
+    begins = [
+        f"{a!r} begins {b!r}"
+        for a, fa in zip(labels, folded, strict=True)
+        for b, fb in zip(labels, folded, strict=True)
+        if fb != fa and fb.startswith(fa)
+    ]
+    if begins:
+        raise DecideError(
+            400,
+            "labels: the model's first token decides, and a label that begins another "
+            f"cannot be told from it ({'; '.join(begins)}); give labels that start "
+            "differently",
+        )
     return DecideRequest(text, tuple(labels), model)
 
 
@@ -179,10 +205,9 @@ def chat_body(request: DecideRequest, model: str) -> bytes:
 # --------------------------------------------------------------------------- scoring
 
 
-def score_labels(
-    labels: Sequence[str], top_logprobs: Sequence[Any]
-) -> tuple[dict[str, float], list[str]]:
-    """(scores of the matched labels, in label order; the unmatched labels)."""
+def _tokens(top_logprobs: Sequence[Any]) -> list[tuple[str, float]]:
+    """(token stripped of leading whitespace and case-folded, probability) of each
+    well-formed entry."""
     tokens: list[tuple[str, float]] = []
     for entry in top_logprobs:
         if not isinstance(entry, dict):
@@ -195,16 +220,26 @@ def score_labels(
         stripped = token.lstrip().casefold()
         if stripped:
             tokens.append((stripped, math.exp(min(float(logprob), 0.0))))
+    return tokens
+
+
+def _matches(token: str, folded: str, exact: set[str]) -> bool:
+    """Whether a token counts for a label: it begins the label, and a token that is a
+    whole label counts for that label only ("yes" is not the start of "yesterday")."""
+    return folded.startswith(token) and (token == folded or token not in exact)
+
+
+def score_labels(
+    labels: Sequence[str], top_logprobs: Sequence[Any]
+) -> tuple[dict[str, float], list[str]]:
+    """(scores of the matched labels, in label order; the unmatched labels)."""
+    tokens = _tokens(top_logprobs)
     scores: dict[str, float] = {}
     unscored: list[str] = []
     exact = {_folded(label) for label in labels}
     for label in labels:
         folded = _folded(label)
-        # A token that is a whole label counts for that label only ("yes" is not the
-        # start of "yesterday" then); other tokens for every label they begin.
-        matched = [
-            p for tok, p in tokens if folded.startswith(tok) and (tok == folded or tok not in exact)
-        ]
+        matched = [p for tok, p in tokens if _matches(tok, folded, exact)]
         if matched:
             scores[label] = max(matched)
         else:
@@ -213,7 +248,9 @@ def score_labels(
 
 
 def decision(labels: Sequence[str], top_logprobs: Sequence[Any]) -> dict[str, Any]:
-    """`{label, probabilities, unscored}`; 422 when no label matched any token."""
+    """`{label, probabilities, unscored, mass}`; 422 when no label matched any token,
+    when the labels got less than MIN_LABEL_MASS of the first token, or when the
+    token that scored best begins another label as well (see the module docstring)."""
     scores, unscored = score_labels(labels, top_logprobs)
     total = sum(scores.values())
     if not scores or total <= 0:
@@ -221,9 +258,32 @@ def decision(labels: Sequence[str], top_logprobs: Sequence[Any]) -> dict[str, An
             422,
             f"the model's first token matched none of the labels (unscored: {', '.join(unscored)})",
         )
+    tokens = _tokens(top_logprobs)
+    exact = {_folded(label) for label in labels}
+    # The probability on the labels: each token that counts for any label, once.
+    mass = sum(p for tok, p in tokens if any(_matches(tok, _folded(lb), exact) for lb in labels))
+    if mass < MIN_LABEL_MASS:
+        first = max(tokens, key=lambda t: t[1])[0] if tokens else ""
+        raise DecideError(
+            422,
+            f"the model's first token put {mass:.1%} of its probability on the labels "
+            f"(its likeliest token: {first!r}): it answered something else; a reasoning "
+            "model is asked with its thinking off",
+        )
+    best = max(scores, key=lambda lab: scores[lab])
+    top = scores[best]
+    # The token that gave the best score, and every label it counts for.
+    token = next(tok for tok, p in tokens if p == top and _matches(tok, _folded(best), exact))
+    tied = [lb for lb in labels if lb != best and _matches(token, _folded(lb), exact)]
+    if tied:
+        raise DecideError(
+            422,
+            f"the model's first token {token!r} begins {best!r} and "
+            f"{', '.join(map(repr, tied))} alike: one token cannot tell them apart; give "
+            "labels that start differently",
+        )
     probabilities = {label: p / total for label, p in scores.items()}
-    best = max(scores, key=lambda lab: scores[lab])  # the first of equals wins
-    return {"label": best, "probabilities": probabilities, "unscored": unscored}
+    return {"label": best, "probabilities": probabilities, "unscored": unscored, "mass": mass}
 
 
 def first_top_logprobs(answer: object) -> list[Any] | None:
@@ -290,12 +350,24 @@ async def classify(
     if not isinstance(label, str) or probabilities is None:
         message = f"engine {endpoint.name}: /classify answered without data[0].label and probs"
         return error_response(502, message, run_id)
+    wrong = [f"{k}: {p!r}" for k, p in probabilities.items() if not 0.0 <= p <= 1.0]
+    if wrong:  # NaN too, which would go out as JSON no strict parser reads
+        message = (
+            f"engine {endpoint.name}: /classify answered probabilities that are not numbers "
+            f"from 0 to 1 ({', '.join(wrong[:5])})"
+        )
+        return error_response(502, message, run_id)
     if isinstance(probs, list) and endpoint.labels and len(probs) != len(endpoint.labels):
         message = (
             f"engine {endpoint.name}: /classify answered {len(probs)} probabilities, but the "
             f"configuration names {len(endpoint.labels)} labels"
         )
         return error_response(502, message, run_id)
+    if endpoint.labels and isinstance(probs, list):
+        # The probabilities are named by the configuration, which an engine's own names
+        # (vLLM's id2label: often LABEL_0, LABEL_1, why `labels` is set) are not: the
+        # label is the most probable of them, so that it is a key of `probabilities`.
+        label = max(probabilities, key=lambda k: probabilities[k])
     # A classifier scores every one of its labels: none is left unscored.
     body = json.dumps({"label": label, "probabilities": probabilities, "unscored": []})
     return Response(body, headers={RUN_HEADER: run_id}, media_type="application/json")
@@ -465,6 +537,7 @@ async def decide(
     *,
     run_id: str,
     caller: str,
+    service_class: ServiceClass = ServiceClass.INTERACTIVE,
     shell: AdmissionShell,
     client: httpx.AsyncClient,
     endpoints: Mapping[str, Endpoint],
@@ -503,7 +576,7 @@ async def decide(
     turn = TurnRequest(
         turn_id=uuid.uuid4().hex,
         run_id=run_id,
-        service_class=ServiceClass.INTERACTIVE,
+        service_class=service_class,
         caller=caller,
         model=model,
         body=body,

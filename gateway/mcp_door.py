@@ -232,6 +232,9 @@ class DecideResult(BaseModel):
     label: str
     probabilities: dict[str, float]
     unscored: list[str] = []
+    # With labels: the probability the model's first token put on them at all (the
+    # probabilities are normalised among the labels); None from a classifier.
+    mass: float | None = None
 
 
 def _usage(t: Any) -> UsageView:
@@ -1090,6 +1093,7 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
             label=body["label"],
             probabilities=body["probabilities"],
             unscored=body.get("unscored", []),
+            mass=body.get("mass"),
         )
 
     return mcp

@@ -21,11 +21,12 @@ from harness import (
     endpoint,
     engine,
     gateway,
+    models_only,
     upstream,
 )
 from starlette.types import Receive, Scope, Send
 
-from gateway.decide import SYSTEM_PROMPT, decision
+from gateway.decide import SYSTEM_PROMPT, DecideError, decision, parse_decide
 from scheduler import Policy
 from testkit.loopback import serve
 
@@ -137,9 +138,40 @@ def test_a_token_that_is_a_whole_label_scores_that_label_only() -> None:
         {"yesterday": yesterday / (yes + yesterday), "yes": yes / (yes + yesterday)}
     )
     assert decision([" yes", "no"], [{"token": "yes", "logprob": -0.2}])["label"] == " yes"
-    # A token that is no whole label still counts for every label it begins.
-    both = decision(["yes", "yesterday"], [{"token": "ye", "logprob": -0.5}])
-    assert both["probabilities"] == pytest.approx({"yes": 0.5, "yesterday": 0.5})
+    # A token that is no whole label counts for every label it begins: where it is the
+    # one that decides, it cannot tell them apart, and says so (helper-115: the first
+    # label won, so the answer hung on the labels' order).
+    with pytest.raises(DecideError, match="'ye' begins 'yes' and 'yesterday' alike") as e:
+        decision(["yes", "yesterday"], [{"token": "ye", "logprob": -0.5}])
+    assert e.value.status == 422
+    top = [{"token": "Ne", "logprob": math.log(0.9)}, {"token": "Pos", "logprob": math.log(0.1)}]
+    for labels in (["Negative", "Neutral", "Positive"], ["Neutral", "Negative", "Positive"]):
+        with pytest.raises(DecideError, match="one token cannot tell them apart"):
+            decision(labels, top)
+    # Not when it decides nothing: "Pos" wins, and "Ne" only adds to the two below.
+    top = [{"token": "Pos", "logprob": math.log(0.6)}, {"token": "Ne", "logprob": math.log(0.3)}]
+    assert decision(["Negative", "Neutral", "Positive"], top)["label"] == "Positive"
+
+
+def test_an_answer_that_is_not_a_label_is_no_decision() -> None:
+    # helper-115: a reasoning model's first token is <think>; a label it gave 0.05 %
+    # came back with probability 1.0.
+    top = [{"token": "<think>", "logprob": math.log(0.999)}, {"token": "yes", "logprob": -7.6}]
+    with pytest.raises(DecideError, match=r"put 0\.1% of its probability on the labels") as e:
+        decision(["yes", "no"], top)
+    assert e.value.status == 422 and "'<think>'" in str(e.value)
+    got = decision(["yes", "no"], [{"token": "yes", "logprob": math.log(0.6)}])
+    assert got["mass"] == pytest.approx(0.6) and got["probabilities"] == {"yes": 1.0}
+
+
+def test_a_label_that_begins_another_is_refused() -> None:
+    for labels, said in (
+        (["no", "no idea"], "'no' begins 'no idea'"),
+        (["Yes", "yesterday"], "'Yes' begins 'yesterday'"),
+    ):
+        with pytest.raises(DecideError, match=said) as e:
+            parse_decide(json.dumps({"input": "x", "labels": labels}).encode())
+        assert e.value.status == 400
 
 
 def test_ties_go_to_the_first_label() -> None:
@@ -321,12 +353,56 @@ async def test_classifier_labels_name_the_probabilities() -> None:
     async with engine(models=(CLF,), labels=("negative", "positive"), instant=True) as (url, _):
         async with gateway({**named, "url": url}) as (gw, _):
             body = (await gw.post("/v1/decide", json={"input": "lovely"})).json()
-            assert set(body["probabilities"]) == {"neg", "pos"}
+            probs = body["probabilities"]
+            assert set(probs) == {"neg", "pos"}
+            # The label is one of them, not the engine's own name for it (helper-115:
+            # vLLM's id2label, LABEL_1, beside probabilities named neg and pos).
+            assert body["label"] == max(probs, key=lambda k: probs[k])
         wrong = {**named, "url": url, "labels": ["a", "b", "c"]}
         async with gateway(wrong) as (gw, _):
             r = await gw.post("/v1/decide", json={"input": "lovely"})
             assert r.status_code == 502
             assert "answered 2 probabilities, but the configuration names 3 labels" in r.text
+
+
+@pytest.mark.parametrize("probs", ["[NaN, 0.5]", "[Infinity, -3]", "[0.2, 1.5]"])
+async def test_a_classifier_answering_no_probabilities_is_a_502(probs: str) -> None:
+    # Passed on, NaN and Infinity made an answer no strict JSON parser reads.
+    def bad(request: Request) -> Response:
+        body = '{"data": [{"index": 0, "label": "spam", "probs": ' + probs + "}]}"
+        return Response(body, media_type="application/json")
+
+    app = models_only()
+    app.post("/classify")(bad)
+    app.get("/health")(lambda: Response("ok"))
+    async with (
+        serve(app) as url,
+        gateway(endpoint("c", url, kind="classifier", models=(CLF,))) as (gw, _),
+    ):
+        r = await gw.post("/v1/decide", json={"input": "x"})
+        assert r.status_code == 502, r.text
+        assert "probabilities that are not numbers from 0 to 1" in r.json()["error"]["message"]
+
+
+async def test_decide_turns_take_the_class_header() -> None:
+    async with engine(instant=True) as (url, _), gateway(endpoint("a", url)) as (gw, shell):
+        seen: list[str] = []
+        original = shell.apply
+
+        def watch(event: Any) -> None:
+            if type(event).__name__ == "TurnArrived":
+                seen.append(event.service_class.value)
+            original(event)
+
+        shell.apply = watch  # type: ignore[method-assign]
+        body = {"input": "x", "labels": ["yes", "no"]}
+        for cls in ("batch", None):
+            headers = {"x-luftpause-class": cls} if cls else {}
+            r = await gw.post("/v1/decide", json=body, headers=headers)
+            assert r.status_code in (200, 422), r.text
+        assert seen == ["batch", "interactive"]
+        r = await gw.post("/v1/decide", json=body, headers={"x-luftpause-class": "nonsense"})
+        assert r.status_code == 400 and "x-luftpause-class must be" in r.json()["error"]["message"]
 
 
 async def test_no_classifier_and_unreachable_classifier() -> None:
