@@ -145,6 +145,9 @@ def status_snapshot(
             "oldest_wait_s": _wait(now, earliest) if earliest is not None else 0.0,
         },
         "runs": {"by_phase_and_class": runs, "total": len(state.runs) + len(waiting)},
+        # Per model: engine count / the gateway's estimate of a prompt, as learned
+        # (Policy.learn_prompt_scale); a model not listed is taken at its estimate.
+        "prompt_scale": {m: round(s, 3) for m, s in sorted(state.prompt_scale.items())},
         **shell_counts,
     }
 

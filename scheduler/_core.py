@@ -154,6 +154,16 @@ _MODEL = "model"
 BucketKey = tuple[str, str, ServiceClass]
 
 
+# A learned prompt scale (Policy.learn_prompt_scale): each finished turn whose estimate
+# was at least this many tokens (below, a chat template's own tokens dominate) is a
+# sample of engine count / estimate, kept within these bounds (an image the estimate
+# did not see, a template that drops the tools), and weighs this much in the model's
+# running average; its first sample is taken whole.
+PROMPT_SCALE_MIN_TOKENS = 256
+PROMPT_SCALE_BOUNDS = (0.25, 4.0)
+PROMPT_SCALE_WEIGHT = 0.1
+
+
 class ReplicaState(Record):
     """A replica as the core counts it."""
 
@@ -307,7 +317,7 @@ class TurnState(Record):
     _FIELDS = (
         "turn_id", "run_id", "service_class", "caller", "model", "arrived", "seq",
         "prompt_tokens", "reply_tokens", "bucket", "replica", "admitted_at", "started",
-        "alive_at", "claim",
+        "alive_at", "claim", "estimate",
     )  # fmt: skip
     __slots__ = _FIELDS
 
@@ -328,6 +338,7 @@ class TurnState(Record):
         started: bool,
         alive_at: float = 0.0,
         claim: int = 0,
+        estimate: int = 0,
     ) -> None:
         self.turn_id: Final = turn_id
         self.run_id: Final = run_id
@@ -348,6 +359,9 @@ class TurnState(Record):
         # run's replica (rule 3), whose run's claim stays there.  0: none (its run's
         # claim counts).
         self.claim: Final = claim
+        # The prompt as the turn arrived (the gateway's estimate), before the model's
+        # learned scale made `prompt_tokens` of it; 0: none to learn from.
+        self.estimate: Final = estimate
 
 
 class _Bucket(Record):
@@ -390,6 +404,7 @@ class State:
         "_held_runs",
         "_models",
         "_policy",
+        "_prompt_scale",
         "_replicas",
         "_retention",
         "_retired",
@@ -414,6 +429,7 @@ class State:
         retention: PSortedSet[tuple[float, str]],
         retired: frozenset[str] = frozenset(),
         held_runs: Map[str, tuple[str, ...]] | None = None,
+        prompt_scale: Map[str, float] | None = None,
     ) -> None:
         self._policy = policy
         self._models = models
@@ -430,6 +446,8 @@ class State:
         # run id -> its held turns' ids, in arrival order: where a change of the run
         # (its phase, its replica, its end) finds the turns to re-bucket.
         self._held_runs: Map[str, tuple[str, ...]] = Map() if held_runs is None else held_runs
+        # model -> engine count / estimate of its prompts, learned (learn_prompt_scale)
+        self._prompt_scale: Map[str, float] = Map() if prompt_scale is None else prompt_scale
 
     @classmethod
     def initial(cls, replicas: Sequence[ReplicaSpec], policy: Policy | None = None) -> State:
@@ -461,6 +479,13 @@ class State:
     def models(self) -> Map[str, tuple[str, ...]]:
         """Model -> the replicas of the pool that serve it (retired ones are not)."""
         return self._models
+
+    @property
+    def prompt_scale(self) -> Map[str, float]:
+        """Model -> what its engines counted of a prompt per token estimated, learned
+        from finished turns (Policy.learn_prompt_scale); a model with none yet is
+        taken at its estimate."""
+        return self._prompt_scale
 
     @property
     def replicas(self) -> Map[str, ReplicaState]:
@@ -692,6 +717,7 @@ class _Tx:
         self.retention = state._retention
         self.retired = state._retired
         self.held_runs = state._held_runs.mutate()
+        self.prompt_scale = state._prompt_scale
         self.actions: list[Action] = []
         self.refill: list[str] = []
         self.changes = 0  # admissions and re-pins so far: what makes a second look useful
@@ -712,6 +738,7 @@ class _Tx:
             self.retention,
             retired,
             self.held_runs.finish(),
+            self.prompt_scale,
         )
 
     def _sweep_retired(self) -> frozenset[str]:
@@ -783,6 +810,10 @@ class _Tx:
             if pinned is None
             else (_PIN, pinned, ev.service_class)
         )
+        prompt = ev.prompt_tokens
+        scale = self.prompt_scale.get(ev.model) if self.policy.learn_prompt_scale else None
+        if scale is not None and prompt > 0:
+            prompt = max(1, round(prompt * scale))
         turn = TurnState(
             ev.turn_id,
             ev.run_id,
@@ -791,12 +822,13 @@ class _Tx:
             ev.model,
             ev.now,
             self.seq,
-            ev.prompt_tokens,
+            prompt,
             reply,
             key,
             None,
             0.0,
             False,
+            estimate=ev.prompt_tokens,
         )
         self._hold(turn, key)
         self.held_runs[ev.run_id] = self.held_runs.get(ev.run_id, ()) + (ev.turn_id,)
@@ -828,7 +860,7 @@ class _Tx:
             self.turns[turn_id] = TurnState(
                 t.turn_id, t.run_id, t.service_class, t.caller, t.model, t.arrived, t.seq,
                 t.prompt_tokens, t.reply_tokens, t.bucket, t.replica, t.admitted_at, True,
-                t.alive_at, t.claim,
+                t.alive_at, t.claim, t.estimate,
             )  # fmt: skip
 
     def alive(self, turn_id: str) -> None:
@@ -866,6 +898,8 @@ class _Tx:
         t = self.turns.get(turn_id)
         if t is None or t.replica is None:
             return  # unknown (timed out already) or still held: nothing to free
+        if prompt > 0 and t.estimate >= PROMPT_SCALE_MIN_TOKENS:
+            self._learn_prompt_scale(t.model, prompt / t.estimate)
         del self.turns[turn_id]
         self.timeouts = self.timeouts.remove((t.alive_at, turn_id))
         name = t.replica
@@ -933,6 +967,14 @@ class _Tx:
                 key=lambda n: (self.replicas[n].load, n),
             )
         self._fill(names)
+
+    def _learn_prompt_scale(self, model: str, sample: float) -> None:
+        """One finished turn's engine count / estimate into its model's scale."""
+        low, high = PROMPT_SCALE_BOUNDS
+        sample = min(max(sample, low), high)
+        old = self.prompt_scale.get(model)
+        new = sample if old is None else old + PROMPT_SCALE_WEIGHT * (sample - old)
+        self.prompt_scale = self.prompt_scale.set(model, new)
 
     def _kept_changed(self) -> None:
         """A replica left or rejoined rotation: its runs may move now, or are kept there
@@ -1384,6 +1426,7 @@ class _Tx:
         self.turns[t.turn_id] = TurnState(
             t.turn_id, t.run_id, t.service_class, caller, t.model, t.arrived, t.seq,
             t.prompt_tokens, t.reply_tokens, None, name, self.now, False, self.now, claim,
+            t.estimate,
         )  # fmt: skip
         self.timeouts = self.timeouts.add((self.now, t.turn_id))
         self.actions.append(

@@ -108,6 +108,11 @@ class Policy:
     # while the KV working set of the runs bound to it (context + reply) fits in
     # `kv_fill` of its pool, so paused runs keep their prefix cache.
     kv_admission: bool = True
+    # A turn's prompt arrives as the gateway's estimate (a quarter of its bytes: 5-15 %
+    # off on a real tokenizer, either way; bench/prompt_estimate.py), and ends with the
+    # engine's count: scale each model's estimates by what its engines counted, so
+    # that KV admission sizes runs by tokens, not bytes (see PROMPT_SCALE_*).
+    learn_prompt_scale: bool = True
     kv_fill: float = 0.8
     # Batch runs stop at this share of the pool, leaving the rest for interactive runs
     # (rule 4 for KV); None: the same limit as interactive runs.

@@ -1248,6 +1248,22 @@ async def test_models_are_listed_in_the_files_order() -> None:
     assert listed == ["llama-3.2-1b", "llama-guard", "gpt-4o"]
 
 
+async def test_the_core_learns_what_a_models_engines_count_of_the_estimate() -> None:
+    # The gateway estimates a prompt as a quarter of the request's bytes; the engine's
+    # usage at the turn's end teaches the core the model's scale, and /status shows it.
+    async with engine(instant=True) as (url, _), gateway(endpoint("a", url)) as (gw, shell):
+        raw = json.dumps(chat("the quick brown fox jumps over the lazy dog " * 40)).encode()
+        r = await gw.post(
+            "/v1/chat/completions", content=raw, headers={"content-type": "application/json"}
+        )
+        assert r.status_code == 200
+        counted = r.json()["usage"]["prompt_tokens"]
+        await until(lambda: MODEL in shell.state.prompt_scale, "the turn's end")
+        assert shell.state.prompt_scale[MODEL] == pytest.approx(counted / (len(raw) // 4))
+        status = (await gw.get("/status")).json()
+        assert status["prompt_scale"] == {MODEL: round(counted / (len(raw) // 4), 3)}
+
+
 async def test_an_http_1_0_client_gets_the_body_not_chunks() -> None:
     # RFC 9112 6.1: no chunked framing to an HTTP/1.0 client.  The engine's length went
     # unsent, so uvicorn chunked every answer, and a 1.0 client read "172\r\n{...".

@@ -209,6 +209,7 @@ def test_snapshot_of_a_hand_built_state() -> None:
             },
             "total": 4,
         },
+        "prompt_scale": {},  # no turn has finished: nothing learned
         "tool_call_ids_remembered": 3,
     }
 

@@ -34,6 +34,7 @@ from scheduler import (
     TurnStarted,
     decide,
 )
+from scheduler._core import PROMPT_SCALE_BOUNDS, PROMPT_SCALE_MIN_TOKENS, PROMPT_SCALE_WEIGHT
 
 I, B = ServiceClass.INTERACTIVE, ServiceClass.BATCH  # noqa: E741
 
@@ -1999,3 +2000,36 @@ def test_a_policy_change_decides_alike_in_any_map_order() -> None:
     assert arrive("t5", "new", I, "m1", 500) == []
     switched = Policy(strict_affinity=False, kv_admission=False, pack_shared_devices=True)
     assert step(PolicyChanged(now=now + 0.1, policy=switched)) == [("t5", "r2"), ("t3", "r3")]
+
+
+def test_each_models_prompt_estimates_are_scaled_by_what_its_engines_counted() -> None:
+    # The gateway's estimate (a quarter of the bytes) is 5-15 % off on real tokenizers
+    # (bench/prompt_estimate.py); KV admission sizes runs by it.  The engine's count at
+    # each turn's end teaches the core the model's scale.
+    d = Driver(("a",), models=("m", "n"))
+    t1 = d.arrive("r1", prompt=1000)
+    assert d.state.turns[t1].prompt_tokens == 1000  # nothing learned yet: as estimated
+    d.finish(t1, prompt=1200, out=10)
+    assert d.state.prompt_scale["m"] == pytest.approx(1.2)  # a first sample, whole
+    t2 = d.arrive("r2", prompt=2000)
+    assert d.state.turns[t2].prompt_tokens == 2400
+    assert d.state.kv_need(d.state.turns[t2]) == 2400 + 256
+    d.finish(t2, prompt=2000, out=10)  # then a running average
+    assert d.state.prompt_scale["m"] == pytest.approx(1.2 + PROMPT_SCALE_WEIGHT * (1.0 - 1.2))
+    assert "n" not in d.state.prompt_scale  # per model: another tokenizer
+    t3 = d.arrive("r3", model="n", prompt=1000)
+    assert d.state.turns[t3].prompt_tokens == 1000
+    # Small prompts teach nothing (a template's own tokens are most of them), failed
+    # turns neither, and one sample moves the scale within bounds.
+    before = d.state.prompt_scale["m"]
+    d.finish(d.arrive("r4", prompt=PROMPT_SCALE_MIN_TOKENS - 1), prompt=900, out=1)
+    d.feed(TurnFailed(now=d.step(), turn_id=d.arrive("r5", prompt=1000), reason="x"))
+    assert d.state.prompt_scale["m"] == before
+    e = Driver(("a",))
+    e.finish(e.arrive("r1", prompt=1000), prompt=100_000, out=1)
+    assert e.state.prompt_scale["m"] == PROMPT_SCALE_BOUNDS[1]
+    # Switched off, the estimate is taken as it came (the scale is still learned).
+    off = Driver(("a",), policy=Policy(learn_prompt_scale=False))
+    off.finish(off.arrive("r1", prompt=1000), prompt=1200, out=1)
+    t2 = off.arrive("r2", prompt=1000)
+    assert off.state.turns[t2].prompt_tokens == 1000
