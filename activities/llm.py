@@ -44,6 +44,9 @@ _WAIT = frozenset({429, 503})
 # sent again for ever (each failure also counts toward ejecting a replica).  Counted
 # across attempts in the heartbeat details, so the waits above do not count.
 ENGINE_FAULT_ATTEMPTS = 20
+# The longest retry delay this activity asks for (a retry policy without a maximum
+# interval would otherwise grow it past any use).
+_MAX_DELAY_S = 3600.0
 
 
 class _BadCompletion(Exception):
@@ -95,10 +98,15 @@ def _next_delay(response: httpx.Response) -> timedelta | None:
     policy = info.retry_policy
     if after is None or policy is None:
         return after
-    backoff = policy.initial_interval * policy.backoff_coefficient ** (info.attempt - 1)
+    # In float seconds, bounded before it becomes a timedelta: from about the 48th
+    # attempt the growth overflows one (helper-114: an OverflowError then replaced the
+    # turn's error, and the engine-fault count's "given up" with it).
+    seconds = policy.initial_interval.total_seconds() * min(
+        policy.backoff_coefficient ** min(info.attempt - 1, 64), 1e9
+    )
     if policy.maximum_interval is not None:
-        backoff = min(backoff, policy.maximum_interval)
-    return max(after, backoff)
+        seconds = min(seconds, policy.maximum_interval.total_seconds())
+    return max(after, timedelta(seconds=min(seconds, _MAX_DELAY_S)))
 
 
 @contextlib.asynccontextmanager

@@ -146,13 +146,17 @@ async def test_retry_after_is_a_floor_under_the_backoff_not_a_replacement() -> N
         lambda r: Response(json.dumps({"error": {"message": "held"}}), 429, {"retry-after": "1"})
     )
     delays = []
-    for attempt in (1, 4, 9):
+    # From about the 48th attempt the backoff overflowed a timedelta (helper-114: an
+    # OverflowError took the place of the turn's error); unbounded, it stops at an hour.
+    unbounded = dataclasses.replace(RETRY, maximum_interval=None)
+    for attempt, policy in ((1, RETRY), (4, RETRY), (9, RETRY), (60, RETRY), (500, RETRY),
+                            (500, unbounded)):  # fmt: skip
         env = ActivityEnvironment()
-        env.info = dataclasses.replace(env.info, attempt=attempt, retry_policy=RETRY)
+        env.info = dataclasses.replace(env.info, attempt=attempt, retry_policy=policy)
         with pytest.raises(ApplicationError) as err:
             await call(app, turn(), env=env)
         delays.append(err.value.next_retry_delay)
-    assert delays == [timedelta(seconds=s) for s in (1, 8, 10)]
+    assert delays == [timedelta(seconds=s) for s in (1, 8, 10, 10, 10, 3600)]
 
 
 @pytest.mark.parametrize("status", [400, 404, 422])
