@@ -150,6 +150,17 @@ def prepare_arguments(tool: str, raw: str, schema: Mapping[str, Any]) -> dict[st
             f"the arguments for tool '{tool}' must be a JSON object {shape}, "
             f"not {type(args).__name__}"
         )
+    try:  # what the MCP SDK will do to send them
+        json.dumps(args, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        # Valid JSON text ("\ud83d"), but half a character: no UTF-8 carries it, so the
+        # call could never be sent (helper-114: taken for an unreachable server and
+        # sent again for 15 minutes).  The model can write the character whole.
+        bad = exc.object[exc.start : exc.end].encode("unicode_escape").decode()
+        raise ArgumentsError(
+            f"the arguments for tool '{tool}' contain half of a character ({bad}, a lone "
+            f"UTF-16 surrogate) that cannot be sent; write the character whole"
+        ) from None
     args = dict(_coerce(args, schema))
     try:
         validator = jsonschema.validators.validator_for(schema)(schema)

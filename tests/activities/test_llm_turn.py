@@ -298,6 +298,13 @@ def test_arguments_are_coerced_then_validated() -> None:
         with pytest.raises(ArgumentsError, match=r"\{\"query\": string") as err:
             prepare_arguments("lookup", raw, schema)
         assert needle in str(err.value)
+    # Valid JSON text, half a character: no UTF-8 carries it to the server (helper-114:
+    # taken for an unreachable server and resent for 15 minutes).  The model is told.
+    for raw in ('{"query": "B \\ud83d"}', '{"\\udc00": "x", "query": "y"}'):
+        with pytest.raises(ArgumentsError, match="a lone UTF-16 surrogate") as err:
+            prepare_arguments("lookup", raw, schema)
+        assert "write the character whole" in str(err.value)
+    assert prepare_arguments("lookup", '{"query": "\\ud83d\\ude00"}', schema) == {"query": "😀"}
 
 
 def test_arguments_json_cannot_carry_are_refused_and_odd_schemas_do_not_crash() -> None:
