@@ -46,7 +46,7 @@ from activities.contract import IDEMPOTENCY_META_KEY, ToolInfo
 from activities.tool_names import function_names
 from luftpause.config import McpServer
 
-__all__ = ["Listing", "McpPool", "UnknownTool", "Unreachable"]
+__all__ = ["Listing", "McpPool", "ServerAnswered", "UnknownTool", "Unreachable"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,11 @@ _NO_ANSWER = frozenset({CONNECTION_CLOSED, REQUEST_TIMEOUT, PARSE_ERROR})
 
 class UnknownTool(LookupError):
     """No configured server offers the tool."""
+
+
+class ServerAnswered(RuntimeError):
+    """An HTTP server answered a call with an error status and no JSON-RPC answer: the
+    call failed, and may have run; the connection is sound and stays open."""
 
 
 class Unreachable(ConnectionError):
@@ -100,7 +105,10 @@ class _Delivery(httpx2.AsyncBaseTransport):
     "Session not found"); the workflow sends a call again only if it cannot have run.
     It also notes in `replied` the calls the server answered in JSON-RPC (a JSON or
     event-stream body, or a JSON-RPC error at an error status): a JSON-RPC error the
-    SDK raises for one of those is the server's, not one it made up for an HTTP error."""
+    SDK raises for one of those is the server's, not one it made up for an HTTP error.
+    And in `statuses` the error status of a call answered with one and no JSON-RPC
+    (a 500 from the server, a 502 or 504 from a proxy before it): an answer to that
+    request alone, on a connection that is sound."""
 
     def __init__(
         self,
@@ -108,11 +116,13 @@ class _Delivery(httpx2.AsyncBaseTransport):
         reached: dict[str, bool],
         replied: set[str],
         errors: list[int],
+        statuses: dict[str, int],
     ) -> None:
         self._inner = inner
         self._reached = reached
         self._replied = replied
         self._errors = errors  # the last error status of another request (the SDK drops it)
+        self._statuses = statuses
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
         key = _call_key(request)
@@ -140,6 +150,8 @@ class _Delivery(httpx2.AsyncBaseTransport):
             self._reached[key] = code in _REFUSED
         if code is not None and self._reached[key]:
             self._replied.add(key)  # (a session it does not know is no answer to the call)
+        elif code is None and status != 404:
+            self._statuses[key] = status
         return response
 
     async def __aenter__(self) -> _Delivery:
@@ -167,14 +179,18 @@ async def _error_code(response: httpx2.Response) -> int | None:
 
 
 def _noting_delivery(
-    http: httpx2.AsyncClient, reached: dict[str, bool], replied: set[str], errors: list[int]
+    http: httpx2.AsyncClient,
+    reached: dict[str, bool],
+    replied: set[str],
+    errors: list[int],
+    statuses: dict[str, int],
 ) -> httpx2.AsyncClient:
     """`http` with every transport it may use wrapped in `_Delivery`.  (Given as
     `transport=`, a transport would turn off the proxies httpx takes from
     HTTP(S)_PROXY, so the ones it built are wrapped instead.)"""
-    http._transport = _Delivery(http._transport, reached, replied, errors)
+    http._transport = _Delivery(http._transport, reached, replied, errors, statuses)
     http._mounts = {
-        pattern: None if t is None else _Delivery(t, reached, replied, errors)
+        pattern: None if t is None else _Delivery(t, reached, replied, errors, statuses)
         for pattern, t in http._mounts.items()
     }
     return http
@@ -207,6 +223,8 @@ class _Connection:
         self.reached: dict[str, bool] | None = {} if server.command is None else None
         self.replied: set[str] = set()  # HTTP servers: calls answered in JSON-RPC (by key)
         self.errors: list[int] = []  # HTTP servers: the last error status, for messages
+        # HTTP servers: calls answered with an error status and no JSON-RPC (by key)
+        self.statuses: dict[str, int] = {}
 
     @contextlib.asynccontextmanager
     async def _client(self) -> AsyncIterator[Client]:
@@ -228,7 +246,7 @@ class _Connection:
         http = httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(30.0, read=None))
         # The transport does not close a client it was given: this block does.
         async with (
-            _noting_delivery(http, self.reached, self.replied, self.errors),
+            _noting_delivery(http, self.reached, self.replied, self.errors, self.statuses),
             Client(streamable_http_client(s.url, http_client=http), mode=s.protocol) as client,
         ):
             yield client
@@ -482,6 +500,15 @@ class McpPool:
             answer = _answered(exc, reached, key, said)
             if answer is not None:
                 return answer, True  # the connection is sound: it stays open
+            status = conn.statuses.get(key) if key else None
+            if status is not None:
+                # An HTTP error answered this request alone: the connection stays, with
+                # the other runs' calls on it (helper-114: one call's 500 closed it and
+                # cut them off).  The server may have run the call: not Unreachable.
+                raise ServerAnswered(
+                    f"the server answered HTTP {status} to the call, without a JSON-RPC "
+                    "answer; it may have run it"
+                ) from exc
             # Closed, the connection sends nothing more: a request of this call the SDK
             # still had queued (another call's failure closed the session under it)
             # either went out before, and was noted, or never will.
@@ -494,6 +521,7 @@ class McpPool:
             if reached is not None:
                 reached.pop(key or "", None)
                 conn.replied.discard(key or "")
+                conn.statuses.pop(key or "", None)
         parts = [_text_of(block) for block in result.content]
         if not parts and result.structured_content is not None:
             parts.append(json.dumps(result.structured_content))

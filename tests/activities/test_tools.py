@@ -652,3 +652,73 @@ async def test_a_server_that_refuses_the_token_says_so() -> None:
             assert "401" in str(refused.value) and "TaskGroup" not in str(refused.value)
         finally:
             await pool.aclose()
+
+
+@pytest.mark.parametrize("protocol", ["legacy", "2026-07-28"])
+async def test_one_calls_http_error_leaves_the_other_calls_on_the_connection(
+    protocol: Literal["legacy", "2026-07-28"],
+) -> None:
+    # helper-114: an HTTP 500 to one call (a proxy's 502/504, a handler that crashed)
+    # closed the server's one connection, cutting off another run's call in flight
+    # there: the server cancelled it and the model was told its outcome was unknown.
+    mcp: MCPServer = MCPServer("srv")
+    started, release = asyncio.Event(), asyncio.Event()
+    events: list[str] = []
+
+    @mcp.tool(annotations=ToolAnnotations(destructive_hint=False))
+    async def slow(tag: str) -> str:
+        events.append("start")
+        started.set()
+        try:
+            await release.wait()
+        except asyncio.CancelledError:
+            events.append("cancelled")
+            raise
+        return "slow done"
+
+    @mcp.tool()
+    async def boom() -> str:
+        return "never"
+
+    inner = mcp.streamable_http_app(streamable_http_path="/mcp", host="127.0.0.1")
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return await inner(scope, receive, send)
+        chunks = []
+        while True:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        body = b"".join(chunks)
+        if b'"boom"' in body:
+            start = [(b"content-type", b"text/plain")]
+            await send({"type": "http.response.start", "status": 500, "headers": start})
+            await send({"type": "http.response.body", "body": b"upstream error"})
+            return None
+        replayed = False
+
+        async def replay() -> Any:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return await inner(scope, replay, send)
+
+    async with serve(app) as url:
+        pool = McpPool([McpServer(name="s", url=f"{url}/mcp", protocol=protocol)])
+        try:
+            await pool.list_tools()
+            first = asyncio.ensure_future(pool.call("s", "slow", {"tag": "A"}, key="runA/c1"))
+            await started.wait()
+            with pytest.raises(mcp_pool.ServerAnswered, match="answered HTTP 500"):
+                await pool.call("s", "boom", {}, key="runB/c1")
+            release.set()
+            assert await asyncio.wait_for(first, 10) == ("slow done", False)
+            assert events == ["start"]  # never cancelled
+        finally:
+            release.set()
+            await pool.aclose()
