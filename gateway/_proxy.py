@@ -214,11 +214,11 @@ class StreamWatch:
         self.cached_tokens = 0
         self.tool_call_ids: list[str] = []
         # An error event inside a 200 stream (vLLM and SGLang send `data: {"error": ...}`
-        # when generation fails after the head): the turn failed.  With the status it
-        # names (its `code`, or an Anthropic error's type), if any: an error about the
-        # request (vLLM's BadRequestError, code 400) is no fault of the engine's.
+        # when generation fails after the head): the turn failed.  With the status its
+        # `code` names and its `type`, if any (see `stream_error_is_engines`).
         self.error: str | None = None
         self.error_status: int | None = None
+        self.error_type: str | None = None
 
     def feed(self, chunk: bytes) -> None:
         if (
@@ -273,6 +273,14 @@ class StreamWatch:
         self.error = _error_text(error, fallback)
         self.error_status = next(
             (s for s in map(_error_status, (error, *more)) if s is not None), None
+        )
+        self.error_type = next(
+            (
+                e["type"]
+                for e in (error, *more)
+                if isinstance(e, dict) and isinstance(e.get("type"), str) and e["type"] != "error"
+            ),
+            None,
         )
 
     def _line(self, line: bytes) -> None:
@@ -614,37 +622,43 @@ def dropped_upstream(headers: Sequence[tuple[bytes, bytes]]) -> frozenset[bytes]
     return DROP_UPSTREAM | named if named else DROP_UPSTREAM
 
 
-# The status an error object's type stands for, where its `code` names none:
-# Anthropic's error types (its API's error reference), and the exception names vLLM
-# and SGLang give their errors.
-_ERROR_TYPE_STATUS = {
-    "invalid_request_error": 400,
-    "BadRequestError": 400,
-    "authentication_error": 401,
-    "permission_error": 403,
-    "not_found_error": 404,
-    "NotFoundError": 404,
-    "request_too_large": 413,
-    "rate_limit_error": 429,
-    "api_error": 500,
-    "InternalServerError": 500,
-    "overloaded_error": 529,
-}
+# In-stream errors that say the engine is busy (retry later), as 429 and 503 do, and
+# Anthropic's 529 "overloaded": no failure of the engine.
+_BUSY_STATUSES = frozenset({429, 503, 529})
+_BUSY_TYPES = frozenset({"rate_limit_error", "overloaded_error"})
+# Anthropic's error types about the request itself (its API's error reference): an API
+# that names these means them.  Not vLLM's and SGLang's "BadRequestError"/code 400:
+# their stream generators report every exception so, a dead engine's included, while
+# what a request gets wrong they refuse before the head (helper-116).
+_REQUEST_TYPES = frozenset(
+    {
+        "invalid_request_error",
+        "authentication_error",
+        "permission_error",
+        "not_found_error",
+        "request_too_large",
+    }
+)
+
+
+def stream_error_is_engines(status: int | None, kind: str | None) -> bool:
+    """Whether an error event inside a 200 stream counts as the engine failing (toward
+    ejecting it): unless it says the engine is busy, or is an Anthropic-style error
+    about the request."""
+    return not (status in _BUSY_STATUSES or kind in _BUSY_TYPES or kind in _REQUEST_TYPES)
 
 
 def _error_status(error: object) -> int | None:
-    """The HTTP status an in-stream error object names: its `code` when that is one
-    (vLLM's and SGLang's: the status the error would have had before the head), else
-    what its `type` stands for; None: it names none (the engine's fault, then)."""
+    """The HTTP status an in-stream error object's `code` names (vLLM's and SGLang's),
+    if it is one."""
     if not isinstance(error, dict):
         return None
     code = error.get("code")
-    if isinstance(code, str) and code.isdigit():
+    if isinstance(code, str) and code.isascii() and code.isdigit():
         code = int(code)
     if isinstance(code, int) and not isinstance(code, bool) and 400 <= code <= 599:
         return code
-    kind = error.get("type")
-    return _ERROR_TYPE_STATUS.get(kind) if isinstance(kind, str) else None
+    return None
 
 
 def _error_text(error: object, fallback: object = None) -> str:
@@ -1070,8 +1084,7 @@ class TurnResponse(Response):
             self._fail(f"engine answered {answer.status}", engine=engine_fault(answer.status))
             return True
         if watch.error is not None:
-            status = watch.error_status
-            engine = status is None or engine_fault(status)
+            engine = stream_error_is_engines(watch.error_status, watch.error_type)
             self._fail(f"engine error in the stream: {watch.error}", engine=engine)
             return True
         if watch.shapeless:

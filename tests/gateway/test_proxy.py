@@ -806,22 +806,25 @@ async def test_engine_failing_mid_stream_closes_without_done() -> None:
         (b'{"error": {"message": "CUDA out of memory", "code": 500}}', "failed"),
         (b'{"object": "error", "message": "CUDA out of memory", "code": 500}', "failed"),
         (b'{"error": {"message": "the engine died"}}', "failed"),  # names no status
-        # vLLM's error about the request (its BadRequestError, code 400) after the head,
-        # and SGLang's abort with its status: the request's fault, not the engine's.
+        # vLLM's stream generators report every exception as BadRequestError, code 400,
+        # a dead engine's included (helper-116); what a request gets wrong it refuses
+        # before the head.  So a 400 in the stream is the engine's failure still.
         (
-            b'{"error": {"object": "error", "message": "maximum context length is 4096",'
+            b'{"error": {"object": "error", "message": "Background loop has errored already",'
             b' "type": "BadRequestError", "param": null, "code": 400}}',
-            "error_status",
+            "failed",
         ),
-        (b'{"error": {"message": "bad grammar", "type": "BadRequestError"}}', "error_status"),
-        (b'{"error": {"message": "too long", "code": "400"}}', "error_status"),
+        (b'{"error": {"message": "too long", "code": "400"}}', "failed"),
+        (b'{"error": {"message": "odd", "code": "\xc2\xb2"}}', "failed"),  # "2" superscript
+        # Busy, as a 429 or 503 says: no failure of the engine (helper-112: ejected).
         (b'{"error": {"message": "slow down", "code": 429}}', "error_status"),
+        (b'{"error": {"message": "full", "code": 503}}', "error_status"),
+        # An Anthropic-style error about the request means it.
+        (b'{"error": {"message": "bad", "type": "invalid_request_error"}}', "error_status"),
     ],
 )
 async def test_an_error_event_in_a_200_stream_fails_the_turn(error: bytes, outcome: str) -> None:
-    # vLLM and SGLang report a failure after the head as an event, then [DONE].  Only
-    # one that names no status or a 5xx is the engine failing: one client's bad
-    # requests (helper-112) ejected the only replica of a model for everyone.
+    # vLLM and SGLang report a failure after the head as an event, then [DONE].
     stream = b'data: {"choices": [{"delta": {"content": "Hi"}}]}\n\n' + (
         b"data: " + error + b"\n\ndata: [DONE]\n\n"
     )
