@@ -9,7 +9,7 @@ whitespace and compared case-insensitively, it is a non-empty prefix of the labe
 label's score is the highest probability among its matching tokens.
 
 One token decides, so what it cannot tell apart is refused rather than guessed: a
-label that begins another ("no", "no idea": the second could never win) at parse time
+label that is another's first word ("no", "no idea": the second could never win) at parse time
 (400), and a first token that begins two labels the model put first ("Ne" of
 "Negative" and "Neutral") at scoring time (422).  So is an answer whose first token
 put less than MIN_LABEL_MASS on the labels at all (a reasoning model's `<think>`): the
@@ -157,13 +157,15 @@ def decide_request(body: dict[str, Any]) -> DecideRequest:
             "labels: expected distinct labels (compared without case and surrounding "
             f"spaces); repeated: {', '.join(map(repr, repeated))}",
         )
-    # The first token that spells a whole label counts for it alone: a label that
-    # begins with another could never be scored (helper-115: "no idea" beside "no").
+    # The first token that spells a whole label counts for it alone: a label whose
+    # first word is another label could never be scored ("no idea" beside "no": its
+    # first token is "no"; helper-115).  One that only begins with another's letters
+    # ("Not sure" beside "No", "10" beside "1") has a first token of its own.
     begins = [
         f"{a!r} begins {b!r}"
         for a, fa in zip(labels, folded, strict=True)
         for b, fb in zip(labels, folded, strict=True)
-        if fb != fa and fb.startswith(fa)
+        if fb != fa and fb.split()[0] == fa
     ]
     if begins:
         raise DecideError(

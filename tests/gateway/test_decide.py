@@ -167,11 +167,21 @@ def test_an_answer_that_is_not_a_label_is_no_decision() -> None:
 def test_a_label_that_begins_another_is_refused() -> None:
     for labels, said in (
         (["no", "no idea"], "'no' begins 'no idea'"),
-        (["Yes", "yesterday"], "'Yes' begins 'yesterday'"),
+        (["Yes", "No", "yes please"], "'Yes' begins 'yes please'"),
     ):
         with pytest.raises(DecideError, match=said) as e:
             parse_decide(json.dumps({"input": "x", "labels": labels}).encode())
         assert e.value.status == 400
+    # Only a whole first word: these have first tokens of their own (helper-116: all
+    # were refused, and "Not", "None", "All" and "10" are one token in common vocabularies).
+    for labels in (
+        ["Yes", "No", "Not sure"],
+        ["A", "B", "C", "All of the above"],
+        ["Yes", "No", "None"],
+        [str(i) for i in range(1, 11)],
+        ["yes", "yesterday"],
+    ):
+        assert parse_decide(json.dumps({"input": "x", "labels": labels}).encode()).labels
 
 
 def test_ties_go_to_the_first_label() -> None:
