@@ -155,10 +155,11 @@ DEFAULT_HEALTH_PATH: Mapping[str, str] = {
 }
 
 
-def _check_http_url(v: str, example: str) -> None:
+def _check_http_url(v: str, example: str, *, base: bool = True, key: str = "api_key_env") -> None:
     """Every URL luftpause is given is http(s) with a host (and a port 1-65535 if it
-    names one), no credentials, query or fragment (paths are added to it); the error
-    shows one."""
+    names one) and no credentials (`key` names where a key goes instead); a `base`,
+    to which luftpause adds the API's paths, has no query or fragment either (an MCP
+    server's URL is used as it is, and may carry one).  The error shows one."""
     expected = f"expected an http:// or https:// URL, e.g. {example}"
     if not v.startswith(("http://", "https://")) or len(v) < len("http://x"):
         raise ValueError(expected)
@@ -176,9 +177,9 @@ def _check_http_url(v: str, example: str) -> None:
     if "@" in parts.netloc:
         raise ValueError(
             f"{expected}; credentials in the URL are not sent (give a key with "
-            f"api_key_env): {parts.scheme}://{parts.netloc.rpartition('@')[2]}{parts.path}"
+            f"{key}): {parts.scheme}://{parts.netloc.rpartition('@')[2]}{parts.path}"
         )
-    if "?" in v or "#" in v:
+    if base and ("?" in v or "#" in v):
         raise ValueError(
             f"{expected}; without a query or fragment (luftpause adds the API's paths "
             f"to it): {v.split('?')[0].split('#')[0]}"
@@ -462,7 +463,7 @@ class McpServer(BaseModel):
     @classmethod
     def _http_url(cls, v: str | None) -> str | None:
         if v is not None:
-            _check_http_url(v, "http://127.0.0.1:9000/mcp")
+            _check_http_url(v, "http://127.0.0.1:9000/mcp", base=False, key="token_env")
         return v
 
     @model_validator(mode="after")

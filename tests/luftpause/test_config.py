@@ -451,6 +451,13 @@ def test_the_newer_apis_default_by_kind_and_the_file_decides() -> None:
         ),
         (
             '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+            '[[mcp_servers]]\nname="t"\nurl="https://u:p@tools.test/mcp"',
+            "mcp_servers[0].url: expected an http:// or https:// URL, e.g. "
+            "http://127.0.0.1:9000/mcp; credentials in the URL are not sent (give a key "
+            "with token_env): https://tools.test/mcp",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
             'api_key_env=""',
             "endpoints[0].api_key_env: String should match pattern",
         ),
@@ -919,3 +926,16 @@ def test_a_file_of_any_shape_is_taken_or_refused_with_a_reason(data: dict[str, A
         else:
             json.dumps(change.as_json())
             assert str(change)
+
+
+def test_an_mcp_servers_url_may_carry_a_query() -> None:
+    # Used as it is (nothing is added to it): hosted MCP servers take a profile or a
+    # key in the query, which da2ef8d refused with the endpoints' rule (helper-116).
+    url = "https://server.example/@org/srv/mcp?profile=p1&config=abc"
+    cfg = parse_config(
+        {
+            "endpoints": [{"name": "a", "url": "http://h:1", "kind": "vllm", "models": ["m"]}],
+            "mcp_servers": [{"name": "t", "url": url}],
+        }
+    )
+    assert cfg.mcp_servers[0].url == url
