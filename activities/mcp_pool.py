@@ -482,7 +482,7 @@ class McpPool:
         come after the server ran it."""
         conn = self._conns.get(server)
         if conn is None:
-            raise UnknownTool(f"no mcp server named '{server}' is configured")
+            raise UnknownTool(f"no mcp server named '{server}' is configured on this worker")
         try:
             client, gen = await conn.client()
         except Exception as exc:

@@ -110,7 +110,13 @@ class ToolActivities:
                     call.server, call.tool, arguments, key=call.idempotency_key
                 )
         except UnknownTool as exc:
-            raise ApplicationError(str(exc), non_retryable=True) from None
+            # Never sent.  In a rolling deploy that adds or removes a server, the run
+            # listed its tools on a worker that has it and this call came to one that
+            # has not: another worker of the queue may take it (helper-114: the run
+            # failed at once).  Where none has it, it fails as an unreachable server does.
+            raise ApplicationError(
+                f"mcp server '{call.server}', tool '{call.tool}': not sent: {exc}", type=NOT_SENT
+            ) from None
         except Unreachable as exc:  # never sent: safe to send later, whatever the tool
             raise ApplicationError(
                 f"mcp server '{call.server}', tool '{call.tool}': not reached: {exc}",

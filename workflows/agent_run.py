@@ -666,7 +666,7 @@ class AgentRun:
                     raise
                 if isinstance(cause, ApplicationError):
                     if cause.non_retryable:
-                        raise  # no such tool: the run fails, as with any tool
+                        raise  # a failure no attempt mends: the run fails, as with any tool
                     if cause.type == NOT_SENT:
                         if workflow.now() + delay > give_up:
                             raise  # down for as long as a repeatable call is retried

@@ -722,3 +722,16 @@ async def test_one_calls_http_error_leaves_the_other_calls_on_the_connection(
         finally:
             release.set()
             await pool.aclose()
+
+
+async def test_a_call_to_a_server_this_worker_lacks_goes_to_another_worker() -> None:
+    # A rolling deploy that adds a server: the run listed its tools on a worker that has
+    # it, this call came to one that has not.  Never sent, and retryable (another
+    # worker of the queue may have it), not a failure of the run (helper-114).
+    tools = ToolActivities(McpPool([]))
+    call = ToolInput(run_id="r", server="s2", tool="t", arguments="{}", input_schema={},
+                     call_id="c")  # fmt: skip
+    with pytest.raises(ApplicationError) as err:
+        await ActivityEnvironment().run(tools.call_tool, call)
+    assert err.value.type == NOT_SENT and not err.value.non_retryable
+    assert "no mcp server named 's2' is configured on this worker" in str(err.value)
