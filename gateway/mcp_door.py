@@ -170,6 +170,11 @@ class RunView(BaseModel):
         )
     )
     answer: str | None = Field(None, description="the final answer, once Completed")
+    answerCut: bool = Field(
+        False,
+        description="the answer stopped at maxTokens (cut, or empty: a reasoning model "
+        "cut while thinking); give the run more",
+    )
     toolCalls: int = Field(description="tool calls this run made")
     failedToolCalls: int = Field(description="of those, how many failed or were refused")
     error: str | None = None
@@ -274,6 +279,7 @@ def view(status: RunStatus, *, detail: bool = True) -> RunView:
         handle=status.handle,
         state=status.state,
         answer=status.answer,
+        answerCut=status.answer_cut,
         toolCalls=status.usage.tool_calls,
         failedToolCalls=status.usage.failed_tool_calls,
         error=status.error,

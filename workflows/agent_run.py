@@ -295,6 +295,7 @@ class AgentRun:
         )
         self._state = "Running"
         self._answer: str | None = None
+        self._answer_cut = False  # its turn stopped at max_tokens (RunStatus.answer_cut)
         self._error: str | None = None
         self._pending: PendingApproval | None = None
         self._exceeded: str | None = None
@@ -540,6 +541,7 @@ class AgentRun:
             turn = await self._turn(offer)
             if not turn.tool_calls or not offer:
                 self._answer = turn.message.get("content") or ""
+                self._answer_cut = turn.finish_reason == "length"
                 return
             self._check_budget()
             await self._tool_round(turn.tool_calls)
@@ -977,6 +979,7 @@ class AgentRun:
             usage=self._usage,
             subtree=self.subtree(),
             answer=self._answer if self._state == "Completed" else None,
+            answer_cut=self._answer_cut and self._state == "Completed",
             error=self._error,
             budget=self._budget_status(),
             pending_approval=self._pending,

@@ -280,6 +280,9 @@ class RunStatus:
     usage: Totals  # this run alone
     subtree: Totals  # this run and every descendant
     answer: str | None = None
+    # The answer's turn ended at the run's max_tokens (finish_reason "length"): cut,
+    # an empty answer included (a reasoning model cut while thinking).
+    answer_cut: bool = False
     error: str | None = None
     budget: BudgetStatus | None = None
     pending_approval: PendingApproval | None = None

@@ -204,6 +204,18 @@ async def test_a_run_call_the_client_cancels_cancels_its_run(temporal_address: s
         assert sum(s.mcp.counts.values()) == 0  # the destructive call never ran
 
 
+async def test_an_answer_cut_at_max_tokens_says_so(temporal_address: str) -> None:
+    # helper-114: a turn stopped at maxTokens (finish_reason "length") became the run's
+    # answer as if whole: a text tool call cut mid-arguments, or "" from a reasoning
+    # model cut while thinking.  The answer says it was cut.
+    async with stack(temporal_address) as s, Client(s.mcp_door, mode="legacy") as c:
+        cut = result(await c.call_tool("run", {"task": task_with(0, "cut"), "maxTokens": 2}))
+        assert cut["state"] == "Completed" and cut["answerCut"] is True
+        whole = result(await c.call_tool("run", {"task": task_with(0, "whole")}))
+        assert whole["state"] == "Completed" and whole["answerCut"] is False
+        assert len(whole["answer"]) > len(cut["answer"])
+
+
 async def test_a_cancelled_run_calls_cancel_fails_quietly(caplog: pytest.LogCaptureFixture) -> None:
     # With Temporal away at the client's cancel, reaching the run store fails: that is
     # logged and the call still ends as cancelled, not with the store's error.
