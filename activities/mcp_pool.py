@@ -388,22 +388,38 @@ class McpPool:
             first.add(tool)
             every.append((server, tool))
 
-        for name, conn in self._conns.items():
+        async def fetch(name: str, conn: _Connection) -> list[Any]:
             gen = None
             try:
                 client, gen = await conn.client()
-                listed = await _every_tool(client, name)
-            except Exception as exc:
+                return await _every_tool(client, name)
+            except Exception:
                 if gen is not None:  # (an opening that failed was dropped by client())
                     conn.drop(gen)
+                raise
+
+        # Every server at once: one after another, two servers that accept and never
+        # answer took 2 x CONNECT_TIMEOUT_S, past the listing's own timeout, so a run
+        # naming a third server's tools never started (helper-114).  The answers are
+        # read in the servers' order, which decides owners and function names.
+        servers = list(self._conns.items())
+        results = await asyncio.gather(
+            *(fetch(name, conn) for name, conn in servers), return_exceptions=True
+        )
+        for (name, conn), result in zip(servers, results, strict=True):
+            if isinstance(result, BaseException) and not isinstance(result, Exception):
+                raise result  # (a cancellation: the listing's own goes on)
+            if isinstance(result, Exception):
+                exc = result
                 if wanted is None:
-                    raise
+                    raise exc
                 down[name] = f"{type(exc).__name__}: {exc}"
                 if name not in self._last:
                     never_listed = True
                 for tool_name in self._last.get(name, ()):
                     count(name, tool_name)
                 continue
+            listed = result
             names: list[str] = []
             seen: set[str] = set()
             for tool in listed:

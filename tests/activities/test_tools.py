@@ -735,3 +735,46 @@ async def test_a_call_to_a_server_this_worker_lacks_goes_to_another_worker() -> 
         await ActivityEnvironment().run(tools.call_tool, call)
     assert err.value.type == NOT_SENT and not err.value.non_retryable
     assert "no mcp server named 's2' is configured on this worker" in str(err.value)
+
+
+async def test_the_servers_are_listed_at_once_not_one_after_another(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # helper-114: two servers that accept a connection and never answer took
+    # CONNECT_TIMEOUT_S each in turn, past the listing's own 30 s, so a run naming a
+    # third server's tools never started.  Listed at once, the second hung server is
+    # asked while the first still hangs.
+    monkeypatch.setattr(mcp_pool, "CONNECT_TIMEOUT_S", 3.0)
+    asked = [asyncio.Event(), asyncio.Event()]
+    held: list[asyncio.StreamWriter] = []
+
+    def hanging(i: int) -> Any:
+        async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            held.append(writer)  # read nothing back: an initialize never answered
+            asked[i].set()
+
+        return accept
+
+    hung = [await asyncio.start_server(hanging(i), "127.0.0.1", 0) for i in range(2)]
+    app = _paged_server(["lookup"], 10).streamable_http_app(
+        streamable_http_path="/mcp", host="127.0.0.1"
+    )
+    async with serve(app) as url:
+        # "up" first: a tool listed after a server never listed may be that one's
+        servers = [McpServer(name="up", url=f"{url}/mcp")] + [
+            McpServer(name=f"hung{i}", url=f"http://127.0.0.1:{s.sockets[0].getsockname()[1]}/mcp")
+            for i, s in enumerate(hung)
+        ]
+        pool = McpPool(servers)
+        try:
+            listing = asyncio.ensure_future(pool.listing(["lookup"]))
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in asked)), 2.0)
+            got = await asyncio.wait_for(listing, 10)
+            assert [(t.server, t.name) for t in got.tools] == [("up", "lookup")]
+            assert set(got.unreachable) == {"hung0", "hung1"}
+        finally:
+            await pool.aclose()
+            for writer in held:
+                writer.close()
+            for s in hung:
+                s.close()
