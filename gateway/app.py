@@ -824,7 +824,15 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             return error_response(
                 503, message, run_id, anthropic=True, retry_after=rt.prober.retry_after
             )
-        target = _healthy_first(serving, rt.prober)[0]
+        # In rotation first: healthy at its last probe and not ejected after failing
+        # turns (helper-116: an ejected replica, failing, was asked all the same).
+        replicas = rt.shell.state.replicas
+        ejected = {
+            e.name
+            for e in serving
+            if e.name in replicas and replicas[e.name].ejected_until is not None
+        }
+        target = sorted(_healthy_first(serving, rt.prober), key=lambda e: e.name in ejected)[0]
         # The client's header values as it sent them (the server decoded them as
         # latin-1; httpx would encode a str as ASCII and fail on anything else).
         sent = request.headers

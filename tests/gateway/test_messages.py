@@ -29,7 +29,7 @@ from harness import (
 
 from gateway._proxy import MessagesWatch
 from gateway._shell import AdmissionShell
-from scheduler import RunPhase
+from scheduler import Policy, RunPhase
 from testkit.loopback import serve
 
 TOOLS: list[Any] = [
@@ -213,6 +213,40 @@ async def test_a_model_any_replica_of_which_lacks_the_api_is_refused_before_queu
         r = await gw.post("/v1/v1/messages", json=body)
         assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
         assert "its base URL is the gateway's root" in r.json()["error"]["message"]
+
+
+async def test_count_tokens_passes_over_a_replica_ejected_for_failing_turns() -> None:
+    # helper-116: count_tokens went to the first healthy replica by its probe, an
+    # ejected one included (failing turns while its health check passes).
+    def app(n: int, chat_status: int) -> Any:
+        a = models_only()
+
+        @a.post("/v1/messages/count_tokens")
+        async def count(request: Request) -> Response:
+            return Response(json.dumps({"input_tokens": n}), media_type="application/json")
+
+        @a.post("/v1/chat/completions")
+        async def chat_(request: Request) -> Response:
+            return Response(json.dumps({"error": {"message": "CUDA"}}), chat_status)
+
+        return a
+
+    policy = Policy(eject_after_failures=1, eject_for_s=60)
+    async with (
+        serve(app(1, 500)) as bad,
+        serve(app(2, 500)) as good,
+        gateway(
+            endpoint("a", bad, kind="openai", messages=True),
+            endpoint("b", good, kind="openai", messages=True),
+            policy=policy,
+        ) as (gw, shell),
+    ):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+        assert (await gw.post("/v1/messages/count_tokens", json=body)).json()["input_tokens"] == 1
+        r = await gw.post("/v1/chat/completions", json={**body, "max_tokens": 4})
+        assert r.status_code == 500
+        assert shell.state.replicas["a"].ejected_until is not None  # a failed its turn
+        assert (await gw.post("/v1/messages/count_tokens", json=body)).json()["input_tokens"] == 2
 
 
 async def test_count_tokens_is_passed_to_a_replica_and_is_no_turn() -> None:
