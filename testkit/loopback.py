@@ -20,6 +20,28 @@ T = TypeVar("T")
 _POLLS, _POLL_S = 1000, 0.01
 
 
+async def read_body(receive: Callable[[], Any]) -> tuple[bytes, Callable[[], Any]]:
+    """An ASGI request's whole body, and a `receive` that hands it on to the app it
+    goes to as if unread (then whatever the client sends next: its disconnect)."""
+    chunks: list[bytes] = []
+    while True:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            break
+    body = b"".join(chunks)
+    replayed = False
+
+    async def replay() -> Any:
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return body, replay
+
+
 class _SharedProcessServer(uvicorn.Server):
     """A server in a process others share (a test session, a bench): the signals are
     the process's.  uvicorn installs its handlers for a server's life and restores

@@ -27,7 +27,7 @@ from activities.mcp_pool import McpPool, Unreachable
 from activities.tools import TOOL_OUTPUT_MAX_CHARS
 from luftpause.config import McpServer
 from luftpause.temporal_dev import free_port
-from testkit.loopback import serve
+from testkit.loopback import read_body, serve
 from tests.workflows.harness import FakeMcpProcess
 
 
@@ -685,27 +685,12 @@ async def test_one_calls_http_error_leaves_the_other_calls_on_the_connection(
     async def app(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["method"] != "POST":
             return await inner(scope, receive, send)
-        chunks = []
-        while True:
-            message = await receive()
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body"):
-                break
-        body = b"".join(chunks)
+        body, replay = await read_body(receive)
         if b'"boom"' in body:
             start = [(b"content-type", b"text/plain")]
             await send({"type": "http.response.start", "status": 500, "headers": start})
             await send({"type": "http.response.body", "body": b"upstream error"})
             return None
-        replayed = False
-
-        async def replay() -> Any:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
         return await inner(scope, replay, send)
 
     async with serve(app) as url:

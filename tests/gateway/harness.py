@@ -24,7 +24,7 @@ from luftpause.config import parse_config
 from testkit._fake_text import key
 from testkit.fake_engine import FakeEngineSettings
 from testkit.fake_engine import create_app as create_engine
-from testkit.loopback import serve
+from testkit.loopback import read_body, serve
 
 MODEL = "llama-3.2-1b"
 RUN = "x-luftpause-run-id"
@@ -59,24 +59,9 @@ class Recorder:
         if scope["type"] != "http" or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
-        chunks: list[bytes] = []
-        while True:
-            message = await receive()
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body"):
-                break
-        body = b"".join(chunks)
+        body, replay = await read_body(receive)
         headers = {k.decode(): v.decode("latin-1") for k, v in scope["headers"]}  # as servers do
         self.posts.append((scope["path"], headers, json.loads(body)))
-        replayed = False
-
-        async def replay() -> Any:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
         await self.app(scope, replay, send)
 
 
