@@ -832,7 +832,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             for e in serving
             if e.name in replicas and replicas[e.name].ejected_until is not None
         }
-        target = sorted(_healthy_first(serving, rt.prober), key=lambda e: e.name in ejected)[0]
+        # (healthy at its probe first, then not ejected: helper-117)
+        target = sorted(serving, key=lambda e: (e.name in down, e.name in ejected))[0]
         # The client's header values as it sent them (the server decoded them as
         # latin-1; httpx would encode a str as ASCII and fail on anything else).
         sent = request.headers
@@ -1516,12 +1517,6 @@ def _prompt_tokens(raw: bytes) -> int:
 def _down(prober: Prober) -> frozenset[str]:
     """The endpoints the last probe found unhealthy."""
     return frozenset(name for name, r in prober.last.items() if not r.healthy)
-
-
-def _healthy_first(endpoints: Sequence[Endpoint], prober: Prober) -> list[Endpoint]:
-    """Endpoints the last probe found healthy (or has not probed yet) come first."""
-    down = _down(prober)
-    return sorted(endpoints, key=lambda e: e.name in down)
 
 
 def _caller(request: Request) -> str:

@@ -627,3 +627,33 @@ async def test_a_cache_figure_known_only_at_the_end_is_not_counted_twice(
         text = (await gw.get("/metrics")).text
         assert metric(text, "luftpause_prompt_tokens_total") == prompt
         assert metric(text, "luftpause_cached_tokens_total") == cached
+
+
+async def test_count_tokens_prefers_an_ejected_replica_to_one_down_at_its_probe() -> None:
+    # helper-117: sorting by "ejected" alone after "healthy first" sent count_tokens to
+    # a replica nothing listens on, over one that was only ejected.
+    a = models_only()
+
+    @a.post("/v1/messages/count_tokens")
+    async def count(request: Request) -> Response:
+        return Response(json.dumps({"input_tokens": 7}), media_type="application/json")
+
+    @a.post("/v1/chat/completions")
+    async def chat_(request: Request) -> Response:
+        return Response(json.dumps({"error": {"message": "CUDA"}}), 500)
+
+    policy = Policy(eject_after_failures=1, eject_for_s=60)
+    async with (
+        serve(a) as up,
+        gateway(
+            endpoint("b", closed_port_url(), kind="openai", messages=True),
+            endpoint("a", up, kind="openai", messages=True),
+            policy=policy,
+        ) as (gw, shell),
+    ):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+        await until(lambda: not shell.state.replicas["b"].healthy, "b's probe fails")
+        r = await gw.post("/v1/chat/completions", json={**body, "max_tokens": 4})
+        assert r.status_code == 500 and shell.state.replicas["a"].ejected_until is not None
+        r = await gw.post("/v1/messages/count_tokens", json=body)
+        assert r.status_code == 200 and r.json()["input_tokens"] == 7, r.text
