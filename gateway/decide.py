@@ -9,7 +9,8 @@ whitespace and compared case-insensitively, it is a non-empty prefix of the labe
 label's score is the highest probability among its matching tokens.
 
 One token decides, so what it cannot tell apart is refused rather than guessed: a
-label that is another's first word ("no", "no idea": the second could never win) at parse time
+label another begins where tokens split ("no" and "no idea", "1" and "10": the second
+could never win) at parse time
 (400), and a first token that begins two labels the model put first ("Ne" of
 "Negative" and "Neutral") at scoring time (422).  So is an answer whose first token
 put less than MIN_LABEL_MASS on the labels at all (a reasoning model's `<think>`): the
@@ -157,15 +158,16 @@ def decide_request(body: dict[str, Any]) -> DecideRequest:
             "labels: expected distinct labels (compared without case and surrounding "
             f"spaces); repeated: {', '.join(map(repr, repeated))}",
         )
-    # The first token that spells a whole label counts for it alone: a label whose
-    # first word is another label could never be scored ("no idea" beside "no": its
-    # first token is "no"; helper-115).  One that only begins with another's letters
-    # ("Not sure" beside "No", "10" beside "1") has a first token of its own.
+    # The first token that spells a whole label counts for it alone: a label that
+    # another begins, where tokenizers split ("no" in "no idea" or "no, never"; "1" in
+    # "10": Qwen and sentencepiece models split every digit), could never be scored
+    # (helper-115, helper-117).  One that goes on with letters ("Not sure" beside
+    # "No", "All of the above" beside "A") has a first token of its own.
     begins = [
         f"{a!r} begins {b!r}"
         for a, fa in zip(labels, folded, strict=True)
         for b, fb in zip(labels, folded, strict=True)
-        if fb != fa and fb.split()[0] == fa
+        if fb != fa and fb.startswith(fa) and not fb[len(fa)].isalpha()
     ]
     if begins:
         raise DecideError(
