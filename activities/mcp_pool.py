@@ -51,6 +51,10 @@ __all__ = ["Listing", "McpPool", "ServerAnswered", "UnknownTool", "Unreachable"]
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 20.0
+# One server's part of a listing, its opening included: a server whose connection is
+# open but which no longer answers tools/list is given up after this (and the next
+# listing opens it anew), inside the run's 30 s listing.
+LIST_TIMEOUT_S = 25.0
 # Pages of a server's tools/list read at most (a server that hands back a cursor for
 # ever would otherwise hold the listing for ever).
 MAX_TOOL_PAGES = 100
@@ -391,10 +395,20 @@ class McpPool:
         async def fetch(name: str, conn: _Connection) -> list[Any]:
             gen = None
             try:
-                client, gen = await conn.client()
-                return await _every_tool(client, name)
-            except Exception:
-                if gen is not None:  # (an opening that failed was dropped by client())
+                async with asyncio.timeout(LIST_TIMEOUT_S):
+                    client, gen = await conn.client()
+                    return await _every_tool(client, name)
+            except TimeoutError:
+                if gen is not None:
+                    conn.drop(gen)
+                raise TimeoutError(
+                    f"mcp server '{name}': no tools/list answer within {LIST_TIMEOUT_S:g} s"
+                ) from None
+            except BaseException:
+                # (an opening that failed was dropped by client()); one cut off by a
+                # cancellation too: a connection hung mid-listing is not kept for the
+                # next listing to hang on (helper-117)
+                if gen is not None:
                     conn.drop(gen)
                 raise
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -763,3 +764,53 @@ async def test_the_servers_are_listed_at_once_not_one_after_another(
                 writer.close()
             for s in hung:
                 s.close()
+
+
+async def test_a_server_hung_on_tools_list_is_given_up_and_opened_anew(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # helper-117: listing at once fixed servers that never open, not one whose
+    # connection is open and which stopped answering tools/list: it held every
+    # listing, and, cut off by the activity's timeout, its connection was kept for
+    # the next listing to hang on.
+    monkeypatch.setattr(mcp_pool, "LIST_TIMEOUT_S", 1.0)
+    hang, entered = asyncio.Event(), asyncio.Event()
+
+    def server(names: list[str], hanging: asyncio.Event | None) -> Any:
+        async def list_tools(ctx: Any, params: Any) -> types.ListToolsResult:
+            if hanging is not None and hanging.is_set():
+                entered.set()
+                await asyncio.Event().wait()  # overloaded: never answers tools/list
+            tools = [types.Tool(name=n, input_schema={"type": "object"}) for n in names]
+            return types.ListToolsResult(tools=tools)
+
+        return Server("s", on_list_tools=list_tools).streamable_http_app(
+            streamable_http_path="/mcp", host="127.0.0.1"
+        )
+
+    async with serve(server(["lookup"], None)) as up, serve(server(["other"], hang)) as stuck:
+        pool = McpPool(
+            [McpServer(name="up", url=f"{up}/mcp"), McpServer(name="stuck", url=f"{stuck}/mcp")]
+        )
+        try:
+            assert len((await pool.listing(["lookup"])).tools) == 2  # both open now
+            hang.set()
+            got = await asyncio.wait_for(pool.listing(["lookup"]), 10)
+            assert [t.name for t in got.tools] == ["lookup"]
+            assert "no tools/list answer within 1 s" in got.unreachable["stuck"]
+            # Cut off from outside (the activity's own timeout) as well: not kept.
+            entered.clear()
+            listing = asyncio.ensure_future(pool.listing(["lookup"]))
+            await asyncio.wait_for(entered.wait(), 5)  # its tools/list hangs now
+            gen = pool._conns["stuck"]._gen
+            assert gen is not None and not gen.stop.is_set()
+            listing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await listing
+            assert gen.stop.is_set(), "the hung connection was kept"
+            hang.clear()  # back: opened anew, and listed
+            got = await asyncio.wait_for(pool.listing(["lookup"]), 10)
+            assert {t.name for t in got.tools} == {"lookup", "other"} and not got.unreachable
+        finally:
+            hang.clear()
+            await asyncio.wait_for(pool.aclose(), 10)
