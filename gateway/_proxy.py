@@ -717,6 +717,8 @@ class TurnRequest:
     prompt_tokens: int
     max_tokens: int
     tools: frozenset[str] = frozenset()  # names of the function tools offered
+    # The estimate measures the whole prompt (TurnArrived.learnable)
+    learnable: bool = True
     # The body with stream_options.include_usage turned on, for a stream that does not
     # ask for usage; sent to the engine kinds known to take it (USAGE_ASKED_OF), whose
     # usage-only event is then read and not forwarded.  None: `body` is sent.
@@ -745,6 +747,7 @@ class TurnRequest:
             model=self.model,
             prompt_tokens=self.prompt_tokens,
             max_tokens=self.max_tokens,
+            learnable=self.learnable,
         )
 
 

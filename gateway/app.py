@@ -754,6 +754,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             accept=request.headers.get("accept"),
             prompt_tokens=_prompt_tokens(raw),
             max_tokens=_max_tokens(body),
+            # Not a sample of the model's scale: a chained Responses turn's body is not
+            # its whole prompt, and inlined images are counted at a guess (helper-117).
+            learnable=not (
+                (api == "responses" and body.get("previous_response_id"))
+                or (b"base64" in raw and _BASE64_RUN.search(raw) is not None)
+            ),
             # Calls written as text are recovered on Chat Completions only (engines that
             # serve the newer APIs parse tool calls themselves).
             tools=_tool_names(body) if api == "chat" else frozenset(),

@@ -155,12 +155,13 @@ BucketKey = tuple[str, str, ServiceClass]
 
 
 # A learned prompt scale (Policy.learn_prompt_scale): each finished turn whose estimate
-# was at least this many tokens (below, a chat template's own tokens dominate) is a
-# sample of engine count / estimate, kept within these bounds (an image the estimate
-# did not see, a template that drops the tools), and weighs this much in the model's
+# was at least this many tokens (below, a chat template's own tokens dominate) and
+# measures the whole prompt (TurnArrived.learnable) is a sample of engine count /
+# estimate, kept within these bounds (a tokenizer is 0.7-1.4 of a quarter of the
+# bytes; a template that drops the tools, lower), and weighs this much in the model's
 # running average; its first sample is taken whole.
 PROMPT_SCALE_MIN_TOKENS = 256
-PROMPT_SCALE_BOUNDS = (0.25, 4.0)
+PROMPT_SCALE_BOUNDS = (0.5, 2.0)
 PROMPT_SCALE_WEIGHT = 0.1
 
 
@@ -828,7 +829,7 @@ class _Tx:
             None,
             0.0,
             False,
-            estimate=ev.prompt_tokens,
+            estimate=ev.prompt_tokens if ev.learnable else 0,
         )
         self._hold(turn, key)
         self.held_runs[ev.run_id] = self.held_runs.get(ev.run_id, ()) + (ev.turn_id,)

@@ -163,6 +163,11 @@ class TurnArrived:
     # Estimates for KV sizing; 0 = unknown (then the run's last known context is used).
     prompt_tokens: int = 0
     max_tokens: int = 0
+    # Whether the engine's count of this prompt may teach the core its model's scale
+    # (Policy.learn_prompt_scale): not where the estimate measures something else, a
+    # body that is not the whole prompt (a Responses turn chained by
+    # previous_response_id) or images counted at a guess.
+    learnable: bool = True
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -1265,6 +1265,16 @@ async def test_the_core_learns_what_a_models_engines_count_of_the_estimate() -> 
         assert shell.state.prompt_scale[MODEL] == pytest.approx(counted / (len(raw) // 4))
         status = (await gw.get("/status")).json()
         assert status["prompt_scale"] == {MODEL: round(counted / (len(raw) // 4), 3)}
+        # A turn with an inlined image is counted at a guess: no sample (helper-117).
+        learned = shell.state.prompt_scale[MODEL]
+        image = "data:image/png;base64," + "A" * 4096
+        parts = [{"type": "text", "text": "what is this? " * 40},
+                 {"type": "image_url", "image_url": {"url": image}}]  # fmt: skip
+        body = {**chat(), "messages": [{"role": "user", "content": parts}]}
+        r = await gw.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        await until(lambda: not shell.state.turns, "the image turn's end")
+        assert shell.state.prompt_scale[MODEL] == learned
 
 
 async def test_an_http_1_0_client_gets_the_body_not_chunks() -> None:

@@ -2028,6 +2028,15 @@ def test_each_models_prompt_estimates_are_scaled_by_what_its_engines_counted() -
     e = Driver(("a",))
     e.finish(e.arrive("r1", prompt=1000), prompt=100_000, out=1)
     assert e.state.prompt_scale["m"] == PROMPT_SCALE_BOUNDS[1]
+    # A turn whose estimate measures something else teaches nothing (helper-117: a
+    # chained Responses turn's body, 4x under the engine's count, set the scale to 4).
+    f = Driver(("a",))
+    f.feed(
+        TurnArrived(now=f.step(), turn_id="t", run_id="r", service_class=I, caller="c",
+                    model="m", prompt_tokens=1000, learnable=False)
+    )  # fmt: skip
+    f.finish("t", prompt=4000, out=1)
+    assert "m" not in f.state.prompt_scale
     # Switched off, the estimate is taken as it came (the scale is still learned).
     off = Driver(("a",), policy=Policy(learn_prompt_scale=False))
     off.finish(off.arrive("r1", prompt=1000), prompt=1200, out=1)
