@@ -51,10 +51,11 @@ __all__ = ["Listing", "McpPool", "ServerAnswered", "UnknownTool", "Unreachable"]
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 20.0
-# One server's part of a listing, its opening included: a server whose connection is
-# open but which no longer answers tools/list is given up after this (and the next
-# listing opens it anew), inside the run's 30 s listing.
-LIST_TIMEOUT_S = 25.0
+# One tools/list page: a server whose connection is open but which no longer answers
+# it is given up after this, inside the run's 30 s listing (its opening has
+# CONNECT_TIMEOUT_S).  Per page, not for all of them: a healthy server with many pages
+# takes as long as it takes.
+LIST_PAGE_TIMEOUT_S = 10.0
 # Pages of a server's tools/list read at most (a server that hands back a cursor for
 # ever would otherwise hold the listing for ever).
 MAX_TOOL_PAGES = 100
@@ -395,20 +396,15 @@ class McpPool:
         async def fetch(name: str, conn: _Connection) -> list[Any]:
             gen = None
             try:
-                async with asyncio.timeout(LIST_TIMEOUT_S):
-                    client, gen = await conn.client()
-                    return await _every_tool(client, name)
+                client, gen = await conn.client()
+                return await _every_tool(client, name)
             except TimeoutError:
-                if gen is not None:
-                    conn.drop(gen)
-                raise TimeoutError(
-                    f"mcp server '{name}': no tools/list answer within {LIST_TIMEOUT_S:g} s"
-                ) from None
-            except BaseException:
-                # (an opening that failed was dropped by client()); one cut off by a
-                # cancellation too: a connection hung mid-listing is not kept for the
-                # next listing to hang on (helper-117)
-                if gen is not None:
+                # A page not answered in time: the connection stays, with the other
+                # runs' calls on it (helper-118: dropped, it cut them off); the next
+                # listing asks again, for a page's time at most.
+                raise
+            except Exception:
+                if gen is not None:  # (an opening that failed was dropped by client())
                     conn.drop(gen)
                 raise
 
@@ -562,8 +558,19 @@ class McpPool:
 
 
 async def _every_tool(client: Client, server: str) -> list[Any]:
-    """A server's tools, every page of them (`nextCursor`)."""
-    listing = await client.list_tools()
+    """A server's tools, every page of them (`nextCursor`), each page answered within
+    LIST_PAGE_TIMEOUT_S (TimeoutError naming the server)."""
+
+    async def page(cursor: str | None) -> Any:
+        try:
+            async with asyncio.timeout(LIST_PAGE_TIMEOUT_S):
+                return await (client.list_tools(cursor=cursor) if cursor else client.list_tools())
+        except TimeoutError:
+            raise TimeoutError(
+                f"mcp server '{server}': no tools/list answer within {LIST_PAGE_TIMEOUT_S:g} s"
+            ) from None
+
+    listing = await page(None)
     tools = list(listing.tools)
     cursors: set[str] = set()
     while listing.next_cursor is not None:
@@ -575,7 +582,7 @@ async def _every_tool(client: Client, server: str) -> list[Any]:
             )
             break
         cursors.add(listing.next_cursor)
-        listing = await client.list_tools(cursor=listing.next_cursor)
+        listing = await page(listing.next_cursor)
         tools += listing.tools
     return tools
 

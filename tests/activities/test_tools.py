@@ -766,15 +766,16 @@ async def test_the_servers_are_listed_at_once_not_one_after_another(
                 s.close()
 
 
-async def test_a_server_hung_on_tools_list_is_given_up_and_opened_anew(
+async def test_a_server_hung_on_tools_list_is_given_up_a_page_at_a_time(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # helper-117: listing at once fixed servers that never open, not one whose
     # connection is open and which stopped answering tools/list: it held every
-    # listing, and, cut off by the activity's timeout, its connection was kept for
-    # the next listing to hang on.
-    monkeypatch.setattr(mcp_pool, "LIST_TIMEOUT_S", 1.0)
-    hang, entered = asyncio.Event(), asyncio.Event()
+    # listing.  Each page has LIST_PAGE_TIMEOUT_S.  The connection stays (helper-118:
+    # dropped, it cut off the calls other runs had in flight on it), and a listing cut
+    # off from outside (the activity's timeout, a cancel) leaves it too.
+    monkeypatch.setattr(mcp_pool, "LIST_PAGE_TIMEOUT_S", 1.0)
+    hang, entered, release = asyncio.Event(), asyncio.Event(), asyncio.Event()
 
     def server(names: list[str], hanging: asyncio.Event | None) -> Any:
         async def list_tools(ctx: Any, params: Any) -> types.ListToolsResult:
@@ -784,7 +785,11 @@ async def test_a_server_hung_on_tools_list_is_given_up_and_opened_anew(
             tools = [types.Tool(name=n, input_schema={"type": "object"}) for n in names]
             return types.ListToolsResult(tools=tools)
 
-        return Server("s", on_list_tools=list_tools).streamable_http_app(
+        async def call_tool(ctx: Any, params: Any) -> types.CallToolResult:
+            await release.wait()
+            return types.CallToolResult(content=[types.TextContent(type="text", text="done")])
+
+        return Server("s", on_list_tools=list_tools, on_call_tool=call_tool).streamable_http_app(
             streamable_http_path="/mcp", host="127.0.0.1"
         )
 
@@ -798,19 +803,23 @@ async def test_a_server_hung_on_tools_list_is_given_up_and_opened_anew(
             got = await asyncio.wait_for(pool.listing(["lookup"]), 10)
             assert [t.name for t in got.tools] == ["lookup"]
             assert "no tools/list answer within 1 s" in got.unreachable["stuck"]
-            # Cut off from outside (the activity's own timeout) as well: not kept.
+            # A call in flight on the hung server's connection outlives a listing cut
+            # off from outside.
+            gen = pool._conns["stuck"]._gen
+            call = asyncio.ensure_future(pool.call("stuck", "other", {}, key="k1"))
             entered.clear()
             listing = asyncio.ensure_future(pool.listing(["lookup"]))
             await asyncio.wait_for(entered.wait(), 5)  # its tools/list hangs now
-            gen = pool._conns["stuck"]._gen
-            assert gen is not None and not gen.stop.is_set()
             listing.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await listing
-            assert gen.stop.is_set(), "the hung connection was kept"
-            hang.clear()  # back: opened anew, and listed
+            assert pool._conns["stuck"]._gen is gen and gen is not None and not gen.stop.is_set()
+            release.set()
+            assert await asyncio.wait_for(call, 10) == ("done", False)
+            hang.clear()  # back: listed on the same connection
             got = await asyncio.wait_for(pool.listing(["lookup"]), 10)
             assert {t.name for t in got.tools} == {"lookup", "other"} and not got.unreachable
         finally:
             hang.clear()
+            release.set()
             await asyncio.wait_for(pool.aclose(), 10)
