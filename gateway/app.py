@@ -755,11 +755,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             prompt_tokens=_prompt_tokens(raw),
             max_tokens=_max_tokens(body),
             # Not a sample of the model's scale: a chained Responses turn's body is not
-            # its whole prompt, and inlined images are counted at a guess (helper-117).
-            learnable=not (
-                (api == "responses" and body.get("previous_response_id"))
-                or (b"base64" in raw and _BASE64_RUN.search(raw) is not None)
-            ),
+            # its whole prompt, and media are counted at a guess or not at all
+            # (helper-117, helper-118).
+            learnable=not ((api == "responses" and _chained(body)) or _has_media(raw, body)),
             # Calls written as text are recovered on Chat Completions only (engines that
             # serve the newer APIs parse tool calls themselves).
             tools=_tool_names(body) if api == "chat" else frozenset(),
@@ -1500,6 +1498,37 @@ def _parse_class(
 INLINE_IMAGE_TOKENS = 1_600
 # Base64 of 1 KiB and more where media is inlined: a data URL's payload, or a `"data"`.
 _BASE64_RUN = re.compile(rb'(?:;base64,|"data"\s*:\s*")([A-Za-z0-9+/]{1024,}={0,2})')
+
+
+# Content part types that carry media (OpenAI Chat, Anthropic Messages, Responses),
+# inlined or by URL or file id: the engine counts them as it will, the estimate not.
+_MEDIA_PARTS = frozenset(
+    {"image_url", "input_audio", "file", "image", "document", "input_image", "input_file"}
+)
+_MEDIA_HINTS = (b"image", b"audio", b"file", b"document")
+
+
+def _chained(body: dict[str, Any]) -> bool:
+    """A Responses request whose body is not its whole prompt: it continues a stored
+    response or conversation, which the engine counts in."""
+    return bool(body.get("previous_response_id") or body.get("conversation"))
+
+
+def _has_media(raw: bytes, body: Any) -> bool:
+    """Whether a request's messages carry a media part.  Walked only when its bytes name
+    one of the media kinds (a text turn pays a few substring tests)."""
+    if not any(hint in raw for hint in _MEDIA_HINTS):
+        return False
+    stack = [body]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if node.get("type") in _MEDIA_PARTS:
+                return True
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return False
 
 
 def _prompt_tokens(raw: bytes) -> int:

@@ -1268,13 +1268,35 @@ async def test_the_core_learns_what_a_models_engines_count_of_the_estimate() -> 
         # A turn with an inlined image is counted at a guess: no sample (helper-117).
         learned = shell.state.prompt_scale[MODEL]
         image = "data:image/png;base64," + "A" * 4096
-        parts = [{"type": "text", "text": "what is this? " * 40},
+        parts = [{"type": "text", "text": "what is this? " * 100},
                  {"type": "image_url", "image_url": {"url": image}}]  # fmt: skip
         body = {**chat(), "messages": [{"role": "user", "content": parts}]}
         r = await gw.post("/v1/chat/completions", json=body)
         assert r.status_code == 200, r.text
         await until(lambda: not shell.state.turns, "the image turn's end")
         assert shell.state.prompt_scale[MODEL] == learned
+        # ... and one by URL is not counted at all (helper-118: it set the scale to 2).
+        parts[1] = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+        r = await gw.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        await until(lambda: not shell.state.turns, "the image URL turn's end")
+        assert shell.state.prompt_scale[MODEL] == learned
+
+
+def test_what_no_estimate_measures_is_told_apart() -> None:
+    from gateway.app import _chained, _has_media
+
+    def media(body: Any) -> bool:
+        return _has_media(json.dumps(body).encode(), body)
+
+    assert media({"messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "url", "url": "https://x/y.png"}}]}]})  # fmt: skip
+    assert media({"input": [{"role": "user", "content": [
+        {"type": "input_file", "file_id": "file-1"}]}]})  # fmt: skip
+    assert not media({"messages": [{"role": "user", "content": "an image of a file"}]})
+    assert _chained({"previous_response_id": "resp_1", "input": "and then?"})
+    assert _chained({"conversation": "conv_1", "input": "and then?"})
+    assert not _chained({"input": "hi"})
 
 
 async def test_an_http_1_0_client_gets_the_body_not_chunks() -> None:
