@@ -160,14 +160,15 @@ def decide_request(body: dict[str, Any]) -> DecideRequest:
         )
     # The first token that spells a whole label counts for it alone: a label that
     # another begins, where tokenizers split ("no" in "no idea" or "no, never"; "1" in
-    # "10": Qwen and sentencepiece models split every digit), could never be scored
-    # (helper-115, helper-117).  One that goes on with letters ("Not sure" beside
-    # "No", "All of the above" beside "A") has a first token of its own.
+    # "10" or "1st": Qwen and sentencepiece models split every digit), could never be
+    # scored (helper-115, helper-117, helper-118).  One whose letters go on with
+    # letters ("Not sure" beside "No", "All of the above" beside "A") has a first
+    # token of its own.
     begins = [
         f"{a!r} begins {b!r}"
         for a, fa in zip(labels, folded, strict=True)
         for b, fb in zip(labels, folded, strict=True)
-        if fb != fa and fb.startswith(fa) and not fb[len(fa)].isalpha()
+        if fb != fa and fb.startswith(fa) and not (fa[-1].isalpha() and fb[len(fa)].isalpha())
     ]
     if begins:
         raise DecideError(

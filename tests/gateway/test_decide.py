@@ -170,6 +170,7 @@ def test_a_label_that_begins_another_is_refused() -> None:
         (["Yes", "No", "yes please"], "'Yes' begins 'yes please'"),
         (["yes", "no", "no, never"], "'no' begins 'no, never'"),  # helper-117
         ([str(i) for i in range(1, 11)], "'1' begins '10'"),  # Qwen splits every digit
+        (["1", "1st"], "'1' begins '1st'"),  # helper-118
     ):
         with pytest.raises(DecideError, match=said) as e:
             parse_decide(json.dumps({"input": "x", "labels": labels}).encode())
