@@ -307,9 +307,15 @@ async def test_a_reload_starts_the_discovery_period_anew_at_its_own_length(
             with caplog.at_level(logging.INFO, logger="gateway.app"):
                 dns.records[NAME] = ["127.0.0.2"]  # the pod moved: seen by the next round
                 await until(lambda: f"pod-127.0.0.2:{port}" in shell.state.replicas, "a round")
+
+                def said() -> list[str]:  # logged once the round's probe is back
+                    lines = (r.getMessage() for r in caplog.records)
+                    return [line for line in lines if "discovery:" in line]
+
+                await until(lambda: bool(said()), "the round's log line")
             # the round says what it changed, not the reload's "restart to apply" again
-            (said,) = [r.getMessage() for r in caplog.records if "discovery:" in r.getMessage()]
-            assert said == f"discovery: added pod-127.0.0.2:{port}; removed {v4(port)}"
+            (line,) = said()
+            assert line == f"discovery: added pod-127.0.0.2:{port}; removed {v4(port)}"
 
 
 @pytest.mark.parametrize(
