@@ -373,7 +373,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         nonlocal runtime
         loop = asyncio.get_running_loop()
-        for line in config.unset_keys(os.environ):
+        for line in (*config.unset_keys(os.environ), *config.shared_urls()):
             log.warning("%s", line)
         if settings.token is None:
             log.warning(
@@ -602,11 +602,13 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         async with live.reloading:
             new = await asyncio.to_thread(load_config, path, os.environ)
             pool = await discovered(new, live.pool.found)
-            before = set(live.pool.file.unset_keys(os.environ))
+            old = live.pool.file
+            before = {*old.unset_keys(os.environ), *old.shared_urls()}
             change = await serve(pool)
         reloaded.set()  # the next discovery round a period from now, at its period
         log.info("reloaded %s: %s", path, change)
-        for line in new.unset_keys(os.environ):  # as at start, for what the reload brought
+        # As at start, for what the reload brought.
+        for line in (*new.unset_keys(os.environ), *new.shared_urls()):
             if line not in before:
                 log.warning("%s", line)
         return change

@@ -903,6 +903,23 @@ class Config(BaseModel):
             if not environ.get(c.token_env, "").strip()
         ]
 
+    def shared_urls(self) -> list[str]:
+        """Endpoints that take turns at one URL: one engine, which the core would count
+        as two replicas (its slots and KV pool twice, its load split).  The processes
+        warn at start and on a reload; an engine serving several models is one endpoint
+        with them all in `models` (helper-113: it loaded without a word)."""
+        by_url: dict[str, list[str]] = {}
+        for e in self.endpoints:
+            if e.generative:
+                by_url.setdefault(f"{e.url.rstrip('/')}{e.api_path}", []).append(e.name)
+        return [
+            f"endpoints {', '.join(names)} have the same url {url.removesuffix('/v1')}: "
+            "one engine counted as several replicas (its slots and KV pool each time); "
+            "give it one endpoint with all its models"
+            for url, names in by_url.items()
+            if len(names) > 1
+        ]
+
     def caller_tokens(
         self, environ: Mapping[str, str], operator: str | None = None
     ) -> dict[str, str]:

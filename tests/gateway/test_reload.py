@@ -334,6 +334,16 @@ async def test_a_reload_warns_of_a_key_it_brings_that_is_not_set(
                 "endpoint b: api_key_env = 'NEW_KEY', but NEW_KEY is not set: its requests "
                 "go without a key"
             ]
+            # ... and an endpoint at a URL another has (one engine counted twice)
+            path.write_text(toml(a, {"name": "c", "url": url_a, "models": [MODEL]}))
+            with caplog.at_level("WARNING"):
+                assert (await gw.post("/reload")).json()["added"] == ["c"]
+            shared = [r.getMessage() for r in caplog.records if "same url" in r.getMessage()]
+            assert shared == [
+                f"endpoints a, c have the same url {url_a}: one engine counted as several "
+                "replicas (its slots and KV pool each time); give it one endpoint with all "
+                "its models"
+            ]
 
 
 async def test_a_name_freed_by_the_core_takes_another_engine(tmp_path: Path) -> None:

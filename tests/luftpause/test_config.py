@@ -939,3 +939,25 @@ def test_an_mcp_servers_url_may_carry_a_query() -> None:
         }
     )
     assert cfg.mcp_servers[0].url == url
+
+
+def test_endpoints_sharing_a_url_are_named() -> None:
+    # helper-113: two endpoints at one URL are one engine the core counts twice (its
+    # slots and KV pool each time); it loaded without a word.  The gateway warns.
+    cfg = parse_config(
+        {
+            "endpoints": [
+                {"name": "a", "url": "http://h:1", "kind": "ollama", "models": ["m"]},
+                {"name": "b", "url": "http://h:1/", "kind": "ollama", "models": ["n"]},
+                {"name": "c", "url": "http://h:1", "kind": "classifier", "models": ["k"]},
+                {"name": "d", "url": "https://api.test", "kind": "openai", "models": ["x"],
+                 "api_path": "/v1"},
+                {"name": "e", "url": "https://api.test", "kind": "openai", "models": ["y"],
+                 "api_path": "/v1beta/openai"},
+            ]
+        }
+    )  # fmt: skip
+    assert cfg.shared_urls() == [
+        "endpoints a, b have the same url http://h:1: one engine counted as several "
+        "replicas (its slots and KV pool each time); give it one endpoint with all its models"
+    ]
