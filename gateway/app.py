@@ -759,7 +759,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             # Not a sample of the model's scale: a chained Responses turn's body is not
             # its whole prompt, and media are counted at a guess or not at all
             # (helper-117, helper-118).
-            learnable=not ((api == "responses" and _chained(body)) or _has_media(raw, body)),
+            learnable=not ((api == "responses" and _chained(body)) or _has_media(raw)),
             # Calls written as text are recovered on Chat Completions only (engines that
             # serve the newer APIs parse tool calls themselves).
             tools=_tool_names(body) if api == "chat" else frozenset(),
@@ -1502,12 +1502,14 @@ INLINE_IMAGE_TOKENS = 1_600
 _BASE64_RUN = re.compile(rb'(?:;base64,|"data"\s*:\s*")([A-Za-z0-9+/]{1024,}={0,2})')
 
 
-# Content part types that carry media (OpenAI Chat, Anthropic Messages, Responses),
-# inlined or by URL or file id: the engine counts them as it will, the estimate not.
-_MEDIA_PARTS = frozenset(
-    {"image_url", "input_audio", "file", "image", "document", "input_image", "input_file"}
+# A content part that carries media (OpenAI Chat, Anthropic Messages, Responses),
+# inlined or by URL or file id: the engine counts it as it will, the estimate not.  One
+# scan of the bytes, as the base64 test: no walk of the parsed body on the hot path
+# (an agent's tool schemas name "file" everywhere).  A "type" inside a string is
+# escaped (\"type\"), so text that quotes one does not match.
+_MEDIA_PART = re.compile(
+    rb'"type"\s*:\s*"(?:image_url|image|input_image|input_file|file|document|input_audio)"'
 )
-_MEDIA_HINTS = (b"image", b"audio", b"file", b"document")
 
 
 def _chained(body: dict[str, Any]) -> bool:
@@ -1516,21 +1518,9 @@ def _chained(body: dict[str, Any]) -> bool:
     return bool(body.get("previous_response_id") or body.get("conversation"))
 
 
-def _has_media(raw: bytes, body: Any) -> bool:
-    """Whether a request's messages carry a media part.  Walked only when its bytes name
-    one of the media kinds (a text turn pays a few substring tests)."""
-    if not any(hint in raw for hint in _MEDIA_HINTS):
-        return False
-    stack = [body]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            if node.get("type") in _MEDIA_PARTS:
-                return True
-            stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
-    return False
+def _has_media(raw: bytes) -> bool:
+    """Whether a request's messages carry a media part (`_MEDIA_PART`)."""
+    return _MEDIA_PART.search(raw) is not None
 
 
 def _prompt_tokens(raw: bytes) -> int:

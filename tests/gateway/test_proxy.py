@@ -1287,13 +1287,14 @@ def test_what_no_estimate_measures_is_told_apart() -> None:
     from gateway.app import _chained, _has_media
 
     def media(body: Any) -> bool:
-        return _has_media(json.dumps(body).encode(), body)
+        return _has_media(json.dumps(body).encode())
 
     assert media({"messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "url", "url": "https://x/y.png"}}]}]})  # fmt: skip
     assert media({"input": [{"role": "user", "content": [
         {"type": "input_file", "file_id": "file-1"}]}]})  # fmt: skip
     assert not media({"messages": [{"role": "user", "content": "an image of a file"}]})
+    assert not media({"messages": [{"role": "user", "content": 'quote {"type": "image"}'}]})
     assert _chained({"previous_response_id": "resp_1", "input": "and then?"})
     assert _chained({"conversation": "conv_1", "input": "and then?"})
     assert not _chained({"input": "hi"})
