@@ -238,7 +238,12 @@ def score_labels(
     labels: Sequence[str], top_logprobs: Sequence[Any]
 ) -> tuple[dict[str, float], list[str]]:
     """(scores of the matched labels, in label order; the unmatched labels)."""
-    tokens = _tokens(top_logprobs)
+    return _score(labels, _tokens(top_logprobs))
+
+
+def _score(
+    labels: Sequence[str], tokens: list[tuple[str, float]]
+) -> tuple[dict[str, float], list[str]]:
     scores: dict[str, float] = {}
     unscored: list[str] = []
     exact = {_folded(label) for label in labels}
@@ -256,14 +261,14 @@ def decision(labels: Sequence[str], top_logprobs: Sequence[Any]) -> dict[str, An
     """`{label, probabilities, unscored, mass}`; 422 when no label matched any token,
     when the labels got less than MIN_LABEL_MASS of the first token, or when the
     token that scored best begins another label as well (see the module docstring)."""
-    scores, unscored = score_labels(labels, top_logprobs)
+    tokens = _tokens(top_logprobs)
+    scores, unscored = _score(labels, tokens)
     total = sum(scores.values())
     if not scores or total <= 0:
         raise DecideError(
             422,
             f"the model's first token matched none of the labels (unscored: {', '.join(unscored)})",
         )
-    tokens = _tokens(top_logprobs)
     exact = {_folded(label) for label in labels}
     # The probability on the labels: each token that counts for any label, once.
     mass = sum(p for tok, p in tokens if any(_matches(tok, _folded(lb), exact) for lb in labels))
