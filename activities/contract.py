@@ -90,6 +90,9 @@ class ToolInfo:
     # The function name the model is offered and calls, when engines would refuse the
     # tool's own (activities/tool_names.py); "" = its own name.
     function: str = ""
+    # How long one call may take, in seconds (its server's `tool_timeout_s`); 0 = the
+    # workflow's TOOL_TIMEOUT (a listing by a worker from before this field).
+    timeout_s: float = 0.0
 
     @property
     def offered(self) -> str:

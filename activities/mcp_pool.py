@@ -455,6 +455,7 @@ class McpPool:
                         and not waived
                         and (notes is None or notes.destructive_hint is not False),
                         idempotent=bool(notes and notes.idempotent_hint),
+                        timeout_s=conn.server.tool_timeout_s,
                     )
                 )
             self._last[name] = names

@@ -29,7 +29,7 @@ labels = []              # for kind = "classifier": class names, in /classify's 
 messages = true          # serves the Anthropic Messages API (/v1/messages): default true
                          # for sglang, vllm, llamacpp and ollama, false otherwise
 responses = true         # serves the OpenAI Responses API (/v1/responses): the same defaults
-discover = "dns"         # optional: url's host names a set of engines, one per address it
+# discover = "dns"       # optional: url's host names a set of engines, one per address it
                          # resolves to (a Kubernetes headless Service, a Compose service
                          # scaled to N, Consul): each is a replica "<name>-<address>:<port>";
                          # "dns-srv": url names SRV records (no port), which give them
@@ -39,6 +39,7 @@ device = "gpu0"          # optional: endpoints with the same label time-slice on
 [[mcp_servers]]          # tools for sub-agents: streamable HTTP ...
 name = "search"
 url = "http://127.0.0.1:9000/mcp"
+tool_timeout_s = 300.0   # optional: how long one call may take (then the model is told)
 [[mcp_servers]]          # ... or stdio
 name = "files"
 command = ["npx", "-y", "@modelcontextprotocol/server-filesystem", "/srv"]
@@ -458,6 +459,11 @@ class McpServer(BaseModel):
     # not mark `readOnlyHint: true` or `destructiveHint: false` may be destructive, and
     # waits; a run's `approveTools` still makes any tool wait.
     no_approval: list[Annotated[str, Field(min_length=1, max_length=128)]] = []
+    # How long one call of this server's tools may take, in seconds.  A call that has no
+    # answer by then is told to the run's model as an error (it may have run), as Codex's
+    # `tool_timeout_sec` and Claude Code's MCP_TOOL_TIMEOUT are; a worker that dies
+    # mid-call is noticed by its heartbeat, not by this.
+    tool_timeout_s: Annotated[float, Field(ge=MIN_PERIOD_S, le=DAY_S, strict=True)] = 300.0
 
     @field_validator("url")
     @classmethod

@@ -44,7 +44,11 @@ Rules this module keeps:
    never left the worker (the server unreachable) is sent again later, and any other
    failure answers the model that the outcome is unknown (`UNKNOWN_OUTCOME`), so it can
    check before calling again.  (Runs without the `ONCE_PATCH` marker retry every call,
-   as they did.)
+   as they did.)  A call with no answer within its server's `tool_timeout_s` is cut and
+   told to the model, whatever the tool, and the run goes on; a repeatable tool's call
+   that broke off is sent TOOL_SENDS times before the model is told (`NO_ANSWER`).
+   (Runs without the `TOLD_PATCH` marker left a repeatable call to Temporal's retries,
+   each cut at 5 minutes, and failed after 15.)
 """
 
 from __future__ import annotations
@@ -66,7 +70,9 @@ from temporalio.exceptions import (
     CancelledError,
     ChildWorkflowError,
     TerminatedError,
+    TimeoutType,
 )
+from temporalio.exceptions import TimeoutError as ActivityTimeout
 
 with workflow.unsafe.imports_passed_through():
     # The contract module by its own name: the converter resolves the dataclasses'
@@ -165,6 +171,14 @@ HALT_UNBROKEN_PATCH = "a-close-stops-every-child-whatever-cancel-comes"
 # nothing new starts after a stop).  Without it the call kept being sent, for up to
 # TOOL_SCHEDULE_TIMEOUT, and ran after the stop when the server came back.
 UNSENT_STOP_PATCH = "a-call-never-sent-is-not-sent-after-a-stop"
+# `workflow.patched` id of every tool call sent by the run itself, one attempt a send,
+# bounded by its server's `tool_timeout_s` (`ToolInfo.timeout_s`): a call with no answer
+# in that time is told to the model, and so is a repeatable tool's call that broke off
+# (its worker died, its connection broke) TOOL_SENDS times.  Without it a repeatable
+# tool's call was retried by Temporal for TOOL_SCHEDULE_TIMEOUT, each attempt cut at
+# TOOL_TIMEOUT, and then failed the run: a read-only tool slower than 5 minutes (a test
+# suite, a crawl) failed every run that called it, after 15 minutes.
+TOLD_PATCH = "a-call-with-no-answer-in-its-time-is-told-to-the-model"
 
 # What the model reads when a call of a tool that is not repeatable may have run but no
 # answer came (rule 5).
@@ -173,6 +187,11 @@ UNKNOWN_OUTCOME = (
     "have reached the tool's server. It may or may not have taken effect, and it was not "
     "sent again because the server does not mark tool '{tool}' read-only or idempotent. "
     "Check before calling it again."
+)
+# What the model reads when a call of a repeatable tool got no answer (TOLD_PATCH).
+NO_ANSWER = (
+    "Error: no answer came back from tool '{tool}' ({why}); it was not sent again. "
+    "Call it with a smaller request, or go on without it."
 )
 
 # Named timeouts and retry policies (DESIGN.md "The runtime on Temporal").
@@ -184,6 +203,9 @@ UNKNOWN_OUTCOME = (
 TURN_TIMEOUT = timedelta(hours=24)
 TOOL_TIMEOUT = timedelta(minutes=5)
 TOOL_SCHEDULE_TIMEOUT = timedelta(minutes=15)
+# Sends of a repeatable tool's call that broke off before its answer (TOLD_PATCH): the
+# first and two more, as Temporal's retry gave a call cut at TOOL_TIMEOUT in 15 minutes.
+TOOL_SENDS = 3
 HEARTBEAT_TIMEOUT = timedelta(seconds=10)
 SHORT_TIMEOUT = timedelta(seconds=30)
 RETRY = RetryPolicy(
@@ -195,13 +217,15 @@ ONCE = RetryPolicy(maximum_attempts=1)  # a call of a tool that is not repeatabl
 END_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=3)
 
 
-def _send(inp: ToolInput, *, once: bool) -> Awaitable[ToolOutput]:
+def _send(
+    inp: ToolInput, *, once: bool, timeout: timedelta = TOOL_TIMEOUT
+) -> Awaitable[ToolOutput]:
     """The tool call activity: retried by Temporal for TOOL_SCHEDULE_TIMEOUT, or (`once`,
-    rule 5) one attempt, which the run itself sends again only if it never left."""
+    rule 5) one attempt, which the run itself sends again (`AgentRun._sent`)."""
     return workflow.execute_activity_method(
         ToolActivities.call_tool,
         inp,
-        start_to_close_timeout=TOOL_TIMEOUT,
+        start_to_close_timeout=timeout,
         schedule_to_close_timeout=None if once else TOOL_SCHEDULE_TIMEOUT,
         heartbeat_timeout=HEARTBEAT_TIMEOUT,
         retry_policy=ONCE if once else RETRY,
@@ -210,6 +234,15 @@ def _send(inp: ToolInput, *, once: bool) -> Awaitable[ToolOutput]:
 
 class _Stop(Exception):
     """The run must stop: its budget tripped, or an ancestor's did."""
+
+
+def _no_answer_why(cause: BaseException | None, timeout: timedelta) -> str:
+    """Why a tool call that may have run brought no answer, in the model's words."""
+    if isinstance(cause, ActivityTimeout) and cause.type == TimeoutType.START_TO_CLOSE:
+        return f"none within {timeout.total_seconds():g} s, the time its server allows a call"
+    if isinstance(cause, ActivityTimeout) and cause.type == TimeoutType.HEARTBEAT:
+        return "the worker running it stopped"
+    return str(cause)
 
 
 def _tool_message(call_id: str, content: str) -> dict[str, Any]:
@@ -644,54 +677,75 @@ class AgentRun:
             input_schema=tool.input_schema,
             call_id=call.id,
         )
+        if workflow.patched(TOLD_PATCH):
+            return await self._sent(inp, tool)
         if not self._once or tool.repeatable:
             return await _send(inp, once=False)
-        return await self._call_once(inp)
+        return await self._sent(inp, None)
 
-    async def _call_once(self, inp: ToolInput) -> ToolOutput:
-        """A call of a tool that is not repeatable (rule 5): one attempt per send, sent
-        again only while it never left the worker (its server unreachable: NOT_SENT),
-        with RETRY's backoff, for TOOL_SCHEDULE_TIMEOUT at most.  Any other failure (the
-        worker died, the connection broke mid-call, no answer in TOOL_TIMEOUT) may come
-        after the server ran it: the model is told the outcome is unknown."""
+    async def _sent(self, inp: ToolInput, tool: ToolInfo | None) -> ToolOutput:
+        """A call the run sends itself, one attempt per send (rule 5).  It is sent again
+        while it never left the worker (its server unreachable: NOT_SENT), with RETRY's
+        backoff, for TOOL_SCHEDULE_TIMEOUT at most, and then fails the run.  Any other
+        failure may come after the server ran it: a call with no answer within its
+        timeout is told to the model, and so is one that broke off (the worker died, the
+        connection broke), after TOOL_SENDS sends of a repeatable tool's, at once of
+        another's (the outcome is unknown).
+
+        `tool` None: a tool that is not repeatable, as runs without TOLD_PATCH send it
+        (TOOL_TIMEOUT, and the cause's own words)."""
+        told = tool is not None
+        timeout = TOOL_TIMEOUT
+        if tool is not None and tool.timeout_s > 0:
+            timeout = timedelta(seconds=tool.timeout_s)
+        sends = TOOL_SENDS if tool is not None and tool.repeatable else 1
         delay = RETRY.initial_interval
         assert delay is not None and RETRY.maximum_interval is not None
         # From the first send, attempts included (an attempt may spend CONNECT_TIMEOUT_S
         # on a server that does not answer): as schedule-to-close bounds a repeatable one.
-        give_up = workflow.now() + TOOL_SCHEDULE_TIMEOUT
+        started = workflow.now()
+        give_up = started + TOOL_SCHEDULE_TIMEOUT
+        broke = 0
         while True:
             try:
-                return await _send(inp, once=True)
+                return await _send(inp, once=True, timeout=timeout)
             except ActivityError as exc:
                 cause = exc.cause
                 if isinstance(cause, CancelledError):
                     raise
-                if isinstance(cause, ApplicationError):
-                    if cause.non_retryable:
-                        raise  # a failure no attempt mends: the run fails, as with any tool
-                    if cause.type == NOT_SENT:
-                        if workflow.now() + delay > give_up:
-                            raise  # down for as long as a repeatable call is retried
-                        if workflow.patched(UNSENT_STOP_PATCH):
-                            with contextlib.suppress(TimeoutError):
-                                await workflow.wait_condition(self._halting, timeout=delay)
-                            if self._halting():
-                                why = self._stop_reason or self._exceeded
-                                return ToolOutput(
-                                    content=f"Error: not sent: this run is stopping ({why})",
-                                    is_error=True,
-                                    executed=False,
-                                )
-                        else:
-                            await workflow.sleep(delay)
-                        delay = min(delay * RETRY.backoff_coefficient, RETRY.maximum_interval)
-                        continue
-                why = str(cause) if cause is not None else str(exc)
-                return ToolOutput(
-                    content=UNKNOWN_OUTCOME.format(why=why, tool=inp.tool),
-                    is_error=True,
-                    executed=True,
+                if isinstance(cause, ApplicationError) and cause.non_retryable:
+                    raise  # a failure no attempt mends: the run fails, as with any tool
+                unsent = isinstance(cause, ApplicationError) and cause.type == NOT_SENT
+                if unsent and workflow.now() + delay > give_up:
+                    raise  # down for as long as a repeatable call is retried
+                timed_out = (
+                    isinstance(cause, ActivityTimeout) and cause.type == TimeoutType.START_TO_CLOSE
                 )
+                broke += not unsent
+                why = _no_answer_why(cause, timeout) if told else str(cause or exc)
+                if not unsent and (timed_out or broke >= sends):
+                    seconds = (workflow.now() - started).total_seconds() if told else 0.0
+                    if tool is not None and tool.repeatable:
+                        content = NO_ANSWER.format(tool=inp.tool, why=why)
+                    else:
+                        content = UNKNOWN_OUTCOME.format(why=why, tool=inp.tool)
+                    return ToolOutput(content, is_error=True, executed=True, seconds=seconds)
+                if told or workflow.patched(UNSENT_STOP_PATCH):
+                    with contextlib.suppress(TimeoutError):
+                        await workflow.wait_condition(self._halting, timeout=delay)
+                    if self._halting():
+                        stop = self._stop_reason or self._exceeded
+                        if unsent and not broke:
+                            content = f"Error: not sent: this run is stopping ({stop})"
+                        else:  # an earlier send may have run
+                            content = (
+                                f"Error: no answer came back ({why}), and the call was not "
+                                f"sent again: this run is stopping ({stop})"
+                            )
+                        return ToolOutput(content, is_error=True, executed=broke > 0)
+                else:
+                    await workflow.sleep(delay)
+                delay = min(delay * RETRY.backoff_coefficient, RETRY.maximum_interval)
 
     def _tool(self, call: ToolCall) -> ToolInfo | None:
         """The tool a call asks for: by the name the model was offered, or by the tool's

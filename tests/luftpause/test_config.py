@@ -458,6 +458,11 @@ def test_the_newer_apis_default_by_kind_and_the_file_decides() -> None:
         ),
         (
             '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+            '[[mcp_servers]]\nname="t"\nurl="http://h:9/mcp"\ntool_timeout_s=0',
+            "mcp_servers[0].tool_timeout_s: Input should be greater than or equal to 0.05",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
             'api_key_env=""',
             "endpoints[0].api_key_env: String should match pattern",
         ),
@@ -691,6 +696,18 @@ def test_the_readmes_example_file_is_valid() -> None:
     example = section.split("```toml\n", 1)[1].split("```", 1)[0]
     config = parse_config(tomllib.loads(example), "README.md")
     assert {e.kind for e in config.endpoints} >= {"sglang", "vllm", "openai", "classifier"}
+    assert config.policy.to_policy() == Policy()  # it lists the defaults
+
+
+def test_the_modules_example_file_is_valid() -> None:
+    # The reference of every key in luftpause/config.py's docstring: it did not load
+    # (discover = "dns" on an address; helper-113).
+    import luftpause.config
+
+    doc = luftpause.config.__doc__ or ""
+    example = doc.split("```toml\n", 1)[1].split("```", 1)[0]
+    config = parse_config(tomllib.loads(example), "luftpause/config.py")
+    assert config.mcp_servers[0].tool_timeout_s == 300.0
     assert config.policy.to_policy() == Policy()  # it lists the defaults
 
 

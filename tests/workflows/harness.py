@@ -135,8 +135,10 @@ async def stack(
     token: str | None = None,
     callers: list[dict[str, str]] | None = None,
     mcp_servers: Sequence[McpServer] = (),
+    tool_timeout_s: float = 300.0,
 ) -> AsyncIterator[Stack]:
-    """Gateway + two fake engines + fake MCP + (optionally) a worker on a fresh task queue."""
+    """Gateway + two fake engines + fake MCP + (optionally) a worker on a fresh task queue;
+    `tool_timeout_s` is the worker's for the fake MCP server's tools."""
     async with contextlib.AsyncExitStack() as stack_:
         fakes = await start_fakes(stack_, engine=engine, mcp_time_scale=mcp_time_scale)
         urls, mcp_url, mcp_state = fakes.engines, fakes.mcp_url, fakes.mcp
@@ -155,7 +157,13 @@ async def stack(
         if worker:
             await stack_.enter_async_context(
                 run_worker(
-                    client, queue, gateway_url, f"{mcp_url}/mcp", token=token, more=mcp_servers
+                    client,
+                    queue,
+                    gateway_url,
+                    f"{mcp_url}/mcp",
+                    token=token,
+                    more=mcp_servers,
+                    tool_timeout_s=tool_timeout_s,
                 )
             )
         yield Stack(
@@ -178,9 +186,10 @@ async def run_worker(
     *,
     token: str | None = None,
     more: Sequence[McpServer] = (),
+    tool_timeout_s: float = 300.0,
 ) -> AsyncIterator[None]:
     """A worker whose tools are the fake MCP server's (`fake`), and `more` servers'."""
-    pool = McpPool([McpServer(name="fake", url=mcp_url), *more])
+    pool = McpPool([McpServer(name="fake", url=mcp_url, tool_timeout_s=tool_timeout_s), *more])
     async with gateway_client() as http:  # the worker's own
         llm = LlmActivities(http, base_url=gateway_url, token=token, heartbeat_every_s=0.5)
         worker = build_worker(

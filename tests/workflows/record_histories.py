@@ -15,7 +15,7 @@ new (`budget_drained` was recorded after `DRAIN_PATCH`, `budget_spent` after
 `LATE_CHILD_PATCH` and `late_child_unpatched` by the same scenario at the commit before
 it, renamed; `cancelled_while_closing` after `HALT_UNBROKEN_PATCH`, `unsent_stopped` after
 `UNSENT_STOP_PATCH`, `seconds_tripped` and `continued_as_new` after that, to cover those
-paths; the others before them).
+paths, `told` after `TOLD_PATCH`; the others before them).
 """
 
 from __future__ import annotations
@@ -231,6 +231,16 @@ async def _unsent_stopped(s: Stack) -> None:
     await _save(s, "unsent_stopped", [handle])
 
 
+async def _told(s: Stack) -> None:
+    # After TOLD_PATCH: a repeatable call cut at its server's timeout, told to the model
+    # at once, and one that breaks off every send, told after the last (stand-ins of
+    # tests/workflows/test_tool_timeouts.py).
+    from tests.workflows.test_tool_timeouts import run_calling
+
+    handles = [(await run_calling(s.client, tool))[0] for tool in ("hang", "breaks")]
+    await _save(s, "told", handles)
+
+
 async def _seconds_tripped(s: Stack) -> None:
     # A seconds budget trips (by the run's own timer) while the run waits for approval.
     h = await spawn_waiting(s, "seconds", budget=Budget(seconds=2))
@@ -281,6 +291,7 @@ SCENARIOS = {
     "unsent_stopped": _unsent_stopped,
     "seconds_tripped": _seconds_tripped,
     "continued_as_new": _continued_as_new,
+    "told": _told,
 }
 
 

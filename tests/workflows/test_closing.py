@@ -36,7 +36,7 @@ from activities.contract import (
 )
 from tests.workflows.harness import connect, until
 from workflows import AgentRun, Budget, Runs, RunSpec, RunStatus
-from workflows.agent_run import HALT_UNBROKEN_PATCH, UNSENT_STOP_PATCH
+from workflows.agent_run import HALT_UNBROKEN_PATCH, TOLD_PATCH
 
 CHILDREN = 12  # the close signals and cancels each: a wide window for the cancel
 ATTEMPTS = 3  # scenarios tried until the cancel lands mid-close (bounded)
@@ -224,7 +224,9 @@ async def test_a_call_never_sent_is_not_sent_after_a_stop(temporal_address: str)
     assert reply["content"].startswith("Error: not sent: this run is stopping (budget exceeded")
     history = await client.get_workflow_handle(handle).fetch_history()
     markers = [e for e in history.events if e.HasField("marker_recorded_event_attributes")]
-    assert any(UNSENT_STOP_PATCH.encode() in e.SerializeToString() for e in markers)
+    # Runs since TOLD_PATCH send their calls themselves with the stop rule built in; the
+    # `unsent_stopped` history (test_replay) keeps UNSENT_STOP_PATCH's path replayed.
+    assert any(TOLD_PATCH.encode() in e.SerializeToString() for e in markers)
     result = await Replayer(workflows=[AgentRun]).replay_workflow(
         history, raise_on_replay_failure=False
     )

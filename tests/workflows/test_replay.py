@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from temporalio import workflow
@@ -24,6 +26,7 @@ from workflows.agent_run import (
     ONCE_PATCH,
     REPORTS_PATCH,
     SPENT_PATCH,
+    TOLD_PATCH,
     TOOLS_BY_FUNCTION_PATCH,
     UNSENT_STOP_PATCH,
 )
@@ -41,8 +44,10 @@ AFTER_UNBROKEN = {"cancelled_while_closing", "unsent_stopped"}
 # Recorded after UNSENT_STOP_PATCH, to cover a seconds budget's trip and a run that
 # continues as new (each execution's history; only the first three end continued).
 AFTER_UNSENT = {"seconds_tripped"} | {f"continued_as_new-{i}" for i in range(4)}
+# Recorded after TOLD_PATCH: a repeatable call cut at its timeout, one broken off.
+AFTER_TOLD = {"told-0", "told-1"}
 AFTER_FUNCTIONS = (
-    {"tools_by_function"} | UNPATCHED_LATE | AFTER_LATE | AFTER_UNBROKEN | AFTER_UNSENT
+    {"tools_by_function"} | UNPATCHED_LATE | AFTER_LATE | AFTER_UNBROKEN | AFTER_UNSENT | AFTER_TOLD
 )
 # Recorded after REPORTS_PATCH (and so after every earlier patch).
 AFTER_REPORTS = {"reports_held-0", "reports_held-1", "reports_held-2"} | AFTER_FUNCTIONS
@@ -81,6 +86,7 @@ def test_the_recorded_histories_cover_the_run_paths() -> None:
         "unsent_stopped",
         "seconds_tripped",
         "continued_as_new",
+        "told",
     }
     for kind in (
         "ACTIVITY_TASK_COMPLETED",  # LLM turns and tool calls
@@ -236,6 +242,39 @@ def test_a_call_not_sent_again_after_a_stop_is_recorded_after_its_patch() -> Non
     path = HISTORIES[0].parent / "unsent_stopped.json"
     kinds = [e["eventType"] for e in json.loads(path.read_text("utf-8"))["events"]]
     assert kinds[-1] == "EVENT_TYPE_WORKFLOW_EXECUTION_FAILED"  # budget exceeded
+
+
+def _payloads(tree: Any) -> Iterator[bytes]:
+    """Every payload's data in a history's events, decoded."""
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            if key == "data" and isinstance(value, str):
+                yield base64.b64decode(value)
+            else:
+                yield from _payloads(value)
+    elif isinstance(tree, list):
+        for item in tree:
+            yield from _payloads(item)
+
+
+def test_a_call_told_to_the_model_is_recorded_after_its_patch() -> None:
+    # TOLD_PATCH: every history before it sends its tool calls the old way (Temporal's
+    # retries for a repeatable tool); `told` has the marker, and both its runs end
+    # completed, the model told of the call with no answer (not sent again after a cut,
+    # after TOOL_SENDS sends when it broke off).
+    assert {p.stem for p in HISTORIES if TOLD_PATCH in _patches(p)} == AFTER_TOLD
+    for stem, sends in (("told-0", 1), ("told-1", 3)):
+        events = json.loads((HISTORIES[0].parent / f"{stem}.json").read_text("utf-8"))["events"]
+        kinds = [e["eventType"] for e in events]
+        assert kinds[-1] == "EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED"
+        calls = [
+            e
+            for e in events
+            if e.get("activityTaskScheduledEventAttributes", {}).get("activityType", {}).get("name")
+            == "call_tool"
+        ]
+        assert len(calls) == sends, stem
+        assert any(b"no answer came back from tool" in data for data in _payloads(events))
 
 
 @pytest.mark.parametrize("path", HISTORIES, ids=[p.stem for p in HISTORIES])

@@ -1,0 +1,190 @@
+"""A tool call with no answer in its server's time (`tool_timeout_s`), or one that breaks
+off, on a real dev server: the model is told, and the run goes on (TOLD_PATCH).  The
+activities are stand-ins registered under the real names, as in test_closing: the
+tests must hang a call past its timeout, or break it, on cue."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from temporalio import activity
+from temporalio.client import Client
+from temporalio.exceptions import ApplicationError
+from temporalio.worker import Replayer, Worker
+
+from activities.contract import (
+    EndRunInput,
+    ToolCall,
+    ToolInfo,
+    ToolInput,
+    ToolOutput,
+    ToolsWanted,
+    TurnInput,
+    TurnOutput,
+)
+from tests.workflows.harness import MODEL, connect, stack, task_with, until
+from workflows import AgentRun, Runs, RunSpec, RunStatus
+from workflows.agent_run import TOLD_PATCH, TOOL_SENDS
+
+TIMEOUT_S = 0.5
+SCHEMA = {"type": "object"}
+
+
+class StandIns:
+    """Four tools of one server, each allowed TIMEOUT_S a call: `hang` (read-only) and
+    `write` (not repeatable) answer only when cancelled; `breaks` (read-only) breaks off
+    every time, `flaky` (read-only) the first time only.  A "call <tool>" task's first
+    turn calls that tool; the next answers "done"."""
+
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+        self.cancelled: list[str] = []
+
+    @activity.defn(name="list_tools")
+    async def list_tools(self, wanted: ToolsWanted | None = None) -> list[ToolInfo]:
+        def tool(name: str, *, read_only: bool = True) -> ToolInfo:
+            return ToolInfo("fake", name, name, SCHEMA, read_only=read_only, timeout_s=TIMEOUT_S)
+
+        return [tool("hang"), tool("breaks"), tool("flaky"), tool("write", read_only=False)]
+
+    @activity.defn(name="end_run")
+    async def end_run(self, end: EndRunInput) -> None:
+        pass
+
+    @activity.defn(name="call_tool")
+    async def call_tool(self, call: ToolInput) -> ToolOutput:
+        self.sent.append(call.tool)
+        if call.tool == "breaks" or (call.tool == "flaky" and self.sent.count("flaky") == 1):
+            raise ApplicationError("the connection broke mid-call", type="McpUnavailable")
+        if call.tool == "flaky":
+            return ToolOutput("flaky's answer", False, True)
+        try:
+            await asyncio.Event().wait()  # until its timeout cancels it
+        except asyncio.CancelledError:
+            self.cancelled.append(call.tool)
+            raise
+        raise AssertionError("unreachable")
+
+    @activity.defn(name="llm_turn")
+    async def llm_turn(self, turn: TurnInput) -> TurnOutput:
+        if not any(m["role"] == "tool" for m in turn.messages):
+            task = next(m["content"] for m in turn.messages if m["role"] == "user")
+            name = task.removeprefix("call ")
+            fn = {"name": name, "arguments": "{}"}
+            message = {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": "c1", "type": "function", "function": fn}],
+            }
+            return TurnOutput(message, [ToolCall("c1", name, "{}")], "tool_calls", 10, 10)
+        return TurnOutput({"role": "assistant", "content": "done"}, [], "stop", 10, 10)
+
+
+@asynccontextmanager
+async def worker(client: Client, queue: str, fakes: StandIns) -> AsyncIterator[None]:
+    activities = [fakes.list_tools, fakes.end_run, fakes.llm_turn, fakes.call_tool]
+    async with Worker(client, task_queue=queue, workflows=[AgentRun], activities=activities):
+        yield
+
+
+async def run_calling(
+    client: Client, tool: str
+) -> tuple[str, StandIns, RunStatus, list[dict[str, Any]]]:
+    """A run whose one call is of `tool`: its handle once it has ended, the stand-ins,
+    its status and its transcript."""
+    queue = f"told-{uuid.uuid4().hex[:8]}"
+    fakes = StandIns()
+    runs = Runs(client, task_queue=queue)
+    async with worker(client, queue, fakes):
+        await until(runs._worker_polls, "the worker polls")
+        handle = await runs.spawn(RunSpec(task=f"call {tool}", model="m", tools=[tool]))
+        await asyncio.wait_for(client.get_workflow_handle(handle).result(), 60)
+        if tool in ("hang", "write"):
+            await until(lambda: tool in fakes.cancelled, "the call cut at its timeout")
+        return handle, fakes, await runs.status(handle), await runs.transcript(handle)
+
+
+def _reply(transcript: list[dict[str, Any]]) -> str:
+    (reply,) = [m for m in transcript if m["role"] == "tool"]
+    return str(reply["content"])
+
+
+async def _replays(client: Client, handle: str) -> None:
+    history = await client.get_workflow_handle(handle).fetch_history()
+    markers = [e for e in history.events if e.HasField("marker_recorded_event_attributes")]
+    assert any(TOLD_PATCH.encode() in e.SerializeToString() for e in markers)
+    result = await Replayer(workflows=[AgentRun]).replay_workflow(
+        history, raise_on_replay_failure=False
+    )
+    assert result.replay_failure is None, result.replay_failure
+
+
+async def test_a_repeatable_call_with_no_answer_in_its_time_is_told_and_not_sent_again(
+    temporal_address: str,
+) -> None:
+    # Before, Temporal retried it for 15 minutes, each attempt cut at a fixed 5, and
+    # then failed the run.  Now it is cut at its server's tool_timeout_s and the model
+    # reads why; a call slower than its time would be as slow again, so it goes once.
+    client = await connect(temporal_address)
+    handle, fakes, status, transcript = await run_calling(client, "hang")
+    assert status.state == "Completed" and status.answer == "done", status
+    assert fakes.sent == ["hang"] and fakes.cancelled == ["hang"]
+    reply = _reply(transcript)
+    assert reply.startswith("Error: no answer came back from tool 'hang' (none within 0.5 s"), reply
+    assert "not sent again" in reply
+    assert status.usage.failed_tool_calls == 1 and status.usage.tool_seconds >= TIMEOUT_S
+    await _replays(client, handle)
+
+
+async def test_a_repeatable_call_that_breaks_off_is_sent_again_then_told(
+    temporal_address: str,
+) -> None:
+    client = await connect(temporal_address)
+    _, fakes, status, transcript = await run_calling(client, "breaks")
+    assert status.state == "Completed", status
+    assert fakes.sent == ["breaks"] * TOOL_SENDS
+    reply = _reply(transcript)
+    assert reply.startswith("Error: no answer came back from tool 'breaks' ("), reply
+    assert "the connection broke mid-call" in reply
+    # One break is mended by the next send: the model reads the answer.
+    _, fakes, status, transcript = await run_calling(client, "flaky")
+    assert fakes.sent == ["flaky", "flaky"]
+    assert _reply(transcript) == "flaky's answer" and status.usage.failed_tool_calls == 0
+
+
+async def test_a_call_of_a_tool_not_repeatable_cut_at_its_time_has_an_unknown_outcome(
+    temporal_address: str,
+) -> None:
+    client = await connect(temporal_address)
+    _, fakes, status, transcript = await run_calling(client, "write")
+    assert status.state == "Completed", status
+    assert fakes.sent == ["write"]
+    reply = _reply(transcript)
+    assert reply.startswith(
+        "Error: the outcome of this call is unknown: no answer came back (none within 0.5 s"
+    ), reply
+
+
+async def test_a_servers_tool_timeout_reaches_the_runs_of_the_real_stack(
+    temporal_address: str,
+) -> None:
+    # `[[mcp_servers]] tool_timeout_s` → the worker's listing → the run's call, cut at it
+    # on a real MCP server that holds the call: the run goes on and its model reads why.
+    async with stack(temporal_address, tool_timeout_s=1.0) as s:
+        s.mcp.gate.clear()  # every call waits at the gate: none answers in time
+        h = await s.runs.spawn(RunSpec(task=task_with(1), model=MODEL, tools=["lookup"]))
+        (status,) = await s.runs.wait([h], timeout=60)
+        assert status.state == "Completed", status
+        reply = _reply(await s.runs.transcript(h))
+        assert reply.startswith("Error: no answer came back from tool 'lookup' (none within 1 s"), (
+            reply
+        )
+        assert [(t, n) for (t, _), n in s.mcp.received.items()] == [("lookup", 1)]
+        assert not s.mcp.counts  # it never finished
+        # The cut reached the server: the call is not still running there.
+        await until(lambda: not s.mcp.inflight, "the cut call gone from the server")
+        s.mcp.gate.set()
