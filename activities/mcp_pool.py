@@ -6,9 +6,11 @@ from many activity tasks at once.  A connection that fails is dropped and reopen
 the next call, so an upstream server that restarts costs one failed activity (sent
 again: it never reached the server), not a worker restart.  Whether a failed call may
 have reached an HTTP server is noted by idempotency key (`_Delivery`).  A stdio server
-gives no such sign (and 2026-07-28 has no ping to ask it first): a call that fails on
-it may have run, including the first call after the process died while idle, which a
-tool that is not repeatable then answers as of unknown outcome.
+gives no such sign: a call that fails on it may have run.  But a stdio server's output
+that has ended (the process exited while idle) is noted (`_Watched`), and the next call
+or listing opens a new process rather than fail on the dead one: the first call after
+the death was answered "Connection closed" by the SDK without being written, and a
+tool that is not repeatable was told as of unknown outcome (helper-114).
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import anyio
 import httpx2
 from mcp import Client
-from mcp.client.stdio import StdioServerParameters, get_default_environment
+from mcp.client.stdio import StdioServerParameters, get_default_environment, stdio_client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 from mcp_types import (
@@ -208,14 +211,60 @@ SETTLE_TIMEOUT_S = 5.0
 
 class _Generation:
     """One opening of a server's connection: its client (once ready), what stops it,
-    and the task that owns it."""
+    the task that owns it, and whether the server's output has ended (a stdio server's
+    process exited: nothing sent on this opening reaches it)."""
 
-    __slots__ = ("owner", "ready", "stop")
+    __slots__ = ("ended", "owner", "ready", "stop")
 
     def __init__(self) -> None:
         self.ready: asyncio.Future[Client] = asyncio.get_running_loop().create_future()
         self.stop = asyncio.Event()
         self.owner: asyncio.Task[None] | None = None
+        self.ended = False
+
+
+class _Watched:
+    """A transport's read stream that notes its end on the opening (`ended`); the rest
+    is the stream's own."""
+
+    def __init__(self, stream: Any, gen: _Generation) -> None:
+        self._stream = stream
+        self._gen = gen
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+    async def receive(self) -> Any:
+        try:
+            return await self._stream.receive()
+        except anyio.EndOfStream:
+            self._gen.ended = True
+            raise
+
+    def __aiter__(self) -> _Watched:
+        return self
+
+    async def __anext__(self) -> Any:
+        try:
+            return await self.receive()
+        except anyio.EndOfStream:
+            raise StopAsyncIteration from None
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+    async def __aenter__(self) -> _Watched:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+
+@contextlib.asynccontextmanager
+async def _watched_stdio(params: StdioServerParameters, gen: _Generation) -> AsyncIterator[Any]:
+    """`stdio_client`, with its read stream watched for the process's end."""
+    async with stdio_client(params) as (read, write):
+        yield _Watched(read, gen), write
 
 
 class _Connection:
@@ -232,14 +281,14 @@ class _Connection:
         self.statuses: dict[str, int] = {}
 
     @contextlib.asynccontextmanager
-    async def _client(self) -> AsyncIterator[Client]:
+    async def _client(self, gen: _Generation) -> AsyncIterator[Client]:
         s = self.server
         if s.command is not None:
             # The SDK's safe default (HOME, PATH, ...) and the server's own: not the
             # worker's whole environment, which holds its tokens.
             env = {**get_default_environment(), **s.env} if s.env else None
             params = StdioServerParameters(command=s.command[0], args=s.command[1:], env=env)
-            async with Client(params, mode=s.protocol) as client:
+            async with Client(_watched_stdio(params, gen), mode=s.protocol) as client:
                 yield client
             return
         assert s.url is not None
@@ -259,7 +308,7 @@ class _Connection:
     async def _own(self, gen: _Generation) -> None:
         self.errors.clear()
         try:
-            async with self._client() as client:
+            async with self._client(gen) as client:
                 gen.ready.set_result(client)
                 await gen.stop.wait()
         except BaseException as exc:
@@ -277,8 +326,14 @@ class _Connection:
                 self._gen = None
 
     async def client(self) -> tuple[Client, _Generation]:
-        """The open client (opened if need be) and the opening it belongs to."""
+        """The open client (opened if need be) and the opening it belongs to.  An
+        opening whose server's output ended (a stdio process that exited) is closed and
+        a new one made: whatever was sent on it would reach no one."""
         gen = self._gen
+        if gen is not None and gen.ended:
+            log.warning("mcp server %r: its process exited; starting it again", self.server.name)
+            self.drop(gen)
+            gen = None
         if gen is None:
             gen = self._gen = _Generation()
             gen.owner = asyncio.create_task(self._own(gen))

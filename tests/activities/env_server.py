@@ -1,5 +1,5 @@
-"""A stdio MCP server whose one tool answers its own environment (tests of what a
-stdio tool server is given)."""
+"""A stdio MCP server whose tools answer its own environment and process id (tests of
+what a stdio tool server is given, and of one that dies)."""
 
 import json
 import os
@@ -13,6 +13,12 @@ mcp: MCPServer = MCPServer("env")
 def environment() -> str:
     """The server's environment, as JSON."""
     return json.dumps(dict(os.environ))
+
+
+@mcp.tool()
+def pid() -> str:
+    """The server's process id."""
+    return str(os.getpid())
 
 
 if __name__ == "__main__":

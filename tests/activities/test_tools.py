@@ -8,6 +8,7 @@ import json
 import os
 import random
 import re
+import signal
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -29,7 +30,7 @@ from activities.tools import TOOL_OUTPUT_MAX_CHARS
 from luftpause.config import McpServer
 from luftpause.temporal_dev import free_port
 from testkit.loopback import read_body, serve
-from tests.workflows.harness import FakeMcpProcess
+from tests.workflows.harness import FakeMcpProcess, until
 
 
 def _server() -> MCPServer:
@@ -457,6 +458,29 @@ async def test_a_stdio_server_gets_its_own_environment_not_the_workers(
         seen = json.loads((await pool.call("s", "environment", {}))[0])
         assert seen["REGION"] == "eu" and "LUFTPAUSE_TOKEN" not in seen
         assert seen["PATH"] == os.environ["PATH"]  # the SDK's safe default stays
+    finally:
+        await pool.aclose()
+
+
+async def test_a_stdio_server_that_died_while_idle_is_started_again_for_the_next_call() -> None:
+    # The SDK answered the first call after the death "Connection closed" without
+    # writing it, and the pool took that as a call that may have run: a tool that is
+    # not repeatable was told to the model as of unknown outcome (helper-114).
+    script = Path(__file__).with_name("env_server.py")
+    pool = McpPool([McpServer(name="s", command=[sys.executable, str(script)])])
+    try:
+        first = int((await pool.call("s", "pid", {}, key="r/1"))[0])
+        conn = pool._conns["s"]
+        gen = conn._gen
+        assert gen is not None and not gen.ended
+        os.kill(first, signal.SIGKILL)
+        await until(lambda: gen.ended, "the pool sees the server's output end")
+        second = int((await pool.call("s", "pid", {}, key="r/2"))[0])
+        assert second != first and conn._gen is not gen
+        # And listing, the other way in, does the same.
+        os.kill(second, signal.SIGKILL)
+        await until(lambda: conn._gen is not None and conn._gen.ended, "the second end seen")
+        assert {t.name for t in await pool.list_tools()} == {"environment", "pid"}
     finally:
         await pool.aclose()
 
