@@ -87,9 +87,17 @@ Observer = Callable[[State, Event, Sequence[Action]], None]
 class AdmissionShell:
     """The scheduler core in the gateway process, with the turns waiting on it."""
 
-    def __init__(self, state: State, *, observer: Observer | None = None) -> None:
+    def __init__(
+        self,
+        state: State,
+        *,
+        observer: Observer | None = None,
+        refused: Callable[[int], None] | None = None,
+    ) -> None:
         self._state = state
         self._observer = observer
+        # Told the status of a turn refused here, before the core saw it (a drain).
+        self._refused = refused
         # The turns whose handlers wait to be admitted: turn id -> (its future, run id,
         # caller); and run id -> caller -> how many, so that whose a run known only by
         # its held turns is costs no walk over every held turn.
@@ -133,8 +141,15 @@ class AdmissionShell:
 
     def arrive(self, event: TurnArrived) -> asyncio.Future[Admission]:
         """Report a turn; the future resolves when the core admits or rejects it
-        (possibly already done on return)."""
+        (possibly already done on return).  While the gateway drains, every turn is
+        refused 503 at once and the core never sees it: one with a free slot would
+        start, and be cut at the end of the shutdown's grace (helper-116)."""
         future: asyncio.Future[Admission] = asyncio.get_running_loop().create_future()
+        if self._draining is not None:
+            future.set_result(Rejected(503, *self._draining))
+            if self._refused is not None:
+                self._refused(503)
+            return future
         self._waiting[event.turn_id] = (future, event.run_id, event.caller)
         by_caller = self._waiting_runs.setdefault(event.run_id, {})
         by_caller[event.caller] = by_caller.get(event.caller, 0) + 1
@@ -143,15 +158,14 @@ class AdmissionShell:
         except BaseException:
             self._unwait(event.turn_id)
             raise
-        if self._draining is not None and not future.done():
-            self._refuse_held(event.turn_id, event.now, *self._draining)
         return future
 
     def drain(self, now: float, message: str, retry_after: str) -> int:
-        """The gateway is stopping: every turn held now, and every turn that would be
-        held from now on, is answered 503 `message` at once (the core is told each is
-        abandoned), instead of waiting out the shutdown's grace for a slot and being cut
-        at its end.  Turns admitted already go on.  Returns how many were held."""
+        """The gateway is stopping: every turn held now is answered 503 `message` at
+        once (the core is told each is abandoned), instead of waiting out the shutdown's
+        grace for a slot and being cut at its end, and so is every turn that arrives
+        from now on (`arrive`).  Turns admitted already go on.  Returns how many were
+        held."""
         self._draining = (message, retry_after)
         held = list(self._waiting)
         for turn_id in held:

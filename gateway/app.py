@@ -401,7 +401,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             # Discovered endpoints' engines first: the core starts with them.
             live.replace(await discovered(config, {}), lambda name: False)
             serving = live.pool.config
-            shell = AdmissionShell(State.initial(serving.replica_specs(), policy), observer=observe)
+            shell = AdmissionShell(
+                State.initial(serving.replica_specs(), policy),
+                observer=observe,
+                refused=metrics.refused,
+            )
 
             def report(results: list[ProbeResult]) -> None:
                 now = loop.time()

@@ -4,7 +4,7 @@ every 60 s): what identifies a run that sends no run id."""
 from __future__ import annotations
 
 from gateway._shell import TOOL_CALL_MEMORY_S, AdmissionShell
-from scheduler import ReplicaSpec, RunEnded, ServiceClass, State, TurnArrived
+from scheduler import ReplicaSpec, RunEnded, ServiceClass, State, TurnArrived, TurnFinished
 
 
 def shell() -> AdmissionShell:
@@ -96,3 +96,32 @@ def test_a_client_that_leaves_as_its_turn_is_admitted_left_it_and_did_not_abando
     assert isinstance(left_while_held(s, "t2", 2.0), TurnAbandoned)
     s.apply(admitted)  # its slot is freed: the held turn goes in
     assert s.state.turns["t2"].replica == "a"
+
+
+async def test_a_draining_gateway_refuses_held_turns_and_every_turn_after() -> None:
+    # A slot free after the drain began still started a new turn on a stopping gateway,
+    # to be cut at the end of the shutdown's grace (helper-116): it is refused 503 at
+    # once, as the held ones are, and the core never sees it.
+    from gateway._shell import Rejected
+
+    refused: list[int] = []
+    spec = ReplicaSpec(name="a", models=frozenset({"m"}), slots=1)
+    s = AdmissionShell(State.initial([spec]), refused=refused.append)
+
+    def turn(n: int) -> TurnArrived:
+        return TurnArrived(
+            now=float(n), turn_id=f"t{n}", run_id=f"r{n}",
+            service_class=ServiceClass.INTERACTIVE, caller="c", model="m",
+        )  # fmt: skip
+
+    first, second = s.arrive(turn(1)), s.arrive(turn(2))
+    assert first.result() == "a" and not second.done()  # one slot: the second is held
+    assert s.drain(3.0, "stopping", "2") == 1
+    assert second.result() == Rejected(503, "stopping", "2")
+    assert "t2" not in s.state.turns
+    s.apply(TurnFinished(now=4.0, turn_id="t1", prompt_tokens=1, completion_tokens=1,
+                         finish_reason="stop"))  # fmt: skip
+    late = s.arrive(turn(5))  # the slot is free again
+    assert late.result() == Rejected(503, "stopping", "2")
+    assert "t5" not in s.state.turns and "r5" not in s.state.runs
+    assert refused == [503]  # the late one; the held one the core was told of
