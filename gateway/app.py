@@ -1091,12 +1091,14 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             return
         counted_at = now
         counts: dict[str, int] | None
+        workers: int | None
         try:
-            counts = await asyncio.wait_for(door.count_open(), STATUS_RUNS_TIMEOUT_S)
+            counts, workers = await asyncio.wait_for(door.count_open(), STATUS_RUNS_TIMEOUT_S)
         except Exception as exc:
             log.warning("counting sub-agent runs: %s: %s", type(exc).__name__, exc)
-            counts = None
+            counts = workers = None
         metrics.subagent_runs.counts = counts
+        metrics.subagent_runs.workers = workers
         metrics.subagent_runs.tried = True
 
     @app.get("/metrics")
@@ -1179,9 +1181,11 @@ class _Door:
         handles = await runs.list(limit=limit)
         return await runs.statuses(handles, query_timeout=STATUS_QUERY_TIMEOUT_S)
 
-    async def count_open(self) -> dict[str, int]:
-        """The sub-agent runs open in Temporal, by state."""
-        return await (await self.runs()).count_open()
+    async def count_open(self) -> tuple[dict[str, int], int]:
+        """The sub-agent runs open in Temporal, by state, and the workers that poll
+        their task queue."""
+        runs = await self.runs()
+        return await asyncio.gather(runs.count_open(), runs.workers())
 
     async def runs(self) -> Runs:
         if self._runs is None:

@@ -194,6 +194,10 @@ class RunView(BaseModel):
 class SpawnResult(BaseModel):
     handle: str
     state: str
+    warning: str | None = Field(
+        default=None,
+        description="set when no worker polls the runs' task queue: the run starts when one does",
+    )
 
 
 class AwaitResult(BaseModel):
@@ -656,6 +660,24 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
         except RunError as exc:
             raise ToolError(str(exc)) from None
 
+    async def no_worker(ctx: Any) -> str | None:
+        """Why a run just spawned will not start soon: no worker polls its task queue
+        (none runs, or it polls another: `luftpause worker --task-queue`, helper-113;
+        the run waited in Temporal with nothing said).  None: one does, or Temporal
+        could not say."""
+        try:
+            r = await runs(ctx)
+            if await r.workers() > 0:
+                return None
+        except Exception:
+            return None
+        why = (
+            f"no worker polls task queue '{r.task_queue}': the run starts when one does "
+            "(is `luftpause worker` running, on the gateway's [temporal] task_queue?)"
+        )
+        log.warning("spawn: %s", why)
+        return why
+
     async def start_task_run(arguments: dict[str, Any], ctx: Any) -> tuple[str | None, str]:
         """Start a `run` for the Tasks extension: (handle, "") or (None, tool error)."""
         unknown = sorted(set(arguments) - set(RunArgs.model_fields))
@@ -897,7 +919,7 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
         arguments = _arguments(locals())
         spec = spec_of(RunArgs.model_validate(arguments), ctx)
         handle = await spawn_run(spec, ctx)
-        return SpawnResult(handle=handle, state="Running")
+        return SpawnResult(handle=handle, state="Running", warning=await no_worker(ctx))
 
     # Not read-only: the user's answers to the approval questions it asks let calls run.
     @mcp.tool(
@@ -954,6 +976,7 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
         handle = _State.load(ctx.request_state).spawned  # a later round: never spawn twice
         if handle is None:
             handle = await spawn_run(spec_of(RunArgs.model_validate(arguments), ctx), ctx)
+            await no_worker(ctx)  # said in the gateway's log; the wait goes on
         try:
             waited = await wait(ctx, [handle], "all", timeout, spawned=handle)
         except BaseException:

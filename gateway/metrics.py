@@ -250,6 +250,7 @@ class _SubAgentRuns:
     def __init__(self) -> None:
         self.tried = False
         self.counts: Mapping[str, int] | None = None  # None: the last count failed
+        self.workers: int | None = None  # pollers of the runs' task queue, with counts
 
     def collect(self) -> Iterable[Metric]:
         if not self.tried:
@@ -270,7 +271,16 @@ class _SubAgentRuns:
         )
         for state, n in sorted(counts.items()):
             runs.add_metric([state], n)
-        return [up, runs]
+        if self.workers is None:
+            return [up, runs]
+        workers = GaugeMetricFamily(
+            "luftpause_subagent_workers",
+            "Workers polling the sub-agent runs' task queue (Temporal's pollers of the "
+            "last few minutes): 0 while runs wait for none, or for a worker on another "
+            "task queue",
+            value=self.workers,
+        )
+        return [up, runs, workers]
 
 
 class GatewayMetrics:

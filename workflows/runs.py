@@ -293,15 +293,24 @@ class Runs:
             raise RunUnavailable(not_taken) from None
 
     async def _worker_polls(self) -> bool:
-        """Whether a worker has polled the run's task queue for workflow tasks lately
-        (the server lists the pollers of the last few minutes)."""
+        """Whether a worker has polled the run's task queue for workflow tasks lately."""
+        return await self.workers() > 0
+
+    async def workers(self) -> int:
+        """How many workers have polled the runs' task queue for workflow tasks lately
+        (the server lists the pollers of the last few minutes): 0 when none runs, or
+        when they poll another queue (`luftpause worker --task-queue`)."""
         request = DescribeTaskQueueRequest(
             namespace=self._client.namespace,
             task_queue=TaskQueue(name=self._queue),
             task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW,
         )
         answer = await self._client.workflow_service.describe_task_queue(request)
-        return len(answer.pollers) > 0
+        return len(answer.pollers)
+
+    @property
+    def task_queue(self) -> str:
+        return self._queue
 
     async def status(self, handle: str, *, query_timeout: float = _QUERY_TIMEOUT_S) -> RunStatus:
         """The run's status; `RunError` when no run has this handle."""

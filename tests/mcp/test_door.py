@@ -160,6 +160,23 @@ async def test_spawn_six_and_await_all_any_and_timeout(temporal_address: str, mo
             assert (run["children"], run["usage"], run["subtree"]) == (None, None, None)
 
 
+async def test_a_spawn_no_worker_will_take_says_so(temporal_address: str) -> None:
+    # A worker on another task queue than the gateway's (`luftpause worker --task-queue`)
+    # left every run waiting in Temporal, and spawn answered as if all were well
+    # (helper-113).  Its answer now says no worker polls the queue, until one does.
+    async with stack(temporal_address, worker=False) as s, Client(s.mcp_door) as c:
+        alone = result(await c.call_tool("spawn", {"model": MODEL, "task": "x"}))
+        assert alone["warning"] == (
+            f"no worker polls task queue '{s.task_queue}': the run starts when one does "
+            "(is `luftpause worker` running, on the gateway's [temporal] task_queue?)"
+        )
+        async with run_worker(s.client, s.task_queue, s.gateway_url, f"{s.mcp_url}/mcp"):
+            await until(s.runs._worker_polls, "the worker polls")
+            taken = result(await c.call_tool("spawn", {"model": MODEL, "task": "y"}))
+            assert taken["warning"] is None
+            await c.call_tool("await", {"handles": [alone["handle"], taken["handle"]]})
+
+
 @pytest.mark.parametrize("mode", MODES)
 async def test_cancel_a_tree_and_budgets_in_status(temporal_address: str, mode: str) -> None:
     async with stack(temporal_address) as s, Client(s.mcp_door, mode=mode) as c:

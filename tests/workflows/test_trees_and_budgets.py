@@ -729,6 +729,9 @@ async def test_status_shows_recent_runs_as_trees_with_subtree_costs(
                 for s in f.samples
                 if s.name == "luftpause_subagent_runs"
             }
+            workers = [s.value for f in text_string_to_metric_families(text) for s in f.samples
+                       if s.name == "luftpause_subagent_workers"]  # fmt: skip
+            assert workers == [1.0]  # the stack's one worker polls the runs' queue
             return seen if up == [1.0] and seen == want else None
 
         quiet = {"AwaitingApproval": 0.0, "AwaitingChildren": 0.0, "Running": 0.0, "Stopping": 0.0}
