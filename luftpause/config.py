@@ -74,12 +74,13 @@ sub-agents' LLM turns go (default http://127.0.0.1:8080).
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 import re
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args, get_origin
 from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import (
@@ -1069,6 +1070,63 @@ def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> Confi
     return parse_config(data, str(p), from_env)
 
 
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    """The model a field holds: itself, or inside a list, an Optional or an Annotated."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):
+        found = _model_of(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _sections() -> dict[str, type[BaseModel]]:
+    """The file's tables, by name: `[temporal]`, `[[endpoints]]`, ..."""
+    found = {}
+    for name, field in Config.model_fields.items():
+        model = _model_of(field.annotation)
+        if model is not None:
+            found[name] = model
+    return found
+
+
+def _header(name: str) -> str:
+    """A table's header as the file writes it: `[[endpoints]]` (an array), `[policy]`."""
+    annotation = Config.model_fields[name].annotation
+    while get_origin(annotation) is Annotated:
+        annotation = get_args(annotation)[0]
+    return f"[[{name}]]" if get_origin(annotation) is list else f"[{name}]"
+
+
+def _unknown_field(loc: Sequence[Any]) -> str:
+    """What to say of a key the file's table has no field for: a near name it may have
+    meant, or, for a key of another table or of the top level, that TOML puts a key in
+    the table whose header comes last above it (a `gateway_url` written below
+    `[[endpoints]]` is that endpoint's)."""
+    *path, key = [part for part in loc if not isinstance(part, int)] or [""]
+    sections = _sections()
+    model = sections.get(path[0]) if len(path) == 1 else Config if not path else None
+    if model is None or not isinstance(key, str):
+        return "unknown field"
+    if path and key in Config.model_fields and key not in sections:
+        return (
+            f"unknown field: {key} is a top-level key, and TOML puts a key written below a "
+            f"{_header(path[0])} header into that table: write it above the first table"
+        )
+    elsewhere = [
+        f"[{name}]"
+        for name, other in sections.items()
+        if key in other.model_fields and name not in path
+    ]
+    if elsewhere:
+        return f"unknown field: {key} is a key of {', '.join(elsewhere)}"
+    close = difflib.get_close_matches(key, list(model.model_fields), n=1)
+    if close:
+        return f"unknown field (did you mean {close[0]}?)"
+    return "unknown field"
+
+
 def _describe(error: Mapping[str, Any], from_env: Mapping[str, str]) -> str:
     loc = error.get("loc", ())
     where = ""
@@ -1077,7 +1135,7 @@ def _describe(error: Mapping[str, Any], from_env: Mapping[str, str]) -> str:
     msg = str(error.get("msg", "invalid"))
     msg = msg.removeprefix("Value error, ")
     if error.get("type") == "extra_forbidden":
-        msg = "unknown field"
+        msg = _unknown_field(loc)
     if where in from_env:
         where += f" (from {from_env[where]})"
     return f"{where}: {msg}" if where else msg  # the whole file's checks name their fields

@@ -173,6 +173,19 @@ def test_the_newer_apis_default_by_kind_and_the_file_decides() -> None:
             '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\nport=3',
             "endpoints[0].port: unknown field",
         ),
+        # A key below a table is that table's (helper-113: "unknown field" said nothing).
+        (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+            'gateway_url="http://gw:8080"',
+            "endpoints[0].gateway_url: unknown field: gateway_url is a top-level key, and TOML "
+            "puts a key written below a [[endpoints]] header into that table: write it above "
+            "the first table",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+            "[temporal]\nperiod_s=1.0",
+            "temporal.period_s: unknown field: period_s is a key of [probes], [discovery]",
+        ),
         (
             '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
             'health_path="health"',
@@ -260,7 +273,7 @@ def test_the_newer_apis_default_by_kind_and_the_file_decides() -> None:
         (
             '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
             '[temporal]\nadress="x"',
-            "temporal.adress: unknown field",
+            "temporal.adress: unknown field (did you mean address?)",
         ),
         (
             '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="vllm"\nmodels=["m"]\nslots=0',
@@ -279,7 +292,7 @@ def test_the_newer_apis_default_by_kind_and_the_file_decides() -> None:
         (
             '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
             "[policy]\nturn_timeout=5",
-            "policy.turn_timeout: unknown field",
+            "policy.turn_timeout: unknown field (did you mean turn_timeout_s?)",
         ),
         (
             '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
