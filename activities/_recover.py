@@ -2,10 +2,15 @@
 
 Small open models served without a tool-call parser answer with the call in the text:
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Hermes, Qwen),
-`<|python_tag|>{"name": ..., "parameters": {...}}<|eom_id|>` (Llama 3.x), or bare JSON —
-one object, several (on lines, or between `;`), or an array of them — sometimes in a
-```json fence.  Every value must be a call of a tool that was offered, or nothing is
-recovered, so an answer that merely quotes JSON (or is prose around it) stays an answer.
+`<|python_tag|>{"name": ..., "parameters": {...}}<|eom_id|>` (Llama 3.x),
+`[TOOL_CALLS][{"name": ..., "arguments": {...}}]` or `[TOOL_CALLS]name[ARGS]{...}`
+(Mistral, before and after its v11 tokenizer), or bare JSON — one object, several (on
+lines, or between `;`), or an array of them — sometimes in a ```json fence.  A
+reasoning model served without a reasoning parser writes its `<think>...</think>` first:
+the calls are read after it.  Every value must be a call of a tool that was offered
+(by the name it was offered under, or by the tool's own name where the run gave it
+another: `aliases`), or nothing is recovered, so an answer that merely quotes JSON (or
+is prose around it) stays an answer.
 """
 
 from __future__ import annotations
@@ -24,6 +29,11 @@ __all__ = ["recover_tool_calls"]
 # (No \s* around the group: on a long run of blanks it backtracks quadratically.)
 _TAGGED = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 _FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.DOTALL)
+# A reasoning model's thoughts, written before its answer (an unclosed one: no answer).
+_THOUGHT = re.compile(r"^\s*<think>.*?</think>", re.DOTALL)
+# Mistral's marker, before each call (v11+: `name[ARGS]{...}`) or before an array of them.
+_MISTRAL = "[TOOL_CALLS]"
+_MISTRAL_NAMED = re.compile(r"([A-Za-z0-9_.:/-]+)\[ARGS\]")
 _DECODER = json.JSONDecoder()
 
 
@@ -44,7 +54,36 @@ def _values(body: str) -> list[Any] | None:
         values.extend(value if isinstance(value, list) else [value])
 
 
+def _mistral(text: str) -> list[Any]:
+    """The calls after Mistral's markers; [] when anything else is among them."""
+    found: list[Any] = []
+    for part in text.split(_MISTRAL)[1:]:
+        named = _MISTRAL_NAMED.match(part.strip())
+        if named is not None:
+            rest = part.strip()[named.end() :]
+            try:
+                args, end = _DECODER.raw_decode(rest)
+            except (ValueError, RecursionError):
+                return []
+            if rest[end:].strip():
+                return []
+            found.append({"name": named.group(1), "arguments": args})
+            continue
+        values = _values(part.strip())
+        if values is None:
+            return []
+        found.extend(values)
+    return found
+
+
 def _candidates(text: str) -> list[Any]:
+    thought = _THOUGHT.match(text)
+    if thought is not None:
+        text = text[thought.end() :]
+    elif text.lstrip().startswith("<think>"):
+        return []  # cut while thinking: no call was written
+    if _MISTRAL in text:
+        return _mistral(text)
     tagged = _TAGGED.findall(text)
     if tagged:
         found = [_values(t.strip()) for t in tagged]

@@ -364,6 +364,27 @@ def test_arguments_json_cannot_carry_are_refused_and_odd_schemas_do_not_crash() 
             [("lookup", "a")],
         ),
         ('```json\n{"name": "lookup", "arguments": {"query": "a"}}\n```', [("lookup", "a")]),
+        # Mistral, before and after its v11 tokenizer (helper-114: neither was read).
+        ('[TOOL_CALLS][{"name": "lookup", "arguments": {"query": "a"}}]', [("lookup", "a")]),
+        (
+            '[TOOL_CALLS]lookup[ARGS]{"query": "a"}[TOOL_CALLS]lookup[ARGS]{"query": "b"}',
+            [("lookup", "a"), ("lookup", "b")],
+        ),
+        ('[TOOL_CALLS]lookup[ARGS]{"query": "a"} and more', []),
+        ('[TOOL_CALLS]rm[ARGS]{"query": "a"}', []),
+        # A reasoning model's thoughts first (helper-114: the call after them was lost).
+        (
+            '<think>I need a fact. {"name": "x"}</think>\n\n'
+            '{"name": "lookup", "arguments": {"query": "a"}}',
+            [("lookup", "a")],
+        ),
+        (
+            '<think>hmm</think><tool_call>{"name": "lookup", "arguments": {"query": "a"}}'
+            "</tool_call>",
+            [("lookup", "a")],
+        ),
+        ('<think>about to write {"name": "lookup", "arguments": {"query": "a"}}', []),
+        ("<think>done</think>The answer is 4.", []),
         # Answers: prose around JSON, a tool not offered, anything besides the calls.
         ('I would call {"name": "lookup", "arguments": {"query": "a"}}', []),
         ('{"name": "rm", "arguments": {}}', []),
