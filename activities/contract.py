@@ -13,6 +13,7 @@ from typing import Any
 __all__ = [
     "IDEMPOTENCY_META_KEY",
     "NOT_SENT",
+    "TOOL_TIMED_OUT",
     "EndRunInput",
     "ToolCall",
     "ToolInfo",
@@ -35,6 +36,9 @@ IDEMPOTENCY_META_KEY = "io.luftpause/idempotency-key"
 # not be reached (connecting, or opening the session).  Sending it later is safe for
 # every tool; any other failure may come after the server ran the call.
 NOT_SENT = "McpUnreachable"
+# The ApplicationError type of a call sent and not answered within its tool's time
+# (`ToolInput.timeout_s`): cut, and the server told to cancel it.  It may have run.
+TOOL_TIMED_OUT = "ToolTimedOut"
 
 
 @dataclass(frozen=True)
@@ -155,6 +159,9 @@ class ToolInput:
     arguments: str
     input_schema: dict[str, Any] = field(default_factory=dict)
     call_id: str = ""  # the model's tool call id
+    # The tool's time for the call once it is sent (its server's tool_timeout_s): then
+    # it is cut, TOOL_TIMED_OUT.  0: none but the activity's own timeout.
+    timeout_s: float = 0.0
 
     @property
     def idempotency_key(self) -> str | None:

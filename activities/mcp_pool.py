@@ -49,7 +49,7 @@ from activities.contract import IDEMPOTENCY_META_KEY, ToolInfo
 from activities.tool_names import function_names
 from luftpause.config import McpServer
 
-__all__ = ["Listing", "McpPool", "ServerAnswered", "UnknownTool", "Unreachable"]
+__all__ = ["CallTimedOut", "Listing", "McpPool", "ServerAnswered", "UnknownTool", "Unreachable"]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,10 @@ _REFUSED = frozenset({METHOD_NOT_FOUND, INVALID_PARAMS})
 # JSON-RPC errors the SDK makes up when no answer came (the connection closed, the
 # request timed out, a body it could not read): never taken for the server's answer.
 _NO_ANSWER = frozenset({CONNECTION_CLOSED, REQUEST_TIMEOUT, PARSE_ERROR})
+
+
+class CallTimedOut(TimeoutError):
+    """A call sent and not answered within its time: cut (it may have run)."""
 
 
 class UnknownTool(LookupError):
@@ -556,12 +560,20 @@ class McpPool:
         return Listing(tools, down)
 
     async def call(
-        self, server: str, tool: str, arguments: dict[str, Any], *, key: str | None = None
+        self,
+        server: str,
+        tool: str,
+        arguments: dict[str, Any],
+        *,
+        key: str | None = None,
+        timeout: float | None = None,
     ) -> tuple[str, bool]:
         """Call a tool; return its text content and whether the server reported an error.
         `key` goes in `_meta` as the call's idempotency key.  `Unreachable`: the call was
-        not sent (the connection or session could not be opened); any other error may
-        come after the server ran it."""
+        not sent (the connection or session could not be opened); `CallTimedOut`: sent,
+        and not answered within `timeout` seconds (the time to open the connection not
+        counted), so cut: the SDK tells the server to cancel it, and the connection
+        stays; any other error may come after the server ran it."""
         conn = self._conns.get(server)
         if conn is None:
             raise UnknownTool(f"no mcp server named '{server}' is configured on this worker")
@@ -570,12 +582,17 @@ class McpPool:
         except Exception as exc:
             raise Unreachable(f"{type(exc).__name__}: {exc}") from exc
         reached = conn.reached if key else None
+        bound = asyncio.timeout(timeout)
         try:
             # The SDK puts the current span's `traceparent` in the request's `_meta` (the
             # MCP convention); it has no per-request HTTP headers to carry it as well.
             meta: Any = {IDEMPOTENCY_META_KEY: key} if key else None
-            result = await client.call_tool(tool, arguments, meta=meta)
+            async with bound:
+                result = await client.call_tool(tool, arguments, meta=meta)
         except Exception as exc:
+            if bound.expired():
+                assert timeout is not None
+                raise CallTimedOut(f"no answer within {timeout:g} s") from None
             # Said by the server (a stdio server's errors all are; an HTTP server's if
             # it answered this call in JSON-RPC), or made up by the SDK.
             said = conn.reached is None or (reached is not None and key in conn.replied)

@@ -4,8 +4,10 @@ A call whose arguments do not fit the tool's schema (after coercing scalars) is 
 sent: it completes with an error the model reads, naming the expected shape.  A tool
 that reports an error (`isError`) completes too — the model sees it as the tool's
 answer.  Only a failure to reach the server raises: `McpUnreachable` (NOT_SENT) when the
-call never left the worker, `McpUnavailable` when it may have reached the server; the
-workflow decides which to send again (workflows/agent_run.py, `_call`).
+call never left the worker, `ToolTimedOut` when it was sent and got no answer within
+its tool's time (`ToolInput.timeout_s`), `McpUnavailable` when it may have reached the
+server otherwise; the workflow decides which to send again (workflows/agent_run.py,
+`_sent`).
 
 An answer longer than `TOOL_OUTPUT_MAX_CHARS` is cut, with a note the model reads.
 Uncut, one large answer (a fetched page, an image as base64) would overflow the model's
@@ -25,9 +27,16 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities._arguments import ArgumentsError, prepare_arguments
-from activities.contract import NOT_SENT, ToolInfo, ToolInput, ToolOutput, ToolsWanted
+from activities.contract import (
+    NOT_SENT,
+    TOOL_TIMED_OUT,
+    ToolInfo,
+    ToolInput,
+    ToolOutput,
+    ToolsWanted,
+)
 from activities.llm import HEARTBEAT_EVERY_S, heartbeating
-from activities.mcp_pool import McpPool, UnknownTool, Unreachable
+from activities.mcp_pool import CallTimedOut, McpPool, UnknownTool, Unreachable
 from luftpause import telemetry
 
 __all__ = ["TOOL_OUTPUT_MAX_CHARS", "ToolActivities", "capped"]
@@ -107,8 +116,16 @@ class ToolActivities:
         try:
             async with heartbeating(self._every):
                 text, is_error = await self._pool.call(
-                    call.server, call.tool, arguments, key=call.idempotency_key
+                    call.server,
+                    call.tool,
+                    arguments,
+                    key=call.idempotency_key,
+                    timeout=call.timeout_s or None,
                 )
+        except CallTimedOut as exc:
+            raise ApplicationError(
+                f"mcp server '{call.server}', tool '{call.tool}': {exc}", type=TOOL_TIMED_OUT
+            ) from None
         except UnknownTool as exc:
             # Never sent.  In a rolling deploy that adds or removes a server, the run
             # listed its tools on a worker that has it and this call came to one that

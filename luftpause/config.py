@@ -39,7 +39,7 @@ device = "gpu0"          # optional: endpoints with the same label time-slice on
 [[mcp_servers]]          # tools for sub-agents: streamable HTTP ...
 name = "search"
 url = "http://127.0.0.1:9000/mcp"
-tool_timeout_s = 300.0   # optional: how long one call may take (then the model is told)
+tool_timeout_s = 300.0   # optional: how long one call may take once sent (then it is cut)
 [[mcp_servers]]          # ... or stdio
 name = "files"
 command = ["npx", "-y", "@modelcontextprotocol/server-filesystem", "/srv"]
@@ -460,10 +460,11 @@ class McpServer(BaseModel):
     # not mark `readOnlyHint: true` or `destructiveHint: false` may be destructive, and
     # waits; a run's `approveTools` still makes any tool wait.
     no_approval: list[Annotated[str, Field(min_length=1, max_length=128)]] = []
-    # How long one call of this server's tools may take, in seconds.  A call that has no
-    # answer by then is told to the run's model as an error (it may have run), as Codex's
-    # `tool_timeout_sec` and Claude Code's MCP_TOOL_TIMEOUT are; a worker that dies
-    # mid-call is noticed by its heartbeat, not by this.
+    # How long one call of this server's tools may take once sent, in seconds (opening
+    # the connection first is not counted).  A call that has no answer by then is cut
+    # (the server is told to cancel it) and told to the run's model as an error (it may
+    # have run), as Codex's `tool_timeout_sec` and Claude Code's MCP_TOOL_TIMEOUT are; a
+    # worker that dies mid-call is noticed by its heartbeat, not by this.
     tool_timeout_s: Annotated[float, Field(ge=MIN_PERIOD_S, le=DAY_S, strict=True)] = 300.0
 
     @field_validator("url")

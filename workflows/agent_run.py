@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
 from collections.abc import Awaitable, Coroutine, Sequence
@@ -82,6 +83,7 @@ with workflow.unsafe.imports_passed_through():
     import workflows.contract as contract
     from activities.contract import (
         NOT_SENT,
+        TOOL_TIMED_OUT,
         EndRunInput,
         ToolCall,
         ToolInfo,
@@ -188,10 +190,16 @@ UNKNOWN_OUTCOME = (
     "sent again because the server does not mark tool '{tool}' read-only or idempotent. "
     "Check before calling it again."
 )
-# What the model reads when a call of a repeatable tool got no answer (TOLD_PATCH).
-NO_ANSWER = (
-    "Error: no answer came back from tool '{tool}' ({why}); it was not sent again. "
-    "Call it with a smaller request, or go on without it."
+# What the model reads when a call got no answer in its tool's time (TOLD_PATCH).
+TIMED_OUT = (
+    "Error: tool '{tool}' gave no answer within {seconds:g} s, the time its server allows "
+    "a call; the call was cut (it may have run part of its work) and not sent again. Call "
+    "it with a smaller request, or go on without it."
+)
+# ... and when a repeatable tool's call broke off every time it was sent.
+BROKE_OFF = (
+    "Error: no answer came back from tool '{tool}': {why} ({sends} sends). It may have "
+    "run. Try again later, or go on without it."
 )
 
 # Named timeouts and retry policies (DESIGN.md "The runtime on Temporal").
@@ -236,10 +244,17 @@ class _Stop(Exception):
     """The run must stop: its budget tripped, or an ancestor's did."""
 
 
-def _no_answer_why(cause: BaseException | None, timeout: timedelta) -> str:
-    """Why a tool call that may have run brought no answer, in the model's words."""
-    if isinstance(cause, ActivityTimeout) and cause.type == TimeoutType.START_TO_CLOSE:
-        return f"none within {timeout.total_seconds():g} s, the time its server allows a call"
+_TOOL_FIELDS = frozenset(f.name for f in dataclasses.fields(ToolInfo))
+
+
+def _tool_info(carried: dict[str, Any]) -> ToolInfo:
+    """A tool a run carried across continue-as-new: the fields this version knows (a
+    later version's, after a rollback, would fail every workflow task; helper-119)."""
+    return ToolInfo(**{k: v for k, v in carried.items() if k in _TOOL_FIELDS})
+
+
+def _no_answer_why(cause: BaseException | None) -> str:
+    """Why a tool call that may have run broke off, in the model's words."""
     if isinstance(cause, ActivityTimeout) and cause.type == TimeoutType.HEARTBEAT:
         return "the worker running it stopped"
     return str(cause)
@@ -319,7 +334,7 @@ class AgentRun:
         self._answers: dict[str, bool] = dict(carry.answers) if carry else {}
         self._started_at = carry.started_at if carry else workflow.now().isoformat()
         self._tools: list[ToolInfo] | None = (
-            [t if isinstance(t, ToolInfo) else ToolInfo(**t) for t in carry.tools]
+            [t if isinstance(t, ToolInfo) else _tool_info(t) for t in carry.tools]
             if carry
             else None
         )
@@ -697,52 +712,79 @@ class AgentRun:
         told = tool is not None
         timeout = TOOL_TIMEOUT
         if tool is not None and tool.timeout_s > 0:
-            timeout = timedelta(seconds=tool.timeout_s)
+            # The pool cuts the call at the tool's time; the activity's own timeout also
+            # leaves room to open the connection first (contract.TOOL_OPENING_S).
+            inp = replace(inp, timeout_s=tool.timeout_s)
+            timeout = timedelta(seconds=tool.timeout_s + contract.TOOL_OPENING_S)
         sends = TOOL_SENDS if tool is not None and tool.repeatable else 1
         delay = RETRY.initial_interval
         assert delay is not None and RETRY.maximum_interval is not None
-        # From the first send, attempts included (an attempt may spend CONNECT_TIMEOUT_S
-        # on a server that does not answer): as schedule-to-close bounds a repeatable one.
-        started = workflow.now()
-        give_up = started + TOOL_SCHEDULE_TIMEOUT
-        broke = 0
+        # Runs without TOLD_PATCH: from the first send, attempts included (an attempt may
+        # spend CONNECT_TIMEOUT_S on a server that does not answer), as schedule-to-close
+        # bounds a repeatable call.  With it: from the first of the sends not sent since
+        # the last that broke off (a call that ran 20 minutes and broke as its server
+        # restarted gets its 15 minutes to reach the server again; helper-119).
+        window = timedelta(seconds=contract.TOOL_UNREACHED_S) if told else TOOL_SCHEDULE_TIMEOUT
+        give_up: datetime | None = workflow.now() + window
+        spent = 0.0  # the seconds the sends took (TOLD_PATCH: the run's tool time)
+        broke, broke_why = 0, ""
         while True:
+            sent_at = workflow.now()
             try:
-                return await _send(inp, once=True, timeout=timeout)
+                out = await _send(inp, once=True, timeout=timeout)
+                return replace(out, seconds=out.seconds + spent) if told else out
             except ActivityError as exc:
                 cause = exc.cause
                 if isinstance(cause, CancelledError):
                     raise
                 if isinstance(cause, ApplicationError) and cause.non_retryable:
                     raise  # a failure no attempt mends: the run fails, as with any tool
+                spent += (workflow.now() - sent_at).total_seconds()
                 unsent = isinstance(cause, ApplicationError) and cause.type == NOT_SENT
-                if unsent and workflow.now() + delay > give_up:
+                if unsent and give_up is None:
+                    give_up = workflow.now() + window
+                if unsent and give_up is not None and workflow.now() + delay > give_up:
                     raise  # down for as long as a repeatable call is retried
                 timed_out = (
                     isinstance(cause, ActivityTimeout) and cause.type == TimeoutType.START_TO_CLOSE
-                )
-                broke += not unsent
-                why = _no_answer_why(cause, timeout) if told else str(cause or exc)
+                ) or (isinstance(cause, ApplicationError) and cause.type == TOOL_TIMED_OUT)
+                if not unsent:
+                    broke += 1
+                    broke_why = _no_answer_why(cause) if told else str(cause or exc)
+                    if told:
+                        give_up = None  # a later unreachable spell gets its own window
                 if not unsent and (timed_out or broke >= sends):
-                    seconds = (workflow.now() - started).total_seconds() if told else 0.0
-                    if tool is not None and tool.repeatable:
-                        content = NO_ANSWER.format(tool=inp.tool, why=why)
+                    if not told:
+                        content = UNKNOWN_OUTCOME.format(why=broke_why, tool=inp.tool)
+                        return ToolOutput(content, is_error=True, executed=True)
+                    assert tool is not None
+                    if timed_out:
+                        seconds = tool.timeout_s or TOOL_TIMEOUT.total_seconds()
+                        why = f"none within {seconds:g} s, the time its server allows a call"
                     else:
+                        why = broke_why
+                    if not tool.repeatable:
                         content = UNKNOWN_OUTCOME.format(why=why, tool=inp.tool)
-                    return ToolOutput(content, is_error=True, executed=True, seconds=seconds)
+                    elif timed_out:
+                        content = TIMED_OUT.format(tool=inp.tool, seconds=seconds)
+                    else:
+                        content = BROKE_OFF.format(tool=inp.tool, why=why, sends=broke)
+                    return ToolOutput(content, is_error=True, executed=True, seconds=spent)
                 if told or workflow.patched(UNSENT_STOP_PATCH):
                     with contextlib.suppress(TimeoutError):
                         await workflow.wait_condition(self._halting, timeout=delay)
                     if self._halting():
                         stop = self._stop_reason or self._exceeded
-                        if unsent and not broke:
+                        if not broke:
                             content = f"Error: not sent: this run is stopping ({stop})"
                         else:  # an earlier send may have run
                             content = (
-                                f"Error: no answer came back ({why}), and the call was not "
-                                f"sent again: this run is stopping ({stop})"
+                                f"Error: no answer came back ({broke_why}), and the call was "
+                                f"not sent again: this run is stopping ({stop})"
                             )
-                        return ToolOutput(content, is_error=True, executed=broke > 0)
+                        return ToolOutput(
+                            content, is_error=True, executed=broke > 0, seconds=spent if told else 0
+                        )
                 else:
                     await workflow.sleep(delay)
                 delay = min(delay * RETRY.backoff_coefficient, RETRY.maximum_interval)

@@ -60,6 +60,16 @@ SPAWN_HISTORY_LIMIT = 20_480
 # at each report, so tests can change it.  Part of a run's replay (whether a report
 # waits is a timer or none): change it only behind a new `workflow.patched` id.
 REPORT_EVERY_S = 5.0
+# A tool call's activity has its tool's time (`ToolInfo.timeout_s`, the worker's pool
+# cuts the call at it) and this much more: the worker may first open the server's
+# connection (activities/mcp_pool.py: 20 s to open, 5 s to settle a failed one), which
+# must not count as the tool's time (a call cut while still opening would be told as
+# one that may have run, and never sent again).  Read at each call, so tests can lower it.
+TOOL_OPENING_S = 30.0
+# How long a tool call whose server cannot be reached (never sent: NOT_SENT) is sent
+# again before the run fails, from the first such send since the call last broke off.
+# Read at each call, so tests can lower it.
+TOOL_UNREACHED_S = 900.0
 
 RunState = Literal[
     "Running",

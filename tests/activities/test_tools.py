@@ -24,7 +24,13 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
 from activities import ToolActivities, ToolInput, mcp_pool
-from activities.contract import NOT_SENT, ToolsWanted, chosen_tools, unknown_tools
+from activities.contract import (
+    NOT_SENT,
+    TOOL_TIMED_OUT,
+    ToolsWanted,
+    chosen_tools,
+    unknown_tools,
+)
 from activities.mcp_pool import McpPool, Unreachable
 from activities.tools import TOOL_OUTPUT_MAX_CHARS
 from luftpause.config import McpServer
@@ -847,3 +853,43 @@ async def test_a_server_hung_on_tools_list_is_given_up_a_page_at_a_time(
             hang.clear()
             release.set()
             await asyncio.wait_for(pool.aclose(), 10)
+
+
+@pytest.mark.parametrize("protocol", ["legacy", "2026-07-28"])
+async def test_a_call_past_its_tools_time_is_cut_and_its_connection_kept(
+    protocol: Literal["legacy", "2026-07-28"],
+) -> None:
+    # `ToolInput.timeout_s`: the call alone, not the opening of its connection, is
+    # bounded; the server is told to cancel it, and the other calls keep the connection.
+    cancelled = asyncio.Event()
+    mcp: MCPServer = MCPServer("slow")
+
+    async def hang() -> str:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return "never"
+
+    mcp.add_tool(hang, name="hang")
+    mcp.add_tool(lambda: "quick", name="quick")
+    app = mcp.streamable_http_app(streamable_http_path="/mcp", host="127.0.0.1")
+    async with serve(app) as url:
+        pool = McpPool([McpServer(name="s", url=f"{url}/mcp", protocol=protocol)])
+        try:
+            assert await pool.call("s", "quick", {}, key="r/0") == ("quick", False)
+            gen = pool._conns["s"]._gen
+            with pytest.raises(mcp_pool.CallTimedOut, match=r"no answer within 0\.3 s"):
+                await pool.call("s", "hang", {}, key="r/1", timeout=0.3)
+            await asyncio.wait_for(cancelled.wait(), 10)  # the server let it go
+            assert await pool.call("s", "quick", {}, key="r/2") == ("quick", False)
+            assert pool._conns["s"]._gen is gen  # the same connection
+            # The activity says it so that the run tells the model.
+            call = ToolInput(run_id="r", server="s", tool="hang", arguments="{}",
+                             call_id="c3", timeout_s=0.3)  # fmt: skip
+            with pytest.raises(ApplicationError) as err:
+                await ActivityEnvironment().run(ToolActivities(pool).call_tool, call)
+            assert err.value.type == TOOL_TIMED_OUT and not err.value.non_retryable
+        finally:
+            await pool.aclose()

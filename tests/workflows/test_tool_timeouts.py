@@ -11,12 +11,16 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import pytest
 from temporalio import activity
 from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
 from temporalio.worker import Replayer, Worker
 
+import workflows.contract as contract
 from activities.contract import (
+    NOT_SENT,
+    TOOL_TIMED_OUT,
     EndRunInput,
     ToolCall,
     ToolInfo,
@@ -35,13 +39,17 @@ SCHEMA = {"type": "object"}
 
 
 class StandIns:
-    """Four tools of one server, each allowed TIMEOUT_S a call: `hang` (read-only) and
-    `write` (not repeatable) answer only when cancelled; `breaks` (read-only) breaks off
-    every time, `flaky` (read-only) the first time only.  A "call <tool>" task's first
-    turn calls that tool; the next answers "done"."""
+    """Tools of one server, each allowed TIMEOUT_S a call.  `hang` (read-only) and
+    `write` (not repeatable) never answer: cut at their time, as the worker's pool cuts
+    a call (TOOL_TIMED_OUT); `stall` (read-only) never answers and is not cut (a worker
+    stuck past its pool's bound): the activity's own timeout ends it.  `breaks`
+    (read-only) breaks off every time, `flaky` the first time only; `late` (read-only)
+    breaks off after 4 s, then finds its server unreachable, then answers.  A
+    "call <tool>" task's first turn calls that tool; the next answers "done"."""
 
     def __init__(self) -> None:
         self.sent: list[str] = []
+        self.timeouts: list[float] = []  # the tool's time each call was given
         self.cancelled: list[str] = []
 
     @activity.defn(name="list_tools")
@@ -49,7 +57,8 @@ class StandIns:
         def tool(name: str, *, read_only: bool = True) -> ToolInfo:
             return ToolInfo("fake", name, name, SCHEMA, read_only=read_only, timeout_s=TIMEOUT_S)
 
-        return [tool("hang"), tool("breaks"), tool("flaky"), tool("write", read_only=False)]
+        names = ("hang", "stall", "breaks", "flaky", "late")
+        return [*(tool(n) for n in names), tool("write", read_only=False)]
 
     @activity.defn(name="end_run")
     async def end_run(self, end: EndRunInput) -> None:
@@ -58,16 +67,25 @@ class StandIns:
     @activity.defn(name="call_tool")
     async def call_tool(self, call: ToolInput) -> ToolOutput:
         self.sent.append(call.tool)
-        if call.tool == "breaks" or (call.tool == "flaky" and self.sent.count("flaky") == 1):
+        self.timeouts.append(call.timeout_s)
+        sends = self.sent.count(call.tool)
+        if call.tool == "breaks" or (call.tool == "flaky" and sends == 1):
             raise ApplicationError("the connection broke mid-call", type="McpUnavailable")
-        if call.tool == "flaky":
-            return ToolOutput("flaky's answer", False, True)
+        if call.tool == "late" and sends == 1:
+            await asyncio.sleep(4.0)
+            raise ApplicationError("the connection broke mid-call", type="McpUnavailable")
+        if call.tool == "late" and sends == 2:
+            raise ApplicationError("connection refused", type=NOT_SENT)
+        if call.tool in ("flaky", "late"):
+            return ToolOutput(f"{call.tool}'s answer", False, True, seconds=0.25)
         try:
-            await asyncio.Event().wait()  # until its timeout cancels it
+            if call.tool == "stall":
+                await asyncio.Event().wait()  # until the activity's timeout cancels it
+            await asyncio.sleep(call.timeout_s)
         except asyncio.CancelledError:
             self.cancelled.append(call.tool)
             raise
-        raise AssertionError("unreachable")
+        raise ApplicationError(f"no answer within {call.timeout_s:g} s", type=TOOL_TIMED_OUT)
 
     @activity.defn(name="llm_turn")
     async def llm_turn(self, turn: TurnInput) -> TurnOutput:
@@ -103,7 +121,7 @@ async def run_calling(
         await until(runs._worker_polls, "the worker polls")
         handle = await runs.spawn(RunSpec(task=f"call {tool}", model="m", tools=[tool]))
         await asyncio.wait_for(client.get_workflow_handle(handle).result(), 60)
-        if tool in ("hang", "write"):
+        if tool == "stall":
             await until(lambda: tool in fakes.cancelled, "the call cut at its timeout")
         return handle, fakes, await runs.status(handle), await runs.transcript(handle)
 
@@ -124,7 +142,7 @@ async def _replays(client: Client, handle: str) -> None:
 
 
 async def test_a_repeatable_call_with_no_answer_in_its_time_is_told_and_not_sent_again(
-    temporal_address: str,
+    temporal_address: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Before, Temporal retried it for 15 minutes, each attempt cut at a fixed 5, and
     # then failed the run.  Now it is cut at its server's tool_timeout_s and the model
@@ -132,12 +150,21 @@ async def test_a_repeatable_call_with_no_answer_in_its_time_is_told_and_not_sent
     client = await connect(temporal_address)
     handle, fakes, status, transcript = await run_calling(client, "hang")
     assert status.state == "Completed" and status.answer == "done", status
-    assert fakes.sent == ["hang"] and fakes.cancelled == ["hang"]
-    reply = _reply(transcript)
-    assert reply.startswith("Error: no answer came back from tool 'hang' (none within 0.5 s"), reply
-    assert "not sent again" in reply
-    assert status.usage.failed_tool_calls == 1 and status.usage.tool_seconds >= TIMEOUT_S
+    assert fakes.sent == ["hang"] and fakes.timeouts == [TIMEOUT_S]
+    assert _reply(transcript) == (
+        "Error: tool 'hang' gave no answer within 0.5 s, the time its server allows a "
+        "call; the call was cut (it may have run part of its work) and not sent again. "
+        "Call it with a smaller request, or go on without it."
+    )
+    assert status.usage.failed_tool_calls == 1
+    assert TIMEOUT_S <= status.usage.tool_seconds < TIMEOUT_S + 5
     await _replays(client, handle)
+    # A worker that does not cut it (stuck): the activity's timeout, which leaves room
+    # to open the server's connection first, does, and the model reads the same.
+    monkeypatch.setattr(contract, "TOOL_OPENING_S", 0.5)
+    _, fakes, status, transcript = await run_calling(client, "stall")
+    assert fakes.sent == ["stall"] and fakes.cancelled == ["stall"]
+    assert _reply(transcript).startswith("Error: tool 'stall' gave no answer within 0.5 s")
 
 
 async def test_a_repeatable_call_that_breaks_off_is_sent_again_then_told(
@@ -147,13 +174,29 @@ async def test_a_repeatable_call_that_breaks_off_is_sent_again_then_told(
     _, fakes, status, transcript = await run_calling(client, "breaks")
     assert status.state == "Completed", status
     assert fakes.sent == ["breaks"] * TOOL_SENDS
-    reply = _reply(transcript)
-    assert reply.startswith("Error: no answer came back from tool 'breaks' ("), reply
-    assert "the connection broke mid-call" in reply
+    assert _reply(transcript) == (
+        "Error: no answer came back from tool 'breaks': McpUnavailable: the connection "
+        "broke mid-call (3 sends). It may have run. Try again later, or go on without it."
+    )
     # One break is mended by the next send: the model reads the answer.
     _, fakes, status, transcript = await run_calling(client, "flaky")
     assert fakes.sent == ["flaky", "flaky"]
     assert _reply(transcript) == "flaky's answer" and status.usage.failed_tool_calls == 0
+
+
+async def test_a_call_that_broke_off_late_gets_the_whole_window_to_reach_its_server_again(
+    temporal_address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The unreachable window counted from the first send: a call that ran past it and
+    # broke as its server restarted failed the run at the first refusal (helper-119).
+    # Less than the first send: counted from it, the window was over at the refusal.
+    monkeypatch.setattr(contract, "TOOL_UNREACHED_S", 3.0)
+    client = await connect(temporal_address)
+    _, fakes, status, transcript = await run_calling(client, "late")
+    assert status.state == "Completed", status
+    assert fakes.sent == ["late"] * 3 and _reply(transcript) == "late's answer"
+    # The run's tool time is its sends' (4 s, then the answer's 0.25), not the waits.
+    assert 4.25 <= status.usage.tool_seconds < 6, status.usage
 
 
 async def test_a_call_of_a_tool_not_repeatable_cut_at_its_time_has_an_unknown_outcome(
@@ -165,7 +208,8 @@ async def test_a_call_of_a_tool_not_repeatable_cut_at_its_time_has_an_unknown_ou
     assert fakes.sent == ["write"]
     reply = _reply(transcript)
     assert reply.startswith(
-        "Error: the outcome of this call is unknown: no answer came back (none within 0.5 s"
+        "Error: the outcome of this call is unknown: no answer came back "
+        "(none within 0.5 s, the time its server allows a call)"
     ), reply
 
 
@@ -180,9 +224,7 @@ async def test_a_servers_tool_timeout_reaches_the_runs_of_the_real_stack(
         (status,) = await s.runs.wait([h], timeout=60)
         assert status.state == "Completed", status
         reply = _reply(await s.runs.transcript(h))
-        assert reply.startswith("Error: no answer came back from tool 'lookup' (none within 1 s"), (
-            reply
-        )
+        assert reply.startswith("Error: tool 'lookup' gave no answer within 1 s"), reply
         assert [(t, n) for (t, _), n in s.mcp.received.items()] == [("lookup", 1)]
         assert not s.mcp.counts  # it never finished
         # The cut reached the server: the call is not still running there.
