@@ -6,7 +6,9 @@ Without `labels` the input goes to a single-pass `classifier` endpoint's `/class
 any chat turn (in a run of its own, ended afterwards), and each label is scored by the
 first token's `top_logprobs`: a token matches a label when, stripped of leading
 whitespace and compared case-insensitively, it is a non-empty prefix of the label; the
-label's score is the highest probability among its matching tokens.
+label's score is the sum of its matching tokens' probabilities (the tokens are distinct
+answers: "Yes", " Yes" and " yes" are each a way to begin it; helper-115: the best of
+them alone under-counted a label whose mass the model spread over its spellings).
 
 One token decides, so what it cannot tell apart is refused rather than guessed: a
 label another begins where tokens split ("no" and "no idea", "1" and "10": the second
@@ -210,10 +212,27 @@ def chat_body(request: DecideRequest, model: str) -> bytes:
 # --------------------------------------------------------------------------- scoring
 
 
-def _tokens(top_logprobs: Sequence[Any]) -> list[tuple[str, float]]:
-    """(token stripped of leading whitespace and case-folded, probability) of each
-    well-formed entry."""
-    tokens: list[tuple[str, float]] = []
+def _partial(entry: Mapping[str, Any]) -> bytes | None:
+    """An entry's `bytes` when they are no whole character: a byte-fallback token, the
+    first part of a character its tokenizer split ("是" as 0xE6 0x98 0xAF), which its
+    `token` text cannot show (vLLM writes "bytes:\\xe6", llama.cpp a replacement)."""
+    raw = entry.get("bytes")
+    if not isinstance(raw, list) or not raw:
+        return None
+    if not all(isinstance(b, int) and not isinstance(b, bool) and 0 <= b < 256 for b in raw):
+        return None
+    data = bytes(raw)
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return data.lstrip() or None
+    return None
+
+
+def _tokens(top_logprobs: Sequence[Any]) -> list[tuple[str | bytes, float]]:
+    """(token stripped of leading whitespace and case-folded, or the bytes of a partial
+    character; probability) of each well-formed entry."""
+    tokens: list[tuple[str | bytes, float]] = []
     for entry in top_logprobs:
         if not isinstance(entry, dict):
             continue
@@ -222,15 +241,23 @@ def _tokens(top_logprobs: Sequence[Any]) -> list[tuple[str, float]]:
             continue
         if not isinstance(logprob, int | float) or math.isnan(logprob):
             continue
+        p = math.exp(min(float(logprob), 0.0))
+        partial = _partial(entry)
         stripped = token.lstrip().casefold()
-        if stripped:
-            tokens.append((stripped, math.exp(min(float(logprob), 0.0))))
+        if partial is not None:
+            tokens.append((partial, p))
+        elif stripped:
+            tokens.append((stripped, p))
     return tokens
 
 
-def _matches(token: str, folded: str, exact: set[str]) -> bool:
+def _matches(token: str | bytes, folded: str, exact: set[str]) -> bool:
     """Whether a token counts for a label: it begins the label, and a token that is a
-    whole label counts for that label only ("yes" is not the start of "yesterday")."""
+    whole label counts for that label only ("yes" is not the start of "yesterday").  A
+    partial character begins the labels whose UTF-8 bytes it begins (helper-115: a
+    label in Chinese or with an accent first never matched)."""
+    if isinstance(token, bytes):
+        return folded.encode("utf-8").startswith(token)
     return folded.startswith(token) and (token == folded or token not in exact)
 
 
@@ -242,7 +269,7 @@ def score_labels(
 
 
 def _score(
-    labels: Sequence[str], tokens: list[tuple[str, float]]
+    labels: Sequence[str], tokens: list[tuple[str | bytes, float]]
 ) -> tuple[dict[str, float], list[str]]:
     scores: dict[str, float] = {}
     unscored: list[str] = []
@@ -251,7 +278,7 @@ def _score(
         folded = _folded(label)
         matched = [p for tok, p in tokens if _matches(tok, folded, exact)]
         if matched:
-            scores[label] = max(matched)
+            scores[label] = min(1.0, math.fsum(matched))
         else:
             unscored.append(label)
     return scores, unscored
@@ -281,9 +308,8 @@ def decision(labels: Sequence[str], top_logprobs: Sequence[Any]) -> dict[str, An
             "model is asked with its thinking off",
         )
     best = max(scores, key=lambda lab: scores[lab])
-    top = scores[best]
-    # The token that gave the best score, and every label it counts for.
-    token = next(tok for tok, p in tokens if p == top and _matches(tok, _folded(best), exact))
+    # The likeliest token of the best score, and every other label it counts for.
+    token = max((t for t in tokens if _matches(t[0], _folded(best), exact)), key=lambda t: t[1])[0]
     tied = [lb for lb in labels if lb != best and _matches(token, _folded(lb), exact)]
     if tied:
         raise DecideError(

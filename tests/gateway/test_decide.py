@@ -153,6 +153,43 @@ def test_a_token_that_is_a_whole_label_scores_that_label_only() -> None:
     assert decision(["Negative", "Neutral", "Positive"], top)["label"] == "Positive"
 
 
+def test_a_labels_spellings_add_up() -> None:
+    # helper-115: the model spread "yes" over three tokens, and the best of them alone
+    # lost to "no" (0.4 against 0.45): the label is what the first token begins, however
+    # spelled, so its tokens' probabilities add up.
+    top = [
+        {"token": "No", "logprob": math.log(0.45)},
+        {"token": "Yes", "logprob": math.log(0.3)},
+        {"token": " yes", "logprob": math.log(0.15)},
+        {"token": " Y", "logprob": math.log(0.05)},
+    ]
+    got = decision(["yes", "no"], top)
+    assert got["label"] == "yes"
+    assert got["probabilities"] == pytest.approx({"yes": 0.5 / 0.95, "no": 0.45 / 0.95})
+    assert got["mass"] == pytest.approx(0.95)
+
+
+def test_a_token_that_is_part_of_a_character_matches_by_its_bytes() -> None:
+    # helper-115: a byte-fallback token (the first bytes of "是", of "é") has no text of
+    # its own (vLLM writes "bytes:\\xe6\\x98", llama.cpp a replacement character), so
+    # a label beginning with such a character never matched.
+    shi, bu = "是".encode(), "不".encode()
+    top = [
+        {"token": "bytes:\\xe6\\x98", "logprob": math.log(0.7), "bytes": list(shi[:2])},
+        {"token": "\ufffd", "logprob": math.log(0.2), "bytes": list(b" " + bu[:1])},
+        {"token": "Yes", "logprob": math.log(0.05), "bytes": list(b"Yes")},
+    ]
+    got = decision(["是", "不是"], top)
+    assert got["label"] == "是"
+    assert got["probabilities"] == pytest.approx({"是": 0.7 / 0.9, "不是": 0.2 / 0.9})
+    # Bytes that are a whole character are read as text, as before.
+    whole = [{"token": "no", "logprob": math.log(0.9), "bytes": list(b"no")}]
+    assert decision(["yes", "no"], whole)["label"] == "no"
+    # Not a list of bytes: the token's text, as an engine without them gives.
+    odd = [{"token": "no", "logprob": math.log(0.9), "bytes": ["x", 300, True]}]
+    assert decision(["yes", "no"], odd)["label"] == "no"
+
+
 def test_an_answer_that_is_not_a_label_is_no_decision() -> None:
     # helper-115: a reasoning model's first token is <think>; a label it gave 0.05 %
     # came back with probability 1.0.
