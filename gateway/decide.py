@@ -145,6 +145,10 @@ def decide_request(body: dict[str, Any]) -> DecideRequest:
     for i, label in enumerate(labels):
         if not isinstance(label, str) or not label.strip():
             raise DecideError(400, f"labels[{i}]: expected a non-empty string")
+        if "\n" in label or "\r" in label:
+            # Listed to the model one per line where one has a comma: a line break
+            # inside a label would make two.
+            raise DecideError(400, f"labels[{i}]: expected one line, got {label!r}")
     if not MIN_LABELS <= len(labels) <= MAX_LABELS:
         raise DecideError(
             400,
@@ -195,10 +199,7 @@ def chat_body(request: DecideRequest, model: str) -> bytes:
             "model": model,
             "messages": [
                 {"role": "system", "content": SYSTEM_PROMPT},
-                {
-                    "role": "user",
-                    "content": f"{request.input}\n\nLabels: {', '.join(request.labels)}",
-                },
+                {"role": "user", "content": f"{request.input}\n\n{_listed(request.labels)}"},
             ],
             "max_tokens": 1,
             "logprobs": True,
@@ -207,6 +208,14 @@ def chat_body(request: DecideRequest, model: str) -> bytes:
             "stream": False,
         }
     ).encode()
+
+
+def _listed(labels: Sequence[str]) -> str:
+    """The labels as the model reads them: on one line between commas, or one per line
+    where a label has a comma of its own (helper-115: "yes, definitely" read as two)."""
+    if any("," in label for label in labels):
+        return "Labels (one per line):\n" + "\n".join(label.strip() for label in labels)
+    return f"Labels: {', '.join(labels)}"
 
 
 # --------------------------------------------------------------------------- scoring

@@ -26,7 +26,7 @@ from harness import (
 )
 from starlette.types import Receive, Scope, Send
 
-from gateway.decide import SYSTEM_PROMPT, DecideError, decision, parse_decide
+from gateway.decide import SYSTEM_PROMPT, DecideError, chat_body, decision, parse_decide
 from scheduler import Policy
 from testkit.loopback import serve
 
@@ -221,6 +221,21 @@ def test_a_label_that_begins_another_is_refused() -> None:
         ["yes", "yesterday"],
     ):
         assert parse_decide(json.dumps({"input": "x", "labels": labels}).encode()).labels
+
+
+def test_labels_with_commas_are_listed_one_per_line() -> None:
+    # helper-115: "Labels: yes, definitely, no" reads as three labels.
+    def asked(labels: list[str]) -> str:
+        request = parse_decide(json.dumps({"input": "Sure?", "labels": labels}).encode())
+        return str(json.loads(chat_body(request, "m"))["messages"][1]["content"])
+
+    assert asked(["yes, definitely", "no"]) == (
+        "Sure?\n\nLabels (one per line):\nyes, definitely\nno"
+    )
+    assert asked(["yes", "no"]) == "Sure?\n\nLabels: yes, no"  # as before
+    with pytest.raises(DecideError, match=r"labels\[1\]: expected one line") as e:
+        parse_decide(json.dumps({"input": "x", "labels": ["a", "b\nc"]}).encode())
+    assert e.value.status == 400
 
 
 def test_ties_go_to_the_first_label() -> None:
