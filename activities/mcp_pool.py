@@ -147,8 +147,14 @@ class _Delivery(httpx2.AsyncBaseTransport):
         try:
             response = await self._inner.handle_async_request(request)
         except (httpx2.ConnectError, httpx2.ConnectTimeout):
-            self._reached[key] = False
+            if key in self._reached:
+                self._reached[key] = False
             raise
+        if key not in self._reached:
+            # The call is over (cut at its tool's time, or cancelled) and its notes gone:
+            # a late answer is noted nowhere.  (helper-120: a late error status raised
+            # KeyError here, which closed the connection with other runs' calls on it.)
+            return response
         status = response.status_code
         if status < 300:
             kind = (response.headers.get("content-type") or "").lower()

@@ -893,3 +893,55 @@ async def test_a_call_past_its_tools_time_is_cut_and_its_connection_kept(
             assert err.value.type == TOOL_TIMED_OUT and not err.value.non_retryable
         finally:
             await pool.aclose()
+
+
+async def test_a_late_error_answer_to_a_cut_call_leaves_the_other_calls_alone() -> None:
+    # On a legacy session the cut call's POST is still open: its late error answer (a
+    # 500 with a JSON-RPC error) found the call's notes gone and raised KeyError in the
+    # transport, which closed the connection and another run's call with it (helper-120).
+    mcp: MCPServer = MCPServer("srv")
+    started, release, answered = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def slow() -> str:
+        started.set()
+        await release.wait()
+        return "slow done"
+
+    mcp.add_tool(slow, name="slow")
+    mcp.add_tool(lambda: "never", name="late")
+    mcp.add_tool(lambda: "quick", name="quick")
+    inner = mcp.streamable_http_app(streamable_http_path="/mcp", host="127.0.0.1")
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return await inner(scope, receive, send)
+        body, replay = await read_body(receive)
+        if b'"late"' not in body:
+            return await inner(scope, replay, send)
+        await asyncio.sleep(0.6)  # past the call's 0.3 s
+        error = {"code": -32603, "message": "boom"}
+        out = json.dumps({"jsonrpc": "2.0", "id": json.loads(body)["id"], "error": error})
+        headers = [(b"content-type", b"application/json")]
+        await send({"type": "http.response.start", "status": 500, "headers": headers})
+        await send({"type": "http.response.body", "body": out.encode()})
+        answered.set()
+        return None
+
+    async with serve(app) as url:
+        pool = McpPool([McpServer(name="s", url=f"{url}/mcp", protocol="legacy")])
+        try:
+            other = asyncio.ensure_future(pool.call("s", "slow", {}, key="runA/c1"))
+            await started.wait()
+            conn = pool._conns["s"]
+            gen = conn._gen
+            with pytest.raises(mcp_pool.CallTimedOut):
+                await pool.call("s", "late", {}, key="runB/c1", timeout=0.3)
+            await asyncio.wait_for(answered.wait(), 10)
+            assert await pool.call("s", "quick", {}, key="runC/c1") == ("quick", False)
+            release.set()
+            assert await asyncio.wait_for(other, 10) == ("slow done", False)
+            assert conn._gen is gen  # the same connection throughout
+            assert not conn.reached and not conn.replied and not conn.statuses  # no notes left
+        finally:
+            release.set()
+            await pool.aclose()
