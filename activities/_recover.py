@@ -6,10 +6,10 @@ Small open models served without a tool-call parser answer with the call in the 
 `[TOOL_CALLS][{"name": ..., "arguments": {...}}]` or `[TOOL_CALLS]name[ARGS]{...}`
 (Mistral, before and after its v11 tokenizer), or bare JSON — one object, several (on
 lines, or between `;`), or an array of them — sometimes in a ```json fence.  A
-reasoning model served without a reasoning parser writes its `<think>...</think>` first:
-the calls are read after it.  Every value must be a call of a tool that was offered
-(by the name it was offered under, or by the tool's own name where the run gave it
-another: `aliases`), or nothing is recovered, so an answer that merely quotes JSON (or
+reasoning model served without a reasoning parser writes its `<think>...</think>` first
+(or only the `</think>`, where its template opened the block in the prompt): the calls
+are read after it.  Every value must be a call of a tool that was offered, by the name
+it was offered under, or nothing is recovered, so an answer that merely quotes JSON (or
 is prose around it) stays an answer.
 """
 
@@ -29,11 +29,14 @@ __all__ = ["recover_tool_calls"]
 # (No \s* around the group: on a long run of blanks it backtracks quadratically.)
 _TAGGED = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 _FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.DOTALL)
-# A reasoning model's thoughts, written before its answer (an unclosed one: no answer).
+# A reasoning model's thoughts, written before its answer (an unclosed one: no answer);
+# its template may have opened them in the prompt, leaving only the close in the text.
 _THOUGHT = re.compile(r"^\s*<think>.*?</think>", re.DOTALL)
-# Mistral's marker, before each call (v11+: `name[ARGS]{...}`) or before an array of them.
+_THOUGHT_END = "</think>"
+# Mistral's marker, first in the text, before each call (v11+: `name[ARGS]{...}`, or
+# `name[CALL_ID]id[ARGS]{...}`) or before an array of them.
 _MISTRAL = "[TOOL_CALLS]"
-_MISTRAL_NAMED = re.compile(r"([A-Za-z0-9_.:/-]+)\[ARGS\]")
+_MISTRAL_NAMED = re.compile(r"\s*([A-Za-z0-9_.:/-]+)(?:\[CALL_ID\][A-Za-z0-9_-]*)?\[ARGS\]")
 _DECODER = json.JSONDecoder()
 
 
@@ -55,24 +58,30 @@ def _values(body: str) -> list[Any] | None:
 
 
 def _mistral(text: str) -> list[Any]:
-    """The calls after Mistral's markers; [] when anything else is among them."""
+    """The calls after Mistral's markers (`text` begins with one); [] when anything else
+    is among them.  Each JSON value is read whole, so a marker inside a call's
+    arguments is text, not the next call."""
     found: list[Any] = []
-    for part in text.split(_MISTRAL)[1:]:
-        named = _MISTRAL_NAMED.match(part.strip())
-        if named is not None:
-            rest = part.strip()[named.end() :]
-            try:
-                args, end = _DECODER.raw_decode(rest)
-            except (ValueError, RecursionError):
-                return []
-            if rest[end:].strip():
-                return []
-            found.append({"name": named.group(1), "arguments": args})
-            continue
-        values = _values(part.strip())
-        if values is None:
+    i = 0
+    while i < len(text):
+        if not text.startswith(_MISTRAL, i):
             return []
-        found.extend(values)
+        i += len(_MISTRAL)
+        named = _MISTRAL_NAMED.match(text, i)
+        if named is not None:
+            i = named.end()
+        while i < len(text) and text[i].isspace():
+            i += 1
+        try:
+            value, i = _DECODER.raw_decode(text, i)
+        except (ValueError, RecursionError):
+            return []
+        if named is not None:
+            found.append({"name": named.group(1), "arguments": value})
+        else:
+            found.extend(value if isinstance(value, list) else [value])
+        while i < len(text) and text[i].isspace():
+            i += 1
     return found
 
 
@@ -82,8 +91,10 @@ def _candidates(text: str) -> list[Any]:
         text = text[thought.end() :]
     elif text.lstrip().startswith("<think>"):
         return []  # cut while thinking: no call was written
-    if _MISTRAL in text:
-        return _mistral(text)
+    elif _THOUGHT_END in text:
+        text = text.split(_THOUGHT_END, 1)[1]  # opened by the template, in the prompt
+    if text.lstrip().startswith(_MISTRAL):
+        return _mistral(text.strip())
     tagged = _TAGGED.findall(text)
     if tagged:
         found = [_values(t.strip()) for t in tagged]

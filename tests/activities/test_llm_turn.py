@@ -384,6 +384,24 @@ def test_arguments_json_cannot_carry_are_refused_and_odd_schemas_do_not_crash() 
             [("lookup", "a")],
         ),
         ('<think>about to write {"name": "lookup", "arguments": {"query": "a"}}', []),
+        # helper-120: the marker inside a call's arguments is text, and prose before a
+        # marker is an answer that quotes one; a template that opened <think> in the
+        # prompt leaves only its close; Mistral's v13 writes a call id.
+        (
+            '<tool_call>{"name": "lookup", "arguments": {"query": "[TOOL_CALLS]"}}</tool_call>',
+            [("lookup", "[TOOL_CALLS]")],
+        ),
+        (
+            '{"name": "lookup", "arguments": {"query": "a [TOOL_CALLS] b"}}',
+            [("lookup", "a [TOOL_CALLS] b")],
+        ),
+        ('[TOOL_CALLS]lookup[ARGS]{"query": "a [TOOL_CALLS] b"}', [("lookup", "a [TOOL_CALLS] b")]),
+        ('It would answer:\n[TOOL_CALLS][{"name": "lookup", "arguments": {"query": "a"}}]', []),
+        (
+            'I should look.\n</think>\n{"name": "lookup", "arguments": {"query": "a"}}',
+            [("lookup", "a")],
+        ),
+        ('[TOOL_CALLS]lookup[CALL_ID]a1B2c3D4e[ARGS]{"query": "a"}', [("lookup", "a")]),
         ("<think>done</think>The answer is 4.", []),
         # Answers: prose around JSON, a tool not offered, anything besides the calls.
         ('I would call {"name": "lookup", "arguments": {"query": "a"}}', []),
