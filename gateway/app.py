@@ -1181,11 +1181,19 @@ class _Door:
         handles = await runs.list(limit=limit)
         return await runs.statuses(handles, query_timeout=STATUS_QUERY_TIMEOUT_S)
 
-    async def count_open(self) -> tuple[dict[str, int], int]:
+    async def count_open(self) -> tuple[dict[str, int], int | None]:
         """The sub-agent runs open in Temporal, by state, and the workers that poll
-        their task queue."""
+        their task queue (None: Temporal would not say, and the counts stand)."""
         runs = await self.runs()
-        return await asyncio.gather(runs.count_open(), runs.workers())
+        counts, workers = await asyncio.gather(
+            runs.count_open(), runs.workers(), return_exceptions=True
+        )
+        if isinstance(counts, BaseException):
+            raise counts
+        if isinstance(workers, BaseException):
+            log.warning("counting workers: %s: %s", type(workers).__name__, workers)
+            return counts, None
+        return counts, workers
 
     async def runs(self) -> Runs:
         if self._runs is None:

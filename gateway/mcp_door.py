@@ -974,10 +974,12 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
         answer. For several at once, prefer spawn + await."""
         arguments = _arguments(locals())
         handle = _State.load(ctx.request_state).spawned  # a later round: never spawn twice
+        spawned = handle is None
         if handle is None:
             handle = await spawn_run(spec_of(RunArgs.model_validate(arguments), ctx), ctx)
-            await no_worker(ctx)  # said in the gateway's log; the wait goes on
         try:
+            if spawned:
+                await no_worker(ctx)  # said in the gateway's log; the wait goes on
             waited = await wait(ctx, [handle], "all", timeout, spawned=handle)
         except BaseException:
             # The client cancelled the call (notifications/cancelled; Esc in a harness):
