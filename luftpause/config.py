@@ -1116,7 +1116,7 @@ def _unknown_field(loc: Sequence[Any]) -> str:
             f"{_header(path[0])} header into that table: write it above the first table"
         )
     elsewhere = [
-        f"[{name}]"
+        _header(name)
         for name, other in sections.items()
         if key in other.model_fields and name not in path
     ]

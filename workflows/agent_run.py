@@ -46,7 +46,8 @@ Rules this module keeps:
    check before calling again.  (Runs without the `ONCE_PATCH` marker retry every call,
    as they did.)  A call with no answer within its server's `tool_timeout_s` is cut and
    told to the model, whatever the tool, and the run goes on; a repeatable tool's call
-   that broke off is sent TOOL_SENDS times before the model is told (`NO_ANSWER`).
+   that broke off is sent TOOL_SENDS times before the model is told (`TIMED_OUT`,
+   `BROKE_OFF`).
    (Runs without the `TOLD_PATCH` marker left a repeatable call to Temporal's retries,
    each cut at 5 minutes, and failed after 15.)
 """
@@ -701,7 +702,9 @@ class AgentRun:
     async def _sent(self, inp: ToolInput, tool: ToolInfo | None) -> ToolOutput:
         """A call the run sends itself, one attempt per send (rule 5).  It is sent again
         while it never left the worker (its server unreachable: NOT_SENT), with RETRY's
-        backoff, for TOOL_SCHEDULE_TIMEOUT at most, and then fails the run.  Any other
+        backoff, for `contract.TOOL_UNREACHED_S` from the first such send since the
+        call last broke off (runs without TOLD_PATCH: TOOL_SCHEDULE_TIMEOUT from its
+        first send), and then fails the run.  Any other
         failure may come after the server ran it: a call with no answer within its
         timeout is told to the model, and so is one that broke off (the worker died, the
         connection broke), after TOOL_SENDS sends of a repeatable tool's, at once of

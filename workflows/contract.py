@@ -64,11 +64,13 @@ REPORT_EVERY_S = 5.0
 # cuts the call at it) and this much more: the worker may first open the server's
 # connection (activities/mcp_pool.py: 20 s to open, 5 s to settle a failed one), which
 # must not count as the tool's time (a call cut while still opening would be told as
-# one that may have run, and never sent again).  Read at each call, so tests can lower it.
+# one that may have run, and never sent again).  Read at each call, so tests can lower
+# it; only the activity's timeout, not a command, depends on it.
 TOOL_OPENING_S = 30.0
 # How long a tool call whose server cannot be reached (never sent: NOT_SENT) is sent
 # again before the run fails, from the first such send since the call last broke off.
-# Read at each call, so tests can lower it.
+# Read at each call, so tests can lower it.  Part of a run's replay (whether the run
+# fails or sends again): change it only behind a new `workflow.patched` id.
 TOOL_UNREACHED_S = 900.0
 
 RunState = Literal[
