@@ -222,8 +222,13 @@ class ToolView(BaseModel):
     destructive: bool
     idempotent: bool
     repeatable: bool = Field(
-        description="a call cut off after it may have run is sent again (readOnly or "
-        "idempotent); otherwise the run's model is told its outcome is unknown"
+        description="a call that broke off after it may have run (its worker died, its "
+        "connection broke) is sent again, 3 sends at most (readOnly or idempotent); "
+        "otherwise the run's model is told its outcome is unknown"
+    )
+    timeoutS: float = Field(
+        description="how long one call may take once sent (its server's tool_timeout_s): "
+        "then it is cut, not sent again, and the run's model told"
     )
     inputSchema: dict[str, Any]
 
@@ -1096,6 +1101,7 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
                     destructive=t.destructive,
                     idempotent=t.idempotent,
                     repeatable=t.repeatable,
+                    timeoutS=t.timeout_s,
                     inputSchema=t.input_schema,
                 )
                 for t in listing.tools

@@ -140,6 +140,7 @@ async def test_spawn_six_and_await_all_any_and_timeout(temporal_address: str, mo
             False,
             True,
         )
+        assert by_name["lookup"]["timeoutS"] == 300.0  # the server's tool_timeout_s
 
         handles = [await spawn(c, task=task_with(2, f"six{i}"), tools=["lookup"]) for i in range(6)]
         # A short timeout returns states without answers.
