@@ -307,6 +307,8 @@ def test_sglang_test_bed_two_replicas_on_one_gpu() -> None:
     svc = active(render(("sglang",)))
     replicas = {name: s for name, s in svc.items() if "sglang" in str(s.get("image", ""))}
     assert sorted(replicas) == ["sglang-a", "sglang-b"]
+    # A pinned release, not `latest`: the bed's figures are of one SGLang.
+    assert {s["image"] for s in replicas.values()} == {"lmsysorg/sglang:v0.5.19-cu129"}
     served = {m for e in variant_config("sglang").endpoints for m in e.models}
     gpus = set()
     for name, s in replicas.items():
