@@ -6,15 +6,17 @@ Without `labels` the input goes to a single-pass `classifier` endpoint's `/class
 any chat turn (in a run of its own, ended afterwards), and each label is scored by the
 first token's `top_logprobs`: a token matches a label when, stripped of leading
 whitespace and compared case-insensitively, it is a non-empty prefix of the label; the
-label's score is the sum of its matching tokens' probabilities (the tokens are distinct
-answers: "Yes", " Yes" and " yes" are each a way to begin it; helper-115: the best of
-them alone under-counted a label whose mass the model spread over its spellings).
+label's score is the sum of the probabilities of the tokens that begin it and no other
+label (the tokens are distinct answers: "Yes", " Yes" and " yes" are each a way to
+begin it; helper-115: the best of them alone under-counted a label whose mass the model
+spread over its spellings).
 
 One token decides, so what it cannot tell apart is refused rather than guessed: a
 label another begins where tokens split ("no" and "no idea", "1" and "10": the second
 could never win) at parse time
-(400), and a first token that begins two labels the model put first ("Ne" of
-"Negative" and "Neutral") at scoring time (422).  So is an answer whose first token
+(400), and tokens that begin several labels and could decide between them ("Ne" of
+"Negative" and "Neutral" first; or "N" taking Negative past Positive) at scoring time
+(422).  So is an answer whose first token
 put less than MIN_LABEL_MASS on the labels at all (a reasoning model's `<think>`): the
 labels' probabilities, normalised among themselves, would read as certain.  `mass`
 in the answer is the probability the first token put on the labels.
@@ -26,6 +28,7 @@ import asyncio
 import contextlib
 import json
 import math
+import unicodedata
 import uuid
 from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -145,7 +148,7 @@ def decide_request(body: dict[str, Any]) -> DecideRequest:
     for i, label in enumerate(labels):
         if not isinstance(label, str) or not label.strip():
             raise DecideError(400, f"labels[{i}]: expected a non-empty string")
-        if "\n" in label or "\r" in label:
+        if len(label.strip().splitlines()) > 1:
             # Listed to the model one per line where one has a comma: a line break
             # inside a label would make two.
             raise DecideError(400, f"labels[{i}]: expected one line, got {label!r}")
@@ -174,7 +177,9 @@ def decide_request(body: dict[str, Any]) -> DecideRequest:
         f"{a!r} begins {b!r}"
         for a, fa in zip(labels, folded, strict=True)
         for b, fb in zip(labels, folded, strict=True)
-        if fb != fa and fb.startswith(fa) and not (fa[-1].isalpha() and fb[len(fa)].isalpha())
+        if fb != fa
+        and fb.startswith(fa)
+        and not (_spaced_letter(fa[-1]) and _spaced_letter(fb[len(fa)]))
     ]
     if begins:
         raise DecideError(
@@ -184,6 +189,20 @@ def decide_request(body: dict[str, Any]) -> DecideRequest:
             "differently",
         )
     return DecideRequest(text, tuple(labels), model)
+
+
+# Scripts written without spaces between words, outside East Asia's wide characters:
+# Thai, Lao, Tibetan, Myanmar, Khmer.
+_UNSPACED = ((0x0E00, 0x0FFF), (0x1000, 0x109F), (0x1780, 0x17FF))
+
+
+def _spaced_letter(ch: str) -> bool:
+    """A letter of a script that puts spaces between words: there, letters going on
+    with letters make a first token of their own ("Not" beside "No").  Not so in
+    Chinese, Japanese, Thai, ...: "是" beside "是的" (helper-121)."""
+    if not ch.isalpha() or unicodedata.east_asian_width(ch) in ("W", "F"):
+        return False
+    return not any(lo <= ord(ch) <= hi for lo, hi in _UNSPACED)
 
 
 def _folded(label: str) -> str:
@@ -210,10 +229,14 @@ def chat_body(request: DecideRequest, model: str) -> bytes:
     ).encode()
 
 
+# What reads as a list's separator: the comma, and the full-width and ideographic ones.
+_COMMAS = (",", "\uff0c", "\u3001")
+
+
 def _listed(labels: Sequence[str]) -> str:
     """The labels as the model reads them: on one line between commas, or one per line
     where a label has a comma of its own (helper-115: "yes, definitely" read as two)."""
-    if any("," in label for label in labels):
+    if any(comma in label for label in labels for comma in _COMMAS):
         return "Labels (one per line):\n" + "\n".join(label.strip() for label in labels)
     return f"Labels: {', '.join(labels)}"
 
@@ -221,10 +244,27 @@ def _listed(labels: Sequence[str]) -> str:
 # --------------------------------------------------------------------------- scoring
 
 
-def _partial(entry: Mapping[str, Any]) -> bytes | None:
-    """An entry's `bytes` when they are no whole character: a byte-fallback token, the
-    first part of a character its tokenizer split ("是" as 0xE6 0x98 0xAF), which its
-    `token` text cannot show (vLLM writes "bytes:\\xe6", llama.cpp a replacement)."""
+@dataclass(frozen=True, slots=True)
+class _Partial:
+    """A token that ends inside a character: its whole characters (stripped of leading
+    whitespace and case-folded) and the first bytes of the character it cut."""
+
+    text: str
+    tail: bytes
+
+    def __repr__(self) -> str:
+        return repr(self.text + self.tail.decode("utf-8", "backslashreplace"))
+
+
+_Token = str | _Partial
+
+
+def _partial(entry: Mapping[str, Any]) -> _Partial | None:
+    """The entry as a token that ends inside a character, if its `bytes` do: a
+    byte-fallback token (the first bytes of "是" or of "é", which its tokenizer split).
+    llama.cpp and OpenAI give a token's own bytes, and text only up to its last whole
+    character; vLLM and SGLang give the bytes of the text they decoded, a replacement
+    character for the cut one, so such a token matches nothing there."""
     raw = entry.get("bytes")
     if not isinstance(raw, list) or not raw:
         return None
@@ -233,15 +273,18 @@ def _partial(entry: Mapping[str, Any]) -> bytes | None:
     data = bytes(raw)
     try:
         data.decode("utf-8")
-    except UnicodeDecodeError:
-        return data.lstrip() or None
-    return None
+        return None  # whole characters: the token's text says it
+    except UnicodeDecodeError as exc:
+        if exc.end != len(data) or exc.reason != "unexpected end of data":
+            return None  # bytes that are no UTF-8 at all
+        whole, tail = data[: exc.start].decode("utf-8"), data[exc.start :]
+    return _Partial(whole.lstrip().casefold(), tail)
 
 
-def _tokens(top_logprobs: Sequence[Any]) -> list[tuple[str | bytes, float]]:
-    """(token stripped of leading whitespace and case-folded, or the bytes of a partial
-    character; probability) of each well-formed entry."""
-    tokens: list[tuple[str | bytes, float]] = []
+def _tokens(top_logprobs: Sequence[Any]) -> list[tuple[_Token, float]]:
+    """(token stripped of leading whitespace and case-folded, or a `_Partial`;
+    probability) of each well-formed entry."""
+    tokens: list[tuple[_Token, float]] = []
     for entry in top_logprobs:
         if not isinstance(entry, dict):
             continue
@@ -260,54 +303,64 @@ def _tokens(top_logprobs: Sequence[Any]) -> list[tuple[str | bytes, float]]:
     return tokens
 
 
-def _matches(token: str | bytes, folded: str, exact: set[str]) -> bool:
+def _matches(token: _Token, folded: str, exact: set[str]) -> bool:
     """Whether a token counts for a label: it begins the label, and a token that is a
     whole label counts for that label only ("yes" is not the start of "yesterday").  A
-    partial character begins the labels whose UTF-8 bytes it begins (helper-115: a
-    label in Chinese or with an accent first never matched)."""
-    if isinstance(token, bytes):
-        return folded.encode("utf-8").startswith(token)
+    token that ends inside a character begins the labels whose next character, in any
+    case, begins with its bytes (helper-115: a label in Chinese, or with an accent
+    first, never matched)."""
+    if isinstance(token, _Partial):
+        if not folded.startswith(token.text) or len(folded) == len(token.text):
+            return False
+        c = folded[len(token.text)]
+        return any(form.encode("utf-8").startswith(token.tail) for form in {c, c.upper()})
     return folded.startswith(token) and (token == folded or token not in exact)
 
 
 def score_labels(
     labels: Sequence[str], top_logprobs: Sequence[Any]
 ) -> tuple[dict[str, float], list[str]]:
-    """(scores of the matched labels, in label order; the unmatched labels)."""
-    return _score(labels, _tokens(top_logprobs))
+    """(scores of the labels some token spoke for alone, in label order; the others)."""
+    scores, unscored, _ = _score(labels, _tokens(top_logprobs))
+    return scores, unscored
 
 
 def _score(
-    labels: Sequence[str], tokens: list[tuple[str | bytes, float]]
-) -> tuple[dict[str, float], list[str]]:
-    scores: dict[str, float] = {}
-    unscored: list[str] = []
-    exact = {_folded(label) for label in labels}
-    for label in labels:
-        folded = _folded(label)
-        matched = [p for tok, p in tokens if _matches(tok, folded, exact)]
-        if matched:
-            scores[label] = min(1.0, math.fsum(matched))
-        else:
-            unscored.append(label)
-    return scores, unscored
+    labels: Sequence[str], tokens: list[tuple[_Token, float]]
+) -> tuple[dict[str, float], list[str], list[tuple[_Token, float, list[str]]]]:
+    """Each label's score, the sum of the tokens that begin it and no other label (the
+    first-token answers are distinct, so a label spread over "Yes", " yes" and " Y"
+    adds up; helper-115); the labels no token spoke for alone; and the tokens that
+    begin several labels, with those labels (they tell none of them apart)."""
+    folded = [_folded(label) for label in labels]
+    exact = set(folded)
+    sums: dict[str, list[float]] = {}
+    shared: list[tuple[_Token, float, list[str]]] = []
+    for token, p in tokens:
+        begun = [lb for lb, f in zip(labels, folded, strict=True) if _matches(token, f, exact)]
+        if len(begun) == 1:
+            sums.setdefault(begun[0], []).append(p)
+        elif begun:
+            shared.append((token, p, begun))
+    scores = {lb: min(1.0, math.fsum(sums[lb])) for lb in labels if lb in sums}
+    unscored = [lb for lb in labels if lb not in scores]
+    return scores, unscored, shared
 
 
 def decision(labels: Sequence[str], top_logprobs: Sequence[Any]) -> dict[str, Any]:
     """`{label, probabilities, unscored, mass}`; 422 when no label matched any token,
-    when the labels got less than MIN_LABEL_MASS of the first token, or when the
-    token that scored best begins another label as well (see the module docstring)."""
+    when the labels got less than MIN_LABEL_MASS of the first token, or when tokens
+    that begin several labels could decide between them (see the module docstring)."""
     tokens = _tokens(top_logprobs)
-    scores, unscored = _score(labels, tokens)
-    total = sum(scores.values())
-    if not scores or total <= 0:
+    scores, unscored, shared = _score(labels, tokens)
+    exact = {_folded(label) for label in labels}
+    # The probability on the labels: each token that counts for any label, once.
+    mass = sum(p for tok, p in tokens if any(_matches(tok, _folded(lb), exact) for lb in labels))
+    if not scores and not shared:
         raise DecideError(
             422,
             f"the model's first token matched none of the labels (unscored: {', '.join(unscored)})",
         )
-    exact = {_folded(label) for label in labels}
-    # The probability on the labels: each token that counts for any label, once.
-    mass = sum(p for tok, p in tokens if any(_matches(tok, _folded(lb), exact) for lb in labels))
     if mass < MIN_LABEL_MASS:
         first = max(tokens, key=lambda t: t[1])[0] if tokens else ""
         raise DecideError(
@@ -316,17 +369,24 @@ def decision(labels: Sequence[str], top_logprobs: Sequence[Any]) -> dict[str, An
             f"(its likeliest token: {first!r}): it answered something else; a reasoning "
             "model is asked with its thinking off",
         )
-    best = max(scores, key=lambda lab: scores[lab])
-    # The likeliest token of the best score, and every other label it counts for.
-    token = max((t for t in tokens if _matches(t[0], _folded(best), exact)), key=lambda t: t[1])[0]
-    tied = [lb for lb in labels if lb != best and _matches(token, _folded(lb), exact)]
-    if tied:
-        raise DecideError(
-            422,
-            f"the model's first token {token!r} begins {best!r} and "
-            f"{', '.join(map(repr, tied))} alike: one token cannot tell them apart; give "
-            "labels that start differently",
-        )
+    best = max(scores, key=lambda lab: scores[lab]) if scores else labels[0]
+    lead = scores.get(best, 0.0)
+    # A label that the tokens it shares with others could take past the best one: one
+    # token cannot tell them apart ("Ne" of Negative and Neutral, or "N" making
+    # Negative's 0.30 more than Positive's 0.45; helper-121), whatever the labels' order.
+    for label in labels:
+        if label == best and scores:
+            continue
+        could = [(tok, p, begun) for tok, p, begun in shared if label in begun]
+        if could and scores.get(label, 0.0) + math.fsum(p for _, p, _ in could) >= lead:
+            token, _, begun = max(could, key=lambda c: c[1])
+            raise DecideError(
+                422,
+                f"the model's first token {token!r} begins "
+                f"{' and '.join(map(repr, begun))} alike: one token cannot tell them "
+                "apart; give labels that start differently",
+            )
+    total = math.fsum(scores.values())
     probabilities = {label: p / total for label, p in scores.items()}
     return {"label": best, "probabilities": probabilities, "unscored": unscored, "mass": mass}
 

@@ -100,12 +100,16 @@ def render_message(message: Mapping[str, Any]) -> str:
 
 
 def parse_labels(text: str) -> list[str]:
-    """Labels from a line `Labels: a, b, c` (the last such line), else []."""
+    """Labels from a line `Labels: a, b, c` (the last such line), or the lines after
+    `Labels (one per line):` (as /v1/decide lists labels with commas), else []."""
     labels: list[str] = []
-    for line in text.splitlines():
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
         head, sep, rest = line.strip().partition(":")
         if sep and head.strip().lower() == "labels":
             labels = [lab.strip() for lab in rest.split(",") if lab.strip()]
+        elif sep and head.strip().lower() == "labels (one per line)" and not rest.strip():
+            labels = [lab.strip() for lab in lines[i + 1 :] if lab.strip()]
     return labels
 
 

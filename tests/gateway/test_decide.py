@@ -171,23 +171,78 @@ def test_a_labels_spellings_add_up() -> None:
 
 def test_a_token_that_is_part_of_a_character_matches_by_its_bytes() -> None:
     # helper-115: a byte-fallback token (the first bytes of "是", of "é") has no text of
-    # its own (vLLM writes "bytes:\\xe6\\x98", llama.cpp a replacement character), so
-    # a label beginning with such a character never matched.
+    # its own: llama.cpp and OpenAI send its bytes, with text up to its last whole
+    # character, so a label beginning with such a character never matched.
     shi, bu = "是".encode(), "不".encode()
     top = [
-        {"token": "bytes:\\xe6\\x98", "logprob": math.log(0.7), "bytes": list(shi[:2])},
-        {"token": "\ufffd", "logprob": math.log(0.2), "bytes": list(b" " + bu[:1])},
+        {"token": "", "logprob": math.log(0.7), "bytes": list(shi[:2])},
+        {"token": " ", "logprob": math.log(0.2), "bytes": list(b" " + bu[:1])},
         {"token": "Yes", "logprob": math.log(0.05), "bytes": list(b"Yes")},
     ]
     got = decision(["是", "不是"], top)
     assert got["label"] == "是"
     assert got["probabilities"] == pytest.approx({"是": 0.7 / 0.9, "不是": 0.2 / 0.9})
-    # Bytes that are a whole character are read as text, as before.
+    # The whole characters before the cut compare without case, as text does; the cut
+    # one's bytes may be of its capital (helper-121: " N\xc3" of "Négatif" went to
+    # "Positif").
+    e_acute = "É".encode()
+    top = [
+        {"token": " N", "logprob": math.log(0.6), "bytes": list(b" N" + "é".encode()[:1])},
+        {"token": "Pos", "logprob": math.log(0.3), "bytes": list(b"Pos")},
+    ]
+    assert decision(["Négatif", "Positif"], top)["label"] == "Négatif"
+    # One byte of a Cyrillic letter begins С (the capital of с) and п alike: no guess.
+    top = [
+        {"token": "", "logprob": math.log(0.6), "bytes": list("С".encode()[:1])},
+        {"token": "Про", "logprob": math.log(0.3), "bytes": list("Про".encode())},
+    ]
+    with pytest.raises(DecideError, match="one token cannot tell them apart"):
+        decision(["согласен", "против"], top)
+    top = [{"token": "", "logprob": math.log(0.9), "bytes": list(e_acute[:1])}]
+    assert decision(["été", "non"], top)["label"] == "été"
+    # Bytes that are a whole character, or no UTF-8 at all, leave the token's text.
     whole = [{"token": "no", "logprob": math.log(0.9), "bytes": list(b"no")}]
     assert decision(["yes", "no"], whole)["label"] == "no"
-    # Not a list of bytes: the token's text, as an engine without them gives.
+    bad = [{"token": "no", "logprob": math.log(0.9), "bytes": [0xFF, 0x6E]}]
+    assert decision(["yes", "no"], bad)["label"] == "no"
     odd = [{"token": "no", "logprob": math.log(0.9), "bytes": ["x", 300, True]}]
     assert decision(["yes", "no"], odd)["label"] == "no"
+
+
+def test_tokens_several_labels_share_refuse_a_decision_they_could_swing() -> None:
+    # helper-121: with sums, "N" (Negative or Neutral) took Negative's 0.30 past
+    # Positive's 0.45, and the answer was Negative with no word of doubt.
+    top = [
+        {"token": "Negative", "logprob": math.log(0.30)},
+        {"token": "N", "logprob": math.log(0.25)},
+        {"token": "Positive", "logprob": math.log(0.45)},
+    ]
+    with pytest.raises(DecideError, match="'n' begins 'Negative' and 'Neutral' alike"):
+        decision(["Negative", "Neutral", "Positive"], top)
+    # Whatever the tokens' order (a tie used to be decided by it).
+    for top in (
+        [
+            {"token": "Negative", "logprob": math.log(0.3)},
+            {"token": "Ne", "logprob": math.log(0.3)},
+        ],
+        [
+            {"token": "Ne", "logprob": math.log(0.3)},
+            {"token": "Negative", "logprob": math.log(0.3)},
+        ],
+    ):
+        with pytest.raises(DecideError, match="one token cannot tell them apart"):
+            decision(["Negative", "Neutral"], top)
+    # Shared tokens too light to swing it: the labels' own tokens decide, and only they
+    # count in the probabilities.
+    top = [
+        {"token": "Negative", "logprob": math.log(0.6)},
+        {"token": "N", "logprob": math.log(0.1)},
+        {"token": "Positive", "logprob": math.log(0.2)},
+    ]
+    got = decision(["Negative", "Neutral", "Positive"], top)
+    assert got["label"] == "Negative" and got["unscored"] == ["Neutral"]
+    assert got["probabilities"] == pytest.approx({"Negative": 0.75, "Positive": 0.25})
+    assert got["mass"] == pytest.approx(0.9)
 
 
 def test_an_answer_that_is_not_a_label_is_no_decision() -> None:
@@ -208,6 +263,8 @@ def test_a_label_that_begins_another_is_refused() -> None:
         (["yes", "no", "no, never"], "'no' begins 'no, never'"),  # helper-117
         ([str(i) for i in range(1, 11)], "'1' begins '10'"),  # Qwen splits every digit
         (["1", "1st"], "'1' begins '1st'"),  # helper-118
+        (["是", "是的"], "'是' begins '是的'"),  # helper-121: no spaces, no own first token
+        (["ใช่", "ใช่แล้ว"], "'ใช่' begins 'ใช่แล้ว'"),
     ):
         with pytest.raises(DecideError, match=said) as e:
             parse_decide(json.dumps({"input": "x", "labels": labels}).encode())
@@ -233,9 +290,23 @@ def test_labels_with_commas_are_listed_one_per_line() -> None:
         "Sure?\n\nLabels (one per line):\nyes, definitely\nno"
     )
     assert asked(["yes", "no"]) == "Sure?\n\nLabels: yes, no"  # as before
-    with pytest.raises(DecideError, match=r"labels\[1\]: expected one line") as e:
-        parse_decide(json.dumps({"input": "x", "labels": ["a", "b\nc"]}).encode())
-    assert e.value.status == 400
+    assert asked(["是，当然", "否"]).endswith("(one per line):\n是，当然\n否")  # full-width
+    for broken in ("b\nc", "b\u2028c", "b\x85c"):
+        with pytest.raises(DecideError, match=r"labels\[1\]: expected one line") as e:
+            parse_decide(json.dumps({"input": "x", "labels": ["a", broken]}).encode())
+        assert e.value.status == 400
+    assert asked(["yes\n", "no"]) == "Sure?\n\nLabels: yes\n, no"  # a trailing break, as before
+
+
+async def test_labels_with_commas_reach_the_fake_engine_as_labels() -> None:
+    labels = ["yes, definitely", "no, never", "maybe"]
+    async with (
+        engine(time_scale=20) as (url, _),
+        gateway(endpoint("a", url)) as (gw, _),
+    ):
+        r = await gw.post("/v1/decide", json={"input": "Sure?", "labels": labels})
+        assert r.status_code == 200, r.text
+        assert r.json()["label"] in labels
 
 
 def test_ties_go_to_the_first_label() -> None:
