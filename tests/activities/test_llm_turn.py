@@ -396,7 +396,34 @@ def test_arguments_json_cannot_carry_are_refused_and_odd_schemas_do_not_crash() 
             [("lookup", "a [TOOL_CALLS] b")],
         ),
         ('[TOOL_CALLS]lookup[ARGS]{"query": "a [TOOL_CALLS] b"}', [("lookup", "a [TOOL_CALLS] b")]),
-        ('It would answer:\n[TOOL_CALLS][{"name": "lookup", "arguments": {"query": "a"}}]', []),
+        # The words before Mistral's marker are its own, as before <tool_call> (helper-121).
+        (
+            'Let me look.[TOOL_CALLS][{"name": "lookup", "arguments": {"query": "a"}}]',
+            [("lookup", "a")],
+        ),
+        ('[THINK]need it[/THINK][TOOL_CALLS]lookup[ARGS]{"query": "a"}', [("lookup", "a")]),
+        (
+            '[TOOL_CALLS][{"name": "lookup", "arguments": {"query": "a"}}][TOOL_CALLS]lookup[ARGS]'
+            '{"query": "b"}',
+            [("lookup", "a"), ("lookup", "b")],
+        ),
+        (
+            '[TOOL_CALLS]{"name": "lookup", "arguments": {"query": "a"}}; '
+            '{"name": "lookup", "arguments": {"query": "b"}}',
+            [("lookup", "a"), ("lookup", "b")],
+        ),
+        # A lone </think>: the calls come after it; thoughts that mention one are no call,
+        # and a call whose arguments hold the tag is still one (helper-121).
+        (
+            'maybe <tool_call>{"name": "lookup", "arguments": {"query": "a"}}</tool_call>? no.'
+            "</think>The answer is 4.",
+            [],
+        ),
+        (
+            '<tool_call>{"name": "lookup", "arguments": {"query": "a </think> b"}}</tool_call>',
+            [("lookup", "a </think> b")],
+        ),
+        ('A model prints <think>plan</think>{"name": "lookup", "arguments": {"query": "a"}}', []),
         (
             'I should look.\n</think>\n{"name": "lookup", "arguments": {"query": "a"}}',
             [("lookup", "a")],
