@@ -1185,8 +1185,12 @@ class _Door:
         """The sub-agent runs open in Temporal, by state, and the workers that poll
         their task queue (None: Temporal would not say, and the counts stand)."""
         runs = await self.runs()
+        # The workers' count within part of the scrape's wait: one that hangs must not
+        # take the run counts with it (helper-121).
         counts, workers = await asyncio.gather(
-            runs.count_open(), runs.workers(), return_exceptions=True
+            runs.count_open(),
+            asyncio.wait_for(runs.workers(), STATUS_RUNS_TIMEOUT_S * 2 / 3),
+            return_exceptions=True,
         )
         if isinstance(counts, BaseException):
             raise counts
