@@ -12,7 +12,7 @@ from collections.abc import Container, Mapping, Sequence
 from typing import Any
 
 from gateway.prober import ProbeResult
-from scheduler import RunPhase, RunState, ServiceClass, State, TurnState
+from scheduler import ReplicaState, RunPhase, RunState, ServiceClass, State, TurnState
 
 __all__ = [
     "RUNS_LIMIT",
@@ -76,7 +76,8 @@ def status_snapshot(
                 "in_flight": r.in_flight,
                 "paused_interactive": r.paused_interactive,
                 "bound_runs": r.bound_runs,
-                "kv_working_set_tokens": r.ws_tokens,
+                # the runs' claims, and the prefix their models' runs share, once
+                "kv_working_set_tokens": r.ws_tokens + _shared_once(state, r),
                 "kv_limit_tokens": int(kv_limit) if kv_limit is not None else None,
                 # new batch runs stop here (lower on an interactive lane, rule 9)
                 "kv_batch_limit_tokens": int(batch_limit) if batch_limit is not None else None,
@@ -148,6 +149,9 @@ def status_snapshot(
         # Per model: engine count / the gateway's estimate of a prompt, as learned
         # (Policy.learn_prompt_scale); a model not listed is taken at its estimate.
         "prompt_scale": {m: round(s, 3) for m, s in sorted(state.prompt_scale.items())},
+        # The prefix each model's runs share, in tokens (Policy.learn_shared_prefix):
+        # program-level admission counts it once per replica, not once per run.
+        "shared_prefix": {m: v[0] for m, v in sorted(state.shared_prefixes.items())},
         **shell_counts,
     }
 
@@ -243,6 +247,14 @@ def runs_listing(
         for _, run_id, _, _, _, x in heapq.nlargest(limit, found, key=lambda f: (f[0], f[1]))
     ]
     return {"runs": views, "total": len(found), "limit": limit}
+
+
+def _shared_once(state: State, r: ReplicaState) -> int:
+    """The shared prefix a replica holding runs' KV claims caches once (the largest of
+    its models', Policy.learn_shared_prefix); 0 while it holds none."""
+    if not r.ws_tokens or not state.policy.learn_shared_prefix:
+        return 0
+    return max((state.shared_prefix(m) for m in r.spec.models), default=0)
 
 
 def _wait(now: float, arrived: float) -> float:

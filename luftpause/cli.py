@@ -42,6 +42,12 @@ def _sim_parser(sub: Any) -> None:
     p.add_argument("--interactive", type=int, help="interactive agents (closed loop)")
     p.add_argument("--runs", type=int, help="fanout: runs started together")
     p.add_argument("--context-chars", type=int, help="context of a run's first turn")
+    p.add_argument(
+        "--shared-prefix-chars",
+        type=int,
+        help="a prefix every run's prompt begins with, before its context (a harness's "
+        "system prompt and tool schemas); default 0",
+    )
     p.add_argument("--max-tool-calls", type=int, help="each run makes 0..N tool calls")
     p.add_argument("--tool-s", type=float, help="mean tool call duration, seconds")
     p.add_argument("--tool-result-chars", type=int, help="context each tool result adds")
@@ -183,6 +189,7 @@ def _sim(args: argparse.Namespace) -> int:
             interactive=args.interactive,
             runs=args.runs,
             context_chars=args.context_chars,
+            shared_prefix_chars=args.shared_prefix_chars,
             max_tool_calls=args.max_tool_calls,
             tool_s=args.tool_s,
             tool_result_chars=args.tool_result_chars,

@@ -672,6 +672,7 @@ class PolicyConfig(BaseModel):
     reserve_for_paused_interactive: bool = _POLICY.reserve_for_paused_interactive
     kv_admission: bool = _POLICY.kv_admission
     learn_prompt_scale: bool = _POLICY.learn_prompt_scale
+    learn_shared_prefix: bool = _POLICY.learn_shared_prefix
     kv_fill: _Share = _POLICY.kv_fill
     batch_kv_fill: _Share | None = _POLICY.batch_kv_fill
     kv_retention_s: Annotated[float, Field(ge=0, le=DAY_S, strict=True)] = _POLICY.kv_retention_s

@@ -163,6 +163,9 @@ BucketKey = tuple[str, str, ServiceClass]
 PROMPT_SCALE_MIN_TOKENS = 256
 PROMPT_SCALE_BOUNDS = (0.5, 2.0)
 PROMPT_SCALE_WEIGHT = 0.1
+# A learned shared prefix (Policy.learn_shared_prefix): the median of the cached tokens
+# of this many of a model's latest first turns.
+SHARED_PREFIX_SAMPLES = 9
 
 
 class ReplicaState(Record):
@@ -318,7 +321,7 @@ class TurnState(Record):
     _FIELDS = (
         "turn_id", "run_id", "service_class", "caller", "model", "arrived", "seq",
         "prompt_tokens", "reply_tokens", "bucket", "replica", "admitted_at", "started",
-        "alive_at", "claim", "estimate",
+        "alive_at", "claim", "estimate", "first",
     )  # fmt: skip
     __slots__ = _FIELDS
 
@@ -340,6 +343,7 @@ class TurnState(Record):
         alive_at: float = 0.0,
         claim: int = 0,
         estimate: int = 0,
+        first: bool = False,
     ) -> None:
         self.turn_id: Final = turn_id
         self.run_id: Final = run_id
@@ -363,6 +367,9 @@ class TurnState(Record):
         # The prompt as the turn arrived (the gateway's estimate), before the model's
         # learned scale made `prompt_tokens` of it; 0: none to learn from.
         self.estimate: Final = estimate
+        # Admitted as its run's first turn (the core knew no run of it): what its engine
+        # found cached of its prompt is shared with other runs (learn_shared_prefix).
+        self.first: Final = first
 
 
 class _Bucket(Record):
@@ -411,6 +418,7 @@ class State:
         "_retired",
         "_runs",
         "_seq",
+        "_shared_prefix",
         "_timeouts",
         "_turns",
     )
@@ -431,6 +439,7 @@ class State:
         retired: frozenset[str] = frozenset(),
         held_runs: Map[str, tuple[str, ...]] | None = None,
         prompt_scale: Map[str, float] | None = None,
+        shared_prefix: Map[str, tuple[int, ...]] | None = None,
     ) -> None:
         self._policy = policy
         self._models = models
@@ -449,6 +458,11 @@ class State:
         self._held_runs: Map[str, tuple[str, ...]] = Map() if held_runs is None else held_runs
         # model -> engine count / estimate of its prompts, learned (learn_prompt_scale)
         self._prompt_scale: Map[str, float] = Map() if prompt_scale is None else prompt_scale
+        # model -> (the prefix its runs share, in tokens; then the last first turns'
+        # cached tokens it is the median of), learned (learn_shared_prefix)
+        self._shared_prefix: Map[str, tuple[int, ...]] = (
+            Map() if shared_prefix is None else shared_prefix
+        )
 
     @classmethod
     def initial(cls, replicas: Sequence[ReplicaSpec], policy: Policy | None = None) -> State:
@@ -487,6 +501,18 @@ class State:
         from finished turns (Policy.learn_prompt_scale); a model with none yet is
         taken at its estimate."""
         return self._prompt_scale
+
+    def shared_prefix(self, model: str) -> int:
+        """The tokens of the prefix the model's runs share (a harness's system prompt
+        and tools), learned from what engines found cached of runs' first turns
+        (Policy.learn_shared_prefix); 0: none known."""
+        learned = self._shared_prefix.get(model)
+        return learned[0] if learned else 0
+
+    @property
+    def shared_prefixes(self) -> Map[str, tuple[int, ...]]:
+        """Model -> (its shared prefix, then the samples it is the median of)."""
+        return self._shared_prefix
 
     @property
     def replicas(self) -> Map[str, ReplicaState]:
@@ -537,7 +563,8 @@ class State:
     def kv_need(self, turn: TurnState) -> int:
         """The KV working set the turn's run will claim if admitted as a new binding (a
         turn away from its run's replica claims its own prompt and reply, rule 3)."""
-        return _kv_need(turn, self._runs.get(turn.run_id))
+        shared = self.shared_prefix(turn.model) if self._policy.learn_shared_prefix else 0
+        return _kv_need(turn, self._runs.get(turn.run_id), shared)
 
     def led_by(self, replica: str) -> str | None:
         """The replica of its device that takes the device's new runs while this one
@@ -599,13 +626,14 @@ def _batch_part(turn: TurnState, claim: int) -> int:
     return claim if turn.service_class is _BATCH else 0
 
 
-def _kv_need(turn: TurnState, run: RunState | None) -> int:
+def _kv_need(turn: TurnState, run: RunState | None, shared: int = 0) -> int:
     """The KV the turn's run needs on a replica that takes it: its context (the turn's
-    prompt, or the run's context if larger) and the reply."""
+    prompt, or the run's context if larger) but the `shared` prefix its model's runs
+    have in common, and the reply."""
     context = turn.prompt_tokens
     if run is not None and run.context_tokens > context:
         context = run.context_tokens
-    return context + turn.reply_tokens
+    return max(context - shared, 0) + turn.reply_tokens
 
 
 def _away_need(turn: TurnState) -> int:
@@ -667,7 +695,11 @@ def decide(state: State, event: Event) -> tuple[State, list[Action]]:
         tx.arrive(event)
     elif isinstance(event, TurnFinished):
         tx.turn_done(
-            event.turn_id, event.finish_reason, event.prompt_tokens, event.completion_tokens
+            event.turn_id,
+            event.finish_reason,
+            event.prompt_tokens,
+            event.completion_tokens,
+            cached=event.cached_tokens,
         )
     elif isinstance(event, TurnStarted):
         tx.started(event.turn_id)
@@ -719,6 +751,7 @@ class _Tx:
         self.retired = state._retired
         self.held_runs = state._held_runs.mutate()
         self.prompt_scale = state._prompt_scale
+        self.shared_prefix = state._shared_prefix
         self.actions: list[Action] = []
         self.refill: list[str] = []
         self.changes = 0  # admissions and re-pins so far: what makes a second look useful
@@ -740,6 +773,7 @@ class _Tx:
             retired,
             self.held_runs.finish(),
             self.prompt_scale,
+            self.shared_prefix,
         )
 
     def _sweep_retired(self) -> frozenset[str]:
@@ -861,7 +895,7 @@ class _Tx:
             self.turns[turn_id] = TurnState(
                 t.turn_id, t.run_id, t.service_class, t.caller, t.model, t.arrived, t.seq,
                 t.prompt_tokens, t.reply_tokens, t.bucket, t.replica, t.admitted_at, True,
-                t.alive_at, t.claim, t.estimate,
+                t.alive_at, t.claim, t.estimate, t.first,
             )  # fmt: skip
 
     def alive(self, turn_id: str) -> None:
@@ -894,6 +928,7 @@ class _Tx:
         completion: int,
         *,
         engine_fault: bool = False,
+        cached: int = 0,
     ) -> None:
         """A turn finished (reason given) or failed (reason None): free its slot."""
         t = self.turns.get(turn_id)
@@ -901,6 +936,8 @@ class _Tx:
             return  # unknown (timed out already) or still held: nothing to free
         if prompt > 0 and t.estimate >= PROMPT_SCALE_MIN_TOKENS:
             self._learn_prompt_scale(t.model, prompt / t.estimate)
+        if t.first and prompt > 0 and self.policy.learn_shared_prefix:
+            self._learn_shared_prefix(t.model, min(max(cached, 0), prompt))
         del self.turns[turn_id]
         self.timeouts = self.timeouts.remove((t.alive_at, turn_id))
         name = t.replica
@@ -968,6 +1005,23 @@ class _Tx:
                 key=lambda n: (self.replicas[n].load, n),
             )
         self._fill(names)
+
+    def _learn_shared_prefix(self, model: str, cached: int) -> None:
+        """One first turn's cached tokens into its model's shared prefix: the median of
+        the last SHARED_PREFIX_SAMPLES (a first turn on a cold replica finds nothing
+        cached; one of a conversation the core had forgotten finds its own history)."""
+        old = self.shared_prefix.get(model)
+        samples = ((old[1:] if old else ()) + (cached,))[-SHARED_PREFIX_SAMPLES:]
+        ranked = sorted(samples)
+        self.shared_prefix = self.shared_prefix.set(model, (ranked[len(ranked) // 2], *samples))
+
+    def _shared(self, model: str) -> int:
+        """The prefix a model's runs share, as program-level admission counts it: once
+        per replica, not once per run."""
+        if not self.policy.learn_shared_prefix:
+            return 0
+        learned = self.shared_prefix.get(model)
+        return learned[0] if learned else 0
 
     def _learn_prompt_scale(self, model: str, sample: float) -> None:
         """One finished turn's engine count / estimate into its model's scale."""
@@ -1267,11 +1321,16 @@ class _Tx:
         run = self.runs.get(t.run_id)
         if run is not None and run.replica == name and run.ws_claim:
             return True  # already claimed here
-        need = _away_need(t) if self._runs_away(run, name) else _kv_need(t, run)
+        shared = self._shared(t.model)
+        if self._runs_away(run, name):
+            need, shared = _away_need(t), 0
+        else:
+            need = _kv_need(t, run, shared)
+        # The runs' shared prefix is cached once on a replica: counted once here.
         limit = kv * _kv_share(self.policy, t.service_class, r.interactive_runs > 0)
-        if r.ws_tokens + need <= limit:
+        if r.ws_tokens + need + shared <= limit:
             return True
-        if need <= limit:
+        if need + shared <= limit:
             return False
         # Larger than its class's limit here on its own: it could never fit beside the
         # others, and waiting for an empty replica would hold every new run of its class
@@ -1427,7 +1486,7 @@ class _Tx:
         self.turns[t.turn_id] = TurnState(
             t.turn_id, t.run_id, t.service_class, caller, t.model, t.arrived, t.seq,
             t.prompt_tokens, t.reply_tokens, None, name, self.now, False, self.now, claim,
-            t.estimate,
+            t.estimate, old is None,
         )  # fmt: skip
         self.timeouts = self.timeouts.add((self.now, t.turn_id))
         self.actions.append(
@@ -1543,7 +1602,8 @@ class _Tx:
             # A paused run claims KV only where it will come back: with strict affinity.
             keeps = phase is _GENERATING or self.policy.strict_affinity
             if keeps and not lapsed and self.policy.kv_admission and kv is not None:
-                claim = run.context_tokens + run.reply_tokens
+                own = run.context_tokens - self._shared(run.model)
+                claim = max(own, 0) + run.reply_tokens
             counted_paused = phase is _PAUSED and run.service_class is _INTERACTIVE and not lapsed
         if (run.bound, run.ws_claim, run.counted_paused) != (bound, claim, counted_paused):
             run = RunState(

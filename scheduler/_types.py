@@ -113,6 +113,14 @@ class Policy:
     # engine's count: scale each model's estimates by what its engines counted, so
     # that KV admission sizes runs by tokens, not bytes (see PROMPT_SCALE_*).
     learn_prompt_scale: bool = True
+    # Runs of a model often begin alike (a harness's system prompt and tool schemas:
+    # Claude Code's is about 15k tokens), and an engine's prefix cache holds that once.
+    # Counted in every run's working set, it kept KV admission from runs that fit: with
+    # a 4k-token shared prefix the flood's batch work fell to 0.44 of batch-alone
+    # (bench/RESULTS.md).  Learn each model's shared prefix from what engines found
+    # cached of runs' first turns (nothing of the run itself can be cached yet), leave
+    # it out of each run's working set, and count it once per replica.
+    learn_shared_prefix: bool = True
     kv_fill: float = 0.8
     # Batch runs stop at this share of the pool, leaving the rest for interactive runs
     # (rule 4 for KV); None: the same limit as interactive runs.

@@ -69,7 +69,15 @@ class Arm(ABC):
         """The turn's first token arrived (routers ignore it)."""
 
     def finished(
-        self, turn: Turn, engine: int, now: float, *, tool_calls: bool, prompt: int, output: int
+        self,
+        turn: Turn,
+        engine: int,
+        now: float,
+        *,
+        tool_calls: bool,
+        prompt: int,
+        output: int,
+        cached: int = 0,
     ) -> None:
         self.outstanding[engine] -= 1
 
@@ -170,7 +178,15 @@ class PriorityQueue(CacheAware):
         self._drain()
 
     def finished(
-        self, turn: Turn, engine: int, now: float, *, tool_calls: bool, prompt: int, output: int
+        self,
+        turn: Turn,
+        engine: int,
+        now: float,
+        *,
+        tool_calls: bool,
+        prompt: int,
+        output: int,
+        cached: int = 0,
     ) -> None:
         super().finished(turn, engine, now, tool_calls=tool_calls, prompt=prompt, output=output)
         self._drain()
@@ -252,7 +268,15 @@ class Luftpause(Arm):
         self._apply(TurnStarted(now=now, turn_id=turn.turn_id))
 
     def finished(
-        self, turn: Turn, engine: int, now: float, *, tool_calls: bool, prompt: int, output: int
+        self,
+        turn: Turn,
+        engine: int,
+        now: float,
+        *,
+        tool_calls: bool,
+        prompt: int,
+        output: int,
+        cached: int = 0,
     ) -> None:
         super().finished(turn, engine, now, tool_calls=tool_calls, prompt=prompt, output=output)
         self._apply(
@@ -262,6 +286,7 @@ class Luftpause(Arm):
                 finish_reason="tool_calls" if tool_calls else "stop",
                 prompt_tokens=prompt,
                 completion_tokens=output,
+                cached_tokens=cached,
             )
         )
 

@@ -65,12 +65,19 @@ class Scenario:
     # which carry JSON and tool schemas besides the text; 1 is exact (helper-111: the
     # core's KV admission leans on it, so measure what an estimate off by 15 % costs).
     prompt_estimate: float = 1.0
+    # A prefix every run's prompt begins with (a harness's system prompt and tool
+    # schemas: Claude Code's is about 15k tokens), before its own context_chars.  Its
+    # whole KV blocks are the same blocks in every run, so an engine caches them once.
+    shared_prefix_chars: int = 0
 
     def __post_init__(self) -> None:
         for name in ("engines", "replicas_per_gpu"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("batch", "interactive", "runs", "max_tool_calls", "context_chars"):
+        for name in (
+            "batch", "interactive", "runs", "max_tool_calls", "context_chars",
+            "shared_prefix_chars",
+        ):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("tool_s", "tool_result_chars"):
@@ -91,7 +98,8 @@ class Scenario:
         need = -(-self.largest_prompt_tokens // bt) * bt + self.reply_tokens
         if need > self.engine.kv_pool_tokens:
             raise ValueError(
-                f"a run's last turn needs {need:,} KV tokens (context_chars/4 + "
+                f"a run's last turn needs {need:,} KV tokens ((shared_prefix_chars + "
+                "context_chars)/4 + "
                 f"max_tool_calls x (reply_tokens + tool_result_chars/4) = "
                 f"{self.largest_prompt_tokens:,} prompt tokens in blocks of {bt}, and "
                 f"{self.reply_tokens} to generate); an engine's KV pool has "
@@ -103,7 +111,18 @@ class Scenario:
         """The prompt of a run's last turn at most (see _Agent: the context grows by
         each reply and tool result)."""
         per_call = self.reply_tokens + math.ceil(self.tool_result_chars / CHARS_PER_TOKEN)
-        return math.ceil(self.context_chars / CHARS_PER_TOKEN) + self.max_tool_calls * per_call
+        return self.first_prompt_tokens + self.max_tool_calls * per_call
+
+    @property
+    def first_prompt_tokens(self) -> int:
+        """A run's first prompt: the shared prefix, then its own context."""
+        return math.ceil((self.shared_prefix_chars + self.context_chars) / CHARS_PER_TOKEN)
+
+    @property
+    def shared_blocks(self) -> int:
+        """The KV blocks every run's prompt shares: the prefix's whole blocks (the one it
+        ends in holds the run's own text too)."""
+        return self.shared_prefix_chars // CHARS_PER_TOKEN // self.engine.block_tokens
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -215,7 +234,7 @@ class _Agent:
         self.run_id = f"a{self.index}-r{self.run_no}"
         self.stream = self.sim.new_stream()
         self.tool_calls_left = self.rng.randint(0, sc.max_tool_calls)
-        self.context = math.ceil(sc.context_chars / CHARS_PER_TOKEN)
+        self.context = sc.first_prompt_tokens
         self.run_started = now
         self.turn_no = 0
         self.engines_used: set[int] = set()
@@ -226,12 +245,14 @@ class _Agent:
         self.turn_no += 1
         block = self.sim.scenario.engine.block_tokens
         n_blocks = math.ceil(self.context / block)
+        shared = min(sc.shared_blocks, n_blocks)
         turn = Turn(
             turn_id=f"{self.run_id}-t{self.turn_no}",
             run_id=self.run_id,
             service_class=self.service_class,
             caller=self.caller,
-            prompt_blocks=tuple((self.stream, i) for i in range(n_blocks)),
+            # Stream 0 is the shared prefix's (streams of runs count from 1).
+            prompt_blocks=tuple((0 if i < shared else self.stream, i) for i in range(n_blocks)),
             prompt_tokens=self.context,
             max_tokens=sc.reply_tokens,
         )
@@ -310,7 +331,8 @@ class Simulation:
         high = turn.service_class is ServiceClass.INTERACTIVE and ranked
         n_out = math.ceil(sc.reply_tokens / sc.engine.block_tokens)
         first = len(turn.prompt_blocks)
-        stream = turn.prompt_blocks[0][0] if turn.prompt_blocks else 0
+        # The run's own stream (its last block's: the first ones may be the shared prefix).
+        stream = turn.prompt_blocks[-1][0] if turn.prompt_blocks else 0
         self.engines[engine].submit(
             EngineRequest(
                 request_id=turn.turn_id,
@@ -376,6 +398,7 @@ class Simulation:
             tool_calls=tool,
             prompt=out.prompt_tokens,
             output=out.completion_tokens,
+            cached=out.cached_tokens,
         )
         if not tool:
             self.records.append(agent.run_done(out.time))

@@ -34,7 +34,12 @@ from scheduler import (
     TurnStarted,
     decide,
 )
-from scheduler._core import PROMPT_SCALE_BOUNDS, PROMPT_SCALE_MIN_TOKENS, PROMPT_SCALE_WEIGHT
+from scheduler._core import (
+    PROMPT_SCALE_BOUNDS,
+    PROMPT_SCALE_MIN_TOKENS,
+    PROMPT_SCALE_WEIGHT,
+    SHARED_PREFIX_SAMPLES,
+)
 
 I, B = ServiceClass.INTERACTIVE, ServiceClass.BATCH  # noqa: E741
 
@@ -102,7 +107,9 @@ class Driver:
         )
         return tid
 
-    def finish(self, tid: str, reason: str = "stop", prompt: int = 0, out: int = 0) -> None:
+    def finish(
+        self, tid: str, reason: str = "stop", prompt: int = 0, out: int = 0, cached: int = 0
+    ) -> None:
         self.feed(
             TurnFinished(
                 now=self.step(),
@@ -110,6 +117,7 @@ class Driver:
                 finish_reason=reason,
                 prompt_tokens=prompt,
                 completion_tokens=out,
+                cached_tokens=cached,
             )
         )
 
@@ -2042,3 +2050,37 @@ def test_each_models_prompt_estimates_are_scaled_by_what_its_engines_counted() -
     off.finish(off.arrive("r1", prompt=1000), prompt=1200, out=1)
     t2 = off.arrive("r2", prompt=1000)
     assert off.state.turns[t2].prompt_tokens == 1000
+
+
+def test_the_prefix_a_models_runs_share_is_learned_and_counted_once_per_replica() -> None:
+    # A harness's system prompt and tools begin every run's prompt (Claude Code's: about
+    # 15k tokens); the engine caches them once.  Counted in each run's working set, KV
+    # admission held runs that fit (the flood with a 4k-token prefix: batch at 0.44 of
+    # batch-alone).  What a run's first turn finds cached is shared with other runs.
+    d = Driver(("a",), kv_tokens=20_000)
+    for i in range(SHARED_PREFIX_SAMPLES):
+        tid = d.arrive(f"w{i}", prompt=5000, max_tokens=100)
+        # One cold replica, one forgotten conversation: the median leaves both out.
+        cached = {0: 0, 1: 4900}.get(i, 4000)
+        d.finish(tid, prompt=5000, out=10, cached=cached)
+        d.feed(RunEnded(now=d.step(), run_id=f"w{i}"))
+    assert d.state.shared_prefix("m") == 4000
+    # Only a run's first turn teaches it: the second finds its own turns cached too.
+    t = d.arrive("x", prompt=5000, max_tokens=100)
+    d.finish(t, reason="tool_calls", prompt=5000, out=10, cached=4000)
+    d.finish(d.arrive("x", prompt=5100, max_tokens=100), prompt=5100, out=10, cached=5000)
+    assert d.state.shared_prefixes["m"][1:].count(5000) == 0
+    d.feed(RunEnded(now=d.step(), run_id="x"))
+    # Each run now claims its own part: 5000 - 4000 + 100; the prefix counts once.
+    # 0.8 x 20k = 16k holds the prefix and 10 runs of 1100, not 3 of 5100.
+    ids = [d.arrive(f"r{i}", prompt=5000, max_tokens=100) for i in range(12)]
+    admitted = [t for t in ids if d.state.turns[t].replica == "a"]
+    assert len(admitted) == 10
+    assert d.state.replicas["a"].ws_tokens == 10 * 1100
+    assert d.state.kv_need(d.state.turns[ids[-1]]) == 1100
+    # Switched off: every run's whole context, as before.
+    off = Driver(("a",), kv_tokens=20_000, policy=Policy(learn_shared_prefix=False))
+    off.finish(off.arrive("w", prompt=5000, max_tokens=100), prompt=5000, out=10, cached=4000)
+    off.feed(RunEnded(now=off.step(), run_id="w"))
+    ids = [off.arrive(f"r{i}", prompt=5000, max_tokens=100) for i in range(4)]
+    assert sum(off.state.turns[t].replica == "a" for t in ids) == 3  # 3 x 5100 in 16k

@@ -299,3 +299,29 @@ def test_the_luftpause_arm_sees_the_prompt_as_estimated() -> None:
     assert arm.state.turns["t1"].prompt_tokens == 1500
     with pytest.raises(ValueError, match=r"prompt_estimate must be 0\.1 to 10, got 0"):
         replace(SCENARIOS["flood"], prompt_estimate=0)
+
+
+def test_runs_that_share_a_prefix_share_its_cache_and_luftpause_counts_it_once() -> None:
+    # --shared-prefix-chars: every run's prompt begins with the same prefix (a harness's
+    # system prompt and tools), whose whole blocks the engines cache once.  Counted in
+    # each run's working set, KV admission held the flood's batch at 0.44 of
+    # batch-alone with a 4k-token prefix; learned from first turns' cached tokens
+    # (Policy.learn_shared_prefix) it is counted once (bench/RESULTS.md).
+    sc = replace(SCENARIOS["flood"], minutes=2.0, shared_prefix_chars=16_000)
+    learned = simulate(sc, "luftpause")
+    counted = simulate(
+        replace(sc, policy=replace(sc.policy, learn_shared_prefix=False)), "luftpause"
+    )
+    alone = simulate(replace(SCENARIOS["flood"], minutes=2.0), "luftpause")
+    assert learned.cached_share > alone.cached_share + 0.2  # the prefix is found cached
+    assert learned.batch_runs >= 1.4 * counted.batch_runs
+    # Without a prefix the switch changes nothing: no first turn finds anything cached.
+    plain = replace(SCENARIOS["flood"], minutes=1.0)
+    a = simulate(plain, "luftpause").as_json()
+    b = simulate(
+        replace(plain, policy=replace(plain.policy, learn_shared_prefix=False)), "luftpause"
+    ).as_json()
+    a.pop("wall_s"), b.pop("wall_s")
+    assert a == b
+    with pytest.raises(ValueError, match="shared_prefix_chars must be >= 0"):
+        replace(SCENARIOS["flood"], shared_prefix_chars=-1)

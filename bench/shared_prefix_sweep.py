@@ -1,0 +1,88 @@
+"""The flood when every run's prompt begins with the same prefix.
+
+    .venv/bin/python bench/shared_prefix_sweep.py [--seeds 1,2,3] \\
+        [--prefixes 0,4000,16000,60000] [--json]
+
+Agent harnesses begin every run with the same system prompt and tool schemas (Claude
+Code's is about 15k tokens); an engine's prefix cache holds that once.  For each prefix
+length (in characters, 4 a token; `Scenario.shared_prefix_chars`) the luftpause arm
+runs with the core learning each model's shared prefix from runs' first turns
+(`learn_shared_prefix`, the default) and without; cache_aware and the two reference
+arms run on the same seeds.  Printed: the mean over seeds of luftpause's interactive
+and batch runs as ratios of cache_aware's (the issue's bar: >= 2x and >= 0.9x), and its
+P, W and B (batch runs / batch-alone's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+
+from testkit.sim import SCENARIOS, simulate
+
+ARMS = ("learned", "not_learned")
+
+
+def sweep(seeds: list[int], prefixes: list[int]) -> dict[str, dict[str, float]]:
+    flood = SCENARIOS["flood"]
+    rows: dict[str, dict[str, float]] = {}
+    for chars in prefixes:
+        row: dict[str, float] = {}
+        n = len(seeds)
+        for s in seeds:
+            sc = replace(flood, seed=s, shared_prefix_chars=chars)
+            ca = simulate(sc, "cache_aware")
+            alone_i = simulate(sc, "cache_aware", batch=False).interactive_runs
+            alone_b = simulate(sc, "cache_aware", interactive=False).batch_runs
+            for key in ARMS:
+                policy = replace(flood.policy, learn_shared_prefix=key == "learned")
+                arm = simulate(replace(sc, policy=policy), "luftpause")
+                for name, value in (
+                    ("interactive_x_ca", arm.interactive_runs / ca.interactive_runs),
+                    ("batch_x_ca", arm.batch_runs / ca.batch_runs),
+                    ("P", arm.interactive_runs / alone_i),
+                    ("W", (arm.interactive_runs + arm.batch_runs) / alone_b),
+                    ("B", arm.batch_runs / alone_b),
+                ):
+                    row[f"{key}_{name}"] = row.get(f"{key}_{name}", 0.0) + value / n
+        rows[str(chars)] = {k: round(v, 3) for k, v in row.items()}
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--seeds", default="1,2,3")
+    p.add_argument("--prefixes", default="0,4000,16000,60000")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    try:
+        seeds = [int(s) for s in args.seeds.split(",")]
+        prefixes = [int(c) for c in args.prefixes.split(",")]
+    except ValueError:
+        p.error("--seeds and --prefixes are integers, comma-separated")
+    rows = sweep(seeds, prefixes)
+    if args.json:
+        print(json.dumps({"seeds": seeds, "rows": rows}, indent=2))
+        return 0
+    head = f"{'prefix chars':>12}"
+    for key in ARMS:
+        head += f" | {key:>11} int×CA batch×CA    P    W    B"
+    print(head)
+    for chars, r in rows.items():
+        line = f"{chars:>12}"
+        for key in ARMS:
+            line += (
+                f" | {'':>11} {r[f'{key}_interactive_x_ca']:>6.2f} {r[f'{key}_batch_x_ca']:>8.3f}"
+                f" {r[f'{key}_P']:>4.2f} {r[f'{key}_W']:>4.2f} {r[f'{key}_B']:>4.2f}"
+            )
+        print(line)
+    print(
+        f"(mean over seeds {args.seeds}; references: cache_aware's interactive runs alone "
+        "and batch runs alone)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
