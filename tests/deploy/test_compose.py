@@ -316,6 +316,7 @@ def test_sglang_test_bed_two_replicas_on_one_gpu() -> None:
         assert contains(cmd, ("--model-path", "meta-llama/Llama-3.2-1B-Instruct")), name
         assert contains(cmd, ("--quantization", "fp8")), name
         assert "--enable-metrics" in cmd and "--enable-priority-scheduling" in cmd, name
+        assert "--enable-cache-report" in cmd, name  # usage's cached_tokens: shared prefix
         assert contains(cmd, ("--host", "0.0.0.0")) and contains(cmd, ("--port", "30000"))
         assert float(cmd[cmd.index("--mem-fraction-static") + 1]) < 1
         assert cmd[cmd.index("--served-model-name") + 1] in served
