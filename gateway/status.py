@@ -250,11 +250,11 @@ def runs_listing(
 
 
 def _shared_once(state: State, r: ReplicaState) -> int:
-    """The shared prefix a replica holding runs' KV claims caches once (the largest of
-    its models', Policy.learn_shared_prefix); 0 while it holds none."""
+    """The shared prefixes a replica holding runs' KV claims caches once (its models',
+    Policy.learn_shared_prefix), as admission counts them; 0 while it holds none."""
     if not r.ws_tokens or not state.policy.learn_shared_prefix:
         return 0
-    return max((state.shared_prefix(m) for m in r.spec.models), default=0)
+    return sum(state.shared_prefix(m) for m in r.spec.models)
 
 
 def _wait(now: float, arrived: float) -> float:

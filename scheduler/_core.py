@@ -267,7 +267,7 @@ class RunState(Record):
     _FIELDS = (
         "run_id", "service_class", "caller", "model", "phase", "replica", "in_flight",
         "context_tokens", "reply_tokens", "last_active", "bound", "ws_claim",
-        "counted_paused", "ended", "retrying", "home_outcome",
+        "counted_paused", "ended", "retrying", "home_outcome", "first_cached",
     )  # fmt: skip
     __slots__ = _FIELDS
 
@@ -289,6 +289,7 @@ class RunState(Record):
         ended: bool = False,
         retrying: bool = False,
         home_outcome: str = "",
+        first_cached: int = -1,
     ) -> None:
         self.run_id: Final = run_id
         self.service_class: Final = service_class
@@ -308,6 +309,9 @@ class RunState(Record):
         # How its last turn on its replica ended while a turn of it away still ran
         # ("tool_calls", "stop", "failed"; "" none): what the run does when that one ends.
         self.home_outcome: Final = home_outcome
+        # What its engine found cached of its first turn's prompt (-1: not known yet):
+        # the most of the model's shared prefix its claim leaves out (learn_shared_prefix).
+        self.first_cached: Final = first_cached
 
     @property
     def keeps_replica(self) -> bool:
@@ -564,7 +568,8 @@ class State:
         """The KV working set the turn's run will claim if admitted as a new binding (a
         turn away from its run's replica claims its own prompt and reply, rule 3)."""
         shared = self.shared_prefix(turn.model) if self._policy.learn_shared_prefix else 0
-        return _kv_need(turn, self._runs.get(turn.run_id), shared)
+        run = self._runs.get(turn.run_id)
+        return _kv_need(turn, run, _prefix_of(run, shared))
 
     def led_by(self, replica: str) -> str | None:
         """The replica of its device that takes the device's new runs while this one
@@ -634,6 +639,15 @@ def _kv_need(turn: TurnState, run: RunState | None, shared: int = 0) -> int:
     if run is not None and run.context_tokens > context:
         context = run.context_tokens
     return max(context - shared, 0) + turn.reply_tokens
+
+
+def _prefix_of(run: RunState | None, shared: int) -> int:
+    """What a run's KV claim leaves out of its context: its model's `shared` prefix, at
+    most what its first turn found cached (a run that does not begin with it, or whose
+    first turn found its own conversation cached, is not taken for one that does)."""
+    if run is not None and 0 <= run.first_cached < shared:
+        return run.first_cached
+    return shared
 
 
 def _away_need(turn: TurnState) -> int:
@@ -936,8 +950,11 @@ class _Tx:
             return  # unknown (timed out already) or still held: nothing to free
         if prompt > 0 and t.estimate >= PROMPT_SCALE_MIN_TOKENS:
             self._learn_prompt_scale(t.model, prompt / t.estimate)
-        if t.first and prompt > 0 and self.policy.learn_shared_prefix:
-            self._learn_shared_prefix(t.model, min(max(cached, 0), prompt))
+        first_cached = -1
+        if t.first and prompt > 0:
+            first_cached = min(max(cached, 0), prompt)
+            if self.policy.learn_shared_prefix:
+                self._learn_shared_prefix(t.model, first_cached)
         del self.turns[turn_id]
         self.timeouts = self.timeouts.remove((t.alive_at, turn_id))
         name = t.replica
@@ -962,7 +979,10 @@ class _Tx:
                     outcome = "failed" if finish_reason is None else finish_reason
                 self._set_run(
                     run._replace(
-                        in_flight=run.in_flight - 1, context_tokens=context, home_outcome=outcome
+                        in_flight=run.in_flight - 1,
+                        context_tokens=context,
+                        home_outcome=outcome,
+                        first_cached=first_cached if first_cached >= 0 else run.first_cached,
                     )
                 )
             elif run.ended:
@@ -988,7 +1008,8 @@ class _Tx:
                 after = RunState(
                     run.run_id, run.service_class, run.caller, run.model, phase, run.replica,
                     0, context, run.reply_tokens, run.last_active if kept else self.now,
-                    run.bound, run.ws_claim, run.counted_paused, run.ended, retrying,
+                    run.bound, run.ws_claim, run.counted_paused, run.ended, retrying, "",
+                    first_cached if first_cached >= 0 else run.first_cached,
                 )  # fmt: skip
                 self._set_run(after)
         names = [name]
@@ -1007,13 +1028,21 @@ class _Tx:
         self._fill(names)
 
     def _learn_shared_prefix(self, model: str, cached: int) -> None:
-        """One first turn's cached tokens into its model's shared prefix: the median of
-        the last SHARED_PREFIX_SAMPLES (a first turn on a cold replica finds nothing
-        cached; one of a conversation the core had forgotten finds its own history)."""
+        """One first turn's cached tokens into its model's shared prefix: the lower
+        quartile of the last SHARED_PREFIX_SAMPLES.  Low, not the median: a first turn
+        the core sees may carry a whole conversation its engine still holds (the core
+        forgot the run, or the gateway restarted; helper-122), and a prefix learned too
+        large would admit runs that do not fit."""
         old = self.shared_prefix.get(model)
         samples = ((old[1:] if old else ()) + (cached,))[-SHARED_PREFIX_SAMPLES:]
         ranked = sorted(samples)
-        self.shared_prefix = self.shared_prefix.set(model, (ranked[len(ranked) // 2], *samples))
+        self.shared_prefix = self.shared_prefix.set(model, (ranked[len(ranked) // 4], *samples))
+
+    def _shared_once(self, r: ReplicaState) -> int:
+        """The shared prefixes a replica caches once: those of every model it serves."""
+        if not self.policy.learn_shared_prefix or not self.shared_prefix:
+            return 0
+        return sum(self._shared(m) for m in r.spec.models)
 
     def _shared(self, model: str) -> int:
         """The prefix a model's runs share, as program-level admission counts it: once
@@ -1321,12 +1350,12 @@ class _Tx:
         run = self.runs.get(t.run_id)
         if run is not None and run.replica == name and run.ws_claim:
             return True  # already claimed here
-        shared = self._shared(t.model)
         if self._runs_away(run, name):
-            need, shared = _away_need(t), 0
+            need = _away_need(t)
         else:
-            need = _kv_need(t, run, shared)
-        # The runs' shared prefix is cached once on a replica: counted once here.
+            need = _kv_need(t, run, _prefix_of(run, self._shared(t.model)))
+        # The prefixes its models' runs share are cached once on a replica: counted once.
+        shared = self._shared_once(r)
         limit = kv * _kv_share(self.policy, t.service_class, r.interactive_runs > 0)
         if r.ws_tokens + need + shared <= limit:
             return True
@@ -1540,6 +1569,7 @@ class _Tx:
                 False,
                 0,
                 False,
+                first_cached=-1 if old is None else old.first_cached,
             ),
         )
 
@@ -1602,7 +1632,7 @@ class _Tx:
             # A paused run claims KV only where it will come back: with strict affinity.
             keeps = phase is _GENERATING or self.policy.strict_affinity
             if keeps and not lapsed and self.policy.kv_admission and kv is not None:
-                own = run.context_tokens - self._shared(run.model)
+                own = run.context_tokens - _prefix_of(run, self._shared(run.model))
                 claim = max(own, 0) + run.reply_tokens
             counted_paused = phase is _PAUSED and run.service_class is _INTERACTIVE and not lapsed
         if (run.bound, run.ws_claim, run.counted_paused) != (bound, claim, counted_paused):
@@ -1610,6 +1640,7 @@ class _Tx:
                 run.run_id, run.service_class, run.caller, run.model, run.phase, run.replica,
                 run.in_flight, run.context_tokens, run.reply_tokens, run.last_active, bound,
                 claim, counted_paused, run.ended, run.retrying, run.home_outcome,
+                run.first_cached,
             )  # fmt: skip
         if old is not None and old.bound and name is not None and old.replica == name:
             self._adjust(

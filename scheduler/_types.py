@@ -116,10 +116,12 @@ class Policy:
     # Runs of a model often begin alike (a harness's system prompt and tool schemas:
     # Claude Code's is about 15k tokens), and an engine's prefix cache holds that once.
     # Counted in every run's working set, it kept KV admission from runs that fit: with
-    # a 4k-token shared prefix the flood's batch work fell to 0.44 of batch-alone
-    # (bench/RESULTS.md).  Learn each model's shared prefix from what engines found
-    # cached of runs' first turns (nothing of the run itself can be cached yet), leave
-    # it out of each run's working set, and count it once per replica.
+    # a 4k-token shared prefix the flood's batch work fell to 0.47 of batch-alone (seeds
+    # 1-3, bench/RESULTS.md).  Learn each model's shared prefix from what engines found
+    # cached of runs' first turns (the lower quartile of the last few: a first turn may
+    # carry a conversation the engine still holds), leave it out of each run's working
+    # set (no more than its own first turn found cached), and count the prefixes of a
+    # replica's models once there.
     learn_shared_prefix: bool = True
     kv_fill: float = 0.8
     # Batch runs stop at this share of the pool, leaving the rest for interactive runs

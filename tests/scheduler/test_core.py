@@ -2055,7 +2055,7 @@ def test_each_models_prompt_estimates_are_scaled_by_what_its_engines_counted() -
 def test_the_prefix_a_models_runs_share_is_learned_and_counted_once_per_replica() -> None:
     # A harness's system prompt and tools begin every run's prompt (Claude Code's: about
     # 15k tokens); the engine caches them once.  Counted in each run's working set, KV
-    # admission held runs that fit (the flood with a 4k-token prefix: batch at 0.44 of
+    # admission held runs that fit (the flood with a 4k-token prefix: batch at 0.47 of
     # batch-alone).  What a run's first turn finds cached is shared with other runs.
     d = Driver(("a",), kv_tokens=20_000)
     for i in range(SHARED_PREFIX_SAMPLES):
@@ -2078,9 +2078,45 @@ def test_the_prefix_a_models_runs_share_is_learned_and_counted_once_per_replica(
     assert len(admitted) == 10
     assert d.state.replicas["a"].ws_tokens == 10 * 1100
     assert d.state.kv_need(d.state.turns[ids[-1]]) == 1100
+    # A run whose first turn found less cached leaves only that out (it does not begin
+    # with the prefix: another harness on the model).
+    t = d.arrive("y", prompt=5000, max_tokens=100)
+    assert d.state.kv_need(d.state.turns[t]) == 1100  # not known yet: the prefix
+    # Most first turns carrying a conversation the engine still held (the core forgot
+    # the runs, the gateway restarted: helper-122) do not make a prefix of it: the
+    # lower quartile of the samples is taken, not the median.
+    g = Driver(("a",), kv_tokens=20_000)
+    for i in range(SHARED_PREFIX_SAMPLES):
+        tid = g.arrive(f"w{i}", prompt=8000, max_tokens=100)
+        g.finish(tid, prompt=8000, out=10, cached=7900 if i < 5 else 0)
+        g.feed(RunEnded(now=g.step(), run_id=f"w{i}"))
+    assert g.state.shared_prefix("m") == 0
+    ids = [g.arrive(f"r{i}", prompt=6000, max_tokens=100) for i in range(4)]
+    assert sum(g.state.turns[t].replica == "a" for t in ids) == 2  # 2 x 6100 in 16k
     # Switched off: every run's whole context, as before.
     off = Driver(("a",), kv_tokens=20_000, policy=Policy(learn_shared_prefix=False))
     off.finish(off.arrive("w", prompt=5000, max_tokens=100), prompt=5000, out=10, cached=4000)
     off.feed(RunEnded(now=off.step(), run_id="w"))
     ids = [off.arrive(f"r{i}", prompt=5000, max_tokens=100) for i in range(4)]
     assert sum(off.state.turns[t].replica == "a" for t in ids) == 3  # 3 x 5100 in 16k
+
+
+def test_a_run_leaves_out_no_more_prefix_than_its_first_turn_found_cached() -> None:
+    d = Driver(("a",), kv_tokens=40_000)
+    for i in range(SHARED_PREFIX_SAMPLES):
+        d.finish(d.arrive(f"w{i}", prompt=5000, max_tokens=100), prompt=5000, cached=4000)
+        d.feed(RunEnded(now=d.step(), run_id=f"w{i}"))
+    assert d.state.shared_prefix("m") == 4000
+    t = d.arrive("other", prompt=5000, max_tokens=100)
+    d.finish(t, reason="tool_calls", prompt=5000, out=10, cached=1000)
+    run = d.state.runs["other"]
+    assert run.first_cached == 1000 and run.ws_claim == 5010 - 1000 + 100
+    # A replica serving two models counts both models' prefixes once (helper-122: only
+    # the arriving turn's was, so m's went uncounted beside n's runs).
+    two = Driver(("a",), models=("m", "n"), kv_tokens=20_000)
+    for i in range(SHARED_PREFIX_SAMPLES):
+        two.finish(two.arrive(f"w{i}", prompt=9000, max_tokens=100), prompt=9000, cached=8000)
+        two.feed(RunEnded(now=two.step(), run_id=f"w{i}"))
+    ids = [two.arrive(f"n{i}", model="n", prompt=2000, max_tokens=100) for i in range(6)]
+    # 16k, less m's 8000 once: 3 runs of n (2100 each), not 7
+    assert sum(two.state.turns[t].replica == "a" for t in ids) == 3

@@ -141,6 +141,7 @@ policies = st.builds(
     cap_growth_doubles=st.booleans(),
     reserve_for_paused_interactive=st.booleans(),
     kv_admission=st.booleans(),
+    learn_shared_prefix=st.booleans(),
     kv_fill=st.sampled_from([1.0, 0.8]),
     batch_kv_fill=st.sampled_from([None, 0.7, 0.5]),
     kv_retention_s=st.sampled_from([60.0, 5.0]),
@@ -204,7 +205,7 @@ class Runner:
             if kind == "finish":
                 return TurnFinished(
                     now=self.now, turn_id=tid, finish_reason=op[2], prompt_tokens=op[3],
-                    completion_tokens=op[4],
+                    completion_tokens=op[4], cached_tokens=(op[3] * 3) // 4,
                 )  # fmt: skip
             if kind == "fail":
                 return TurnFailed(now=self.now, turn_id=tid, reason="x", engine_fault=op[2])
@@ -472,6 +473,9 @@ def could_use(s: State, x: Any, name: str) -> bool:
         return True
     run = s.runs.get(x.run_id)
     need = x.prompt_tokens + x.reply_tokens if runs_away(s, run, name) else s.kv_need(x)
+    # The prefixes the replica's models' runs share, counted once (learn_shared_prefix).
+    if s.policy.learn_shared_prefix:
+        need += sum(s.shared_prefix(m) for m in r.spec.models)
     if r.ws_tokens + need <= limit:
         return True
     # A turn larger than its class's limit there goes in once no other run of its class

@@ -304,7 +304,7 @@ def test_the_luftpause_arm_sees_the_prompt_as_estimated() -> None:
 def test_runs_that_share_a_prefix_share_its_cache_and_luftpause_counts_it_once() -> None:
     # --shared-prefix-chars: every run's prompt begins with the same prefix (a harness's
     # system prompt and tools), whose whole blocks the engines cache once.  Counted in
-    # each run's working set, KV admission held the flood's batch at 0.44 of
+    # each run's working set, KV admission held the flood's batch at 0.47 of
     # batch-alone with a 4k-token prefix; learned from first turns' cached tokens
     # (Policy.learn_shared_prefix) it is counted once (bench/RESULTS.md).
     sc = replace(SCENARIOS["flood"], minutes=2.0, shared_prefix_chars=16_000)
