@@ -2071,17 +2071,21 @@ def test_the_prefix_a_models_runs_share_is_learned_and_counted_once_per_replica(
     d.finish(d.arrive("x", prompt=5100, max_tokens=100), prompt=5100, out=10, cached=5000)
     assert d.state.shared_prefixes["m"][1:].count(5000) == 0
     d.feed(RunEnded(now=d.step(), run_id="x"))
-    # Each run now claims its own part: 5000 - 4000 + 100; the prefix counts once.
+    # A new run is taken to begin with the prefix, as most of the model's runs did:
+    # each claims its own part (5000 - 4000 + 100), and the prefix counts once.
     # 0.8 x 20k = 16k holds the prefix and 10 runs of 1100, not 3 of 5100.
     ids = [d.arrive(f"r{i}", prompt=5000, max_tokens=100) for i in range(12)]
     admitted = [t for t in ids if d.state.turns[t].replica == "a"]
-    assert len(admitted) == 10
-    assert d.state.replicas["a"].ws_tokens == 10 * 1100
+    assert len(admitted) == 10 and d.state.replicas["a"].ws_tokens == 10 * 1100
     assert d.state.kv_need(d.state.turns[ids[-1]]) == 1100
-    # A run whose first turn found less cached leaves only that out (it does not begin
-    # with the prefix: another harness on the model).
-    t = d.arrive("y", prompt=5000, max_tokens=100)
-    assert d.state.kv_need(d.state.turns[t]) == 1100  # not known yet: the prefix
+    # One whose first turn found less cached (it does not begin with the prefix: another
+    # harness on the model) leaves only that out from then on.
+    d.finish(admitted[0], reason="tool_calls", prompt=5000, out=10, cached=1000)
+    other = d.state.runs["r0"]
+    assert other.first_cached == 1000 and other.ws_claim == 5010 - 1000 + 100
+    # One whose first turn failed is counted whole (its retry may find what it cached).
+    d.feed(TurnFailed(now=d.step(), turn_id=admitted[1], reason="x"))
+    assert d.state.runs["r1"].first_cached == 0
     # Most first turns carrying a conversation the engine still held (the core forgot
     # the runs, the gateway restarted: helper-122) do not make a prefix of it: the
     # lower quartile of the samples is taken, not the median.

@@ -376,6 +376,13 @@ def check_bookkeeping(s: State) -> None:
             assert run.phase is RunPhase.GENERATING or p.strict_affinity, (
                 f"{run.run_id} claims KV while {run.phase} without strict affinity"
             )
+            # Its claim is its context and reply, less the shared prefix as it stands
+            # now, and no more of it than its own first turn found cached (helper-123:
+            # claims left at an older prefix undercounted their replica).
+            shared = s.shared_prefix(run.model) if p.learn_shared_prefix else 0
+            prefix = min(shared, run.first_cached) if run.first_cached >= 0 else shared
+            want = max(run.context_tokens - prefix, 0) + run.reply_tokens
+            assert run.ws_claim == want, f"{run.run_id}: claim {run.ws_claim} != {want}"
     for t in s.admitted():
         assert not t.claim or p.kv_admission, f"{t.turn_id} claims KV without the rule"
     if not p.cap_from_engine_queue:
