@@ -166,6 +166,14 @@ PROMPT_SCALE_WEIGHT = 0.1
 # A learned shared prefix (Policy.learn_shared_prefix): the lower quartile of the cached tokens
 # of this many of a model's latest first turns.
 SHARED_PREFIX_SAMPLES = 9
+SHARED_PREFIX_MIN_SAMPLES = 3
+# ... and it moves at most this often (virtual seconds): each move counts the model's
+# runs' claims again, a walk over the runs (helper-124: with two harnesses on a model
+# the quartile moved on 12 % of first turns, 60-80 ms each with 10,000 runs).
+SHARED_PREFIX_MOVE_S = 10.0
+
+# A model's learned shared prefix: (the prefix, when it last moved, the samples).
+SharedPrefix = tuple[int, float, tuple[int, ...]]
 
 
 class ReplicaState(Record):
@@ -309,8 +317,10 @@ class RunState(Record):
         # How its last turn on its replica ended while a turn of it away still ran
         # ("tool_calls", "stop", "failed"; "" none): what the run does when that one ends.
         self.home_outcome: Final = home_outcome
-        # What its engine found cached of its first turn's prompt (-1: not known yet):
-        # the most of the model's shared prefix its claim leaves out (learn_shared_prefix).
+        # What its engine found cached of its first turn's prompt, or of its first turn of
+        # its current model: the most of the model's shared prefix its claim leaves out
+        # (learn_shared_prefix).  -1: not known yet (the prefix is left out); 0 also when
+        # that turn failed or its engine reported no usage (counted whole).
         self.first_cached: Final = first_cached
 
     @property
@@ -443,7 +453,7 @@ class State:
         retired: frozenset[str] = frozenset(),
         held_runs: Map[str, tuple[str, ...]] | None = None,
         prompt_scale: Map[str, float] | None = None,
-        shared_prefix: Map[str, tuple[int, ...]] | None = None,
+        shared_prefix: Map[str, SharedPrefix] | None = None,
     ) -> None:
         self._policy = policy
         self._models = models
@@ -462,9 +472,10 @@ class State:
         self._held_runs: Map[str, tuple[str, ...]] = Map() if held_runs is None else held_runs
         # model -> engine count / estimate of its prompts, learned (learn_prompt_scale)
         self._prompt_scale: Map[str, float] = Map() if prompt_scale is None else prompt_scale
-        # model -> (the prefix its runs share, in tokens; then the last first turns'
-        # cached tokens it is the lower quartile of), learned (learn_shared_prefix)
-        self._shared_prefix: Map[str, tuple[int, ...]] = (
+        # model -> (the prefix its runs share, in tokens; when it last moved; the last
+        # first turns' cached tokens it is the lower quartile of), learned
+        # (learn_shared_prefix)
+        self._shared_prefix: Map[str, SharedPrefix] = (
             Map() if shared_prefix is None else shared_prefix
         )
 
@@ -514,8 +525,9 @@ class State:
         return learned[0] if learned else 0
 
     @property
-    def shared_prefixes(self) -> Map[str, tuple[int, ...]]:
-        """Model -> (its shared prefix, then the samples it is the lower quartile of)."""
+    def shared_prefixes(self) -> Map[str, SharedPrefix]:
+        """Model -> (its shared prefix, when it last moved, the samples it is the lower
+        quartile of)."""
         return self._shared_prefix
 
     @property
@@ -960,9 +972,10 @@ class _Tx:
             if self.policy.learn_shared_prefix:
                 self._learn_shared_prefix(t.model, first_cached)
         elif t.first:
-            # Its first turn failed, timed out or was abandoned: nothing says the run
-            # begins with the prefix, and its retry may find what this one cached.
-            # Counted whole (helper-123: left unknown, it was discounted for life).
+            # Its first turn failed, timed out or was abandoned, or its engine reported
+            # no usage: nothing says the run begins with the prefix, and a retry may find
+            # what this one cached.  Counted whole (helper-123: left unknown, it was
+            # discounted for life).
             first_cached = 0
         del self.turns[turn_id]
         self.timeouts = self.timeouts.remove((t.alive_at, turn_id))
@@ -1041,18 +1054,24 @@ class _Tx:
         quartile of the last SHARED_PREFIX_SAMPLES.  Low, not the median: a first turn
         the core sees may carry a whole conversation its engine still holds (the core
         forgot the run, or the gateway restarted; helper-122), and a prefix learned too
-        large would admit runs that do not fit."""
+        large would admit runs that do not fit.  It moves to the new quartile at most
+        every SHARED_PREFIX_MOVE_S."""
         old = self.shared_prefix.get(model)
-        samples = ((old[1:] if old else ()) + (cached,))[-SHARED_PREFIX_SAMPLES:]
+        samples = ((old[2] if old else ()) + (cached,))[-SHARED_PREFIX_SAMPLES:]
         ranked = sorted(samples)
-        estimate = ranked[len(ranked) // 4]
-        self.shared_prefix = self.shared_prefix.set(model, (estimate, *samples))
+        # Nothing on one or two samples: one resumed conversation is not a prefix.
+        quartile = ranked[len(ranked) // 4] if len(ranked) >= SHARED_PREFIX_MIN_SAMPLES else 0
+        if old is None or (quartile != old[0] and self.now - old[1] >= SHARED_PREFIX_MOVE_S):
+            estimate, moved = quartile, self.now
+        else:
+            estimate, moved = old[0], old[1]
+        self.shared_prefix = self.shared_prefix.set(model, (estimate, moved, samples))
         if (old[0] if old else 0) != estimate:
             # The model's runs' claims are sized by it: recounted (helper-123: claims
-            # left at a larger prefix undercounted their replicas once it fell).  Rare:
-            # only when the quartile moves.  By run id, as policy_changed does.  (A run
-            # this decision made is sized by the new prefix already, and the one whose
-            # turn ends now is set again by its caller.)
+            # left at a larger prefix undercounted their replicas once it fell).  By run
+            # id, as policy_changed does.  (A run this decision made is sized by the new
+            # prefix already, and the one whose turn ends now is set again by its
+            # caller.)
             claimed = [
                 k
                 for k, run in self.state._runs.items()
@@ -1539,10 +1558,13 @@ class _Tx:
                     r = self.replicas[peer]
                     if r.spec.kv_tokens is not None and r.has_slot():
                         self.refill.append(peer)
+        # Its run's first turn, or its first of another model (helper-124: a run whose
+        # turns moved to another model was discounted by that model's prefix for life).
+        first = old is None or (old.model != t.model and not away)
         self.turns[t.turn_id] = TurnState(
             t.turn_id, t.run_id, t.service_class, caller, t.model, t.arrived, t.seq,
             t.prompt_tokens, t.reply_tokens, None, name, self.now, False, self.now, claim,
-            t.estimate, old is None,
+            t.estimate, first,
         )  # fmt: skip
         self.timeouts = self.timeouts.add((self.now, t.turn_id))
         self.actions.append(

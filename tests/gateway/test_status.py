@@ -158,10 +158,8 @@ def test_snapshot_of_a_hand_built_state() -> None:
                 "in_flight": 1,
                 "paused_interactive": 1,
                 "bound_runs": 2,
-                # r1 paused: 120 context + 50 reply; r3 generating: 40 + 10; of each
-                # context the 60 tokens the model's runs share (t1 found them cached)
-                # are counted once: 60 + 110 + 10
-                "kv_working_set_tokens": 180,
+                # r1 paused: 120 context + 50 reply; r3 generating: 40 + 10
+                "kv_working_set_tokens": 220,
                 "kv_limit_tokens": 8000,
                 "kv_batch_limit_tokens": 7000,  # 70 % of the pool (no lane here)
                 "interactive_lane": False,
@@ -212,8 +210,8 @@ def test_snapshot_of_a_hand_built_state() -> None:
             "total": 4,
         },
         "prompt_scale": {},  # no turn has finished: nothing learned
-        # t1, its run's first turn, found 60 tokens cached: what the model's runs share
-        "shared_prefix": {"llama-3.2-1b": 60},
+        # t1, its run's first turn, found 60 tokens cached: one sample, no prefix yet
+        "shared_prefix": {"llama-3.2-1b": 0},
         "tool_call_ids_remembered": 3,
     }
 
@@ -662,8 +660,7 @@ def test_runs_listing_filters_and_orders_what_the_core_knows() -> None:
         "turns_in_flight": 0,
         "turns_held": 0,
         "context_tokens": 120,
-        # 120 context, 60 of it the shared prefix (counted once per replica), + 50 reply
-        "kv_claim_tokens": 110,
+        "kv_claim_tokens": 170,  # 120 context + 50 reply, against a's pool
         "since_s": 5.0,
     }
     assert listing["runs"][3]["turns_held"] == 1 and listing["runs"][3]["class"] == "batch"

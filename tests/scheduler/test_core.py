@@ -2069,7 +2069,7 @@ def test_the_prefix_a_models_runs_share_is_learned_and_counted_once_per_replica(
     t = d.arrive("x", prompt=5000, max_tokens=100)
     d.finish(t, reason="tool_calls", prompt=5000, out=10, cached=4000)
     d.finish(d.arrive("x", prompt=5100, max_tokens=100), prompt=5100, out=10, cached=5000)
-    assert d.state.shared_prefixes["m"][1:].count(5000) == 0
+    assert 5000 not in d.state.shared_prefixes["m"][2]
     d.feed(RunEnded(now=d.step(), run_id="x"))
     # A new run is taken to begin with the prefix, as most of the model's runs did:
     # each claims its own part (5000 - 4000 + 100), and the prefix counts once.
@@ -2124,3 +2124,23 @@ def test_a_run_leaves_out_no_more_prefix_than_its_first_turn_found_cached() -> N
     ids = [two.arrive(f"n{i}", model="n", prompt=2000, max_tokens=100) for i in range(6)]
     # 16k, less m's 8000 once: 3 runs of n (2100 each), not 7
     assert sum(two.state.turns[t].replica == "a" for t in ids) == 3
+
+
+def test_a_runs_first_turn_of_another_model_says_again_what_it_found_cached() -> None:
+    # helper-124: a run whose turns moved to another model kept no count at all, and
+    # was discounted by the model's prefix for life.
+    d = Driver(("a",), models=("m", "n"), kv_tokens=40_000)
+    for i in range(SHARED_PREFIX_SAMPLES):
+        d.finish(d.arrive(f"w{i}", prompt=5000, max_tokens=100), prompt=5000, cached=4000)
+        d.feed(RunEnded(now=d.step(), run_id=f"w{i}"))
+    d.finish(d.arrive("r", prompt=5000, max_tokens=100), "tool_calls", prompt=5000, cached=0)
+    assert d.state.runs["r"].first_cached == 0  # found nothing cached: counted whole
+    d.finish(
+        d.arrive("r", model="n", prompt=5100, max_tokens=100), "tool_calls", prompt=5100, cached=300
+    )
+    assert d.state.runs["r"].first_cached == 300
+    t = d.arrive("r", prompt=5200, max_tokens=100)
+    assert d.state.runs["r"].first_cached == -1  # m's again: not known yet
+    d.finish(t, "tool_calls", prompt=5200, out=10, cached=0)
+    run = d.state.runs["r"]
+    assert run.first_cached == 0 and run.ws_claim == 5210 + 100
