@@ -12,7 +12,7 @@ from collections.abc import Container, Mapping, Sequence
 from typing import Any
 
 from gateway.prober import ProbeResult
-from scheduler import ReplicaState, RunPhase, RunState, ServiceClass, State, TurnState
+from scheduler import RunPhase, RunState, ServiceClass, State, TurnState
 
 __all__ = [
     "RUNS_LIMIT",
@@ -53,6 +53,8 @@ def status_snapshot(
         probe = probes.get(name)
         kv_limit = state.kv_limit(name)
         batch_limit = state.kv_limit(name, ServiceClass.BATCH)
+        # the runs' claims, and the prefix their models' runs share, once
+        working_set = r.ws_tokens + state.shared_once(name) if r.ws_tokens else 0
         replicas.append(
             {
                 "name": name,
@@ -76,8 +78,7 @@ def status_snapshot(
                 "in_flight": r.in_flight,
                 "paused_interactive": r.paused_interactive,
                 "bound_runs": r.bound_runs,
-                # the runs' claims, and the prefix their models' runs share, once
-                "kv_working_set_tokens": r.ws_tokens + _shared_once(state, r),
+                "kv_working_set_tokens": working_set,
                 "kv_limit_tokens": int(kv_limit) if kv_limit is not None else None,
                 # new batch runs stop here (lower on an interactive lane, rule 9)
                 "kv_batch_limit_tokens": int(batch_limit) if batch_limit is not None else None,
@@ -247,14 +248,6 @@ def runs_listing(
         for _, run_id, _, _, _, x in heapq.nlargest(limit, found, key=lambda f: (f[0], f[1]))
     ]
     return {"runs": views, "total": len(found), "limit": limit}
-
-
-def _shared_once(state: State, r: ReplicaState) -> int:
-    """The shared prefixes a replica holding runs' KV claims caches once (its models',
-    Policy.learn_shared_prefix), as admission counts them; 0 while it holds none."""
-    if not r.ws_tokens or not state.policy.learn_shared_prefix:
-        return 0
-    return sum(state.shared_prefix(m) for m in r.spec.models)
 
 
 def _wait(now: float, arrived: float) -> float:

@@ -524,6 +524,12 @@ class State:
         learned = self._shared_prefix.get(model)
         return learned[0] if learned else 0
 
+    def shared_once(self, replica: str) -> int:
+        """The shared prefixes program-level admission counts once on a replica: those
+        of every model it serves (0 with learn_shared_prefix off)."""
+        models = self._replicas[replica].spec.models
+        return _prefixes_once(self._shared_prefix, self._policy, models)
+
     @property
     def shared_prefixes(self) -> Map[str, SharedPrefix]:
         """Model -> (its shared prefix, when it last moved, the samples it is the lower
@@ -579,7 +585,7 @@ class State:
     def kv_need(self, turn: TurnState) -> int:
         """The KV working set the turn's run will claim if admitted as a new binding (a
         turn away from its run's replica claims its own prompt and reply, rule 3)."""
-        shared = self.shared_prefix(turn.model) if self._policy.learn_shared_prefix else 0
+        shared = _learned_prefix(self._shared_prefix, self._policy, turn.model)
         run = self._runs.get(turn.run_id)
         return _kv_need(turn, run, _prefix_of(run, shared))
 
@@ -651,6 +657,22 @@ def _kv_need(turn: TurnState, run: RunState | None, shared: int = 0) -> int:
     if run is not None and run.context_tokens > context:
         context = run.context_tokens
     return max(context - shared, 0) + turn.reply_tokens
+
+
+def _learned_prefix(prefixes: Map[str, SharedPrefix], policy: Policy, model: str) -> int:
+    """A model's shared prefix as program-level admission counts it (0 with
+    learn_shared_prefix off, or none learned)."""
+    if not policy.learn_shared_prefix:
+        return 0
+    learned = prefixes.get(model)
+    return learned[0] if learned else 0
+
+
+def _prefixes_once(prefixes: Map[str, SharedPrefix], policy: Policy, models: Iterable[str]) -> int:
+    """The shared prefixes a replica caches once: those of every model it serves."""
+    if not prefixes or not policy.learn_shared_prefix:
+        return 0
+    return sum(_learned_prefix(prefixes, policy, m) for m in models)
 
 
 def _prefix_of(run: RunState | None, shared: int) -> int:
@@ -1082,19 +1104,8 @@ class _Tx:
                 if run is not None:
                     self._set_run(run)
 
-    def _shared_once(self, r: ReplicaState) -> int:
-        """The shared prefixes a replica caches once: those of every model it serves."""
-        if not self.policy.learn_shared_prefix or not self.shared_prefix:
-            return 0
-        return sum(self._shared(m) for m in r.spec.models)
-
     def _shared(self, model: str) -> int:
-        """The prefix a model's runs share, as program-level admission counts it: once
-        per replica, not once per run."""
-        if not self.policy.learn_shared_prefix:
-            return 0
-        learned = self.shared_prefix.get(model)
-        return learned[0] if learned else 0
+        return _learned_prefix(self.shared_prefix, self.policy, model)
 
     def _learn_prompt_scale(self, model: str, sample: float) -> None:
         """One finished turn's engine count / estimate into its model's scale."""
@@ -1401,7 +1412,7 @@ class _Tx:
         else:
             need = _kv_need(t, run, _prefix_of(run, self._shared(t.model)))
         # The prefixes its models' runs share are cached once on a replica: counted once.
-        shared = self._shared_once(r)
+        shared = _prefixes_once(self.shared_prefix, self.policy, r.spec.models)
         limit = kv * _kv_share(self.policy, t.service_class, r.interactive_runs > 0)
         if r.ws_tokens + need + shared <= limit:
             return True
