@@ -321,30 +321,34 @@ def score_labels(
     labels: Sequence[str], top_logprobs: Sequence[Any]
 ) -> tuple[dict[str, float], list[str]]:
     """(scores of the labels some token spoke for alone, in label order; the others)."""
-    scores, unscored, _ = _score(labels, _tokens(top_logprobs))
+    scores, unscored, _, _ = _score(labels, _tokens(top_logprobs))
     return scores, unscored
 
 
 def _score(
     labels: Sequence[str], tokens: list[tuple[_Token, float]]
-) -> tuple[dict[str, float], list[str], list[tuple[_Token, float, list[str]]]]:
+) -> tuple[dict[str, float], list[str], list[tuple[_Token, float, list[str]]], float]:
     """Each label's score, the sum of the tokens that begin it and no other label (the
     first-token answers are distinct, so a label spread over "Yes", " yes" and " Y"
-    adds up; helper-115); the labels no token spoke for alone; and the tokens that
-    begin several labels, with those labels (they tell none of them apart)."""
+    adds up; helper-115); the labels no token spoke for alone; the tokens that begin
+    several labels, with those labels (they tell none of them apart); and the mass,
+    the probability of the tokens that begin any label."""
     folded = [_folded(label) for label in labels]
     exact = set(folded)
     sums: dict[str, list[float]] = {}
     shared: list[tuple[_Token, float, list[str]]] = []
+    mass = 0.0
     for token, p in tokens:
         begun = [lb for lb, f in zip(labels, folded, strict=True) if _matches(token, f, exact)]
+        if begun:
+            mass += p
         if len(begun) == 1:
             sums.setdefault(begun[0], []).append(p)
         elif begun:
             shared.append((token, p, begun))
     scores = {lb: min(1.0, math.fsum(sums[lb])) for lb in labels if lb in sums}
     unscored = [lb for lb in labels if lb not in scores]
-    return scores, unscored, shared
+    return scores, unscored, shared, mass
 
 
 def decision(labels: Sequence[str], top_logprobs: Sequence[Any]) -> dict[str, Any]:
@@ -352,10 +356,7 @@ def decision(labels: Sequence[str], top_logprobs: Sequence[Any]) -> dict[str, An
     when the labels got less than MIN_LABEL_MASS of the first token, or when tokens
     that begin several labels could decide between them (see the module docstring)."""
     tokens = _tokens(top_logprobs)
-    scores, unscored, shared = _score(labels, tokens)
-    exact = {_folded(label) for label in labels}
-    # The probability on the labels: each token that counts for any label, once.
-    mass = sum(p for tok, p in tokens if any(_matches(tok, _folded(lb), exact) for lb in labels))
+    scores, unscored, shared, mass = _score(labels, tokens)
     if not scores and not shared:
         raise DecideError(
             422,
