@@ -704,11 +704,11 @@ class AgentRun:
         while it never left the worker (its server unreachable: NOT_SENT), with RETRY's
         backoff, for `contract.TOOL_UNREACHED_S` from the first such send since the
         call last broke off (runs without TOLD_PATCH: TOOL_SCHEDULE_TIMEOUT from its
-        first send), and then fails the run.  Any other
-        failure may come after the server ran it: a call with no answer within its
-        timeout is told to the model, and so is one that broke off (the worker died, the
-        connection broke), after TOOL_SENDS sends of a repeatable tool's, at once of
-        another's (the outcome is unknown).
+        first send), and then fails the run.  Any other failure may come after the
+        server ran it: a call with no answer within its timeout is told to the model,
+        and so is one that broke off (the worker died, the connection broke), after
+        TOOL_SENDS sends of a repeatable tool's, at once of another's (the outcome is
+        unknown).
 
         `tool` None: a tool that is not repeatable, as runs without TOLD_PATCH send it
         (TOOL_TIMEOUT, and the cause's own words)."""
