@@ -17,6 +17,7 @@ from typing import Any
 
 from temporalio.client import Client
 from temporalio.service import RPCError
+from temporalio.worker import Worker
 
 from activities import LlmActivities, ToolActivities
 from activities.mcp_pool import McpPool
@@ -323,3 +324,13 @@ class FakeMcpProcess:
     def counts(self) -> dict[str, Any]:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/counts", timeout=10) as r:
             return dict(json.load(r))
+
+
+@contextlib.asynccontextmanager
+async def stand_in_worker(client: Client, queue: str, fakes: Any) -> AsyncIterator[None]:
+    """A worker of AgentRun whose activities are stand-ins registered under the real
+    names: `fakes` has list_tools, end_run, llm_turn and call_tool (tests that must make
+    a turn fail, a call hang or a server unreachable on cue)."""
+    activities = [fakes.list_tools, fakes.end_run, fakes.llm_turn, fakes.call_tool]
+    async with Worker(client, task_queue=queue, workflows=[AgentRun], activities=activities):
+        yield

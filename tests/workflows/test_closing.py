@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 from temporalio import activity
@@ -21,7 +19,7 @@ from temporalio.client import (
     WorkflowHandle,
 )
 from temporalio.exceptions import ApplicationError
-from temporalio.worker import Replayer, Worker
+from temporalio.worker import Replayer
 
 from activities.contract import (
     NOT_SENT,
@@ -34,7 +32,7 @@ from activities.contract import (
     TurnInput,
     TurnOutput,
 )
-from tests.workflows.harness import connect, until
+from tests.workflows.harness import connect, stand_in_worker, until
 from workflows import AgentRun, Budget, Runs, RunSpec, RunStatus
 from workflows.agent_run import HALT_UNBROKEN_PATCH, TOLD_PATCH
 
@@ -80,13 +78,6 @@ class StandIns:
             self.in_turn.discard(turn.run_id)
 
 
-@asynccontextmanager
-async def worker(client: Client, queue: str, fakes: StandIns) -> AsyncIterator[None]:
-    activities = [fakes.list_tools, fakes.end_run, fakes.llm_turn, fakes.call_tool]
-    async with Worker(client, task_queue=queue, workflows=[AgentRun], activities=activities):
-        yield
-
-
 async def _events(handle: WorkflowHandle[Any, Any]) -> list[Any]:
     return list((await handle.fetch_history()).events)
 
@@ -102,7 +93,7 @@ async def failing_run_cancelled_while_closing(client: Client) -> tuple[str, Stan
     queue = f"closing-{uuid.uuid4().hex[:8]}"
     fakes = StandIns()
     runs = Runs(client, task_queue=queue)
-    async with worker(client, queue, fakes):
+    async with stand_in_worker(client, queue, fakes):
         await until(runs._worker_polls, "the worker polls")
         parent = await runs.spawn(RunSpec(task="fail parent", model="m"))
         kids = [
@@ -202,7 +193,7 @@ async def unsent_call_stopped(
     queue = f"unsent-{uuid.uuid4().hex[:8]}"
     fakes = Unreachable()
     runs = Runs(client, task_queue=queue)
-    async with worker(client, queue, fakes):
+    async with stand_in_worker(client, queue, fakes):
         await until(runs._worker_polls, "the worker polls")
         handle = await runs.spawn(
             RunSpec(task="calls write", model="m", tools=["write"], budget=Budget(seconds=1.5))

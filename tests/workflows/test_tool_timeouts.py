@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
 from temporalio import activity
 from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
-from temporalio.worker import Replayer, Worker
+from temporalio.worker import Replayer
 
 import workflows.contract as contract
 from activities.contract import (
@@ -30,7 +28,7 @@ from activities.contract import (
     TurnInput,
     TurnOutput,
 )
-from tests.workflows.harness import MODEL, connect, stack, task_with, until
+from tests.workflows.harness import MODEL, connect, stack, stand_in_worker, task_with, until
 from workflows import AgentRun, Runs, RunSpec, RunStatus
 from workflows.agent_run import TOLD_PATCH, TOOL_SENDS
 
@@ -102,13 +100,6 @@ class StandIns:
         return TurnOutput({"role": "assistant", "content": "done"}, [], "stop", 10, 10)
 
 
-@asynccontextmanager
-async def worker(client: Client, queue: str, fakes: StandIns) -> AsyncIterator[None]:
-    activities = [fakes.list_tools, fakes.end_run, fakes.llm_turn, fakes.call_tool]
-    async with Worker(client, task_queue=queue, workflows=[AgentRun], activities=activities):
-        yield
-
-
 async def run_calling(
     client: Client, tool: str
 ) -> tuple[str, StandIns, RunStatus, list[dict[str, Any]]]:
@@ -117,7 +108,7 @@ async def run_calling(
     queue = f"told-{uuid.uuid4().hex[:8]}"
     fakes = StandIns()
     runs = Runs(client, task_queue=queue)
-    async with worker(client, queue, fakes):
+    async with stand_in_worker(client, queue, fakes):
         await until(runs._worker_polls, "the worker polls")
         handle = await runs.spawn(RunSpec(task=f"call {tool}", model="m", tools=[tool]))
         await asyncio.wait_for(client.get_workflow_handle(handle).result(), 60)
