@@ -23,7 +23,7 @@ import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from opentelemetry.trace import (
@@ -211,7 +211,9 @@ class StreamWatch:
         self.shapeless = False
         self.prompt_tokens = 0
         self.completion_tokens = 0
-        self.cached_tokens = 0
+        # None until the engine says what it found cached (SGLang says so only with
+        # --enable-cache-report, vLLM with --enable-prompt-tokens-details).
+        self.cached_tokens: int | None = None
         self.tool_call_ids: list[str] = []
         # An error event inside a 200 stream (vLLM and SGLang send `data: {"error": ...}`
         # when generation fails after the head): the turn failed.  With the status its
@@ -466,10 +468,12 @@ class MessagesWatch(StreamWatch):
         # part, so the largest input_tokens plus the cached part counted the cached
         # tokens twice (helper-83).
         self._input = _int(usage.get("input_tokens"), 0) or self._input
-        self._cache_read = _int(usage.get("cache_read_input_tokens"), 0) or self._cache_read
+        read = _int(usage.get("cache_read_input_tokens"), None)
+        if read is not None:
+            self._cache_read = read or self._cache_read
+            self.cached_tokens = self._cache_read
         self._cache_write = _int(usage.get("cache_creation_input_tokens"), 0) or self._cache_write
         self.completion_tokens = max(self.completion_tokens, _int(usage.get("output_tokens"), 0))
-        self.cached_tokens = self._cache_read
         if self._input_counts_cached:
             self.prompt_tokens = max(self._input, self._cache_read)
         else:
@@ -692,7 +696,10 @@ def _loads(data: bytes) -> object:
 _MAX_TOKEN_COUNT = 1 << 31
 
 
-def _int(value: object, default: int) -> int:
+_D = TypeVar("_D")
+
+
+def _int(value: object, default: _D) -> int | _D:
     """A token count from an engine's usage, or `default` if it is not one."""
     if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < _MAX_TOKEN_COUNT:
         return value

@@ -114,7 +114,7 @@ class RunSpans:
         if isinstance(outcome, TurnFinished):
             run.input_tokens += outcome.prompt_tokens
             run.output_tokens += outcome.completion_tokens
-            run.cached_tokens += outcome.cached_tokens
+            run.cached_tokens += outcome.cached_tokens or 0
         if run.open_turns > 0:
             return
         if run.forgotten:

@@ -472,7 +472,7 @@ class GatewayMetrics:
                 self.engine_turns.labels(turn.replica, outcome).inc()
                 if isinstance(event, TurnFinished):
                     self.prompt_tokens.labels(turn.replica, cls).inc(event.prompt_tokens)
-                    self.cached_tokens.labels(turn.replica, cls).inc(event.cached_tokens)
+                    self.cached_tokens.labels(turn.replica, cls).inc(event.cached_tokens or 0)
                     self.completion_tokens.labels(turn.replica, cls).inc(event.completion_tokens)
 
     def forget_replica(self, name: str) -> None:

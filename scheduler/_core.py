@@ -980,7 +980,7 @@ class _Tx:
         completion: int,
         *,
         engine_fault: bool = False,
-        cached: int = 0,
+        cached: int | None = None,
     ) -> None:
         """A turn finished (reason given) or failed (reason None): free its slot."""
         t = self.turns.get(turn_id)
@@ -989,15 +989,15 @@ class _Tx:
         if prompt > 0 and t.estimate >= PROMPT_SCALE_MIN_TOKENS:
             self._learn_prompt_scale(t.model, prompt / t.estimate)
         first_cached = -1
-        if t.first and prompt > 0:
+        if t.first and prompt > 0 and cached is not None:
             first_cached = min(max(cached, 0), prompt)
             if self.policy.learn_shared_prefix:
                 self._learn_shared_prefix(t.model, first_cached)
         elif t.first:
             # Its first turn failed, timed out or was abandoned, or its engine reported
-            # no usage: nothing says the run begins with the prefix, and a retry may find
-            # what this one cached.  Counted whole (helper-123: left unknown, it was
-            # discounted for life).
+            # no usage or no cache hit: nothing says the run begins with the prefix, and
+            # a retry may find what this one cached.  Counted whole (helper-123: left
+            # unknown, it was discounted for life).
             first_cached = 0
         del self.turns[turn_id]
         self.timeouts = self.timeouts.remove((t.alive_at, turn_id))

@@ -213,7 +213,11 @@ class TurnFinished:
     finish_reason: str  # "tool_calls" pauses the run on its replica
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    cached_tokens: int = 0
+    # What the engine found cached of the prompt; None: it did not say (SGLang without
+    # --enable-cache-report, vLLM without --enable-prompt-tokens-details).  A first
+    # turn that did not say teaches nothing of the shared prefix, and its run is
+    # counted whole: a 0 would have pulled the model's prefix down for every replica.
+    cached_tokens: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

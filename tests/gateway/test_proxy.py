@@ -223,6 +223,41 @@ async def test_a_stream_whose_media_type_is_not_lower_case_is_still_a_stream() -
         assert shell.state.replicas["a"].failures == 0
 
 
+@pytest.mark.parametrize(
+    ("details", "cached"),
+    [({}, None), ({"prompt_tokens_details": None}, None), ({"prompt_tokens_details": {}}, None),
+     ({"prompt_tokens_details": {"cached_tokens": 0}}, 0),
+     ({"prompt_tokens_details": {"cached_tokens": 96}}, 96)],
+)  # fmt: skip
+def test_cached_tokens_are_none_unless_the_engine_says_them(
+    details: dict[str, Any], cached: int | None
+) -> None:
+    # SGLang fills prompt_tokens_details only with --enable-cache-report, vLLM only with
+    # --enable-prompt-tokens-details: what it did not say is not a cache miss (a 0
+    # pulled the model's learned shared prefix down).
+    from gateway._proxy import MessagesWatch, ResponsesWatch
+
+    usage = {"prompt_tokens": 128, "completion_tokens": 4, **details}
+    chat = StreamWatch(sse=False)
+    chat.feed(json.dumps({"choices": [{"finish_reason": "stop"}], "usage": usage}).encode())
+    chat.close()
+    assert (chat.prompt_tokens, chat.cached_tokens) == (128, cached)
+    responses = ResponsesWatch(sse=False)
+    input_details = {"input_tokens_details": details["prompt_tokens_details"]} if details else {}
+    body = {"object": "response", "status": "completed", "output": [],
+            "usage": {"input_tokens": 128, "output_tokens": 4, **input_details}}  # fmt: skip
+    responses.feed(json.dumps(body).encode())
+    responses.close()
+    assert (responses.prompt_tokens, responses.cached_tokens) == (128, cached)
+    messages = MessagesWatch(sse=False, input_counts_cached=True)
+    read = {} if cached is None else {"cache_read_input_tokens": cached}
+    message = {"type": "message", "stop_reason": "end_turn", "content": [],
+               "usage": {"input_tokens": 128, "output_tokens": 4, **read}}  # fmt: skip
+    messages.feed(json.dumps(message).encode())
+    messages.close()
+    assert (messages.prompt_tokens, messages.cached_tokens) == (128, cached)
+
+
 def test_the_added_usage_event_is_dropped_however_the_stream_is_cut() -> None:
     from gateway._proxy import _AddedUsage
 

@@ -108,7 +108,12 @@ class Driver:
         return tid
 
     def finish(
-        self, tid: str, reason: str = "stop", prompt: int = 0, out: int = 0, cached: int = 0
+        self,
+        tid: str,
+        reason: str = "stop",
+        prompt: int = 0,
+        out: int = 0,
+        cached: int | None = 0,
     ) -> None:
         self.feed(
             TurnFinished(
@@ -2124,6 +2129,29 @@ def test_a_run_leaves_out_no_more_prefix_than_its_first_turn_found_cached() -> N
     ids = [two.arrive(f"n{i}", model="n", prompt=2000, max_tokens=100) for i in range(6)]
     # 16k, less m's 8000 once: 3 runs of n (2100 each), not 7
     assert sum(two.state.turns[t].replica == "a" for t in ids) == 3
+
+
+def test_a_first_turn_whose_engine_said_nothing_of_its_cache_teaches_nothing() -> None:
+    # SGLang reports cached tokens only with --enable-cache-report, vLLM only with
+    # --enable-prompt-tokens-details.  Taken as 0, such a replica's first turns pulled
+    # the model's prefix down for the replicas that do report.
+    d = Driver(("a",), kv_tokens=40_000)
+    for i in range(SHARED_PREFIX_SAMPLES):
+        d.finish(d.arrive(f"w{i}", prompt=5000, max_tokens=100), prompt=5000, cached=4000)
+        d.feed(RunEnded(now=d.step(), run_id=f"w{i}"))
+    before = d.state.shared_prefixes["m"]
+    for i in range(SHARED_PREFIX_SAMPLES):
+        t = d.arrive(f"n{i}", prompt=5000, max_tokens=100)
+        d.finish(t, "tool_calls", prompt=5000, out=10, cached=None)
+    assert d.state.shared_prefixes["m"] == before and d.state.shared_prefix("m") == 4000
+    # Nothing says those runs begin with the prefix: each is counted whole.
+    run = d.state.runs["n0"]
+    assert run.first_cached == 0 and run.ws_claim == 5010 + 100
+    # With no engine saying anything there is no prefix at all.
+    e = Driver(("a",), kv_tokens=40_000)
+    for i in range(SHARED_PREFIX_SAMPLES):
+        e.finish(e.arrive(f"w{i}", prompt=5000, max_tokens=100), prompt=5000, cached=None)
+    assert "m" not in e.state.shared_prefixes and e.state.shared_prefix("m") == 0
 
 
 def test_a_runs_first_turn_of_another_model_says_again_what_it_found_cached() -> None:
