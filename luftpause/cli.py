@@ -48,6 +48,12 @@ def _sim_parser(sub: Any) -> None:
         help="a prefix every run's prompt begins with, before its context (a harness's "
         "system prompt and tool schemas); default 0",
     )
+    p.add_argument(
+        "--interactive-prefix-chars",
+        type=int,
+        help="the interactive runs' own prefix, as from another harness than the batch "
+        "runs'; default: --shared-prefix-chars",
+    )
     p.add_argument("--max-tool-calls", type=int, help="each run makes 0..N tool calls")
     p.add_argument("--tool-s", type=float, help="mean tool call duration, seconds")
     p.add_argument("--tool-result-chars", type=int, help="context each tool result adds")
@@ -190,6 +196,7 @@ def _sim(args: argparse.Namespace) -> int:
             runs=args.runs,
             context_chars=args.context_chars,
             shared_prefix_chars=args.shared_prefix_chars,
+            interactive_prefix_chars=args.interactive_prefix_chars,
             max_tool_calls=args.max_tool_calls,
             tool_s=args.tool_s,
             tool_result_chars=args.tool_result_chars,

@@ -220,16 +220,20 @@ class Luftpause(Arm):
         replicas_per_gpu: int = 1,
         slots: int | None = None,
         prompt_estimate: float = 1.0,
+        interactive_model: str | None = None,
     ) -> None:
         super().__init__(n_engines, send)
         self.model = model
+        # The model the interactive turns name, when not `model`: their prefix is then
+        # learned and counted apart (bench/shared_prefix_sweep.py's per-harness bound).
+        self.interactive_model = interactive_model or model
         self.prompt_estimate = prompt_estimate  # Scenario.prompt_estimate
         # The replicas know the GPU they share, as a pool's config says it (rule 13).
         k = max(1, replicas_per_gpu)
         specs = [
             ReplicaSpec(
                 name=str(i),
-                models=frozenset({model}),
+                models=frozenset({model, self.interactive_model}),
                 kv_tokens=kv_tokens,
                 device=f"gpu{i // k}" if k > 1 else None,
                 slots=slots,
@@ -258,7 +262,9 @@ class Luftpause(Arm):
                 run_id=turn.run_id,
                 service_class=turn.service_class,
                 caller=turn.caller,
-                model=self.model,
+                model=self.interactive_model
+                if turn.service_class is ServiceClass.INTERACTIVE
+                else self.model,
                 prompt_tokens=math.ceil(turn.prompt_tokens * self.prompt_estimate),
                 max_tokens=turn.max_tokens,
             )

@@ -32,6 +32,7 @@ from testkit.sim._arms import (
 
 CHARS_PER_TOKEN = 4
 MODEL = "llama-3.2-1b"
+_INTERACTIVE = ServiceClass.INTERACTIVE
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,6 +70,10 @@ class Scenario:
     # schemas: Claude Code's is about 15k tokens), before its own context_chars.  Its
     # whole KV blocks are the same blocks in every run, so an engine caches them once.
     shared_prefix_chars: int = 0
+    # The interactive runs' own prefix, when they come from another harness than the
+    # batch runs (Claude Code's 15k tokens beside an own-loop agent's few hundred);
+    # None: the same as the batch runs'.
+    interactive_prefix_chars: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("engines", "replicas_per_gpu"):
@@ -76,10 +81,11 @@ class Scenario:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in (
             "batch", "interactive", "runs", "max_tool_calls", "context_chars",
-            "shared_prefix_chars",
+            "shared_prefix_chars", "interactive_prefix_chars",
         ):  # fmt: skip
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
         for name in ("tool_s", "tool_result_chars"):
             if not 0 <= getattr(self, name) < math.inf:  # NaN too
                 raise ValueError(f"{name} must be finite and >= 0, got {getattr(self, name)}")
@@ -98,7 +104,7 @@ class Scenario:
         need = -(-self.largest_prompt_tokens // bt) * bt + self.reply_tokens
         if need > self.engine.kv_pool_tokens:
             raise ValueError(
-                f"a run's last turn needs {need:,} KV tokens ((shared_prefix_chars + "
+                f"a run's last turn needs {need:,} KV tokens ((its prefix's chars + "
                 "context_chars)/4 + "
                 f"max_tool_calls x (reply_tokens + tool_result_chars/4) = "
                 f"{self.largest_prompt_tokens:,} prompt tokens in blocks of {bt}, and "
@@ -111,18 +117,23 @@ class Scenario:
         """The prompt of a run's last turn at most (see _Agent: the context grows by
         each reply and tool result)."""
         per_call = self.reply_tokens + math.ceil(self.tool_result_chars / CHARS_PER_TOKEN)
-        return self.first_prompt_tokens + self.max_tool_calls * per_call
+        first = max(self.first_prompt_tokens(c) for c in ServiceClass)
+        return first + self.max_tool_calls * per_call
 
-    @property
-    def first_prompt_tokens(self) -> int:
-        """A run's first prompt: the shared prefix, then its own context."""
-        return math.ceil((self.shared_prefix_chars + self.context_chars) / CHARS_PER_TOKEN)
+    def prefix_chars(self, cls: ServiceClass) -> int:
+        """The prefix a run of the class begins with."""
+        if cls is ServiceClass.INTERACTIVE and self.interactive_prefix_chars is not None:
+            return self.interactive_prefix_chars
+        return self.shared_prefix_chars
 
-    @property
-    def shared_blocks(self) -> int:
-        """The KV blocks every run's prompt shares: the prefix's whole blocks (the one it
-        ends in holds the run's own text too)."""
-        return self.shared_prefix_chars // CHARS_PER_TOKEN // self.engine.block_tokens
+    def first_prompt_tokens(self, cls: ServiceClass) -> int:
+        """A run's first prompt: its class's prefix, then its own context."""
+        return math.ceil((self.prefix_chars(cls) + self.context_chars) / CHARS_PER_TOKEN)
+
+    def shared_blocks(self, cls: ServiceClass) -> int:
+        """The KV blocks the prompts of a class's runs share: its prefix's whole blocks
+        (the one it ends in holds the run's own text too)."""
+        return self.prefix_chars(cls) // CHARS_PER_TOKEN // self.engine.block_tokens
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -234,7 +245,7 @@ class _Agent:
         self.run_id = f"a{self.index}-r{self.run_no}"
         self.stream = self.sim.new_stream()
         self.tool_calls_left = self.rng.randint(0, sc.max_tool_calls)
-        self.context = sc.first_prompt_tokens
+        self.context = sc.first_prompt_tokens(self.service_class)
         self.run_started = now
         self.turn_no = 0
         self.engines_used: set[int] = set()
@@ -245,14 +256,19 @@ class _Agent:
         self.turn_no += 1
         block = self.sim.scenario.engine.block_tokens
         n_blocks = math.ceil(self.context / block)
-        shared = min(sc.shared_blocks, n_blocks)
+        shared = min(sc.shared_blocks(self.service_class), n_blocks)
+        # Stream 0 holds the batch runs' prefix, -1 the interactive runs' when it is
+        # another (streams of runs count from 1).
+        own = sc.interactive_prefix_chars is not None and self.service_class is _INTERACTIVE
+        prefix_stream = -1 if own else 0
         turn = Turn(
             turn_id=f"{self.run_id}-t{self.turn_no}",
             run_id=self.run_id,
             service_class=self.service_class,
             caller=self.caller,
-            # Stream 0 is the shared prefix's (streams of runs count from 1).
-            prompt_blocks=tuple((0 if i < shared else self.stream, i) for i in range(n_blocks)),
+            prompt_blocks=tuple(
+                (prefix_stream if i < shared else self.stream, i) for i in range(n_blocks)
+            ),
             prompt_tokens=self.context,
             max_tokens=sc.reply_tokens,
         )

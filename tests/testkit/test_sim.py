@@ -325,3 +325,39 @@ def test_runs_that_share_a_prefix_share_its_cache_and_luftpause_counts_it_once()
     assert a == b
     with pytest.raises(ValueError, match="shared_prefix_chars must be >= 0"):
         replace(SCENARIOS["flood"], shared_prefix_chars=-1)
+
+
+def test_interactive_runs_may_begin_with_another_harness_prefix() -> None:
+    # --interactive-prefix-chars: the interactive runs come from another harness (Claude
+    # Code's 15k tokens beside an own-loop agent's few hundred): their prefix is their
+    # own blocks, cached beside the batch runs' and not shared with them.
+    plain = replace(SCENARIOS["flood"], minutes=1.0)
+    own = replace(plain, interactive_prefix_chars=16_000)
+    a = simulate(replace(plain, interactive=0), "luftpause").as_json()
+    b = simulate(replace(own, interactive=0), "luftpause").as_json()
+    a.pop("wall_s"), b.pop("wall_s")
+    assert a == b  # the batch runs' prompts are as they were
+    alone = replace(plain, batch=0)
+    assert simulate(replace(alone, interactive_prefix_chars=16_000), "luftpause").cached_share > (
+        simulate(alone, "luftpause").cached_share + 0.1
+    )
+    # The same length as the batch runs' prefix, but not the same text: both are cached.
+    same = replace(plain, shared_prefix_chars=16_000)
+    other = replace(same, interactive_prefix_chars=16_000)
+    assert simulate(other, "cache_aware").cached_share != simulate(same, "cache_aware").cached_share
+    assert own.first_prompt_tokens(ServiceClass.INTERACTIVE) == (16_000 + 8000) // 4
+    assert own.first_prompt_tokens(ServiceClass.BATCH) == 8000 // 4
+    with pytest.raises(ValueError, match="interactive_prefix_chars must be >= 0"):
+        replace(plain, interactive_prefix_chars=-1)
+    # bench/shared_prefix_sweep.py's bound: the core told the interactive turns are of
+    # a model of their own learns and counts their prefix apart.
+    from scheduler import Policy
+    from testkit.sim._arms import Luftpause, Turn
+
+    arm = Luftpause(2, lambda *a: None, model="m", interactive_model="m-i", kv_tokens=50_000,
+                    policy=Policy())  # fmt: skip
+    for cls in ServiceClass:
+        turn = Turn(turn_id=cls.value, run_id=cls.value, service_class=cls, caller="c",
+                    prompt_blocks=((1, 0),), prompt_tokens=16, max_tokens=8)  # fmt: skip
+        arm.arrive(turn, 0.0)
+    assert arm.state.turns["interactive"].model == "m-i" and arm.state.turns["batch"].model == "m"
