@@ -734,6 +734,7 @@ class TurnRequest:
     # default), so a vLLM replica gets `body` and the client its usage event, as direct.
     usage_by_default: bool = False
     api: Api = "chat"
+    stream: bool = False  # the client asked for a stream (`"stream": true`)
 
     def error(
         self, status: int, message: str, retry_after: str = UNAVAILABLE_RETRY_AFTER_S
@@ -851,21 +852,21 @@ class TurnResponse(Response):
         endpoints: Mapping[str, Endpoint],
         clock: Callable[[], float],
         idle_timeout: float = ENGINE_IDLE_TIMEOUT_S,
-        input_counts_cached: frozenset[str] = frozenset(),
+        answered_by: Mapping[str, str] | None = None,
         runs: RunSpans,
         retry_after: str = UNAVAILABLE_RETRY_AFTER_S,
         awaited: Callable[[str], Awaited | None] = lambda model: None,
     ) -> None:
-        """`input_counts_cached`: the replicas whose Anthropic `input_tokens` count the
-        cached tokens (SGLang's, see MessagesWatch).  `retry_after`: when a turn refused
-        for want of a healthy replica may look again (the next probe round).  `runs`:
-        the runs' `invoke_agent` spans, for turns that come without a trace.  `awaited`:
-        as `hold`'s."""
+        """`answered_by`: the kind of engine that answers each replica's turns (a
+        router's engines', `Pool.answered_by`; missing: the replica's own).
+        `retry_after`: when a turn refused for want of a healthy replica may look again
+        (the next probe round).  `runs`: the runs' `invoke_agent` spans, for turns that
+        come without a trace.  `awaited`: as `hold`'s."""
         super().__init__(status_code=200)
         self._idle = idle_timeout
         self._alive_every = min(ALIVE_EVERY_S, idle_timeout / 3)
         self._admitted = 0.0  # the loop's time when the core admitted the turn
-        self._counts_cached = input_counts_cached
+        self._answered_by = answered_by or {}
         self._retry_after = retry_after
         self._turn = turn
         self._shell = shell
@@ -898,6 +899,20 @@ class TurnResponse(Response):
                 client_left=client_left,
             )
         )
+
+    def _kind(self, replica: str) -> str:
+        """The kind of engine that answers the replica's turns."""
+        return self._answered_by.get(replica) or self._endpoints[replica].kind
+
+    def _silence_is_a_fault(self, replica: str) -> bool:
+        """Whether no head in the turn timeout counts toward ejecting the replica: only
+        where the engine sends a stream's head as it starts generating, into room it had
+        (it reports its load, or its slots are known).  A non-streamed answer's head
+        comes with its end, and a long generation is no fault; an engine that reports no
+        load queues turns itself (Ollama, hosted APIs: a queue of ten minutes ejected
+        a healthy replica, helper-125).  An engine that hangs fails its probes."""
+        r = self._shell.state.replicas.get(replica)
+        return self._turn.stream and r is not None and r.limit is not None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         t = self._turn
@@ -970,7 +985,7 @@ class TurnResponse(Response):
         if (
             t.usage_body is not None
             and endpoint.kind in USAGE_ASKED_OF
-            and not (t.usage_by_default and endpoint.kind == "vllm")
+            and not (t.usage_by_default and self._kind(replica) == "vllm")
         ):
             body = t.usage_body
         try:
@@ -986,7 +1001,7 @@ class TurnResponse(Response):
         except TimeoutError:
             # A hung engine would otherwise hold the client (and the request) forever.
             message = f"engine {replica}: no answer within {self._idle:g} s"
-            self._fail(message, engine=True)
+            self._fail(message, engine=self._silence_is_a_fault(replica))
             await t.error(504, message)(scope, receive, send)
             return
         except UpstreamError as exc:
@@ -1028,7 +1043,7 @@ class TurnResponse(Response):
         if t.api == "chat":
             watch = StreamWatch(sse=sse, tools=t.tools)
         elif t.api == "messages":
-            watch = MessagesWatch(sse=sse, input_counts_cached=replica in self._counts_cached)
+            watch = MessagesWatch(sse=sse, input_counts_cached=self._kind(replica) == "sglang")
         else:
             watch = ResponsesWatch(sse=sse)
         hide = _AddedUsage() if hide_usage and sse and not encoded else None

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -94,3 +95,23 @@ class BoundedHead(HttpToolsProtocol):
         # side, drop what still arrives, close after a while (nginx's lingering close).
         self.transport.write_eof()
         asyncio.get_running_loop().call_later(LINGER_S, self.transport.close)
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to bytes that are no HTTP/1.1 request (a control character
+        in a header, a malformed request line): as every error of the gateway's, JSON
+        that names what was wrong (the parser's reason: uvicorn calls this while it
+        handles the parser's error), not "Invalid HTTP request received." as text
+        (helper-125)."""
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.transport.close()  # a request before it is being answered: cut
+            return
+        reason = sys.exc_info()[1]
+        message = f"the request is not valid HTTP/1.1: {reason or msg}"
+        body = json.dumps({"error": {"message": message}}).encode()
+        self.transport.write(
+            b"HTTP/1.1 400 Bad Request\r\n"
+            b"content-type: application/json\r\n"
+            b"content-length: " + str(len(body)).encode() + b"\r\n"
+            b"connection: close\r\n\r\n" + body
+        )
+        self.transport.close()

@@ -768,6 +768,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             # serve the newer APIs parse tool calls themselves).
             tools=_tool_names(body) if api == "chat" else frozenset(),
             api=api,
+            stream=body.get("stream") is True,
         )
         return TurnResponse(
             turn,
@@ -776,7 +777,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             endpoints=live.known,
             clock=rt.loop.time,
             idle_timeout=rt.shell.state.policy.turn_timeout_s,
-            input_counts_cached=pool.counts_cached,
+            answered_by=pool.answered_by,
             retry_after=rt.prober.retry_after,
             runs=run_spans,
             awaited=live.awaited,
@@ -1140,8 +1141,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         run = _named_run(request.scope)  # echoed, as on every /v1 answer
         if identify(request, api_key=anthropic) is None:
             return unauthorized(run, anthropic=anthropic)
-        # (A run's path: /v1/runs/{run id}, one segment; /v1/runs/a/b is no path served.)
-        one_run = path.startswith("/v1/runs/") and "/" not in path.removeprefix("/v1/runs/")
+        # (A run's path: /v1/runs/{run id}, one segment; /v1/runs/a/b is no path served,
+        # nor /v1/runs/: its GET or DELETE came here, so a 405 naming them would be
+        # untrue, helper-125.)
+        run_id = path.removeprefix("/v1/runs/")
+        one_run = path.startswith("/v1/runs/") and "/" not in run_id and run_id != ""
         allow = _ALLOWED.get(path) or ("GET, DELETE" if one_run else None)
         message = f"luftpause does not serve {request.method} {path}; it serves {_SERVED}"
         if path.startswith("/v1/v1/"):

@@ -64,9 +64,12 @@ class Pool:
     # Per API other than Chat Completions, per model: its replicas that do not serve it
     # (a turn may be placed on any replica of its model, so such a model is refused).
     lacking: Mapping[Api, Mapping[str, list[str]]]
-    # Replicas whose Anthropic usage counts cached tokens in `input_tokens`: SGLang, or
-    # a router in front of SGLang engines only (the others' are net of the cache).
-    counts_cached: frozenset[str]
+    # The kind of engine that answers each replica's turns: its own, or a router's
+    # engines' when those it reports the load of (`load_from`) are all of one kind
+    # ("router" otherwise).  It says how the answers read: SGLang's Anthropic usage
+    # counts cached tokens in `input_tokens` (the others' are net of the cache), vLLM
+    # sends a stream's usage unless the client asks it not to.
+    answered_by: Mapping[str, str]
 
     @classmethod
     def of(cls, file: Config, found: Mapping[str, Found] | None = None) -> Pool:
@@ -102,12 +105,7 @@ class Pool:
                 }
                 for api in ("messages", "responses")
             },
-            counts_cached=frozenset(
-                e.name
-                for e in replicas.values()
-                if e.kind == "sglang"
-                or (e.load_from and all(by_name[n].kind == "sglang" for n in e.load_from))
-            ),
+            answered_by={e.name: _answered_by(e, by_name) for e in replicas.values()},
         )
 
     @property
@@ -217,3 +215,9 @@ def compare(
             k for k in rest_new if k not in RELOADED and rest_new[k] != rest_started.get(k)
         ),
     )
+
+
+def _answered_by(e: Endpoint, by_name: Mapping[str, Endpoint]) -> str:
+    """The kind of engine that answers `e`'s turns (see Pool.answered_by)."""
+    kinds = {by_name[n].kind for n in e.load_from}
+    return kinds.pop() if len(kinds) == 1 else e.kind

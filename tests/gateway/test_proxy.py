@@ -146,29 +146,34 @@ async def test_usage_is_asked_only_of_engines_known_to_take_the_option(
 
 
 @pytest.mark.parametrize(("flavor", "shown"), [("vllm", True), ("sglang", False)])
+@pytest.mark.parametrize("router", [False, True], ids=["direct", "behind a router"])
 async def test_stream_options_without_include_usage_read_as_the_engine_reads_them(
-    flavor: str, shown: bool
+    flavor: str, shown: bool, router: bool
 ) -> None:
     # vLLM reads `stream_options` without `include_usage` as true (its default): its
     # clients got no usage event through luftpause, which hid it as its own (helper-76).
-    async with (
-        engine(instant=True, flavor=flavor) as (url, counted),
-        gateway(endpoint("a", url, flavor)) as (gw, shell),
-    ):
-        body = chat(stream=True, stream_options={"continuous_usage_stats": False})
-        async with gw.stream("POST", "/v1/chat/completions", json=body) as r:
-            events = [ln[6:] async for ln in r.aiter_lines() if ln.startswith("data: ")]
-            run_id = r.headers[RUN]
-        usages = [json.loads(e)["usage"] for e in events[:-1] if json.loads(e).get("usage")]
-        assert bool(usages) is shown, events
-        # vLLM gets the client's options as they came; SGLang is asked (and hides it).
-        assert counted.chats[-1]["stream_options"] == (
-            {"continuous_usage_stats": False}
-            if flavor == "vllm"
-            else {"continuous_usage_stats": False, "include_usage": True}
+    # The same behind a router whose engines are vLLM's (vllm-router, SMG: helper-125).
+    async with engine(instant=True, flavor=flavor) as (url, counted):
+        endpoints = (
+            [endpoint("a", url, "router", load_from=["e"]), endpoint("e", url, flavor)]
+            if router
+            else [endpoint("a", url, flavor)]
         )
-        await until(lambda: not shell.state.turns, "turn finished")
-        assert shell.state.runs[run_id].context_tokens > 0  # the engine's counts, either way
+        async with gateway(*endpoints) as (gw, shell):
+            body = chat(stream=True, stream_options={"continuous_usage_stats": False})
+            async with gw.stream("POST", "/v1/chat/completions", json=body) as r:
+                events = [ln[6:] async for ln in r.aiter_lines() if ln.startswith("data: ")]
+                run_id = r.headers[RUN]
+            usages = [json.loads(e)["usage"] for e in events[:-1] if json.loads(e).get("usage")]
+            assert bool(usages) is shown, events
+            # vLLM gets the client's options as they came; SGLang is asked (and hides it).
+            assert counted.chats[-1]["stream_options"] == (
+                {"continuous_usage_stats": False}
+                if flavor == "vllm"
+                else {"continuous_usage_stats": False, "include_usage": True}
+            )
+            await until(lambda: not shell.state.turns, "turn finished")
+            assert shell.state.runs[run_id].context_tokens > 0  # the engine's counts
 
 
 @pytest.mark.parametrize("value", [1, "true"])
@@ -931,6 +936,42 @@ async def test_a_hung_engine_fails_the_turn_after_the_idle_timeout(stall: str) -
             released.set()
 
 
+@pytest.mark.parametrize(
+    ("stream", "slots", "ejected"),
+    [(True, 4, True), (False, 4, False), (True, None, False)],
+    ids=["a stream into room it had", "not streamed", "a stream where it reports no load"],
+)
+async def test_no_head_in_the_turn_timeout_counts_against_the_engine_only_where_it_is_one(
+    stream: bool, slots: int | None, ejected: bool
+) -> None:
+    # helper-125: an engine that reports no load queues turns itself (Ollama, hosted
+    # APIs), and a non-streamed answer's head comes with its end: neither silence is the
+    # engine failing, and counting it ejected a busy, healthy replica (every turn of its
+    # model then got 503).  A stream admitted into room the engine had starts at once.
+    released = asyncio.Event()
+
+    async def silent(scope: Scope, receive: Receive, send: Send) -> None:
+        if await answered_health(scope, send):
+            return
+        await released.wait()
+
+    policy = Policy(turn_timeout_s=0.5, eject_after_failures=1, eject_for_s=60)
+    async with (
+        serve(silent) as url,
+        gateway(endpoint("a", url, kind="openai", slots=slots), policy=policy) as (gw, shell),
+    ):
+        try:
+            r = await gw.post("/v1/chat/completions", json=chat(stream=stream))
+            assert r.status_code == 504
+            assert r.json() == {"error": {"message": "engine a: no answer within 0.5 s"}}
+            await until(lambda: not shell.state.turns, "the turn failed and freed its slot")
+            assert shell.state.replicas["a"].healthy != ejected
+            metrics = (await gw.get("/metrics")).text
+            assert ('luftpause_ejections_total{replica="a"} 1.0' in metrics) == ejected
+        finally:
+            released.set()
+
+
 async def test_a_stream_longer_than_the_turn_timeout_keeps_its_slot() -> None:
     # The turn timeout frees the slots of lost turns; a reply that streams for longer
     # (a long reasoning turn) tells the core it is alive and is not one: every third of
@@ -1689,6 +1730,8 @@ async def test_health_answers_get_and_head() -> None:
         ("DELETE", "/v1/runs", 405, "GET"),
         ("GET", "/v1/runs/a/b", 404, None),  # was a 405 allowing the GET it refused
         ("DELETE", "/v1/runs/a/b", 404, None),
+        ("GET", "/v1/runs/", 404, None),  # was a 405 allowing the GET it refused
+        ("DELETE", "/v1/runs/", 404, None),
     ],
 )
 async def test_other_openai_routes_get_the_error_shape_and_what_is_served(

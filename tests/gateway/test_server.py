@@ -9,6 +9,8 @@ import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import pytest
+
 from gateway._server import MAX_HEAD_BYTES
 from tests.gateway.harness import chat, endpoint, engine, gateway
 
@@ -62,6 +64,19 @@ async def test_a_head_without_end_is_refused_and_the_connection_closed() -> None
         status, headers, body = await answer(reader)
         assert status == 431 and headers["connection"] == "close"
         assert str(MAX_HEAD_BYTES) in json.loads(body)["error"]["message"]
+        assert await asyncio.wait_for(reader.read(), LIMIT_S) == b""  # closed
+
+
+@pytest.mark.parametrize("value", [b"a\rb", b"a\x00b", b"a\x7fb"])
+async def test_a_header_no_http_request_carries_is_refused_as_json(value: bytes) -> None:
+    # helper-125: uvicorn answered these "Invalid HTTP request received." as text.
+    async with connection() as (reader, writer):
+        writer.write(b"GET /health HTTP/1.1\r\nhost: gw\r\nx-request-id: " + value + b"\r\n\r\n")
+        status, headers, body = await answer(reader)
+        assert status == 400 and headers["connection"] == "close"
+        assert headers["content-type"] == "application/json"
+        message = json.loads(body)["error"]["message"]
+        assert message.startswith("the request is not valid HTTP/1.1: ") and "header" in message
         assert await asyncio.wait_for(reader.read(), LIMIT_S) == b""  # closed
 
 
