@@ -67,6 +67,8 @@ __all__ = [
 # The error of a status Temporal gave because no worker answered its query (the run's
 # state as Temporal knows it; nothing of what it waits for).
 STATUS_UNAVAILABLE = "status unavailable: "
+# The runs' workflow type (@workflow.defn names it after its class).
+AGENT_RUN = AgentRun.__name__
 # Runs below an ended run whose ends are read at once (`Runs._with_children_ends`).
 _READS_AT_ONCE = 16
 # Children whose ends were read that way and found final, kept so that they are read
@@ -116,6 +118,12 @@ class Rounds:
         return seen[2] if (desc.run_id, desc.history_length) == seen[:2] else None
 
     def saw(self, desc: WorkflowExecutionDescription, status: RunStatus) -> None:
+        if (status.error or "").startswith(STATUS_UNAVAILABLE):
+            # No worker answered: the next round asks again.  Kept, it stood for the
+            # whole call while the run's history did not grow (a run waiting for an
+            # approval, which the call then never asked about: helper-126).
+            self._seen.pop(desc.id, None)
+            return
         self._seen[desc.id] = (desc.run_id, desc.history_length, status)
 
 
@@ -318,11 +326,17 @@ class Runs:
 
     async def _describe(self, handle: str) -> WorkflowExecutionDescription:
         try:
-            return await self._handle(handle).describe()
+            desc = await self._handle(handle).describe()
         except RPCError as exc:
             if exc.status in (RPCStatusCode.NOT_FOUND, RPCStatusCode.INVALID_ARGUMENT):
                 raise RunError(f"no run with handle '{handle}'") from None
             raise
+        if desc.workflow_type != AGENT_RUN or desc.task_queue != self._queue:
+            # Another gateway's run (another task queue), or a workflow that is no run
+            # at all: `list` shows neither, and none is this gateway's to read, cancel
+            # or approve (helper-126: cancel reached any workflow in the namespace).
+            raise RunError(f"no run with handle '{handle}'")
+        return desc
 
     async def _status(
         self, desc: WorkflowExecutionDescription, query_timeout: float = _QUERY_TIMEOUT_S
@@ -601,7 +615,7 @@ class Runs:
 
     def _ours(self) -> str:
         """The visibility query for the runs on this task queue."""
-        return f"WorkflowType = 'AgentRun' AND TaskQueue = {_quoted(self._queue)}"
+        return f"WorkflowType = {_quoted(AGENT_RUN)} AND TaskQueue = {_quoted(self._queue)}"
 
     async def count_open(self) -> dict[str, int]:
         """How many runs on this task queue are open, by state (`Running`,

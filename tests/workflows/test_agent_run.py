@@ -33,7 +33,8 @@ from workflows import (
     RunSpec,
     RunUnavailable,
 )
-from workflows.contract import Approval
+from workflows.contract import Approval, RunStatus
+from workflows.runs import STATUS_UNAVAILABLE
 
 
 def track_concurrency(s: Stack) -> dict[str, int]:
@@ -304,6 +305,27 @@ async def test_waiting_in_rounds_asks_a_worker_only_about_runs_whose_history_gre
         assert got[1].state == "Completed" and got[1].usage.tool_calls == 1
 
 
+async def test_a_round_that_found_no_worker_asks_again(temporal_address: str) -> None:
+    # helper-126: the first round's "status unavailable" was kept while the run's
+    # history did not grow (it waits for an approval), so an `await` begun while the
+    # worker restarted never saw the approval, though a worker was back.
+    async with stack(temporal_address, worker=False) as s:
+        mcp = f"{s.mcp_url}/mcp"
+        async with run_worker(s.client, s.task_queue, s.gateway_url, mcp):
+            waiting = await spawn_waiting(s, "stale")
+        rounds = Rounds()
+        (first,) = await s.runs.wait([waiting], timeout=0.3, rounds=rounds)
+        assert first.error is not None and first.error.startswith(STATUS_UNAVAILABLE)
+        async with run_worker(s.client, s.task_queue, s.gateway_url, mcp):
+
+            async def seen() -> RunStatus | None:
+                (st,) = await s.runs.wait([waiting], timeout=1.0, rounds=rounds)
+                return st if st.pending_approval is not None else None
+
+            again = await until(seen, "a later round asks the worker that is back")
+            assert again.state == "AwaitingApproval" and again.error is None
+
+
 async def test_cancel_answers_in_bounded_time_with_no_worker_up(temporal_address: str) -> None:
     async with stack(temporal_address, worker=False) as s:
         handle = await s.runs.spawn(RunSpec(task=task_with(0, "nowork"), model=MODEL))
@@ -322,6 +344,24 @@ async def test_cancel_answers_in_bounded_time_with_no_worker_up(temporal_address
         history = await s.client.get_workflow_handle(handle).fetch_history()
         kinds = {e.WhichOneof("attributes") for e in history.events}
         assert "workflow_execution_cancel_requested_event_attributes" in kinds
+        # A handle names this gateway's runs only (helper-126: cancel reached any
+        # workflow of the namespace): not another task queue's run, nor a workflow that
+        # is no run.
+        other = Runs(s.client, task_queue=f"{s.task_queue}-other")
+        foreign = await s.client.start_workflow(
+            "BillingMonthEnd", id=f"billing-{s.task_queue}", task_queue=f"{s.task_queue}-b"
+        )
+        try:
+            for runs, h in ((other, handle), (s.runs, foreign.id)):
+                for look in (runs.status, runs.request_cancel, runs.cancel):
+                    with pytest.raises(RunError, match=f"no run with handle '{h}'"):
+                        await look(h)
+            foreign_kinds = {
+                e.WhichOneof("attributes") async for e in foreign.fetch_history_events()
+            }
+            assert "workflow_execution_cancel_requested_event_attributes" not in foreign_kinds
+        finally:
+            await foreign.terminate()
 
 
 async def test_an_answer_no_worker_takes_is_said_not_taken_in_bounded_time(
