@@ -46,7 +46,7 @@ from workflows import (
     RunStatus,
     RunUnavailable,
 )
-from workflows.contract import RunState
+from workflows.contract import CALL_ID_MAX_CHARS, RunState
 from workflows.runs import STATUS_UNAVAILABLE
 
 __all__ = [
@@ -88,6 +88,13 @@ PROMPT_MAX_CHARS = 200_000
 BUDGET_SECONDS_MAX = 30 * 86_400.0
 MODEL_MAX_CHARS = 200
 HANDLE_MAX_CHARS = 200
+# A tool's name as a run is given it: the 2025-11-25 spec's 128 characters, or
+# `<server>__<name>`.  Bounded, as every string a refusal repeats: a megabyte of one
+# came back in the error past the client's 1 MiB event limit (helper-126).
+TOOL_NAME_MAX_CHARS = 256
+TOOLS_MAX = 1000
+LABEL_MAX_CHARS = 1000
+ToolName = Annotated[str, Field(min_length=1, max_length=TOOL_NAME_MAX_CHARS)]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -552,15 +559,15 @@ class RunArgs(BaseModel):
     model: str | None = Field(None, max_length=MODEL_MAX_CHARS)
     serviceClass: Literal["interactive", "batch"] = "interactive"
     system: str | None = Field(None, max_length=PROMPT_MAX_CHARS)
-    maxToolCalls: int = Field(8, ge=0, le=MAX_TOOL_CALLS_LIMIT)
-    tools: list[str] | None = None
-    maxTokens: int = Field(256, ge=0, le=MAX_TOKENS_LIMIT)
-    parallelToolCalls: bool = False
+    maxToolCalls: int = Field(8, strict=True, ge=0, le=MAX_TOOL_CALLS_LIMIT)
+    tools: list[ToolName] | None = Field(None, max_length=TOOLS_MAX)
+    maxTokens: int = Field(256, strict=True, ge=0, le=MAX_TOKENS_LIMIT)
+    parallelToolCalls: bool = Field(False, strict=True)
     parent: str | None = Field(None, min_length=1, max_length=HANDLE_MAX_CHARS)
-    budgetTokens: int | None = Field(None, gt=0)
-    budgetToolCalls: int | None = Field(None, gt=0)
+    budgetTokens: int | None = Field(None, strict=True, gt=0)
+    budgetToolCalls: int | None = Field(None, strict=True, gt=0)
     budgetSeconds: float | None = Field(None, gt=0, le=BUDGET_SECONDS_MAX)
-    approveTools: list[str] | None = None
+    approveTools: list[ToolName] | None = Field(None, max_length=TOOLS_MAX)
     timeout: float = Field(AWAIT_MAX_S, gt=0, le=AWAIT_MAX_S)
 
 
@@ -880,30 +887,44 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
             str | None, Field(max_length=PROMPT_MAX_CHARS, description="system prompt")
         ] = None,
         maxToolCalls: Annotated[
-            int, Field(ge=0, le=MAX_TOOL_CALLS_LIMIT, description="tool-call budget of the run")
+            int,
+            Field(
+                strict=True,
+                ge=0,
+                le=MAX_TOOL_CALLS_LIMIT,
+                description="tool-call budget of the run",
+            ),
         ] = 8,
         tools: Annotated[
-            list[str] | None,
+            list[ToolName] | None,
             Field(
+                max_length=TOOLS_MAX,
                 description="the tools it may use, by name or by function as tools() "
-                "lists them (a function picks its server's); default all"
+                "lists them (a function picks its server's); default all",
             ),
         ] = None,
         maxTokens: Annotated[
-            int, Field(ge=0, le=MAX_TOKENS_LIMIT, description="reply tokens per turn; 0 = engine")
+            int,
+            Field(
+                strict=True,
+                ge=0,
+                le=MAX_TOKENS_LIMIT,
+                description="reply tokens per turn; 0 = engine",
+            ),
         ] = 256,
         parallelToolCalls: Annotated[
-            bool, Field(description="run a turn's tool calls concurrently")
+            bool, Field(strict=True, description="run a turn's tool calls concurrently")
         ] = False,
         parent: Annotated[
             Handle | None, Field(description="handle of a running run this one belongs to")
         ] = None,
         budgetTokens: Annotated[
-            int | None, Field(gt=0, description="tokens, whole subtree")
+            int | None, Field(strict=True, gt=0, description="tokens, whole subtree")
         ] = None,
         budgetToolCalls: Annotated[
             int | None,
             Field(
+                strict=True,
                 gt=0,
                 description="tool calls, whole subtree (this run makes none over it: "
                 "then it answers without tools)",
@@ -914,7 +935,8 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
             Field(gt=0, le=BUDGET_SECONDS_MAX, description="seconds, whole subtree (max 30 days)"),
         ] = None,
         approveTools: Annotated[
-            list[str] | None, Field(description="tools that wait for the user's approval")
+            list[ToolName] | None,
+            Field(max_length=TOOLS_MAX, description="tools that wait for the user's approval"),
         ] = None,
     ) -> SpawnResult:
         """Start a sub-agent run and return its handle at once. Spawn several runs, then
@@ -964,15 +986,15 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
         ] = None,
         serviceClass: Literal["interactive", "batch"] = "interactive",
         system: Annotated[str | None, Field(max_length=PROMPT_MAX_CHARS)] = None,
-        maxToolCalls: Annotated[int, Field(ge=0, le=MAX_TOOL_CALLS_LIMIT)] = 8,
-        tools: list[str] | None = None,
-        maxTokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)] = 256,
-        parallelToolCalls: bool = False,
+        maxToolCalls: Annotated[int, Field(strict=True, ge=0, le=MAX_TOOL_CALLS_LIMIT)] = 8,
+        tools: Annotated[list[ToolName] | None, Field(max_length=TOOLS_MAX)] = None,
+        maxTokens: Annotated[int, Field(strict=True, ge=0, le=MAX_TOKENS_LIMIT)] = 256,
+        parallelToolCalls: Annotated[bool, Field(strict=True)] = False,
         parent: Handle | None = None,
-        budgetTokens: Annotated[int | None, Field(gt=0)] = None,
-        budgetToolCalls: Annotated[int | None, Field(gt=0)] = None,
+        budgetTokens: Annotated[int | None, Field(strict=True, gt=0)] = None,
+        budgetToolCalls: Annotated[int | None, Field(strict=True, gt=0)] = None,
         budgetSeconds: Annotated[float | None, Field(gt=0, le=BUDGET_SECONDS_MAX)] = None,
-        approveTools: list[str] | None = None,
+        approveTools: Annotated[list[ToolName] | None, Field(max_length=TOOLS_MAX)] = None,
         timeout: Annotated[float, Field(gt=0, le=AWAIT_MAX_S)] = AWAIT_MAX_S,
     ) -> RunView | InputRequiredResult:
         """Run one sub-agent to its end (spawn + await in one call) and return its
@@ -1069,8 +1091,9 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
         callId: Annotated[
             str | None,
             Field(
+                max_length=CALL_ID_MAX_CHARS,
                 description="the pendingApproval.callId you were shown; the answer is "
-                "refused if the run now waits on another call"
+                "refused if the run now waits on another call",
             ),
         ] = None,
     ) -> RunView:
@@ -1113,7 +1136,7 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
         ctx: Context,
         input: Annotated[str, Field(min_length=1, description="the text to classify")],
         labels: Annotated[
-            list[str] | None,
+            list[Annotated[str, Field(max_length=LABEL_MAX_CHARS)]] | None,
             Field(description="2 to 20 labels to choose from; omit for the classifier's labels"),
         ] = None,
         model: Annotated[str | None, Field(max_length=MODEL_MAX_CHARS)] = None,
@@ -1133,4 +1156,8 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
             mass=body.get("mass"),
         )
 
+    # The schemas say what _DoorServer does: an argument a tool does not take is
+    # refused (helper-126: a client reading the schema could not know).
+    for tool in mcp._tool_manager.list_tools():
+        tool.parameters["additionalProperties"] = False
     return mcp

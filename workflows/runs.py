@@ -37,6 +37,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from workflows.agent_run import AgentRun, search_attributes
 from workflows.contract import (
     ACTIVE_STATES,
+    CALL_ID_MAX_CHARS,
     CALLER,
     CLASS,
     MODEL,
@@ -551,6 +552,11 @@ class Runs:
 
     async def approve(self, handle: str, allow: bool, call_id: str | None = None) -> RunStatus:
         """Answer the run's pending approval."""
+        if call_id is not None and len(call_id) > CALL_ID_MAX_CHARS:
+            raise RunError(
+                f"callId: expected the pendingApproval.callId the run showed (at most "
+                f"{CALL_ID_MAX_CHARS} characters), got {len(call_id):,} characters"
+            )
         desc = await self._describe(handle)  # RunError if unknown
         if desc.status != WorkflowExecutionStatus.RUNNING:
             # Said without a worker (an update to a closed run needs none to be refused).

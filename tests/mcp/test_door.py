@@ -328,6 +328,34 @@ async def test_malformed_calls_get_clear_tool_errors(temporal_address: str, mode
                 "allow: Input should be a valid bool",
             ),
             ("status", {"handles": ["run-a"] * 1001}, "handles: List should have at most 1000"),
+            # helper-126: values of another type were taken ("yes" as true, true as 1).
+            (
+                "spawn",
+                {"task": "x", "parallelToolCalls": "yes"},
+                "parallelToolCalls: Input should be a valid boolean",
+            ),
+            ("spawn", {"task": "x", "maxToolCalls": True}, "maxToolCalls: Input should be a valid"),
+            ("run", {"task": "x", "maxTokens": "12"}, "maxTokens: Input should be a valid integer"),
+            ("run", {"task": "x", "budgetTokens": 1.5}, "budgetTokens: Input should be a valid"),
+            # helper-126: list items a refusal repeats, a megabyte each.
+            ("spawn", {"task": "x", "tools": ["t" * 1_100_000]}, "String should have at most 256"),
+            (
+                "spawn",
+                {"task": "x", "approveTools": ["t" * 1_100_000]},
+                "String should have at most 256",
+            ),
+            ("run", {"task": "x", "tools": ["t" * 1_100_000]}, "String should have at most 256"),
+            ("spawn", {"task": "x", "tools": ["t"] * 1001}, "List should have at most 1000"),
+            (
+                "decide",
+                {"input": "x", "labels": ["l" * 1_100_000, "m" * 1_100_000]},
+                "String should have at most 1000",
+            ),
+            (
+                "approve",
+                {"handle": "run-nope", "allow": True, "callId": "c" * 1_100_000},
+                "callId: String should have at most 256",
+            ),
         ]
         for tool, args, needle in cases:
             text = error_text(await c.call_tool(tool, args))
@@ -1066,12 +1094,11 @@ async def test_approval_answers_count_only_for_questions_the_door_asked(
         shown = (await door.tool("status", {"handles": [x, y, x]}))["structuredContent"]
         assert [r["handle"] for r in shown["runs"]] == [x, y, x]
         # `await` lets calls run (the answers to its questions): it is not read-only.
-        (listed,) = [
-            t
-            for t in (await door.request("tools/list", {}))["result"]["tools"]
-            if t["name"] == "await"
-        ]
+        tools = (await door.request("tools/list", {}))["result"]["tools"]
+        (listed,) = [t for t in tools if t["name"] == "await"]
         assert listed["annotations"]["readOnlyHint"] is False
+        # Every schema says an argument not named is refused, as it is (helper-126).
+        assert all(t["inputSchema"]["additionalProperties"] is False for t in tools)
         await s.runs.request_cancel(x)
 
 

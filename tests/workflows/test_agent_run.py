@@ -341,6 +341,10 @@ async def test_cancel_answers_in_bounded_time_with_no_worker_up(temporal_address
         assert status.error is not None and status.error.startswith("status unavailable")
         with pytest.raises(RunError, match="no run with handle 'run-nope'"):
             await s.runs.request_cancel("run-nope")
+        # An answer naming a call no engine names (the Tasks path's key, too): refused
+        # before it reaches the run (helper-126: a megabyte of one failed its task).
+        with pytest.raises(RunError, match=r"callId: expected .* got 1,000,000 characters"):
+            await s.runs.approve(handle, True, "c" * 1_000_000)
         history = await s.client.get_workflow_handle(handle).fetch_history()
         kinds = {e.WhichOneof("attributes") for e in history.events}
         assert "workflow_execution_cancel_requested_event_attributes" in kinds
