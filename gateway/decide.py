@@ -348,7 +348,7 @@ def _score(
             shared.append((token, p, begun))
     scores = {lb: min(1.0, math.fsum(sums[lb])) for lb in labels if lb in sums}
     unscored = [lb for lb in labels if lb not in scores]
-    return scores, unscored, shared, mass
+    return scores, unscored, shared, min(1.0, mass)  # (an engine's rounding: at most 1)
 
 
 def decision(labels: Sequence[str], top_logprobs: Sequence[Any]) -> dict[str, Any]:

@@ -746,7 +746,11 @@ class Prober:
                 else:
                     self._want_limits[r.endpoint] = asks
             before = self.last.get(r.endpoint)
-            if before is not None and before.healthy != r.healthy:
+            # (An endpoint unhealthy from its first probe is said too: a wrong port or
+            # health_path was otherwise silent, its reason only on /status: helper-127.)
+            if (before is None and not r.healthy) or (
+                before is not None and before.healthy != r.healthy
+            ):
                 log.warning(
                     "endpoint %s is now %s%s",
                     r.endpoint,

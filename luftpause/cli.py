@@ -500,7 +500,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     except KeyboardInterrupt:
         # Ctrl-C in a report (`sim`, `bench`, `load`): what it started has been stopped
         # on the way out (their `finally` blocks); no traceback, the shell's status.
-        if args.command not in _REPORTS:
+        # `up` sets its own handlers once its modules are imported: one reaching here
+        # came during that second, when nothing was started yet (helper-127).
+        if args.command not in (*_REPORTS, "up"):
             raise
         print(f"luftpause {args.command}: interrupted", file=sys.stderr, flush=True)
         code = 128 + signal.SIGINT

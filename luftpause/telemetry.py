@@ -29,6 +29,7 @@ import hashlib
 import logging
 import os
 import threading
+import urllib.parse
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
@@ -106,6 +107,19 @@ def setup(service_name: str) -> TracerProvider | None:
         or env.get("OTEL_TRACES_EXPORTER", "").strip().lower() == "none"
     ):
         return None
+    scheme = urllib.parse.urlsplit(endpoint.strip()).scheme
+    if scheme not in ("http", "https"):
+        # Taken, it failed every export later ("Invalid URL ...: No scheme supplied"):
+        # said at start instead (helper-127).
+        name = (
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+            if env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+            else "OTEL_EXPORTER_OTLP_ENDPOINT"
+        )
+        raise TracingError(
+            f"tracing: {name}={endpoint!r}: expected an http:// or https:// URL "
+            "(e.g. http://localhost:4318)"
+        )
     protocol = (
         env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL")
     ) or "http/protobuf"

@@ -436,6 +436,7 @@ def _banner(where: dict[str, str], token: str | None, exe: str = "luftpause") ->
     lp = _command(exe)
     mcp = gw.replace("127.0.0.1", "localhost") + "/mcp"
     auth = f' --header "Authorization: Bearer {token}"' if token else ""
+    load_auth = f' --token "{token}"' if token else ""  # (helper-127: they got 401)
     return "\n".join(
         [
             "luftpause is up.",
@@ -456,8 +457,8 @@ def _banner(where: dict[str, str], token: str | None, exe: str = "luftpause") ->
             "                    x-luftpause-class (interactive|batch), x-luftpause-caller",
             "",
             "Put load on it (and watch the status page):",
-            f"  agents:           {lp} load --url {gw} --minutes 1",
-            f"  sub-agents:       {lp} load --url {gw} --subagents 16 --rounds 3",
+            f"  agents:           {lp} load --url {gw}{load_auth} --minutes 1",
+            f"  sub-agents:       {lp} load --url {gw}{load_auth} --subagents 16 --rounds 3",
             "",
             "Ctrl-C stops everything started here.",
         ]

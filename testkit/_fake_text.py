@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -189,7 +190,13 @@ class Reply:
             h = (conv >> (i % 40)) & 0xFFFF
             lp = -0.01 - (h % 500) / 1000
             if i == 0 and self.labels:
-                alts = [(lab, -0.05 - 1.3 * r) for r, lab in enumerate(self.labels)]
+                # The first label 0.94, the others 2 %, 1 %, ...: the alternatives of
+                # one token are one distribution (helper-127: they summed to 1.2, and
+                # so did a decision's mass).
+                alts = [
+                    (lab, -0.06 if r == 0 else math.log(0.02) - math.log(2) * (r - 1))
+                    for r, lab in enumerate(self.labels)
+                ]
                 lp = alts[0][1]
                 for j in range(max(0, top - len(alts))):
                     alts.append((_WORDS[(h + j) % len(_WORDS)], -5.0 - j))

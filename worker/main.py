@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import signal
 import socket
@@ -58,6 +59,7 @@ _KEEPALIVE = [
 # opens before it serves): keep trying this long before giving up.
 TEMPORAL_CONNECT_PATIENCE_S = 60.0
 TEMPORAL_CONNECT_RETRY_S = 0.5
+TEMPORAL_CONNECT_WARN_EVERY_S = 10.0  # one line per this, not per try (helper-127: 120)
 
 
 async def connect(t: Temporal, stop: asyncio.Event) -> Client | None:
@@ -66,13 +68,20 @@ async def connect(t: Temporal, stop: asyncio.Event) -> Client | None:
     options = t.connect_options(os.environ)  # ConfigError: a file or a key missing
     loop = asyncio.get_running_loop()
     deadline = loop.time() + TEMPORAL_CONNECT_PATIENCE_S
+    warned = -math.inf
     while True:
         try:
             return await Client.connect(t.address, **options)
         except RuntimeError as exc:  # the SDK's "Failed client connect: ..."
             if loop.time() >= deadline:
-                raise
-            log.warning("Temporal at %s is not answering yet (%s); retrying", t.address, exc)
+                raise RuntimeError(
+                    f"Temporal at {t.address} did not answer in "
+                    f"{TEMPORAL_CONNECT_PATIENCE_S:g} s ({exc}): is it up, and is it the "
+                    "address [temporal] address or LUFTPAUSE_TEMPORAL_ADDRESS gives?"
+                ) from None
+            if loop.time() - warned >= TEMPORAL_CONNECT_WARN_EVERY_S:
+                warned = loop.time()
+                log.warning("Temporal at %s is not answering yet (%s); retrying", t.address, exc)
         try:
             await asyncio.wait_for(stop.wait(), TEMPORAL_CONNECT_RETRY_S)
             return None
@@ -163,7 +172,8 @@ async def serve(config: Config, token: str | None, stop: asyncio.Event) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--config",
-        default=os.environ.get("LUFTPAUSE_CONFIG", "luftpause.toml"),
+        # (An empty variable is unset, as for the gateway: helper-127 read "." here.)
+        default=os.environ.get("LUFTPAUSE_CONFIG") or "luftpause.toml",
         help="path of luftpause.toml (default: $LUFTPAUSE_CONFIG or ./luftpause.toml)",
     )
     p.add_argument("--task-queue", help="override [temporal] task_queue")

@@ -80,6 +80,7 @@ async def test_labels_through_a_fake_engine() -> None:
         assert set(probs) == set(labels)
         assert math.isclose(sum(probs.values()), 1.0)
         assert max(probs, key=lambda k: probs[k]) == first["label"]
+        assert 0.9 < first["mass"] <= 1.0  # a probability (helper-127: the fake gave 1.2)
 
         sent = recorded.bodies[0]
         assert sent["model"] == MODEL  # the pool's first generative model
@@ -167,6 +168,9 @@ def test_a_labels_spellings_add_up() -> None:
     assert got["label"] == "yes"
     assert got["probabilities"] == pytest.approx({"yes": 0.5 / 0.95, "no": 0.45 / 0.95})
     assert got["mass"] == pytest.approx(0.95)
+    # An engine's rounded logprobs may add up past 1: the mass is a probability still.
+    over = [{"token": "Yes", "logprob": -0.01}, {"token": "No", "logprob": math.log(0.02)}]
+    assert decision(["yes", "no"], over)["mass"] == 1.0
 
 
 def test_a_token_that_is_part_of_a_character_matches_by_its_bytes() -> None:

@@ -295,6 +295,30 @@ async def test_refused_connection_is_unhealthy_at_once() -> None:
     assert not r.healthy and "connect" in (r.error or "")
 
 
+async def test_an_endpoint_unhealthy_from_its_first_probe_is_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # helper-127: only a change of health was logged, so a wrong port or health_path
+    # was silent from the start; the reason was on /status alone.
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = parse_config(
+        {
+            "endpoints": [
+                {"name": "e", "url": f"http://127.0.0.1:{port}", "kind": "sglang", "models": ["m"]}
+            ]
+        }
+    )
+    async with httpx.AsyncClient() as c:
+        prober = Prober(cfg, c, lambda results: None, period=60)
+        for _ in range(3):
+            await prober.probe_once()
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("endpoint e ")]
+    assert len(said) == 1 and said[0].startswith("endpoint e is now unhealthy: "), said
+    assert "connect" in said[0]
+
+
 async def test_silent_engine_times_out() -> None:
     accepted, hung_up = asyncio.Event(), asyncio.Event()
 

@@ -418,3 +418,17 @@ def test_tracing_settings_it_cannot_take_are_said_not_a_traceback(tmp_path: Path
         "luftpause gateway: tracing: the OTEL_* environment variables: "
         "schedule_delay_millis must be positive" in out.stderr
     )
+
+
+def test_an_empty_luftpause_config_is_unset_for_the_worker_as_for_the_gateway(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # helper-127: the worker read "" as the path "." ("Is a directory").
+    import argparse
+
+    from worker.main import add_arguments
+
+    monkeypatch.setenv("LUFTPAUSE_CONFIG", "")
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert p.parse_args([]).config == "luftpause.toml"

@@ -541,6 +541,23 @@ def test_setup_does_nothing_without_an_endpoint(monkeypatch: pytest.MonkeyPatch)
     assert telemetry.tracer() is None
 
 
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("OTEL_EXPORTER_OTLP_ENDPOINT", "notaurl"),
+     ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "localhost:4318")],
+)  # fmt: skip
+def test_an_endpoint_that_is_no_url_is_refused_at_setup(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: str
+) -> None:
+    # helper-127: taken, it failed every export later ("No scheme supplied").
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
+    monkeypatch.setenv(name, value)
+    with pytest.raises(telemetry.TracingError, match=f"tracing: {name}='{value}': expected an"):
+        telemetry.setup("luftpause-test")
+    assert telemetry.tracer() is None
+
+
 class _Collector(http.server.BaseHTTPRequestHandler):
     """An OTLP/HTTP trace receiver: keeps each request's spans."""
 

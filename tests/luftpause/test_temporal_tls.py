@@ -170,3 +170,22 @@ def test_the_options_say_what_is_missing(tmp_path: Path) -> None:
     config = parse_config({"endpoints": ENDPOINTS, "temporal": {"tls_ca_file": str(missing)}})
     with pytest.raises(ConfigError, match="tls_ca_file"):
         create_app(GatewaySettings(config=config))
+
+
+async def test_a_worker_that_finds_no_temporal_says_so_now_and_then_and_what_to_set(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # helper-127: a warning every 0.5 s for a minute (120 lines), then the SDK's own
+    # line, which named no setting.
+    import worker.main as worker_main
+    from luftpause.temporal_dev import free_port
+
+    monkeypatch.setattr(worker_main, "TEMPORAL_CONNECT_PATIENCE_S", 1.0)
+    monkeypatch.setattr(worker_main, "TEMPORAL_CONNECT_RETRY_S", 0.05)
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    with pytest.raises(RuntimeError) as err:
+        await connect(Temporal(address=address), asyncio.Event())
+    assert str(err.value).startswith(f"Temporal at {address} did not answer in 1 s (")
+    assert "[temporal] address or LUFTPAUSE_TEMPORAL_ADDRESS" in str(err.value)
+    waits = [r for r in caplog.records if "is not answering yet" in r.getMessage()]
+    assert len(waits) == 1  # of the tries in that second: one line each 10 s

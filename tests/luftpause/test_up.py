@@ -438,6 +438,9 @@ namespace = "agents"
 
     try:
         await up.start()
+        # The banner's load commands send the token (helper-127: they got 401).
+        banner = "".join(up.output)
+        assert f'load --url {up.gateway} --token "<the token of {config}>" --minutes' in banner
         turn = {"model": "llama-3.2-1b", "messages": [{"role": "user", "content": "hi"}]}
         assert post("/v1/chat/completions", turn, "tok-a", "ra") == 200
         assert post("/v1/chat/completions", turn, "tok-b", "ra") == 403
