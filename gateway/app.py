@@ -259,8 +259,14 @@ class _Gateway(FastAPI):
 _SERVED = (
     f"POST {CHAT_PATH}, POST {RESPONSES_PATH}, POST {MESSAGES_PATH} (Anthropic), "
     f"POST {COUNT_TOKENS_PATH}, "
-    "GET /v1/models, POST /v1/decide, GET /v1/runs, GET and DELETE /v1/runs/{run id}"
+    "GET /v1/models and /v1/models/{model}, POST /v1/decide, GET /v1/runs, "
+    "GET and DELETE /v1/runs/{run id}"
 )
+
+
+def _model_object(model: str) -> dict[str, Any]:
+    """A model as GET /v1/models lists it (OpenAI's shape)."""
+    return {"id": model, "object": "model", "created": 0, "owned_by": "luftpause"}
 
 
 def _anthropic(path: str) -> bool:
@@ -1011,11 +1017,19 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def list_models(request: Request) -> Response:
         if identify(request) is None:
             return unauthorized(_named_run(request.scope))
-        data = [
-            {"id": m, "object": "model", "created": 0, "owned_by": "luftpause"}
-            for m in live.pool.offered
-        ]
+        data = [_model_object(m) for m in live.pool.offered]
         return Response(json.dumps({"object": "list", "data": data}), media_type="application/json")
+
+    # The OpenAI SDKs' models.retrieve (SGLang and vLLM serve it; helper-125 found it
+    # answered as a path not served).  A model id may hold "/" (an org/name id).
+    @app.get("/v1/models/{model:path}")
+    async def one_model(request: Request, model: str) -> Response:
+        run = _named_run(request.scope)
+        if identify(request) is None:
+            return unauthorized(run)
+        if model not in live.pool.offered:
+            return error_response(404, unknown_model(model, live.pool.offered), run)
+        return Response(json.dumps(_model_object(model)), media_type="application/json")
 
     def sub_agents_here() -> bool:
         """Whether this gateway has sub-agents to show: MCP servers configured, or a
@@ -1146,7 +1160,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         # untrue, helper-125.)
         run_id = path.removeprefix("/v1/runs/")
         one_run = path.startswith("/v1/runs/") and "/" not in run_id and run_id != ""
-        allow = _ALLOWED.get(path) or ("GET, DELETE" if one_run else None)
+        one_model = path.startswith("/v1/models/") and path != "/v1/models/"
+        allow = _ALLOWED.get(path) or ("GET, DELETE" if one_run else "GET" if one_model else None)
         message = f"luftpause does not serve {request.method} {path}; it serves {_SERVED}"
         if path.startswith("/v1/v1/"):
             message = (

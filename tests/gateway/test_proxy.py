@@ -1127,6 +1127,7 @@ async def test_token_is_required_and_never_forwarded(monkeypatch: pytest.MonkeyP
             assert r.json() == {"error": {"message": "missing or wrong bearer token"}}
             assert RUN in r.headers
         assert (await gw.get("/v1/models")).status_code == 401
+        assert (await gw.get("/v1/models/m")).status_code == 401
         assert (await gw.delete("/v1/runs/x")).status_code == 401
         # The token is asked first: what the request is comes after who sends it.
         assert (await gw.delete("/v1/runs/a%20b")).status_code == 401
@@ -1324,6 +1325,18 @@ async def test_models_are_listed_in_the_files_order() -> None:
         ) as (gw, _),
     ):
         listed = [m["id"] for m in (await gw.get("/v1/models")).json()["data"]]
+        # One of them, as the OpenAI SDKs' models.retrieve asks (helper-125: a 404 of
+        # a path not served), an id with a "/" in it too.
+        one = await gw.get("/v1/models/gpt-4o")
+        assert one.status_code == 200 and one.json()["id"] == "gpt-4o"
+        assert one.json() == (await gw.get("/v1/models")).json()["data"][2]
+        gone = await gw.get("/v1/models/meta-llama/Llama-3")
+        assert gone.status_code == 404
+        assert gone.json()["error"]["message"].startswith(
+            "no Generative replica serves model 'meta-llama/Llama-3' (served: gpt-4o,"
+        )
+        posted = await gw.post("/v1/models/gpt-4o", json={})
+        assert (posted.status_code, posted.headers["allow"]) == (405, "GET")
     assert listed == ["llama-3.2-1b", "llama-guard", "gpt-4o"]
 
 
