@@ -200,7 +200,17 @@ async def run_fanout(
         headers["authorization"] = f"Bearer {token}"
     result = FanoutResult(fanout=plan.fanout)
     deadline = time.monotonic() + plan.minutes * 60
-    http = httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(30.0, read=None))
+    refused: list[str] = []  # the door's 401/403s: the SDK's error says only "an error"
+
+    async def answered(response: httpx2.Response) -> None:
+        if response.status_code in (401, 403):
+            refused.append(f"{response.status_code} {response.reason_phrase}")
+
+    http = httpx2.AsyncClient(
+        headers=headers,
+        timeout=httpx2.Timeout(30.0, read=None),
+        event_hooks={"response": [answered]},
+    )
     try:
         async with http, Client(streamable_http_client(url, http_client=http)) as c:
             while plan.rounds is None or len(result.rounds) < plan.rounds:
@@ -220,7 +230,11 @@ async def run_fanout(
                         f"{last.slowest_s:.1f} s, {dict(sorted(last.states.items()))}"
                     )
     except Exception as exc:  # the door unreachable or refusing: one line, not a trace
-        result.fatal = f"MCP door {url}: {_first(exc)}"
+        why = _first(exc)
+        if refused:  # (helper-127: "Server returned an error response", for a token)
+            given = "was refused" if token else "is missing"
+            why = f"{refused[-1]}: the gateway's token {given} (--token or $LUFTPAUSE_TOKEN)"
+        result.fatal = f"MCP door {url}: {why}"
     return result
 
 

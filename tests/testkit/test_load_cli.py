@@ -109,6 +109,27 @@ async def test_a_door_that_cannot_be_reached_is_one_line_and_exit_2() -> None:
     assert code == 2 and "--scripted-tools are for own-loop agents" in err
 
 
+async def test_a_door_that_refuses_the_token_says_so() -> None:
+    # helper-127: "MCPError: Server returned an error response", for a missing token.
+    async def refuse(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        body = b'{"error": {"message": "missing or wrong bearer token"}}'
+        start = [(b"content-type", b"application/json")]
+        await send({"type": "http.response.start", "status": 401, "headers": start})
+        await send({"type": "http.response.body", "body": body})
+
+    async with serve(refuse) as url:
+        plan = Fanout(fanout=2, rounds=1, task="hi {i}")
+        result = await run_fanout(plan, f"{url}/mcp")
+        assert result.fatal == (
+            f"MCP door {url}/mcp: 401 Unauthorized: the gateway's token is missing "
+            "(--token or $LUFTPAUSE_TOKEN)"
+        )
+        result = await run_fanout(plan, f"{url}/mcp", token="wrong")
+        assert result.fatal is not None and "token was refused" in result.fatal
+
+
 async def test_scripted_tools_from_the_command_line() -> None:
     """`--scripted-tools` reaches the agents: the calls' turns ask for a call written as
     JSON, the last turn for prose, of the lengths asked; each call's result is the next
