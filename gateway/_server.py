@@ -75,17 +75,40 @@ class BoundedHead(HttpToolsProtocol):
             self._refuse()
 
     def _refuse(self) -> None:
-        self._refused = True
-        in_flight = self.cycle is not None and not self.cycle.response_complete
-        if self._phase == "body" or in_flight:
-            # A request (this one, or one pipelined before it) is being answered: no
-            # second answer can be written beside it.  The connection is cut.
+        if self._phase == "body":
+            # This request is being answered: no second answer can be written beside
+            # it.  The connection is cut.
+            self._refused = True
             self.transport.close()
             return
-        message = f"the request's head (request line and headers) is over {MAX_HEAD_BYTES} bytes"
+        self._answer_and_close(
+            b"431 Request Header Fields Too Large",
+            f"the request's head (request line and headers) is over {MAX_HEAD_BYTES} bytes",
+        )
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to bytes that are no HTTP/1.1 request (a control character
+        in a header, a malformed request line): as every error of the gateway's, JSON
+        that names what was wrong (the parser's reason: uvicorn calls this while it
+        handles the parser's error), not "Invalid HTTP request received." as text
+        (helper-125)."""
+        reason = sys.exc_info()[1]
+        self._answer_and_close(
+            b"400 Bad Request", f"the request is not valid HTTP/1.1: {reason or msg}"
+        )
+
+    def _answer_and_close(self, status: bytes, message: str) -> None:
+        """Answer `{"error": {"message": ...}}` with this status and close; what else
+        arrives on the connection is dropped unread."""
+        self._refused = True
+        if self.cycle is not None and not self.cycle.response_complete:
+            # A request pipelined before it is being answered: no second answer can be
+            # written beside it.  The connection is cut.
+            self.transport.close()
+            return
         body = json.dumps({"error": {"message": message}}).encode()
         self.transport.write(
-            b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+            b"HTTP/1.1 " + status + b"\r\n"
             b"content-type: application/json\r\n"
             b"content-length: " + str(len(body)).encode() + b"\r\n"
             b"connection: close\r\n\r\n" + body
@@ -95,23 +118,3 @@ class BoundedHead(HttpToolsProtocol):
         # side, drop what still arrives, close after a while (nginx's lingering close).
         self.transport.write_eof()
         asyncio.get_running_loop().call_later(LINGER_S, self.transport.close)
-
-    def send_400_response(self, msg: str) -> None:
-        """uvicorn's answer to bytes that are no HTTP/1.1 request (a control character
-        in a header, a malformed request line): as every error of the gateway's, JSON
-        that names what was wrong (the parser's reason: uvicorn calls this while it
-        handles the parser's error), not "Invalid HTTP request received." as text
-        (helper-125)."""
-        if self.cycle is not None and not self.cycle.response_complete:
-            self.transport.close()  # a request before it is being answered: cut
-            return
-        reason = sys.exc_info()[1]
-        message = f"the request is not valid HTTP/1.1: {reason or msg}"
-        body = json.dumps({"error": {"message": message}}).encode()
-        self.transport.write(
-            b"HTTP/1.1 400 Bad Request\r\n"
-            b"content-type: application/json\r\n"
-            b"content-length: " + str(len(body)).encode() + b"\r\n"
-            b"connection: close\r\n\r\n" + body
-        )
-        self.transport.close()
