@@ -904,15 +904,22 @@ class TurnResponse(Response):
         """The kind of engine that answers the replica's turns."""
         return self._answered_by.get(replica) or self._endpoints[replica].kind
 
-    def _silence_is_a_fault(self, replica: str) -> bool:
-        """Whether no head in the turn timeout counts toward ejecting the replica: only
-        where the engine sends a stream's head as it starts generating, into room it had
-        (it reports its load, or its slots are known).  A non-streamed answer's head
-        comes with its end, and a long generation is no fault; an engine that reports no
-        load queues turns itself (Ollama, hosted APIs: a queue of ten minutes ejected
-        a healthy replica, helper-125).  An engine that hangs fails its probes."""
+    def _sent_into_room(self, replica: str) -> bool:
+        """Whether the turn is a stream sent into room the engine had, as it is sent: it
+        reported its load and no queue at its last probe, or, reporting none, its slots
+        are known (luftpause sends no more).  Only then is no head within the turn
+        timeout the engine's fault (toward ejecting it): an engine sends a stream's head
+        as it starts generating, but a non-streamed answer's head comes with its end (a
+        long generation is no fault), and an engine with a queue, or one that reports no
+        load (Ollama, hosted APIs), may hold a turn in it (a queue of ten minutes ejected
+        a healthy replica: helper-125).  Decided as the turn is sent, not at the timeout
+        (helper-128: a queue seen meanwhile is no excuse for a turn sent before it)."""
         r = self._shell.state.replicas.get(replica)
-        return self._turn.stream and r is not None and r.limit is not None
+        if not self._turn.stream or r is None:
+            return False
+        if r.running is not None:  # it reports its load
+            return r.queued == 0
+        return r.spec.slots is not None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         t = self._turn
@@ -980,6 +987,7 @@ class TurnResponse(Response):
         if self._trace is not None:
             headers += self._trace.forwarding(replica, endpoint)
         leave = _CancelOnLeave(disconnected, lambda: self._complete)
+        into_room = self._sent_into_room(replica)
         url = endpoint.api_url(t.api)
         body = t.body
         if (
@@ -1001,7 +1009,7 @@ class TurnResponse(Response):
         except TimeoutError:
             # A hung engine would otherwise hold the client (and the request) forever.
             message = f"engine {replica}: no answer within {self._idle:g} s"
-            self._fail(message, engine=self._silence_is_a_fault(replica))
+            self._fail(message, engine=into_room)
             await t.error(504, message)(scope, receive, send)
             return
         except UpstreamError as exc:

@@ -101,11 +101,18 @@ class BoundedHead(HttpToolsProtocol):
         """Answer `{"error": {"message": ...}}` with this status and close; what else
         arrives on the connection is dropped unread."""
         self._refused = True
-        if self.cycle is not None and not self.cycle.response_complete:
-            # A request pipelined before it is being answered: no second answer can be
-            # written beside it.  The connection is cut.
-            self.transport.close()
-            return
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            if cycle.response_started:
+                # An answer is being written (this request's, or one pipelined before
+                # it): no second one can be written beside it.  The connection is cut.
+                self.transport.close()
+                return
+            # Its app has not answered (a body that is no HTTP: a bad chunk size): this
+            # answer stands for it, and the app sees the client gone, as uvicorn's own
+            # connection_lost says it (helper-128: the connection was cut unanswered).
+            cycle.disconnected = True
+            cycle.message_event.set()
         body = json.dumps({"error": {"message": message}}).encode()
         self.transport.write(
             b"HTTP/1.1 " + status + b"\r\n"

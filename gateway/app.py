@@ -1015,7 +1015,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:
-        if identify(request) is None:
+        # (The Anthropic SDKs list and retrieve models here too, with x-api-key.)
+        if identify(request, api_key=True) is None:
             return unauthorized(_named_run(request.scope))
         data = [_model_object(m) for m in live.pool.offered]
         return Response(json.dumps({"object": "list", "data": data}), media_type="application/json")
@@ -1025,7 +1026,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.get("/v1/models/{model:path}")
     async def one_model(request: Request, model: str) -> Response:
         run = _named_run(request.scope)
-        if identify(request) is None:
+        if identify(request, api_key=True) is None:
             return unauthorized(run)
         if model not in live.pool.offered:
             return error_response(404, unknown_model(model, live.pool.offered), run)

@@ -591,8 +591,11 @@ async def run_turn(
             if disconnected.done():
                 fail("client disconnected before the engine answered", client_left=True)
                 return error_response(_CLIENT_LEFT, "client disconnected", turn.run_id)
+            # Not the engine's fault (toward ejecting it): the answer is not streamed, so
+            # its head comes with its end, and an engine that reports no load may hold it
+            # in its queue (helper-128, as on the proxy: _sent_into_room).
             message = f"engine {outcome}: no answer within {answer_timeout:g} s"
-            fail(message, engine=True)
+            fail(message, engine=False)
             return error_response(504, message, turn.run_id)
         try:
             upstream = task.result()

@@ -380,7 +380,9 @@ async def test_an_engine_that_never_answers_is_given_up_after_the_idle_limit() -
             return
         await released.wait()  # accepts the request, never answers
 
-    policy = Policy(turn_timeout_s=0.5)
+    # Not the engine's fault: a busy engine that reports no load (Ollama) holds it in
+    # its queue, and every turn of its model got 503 once it was ejected (helper-128).
+    policy = Policy(turn_timeout_s=0.5, eject_after_failures=1, eject_for_s=60)
     async with (
         serve(hung) as url,
         gateway(
@@ -394,6 +396,7 @@ async def test_an_engine_that_never_answers_is_given_up_after_the_idle_limit() -
             assert r.status_code == 504 and r.headers[RUN]
             assert r.json() == {"error": {"message": "engine a: no answer within 0.5 s"}}
             assert not shell.state.turns and not shell.state.runs
+            assert shell.state.replicas["a"].healthy  # not ejected
             r = await gw.post("/v1/decide", json={"input": "hm"})
             assert r.status_code == 504
             assert r.json() == {"error": {"message": "engine c: no answer within 0.5 s"}}

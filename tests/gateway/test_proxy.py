@@ -937,30 +937,50 @@ async def test_a_hung_engine_fails_the_turn_after_the_idle_timeout(stall: str) -
 
 
 @pytest.mark.parametrize(
-    ("stream", "slots", "ejected"),
-    [(True, 4, True), (False, 4, False), (True, None, False)],
-    ids=["a stream into room it had", "not streamed", "a stream where it reports no load"],
+    ("kind", "stream", "slots", "waiting", "ejected"),
+    [
+        ("openai", True, 4, None, True),
+        ("openai", False, 4, None, False),
+        ("openai", True, None, None, False),
+        ("vllm", True, None, 0, True),
+        ("vllm", True, None, 3, False),
+    ],
+    ids=[
+        "a stream into the slots luftpause fills",
+        "not streamed",
+        "a stream where it reports no load",
+        "a stream where it reports no queue",
+        "a stream into its queue",
+    ],
 )
 async def test_no_head_in_the_turn_timeout_counts_against_the_engine_only_where_it_is_one(
-    stream: bool, slots: int | None, ejected: bool
+    kind: str, stream: bool, slots: int | None, waiting: int | None, ejected: bool
 ) -> None:
     # helper-125: an engine that reports no load queues turns itself (Ollama, hosted
     # APIs), and a non-streamed answer's head comes with its end: neither silence is the
     # engine failing, and counting it ejected a busy, healthy replica (every turn of its
-    # model then got 503).  A stream admitted into room the engine had starts at once.
+    # model then got 503).  A stream sent into room the engine had starts at once
+    # (helper-128: a vLLM, which says no slots, that hung was no longer ejected).
     released = asyncio.Event()
+    load = f"vllm:num_requests_waiting {waiting}\nvllm:num_requests_running 2\n".encode()
 
     async def silent(scope: Scope, receive: Receive, send: Send) -> None:
         if await answered_health(scope, send):
+            return
+        if scope["path"] == "/metrics":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": load})
             return
         await released.wait()
 
     policy = Policy(turn_timeout_s=0.5, eject_after_failures=1, eject_for_s=60)
     async with (
         serve(silent) as url,
-        gateway(endpoint("a", url, kind="openai", slots=slots), policy=policy) as (gw, shell),
+        gateway(endpoint("a", url, kind=kind, slots=slots), policy=policy) as (gw, shell),
     ):
         try:
+            if waiting is not None:
+                await until(lambda: shell.state.replicas["a"].queued == waiting, "probed")
             r = await gw.post("/v1/chat/completions", json=chat(stream=stream))
             assert r.status_code == 504
             assert r.json() == {"error": {"message": "engine a: no answer within 0.5 s"}}
@@ -1128,6 +1148,9 @@ async def test_token_is_required_and_never_forwarded(monkeypatch: pytest.MonkeyP
             assert RUN in r.headers
         assert (await gw.get("/v1/models")).status_code == 401
         assert (await gw.get("/v1/models/m")).status_code == 401
+        # The Anthropic SDKs send the key in x-api-key (helper-128).
+        keyed = await gw.get("/v1/models", headers={"x-api-key": "s3cret"})
+        assert keyed.status_code == 200 and keyed.json()["data"]
         assert (await gw.delete("/v1/runs/x")).status_code == 401
         # The token is asked first: what the request is comes after who sends it.
         assert (await gw.delete("/v1/runs/a%20b")).status_code == 401

@@ -80,6 +80,26 @@ async def test_a_header_no_http_request_carries_is_refused_as_json(value: bytes)
         assert await asyncio.wait_for(reader.read(), LIMIT_S) == b""  # closed
 
 
+async def test_a_body_that_is_no_http_is_answered_400_too() -> None:
+    # helper-128: a parse error in a body (a bad chunk size) cut the connection with
+    # no answer, where uvicorn answered 400; and after a good request on the
+    # connection, a bad one is answered as well.
+    async with connection() as (reader, writer):
+        writer.write(b"GET /health HTTP/1.1\r\nhost: gw\r\n\r\n")
+        assert (await answer(reader))[0] == 200
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\n"
+            b"content-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
+            b"zz\r\n{}\r\n0\r\n\r\n"
+        )
+        status, headers, body = await answer(reader)
+        assert status == 400 and headers["connection"] == "close"
+        assert json.loads(body)["error"]["message"].startswith(
+            "the request is not valid HTTP/1.1: "
+        )
+        assert await asyncio.wait_for(reader.read(), LIMIT_S) == b""  # closed
+
+
 async def test_heads_under_the_bound_pass_one_after_another_on_a_connection() -> None:
     # Each head is under the bound; together they are over it: each is counted alone.
     async with connection() as (reader, writer):
