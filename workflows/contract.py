@@ -43,11 +43,12 @@ __all__ = [
 DEFAULT_TASK_QUEUE = "luftpause"
 DEFAULT_MAX_TOOL_CALLS = 8
 DEFAULT_MAX_TOKENS = 256
-# An approval's answer names the call it answers by its id, which engines keep short
-# ("call_…", "toolu_…"); a longer one is no call a run waits on, and one of megabytes,
-# repeated in the run's refusal, put the workflow task past Temporal's 2 MB limit and
-# held the right answer back with it (helper-126).
-CALL_ID_MAX_CHARS = 256
+# An approval's answer names the call it answers by its id.  Engines keep theirs short
+# ("call_…", "toolu_…"), but a proxy may pack more in (helper-129: LiteLLM's Gemini
+# thought signatures), so only what no id is: one of megabytes, repeated in the run's
+# refusal, put the workflow task past Temporal's 2 MB limit and held the right answer
+# back with it (helper-126).
+CALL_ID_MAX_CHARS = 65_536
 # A run's tree is bounded by its Temporal history: every child adds its start and end,
 # and every change in the child's subtree arrives as a report (a signal), ~30 events
 # per child of three tool calls.  Temporal terminates a workflow whose history passes

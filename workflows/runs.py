@@ -87,6 +87,7 @@ AWAIT_MAX_S = 600.0
 CANCEL_WAIT_S = 10.0  # how long `cancel` waits for the run to end before answering
 CANCEL_QUERY_TIMEOUT_S = 2.0  # then, how long it asks a worker for the run's state
 _QUERY_TIMEOUT_S = 10.0
+_QUERY_AGAIN_S = 0.5  # a query asked again of a run no worker answered for (Rounds)
 # How long a request a run's worker must take (an update: `spawn(parent=...)`, which the
 # parent workflow starts, and `approve`) waits for it; then it answers that the request
 # was not taken yet (it may still be, later).
@@ -112,20 +113,29 @@ class Rounds:
 
     def unchanged(self, desc: WorkflowExecutionDescription) -> RunStatus | None:
         """The status last seen of the run `desc` describes, if nothing has happened in
-        it since: still running, the same run (no continue-as-new), no new event."""
+        it since: still running, the same run (no continue-as-new), no new event; never
+        one no worker answered for (`unavailable`)."""
         seen = self._seen.get(desc.id)
         if seen is None or desc.status != WorkflowExecutionStatus.RUNNING:
             return None
+        if _unavailable(seen[2]):
+            return None
         return seen[2] if (desc.run_id, desc.history_length) == seen[:2] else None
 
+    def unavailable(self, handle: str) -> bool:
+        """Whether the run was last seen with no worker to answer for it: asked again
+        at the next round, as a worker may be back (helper-126: a run waiting for an
+        approval adds no event, so the first round's answer stood for the whole call,
+        and the approval was never asked about)."""
+        seen = self._seen.get(handle)
+        return seen is not None and _unavailable(seen[2])
+
     def saw(self, desc: WorkflowExecutionDescription, status: RunStatus) -> None:
-        if (status.error or "").startswith(STATUS_UNAVAILABLE):
-            # No worker answered: the next round asks again.  Kept, it stood for the
-            # whole call while the run's history did not grow (a run waiting for an
-            # approval, which the call then never asked about: helper-126).
-            self._seen.pop(desc.id, None)
-            return
         self._seen[desc.id] = (desc.run_id, desc.history_length, status)
+
+
+def _unavailable(status: RunStatus) -> bool:
+    return (status.error or "").startswith(STATUS_UNAVAILABLE)
 
 
 def _seconds_so_far(status: RunStatus) -> RunStatus:
@@ -229,6 +239,9 @@ class Runs:
         if spec.parent is not None and not spec.parent.strip():
             spec = replace(spec, parent=None)  # "" (a form's empty field): no parent
         if spec.parent:
+            # A child only of this gateway's runs (helper-129: the update reached another
+            # task queue's run, and a workflow that is no run).
+            await self._describe(spec.parent)
             try:
                 child: str = await self._update(
                     spec.parent,
@@ -523,6 +536,11 @@ class Runs:
     async def _look(self, handle: str, rounds: Rounds, query_timeout: float) -> RunStatus:
         if handle in rounds and rounds[handle].state in TERMINAL_STATES:
             return rounds[handle]
+        if rounds.unavailable(handle):
+            # Asked again briefly: a worker that is back answers at once, and with none
+            # up each round would wait the whole query time (helper-129: a call overran
+            # its timeout by two such waits, and sent its progress every 15 s).
+            query_timeout = min(query_timeout, _QUERY_AGAIN_S)
         desc = await self._describe(handle)
         same = rounds.unchanged(desc)
         if same is not None:
@@ -662,8 +680,7 @@ class CallerRuns(Runs):
     async def spawn(self, spec: RunSpec, *, handle: str | None = None) -> str:
         if spec.caller != self.caller:
             raise RunError(f"this caller is '{self.caller}'; it spawns runs as itself")
-        if spec.parent and spec.parent.strip():
-            await self._describe(spec.parent)  # a child only of its own runs
+        # (A child only of its own runs: Runs.spawn asks this class's _describe.)
         return await super().spawn(spec, handle=handle)
 
     async def list(

@@ -354,7 +354,7 @@ async def test_malformed_calls_get_clear_tool_errors(temporal_address: str, mode
             (
                 "approve",
                 {"handle": "run-nope", "allow": True, "callId": "c" * 1_100_000},
-                "callId: String should have at most 256",
+                "callId: String should have at most 65536",
             ),
         ]
         for tool, args, needle in cases:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -305,10 +306,19 @@ async def test_waiting_in_rounds_asks_a_worker_only_about_runs_whose_history_gre
         assert got[1].state == "Completed" and got[1].usage.tool_calls == 1
 
 
-async def test_a_round_that_found_no_worker_asks_again(temporal_address: str) -> None:
+async def test_a_round_that_found_no_worker_asks_again_briefly(
+    temporal_address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # helper-126: the first round's "status unavailable" was kept while the run's
     # history did not grow (it waits for an approval), so an `await` begun while the
     # worker restarted never saw the approval, though a worker was back.
+    queried: list[str] = []
+    query = WorkflowHandle.query
+
+    async def counted(self: WorkflowHandle[Any, Any], *args: Any, **kwargs: Any) -> Any:
+        queried.append(self.id)
+        return await query(self, *args, **kwargs)
+
     async with stack(temporal_address, worker=False) as s:
         mcp = f"{s.mcp_url}/mcp"
         async with run_worker(s.client, s.task_queue, s.gateway_url, mcp):
@@ -316,6 +326,14 @@ async def test_a_round_that_found_no_worker_asks_again(temporal_address: str) ->
         rounds = Rounds()
         (first,) = await s.runs.wait([waiting], timeout=0.3, rounds=rounds)
         assert first.error is not None and first.error.startswith(STATUS_UNAVAILABLE)
+        # Still no worker: the next round asks once more, for half a second, not for
+        # its whole query time (helper-129: asked at both ends of every round, a 20 s
+        # call took 30).
+        monkeypatch.setattr(WorkflowHandle, "query", counted)
+        started = time.monotonic()
+        (again,) = await s.runs.wait([waiting], timeout=3.0, rounds=rounds)
+        assert again.error == "status unavailable: no worker answered within 0.5 s"
+        assert queried == [waiting] and time.monotonic() - started < 6.0
         async with run_worker(s.client, s.task_queue, s.gateway_url, mcp):
 
             async def seen() -> RunStatus | None:
@@ -360,6 +378,9 @@ async def test_cancel_answers_in_bounded_time_with_no_worker_up(temporal_address
                 for look in (runs.status, runs.request_cancel, runs.cancel):
                     with pytest.raises(RunError, match=f"no run with handle '{h}'"):
                         await look(h)
+                # Nor a parent (helper-129: the spawn reached it).
+                with pytest.raises(RunError, match=f"no run with handle '{h}'"):
+                    await runs.spawn(RunSpec(task="x", model=MODEL, parent=h))
             foreign_kinds = {
                 e.WhichOneof("attributes") async for e in foreign.fetch_history_events()
             }

@@ -143,7 +143,9 @@ async def test_a_cancel_during_a_failing_runs_close_stops_every_child(
     assert sum(1 for e in events if e.HasField(CANCEL)) == CHILDREN
     assert (await handle.describe()).status == WorkflowExecutionStatus.FAILED
     assert parent in fakes.ended
-    status = await Runs(client, task_queue="unused").status(parent)
+    # (Read through the runs of the run's own queue: another queue's see no such run.)
+    queue = (await handle.describe()).task_queue
+    status = await Runs(client, task_queue=queue).status(parent)
     assert status.state == "Failed" and status.error == "Http400: engine refused", status
     # The new close replays, marker and all.
     history = await handle.fetch_history()
