@@ -270,9 +270,8 @@ async def _pending(s: Stack, handle: str) -> Any:
     raise AssertionError(f"{handle} never asked for approval")
 
 
-async def test_waiting_in_rounds_asks_a_worker_only_about_runs_whose_history_grew(
-    temporal_address: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def counting_queries(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """From now on, the ids of the workflows queried, in order."""
     queried: list[str] = []
     query = WorkflowHandle.query
 
@@ -280,12 +279,19 @@ async def test_waiting_in_rounds_asks_a_worker_only_about_runs_whose_history_gre
         queried.append(self.id)
         return await query(self, *args, **kwargs)
 
+    monkeypatch.setattr(WorkflowHandle, "query", counted)
+    return queried
+
+
+async def test_waiting_in_rounds_asks_a_worker_only_about_runs_whose_history_grew(
+    temporal_address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     async with stack(temporal_address) as s:
         done = await s.runs.spawn(RunSpec(task=task_with(0, "known"), model=MODEL))
         (ended,) = await s.runs.wait([done])
         assert ended.state == "Completed"
         waiting = await spawn_waiting(s, "rounds")
-        monkeypatch.setattr(WorkflowHandle, "query", counted)
+        queried = counting_queries(monkeypatch)
         rounds = Rounds()
         first = await s.runs.wait([done, waiting], timeout=0.2, rounds=rounds)
         assert [x.state for x in first] == ["Completed", "AwaitingApproval"]
@@ -312,13 +318,6 @@ async def test_a_round_that_found_no_worker_asks_again_briefly(
     # helper-126: the first round's "status unavailable" was kept while the run's
     # history did not grow (it waits for an approval), so an `await` begun while the
     # worker restarted never saw the approval, though a worker was back.
-    queried: list[str] = []
-    query = WorkflowHandle.query
-
-    async def counted(self: WorkflowHandle[Any, Any], *args: Any, **kwargs: Any) -> Any:
-        queried.append(self.id)
-        return await query(self, *args, **kwargs)
-
     async with stack(temporal_address, worker=False) as s:
         mcp = f"{s.mcp_url}/mcp"
         async with run_worker(s.client, s.task_queue, s.gateway_url, mcp):
@@ -329,7 +328,7 @@ async def test_a_round_that_found_no_worker_asks_again_briefly(
         # Still no worker: the next round asks once more, for half a second, not for
         # its whole query time (helper-129: asked at both ends of every round, a 20 s
         # call took 30).
-        monkeypatch.setattr(WorkflowHandle, "query", counted)
+        queried = counting_queries(monkeypatch)
         started = time.monotonic()
         (again,) = await s.runs.wait([waiting], timeout=3.0, rounds=rounds)
         assert again.error == "status unavailable: no worker answered within 0.5 s"
