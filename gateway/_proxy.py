@@ -905,21 +905,23 @@ class TurnResponse(Response):
         return self._answered_by.get(replica) or self._endpoints[replica].kind
 
     def _sent_into_room(self, replica: str) -> bool:
-        """Whether the turn is a stream sent into room the engine had, as it is sent: it
-        reported its load and no queue at its last probe, or, reporting none, its slots
-        are known (luftpause sends no more).  Only then is no head within the turn
+        """Whether the turn is a stream sent into room the engine had, as it is sent:
+        within the cap (what the engine was seen running once it showed a queue), or
+        its known slots; or, the engine reporting its load and no queue at its last
+        probe, at most one more than it ran then.  Only then is no head within the turn
         timeout the engine's fault (toward ejecting it): an engine sends a stream's head
         as it starts generating, but a non-streamed answer's head comes with its end (a
-        long generation is no fault), and an engine with a queue, or one that reports no
-        load (Ollama, hosted APIs), may hold a turn in it (a queue of ten minutes ejected
-        a healthy replica: helper-125).  Decided as the turn is sent, not at the timeout
-        (helper-128: a queue seen meanwhile is no excuse for a turn sent before it)."""
+        long generation is no fault), and an engine may hold a turn sent past its room
+        in its queue, as one that reports no load (Ollama, hosted APIs) may any (a queue
+        of ten minutes ejected a healthy replica: helper-125).  Decided as the turn is
+        sent, not at the timeout (helper-128), and a hung engine whose probes still
+        show a queue is within its cap, so it is ejected still (helper-130)."""
         r = self._shell.state.replicas.get(replica)
         if not self._turn.stream or r is None:
             return False
-        if r.running is not None:  # it reports its load
-            return r.queued == 0
-        return r.spec.slots is not None
+        if r.limit is not None and r.in_flight <= r.limit:
+            return True
+        return r.running is not None and r.queued == 0 and r.in_flight <= r.running + 1
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         t = self._turn

@@ -103,14 +103,16 @@ class BoundedHead(HttpToolsProtocol):
         self._refused = True
         cycle = self.cycle
         if cycle is not None and not cycle.response_complete:
-            if cycle.response_started:
-                # An answer is being written (this request's, or one pipelined before
-                # it): no second one can be written beside it.  The connection is cut.
+            if cycle.response_started or self.pipeline or self._phase != "body":
+                # An earlier request is owed its answer (it is being written, or its
+                # app is still at work: the bad bytes are a later request's), and no
+                # second one can be written beside it.  The connection is cut.
                 self.transport.close()
                 return
-            # Its app has not answered (a body that is no HTTP: a bad chunk size): this
-            # answer stands for it, and the app sees the client gone, as uvicorn's own
-            # connection_lost says it (helper-128: the connection was cut unanswered).
+            # The bad bytes are in the body of the request this cycle serves (a bad
+            # chunk size), and its app has not answered: this answer stands for it,
+            # and the app sees the client gone, as uvicorn's connection_lost says it
+            # (helper-128: the connection was cut unanswered).
             cycle.disconnected = True
             cycle.message_event.set()
         body = json.dumps({"error": {"message": message}}).encode()
@@ -123,5 +125,8 @@ class BoundedHead(HttpToolsProtocol):
         # Closing at once, with the client's bytes unread, would reset the connection,
         # and a reset can drop the answer before the client reads it: end the sending
         # side, drop what still arrives, close after a while (nginx's lingering close).
+        # Reading may be paused (a large body read, a pipelined request): resumed, or
+        # the bytes stay unread and the close is a reset all the same (helper-130).
+        self.flow.resume_reading()
         self.transport.write_eof()
         asyncio.get_running_loop().call_later(LINGER_S, self.transport.close)

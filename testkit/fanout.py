@@ -204,7 +204,12 @@ async def run_fanout(
 
     async def answered(response: httpx2.Response) -> None:
         if response.status_code in (401, 403):
-            refused.append(f"{response.status_code} {response.reason_phrase}")
+            await response.aread()
+            try:  # the gateway says why (helper-130: a 403 for the caller header)
+                why = str(response.json()["error"]["message"])
+            except (ValueError, KeyError, TypeError):
+                why = response.reason_phrase
+            refused.append(f"{response.status_code} {why}"[:300])
 
     http = httpx2.AsyncClient(
         headers=headers,
@@ -232,8 +237,9 @@ async def run_fanout(
     except Exception as exc:  # the door unreachable or refusing: one line, not a trace
         why = _first(exc)
         if refused:  # (helper-127: "Server returned an error response", for a token)
-            given = "was refused" if token else "is missing"
-            why = f"{refused[-1]}: the gateway's token {given} (--token or $LUFTPAUSE_TOKEN)"
+            why = refused[-1]
+            if not token:
+                why += " (the gateway's token: --token or $LUFTPAUSE_TOKEN)"
         result.fatal = f"MCP door {url}: {why}"
     return result
 

@@ -534,14 +534,16 @@ class Runs:
         return list(await asyncio.gather(*(self._look(h, rounds, query_timeout) for h in handles)))
 
     async def _look(self, handle: str, rounds: Rounds, query_timeout: float) -> RunStatus:
-        if handle in rounds and rounds[handle].state in TERMINAL_STATES:
+        again = rounds.unavailable(handle)  # (an ended run seen so is read again too)
+        if handle in rounds and rounds[handle].state in TERMINAL_STATES and not again:
             return rounds[handle]
-        if rounds.unavailable(handle):
+        desc = await self._describe(handle)
+        if again and desc.status == WorkflowExecutionStatus.RUNNING:
             # Asked again briefly: a worker that is back answers at once, and with none
             # up each round would wait the whole query time (helper-129: a call overran
-            # its timeout by two such waits, and sent its progress every 15 s).
+            # its timeout by two such waits, and sent its progress every 15 s).  (An
+            # ended run's result is read from its history, with no worker: not cut.)
             query_timeout = min(query_timeout, _QUERY_AGAIN_S)
-        desc = await self._describe(handle)
         same = rounds.unchanged(desc)
         if same is not None:
             return _seconds_so_far(same)  # nothing happened in the run since

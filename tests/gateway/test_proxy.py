@@ -943,14 +943,14 @@ async def test_a_hung_engine_fails_the_turn_after_the_idle_timeout(stall: str) -
         ("openai", False, 4, None, False),
         ("openai", True, None, None, False),
         ("vllm", True, None, 0, True),
-        ("vllm", True, None, 3, False),
+        ("vllm", True, None, 3, True),
     ],
     ids=[
         "a stream into the slots luftpause fills",
         "not streamed",
         "a stream where it reports no load",
         "a stream where it reports no queue",
-        "a stream into its queue",
+        "a stream within its cap, its probes showing a queue",
     ],
 )
 async def test_no_head_in_the_turn_timeout_counts_against_the_engine_only_where_it_is_one(
@@ -960,7 +960,8 @@ async def test_no_head_in_the_turn_timeout_counts_against_the_engine_only_where_
     # APIs), and a non-streamed answer's head comes with its end: neither silence is the
     # engine failing, and counting it ejected a busy, healthy replica (every turn of its
     # model then got 503).  A stream sent into room the engine had starts at once
-    # (helper-128: a vLLM, which says no slots, that hung was no longer ejected).
+    # (helper-128: a vLLM, which says no slots, that hung was no longer ejected; and
+    # helper-130: nor one whose probes still showed a queue, once capped).
     released = asyncio.Event()
     load = f"vllm:num_requests_waiting {waiting}\nvllm:num_requests_running 2\n".encode()
 
@@ -981,6 +982,8 @@ async def test_no_head_in_the_turn_timeout_counts_against_the_engine_only_where_
         try:
             if waiting is not None:
                 await until(lambda: shell.state.replicas["a"].queued == waiting, "probed")
+                if waiting:  # capped at what it runs after two probes with a queue
+                    await until(lambda: shell.state.replicas["a"].cap == 2, "capped")
             r = await gw.post("/v1/chat/completions", json=chat(stream=stream))
             assert r.status_code == 504
             assert r.json() == {"error": {"message": "engine a: no answer within 0.5 s"}}

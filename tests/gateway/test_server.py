@@ -5,13 +5,16 @@ as an abusive client would send the bytes."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import pytest
 
-from gateway._server import MAX_HEAD_BYTES
+from gateway._server import MAX_HEAD_BYTES, BoundedHead
+from testkit.loopback import serve
 from tests.gateway.harness import chat, endpoint, engine, gateway
 
 LIMIT_S = 10.0
@@ -98,6 +101,61 @@ async def test_a_body_that_is_no_http_is_answered_400_too() -> None:
             "the request is not valid HTTP/1.1: "
         )
         assert await asyncio.wait_for(reader.read(), LIMIT_S) == b""  # closed
+
+
+async def _slow_then_ok(scope: Any, receive: Any, send: Any) -> None:
+    if scope["type"] != "http":
+        return
+    if scope["path"] == "/slow":
+        await asyncio.sleep(0.5)  # still at work when the next request's bytes come
+    await send(
+        {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]}
+    )
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+@pytest.mark.parametrize(
+    "second",
+    [
+        b"POST /x HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n",
+        b"GET /y HTTP/1.1\r\nhost: x\r\nx-pad: " + b"a" * (2 * MAX_HEAD_BYTES) + b"\r\n",
+    ],
+    ids=["a bad body", "a head too long"],
+)
+async def test_a_bad_request_pipelined_behind_one_at_work_is_not_answered_in_its_place(
+    second: bytes,
+) -> None:
+    # helper-130: the 400 (or 431) of the second request was written as the first's
+    # answer (and the first's own answer then failed, or it was abandoned).  The
+    # connection is cut instead: no answer is anyone else's.
+    async with serve(_slow_then_ok, http=BoundedHead) as url:
+        host, port = url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            writer.write(b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\n" + second)
+            with contextlib.suppress(ConnectionError):
+                await writer.drain()
+            got = b""
+            with contextlib.suppress(ConnectionError):
+                got = await asyncio.wait_for(reader.read(), LIMIT_S)
+            assert not got.startswith((b"HTTP/1.1 400", b"HTTP/1.1 431")), got[:80]
+        finally:
+            writer.close()
+
+
+async def test_a_bad_body_after_a_large_read_is_answered_not_reset() -> None:
+    # helper-130: uvicorn pauses reading after a large body read; the lingering close
+    # left the client's bytes unread, and the close was a reset that lost the 400.
+    async with connection() as (reader, writer):
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\n"
+            b"content-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
+            b"11170\r\n" + b"a" * 0x11170 + b"\r\nzz\r\n" + b"b" * (4 << 20)
+        )
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()  # all of it, before reading, as httpx does
+        status, _, body = await answer(reader)
+        assert status == 400 and b"not valid HTTP/1.1" in body
 
 
 async def test_heads_under_the_bound_pass_one_after_another_on_a_connection() -> None:

@@ -8,6 +8,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -34,7 +35,7 @@ from workflows import (
     RunSpec,
     RunUnavailable,
 )
-from workflows.contract import Approval, RunStatus
+from workflows.contract import Approval, RunStatus, Totals
 from workflows.runs import STATUS_UNAVAILABLE
 
 
@@ -281,6 +282,32 @@ def counting_queries(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
     monkeypatch.setattr(WorkflowHandle, "query", counted)
     return queried
+
+
+async def test_an_ended_run_seen_with_no_worker_is_read_again() -> None:
+    # helper-130: a status "Cancelled, status unavailable" was kept as final for the
+    # rest of the call, its usage and answer never read (its history needs no worker).
+    ended = RunStatus(
+        handle="h", state="Cancelled", task="", model="", service_class="", caller="",
+        parent=None, root="h", children=[], usage=Totals(), subtree=Totals(),
+        error=f"{STATUS_UNAVAILABLE}no worker answered within 10 s", started_at="",
+    )  # fmt: skip
+    rounds = Rounds()
+    rounds.saw(SimpleNamespace(id="h", run_id="r", history_length=5), ended)  # type: ignore[arg-type]
+    looked: list[str] = []
+
+    class Looked(Exception):
+        pass
+
+    async def describe(handle: str) -> Any:
+        looked.append(handle)
+        raise Looked
+
+    runs = Runs.__new__(Runs)
+    runs._describe = describe  # type: ignore[method-assign]
+    with pytest.raises(Looked):
+        await runs._look("h", rounds, 10.0)
+    assert looked == ["h"]
 
 
 async def test_waiting_in_rounds_asks_a_worker_only_about_runs_whose_history_grew(
