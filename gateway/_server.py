@@ -22,6 +22,7 @@ import json
 import sys
 from typing import Any
 
+from httptools import HttpParserCallbackError
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 __all__ = ["MAX_HEAD_BYTES", "BoundedHead"]
@@ -49,8 +50,11 @@ class BoundedHead(HttpToolsProtocol):
         self._phase, self._counted, self._edge = "head", 0, True
 
     def on_headers_complete(self) -> None:
-        self._phase, self._counted = "body", 0
+        # After uvicorn's: a URL it refuses there (httptools' parse_url is stricter
+        # than the parser) is still the head's error, not a body's (helper-131: a
+        # pipelined one was answered in the place of the request before it).
         super().on_headers_complete()
+        self._phase, self._counted = "body", 0
 
     def on_body(self, body: bytes) -> None:
         self._body = True
@@ -93,6 +97,8 @@ class BoundedHead(HttpToolsProtocol):
         handles the parser's error), not "Invalid HTTP request received." as text
         (helper-125)."""
         reason = sys.exc_info()[1]
+        if isinstance(reason, HttpParserCallbackError) and reason.__context__ is not None:
+            reason = reason.__context__  # what the callback raised (a URL it refused)
         self._answer_and_close(
             b"400 Bad Request", f"the request is not valid HTTP/1.1: {reason or msg}"
         )

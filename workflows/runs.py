@@ -538,11 +538,11 @@ class Runs:
         if handle in rounds and rounds[handle].state in TERMINAL_STATES and not again:
             return rounds[handle]
         desc = await self._describe(handle)
-        if again and desc.status == WorkflowExecutionStatus.RUNNING:
+        if again:
             # Asked again briefly: a worker that is back answers at once, and with none
             # up each round would wait the whole query time (helper-129: a call overran
-            # its timeout by two such waits, and sent its progress every 15 s).  (An
-            # ended run's result is read from its history, with no worker: not cut.)
+            # its timeout by two such waits, and sent its progress every 15 s; helper-131:
+            # a cancelled or terminated run is queried too).
             query_timeout = min(query_timeout, _QUERY_AGAIN_S)
         same = rounds.unchanged(desc)
         if same is not None:

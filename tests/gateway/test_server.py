@@ -83,6 +83,15 @@ async def test_a_header_no_http_request_carries_is_refused_as_json(value: bytes)
         assert await asyncio.wait_for(reader.read(), LIMIT_S) == b""  # closed
 
 
+async def test_a_url_uvicorn_refuses_is_named_in_the_400() -> None:
+    # helper-131: the message was httptools' "User callback error".
+    async with connection() as (reader, writer):
+        writer.write(b"GET http://a:x/ HTTP/1.1\r\nhost: gw\r\n\r\n")
+        status, _, body = await answer(reader)
+        message = json.loads(body)["error"]["message"]
+        assert status == 400 and "callback" not in message and "URL" in message.upper(), message
+
+
 async def test_a_body_that_is_no_http_is_answered_400_too() -> None:
     # helper-128: a parse error in a body (a bad chunk size) cut the connection with
     # no answer, where uvicorn answered 400; and after a good request on the
@@ -119,8 +128,9 @@ async def _slow_then_ok(scope: Any, receive: Any, send: Any) -> None:
     [
         b"POST /x HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n",
         b"GET /y HTTP/1.1\r\nhost: x\r\nx-pad: " + b"a" * (2 * MAX_HEAD_BYTES) + b"\r\n",
+        b"GET http://a:x/ HTTP/1.1\r\nhost: x\r\n\r\n",  # helper-131
     ],
-    ids=["a bad body", "a head too long"],
+    ids=["a bad body", "a head too long", "a URL uvicorn refuses"],
 )
 async def test_a_bad_request_pipelined_behind_one_at_work_is_not_answered_in_its_place(
     second: bytes,

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from temporalio.client import WorkflowHandle
+from temporalio.client import WorkflowExecutionStatus, WorkflowHandle
 
 from luftpause.config import McpServer
 from tests.workflows.harness import (
@@ -284,30 +284,34 @@ def counting_queries(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return queried
 
 
-async def test_an_ended_run_seen_with_no_worker_is_read_again() -> None:
+async def test_an_ended_run_seen_with_no_worker_is_read_again_briefly() -> None:
     # helper-130: a status "Cancelled, status unavailable" was kept as final for the
-    # rest of the call, its usage and answer never read (its history needs no worker).
+    # rest of the call, its usage and answer never read; helper-131: read again, it
+    # was asked for the whole query time (a cancelled run is queried, with a worker).
     ended = RunStatus(
         handle="h", state="Cancelled", task="", model="", service_class="", caller="",
         parent=None, root="h", children=[], usage=Totals(), subtree=Totals(),
         error=f"{STATUS_UNAVAILABLE}no worker answered within 10 s", started_at="",
     )  # fmt: skip
+    desc = SimpleNamespace(
+        id="h", run_id="r", history_length=5, status=WorkflowExecutionStatus.CANCELED
+    )
     rounds = Rounds()
-    rounds.saw(SimpleNamespace(id="h", run_id="r", history_length=5), ended)  # type: ignore[arg-type]
-    looked: list[str] = []
-
-    class Looked(Exception):
-        pass
+    rounds.saw(desc, ended)  # type: ignore[arg-type]
+    asked: list[float] = []
 
     async def describe(handle: str) -> Any:
-        looked.append(handle)
-        raise Looked
+        return desc
+
+    async def status(d: Any, query_timeout: float) -> RunStatus:
+        asked.append(query_timeout)
+        return ended
 
     runs = Runs.__new__(Runs)
     runs._describe = describe  # type: ignore[method-assign]
-    with pytest.raises(Looked):
-        await runs._look("h", rounds, 10.0)
-    assert looked == ["h"]
+    runs._status = status  # type: ignore[method-assign]
+    assert await runs._look("h", rounds, 10.0) is ended
+    assert asked == [0.5]
 
 
 async def test_waiting_in_rounds_asks_a_worker_only_about_runs_whose_history_grew(
