@@ -130,6 +130,9 @@ class Load:
     scripted_tools: bool = False
     max_tool_calls: int = 3  # scripted_tools: 0..N calls a run
     tool_call_tokens: int = 64  # scripted_tools: the ceiling of a turn that writes a call
+    # The caller every request names (x-luftpause-caller); None: as the simulator's.
+    # A caller's own token ([[callers]]) refuses another name (403).
+    caller: str | None = None
 
 
 def load_from_args(args: Any, **more: Any) -> Load:
@@ -268,7 +271,7 @@ async def _agent(ctx: _Ctx, cls: ServiceClass, index: int) -> None:
     rng = random.Random(f"{load.seed}/{name}")
     # As the simulator: the batch agents are one job (one caller), each interactive
     # agent is its own user.
-    caller = "batch-job" if cls == "batch" else f"user-{index}"
+    caller = load.caller or ("batch-job" if cls == "batch" else f"user-{index}")
     run_no = 0
     while True:
         run_no += 1

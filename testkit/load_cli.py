@@ -44,6 +44,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="bearer token (default: $LUFTPAUSE_TOKEN)",
     )
     p.add_argument("--model", help="default: the first model GET /v1/models lists")
+    p.add_argument(
+        "--caller",
+        help="the caller every request names (x-luftpause-caller); with a caller's own "
+        "token ([[callers]]), its name (default: batch-job and user-N for agents, fanout "
+        "for sub-agents)",
+    )
     p.add_argument("--minutes", type=float, default=3.0, help="how long (default 3)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     own = p.add_argument_group("own-loop agents through the proxy")
@@ -100,6 +106,11 @@ def _bad(args: argparse.Namespace) -> str | None:
         return f"--minutes must be a finite number > 0, got {args.minutes}"
     if args.max_tool_calls is not None and args.max_tool_calls < 0:
         return f"--max-tool-calls must be at least 0, got {args.max_tool_calls}"
+    caller = args.caller
+    if caller is not None and not (
+        0 < len(caller) <= 128 and caller.isascii() and caller.isprintable()
+    ):
+        return f"--caller: expected 1 to 128 printable ASCII characters, got {caller!r}"
     if args.subagents is not None:
         if args.subagents < 1:
             return "--subagents must be at least 1"
@@ -189,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
             tools=[t.strip() for t in args.tools.split(",") if t.strip()] if args.tools else None,
             service_class=args.service_class,
             max_tool_calls=args.max_tool_calls,
+            caller=args.caller or "fanout",
         )
         progress(f"{plan.fanout} sub-agents a round through {args.url}/mcp")
         result = asyncio.run(
@@ -211,6 +223,7 @@ def run(args: argparse.Namespace) -> int:
             scripted_tools=args.scripted_tools,
             max_tool_calls=3 if args.max_tool_calls is None else args.max_tool_calls,
             tool_call_tokens=args.tool_call_tokens,
+            caller=args.caller,
         )
         progress(
             f"{load.batch} batch + {load.interactive} interactive agents on {model} through "

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 from fastapi import FastAPI, Request
 
 from luftpause.headers import RUN_HEADER
@@ -57,6 +58,31 @@ async def test_own_loop_agents_through_the_gateway_until_a_run_count() -> None:
         assert code == 2 and "cannot learn the model" in err and "401" in err
         code, out, err = await load("--url", gw, "--runs", "0")
         assert code == 2 and "--runs must be at least 1" in err
+
+
+async def test_agents_with_a_callers_own_token_name_that_caller(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # helper-130: the agents named callers of their own (batch-job, user-N), which a
+    # caller's own token refuses (403); --caller names the token's caller.
+    monkeypatch.setenv("TEAM_A_TOKEN", "tok-a")
+    sections = {"token": "op", "callers": [{"name": "team-a", "token_env": "TEAM_A_TOKEN"}]}
+    engine = create_app(FakeEngineSettings(time_scale=20, max_tool_calls=1, seed=0))
+    async with (
+        serve(engine) as url,
+        gateway(endpoint("e0", url), token="op", sections=sections) as (client, _),
+    ):
+        gw = str(client.base_url).rstrip("/")
+        args = ["--url", gw, "--batch", "1", "--interactive", "1", "--runs", "2"]
+        args += ["--context-chars", "500", "--tool-s", "0.05", "--token", "tok-a", "--json"]
+        code, out, err = await load(*args, "--caller", "team-a")
+        assert code == 0, err
+        result = json.loads(out)
+        assert result["errors"] == 0 and result["interactive_runs"] + result["batch_runs"] >= 2
+        code, out, err = await load(*args, "--minutes", "0.05")  # their own names: refused
+        assert json.loads(out)["errors"] > 0, out
+        code, out, err = await load(*args, "--caller", "team a\n")
+        assert code == 2 and "--caller: expected 1 to 128 printable ASCII" in err
 
 
 async def test_rounds_of_sub_agents_over_mcp(temporal_address: str) -> None:
