@@ -47,7 +47,7 @@ from workflows import (
     RunUnavailable,
 )
 from workflows.contract import CALL_ID_MAX_CHARS, RunState
-from workflows.runs import STATUS_UNAVAILABLE
+from workflows.runs import status_unavailable
 
 __all__ = [
     "RUN_STORE_DOWN",
@@ -396,7 +396,7 @@ async def _moot(
         if _ended(statuses, mode)[1]:
             return
         now = next(st for st in statuses if st.handle == handle)
-        if (now.error or "").startswith(STATUS_UNAVAILABLE):
+        if status_unavailable(now):
             continue  # no worker answered: what it waits for is not known, not changed
         if now.pending_approval is None or now.pending_approval.call_id != call_id:
             return

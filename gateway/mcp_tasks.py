@@ -45,7 +45,7 @@ from pydantic import ConfigDict, Field
 
 from gateway import _approval as approval
 from workflows import TERMINAL_STATES, RunError, Runs, RunStatus, RunUnavailable
-from workflows.runs import STATUS_UNAVAILABLE
+from workflows.runs import status_unavailable
 
 __all__ = ["TASKS", "TasksExtension"]
 
@@ -185,7 +185,7 @@ class TasksExtension(Extension):
             task["result"] = self._result(status)
         elif status.state == "Cancelled":
             task["statusMessage"] = status.error or "cancelled"
-        elif (status.error or "").startswith(STATUS_UNAVAILABLE):
+        elif status_unavailable(status):
             task["statusMessage"] = status.error  # working, as far as Temporal knows
         return task
 

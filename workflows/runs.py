@@ -63,6 +63,7 @@ __all__ = [
     "RunUnavailable",
     "Runs",
     "new_handle",
+    "status_unavailable",
 ]
 
 # The error of a status Temporal gave because no worker answered its query (the run's
@@ -118,7 +119,7 @@ class Rounds:
         seen = self._seen.get(desc.id)
         if seen is None or desc.status != WorkflowExecutionStatus.RUNNING:
             return None
-        if _unavailable(seen[2]):
+        if status_unavailable(seen[2]):
             return None
         return seen[2] if (desc.run_id, desc.history_length) == seen[:2] else None
 
@@ -128,13 +129,15 @@ class Rounds:
         approval adds no event, so the first round's answer stood for the whole call,
         and the approval was never asked about)."""
         seen = self._seen.get(handle)
-        return seen is not None and _unavailable(seen[2])
+        return seen is not None and status_unavailable(seen[2])
 
     def saw(self, desc: WorkflowExecutionDescription, status: RunStatus) -> None:
         self._seen[desc.id] = (desc.run_id, desc.history_length, status)
 
 
-def _unavailable(status: RunStatus) -> bool:
+def status_unavailable(status: RunStatus) -> bool:
+    """Whether the status is what Temporal knows because no worker answered for the run
+    (its state only; nothing of what it waits for)."""
     return (status.error or "").startswith(STATUS_UNAVAILABLE)
 
 
@@ -409,9 +412,7 @@ class Runs:
                 seen = await self._settle(seen, query_timeout, gate)
             except Exception:
                 return child  # gone (retention), Temporal down, a failed query: as recorded
-            if seen.state not in TERMINAL_STATES or (seen.error or "").startswith(
-                STATUS_UNAVAILABLE
-            ):
+            if seen.state not in TERMINAL_STATES or status_unavailable(seen):
                 return child  # no worker to replay it: its totals are unknown
             whole = settled(seen.children)
             if whole:
