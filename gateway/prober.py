@@ -746,11 +746,10 @@ class Prober:
                 else:
                     self._want_limits[r.endpoint] = asks
             before = self.last.get(r.endpoint)
-            # (An endpoint unhealthy from its first probe is said too: a wrong port or
-            # health_path was otherwise silent, its reason only on /status: helper-127.)
-            if (before is None and not r.healthy) or (
-                before is not None and before.healthy != r.healthy
-            ):
+            # Healthy until a probe says otherwise, as the core counts it: an endpoint
+            # unhealthy from its first probe is said too (a wrong port or health_path
+            # was silent, its reason only on /status: helper-127).
+            if r.healthy != (before.healthy if before is not None else True):
                 log.warning(
                     "endpoint %s is now %s%s",
                     r.endpoint,
