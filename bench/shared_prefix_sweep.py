@@ -36,6 +36,11 @@ ARMS = ("learned", "not_learned")
 PER_CLASS = "per_class"
 
 
+def _arms(interactive_prefix: int | None) -> tuple[str, ...]:
+    """The luftpause arms measured: per_class too when the classes' prefixes differ."""
+    return ARMS if interactive_prefix is None else (*ARMS, PER_CLASS)
+
+
 def _simulate_per_class(sc: Scenario) -> ArmResult:
     """The luftpause arm, its core told the interactive turns are of a model of their
     own that every replica serves."""
@@ -49,7 +54,7 @@ def sweep(
 ) -> dict[str, dict[str, float]]:
     flood = SCENARIOS["flood"]
     rows: dict[str, dict[str, float]] = {}
-    arms = ARMS if interactive_prefix is None else (*ARMS, PER_CLASS)
+    arms = _arms(interactive_prefix)
     for chars in prefixes:
         row: dict[str, float] = {}
         n = len(seeds)
@@ -97,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"seeds": seeds, "rows": rows}, indent=2))
         return 0
-    arms = ARMS if args.interactive_prefix is None else (*ARMS, PER_CLASS)
+    arms = _arms(args.interactive_prefix)
     head = f"{'prefix chars':>12}"
     for key in arms:
         head += f" | {key:>11} int×CA batch×CA    P    W    B"

@@ -32,7 +32,6 @@ from testkit.sim._arms import (
 
 CHARS_PER_TOKEN = 4
 MODEL = "llama-3.2-1b"
-_INTERACTIVE = ServiceClass.INTERACTIVE
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,11 +119,20 @@ class Scenario:
         first = max(self.first_prompt_tokens(c) for c in ServiceClass)
         return first + self.max_tool_calls * per_call
 
+    def _own_prefix_chars(self, cls: ServiceClass) -> int | None:
+        """The prefix of the class's own harness, if its runs have one."""
+        return self.interactive_prefix_chars if cls is ServiceClass.INTERACTIVE else None
+
     def prefix_chars(self, cls: ServiceClass) -> int:
         """The prefix a run of the class begins with."""
-        if cls is ServiceClass.INTERACTIVE and self.interactive_prefix_chars is not None:
-            return self.interactive_prefix_chars
-        return self.shared_prefix_chars
+        own = self._own_prefix_chars(cls)
+        return self.shared_prefix_chars if own is None else own
+
+    def prefix_stream(self, cls: ServiceClass) -> int:
+        """The block stream of the class's prefix: 0 the batch runs' (and everyone's
+        when they share it), -1 the interactive runs' own (streams of runs count
+        from 1)."""
+        return 0 if self._own_prefix_chars(cls) is None else -1
 
     def first_prompt_tokens(self, cls: ServiceClass) -> int:
         """A run's first prompt: its class's prefix, then its own context."""
@@ -257,10 +265,7 @@ class _Agent:
         block = self.sim.scenario.engine.block_tokens
         n_blocks = math.ceil(self.context / block)
         shared = min(sc.shared_blocks(self.service_class), n_blocks)
-        # Stream 0 holds the batch runs' prefix, -1 the interactive runs' when it is
-        # another (streams of runs count from 1).
-        own = sc.interactive_prefix_chars is not None and self.service_class is _INTERACTIVE
-        prefix_stream = -1 if own else 0
+        prefix_stream = sc.prefix_stream(self.service_class)
         turn = Turn(
             turn_id=f"{self.run_id}-t{self.turn_no}",
             run_id=self.run_id,
