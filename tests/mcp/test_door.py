@@ -26,6 +26,7 @@ from mcp_types import ElicitResult, EmptyResult
 
 from luftpause.config import McpServer
 from luftpause.temporal_dev import DevServer, free_port
+from testkit._fake_text import _MAX_REPLY_TOKENS
 from testkit.fake_mcp import FakeMcpSettings, FakeMcpState
 from testkit.fake_mcp import create_app as create_mcp
 from testkit.loopback import serve
@@ -229,7 +230,10 @@ async def test_an_answer_cut_at_max_tokens_says_so(temporal_address: str) -> Non
     async with stack(temporal_address) as s, Client(s.mcp_door, mode="legacy") as c:
         cut = result(await c.call_tool("run", {"task": task_with(0, "cut"), "maxTokens": 2}))
         assert cut["state"] == "Completed" and cut["answerCut"] is True
-        whole = result(await c.call_tool("run", {"task": task_with(0, "whole")}))
+        # (Above the fake engine's longest reply: the task's random part sets a reply of
+        # 40 to 256 tokens, and one of exactly the default 256 was cut, 1 run in 217.)
+        room = {"task": task_with(0, "whole"), "maxTokens": 2 * _MAX_REPLY_TOKENS}
+        whole = result(await c.call_tool("run", room))
         assert whole["state"] == "Completed" and whole["answerCut"] is False
         assert len(whole["answer"]) > len(cut["answer"])
 
