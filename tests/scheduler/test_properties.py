@@ -39,6 +39,7 @@ from scheduler import (
     ReplicaSpec,
     RunEnded,
     RunPhase,
+    RunState,
     ServiceClass,
     State,
     Tick,
@@ -706,7 +707,7 @@ def check_step(before: State, event: Event, after: State, actions: list[Action])
         run = before.runs.get(done.run_id) if done is not None else None
         last = run is not None and run.in_flight == 1 and not run.retrying
         if done is not None and done.replica is not None and run is not None and last:
-            runs[run.run_id] = run._replace(phase=RunPhase.IDLE)
+            runs[run.run_id] = run._replace(phase=RunPhase.IDLE, in_flight=0)
     # A run its client ended is forgotten at once, or once its last turn in flight ends
     # (a timeout included): a turn of it still held is a new run's then, free to go anywhere.
     ending = {a.turn_id for a in actions if isinstance(a, TimedOut)}
@@ -717,7 +718,11 @@ def check_step(before: State, event: Event, after: State, actions: list[Action])
             mine = {t.turn_id for t in before.admitted() if t.run_id == run.run_id}
             if mine <= ending:
                 runs.pop(run.run_id, None)
-    for a in admits:
+    for a in actions:
+        if isinstance(a, TimedOut):
+            timed_out(runs, a)
+        if not isinstance(a, Admit):
+            continue
         r = after.replicas[a.replica]
         assert r.healthy, "admitted to an unhealthy replica"
         if r.cap is not None:
@@ -746,8 +751,13 @@ def check_step(before: State, event: Event, after: State, actions: list[Action])
                 after.policy.strict_affinity and (run.phase is RunPhase.PAUSED or run.retrying)
             )
             stays = holds and home is not None and home.healthy
-            if not stays:
-                runs[a.run_id] = run._replace(phase=RunPhase.GENERATING, replica=a.replica)
+            if stays:
+                runs[a.run_id] = run._replace(in_flight=run.in_flight + 1)
+            else:
+                runs[a.run_id] = run._replace(
+                    phase=RunPhase.GENERATING, replica=a.replica, in_flight=run.in_flight + 1,
+                    retrying=False, home_outcome="",
+                )  # fmt: skip
     held_interactive = [t for t in after.held() if t.service_class is ServiceClass.INTERACTIVE]
     for a in admits:
         if a.service_class is not ServiceClass.BATCH:
@@ -768,6 +778,31 @@ def check_step(before: State, event: Event, after: State, actions: list[Action])
                 f"batch {a.turn_id} admitted to {a.replica} while interactive {x.turn_id} "
                 "that could use it is held"
             )
+
+
+def timed_out(runs: dict[str, RunState], a: TimedOut) -> None:
+    """The run as a timeout, handled before the admissions after it in the same step,
+    leaves it: one turn fewer in flight, and once its last turn is gone, the run is
+    left as the end of its own turn on its replica left it (rule 3): a failure there
+    (this one, or an earlier one while another turn ran away) leaves it retrying, a
+    tool call paused, anything else idle and free to move (found by a draw,
+    2026-12-05: its own turn stopped, then its turn away timed out)."""
+    run = runs.get(a.run_id)
+    if run is None or run.in_flight == 0:
+        return
+    own = a.replica == run.replica
+    outcome = "failed" if own else run.home_outcome
+    if run.in_flight > 1:
+        runs[a.run_id] = run._replace(
+            in_flight=run.in_flight - 1, home_outcome=outcome if own else run.home_outcome
+        )
+        return
+    if run.phase is not RunPhase.GENERATING:  # paused or retrying: a turn away leaves it so
+        runs[a.run_id] = run._replace(in_flight=0)
+        return
+    reason = None if own or not outcome or outcome == "failed" else outcome
+    phase = RunPhase.PAUSED if reason == "tool_calls" else RunPhase.IDLE
+    runs[a.run_id] = run._replace(in_flight=0, phase=phase, retrying=reason is None)
 
 
 def drain(runner: Runner) -> None:
@@ -842,6 +877,51 @@ def test_the_held_bound_refuses_exactly_new_work_at_the_bound(
     drain(runner)
 
 
+# Found by a draw (2026-12-05): run4's own turn on c stops while its turn away on b (a
+# model c does not serve) runs; at a tick that turn times out, which leaves run4 idle
+# and free to move, and its held turn goes to a, as c is still full (its turn times out
+# later in the same tick).  The oracle took run4 as still generating on c.
+@example(
+    policy=Policy(
+        strict_affinity=True,
+        cap_after_queued_probes=1,
+        cap_growth_doubles=False,
+        reserve_for_paused_interactive=False,
+        kv_admission=False,
+        learn_shared_prefix=False,
+        kv_fill=1.0,
+        batch_kv_fill=None,
+        eject_after_failures=None,
+    ),
+    kv=None,
+    script=[
+        ("finish", 0, "tool_calls", 0, 0),
+        *[("arrive", 0, ServiceClass.INTERACTIVE, 0, 0, 0, 0)] * 3,
+        ("finish", 0, "tool_calls", 0, 0),
+        ("arrive", 0, ServiceClass.INTERACTIVE, 0, 0, 0, 0),
+        ("probe", 0, True, None, 0, None, False, None),
+        ("finish", 0, "tool_calls", 0, 0),
+        ("abandon", 0),
+        ("arrive", 4, ServiceClass.INTERACTIVE, 0, 1, 0, 0),  # t5 to c
+        ("arrive", 4, ServiceClass.INTERACTIVE, 0, 0, 0, 0),  # t6 away to b
+        ("finish", 0, "tool_calls", 0, 0),
+        ("arrive", 0, ServiceClass.INTERACTIVE, 0, 0, 0, 0),
+        ("finish", 4, "stop", 0, 0),  # t5 stops
+        ("arrive", 0, ServiceClass.INTERACTIVE, 0, 0, 0, 0),
+        ("probe", 0, False, None, 0, None, False, None),
+        ("arrive", 0, ServiceClass.INTERACTIVE, 0, 1, 0, 0),  # fills c
+        ("abandon", 0),
+        *[("arrive", 0, ServiceClass.INTERACTIVE, 0, 0, 0, 0)] * 2,
+        ("arrive", 4, ServiceClass.INTERACTIVE, 0, 1, 0, 0),  # t12 held for c
+        ("finish", 0, "tool_calls", 0, 0),
+        *[("arrive", 0, ServiceClass.INTERACTIVE, 0, 0, 0, 0)] * 3,
+        ("probe", 0, True, None, 0, None, False, None),
+        ("tick", 700.0),  # every turn times out
+        ("finish", 0, "tool_calls", 0, 0),
+        *[("arrive", 0, ServiceClass.INTERACTIVE, 0, 0, 0, 0)] * 2,
+    ],
+    changes=[(27, 0, False, False)],
+)
 @given(
     policy=policies,
     kv=st.sampled_from([None, 8000, 20000]),
