@@ -93,9 +93,13 @@ class AdmissionShell:
         *,
         observer: Observer | None = None,
         refused: Callable[[int], None] | None = None,
+        why_down: Callable[[str], str | None] = lambda replica: None,
     ) -> None:
         self._state = state
         self._observer = observer
+        # Why a replica is unhealthy (its last probe's reason; None: it is not), said
+        # in the core's 503 for a model whose replicas are all down.
+        self._why_down = why_down
         # Told the status of a turn refused here, before the core saw it (a drain).
         self._refused = refused
         # The turns whose handlers wait to be admitted: turn id -> (its future, run id,
@@ -122,7 +126,11 @@ class AdmissionShell:
             if isinstance(action, Admit):
                 self._resolve(action.turn_id, action.replica)
             elif isinstance(action, Reject):
-                self._resolve(action.turn_id, Rejected(action.status, action.message))
+                message = action.message
+                said = [f"{n}: {why}" for n in action.down if (why := self._why_down(n))]
+                if said:
+                    message = f"{message}; {'; '.join(said)}"
+                self._resolve(action.turn_id, Rejected(action.status, message))
             elif isinstance(action, Forget):
                 self._forget(action.run_id)
             elif isinstance(action, Ejected):

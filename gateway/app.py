@@ -411,6 +411,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                 State.initial(serving.replica_specs(), policy),
                 observer=observe,
                 refused=metrics.refused,
+                why_down=lambda name: _why_down(prober, name),
             )
 
             def report(results: list[ProbeResult]) -> None:
@@ -833,10 +834,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             return error_response(404, unknown_model(model, pool.models), run_id, anthropic=True)
         down = _down(rt.prober)
         if all(e.name in down for e in serving):  # as a turn is answered: 503, not 502
-            names = ", ".join(sorted(e.name for e in serving))
+            names = sorted(e.name for e in serving)
+            said = [f"{n}: {why}" for n in names if (why := _why_down(rt.prober, n))]
             message = (
                 f"no healthy replica serves model '{model}' "
-                f"(unhealthy at their last probe: {names})"
+                f"(unhealthy at their last probe: {', '.join(names)})"
+                + "".join(f"; {s}" for s in said)
             )
             return error_response(
                 503, message, run_id, anthropic=True, retry_after=rt.prober.retry_after
@@ -1579,6 +1582,12 @@ def _prompt_tokens(raw: bytes) -> int:
             images += 1
             image_bytes += end - start
     return (len(raw) - image_bytes) // 4 + images * INLINE_IMAGE_TOKENS
+
+
+def _why_down(prober: Prober, name: str) -> str | None:
+    """Why the last probe found the endpoint unhealthy (None: it found it healthy)."""
+    r = prober.last.get(name)
+    return r.error if r is not None and not r.healthy else None
 
 
 def _down(prober: Prober) -> frozenset[str]:

@@ -868,6 +868,7 @@ class _Tx:
                     turn_id=ev.turn_id,
                     status=503,
                     message=f"no healthy replica serves model '{ev.model}' ({'; '.join(why)})",
+                    down=tuple(probed),
                 )
             )
             return

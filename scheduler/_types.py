@@ -331,6 +331,9 @@ class Reject:
     turn_id: str
     status: int
     message: str
+    # A 503's replicas of the model that were unhealthy at their last probe: the shell,
+    # which has the probes, may say why.
+    down: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

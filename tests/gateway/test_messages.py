@@ -249,6 +249,23 @@ async def test_count_tokens_passes_over_a_replica_ejected_for_failing_turns() ->
         assert (await gw.post("/v1/messages/count_tokens", json=body)).json()["input_tokens"] == 2
 
 
+async def test_count_tokens_for_a_model_whose_replicas_are_down_says_what_the_probe_found() -> None:
+    # As a turn's 503: the replica's last probe's reason, not only its name.
+    async with gateway(
+        endpoint("down", closed_port_url(), kind="openai", messages=True), probe_period=None
+    ) as (gw, shell):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+        r = await gw.post("/v1/messages/count_tokens", json=body)
+        assert r.status_code == 503 and r.json()["type"] == "error"
+        assert r.json()["error"]["message"] == (
+            f"no healthy replica serves model '{MODEL}' (unhealthy at their last probe: "
+            "down); down: cannot connect (All connection attempts failed)"
+        )
+        turn = await gw.post("/v1/messages", json={**body, "max_tokens": 4})
+        assert turn.json()["error"]["message"] == r.json()["error"]["message"]
+        assert not shell.state.turns
+
+
 async def test_count_tokens_is_passed_to_a_replica_and_is_no_turn() -> None:
     async with (
         engine(time_scale=50) as (url, recorder),

@@ -743,7 +743,9 @@ async def test_a_model_with_no_healthy_replica_is_503_at_once_not_a_hang() -> No
         assert r.json() == {
             "error": {
                 "message": f"no healthy replica serves model '{MODEL}' "
-                "(unhealthy at their last probe: down)"
+                "(unhealthy at their last probe: down); "
+                # what the probe found, so that a wrong port or path is plain
+                "down: cannot connect (All connection attempts failed)"
             }
         }
         assert not shell.state.turns

@@ -186,6 +186,7 @@ def test_a_model_whose_every_replica_is_unhealthy_is_rejected_503() -> None:
             turn_id=tid,
             status=503,
             message="no healthy replica serves model 'm' (unhealthy at their last probe: a, b)",
+            down=("a", "b"),
         )
     ]
     assert tid not in d.state.turns
@@ -1773,6 +1774,7 @@ def test_a_model_whose_every_replica_is_out_says_why_each_is() -> None:
             status=503,
             message="no healthy replica serves model 'm' (unhealthy at their last probe: b; "
             "out of rotation after failed turns: a)",
+            down=("b",),
         )
     ]
 
