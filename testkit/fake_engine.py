@@ -1387,5 +1387,7 @@ def serve(settings: FakeEngineSettings, *, host: str = "127.0.0.1", port: int) -
     """Serve the fake engine with uvicorn until SIGINT or SIGTERM (then return normally)."""
     from testkit.loopback import serve_until_signalled
 
-    log.info("fake %s engine on http://%s:%d", settings.flavor, host, port)
-    serve_until_signalled(create_app(settings), host=host, port=port)
+    def started() -> None:
+        log.info("fake %s engine on http://%s:%d", settings.flavor, host, port)
+
+    serve_until_signalled(create_app(settings), host=host, port=port, started=started)

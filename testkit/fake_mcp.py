@@ -395,5 +395,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _serve_http(app: Starlette, *, host: str, port: int) -> None:
-    log.info("fake MCP server on http://%s:%d/mcp", host, port)
-    serve_until_signalled(app, host=host, port=port)
+    def started() -> None:
+        log.info("fake MCP server on http://%s:%d/mcp", host, port)
+
+    serve_until_signalled(app, host=host, port=port, started=started)

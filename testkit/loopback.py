@@ -90,11 +90,19 @@ async def serve(
         sock.close()
 
 
-def serve_until_signalled(app: Any, *, host: str, port: int) -> None:
+def serve_until_signalled(
+    app: Any, *, host: str, port: int, started: Callable[[], None] = lambda: None
+) -> None:
     """Serve `app` with uvicorn in this process until SIGINT or SIGTERM, then return
-    normally (exit status 0): the fakes' `--port` mode."""
+    normally (exit status 0): the fakes' `--port` mode.  `started` is called once the
+    port is bound (a port in use exits 1 with uvicorn's error, and no "serving on")."""
 
     class _Server(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                started()
+
         def handle_exit(self, sig: int, frame: Any) -> None:
             # uvicorn re-raises a captured signal after shutdown (exit status 128+n); a
             # fake asked to stop has stopped cleanly, so only note the request.

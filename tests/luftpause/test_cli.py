@@ -432,3 +432,32 @@ def test_an_empty_luftpause_config_is_unset_for_the_worker_as_for_the_gateway(
     p = argparse.ArgumentParser()
     add_arguments(p)
     assert p.parse_args([]).config == "luftpause.toml"
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (("fake-engine",), "fake sglang engine on http://127.0.0.1:{port}"),
+        (("fake-mcp", "--transport", "http"), "fake MCP server on http://127.0.0.1:{port}/mcp"),
+    ],
+)
+def test_a_fake_says_where_it_serves_only_once_it_does(
+    tmp_path: Path, argv: tuple[str, ...], says: str
+) -> None:
+    # It printed its URL, then uvicorn's bind error: a reader saw both.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run(
+            [EXE, *argv, "--port", str(port)], capture_output=True, text=True, timeout=60
+        )
+    assert out.returncode != 0 and "address already in use" in out.stderr, out.stderr
+    assert "on http" not in out.stdout + out.stderr
+    port = free_port()
+    child = Child(argv[0], [EXE, *argv, "--port", str(port)], tmp_path / "f.log")
+    try:
+        child.start()
+        _log_shows(child, says.format(port=port))
+    finally:
+        child.stop()
