@@ -374,7 +374,12 @@ class Up:
             env,
         )
         wait_http(f"{gateway}/health", "the gateway", gw, stop=self.stopping)
-        worker = self.child("worker", [self.exe(), "worker", "--config", str(config)], env)
+        worker = self.child(
+            "worker",
+            # Stopped first: its activities cut are run again when up starts next.
+            [self.exe(), "worker", "--config", str(config), "--shutdown-grace-s", "2"],
+            env,
+        )
         _wait_log(worker, "worker on task queue", "the worker", stop=self.stopping)
         where["config"] = str(config)
         return where
@@ -458,7 +463,9 @@ def _banner(where: dict[str, str], token: str | None, exe: str = "luftpause") ->
             "",
             "Put load on it (and watch the status page):",
             f"  agents:           {lp} load --url {gw}{load_auth} --minutes 1",
-            f"  sub-agents:       {lp} load --url {gw}{load_auth} --subagents 16 --rounds 3",
+            # (--tools: delete_record asks for approval, which nothing here gives.)
+            f"  sub-agents:       {lp} load --url {gw}{load_auth} --subagents 16 --rounds 3"
+            " --tools lookup",
             "",
             "Ctrl-C stops everything started here.",
         ]

@@ -66,6 +66,9 @@ class FanoutResult:
     fanout: int
     rounds: list[RoundRecord] = field(default_factory=list)
     unfinished_round: bool = False
+    # The states of the cut round's runs as they were cancelled (AwaitingApproval: a
+    # tool that asks, which nothing here approves).
+    cut_states: dict[str, int] = field(default_factory=dict)
     errors: int = 0
     first_errors: list[str] = field(default_factory=list)
     # What stopped the whole thing (the door unreachable, refused, not MCP...): None
@@ -74,10 +77,11 @@ class FanoutResult:
 
     @property
     def failed(self) -> bool:
-        """A run that did not complete, or the door failing.  The round that `minutes`
-        cut off is not a failure (it is reported, and its runs cancelled), as the
-        own-loop agents' runs still going at the window's end are not."""
-        return bool(self.errors or self.fatal)
+        """A run that did not complete, or the door failing, or no round ending at all
+        (nothing measured).  The round that `minutes` cut off after others is not a
+        failure (it is reported, and its runs cancelled), as the own-loop agents' runs
+        still going at the window's end are not."""
+        return bool(self.errors or self.fatal or (self.unfinished_round and not self.rounds))
 
     def as_json(self) -> dict[str, Any]:
         def r2(x: float | None) -> float | None:
@@ -100,6 +104,7 @@ class FanoutResult:
             "prompt_tokens": sum(r.prompt_tokens for r in self.rounds),
             "completion_tokens": sum(r.completion_tokens for r in self.rounds),
             "unfinished_round": self.unfinished_round,
+            "cut_runs_by_state": dict(sorted(self.cut_states.items())),
             "errors": self.errors,
             "first_errors": self.first_errors,
             "fatal": self.fatal,
@@ -151,6 +156,11 @@ async def _round(c: Client, plan: Fanout, deadline: float, result: FanoutResult)
     while pending:
         left = deadline - time.monotonic()
         if left <= 0:
+            try:
+                cut = (await _call(c, "status", {"handles": pending}))["runs"]
+                result.cut_states = dict(Counter(r["state"] for r in cut))
+            except _ToolError as exc:
+                result.error(str(exc))
             for handle in pending:  # not left running for whatever comes next
                 try:
                     await _call(c, "cancel", {"handle": handle})

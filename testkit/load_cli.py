@@ -166,11 +166,26 @@ def _fanout_table(r: FanoutResult) -> str:
         ("wall / slowest run, p50", str(j["wall_over_slowest_p50"])),
         ("turns, tool calls", f"{j['turns']}, {j['tool_calls']}"),
         ("prompt / completion tokens", f"{j['prompt_tokens']} / {j['completion_tokens']}"),
-        ("a round cut off at the end", "yes: runs cancelled" if j["unfinished_round"] else "no"),
+        ("a round cut off at the end", _cut(j)),
         ("errors", str(j["errors"])),
         *([("stopped by", str(j["fatal"]))] if j["fatal"] else []),
     ]
+    if j["unfinished_round"] and not j["rounds"]:
+        rows.append(("result", "no round ended within --minutes: nothing measured"))
     return _rows(rows, j["first_errors"])
+
+
+def _cut(j: dict[str, Any]) -> str:
+    if not j["unfinished_round"]:
+        return "no"
+    states = j["cut_runs_by_state"]
+    said = "yes: runs cancelled"
+    if states:
+        said += " (they were " + ", ".join(f"{k} {v}" for k, v in states.items()) + ")"
+    if states.get("AwaitingApproval"):
+        # helper-135: `delete_record` asks, and nothing here approves it.
+        said += "; a run awaiting approval waits for ever here: --tools without the tools that ask"
+    return said
 
 
 def _rows(rows: list[tuple[str, str]], errors: list[str]) -> str:

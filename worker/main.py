@@ -28,6 +28,7 @@ from temporalio.worker import Worker
 from activities import LlmActivities, ToolActivities
 from activities.mcp_pool import McpPool
 from luftpause import telemetry
+from luftpause._args import seconds
 from luftpause._process import freeze_heap
 from luftpause.config import Config, ConfigError, Temporal, load_config
 from workflows import AgentRun
@@ -106,10 +107,17 @@ async def _namespace_exists(client: Client, t: Temporal) -> None:
 
 
 def build_worker(
-    client: Client, *, task_queue: str, llm: LlmActivities, tools: ToolActivities
+    client: Client,
+    *,
+    task_queue: str,
+    llm: LlmActivities,
+    tools: ToolActivities,
+    shutdown_grace: timedelta = GRACEFUL_SHUTDOWN,
 ) -> Worker:
     """The worker for one task queue, with every workflow and activity registered (and
-    Temporal's tracing interceptor, when tracing is on)."""
+    Temporal's tracing interceptor, when tracing is on).  `shutdown_grace`: how long
+    its activities may go on after a stop before they are cancelled (a turn or tool
+    call cut so runs again from its start on the next worker)."""
     return Worker(
         client,
         task_queue=task_queue,
@@ -118,7 +126,7 @@ def build_worker(
         activities=[llm.llm_turn, llm.end_run, tools.list_tools, tools.call_tool],
         max_concurrent_activities=MAX_CONCURRENT_ACTIVITIES,
         sticky_queue_schedule_to_start_timeout=STICKY_TIMEOUT,
-        graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
+        graceful_shutdown_timeout=shutdown_grace,
     )
 
 
@@ -134,7 +142,12 @@ def gateway_client() -> httpx.AsyncClient:
     )
 
 
-async def serve(config: Config, token: str | None, stop: asyncio.Event) -> None:
+async def serve(
+    config: Config,
+    token: str | None,
+    stop: asyncio.Event,
+    shutdown_grace: timedelta = GRACEFUL_SHUTDOWN,
+) -> None:
     """Run the worker until `stop` is set, then hand over and close every connection.
     `config` already carries the environment's overrides (`load_config`); `token` is
     its `token` (or LUFTPAUSE_TOKEN), sent to the gateway."""
@@ -146,7 +159,13 @@ async def serve(config: Config, token: str | None, stop: asyncio.Event) -> None:
     pool = McpPool(config.mcp_servers)
     async with gateway_client() as http:
         llm = LlmActivities(http, base_url=config.gateway_url, token=token)
-        worker = build_worker(client, task_queue=t.task_queue, llm=llm, tools=ToolActivities(pool))
+        worker = build_worker(
+            client,
+            task_queue=t.task_queue,
+            llm=llm,
+            tools=ToolActivities(pool),
+            shutdown_grace=shutdown_grace,
+        )
         # A full collection stops the loop, and with it the workflow tasks and the
         # activities of every run this worker carries (luftpause._process.freeze_heap).
         log.info("%s", freeze_heap())
@@ -177,6 +196,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="path of luftpause.toml (default: $LUFTPAUSE_CONFIG or ./luftpause.toml)",
     )
     p.add_argument("--task-queue", help="override [temporal] task_queue")
+    p.add_argument(
+        "--shutdown-grace-s",
+        type=seconds,
+        default=GRACEFUL_SHUTDOWN.total_seconds(),
+        help="on SIGTERM, how long LLM turns and tool calls in flight may go on before "
+        "they are cancelled, to run again on the next worker (default %(default)g)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -207,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await serve(config, token, stop)
+        await serve(config, token, stop, timedelta(seconds=args.shutdown_grace_s))
 
     try:
         asyncio.run(main())

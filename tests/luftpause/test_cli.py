@@ -303,6 +303,7 @@ def test_a_stopping_gateway_lets_the_turns_in_flight_finish(tmp_path: Path) -> N
             "--minutes must be a finite number > 0, got nan",
         ),
         (("bench", "flood", "--minutes", "nan"), "--minutes, --engines and --time-scale must be"),
+        (("worker", "--shutdown-grace-s", "-1"), "expected finite seconds >= 0, got '-1'"),
         (  # a traceback
             ("fake-mcp", "--port", "9", "--counts-file", "/nonexistent/dir/counts.json"),
             "--counts-file /nonexistent/dir/counts.json: cannot write there (No such file",

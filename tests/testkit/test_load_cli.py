@@ -102,8 +102,10 @@ async def test_rounds_of_sub_agents_over_mcp(temporal_address: str) -> None:
         s.mcp.gate.clear()  # lookups hold until the gate opens: the runs cannot end
         cut = await run_fanout(slow, s.mcp_door)
         s.mcp.gate.set()
-        # (Reported apart, not a failure: a round --minutes cuts off is the usual end.)
-        assert cut.unfinished_round and not cut.failed and not cut.rounds
+        # (Reported apart, not a failure when rounds ended before it: a round --minutes
+        # cuts off is the usual end; with none, nothing was measured.)
+        assert cut.unfinished_round and cut.failed and not cut.rounds
+        assert cut.cut_states == {"Running": 2} and cut.errors == 0
         every = [wf.id async for wf in s.client.list_workflows(f"TaskQueue = '{s.task_queue}'")]
         states = sorted(st.state for st in await s.runs.wait(every, timeout=30))
         assert states == ["Cancelled"] * 2 + ["Completed"] * 8, states
@@ -198,3 +200,20 @@ async def test_scripted_tools_from_the_command_line() -> None:
         assert [m["role"] for m in last] == ["user"] + ["assistant", "user"] * (len(run) - 1)
         assert all(m["content"].startswith("Result of lookup: ") for m in last[2::2])
     assert len(lengths) > 1  # the runs that ended drew different numbers of calls
+
+
+def test_a_cut_round_says_what_its_runs_were_waiting_for() -> None:
+    # helper-135: up's banner ran every tool, delete_record asks for approval, nothing
+    # approves it: no round ever ended, and the table said only "runs cancelled", rc 0.
+    from testkit.fanout import FanoutResult
+    from testkit.load_cli import _fanout_table
+
+    cut = FanoutResult(fanout=4, unfinished_round=True)
+    cut.cut_states = {"AwaitingApproval": 2, "Running": 2}
+    table = _fanout_table(cut)
+    assert cut.failed
+    assert (
+        "runs cancelled (they were AwaitingApproval 2, Running 2); a run awaiting approval "
+        "waits for ever here: --tools without the tools that ask" in table
+    )
+    assert "no round ended within --minutes: nothing measured" in table
