@@ -118,9 +118,13 @@ _TRACE_CONTEXT = frozenset({b"traceparent", b"tracestate"})
 # that behind a router with such a policy a run's turns stay on the worker holding its
 # prefix, as luftpause keeps them on a replica.
 ROUTING_KEY_HEADERS = (b"x-smg-routing-key", b"x-session-id")
-# How often a streaming turn tells the core it is alive, at most: well inside the turn
-# timeout (a third of it, where the timeout is configured below 90 s).
-ALIVE_EVERY_S = 30.0
+# How often a streaming turn tells the core of its progress, at most: well inside the
+# turn timeout (a tenth of it, where the timeout is configured below 50 s).  Its cost is
+# one event per streaming turn per period.
+ALIVE_EVERY_S = 5.0
+# How long before the core's timeout (which comes at a tick, every 2 s) the proxy gives
+# up on a silent turn, at most: its report (the engine's fault or not) must come first.
+MARGIN_S = 1.0
 # luftpause's own 503 (no healthy replica for the model) says when to look again: the
 # next probe round.
 UNAVAILABLE_RETRY_AFTER_S = str(math.ceil(PROBE_PERIOD_S))
@@ -864,7 +868,10 @@ class TurnResponse(Response):
         come without a trace.  `awaited`: as `hold`'s."""
         super().__init__(status_code=200)
         self._idle = idle_timeout
-        self._alive_every = min(ALIVE_EVERY_S, idle_timeout / 3)
+        # How often a streaming turn tells the core of its progress, and how long
+        # before the core would time it out the proxy gives up on it (see `_pump`).
+        self._alive_every = min(ALIVE_EVERY_S, idle_timeout / 10)
+        self._margin = min(MARGIN_S, idle_timeout / 10)
         self._admitted = 0.0  # the loop's time when the core admitted the turn
         self._answered_by = answered_by or {}
         self._retry_after = retry_after
@@ -1001,7 +1008,7 @@ class TurnResponse(Response):
         try:
             # asyncio.timeout, not wait_for: no extra task per turn on the hot path.
             with leave:
-                async with asyncio.timeout(self._idle):
+                async with asyncio.timeout_at(self._admitted + self._idle - self._margin):
                     answer = await self._upstream.post(
                         url, body, headers, query=scope["query_string"]
                     )
@@ -1028,7 +1035,11 @@ class TurnResponse(Response):
         try:
             with leave:
                 ok = await self._pump(
-                    answer, send, hide_usage=body is t.usage_body, replica=replica
+                    answer,
+                    send,
+                    hide_usage=body is t.usage_body,
+                    replica=replica,
+                    into_room=into_room,
                 )
         except _ClientLeft:
             self._fail("client disconnected mid-stream", client_left=True)
@@ -1041,10 +1052,16 @@ class TurnResponse(Response):
             return
 
     async def _pump(
-        self, answer: UpstreamAnswer, send: Send, *, hide_usage: bool, replica: str
+        self,
+        answer: UpstreamAnswer,
+        send: Send,
+        *,
+        hide_usage: bool,
+        replica: str,
+        into_room: bool,
     ) -> bool:
         """Stream the engine's answer to the client; report its end.  False: the
-        engine failed mid-stream."""
+        engine failed mid-stream.  `into_room`: as `_sent_into_room` said."""
         t = self._turn
         media = answer.header(b"content-type") or b""
         encoded = (answer.header(b"content-encoding") or b"identity").lower() != b"identity"
@@ -1066,52 +1083,83 @@ class TurnResponse(Response):
         headers = [(k, v) for k, v in answer.headers if k not in drop]
         headers.append((_RUN_HEADER_BYTES, t.run_id.encode("latin-1")))
         await send({"type": "http.response.start", "status": answer.status, "headers": headers})
-        started = False
         loop = asyncio.get_running_loop()
-        # The core counts the turn's timeout from its admission: a first chunk later than
-        # a third of it (a long prefill, a queue in the engine) tells it at once.
-        alive_at, last_data = self._admitted, loop.time()
+        idle, margin = self._idle, self._margin
+        # The core times the turn out `idle` after it last heard it alive (its admission,
+        # at first), at its next tick; the proxy, which knows why a turn is silent,
+        # gives up `margin` before that, so that its report counts (the core ignores a
+        # turn's end once it has timed the turn out, and would not eject a hung engine).
+        # A watch every `alive_every` tells the core of progress since it last did:
+        # data from the engine (keep-alive comments and blanks are none: an engine
+        # that only pings is as stalled as a silent one), or a client taking its time
+        # to read it (a slow client is not an idle engine), one write at most `idle`.
+        alive_at = self._admitted
+        last_data = alive_at  # a head is no data: engines send it before they start
+        data = False  # any came
+        sending_since: float | None = None  # blocked writing to the client since then
+        watch_handle: asyncio.TimerHandle | None = None
+
+        def watch_alive() -> None:
+            nonlocal alive_at, watch_handle
+            if (last_data > alive_at or sending_since is not None) and not timer.expired():
+                alive_at = loop.time()
+                self._shell.apply(TurnAlive(now=self._clock(), turn_id=t.turn_id))
+                deadline = alive_at + idle - margin
+                if sending_since is not None:  # a write the client takes as long to read
+                    deadline = min(deadline, sending_since + idle - margin)
+                timer.reschedule(deadline)
+            watch_handle = loop.call_later(self._alive_every, watch_alive)
+
+        chunk = b""
         try:
-            # Only waiting on the engine counts: a slow client is not an idle engine.
-            async with asyncio.timeout(self._idle) as idle:
-                while chunk := await answer.read():
-                    idle.reschedule(None)
-                    carries = _carries(chunk)
-                    if not started:
-                        started = True
-                        self._shell.apply(TurnStarted(now=self._clock(), turn_id=t.turn_id))
-                    if not encoded:
-                        watch.feed(chunk)
-                    if answer.complete:
-                        break  # the rest has arrived too: this chunk ends the response
+            async with asyncio.timeout_at(alive_at + idle - margin) as timer:
+                watch_handle = loop.call_later(self._alive_every, watch_alive)
+                try:
+                    while chunk := await answer.read():
+                        now = loop.time()
+                        if _carries(chunk):
+                            last_data = now
+                            if not data:
+                                data = True
+                                self._shell.apply(TurnStarted(now=self._clock(), turn_id=t.turn_id))
+                        if not encoded:
+                            watch.feed(chunk)
+                        if answer.complete:
+                            break  # the rest has arrived too: this chunk ends the response
+                        if hide is not None:
+                            chunk = hide.filter(chunk)
+                        if chunk:
+                            sending_since = now
+                            await send(
+                                {"type": "http.response.body", "body": chunk, "more_body": True}
+                            )
+                            sending_since = None
                     if hide is not None:
-                        chunk = hide.filter(chunk)
-                    if chunk:
-                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                    now = loop.time()
-                    if carries:
-                        last_data = now
-                    # Keep-alive comments and blanks are no progress: an engine that
-                    # only pings is as stalled as a silent one.
-                    idle.reschedule(last_data + self._idle)
-                    if carries and now - alive_at >= self._alive_every:
-                        # The core frees the slot of a turn silent for its turn timeout;
-                        # a stream longer than that is no lost turn.
-                        alive_at = now
-                        self._shell.apply(TurnAlive(now=self._clock(), turn_id=t.turn_id))
+                        chunk = hide.filter(chunk, last=True)
+                    # One write less per turn when the last chunk carries the end (often
+                    # all of it).
+                    self._complete = True  # the engine is done: a client leaving now is no matter
+                    sending_since = loop.time()
+                    await send({"type": "http.response.body", "body": chunk, "more_body": False})
+                    sending_since = None
+                finally:
+                    watch_handle.cancel()
         except UpstreamError as exc:
             self._fail(f"engine failed mid-stream: {exc}", engine=True)
             self._remember(watch)
             return False
         except TimeoutError:
-            self._fail(f"engine stalled mid-stream: nothing for {self._idle:g} s", engine=True)
+            if sending_since is not None:
+                self._fail(f"client read nothing for {idle:g} s", client_left=True)
+            else:
+                # Before any data, a stream the engine may hold in its queue (sent past
+                # its room) is no fault of it, as no head is (`_sent_into_room`).
+                self._fail(
+                    f"engine stalled mid-stream: nothing for {idle:g} s",
+                    engine=data or into_room,
+                )
             self._remember(watch)
             return False
-        self._complete = True
-        if hide is not None:
-            chunk = hide.filter(chunk, last=True)
-        # One write less per turn when the last chunk carries the end (often all of it).
-        await send({"type": "http.response.body", "body": chunk, "more_body": False})
         if not encoded:
             watch.close()
         self._remember(watch)

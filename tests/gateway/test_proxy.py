@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import re
+import socket
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
@@ -41,7 +42,7 @@ import gateway._proxy as proxy_module
 from gateway._proxy import StreamWatch
 from gateway._shell import AdmissionShell
 from luftpause import telemetry
-from scheduler import Policy, RunPhase, ServiceClass
+from scheduler import Policy, RunPhase, ServiceClass, Tick
 from testkit.engine import EngineParams
 from testkit.fake_engine import EngineClock
 from testkit.loopback import serve
@@ -995,6 +996,196 @@ async def test_no_head_in_the_turn_timeout_counts_against_the_engine_only_where_
             assert ('luftpause_ejections_total{replica="a"} 1.0' in metrics) == ejected
         finally:
             released.set()
+
+
+@contextlib.asynccontextmanager
+async def ticking(shell: AdmissionShell) -> AsyncIterator[None]:
+    """The core's clock every 20 ms (the gateway's comes every 2 s): its turn timeout
+    comes as soon as it is due, not up to a tick later."""
+    loop = asyncio.get_running_loop()
+
+    async def tick() -> None:
+        while True:
+            await asyncio.sleep(0.02)  # a clock, not a synchronisation
+            shell.apply(Tick(now=loop.time()))
+
+    task = asyncio.create_task(tick())
+    try:
+        yield
+    finally:
+        task.cancel()
+
+
+@pytest.mark.parametrize(
+    ("slots", "ejected"), [(4, True), (None, False)], ids=["into its slots", "no load reported"]
+)
+async def test_a_head_with_nothing_after_it_counts_as_no_head(
+    slots: int | None, ejected: bool
+) -> None:
+    # helper-133: Python engines (vLLM, SGLang, the fake) send a stream's head before
+    # its first token, so a turn waiting in the engine's queue had its head and counted
+    # as stalled mid-stream: the engine's fault wherever the turn was sent.  Nor is a
+    # keep-alive comment its first byte.
+    released = asyncio.Event()
+
+    async def pings(scope: Scope, receive: Receive, send: Send) -> None:
+        if await answered_health(scope, send):
+            return
+        start = [(b"content-type", b"text/event-stream")]
+        await send({"type": "http.response.start", "status": 200, "headers": start})
+        await send({"type": "http.response.body", "body": b": ping\n\n", "more_body": True})
+        await released.wait()
+
+    policy = Policy(turn_timeout_s=0.5, eject_after_failures=1, eject_for_s=60)
+    async with (
+        serve(pings) as url,
+        gateway(endpoint("a", url, kind="openai", slots=slots), policy=policy) as (gw, shell),
+    ):
+        try:
+            got = b""
+            with pytest.raises(httpx.RemoteProtocolError):
+                async with gw.stream("POST", "/v1/chat/completions", json=chat(stream=True)) as r:
+                    async for chunk in r.aiter_raw():
+                        got += chunk
+            assert got == b": ping\n\n"  # what came, and no [DONE]
+            await until(lambda: not shell.state.turns, "the turn failed and freed its slot")
+            assert shell.state.replicas["a"].healthy != ejected
+            metrics = (await gw.get("/metrics")).text
+            assert ('luftpause_ejections_total{replica="a"} 1.0' in metrics) == ejected
+            outcome = "failed" if ejected else "error_status"  # (a failure not the engine's)
+            assert f'luftpause_turns_total{{outcome="{outcome}"}} 1.0' in metrics
+            assert 'luftpause_turn_first_byte_seconds_count{class="interactive"} 0.0' in metrics
+        finally:
+            released.set()
+
+
+async def test_an_engine_hung_mid_stream_is_reported_before_the_core_times_it_out() -> None:
+    # helper-133: the core times a turn out its turn timeout after it last heard the
+    # turn alive, the proxy gave up that long after the engine's last data, which came
+    # later: the core came first and ignored the proxy's report, so a hung engine was
+    # counted timed out and never ejected.
+    released = asyncio.Event()
+
+    async def hangs(scope: Scope, receive: Receive, send: Send) -> None:
+        if await answered_health(scope, send):
+            return
+        start = [(b"content-type", b"text/event-stream")]
+        await send({"type": "http.response.start", "status": 200, "headers": start})
+        delta = b'data: {"choices": [{"delta": {"content": "x"}}]}\n\n'
+        for _ in range(20):
+            await send({"type": "http.response.body", "body": delta, "more_body": True})
+            await asyncio.sleep(0.05)  # the engine's pace
+        await released.wait()  # hung
+
+    policy = Policy(turn_timeout_s=1.5, eject_after_failures=1, eject_for_s=60)
+    async with (
+        serve(hangs) as url,
+        gateway(endpoint("a", url, kind="openai"), policy=policy) as (gw, shell),
+        ticking(shell),
+    ):
+        try:
+            with pytest.raises(httpx.RemoteProtocolError):
+                async with gw.stream("POST", "/v1/chat/completions", json=chat(stream=True)) as r:
+                    async for _ in r.aiter_raw():
+                        pass
+            await until(lambda: not shell.state.turns, "the turn failed and freed its slot")
+            metrics = (await gw.get("/metrics")).text
+            assert 'luftpause_turns_total{outcome="timed_out"} 0.0' in metrics
+            assert 'luftpause_turns_total{outcome="failed"} 1.0' in metrics
+            assert 'luftpause_ejections_total{replica="a"} 1.0' in metrics
+            assert not shell.state.replicas["a"].healthy
+        finally:
+            released.set()
+
+
+def _big_stream(chunks: int) -> Any:
+    """An engine that streams `chunks` pieces of 64 KiB at once, then ends; it sets the
+    event it returns once the gateway has closed its request."""
+    closed = asyncio.Event()
+    piece = b'data: {"choices": [{"delta": {"content": "' + b"x" * 65_000 + b'"}}]}\n\n'
+
+    async def big(scope: Scope, receive: Receive, send: Send) -> None:
+        if await answered_health(scope, send):
+            return
+        start = [(b"content-type", b"text/event-stream")]
+        await send({"type": "http.response.start", "status": 200, "headers": start})
+        try:
+            for _ in range(chunks):
+                await send({"type": "http.response.body", "body": piece, "more_body": True})
+            end = b'data: {"choices": [{"delta": {}, "finish_reason": "stop"}]}\n\n'
+            await send({"type": "http.response.body", "body": end + b"data: [DONE]\n\n"})
+        finally:
+            closed.set()
+
+    big.closed = closed  # type: ignore[attr-defined]
+    return big
+
+
+async def _reader(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A client on a small receive buffer, its streamed turn sent: what the gateway
+    writes beyond a few megabytes waits until it reads."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+    reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 20)
+    body = json.dumps(chat(stream=True)).encode()
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    await writer.drain()
+    return reader, writer
+
+
+async def test_a_client_reading_slowly_keeps_its_turn() -> None:
+    # helper-133: the proxy told the core a stream was alive only between writes to
+    # the client, so one blocked on a slow client for the turn timeout was timed out
+    # by the core, its slot free while the engine still had it.  It reads nothing here
+    # for most of the timeout, then all.
+    big = _big_stream(256)  # 16 MiB: past what the sockets buffer
+    policy = Policy(turn_timeout_s=3.0)
+    async with (
+        serve(big) as url,
+        gateway(endpoint("a", url, kind="openai"), policy=policy) as (gw, shell),
+        ticking(shell),
+    ):
+        reader, writer = await _reader(str(gw.base_url).rstrip("/"))
+        try:
+            assert (await reader.readline()).startswith(b"HTTP/1.1 200")
+            await asyncio.sleep(2.2)  # the client's pause: most of the turn timeout
+            got = await asyncio.wait_for(reader.read(), 60)
+        finally:
+            writer.close()
+        assert got.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"), got[-80:]  # (chunked)
+        await until(lambda: not shell.state.turns, "the turn ended")
+        metrics = (await gw.get("/metrics")).text
+        assert 'luftpause_turns_total{outcome="timed_out"} 0.0' in metrics
+        assert 'luftpause_turns_total{outcome="finished"} 1.0' in metrics
+
+
+async def test_a_client_that_stops_reading_is_cut_and_frees_the_engine() -> None:
+    # ... but a client that reads nothing at all holds no engine for ever: it is cut,
+    # counted as a client that left (not the engine's fault), and the engine's request
+    # is closed.
+    big = _big_stream(256)
+    policy = Policy(turn_timeout_s=1.0, eject_after_failures=1)
+    async with (
+        serve(big) as url,
+        gateway(endpoint("a", url, kind="openai"), policy=policy) as (gw, shell),
+    ):
+        reader, writer = await _reader(str(gw.base_url).rstrip("/"))
+        try:
+            assert (await reader.readline()).startswith(b"HTTP/1.1 200")
+            await asyncio.wait_for(big.closed.wait(), 30)
+            await until(lambda: not shell.state.turns, "the turn ended")
+        finally:
+            writer.close()
+        metrics = (await gw.get("/metrics")).text
+        assert 'luftpause_engine_turns_total{outcome="client_left",replica="a"} 1.0' in metrics
+        assert 'luftpause_turns_total{outcome="timed_out"} 0.0' in metrics
+        assert shell.state.replicas["a"].healthy
 
 
 async def test_a_stream_longer_than_the_turn_timeout_keeps_its_slot() -> None:
