@@ -16,6 +16,7 @@ off, the turn does no span work at all.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -688,6 +689,16 @@ def _carries(chunk: bytes) -> bool:
     return bool(rest)
 
 
+async def _head_of_body(answer: UpstreamAnswer, limit: int = 2048) -> str:
+    """The start of an (error) answer's body, read for at most a second, for a log."""
+    got = b""
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(1.0):
+            while len(got) < limit and (piece := await answer.read()):
+                got += piece
+    return got[:limit].decode("utf-8", "replace") or "(no body)"
+
+
 def _loads(data: bytes) -> object:
     try:
         return json.loads(data)
@@ -1029,6 +1040,21 @@ class TurnResponse(Response):
         if (why := no_answer(answer.status, answer.header(b"location"))) is not None:
             answer.close()
             message = f"engine {replica}: {why}"
+            self._fail(message, engine=True)
+            await t.error(502, message)(scope, receive, send)
+            return
+        if answer.status == 401:
+            # The engine refused luftpause's own credentials (the client's never go
+            # upstream): passed on, the client would take its own key for wrong
+            # (helper-133).  Every turn there fails so: the engine's fault, toward
+            # ejecting it.  Its body is the operator's to read (it may quote the key).
+            said = await _head_of_body(answer)
+            answer.close()
+            log.warning("engine %s answered 401 to luftpause's key: %s", replica, said)
+            message = (
+                f"engine {replica}: refused luftpause's credentials for it (401); the "
+                "gateway's operator should check the endpoint's api_key_env"
+            )
             self._fail(message, engine=True)
             await t.error(502, message)(scope, receive, send)
             return

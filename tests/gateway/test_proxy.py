@@ -752,6 +752,38 @@ async def test_a_model_with_no_healthy_replica_is_503_at_once_not_a_hang() -> No
         assert not shell.state.turns
 
 
+@pytest.mark.parametrize("api", ["chat", "messages"])
+async def test_an_engine_refusing_the_gateways_key_is_a_502_not_the_clients_401(
+    api: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # helper-133: a hosted endpoint's 401 (its api_key_env wrong) went to the client as
+    # it was, who took its own key for wrong; and it never counted against the replica,
+    # which got every turn of the runs it placed.
+    def refuse(request: Request) -> Response:
+        body = b'{"error": {"message": "Incorrect API key provided: sk-ab***yz."}}'
+        return Response(body, 401, media_type="application/json")
+
+    app = upstream(refuse)
+    app.post("/v1/messages")(refuse)
+    policy = Policy(eject_after_failures=1, eject_for_s=60)
+    async with (
+        serve(app) as url,
+        gateway(endpoint("a", url, kind="openai", messages=True), policy=policy) as (gw, shell),
+    ):
+        path = "/v1/chat/completions" if api == "chat" else "/v1/messages"
+        r = await gw.post(path, json=chat(max_tokens=4))
+        assert r.status_code == 502
+        message = r.json()["error"]["message"]
+        assert message == (
+            "engine a: refused luftpause's credentials for it (401); the gateway's operator "
+            "should check the endpoint's api_key_env"
+        )
+        assert "sk-" not in r.text  # the engine's words are the operator's, in the log
+        assert "engine a answered 401 to luftpause's key: " in caplog.text
+        assert "Incorrect API key provided" in caplog.text
+        assert shell.state.replicas["a"].ejected_until is not None  # the engine's fault
+
+
 @pytest.mark.parametrize("status", [429, 503])
 async def test_engine_429_and_5xx_pass_through_with_retry_after(status: int) -> None:
     def busy(request: Request) -> Response:
