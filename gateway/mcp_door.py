@@ -535,15 +535,35 @@ def _causes(exc: BaseException | None) -> list[BaseException]:
 
 def _unavailable(exc: BaseException | None) -> str | None:
     """Why a tool could not do its work because Temporal or a tool server is down, or
-    None if that is not why it failed."""
+    Temporal's namespace is not set up for luftpause; None if that is not why it
+    failed."""
     for e in _causes(exc):
         down = (RPCStatusCode.UNAVAILABLE, RPCStatusCode.DEADLINE_EXCEEDED)
         if isinstance(e, RPCError) and e.status in down:
             # Connected once, gone since (the first connection's failure says the same).
             return f"{RUN_STORE_DOWN} is unreachable: {e.message}"
+        if isinstance(e, RPCError) and _unready(e):
+            # helper-135: a namespace misspelt, or made without the search attributes,
+            # was a bare "Error executing tool spawn" (the cause in the gateway's log).
+            return f"{RUN_STORE_DOWN} refused it: {e.message}: {NAMESPACE_SETUP}"
         if isinstance(e, ConnectionError) and str(e).startswith("mcp server "):
             return f"a tool server is unreachable: {e}"
     return None
+
+
+NAMESPACE_SETUP = (
+    "the namespace ([temporal] namespace) must exist and have luftpause's search "
+    "attributes (deploy/k8s/README.md, step 2)"
+)
+
+
+def _unready(e: RPCError) -> bool:
+    """Temporal's refusal for a namespace it lacks, or one without the search
+    attributes runs are listed by."""
+    text = e.message.lower()
+    if e.status == RPCStatusCode.NOT_FOUND:
+        return "namespace" in text
+    return e.status == RPCStatusCode.INVALID_ARGUMENT and "search attribute" in text
 
 
 class RunArgs(BaseModel):
@@ -766,12 +786,18 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
             nonlocal reported, beats
             beats = beats + 1 if ended == reported[0] else 0
             reported = (ended, loop.time())
+            # `run`'s own run named in each: the client has its handle before its end,
+            # to find it again if the call is cut (a gateway restart: helper-132).
+            named = f" (run {spawned})" if spawned is not None else ""
             with contextlib.suppress(Exception):
                 await ctx.report_progress(
                     ended + beats / (beats + 1),
-                    len(statuses),
-                    f"{ended} of {len(statuses)} runs ended",
+                    len(handles),
+                    f"{ended} of {len(handles)} runs ended{named}",
                 )
+
+        if spawned is not None:
+            await progress(0)
 
         while True:
             left = deadline - loop.time()
@@ -1046,6 +1072,15 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
         model: Annotated[
             str | None, Field(description="without handles: only runs of this model")
         ] = None,
+        allCallers: Annotated[
+            bool,
+            Field(
+                strict=True,
+                description="without handles: every caller's runs, not only yours (a "
+                "caller with a token of its own sees its own still); e.g. a run whose "
+                "`run` call a gateway restart cut, started from an MCP session gone since",
+            ),
+        ] = False,
     ) -> StatusResult:
         """Show runs: state, parent and children, usage of the run and its subtree,
         budget, and any approval it waits for."""
@@ -1059,12 +1094,12 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
                 "model": model,
             }
             if handles is None:
-                caller = caller_of(ctx, deps.token_identity)
+                caller = None if allCallers else caller_of(ctx, deps.token_identity)
                 handles = await r.list(caller=caller, **filters)
-            elif any(v is not None for v in filters.values()):
+            elif allCallers or any(v is not None for v in filters.values()):
                 raise ToolError(
-                    "state, root, parent, serviceClass and model filter the default list: "
-                    "give them without handles"
+                    "state, root, parent, serviceClass, model and allCallers filter the "
+                    "default list: give them without handles"
                 )
             statuses = await r.statuses(list(dict.fromkeys(handles)))  # each asked once
             return StatusResult(runs=[view(s) for s in _each(handles, statuses)])

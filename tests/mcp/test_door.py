@@ -899,6 +899,35 @@ async def test_a_long_await_sends_progress(temporal_address: str, mode: str) -> 
     assert progress[-1][2] == f"{int(counts[-1])} of 4 runs ended"
 
 
+async def test_a_run_call_names_its_run_at_once_and_another_session_can_find_it(
+    temporal_address: str,
+) -> None:
+    # helper-132: `run` gave its run's handle only at the run's end, and a legacy
+    # session's `status` listed only that session's runs: a `run` call a gateway
+    # restart cut left a run going that no MCP call could find, await or cancel.
+    progress: list[str | None] = []
+
+    async def on_progress(done: float, total: float | None, message: str | None) -> None:
+        progress.append(message)
+
+    async with (
+        stack(temporal_address) as s,
+        Client(s.mcp_door, mode="legacy") as c,
+        Client(s.mcp_door, mode="legacy") as other,  # another session: another caller
+    ):
+        args = {"task": task_with(1, "named"), "tools": ["lookup"]}
+        handle = result(await c.call_tool("run", args, progress_callback=on_progress))["handle"]
+        assert progress and progress[0] == f"0 of 1 runs ended (run {handle})", progress
+
+        async def listed(**filters: Any) -> set[str]:
+            return {r["handle"] for r in result(await other.call_tool("status", filters))["runs"]}
+
+        assert handle not in await listed()  # the default list is the session's own
+        await until(lambda: _covers(listed(allCallers=True), {handle}), "every caller's")
+        r = await other.call_tool("status", {"handles": [handle], "allCallers": True})
+        assert "allCallers filter the default list: give them without handles" in error_text(r)
+
+
 def test_a_carried_deadline_is_held_to_the_longest_wait() -> None:
     # 2026-07-28 clients hand request_state back: one that pushed the deadline out
     # would otherwise wait as long as it liked.
@@ -1201,6 +1230,18 @@ async def test_a_part_that_is_down_is_named_not_hidden_as_a_crash(temporal_addre
                 f"Error executing tool spawn: the run store (Temporal) at {nowhere} "
                 "([temporal] address, or LUFTPAUSE_TEMPORAL_ADDRESS) is unreachable: "
             ), r.content[0].text
+        # Temporal there, the namespace not (helper-135: a bare "Error executing tool").
+        port = free_port()
+        app = gateway_app(fakes.engines, temporal=temporal_address, namespace="typo-ns")
+        await es.enter_async_context(serve(app, port=port))
+        async with Client(f"http://127.0.0.1:{port}/mcp", mode="legacy") as c:
+            r = await c.call_tool("status", {})
+            assert r.is_error
+            assert r.content[0].text == (
+                "Error executing tool status: the run store (Temporal) refused it: Namespace "
+                "typo-ns is not found.: the namespace ([temporal] namespace) must exist and "
+                "have luftpause's search attributes (deploy/k8s/README.md, step 2)"
+            )
         # Temporal reached once, then gone (the dev server stopped).
         with tempfile.TemporaryDirectory() as tmp:
             server = DevServer(log_file=Path(tmp) / "temporal.log")
@@ -1236,6 +1277,30 @@ async def test_a_part_that_is_down_is_named_not_hidden_as_a_crash(temporal_addre
         assert r.is_error
         text = r.content[0].text
         assert text.startswith(f"Error executing tool spawn: {down}"), text
+
+
+def test_a_namespace_without_the_search_attributes_is_said_so() -> None:
+    # What Temporal answers a list by a search attribute the namespace never registered
+    # (made with `temporal operator namespace create` and no more).
+    from temporalio.service import RPCError, RPCStatusCode
+
+    from gateway.mcp_door import _unavailable
+
+    e = RPCError(
+        "Namespace bare has no mapping defined for search attribute LuftpauseState",
+        RPCStatusCode.INVALID_ARGUMENT,
+        b"",
+    )
+    assert _unavailable(RuntimeError("wrapped")) is None
+    cause = RuntimeError("the tool failed")
+    cause.__cause__ = e
+    said = _unavailable(cause)
+    assert said is not None and said.startswith(
+        "the run store (Temporal) refused it: Namespace bare has no mapping defined for "
+        "search attribute LuftpauseState: the namespace ([temporal] namespace) must exist"
+    )
+    other = RPCError("bad page token", RPCStatusCode.INVALID_ARGUMENT, b"")
+    assert _unavailable(other) is None  # another refusal stays a crash
 
 
 async def test_a_caller_cannot_take_every_mcp_session(

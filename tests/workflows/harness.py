@@ -265,9 +265,11 @@ def gateway_app(
     token: str | None = None,
     callers: list[dict[str, str]] | None = None,  # [[callers]]: name, token_env
     mcp_servers: Sequence[McpServer] = (),
+    namespace: str | None = None,
 ) -> Any:
     """A gateway over these engines (the first also serves /classify), with its MCP
-    door on `temporal`/`queue` and the fake MCP's tools when given."""
+    door on `temporal`/`queue` (and `namespace`, if not the default) and the fake MCP's
+    tools when given."""
     endpoints: list[dict[str, Any]] = [
         {"name": f"engine-{i}", "url": u, "kind": "sglang", "models": [MODEL]}
         for i, u in enumerate(engine_urls)
@@ -278,6 +280,8 @@ def gateway_app(
     data: dict[str, Any] = {"endpoints": endpoints}
     if temporal is not None:
         data["temporal"] = {"address": temporal, "task_queue": queue or "luftpause"}
+        if namespace is not None:
+            data["temporal"]["namespace"] = namespace
     if mcp_url is not None:
         more = [m.model_dump(exclude_defaults=True) for m in mcp_servers]
         data["mcp_servers"] = [{"name": "fake", "url": mcp_url}, *more]
