@@ -60,6 +60,16 @@ def no_answer(status: int, location: bytes | None) -> str | None:
     return None
 
 
+def credentials_refused(replica: str) -> str:
+    """What the client is told of an engine's 401: luftpause sends the engine its own
+    credentials, never the client's, so the refusal is the gateway's to fix (passed
+    on, the client would take its own key for wrong: helper-133)."""
+    return (
+        f"engine {replica}: refused luftpause's credentials for it (401); the gateway's "
+        "operator should check the endpoint's api_key_env"
+    )
+
+
 def no_answer_of(response: httpx.Response) -> str | None:
     """`no_answer` of an httpx response (the probe's, /v1/decide's, count_tokens')."""
     location = response.headers.get("location")

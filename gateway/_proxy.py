@@ -39,7 +39,14 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from activities._recover import recover_tool_calls
-from gateway._http import Upstream, UpstreamAnswer, UpstreamError, no_answer, wait_disconnect
+from gateway._http import (
+    Upstream,
+    UpstreamAnswer,
+    UpstreamError,
+    credentials_refused,
+    no_answer,
+    wait_disconnect,
+)
 from gateway._runtrace import RunSpans, TurnOutcome
 from gateway._shell import Admission, AdmissionShell, Awaited, Rejected, as_answered
 from gateway.prober import PROBE_PERIOD_S, auth_headers
@@ -1051,10 +1058,7 @@ class TurnResponse(Response):
             said = await _head_of_body(answer)
             answer.close()
             log.warning("engine %s answered 401 to luftpause's key: %s", replica, said)
-            message = (
-                f"engine {replica}: refused luftpause's credentials for it (401); the "
-                "gateway's operator should check the endpoint's api_key_env"
-            )
+            message = credentials_refused(replica)
             self._fail(message, engine=True)
             await t.error(502, message)(scope, receive, send)
             return
@@ -1125,15 +1129,19 @@ class TurnResponse(Response):
         sending_since: float | None = None  # blocked writing to the client since then
         watch_handle: asyncio.TimerHandle | None = None
 
+        def report_alive() -> None:
+            nonlocal alive_at
+            alive_at = loop.time()
+            self._shell.apply(TurnAlive(now=self._clock(), turn_id=t.turn_id))
+            deadline = alive_at + idle - margin
+            if sending_since is not None:  # a write the client takes as long to read
+                deadline = min(deadline, sending_since + idle - margin)
+            timer.reschedule(deadline)
+
         def watch_alive() -> None:
-            nonlocal alive_at, watch_handle
+            nonlocal watch_handle
             if (last_data > alive_at or sending_since is not None) and not timer.expired():
-                alive_at = loop.time()
-                self._shell.apply(TurnAlive(now=self._clock(), turn_id=t.turn_id))
-                deadline = alive_at + idle - margin
-                if sending_since is not None:  # a write the client takes as long to read
-                    deadline = min(deadline, sending_since + idle - margin)
-                timer.reschedule(deadline)
+                report_alive()
             watch_handle = loop.call_later(self._alive_every, watch_alive)
 
         chunk = b""
@@ -1148,6 +1156,10 @@ class TurnResponse(Response):
                             if not data:
                                 data = True
                                 self._shell.apply(TurnStarted(now=self._clock(), turn_id=t.turn_id))
+                            if now - alive_at >= self._alive_every and not timer.expired():
+                                # Data after a silence: told at once, not at the next
+                                # watch, which may come after the deadline (helper-137).
+                                report_alive()
                         if not encoded:
                             watch.feed(chunk)
                         if answer.complete:
@@ -1175,7 +1187,9 @@ class TurnResponse(Response):
             self._remember(watch)
             return False
         except TimeoutError:
-            if sending_since is not None:
+            if sending_since is not None and loop.time() - sending_since >= (idle - margin) / 2:
+                # (A deadline is the client's only once a write has waited that long:
+                # the watch keeps the engine's deadline past it while data flows.)
                 self._fail(f"client read nothing for {idle:g} s", client_left=True)
             else:
                 # Before any data, a stream the engine may hold in its queue (sent past

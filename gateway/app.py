@@ -43,7 +43,7 @@ from starlette.types import Receive, Scope, Send
 from temporalio.client import Client as TemporalClient
 
 from activities.mcp_pool import McpPool
-from gateway._http import Upstream, no_answer_of
+from gateway._http import Upstream, credentials_refused, no_answer_of
 from gateway._proxy import (
     TurnRequest,
     TurnResponse,
@@ -886,6 +886,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         why = no_answer_of(answer)
         if why is not None:
             return error_response(502, f"engine {target.name}: {why}", run_id, anthropic=True)
+        if answer.status_code == 401:  # to luftpause's own key, as a turn's (helper-137)
+            log.warning(
+                "engine %s answered 401 to luftpause's key: %s", target.name, answer.text[:2048]
+            )
+            return error_response(502, credentials_refused(target.name), run_id, anthropic=True)
         # The engine's headers as a turn's answer gets them (request-id, rate limits),
         # but its content-encoding: httpx has decoded the body.
         reply = Response(answer.content, answer.status_code)  # sets content-length only

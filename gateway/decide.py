@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import math
 import unicodedata
 import uuid
@@ -38,7 +39,12 @@ import httpx
 from starlette.responses import Response
 from starlette.types import Receive
 
-from gateway._http import describe_http_error, no_answer_of, wait_disconnect
+from gateway._http import (
+    credentials_refused,
+    describe_http_error,
+    no_answer_of,
+    wait_disconnect,
+)
 from gateway._proxy import (
     ENGINE_IDLE_TIMEOUT_S,
     UNAVAILABLE_RETRY_AFTER_S,
@@ -79,6 +85,8 @@ __all__ = [
     "run_turn",
     "score_labels",
 ]
+
+log = logging.getLogger(__name__)
 
 SYSTEM_PROMPT = "Answer with exactly one of the labels."
 MIN_LABELS, MAX_LABELS = 2, 20
@@ -404,8 +412,13 @@ def first_top_logprobs(answer: object) -> list[Any] | None:
 # --------------------------------------------------------------------------- upstream
 
 
-def passed_through(upstream: httpx.Response, run_id: str) -> Response:
-    """An engine's error answer, unchanged: status, body, content type, Retry-After."""
+def passed_through(upstream: httpx.Response, run_id: str, replica: str) -> Response:
+    """An engine's error answer, unchanged: status, body, content type, Retry-After;
+    but a 401, to luftpause's own credentials, is a 502 that says so (its body, which
+    may quote the key, goes to the log)."""
+    if upstream.status_code == 401:
+        log.warning("engine %s answered 401 to luftpause's key: %s", replica, upstream.text[:2048])
+        return error_response(502, credentials_refused(replica), run_id)
     headers = {RUN_HEADER: run_id}
     retry = upstream.headers.get("retry-after")
     if retry is not None:
@@ -446,7 +459,7 @@ async def classify(
     except httpx.HTTPError as exc:
         return error_response(502, f"engine {endpoint.name}: {describe_http_error(exc)}", run_id)
     if upstream.status_code >= 400:
-        return passed_through(upstream, run_id)
+        return passed_through(upstream, run_id, endpoint.name)
     try:
         first = upstream.json()["data"][0]
         label, probs = first["label"], first["probs"]
@@ -609,8 +622,9 @@ async def run_turn(
             fail(message, engine=True)
             return error_response(502, message, turn.run_id)
         if upstream.status_code >= 400:
-            fail(f"engine answered {upstream.status_code}", engine_fault(upstream.status_code))
-            return passed_through(upstream, turn.run_id)
+            status = upstream.status_code
+            fail(f"engine answered {status}", engine_fault(status) or status == 401)
+            return passed_through(upstream, turn.run_id, outcome)
         try:
             answer = upstream.json()
         except ValueError:

@@ -334,6 +334,31 @@ async def test_engine_errors_are_passed_through() -> None:
         assert not shell.state.turns and not shell.state.runs
 
 
+@pytest.mark.parametrize("kind", ["openai", "classifier"])
+async def test_an_engine_refusing_the_gateways_key_is_a_502(kind: str) -> None:
+    # helper-137: as a proxied turn's (a 401 is to luftpause's own credentials), for an
+    # LLM's label and for a classifier alike.
+    def refuse(request: Request) -> Response:
+        return Response('{"error": {"message": "Incorrect API key: sk-ab***yz"}}', 401)
+
+    app = upstream(refuse)
+    app.post("/classify")(refuse)
+    app.get("/health")(lambda: {})  # a classifier's probe
+    models = (CLF,) if kind == "classifier" else (MODEL,)
+    async with (
+        serve(app) as url,
+        gateway(endpoint("a", url, kind=kind, models=models)) as (gw, _),
+    ):
+        # (labels for a generative endpoint; a classifier has its own)
+        ask = {"input": "hm"} | ({"labels": ["a", "b"]} if kind == "openai" else {})
+        r = await gw.post("/v1/decide", json=ask)
+        assert r.status_code == 502 and "sk-" not in r.text
+        assert r.json()["error"]["message"] == (
+            "engine a: refused luftpause's credentials for it (401); the gateway's operator "
+            "should check the endpoint's api_key_env"
+        )
+
+
 async def test_a_redirect_or_an_answer_that_is_no_json_fails_the_turn_as_the_engines() -> None:
     # Taken as finished turns, neither counted toward ejecting the replica (as a
     # proxied turn's would).

@@ -765,6 +765,7 @@ async def test_an_engine_refusing_the_gateways_key_is_a_502_not_the_clients_401(
 
     app = upstream(refuse)
     app.post("/v1/messages")(refuse)
+    app.post("/v1/messages/count_tokens")(refuse)
     policy = Policy(eject_after_failures=1, eject_for_s=60)
     async with (
         serve(app) as url,
@@ -782,6 +783,11 @@ async def test_an_engine_refusing_the_gateways_key_is_a_502_not_the_clients_401(
         assert "engine a answered 401 to luftpause's key: " in caplog.text
         assert "Incorrect API key provided" in caplog.text
         assert shell.state.replicas["a"].ejected_until is not None  # the engine's fault
+        if api == "messages":  # count_tokens, which Claude Code calls, says the same
+            shell.apply(Tick(now=shell.state.replicas["a"].ejected_until + 1))  # back
+            counted = await gw.post("/v1/messages/count_tokens", json=chat())
+            assert counted.status_code == 502 and "sk-" not in counted.text
+            assert counted.json()["error"]["message"] == message
 
 
 @pytest.mark.parametrize("status", [429, 503])
@@ -1089,6 +1095,43 @@ async def test_a_head_with_nothing_after_it_counts_as_no_head(
             assert 'luftpause_turn_first_byte_seconds_count{class="interactive"} 0.0' in metrics
         finally:
             released.set()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_data_that_starts_late_in_the_turn_timeout_keeps_the_turn(stream: bool) -> None:
+    # helper-137: the watch that tells the core of progress came every tenth of the
+    # timeout, so data that began after the last watch before the deadline was cut as
+    # a stall (the replica ejected): a head sent early, then a long prefill.
+    async def late(scope: Scope, receive: Receive, send: Send) -> None:
+        if await answered_health(scope, send):
+            return
+        kind = b"text/event-stream" if stream else b"application/json"
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": [(b"content-type", kind)]}
+        )
+        await asyncio.sleep(1.7)  # the engine's prefill: most of the timeout
+        delta = b'data: {"choices": [{"delta": {"content": "x"}}]}\n\n'
+        whole = b'{"choices": [{"message": {"content": "' + b"x" * 200 + b'"}}]}'
+        pieces = [delta] * 20 if stream else [whole[i : i + 12] for i in range(0, 240, 12)]
+        for piece in pieces:  # then its answer, in pieces
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+            await asyncio.sleep(0.05)
+        end = b'data: {"choices": [{"delta": {}, "finish_reason": "stop"}]}\n\ndata: [DONE]\n\n'
+        await send({"type": "http.response.body", "body": end if stream else whole[240:]})
+
+    policy = Policy(turn_timeout_s=2.0, eject_after_failures=1, eject_for_s=60)
+    async with (
+        serve(late) as url,
+        gateway(endpoint("a", url, kind="openai", slots=4), policy=policy) as (gw, shell),
+        ticking(shell),
+    ):
+        r = await gw.post("/v1/chat/completions", json=chat(stream=stream))
+        assert r.status_code == 200
+        assert r.text.endswith("data: [DONE]\n\n") if stream else r.json()["choices"]
+        await until(lambda: not shell.state.turns, "the turn ended")
+        metrics = (await gw.get("/metrics")).text
+        assert 'luftpause_turns_total{outcome="finished"} 1.0' in metrics
+        assert shell.state.replicas["a"].healthy
 
 
 async def test_an_engine_hung_mid_stream_is_reported_before_the_core_times_it_out() -> None:
