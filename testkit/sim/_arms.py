@@ -9,6 +9,7 @@ iteration only; the real routers are measured in real time by `luftpause bench f
 from __future__ import annotations
 
 import math
+import zlib
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -203,6 +204,247 @@ class PriorityQueue(CacheAware):
                 self._dispatch(turn, e)
 
 
+@dataclass(slots=True)
+class _Program:
+    """A program (a run) as vllm-router's program scheduling keeps it."""
+
+    run_id: str
+    rank: int
+    context: int = 0  # its prompt tokens: grows at once, never shrinks here
+    active: bool = False  # holds logical capacity on its rank (else paused)
+    charged: int = 0  # its tokens in the rank's ledger while active
+    in_flight: int = 0
+    waiting: deque[Turn] | None = None  # its requests held for admission
+    last_finished: float = -math.inf
+    queued_at: float = 0.0
+    force_at: float = math.inf  # admitted past every gate but the engine's queue, then
+    ttl_at: float | None = None  # acting (between requests) until then
+    paused_at: float = 0.0
+    activated_at: float = 0.0
+    pause_when_idle: bool = False
+
+
+def _ring_hash(key: str) -> int:
+    return zlib.crc32(key.encode())
+
+
+class ProgramScheduling(Arm):
+    """An approximation of vllm-router's program-level scheduling (its opt-in
+    `--enable-program-scheduling`; `src/program_scheduling/` and
+    `docs/program_scheduling.md` of vllm-project/router, read 2026-12-06 as indexed:
+    PR #286, its Progress-TTL design), with `token_capacity_per_dp_rank` set to the
+    engine's KV pool, as a user running agents on it would set it:
+
+    - a program (a run) is bound to an engine by consistent hash of its id (160
+      virtual nodes per engine), for good;
+    - a paused program's request waits in the router until its engine admits the
+      program: not while the engine's last metrics (every second) showed a request
+      waiting, at most 64 active programs, and the rank's ledger plus the program's
+      tokens (prompt, plus 100 for the reply) within the capacity; the first that
+      passes in (forced after 300 s, most recently finished, first queued) order;
+    - an active program's next request goes at once, its growth charged;
+    - a program whose request ended is "acting" for a TTL fitted to the intervals
+      between a completion and the next request (at most 10 s and at most the cost of
+      a cache miss by its prefill model; none until 100 intervals are seen), then
+      paused: it gives its tokens back and holds nothing;
+    - above the capacity, active programs are paused (idle ones at once, others when
+      their request ends), the longest active first;
+    - no classes: interactive and batch programs are alike (its priority hint is
+      unused here, as no harness sends it).
+
+    Left out: its growth reserve and batch-gain admission (which roughly cancel: one
+    holds capacity back, the other admits past it), its queue timeout (600 s, a 429),
+    segment yields (after 14 rounds), cross-rank moves (off by default), and the KV
+    usage it reads from vLLM's metrics beside its own ledger."""
+
+    name = "program"
+    probe_period_s = 1.0  # metrics_interval_seconds
+    max_active = 64
+    waiting_threshold = 1
+    reply_tokens = 100  # decode_buffer_tokens
+    max_ttl_s = 10.0
+    window = 100
+    force_after_s = 300.0
+    release_after_s = 1800.0
+    vnodes = 160
+    # prefill_cost_model (intercept, per 1k tokens, per 1k² tokens, alpha): a miss's cost.
+    miss_cost = (0.0660, 0.05702, 0.0044057, 0.15)
+
+    def __init__(self, n_engines: int, send: Send, *, token_capacity: int | None) -> None:
+        super().__init__(n_engines, send)
+        self.capacity = token_capacity
+        self.ring = sorted(
+            (_ring_hash(f"engine-{e}#{v}"), e) for e in range(n_engines) for v in range(self.vnodes)
+        )
+        self.programs: dict[str, _Program] = {}
+        self.used = [0] * n_engines
+        self.active = [0] * n_engines
+        self.engine_waiting = [0] * n_engines  # at the last metrics
+        self.queues: list[dict[str, _Program]] = [{} for _ in range(n_engines)]
+        self.intervals: deque[float] = deque(maxlen=self.window)
+        self.completions: deque[int] = deque(maxlen=self.window)
+
+    def _bind(self, run_id: str) -> int:
+        h = _ring_hash(run_id)
+        for key, engine in self.ring:
+            if key >= h:
+                return engine
+        return self.ring[0][1]
+
+    def _tokens(self, p: _Program) -> int:
+        return p.context + self.reply_tokens
+
+    def _charge(self, p: _Program) -> None:
+        tokens = self._tokens(p)
+        self.used[p.rank] += tokens - p.charged
+        p.charged = tokens
+
+    def _pause(self, p: _Program, now: float) -> None:
+        if p.active:
+            self.used[p.rank] -= p.charged
+            self.active[p.rank] -= 1
+        p.active, p.charged, p.ttl_at, p.pause_when_idle = False, 0, None, False
+        p.paused_at = now
+
+    def _ttl(self, p: _Program) -> float:
+        """The acting TTL: the d that maximises P(T<d)·C − E[T; T<d] − d·P(T≥d) over
+        the intervals seen (C: a cache miss's cost), within min(10 s, C)."""
+        if len(self.intervals) < self.window:
+            return 0.0
+        a, b, q, alpha = self.miss_cost
+        k = p.context / 1000
+        c = (a + b * k + q * k * k) * (2 - alpha)
+        cap = min(self.max_ttl_s, c)
+        seen = sorted(self.intervals)
+        best, best_u = 0.0, 0.0
+        for d in [t for t in seen if t <= cap] + [cap]:
+            below = [t for t in seen if t < d]
+            u = len(below) * c - sum(below) - d * (len(seen) - len(below))
+            if u > best_u:
+                best, best_u = d, u
+        return best
+
+    def _gate(self, p: _Program, now: float) -> bool:
+        r = p.rank
+        if self.engine_waiting[r] >= self.waiting_threshold:
+            return False  # (forced or not)
+        if p.force_at <= now:
+            return True
+        if self.active[r] + 1 > self.max_active:
+            return False
+        return self.capacity is None or self.used[r] + self._tokens(p) <= self.capacity
+
+    def _schedule(self, rank: int, now: float) -> None:
+        queue = self.queues[rank]
+        while queue:
+            order = sorted(
+                queue.values(),
+                key=lambda p: (p.force_at > now, -p.last_finished, p.queued_at, p.run_id),
+            )
+            chosen = next((p for p in order if self._gate(p, now)), None)
+            if chosen is None:
+                return
+            del queue[chosen.run_id]
+            chosen.active, chosen.activated_at = True, now
+            self.active[rank] += 1
+            self._charge(chosen)
+            assert chosen.waiting is not None
+            while chosen.waiting:
+                chosen.in_flight += 1
+                self._dispatch(chosen.waiting.popleft(), rank)
+
+    def _repair(self, rank: int, now: float) -> None:
+        """Above the capacity: pause active programs, idle ones at once, the others
+        when their request ends, until the ledger and the replies due fit."""
+        if self.capacity is None:
+            return
+        mine = [p for p in self.programs.values() if p.active and p.rank == rank]
+        reasoning = sum(1 for p in mine if p.in_flight)
+        avg_reply = sum(self.completions) / len(self.completions) if self.completions else 0
+        projected = self.used[rank] + avg_reply * reasoning
+        projected -= sum(p.charged for p in mine if p.pause_when_idle)
+        for p in sorted(mine, key=lambda p: (p.activated_at, p.run_id)):
+            if projected <= self.capacity:
+                return
+            if p.pause_when_idle:
+                continue
+            projected -= p.charged
+            if p.in_flight:
+                p.pause_when_idle = True
+            else:
+                self._pause(p, now)
+
+    def _decide(self, now: float, ranks: Sequence[int] | None = None) -> None:
+        for p in list(self.programs.values()):
+            if p.active and p.ttl_at is not None and p.ttl_at <= now:
+                self._pause(p, now)
+            elif (
+                not p.active
+                and not p.in_flight
+                and not p.waiting
+                and now - p.paused_at >= self.release_after_s
+            ):
+                del self.programs[p.run_id]
+        for r in range(self.n) if ranks is None else ranks:
+            self._repair(r, now)
+            self._schedule(r, now)
+
+    def arrive(self, turn: Turn, now: float) -> None:
+        p = self.programs.get(turn.run_id)
+        if p is None:
+            p = self.programs[turn.run_id] = _Program(turn.run_id, self._bind(turn.run_id))
+        if p.last_finished > -math.inf:
+            self.intervals.append(now - p.last_finished)
+        p.context = max(p.context, turn.prompt_tokens)
+        if p.active:
+            p.ttl_at, p.pause_when_idle = None, False  # acting no more
+            self._charge(p)
+            p.in_flight += 1
+            self._dispatch(turn, p.rank)
+            return
+        if not p.waiting:
+            p.waiting = deque()
+            p.queued_at, p.force_at = now, now + self.force_after_s
+            self.queues[p.rank][p.run_id] = p
+        p.waiting.append(turn)
+        self._decide(now, (p.rank,))
+
+    def finished(
+        self,
+        turn: Turn,
+        engine: int,
+        now: float,
+        *,
+        tool_calls: bool,
+        prompt: int,
+        output: int,
+        cached: int = 0,
+    ) -> None:
+        super().finished(turn, engine, now, tool_calls=tool_calls, prompt=prompt, output=output)
+        p = self.programs[turn.run_id]
+        p.in_flight -= 1
+        p.last_finished = now
+        self.completions.append(output)
+        p.context = max(p.context, prompt)
+        if p.active:
+            self._charge(p)
+        if p.active and not p.in_flight and not p.waiting:
+            # Acting: its next request (after the tool call) goes at once within the
+            # TTL.  The router does not know whether the run ended (the HTTP path
+            # never ends a program): an ended run is paused at its TTL too.
+            ttl = self._ttl(p)
+            if p.pause_when_idle or ttl <= 0:
+                self._pause(p, now)
+            else:
+                p.ttl_at = now + ttl
+        self._decide(now, (p.rank,))
+
+    def probe(self, now: float, engine: int, queued: int, running: int) -> None:
+        self.engine_waiting[engine] = queued
+        if engine == self.n - 1:
+            self._decide(now)
+
+
 class Luftpause(Arm):
     """The real scheduler core, seeing the engines as the gateway does: a probe every
     2 s with the engine's queued/running counts at that moment, plus turn events."""
@@ -309,4 +551,4 @@ class Luftpause(Arm):
             self._apply(Tick(now=now))
 
 
-ARMS: Sequence[str] = ("luftpause", "direct", "round_robin", "cache_aware", "priority")
+ARMS: Sequence[str] = ("luftpause", "direct", "round_robin", "cache_aware", "priority", "program")

@@ -26,8 +26,9 @@ from testkit.sim._run import Scenario, simulate, simulate_fanout
 
 APPROXIMATION_NOTE = (
     "direct, round_robin, cache_aware and priority are approximations of the SGLang "
-    "router and SMG policies, for fast iteration only; the real routers are measured "
-    "in real time by `luftpause bench flood|light|routing`."
+    "router and SMG policies, program of vllm-router's program-level scheduling, for "
+    "fast iteration only; the SGLang router and SMG are measured in real time by "
+    "`luftpause bench flood|light|routing` (vllm-router is not)."
 )
 # The reference arms run under each of these and keep the better result, so that P
 # and W are measured against the best the engines do alone, not a weak baseline.

@@ -25,6 +25,7 @@ from testkit.sim._arms import (
     Direct,
     Luftpause,
     PriorityQueue,
+    ProgramScheduling,
     RoundRobin,
     Send,
     Turn,
@@ -469,6 +470,9 @@ def make_arm(name: str, scenario: Scenario, send: Send) -> Arm:
             slots=scenario.engine.max_running_requests if scenario.slots_known else None,
             prompt_estimate=scenario.prompt_estimate,
         )
+    if name == "program":
+        # token_capacity_per_dp_rank: the KV pool, as vllm-router's docs have it set.
+        return ProgramScheduling(n, send, token_capacity=scenario.engine.kv_pool_tokens)
     arms: dict[str, type[Arm]] = {
         "direct": Direct,
         "round_robin": RoundRobin,
@@ -476,7 +480,7 @@ def make_arm(name: str, scenario: Scenario, send: Send) -> Arm:
         "priority": PriorityQueue,
     }
     if name not in arms:
-        raise ValueError(f"unknown arm {name!r}; known: luftpause, {', '.join(arms)}")
+        raise ValueError(f"unknown arm {name!r}; known: luftpause, program, {', '.join(arms)}")
     return arms[name](n, send)
 
 

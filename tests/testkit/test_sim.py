@@ -8,6 +8,7 @@ import subprocess
 import sys
 from dataclasses import replace
 from itertools import pairwise
+from typing import Any
 
 import pytest
 
@@ -57,7 +58,9 @@ def test_flood_reports_p_and_w_against_the_reference_arms(flood: dict) -> None: 
 
 
 def test_light_load_makes_the_policy_irrelevant() -> None:
-    report = compare(SCENARIOS["light"], ["luftpause", "direct", "round_robin", "cache_aware"])
+    report = compare(
+        SCENARIOS["light"], ["luftpause", "direct", "round_robin", "cache_aware", "program"]
+    )
     for key in ("interactive_runs_per_min", "batch_runs_per_min"):
         values = [arm[key] for arm in report["arms"].values()]
         print(key, values)
@@ -361,3 +364,65 @@ def test_interactive_runs_may_begin_with_another_harness_prefix() -> None:
                     prompt_blocks=((1, 0),), prompt_tokens=16, max_tokens=8)  # fmt: skip
         arm.arrive(turn, 0.0)
     assert arm.state.turns["interactive"].model == "m-i" and arm.state.turns["batch"].model == "m"
+
+
+def _program_arm(capacity: int | None) -> tuple[Any, list[tuple[str, int]]]:
+    from testkit.sim._arms import ProgramScheduling
+
+    sent: list[tuple[str, int]] = []
+    arm = ProgramScheduling(
+        2, lambda turn, e: sent.append((turn.turn_id, e)), token_capacity=capacity
+    )
+    return arm, sent
+
+
+def _turn(tid: str, run: str, prompt: int) -> Any:
+    from testkit.sim._arms import Turn
+
+    return Turn(tid, run, ServiceClass.BATCH, "c", (), prompt, 256)
+
+
+def _same_engine_runs(arm: Any, n: int) -> list[str]:
+    """n run ids the arm's hash ring binds to engine 0."""
+    return [r for r in (f"run{i}" for i in range(1000)) if arm._bind(r) == 0][:n]
+
+
+def test_the_program_arm_binds_runs_and_admits_them_within_the_rank_capacity() -> None:
+    # vllm-router's program scheduling as the arm approximates it (its docstring).
+    arm, sent = _program_arm(1000)
+    assert {arm._bind(f"run{i}") for i in range(50)} == {0, 1}  # spread by hash
+    a, b, c = _same_engine_runs(arm, 3)
+    arm.arrive(_turn("a1", a, 800), 0.0)  # 800 + 100 of 1000: admitted
+    arm.arrive(_turn("b1", b, 300), 0.1)  # 900 + 400 over 1000: waits in the router
+    assert sent == [("a1", 0)]
+    arm.arrive(_turn("a2", a, 850), 0.2)  # an active program's request goes at once
+    assert sent[-1] == ("a2", 0) and arm.used[0] == 950
+    arm.finished(_turn("a1", a, 800), 0, 1.0, tool_calls=True, prompt=800, output=10)
+    assert sent[-1] == ("a2", 0)  # a2 still runs: a stays active, b waits
+    # a's last request ends: with no 100 intervals seen, no TTL, so a is paused at
+    # once (its tokens given back) and b is admitted.
+    arm.finished(_turn("a2", a, 850), 0, 2.0, tool_calls=True, prompt=850, output=10)
+    assert sent[-1] == ("b1", 0) and arm.used[0] == 400 and not arm.programs[a].active
+    # A request waiting in the engine (its last metrics) holds every admission there.
+    arm.probe(3.0, 0, 2, 5)
+    arm.probe(3.0, 1, 0, 0)
+    arm.arrive(_turn("c1", c, 10), 3.5)
+    arm.arrive(_turn("a3", a, 900), 3.6)
+    assert sent[-1] == ("b1", 0)
+    arm.probe(4.0, 0, 0, 5)  # no queue there any more: the most recently finished first
+    arm.probe(4.0, 1, 0, 0)
+    assert sent[-1] == ("c1", 0)  # a (900 + 100) does not fit beside b; c does
+    arm.finished(_turn("b1", b, 300), 0, 5.0, tool_calls=False, prompt=300, output=10)
+    assert sent[-1] == ("c1", 0)  # a still does not fit beside c (110)
+    arm.finished(_turn("c1", c, 10), 0, 6.0, tool_calls=False, prompt=10, output=10)
+    assert sent[-1] == ("a3", 0)
+
+
+def test_the_program_arm_keeps_no_class_apart() -> None:
+    # No interactive class: in the flood it lands with the routers, far from luftpause.
+    report = compare(SCENARIOS["flood"], ["luftpause", "program"])
+    lp, prog = report["arms"]["luftpause"], report["arms"]["program"]
+    print(json.dumps(prog, indent=1))
+    assert lp["interactive_runs"] > 1.5 * prog["interactive_runs"]
+    assert prog["batch_runs"] > lp["batch_runs"]
+    assert prog["runs_that_moved"] == 0  # bound for good
