@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import os
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from anthropic import AsyncAnthropic
@@ -94,12 +95,20 @@ async def agent_loop(client: AsyncAnthropic, task: str, model: str) -> str:
     raise RuntimeError(f"no answer after {MAX_TURNS} turns")
 
 
+def _base_url(env: Mapping[str, str]) -> str:
+    """LUFTPAUSE_ANTHROPIC_BASE_URL, else the other examples' LUFTPAUSE_BASE_URL without
+    its /v1 (the Anthropic SDK adds /v1/messages itself), else the default."""
+    if url := env.get("LUFTPAUSE_ANTHROPIC_BASE_URL"):
+        return url
+    if url := env.get("LUFTPAUSE_BASE_URL"):
+        return url.rstrip("/").removesuffix("/v1")
+    return BASE_URL
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("task", nargs="?", default="What does luftpause do between turns?")
-    parser.add_argument(
-        "--base-url", default=os.environ.get("LUFTPAUSE_ANTHROPIC_BASE_URL", BASE_URL)
-    )
+    parser.add_argument("--base-url", default=_base_url(os.environ))
     parser.add_argument("--token", default=os.environ.get("LUFTPAUSE_TOKEN"))
     parser.add_argument(
         "--class",

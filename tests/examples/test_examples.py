@@ -186,3 +186,15 @@ async def test_the_anthropic_example_runs_its_loop_on_the_messages_door(
         await harness.until(
             lambda: not shell.state.turns and run_id not in shell.state.runs, "run ended"
         )
+
+
+def test_the_anthropic_example_takes_the_other_examples_base_url() -> None:
+    # helper-135: examples/README.md says every example's --base-url defaults from
+    # LUFTPAUSE_BASE_URL; this one read only its own variable and went to :8080.
+    example = _load("anthropic_loop", ROOT / "examples" / "anthropic_loop.py")
+    base = example._base_url
+    assert base({"LUFTPAUSE_BASE_URL": "http://h:9/v1"}) == "http://h:9"
+    assert base({"LUFTPAUSE_BASE_URL": "http://h:9/v1/"}) == "http://h:9"
+    both = {"LUFTPAUSE_BASE_URL": "http://h:9/v1", "LUFTPAUSE_ANTHROPIC_BASE_URL": "http://a:1"}
+    assert base(both) == "http://a:1"
+    assert base({}) == "http://127.0.0.1:8080"
