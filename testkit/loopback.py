@@ -95,7 +95,8 @@ def serve_until_signalled(
 ) -> None:
     """Serve `app` with uvicorn in this process until SIGINT or SIGTERM, then return
     normally (exit status 0): the fakes' `--port` mode.  `started` is called once the
-    port is bound (a port in use exits 1 with uvicorn's error, and no "serving on")."""
+    port is bound (a port in use exits non-zero, 3, with uvicorn's error and no
+    "serving on")."""
 
     class _Server(uvicorn.Server):
         async def startup(self, sockets: Any = None) -> None:

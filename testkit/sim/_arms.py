@@ -254,8 +254,10 @@ class ProgramScheduling(Arm):
 
     Left out: its growth reserve and batch-gain admission (which roughly cancel: one
     holds capacity back, the other admits past it), its queue timeout (600 s, a 429),
-    segment yields (after 14 rounds), cross-rank moves (off by default), and the KV
-    usage it reads from vLLM's metrics beside its own ledger."""
+    segment yields (after 14 rounds), cross-rank moves (off by default), the KV usage
+    it reads from vLLM's metrics beside its own ledger, and the shared prefix it takes
+    off a program's tokens: here a prefix the runs share is counted in each (under
+    `--shared-prefix-chars` the arm holds back programs an engine has room for)."""
 
     name = "program"
     probe_period_s = 1.0  # metrics_interval_seconds
@@ -318,7 +320,7 @@ class ProgramScheduling(Arm):
         seen = sorted(self.intervals)
         best, best_u = 0.0, 0.0
         for d in [t for t in seen if t <= cap] + [cap]:
-            below = [t for t in seen if t < d]
+            below = [t for t in seen if t <= d]  # (a TTL of d keeps an interval of d)
             u = len(below) * c - sum(below) - d * (len(seen) - len(below))
             if u > best_u:
                 best, best_u = d, u

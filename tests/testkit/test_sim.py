@@ -426,3 +426,19 @@ def test_the_program_arm_keeps_no_class_apart() -> None:
     assert lp["interactive_runs"] > 1.5 * prog["interactive_runs"]
     assert prog["batch_runs"] > lp["batch_runs"]
     assert prog["runs_that_moved"] == 0  # bound for good
+
+
+def test_the_program_arm_fits_its_acting_ttl_to_the_intervals_seen() -> None:
+    # helper-138: an interval equal to the TTL tried was counted a miss, so the TTL
+    # was 0 or the cap where a short one paid.  A cache miss costs about 2 s here.
+    from testkit.sim._arms import _Program
+
+    arm, _ = _program_arm(None)
+    p = _Program("r", 0, context=10_000)
+    assert arm._ttl(p) == 0.0  # no 100 intervals seen yet
+    arm.intervals.extend([0.5] * 50 + [100.0] * 50)
+    assert arm._ttl(p) == 0.5
+    arm.intervals.extend([0.3] * 70 + [5.0] * 30)
+    assert arm._ttl(p) == 0.3
+    arm.intervals.extend([3.0] * 100)  # every call longer than a miss costs: none
+    assert arm._ttl(p) == 0.0
