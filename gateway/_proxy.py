@@ -684,16 +684,26 @@ def _error_text(error: object, fallback: object = None) -> str:
     return str(message or fallback or error)[:200]
 
 
+# Anthropic's keep-alive, an event of its own (its streaming reference): sent while a
+# request waits, it is no more progress than a comment.
+_PING_EVENT = re.compile(rb'event: ?ping\r?\ndata: ?\{"type": ?"ping"\}\r?\n')
+
+
 def _carries(chunk: bytes) -> bool:
-    """Whether a piece of an answer carries more than keep-alives: SSE comments (`: ping`)
-    and blank lines, or whitespace in a JSON body."""
+    """Whether a piece of an answer carries more than keep-alives: SSE comments (`: ping`),
+    Anthropic's `ping` events and blank lines, or whitespace in a JSON body."""
     rest = chunk.lstrip()
-    while rest.startswith(b":"):  # a comment line; what follows it may be an event
-        end = rest.find(b"\n")
-        if end < 0:
-            return False
-        rest = rest[end + 1 :].lstrip()
-    return bool(rest)
+    while rest:
+        if rest.startswith(b":"):  # a comment line; what follows it may be an event
+            end = rest.find(b"\n")
+            if end < 0:
+                return False
+            rest = rest[end + 1 :].lstrip()
+        elif rest.startswith(b"event: ping") and (ping := _PING_EVENT.match(rest)):
+            rest = rest[ping.end() :].lstrip()
+        else:
+            return True
+    return False
 
 
 async def _head_of_body(answer: UpstreamAnswer, limit: int = 2048) -> str:

@@ -2156,7 +2156,11 @@ async def test_a_json_answer_that_is_no_json_object_fails_the_turn_on_the_engine
         assert shell.state.replicas["a"].failures == 1  # the engine's fault
 
 
-async def test_an_engine_that_only_pings_is_stalled() -> None:
+@pytest.mark.parametrize(
+    "ping", [b": ping\n\n", b'event: ping\ndata: {"type": "ping"}\n\n'], ids=["comment", "event"]
+)
+async def test_an_engine_that_only_pings_is_stalled(ping: bytes) -> None:
+    # (Anthropic's keep-alive is an event of its own: it kept a stalled stream open.)
     released = asyncio.Event()
 
     async def pinging(scope: Scope, receive: Receive, send: Send) -> None:
@@ -2166,7 +2170,7 @@ async def test_an_engine_that_only_pings_is_stalled() -> None:
         await send({"type": "http.response.start", "status": 200, "headers": start})
         await send({"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True})
         while not released.is_set():
-            await send({"type": "http.response.body", "body": b": ping\n\n", "more_body": True})
+            await send({"type": "http.response.body", "body": ping, "more_body": True})
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(released.wait(), 0.1)  # the engine's pace
 
@@ -2198,3 +2202,8 @@ def test_keep_alives_are_told_from_data() -> None:
     assert proxy_module._carries(b': ping\n\ndata: {"x": 1}\n\n')
     assert proxy_module._carries(b"data: {}\n\n")
     assert proxy_module._carries(b'{"choices"')
+    ping = b'event: ping\ndata: {"type": "ping"}\n\n'
+    assert not proxy_module._carries(ping)
+    assert not proxy_module._carries(ping.replace(b"\n", b"\r\n") + b": x\n\n" + ping)
+    assert proxy_module._carries(ping + b'event: message_start\ndata: {"type": "x"}\n\n')
+    assert proxy_module._carries(b'event: ping_pong\ndata: {"type": "ping_pong"}\n\n')
