@@ -208,6 +208,7 @@ class StreamWatch:
         self._fast = sse and not tools
         self._buffer = bytearray()
         self._too_big = False
+        self.overflowed = False  # a line (or body) too long to read was passed over
         # The answer's text, only while tools were offered: a JSON body's message, or the
         # raw SSE events that carry content from where a call may begin (parsed only if
         # the answer ends in "stop"): a call written as text either starts the text
@@ -260,7 +261,7 @@ class StreamWatch:
         else:
             limit = _MAX_JSON_BODY
         if len(self._buffer) > limit:
-            self._too_big = True
+            self._too_big = self.overflowed = True
             self._buffer = bytearray()
 
     def close(self) -> None:
@@ -295,7 +296,7 @@ class StreamWatch:
                 if isinstance(e, dict) and isinstance(e.get("type"), str) and e["type"] != "error"
             ),
             None,
-        )
+        ) or next(filter(None, map(_code_type, (error, *more))), None)
 
     def _line(self, line: bytes) -> None:
         line = line.rstrip(b"\r")
@@ -512,12 +513,18 @@ class ResponsesWatch(StreamWatch):
         b"response.output_item.done",
         b'"error"',
     )
+    # Whether the answer ended as the API ends one (a final event, an error, a JSON
+    # body): a stream closed before is no finished turn (helper-140).
+    ended = False
 
     def _inspect(self, obj: object) -> None:
         if not isinstance(obj, dict):
             return
         kind = obj.get("type")
+        if kind in _RESPONSE_ENDS or not self._sse:
+            self.ended = True
         if kind == "error" or (kind is None and obj.get("error") is not None):
+            self.ended = True
             if self._sse and self.error is None:
                 fallback = obj.get("message") or obj.get("code") or "error"
                 self._failed(obj.get("error"), fallback, obj)
@@ -657,6 +664,48 @@ _REQUEST_TYPES = frozenset(
 )
 
 
+# OpenAI's error codes of a failed response (`response.failed`, or a stream's `error`
+# event; the Responses API reference, openai-python's ResponseError): strings, which
+# name a status only by what they say.  A rate limit or quota says busy; the rest but
+# server_error are about the request (helper-140: a context too long ejected the
+# replica for every caller).  Unknown codes stay the engine's.
+_BUSY_CODES = frozenset({"rate_limit_exceeded", "insufficient_quota", "vector_store_timeout"})
+_REQUEST_CODES = frozenset(
+    {
+        "context_length_exceeded",
+        "invalid_prompt",
+        "data_residency_mismatch",
+        "bio_policy",
+        "misalignment_policy_violation",
+        "invalid_image",
+        "invalid_image_format",
+        "invalid_base64_image",
+        "invalid_image_url",
+        "image_too_large",
+        "image_too_small",
+        "image_parse_error",
+        "image_content_policy_violation",
+        "invalid_image_mode",
+        "image_file_too_large",
+        "unsupported_image_media_type",
+        "empty_image_file",
+        "failed_to_download_image",
+        "image_file_not_found",
+    }
+)
+
+
+def _code_type(error: object) -> str | None:
+    """The error type an OpenAI error `code` stands for, as `stream_error_is_engines`
+    reads types (None: no such code)."""
+    code = error.get("code") if isinstance(error, dict) else None
+    if code in _BUSY_CODES:
+        return "rate_limit_error"
+    if code in _REQUEST_CODES:
+        return "invalid_request_error"
+    return None
+
+
 def stream_error_is_engines(status: int | None, kind: str | None) -> bool:
     """Whether an error event inside a 200 stream counts as the engine failing (toward
     ejecting it): unless it says the engine is busy, or is an Anthropic-style error
@@ -689,10 +738,30 @@ def _error_text(error: object, fallback: object = None) -> str:
 _PING_EVENT = re.compile(rb'event: ?ping\r?\ndata: ?\{"type": ?"ping"\}\r?\n')
 
 
-def _carries(chunk: bytes) -> bool:
+# The Responses API's first events, which vLLM sends before the request is scheduled
+# (serving_responses.py): no sign that the engine generates (helper-140).
+_RESPONSE_LIFECYCLE = (
+    b"event: response.created",
+    b"event: response.in_progress",
+    b"event: response.queued",
+)
+
+
+def _carries(chunk: bytes, sse: bool = True, line_start: bool = True) -> bool:
     """Whether a piece of an answer carries more than keep-alives: SSE comments (`: ping`),
-    Anthropic's `ping` events and blank lines, or whitespace in a JSON body."""
-    rest = chunk.lstrip()
+    Anthropic's `ping` events, a Responses stream's lifecycle events and blank lines, or
+    whitespace in a JSON body.  `line_start`: the piece begins a line (the one before
+    ended with one); else its first line goes on the one before, taken for data (a
+    piece may begin at a JSON colon: helper-139)."""
+    if not sse:
+        return bool(chunk.strip())
+    rest = chunk
+    if not line_start:
+        end = rest.find(b"\n")
+        if rest[: end if end >= 0 else len(rest)].strip():
+            return True
+        rest = rest[end + 1 :] if end >= 0 else b""
+    rest = rest.lstrip()
     while rest:
         if rest.startswith(b":"):  # a comment line; what follows it may be an event
             end = rest.find(b"\n")
@@ -701,6 +770,11 @@ def _carries(chunk: bytes) -> bool:
             rest = rest[end + 1 :].lstrip()
         elif rest.startswith(b"event: ping") and (ping := _PING_EVENT.match(rest)):
             rest = rest[ping.end() :].lstrip()
+        elif rest.startswith(_RESPONSE_LIFECYCLE):
+            ended = _EVENT_END.search(rest)
+            if ended is None:
+                return False  # the rest of the event comes in the next piece
+            rest = rest[ended.end() :].lstrip()
         else:
             return True
     return False
@@ -1155,13 +1229,16 @@ class TurnResponse(Response):
             watch_handle = loop.call_later(self._alive_every, watch_alive)
 
         chunk = b""
+        line_start = True  # the piece read next begins a line
         try:
             async with asyncio.timeout_at(alive_at + idle - margin) as timer:
                 watch_handle = loop.call_later(self._alive_every, watch_alive)
                 try:
                     while chunk := await answer.read():
                         now = loop.time()
-                        if _carries(chunk):
+                        carries = _carries(chunk, sse, line_start)
+                        line_start = chunk.endswith(b"\n")
+                        if carries:
                             last_data = now
                             if not data:
                                 data = True
@@ -1182,6 +1259,8 @@ class TurnResponse(Response):
                                 {"type": "http.response.body", "body": chunk, "more_body": True}
                             )
                             sending_since = None
+                            if alive_at > now:  # told during the write, whose limit
+                                timer.reschedule(alive_at + idle - margin)  # lapses now
                     if hide is not None:
                         chunk = hide.filter(chunk, last=True)
                     # One write less per turn when the last chunk carries the end (often
@@ -1222,6 +1301,15 @@ class TurnResponse(Response):
             return True
         if watch.shapeless:
             self._fail(f"engine answered {answer.status} without a JSON object", engine=True)
+            return True
+        if (
+            isinstance(watch, ResponsesWatch)
+            and sse
+            and not encoded
+            and not (watch.ended or watch.overflowed)  # (one too long to read may end it)
+        ):
+            # Every Responses client takes it for a failure, and retries (Codex).
+            self._fail("engine ended the stream before response.completed", engine=True)
             return True
         self._end(
             TurnFinished(

@@ -1109,7 +1109,9 @@ async def test_data_that_starts_late_in_the_turn_timeout_keeps_the_turn(stream: 
         await send(
             {"type": "http.response.start", "status": 200, "headers": [(b"content-type", kind)]}
         )
-        await asyncio.sleep(1.7)  # the engine's prefill: most of the timeout
+        # The engine's prefill: past the last watch before the proxy's deadline (4.5 s),
+        # with 0.3 s to spare under load.
+        await asyncio.sleep(4.2)
         delta = b'data: {"choices": [{"delta": {"content": "x"}}]}\n\n'
         whole = b'{"choices": [{"message": {"content": "' + b"x" * 200 + b'"}}]}'
         pieces = [delta] * 20 if stream else [whole[i : i + 12] for i in range(0, 240, 12)]
@@ -1119,7 +1121,7 @@ async def test_data_that_starts_late_in_the_turn_timeout_keeps_the_turn(stream: 
         end = b'data: {"choices": [{"delta": {}, "finish_reason": "stop"}]}\n\ndata: [DONE]\n\n'
         await send({"type": "http.response.body", "body": end if stream else whole[240:]})
 
-    policy = Policy(turn_timeout_s=2.0, eject_after_failures=1, eject_for_s=60)
+    policy = Policy(turn_timeout_s=5.0, eject_after_failures=1, eject_for_s=60)
     async with (
         serve(late) as url,
         gateway(endpoint("a", url, kind="openai", slots=4), policy=policy) as (gw, shell),
@@ -1238,6 +1240,49 @@ async def test_a_client_reading_slowly_keeps_its_turn() -> None:
         metrics = (await gw.get("/metrics")).text
         assert 'luftpause_turns_total{outcome="timed_out"} 0.0' in metrics
         assert 'luftpause_turns_total{outcome="finished"} 1.0' in metrics
+
+
+async def test_a_client_that_reads_again_late_in_a_write_leaves_the_engine_its_deadline() -> None:
+    # helper-139: a write blocked on the client cut the proxy's deadline to the write's
+    # own limit; the client read again in the last watch period before that limit, the
+    # write ended, the deadline stayed, and it fired while the engine streamed: the
+    # engine's fault, the replica ejected.
+    async def engine_app(scope: Scope, receive: Receive, send: Send) -> None:
+        if await answered_health(scope, send):
+            return
+        start = [(b"content-type", b"text/event-stream")]
+        await send({"type": "http.response.start", "status": 200, "headers": start})
+        piece = b'data: {"choices": [{"delta": {"content": "' + b"x" * 65_000 + b'"}}]}\n\n'
+        for _ in range(256):  # 16 MiB at once: the write to the client blocks
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+        delta = b'data: {"choices": [{"delta": {"content": "x"}}]}\n\n'
+        for _ in range(150):  # then the engine's pace, past the write's limit
+            await send({"type": "http.response.body", "body": delta, "more_body": True})
+            await asyncio.sleep(0.02)
+        end = b'data: {"choices": [{"delta": {}, "finish_reason": "stop"}]}\n\n'
+        await send({"type": "http.response.body", "body": end + b"data: [DONE]\n\n"})
+
+    # A write may wait 19 s, and the watch comes every 2 s from the head (the write
+    # starts with it); the client reads again after 18.5 s, in the last watch period
+    # before the write's limit, with half a second to spare either way.
+    policy = Policy(turn_timeout_s=20.0, eject_after_failures=1, eject_for_s=60)
+    async with (
+        serve(engine_app) as url,
+        gateway(endpoint("a", url, kind="openai"), policy=policy) as (gw, shell),
+        ticking(shell),
+    ):
+        reader, writer = await _reader(str(gw.base_url).rstrip("/"))
+        try:
+            assert (await reader.readline()).startswith(b"HTTP/1.1 200")
+            await asyncio.sleep(18.5)  # the client's pause
+            got = await asyncio.wait_for(reader.read(), 60)
+        finally:
+            writer.close()
+        assert got.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"), got[-80:]
+        await until(lambda: not shell.state.turns, "the turn ended")
+        metrics = (await gw.get("/metrics")).text
+        assert 'luftpause_turns_total{outcome="finished"} 1.0' in metrics
+        assert shell.state.replicas["a"].healthy
 
 
 async def test_a_client_that_stops_reading_is_cut_and_frees_the_engine() -> None:

@@ -11,7 +11,7 @@ import openai
 import pytest
 from fastapi import Request
 from fastapi.responses import StreamingResponse
-from harness import MODEL, RUN, endpoint, engine, gateway, models_only, tool_task
+from harness import MODEL, RUN, endpoint, engine, gateway, models_only, tool_task, until
 from openai.types.responses import Response as OpenAIResponse
 
 from gateway._proxy import ResponsesWatch
@@ -281,3 +281,94 @@ async def test_an_error_in_a_200_stream_fails_the_turn_as_the_engines_fault() ->
         assert 'luftpause_turns_total{outcome="failed"} 1.0' in (await gw.get("/metrics")).text
         assert shell.state.replicas["a"].failures == 1
         assert not shell.state.turns
+
+
+def _stream_of(*events: dict[str, Any]) -> Any:
+    """A /v1/responses engine that streams these events, each with its `event:` line."""
+
+    def answer(request: Request) -> StreamingResponse:
+        async def lines() -> Any:
+            for e in events:
+                yield f"event: {e['type']}\ndata: {json.dumps(e)}\n\n"
+
+        return StreamingResponse(lines(), media_type="text/event-stream")
+
+    return answer
+
+
+_CREATED = {"type": "response.created", "response": {"status": "in_progress"}}
+_CALL = {
+    "type": "response.output_item.done",
+    "item": {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+}
+
+
+@pytest.mark.parametrize(
+    ("events", "outcome", "engines"),
+    [
+        (  # helper-140: a request's error, in OpenAI's words, ejected the replica
+            [
+                _CREATED,
+                {
+                    "type": "response.failed",
+                    "response": {
+                        "status": "failed",
+                        "error": {"code": "context_length_exceeded", "message": "too long"},
+                    },
+                },
+            ],
+            "error_status",
+            False,
+        ),
+        (  # a rate limit, flat
+            [_CREATED, {"type": "error", "code": "rate_limit_exceeded", "message": "slow down"}],
+            "error_status",
+            False,
+        ),
+        (  # the engine's own
+            [_CREATED, {"type": "error", "code": "server_error", "message": "boom"}],
+            "failed",
+            True,
+        ),
+        (  # closed before its end: every Responses client takes it for a failure
+            [_CREATED, _CALL],
+            "failed",
+            True,
+        ),
+    ],
+    ids=["context too long", "rate limited", "server error", "no final event"],
+)
+async def test_how_a_responses_stream_ends_says_whose_fault_it_is(
+    events: list[dict[str, Any]], outcome: str, engines: bool
+) -> None:
+    app = models_only()
+    app.post("/v1/responses")(_stream_of(*events))
+    async with (
+        serve(app) as url,
+        gateway(endpoint("a", url, kind="openai", responses=True)) as (gw, shell),
+    ):
+        r = await gw.post("/v1/responses", json={"model": MODEL, "input": "hi", "stream": True})
+        assert r.status_code == 200
+        await until(lambda: not shell.state.turns, "the turn ended")
+        metrics = (await gw.get("/metrics")).text
+        assert f'luftpause_turns_total{{outcome="{outcome}"}} 1.0' in metrics
+        assert shell.state.replicas["a"].failures == (1 if engines else 0)
+
+
+def test_a_responses_streams_first_events_are_no_sign_of_generation() -> None:
+    # helper-140: vLLM sends response.created and .in_progress before it schedules the
+    # request: taken for data, a turn in its queue looked started (and a stall then
+    # counted against the engine wherever it was sent).
+    from gateway._proxy import _carries
+
+    created = b'event: response.created\ndata: {"type": "response.created"}\n\n'
+    progress = b'event: response.in_progress\ndata: {"type": "response.in_progress"}\n\n'
+    delta = b'event: response.output_text.delta\ndata: {"delta": "x"}\n\n'
+    assert not _carries(created) and not _carries(created + progress)
+    assert not _carries(b'event: response.created\ndata: {"type": "resp')  # cut: the rest next
+    assert _carries(created + delta)
+    # helper-139: a piece that goes on a line is data, even from a JSON colon.
+    assert _carries(b': [{"delta": {"content": "x"}}]}\n\n', True, False)
+    assert not _carries(b': [{"delta": {"content": "x"}}]}\n\n', True, True)  # a comment
+    assert not _carries(b"\n: ping\n\n", True, False)  # the line before ended here
+    assert not _carries(b"  \n ", False) and _carries(b": 1}", False)  # a JSON body
