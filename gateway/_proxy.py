@@ -493,6 +493,8 @@ class MessagesWatch(StreamWatch):
             self.prompt_tokens = self._input + self._cache_read + self._cache_write
 
 
+# A response id kept for its run at most this long (vLLM's are resp_ and 32 hex digits).
+RESPONSE_ID_MAX_CHARS = 256
 # The events of an OpenAI Responses stream that end it, with the whole response.
 _RESPONSE_ENDS = frozenset({"response.completed", "response.incomplete", "response.failed"})
 
@@ -516,6 +518,9 @@ class ResponsesWatch(StreamWatch):
     # Whether the answer ended as the API ends one (a final event, an error, a JSON
     # body): a stream closed before is no finished turn (helper-140).
     ended = False
+    # The response's id, which a client that chains with previous_response_id names
+    # in its next turn (the run's, remembered as its call ids are).
+    response_id: str | None = None
 
     def _inspect(self, obj: object) -> None:
         if not isinstance(obj, dict):
@@ -537,6 +542,8 @@ class ResponsesWatch(StreamWatch):
             response = obj  # a JSON body
         if not isinstance(response, dict):
             return
+        if isinstance(response.get("id"), str):
+            self.response_id = response["id"][:RESPONSE_ID_MAX_CHARS]
         status = response.get("status")
         if status == "failed" and self._sse and self.error is None:
             self._failed(response.get("error"), "the response failed")
@@ -1324,10 +1331,19 @@ class TurnResponse(Response):
         return True
 
     def _remember(self, watch: StreamWatch) -> None:
-        if watch.tool_call_ids:
+        ids = watch.tool_call_ids
+        if isinstance(watch, ResponsesWatch) and watch.response_id:
+            ids = [*ids, response_key(watch.response_id)]
+        if ids:
             self._shell.remember_tool_calls(
-                self._turn.run_id, self._turn.caller, watch.tool_call_ids, self._clock()
+                self._turn.run_id, self._turn.caller, ids, self._clock()
             )
+
+
+def response_key(response_id: str) -> str:
+    """A Responses answer's id as the run memory keeps it beside call ids (a prefix no
+    call id the engines make has)."""
+    return f"response\x00{response_id}"
 
 
 # --------------------------------------------------------------------------- tracing

@@ -49,6 +49,7 @@ from gateway._proxy import (
     TurnResponse,
     dropped_upstream,
     error_response,
+    response_key,
 )
 from gateway._runtrace import RunSpans
 from gateway._shell import AdmissionShell, Awaited
@@ -738,6 +739,14 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                 echoed = _ECHOED[api](messages)
                 run_id = rt.shell.run_for_tool_calls(caller, echoed, now)
             joined_by = "tool_calls" if run_id else "new"
+        previous = body.get("previous_response_id") if api == "responses" else None
+        if not run_id and not aside and isinstance(previous, str):
+            # A chain by the id of the run's last answer (the Agents SDK's, and any
+            # Responses client that lets the server keep the conversation): the engine
+            # that stored it is the run's (helper-140: a new run went anywhere, to an
+            # engine that answered 404 for the id).
+            run_id = rt.shell.run_for_tool_calls(caller, [response_key(previous)], now)
+            joined_by = "previous_response" if run_id else "new"
         if run_id and who.tenant is not None and anothers(rt.shell, run_id, caller):
             # A caller's token may not join (and so take over) another caller's run.
             # Nothing awaits from here to the arrival (TurnResponse -> hold ->
@@ -747,6 +756,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                 "header": f"named by {RUN_HEADER}",
                 "session": "named by the session header",
                 "tool_calls": "found by the tool call ids this request echoes",
+                "previous_response": "found by its previous_response_id",
             }[joined_by]
             message = (
                 f"run '{run_id}' ({how}) is another caller's; a caller's token joins "

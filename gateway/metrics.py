@@ -326,7 +326,8 @@ class GatewayMetrics:
         # session header, the tool calls it echoed, or nothing (a run of its own).
         self.turn_runs = Counter(
             "luftpause_turn_runs",
-            "Turns that arrived, by what named their run: header, session, tool_calls, new",
+            "Turns that arrived, by what named their run: header, session, tool_calls, "
+            "previous_response, new",
             ["by"],
             registry=self.registry,
         )

@@ -10,8 +10,18 @@ from typing import Any
 import openai
 import pytest
 from fastapi import Request
-from fastapi.responses import StreamingResponse
-from harness import MODEL, RUN, endpoint, engine, gateway, models_only, tool_task, until
+from fastapi.responses import JSONResponse, StreamingResponse
+from harness import (
+    CALLER,
+    MODEL,
+    RUN,
+    endpoint,
+    engine,
+    gateway,
+    models_only,
+    tool_task,
+    until,
+)
 from openai.types.responses import Response as OpenAIResponse
 
 from gateway._proxy import ResponsesWatch
@@ -372,3 +382,44 @@ def test_a_responses_streams_first_events_are_no_sign_of_generation() -> None:
     assert not _carries(b': [{"delta": {"content": "x"}}]}\n\n', True, True)  # a comment
     assert not _carries(b"\n: ping\n\n", True, False)  # the line before ended here
     assert not _carries(b"  \n ", False) and _carries(b": 1}", False)  # a JSON body
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_chain_by_previous_response_id_is_one_run(stream: bool) -> None:
+    # helper-140: a Responses client that lets the engine keep the conversation names
+    # the last answer's id; its next turn was a new run, placed anywhere, and an engine
+    # without the answer refused the chain.
+    made = iter(range(1, 100))
+
+    def storing(request: Request) -> Any:  # an engine that keeps responses (vLLM's store)
+        done = {"id": f"resp_{next(made)}", "object": "response", "status": "completed"}
+        done |= {"output": [], "usage": {"input_tokens": 5, "output_tokens": 1}}
+        if not stream:
+            return JSONResponse(done)
+        return _stream_of(
+            {"type": "response.created", "response": {**done, "status": "in_progress"}},
+            {"type": "response.completed", "response": done},
+        )(request)
+
+    app = models_only()
+    app.post("/v1/responses")(storing)
+    async with (
+        serve(app) as url,
+        gateway(endpoint("a", url, kind="openai", responses=True)) as (gw, _),
+    ):
+        ask = {"model": MODEL, "input": "hi", "stream": stream}
+        first = await gw.post("/v1/responses", json=ask)
+        assert first.status_code == 200 and "resp_1" in first.text
+        run = first.headers[RUN]
+        chained = {**ask, "input": "and then?", "previous_response_id": "resp_1"}
+        second = await gw.post("/v1/responses", json=chained)
+        assert second.status_code == 200 and second.headers[RUN] == run
+        metrics = (await gw.get("/metrics")).text
+        assert 'luftpause_turn_runs_total{by="previous_response"} 1.0' in metrics
+        # Another caller naming the id is no turn of that run (ids are a caller's).
+        other = await gw.post("/v1/responses", json=chained, headers={CALLER: "someone-else"})
+        assert other.status_code == 200 and other.headers[RUN] != run
+        # An id never given, or not a string, names no run.
+        for previous in ("resp_unknown", 7):
+            r = await gw.post("/v1/responses", json={**ask, "previous_response_id": previous})
+            assert r.headers[RUN] != run
