@@ -706,6 +706,8 @@ def _code_type(error: object) -> str | None:
     """The error type an OpenAI error `code` stands for, as `stream_error_is_engines`
     reads types (None: no such code)."""
     code = error.get("code") if isinstance(error, dict) else None
+    if not isinstance(code, str):
+        return None  # (a number is `_error_status`'s; an object or list, nobody's)
     if code in _BUSY_CODES:
         return "rate_limit_error"
     if code in _REQUEST_CODES:
@@ -740,9 +742,8 @@ def _error_text(error: object, fallback: object = None) -> str:
     return str(message or fallback or error)[:200]
 
 
-# Anthropic's keep-alive, an event of its own (its streaming reference): sent while a
-# request waits, it is no more progress than a comment.
-_PING_EVENT = re.compile(rb'event: ?ping\r?\ndata: ?\{"type": ?"ping"\}\r?\n')
+# Anthropic's keep-alive is an event of its own (`event: ping`, its streaming
+# reference): sent while a request waits, it is no more progress than a comment.
 
 
 # The Responses API's first events, which vLLM sends before the request is scheduled
@@ -754,37 +755,80 @@ _RESPONSE_LIFECYCLE = (
 )
 
 
-def _carries(chunk: bytes, sse: bool = True, line_start: bool = True) -> bool:
-    """Whether a piece of an answer carries more than keep-alives: SSE comments (`: ping`),
-    Anthropic's `ping` events, a Responses stream's lifecycle events and blank lines, or
-    whitespace in a JSON body.  `line_start`: the piece begins a line (the one before
-    ended with one); else its first line goes on the one before, taken for data (a
-    piece may begin at a JSON colon: helper-139)."""
-    if not sse:
-        return bool(chunk.strip())
-    rest = chunk
-    if not line_start:
-        end = rest.find(b"\n")
-        if rest[: end if end >= 0 else len(rest)].strip():
-            return True
-        rest = rest[end + 1 :] if end >= 0 else b""
-    rest = rest.lstrip()
-    while rest:
-        if rest.startswith(b":"):  # a comment line; what follows it may be an event
-            end = rest.find(b"\n")
-            if end < 0:
-                return False
-            rest = rest[end + 1 :].lstrip()
-        elif rest.startswith(b"event: ping") and (ping := _PING_EVENT.match(rest)):
-            rest = rest[ping.end() :].lstrip()
-        elif rest.startswith(_RESPONSE_LIFECYCLE):
-            ended = _EVENT_END.search(rest)
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+
+
+class _Progress:
+    """Which pieces of an answer carry progress, piece by piece as they are read (a
+    piece may end anywhere): not SSE comments (`: ping`), Anthropic's `ping` events, a
+    Responses stream's lifecycle events or blank lines, nor a JSON body's whitespace.
+    A piece that goes on a line begun before is data unless that line is a keep-alive's
+    (helper-139: a piece may begin at a JSON colon; helper-141: a keep-alive split
+    across pieces)."""
+
+    __slots__ = ("_cr", "_line_start", "_skip", "_sse")
+
+    def __init__(self, sse: bool, line_start: bool = True) -> None:
+        self._sse = sse
+        self._line_start = line_start  # the next piece begins a line
+        self._cr = False  # the last piece ended in CR (its LF may begin the next)
+        self._skip: str | None = None  # "line" or "event": a keep-alive's rest comes first
+
+    def carries(self, chunk: bytes) -> bool:
+        if not self._sse:
+            return bool(chunk.strip())
+        line_start, cr = self._line_start, self._cr
+        self._line_start, self._cr = chunk.endswith((b"\n", b"\r")), chunk.endswith(b"\r")
+        rest = chunk[1:] if cr and chunk.startswith(b"\n") else chunk
+        skip, self._skip = self._skip, None
+        if skip == "event":  # the rest of a keep-alive event, to its blank line
+            blank = _LINE_END.match(rest) if line_start else None
+            ended = blank or _EVENT_END.search(rest)
             if ended is None:
-                return False  # the rest of the event comes in the next piece
-            rest = rest[ended.end() :].lstrip()
-        else:
-            return True
-    return False
+                self._skip = "event"
+                return False
+            rest = rest[ended.end() :]
+        elif skip == "line" or not line_start:  # the rest of a line begun before
+            ended = _LINE_END.search(rest)
+            if skip is None and rest[: ended.start() if ended else len(rest)].strip():
+                return True  # data goes on
+            if ended is None:
+                self._skip = skip
+                return False
+            rest = rest[ended.end() :]
+        return self._lines(rest.lstrip())
+
+    def _lines(self, rest: bytes) -> bool:
+        while rest:
+            if rest.startswith(b":"):  # a comment line; what follows it may be an event
+                ended = _LINE_END.search(rest)
+                if ended is None:
+                    self._skip = "line"
+                    return False
+                rest = rest[ended.end() :].lstrip()
+            elif rest.startswith((b"event: ping", *_RESPONSE_LIFECYCLE)) and _keep_alive(rest):
+                ended = _EVENT_END.search(rest)
+                if ended is None:
+                    self._skip = "event"
+                    return False
+                rest = rest[ended.end() :].lstrip()
+            else:
+                return True
+        return False
+
+
+def _keep_alive(event: bytes) -> bool:
+    """Whether an event that begins so is a keep-alive: a Responses lifecycle event, or
+    one named exactly `ping` (whose data is `{"type": "ping"}`)."""
+    if not event.startswith(b"event: ping"):
+        return True
+    line = _LINE_END.search(event)
+    return line is None or event[: line.start()].rstrip() == b"event: ping"
+
+
+def _carries(chunk: bytes, sse: bool = True, line_start: bool = True) -> bool:
+    """`_Progress(sse, line_start).carries(chunk)`: one piece, on its own."""
+    return _Progress(sse, line_start).carries(chunk)
 
 
 async def _head_of_body(answer: UpstreamAnswer, limit: int = 2048) -> str:
@@ -1236,16 +1280,14 @@ class TurnResponse(Response):
             watch_handle = loop.call_later(self._alive_every, watch_alive)
 
         chunk = b""
-        line_start = True  # the piece read next begins a line
+        progress = _Progress(sse)
         try:
             async with asyncio.timeout_at(alive_at + idle - margin) as timer:
                 watch_handle = loop.call_later(self._alive_every, watch_alive)
                 try:
                     while chunk := await answer.read():
                         now = loop.time()
-                        carries = _carries(chunk, sse, line_start)
-                        line_start = chunk.endswith(b"\n")
-                        if carries:
+                        if progress.carries(chunk):
                             last_data = now
                             if not data:
                                 data = True
@@ -1331,6 +1373,9 @@ class TurnResponse(Response):
         return True
 
     def _remember(self, watch: StreamWatch) -> None:
+        run = self._shell.state.runs.get(self._turn.run_id)
+        if run is None or run.ended:
+            return  # ended meanwhile (DELETE /v1/runs): its ids name nothing (helper-141)
         ids = watch.tool_call_ids
         if isinstance(watch, ResponsesWatch) and watch.response_id:
             ids = [*ids, response_key(watch.response_id)]

@@ -2240,6 +2240,34 @@ async def test_an_engine_that_only_pings_is_stalled(ping: bytes) -> None:
             released.set()
 
 
+@pytest.mark.parametrize("code", [{"status": 500}, [500], None])
+async def test_an_error_event_whose_code_is_no_string_is_the_engines(code: Any) -> None:
+    # helper-141: a code that was an object or a list raised in the watch (TypeError:
+    # unhashable): the stream cut without the error, the turn counted abandoned.
+    async def failing(scope: Scope, receive: Receive, send: Send) -> None:
+        if await answered_health(scope, send):
+            return
+        start = [(b"content-type", b"text/event-stream")]
+        await send({"type": "http.response.start", "status": 200, "headers": start})
+        delta = b'data: {"choices": [{"delta": {"content": "x"}}]}\n\n'
+        error = {"error": {"message": "upstream failed", "code": code}}
+        await send({"type": "http.response.body", "body": delta, "more_body": True})
+        await send(
+            {"type": "http.response.body", "body": f"data: {json.dumps(error)}\n\n".encode()}
+        )
+
+    async with (
+        serve(failing) as url,
+        gateway(endpoint("a", url, kind="openai")) as (gw, shell),
+    ):
+        r = await gw.post("/v1/chat/completions", json=chat(stream=True))
+        assert r.status_code == 200 and "upstream failed" in r.text  # passed on, whole
+        await until(lambda: not shell.state.turns, "the turn ended")
+        metrics = (await gw.get("/metrics")).text
+        assert 'luftpause_turns_total{outcome="failed"} 1.0' in metrics
+        assert shell.state.replicas["a"].failures == 1
+
+
 def test_keep_alives_are_told_from_data() -> None:
     assert not proxy_module._carries(b": ping\n\n")
     assert not proxy_module._carries(b"  \n")
@@ -2252,3 +2280,26 @@ def test_keep_alives_are_told_from_data() -> None:
     assert not proxy_module._carries(ping.replace(b"\n", b"\r\n") + b": x\n\n" + ping)
     assert proxy_module._carries(ping + b'event: message_start\ndata: {"type": "x"}\n\n')
     assert proxy_module._carries(b'event: ping_pong\ndata: {"type": "ping_pong"}\n\n')
+
+
+@pytest.mark.parametrize(
+    ("pieces", "carried"),
+    [
+        # helper-141: a keep-alive split anywhere is still no data, nor what follows
+        # its end in the same piece unless it is data.
+        ([b"event: response.created\n", b'data: {"type": "r"}\n', b"\n"], [0, 0, 0]),
+        ([b'event: response.created\ndata: {"ty', b'pe": "r"}\n\n', b"data: {}\n\n"], [0, 0, 1]),
+        ([b"event: response.created\ndata: {}\n", b"\ndata: {}\n\n"], [0, 1]),
+        ([b": pi", b"ng\n\n", b"data: {}\n\n"], [0, 0, 1]),
+        # lines ending in CR alone, or CRLF split between pieces
+        ([b"data: {}\r\r", b": ping\r\r", b': ping\r\rdata: {"x": 1}\r\r'], [1, 0, 1]),
+        ([b"event: response.created\r", b'\ndata: {"type": "r"}\r\n\r\n'], [0, 0]),
+        # a piece that begins mid-line is data unless the line was a keep-alive's
+        ([b'data: {"choices"', b': [{"delta": {}}]}\n\n'], [1, 1]),
+    ],
+)
+def test_keep_alives_split_across_pieces_are_still_no_data(
+    pieces: list[bytes], carried: list[int]
+) -> None:
+    progress = proxy_module._Progress(sse=True)
+    assert [int(progress.carries(p)) for p in pieces] == carried

@@ -3,6 +3,7 @@ HTTP: the official `openai` SDK in front of the gateway, fake engines behind it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from typing import Any
@@ -423,3 +424,30 @@ async def test_a_chain_by_previous_response_id_is_one_run(stream: bool) -> None:
         for previous in ("resp_unknown", 7):
             r = await gw.post("/v1/responses", json={**ask, "previous_response_id": previous})
             assert r.headers[RUN] != run
+
+
+async def test_a_chain_to_a_run_ended_mid_turn_starts_a_run_of_its_own() -> None:
+    # helper-141: DELETE /v1/runs/{id} while a turn was in flight; the turn's end then
+    # remembered its answer's id (and call ids) for the ended run, and a chain naming
+    # it brought the ended run back.
+    go = asyncio.Event()
+
+    async def slow(request: Request) -> Any:
+        await go.wait()  # until the run is ended
+        done = {"id": "resp_late", "object": "response", "status": "completed", "output": []}
+        return JSONResponse(done)
+
+    app = models_only()
+    app.post("/v1/responses")(slow)
+    async with (
+        serve(app) as url,
+        gateway(endpoint("a", url, kind="openai", responses=True)) as (gw, shell),
+    ):
+        ask = {"model": MODEL, "input": "hi"}
+        first = asyncio.create_task(gw.post("/v1/responses", json=ask, headers={RUN: "job-1"}))
+        await until(lambda: "job-1" in shell.state.runs, "the turn is in flight")
+        assert (await gw.delete("/v1/runs/job-1")).status_code == 204
+        go.set()
+        assert (await first).status_code == 200
+        chained = await gw.post("/v1/responses", json={**ask, "previous_response_id": "resp_late"})
+        assert chained.status_code == 200 and chained.headers[RUN] != "job-1"
