@@ -791,30 +791,40 @@ class _Progress:
         elif skip == "line" or not line_start:  # the rest of a line begun before
             ended = _LINE_END.search(rest)
             if skip is None and rest[: ended.start() if ended else len(rest)].strip():
-                return True  # data goes on
+                self._lines(rest, data=True)  # data goes on (read on, for what ends it)
+                return True
             if ended is None:
                 self._skip = skip
                 return False
             rest = rest[ended.end() :]
         return self._lines(rest.lstrip())
 
-    def _lines(self, rest: bytes) -> bool:
+    def _lines(self, rest: bytes, data: bool = False) -> bool:
+        """Whether `rest` (from a line's start; or inside a data event, `data`) holds
+        data.  Read to its end, so that a keep-alive it ends in is skipped in the next
+        piece (helper-142: one begun after data was taken for data)."""
+        found = data
         while rest:
-            if rest.startswith(b":"):  # a comment line; what follows it may be an event
+            if data:  # a data event: on to its end
+                ended = _EVENT_END.search(rest)
+                if ended is None:
+                    return True  # it goes on in the next piece
+                rest, data = rest[ended.end() :].lstrip(), False
+            elif rest.startswith(b":"):  # a comment line; what follows it may be an event
                 ended = _LINE_END.search(rest)
                 if ended is None:
                     self._skip = "line"
-                    return False
+                    return found
                 rest = rest[ended.end() :].lstrip()
             elif rest.startswith((b"event: ping", *_RESPONSE_LIFECYCLE)) and _keep_alive(rest):
                 ended = _EVENT_END.search(rest)
                 if ended is None:
                     self._skip = "event"
-                    return False
+                    return found
                 rest = rest[ended.end() :].lstrip()
             else:
-                return True
-        return False
+                found = data = True
+        return found
 
 
 def _keep_alive(event: bytes) -> bool:
@@ -1280,7 +1290,7 @@ class TurnResponse(Response):
             watch_handle = loop.call_later(self._alive_every, watch_alive)
 
         chunk = b""
-        progress = _Progress(sse)
+        progress = _Progress(sse and not encoded)  # (compressed bytes: all data)
         try:
             async with asyncio.timeout_at(alive_at + idle - margin) as timer:
                 watch_handle = loop.call_later(self._alive_every, watch_alive)

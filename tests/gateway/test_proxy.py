@@ -2296,6 +2296,11 @@ def test_keep_alives_are_told_from_data() -> None:
         ([b"event: response.created\r", b'\ndata: {"type": "r"}\r\n\r\n'], [0, 0]),
         # a piece that begins mid-line is data unless the line was a keep-alive's
         ([b'data: {"choices"', b': [{"delta": {}}]}\n\n'], [1, 1]),
+        # helper-142: a keep-alive begun in a piece after its data is skipped next
+        ([b"data: {}\n\n: p", b"ing\n\n"], [1, 0]),
+        ([b'data: {"t": 1}\n\nevent: ping\n', b'data: {"type": "ping"}\n\n'], [1, 0]),
+        ([b"data: {}\r\n\r\n: ping - 2025-01-01", b" 00:00:00\r\n\r\n"], [1, 0]),
+        ([b'data: {"a"', b": 1}\n\n: p", b"ing\n\n"], [1, 1, 0]),
     ],
 )
 def test_keep_alives_split_across_pieces_are_still_no_data(
