@@ -604,9 +604,12 @@ def check_device_leader(before: State, event: Event, after: State, admits: list[
         turn = before.turns.get(a.turn_id)
         model = turn.model if turn is not None else getattr(event, "model", "")
         run = before.runs.get(a.run_id)
-        # (a policy change pins the run under the new policy: strict affinity turned on
-        # sends a paused run's held turn back to its replica)
-        rules = after if isinstance(event, PolicyChanged) else before
+        # Pinned as the admission found it, after the event: a policy change pins the
+        # run under the new policy (strict affinity turned on sends a paused run's held
+        # turn back to its replica), and a probe that brings the run's replica back
+        # pins it there (found by a draw, 2026-12-06: a run retrying on a replica out
+        # of rotation went back to it, which another replica of its device led).
+        rules = after
         # A run generating on the replica goes on there (rule 3), whatever pins it: a
         # turn of it held while that replica was out of rotation is no new run when a
         # probe brings it back (found by a fresh draw, 2026-12-02).
@@ -1128,6 +1131,54 @@ _DRAWN: dict[str, Any] = {
         ("probe", 0, False, None, 0, None, False),
     ],
     changes=[],
+)
+# Found by a draw (2026-12-06): run2's turn on a failed while a was out of rotation
+# (retrying there, under the strict affinity the change turned on), its next turn was
+# held, and the probe that brought a back sent it there while b, on a's GPU, led with
+# an interactive run.  The oracle judged the pin by a's health before the probe.
+@example(
+    policy=Policy(
+        strict_affinity=False,
+        cap_after_queued_probes=1,
+        cap_growth_doubles=False,
+        reserve_for_paused_interactive=False,
+        kv_admission=False,
+        learn_shared_prefix=False,
+        kv_fill=1.0,
+        batch_kv_fill=None,
+        eject_after_failures=None,
+    ),
+    kv=8000,
+    script=[
+        *[("abandon", 0)] * 17,
+        ("fail", 0, False),
+        ("arrive", 2, ServiceClass.INTERACTIVE, 0, 0, 0, 0),  # t1 to a
+        ("probe", 0, False, 1, 0, None, False, None),  # a out of rotation
+        ("abandon", 0),  # t1 ends: run2 retrying on a
+        ("fail", 0, False),
+        ("fail", 0, False),
+        *[("finish", 0, "tool_calls", 0, 0)] * 3,
+        *[("arrive", 0, ServiceClass.INTERACTIVE, 0, 0, 0, 0)] * 3,  # run0 leads, on b
+        ("arrive", 2, ServiceClass.BATCH, 0, 0, 0, 0),  # held; a's probe brings it back
+    ],
+    changes=[
+        (
+            0,
+            Policy(
+                strict_affinity=True,
+                cap_after_queued_probes=1,
+                cap_growth_doubles=False,
+                reserve_for_paused_interactive=False,
+                kv_admission=True,
+                learn_shared_prefix=False,
+                kv_fill=1.0,
+                batch_kv_fill=None,
+                eject_after_failures=None,
+                pack_shared_devices=True,
+            ),
+            False,
+        )
+    ],
 )
 @given(
     policy=policies,
