@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import math
 import socket
 import ssl
@@ -60,10 +61,15 @@ def no_answer(status: int, location: bytes | None) -> str | None:
     return None
 
 
-def credentials_refused(replica: str) -> str:
+_log = logging.getLogger(__name__)
+
+
+def credentials_refused(replica: str, said: str) -> str:
     """What the client is told of an engine's 401: luftpause sends the engine its own
     credentials, never the client's, so the refusal is the gateway's to fix (passed
-    on, the client would take its own key for wrong: helper-133)."""
+    on, the client would take its own key for wrong: helper-133).  What the engine
+    `said` goes to the gateway's log only (it may quote the key)."""
+    _log.warning("engine %s answered 401 to luftpause's key: %s", replica, said[:2048])
     return (
         f"engine {replica}: refused luftpause's credentials for it (401); the gateway's "
         "operator should check the endpoint's api_key_env"

@@ -1202,8 +1202,7 @@ class TurnResponse(Response):
             # ejecting it.  Its body is the operator's to read (it may quote the key).
             said = await _head_of_body(answer)
             answer.close()
-            log.warning("engine %s answered 401 to luftpause's key: %s", replica, said)
-            message = credentials_refused(replica)
+            message = credentials_refused(replica, said)
             self._fail(message, engine=True)
             await t.error(502, message)(scope, receive, send)
             return

@@ -897,10 +897,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         if why is not None:
             return error_response(502, f"engine {target.name}: {why}", run_id, anthropic=True)
         if answer.status_code == 401:  # to luftpause's own key, as a turn's (helper-137)
-            log.warning(
-                "engine %s answered 401 to luftpause's key: %s", target.name, answer.text[:2048]
-            )
-            return error_response(502, credentials_refused(target.name), run_id, anthropic=True)
+            message = credentials_refused(target.name, answer.text)
+            return error_response(502, message, run_id, anthropic=True)
         # The engine's headers as a turn's answer gets them (request-id, rate limits),
         # but its content-encoding: httpx has decoded the body.
         reply = Response(answer.content, answer.status_code)  # sets content-length only

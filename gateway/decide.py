@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import math
 import unicodedata
 import uuid
@@ -85,8 +84,6 @@ __all__ = [
     "run_turn",
     "score_labels",
 ]
-
-log = logging.getLogger(__name__)
 
 SYSTEM_PROMPT = "Answer with exactly one of the labels."
 MIN_LABELS, MAX_LABELS = 2, 20
@@ -417,8 +414,7 @@ def passed_through(upstream: httpx.Response, run_id: str, replica: str) -> Respo
     but a 401, to luftpause's own credentials, is a 502 that says so (its body, which
     may quote the key, goes to the log)."""
     if upstream.status_code == 401:
-        log.warning("engine %s answered 401 to luftpause's key: %s", replica, upstream.text[:2048])
-        return error_response(502, credentials_refused(replica), run_id)
+        return error_response(502, credentials_refused(replica, upstream.text), run_id)
     headers = {RUN_HEADER: run_id}
     retry = upstream.headers.get("retry-after")
     if retry is not None:
