@@ -1503,6 +1503,16 @@ def _parse_responses(
     given = body.get("input")
     if not (isinstance(given, str) and given) and not (isinstance(given, list) and given):
         raise _BadRequest("'input' is required: a non-empty string or list of items")
+    if body.get("background") not in (None, False):
+        # A background response is answered `queued` at once and fetched later with
+        # GET /v1/responses/{id}: the engine would go on generating after luftpause
+        # counted the turn done (its slot free to another), and the fetch is not
+        # served.  Refused before queueing, rather than a turn that is lost.
+        raise _BadRequest(
+            "'background': luftpause holds each turn while an engine runs it and does not "
+            'serve GET /v1/responses/{id}; send the turn in the foreground ("stream": '
+            "true for its progress as it is written)"
+        )
     _check_served(model, lacking, "OpenAI Responses", "responses")
     return model, given if isinstance(given, list) else []
 

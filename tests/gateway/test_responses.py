@@ -120,6 +120,8 @@ async def test_bad_input_and_a_model_lacking_the_api_are_refused_before_queueing
             ({"model": MODEL}, 400, "'input' is required: a non-empty string or list"),
             ({"model": MODEL, "input": []}, 400, "'input' is required"),
             ({"input": "hi"}, 400, "'model' is required"),
+            ({"model": MODEL, "input": "hi", "background": True}, 400, "'background': "),
+            ({"model": MODEL, "input": "hi", "background": "yes"}, 400, "the foreground"),
             (
                 {"model": MODEL, "input": "hi"},
                 404,
