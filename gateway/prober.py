@@ -275,8 +275,8 @@ def auth_headers(
     Messages API request) in `x-api-key` too, where Anthropic-compatible hosts read it.
     Blanks around it are dropped (a key file's newline would be an illegal header)."""
     key = environ.get(endpoint.api_key_env, "").strip() if endpoint.api_key_env else ""
-    if not key:
-        return {}
+    if not key or key_problem(endpoint, environ) is not None:
+        return {}  # (one no header can carry is not sent: the probe says why)
     header = endpoint.api_key_header
     if header is None and _anthropic_host(endpoint.url):
         header = "x-api-key"
@@ -284,6 +284,23 @@ def auth_headers(
         return {"x-api-key": key}
     bearer = {"Authorization": f"Bearer {key}"}
     return bearer if header == "authorization" or not anthropic else {**bearer, "x-api-key": key}
+
+
+def key_problem(endpoint: Endpoint, environ: Mapping[str, str] = os.environ) -> str | None:
+    """Why the endpoint's key cannot be sent, or None: a key is printable ASCII, as an
+    HTTP header's value is (a pasted "…" or a control character made httpx raise at
+    every request, and every probe round failed: helper-143).  Names the variable and
+    the place, never the key."""
+    if not endpoint.api_key_env:
+        return None
+    key = environ.get(endpoint.api_key_env, "").strip()
+    bad = next((i for i, c in enumerate(key) if not " " <= c <= "~"), None)
+    if bad is None:
+        return None
+    return (
+        f"the key in ${endpoint.api_key_env} has a character an HTTP header cannot carry "
+        f"(at position {bad + 1}); it is not sent"
+    )
 
 
 @functools.lru_cache(maxsize=256)
@@ -310,6 +327,8 @@ async def probe_endpoint(
 ) -> ProbeResult:
     """Health, and load where the kind reports it (and the KV pool size and slots, when
     `want_limits`; the /metrics answer, with `keep_exposition`).  Never raises."""
+    if (why := key_problem(endpoint)) is not None:
+        return ProbeResult(endpoint=endpoint.name, healthy=False, error=why)
     headers = auth_headers(endpoint)
     kv: int | None = None
     slots: int | None = None
@@ -336,6 +355,11 @@ async def probe_endpoint(
         )
     except httpx.HTTPError as exc:
         return ProbeResult(endpoint=endpoint.name, healthy=False, error=describe_http_error(exc))
+    except Exception as exc:  # one endpoint's failure must not fail the round for all
+        log.exception("probe of %s failed", endpoint.name)
+        return ProbeResult(
+            endpoint=endpoint.name, healthy=False, error=f"probe failed: {type(exc).__name__}"
+        )
     load: tuple[int, int] | None = None
     note: str | None = None  # why the load is unknown
     q, r = LOAD_METRICS[endpoint.kind]

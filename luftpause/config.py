@@ -157,6 +157,12 @@ DEFAULT_HEALTH_PATH: Mapping[str, str] = {
 }
 
 
+def _control(c: str) -> bool:
+    """A control character, which no URL carries (httpx refuses it at every request:
+    helper-143, a probe round failed for every endpoint)."""
+    return ord(c) < 0x20 or ord(c) == 0x7F
+
+
 def _check_http_url(v: str, example: str, *, base: bool = True, key: str = "api_key_env") -> None:
     """Every URL luftpause is given is http(s) with a host (and a port 1-65535 if it
     names one) and no credentials (`key` names where a key goes instead); a `base`,
@@ -170,7 +176,7 @@ def _check_http_url(v: str, example: str, *, base: bool = True, key: str = "api_
         port = parts.port  # ValueError for a port that is no number or out of range
     except ValueError:
         raise ValueError(f"{expected}; the port of {v!r} is not 1-65535") from None
-    if any(c.isspace() for c in v) or (port is None and parts.netloc.endswith(":")):
+    if any(c.isspace() or _control(c) for c in v) or (port is None and parts.netloc.endswith(":")):
         raise ValueError(f"{expected}; {v!r} is not one")
     if port == 0:
         raise ValueError(f"{expected}; the port of {v!r} is not 1-65535")
@@ -276,15 +282,21 @@ class Endpoint(BaseModel):
     @field_validator("health_path")
     @classmethod
     def _path(cls, v: str | None) -> str | None:
-        if v is not None and not v.startswith("/"):
-            raise ValueError("expected a path starting with '/', e.g. /health")
+        if v is not None and (not v.startswith("/") or any(map(_control, v))):
+            raise ValueError(
+                "expected a path starting with '/', without control characters, e.g. /health"
+            )
         return v
 
     @field_validator("api_path")
     @classmethod
     def _api_path(cls, v: str) -> str:
         v = v.rstrip("/")
-        if not v.startswith("/") or v.endswith(("/chat/completions", "/chat")):
+        if (
+            not v.startswith("/")
+            or v.endswith(("/chat/completions", "/chat"))
+            or any(map(_control, v))
+        ):
             raise ValueError(
                 "expected the path of the OpenAI API under url, as an OpenAI client's "
                 "base_url ends, e.g. /v1 or /v1beta/openai (luftpause adds /chat/completions)"

@@ -281,6 +281,54 @@ def test_the_key_goes_in_the_header_the_endpoint_reads(
     assert auth_headers(e, {}, anthropic=True) == {}
 
 
+async def test_a_key_no_header_can_carry_is_not_sent_and_fails_only_its_endpoint(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A pasted "…" or a control character in a key made httpx raise at every request,
+    and one endpoint's exception failed the whole round: no endpoint's health changed
+    again (helper-143).  The key is not sent, the probe says why (not what it is), and
+    an endpoint whose probe raises anything else is unhealthy alone."""
+    cfg = parse_config(
+        {
+            "endpoints": [
+                {"name": "a", "url": "http://a", "kind": "openai", "models": ["m"],
+                 "api_key_env": "KEY_A_FOR_TEST"},
+                {"name": "b", "url": "http://b", "kind": "openai", "models": ["m"],
+                 "api_key_env": "KEY_B_FOR_TEST"},
+                {"name": "c", "url": "http://c", "kind": "sglang", "models": ["m"]},
+                {"name": "d", "url": "http://d", "kind": "sglang", "models": ["m"]},
+            ]
+        }
+    )  # fmt: skip
+    monkeypatch.setenv("KEY_A_FOR_TEST", "sk-secret\u2026")
+    monkeypatch.setenv("KEY_B_FOR_TEST", "sk-fine")
+    a, b = cfg.endpoints[:2]
+    assert auth_headers(a) == {} and auth_headers(a, anthropic=True) == {}
+    assert auth_headers(a, {"KEY_A_FOR_TEST": "sk\x01x"}) == {}
+    assert auth_headers(b) == {"Authorization": "Bearer sk-fine"}
+    seen: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.host)
+        if request.url.host == "c":
+            raise RuntimeError("no one saw this coming")
+        return httpx.Response(200, text="" if request.url.path == "/health" else SGLANG)
+
+    with caplog.at_level("ERROR", logger="gateway.prober"):
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as c:
+            results = {r.endpoint: r for r in await probe_pool(c, cfg)}
+    assert not results["a"].healthy
+    assert results["a"].error == (
+        "the key in $KEY_A_FOR_TEST has a character an HTTP header cannot carry "
+        "(at position 10); it is not sent"
+    )
+    assert "a" not in seen  # nothing was asked with a key left out
+    assert results["b"].healthy and results["d"].healthy and results["d"].running == 9
+    assert not results["c"].healthy and results["c"].error == "probe failed: RuntimeError"
+    assert "probe of c failed" in caplog.text
+    assert "sk-secret" not in caplog.text
+
+
 def test_an_unsendable_request_is_described_without_its_headers() -> None:
     exc = httpx.LocalProtocolError("Illegal header value b'Bearer sk-secret\\x00'")
     assert "sk-secret" not in describe_http_error(exc)

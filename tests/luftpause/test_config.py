@@ -191,6 +191,22 @@ def test_the_newer_apis_default_by_kind_and_the_file_decides() -> None:
             'health_path="health"',
             "endpoints[0].health_path: expected a path starting with '/'",
         ),
+        # A control character in a URL or path made httpx raise at every probe
+        # (helper-143); a TOML escape writes one.
+        (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+            'health_path="/health\\u0001"',
+            "endpoints[0].health_path: expected a path starting with '/', without control",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://h:1/x\\u007f"\nkind="sglang"\nmodels=["m"]',
+            "is not one",
+        ),
+        (
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="openai"\nmodels=["m"]\n'
+            'api_path="/v1\\u0002"',
+            "endpoints[0].api_path: expected the path of the OpenAI API",
+        ),
         (
             '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
             '[[endpoints]]\nname="a"\nurl="http://h:2"\nkind="sglang"\nmodels=["m"]',
