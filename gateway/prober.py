@@ -679,6 +679,8 @@ class Prober:
         self._timeout = config.probes.timeout_s
         self._late_limit = config.probes.late_to_unhealthy
         self._task: asyncio.Task[None] | None = None
+        # Set by a reload that changes the period: the loop's wait restarts with it.
+        self._rescheduled = asyncio.Event()
         self.last: dict[str, ProbeResult] = {}
         # Replicas whose KV pool or slots the file does not give, where their kind
         # reports them: asked until they answer, at most LIMIT_ASKS times while healthy
@@ -703,9 +705,13 @@ class Prober:
         known = {e.name for e in old.endpoints}
         changed = _limits_changed(old, config)
         self._config = config
-        if self._period_given is None:
-            self._period = config.probes.period_s  # from the next sleep on
+        if self._period_given is None and config.probes.period_s != self._period:
+            # From now: a wait of the old period (up to 300 s) kept a dead engine in
+            # rotation that long, while Retry-After already named the new one
+            # (helper-143).  The reload probes at once; the next round is a period on.
+            self._period = config.probes.period_s
             self.retry_after = _retry_after(self._period)
+            self._rescheduled.set()
         self._timeout = config.probes.timeout_s
         self._late_limit = config.probes.late_to_unhealthy
         names = {e.name for e in config.endpoints}
@@ -841,8 +847,13 @@ class Prober:
         loop = asyncio.get_running_loop()
         next_round = loop.time() + self._period
         while True:
-            await asyncio.sleep(max(0.0, next_round - loop.time()))
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout_at(next_round):
+                    await self._rescheduled.wait()
             next_round = loop.time() + self._period
+            if self._rescheduled.is_set():  # a reload changed the period, and probed
+                self._rescheduled.clear()
+                continue
             await self.next_round()
 
     def start(self) -> None:

@@ -1138,3 +1138,33 @@ async def test_the_files_probes_section_sets_timeout_period_and_late_limit() -> 
         ConfigError, match=r"probes\.timeout_s: Input should be greater than or equal to 0\.05"
     ):
         parse_config({"endpoints": [_endpoint().model_dump()], "probes": {"timeout_s": 0}})
+
+
+async def test_a_reload_that_shortens_the_period_takes_effect_at_once() -> None:
+    """The loop slept out the old period (up to 300 s) after a reload that shortened
+    it: a dead engine stayed in rotation that long, while Retry-After already named
+    the new period (helper-143)."""
+    cfg = parse_config({"endpoints": [_endpoint().model_dump()], "probes": {"period_s": 300}})
+    rounds: list[int] = []
+    more = asyncio.Event()
+
+    def report(results: list[ProbeResult]) -> None:
+        rounds.append(len(results))
+        more.set()
+
+    async with _client({"/health": httpx.Response(200)}) as c:
+        prober = Prober(cfg, c, report)
+        prober.start()
+        try:
+            await asyncio.sleep(0)  # the loop is waiting out its first period
+            prober.reconfigure(parse_config({**cfg.model_dump(), "probes": {"period_s": 0.1}}))
+            assert prober.period == 0.1 and prober.retry_after == "1"
+            async with asyncio.timeout(10):
+                while len(rounds) < 3:
+                    await more.wait()
+                    more.clear()
+        finally:
+            await prober.stop()
+    # An unchanged period leaves the loop's schedule alone.
+    prober.reconfigure(parse_config({**cfg.model_dump(), "probes": {"period_s": 0.1}}))
+    assert not prober._rescheduled.is_set()
