@@ -133,6 +133,8 @@ ALIVE_EVERY_S = 5.0
 # How long before the core's timeout (which comes at a tick, every 2 s) the proxy gives
 # up on a silent turn, at most: its report (the engine's fault or not) must come first.
 MARGIN_S = 1.0
+# The APIs not every replica takes (the file's `messages`, `responses`), by name.
+_NEWER_APIS: Mapping[str, str] = {"messages": "Anthropic Messages", "responses": "OpenAI Responses"}
 # luftpause's own 503 (no healthy replica for the model) says when to look again: the
 # next probe round.
 UNAVAILABLE_RETRY_AFTER_S = str(math.ceil(PROBE_PERIOD_S))
@@ -1115,6 +1117,19 @@ class TurnResponse(Response):
                     outcome.status, outcome.message, outcome.retry_after or self._retry_after
                 )
                 await answer(scope, receive, send)
+                return
+            if t.api in _NEWER_APIS and not self._endpoints[outcome].serves(t.api):
+                # Held before a reload added a replica of its model that does not take
+                # its API (the core places turns by model): refused as a turn arriving
+                # now is, in its API's shape (helper-143: the engine's own 404 went out).
+                key, name = t.api, _NEWER_APIS[t.api]
+                message = (
+                    f"model '{t.model}' is now also served by replicas that do not take "
+                    f"the {name} API ({outcome}: {key} = false, or a kind that does not "
+                    f"serve it); use /v1/chat/completions, or set {key} = true where they do"
+                )
+                self._fail(message)
+                await t.error(404, message)(scope, receive, send)
                 return
             await self._forward(outcome, scope, receive, send, disconnected)
         finally:

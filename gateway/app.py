@@ -576,6 +576,15 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         run = in_path if RUN_ID.fullmatch(in_path) else _named_run(request.scope)
         return error_response(503, str(exc), run, anthropic=_anthropic(request.url.path))
 
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        """A bug: the error body every other answer uses, not a text/plain 500 (its
+        traceback is logged after, by the server; helper-143)."""
+        path = request.url.path
+        run = _named_run(request.scope) if path.startswith("/v1/") else ""
+        message = f"internal error in the gateway ({type(exc).__name__}; its log has more)"
+        return error_response(500, message, run, anthropic=_anthropic(path))
+
     @app.exception_handler(ClientDisconnect)
     async def client_left(request: Request, exc: ClientDisconnect) -> Response:
         """A client that left while sending its request: nobody to answer, nothing to

@@ -1073,6 +1073,8 @@ def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> Confi
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{p}: not valid TOML: {exc}") from None
+    except RecursionError:  # (tomllib's parser recurses into nested arrays and tables)
+        raise ConfigError(f"{p}: not valid TOML here: nested too deeply") from None
     from_env: dict[str, str] = {}
     for var, (section, key) in ENV_OVERRIDES.items():
         value = (env or {}).get(var)

@@ -420,6 +420,43 @@ async def test_a_held_turn_whose_model_leaves_the_pool_is_answered_404(tmp_path:
             assert [line async for line in lines][-2:] == ["data: [DONE]", ""]
 
 
+async def test_a_held_turn_admitted_to_a_replica_without_its_api_is_answered_404(
+    tmp_path: Path,
+) -> None:
+    """A Messages turn held while a reload adds a replica of its model that does not
+    take the Messages API: the core places turns by model, and the held turn went
+    there, its engine's 404 passed on (helper-143).  It is refused as a turn arriving
+    now is, in the Anthropic shape, nothing sent to b, and not b's fault."""
+    async with engine(time_scale=0.5) as (url_a, rec_a), engine() as (url_b, rec_b):
+        path = tmp_path / "luftpause.toml"
+        a = {"name": "a", "url": url_a, "models": [MODEL], "slots": 1}
+        path.write_text(toml(a))
+        async with from_file(path) as (gw, shell):
+            async with gw.stream("POST", "/v1/chat/completions", json=LONG) as first:
+                lines = first.aiter_lines()
+                await anext(lines)
+                hi = [{"role": "user", "content": "hi"}]
+                msg = {"model": MODEL, "max_tokens": 8, "messages": hi}
+                held = asyncio.ensure_future(gw.post("/v1/messages", json=msg))
+                await until(lambda: shell.state.held_count() == 1, "the Messages turn held")
+                b = {"name": "b", "url": url_b, "models": [MODEL], "messages": "false"}
+                path.write_text(toml(a, b))
+                assert (await gw.post("/reload")).json()["added"] == ["b"]
+                r = await held
+                assert r.status_code == 404, r.text
+                assert r.json()["type"] == "error"
+                message = r.json()["error"]["message"]
+                assert "now also served by replicas that do not take the Anthropic " in message
+                assert "(b: messages = false" in message
+                assert r.headers[RUN]
+                # A new one is refused alike, before it is held.
+                fresh = await gw.post("/v1/messages", json=msg)
+                assert fresh.status_code == 404 and "(b: messages = false" in fresh.text
+                assert [line async for line in lines][-2:] == ["data: [DONE]", ""]
+            assert rec_b.posts == [] and len(rec_a.posts) == 1
+            assert not shell.state.turns and shell.state.replicas["b"].failures == 0
+
+
 async def test_a_classifier_added_by_a_reload_answers_decide(tmp_path: Path) -> None:
     clf = "clf-model"
     async with engine() as (url_a, _), engine(models=(clf,), instant=True) as (url_c, rec_c):
@@ -483,3 +520,24 @@ async def test_a_routers_slots_follow_its_engines_through_reloads(tmp_path: Path
             path.write_text(toml(a, b, {**v, "slots": 5}, {**r, "load_from": '["a", "b", "v"]'}))
             assert (await gw.post("/reload")).status_code == 200
             await until(lambda: slots() == 2 * each + 5, "the sum with v's from the file")
+
+
+async def test_a_bug_off_the_turn_paths_is_answered_in_the_error_shape(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Anything unforeseen (a RecursionError from tomllib was one) on /reload, /status,
+    count_tokens ...: `{"error": {"message"}}` naming no more than its type, not a
+    text/plain 500 (helper-143)."""
+    async with engine() as (url, _):
+        path = tmp_path / "luftpause.toml"
+        path.write_text(toml({"name": "a", "url": url, "models": [MODEL]}))
+        async with from_file(path) as (gw, _):
+
+            def broken(*args: object) -> None:
+                raise RuntimeError("a secret in a bug's text")
+
+            monkeypatch.setattr("gateway.app.load_config", broken)
+            r = await gw.post("/reload")
+            assert r.status_code == 500
+            message = "internal error in the gateway (RuntimeError; its log has more)"
+            assert r.json() == {"error": {"message": message}}

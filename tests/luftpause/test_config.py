@@ -562,6 +562,9 @@ def test_unreadable_and_non_toml_files(tmp_path: Path) -> None:
         load_config(tmp_path / "missing.toml")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(_write(tmp_path, "[[endpoints]\nname="))
+    # tomllib recurses into nested arrays: a RecursionError was a traceback (helper-143)
+    with pytest.raises(ConfigError, match="not valid TOML here: nested too deeply"):
+        load_config(_write(tmp_path, "x = " + "[" * 5000 + "]" * 5000))
     latin = tmp_path / "latin.toml"
     latin.write_bytes(b'# caf\xe9\n[[endpoints]]\nname = "a"\n')
     with pytest.raises(ConfigError, match="not valid TOML: not UTF-8 at byte 5"):
