@@ -530,7 +530,9 @@ class Temporal(BaseModel):
             not colon
             or not host
             or not bracketed
-            or not (port.isascii() and port.isdigit() and 0 < int(port) < 65536)
+            # (len first: int() of over 4300 digits raises, naming a sys setting)
+            or not (port.isascii() and port.isdigit() and len(port) <= 5)
+            or not 0 < int(port) < 65536
             or any(c.isspace() or c in "/@?#[]" for c in host)
         ):
             raise ValueError(

@@ -463,6 +463,11 @@ def test_the_newer_apis_default_by_kind_and_the_file_decides() -> None:
             '[temporal]\naddress="a:b:7233"',
             "temporal.address: expected host:port",
         ),
+        (  # (int() of over 4300 digits raised, naming a sys setting: helper-143)
+            '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+            f'[temporal]\naddress="h:{"7" * 5000}"',
+            "temporal.address: expected host:port",
+        ),
         (
             '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
             "[policy]\neject_for_s=inf",
