@@ -84,7 +84,9 @@ RunState = Literal[
     "Running",
     "AwaitingApproval",
     "AwaitingChildren",
-    "Stopping",  # its budget (or an ancestor's) tripped: in-flight work finishes
+    # Its budget (or an ancestor's) tripped: in-flight work finishes; or it ended and
+    # is still recording its end (read from outside until its workflow closes).
+    "Stopping",
     "Completed",
     "Failed",
     "Cancelled",

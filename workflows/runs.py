@@ -466,6 +466,12 @@ class Runs:
         if closed is not None and status.state not in TERMINAL_STATES:
             # Terminated from outside (e.g. the Temporal UI): the workflow never saw it.
             status = replace(status, state=closed, error=status.error or "terminated")
+        if closed is None and status.state in TERMINAL_STATES:
+            # Ended, and still reporting it (its end to the gateway, its children's
+            # ends): not closed, so a query between its workflow tasks said Completed
+            # and the next, answered by no worker, Running (helper-144: a task went
+            # completed -> working -> completed).  Ending until the workflow closes.
+            status = replace(status, state="Stopping")
         return status if closed is not None else _seconds_so_far(status)
 
     async def transcript(self, handle: str) -> list[dict[str, Any]]:

@@ -224,3 +224,49 @@ async def test_a_call_never_sent_is_not_sent_after_a_stop(temporal_address: str)
         history, raise_on_replay_failure=False
     )
     assert result.replay_failure is None, result.replay_failure
+
+
+class SlowEnd(StandIns):
+    """A run that answers at once, and whose end report (the end_run local activity:
+    the gateway slow to answer, or restarting) waits for `release`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ending = asyncio.Event()
+        self.release = asyncio.Event()
+
+    @activity.defn(name="end_run")
+    async def end_run(self, end: EndRunInput) -> None:
+        self.ending.set()
+        await self.release.wait()
+        self.ended.append(end.run_id)
+
+    @activity.defn(name="llm_turn")
+    async def llm_turn(self, turn: TurnInput) -> TurnOutput:
+        return TurnOutput({"role": "assistant", "content": "done"}, [], "stop", 10, 10)
+
+
+async def test_a_run_reads_as_ended_only_once_its_workflow_closed(temporal_address: str) -> None:
+    """A run is Completed in its own state before it reports its end; a query answered
+    meanwhile (at the workflow task's heartbeat) said Completed while the workflow
+    ran on, and the next, answered by no worker in time, Running: an MCP task went
+    completed -> working -> completed (helper-144).  Until it closes it is Stopping."""
+    client = await connect(temporal_address)
+    queue = f"slow-end-{uuid.uuid4().hex[:8]}"
+    fakes = SlowEnd()
+    runs = Runs(client, task_queue=queue)
+    async with stand_in_worker(client, queue, fakes):
+        await until(runs._worker_polls, "the worker polls")
+        handle = await runs.spawn(RunSpec(task="answer", model="m"))
+        await asyncio.wait_for(fakes.ending.wait(), 30)
+        # Long enough for the query to be answered at the heartbeat of the workflow
+        # task the local activity holds open (every 8 s).
+        status = await runs.status(handle, query_timeout=15)
+        described = await client.get_workflow_handle(handle).describe()
+        assert described.status == WorkflowExecutionStatus.RUNNING
+        assert status.state == "Stopping" and not status.error, status
+        assert status.answer == "done"
+        fakes.release.set()
+        await asyncio.wait_for(client.get_workflow_handle(handle).result(), 30)
+        assert (await runs.status(handle)).state == "Completed"
+        assert fakes.ended == [handle]
