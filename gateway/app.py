@@ -352,6 +352,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         """The server began to stop (SIGTERM): the turns it holds are answered 503 now,
         while the turns in flight finish within the shutdown's grace (`luftpause
         gateway` calls this; see AdmissionShell.drain)."""
+        door.stopping = True  # the door's calls cut from now on are the gateway's
         if runtime is None:
             return
         held = runtime.shell.drain(runtime.loop.time(), SHUTTING_DOWN, runtime.prober.retry_after)
@@ -441,7 +442,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                 log.info("%s", freeze_heap())
             try:
                 async with door_server.session_manager.run():
-                    yield
+                    try:
+                        yield
+                    finally:
+                        # The calls the session manager cancels as it exits are the
+                        # gateway's doing, not their clients' (a run call's run goes on).
+                        door.stopping = True
             finally:
                 hangup()
                 runtime = None
@@ -1215,6 +1221,7 @@ class _Door:
         self._lock = asyncio.Lock()
         self._pool = McpPool(config.mcp_servers)
         self._token = token
+        self.stopping = False  # the gateway began to stop
 
     def idle(self) -> bool:
         """Nothing has asked for Temporal yet."""
@@ -1298,6 +1305,7 @@ class _Door:
             token_identity="token" if self._token else None,
             # Rounds of a call survive a restart (the same token, the same key).
             state_key=_state_key(self._token) if self._token else None,
+            stopping=lambda: self.stopping,
         )
 
     async def aclose(self) -> None:

@@ -113,6 +113,8 @@ class DoorDeps:
     # operator token): a round after a gateway restart still opens.  None: a key of
     # this process only (an open gateway), and such a round is refused after a restart.
     state_key: bytes | None = None
+    # Whether the gateway began to stop: a call it cuts is not its client's leaving.
+    stopping: Callable[[], bool] = lambda: False
 
 
 def _client_cancelled(ctx: Context) -> bool:
@@ -1034,12 +1036,13 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
             if spawned:
                 await no_worker(ctx)  # said in the gateway's log; the wait goes on
             waited = await wait(ctx, [handle], "all", timeout, spawned=handle)
-        except BaseException:
-            # The client cancelled the call (notifications/cancelled; Esc in a harness):
+        except BaseException as exc:
+            # The client cancelled the call (notifications/cancelled, Esc in a harness;
+            # a 2026-07-28 client cancels by closing the request, helper-144) or left:
             # the run it started goes too, as the request's work; the client never had
-            # its handle.  (Not when the gateway stops: the run goes on, and so do
-            # calls that end by the client leaving, which look the same from here.)
-            if _client_cancelled(ctx):
+            # its handle.  Not when the gateway stops: the run goes on.
+            left = isinstance(exc, asyncio.CancelledError) and not deps.stopping()
+            if _client_cancelled(ctx) or left:
                 await asyncio.shield(_cancel_quietly(runs(ctx), handle))
             raise
         return waited if isinstance(waited, InputRequiredResult) else view(waited[0][0])

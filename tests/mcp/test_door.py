@@ -199,28 +199,58 @@ async def test_cancel_a_tree_and_budgets_in_status(temporal_address: str, mode: 
         assert kid["state"] == "Cancelled"
 
 
-async def test_a_run_call_the_client_cancels_cancels_its_run(temporal_address: str) -> None:
-    # Esc in a harness sends notifications/cancelled for the `run` call: the run it
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_run_call_the_client_cancels_cancels_its_run(
+    temporal_address: str, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Esc in a harness cancels the `run` call (notifications/cancelled; a 2026-07-28
+    # client closes the request instead, helper-144: its run went on): the run it
     # started (its handle never reached the client) is cancelled too, not left waiting
-    # for an approval nobody will give.  (A 2026-07-28 client cancels by leaving, which
-    # the door cannot tell from the gateway stopping: there the run goes on.)
-    async with stack(temporal_address) as s, Client(s.mcp_door, mode="legacy") as c:
+    # for an approval nobody will give.  A call closed while the gateway is stopping
+    # is the gateway's cut, not the client's: there the run goes on.
+    import gateway.mcp_door as door_module
+
+    cut: list[bool] = []  # a run call's end, as the door saw it
+    asked = door_module._client_cancelled
+
+    def client_cancelled(ctx: Any) -> bool:
+        cut.append(asked(ctx))
+        return cut[-1]
+
+    monkeypatch.setattr(door_module, "_client_cancelled", client_cancelled)
+    async with stack(temporal_address) as s, Client(s.mcp_door, mode=mode) as c:
         before = set(await s.runs.list())
-        call = asyncio.ensure_future(
-            c.call_tool("run", {"task": task_with(1, "gone"), "tools": ["delete_record"]})
-        )
 
         async def started() -> list[str]:
             return sorted(set(await s.runs.list()) - before)
 
-        (handle,) = await until(started, "the run started")
-        await until(lambda: state_is(s, handle, "AwaitingApproval"), "it waits")
-        call.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await call
-        (ended,) = await s.runs.wait([handle], timeout=30)
+        handles = []
+        for stopping in (False, True):
+            call = asyncio.ensure_future(
+                c.call_tool("run", {"task": task_with(1, "gone"), "tools": ["delete_record"]})
+            )
+            (handle,) = await until(started, "the run started")
+            before.add(handle)
+            await until(lambda h=handle: state_is(s, h, "AwaitingApproval"), "it waits")
+            if stopping:
+                s.drain()
+            call.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await call
+            handles.append(handle)
+            await until(lambda: len(cut) == len(handles), "the door saw the call end")
+        cancelled, going = handles
+        (ended,) = await s.runs.wait([cancelled], timeout=30)
         assert ended.state == "Cancelled", ended
         assert sum(s.mcp.counts.values()) == 0  # the destructive call never ran
+        if mode == "legacy":  # notifications/cancelled: the client asked, whoever stops
+            assert cut == [True, True]
+            (ended,) = await s.runs.wait([going], timeout=30)
+            assert ended.state == "Cancelled", ended
+        else:  # a request closed as the gateway stops: the gateway's cut, not the client's
+            assert cut == [False, False]
+            assert (await s.runs.status(going)).state == "AwaitingApproval"
+            await s.runs.request_cancel(going)
 
 
 async def test_an_answer_cut_at_max_tokens_says_so(temporal_address: str) -> None:

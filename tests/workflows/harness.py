@@ -80,6 +80,7 @@ class Stack:
     shell: AdmissionShell
     gateway_url: str
     mcp_url: str
+    drain: Callable[[], None]  # what the gateway does as it begins to stop (SIGTERM)
 
     @property
     def mcp_door(self) -> str:
@@ -175,6 +176,7 @@ async def stack(
             shell=app.state.shell,
             gateway_url=gateway_url,
             mcp_url=mcp_url,
+            drain=app.state.drain,
         )
 
 
