@@ -588,9 +588,9 @@ class RunArgs(BaseModel):
     parent: str | None = Field(None, min_length=1, max_length=HANDLE_MAX_CHARS)
     budgetTokens: int | None = Field(None, strict=True, gt=0)
     budgetToolCalls: int | None = Field(None, strict=True, gt=0)
-    budgetSeconds: float | None = Field(None, gt=0, le=BUDGET_SECONDS_MAX)
+    budgetSeconds: float | None = Field(None, strict=True, gt=0, le=BUDGET_SECONDS_MAX)
     approveTools: list[ToolName] | None = Field(None, max_length=TOOLS_MAX)
-    timeout: float = Field(AWAIT_MAX_S, gt=0, le=AWAIT_MAX_S)
+    timeout: float = Field(AWAIT_MAX_S, strict=True, gt=0, le=AWAIT_MAX_S)
 
 
 Task = Annotated[
@@ -960,7 +960,12 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
         ] = None,
         budgetSeconds: Annotated[
             float | None,
-            Field(gt=0, le=BUDGET_SECONDS_MAX, description="seconds, whole subtree (max 30 days)"),
+            Field(
+                strict=True,
+                gt=0,
+                le=BUDGET_SECONDS_MAX,
+                description="seconds, whole subtree (max 30 days)",
+            ),
         ] = None,
         approveTools: Annotated[
             list[ToolName] | None,
@@ -990,7 +995,10 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
             Literal["all", "any"], Field(description="wait for all runs, or the first to end")
         ] = "all",
         timeout: Annotated[
-            float, Field(gt=0, le=AWAIT_MAX_S, description="seconds to wait at most (max 600)")
+            float,
+            Field(
+                strict=True, gt=0, le=AWAIT_MAX_S, description="seconds to wait at most (max 600)"
+            ),
         ] = DEFAULT_AWAIT_S,
     ) -> AwaitResult | InputRequiredResult:
         """Wait for runs to end (all, or any), at most `timeout` seconds; return every
@@ -1021,9 +1029,11 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
         parent: Handle | None = None,
         budgetTokens: Annotated[int | None, Field(strict=True, gt=0)] = None,
         budgetToolCalls: Annotated[int | None, Field(strict=True, gt=0)] = None,
-        budgetSeconds: Annotated[float | None, Field(gt=0, le=BUDGET_SECONDS_MAX)] = None,
+        budgetSeconds: Annotated[
+            float | None, Field(strict=True, gt=0, le=BUDGET_SECONDS_MAX)
+        ] = None,
         approveTools: Annotated[list[ToolName] | None, Field(max_length=TOOLS_MAX)] = None,
-        timeout: Annotated[float, Field(gt=0, le=AWAIT_MAX_S)] = AWAIT_MAX_S,
+        timeout: Annotated[float, Field(strict=True, gt=0, le=AWAIT_MAX_S)] = AWAIT_MAX_S,
     ) -> RunView | InputRequiredResult:
         """Run one sub-agent to its end (spawn + await in one call) and return its
         answer. For several at once, prefer spawn + await."""

@@ -371,6 +371,11 @@ async def test_malformed_calls_get_clear_tool_errors(temporal_address: str, mode
             ("spawn", {"task": "x", "maxToolCalls": True}, "maxToolCalls: Input should be a valid"),
             ("run", {"task": "x", "maxTokens": "12"}, "maxTokens: Input should be a valid integer"),
             ("run", {"task": "x", "budgetTokens": 1.5}, "budgetTokens: Input should be a valid"),
+            # helper-144: and the seconds (true as a budget of one second).
+            ("spawn", {"task": "x", "budgetSeconds": True}, "budgetSeconds: Input should be a"),
+            ("run", {"task": "x", "budgetSeconds": "5"}, "budgetSeconds: Input should be a"),
+            ("run", {"task": "x", "timeout": True}, "timeout: Input should be a valid number"),
+            ("await", {"handles": ["run-a"], "timeout": "5"}, "timeout: Input should be a valid"),
             # helper-126: list items a refusal repeats, a megabyte each.
             ("spawn", {"task": "x", "tools": ["t" * 1_100_000]}, "String should have at most 256"),
             (
