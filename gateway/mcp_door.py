@@ -47,7 +47,7 @@ from workflows import (
     RunUnavailable,
 )
 from workflows.contract import CALL_ID_MAX_CHARS, RunState
-from workflows.runs import status_unavailable
+from workflows.runs import new_handle, status_unavailable
 
 __all__ = [
     "RUN_STORE_DOWN",
@@ -124,6 +124,33 @@ def _client_cancelled(ctx: Context) -> bool:
     outbound = getattr(ctx.request_context.session, "_request_outbound", None)
     event = getattr(outbound, "cancel_requested", None)
     return bool(event is not None and event.is_set())
+
+
+_BACKGROUND: set[asyncio.Task[None]] = set()  # held until done (the loop holds weakly)
+
+
+def _in_background(work: Awaitable[None]) -> None:
+    task = asyncio.ensure_future(work)
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)
+
+
+async def _once_started(
+    starting: asyncio.Future[str],
+    cancel: bool,
+    runs: Callable[[], Awaitable[Runs | CallerRuns]],
+    handle: str,
+) -> None:
+    """After a run call cut while its run was starting: once `starting` has started it,
+    cancel it (`cancel`); one that did not start (refused, the store away) has nothing
+    to cancel, and why is logged."""
+    try:
+        await starting
+    except Exception as exc:
+        log.info("run %s of a run call that was cut did not start: %s", handle, exc)
+        return
+    if cancel:
+        await _cancel_quietly(runs(), handle)
 
 
 async def _cancel_quietly(runs: Awaitable[Runs | CallerRuns], handle: str) -> None:
@@ -685,12 +712,12 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
                 f"the tools() list ({', '.join(known) or 'none configured'})"
             )
 
-    async def spawn_run(spec: RunSpec, ctx: Any) -> str:
+    async def spawn_run(spec: RunSpec, ctx: Any, handle: str | None = None) -> str:
         await check_tools(spec.tools)
         await check_tools(spec.approve_tools)
         r = await runs(ctx)
         try:
-            return await r.spawn(spec)
+            return await r.spawn(spec, handle=handle)
         except RunError as exc:
             raise ToolError(str(exc)) from None
 
@@ -1041,7 +1068,19 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
         handle = _State.load(ctx.request_state).spawned  # a later round: never spawn twice
         spawned = handle is None
         if handle is None:
-            handle = await spawn_run(spec_of(RunArgs.model_validate(arguments), ctx), ctx)
+            spec = spec_of(RunArgs.model_validate(arguments), ctx)
+            handle = new_handle()  # known before it exists: a cut spawn's run is found
+            starting = asyncio.ensure_future(spawn_run(spec, ctx, handle))
+            try:
+                await asyncio.shield(starting)
+            except asyncio.CancelledError:
+                # Cut while its run was being started (a child waits up to 30 s for its
+                # parent's worker to take it, and may be taken later): the start goes on,
+                # and its run is then cancelled as below (helper-144: the child ran to
+                # its end, and the client never had its handle).
+                cancel = _client_cancelled(ctx) or not deps.stopping()
+                _in_background(_once_started(starting, cancel, lambda: runs(ctx), handle))
+                raise
         try:
             if spawned:
                 await no_worker(ctx)  # said in the gateway's log; the wait goes on

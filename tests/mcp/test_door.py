@@ -253,6 +253,53 @@ async def test_a_run_call_the_client_cancels_cancels_its_run(
             await s.runs.request_cancel(going)
 
 
+async def test_a_run_call_cut_while_its_parent_takes_the_child_cancels_the_child(
+    temporal_address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a parent, a run starts when the parent's worker takes it (up to 30 s, and
+    the request may be taken later): a run call cut meanwhile cut its spawn, and the
+    child started later ran to its end, its handle never given (helper-144).  The start
+    goes on, and its run is cancelled once it has started."""
+    import gateway.mcp_door as door_module
+
+    picked: list[str] = []
+    spawning = asyncio.Event()
+
+    def new_handle() -> str:
+        picked.append(f"run-{uuid.uuid4().hex[:20]}")
+        spawning.set()
+        return picked[-1]
+
+    monkeypatch.setattr(door_module, "new_handle", new_handle)
+    async with (
+        stack(temporal_address, worker=False) as s,
+        Client(s.mcp_door, mode="2026-07-28") as c,
+    ):
+        mcp = f"{s.mcp_url}/mcp"
+        async with run_worker(s.client, s.task_queue, s.gateway_url, mcp):
+            parent = await spawn(c, task=task_with(1, "par"), tools=["delete_record"])
+            await until(lambda: state_is(s, parent, "AwaitingApproval"), "the parent waits")
+        # No worker: the parent cannot take the child until one comes back.
+        call = asyncio.ensure_future(
+            c.call_tool("run", {"task": task_with(0, "kid"), "parent": parent})
+        )
+        await asyncio.wait_for(spawning.wait(), 30)
+        call.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await call
+        async with run_worker(s.client, s.task_queue, s.gateway_url, mcp):
+            (child,) = picked
+
+            async def started() -> bool:
+                return child in await s.runs.list(parent=parent)
+
+            await until(started, "the parent started the child", polls=600)
+            (ended,) = await s.runs.wait([child], timeout=60)
+            assert ended.state == "Cancelled", ended
+            assert ended.parent == parent
+            await s.runs.request_cancel(parent)
+
+
 async def test_an_answer_cut_at_max_tokens_says_so(temporal_address: str) -> None:
     # helper-114: a turn stopped at maxTokens (finish_reason "length") became the run's
     # answer as if whole: a text tool call cut mid-arguments, or "" from a reasoning
