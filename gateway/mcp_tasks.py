@@ -20,12 +20,14 @@ client that declared the extension may use tasks/* (-32021 otherwise), and only 
 that declared form elicitation is sent the approval question (`inputRequests`); for
 any other a run waiting for approval is a `working` task whose `statusMessage` says so
 (`input_required` must list the requests, and there is none it could answer; the
-`approve` tool answers).
+`approve` tool answers), as it is for a client that dismissed the question (its key
+is not asked again).
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -56,6 +58,8 @@ POLL_MS = 500
 # How long tasks/get (and a task's creation) asks a worker for the run's state before
 # answering with what Temporal knows: a poll every POLL_MS must not take 10 s.
 QUERY_TIMEOUT_S = 2.0
+# Question keys answered that are remembered (a key is ~70 bytes).
+ANSWERED_KEPT = 10_000
 _INVALID_PARAMS = -32602
 _INTERNAL_ERROR = -32603
 
@@ -97,6 +101,12 @@ class TasksExtension(Extension):
         unavailable: Callable[[BaseException], str | None],  # why, if Temporal is down
     ) -> None:
         self._runs = runs
+        # Question keys a response was delivered for (this process's; bounded): MCP
+        # forbids asking a key again, and a client skips one it answered, so a task
+        # asking again after a dismissal stayed input_required for ever (helper-144).
+        # Such an approval is shown as one the client cannot answer: working, and how
+        # the approve tool answers it.  (A restart forgets them: asked once more.)
+        self._answered: OrderedDict[str, None] = OrderedDict()
         self._start = start_run
         self._result = result
         self._unavailable = unavailable
@@ -159,10 +169,11 @@ class TasksExtension(Extension):
             "pollIntervalMs": POLL_MS,
         }
         if status.state == "AwaitingApproval" and status.pending_approval is not None:
-            if approval.can_ask(ctx.session.client_capabilities):
+            key = approval.question_key(status)
+            if key not in self._answered and approval.can_ask(ctx.session.client_capabilities):
                 task["statusMessage"] = approval.message(status)
                 task["inputRequests"] = {
-                    approval.question_key(status): {
+                    key: {
                         "method": "elicitation/create",
                         "params": approval.elicit_params(status),
                     }
@@ -224,7 +235,8 @@ class TasksExtension(Extension):
                     message=f'input response {key!r}: expected content {{"allow": true|false}}',
                 )
             if allow is None:
-                continue  # dismissed: the approval stays open
+                self._note_answered(key)
+                continue  # dismissed: the approval stays open, not asked again
             with self._store():  # RunUnavailable: not taken, say so (the client may resend)
                 try:
                     await runs.approve(status.handle, allow, parsed[1])
@@ -232,7 +244,14 @@ class TasksExtension(Extension):
                     raise
                 except RunError:
                     pass  # answered already, or superseded (the run moved on or ended)
+            self._note_answered(key)
         return EmptyResult()
+
+    def _note_answered(self, key: str) -> None:
+        self._answered[key] = None
+        self._answered.move_to_end(key)
+        if len(self._answered) > ANSWERED_KEPT:
+            self._answered.popitem(last=False)
 
     async def cancel(self, ctx: Any, params: TaskIdParams) -> EmptyResult:
         """Acknowledged once the cancellation is requested (the run ends after; no worker

@@ -1198,6 +1198,19 @@ async def test_approval_answers_count_only_for_questions_the_door_asked(
         (key,) = again["inputRequests"]
         # Nothing changed between the two reads: the task says when it last did.
         assert again["lastUpdatedAt"] == task["lastUpdatedAt"] >= task["createdAt"]
+        # Dismissed: not asked again under that key, which MCP forbids and a client
+        # skips (helper-144: the task stayed input_required for ever); the approve
+        # tool, or a late answer to the key, still answers it.
+        dismissed = await door.request(
+            "tasks/update",
+            {"taskId": y, "inputResponses": {key: {"action": "cancel"}}},
+            {**TASKS_CAPS, **FORM},
+        )
+        assert "error" not in dismissed, dismissed
+        later = (await door.request("tasks/get", {"taskId": y}, {**TASKS_CAPS, **FORM}))["result"]
+        assert later["status"] == "working" and "inputRequests" not in later, later
+        assert f"approve(handle='{y}'" in later["statusMessage"]
+        assert await state_is(s, y, "AwaitingApproval")
         answer = await door.request(
             "tasks/update", {"taskId": y, "inputResponses": {key: allow}}, TASKS_CAPS
         )
