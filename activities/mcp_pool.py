@@ -643,7 +643,9 @@ async def _every_tool(client: Client, server: str) -> list[Any]:
     async def page(cursor: str | None) -> Any:
         try:
             async with asyncio.timeout(LIST_PAGE_TIMEOUT_S):
-                return await (client.list_tools(cursor=cursor) if cursor else client.list_tools())
+                return await (
+                    client.list_tools() if cursor is None else client.list_tools(cursor=cursor)
+                )
         except TimeoutError:
             raise TimeoutError(
                 f"mcp server '{server}': no tools/list answer within {LIST_PAGE_TIMEOUT_S:g} s"

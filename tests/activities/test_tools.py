@@ -320,6 +320,25 @@ async def test_every_page_of_a_servers_tools_is_listed(
             await pool.aclose()
 
 
+async def test_an_empty_cursor_is_a_cursor() -> None:
+    # A cursor is an opaque string, "" too: read as none, page one was asked again and
+    # its tools listed twice (helper-144).
+    async def list_tools(ctx: Any, params: Any) -> types.ListToolsResult:
+        cursor = params.cursor if params is not None else None
+        name, after = ("first", "") if cursor is None else ("second", None)
+        tool = types.Tool(name=name, input_schema={"type": "object"})
+        return types.ListToolsResult(tools=[tool], next_cursor=after)
+
+    server: Server[Any] = Server("paged", on_list_tools=list_tools)
+    app = server.streamable_http_app(streamable_http_path="/mcp", host="127.0.0.1")
+    async with serve(app) as url:
+        pool = McpPool([McpServer(name="s", url=f"{url}/mcp")])
+        try:
+            assert [t.name for t in await pool.list_tools()] == ["first", "second"]
+        finally:
+            await pool.aclose()
+
+
 _READ_ONLY = types.ToolAnnotations(read_only_hint=True)
 _READING = {"type": "object", "properties": {"celsius": {"type": "number"}}}
 
