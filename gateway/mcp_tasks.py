@@ -148,8 +148,24 @@ class TasksExtension(Extension):
         handle, error = await self._start(dict(params.arguments or {}), ctx)
         if handle is None:
             return CallToolResult(content=[TextContent(type="text", text=error)], is_error=True)
-        with self._store():
-            status = await (await self._runs(ctx)).status(handle, query_timeout=QUERY_TIMEOUT_S)
+        try:
+            with self._store():
+                runs = await self._runs(ctx)
+                status = await runs.status(handle, query_timeout=QUERY_TIMEOUT_S)
+        except MCPError:
+            # The run exists (its workflow does) but its status could not be read just
+            # now: its task all the same, working, rather than an error that makes the
+            # client start the run again (helper-144).
+            now = datetime.now(UTC).isoformat()
+            return {
+                "resultType": "task",
+                "taskId": handle,
+                "status": "working",
+                "createdAt": now,
+                "lastUpdatedAt": now,
+                "ttlMs": TTL_MS,
+                "pollIntervalMs": POLL_MS,
+            }
         return {"resultType": "task", **self._task(status, ctx)}
 
     def _task(self, status: RunStatus, ctx: Any) -> dict[str, Any]:

@@ -909,6 +909,40 @@ async def test_a_task_for_run_polled_to_completion_with_an_approval(
         assert result(r)["state"] == "Completed"
 
 
+async def test_a_task_whose_status_cannot_be_read_at_its_start_is_returned(
+    temporal_address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run exists before its task is answered; a status read that fails just then
+    answered -32603 with no task id, and a client would start the run again (helper-144).
+    The task is returned all the same, working."""
+    from workflows import Runs, RunUnavailable
+
+    read = Runs.status
+    failing = [True]
+
+    async def status(self: Runs, handle: str, **kw: Any) -> Any:
+        if failing.pop() if failing else False:
+            raise RunUnavailable("no worker polls the task queue just now")
+        return await read(self, handle, **kw)
+
+    monkeypatch.setattr(Runs, "status", status)
+    async with stack(temporal_address) as s, httpx.AsyncClient(timeout=60) as http:
+        door = Modern(http, s.mcp_door)
+        spec = {"model": MODEL, "task": task_with(0, "blip")}
+        created = await door.tool("run", spec, TASKS_CAPS)
+        assert created["resultType"] == "task" and created["status"] == "working", created
+        assert not failing  # the read failed
+        handle = created["taskId"]
+        assert handle in await s.runs.list()
+
+        async def ended() -> Any:
+            got = await door.request("tasks/get", {"taskId": handle}, TASKS_CAPS)
+            return got["result"] if got["result"]["status"] == "completed" else None
+
+        task = await until(ended, "the task completed")
+        assert task["result"]["structuredContent"]["state"] == "Completed"
+
+
 async def test_a_task_outlives_the_gateway_that_created_it(temporal_address: str) -> None:
     """The gateway keeps no task state: a task made before a gateway restart is polled,
     answered and finished through the gateway that replaces it."""
