@@ -67,7 +67,11 @@ async def serve(
     # Accepted connections inherit it (Linux): without it, an answer written in two
     # pieces on a kept-alive connection waits ~40 ms for the client's delayed ACK.
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))  # (a port taken: closed here, not by the collector)
+    except BaseException:
+        sock.close()
+        raise
     port = sock.getsockname()[1]
     config = uvicorn.Config(
         app, http=http, ws="none", lifespan="on", access_log=False, log_level="warning"
@@ -86,8 +90,13 @@ async def serve(
         yield f"http://{'[' + host + ']' if ':' in host else host}:{port}"
     finally:
         server.should_exit = True
-        await task
-        sock.close()
+        try:
+            await task
+        finally:
+            # Also when the server failed or the wait was cancelled: a listening socket
+            # left open was closed by the collector in whatever test ran then, and its
+            # ResourceWarning failed that test.
+            sock.close()
 
 
 def serve_until_signalled(

@@ -94,6 +94,7 @@ async def tls_proxy(target: str, pki: Pki, *, client_certs: bool) -> AsyncIterat
         ctx.load_verify_locations(pki.ca)
     host, port = target.rsplit(":", 1)
     tasks: set[asyncio.Task[None]] = set()
+    writers: list[asyncio.StreamWriter] = []  # both ends of every connection
 
     async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         try:
@@ -106,7 +107,9 @@ async def tls_proxy(target: str, pki: Pki, *, client_certs: bool) -> AsyncIterat
             w.close()
 
     async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        writers.append(w)
         ur, uw = await asyncio.open_connection(host, int(port))
+        writers.append(uw)
         both = [asyncio.ensure_future(pipe(r, uw)), asyncio.ensure_future(pipe(ur, w))]
         tasks.update(both)
         await asyncio.gather(*both)
@@ -119,6 +122,11 @@ async def tls_proxy(target: str, pki: Pki, *, client_certs: bool) -> AsyncIterat
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        # Closed at once: a TLS close waits for the peer's (up to 30 s), which outlived
+        # the test's loop, and the socket was then collected in a later test, unclosed.
+        for w in writers:
+            w.transport.abort()
+        await server.wait_closed()
 
 
 async def healthy(client: Client) -> bool:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import signal
+import warnings
 
+import pytest
 from fastapi import FastAPI
 
 from testkit.loopback import serve
@@ -24,3 +27,18 @@ async def test_servers_stopped_in_any_order_leave_the_processs_signal_handlers()
     await first.aclose()  # out of order: the first stops while the second still runs
     await second.aclose()
     assert {sig: signal.getsignal(sig) for sig in before} == before
+
+
+async def test_a_server_that_cannot_take_its_port_leaves_no_socket_open() -> None:
+    """A port taken (a restart where the old server still listens): the new listening
+    socket was left to the collector, whose ResourceWarning then failed whichever test
+    it ran in."""
+    async with serve(FastAPI()) as url:
+        taken = int(url.rsplit(":", 1)[1])
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with pytest.raises(OSError):
+                async with serve(FastAPI(), port=taken):
+                    pass
+            gc.collect()
+    assert not [w for w in seen if issubclass(w.category, ResourceWarning)], seen
