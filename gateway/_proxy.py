@@ -1491,6 +1491,10 @@ class _TurnTrace:
             admit.set_status(StatusCode.ERROR, outcome.message)
             self._chat.set_attributes(error)
             self._chat.set_status(StatusCode.ERROR, outcome.message)
+            if outcome.status == 404:
+                # A model not served: span names stay few, whatever clients send
+                # (helper-146); the name asked for is in gen_ai.request.model.
+                self._chat.update_name("chat")
         else:
             admit.set_attributes({"luftpause.held_seconds": held, "error.type": "client_left"})
         admit.end()

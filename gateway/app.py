@@ -80,7 +80,7 @@ from gateway.status import (
 )
 from luftpause import telemetry
 from luftpause._process import freeze_heap
-from luftpause.config import Api, Config, ConfigError, Endpoint, load_config
+from luftpause.config import MODEL_MAX_CHARS, Api, Config, ConfigError, Endpoint, load_config
 from luftpause.headers import (
     CALLER_HEADER,
     CLASS_HEADER,
@@ -961,6 +961,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             span.set_attribute("http.response.status_code", response.status_code)
             if response.status_code >= 400:
                 span.set_status(StatusCode.ERROR, f"answered {response.status_code}")
+            if response.status_code == 404:
+                span.update_name("decide")  # a model not served: names stay few
             return response
 
     @app.delete("/v1/runs/{run_id}")
@@ -1478,6 +1480,8 @@ def _model(body: dict[str, Any]) -> str:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise _BadRequest("'model' is required and must be a non-empty string")
+    if len(model) > MODEL_MAX_CHARS:  # (helper-146: 4 MB of it went into spans, six times)
+        raise _BadRequest(f"'model' is a model's name: at most {MODEL_MAX_CHARS} characters")
     return model
 
 

@@ -57,7 +57,7 @@ from gateway._proxy import (
 from gateway._shell import AdmissionShell, Awaited, Rejected
 from gateway.prober import auth_headers
 from luftpause import telemetry
-from luftpause.config import DP_RANK_HEADER, Endpoint
+from luftpause.config import DP_RANK_HEADER, MODEL_MAX_CHARS, Endpoint
 from luftpause.headers import RUN_HEADER
 from scheduler import (
     Event,
@@ -141,8 +141,10 @@ def decide_request(body: dict[str, Any]) -> DecideRequest:
     if not isinstance(text, str) or not text:
         raise DecideError(400, "input: expected a non-empty string")
     model = body.get("model")
-    if model is not None and (not isinstance(model, str) or not model):
-        raise DecideError(400, "model: expected a non-empty string")
+    if model is not None and (
+        not isinstance(model, str) or not model or len(model) > MODEL_MAX_CHARS
+    ):
+        raise DecideError(400, f"model: expected a non-empty string of at most {MODEL_MAX_CHARS}")
     labels = body.get("labels")
     if labels is None:
         return DecideRequest(text, None, model)

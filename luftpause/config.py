@@ -157,6 +157,11 @@ DEFAULT_HEALTH_PATH: Mapping[str, str] = {
 }
 
 
+# A model's name, at most (a request's, and the file's): vLLM serves a model by its path
+# when no name is given.  Bounded: a request's goes into spans and error messages.
+MODEL_MAX_CHARS = 1024
+
+
 def _control(c: str) -> bool:
     """A control character, which no URL carries (httpx refuses it at every request:
     helper-143, a probe round failed for every endpoint)."""
@@ -207,7 +212,9 @@ class Endpoint(BaseModel):
     name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")]
     url: str
     kind: Kind
-    models: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+    models: Annotated[
+        list[Annotated[str, Field(min_length=1, max_length=MODEL_MAX_CHARS)]], Field(min_length=1)
+    ]
     health_path: str | None = None
     api_key_env: Annotated[str, Field(pattern=ENV_NAME)] | None = None
     # Where the key goes.  "authorization": `Authorization: Bearer <key>` on every

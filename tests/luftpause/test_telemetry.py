@@ -330,8 +330,12 @@ async def test_a_decision_is_a_span_the_engines_request_continues(
             r = await client.post("/v1/decide", json=body, headers={"traceparent": TRACEPARENT})
             assert r.status_code == 200, r.text
         await until(lambda: len(named(spans, "decide")) == 2, "both decide spans ended")
+        unknown = {"input": "x", "labels": ["a", "b"], "model": "no-such-model"}
+        assert (await client.post("/v1/decide", json=unknown)).status_code == 404
+        await until(lambda: len(named(spans, "decide")) == 3, "the third decide span ended")
 
-    scored, classified = named(spans, "decide")
+    scored, classified, refused = named(spans, "decide")
+    assert refused.name == "decide"  # names stay few whatever models clients name
     sent = [generative.headers[0], next(h for p, h, _ in classifier.posts if p == "/classify")]
     for span, headers in zip((scored, classified), sent, strict=True):
         assert span.context is not None and span.parent is not None
@@ -371,11 +375,19 @@ async def test_a_rejected_turn_is_an_error_span() -> None:
         telemetry.use(provider)
         try:
             r = await client.post("/v1/chat/completions", json=chat(model="no-such-model"))
-            await until(lambda: bool(named(exporter, "chat ")), "the chat span ended")
+            await until(lambda: bool(named(exporter, "chat")), "the chat span ended")
+            # A model's name is bounded: 4 MB of one went into six places in the spans
+            # (helper-146).
+            long = await client.post("/v1/chat/completions", json=chat(model="m" * 1025))
         finally:
             telemetry.use(None)
+    assert long.status_code == 400
+    assert "'model' is a model's name: at most 1024 characters" in long.text
     assert r.status_code == 404
-    (chat_span,) = named(exporter, "chat ")
+    (chat_span,) = named(exporter, "chat")
+    # Span names stay few whatever models clients name: the one asked for is an attribute.
+    assert chat_span.name == "chat"
+    assert attrs(chat_span)["gen_ai.request.model"] == "no-such-model"
     (admit,) = named(exporter, "admit")
     (agent,) = named(exporter, "invoke_agent")  # the run never got further
     for span in (chat_span, admit, agent):
