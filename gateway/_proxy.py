@@ -1315,7 +1315,9 @@ class TurnResponse(Response):
                             last_data = now
                             if not data:
                                 data = True
-                                self._shell.apply(TurnStarted(now=self._clock(), turn_id=t.turn_id))
+                                if answer.status < 400:  # an error's body is no first token
+                                    started = TurnStarted(now=self._clock(), turn_id=t.turn_id)
+                                    self._shell.apply(started)
                             if now - alive_at >= self._alive_every and not timer.expired():
                                 # Data after a silence: told at once, not at the next
                                 # watch, which may come after the deadline (helper-137).

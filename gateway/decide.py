@@ -581,7 +581,8 @@ async def run_turn(
         async def exchange() -> httpx.Response:
             upstream = await client.send(request, stream=True)
             try:
-                shell.apply(TurnStarted(now=clock(), turn_id=turn.turn_id))
+                if upstream.status_code < 400:  # an error's head is no first token
+                    shell.apply(TurnStarted(now=clock(), turn_id=turn.turn_id))
                 await upstream.aread()
             finally:
                 await upstream.aclose()

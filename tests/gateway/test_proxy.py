@@ -806,6 +806,13 @@ async def test_engine_429_and_5xx_pass_through_with_retry_after(status: int) -> 
             assert r.content == b'{"error": {"message": "slow down", "type": "rate_limit"}}'
             assert r.headers[RUN] == "r"
         await until(lambda: not shell.state.turns, "turns failed")
+        # Streamed too; an error's body is no first token (helper-146: an instant 429
+        # counted as a first byte, so the histogram read lowest when engines were busy).
+        r = await gw.post("/v1/chat/completions", json=chat(stream=True))
+        assert r.status_code == status
+        metrics = (await gw.get("/metrics")).text
+        assert 'luftpause_turn_first_byte_seconds_count{class="interactive"} 0.0' in metrics
+        assert 'luftpause_turns_total{outcome="error_status"} 3.0' in metrics
 
 
 async def test_the_retry_of_a_failed_turn_goes_back_to_its_runs_replica() -> None:
