@@ -418,7 +418,7 @@ async def _get_json(
         async with asyncio.timeout(timeout):
             answer = await client.get(endpoint.url + path, headers=headers)
         return answer.json() if answer.status_code == 200 else None
-    except (httpx.HTTPError, ValueError, TimeoutError):
+    except Exception:  # (a RecursionError from JSON nested too deeply, too: helper-145)
         return None
 
 
@@ -536,9 +536,14 @@ async def probe_pool(
 
     async def probe(ranks: list[Endpoint]) -> list[ProbeResult]:
         wanted = any(e.name in asked for e in ranks)
-        if ranks[0].dp_rank is None:
-            return [await probe_endpoint(client, ranks[0], timeout=timeout, want_limits=wanted)]
-        return await probe_ranks(client, ranks, timeout=timeout, want_limits=wanted)
+        try:
+            if ranks[0].dp_rank is None:
+                return [await probe_endpoint(client, ranks[0], timeout=timeout, want_limits=wanted)]
+            return await probe_ranks(client, ranks, timeout=timeout, want_limits=wanted)
+        except Exception as exc:  # one server's failure must not fail the round for all
+            log.exception("probe of %s failed", ranks[0].server)
+            why = f"probe failed: {type(exc).__name__}"
+            return [ProbeResult(endpoint=e.name, healthy=False, error=why) for e in ranks]
 
     rounds = await asyncio.gather(*(probe(ranks) for ranks in servers.values()))
     result_of = {r.endpoint: r for results in rounds for r in results}

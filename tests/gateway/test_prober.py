@@ -1168,3 +1168,30 @@ async def test_a_reload_that_shortens_the_period_takes_effect_at_once() -> None:
     # An unchanged period leaves the loop's schedule alone.
     prober.reconfigure(parse_config({**cfg.model_dump(), "probes": {"period_s": 0.1}}))
     assert not prober._rescheduled.is_set()
+
+
+@pytest.mark.parametrize("kind", ["sglang", "llamacpp"])
+async def test_an_engines_limits_answer_that_cannot_be_read_fails_nothing(kind: str) -> None:
+    """A /get_server_info (SGLang, asked every round with data-parallel ranks) or /props
+    (llama.cpp's slots) nested too deeply for the JSON parser raised RecursionError,
+    which failed the whole round, every endpoint's (helper-145)."""
+    nested = b"[" * 100_000 + b"]" * 100_000
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path in ("/get_server_info", "/props"):
+            return httpx.Response(200, content=nested)
+        if request.url.path == "/metrics":
+            return httpx.Response(404)
+        return httpx.Response(200, json={})
+
+    bad: dict[str, Any] = {"name": "bad", "url": "http://bad", "kind": kind, "models": ["m"]}
+    if kind == "sglang":
+        bad["dp_size"] = 2
+    good = {"name": "good", "url": "http://good", "kind": "openai", "models": ["m"]}
+    config = parse_config({"endpoints": [good, bad]})
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as c:
+        results = await probe_pool(
+            c, config, want_limits=frozenset(e.name for e in config.replicas)
+        )
+    assert all(r.healthy for r in results), results
+    assert all(r.slots is None and r.kv_tokens is None for r in results)
