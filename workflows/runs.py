@@ -471,7 +471,8 @@ class Runs:
             # ends): not closed, so a query between its workflow tasks said Completed
             # and the next, answered by no worker, Running (helper-144: a task went
             # completed -> working -> completed).  Ending until the workflow closes.
-            status = replace(status, state="Stopping")
+            # (Its seconds as it ended them, not counted on to now: helper-145.)
+            return replace(status, state="Stopping")
         return status if closed is not None else _seconds_so_far(status)
 
     async def transcript(self, handle: str) -> list[dict[str, Any]]:
