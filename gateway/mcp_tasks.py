@@ -232,6 +232,9 @@ class TasksExtension(Extension):
         status = await self._status(ctx, params.task_id)  # the task exists, and is the caller's
         with self._store():
             runs = await self._runs(ctx)
+        # The key this task asks now: the only one remembered as answered (helper-145:
+        # any key of its handle was, up to the body's size each).
+        asked = approval.question_key(status) if status.pending_approval is not None else None
         for key, response in params.input_responses.items():
             # The key names the call it answers, and the run takes an answer only while
             # it waits on that call: one for a call answered or superseded is refused
@@ -251,8 +254,9 @@ class TasksExtension(Extension):
                     message=f'input response {key!r}: expected content {{"allow": true|false}}',
                 )
             if allow is None:
-                self._note_answered(key)
-                continue  # dismissed: the approval stays open, not asked again
+                if key == asked:
+                    self._note_answered(key)  # dismissed: the approval stays open
+                continue
             with self._store():  # RunUnavailable: not taken, say so (the client may resend)
                 try:
                     await runs.approve(status.handle, allow, parsed[1])
@@ -260,7 +264,8 @@ class TasksExtension(Extension):
                     raise
                 except RunError:
                     pass  # answered already, or superseded (the run moved on or ended)
-            self._note_answered(key)
+            if key == asked:
+                self._note_answered(key)
         return EmptyResult()
 
     def _note_answered(self, key: str) -> None:

@@ -1511,3 +1511,47 @@ async def test_progress_rises_while_no_run_ends(
     assert len(values) >= 3, progress
     assert all(a < b for a, b in itertools.pairwise(values)) and values[-1] < 1, values
     assert {(total, message) for _, total, message in progress} == {(1, "0 of 1 runs ended")}
+
+
+async def test_only_the_question_a_task_asks_is_remembered_as_answered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A dismissal is remembered for the key asked; any other key of the task's handle
+    (a call id never issued, up to the body's size) was kept too (helper-145)."""
+    from types import SimpleNamespace
+
+    import gateway.mcp_tasks as mcp_tasks
+    from gateway.mcp_tasks import TasksExtension, UpdateParams
+    from workflows.contract import PendingApproval, RunStatus, Totals
+
+    monkeypatch.setattr(mcp_tasks, "require_client_extension", lambda ctx, ext: None)
+    handle = "run-0123456789abcdef0123"
+    waiting = RunStatus(
+        handle=handle, state="AwaitingApproval", task="t", model="m",
+        service_class="interactive", caller="c", parent=None, root=handle, children=[],
+        usage=Totals(), subtree=Totals(),
+        pending_approval=PendingApproval("call_1", "delete", {}),
+    )  # fmt: skip
+
+    class OneRun:
+        async def status(self, h: str, **kw: Any) -> RunStatus:
+            return waiting
+
+    async def runs(ctx: Any) -> Any:
+        return OneRun()
+
+    async def never(*args: Any) -> Any:
+        raise AssertionError("not called")
+
+    ext = TasksExtension(runs, start_run=never, result=never, unavailable=lambda e: None)
+    dismissed = {"action": "cancel"}
+    for key in (f"approve:{handle}:{'x' * 100_000}", f"approve:{handle}:call_0"):
+        await ext.update(
+            SimpleNamespace(), UpdateParams(taskId=handle, inputResponses={key: dismissed})
+        )
+    assert not ext._answered
+    asked = f"approve:{handle}:call_1"
+    await ext.update(
+        SimpleNamespace(), UpdateParams(taskId=handle, inputResponses={asked: dismissed})
+    )
+    assert list(ext._answered) == [asked]
