@@ -32,7 +32,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from activities.contract import unknown_tools
 from activities.mcp_pool import Listing
 from gateway import _approval as approval
-from gateway.mcp_tasks import TasksExtension
+from gateway.mcp_tasks import TasksExtension, in_background
 from luftpause.headers import CALLER_HEADER, TENANT_HEADER, caller_name
 from workflows import (
     AWAIT_MAX_S,
@@ -126,31 +126,19 @@ def _client_cancelled(ctx: Context) -> bool:
     return bool(event is not None and event.is_set())
 
 
-_BACKGROUND: set[asyncio.Task[None]] = set()  # held until done (the loop holds weakly)
-
-
-def _in_background(work: Awaitable[None]) -> None:
-    task = asyncio.ensure_future(work)
-    _BACKGROUND.add(task)
-    task.add_done_callback(_BACKGROUND.discard)
-
-
 async def _once_started(
-    starting: asyncio.Future[str],
-    cancel: bool,
-    runs: Callable[[], Awaitable[Runs | CallerRuns]],
-    handle: str,
+    starting: asyncio.Future[str], runs: Callable[[], Awaitable[Runs | CallerRuns]], handle: str
 ) -> None:
     """After a run call cut while its run was starting: once `starting` has started it,
-    cancel it (`cancel`); one that did not start (refused, the store away) has nothing
-    to cancel, and why is logged."""
+    cancel it (its handle never reached the client, nor a restarted one: kept going,
+    the client would start it again, helper-145); one that did not start (refused,
+    the store away) has nothing to cancel, and why is logged."""
     try:
         await starting
     except Exception as exc:
         log.info("run %s of a run call that was cut did not start: %s", handle, exc)
         return
-    if cancel:
-        await _cancel_quietly(runs(), handle)
+    await _cancel_quietly(runs(), handle)
 
 
 async def _cancel_quietly(runs: Awaitable[Runs | CallerRuns], handle: str) -> None:
@@ -721,6 +709,20 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
         except RunError as exc:
             raise ToolError(str(exc)) from None
 
+    async def start_for_the_call(spec: RunSpec, ctx: Any) -> str:
+        """`spawn_run` for a call that returns the run's handle only later (`run`, and
+        its task): a call cut while the run starts (a child waits up to 30 s for its
+        parent's worker to take it, and may be taken later) lets the start go on, then
+        cancels the run (helper-144: the child ran to its end, its handle never
+        given)."""
+        handle = new_handle()  # known before it exists: a cut start's run is found
+        starting = asyncio.ensure_future(spawn_run(spec, ctx, handle))
+        try:
+            return await asyncio.shield(starting)
+        except asyncio.CancelledError:
+            in_background(_once_started(starting, lambda: runs(ctx), handle))
+            raise
+
     async def no_worker(ctx: Any) -> str | None:
         """Why a run just spawned will not start soon: no worker polls its task queue
         (none runs, or it polls another: `luftpause worker --task-queue`, helper-113;
@@ -753,7 +755,7 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
             return None, f"run: {_problems(exc)}"
         try:
             spec = spec_of(a, ctx)
-            return await spawn_run(spec, ctx), ""
+            return await start_for_the_call(spec, ctx), ""
         except ToolError as exc:
             return None, str(exc)
         except Exception as exc:
@@ -1068,19 +1070,7 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
         handle = _State.load(ctx.request_state).spawned  # a later round: never spawn twice
         spawned = handle is None
         if handle is None:
-            spec = spec_of(RunArgs.model_validate(arguments), ctx)
-            handle = new_handle()  # known before it exists: a cut spawn's run is found
-            starting = asyncio.ensure_future(spawn_run(spec, ctx, handle))
-            try:
-                await asyncio.shield(starting)
-            except asyncio.CancelledError:
-                # Cut while its run was being started (a child waits up to 30 s for its
-                # parent's worker to take it, and may be taken later): the start goes on,
-                # and its run is then cancelled as below (helper-144: the child ran to
-                # its end, and the client never had its handle).
-                cancel = _client_cancelled(ctx) or not deps.stopping()
-                _in_background(_once_started(starting, cancel, lambda: runs(ctx), handle))
-                raise
+            handle = await start_for_the_call(spec_of(RunArgs.model_validate(arguments), ctx), ctx)
         try:
             if spawned:
                 await no_worker(ctx)  # said in the gateway's log; the wait goes on

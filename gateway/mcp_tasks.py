@@ -26,7 +26,9 @@ is not asked again).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from datetime import UTC, datetime
@@ -49,7 +51,9 @@ from gateway import _approval as approval
 from workflows import TERMINAL_STATES, RunError, Runs, RunStatus, RunUnavailable
 from workflows.runs import status_unavailable
 
-__all__ = ["TASKS", "TasksExtension"]
+__all__ = ["TASKS", "TasksExtension", "in_background"]
+
+log = logging.getLogger(__name__)
 
 TASKS = "io.modelcontextprotocol/tasks"
 MODERN = frozenset({approval.MODERN})
@@ -82,6 +86,16 @@ class TaskIdParams(RequestParams):
 
 class UpdateParams(TaskIdParams):
     input_responses: dict[str, Any] = Field(alias="inputResponses")
+
+
+_BACKGROUND: set[asyncio.Task[None]] = set()  # held until done (the loop holds weakly)
+
+
+def in_background(work: Awaitable[None]) -> None:
+    """Run `work` on, past the request that started it."""
+    task = asyncio.ensure_future(work)
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)
 
 
 def _iso(value: str | None) -> str:
@@ -152,6 +166,10 @@ class TasksExtension(Extension):
             with self._store():
                 runs = await self._runs(ctx)
                 status = await runs.status(handle, query_timeout=QUERY_TIMEOUT_S)
+        except asyncio.CancelledError:
+            # Cut before its id reached the client: the run goes too (helper-145).
+            in_background(self._cancel_quietly(handle, ctx))
+            raise
         except MCPError:
             # The run exists (its workflow does) but its status could not be read just
             # now: its task all the same, working, rather than an error that makes the
@@ -267,6 +285,12 @@ class TasksExtension(Extension):
             if key == asked:
                 self._note_answered(key)
         return EmptyResult()
+
+    async def _cancel_quietly(self, handle: str, ctx: Any) -> None:
+        try:
+            await (await self._runs(ctx)).request_cancel(handle)
+        except Exception as exc:
+            log.warning("could not cancel run %s whose task call was cut: %s", handle, exc)
 
     def _note_answered(self, key: str) -> None:
         self._answered[key] = None

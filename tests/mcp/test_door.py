@@ -253,13 +253,15 @@ async def test_a_run_call_the_client_cancels_cancels_its_run(
             await s.runs.request_cancel(going)
 
 
+@pytest.mark.parametrize(("via", "stopping"), [("run", False), ("run", True), ("task", False)])
 async def test_a_run_call_cut_while_its_parent_takes_the_child_cancels_the_child(
-    temporal_address: str, monkeypatch: pytest.MonkeyPatch
+    temporal_address: str, monkeypatch: pytest.MonkeyPatch, via: str, stopping: bool
 ) -> None:
     """With a parent, a run starts when the parent's worker takes it (up to 30 s, and
     the request may be taken later): a run call cut meanwhile cut its spawn, and the
     child started later ran to its end, its handle never given (helper-144).  The start
-    goes on, and its run is cancelled once it has started."""
+    goes on, and its run is cancelled once it has started: for a task's `run` too, and
+    when the gateway is stopping (its handle reached no client: helper-145)."""
     import gateway.mcp_door as door_module
 
     picked: list[str] = []
@@ -274,16 +276,22 @@ async def test_a_run_call_cut_while_its_parent_takes_the_child_cancels_the_child
     async with (
         stack(temporal_address, worker=False) as s,
         Client(s.mcp_door, mode="2026-07-28") as c,
+        httpx.AsyncClient(timeout=60) as http,
     ):
         mcp = f"{s.mcp_url}/mcp"
         async with run_worker(s.client, s.task_queue, s.gateway_url, mcp):
             parent = await spawn(c, task=task_with(1, "par"), tools=["delete_record"])
             await until(lambda: state_is(s, parent, "AwaitingApproval"), "the parent waits")
         # No worker: the parent cannot take the child until one comes back.
+        args = {"task": task_with(0, "kid"), "parent": parent}
         call = asyncio.ensure_future(
-            c.call_tool("run", {"task": task_with(0, "kid"), "parent": parent})
+            c.call_tool("run", args)
+            if via == "run"
+            else Modern(http, s.mcp_door).tool("run", args, TASKS_CAPS)
         )
         await asyncio.wait_for(spawning.wait(), 30)
+        if stopping:
+            s.drain()
         call.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await call
