@@ -35,6 +35,7 @@ from fastapi.responses import HTMLResponse, Response
 from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
 from mcp.server.auth.provider import AccessToken
 from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
+from opentelemetry import context as otel_context
 from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -947,10 +948,18 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             rt, live, parsed, run_id, caller_of(request, who), request.receive, service_class
         )
         tracer = telemetry.tracer()
-        if tracer is None:
-            return await answering
-        # A span the engine's request continues (its traceparent), in the caller's trace.
         carrier = {k: v for k in ("traceparent", "tracestate") if (v := request.headers.get(k))}
+        if tracer is None:
+            if not carrier:
+                return await answering
+            # No span of its own: the caller's trace context goes on to the engine as a
+            # proxied turn's does (helper-146: decide's turns sent none).
+            token = otel_context.attach(telemetry.extract(carrier))
+            try:
+                return await answering
+            finally:
+                otel_context.detach(token)
+        # A span the engine's request continues (its traceparent), in the caller's trace.
         with tracer.start_as_current_span(
             "decide" if parsed.model is None else f"decide {parsed.model}",
             telemetry.extract(carrier) if carrier else None,

@@ -406,6 +406,29 @@ async def test_with_tracing_off_the_engine_gets_no_traceparent() -> None:
     assert "traceparent" not in sent
 
 
+async def test_with_tracing_off_decides_turns_pass_the_callers_context_on() -> None:
+    # As a proxied turn's (README: "passed on as it came"); helper-146: decide's scored
+    # turn and /classify sent none.
+    assert telemetry.tracer() is None
+    context = {"traceparent": TRACEPARENT, "tracestate": "vendor=1"}
+    async with (
+        engine(instant=True) as (url, generative),
+        engine(models=("clf",), labels=("no", "yes"), instant=True) as (clf_url, classifier),
+        gateway(
+            endpoint("e0", url), endpoint("c", clf_url, kind="classifier", models=("clf",))
+        ) as (client, _),
+    ):
+        for body in ({"input": "spam?", "labels": ["yes", "no"]}, {"input": "a lovely day"}):
+            r = await client.post("/v1/decide", json=body, headers=context)
+            assert r.status_code == 200, r.text
+        r = await client.post("/v1/decide", json={"input": "no context"})
+        assert r.status_code == 200, r.text
+    classified = [h for p, h, _ in classifier.posts if p == "/classify"]
+    for sent in (generative.headers[0], classified[0]):
+        assert (sent["traceparent"], sent["tracestate"]) == (TRACEPARENT, "vendor=1")
+    assert "traceparent" not in classified[1]
+
+
 # --------------------------------------------------------------------------- a run
 
 
