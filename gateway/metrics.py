@@ -140,6 +140,10 @@ class _StateCollector:
                 cap.add_metric([name], r.cap)
             if r.spec.slots is not None:
                 slots.add_metric([name], r.spec.slots)
+            if name in state.retired:
+                # Unprobed since it left: its last reading would stand for up to the
+                # idle-run expiry (helper-146), counted in the pool's queue.
+                continue
             if r.queued is not None:
                 queued.add_metric([name], r.queued)
             if r.running is not None:

@@ -69,8 +69,9 @@ def status_snapshot(
                     else None
                 ),
                 "failures_in_a_row": r.failures,
-                "engine_queued": r.queued,
-                "engine_running": r.running,
+                # (none for a retired one: unprobed, its last reading is stale)
+                "engine_queued": None if name in state.retired else r.queued,
+                "engine_running": None if name in state.retired else r.running,
                 "cap": r.cap,
                 # the requests its engine runs at once (configured or reported): no
                 # more turns than these are in flight there (rule 2)

@@ -140,6 +140,16 @@ async def test_a_reload_adds_and_removes_replicas_and_a_paused_run_moves(
                 ("a", True),
                 ("b", False),
             ]
+            # Unprobed since it left: no engine load shown for it (helper-146: its last
+            # reading stood until the run bound to it expired).
+            assert a.queued is not None and a.running is not None  # what the core keeps
+            shown = {x["name"]: x for x in status["replicas"]}
+            assert shown["a"]["engine_queued"] is shown["a"]["engine_running"] is None
+            assert shown["b"]["engine_running"] is not None
+            metrics = (await gw.get("/metrics")).text
+            assert 'luftpause_engine_running{replica="a"}' not in metrics
+            assert 'luftpause_engine_running{replica="b"}' in metrics
+            assert 'luftpause_replica_retired{replica="a"} 1.0' in metrics
 
             # The run's next turn goes to b; then nothing is bound to a, which is forgotten.
             messages.append(choice["message"])
