@@ -1060,8 +1060,11 @@ class TurnResponse(Response):
             if self._trace is not None:
                 self._trace.ended(event)
 
-    def _fail(self, reason: str, *, engine: bool = False, client_left: bool = False) -> None:
-        """`engine`: the engine's fault (counts toward ejecting its replica)."""
+    def _fail(
+        self, reason: str, *, engine: bool = False, client_left: bool = False, silent: bool = False
+    ) -> None:
+        """`engine`: the engine's fault (counts toward ejecting its replica); `silent`:
+        nothing came within the turn timeout."""
         self._end(
             TurnFailed(
                 now=self._clock(),
@@ -1069,6 +1072,7 @@ class TurnResponse(Response):
                 reason=reason,
                 engine_fault=engine,
                 client_left=client_left,
+                timed_out=silent,
             )
         )
 
@@ -1196,7 +1200,7 @@ class TurnResponse(Response):
         except TimeoutError:
             # A hung engine would otherwise hold the client (and the request) forever.
             message = f"engine {replica}: no answer within {self._idle:g} s"
-            self._fail(message, engine=into_room)
+            self._fail(message, engine=into_room, silent=True)
             await t.error(504, message)(scope, receive, send)
             return
         except UpstreamError as exc:
@@ -1361,6 +1365,7 @@ class TurnResponse(Response):
                 self._fail(
                     f"engine stalled mid-stream: nothing for {idle:g} s",
                     engine=data or into_room,
+                    silent=True,
                 )
             self._remember(watch)
             return False

@@ -540,7 +540,9 @@ async def run_turn(
             shell.forget_turn(turn.turn_id)
             shell.apply(event)
 
-    def fail(reason: str, engine: bool = False, client_left: bool = False) -> None:
+    def fail(
+        reason: str, engine: bool = False, client_left: bool = False, silent: bool = False
+    ) -> None:
         end(
             TurnFailed(
                 now=clock(),
@@ -548,6 +550,7 @@ async def run_turn(
                 reason=reason,
                 engine_fault=engine,
                 client_left=client_left,
+                timed_out=silent,
             )
         )
 
@@ -607,7 +610,7 @@ async def run_turn(
             # its head comes with its end, and an engine that reports no load may hold it
             # in its queue (helper-128, as on the proxy: _sent_into_room).
             message = f"engine {outcome}: no answer within {answer_timeout:g} s"
-            fail(message, engine=False)
+            fail(message, engine=False, silent=True)
             return error_response(504, message, turn.run_id)
         try:
             upstream = task.result()

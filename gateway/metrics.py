@@ -465,6 +465,8 @@ class GatewayMetrics:
                     if event.engine_fault
                     else "client_left"
                     if event.client_left
+                    else "timed_out"
+                    if event.timed_out  # (helper-146: a hung hosted API was error_status)
                     else "error_status"
                 )
             else:

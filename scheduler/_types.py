@@ -231,6 +231,9 @@ class TurnFailed:
     # The client went away before the answer was whole (for the metrics; the core
     # treats it as any failure that is not the engine's).
     client_left: bool = False
+    # Nothing came within the turn timeout, and the gateway gave up on it (for the
+    # metrics, `timed_out`; the core treats it as any failure of its kind).
+    timed_out: bool = False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -422,6 +422,10 @@ async def test_an_engine_that_never_answers_is_given_up_after_the_idle_limit() -
             assert r.json() == {"error": {"message": "engine a: no answer within 0.5 s"}}
             assert not shell.state.turns and not shell.state.runs
             assert shell.state.replicas["a"].healthy  # not ejected
+            # Counted as what it was (helper-146: a hung engine read as error_status).
+            metrics = (await gw.get("/metrics")).text
+            assert 'luftpause_turns_total{outcome="timed_out"} 1.0' in metrics
+            assert 'luftpause_turns_total{outcome="error_status"} 0.0' in metrics
             r = await gw.post("/v1/decide", json={"input": "hm"})
             assert r.status_code == 504
             assert r.json() == {"error": {"message": "engine c: no answer within 0.5 s"}}

@@ -969,6 +969,8 @@ async def test_a_hung_engine_fails_the_turn_after_the_idle_timeout(stall: str) -
                 assert r.status_code == 504
                 assert r.json() == {"error": {"message": "engine a: no answer within 0.5 s"}}
                 assert r.headers[RUN]
+                metrics = (await gw.get("/metrics")).text
+                assert 'luftpause_turns_total{outcome="timed_out"} 1.0' in metrics
             else:
                 got = b""
                 with pytest.raises(httpx.RemoteProtocolError):
@@ -1097,7 +1099,7 @@ async def test_a_head_with_nothing_after_it_counts_as_no_head(
             assert shell.state.replicas["a"].healthy != ejected
             metrics = (await gw.get("/metrics")).text
             assert ('luftpause_ejections_total{replica="a"} 1.0' in metrics) == ejected
-            outcome = "failed" if ejected else "error_status"  # (a failure not the engine's)
+            outcome = "failed" if ejected else "timed_out"  # (silence not the engine's fault)
             assert f'luftpause_turns_total{{outcome="{outcome}"}} 1.0' in metrics
             assert 'luftpause_turn_first_byte_seconds_count{class="interactive"} 0.0' in metrics
         finally:
