@@ -388,6 +388,16 @@ class GatewayMetrics:
             buckets=_HELD_BUCKETS,
             registry=self.registry,
         )
+        # (helper-146: held_seconds has only the turns admitted, so under a flood it
+        # showed the waits of those who stayed.)
+        self.held_unadmitted_seconds = Histogram(
+            "luftpause_held_unadmitted_seconds",
+            "Time a turn was held before it left unadmitted (its client gave up, or it "
+            "was refused: its model left, the gateway stopped), by class",
+            ["class"],
+            buckets=_HELD_BUCKETS,
+            registry=self.registry,
+        )
         self.turn_seconds = Histogram(
             "luftpause_turn_seconds",
             "Time from admission to the turn's end, by class",
@@ -407,6 +417,7 @@ class GatewayMetrics:
             self.turns.labels(outcome)
         for cls in ServiceClass:
             self.held_seconds.labels(cls.value)
+            self.held_unadmitted_seconds.labels(cls.value)
             self.turn_seconds.labels(cls.value)
             self.first_byte_seconds.labels(cls.value)
 
@@ -434,6 +445,9 @@ class GatewayMetrics:
             elif isinstance(action, Reject):
                 held = before.turns.get(action.turn_id)
                 model = held.model if held is not None else getattr(event, "model", "")
+                if held is not None and held.replica is None:  # (not one just arrived)
+                    waited = max(0.0, event.now - held.arrived)
+                    self.held_unadmitted_seconds.labels(held.service_class.value).observe(waited)
                 answered = as_answered(
                     Rejected(action.status, action.message), model, self._awaited
                 )
@@ -471,6 +485,9 @@ class GatewayMetrics:
                 )
             else:
                 outcome = "abandoned"
+                if turn.replica is None:
+                    waited = max(0.0, event.now - turn.arrived)
+                    self.held_unadmitted_seconds.labels(turn.service_class.value).observe(waited)
             self.turns.labels(outcome).inc()
             if turn.replica is not None:
                 cls = turn.service_class.value

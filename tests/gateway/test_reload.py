@@ -427,6 +427,8 @@ async def test_a_held_turn_whose_model_leaves_the_pool_is_answered_404(tmp_path:
             assert f"model '{MODEL}'" in message and "left the pool while" in message
             assert f"served: {OTHER}" in message
             assert r.headers[RUN]
+            metrics = (await gw.get("/metrics")).text
+            assert 'luftpause_held_unadmitted_seconds_count{class="interactive"} 1.0' in metrics
             assert [line async for line in lines][-2:] == ["data: [DONE]", ""]
 
 

@@ -296,6 +296,12 @@ def test_metrics_observe_admissions_outcomes_and_affinity() -> None:
     # t1 held 0 s, t3 held 2 s (3 -> 5), t5 held 1 s (6 -> 7)
     assert sample(metrics, "luftpause_held_seconds_count", **{"class": "interactive"}) == 3
     assert sample(metrics, "luftpause_held_seconds_sum", **{"class": "interactive"}) == 3.0
+    # and those that left unadmitted: t4 after 2.5 s (4 -> 6.5); t7 was never held
+    # (helper-146: the longest waits were in no histogram)
+    left = {"class": "interactive"}
+    assert sample(metrics, "luftpause_held_unadmitted_seconds_count", **left) == 1
+    assert sample(metrics, "luftpause_held_unadmitted_seconds_sum", **left) == 2.5
+    assert sample(metrics, "luftpause_held_unadmitted_seconds_count", **{"class": "batch"}) == 0
     # t1 ran 1 -> 5, t3 ran 5 -> 7 (an abandoned held turn never ran)
     assert sample(metrics, "luftpause_turn_seconds_count", **{"class": "interactive"}) == 2
     assert sample(metrics, "luftpause_turn_seconds_sum", **{"class": "interactive"}) == 6.0
