@@ -64,6 +64,9 @@ POLL_MS = 500
 QUERY_TIMEOUT_S = 2.0
 # Question keys answered that are remembered (a key is ~70 bytes).
 ANSWERED_KEPT = 10_000
+# The longest call id remembered from an answer given while no worker could say which
+# the run asks (engines' ids are ~30-40 characters).
+REMEMBERED_CALL_ID_CHARS = 256
 _INVALID_PARAMS = -32602
 _INTERNAL_ERROR = -32603
 
@@ -251,8 +254,11 @@ class TasksExtension(Extension):
         with self._store():
             runs = await self._runs(ctx)
         # The key this task asks now: the only one remembered as answered (helper-145:
-        # any key of its handle was, up to the body's size each).
+        # any key of its handle was, up to the body's size each).  With no worker to
+        # read the run's approval from, one of a call id's usual size (helper-147: the
+        # dismissal was forgotten, and the question asked again once a worker was back).
         asked = approval.question_key(status) if status.pending_approval is not None else None
+        unread = status_unavailable(status)
         for key, response in params.input_responses.items():
             # The key names the call it answers, and the run takes an answer only while
             # it waits on that call: one for a call answered or superseded is refused
@@ -271,8 +277,9 @@ class TasksExtension(Extension):
                     code=_INVALID_PARAMS,
                     message=f'input response {key!r}: expected content {{"allow": true|false}}',
                 )
+            remember = key == asked or (unread and len(parsed[1]) <= REMEMBERED_CALL_ID_CHARS)
             if allow is None:
-                if key == asked:
+                if remember:
                     self._note_answered(key)  # dismissed: the approval stays open
                 continue
             with self._store():  # RunUnavailable: not taken, say so (the client may resend)
@@ -282,7 +289,7 @@ class TasksExtension(Extension):
                     raise
                 except RunError:
                     pass  # answered already, or superseded (the run moved on or ended)
-            if key == asked:
+            if remember:
                 self._note_answered(key)
         return EmptyResult()
 

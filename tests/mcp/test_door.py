@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import logging
@@ -1531,6 +1532,7 @@ async def test_only_the_question_a_task_asks_is_remembered_as_answered(
     import gateway.mcp_tasks as mcp_tasks
     from gateway.mcp_tasks import TasksExtension, UpdateParams
     from workflows.contract import PendingApproval, RunStatus, Totals
+    from workflows.runs import STATUS_UNAVAILABLE
 
     monkeypatch.setattr(mcp_tasks, "require_client_extension", lambda ctx, ext: None)
     handle = "run-0123456789abcdef0123"
@@ -1563,3 +1565,13 @@ async def test_only_the_question_a_task_asks_is_remembered_as_answered(
         SimpleNamespace(), UpdateParams(taskId=handle, inputResponses={asked: dismissed})
     )
     assert list(ext._answered) == [asked]
+    # With no worker to say which call the run asks about, a key of a call id's size is
+    # remembered (helper-147: it was forgotten, and asked again once a worker was back).
+    waiting = dataclasses.replace(
+        waiting, state="Running", pending_approval=None, error=f"{STATUS_UNAVAILABLE}none"
+    )
+    for key in (f"approve:{handle}:call_2", f"approve:{handle}:{'x' * 100_000}"):
+        await ext.update(
+            SimpleNamespace(), UpdateParams(taskId=handle, inputResponses={key: dismissed})
+        )
+    assert list(ext._answered) == [asked, f"approve:{handle}:call_2"]
