@@ -33,6 +33,7 @@ from activities.contract import unknown_tools
 from activities.mcp_pool import Listing
 from gateway import _approval as approval
 from gateway.mcp_tasks import TasksExtension, in_background
+from luftpause.config import MODEL_MAX_CHARS
 from luftpause.headers import CALLER_HEADER, TENANT_HEADER, caller_name
 from workflows import (
     AWAIT_MAX_S,
@@ -86,7 +87,6 @@ MAX_TOKENS_LIMIT = 32_768
 PROMPT_MAX_CHARS = 200_000
 # A budget's clock is a workflow timer; a month is longer than any agent should run.
 BUDGET_SECONDS_MAX = 30 * 86_400.0
-MODEL_MAX_CHARS = 200
 HANDLE_MAX_CHARS = 200
 # A tool's name as a run is given it: the 2025-11-25 spec's 128 characters, or
 # `<server>__<name>`.  Bounded, as every string a refusal repeats: a megabyte of one
@@ -1112,7 +1112,10 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
             Field(description="without handles: only runs of this class"),
         ] = None,
         model: Annotated[
-            str | None, Field(description="without handles: only runs of this model")
+            str | None,
+            Field(
+                max_length=MODEL_MAX_CHARS, description="without handles: only runs of this model"
+            ),
         ] = None,
         allCallers: Annotated[
             bool,
