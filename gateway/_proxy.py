@@ -1430,13 +1430,22 @@ _PROVIDERS = {"llamacpp": "llama.cpp"}
 
 
 class _TurnTrace:
-    """A turn's spans (GenAI semantic conventions): `chat {model}` from arrival to the
-    end of the answer, and its child `admit` for the hold.  The chat span continues the
-    client's `traceparent`; without a valid one, it is a child of its run's
-    `invoke_agent` span (gateway/_runtrace.py).  Made only with tracing on; attributes
-    are set in batches (the SDK locks and validates per call)."""
+    """A turn's spans (GenAI semantic conventions): `chat {model}` (`chat` until it is
+    admitted) from arrival to the end of the answer, and its child `admit` for the
+    hold.  The chat span continues the client's `traceparent`; without a valid one, it
+    is a child of its run's `invoke_agent` span (gateway/_runtrace.py).  Made only with
+    tracing on; attributes are set in batches (the SDK locks and validates per call)."""
 
-    __slots__ = ("_admit", "_arrived", "_chat", "_outcome", "_run_id", "_runs", "_under_run")
+    __slots__ = (
+        "_admit",
+        "_arrived",
+        "_chat",
+        "_model",
+        "_outcome",
+        "_run_id",
+        "_runs",
+        "_under_run",
+    )
 
     def __init__(
         self,
@@ -1466,8 +1475,11 @@ class _TurnTrace:
             "luftpause.class": turn.service_class.value,
             "luftpause.caller": turn.caller,
         }
+        # Named for its model once admitted: a model the client names may be none
+        # served, and span names stay few (helper-146; helper-147: a drain's 503s).
+        self._model = turn.model
         self._chat: Span = tracer.start_span(
-            f"chat {turn.model}",
+            "chat",
             parent,
             kind=SpanKind.CLIENT,
             attributes={
@@ -1491,6 +1503,7 @@ class _TurnTrace:
         held = max(0.0, now - self._arrived)
         if isinstance(outcome, str):
             admit.set_attributes({"luftpause.held_seconds": held, "luftpause.replica": outcome})
+            self._chat.update_name(f"chat {self._model}")
         elif isinstance(outcome, Rejected):
             self._outcome = outcome
             error = {"error.type": str(outcome.status)}
@@ -1498,10 +1511,6 @@ class _TurnTrace:
             admit.set_status(StatusCode.ERROR, outcome.message)
             self._chat.set_attributes(error)
             self._chat.set_status(StatusCode.ERROR, outcome.message)
-            if outcome.status == 404:
-                # A model not served: span names stay few, whatever clients send
-                # (helper-146); the name asked for is in gen_ai.request.model.
-                self._chat.update_name("chat")
         else:
             admit.set_attributes({"luftpause.held_seconds": held, "error.type": "client_left"})
         admit.end()

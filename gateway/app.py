@@ -961,7 +961,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                 otel_context.detach(token)
         # A span the engine's request continues (its traceparent), in the caller's trace.
         with tracer.start_as_current_span(
-            "decide" if parsed.model is None else f"decide {parsed.model}",
+            "decide",  # named for its model once answered (span names stay few)
             telemetry.extract(carrier) if carrier else None,
             kind=SpanKind.CLIENT,
             attributes={"luftpause.run_id": run_id, "luftpause.labels": len(parsed.labels or [])},
@@ -970,8 +970,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             span.set_attribute("http.response.status_code", response.status_code)
             if response.status_code >= 400:
                 span.set_status(StatusCode.ERROR, f"answered {response.status_code}")
-            if response.status_code == 404:
-                span.update_name("decide")  # a model not served: names stay few
+            elif parsed.model is not None:
+                span.update_name(f"decide {parsed.model}")
             return response
 
     @app.delete("/v1/runs/{run_id}")
