@@ -64,6 +64,7 @@ from gateway.decide import (
 )
 from gateway.discovery import Found, Resolver
 from gateway.mcp_door import RUN_STORE_DOWN, DoorDeps, RunStoreDown, create_mcp_server
+from gateway.mcp_tasks import settle_background
 from gateway.metrics import GatewayMetrics
 from gateway.pool import Pool, PoolChange, compare
 from gateway.prober import Prober, ProbeResult, auth_headers, slots_unknown
@@ -153,6 +154,9 @@ _UPSTREAM_LIMITS = httpx.Limits(
 # SDKs) or longer (load balancers: 60 s): the gateway keeps them longer still, so the
 # client is the one that closes (uvicorn's 5 s would race them).
 KEEPALIVE_S = 75
+# How long a stop waits for the door's background work (a cut call's run to cancel
+# once it has started: a child's start waits up to 30 s for its parent's worker).
+BACKGROUND_SETTLE_S = 10.0
 # A held turn's answer once the gateway is stopping (503, with Retry-After).
 SHUTTING_DOWN = (
     "the gateway is shutting down: retry (another replica of the gateway takes it, or "
@@ -449,6 +453,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                         # The calls the session manager cancels as it exits are the
                         # gateway's doing, not their clients' (a run call's run goes on).
                         door.stopping = True
+                # What they began in the background (a cut call's run to cancel).
+                await settle_background(BACKGROUND_SETTLE_S)
             finally:
                 hangup()
                 runtime = None

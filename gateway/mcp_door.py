@@ -788,12 +788,21 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
         return state.asked
 
     async def wait(
-        ctx: Context, handles: list[str], mode: str, timeout: float, *, spawned: str | None = None
+        ctx: Context,
+        handles: list[str],
+        mode: str,
+        timeout: float,
+        *,
+        spawned: str | None = None,
+        named: Callable[[], None] = lambda: None,
+        started: bool = False,
     ) -> tuple[list[RunStatus], bool] | InputRequiredResult:
         """Wait as `await` does.  While a covered run waits for approval, a client that
         can answer elicitations is asked: mid-call on legacy sessions; on 2026-07-28 by
         ending this round with an input-required result (the client answers and calls
-        again, and `request_state` carries the deadline and the questions asked)."""
+        again, and `request_state` carries the deadline and the questions asked).
+        `spawned`: `run`'s run, named in the progress (then `named()` is called);
+        `started` just now (a worker is looked for, once it is named)."""
         r = await runs(ctx)
         if not 0 < timeout <= AWAIT_MAX_S:
             raise ToolError(f"timeout: expected more than 0 and at most {AWAIT_MAX_S:g} seconds")
@@ -829,6 +838,9 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
 
         if spawned is not None:
             await progress(0)
+            named()
+            if started:
+                await no_worker(ctx)  # said in the gateway's log; the wait goes on
 
         while True:
             left = deadline - loop.time()
@@ -1071,16 +1083,23 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
         spawned = handle is None
         if handle is None:
             handle = await start_for_the_call(spec_of(RunArgs.model_validate(arguments), ctx), ctx)
+        given = not spawned  # its handle reached the client (in progress; a later round)
+
+        def named() -> None:
+            nonlocal given
+            given = True
+
         try:
-            if spawned:
-                await no_worker(ctx)  # said in the gateway's log; the wait goes on
-            waited = await wait(ctx, [handle], "all", timeout, spawned=handle)
+            waited = await wait(
+                ctx, [handle], "all", timeout, spawned=handle, named=named, started=spawned
+            )
         except BaseException as exc:
             # The client cancelled the call (notifications/cancelled, Esc in a harness;
             # a 2026-07-28 client cancels by closing the request, helper-144) or left:
-            # the run it started goes too, as the request's work; the client never had
-            # its handle.  Not when the gateway stops: the run goes on.
-            left = isinstance(exc, asyncio.CancelledError) and not deps.stopping()
+            # the run it started goes too, as the request's work.  Not when the gateway
+            # stops, once the run's handle was given: the run goes on, to be found again
+            # (helper-147: cut before, it was a run no client knew of).
+            left = isinstance(exc, asyncio.CancelledError) and (not deps.stopping() or not given)
             if _client_cancelled(ctx) or left:
                 await asyncio.shield(_cancel_quietly(runs(ctx), handle))
             raise

@@ -51,7 +51,7 @@ from gateway import _approval as approval
 from workflows import TERMINAL_STATES, RunError, Runs, RunStatus, RunUnavailable
 from workflows.runs import status_unavailable
 
-__all__ = ["TASKS", "TasksExtension", "in_background"]
+__all__ = ["TASKS", "TasksExtension", "in_background", "settle_background"]
 
 log = logging.getLogger(__name__)
 
@@ -95,10 +95,23 @@ _BACKGROUND: set[asyncio.Task[None]] = set()  # held until done (the loop holds 
 
 
 def in_background(work: Awaitable[None]) -> None:
-    """Run `work` on, past the request that started it."""
+    """Run `work` on, past the request that started it (and `settle_background`)."""
     task = asyncio.ensure_future(work)
     _BACKGROUND.add(task)
     task.add_done_callback(_BACKGROUND.discard)
+
+
+async def settle_background(timeout: float) -> None:
+    """At a stop: let the work begun in the background end, `timeout` at most (the
+    cancels of runs whose calls were cut while they started: helper-147, the loop's
+    end cancelled them, and the runs went on); what is left is logged."""
+    pending = set(_BACKGROUND)
+    if not pending:
+        return
+    _, left = await asyncio.wait(pending, timeout=timeout)
+    for task in left:
+        log.warning("stopped with background work unfinished: %s", task.get_coro())
+        task.cancel()
 
 
 def _iso(value: str | None) -> str:

@@ -309,6 +309,39 @@ async def test_a_run_call_cut_while_its_parent_takes_the_child_cancels_the_child
             await s.runs.request_cancel(parent)
 
 
+async def test_a_run_cut_as_the_gateway_stops_before_its_handle_was_given_is_cancelled(
+    temporal_address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run call cut as the gateway stops leaves its run going, to be found again by
+    the handle its progress named; cut before that progress went out (helper-147: a
+    worker check came first), no client knew the run: it is cancelled."""
+    from mcp.server.mcpserver import Context
+
+    naming = asyncio.Event()
+    report = Context.report_progress
+    handles: list[str] = []
+
+    async def stuck(self: Any, progress: float, total: Any = None, message: Any = None) -> None:
+        if message and (named := re.search(r"\(run (run-[0-9a-f]+)\)", message)):
+            handles.append(named[1])
+            naming.set()
+            await asyncio.Event().wait()  # the handle never goes out
+        await report(self, progress, total, message)
+
+    monkeypatch.setattr(Context, "report_progress", stuck)
+    async with stack(temporal_address) as s, Client(s.mcp_door, mode="2026-07-28") as c:
+        args = {"task": task_with(1, "x"), "tools": ["delete_record"]}
+        call = asyncio.ensure_future(c.call_tool("run", args))
+        await asyncio.wait_for(naming.wait(), 30)
+        (handle,) = handles
+        s.drain()
+        call.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await call
+        (ended,) = await s.runs.wait([handle], timeout=30)
+        assert ended.state == "Cancelled", ended
+
+
 async def test_an_answer_cut_at_max_tokens_says_so(temporal_address: str) -> None:
     # helper-114: a turn stopped at maxTokens (finish_reason "length") became the run's
     # answer as if whole: a text tool call cut mid-arguments, or "" from a reasoning
@@ -1581,3 +1614,30 @@ async def test_only_the_question_a_task_asks_is_remembered_as_answered(
             SimpleNamespace(), UpdateParams(taskId=handle, inputResponses={key: dismissed})
         )
     assert list(ext._answered) == [asked, f"approve:{handle}:call_2"]
+
+
+async def test_a_stop_lets_background_work_end_within_its_bound(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A cut call's run is cancelled in the background once it has started; the loop's
+    end cancelled that work at a stop, and the run went on (helper-147).  A stop waits
+    for it, within a bound; what is left is logged."""
+    from gateway.mcp_tasks import in_background, settle_background
+
+    started, done = asyncio.Event(), []
+
+    async def cancel_once_started() -> None:
+        await started.wait()
+        done.append("cancelled the run")
+
+    async def never_ends() -> None:
+        await asyncio.Event().wait()
+
+    in_background(cancel_once_started())
+    in_background(never_ends())
+    asyncio.get_running_loop().call_later(0.05, started.set)
+    with caplog.at_level(logging.WARNING, logger="gateway.mcp_tasks"):
+        await settle_background(0.5)
+    assert done == ["cancelled the run"]
+    assert "stopped with background work unfinished" in caplog.text
+    assert "never_ends" in caplog.text
