@@ -4,6 +4,7 @@ HTTP: the official `openai` SDK in front of the gateway, fake engines behind it.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import re
 from typing import Any
@@ -23,6 +24,8 @@ from harness import (
     tool_task,
     until,
 )
+from hypothesis import given
+from hypothesis import strategies as st
 from openai.types.responses import Response as OpenAIResponse
 
 from gateway._proxy import ResponsesWatch
@@ -453,3 +456,39 @@ async def test_a_chain_to_a_run_ended_mid_turn_starts_a_run_of_its_own() -> None
         assert (await first).status_code == 200
         chained = await gw.post("/v1/responses", json={**ask, "previous_response_id": "resp_late"})
         assert chained.status_code == 200 and chained.headers[RUN] != "job-1"
+
+
+_EVENTS = st.sampled_from(
+    [
+        b'data: {"choices": [{"delta": {"content": "x"}}]}\n\n',
+        b"data: [DONE]\n\n",
+        b": ping\n\n",
+        b":\n\n",
+        b'event: ping\ndata: {"type": "ping"}\n\n',
+        b'event: content_block_delta\ndata: {"delta": {"text": "x"}}\n\n',
+        b'event: response.created\ndata: {"type": "response.created"}\n\n',
+        b'event: response.output_text.delta\ndata: {"delta": "x"}\n\n',
+        b'data: {"a": 1}\r\n\r\n',
+        b": keep-alive\r\r",
+        b"\n",
+    ]
+)
+
+
+@given(
+    events=st.lists(_EVENTS, min_size=1, max_size=12),
+    cuts=st.lists(st.integers(min_value=0, max_value=2000), max_size=8),
+)
+def test_the_fast_reading_of_whole_data_events_agrees_with_the_whole_reading(
+    events: list[bytes], cuts: list[int]
+) -> None:
+    # _Progress.carries takes a piece of whole events that begins with a data line as
+    # data without reading it (each token's piece: 3 us less); the full reading of
+    # every piece, in any split, must say the same.
+    from gateway._proxy import _Progress
+
+    stream = b"".join(events)
+    edges = sorted({0, len(stream), *(c % (len(stream) + 1) for c in cuts)})
+    pieces = [stream[a:b] for a, b in itertools.pairwise(edges) if b > a]
+    fast, full = _Progress(True), _Progress(True)
+    assert [fast.carries(p) for p in pieces] == [full._read(p) for p in pieces]
