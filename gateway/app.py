@@ -64,7 +64,6 @@ from gateway.decide import (
 )
 from gateway.discovery import Found, Resolver
 from gateway.mcp_door import RUN_STORE_DOWN, DoorDeps, RunStoreDown, create_mcp_server
-from gateway.mcp_tasks import settle_background
 from gateway.metrics import GatewayMetrics
 from gateway.pool import Pool, PoolChange, compare
 from gateway.prober import Prober, ProbeResult, auth_headers, slots_unknown
@@ -155,8 +154,9 @@ _UPSTREAM_LIMITS = httpx.Limits(
 # client is the one that closes (uvicorn's 5 s would race them).
 KEEPALIVE_S = 75
 # How long a stop waits for the door's background work (a cut call's run to cancel
-# once it has started: a child's start waits up to 30 s for its parent's worker).
-BACKGROUND_SETTLE_S = 10.0
+# once it has started): within the shutdown's margin (the manifests give 40 s to a
+# 30 s grace, and the telemetry flush takes up to 5; helper-148).
+BACKGROUND_SETTLE_S = 3.0
 # A held turn's answer once the gateway is stopping (503, with Retry-After).
 SHUTTING_DOWN = (
     "the gateway is shutting down: retry (another replica of the gateway takes it, or "
@@ -454,7 +454,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                         # gateway's doing, not their clients' (a run call's run goes on).
                         door.stopping = True
                 # What they began in the background (a cut call's run to cancel).
-                await settle_background(BACKGROUND_SETTLE_S)
+                await door_server.background.settle(BACKGROUND_SETTLE_S)
             finally:
                 hangup()
                 runtime = None
@@ -970,7 +970,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             "decide",  # named for its model once answered (span names stay few)
             telemetry.extract(carrier) if carrier else None,
             kind=SpanKind.CLIENT,
-            attributes={"luftpause.run_id": run_id, "luftpause.labels": len(parsed.labels or [])},
+            attributes={
+                "luftpause.run_id": run_id,
+                "luftpause.labels": len(parsed.labels or []),
+                # (named for it only once answered: helper-148, a refusal lost it)
+                **({"gen_ai.request.model": parsed.model} if parsed.model else {}),
+            },
         ) as span:
             response = await answering
             span.set_attribute("http.response.status_code", response.status_code)

@@ -32,7 +32,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from activities.contract import unknown_tools
 from activities.mcp_pool import Listing
 from gateway import _approval as approval
-from gateway.mcp_tasks import TasksExtension, in_background
+from gateway.mcp_tasks import Background, TasksExtension
 from luftpause.config import MODEL_MAX_CHARS
 from luftpause.headers import CALLER_HEADER, TENANT_HEADER, caller_name
 from workflows import (
@@ -490,6 +490,9 @@ class _DoorServer(MCPServer):
     and a value out of shape says which field and why, without pydantic's headline and
     links (the SDK's `Error executing tool <name>:` prefix is kept, as on every error)."""
 
+    # What its calls began in the background, which a stop waits for (set below).
+    background: Background
+
     def tool_result(self, name: str, value: Any) -> dict[str, Any]:
         """The result a call of tool `name` that returned `value` has on the wire."""
         tool = self._tool_manager.get_tool(name)
@@ -617,13 +620,15 @@ Handle = Annotated[
 ]
 
 
-def create_mcp_server(deps: DoorDeps) -> MCPServer:
+def create_mcp_server(deps: DoorDeps) -> _DoorServer:
     """The MCP server of the door, built from its dependencies."""
+    background = Background()
     tasks = TasksExtension(
         runs=lambda ctx: runs(ctx),
         start_run=lambda arguments, ctx: start_task_run(arguments, ctx),
         result=lambda status: mcp.tool_result("run", view(status)),
         unavailable=_unavailable,
+        background=background,
     )
     mcp = _DoorServer(
         name="luftpause",
@@ -643,6 +648,7 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
             else RequestStateSecurity.ephemeral(ttl=AWAIT_MAX_S + STATE_TTL_SLACK_S)
         ),
     )
+    mcp.background = background
 
     async def runs(ctx: Any) -> Runs:
         """The runs a request may see: a caller's own token, only that caller's."""
@@ -720,7 +726,7 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
         try:
             return await asyncio.shield(starting)
         except asyncio.CancelledError:
-            in_background(_once_started(starting, lambda: runs(ctx), handle))
+            background.run(_once_started(starting, lambda: runs(ctx), handle))
             raise
 
     async def no_worker(ctx: Any) -> str | None:
@@ -838,7 +844,10 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
 
         if spawned is not None:
             await progress(0)
-            named()
+            # Named only where progress goes out: to a request with a progress token
+            # (helper-148: without one, the client never had the handle).
+            if (ctx.request_context.meta or {}).get("progress_token") is not None:
+                named()
             if started:
                 await no_worker(ctx)  # said in the gateway's log; the wait goes on
 
@@ -1101,7 +1110,10 @@ def create_mcp_server(deps: DoorDeps) -> MCPServer:
             # (helper-147: cut before, it was a run no client knew of).
             left = isinstance(exc, asyncio.CancelledError) and (not deps.stopping() or not given)
             if _client_cancelled(ctx) or left:
-                await asyncio.shield(_cancel_quietly(runs(ctx), handle))
+                # Held, and waited for at a stop: the cut's cancel scope cancels this
+                # wait again at once (anyio), and the cancel went on untracked, to be
+                # cut by the loop's end (helper-148).
+                await asyncio.shield(background.run(_cancel_quietly(runs(ctx), handle)))
             raise
         return waited if isinstance(waited, InputRequiredResult) else view(waited[0][0])
 

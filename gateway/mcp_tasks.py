@@ -51,7 +51,7 @@ from gateway import _approval as approval
 from workflows import TERMINAL_STATES, RunError, Runs, RunStatus, RunUnavailable
 from workflows.runs import status_unavailable
 
-__all__ = ["TASKS", "TasksExtension", "in_background", "settle_background"]
+__all__ = ["TASKS", "Background", "TasksExtension"]
 
 log = logging.getLogger(__name__)
 
@@ -91,27 +91,29 @@ class UpdateParams(TaskIdParams):
     input_responses: dict[str, Any] = Field(alias="inputResponses")
 
 
-_BACKGROUND: set[asyncio.Task[None]] = set()  # held until done (the loop holds weakly)
+class Background:
+    """Work begun for a request that must outlive it (the cancel of a run whose call
+    was cut), held until done (the loop holds tasks weakly) and waited for at a stop
+    (helper-147: the loop's end cancelled it, and the run went on).  One per door."""
 
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Future[Any]] = set()
 
-def in_background(work: Awaitable[None]) -> None:
-    """Run `work` on, past the request that started it (and `settle_background`)."""
-    task = asyncio.ensure_future(work)
-    _BACKGROUND.add(task)
-    task.add_done_callback(_BACKGROUND.discard)
+    def run(self, work: Awaitable[Any]) -> asyncio.Future[Any]:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
-
-async def settle_background(timeout: float) -> None:
-    """At a stop: let the work begun in the background end, `timeout` at most (the
-    cancels of runs whose calls were cut while they started: helper-147, the loop's
-    end cancelled them, and the runs went on); what is left is logged."""
-    pending = set(_BACKGROUND)
-    if not pending:
-        return
-    _, left = await asyncio.wait(pending, timeout=timeout)
-    for task in left:
-        log.warning("stopped with background work unfinished: %s", task.get_coro())
-        task.cancel()
+    async def settle(self, timeout: float) -> None:
+        """Let it end, `timeout` at most; what is left is logged and cancelled."""
+        pending = set(self._tasks)
+        if not pending:
+            return
+        _, left = await asyncio.wait(pending, timeout=timeout)
+        for task in left:
+            log.warning("stopped with background work unfinished: %s", task)
+            task.cancel()
 
 
 def _iso(value: str | None) -> str:
@@ -129,8 +131,10 @@ class TasksExtension(Extension):
         start_run: Callable[[dict[str, Any], Any], Awaitable[tuple[str | None, str]]],
         result: Callable[[RunStatus], dict[str, Any]],  # what `run` returns for an ended run
         unavailable: Callable[[BaseException], str | None],  # why, if Temporal is down
+        background: Background | None = None,  # the door's (a test's own otherwise)
     ) -> None:
         self._runs = runs
+        self._background = background or Background()
         # Question keys a response was delivered for (this process's; bounded): MCP
         # forbids asking a key again, and a client skips one it answered, so a task
         # asking again after a dismissal stayed input_required for ever (helper-144).
@@ -184,7 +188,7 @@ class TasksExtension(Extension):
                 status = await runs.status(handle, query_timeout=QUERY_TIMEOUT_S)
         except asyncio.CancelledError:
             # Cut before its id reached the client: the run goes too (helper-145).
-            in_background(self._cancel_quietly(handle, ctx))
+            self._background.run(self._cancel_quietly(handle, ctx))
             raise
         except MCPError:
             # The run exists (its workflow does) but its status could not be read just

@@ -336,6 +336,7 @@ async def test_a_decision_is_a_span_the_engines_request_continues(
 
     scored, classified, refused = named(spans, "decide")
     assert refused.name == "decide"  # names stay few whatever models clients name
+    assert attrs(refused)["gen_ai.request.model"] == "no-such-model"
     sent = [generative.headers[0], next(h for p, h, _ in classifier.posts if p == "/classify")]
     for span, headers in zip((scored, classified), sent, strict=True):
         assert span.context is not None and span.parent is not None

@@ -206,9 +206,10 @@ async def test_a_run_call_the_client_cancels_cancels_its_run(
 ) -> None:
     # Esc in a harness cancels the `run` call (notifications/cancelled; a 2026-07-28
     # client closes the request instead, helper-144: its run went on): the run it
-    # started (its handle never reached the client) is cancelled too, not left waiting
-    # for an approval nobody will give.  A call closed while the gateway is stopping
-    # is the gateway's cut, not the client's: there the run goes on.
+    # started is cancelled too, not left waiting for an approval nobody will give.  A
+    # call closed while the gateway is stopping is the gateway's cut, not the client's:
+    # there the run goes on, to be found by the handle its progress named; a client
+    # that asked for no progress never had it, and its run is cancelled (helper-148).
     import gateway.mcp_door as door_module
 
     cut: list[bool] = []  # a run call's end, as the door saw it
@@ -221,37 +222,54 @@ async def test_a_run_call_the_client_cancels_cancels_its_run(
     monkeypatch.setattr(door_module, "_client_cancelled", client_cancelled)
     async with stack(temporal_address) as s, Client(s.mcp_door, mode=mode) as c:
         before = set(await s.runs.list())
+        told: list[str] = []
+
+        async def on_progress(progress: float, total: float | None, message: str | None) -> None:
+            told.append(message or "")
 
         async def started() -> list[str]:
             return sorted(set(await s.runs.list()) - before)
 
-        handles = []
-        for stopping in (False, True):
-            call = asyncio.ensure_future(
-                c.call_tool("run", {"task": task_with(1, "gone"), "tools": ["delete_record"]})
-            )
+        async def waiting(progress: bool) -> tuple[str, asyncio.Future[Any]]:
+            """A run call whose run waits for approval (and its handle was told)."""
+            args = {"task": task_with(1, "gone"), "tools": ["delete_record"]}
+            callback = on_progress if progress else None
+            call = asyncio.ensure_future(c.call_tool("run", args, progress_callback=callback))
             (handle,) = await until(started, "the run started")
             before.add(handle)
-            await until(lambda h=handle: state_is(s, h, "AwaitingApproval"), "it waits")
-            if stopping:
-                s.drain()
-            call.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await call
-            handles.append(handle)
-            await until(lambda: len(cut) == len(handles), "the door saw the call end")
-        cancelled, going = handles
-        (ended,) = await s.runs.wait([cancelled], timeout=30)
-        assert ended.state == "Cancelled", ended
+            await until(lambda: state_is(s, handle, "AwaitingApproval"), "it waits")
+            if progress:
+                await until(lambda: any(handle in m for m in told), "its handle was told")
+            return handle, call
+
+        async def cut_off(calls: list[asyncio.Future[Any]]) -> None:
+            n = len(cut) + len(calls)
+            for call in calls:
+                call.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await call
+            await until(lambda: len(cut) == n, "the door saw the calls end")
+
+        first, call = await waiting(progress=True)
+        await cut_off([call])
+        # The gateway takes no turns once it drains: both wait before it.
+        (told_one, told_call), (untold, untold_call) = [await waiting(p) for p in (True, False)]
+        s.drain()
+        await cut_off([told_call, untold_call])
+        handles = [first, told_one, untold]
         assert sum(s.mcp.counts.values()) == 0  # the destructive call never ran
         if mode == "legacy":  # notifications/cancelled: the client asked, whoever stops
-            assert cut == [True, True]
-            (ended,) = await s.runs.wait([going], timeout=30)
-            assert ended.state == "Cancelled", ended
-        else:  # a request closed as the gateway stops: the gateway's cut, not the client's
-            assert cut == [False, False]
-            assert (await s.runs.status(going)).state == "AwaitingApproval"
-            await s.runs.request_cancel(going)
+            assert cut == [True, True, True]
+            expected = ["Cancelled", "Cancelled", "Cancelled"]
+        else:  # a request closed: the client's leaving, unless the gateway stops
+            assert cut == [False, False, False]
+            expected = ["Cancelled", "AwaitingApproval", "Cancelled"]
+        ended = [
+            (await s.runs.wait([h], timeout=30))[0] if e == "Cancelled" else await s.runs.status(h)
+            for h, e in zip(handles, expected, strict=True)
+        ]
+        assert [st.state for st in ended] == expected, ended
+        await s.runs.request_cancel(handles[1])
 
 
 @pytest.mark.parametrize(("via", "stopping"), [("run", False), ("run", True), ("task", False)])
@@ -330,8 +348,12 @@ async def test_a_run_cut_as_the_gateway_stops_before_its_handle_was_given_is_can
 
     monkeypatch.setattr(Context, "report_progress", stuck)
     async with stack(temporal_address) as s, Client(s.mcp_door, mode="2026-07-28") as c:
+
+        async def on_progress(progress: float, total: float | None, message: str | None) -> None:
+            pass  # (asked for: a request with a progress token)
+
         args = {"task": task_with(1, "x"), "tools": ["delete_record"]}
-        call = asyncio.ensure_future(c.call_tool("run", args))
+        call = asyncio.ensure_future(c.call_tool("run", args, progress_callback=on_progress))
         await asyncio.wait_for(naming.wait(), 30)
         (handle,) = handles
         s.drain()
@@ -1622,7 +1644,7 @@ async def test_a_stop_lets_background_work_end_within_its_bound(
     """A cut call's run is cancelled in the background once it has started; the loop's
     end cancelled that work at a stop, and the run went on (helper-147).  A stop waits
     for it, within a bound; what is left is logged."""
-    from gateway.mcp_tasks import in_background, settle_background
+    from gateway.mcp_tasks import Background
 
     started, done = asyncio.Event(), []
 
@@ -1633,11 +1655,15 @@ async def test_a_stop_lets_background_work_end_within_its_bound(
     async def never_ends() -> None:
         await asyncio.Event().wait()
 
-    in_background(cancel_once_started())
-    in_background(never_ends())
+    background = Background()
+    background.run(cancel_once_started())
+    stuck = background.run(never_ends())
     asyncio.get_running_loop().call_later(0.05, started.set)
     with caplog.at_level(logging.WARNING, logger="gateway.mcp_tasks"):
-        await settle_background(0.5)
+        await background.settle(0.5)
     assert done == ["cancelled the run"]
     assert "stopped with background work unfinished" in caplog.text
     assert "never_ends" in caplog.text
+    with contextlib.suppress(asyncio.CancelledError):
+        await stuck
+    assert stuck.cancelled()
