@@ -138,14 +138,14 @@ async def _once_started(
     except Exception as exc:
         log.info("run %s of a run call that was cut did not start: %s", handle, exc)
         return
-    await _cancel_quietly(runs(), handle)
+    await _cancel_quietly(runs, handle)
 
 
-async def _cancel_quietly(runs: Awaitable[Runs | CallerRuns], handle: str) -> None:
+async def _cancel_quietly(runs: Callable[[], Awaitable[Runs | CallerRuns]], handle: str) -> None:
     """Ask for a run's cancel; a failure (Temporal away, the run ended) is logged, so
     the cancellation that asked for it is what the call ends with."""
     try:
-        await (await runs).request_cancel(handle)
+        await (await runs()).request_cancel(handle)
     except Exception as exc:
         log.warning("could not cancel run %s whose run call was cancelled: %s", handle, exc)
 
@@ -726,7 +726,9 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
         try:
             return await asyncio.shield(starting)
         except asyncio.CancelledError:
-            background.run(_once_started(starting, lambda: runs(ctx), handle))
+            background.run(
+                _once_started(starting, lambda: runs(ctx), handle), f"the cancel of run {handle}"
+            )
             raise
 
     async def no_worker(ctx: Any) -> str | None:
@@ -1113,7 +1115,8 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
                 # Held, and waited for at a stop: the cut's cancel scope cancels this
                 # wait again at once (anyio), and the cancel went on untracked, to be
                 # cut by the loop's end (helper-148).
-                await asyncio.shield(background.run(_cancel_quietly(runs(ctx), handle)))
+                cancel = _cancel_quietly(lambda: runs(ctx), handle)
+                await asyncio.shield(background.run(cancel, f"the cancel of run {handle}"))
             raise
         return waited if isinstance(waited, InputRequiredResult) else view(waited[0][0])
 

@@ -97,22 +97,24 @@ class Background:
     (helper-147: the loop's end cancelled it, and the run went on).  One per door."""
 
     def __init__(self) -> None:
-        self._tasks: set[asyncio.Future[Any]] = set()
+        self._tasks: dict[asyncio.Future[Any], str] = {}  # each, and what it does
 
-    def run(self, work: Awaitable[Any]) -> asyncio.Future[Any]:
+    def run(self, work: Awaitable[Any], what: str) -> asyncio.Future[Any]:
+        """`work` on its own; `what` it does, named in the log if a stop cuts it."""
         task = asyncio.ensure_future(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks[task] = what
+        task.add_done_callback(lambda done: self._tasks.pop(done, None))
         return task
 
     async def settle(self, timeout: float) -> None:
-        """Let it end, `timeout` at most; what is left is logged and cancelled."""
+        """Let it end, `timeout` at most; what is left is logged and cancelled (an
+        operator may cancel by hand a run whose cancel this cut: helper-149)."""
         pending = set(self._tasks)
         if not pending:
             return
         _, left = await asyncio.wait(pending, timeout=timeout)
         for task in left:
-            log.warning("stopped with background work unfinished: %s", task)
+            log.warning("stopped with unfinished: %s", self._tasks.get(task, task))
             task.cancel()
 
 
@@ -188,7 +190,7 @@ class TasksExtension(Extension):
                 status = await runs.status(handle, query_timeout=QUERY_TIMEOUT_S)
         except asyncio.CancelledError:
             # Cut before its id reached the client: the run goes too (helper-145).
-            self._background.run(self._cancel_quietly(handle, ctx))
+            self._background.run(self._cancel_quietly(handle, ctx), f"the cancel of run {handle}")
             raise
         except MCPError:
             # The run exists (its workflow does) but its status could not be read just

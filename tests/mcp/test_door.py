@@ -390,7 +390,7 @@ async def test_a_cancelled_run_calls_cancel_fails_quietly(caplog: pytest.LogCapt
         raise ToolError("run store (Temporal at 127.0.0.1:1) is unreachable")
 
     with caplog.at_level(logging.WARNING, logger="gateway.mcp_door"):
-        await _cancel_quietly(away(), "run-x")
+        await _cancel_quietly(away, "run-x")
     assert "could not cancel run run-x" in caplog.text
     assert "unreachable" in caplog.text
 
@@ -1656,14 +1656,14 @@ async def test_a_stop_lets_background_work_end_within_its_bound(
         await asyncio.Event().wait()
 
     background = Background()
-    background.run(cancel_once_started())
-    stuck = background.run(never_ends())
+    background.run(cancel_once_started(), "the cancel of run run-a")
+    stuck = background.run(never_ends(), "the cancel of run run-b")
     asyncio.get_running_loop().call_later(0.05, started.set)
     with caplog.at_level(logging.WARNING, logger="gateway.mcp_tasks"):
         await background.settle(0.5)
     assert done == ["cancelled the run"]
-    assert "stopped with background work unfinished" in caplog.text
-    assert "never_ends" in caplog.text
+    assert "stopped with unfinished: the cancel of run run-b" in caplog.text
+    assert "run-a" not in caplog.text
     with contextlib.suppress(asyncio.CancelledError):
         await stuck
     assert stuck.cancelled()
