@@ -32,7 +32,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from activities.contract import unknown_tools
 from activities.mcp_pool import Listing
 from gateway import _approval as approval
-from gateway.mcp_tasks import Background, TasksExtension
+from gateway.mcp_tasks import Background, TasksExtension, cancel_quietly
 from luftpause.config import MODEL_MAX_CHARS
 from luftpause.headers import CALLER_HEADER, TENANT_HEADER, caller_name
 from workflows import (
@@ -138,16 +138,7 @@ async def _once_started(
     except Exception as exc:
         log.info("run %s of a run call that was cut did not start: %s", handle, exc)
         return
-    await _cancel_quietly(runs, handle)
-
-
-async def _cancel_quietly(runs: Callable[[], Awaitable[Runs | CallerRuns]], handle: str) -> None:
-    """Ask for a run's cancel; a failure (Temporal away, the run ended) is logged, so
-    the cancellation that asked for it is what the call ends with."""
-    try:
-        await (await runs()).request_cancel(handle)
-    except Exception as exc:
-        log.warning("could not cancel run %s whose run call was cancelled: %s", handle, exc)
+    await cancel_quietly(runs, handle)
 
 
 # --------------------------------------------------------------------------- results
@@ -1115,7 +1106,7 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
                 # Held, and waited for at a stop: the cut's cancel scope cancels this
                 # wait again at once (anyio), and the cancel went on untracked, to be
                 # cut by the loop's end (helper-148).
-                cancel = _cancel_quietly(lambda: runs(ctx), handle)
+                cancel = cancel_quietly(lambda: runs(ctx), handle)
                 await asyncio.shield(background.run(cancel, f"the cancel of run {handle}"))
             raise
         return waited if isinstance(waited, InputRequiredResult) else view(waited[0][0])

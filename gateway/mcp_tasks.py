@@ -51,7 +51,7 @@ from gateway import _approval as approval
 from workflows import TERMINAL_STATES, RunError, Runs, RunStatus, RunUnavailable
 from workflows.runs import status_unavailable
 
-__all__ = ["TASKS", "Background", "TasksExtension"]
+__all__ = ["TASKS", "Background", "TasksExtension", "cancel_quietly"]
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +116,16 @@ class Background:
         for task in left:
             log.warning("stopped with unfinished: %s", self._tasks.get(task, task))
             task.cancel()
+
+
+async def cancel_quietly(runs: Callable[[], Awaitable[Runs]], handle: str) -> None:
+    """Ask for a run's cancel (one whose call was cut); a failure (Temporal away, the
+    run ended) is logged, so the cancellation that asked for it is what the call ends
+    with.  The door's and the tasks' both."""
+    try:
+        await (await runs()).request_cancel(handle)
+    except Exception as exc:
+        log.warning("could not cancel run %s whose call was cut: %s", handle, exc)
 
 
 def _iso(value: str | None) -> str:
@@ -190,7 +200,8 @@ class TasksExtension(Extension):
                 status = await runs.status(handle, query_timeout=QUERY_TIMEOUT_S)
         except asyncio.CancelledError:
             # Cut before its id reached the client: the run goes too (helper-145).
-            self._background.run(self._cancel_quietly(handle, ctx), f"the cancel of run {handle}")
+            cancel = cancel_quietly(lambda: self._runs(ctx), handle)
+            self._background.run(cancel, f"the cancel of run {handle}")
             raise
         except MCPError:
             # The run exists (its workflow does) but its status could not be read just
@@ -311,12 +322,6 @@ class TasksExtension(Extension):
             if remember:
                 self._note_answered(key)
         return EmptyResult()
-
-    async def _cancel_quietly(self, handle: str, ctx: Any) -> None:
-        try:
-            await (await self._runs(ctx)).request_cancel(handle)
-        except Exception as exc:
-            log.warning("could not cancel run %s whose task call was cut: %s", handle, exc)
 
     def _note_answered(self, key: str) -> None:
         self._answered[key] = None

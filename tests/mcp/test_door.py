@@ -384,13 +384,13 @@ async def test_a_cancelled_run_calls_cancel_fails_quietly(caplog: pytest.LogCapt
     # logged and the call still ends as cancelled, not with the store's error.
     from mcp.server.mcpserver.exceptions import ToolError
 
-    from gateway.mcp_door import _cancel_quietly
+    from gateway.mcp_tasks import cancel_quietly
 
     async def away() -> Any:
         raise ToolError("run store (Temporal at 127.0.0.1:1) is unreachable")
 
-    with caplog.at_level(logging.WARNING, logger="gateway.mcp_door"):
-        await _cancel_quietly(away, "run-x")
+    with caplog.at_level(logging.WARNING, logger="gateway.mcp_tasks"):
+        await cancel_quietly(away, "run-x")
     assert "could not cancel run run-x" in caplog.text
     assert "unreachable" in caplog.text
 
