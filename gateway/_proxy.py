@@ -135,6 +135,19 @@ ALIVE_EVERY_S = 5.0
 MARGIN_S = 1.0
 # The APIs not every replica takes (the file's `messages`, `responses`), by name.
 _NEWER_APIS: Mapping[str, str] = {"messages": "Anthropic Messages", "responses": "OpenAI Responses"}
+
+
+def api_not_served(model: str, replicas: Sequence[str], api: str) -> str:
+    """Why a turn of `api` (messages, responses) for `model` is refused 404: `replicas`
+    of the model do not take that API.  As a turn arrives, and as a held one is
+    admitted after a reload brought such a replica."""
+    return (
+        f"model '{model}' is served by replicas that do not take the {_NEWER_APIS[api]} "
+        f"API ({', '.join(replicas)}: {api} = false, or a kind that does not serve it); "
+        f"use /v1/chat/completions, or set {api} = true where they do"
+    )
+
+
 # luftpause's own 503 (no healthy replica for the model) says when to look again: the
 # next probe round.
 UNAVAILABLE_RETRY_AFTER_S = str(math.ceil(PROBE_PERIOD_S))
@@ -1141,12 +1154,7 @@ class TurnResponse(Response):
                 # Held before a reload added a replica of its model that does not take
                 # its API (the core places turns by model): refused as a turn arriving
                 # now is, in its API's shape (helper-143: the engine's own 404 went out).
-                key, name = t.api, _NEWER_APIS[t.api]
-                message = (
-                    f"model '{t.model}' is now also served by replicas that do not take "
-                    f"the {name} API ({outcome}: {key} = false, or a kind that does not "
-                    f"serve it); use /v1/chat/completions, or set {key} = true where they do"
-                )
+                message = api_not_served(t.model, [outcome], t.api)
                 self._fail(message)
                 await t.error(404, message)(scope, receive, send)
                 return

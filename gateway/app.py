@@ -48,6 +48,7 @@ from gateway._http import Upstream, credentials_refused, no_answer_of
 from gateway._proxy import (
     TurnRequest,
     TurnResponse,
+    api_not_served,
     dropped_upstream,
     error_response,
     response_key,
@@ -1531,7 +1532,7 @@ def _parse_messages(
         )
     ):
         raise _BadRequest(f"'max_tokens' must be a positive integer, got {max_tokens!r}")
-    _check_served(model, lacking, "Anthropic Messages", "messages")
+    _check_served(model, lacking, "messages")
     return model, messages
 
 
@@ -1554,19 +1555,14 @@ def _parse_responses(
             'serve GET /v1/responses/{id}; send the turn in the foreground ("stream": '
             "true for its progress as it is written)"
         )
-    _check_served(model, lacking, "OpenAI Responses", "responses")
+    _check_served(model, lacking, "responses")
     return model, given if isinstance(given, list) else []
 
 
-def _check_served(model: str, lacking: Mapping[str, list[str]], name: str, key: str) -> None:
+def _check_served(model: str, lacking: Mapping[str, list[str]], api: str) -> None:
     without = lacking.get(model)
     if without:
-        raise _BadRequest(
-            f"model '{model}' is served by replicas that do not take the {name} API "
-            f"({', '.join(without)}: {key} = false, or a kind that does not serve it); "
-            f"use {CHAT_PATH}, or set {key} = true where they do",
-            status=404,
-        )
+        raise _BadRequest(api_not_served(model, without, api), status=404)
 
 
 def _echoed_tool_uses(messages: list[Any]) -> list[str]:

@@ -458,7 +458,7 @@ async def test_a_held_turn_admitted_to_a_replica_without_its_api_is_answered_404
                 assert r.status_code == 404, r.text
                 assert r.json()["type"] == "error"
                 message = r.json()["error"]["message"]
-                assert "now also served by replicas that do not take the Anthropic " in message
+                assert "is served by replicas that do not take the Anthropic " in message
                 assert "(b: messages = false" in message
                 assert r.headers[RUN]
                 # A new one is refused alike, before it is held.
