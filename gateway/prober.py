@@ -275,7 +275,7 @@ def auth_headers(
     Messages API request) in `x-api-key` too, where Anthropic-compatible hosts read it.
     Blanks around it are dropped (a key file's newline would be an illegal header)."""
     key = environ.get(endpoint.api_key_env, "").strip() if endpoint.api_key_env else ""
-    if not key or key_problem(endpoint, environ) is not None:
+    if not key or not _sendable(key):
         return {}  # (one no header can carry is not sent: the probe says why)
     header = endpoint.api_key_header
     if header is None and _anthropic_host(endpoint.url):
@@ -286,6 +286,11 @@ def auth_headers(
     return bearer if header == "authorization" or not anthropic else {**bearer, "x-api-key": key}
 
 
+def _sendable(key: str) -> bool:
+    """Printable ASCII, as an HTTP header's value is (checked in C: on every turn)."""
+    return key.isascii() and key.isprintable()
+
+
 def key_problem(endpoint: Endpoint, environ: Mapping[str, str] = os.environ) -> str | None:
     """Why the endpoint's key cannot be sent, or None: a key is printable ASCII, as an
     HTTP header's value is (a pasted "…" or a control character made httpx raise at
@@ -294,9 +299,9 @@ def key_problem(endpoint: Endpoint, environ: Mapping[str, str] = os.environ) -> 
     if not endpoint.api_key_env:
         return None
     key = environ.get(endpoint.api_key_env, "").strip()
-    bad = next((i for i, c in enumerate(key) if not " " <= c <= "~"), None)
-    if bad is None:
+    if _sendable(key):
         return None
+    bad = next(i for i, c in enumerate(key) if not _sendable(c))
     return (
         f"the key in ${endpoint.api_key_env} has a character an HTTP header cannot carry "
         f"(at position {bad + 1}); it is not sent"
