@@ -127,12 +127,20 @@ def _client_cancelled(ctx: Context) -> bool:
 
 
 async def _once_started(
-    starting: asyncio.Future[str], runs: Callable[[], Awaitable[Runs | CallerRuns]], handle: str
+    starting: asyncio.Future[str],
+    runs: Callable[[], Awaitable[Runs | CallerRuns]],
+    handle: str,
+    parent: str | None,
 ) -> None:
     """After a run call cut while its run was starting: once `starting` has started it,
     cancel it (its handle never reached the client, nor a restarted one: kept going,
     the client would start it again, helper-145); one that did not start (refused,
-    the store away) has nothing to cancel, and why is logged."""
+    the store away) has nothing to cancel, and why is logged.  A child's request is
+    withdrawn first: its parent may take it any time up to 30 s (or later), and a
+    stop's 3 s for this work should not be spent waiting for that."""
+    if parent and not starting.done():
+        with contextlib.suppress(Exception):  # (logged by withdraw_child)
+            await (await runs()).withdraw_child(parent, handle)
     try:
         await starting
     except Exception as exc:
@@ -718,7 +726,8 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
             return await asyncio.shield(starting)
         except asyncio.CancelledError:
             background.run(
-                _once_started(starting, lambda: runs(ctx), handle), f"the cancel of run {handle}"
+                _once_started(starting, lambda: runs(ctx), handle, spec.parent),
+                f"the cancel of run {handle}",
             )
             raise
 

@@ -9,6 +9,8 @@ likewise offers no tools once its subtree has made that many calls.
 Rules this module keeps:
 1. **Trees.** `spawn_child` (an update) starts a child workflow with REQUEST_CANCEL as
    its parent close policy; a run waits for its running children before it completes.
+   A request its caller withdrew (`withdraw_child`, a signal: it gave up waiting) is
+   refused if it comes later, and its child cancelled if it had just started.
    Every run reports its subtree's state and totals to its parent by signal, one
    report on its way at a time (the latest rides on the next); in a subtree under no
    budget a change of totals alone goes at most every `contract.REPORT_EVERY_S`, a
@@ -113,6 +115,7 @@ with workflow.unsafe.imports_passed_through():
         ChildReport,
         ChildRequest,
         ChildSummary,
+        ChildWithdrawal,
         PendingApproval,
         RunSpec,
         RunStatus,
@@ -182,6 +185,10 @@ UNSENT_STOP_PATCH = "a-call-never-sent-is-not-sent-after-a-stop"
 # TOOL_TIMEOUT, and then failed the run: a read-only tool slower than 5 minutes (a test
 # suite, a crawl) failed every run that called it, after 15 minutes.
 TOLD_PATCH = "a-call-with-no-answer-in-its-time-is-told-to-the-model"
+# Why a child whose spawn request was withdrawn stops (withdraw_child), and how many
+# withdrawn requests a run remembers (each a handle; the oldest is forgotten first).
+WITHDRAWN_REASON = "its spawn request was withdrawn: the caller gave up waiting for it"
+WITHDRAWN_KEPT = 1000
 
 # What the model reads when a call of a tool that is not repeatable may have run but no
 # answer came (rule 5).
@@ -357,6 +364,8 @@ class AgentRun:
         self._ending = False  # in _halt: cancelled, stopped or failed, closing
         self._halt_reason = ""  # why, as _halt tells the children
         self._late_stopped: set[str] = set()  # children stopped as they started late
+        # The spawn requests their callers withdrew (withdraw_child), oldest first.
+        self._withdrawn: dict[str, None] = {}
         self._ended_at: str | None = None
         self._updated_at = workflow.now().isoformat()  # its state last changed
         self._last_report: tuple[str, Totals] | None = None
@@ -1124,6 +1133,21 @@ class AgentRun:
         """An ancestor's budget tripped: stop at the next check (see rule 2)."""
         self._stop_reason = self._stop_reason or request.reason
 
+    @workflow.signal
+    async def withdraw_child(self, request: ChildWithdrawal) -> None:
+        """The caller of `spawn_child` for this handle gave up waiting for the run to
+        take it (`Runs.spawn`, after CHILD_WAIT_S): the server still holds the request,
+        and a worker that comes later delivers it.  It is refused then; a child that
+        started meanwhile (the request was taken as its caller gave up) is cancelled.
+        (A signal, which old histories never carry: no patch is needed.)"""
+        self._withdrawn[request.handle] = None
+        while len(self._withdrawn) > WITHDRAWN_KEPT:
+            del self._withdrawn[next(iter(self._withdrawn))]
+        child = self._children.get(request.handle)
+        if child is not None and child.state not in TERMINAL_STATES:
+            await self._cancel_child(request.handle, WITHDRAWN_REASON)
+        # (One still starting is cancelled by spawn_child once it has started.)
+
     @workflow.update
     async def spawn_child(self, request: ChildRequest) -> str:
         """Start a child run of this run; returns its handle once it exists."""
@@ -1155,6 +1179,9 @@ class AgentRun:
             # stopped the children it knew: this one ends as they did.
             self._late_stopped.add(request.handle)
             await self._cancel_child(request.handle, self._halt_reason)
+        elif request.handle in self._withdrawn:
+            # Its caller withdrew the request while the child was starting.
+            await self._cancel_child(request.handle, WITHDRAWN_REASON)
         elif self._drain and reason is not None:
             # The stop came while the child was starting: it stops too (rule 2).
             with contextlib.suppress(Exception):
@@ -1179,6 +1206,11 @@ class AgentRun:
         # task, each validated before any is started.)
         if request.handle in self._children or request.handle in self._spawning:
             raise ValueError(f"run '{self._id}' already has a child '{request.handle}'")
+        if request.handle in self._withdrawn:
+            raise ValueError(
+                f"the request for child '{request.handle}' was withdrawn (its caller gave "
+                "up waiting for the run to take it); no child was started"
+            )
         most = contract.MAX_RUN_CHILDREN
         had = len(self._children) + len(self._spawning)
         if had >= most:

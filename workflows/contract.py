@@ -252,6 +252,14 @@ class ChildRequest:
 
 
 @dataclass(frozen=True)
+class ChildWithdrawal:
+    """The caller of `ChildRequest` gave up before the run took it: the run refuses
+    the request if it comes later, and cancels the child if it started meanwhile."""
+
+    handle: str
+
+
+@dataclass(frozen=True)
 class StopRequest:
     """Why a run is about to be cancelled (e.g. an ancestor's budget)."""
 

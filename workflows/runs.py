@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -49,11 +50,14 @@ from workflows.contract import (
     Approval,
     ChildRequest,
     ChildSummary,
+    ChildWithdrawal,
     RunSpec,
     RunStatus,
     Totals,
     settled,
 )
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "AWAIT_MAX_S",
@@ -170,6 +174,10 @@ class RunUnavailable(RunError):
     that would ignore a refused answer (one answered already) must report this one."""
 
 
+class _NotTaken(RunUnavailable):
+    """A request was sent to the run's worker, which did not take it in time."""
+
+
 def new_handle() -> str:
     """A fresh run handle (the workflow id)."""
     return f"run-{uuid.uuid4().hex[:20]}"
@@ -254,10 +262,23 @@ class Runs:
                     "one runs (`luftpause worker`); nothing was asked of it",
                     not_taken=f"parent run '{spec.parent}' did not take the child within "
                     f"{self._child_wait_s:g} s (is a worker up on task queue '{self._queue}', "
-                    "and the parent's workflow task not failing?); the request may still be "
-                    f"taken later, and the child is then run '{handle}' (status tells)",
+                    "and the parent's workflow task not failing?)",
                 )
                 return child
+            except _NotTaken as exc:
+                # The server keeps an update its caller left, and a worker that comes
+                # takes it: a child would start that its caller was told had not, and
+                # that a retry would start twice.  The parent is told to refuse the
+                # request, or to cancel the child if it started meanwhile.
+                if await self.withdraw_child(spec.parent, handle):
+                    raise RunUnavailable(
+                        f"{exc}; the request is withdrawn: no child runs (one its parent "
+                        f"started meanwhile, run '{handle}', is cancelled)"
+                    ) from None
+                raise RunUnavailable(
+                    f"{exc}; the request may still be taken later, and the child is then "
+                    f"run '{handle}' (status tells)"
+                ) from None
             except WorkflowUpdateFailedError as exc:
                 raise RunError(_reason(exc)) from None
             except RPCError as exc:
@@ -294,6 +315,17 @@ class Runs:
             raise
         return handle
 
+    async def withdraw_child(self, parent: str, handle: str) -> bool:
+        """Withdraw the request that run `parent` start child `handle` (its caller gave
+        up on it): the parent refuses it if it comes later, and cancels the child if it
+        has started.  False when the parent could not be told (the request stays)."""
+        try:
+            await self._handle(parent).signal(AgentRun.withdraw_child, ChildWithdrawal(handle))
+        except Exception as exc:  # Temporal away, the parent ended
+            log.warning("the request for child %s of run %s stays: %r", handle, parent, exc)
+            return False
+        return True
+
     async def _update(
         self, handle: str, update: Any, arg: Any, *, no_worker: str, not_taken: str
     ) -> Any:
@@ -315,7 +347,7 @@ class Runs:
                 raise asyncio.CancelledError from None  # the caller's: not a timeout
             if not waited.expired():
                 raise
-            raise RunUnavailable(not_taken) from None
+            raise _NotTaken(not_taken) from None
 
     async def _worker_polls(self) -> bool:
         """Whether a worker has polled the run's task queue for workflow tasks lately."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 import time
@@ -470,24 +471,34 @@ async def test_spawning_a_child_with_no_worker_up_answers_in_bounded_time(
         # the wait for it is bounded.
         async with run_worker(s.client, s.task_queue, s.gateway_url, f"{s.mcp_url}/mcp"):
             await until(lambda: state_is(s, parent, "AwaitingApproval"), "the parent waits")
-        with pytest.raises(RunError, match="did not take the child within 21 s") as err:
+        with pytest.raises(RunUnavailable, match="did not take the child within 21 s") as err:
             await asyncio.wait_for(runs.spawn(child, handle="run-later-child"), 40)
-        assert "run 'run-later-child'" in str(err.value) and s.task_queue in str(err.value)
+        assert s.task_queue in str(err.value)
+        # ... and withdrawn: the server keeps an update its caller left, and a worker
+        # that came would start a child its caller was told had not started (and that
+        # a retry would start twice).
+        assert "the request is withdrawn: no child runs" in str(err.value)
+        assert "run 'run-later-child', is cancelled" in str(err.value)
         # A caller that gives up first (an MCP client's own timeout) is cancelled, not
-        # answered as if the wait had run out.
+        # answered as if the wait had run out; its request stays (the door shields a
+        # spawn its call no longer waits for, and cancels the run once it starts).
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(runs.spawn(replace(child, task="cancelled")), 1)
 
-        # The requests made were taken when a worker came back: the child has the handle
-        # it was told, and so was the request its caller gave up on (the server keeps an
-        # update its caller left); the one never asked made no child.
+        # A worker comes back: the request withdrawn is refused (or, taken in the same
+        # workflow task before the withdrawal, its child cancelled); the one its caller
+        # left was taken; the one never asked made no child.
         async with run_worker(s.client, s.task_queue, s.gateway_url, f"{s.mcp_url}/mcp"):
             await s.runs.approve(parent, False)
             (done,) = await s.runs.wait([parent], timeout=60)
             assert done.state == "Completed", done
             kids = {c.handle: c.state for c in done.children}
-            assert kids["run-later-child"] == "Completed" and "run-never" not in kids
-            assert len(kids) == 2 and set(kids.values()) == {"Completed"}
+            assert kids.pop("run-later-child", "Cancelled") == "Cancelled", kids
+            assert "run-never" not in kids
+            assert len(kids) == 1 and set(kids.values()) == {"Completed"}, kids
+            with contextlib.suppress(RunError):  # no run with the handle: never started
+                later = await s.runs.status("run-later-child")
+                assert later.state == "Cancelled" and "withdrawn" in (later.error or ""), later
 
 
 def test_a_tool_answer_is_cut_to_the_room_left_in_the_conversation() -> None:

@@ -40,6 +40,7 @@ from workflows.contract import (
     ChildReport,
     ChildRequest,
     ChildSummary,
+    ChildWithdrawal,
     RunStatus,
     Totals,
 )
@@ -405,6 +406,38 @@ async def test_cancelling_a_parent_cancels_running_descendants(temporal_address:
         # the parent closed before the end came and showed it "Stopping" for ever).
         ended = await s.runs.status(parent), await s.runs.status(child)
         assert [[c.state for c in st.children] for st in ended] == [["Cancelled"], ["Cancelled"]]
+
+
+async def test_a_withdrawn_spawn_request_is_refused_or_its_child_cancelled(
+    temporal_address: str,
+) -> None:
+    # `Runs.spawn` withdraws a request its parent did not take within CHILD_WAIT_S (the
+    # server keeps it, and a worker that comes later would deliver it).  Taken just as
+    # its caller gave up, the child started: it is cancelled, with the reason.
+    async with stack(temporal_address) as s:
+        parent = await spawn_waiting(s, "wp")
+        child = await spawn_waiting(s, "wc", parent=parent)
+        other = await spawn_waiting(s, "wo", parent=parent)
+        handle = s.client.get_workflow_handle(parent)
+        await handle.signal(AgentRun.withdraw_child, ChildWithdrawal(child))
+        (ended,) = await s.runs.wait([child], timeout=30)
+        assert ended.state == "Cancelled" and "withdrawn" in (ended.error or ""), ended
+        # Withdrawn before it came, it is refused, and nothing starts.
+        late = new_handle()
+        await handle.signal(AgentRun.withdraw_child, ChildWithdrawal(late))
+        spec = RunSpec(task=task_with(0, "wl"), model=MODEL, parent=parent)
+        with pytest.raises(RunError, match=f"the request for child '{late}' was withdrawn"):
+            await s.runs.spawn(spec, handle=late)
+        with pytest.raises(RunError, match="no run with handle"):
+            await s.runs.status(late)
+        # The parent and its other child go on.
+        assert await state_is(s, other, "AwaitingApproval")
+        status = await s.runs.status(parent)
+        assert status.state == "AwaitingApproval"
+        assert {c.handle: c.state for c in status.children} == {
+            child: "Cancelled",
+            other: "AwaitingApproval",
+        }
 
 
 async def test_a_cancelled_runs_budget_is_not_made_its_reason_by_what_ends_after(
