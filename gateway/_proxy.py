@@ -1048,7 +1048,6 @@ class TurnResponse(Response):
         upstream: Upstream,
         endpoints: Mapping[str, Endpoint],
         clock: Callable[[], float],
-        idle_timeout: float = ENGINE_IDLE_TIMEOUT_S,
         answered_by: Mapping[str, str] | None = None,
         runs: RunSpans,
         retry_after: str = UNAVAILABLE_RETRY_AFTER_S,
@@ -1060,11 +1059,8 @@ class TurnResponse(Response):
         (the next probe round).  `runs`: the runs' `invoke_agent` spans, for turns that
         come without a trace.  `awaited`: as `hold`'s."""
         super().__init__(status_code=200)
-        self._idle = idle_timeout
-        # How often a streaming turn tells the core of its progress, and how long
-        # before the core would time it out the proxy gives up on it (see `_pump`).
-        self._alive_every = min(ALIVE_EVERY_S, idle_timeout / 10)
-        self._margin = min(MARGIN_S, idle_timeout / 10)
+        self._idle = ENGINE_IDLE_TIMEOUT_S  # the core's turn_timeout_s, at admission
+        self._alive_every = self._margin = 0.0  # (see _timed)
         self._admitted = 0.0  # the loop's time when the core admitted the turn
         self._answered_by = answered_by or {}
         self._retry_after = retry_after
@@ -1127,6 +1123,17 @@ class TurnResponse(Response):
             return True
         return r.running is not None and r.queued == 0 and r.in_flight <= r.running + 1
 
+    def _timed(self, turn_timeout: float) -> None:
+        """The turn's engine wait is bounded by the core's `turn_timeout_s` as the core
+        admits it: a reload's value holds for turns held across the reload too (read
+        at arrival, the proxy waited on after the core had freed the slot, or gave up
+        before the new limit: helper-151).  Also how often a streaming turn tells the
+        core of its progress, and how long before the core would time it out the proxy
+        gives up on it (see `_pump`)."""
+        self._idle = turn_timeout
+        self._alive_every = min(ALIVE_EVERY_S, turn_timeout / 10)
+        self._margin = min(MARGIN_S, turn_timeout / 10)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         t = self._turn
         disconnected = asyncio.ensure_future(wait_disconnect(receive))
@@ -1138,6 +1145,7 @@ class TurnResponse(Response):
             arrived = True  # an abandon of a turn the core never saw is ignored by it
             outcome = await hold(self._shell, t, self._clock, disconnected, self._awaited)
             self._admitted = asyncio.get_running_loop().time()
+            self._timed(self._shell.state.policy.turn_timeout_s)
             if self._trace is not None:
                 self._trace.admitted(outcome, self._clock())
             if outcome is None:

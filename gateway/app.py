@@ -816,7 +816,6 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             upstream=rt.upstream,
             endpoints=live.known,
             clock=rt.loop.time,
-            idle_timeout=rt.shell.state.policy.turn_timeout_s,
             answered_by=pool.answered_by,
             retry_after=rt.prober.retry_after,
             runs=run_spans,

@@ -521,14 +521,14 @@ async def run_turn(
     endpoints: Mapping[str, Endpoint],
     clock: Callable[[], float],
     receive: Receive,
-    answer_timeout: float = ENGINE_IDLE_TIMEOUT_S,
     retry_after: str = UNAVAILABLE_RETRY_AFTER_S,
     awaited: Callable[[str], Awaited | None] = lambda model: None,
 ) -> Response | dict[str, Any]:
     """One non-streaming chat turn through the core: held until admitted, posted to the
     admitted replica; its parsed JSON answer, or the response for the client.  Exactly one
     terminal event is reported per arrived turn (none for a rejected one).  An engine
-    that has not answered `answer_timeout` after admission fails the turn (504).
+    that has not answered the core's `turn_timeout_s` (as it is at admission: a reload's
+    holds for a turn held across it) after admission fails the turn (504).
     `awaited`: as `hold`'s (a 404 for a model whose engines all left is a 503)."""
     disconnected = asyncio.ensure_future(wait_disconnect(receive))
     arrived = ended = False
@@ -568,6 +568,7 @@ async def run_turn(
                 turn.run_id,
                 retry_after=outcome.retry_after or retry_after,
             )
+        answer_timeout = shell.state.policy.turn_timeout_s
         endpoint = endpoints[outcome]
         headers = {
             "content-type": turn.content_type,
@@ -718,7 +719,6 @@ async def decide(
             endpoints=endpoints,
             clock=clock,
             receive=receive,
-            answer_timeout=answer_timeout,
             retry_after=retry_after,
             awaited=awaited,
         )

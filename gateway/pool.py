@@ -19,9 +19,9 @@ What a reload may change, and what it may not:
 - `[policy]` applies to the core at once (`scheduler.PolicyChanged`, rule 12): to the
   turns held and the runs known as well as to what comes next (its `turn_timeout_s`
   frees the slots of silent turns in flight at once, and bounds the engine waits of
-  turns that start from then on).  `[probes]` applies from the next probe round,
-  `[discovery]` from its next round (the reload resolves the names it gives at once).
-  Both are listed in `applied`.
+  turns admitted from then on, those held across the reload included).  `[probes]`
+  applies from the next probe round, `[discovery]` from its next round (the reload
+  resolves the names it gives at once).  Both are listed in `applied`.
 - Every other section (`[temporal]`, the token, tool servers, request limits) is read
   at start only.  A reload that finds one changed applies the rest and says which
   sections need a restart (`not_applied`).

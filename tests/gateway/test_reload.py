@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from harness import MODEL, RUN, closed_port_url, engine, gateway, until
+from harness import MODEL, RUN, answered_health, closed_port_url, engine, gateway, until
+from starlette.types import Receive, Scope, Send
 
 from gateway._shell import AdmissionShell
 from gateway.app import GatewaySettings, create_app
@@ -430,6 +432,75 @@ async def test_a_held_turn_whose_model_leaves_the_pool_is_answered_404(tmp_path:
             metrics = (await gw.get("/metrics")).text
             assert 'luftpause_held_unadmitted_seconds_count{class="interactive"} 1.0' in metrics
             assert [line async for line in lines][-2:] == ["data: [DONE]", ""]
+
+
+@pytest.mark.parametrize(("before", "after"), [(600, 2), (2, 600)])
+async def test_a_turn_held_across_a_reload_waits_for_its_engine_the_new_turn_timeout(
+    tmp_path: Path, before: int, after: int
+) -> None:
+    """The proxy read `turn_timeout_s` as the turn arrived (helper-151).  Lowered while
+    the turn was held, the core freed its slot at the new limit while the proxy waited
+    on for the old one (the client unanswered, the next turn sent into a busy engine);
+    raised, the turn was given up at the old limit.  The engine wait of a turn admitted
+    after the reload is bounded by the new one."""
+    release = asyncio.Event()
+    answer_after = {"first": 0.0, "second": 4.0}  # past 2 s, well within 600 s
+    gave_up: list[str] = []
+
+    async def engine_app(scope: Scope, receive: Receive, send: Send) -> None:
+        if await answered_health(scope, send):
+            return
+        body = b""
+        while (message := await receive())["type"] == "http.request":
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        which = json.loads(body)["messages"][0]["content"]
+        if which == "first":
+            await release.wait()
+        try:
+            async with asyncio.timeout(answer_after[which]):
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+            gave_up.append(which)  # the gateway closed the request before the answer
+            return
+        except TimeoutError:
+            pass
+        said = {"role": "assistant", "content": which}
+        answer = {"choices": [{"index": 0, "message": said, "finish_reason": "stop"}]}
+        head = [(b"content-type", b"application/json")]
+        await send({"type": "http.response.start", "status": 200, "headers": head})
+        await send({"type": "http.response.body", "body": json.dumps(answer).encode()})
+
+    async with serve(engine_app) as url:
+        path = tmp_path / "luftpause.toml"
+        endpoint = {"name": "a", "url": url, "models": [MODEL], "kind": "openai", "slots": 1}
+        path.write_text(toml(endpoint, extra=f"\n[policy]\nturn_timeout_s = {before}\n"))
+        async with from_file(path) as (gw, shell):
+
+            def ask(which: str) -> asyncio.Future[httpx.Response]:
+                body = {"model": MODEL, "messages": [{"role": "user", "content": which}]}
+                return asyncio.ensure_future(gw.post("/v1/chat/completions", json=body))
+
+            first = ask("first")
+            await until(lambda: shell.state.replicas["a"].in_flight == 1, "the first admitted")
+            second = ask("second")
+            await until(lambda: shell.state.held_count() == 1, "the second held")
+            path.write_text(toml(endpoint, extra=f"\n[policy]\nturn_timeout_s = {after}\n"))
+            assert (await gw.post("/reload")).json()["applied"] == ["policy"]
+            release.set()
+            assert (await first).status_code == 200
+            r = await asyncio.wait_for(second, 20)  # (600 s on the old code, when lowered)
+            if after < before:
+                assert r.status_code == 504, r.text
+                assert "no answer within 2 s" in r.json()["error"]["message"]
+                assert gave_up == ["second"]
+            else:
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["message"]["content"] == "second"
+                assert gave_up == []
+            await until(lambda: not shell.state.turns, "both turns ended")
+            assert shell.state.replicas["a"].in_flight == 0
 
 
 async def test_a_held_turn_admitted_to_a_replica_without_its_api_is_answered_404(
