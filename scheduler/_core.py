@@ -27,7 +27,12 @@ Rules (DESIGN.md "The scheduler"), stated once, enforced here and nowhere else:
    where it runs, until it ends, for its own prompt and reply (its request is not the
    run's conversation); its usage is not the run's context, and a paused (or
    retrying) run stays so through it (a harness's side request to a small model while
-   a tool runs does not cost the run its replica).  (A turn's usage sets its run's
+   a tool runs does not cost the run its replica).  A turn of a model the run's
+   replica does not serve prefers, as an idle run prefers its replica, where the run's
+   last turn of that model ran (a turn away, or its own before it moved to another
+   model): a side request that comes first when the run is idle moves the run, and
+   the main model's next turn, or a model switched to while the run waits on a tool,
+   finds its prefix again.  (A turn's usage sets its run's
    context, which sizes the run's claim and its held turns, but does not shrink it
    while another turn of the run still runs there.)  A held turn waits where its run
    may go now, not where it was when the turn arrived: a run that goes idle, moves,
@@ -275,7 +280,7 @@ class RunState(Record):
     _FIELDS = (
         "run_id", "service_class", "caller", "model", "phase", "replica", "in_flight",
         "context_tokens", "reply_tokens", "last_active", "bound", "ws_claim",
-        "counted_paused", "ended", "retrying", "home_outcome", "first_cached",
+        "counted_paused", "ended", "retrying", "home_outcome", "first_cached", "side",
     )  # fmt: skip
     __slots__ = _FIELDS
 
@@ -298,6 +303,7 @@ class RunState(Record):
         retrying: bool = False,
         home_outcome: str = "",
         first_cached: int = -1,
+        side: tuple[str, str] | None = None,
     ) -> None:
         self.run_id: Final = run_id
         self.service_class: Final = service_class
@@ -322,6 +328,10 @@ class RunState(Record):
         # (learn_shared_prefix).  -1: not known yet (the prefix is left out); 0 also when
         # that turn failed or its engine reported no usage (counted whole).
         self.first_cached: Final = first_cached
+        # (model, replica): where its last turn of another model than its own ran (a turn
+        # away, or its own before the run moved to this model), its prefix for that
+        # model cached there.  A turn of that model prefers it (rule 3).
+        self.side: Final = side
 
     @property
     def keeps_replica(self) -> bool:
@@ -688,6 +698,16 @@ def _prefix_of(run: RunState | None, shared: int) -> int:
     return run.first_cached if run.first_cached < shared else shared
 
 
+def _side_after(old: RunState | None, model: str) -> tuple[str, str] | None:
+    """A run's `side` once a turn of `model` is its own: where its old model's prefix
+    is, when the run moves to another model; else as it was."""
+    if old is None:
+        return None
+    if old.model != model and old.replica is not None:
+        return (old.model, old.replica)
+    return old.side
+
+
 def _away_need(turn: TurnState) -> int:
     """The KV a turn away from its run's replica claims where it runs (rule 3): its own
     prompt and reply.  Its request is not the run's conversation (a harness's side
@@ -937,9 +957,16 @@ class _Tx:
             )
         else:
             order = sorted(serving, key=lambda n: (replicas[n].load, n))
-        if run is not None and run.replica in serving:
-            order.remove(run.replica)
-            order.insert(0, run.replica)
+        if run is not None:
+            # (A turn of another model than its replica serves: where that model's last
+            # turn of the run ran, rule 3: a harness's side requests on a small model,
+            # the main model's turns beside them, a model switched to mid-run.)
+            back = run.replica
+            if back not in serving and run.side is not None and run.side[0] == ev.model:
+                back = run.side[1]
+            if back in serving:
+                order.remove(back)
+                order.insert(0, back)
         self._fill(order)
 
     def started(self, turn_id: str) -> None:
@@ -1054,7 +1081,7 @@ class _Tx:
                     run.run_id, run.service_class, run.caller, run.model, phase, run.replica,
                     0, context, run.reply_tokens, run.last_active if kept else self.now,
                     run.bound, run.ws_claim, run.counted_paused, run.ended, retrying, "",
-                    first_cached if first_cached >= 0 else run.first_cached,
+                    first_cached if first_cached >= 0 else run.first_cached, run.side,
                 )  # fmt: skip
                 self._set_run(after)
         names = [name]
@@ -1599,7 +1626,13 @@ class _Tx:
             assert old is not None
             active = self.now if old.phase is _GENERATING else old.last_active
             self._replace_run(
-                old, old._replace(in_flight=old.in_flight + 1, caller=caller, last_active=active)
+                old,
+                old._replace(
+                    in_flight=old.in_flight + 1,
+                    caller=caller,
+                    last_active=active,
+                    side=(t.model, name),
+                ),
             )
             return
         context = t.prompt_tokens
@@ -1633,6 +1666,7 @@ class _Tx:
                 # What its first turn found cached speaks of its model's prefix: a turn of
                 # another model starts the count again.
                 first_cached=-1 if old is None or old.model != t.model else old.first_cached,
+                side=_side_after(old, t.model),
             ),
         )
 
@@ -1703,7 +1737,7 @@ class _Tx:
                 run.run_id, run.service_class, run.caller, run.model, run.phase, run.replica,
                 run.in_flight, run.context_tokens, run.reply_tokens, run.last_active, bound,
                 claim, counted_paused, run.ended, run.retrying, run.home_outcome,
-                run.first_cached,
+                run.first_cached, run.side,
             )  # fmt: skip
         if old is not None and old.bound and name is not None and old.replica == name:
             self._adjust(

@@ -736,6 +736,54 @@ def test_a_side_turn_neither_restarts_a_paused_runs_retention_nor_lets_it_expire
     assert d.actions == [Forget(run_id="r1", expired=True)]  # paused > 100 s since its pause
 
 
+def test_the_main_models_turn_after_a_side_request_that_came_first_finds_its_prefix() -> None:
+    # The run is idle on a1 (its turn ended "stop"); the user's next message brings a
+    # side request on the small model first: the run moves to b with it.  The main
+    # model's turn that follows went to the least loaded of a1 and a2, and lost the
+    # prefix cached on a1 (a harness without gateway hint headers, helper-151).
+    d = Driver(
+        ("a1", "a2", "b"), kv_tokens=100_000, serves={"a1": ["big"], "a2": ["big"], "b": ["small"]}
+    )
+    t1 = d.arrive("r1", model="big", prompt=3000)
+    assert d.admitted() == {t1: "a1"}
+    d.finish(t1, "stop", prompt=3000, out=100)
+    other = d.arrive("o1", model="big", prompt=100)
+    assert d.admitted() == {other: "a1"}  # a1 is the more loaded now
+    side = d.arrive("r1", model="small", prompt=300)
+    assert d.admitted() == {side: "b"} and d.state.runs["r1"].replica == "b"
+    t2 = d.arrive("r1", model="big", prompt=3300)
+    assert d.admitted() == {t2: "a1"}
+    d.finish(side, "stop", prompt=300, out=10)
+    d.finish(t2, "tool_calls", prompt=3300, out=100)
+    # The tool's result, the run idle on b now (its own turn there ended first): a1.
+    t3 = d.arrive("r1", model="big", prompt=3500)
+    assert d.admitted() == {t3: "a1"}
+    assert (d.state.runs["r1"].replica, d.state.runs["r1"].side) == ("a1", ("small", "b"))
+
+
+def test_a_model_switched_to_while_the_run_waits_on_a_tool_keeps_its_replica() -> None:
+    # The run is paused on a1 (model a) when its turns go to model b (a `/model` switch
+    # with a tool call pending): each is a turn away, and went to the least loaded b
+    # replica, its prefix lost at every turn (helper-151).  It goes back where the last
+    # one ran.
+    d = Driver(
+        ("a1", "b1", "b2"), kv_tokens=100_000, serves={"a1": ["a"], "b1": ["b"], "b2": ["b"]}
+    )
+    t1 = d.arrive("r1", model="a", prompt=2000)
+    d.finish(t1, "tool_calls", prompt=2000, out=50)
+    t2 = d.arrive("r1", model="b", prompt=2100)
+    assert d.admitted() == {t2: "b1"}
+    d.finish(t2, "tool_calls", prompt=2100, out=50)
+    other = d.arrive("o1", model="b", prompt=100)
+    assert d.admitted() == {other: "b1"}  # b1 is the more loaded now
+    for prompt in (2200, 2300):
+        t = d.arrive("r1", model="b", prompt=prompt)
+        assert d.admitted() == {t: "b1"}
+        d.finish(t, "tool_calls", prompt=prompt, out=50)
+    run = d.state.runs["r1"]
+    assert (run.phase, run.replica, run.side) == (RunPhase.PAUSED, "a1", ("b", "b1"))
+
+
 def test_without_strict_affinity_a_paused_run_moves_with_its_turn() -> None:
     d = Driver(
         ("a", "b"), policy=Policy(strict_affinity=False), serves={"a": ["big"], "b": ["small"]}
