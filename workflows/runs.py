@@ -174,6 +174,31 @@ class RunUnavailable(RunError):
     that would ignore a refused answer (one answered already) must report this one."""
 
 
+# The executions Temporal closed in each of a run's end states, by visibility's names
+# (as _CLOSED reads them), for a run closed without setting its state (terminated).
+_CLOSED_AS = {
+    "Completed": ("Completed",),
+    "Failed": ("Failed", "TimedOut"),
+    "Cancelled": ("Canceled", "Terminated"),
+}
+
+
+def _in_state(state: str) -> str:
+    """A visibility query for the runs `status` reads in `state`: a run whose own state
+    is an end is Stopping until its workflow closes (it is still reporting its end),
+    and a run closed without setting its state (terminated from outside) is in the
+    state its close gives it."""
+    own = f"{STATE.name} = {_quoted(state)}"
+    ended = [f"{STATE.name} = {_quoted(s)}" for s in sorted(TERMINAL_STATES)]
+    if state in TERMINAL_STATES:
+        not_ended = " AND ".join(f"{STATE.name} != {_quoted(s)}" for s in sorted(TERMINAL_STATES))
+        closed = " OR ".join(f"ExecutionStatus = {_quoted(e)}" for e in _CLOSED_AS[state])
+        return f"ExecutionStatus != 'Running' AND ({own} OR (({not_ended}) AND ({closed})))"
+    if state == "Stopping":
+        own = f"({' OR '.join([own, *ended])})"
+    return f"ExecutionStatus = 'Running' AND {own}"
+
+
 class _NotTaken(RunUnavailable):
     """A request was sent to the run's worker, which did not take it in time."""
 
@@ -672,7 +697,11 @@ class Runs:
             (MODEL, model),
         )
         for key, value in filters:
-            if value is not None:
+            if value is None:
+                continue
+            if key is STATE:
+                query += f" AND {_in_state(value)}"
+            else:
                 query += f" AND {key.name} = {_quoted(value)}"
         handles: list[str] = []
         async for wf in self._client.list_workflows(query, limit=limit):
@@ -688,13 +717,9 @@ class Runs:
         `AwaitingApproval`, ...): Temporal's visibility counts them by the state search
         attribute runs keep up to date, one query per state (its count groups by
         `ExecutionStatus` only).  It may lag a change by a moment, as `list` does."""
-        base = f"{self._ours()} AND ExecutionStatus = 'Running'"
         states = sorted(ACTIVE_STATES)
         counts = await asyncio.gather(
-            *(
-                self._client.count_workflows(f"{base} AND {STATE.name} = {_quoted(s)}")
-                for s in states
-            )
+            *(self._client.count_workflows(f"{self._ours()} AND {_in_state(s)}") for s in states)
         )
         return {s: c.count for s, c in zip(states, counts, strict=True)}
 

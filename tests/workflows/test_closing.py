@@ -266,7 +266,19 @@ async def test_a_run_reads_as_ended_only_once_its_workflow_closed(temporal_addre
         assert described.status == WorkflowExecutionStatus.RUNNING
         assert status.state == "Stopping" and not status.error, status
         assert status.answer == "done"
+
+        # Listed as status reads it (its own state, the search attribute, is
+        # Completed already), and counted so.
+        async def listed(state: str) -> bool:
+            return handle in await runs.list(state=state)
+
+        await until(lambda: listed("Stopping"), "listed as Stopping while it ends")
+        assert not await listed("Completed") and not await listed("Running")
+        assert (await runs.count_open())["Stopping"] == 1
         fakes.release.set()
         await asyncio.wait_for(client.get_workflow_handle(handle).result(), 30)
         assert (await runs.status(handle)).state == "Completed"
+        await until(lambda: listed("Completed"), "listed as Completed once closed")
+        assert not await listed("Stopping")
+        assert (await runs.count_open())["Stopping"] == 0
         assert fakes.ended == [handle]

@@ -817,6 +817,13 @@ async def test_a_terminated_child_reads_cancelled_in_its_parent_as_in_status(
         # It sent no end report: what it last reported may not be all (helper-84) ...
         assert not status.children[0].settled
         assert (await s.runs.status(child)).state == "Cancelled"
+
+        # Listed so too, not by the state it last set (AwaitingApproval).
+        async def listed(state: str) -> bool:
+            return child in await s.runs.list(state=state)
+
+        await until(lambda: listed("Cancelled"), "the terminated child listed as Cancelled")
+        assert not await listed("AwaitingApproval")
         await _decline_and_end(s, parent)
         # ... so the parent's ended status reads it.
         (ended,) = (await s.runs.status(parent)).children
