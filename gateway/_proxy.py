@@ -1422,6 +1422,13 @@ class TurnResponse(Response):
             # Every Responses client takes it for a failure, and retries (Codex).
             self._fail("engine ended the stream before response.completed", engine=True)
             return True
+        if sse and not encoded and not watch.overflowed and watch.finish_reason is None:
+            # A chat or Messages stream ended cleanly before its finish reason (the last
+            # chunk's finish_reason, message_delta's stop_reason), which every engine
+            # sends: cut short (a router ending its own response when its worker died),
+            # not finished (helper-151).  Its run retries the turn where it was.
+            self._fail("engine ended the stream before its finish reason", engine=True)
+            return True
         self._end(
             TurnFinished(
                 now=self._clock(),

@@ -30,6 +30,7 @@ from harness import (
     endpoint,
     engine,
     gateway,
+    models_only,
     tool_loop,
     tool_task,
     until,
@@ -2317,3 +2318,62 @@ def test_keep_alives_split_across_pieces_are_still_no_data(
 ) -> None:
     progress = proxy_module._Progress(sse=True)
     assert [int(progress.carries(p)) for p in pieces] == carried
+
+
+_CHAT_CHUNK = {"choices": [{"index": 0, "delta": {"content": "par"}, "finish_reason": None}]}
+_CHAT_END = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+_MESSAGE_START = {
+    "type": "message_start",
+    "message": {"id": "m1", "role": "assistant", "content": [], "usage": {"input_tokens": 5}},
+}
+_TEXT_DELTA = {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta"}}
+_MESSAGE_END = {"type": "message_delta", "delta": {"stop_reason": "end_turn"}}
+
+
+@pytest.mark.parametrize(
+    ("api", "events", "outcome"),
+    [
+        ("chat", [_CHAT_CHUNK, _CHAT_END, "[DONE]"], "finished"),
+        ("chat", [_CHAT_CHUNK], "failed"),
+        (
+            "messages",
+            [_MESSAGE_START, _TEXT_DELTA, _MESSAGE_END, {"type": "message_stop"}],
+            "finished",
+        ),
+        ("messages", [_MESSAGE_START, _TEXT_DELTA], "failed"),
+    ],
+    ids=["chat whole", "chat cut", "messages whole", "messages cut"],
+)
+async def test_a_stream_that_ends_before_its_finish_reason_failed(
+    api: str, events: list[Any], outcome: str
+) -> None:
+    # helper-151: a stream ended cleanly (its chunked body closed, no error) before the
+    # finish reason every engine sends last (a router that ends its own response when
+    # its worker dies) counted as finished, an empty finish reason to the core.
+    from fastapi.responses import StreamingResponse
+
+    path = "/v1/chat/completions" if api == "chat" else "/v1/messages"
+    app = models_only()
+
+    @app.post(path)
+    async def answer(request: Request) -> StreamingResponse:
+        async def lines() -> AsyncIterator[str]:
+            for e in events:
+                yield f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n"
+
+        return StreamingResponse(lines(), media_type="text/event-stream")
+
+    body: dict[str, Any] = {"model": MODEL, "stream": True, "max_tokens": 8}
+    body["messages"] = [{"role": "user", "content": "hi"}]
+    async with (
+        serve(app) as url,
+        gateway(endpoint("a", url, kind="openai", messages=True)) as (gw, shell),
+    ):
+        r = await gw.post(path, json=body, headers={RUN: "r1"})
+        assert r.status_code == 200 and r.text.count("data: ") == len(events)  # as sent
+        await until(lambda: not shell.state.turns, "the turn ended")
+        metrics = (await gw.get("/metrics")).text
+        assert f'luftpause_turns_total{{outcome="{outcome}"}} 1.0' in metrics
+        run = shell.state.runs["r1"]
+        assert run.retrying == (outcome == "failed")  # the retry goes back to a
+        assert shell.state.replicas["a"].failures == (outcome == "failed")
