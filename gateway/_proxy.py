@@ -543,7 +543,9 @@ class ResponsesWatch(StreamWatch):
         kind = obj.get("type")
         if kind in _RESPONSE_ENDS or not self._sse:
             self.ended = True
-        if kind == "error" or (kind is None and obj.get("error") is not None):
+        if kind == "error" or (
+            kind is None and obj.get("error") is not None and obj.get("object") != "response"
+        ):
             self.ended = True
             if self._sse and self.error is None:
                 fallback = obj.get("message") or obj.get("code") or "error"
@@ -560,7 +562,8 @@ class ResponsesWatch(StreamWatch):
         if isinstance(response.get("id"), str):
             self.response_id = response["id"][:RESPONSE_ID_MAX_CHARS]
         status = response.get("status")
-        if status == "failed" and self._sse and self.error is None:
+        if status == "failed" and self.error is None:
+            # (A JSON body too: a 200 whose response failed is no finished turn.)
             self._failed(response.get("error"), "the response failed")
         usage = response.get("usage")
         if isinstance(usage, dict):

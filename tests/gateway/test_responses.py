@@ -320,6 +320,38 @@ _CALL = {
 
 
 @pytest.mark.parametrize(
+    ("error", "outcome", "engines"),
+    [
+        ({"code": "context_length_exceeded", "message": "too long"}, "error_status", False),
+        ({"code": "server_error", "message": "boom"}, "failed", True),
+    ],
+    ids=["context too long", "server error"],
+)
+async def test_a_json_response_that_failed_is_no_finished_turn(
+    error: dict[str, Any], outcome: str, engines: bool
+) -> None:
+    # A 200 whose body is a failed response counted by its status, finished (as the
+    # stream's response.failed does not).
+    app = models_only()
+
+    @app.post("/v1/responses")
+    async def failed(request: Request) -> JSONResponse:
+        body = {"id": "resp_1", "object": "response", "status": "failed", "error": error}
+        return JSONResponse(body | {"output": []})
+
+    async with (
+        serve(app) as url,
+        gateway(endpoint("a", url, kind="openai", responses=True)) as (gw, shell),
+    ):
+        r = await gw.post("/v1/responses", json={"model": MODEL, "input": "hi"})
+        assert r.status_code == 200 and r.json()["status"] == "failed"  # as sent
+        await until(lambda: not shell.state.turns, "the turn ended")
+        metrics = (await gw.get("/metrics")).text
+        assert f'luftpause_turns_total{{outcome="{outcome}"}} 1.0' in metrics
+        assert shell.state.replicas["a"].failures == (1 if engines else 0)
+
+
+@pytest.mark.parametrize(
     ("events", "outcome", "engines"),
     [
         (  # helper-140: a request's error, in OpenAI's words, ejected the replica
