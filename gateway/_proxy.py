@@ -249,8 +249,24 @@ class StreamWatch:
         self.error: str | None = None
         self.error_status: int | None = None
         self.error_type: str | None = None
+        # The answer's last two pieces, whatever their framing: where its end marker is.
+        self._prev = self._last = b""
+
+    # What ends a whole stream of the API, after its finish reason (see `cut_short`).
+    _END_MARKER = b"[DONE]"
+
+    def cut_short(self) -> bool:
+        """A stream that ended with neither its finish reason nor its end marker (chat's
+        `data: [DONE]`, Messages' `message_stop`): cut short (a router that ends its own
+        response when its worker died).  Either one is enough: an engine whose finish
+        reason the watch cannot read (another key, lines framed by CR alone) still
+        sends its end marker."""
+        if self.finish_reason is not None:
+            return False
+        return self._END_MARKER not in self._prev[-64:] + self._last
 
     def feed(self, chunk: bytes) -> None:
+        self._prev, self._last = self._last, chunk
         if (
             self._fast
             and not self._buffer
@@ -432,6 +448,7 @@ class MessagesWatch(StreamWatch):
     cached tokens too (`input_counts_cached`).  The last reading of a field wins."""
 
     _KEYS = (b'"usage"', b'"stop_reason"', b'"tool_use"', b'"error"', b"event: error")
+    _END_MARKER = b"message_stop"
 
     def __init__(self, *, sse: bool, input_counts_cached: bool = False) -> None:
         super().__init__(sse=sse)
@@ -1425,12 +1442,17 @@ class TurnResponse(Response):
             # Every Responses client takes it for a failure, and retries (Codex).
             self._fail("engine ended the stream before response.completed", engine=True)
             return True
-        if sse and not encoded and not watch.overflowed and watch.finish_reason is None:
-            # A chat or Messages stream ended cleanly before its finish reason (the last
-            # chunk's finish_reason, message_delta's stop_reason), which every engine
-            # sends: cut short (a router ending its own response when its worker died),
-            # not finished (helper-151).  Its run retries the turn where it was.
-            self._fail("engine ended the stream before its finish reason", engine=True)
+        if (
+            sse
+            and not encoded
+            and not watch.overflowed
+            and not isinstance(watch, ResponsesWatch)  # (its own end is read above)
+            and watch.cut_short()
+        ):
+            # A chat or Messages stream ended cleanly with neither its finish reason nor
+            # its end marker, both of which every engine sends: cut short, not finished
+            # (helper-151).  Its run retries the turn where it was.
+            self._fail("engine ended the stream before its end", engine=True)
             return True
         self._end(
             TurnFinished(

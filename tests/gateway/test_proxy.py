@@ -2341,8 +2341,23 @@ _MESSAGE_END = {"type": "message_delta", "delta": {"stop_reason": "end_turn"}}
             "finished",
         ),
         ("messages", [_MESSAGE_START, _TEXT_DELTA], "failed"),
+        # Either its finish reason or its end marker is enough (helper-152): an engine
+        # whose finish reason the watch cannot read (a null finish_reason, the reason in
+        # a key of its own, as Gemini's OpenAI API was seen to send) ...
+        ("chat", [_CHAT_CHUNK, _CHAT_CHUNK, "[DONE]"], "finished"),
+        ("messages", [_MESSAGE_START, _TEXT_DELTA, {"type": "message_stop"}], "finished"),
+        # ... or lines ended by CR alone (the SSE grammar allows it; the watch reads LF).
+        ("chat", [_CHAT_CHUNK, _CHAT_END, "[DONE]", "\r"], "finished"),
     ],
-    ids=["chat whole", "chat cut", "messages whole", "messages cut"],
+    ids=[
+        "chat whole",
+        "chat cut",
+        "messages whole",
+        "messages cut",
+        "chat with no readable finish reason",
+        "messages with no readable stop reason",
+        "chat framed by CR",
+    ],
 )
 async def test_a_stream_that_ends_before_its_finish_reason_failed(
     api: str, events: list[Any], outcome: str
@@ -2352,6 +2367,10 @@ async def test_a_stream_that_ends_before_its_finish_reason_failed(
     # its worker dies) counted as finished, an empty finish reason to the core.
     from fastapi.responses import StreamingResponse
 
+    end = "\n\n"
+    if events[-1] == "\r":  # every line ended by CR alone
+        events, end = events[:-1], "\r\r"
+
     path = "/v1/chat/completions" if api == "chat" else "/v1/messages"
     app = models_only()
 
@@ -2359,7 +2378,7 @@ async def test_a_stream_that_ends_before_its_finish_reason_failed(
     async def answer(request: Request) -> StreamingResponse:
         async def lines() -> AsyncIterator[str]:
             for e in events:
-                yield f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n"
+                yield f"data: {e if isinstance(e, str) else json.dumps(e)}{end}"
 
         return StreamingResponse(lines(), media_type="text/event-stream")
 

@@ -383,8 +383,13 @@ async def test_a_json_response_that_failed_is_no_finished_turn(
             "failed",
             True,
         ),
+        (  # its end with no status (some adapters leave it out): ended, finished
+            [_CREATED, {"type": "response.completed", "response": {"output": []}}],
+            "finished",
+            False,
+        ),
     ],
-    ids=["context too long", "rate limited", "server error", "no final event"],
+    ids=["context too long", "rate limited", "server error", "no final event", "no status"],
 )
 async def test_how_a_responses_stream_ends_says_whose_fault_it_is(
     events: list[dict[str, Any]], outcome: str, engines: bool
