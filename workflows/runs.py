@@ -343,8 +343,13 @@ class Runs:
     async def withdraw_child(self, parent: str, handle: str) -> bool:
         """Withdraw the request that run `parent` start child `handle` (its caller gave
         up on it): the parent refuses it if it comes later, and cancels the child if it
-        has started.  False when the parent could not be told (the request stays)."""
+        has started.  False when the parent could not be told (the request stays), or
+        is no run of this gateway's (of this caller's, for CallerRuns) to tell."""
         try:
+            # Only a run `spawn` would ask (helper-152: the door withdraws a cut call's
+            # request before the spawn has checked its parent, and the signal reached
+            # another caller's run, or any workflow of the namespace).
+            await self._describe(parent)
             await self._handle(parent).signal(AgentRun.withdraw_child, ChildWithdrawal(handle))
         except Exception as exc:  # Temporal away, the parent ended
             log.warning("the request for child %s of run %s stays: %r", handle, parent, exc)

@@ -419,6 +419,9 @@ async def test_a_withdrawn_spawn_request_is_refused_or_its_child_cancelled(
         child = await spawn_waiting(s, "wc", parent=parent)
         other = await spawn_waiting(s, "wo", parent=parent)
         handle = s.client.get_workflow_handle(parent)
+        # Only a run of this gateway's (and caller's) is told (helper-152).
+        assert not await CallerRuns(s.runs, "someone else").withdraw_child(parent, child)
+        assert not await Runs(s.client, task_queue="another").withdraw_child(parent, child)
         await handle.signal(AgentRun.withdraw_child, ChildWithdrawal(child))
         (ended,) = await s.runs.wait([child], timeout=30)
         assert ended.state == "Cancelled" and "withdrawn" in (ended.error or ""), ended
@@ -438,6 +441,12 @@ async def test_a_withdrawn_spawn_request_is_refused_or_its_child_cancelled(
             child: "Cancelled",
             other: "AwaitingApproval",
         }
+        signals = [
+            e.workflow_execution_signaled_event_attributes.signal_name
+            async for e in handle.fetch_history_events()
+            if e.HasField("workflow_execution_signaled_event_attributes")
+        ]
+        assert signals.count("withdraw_child") == 2  # the two above, none of the others
 
 
 async def test_a_cancelled_runs_budget_is_not_made_its_reason_by_what_ends_after(
