@@ -715,11 +715,11 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
             raise ToolError(str(exc)) from None
 
     async def start_for_the_call(spec: RunSpec, ctx: Any) -> str:
-        """`spawn_run` for a call that returns the run's handle only later (`run`, and
-        its task): a call cut while the run starts (a child waits up to 30 s for its
-        parent's worker to take it, and may be taken later) lets the start go on, then
-        cancels the run (helper-144: the child ran to its end, its handle never
-        given)."""
+        """`spawn_run` for a call that returns the run's handle once it has started
+        (`spawn`), or later (`run`, and its task): a call cut while the run starts (a
+        child waits up to 30 s for its parent's worker to take it) withdraws a child's
+        request, lets the start go on, then cancels the run (helper-144: the child ran
+        to its end, its handle never given; helper-152: so did a cut `spawn`'s)."""
         handle = new_handle()  # known before it exists: a cut start's run is found
         starting = asyncio.ensure_future(spawn_run(spec, ctx, handle))
         try:
@@ -1030,7 +1030,7 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
         `maxToolCalls` calls it must answer."""
         arguments = _arguments(locals())
         spec = spec_of(RunArgs.model_validate(arguments), ctx)
-        handle = await spawn_run(spec, ctx)
+        handle = await start_for_the_call(spec, ctx)
         return SpawnResult(handle=handle, state="Running", warning=await no_worker(ctx))
 
     # Not read-only: the user's answers to the approval questions it asks let calls run.

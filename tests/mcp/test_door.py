@@ -273,7 +273,9 @@ async def test_a_run_call_the_client_cancels_cancels_its_run(
         await s.runs.request_cancel(handles[1])
 
 
-@pytest.mark.parametrize(("via", "stopping"), [("run", False), ("run", True), ("task", False)])
+@pytest.mark.parametrize(
+    ("via", "stopping"), [("run", False), ("run", True), ("task", False), ("spawn", False)]
+)
 async def test_a_run_call_cut_while_its_parent_takes_the_child_cancels_the_child(
     temporal_address: str, monkeypatch: pytest.MonkeyPatch, via: str, stopping: bool
 ) -> None:
@@ -303,11 +305,12 @@ async def test_a_run_call_cut_while_its_parent_takes_the_child_cancels_the_child
         async with run_worker(s.client, s.task_queue, s.gateway_url, mcp):
             parent = await spawn(c, task=task_with(1, "par"), tools=["delete_record"])
             await until(lambda: state_is(s, parent, "AwaitingApproval"), "the parent waits")
+        spawning.clear()  # (the parent's handle was picked so too)
         # No worker: the parent cannot take the child until one comes back.
         args = {"task": task_with(0, "kid"), "parent": parent}
         call = asyncio.ensure_future(
-            c.call_tool("run", args)
-            if via == "run"
+            c.call_tool(via, args)
+            if via in ("run", "spawn")
             else Modern(http, s.mcp_door).tool("run", args, TASKS_CAPS)
         )
         await asyncio.wait_for(spawning.wait(), 30)
@@ -317,7 +320,8 @@ async def test_a_run_call_cut_while_its_parent_takes_the_child_cancels_the_child
         with contextlib.suppress(asyncio.CancelledError):
             await call
         async with run_worker(s.client, s.task_queue, s.gateway_url, mcp):
-            (child,) = picked
+            child = picked[-1]
+            assert picked == [parent, child]
             # The worker takes what the parent was left: the child's request, and a
             # cancel after it; the child is not among its children, or cancelled.
             await s.runs.request_cancel(parent)
