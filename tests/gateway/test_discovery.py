@@ -504,8 +504,11 @@ async def test_a_replica_that_leaves_with_nothing_bound_drops_its_series() -> No
 
 
 async def test_held_turns_whose_engines_all_left_are_told_to_retry() -> None:
-    # kv_tokens = 400: one run at a time, so the second turn is held by the gateway
-    async with pods(time_scale=0.5) as (port, _, _), fake_dns() as (dns, where):
+    # kv_tokens = 400: one run at a time, so the second turn is held by the gateway.
+    # The first streams for some 6 s (time_scale 0.25), well past the discovery round
+    # (1.2 s) that finds the engines gone: at 0.5 (3 s) a loaded machine once let it
+    # end first, and the held turn went to the engine (session 41's make test).
+    async with pods(time_scale=0.25) as (port, _, _), fake_dns() as (dns, where):
         dns.records[NAME] = ["127.0.0.1"]
         async with (
             discovering(port, where, period_s=1.2, kv_tokens=400) as (gw, shell),
