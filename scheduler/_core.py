@@ -1631,7 +1631,8 @@ class _Tx:
                     in_flight=old.in_flight + 1,
                     caller=caller,
                     last_active=active,
-                    side=(t.model, name),
+                    # (A turn of its own model away, affinity off, is no side turn.)
+                    side=(t.model, name) if t.model != old.model else old.side,
                 ),
             )
             return

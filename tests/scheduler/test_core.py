@@ -784,6 +784,27 @@ def test_a_model_switched_to_while_the_run_waits_on_a_tool_keeps_its_replica() -
     assert (run.phase, run.replica, run.side) == (RunPhase.PAUSED, "a1", ("b", "b1"))
 
 
+def test_a_turn_of_its_own_model_away_leaves_the_runs_side_replica_as_it_was() -> None:
+    # Affinity off: a turn of the run's own model may run away from it; that is no
+    # side turn, and the small model's replica the run last used stays its side.
+    serves = {"a1": ["big"], "a2": ["big"], "b1": ["small"], "b2": ["small"]}
+    d = Driver(("a1", "a2", "b1", "b2"), policy=Policy(strict_affinity=False), serves=serves)
+    t1 = d.arrive("r1", model="big")
+    side = d.arrive("r1", model="small")
+    assert d.admitted() == {side: "b1"}
+    d.finish(side)
+    other = d.arrive("o1", model="small")
+    assert d.admitted() == {other: "b1"}  # b1 is the more loaded now
+    d.cap("a1", 1)  # t1 runs there, and there is no room for another
+    t2 = d.arrive("r1", model="big")
+    assert d.admitted() == {t2: "a2"}  # away, its own model
+    d.finish(t2)
+    d.finish(t1)
+    assert d.state.runs["r1"].side == ("small", "b1")
+    again = d.arrive("r1", model="small")
+    assert d.admitted() == {again: "b1"}
+
+
 def test_without_strict_affinity_a_paused_run_moves_with_its_turn() -> None:
     d = Driver(
         ("a", "b"), policy=Policy(strict_affinity=False), serves={"a": ["big"], "b": ["small"]}
