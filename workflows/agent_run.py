@@ -185,6 +185,18 @@ UNSENT_STOP_PATCH = "a-call-never-sent-is-not-sent-after-a-stop"
 # TOOL_TIMEOUT, and then failed the run: a read-only tool slower than 5 minutes (a test
 # suite, a crawl) failed every run that called it, after 15 minutes.
 TOLD_PATCH = "a-call-with-no-answer-in-its-time-is-told-to-the-model"
+# `workflow.patched` id of the size of what a turn carries (the conversation and the
+# tools offered) checked before the turn, and the run failed, not stuck, past
+# TURN_INPUT_MAX_BYTES; and of a continue-as-new whose input would be past it left
+# out (the run goes on in this history).  Tool answers are cut to keep the
+# conversation under CONVERSATION_MAX_BYTES, but the model's own messages (a tool
+# call's arguments) are not: past 2 MB Temporal refused the turn's input, or the
+# continue-as-new's, on every retry of the workflow task, and the run read Running,
+# "status unavailable", for ever (helper-150).
+TURN_SIZE_PATCH = "a-turn-too-large-for-temporal-fails-the-run"
+# Temporal's default payload limit is 2 MiB; what a turn carries besides the
+# conversation and the tools (its other fields, the envelope) is small.
+TURN_INPUT_MAX_BYTES = 2_000_000
 # Why a child whose spawn request was withdrawn stops (withdraw_child), and how many
 # withdrawn requests a run remembers (each a handle; the oldest is forgotten first).
 WITHDRAWN_REASON = "its spawn request was withdrawn: the caller gave up waiting for it"
@@ -607,6 +619,20 @@ class AgentRun:
     async def _turn(self, offer: bool) -> TurnOutput:
         spec = self._spec
         assert self._tools is not None
+        tools = [t.openai_tool() for t in self._tools] if offer else []
+        if workflow.patched(TURN_SIZE_PATCH):
+            size = _size(self._messages) + _size(tools)
+            if size > TURN_INPUT_MAX_BYTES:
+                raise ApplicationError(
+                    f"the run's conversation is {size:,} bytes as Temporal encodes it "
+                    f"(with the tools offered), past the {TURN_INPUT_MAX_BYTES:,} a turn "
+                    "may carry (Temporal refuses a payload over 2 MiB): the model's own "
+                    "messages grew it (tool answers are cut to keep it under "
+                    f"{CONVERSATION_MAX_BYTES:,}); split the work into runs of less "
+                    "context, or ask for shorter tool-call arguments",
+                    type="ConversationTooLarge",
+                    non_retryable=True,
+                )
         self._in_turn = True  # a budget stop waits for it a bounded time (STOP_WAIT_PATCH)
         try:
             turn = await workflow.execute_activity_method(
@@ -615,7 +641,7 @@ class AgentRun:
                     run_id=self._id,
                     model=spec.model,
                     messages=self._messages,
-                    tools=[t.openai_tool() for t in self._tools] if offer else [],
+                    tools=tools,
                     max_tokens=spec.max_tokens,
                     parallel_tool_calls=spec.parallel_tool_calls,
                     service_class=spec.service_class,
@@ -1049,19 +1075,29 @@ class AgentRun:
             return  # a child was spawned meanwhile
         if self._coalesce and self._reporting:
             return  # a report went on its way meanwhile: at the next check
-        workflow.continue_as_new(
-            AgentRunInput(
-                spec=self._spec,
-                carry=Carry(
-                    messages=self._messages,
-                    usage=self._usage,
-                    answers=self._answers,
-                    started_at=self._started_at,
-                    tools=list(self._tools or []),
-                    children=list(self._children.values()),
-                ),
-            )
+        carried = AgentRunInput(
+            spec=self._spec,
+            carry=Carry(
+                messages=self._messages,
+                usage=self._usage,
+                answers=self._answers,
+                started_at=self._started_at,
+                tools=list(self._tools or []),
+                children=list(self._children.values()),
+            ),
         )
+        if workflow.patched(TURN_SIZE_PATCH):
+            # The task and system prompt travel twice (the spec, the first messages):
+            # an input Temporal would refuse is not sent; the run goes on here.
+            size = len(json.dumps(dataclasses.asdict(carried), default=str))
+            if size > TURN_INPUT_MAX_BYTES:
+                workflow.logger.warning(
+                    "run %s does not continue as new: its input would be %s bytes",
+                    self._id,
+                    f"{size:,}",
+                )
+                return
+        workflow.continue_as_new(carried)
 
     def _set_state(self, state: str) -> None:
         if state != self._state:

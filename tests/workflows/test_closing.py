@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import uuid
 from typing import Any
 
@@ -50,6 +51,7 @@ class StandIns:
         self.fail = asyncio.Event()
         self.ended: list[str] = []
         self.in_turn: set[str] = set()
+        self.turn_bytes: list[int] = []  # what each "big" turn carried
 
     @activity.defn(name="list_tools")
     async def list_tools(self, wanted: ToolsWanted | None = None) -> list[ToolInfo]:
@@ -66,6 +68,16 @@ class StandIns:
     @activity.defn(name="llm_turn")
     async def llm_turn(self, turn: TurnInput) -> TurnOutput:
         task = next(m["content"] for m in turn.messages if m["role"] == "user")
+        if task.startswith("big"):  # a call with 700 kB of arguments, turn after turn
+            call = ToolCall(f"call-{len(turn.messages)}", "lookup", "x" * 700_000)
+            function = {"name": call.name, "arguments": call.arguments}
+            message = {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": call.id, "type": "function", "function": function}],
+            }
+            self.turn_bytes.append(len(json.dumps(turn.messages)))
+            return TurnOutput(message, [call], "tool_calls")
         self.in_turn.add(turn.run_id)
         try:
             if task.startswith("fail"):
@@ -282,3 +294,23 @@ async def test_a_run_reads_as_ended_only_once_its_workflow_closed(temporal_addre
         assert not await listed("Stopping")
         assert (await runs.count_open())["Stopping"] == 0
         assert fakes.ended == [handle]
+
+
+async def test_a_conversation_too_large_for_temporal_fails_the_run(temporal_address: str) -> None:
+    """Tool answers are cut to keep a run's conversation under 1.5 MB, but the model's
+    own messages are not: turn after turn of large tool-call arguments took the next
+    turn's input past Temporal's 2 MiB limit, its workflow task failed on every retry,
+    and the run read Running, "status unavailable", for ever (helper-150).  It fails,
+    saying why."""
+    client = await connect(temporal_address)
+    queue = f"big-{uuid.uuid4().hex[:8]}"
+    fakes = StandIns()
+    runs = Runs(client, task_queue=queue)
+    async with stand_in_worker(client, queue, fakes):
+        await until(runs._worker_polls, "the worker polls")
+        handle = await runs.spawn(RunSpec(task="big conversation", model="m"))
+        (status,) = await runs.wait([handle], timeout=60)
+    assert status.state == "Failed", status
+    assert "past the 2,000,000 a turn may carry" in (status.error or ""), status.error
+    # Three turns ran, the third carrying some 1.4 MB; the fourth, 2.1 MB, was not sent.
+    assert len(fakes.turn_bytes) == 3 and fakes.turn_bytes[-1] < 2_000_000
