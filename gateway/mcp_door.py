@@ -82,9 +82,13 @@ INPUT_ROUNDS_MAX = 8
 STATE_TTL_SLACK_S = 60.0  # a sealed request state outlives the call's deadline by this
 MAX_TOOL_CALLS_LIMIT = 64
 MAX_TOKENS_LIMIT = 32_768
-# A run's task and system prompt travel in its workflow's input, which Temporal refuses
-# past 2 MB (its default blob limit): 200k characters each stay under it in any UTF-8.
+# A run's task and system prompt travel in its workflow's input and in every turn's,
+# which Temporal refuses past 2 MiB (its default blob limit).  Its JSON escapes every
+# character outside ASCII (6 bytes, 12 beyond the BMP): the two are bounded by that
+# size together too (helper-150: 180k CJK characters of system prompt stuck the run
+# at its continue-as-new), which 200k ASCII characters each stay under.
 PROMPT_MAX_CHARS = 200_000
+PROMPT_MAX_BYTES = 500_000
 # A budget's clock is a workflow timer; a month is longer than any agent should run.
 BUDGET_SECONDS_MAX = 30 * 86_400.0
 HANDLE_MAX_CHARS = 200
@@ -671,6 +675,14 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
         elif model not in models:
             raise ToolError(
                 f"unknown model {model!r}: expected one of {', '.join(map(repr, models))}"
+            )
+        encoded = len(json.dumps(a.task)) + len(json.dumps(a.system or ""))
+        if encoded > PROMPT_MAX_BYTES:
+            raise ToolError(
+                f"task and system: {encoded:,} bytes as Temporal encodes them (a character "
+                f"outside ASCII takes 6 or 12); at most {PROMPT_MAX_BYTES:,} together: a "
+                "run carries them in its input and in every turn's, which Temporal "
+                "refuses past 2 MiB"
             )
         return RunSpec(
             task=a.task,

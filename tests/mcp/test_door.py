@@ -433,6 +433,12 @@ async def test_malformed_calls_get_clear_tool_errors(temporal_address: str, mode
     async with stack(temporal_address) as s, Client(s.mcp_door, mode=mode) as c:
         cases: list[tuple[str, dict[str, Any], str]] = [
             ("spawn", {"task": "x", "model": "gpt-9"}, "unknown model 'gpt-9'"),
+            # (helper-150: within the characters, past the bytes Temporal carries)
+            (
+                "spawn",
+                {"task": "漢" * 50_000, "system": "字" * 50_000},
+                "task and system: 600,004 bytes as Temporal encodes them",
+            ),
             ("spawn", {"task": "x", "tools": ["nope"]}, "unknown tool(s) 'nope'"),
             ("spawn", {"task": "x", "parent": "run-nope"}, "no run with handle 'run-nope'"),
             (
