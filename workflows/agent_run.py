@@ -194,9 +194,10 @@ TOLD_PATCH = "a-call-with-no-answer-in-its-time-is-told-to-the-model"
 # continue-as-new's, on every retry of the workflow task, and the run read Running,
 # "status unavailable", for ever (helper-150).
 TURN_SIZE_PATCH = "a-turn-too-large-for-temporal-fails-the-run"
-# Temporal's default payload limit is 2 MiB; what a turn carries besides the
-# conversation and the tools (its other fields, the envelope) is small.
-TURN_INPUT_MAX_BYTES = 2_000_000
+# Temporal's default payload limit is 2 MiB (2,097,152 bytes); what a turn carries
+# besides the conversation and the tools (its other fields, the envelope) is some
+# hundred bytes, and its JSON is what `_size` measures (helper-153 compared them).
+TURN_INPUT_MAX_BYTES = 2_090_000
 # Why a child whose spawn request was withdrawn stops (withdraw_child), and how many
 # withdrawn requests a run remembers (each a handle; the oldest is forgotten first).
 WITHDRAWN_REASON = "its spawn request was withdrawn: the caller gave up waiting for it"
@@ -376,6 +377,7 @@ class AgentRun:
         self._ending = False  # in _halt: cancelled, stopped or failed, closing
         self._halt_reason = ""  # why, as _halt tells the children
         self._late_stopped: set[str] = set()  # children stopped as they started late
+        self._no_continue = False  # its continue-as-new input is too large (TURN_SIZE_PATCH)
         # The spawn requests their callers withdrew (withdraw_child), oldest first.
         self._withdrawn: dict[str, None] = {}
         self._ended_at: str | None = None
@@ -622,6 +624,18 @@ class AgentRun:
         tools = [t.openai_tool() for t in self._tools] if offer else []
         if workflow.patched(TURN_SIZE_PATCH):
             size = _size(self._messages) + _size(tools)
+            history = workflow.info().get_current_history_size()
+            if history + size > contract.HISTORY_MAX_BYTES:
+                # (Each turn's input stays in the history: one that cannot continue as
+                # new grows by its conversation a turn.)
+                raise ApplicationError(
+                    f"the run's Temporal history is {history:,} bytes, and its next turn "
+                    f"would add {size:,}: past {contract.HISTORY_MAX_BYTES:,} (Temporal "
+                    "terminates a run at 50 MB, its answer lost); it could not continue "
+                    "as new (children running, or too large a conversation to carry)",
+                    type="ConversationTooLarge",
+                    non_retryable=True,
+                )
             if size > TURN_INPUT_MAX_BYTES:
                 raise ApplicationError(
                     f"the run's conversation is {size:,} bytes as Temporal encodes it "
@@ -1062,7 +1076,7 @@ class AgentRun:
         await self._report_up()
 
     async def _maybe_continue_as_new(self) -> None:
-        if not workflow.info().is_continue_as_new_suggested():
+        if not workflow.info().is_continue_as_new_suggested() or self._no_continue:
             return
         if not self._children_done():
             return  # closing this run would cancel its running children
@@ -1091,8 +1105,11 @@ class AgentRun:
             # an input Temporal would refuse is not sent; the run goes on here.
             size = len(json.dumps(dataclasses.asdict(carried), default=str))
             if size > TURN_INPUT_MAX_BYTES:
+                # The conversation only grows: not asked again (nor logged).  The history
+                # bound ends the run, saying why, if it goes on that long.
+                self._no_continue = True
                 workflow.logger.warning(
-                    "run %s does not continue as new: its input would be %s bytes",
+                    "run %s cannot continue as new: its input would be %s bytes",
                     self._id,
                     f"{size:,}",
                 )

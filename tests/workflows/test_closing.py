@@ -12,6 +12,7 @@ import json
 import uuid
 from typing import Any
 
+import pytest
 from temporalio import activity
 from temporalio.client import (
     Client,
@@ -34,7 +35,7 @@ from activities.contract import (
     TurnOutput,
 )
 from tests.workflows.harness import connect, stand_in_worker, until
-from workflows import AgentRun, Budget, Runs, RunSpec, RunStatus
+from workflows import AgentRun, Budget, Runs, RunSpec, RunStatus, contract
 from workflows.agent_run import HALT_UNBROKEN_PATCH, TOLD_PATCH
 
 CHILDREN = 12  # the close signals and cancels each: a wide window for the cancel
@@ -68,8 +69,9 @@ class StandIns:
     @activity.defn(name="llm_turn")
     async def llm_turn(self, turn: TurnInput) -> TurnOutput:
         task = next(m["content"] for m in turn.messages if m["role"] == "user")
-        if task.startswith("big"):  # a call with 700 kB of arguments, turn after turn
-            call = ToolCall(f"call-{len(turn.messages)}", "lookup", "x" * 700_000)
+        if task.startswith(("big", "grow")):  # a call with 700 kB (5 kB) of arguments
+            size = 700_000 if task.startswith("big") else 5_000
+            call = ToolCall(f"call-{len(turn.messages)}", "lookup", "x" * size)
             function = {"name": call.name, "arguments": call.arguments}
             message = {
                 "role": "assistant",
@@ -311,6 +313,27 @@ async def test_a_conversation_too_large_for_temporal_fails_the_run(temporal_addr
         handle = await runs.spawn(RunSpec(task="big conversation", model="m"))
         (status,) = await runs.wait([handle], timeout=60)
     assert status.state == "Failed", status
-    assert "past the 2,000,000 a turn may carry" in (status.error or ""), status.error
+    assert "past the 2,090,000 a turn may carry" in (status.error or ""), status.error
     # Three turns ran, the third carrying some 1.4 MB; the fourth, 2.1 MB, was not sent.
-    assert len(fakes.turn_bytes) == 3 and fakes.turn_bytes[-1] < 2_000_000
+    assert len(fakes.turn_bytes) == 3 and fakes.turn_bytes[-1] < 2_090_000
+
+
+async def test_a_run_fails_before_its_history_passes_temporals_limit(
+    temporal_address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run that cannot continue as new (children running, or too large an input to
+    carry) keeps every turn's input in its history, and Temporal terminates it at 50 MB,
+    its answer lost.  It fails before, saying why (the bound lowered here)."""
+    monkeypatch.setattr(contract, "HISTORY_MAX_BYTES", 40_000)
+    client = await connect(temporal_address)
+    queue = f"grow-{uuid.uuid4().hex[:8]}"
+    fakes = StandIns()
+    runs = Runs(client, task_queue=queue)
+    async with stand_in_worker(client, queue, fakes):
+        await until(runs._worker_polls, "the worker polls")
+        handle = await runs.spawn(RunSpec(task="grow a history", model="m", max_tool_calls=30))
+        (status,) = await runs.wait([handle], timeout=60)
+    assert status.state == "Failed", status
+    assert "the run's Temporal history is" in (status.error or ""), status.error
+    assert "past 40,000" in (status.error or "")
+    assert 2 <= len(fakes.turn_bytes) < 30  # some turns ran, not all
