@@ -1043,7 +1043,13 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
         arguments = _arguments(locals())
         spec = spec_of(RunArgs.model_validate(arguments), ctx)
         handle = await start_for_the_call(spec, ctx)
-        return SpawnResult(handle=handle, state="Running", warning=await no_worker(ctx))
+        try:
+            warning = await no_worker(ctx)
+        except asyncio.CancelledError:
+            # Cut after the start, before the handle went out (helper-153): as a cut start.
+            background.run(cancel_quietly(lambda: runs(ctx), handle), f"the cancel of {handle}")
+            raise
+        return SpawnResult(handle=handle, state="Running", warning=warning)
 
     # Not read-only: the user's answers to the approval questions it asks let calls run.
     @mcp.tool(
