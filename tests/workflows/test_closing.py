@@ -298,20 +298,25 @@ async def test_a_run_reads_as_ended_only_once_its_workflow_closed(temporal_addre
         assert fakes.ended == [handle]
 
 
+async def _run_to_its_end(address: str, fakes: StandIns, spec: RunSpec) -> RunStatus:
+    """The run `spec` asks for, on a worker of `fakes`, once it has ended."""
+    client = await connect(address)
+    queue = f"stand-in-{uuid.uuid4().hex[:8]}"
+    runs = Runs(client, task_queue=queue)
+    async with stand_in_worker(client, queue, fakes):
+        await until(runs._worker_polls, "the worker polls")
+        (status,) = await runs.wait([await runs.spawn(spec)], timeout=60)
+    return status
+
+
 async def test_a_conversation_too_large_for_temporal_fails_the_run(temporal_address: str) -> None:
     """Tool answers are cut to keep a run's conversation under 1.5 MB, but the model's
     own messages are not: turn after turn of large tool-call arguments took the next
     turn's input past Temporal's 2 MiB limit, its workflow task failed on every retry,
     and the run read Running, "status unavailable", for ever (helper-150).  It fails,
     saying why."""
-    client = await connect(temporal_address)
-    queue = f"big-{uuid.uuid4().hex[:8]}"
     fakes = StandIns()
-    runs = Runs(client, task_queue=queue)
-    async with stand_in_worker(client, queue, fakes):
-        await until(runs._worker_polls, "the worker polls")
-        handle = await runs.spawn(RunSpec(task="big conversation", model="m"))
-        (status,) = await runs.wait([handle], timeout=60)
+    status = await _run_to_its_end(temporal_address, fakes, RunSpec(task="big talk", model="m"))
     assert status.state == "Failed", status
     assert "past the 2,090,000 a turn may carry" in (status.error or ""), status.error
     # Three turns ran, the third carrying some 1.4 MB; the fourth, 2.1 MB, was not sent.
@@ -325,14 +330,9 @@ async def test_a_run_fails_before_its_history_passes_temporals_limit(
     carry) keeps every turn's input in its history, and Temporal terminates it at 50 MB,
     its answer lost.  It fails before, saying why (the bound lowered here)."""
     monkeypatch.setattr(contract, "HISTORY_MAX_BYTES", 40_000)
-    client = await connect(temporal_address)
-    queue = f"grow-{uuid.uuid4().hex[:8]}"
     fakes = StandIns()
-    runs = Runs(client, task_queue=queue)
-    async with stand_in_worker(client, queue, fakes):
-        await until(runs._worker_polls, "the worker polls")
-        handle = await runs.spawn(RunSpec(task="grow a history", model="m", max_tool_calls=30))
-        (status,) = await runs.wait([handle], timeout=60)
+    spec = RunSpec(task="grow a history", model="m", max_tool_calls=30)
+    status = await _run_to_its_end(temporal_address, fakes, spec)
     assert status.state == "Failed", status
     assert "the run's Temporal history is" in (status.error or ""), status.error
     assert "past 40,000" in (status.error or "")
