@@ -198,6 +198,14 @@ TURN_SIZE_PATCH = "a-turn-too-large-for-temporal-fails-the-run"
 # besides the conversation and the tools (its other fields, the envelope) is some
 # hundred bytes, and its JSON is what `_size` measures (helper-153 compared them).
 TURN_INPUT_MAX_BYTES = 2_090_000
+# `workflow.patched` id of the tool listing at a run's start retried by timer (its
+# local activity's retries past 1 s of backoff wait in workflow timers, not in a
+# workflow task held open), and stopped at once by a stop or a budget.  Without it,
+# with the tool servers down, the run's timers, signals and budget waited for the
+# listing's retries, up to 15 minutes, and a budget that tripped meanwhile left the
+# run Stopping until they ended (helper-150).
+LISTING_PATCH = "a-tool-listing-gives-way-to-timers-and-stops"
+LISTING_RETRY_THRESHOLD = timedelta(seconds=1)
 # Why a child whose spawn request was withdrawn stops (withdraw_child), and how many
 # withdrawn requests a run remembers (each a handle; the oldest is forgotten first).
 WITHDRAWN_REASON = "its spawn request was withdrawn: the caller gave up waiting for it"
@@ -378,6 +386,7 @@ class AgentRun:
         self._halt_reason = ""  # why, as _halt tells the children
         self._late_stopped: set[str] = set()  # children stopped as they started late
         self._no_continue = False  # its continue-as-new input is too large (TURN_SIZE_PATCH)
+        self._listing = False  # it waits for its tool listing (LISTING_PATCH)
         # The spawn requests their callers withdrew (withdraw_child), oldest first.
         self._withdrawn: dict[str, None] = {}
         self._ended_at: str | None = None
@@ -499,7 +508,9 @@ class AgentRun:
                     await workflow.get_external_workflow_handle(handle).signal(
                         AgentRun.stop, StopRequest(reason)
                     )
-        if self._stop_wait and self._in_turn:
+        if self._listing:
+            work.cancel()  # nothing has run yet: no turn, no tool call (LISTING_PATCH)
+        elif self._stop_wait and self._in_turn:
             try:
                 await workflow.wait_condition(work.done, timeout=self._spec.stop_turn_wait_s)
             except TimeoutError:
@@ -593,7 +604,18 @@ class AgentRun:
                 "schedule_to_close_timeout": TOOL_SCHEDULE_TIMEOUT,
                 "retry_policy": RETRY,
             }
-            if workflow.patched(NAMED_TOOLS_PATCH):
+            if workflow.patched(LISTING_PATCH):
+                self._listing = True
+                try:
+                    listed = await workflow.execute_local_activity_method(
+                        ToolActivities.list_tools,
+                        ToolsWanted(spec.tools),
+                        local_retry_threshold=LISTING_RETRY_THRESHOLD,
+                        **timeouts,
+                    )
+                finally:
+                    self._listing = False
+            elif workflow.patched(NAMED_TOOLS_PATCH):
                 listed = await workflow.execute_local_activity_method(
                     ToolActivities.list_tools, ToolsWanted(spec.tools), **timeouts
                 )

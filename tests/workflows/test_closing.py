@@ -337,3 +337,32 @@ async def test_a_run_fails_before_its_history_passes_temporals_limit(
     assert "the run's Temporal history is" in (status.error or ""), status.error
     assert "past 40,000" in (status.error or "")
     assert 2 <= len(fakes.turn_bytes) < 30  # some turns ran, not all
+
+
+class ServersDown(StandIns):
+    """The tool servers are unreachable: every listing fails, as retryable."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.listings = 0
+
+    @activity.defn(name="list_tools")
+    async def list_tools(self, wanted: ToolsWanted | None = None) -> list[ToolInfo]:
+        self.listings += 1
+        raise ApplicationError("listing tools: connection refused", type="McpUnavailable")
+
+
+async def test_a_budget_trips_on_time_and_ends_a_run_still_listing_its_tools(
+    temporal_address: str,
+) -> None:
+    """With its tool servers down a run retries its listing for up to 15 minutes.  The
+    retries held its workflow task open, so its budget timer was read 16 s late (of 3),
+    and the stop then waited for the retries to end, the run Stopping meanwhile
+    (helper-150).  The budget trips on time, and the run ends at once."""
+    fakes = ServersDown()
+    spec = RunSpec(task="answer", model="m", budget=Budget(seconds=3))
+    status = await _run_to_its_end(temporal_address, fakes, spec)
+    assert status.state == "Cancelled", status
+    assert (status.error or "").startswith("budget exceeded: seconds"), status.error
+    assert status.budget is not None and status.budget.used.seconds < 5.0, status.budget
+    assert fakes.listings >= 2 and fakes.turn_bytes == []  # no turn ever ran
