@@ -15,7 +15,8 @@ new (`budget_drained` was recorded after `DRAIN_PATCH`, `budget_spent` after
 `LATE_CHILD_PATCH` and `late_child_unpatched` by the same scenario at the commit before
 it, renamed; `cancelled_while_closing` after `HALT_UNBROKEN_PATCH`, `unsent_stopped` after
 `UNSENT_STOP_PATCH`, `seconds_tripped` and `continued_as_new` after that, to cover those
-paths, `told` after `TOLD_PATCH`; the others before them).
+paths, `told` after `TOLD_PATCH`, `sized_loop` after `TURN_SIZE_PATCH` and `LISTING_PATCH`,
+`withdrawn` after the `withdraw_child` signal; the others before them).
 """
 
 from __future__ import annotations
@@ -273,6 +274,29 @@ async def _continued_as_new(s: Stack) -> None:
                     print(f"{path.relative_to(Path.cwd())}: {len(data['events'])} events")
 
 
+async def _sized_loop(s: Stack) -> None:
+    # After TURN_SIZE_PATCH and LISTING_PATCH: a tool loop whose history has both markers.
+    h = await s.runs.spawn(RunSpec(task=task_with(3), model=MODEL, tools=["lookup", "deep_search"]))
+    await s.runs.wait([h])
+    await _save(s, "sized_loop", [h])
+
+
+async def _withdrawn(s: Stack) -> None:
+    # After withdraw_child: a child withdrawn once it had started is cancelled; the parent
+    # goes on and answers.
+    from workflows import AgentRun
+    from workflows.contract import ChildWithdrawal
+
+    parent = await spawn_waiting(s, "wp")
+    child = await spawn_waiting(s, "wc", parent=parent)
+    handle = s.client.get_workflow_handle(parent)
+    await handle.signal(AgentRun.withdraw_child, ChildWithdrawal(child))
+    await s.runs.wait([child], timeout=30)
+    await s.runs.approve(parent, False)
+    await s.runs.wait([parent], timeout=60)
+    await _save(s, "withdrawn", [parent, child])
+
+
 SCENARIOS = {
     "tool_loop": _tool_loop,
     "parallel_calls": _parallel_calls,
@@ -292,6 +316,8 @@ SCENARIOS = {
     "seconds_tripped": _seconds_tripped,
     "continued_as_new": _continued_as_new,
     "told": _told,
+    "sized_loop": _sized_loop,
+    "withdrawn": _withdrawn,
 }
 
 

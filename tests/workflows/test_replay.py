@@ -23,12 +23,15 @@ from workflows.agent_run import (
     ENDS_PATCH,
     HALT_UNBROKEN_PATCH,
     LATE_CHILD_PATCH,
+    LISTING_PATCH,
     ONCE_PATCH,
     REPORTS_PATCH,
     SPENT_PATCH,
     TOLD_PATCH,
     TOOLS_BY_FUNCTION_PATCH,
+    TURN_SIZE_PATCH,
     UNSENT_STOP_PATCH,
+    WITHDRAWN_REASON,
 )
 from workflows.contract import AgentRunInput
 
@@ -46,8 +49,17 @@ AFTER_UNBROKEN = {"cancelled_while_closing", "unsent_stopped"}
 AFTER_UNSENT = {"seconds_tripped"} | {f"continued_as_new-{i}" for i in range(4)}
 # Recorded after TOLD_PATCH: a repeatable call cut at its timeout, one broken off.
 AFTER_TOLD = {"told-0", "told-1"}
+# Recorded after TURN_SIZE_PATCH, LISTING_PATCH and the withdraw_child signal: a tool
+# loop, and a parent whose started child was withdrawn (cancelled) and the child.
+AFTER_SIZED = {"sized_loop", "withdrawn-0", "withdrawn-1"}
 AFTER_FUNCTIONS = (
-    {"tools_by_function"} | UNPATCHED_LATE | AFTER_LATE | AFTER_UNBROKEN | AFTER_UNSENT | AFTER_TOLD
+    {"tools_by_function"}
+    | UNPATCHED_LATE
+    | AFTER_LATE
+    | AFTER_UNBROKEN
+    | AFTER_UNSENT
+    | AFTER_TOLD
+    | AFTER_SIZED
 )
 # Recorded after REPORTS_PATCH (and so after every earlier patch).
 AFTER_REPORTS = {"reports_held-0", "reports_held-1", "reports_held-2"} | AFTER_FUNCTIONS
@@ -223,9 +235,9 @@ def test_a_close_cancelled_midway_is_recorded_after_its_patch() -> None:
     # HALT_UNBROKEN_PATCH: a failing run cancelled while its close stops its children
     # still stops every child and reports its end; no history before it has the marker
     # (the old close replays unchanged).
-    # (Runs that close after it carry it too: a seconds budget's trip.)
+    # (Runs that close after it carry it too: a seconds budget's trip, a withdrawn child.)
     assert {p.stem for p in HISTORIES if HALT_UNBROKEN_PATCH in _patches(p)} == (
-        AFTER_UNBROKEN | {"seconds_tripped"}
+        AFTER_UNBROKEN | {"seconds_tripped", "withdrawn-1"}
     )
     path = HISTORIES[0].parent / "cancelled_while_closing.json"
     kinds = [e["eventType"] for e in json.loads(path.read_text("utf-8"))["events"]]
@@ -262,7 +274,8 @@ def test_a_call_told_to_the_model_is_recorded_after_its_patch() -> None:
     # retries for a repeatable tool); `told` has the marker, and both its runs end
     # completed, the model told of the call with no answer (not sent again after a cut,
     # after TOOL_SENDS sends when it broke off).
-    assert {p.stem for p in HISTORIES if TOLD_PATCH in _patches(p)} == AFTER_TOLD
+    # (`sized_loop`, recorded after, calls tools too.)
+    assert {p.stem for p in HISTORIES if TOLD_PATCH in _patches(p)} == AFTER_TOLD | {"sized_loop"}
     told = (
         ("told-0", 1, b"tool 'hang' gave no answer within 0.5 s"),
         ("told-1", 3, b"no answer came back from tool 'breaks'"),
@@ -279,6 +292,27 @@ def test_a_call_told_to_the_model_is_recorded_after_its_patch() -> None:
         ]
         assert len(calls) == sends, stem
         assert any(said in data for data in _payloads(events)), stem
+
+
+def test_the_size_and_listing_patches_and_a_withdrawal_are_recorded() -> None:
+    # TURN_SIZE_PATCH and LISTING_PATCH: every history before them takes the old paths;
+    # the three after carry both markers.  `withdrawn-0` has the withdrawal, and stopped
+    # and cancelled its child, which ended cancelled with the reason.
+    for patch in (TURN_SIZE_PATCH, LISTING_PATCH):
+        assert {p.stem for p in HISTORIES if patch in _patches(p)} == AFTER_SIZED, patch
+    events = json.loads((HISTORIES[0].parent / "withdrawn-0.json").read_text("utf-8"))["events"]
+    signals = [
+        e["workflowExecutionSignaledEventAttributes"]["signalName"]
+        for e in events
+        if "workflowExecutionSignaledEventAttributes" in e
+    ]
+    assert "withdraw_child" in signals
+    kinds = [e["eventType"] for e in events]
+    assert "EVENT_TYPE_REQUEST_CANCEL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED" in kinds
+    path = HISTORIES[0].parent / "withdrawn-1.json"
+    (*_, end) = json.loads(path.read_text("utf-8"))["events"]
+    failure = end["workflowExecutionFailedEventAttributes"]["failure"]  # (its status: Cancelled)
+    assert failure["message"] == WITHDRAWN_REASON
 
 
 @pytest.mark.parametrize("path", HISTORIES, ids=[p.stem for p in HISTORIES])
