@@ -197,15 +197,16 @@ TURN_SIZE_PATCH = "a-turn-too-large-for-temporal-fails-the-run"
 # Temporal's default payload limit is 2 MiB (2,097,152 bytes); what a turn carries
 # besides the conversation and the tools (its other fields, the envelope) is some
 # hundred bytes, and its JSON is what `_size` measures (helper-153 compared them).
+# A run replays only with the value it ran with: a change needs a patch id of its own.
 TURN_INPUT_MAX_BYTES = 2_090_000
-# `workflow.patched` id of the tool listing at a run's start retried by timer (its
-# local activity's retries past 1 s of backoff wait in workflow timers, not in a
-# workflow task held open), and stopped at once by a stop or a budget.  Without it,
-# with the tool servers down, the run's timers, signals and budget waited for the
-# listing's retries, up to 15 minutes, and a budget that tripped meanwhile left the
-# run Stopping until they ended (helper-150).
+# `workflow.patched` id of the tool listing at a run's start as an activity (not a
+# local one), stopped at once by a stop or a budget.  A local activity's attempts and
+# retries run inside one workflow task, held open by heartbeats: with the tool servers
+# down (or accepting connections and never answering) the run's timers, signals and
+# cancel waited, a 3 s budget tripped at 16 s, and the stop then waited for the
+# listing's retries, up to 15 minutes, the run Stopping meanwhile (helper-150,
+# helper-154).  It costs a task-queue round trip at each run's start.
 LISTING_PATCH = "a-tool-listing-gives-way-to-timers-and-stops"
-LISTING_RETRY_THRESHOLD = timedelta(seconds=1)
 # Why a child whose spawn request was withdrawn stops (withdraw_child), and how many
 # withdrawn requests a run remembers (each a handle; the oldest is forgotten first).
 WITHDRAWN_REASON = "its spawn request was withdrawn: the caller gave up waiting for it"
@@ -607,11 +608,8 @@ class AgentRun:
             if workflow.patched(LISTING_PATCH):
                 self._listing = True
                 try:
-                    listed = await workflow.execute_local_activity_method(
-                        ToolActivities.list_tools,
-                        ToolsWanted(spec.tools),
-                        local_retry_threshold=LISTING_RETRY_THRESHOLD,
-                        **timeouts,
+                    listed = await workflow.execute_activity_method(
+                        ToolActivities.list_tools, ToolsWanted(spec.tools), **timeouts
                     )
                 finally:
                     self._listing = False
@@ -646,18 +644,9 @@ class AgentRun:
         tools = [t.openai_tool() for t in self._tools] if offer else []
         if workflow.patched(TURN_SIZE_PATCH):
             size = _size(self._messages) + _size(tools)
-            history = workflow.info().get_current_history_size()
-            if history + size > contract.HISTORY_MAX_BYTES:
-                # (Each turn's input stays in the history: one that cannot continue as
-                # new grows by its conversation a turn.)
-                raise ApplicationError(
-                    f"the run's Temporal history is {history:,} bytes, and its next turn "
-                    f"would add {size:,}: past {contract.HISTORY_MAX_BYTES:,} (Temporal "
-                    "terminates a run at 50 MB, its answer lost); it could not continue "
-                    "as new (children running, or too large a conversation to carry)",
-                    type="ConversationTooLarge",
-                    non_retryable=True,
-                )
+            # (Each turn's input stays in the history: one that cannot continue as new
+            # grows by its conversation a turn.)
+            self._check_history("turn", size)
             if size > TURN_INPUT_MAX_BYTES:
                 raise ApplicationError(
                     f"the run's conversation is {size:,} bytes as Temporal encodes it "
@@ -702,8 +691,27 @@ class AgentRun:
         await self._report_up()
         return turn
 
+    def _check_history(self, what: str, adding: int) -> None:
+        """Fail the run (TURN_SIZE_PATCH) when its Temporal history, with `adding`
+        bytes more, would pass contract.HISTORY_MAX_BYTES: Temporal terminates a run
+        at 50 MB, its answer lost.  (The history's size as its workflow task started:
+        the value is recorded in the history, so a replay reads the same.)"""
+        history = workflow.info().get_current_history_size()
+        if history + adding > contract.HISTORY_MAX_BYTES:
+            raise ApplicationError(
+                f"the run's Temporal history is {history:,} bytes, and its next {what} "
+                f"would add {adding:,}: past {contract.HISTORY_MAX_BYTES:,} (Temporal "
+                "terminates a run at 50 MB, its answer lost); it could not continue as "
+                "new (children running, or too large a conversation to carry)",
+                type="ConversationTooLarge",
+                non_retryable=True,
+            )
+
     async def _tool_round(self, calls: list[ToolCall]) -> None:
         spec = self._spec
+        if workflow.patched(TURN_SIZE_PATCH):
+            # Its answers land in the history whole (the conversation keeps them cut).
+            self._check_history("tool round", 0)
         left = self._calls_left()
         spent = (
             f"this run's tool-call budget ({spec.max_tool_calls}) is spent"

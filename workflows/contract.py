@@ -61,8 +61,9 @@ SPAWN_HISTORY_LIMIT = 20_480
 # Temporal terminates a workflow whose history passes 50 MB (its default size limit),
 # its answer lost.  A run whose history could not shed its turns (one that cannot
 # continue as new: children running, or an input too large to carry) fails before a
-# turn would take it past this, saying why (agent_run.TURN_SIZE_PATCH).  Read at each
-# turn, so tests can lower it.
+# turn or tool round would take it past this, saying why (agent_run.TURN_SIZE_PATCH).
+# Read at each check, so tests can lower it; a run's history replays only with the
+# value it ran with, so a change to it needs a patch id of its own.
 HISTORY_MAX_BYTES = 45_000_000
 # A run under no budget reports a change of its subtree's totals alone (not of its
 # state, not its end) at most once in this many seconds; the latest totals ride on the
