@@ -174,12 +174,25 @@ class RunUnavailable(RunError):
     that would ignore a refused answer (one answered already) must report this one."""
 
 
-# The executions Temporal closed in each of a run's end states, by visibility's names
-# (as _CLOSED reads them), for a run closed without setting its state (terminated).
+# The state a run closed without setting its own (terminated from outside) is read in.
+_CLOSED = {
+    WorkflowExecutionStatus.COMPLETED: "Completed",
+    WorkflowExecutionStatus.FAILED: "Failed",
+    WorkflowExecutionStatus.CANCELED: "Cancelled",
+    WorkflowExecutionStatus.TERMINATED: "Cancelled",
+    WorkflowExecutionStatus.TIMED_OUT: "Failed",
+}
+
+
+def _visibility_name(status: WorkflowExecutionStatus) -> str:
+    """A close status as visibility queries spell it (TIMED_OUT is 'TimedOut')."""
+    return "".join(part.title() for part in status.name.split("_"))
+
+
+# The same mapping the other way, by visibility's names, for `list(state=...)`.
 _CLOSED_AS = {
-    "Completed": ("Completed",),
-    "Failed": ("Failed", "TimedOut"),
-    "Cancelled": ("Canceled", "Terminated"),
+    state: tuple(_visibility_name(s) for s, read in _CLOSED.items() if read == state)
+    for state in dict.fromkeys(_CLOSED.values())
 }
 
 
@@ -237,15 +250,6 @@ async def _final(h: WorkflowHandle[AgentRun, RunStatus]) -> RunStatus:
             final: RunStatus = value_to_type(RunStatus, cause.details[0])
             return final
         raise
-
-
-_CLOSED = {
-    WorkflowExecutionStatus.COMPLETED: "Completed",
-    WorkflowExecutionStatus.FAILED: "Failed",
-    WorkflowExecutionStatus.CANCELED: "Cancelled",
-    WorkflowExecutionStatus.TERMINATED: "Cancelled",
-    WorkflowExecutionStatus.TIMED_OUT: "Failed",
-}
 
 
 class Runs:
