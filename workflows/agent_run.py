@@ -28,6 +28,9 @@ Rules this module keeps:
    the subtree ends `Cancelled` with `budget exceeded: <which> <used>/<limit>`.  (Runs
    started before this rule, without the `DRAIN_PATCH` marker, cancel their in-flight
    work instead, as they did.)  `cancel` stops a subtree at once, in-flight work too.
+   A run whose Temporal history reaches `contract.HISTORY_STOP_EVENTS` events stops
+   the same way (its running children keep it from continuing as new, and Temporal
+   would terminate it, and them, at 51,200; `HISTORY_ROOM_PATCH`).
    A tool call is work the run can count before it starts: the run that holds a
    tool-call budget starts no call it has no room for.  Calls over it are answered to
    the model as spent, as over `max_tool_calls`, and the run's next turn offers no
@@ -207,6 +210,13 @@ TURN_INPUT_MAX_BYTES = 2_090_000
 # listing's retries, up to 15 minutes, the run Stopping meanwhile (helper-150,
 # helper-154).  It costs a task-queue round trip at each run's start.
 LISTING_PATCH = "a-tool-listing-gives-way-to-timers-and-stops"
+# `workflow.patched` id of the stop of a run whose history has
+# contract.HISTORY_STOP_EVENTS events, checked as its budget is (before every turn and
+# tool round, and on every report from below).  A run cannot continue as new while its
+# children run, and a subtree busy for hours took its parent's history, a report per
+# child every few seconds, past Temporal's 51,200 events: Temporal terminated the run,
+# and with it every child, no answer kept and no reason given.
+HISTORY_ROOM_PATCH = "a-run-stops-before-temporals-event-limit"
 # Why a child whose spawn request was withdrawn stops (withdraw_child), and how many
 # withdrawn requests a run remembers (each a handle; the oldest is forgotten first).
 WITHDRAWN_REASON = "its spawn request was withdrawn: the caller gave up waiting for it"
@@ -395,6 +405,7 @@ class AgentRun:
         self._last_report: tuple[str, Totals] | None = None
         self._coalesce = False  # set by run(): see REPORTS_PATCH
         self._keep_reason = False  # set by run(): see HALT_REASON_PATCH
+        self._room_rule = False  # set by run(): see HISTORY_ROOM_PATCH
         self._reporting = False  # the reporter is on its way (REPORTS_PATCH)
         self._report_again = False  # the run or its subtree changed since it left
         self._flushing = False  # a report held back goes now (continue-as-new)
@@ -414,6 +425,7 @@ class AgentRun:
         self._ends = workflow.patched(ENDS_PATCH)
         self._coalesce = workflow.patched(REPORTS_PATCH)
         self._keep_reason = workflow.patched(HALT_REASON_PATCH)
+        self._room_rule = workflow.patched(HISTORY_ROOM_PATCH)
         work = asyncio.create_task(self._work())
         try:
             await self._until_done(work)
@@ -970,6 +982,24 @@ class AgentRun:
         still checked, as before every turn.)"""
         if self._exceeded is None and not (self._keep_reason and self._ending):
             self._exceeded = self._over()
+        self._check_room()
+
+    def _check_room(self) -> None:
+        """Stop the run, as on a budget, once its history has contract.HISTORY_STOP_EVENTS
+        events (HISTORY_ROOM_PATCH): the stop's reason goes down to its children.  (The
+        length as the workflow task started: recorded in the history, so a replay reads
+        the same.)"""
+        if not self._room_rule or self._stop_reason is not None or self._ending:
+            return
+        events = workflow.info().get_current_history_length()
+        if events >= contract.HISTORY_STOP_EVENTS:
+            self._stop_reason = (
+                f"run {self._id}'s Temporal history reached {events:,} events, its limit "
+                f"{contract.HISTORY_STOP_EVENTS:,} (Temporal terminates a run past 51,200 "
+                "and every child it has running; a run continues as new only once its "
+                "children have ended): its tree stops, as on a budget"
+            )
+            workflow.logger.warning("run %s stops: %s", self._id, self._stop_reason)
 
     def _children_done(self) -> bool:
         """Every child has ended, and none is still being started (counted with
@@ -990,6 +1020,7 @@ class AgentRun:
     def _check_budget(self) -> None:
         if self._exceeded is None:
             self._exceeded = self._over()
+        self._check_room()
         if self._stop_reason is not None:
             raise _Stop(self._stop_reason)
         if self._exceeded is not None:

@@ -58,6 +58,16 @@ CALL_ID_MAX_CHARS = 65_536
 # children it has.  Read at each spawn (not bound at import), so tests can lower them.
 MAX_RUN_CHILDREN = 1000
 SPAWN_HISTORY_LIMIT = 20_480
+# What stays unbounded is the reports: a subtree busy for hours adds a report per
+# running child every REPORT_EVERY_S (more under a budget) to its parent, whose history
+# cannot shed them (a run continues as new only once its children have ended).  A run
+# whose history has HISTORY_STOP_EVENTS events stops, as on a budget (its tree winds
+# down and ends Cancelled, saying why), in the room left before 51,200: per running
+# child (at most MAX_RUN_CHILDREN) a stop signal (2 events), its reports of Stopping and
+# of its end (2), its end (1), and the workflow tasks they take (3 each when none
+# share one), 14 in all (agent_run.HISTORY_ROOM_PATCH).  Read at each check, so tests
+# can lower it; a change to it needs a patch id of its own.
+HISTORY_STOP_EVENTS = 35_000
 # Temporal terminates a workflow whose history passes 50 MB (its default size limit),
 # its answer lost.  A run whose history could not shed its turns (one that cannot
 # continue as new: children running, or an input too large to carry) fails before a

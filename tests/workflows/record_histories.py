@@ -16,7 +16,8 @@ new (`budget_drained` was recorded after `DRAIN_PATCH`, `budget_spent` after
 it, renamed; `cancelled_while_closing` after `HALT_UNBROKEN_PATCH`, `unsent_stopped` after
 `UNSENT_STOP_PATCH`, `seconds_tripped` and `continued_as_new` after that, to cover those
 paths, `told` after `TOLD_PATCH`, `sized_loop` after `TURN_SIZE_PATCH` and `LISTING_PATCH`,
-`withdrawn` after the `withdraw_child` signal; the others before them).
+`withdrawn` after the `withdraw_child` signal, `history_stopped` after
+`HISTORY_ROOM_PATCH`; the others before them).
 """
 
 from __future__ import annotations
@@ -297,6 +298,27 @@ async def _withdrawn(s: Stack) -> None:
     await _save(s, "withdrawn", [parent, child])
 
 
+async def _history_stopped(s: Stack) -> None:
+    # After HISTORY_ROOM_PATCH: a parent whose history reached HISTORY_STOP_EVENTS (its
+    # history as it waits and a spawn more; its stop reason says the value, which the
+    # replay test reads back) stops, and its child with it.
+    from workflows import contract
+
+    parent = await spawn_waiting(s, "hp")
+    history = await s.client.get_workflow_handle(parent).fetch_history()
+    kept = contract.HISTORY_STOP_EVENTS
+    contract.HISTORY_STOP_EVENTS = len(history.events) + 8
+    try:
+        child = await s.runs.spawn(
+            RunSpec(task=task_with(1, "hc"), model=MODEL, tools=["delete_record"], parent=parent)
+        )
+        done = await s.runs.wait([parent, child], timeout=60)
+    finally:
+        contract.HISTORY_STOP_EVENTS = kept
+    assert [d.state for d in done] == ["Cancelled", "Cancelled"], done
+    await _save(s, "history_stopped", [parent, child])
+
+
 SCENARIOS = {
     "tool_loop": _tool_loop,
     "parallel_calls": _parallel_calls,
@@ -318,6 +340,7 @@ SCENARIOS = {
     "told": _told,
     "sized_loop": _sized_loop,
     "withdrawn": _withdrawn,
+    "history_stopped": _history_stopped,
 }
 
 

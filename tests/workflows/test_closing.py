@@ -340,6 +340,26 @@ async def test_a_run_fails_before_its_history_passes_temporals_limit(
     assert 2 <= len(fakes.turn_bytes) < 30  # some turns ran, not all
 
 
+async def test_a_run_stops_before_its_history_has_temporals_most_events(
+    temporal_address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Temporal terminates a run past 51,200 history events, no reason given.  A run
+    that reaches contract.HISTORY_STOP_EVENTS (lowered here) stops at its next check,
+    as on a budget, saying why."""
+    monkeypatch.setattr(contract, "HISTORY_STOP_EVENTS", 60)
+    fakes = StandIns()
+    spec = RunSpec(task="grow a history", model="m", max_tool_calls=30)
+    status = await _run_to_its_end(temporal_address, fakes, spec)
+    assert status.state == "Cancelled", status
+    assert re.fullmatch(
+        rf"run {status.handle}'s Temporal history reached \d+ events, its limit 60 \(.*\): "
+        "its tree stops, as on a budget",
+        status.error or "",
+    ), status.error
+    assert 2 <= len(fakes.turn_bytes) < 30  # some turns ran, not all
+    assert fakes.ended == [status.handle]
+
+
 class ServersDown(StandIns):
     """The tool servers are unreachable: every listing fails at once, as retryable; or
     (`hang`) a server accepts the connection and never answers."""

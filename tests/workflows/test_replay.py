@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -17,11 +18,12 @@ from temporalio import workflow
 from temporalio.client import WorkflowHistory
 from temporalio.worker import Replayer
 
-from workflows import AgentRun
+from workflows import AgentRun, contract
 from workflows.agent_run import (
     DRAIN_PATCH,
     ENDS_PATCH,
     HALT_UNBROKEN_PATCH,
+    HISTORY_ROOM_PATCH,
     LATE_CHILD_PATCH,
     LISTING_PATCH,
     ONCE_PATCH,
@@ -52,6 +54,9 @@ AFTER_TOLD = {"told-0", "told-1"}
 # Recorded after TURN_SIZE_PATCH, LISTING_PATCH and the withdraw_child signal: a tool
 # loop, and a parent whose started child was withdrawn (cancelled) and the child.
 AFTER_SIZED = {"sized_loop", "withdrawn-0", "withdrawn-1"}
+# Recorded after HISTORY_ROOM_PATCH: a parent stopped at a (lowered) history limit, and
+# its child.
+AFTER_ROOM = {"history_stopped-0", "history_stopped-1"}
 AFTER_FUNCTIONS = (
     {"tools_by_function"}
     | UNPATCHED_LATE
@@ -60,6 +65,7 @@ AFTER_FUNCTIONS = (
     | AFTER_UNSENT
     | AFTER_TOLD
     | AFTER_SIZED
+    | AFTER_ROOM
 )
 # Recorded after REPORTS_PATCH (and so after every earlier patch).
 AFTER_REPORTS = {"reports_held-0", "reports_held-1", "reports_held-2"} | AFTER_FUNCTIONS
@@ -237,7 +243,7 @@ def test_a_close_cancelled_midway_is_recorded_after_its_patch() -> None:
     # (the old close replays unchanged).
     # (Runs that close after it carry it too: a seconds budget's trip, a withdrawn child.)
     assert {p.stem for p in HISTORIES if HALT_UNBROKEN_PATCH in _patches(p)} == (
-        AFTER_UNBROKEN | {"seconds_tripped", "withdrawn-1"}
+        AFTER_UNBROKEN | {"seconds_tripped", "withdrawn-1"} | AFTER_ROOM
     )
     path = HISTORIES[0].parent / "cancelled_while_closing.json"
     kinds = [e["eventType"] for e in json.loads(path.read_text("utf-8"))["events"]]
@@ -299,7 +305,7 @@ def test_the_size_and_listing_patches_and_a_withdrawal_are_recorded() -> None:
     # the three after carry both markers.  `withdrawn-0` has the withdrawal, and stopped
     # and cancelled its child, which ended cancelled with the reason.
     for patch in (TURN_SIZE_PATCH, LISTING_PATCH):
-        assert {p.stem for p in HISTORIES if patch in _patches(p)} == AFTER_SIZED, patch
+        assert {p.stem for p in HISTORIES if patch in _patches(p)} == AFTER_SIZED | AFTER_ROOM
     events = json.loads((HISTORIES[0].parent / "withdrawn-0.json").read_text("utf-8"))["events"]
     signals = [
         e["workflowExecutionSignaledEventAttributes"]["signalName"]
@@ -315,8 +321,27 @@ def test_the_size_and_listing_patches_and_a_withdrawal_are_recorded() -> None:
     assert failure["message"] == WITHDRAWN_REASON
 
 
+def test_a_stop_at_the_history_limit_is_recorded_after_its_patch() -> None:
+    # HISTORY_ROOM_PATCH: no history before it has the marker; after it, a parent whose
+    # history reached the limit stopped its child and ended, the child with its reason.
+    assert {p.stem for p in HISTORIES if HISTORY_ROOM_PATCH in _patches(p)} == AFTER_ROOM
+    ends = []
+    for stem in sorted(AFTER_ROOM):
+        events = json.loads((HISTORIES[0].parent / f"{stem}.json").read_text("utf-8"))["events"]
+        ends.append(events[-1]["workflowExecutionFailedEventAttributes"]["failure"]["message"])
+    assert ends[0] == ends[1] and ends[0].endswith("its tree stops, as on a budget")
+
+
 @pytest.mark.parametrize("path", HISTORIES, ids=[p.stem for p in HISTORIES])
-async def test_a_recorded_history_replays(path: Path) -> None:
+async def test_a_recorded_history_replays(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A run replays only with the limits it ran with: a history stopped at a lowered
+    # HISTORY_STOP_EVENTS says the value in its reason.
+    (*_, end) = json.loads(path.read_text("utf-8"))["events"]
+    failure = end.get("workflowExecutionFailedEventAttributes", {}).get("failure", {})
+    lowered = re.search(r"Temporal history reached [\d,]+ events, its limit ([\d,]+)",
+                        failure.get("message", ""))  # fmt: skip
+    if lowered:
+        monkeypatch.setattr(contract, "HISTORY_STOP_EVENTS", int(lowered[1].replace(",", "")))
     result = await Replayer(workflows=[AgentRun]).replay_workflow(
         _history(path), raise_on_replay_failure=False
     )

@@ -476,6 +476,29 @@ async def test_a_cancelled_runs_budget_is_not_made_its_reason_by_what_ends_after
         assert status.subtree.tokens > 2 * 10**6
 
 
+async def test_a_run_whose_history_nears_temporals_limit_stops_its_tree(
+    temporal_address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A run cannot continue as new while its children run, and their reports grow its
+    # history; a subtree busy for hours took it past Temporal's 51,200 events, and
+    # Temporal terminated the run and every child, no reason given.  At
+    # HISTORY_STOP_EVENTS (lowered here: the parent's history, a spawn more) the run
+    # stops as on a budget, on the child's first report, and the child with it.
+    async with stack(temporal_address) as s:
+        parent = await spawn_waiting(s, "p")
+        history = await s.client.get_workflow_handle(parent).fetch_history()
+        monkeypatch.setattr(contract, "HISTORY_STOP_EVENTS", len(history.events) + 8)
+        kid = await s.runs.spawn(
+            RunSpec(task=task_with(1, "kid"), model=MODEL, tools=["delete_record"], parent=parent)
+        )
+        top, below = await s.runs.wait([parent, kid], timeout=60)
+    assert top.state == "Cancelled", top
+    assert (top.error or "").startswith(f"run {parent}'s Temporal history reached "), top.error
+    assert (top.error or "").endswith(": its tree stops, as on a budget")
+    assert (below.state, below.error) == ("Cancelled", top.error)
+    assert [(c.handle, c.state) for c in top.children] == [(kid, "Cancelled")]
+
+
 async def test_the_token_budget_trips_and_cancels_the_subtree(temporal_address: str) -> None:
     # Tool calls of 0.5-1.5 s keep the child working when its first turns trip the budget.
     async with stack(temporal_address, mcp_time_scale=1) as s:
