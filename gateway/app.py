@@ -81,7 +81,7 @@ from gateway.status import (
     waiting_view,
 )
 from luftpause import telemetry
-from luftpause._process import freeze_heap
+from luftpause._process import freeze_heap, hold_hangups, take_held_hangups
 from luftpause.config import MODEL_MAX_CHARS, Api, Config, ConfigError, Endpoint, load_config
 from luftpause.headers import (
     CALLER_HEADER,
@@ -1356,9 +1356,15 @@ def _on_hangup(
         task.add_done_callback(tasks.discard)
 
     loop.add_signal_handler(signal.SIGHUP, hangup)
+    if take_held_hangups():
+        # Sent while the gateway started (`luftpause gateway` holds them from its
+        # first line; SIGHUP's default would have ended it): carried out now, once.
+        log.info("a SIGHUP came while starting: reloading now")
+        hangup()
 
     def undo() -> None:
-        loop.remove_signal_handler(signal.SIGHUP)
+        loop.remove_signal_handler(signal.SIGHUP)  # (its default again: held instead)
+        hold_hangups()
 
     return undo
 

@@ -19,7 +19,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cpu_seconds", "freeze_heap", "kill", "spawn", "terminate"]
+__all__ = [
+    "cpu_seconds",
+    "freeze_heap",
+    "hold_hangups",
+    "kill",
+    "spawn",
+    "take_held_hangups",
+    "terminate",
+]
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -115,3 +123,27 @@ def freeze_heap() -> str:
         f"froze {gc.get_freeze_count():,} objects of the startup heap: a full garbage "
         f"collection took {before * 1000:.0f} ms before, {after * 1000:.1f} ms after"
     )
+
+
+_held_hangups = 0
+
+
+def _hold(signum: int, frame: object) -> None:
+    global _held_hangups
+    _held_hangups += 1
+
+
+def hold_hangups() -> None:
+    """A SIGHUP from now on is held, not the end of the process (its default action):
+    a daemon that reloads on SIGHUP is sent one whenever its operator (systemd's
+    ExecReload, a config reloader) likes, also while it starts or stops.  The server
+    carries out what `take_held_hangups` counts once it can.  Main thread, POSIX only."""
+    if hasattr(signal, "SIGHUP") and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGHUP, _hold)
+
+
+def take_held_hangups() -> int:
+    """The SIGHUPs held since the last call (see `hold_hangups`)."""
+    global _held_hangups
+    held, _held_hangups = _held_hangups, 0
+    return held

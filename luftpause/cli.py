@@ -354,6 +354,10 @@ def _gateway_parser(sub: Any) -> None:
 
 
 def _gateway(args: argparse.Namespace) -> int:
+    from luftpause._process import hold_hangups
+
+    # First: a SIGHUP (a reload) while the gateway starts would end it (helper-157).
+    hold_hangups()
     import logging
 
     import uvicorn

@@ -131,6 +131,40 @@ def test_sighup_reloads_the_pool_and_a_bad_file_changes_nothing(
     assert gw.alive() and served() == [MODEL, "other"]
 
 
+def test_a_sighup_while_the_gateway_starts_is_a_reload_once_it_is_up(tmp_path: Path) -> None:
+    # `kill -HUP` (systemd's ExecReload, a config reloader) while the gateway started,
+    # before its first probe round had ended and the reload handler was installed, ended
+    # it: SIGHUP's default action (helper-157).  It is held, and carried out once up.
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
+    config = tmp_path / "luftpause.toml"
+    config.write_text(
+        f'[probes]\ntimeout_s = 3.0\n\n[[endpoints]]\nname = "e"\n'
+        f'url = "http://127.0.0.1:{silent.getsockname()[1]}"\nkind = "sglang"\n'
+        f'models = ["{MODEL}"]\n'
+    )
+    port = free_port()
+    gw = Child(
+        "gateway",
+        [EXE, "gateway", "--config", str(config), "--port", str(port)],
+        tmp_path / "g.log",
+        env={"LUFTPAUSE_TOKEN": ""},
+    )
+    silent.settimeout(60)
+    try:
+        gw.start()
+        probe, _ = silent.accept()  # the first probe round: the gateway is starting
+        assert gw.proc is not None
+        os.kill(gw.proc.pid, signal.SIGHUP)
+        wait_http(f"http://127.0.0.1:{port}/health", "gateway", gw)
+        _log_shows(gw, "a SIGHUP came while starting: reloading now")
+        _log_shows(gw, "reloaded")
+        assert gw.alive()
+        probe.close()
+    finally:
+        gw.stop()
+        silent.close()
+
+
 def test_output_into_a_closed_pipe_ends_quietly() -> None:
     # `luftpause sim routing | head -1`: the reader is gone before the table is written.
     proc = subprocess.Popen(
