@@ -124,7 +124,16 @@ class _StateCollector:
         running = replica_gauge(
             "luftpause_engine_running", "Requests the engine ran at the last probe"
         )
-        healthy = replica_gauge("luftpause_replica_healthy", "1 when the last probe succeeded")
+        healthy = replica_gauge(
+            "luftpause_replica_healthy",
+            "1 when in rotation: its last probe succeeded and it is not ejected",
+        )
+        # Probes pass, turns fail: the engine is out of rotation for a while (rule 10),
+        # which healthy 0 alone does not tell from a failed probe (helper-157).
+        ejected = replica_gauge(
+            "luftpause_replica_ejected",
+            "1 while the replica is out of rotation after failing turns in a row",
+        )
         # A replica gone from the pool (a reload removed it, or its pod left discovery)
         # that finishes its turns: out of rotation by choice, which healthy 0 is not.
         retired = replica_gauge(
@@ -135,6 +144,7 @@ class _StateCollector:
             r = state.replicas[name]
             in_flight.add_metric([name], r.in_flight)
             healthy.add_metric([name], 1 if r.healthy else 0)
+            ejected.add_metric([name], 0 if r.ejected_until is None else 1)
             retired.add_metric([name], 1 if name in state.retired else 0)
             if r.cap is not None:
                 cap.add_metric([name], r.cap)
@@ -148,7 +158,7 @@ class _StateCollector:
                 queued.add_metric([name], r.queued)
             if r.running is not None:
                 running.add_metric([name], r.running)
-        return [held, runs, in_flight, cap, slots, queued, running, healthy, retired]
+        return [held, runs, in_flight, cap, slots, queued, running, healthy, ejected, retired]
 
 
 class _Discovery:

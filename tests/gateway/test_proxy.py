@@ -940,6 +940,9 @@ async def test_an_error_event_in_a_200_stream_fails_the_turn(error: bytes, outco
         ejected = 'luftpause_ejections_total{replica="a"} 1.0' in metrics
         assert ejected == (outcome == "failed")
         assert shell.state.replicas["a"].healthy == (outcome != "failed")
+        # Its probes pass: the gauges tell the ejection from a failed probe (helper-157).
+        assert f'luftpause_replica_ejected{{replica="a"}} {float(ejected)}' in metrics
+        assert f'luftpause_replica_healthy{{replica="a"}} {float(not ejected)}' in metrics
 
 
 @pytest.mark.parametrize("stall", ["before the head", "mid-stream"])
