@@ -143,7 +143,7 @@ class PoolChange:
 
     added: tuple[str, ...]  # endpoints new in the file
     removed: tuple[str, ...]  # endpoints gone from it (replicas: retired, rule 11)
-    changed: tuple[str, ...]  # endpoints changed in place
+    changed: tuple[str, ...]  # endpoints changed in place, or in or out of the replicas
     applied: tuple[str, ...]  # other sections that changed and apply now (RELOADED)
     not_applied: tuple[str, ...]  # other sections that changed: they need a restart
 
@@ -189,11 +189,15 @@ def compare(
     come back to a name whose engine holds none of their cache)."""
     before = {e.name: e for e in old.endpoints}
     after = {e.name: e for e in new.endpoints}
-    engines = {**(known or {}), **before}
+    # Runs are bound to replicas' names only: a classifier, or an engine a router stands
+    # in front of, may move to another URL (helper-157: refused, as if it held runs).
+    serving_before = {e.name for e in old.replicas}
+    serving_after = {e.name for e in new.replicas}
+    engines = {**(known or {}), **{n: e for n, e in before.items() if n in serving_before}}
     renamed = [
         f"endpoint {name}: {field} {getattr(engines[name], field)!r} -> {getattr(e, field)!r}"
         for name, e in after.items()
-        if name in engines
+        if name in engines and name in serving_after
         for field in _IDENTITY
         if getattr(engines[name], field) != getattr(e, field)
     ]
@@ -209,7 +213,14 @@ def compare(
     return PoolChange(
         added=tuple(n for n in after if n not in before),
         removed=tuple(n for n in before if n not in after),
-        changed=tuple(n for n in after if n in before and before[n] != after[n]),
+        # (Also an endpoint that leaves or joins the replicas as its entry stays: moved
+        # behind a router, or from behind one: its turns end there, or begin.)
+        changed=tuple(
+            n
+            for n in after
+            if n in before
+            and (before[n] != after[n] or (n in serving_before) != (n in serving_after))
+        ),
         applied=tuple(k for k in rest_new if k in RELOADED and rest_new[k] != rest_old.get(k)),
         not_applied=tuple(
             k for k in rest_new if k not in RELOADED and rest_new[k] != rest_started.get(k)

@@ -17,7 +17,8 @@ from starlette.types import Receive, Scope, Send
 
 from gateway._shell import AdmissionShell
 from gateway.app import GatewaySettings, create_app
-from luftpause.config import load_config
+from gateway.pool import compare
+from luftpause.config import Config, ConfigError, load_config
 from scheduler import RunPhase
 from testkit._fake_text import key
 from testkit.loopback import serve
@@ -595,7 +596,8 @@ async def test_a_routers_slots_follow_its_engines_through_reloads(tmp_path: Path
         async with from_file(path) as (gw, shell):
             await until(lambda: slots() == each, "a's slots")
             path.write_text(toml(a, b, v, {**r, "load_from": '["a", "b"]'}))
-            assert (await gw.post("/reload")).json()["changed"] == ["r"]
+            # b leaves the replicas (its turns go through r now): it is named too.
+            assert (await gw.post("/reload")).json()["changed"] == ["b", "r"]
             await until(lambda: slots() == 2 * each, "a's and b's")
             path.write_text(toml(a, b, v, {**r, "load_from": '["a", "b", "v"]'}))
             assert (await gw.post("/reload")).status_code == 200
@@ -603,6 +605,41 @@ async def test_a_routers_slots_follow_its_engines_through_reloads(tmp_path: Path
             path.write_text(toml(a, b, {**v, "slots": 5}, {**r, "load_from": '["a", "b", "v"]'}))
             assert (await gw.post("/reload")).status_code == 200
             await until(lambda: slots() == 2 * each + 5, "the sum with v's from the file")
+
+
+def test_a_reload_names_engines_that_leave_or_join_the_replicas_and_moves_no_replica(
+    tmp_path: Path,
+) -> None:
+    """An engine moved behind a router leaves the replicas with its entry unchanged: the
+    reload's answer said nothing of it (only the router, added).  A classifier or an
+    engine behind a router holds no runs: its URL may change; a replica's may not
+    (helper-157: all three were refused alike)."""
+    path = tmp_path / "luftpause.toml"
+
+    def config(*endpoints: dict[str, Any]) -> Config:
+        path.write_text(toml(*endpoints))
+        return load_config(path)
+
+    a = {"name": "a", "url": "http://127.0.0.1:1001", "models": [MODEL]}
+    e = {"name": "e", "url": "http://127.0.0.1:1002", "models": [MODEL]}
+    r = {"name": "r", "url": "http://127.0.0.1:1003", "models": [MODEL], "kind": "router"}
+    c = {"name": "c", "url": "http://127.0.0.1:1004", "models": ["clf"], "kind": "classifier"}
+    behind = {**r, "load_from": '["e"]'}
+    moved = {**e, "url": "http://127.0.0.1:2002"}
+    change = compare(config(a, e, c), config(a, e, c, behind))
+    assert (change.added, change.removed, change.changed) == (("r",), (), ("e",))
+    change = compare(config(a, e, behind), config(a, e))
+    assert (change.added, change.removed, change.changed) == ((), ("r",), ("e",))
+    change = compare(config(a, e, behind), config(a, moved, behind))
+    assert change.changed == ("e",)
+    change = compare(config(a, c), config(a, {**c, "url": "http://127.0.0.1:2004"}))
+    assert change.changed == ("c",)
+    with pytest.raises(ConfigError, match=r"endpoint e: url 'http://127\.0\.0\.1:1002' -> "):
+        compare(config(a, e), config(a, moved))
+    # Back to the replicas while the core still knows it as it was (its turns there):
+    (known,) = [x for x in config(a, e).endpoints if x.name == "e"]
+    with pytest.raises(ConfigError, match=r"endpoint e: url"):
+        compare(config(a, e, behind), config(a, moved), known={"e": known})
 
 
 async def test_a_bug_off_the_turn_paths_is_answered_in_the_error_shape(
