@@ -265,6 +265,16 @@ class StreamWatch:
             return False
         return self._END_MARKER not in self._prev[-64:] + self._last
 
+    def passed_end(self) -> bool:
+        """The stream has come to its end marker after its finish reason, no error in
+        it: its client has the whole answer, whatever else the engine's response still
+        sends (the OpenAI SDK stops reading at `[DONE]` and closes the connection)."""
+        return (
+            self.error is None
+            and self.finish_reason is not None
+            and self._END_MARKER in self._prev[-64:] + self._last
+        )
+
     def feed(self, chunk: bytes) -> None:
         self._prev, self._last = self._last, chunk
         if (
@@ -297,16 +307,23 @@ class StreamWatch:
 
     def close(self) -> None:
         """The answer is complete: inspect what is left."""
-        if self._too_big:
-            return
-        if self._sse:
-            self._line(bytes(self._buffer))
-        else:
-            body = _loads(bytes(self._buffer))
-            self.shapeless = not isinstance(body, dict)
-            self._inspect(body)
-        self._buffer = bytearray()
-        if self._tools and self.finish_reason == "stop" and not self.tool_call_ids:
+        if not self._too_big:
+            if self._sse:
+                self._line(bytes(self._buffer))
+            else:
+                body = _loads(bytes(self._buffer))
+                self.shapeless = not isinstance(body, dict)
+                self._inspect(body)
+            self._buffer = bytearray()
+        if self.finish_reason == "stop" and self.tool_call_ids:
+            # Calls made, and "stop" said (vLLM and OpenAI for a named tool_choice; vLLM's
+            # /v1/messages says "end_turn" beside tool_use blocks): the client runs them
+            # and comes back, so the run is paused on them (helper-156: it read idle).
+            self.finish_reason = "tool_calls"
+        elif (
+            self._tools and not self._too_big and self.finish_reason == "stop"
+            and not self.tool_call_ids
+        ):  # fmt: skip
             for event in self._events:
                 self._content += _texts(_loads(event))
             text = "".join(self._content)
@@ -550,6 +567,10 @@ class ResponsesWatch(StreamWatch):
     # Whether the answer ended as the API ends one (a final event, an error, a JSON
     # body): a stream closed before is no finished turn (helper-140).
     ended = False
+
+    def passed_end(self) -> bool:
+        return self.error is None and self.ended
+
     # The response's id, which a client that chains with previous_response_id names
     # in its next turn (the run's, remembered as its call ids are).
     response_id: str | None = None
@@ -1091,6 +1112,7 @@ class TurnResponse(Response):
         self._clock = clock
         self._ended = False
         self._complete = False  # the last body message is on its way to the client
+        self._watch: StreamWatch | None = None  # the stream's watch, once it streams
         self._trace: _TurnTrace | None = None
         self._runs = runs
         self._awaited = awaited
@@ -1286,6 +1308,13 @@ class TurnResponse(Response):
                     into_room=into_room,
                 )
         except _ClientLeft:
+            watch = self._watch
+            if watch is not None and watch.passed_end():
+                # The client had the whole answer and closed before the engine's end of
+                # response came (the OpenAI SDK stops reading at [DONE]): finished, its
+                # usage and its tool calls read (helper-156: counted client_left).
+                self._settle(watch, answer.status, sse=True, encoded=False)
+                return
             self._fail("client disconnected mid-stream", client_left=True)
             return
         finally:
@@ -1317,6 +1346,8 @@ class TurnResponse(Response):
             watch = MessagesWatch(sse=sse, input_counts_cached=self._kind(replica) == "sglang")
         else:
             watch = ResponsesWatch(sse=sse)
+        if sse and not encoded and answer.status < 400:
+            self._watch = watch  # what a client that leaves had read (see _ClientLeft)
         hide = _AddedUsage() if hide_usage and sse and not encoded else None
         drop = dropped_upstream(answer.headers)
         # The body goes as it came unless usage is hidden: so does its length, where the
@@ -1420,19 +1451,25 @@ class TurnResponse(Response):
                 )
             self._remember(watch)
             return False
+        self._settle(watch, answer.status, sse=sse, encoded=encoded)
+        return True
+
+    def _settle(self, watch: StreamWatch, status: int, *, sse: bool, encoded: bool) -> None:
+        """Report the end of an answer that came whole, to its client at least."""
+        t = self._turn
         if not encoded:
             watch.close()
         self._remember(watch)
-        if answer.status >= 400:
-            self._fail(f"engine answered {answer.status}", engine=engine_fault(answer.status))
-            return True
+        if status >= 400:
+            self._fail(f"engine answered {status}", engine=engine_fault(status))
+            return
         if watch.error is not None:
             engine = stream_error_is_engines(watch.error_status, watch.error_type)
             self._fail(f"engine error in the stream: {watch.error}", engine=engine)
-            return True
+            return
         if watch.shapeless:
-            self._fail(f"engine answered {answer.status} without a JSON object", engine=True)
-            return True
+            self._fail(f"engine answered {status} without a JSON object", engine=True)
+            return
         if (
             isinstance(watch, ResponsesWatch)
             and sse
@@ -1441,7 +1478,7 @@ class TurnResponse(Response):
         ):
             # Every Responses client takes it for a failure, and retries (Codex).
             self._fail("engine ended the stream before response.completed", engine=True)
-            return True
+            return
         if (
             sse
             and not encoded
@@ -1453,7 +1490,7 @@ class TurnResponse(Response):
             # its end marker, both of which every engine sends: cut short, not finished
             # (helper-151).  Its run retries the turn where it was.
             self._fail("engine ended the stream before its end", engine=True)
-            return True
+            return
         self._end(
             TurnFinished(
                 now=self._clock(),
@@ -1464,7 +1501,6 @@ class TurnResponse(Response):
                 cached_tokens=watch.cached_tokens,
             )
         )
-        return True
 
     def _remember(self, watch: StreamWatch) -> None:
         run = self._shell.state.runs.get(self._turn.run_id)

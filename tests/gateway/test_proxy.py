@@ -2399,3 +2399,95 @@ async def test_a_stream_that_ends_before_its_finish_reason_failed(
         run = shell.state.runs["r1"]
         assert run.retrying == (outcome == "failed")  # the retry goes back to a
         assert shell.state.replicas["a"].failures == (outcome == "failed")
+
+
+_CALL = {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+
+
+def _chunk(delta: dict[str, Any], finish: str | None, **more: Any) -> str:
+    choice = {"index": 0, "delta": delta, "finish_reason": finish}
+    return (
+        f"data: {json.dumps({'object': 'chat.completion.chunk', 'choices': [choice], **more})}\n\n"
+    )
+
+
+async def test_a_client_that_closes_at_done_had_a_finished_turn() -> None:
+    """The OpenAI SDK (own-loop agents, the Agents SDK, LangChain) stops reading at
+    `data: [DONE]` and closes.  When the engine's end of response came after that (a
+    router between, a hosted endpoint far away), the turn counted as `client_left`: its
+    usage was lost, and its run, which had asked for a tool, read idle, not paused
+    (helper-156).  It had the whole answer: finished."""
+    from fastapi.responses import StreamingResponse
+
+    release = asyncio.Event()
+    app = models_only()
+
+    @app.post("/v1/chat/completions")
+    async def answer(request: Request) -> StreamingResponse:
+        async def lines() -> AsyncIterator[str]:
+            yield _chunk({"role": "assistant", "tool_calls": [{**_CALL, "index": 0}]}, None)
+            usage = {"prompt_tokens": 100, "completion_tokens": 7, "total_tokens": 107}
+            yield _chunk({}, "tool_calls", usage=usage)
+            yield "data: [DONE]\n\n"
+            with contextlib.suppress(TimeoutError):  # its end of response: after the close
+                await asyncio.wait_for(release.wait(), 30)
+
+        return StreamingResponse(lines(), media_type="text/event-stream")
+
+    async with serve(app) as url, gateway(endpoint("a", url, kind="openai")) as (gw, shell):
+        body = json.dumps(chat(stream=True, tools=TOOLS)).encode()
+        host, port = str(gw.base_url).split("//")[1].rstrip("/").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: luftpause\r\n"
+            b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        got = b""
+        try:
+            async with asyncio.timeout(30):
+                while b"data: [DONE]" not in got:
+                    got += await reader.read(65536)
+            writer.close()  # as the SDK does: the stream said it ended
+            await until(lambda: not shell.state.turns, "the turn ended")
+        finally:
+            release.set()
+        (run_id,) = re.findall(rb"x-luftpause-run-id: (\S+)", got)
+        metrics = (await gw.get("/metrics")).text
+        assert 'luftpause_turns_total{outcome="finished"} 1.0' in metrics
+        assert 'luftpause_turns_total{outcome="client_left"} 0.0' in metrics
+        assert re.search(r'luftpause_prompt_tokens_total\{[^}]*replica="a"[^}]*\} 100\.0', metrics)
+        assert shell.state.runs[run_id.decode()].phase is RunPhase.PAUSED
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_tool_calls_said_to_stop_pause_their_run(stream: bool) -> None:
+    """vLLM and OpenAI answer a named tool_choice with the calls and finish_reason
+    "stop"; the client runs them and comes back.  The run read idle, neither pinned to
+    its replica nor given room before batch turns (helper-156): it is paused."""
+    from fastapi.responses import StreamingResponse
+
+    app = models_only()
+
+    @app.post("/v1/chat/completions")
+    async def answer(request: Request) -> Response:
+        if not stream:
+            message = {"role": "assistant", "content": None, "tool_calls": [_CALL]}
+            choice = {"index": 0, "message": message, "finish_reason": "stop"}
+            usage = {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}
+            body = {"object": "chat.completion", "choices": [choice], "usage": usage}
+            return Response(json.dumps(body), media_type="application/json")
+
+        async def lines() -> AsyncIterator[str]:
+            yield _chunk({"role": "assistant", "tool_calls": [{**_CALL, "index": 0}]}, None)
+            yield _chunk({}, "stop")
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(lines(), media_type="text/event-stream")
+
+    async with serve(app) as url, gateway(endpoint("a", url, kind="openai")) as (gw, shell):
+        named = {"type": "function", "function": {"name": "lookup"}}
+        r = await gw.post(
+            "/v1/chat/completions", json=chat(stream=stream, tools=TOOLS, tool_choice=named)
+        )
+        assert r.status_code == 200, r.text
+        assert shell.state.runs[r.headers[RUN]].phase is RunPhase.PAUSED
