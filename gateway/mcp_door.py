@@ -91,6 +91,11 @@ PROMPT_MAX_CHARS = 200_000
 PROMPT_MAX_BYTES = 500_000
 # A budget's clock is a workflow timer; a month is longer than any agent should run.
 BUDGET_SECONDS_MAX = 30 * 86_400.0
+# The counted budgets' bounds: far past what a tree spends (a quadrillion tokens), and
+# exact as the floats a status carries (JSON numbers, below 2**53).  Unbounded, 10**309
+# started a run whose every status then failed to render (helper-155).
+BUDGET_TOKENS_MAX = 10**15
+BUDGET_TOOL_CALLS_MAX = 10**9
 HANDLE_MAX_CHARS = 200
 # A tool's name as a run is given it: the 2025-11-25 spec's 128 characters, or
 # `<server>__<name>`.  Bounded, as every string a refusal repeats: a megabyte of one
@@ -175,8 +180,10 @@ class UsageView(BaseModel):
 
 
 class BudgetView(BaseModel):
-    limits: dict[str, float | None]
-    used: dict[str, float | None]
+    # (int first: a count stays one, and one of a run started before the bounds, past
+    # any float, still renders.)
+    limits: dict[str, int | float | None]
+    used: dict[str, int | float | None]
     exceeded: str | None = None
     over: str | None = None
 
@@ -607,8 +614,8 @@ class RunArgs(BaseModel):
     maxTokens: int = Field(256, strict=True, ge=0, le=MAX_TOKENS_LIMIT)
     parallelToolCalls: bool = Field(False, strict=True)
     parent: str | None = Field(None, min_length=1, max_length=HANDLE_MAX_CHARS)
-    budgetTokens: int | None = Field(None, strict=True, gt=0)
-    budgetToolCalls: int | None = Field(None, strict=True, gt=0)
+    budgetTokens: int | None = Field(None, strict=True, gt=0, le=BUDGET_TOKENS_MAX)
+    budgetToolCalls: int | None = Field(None, strict=True, gt=0, le=BUDGET_TOOL_CALLS_MAX)
     budgetSeconds: float | None = Field(None, strict=True, gt=0, le=BUDGET_SECONDS_MAX)
     approveTools: list[ToolName] | None = Field(None, max_length=TOOLS_MAX)
     timeout: float = Field(AWAIT_MAX_S, strict=True, gt=0, le=AWAIT_MAX_S)
@@ -1011,13 +1018,15 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
             Handle | None, Field(description="handle of a running run this one belongs to")
         ] = None,
         budgetTokens: Annotated[
-            int | None, Field(strict=True, gt=0, description="tokens, whole subtree")
+            int | None,
+            Field(strict=True, gt=0, le=BUDGET_TOKENS_MAX, description="tokens, whole subtree"),
         ] = None,
         budgetToolCalls: Annotated[
             int | None,
             Field(
                 strict=True,
                 gt=0,
+                le=BUDGET_TOOL_CALLS_MAX,
                 description="tool calls, whole subtree (this run makes none over it: "
                 "then it answers without tools)",
             ),
@@ -1097,8 +1106,10 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
         maxTokens: Annotated[int, Field(strict=True, ge=0, le=MAX_TOKENS_LIMIT)] = 256,
         parallelToolCalls: Annotated[bool, Field(strict=True)] = False,
         parent: Handle | None = None,
-        budgetTokens: Annotated[int | None, Field(strict=True, gt=0)] = None,
-        budgetToolCalls: Annotated[int | None, Field(strict=True, gt=0)] = None,
+        budgetTokens: Annotated[int | None, Field(strict=True, gt=0, le=BUDGET_TOKENS_MAX)] = None,
+        budgetToolCalls: Annotated[
+            int | None, Field(strict=True, gt=0, le=BUDGET_TOOL_CALLS_MAX)
+        ] = None,
         budgetSeconds: Annotated[
             float | None, Field(strict=True, gt=0, le=BUDGET_SECONDS_MAX)
         ] = None,

@@ -507,6 +507,17 @@ async def test_malformed_calls_get_clear_tool_errors(temporal_address: str, mode
             ("spawn", {"task": "x", "maxToolCalls": True}, "maxToolCalls: Input should be a valid"),
             ("run", {"task": "x", "maxTokens": "12"}, "maxTokens: Input should be a valid integer"),
             ("run", {"task": "x", "budgetTokens": 1.5}, "budgetTokens: Input should be a valid"),
+            # helper-155: a run with 10**309 started, and its every status then failed.
+            (
+                "spawn",
+                {"task": "x", "budgetTokens": 10**309},
+                "budgetTokens: Input should be less than or equal to 1000000000000000",
+            ),
+            (
+                "run",
+                {"task": "x", "budgetToolCalls": 10**10},
+                "budgetToolCalls: Input should be less than or equal to 1000000000",
+            ),
             # helper-144: and the seconds (true as a budget of one second).
             ("spawn", {"task": "x", "budgetSeconds": True}, "budgetSeconds: Input should be a"),
             ("run", {"task": "x", "budgetSeconds": "5"}, "budgetSeconds: Input should be a"),
@@ -1174,6 +1185,9 @@ def test_a_budget_passed_by_late_work_shows_over_not_exceeded() -> None:
     shown = view(ended(b)).model_dump()["budget"]
     assert (shown["exceeded"], shown["over"]) == (None, "tokens 130/100")
     assert shown["used"]["tokens"] == 130
+    # A run started with a budget past the door's bounds (before them) still renders.
+    huge = view(ended(BudgetStatus(Budget(tokens=10**309), Budget(tokens=5)))).model_dump()
+    assert huge["budget"]["limits"]["tokens"] == 10**309
 
 
 def test_an_ended_runs_task_is_completed_with_what_run_returns() -> None:
