@@ -289,6 +289,10 @@ class TasksExtension(Extension):
         # dismissal was forgotten, and the question asked again once a worker was back).
         asked = approval.question_key(status) if status.pending_approval is not None else None
         unread = status_unavailable(status)
+        # All read first, then applied: a malformed response refuses the update whole
+        # (helper-155: the answers before it in the dict were applied, the call ran, and
+        # the client was told the update failed).
+        answers: list[tuple[str, str, bool | None]] = []
         for key, response in params.input_responses.items():
             # The key names the call it answers, and the run takes an answer only while
             # it waits on that call: one for a call answered or superseded is refused
@@ -303,18 +307,22 @@ class TasksExtension(Extension):
             content = response.get("content") if isinstance(response, dict) else None
             allow = approval.answer(action, content)
             if allow is None and action == "accept":
+                if not (key == asked or unread):
+                    continue  # not outstanding: ignored, malformed or not
                 raise MCPError(
                     code=_INVALID_PARAMS,
                     message=f'input response {key!r}: expected content {{"allow": true|false}}',
                 )
-            remember = key == asked or (unread and len(parsed[1]) <= REMEMBERED_CALL_ID_CHARS)
+            answers.append((key, parsed[1], allow))
+        for key, call_id, allow in answers:
+            remember = key == asked or (unread and len(call_id) <= REMEMBERED_CALL_ID_CHARS)
             if allow is None:
                 if remember:
                     self._note_answered(key)  # dismissed: the approval stays open
                 continue
             with self._store():  # RunUnavailable: not taken, say so (the client may resend)
                 try:
-                    await runs.approve(status.handle, allow, parsed[1])
+                    await runs.approve(status.handle, allow, call_id)
                 except RunUnavailable:
                     raise
                 except RunError:

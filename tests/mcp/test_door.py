@@ -1350,8 +1350,11 @@ async def test_approval_answers_count_only_for_questions_the_door_asked(
         assert later["status"] == "working" and "inputRequests" not in later, later
         assert f"approve(handle='{y}'" in later["statusMessage"]
         assert await state_is(s, y, "AwaitingApproval")
+        # A malformed response to a key never issued is ignored, as any such key is
+        # (helper-155: the answer before it was applied, and the update refused).
+        responses = {key: allow, f"approve:{y}:never-issued": {"action": "accept"}}
         answer = await door.request(
-            "tasks/update", {"taskId": y, "inputResponses": {key: allow}}, TASKS_CAPS
+            "tasks/update", {"taskId": y, "inputResponses": responses}, TASKS_CAPS
         )
         assert "error" not in answer, answer
         await until(lambda: state_is(s, y, "Completed"), "y ran once allowed")
@@ -1383,6 +1386,17 @@ async def test_an_approval_answer_no_worker_can_take_is_not_acknowledged(
         spec = {"model": MODEL, "task": task_with(1, "nokeytaker"), "tools": ["delete_record"]}
         y = (await door.tool("spawn", spec))["structuredContent"]["handle"]
         allow = {"action": "accept", "content": {"allow": True}}
+        # Every response is read before any is applied: a malformed one (any key of the
+        # task may be outstanding, the run unread) refuses the update whole, before the
+        # answer ahead of it is sent (helper-155: that one was applied first).
+        responses = {f"approve:{y}:call_1": allow, f"approve:{y}:call_2": {"action": "accept"}}
+        answer = await door.request(
+            "tasks/update", {"taskId": y, "inputResponses": responses}, TASKS_CAPS
+        )
+        assert answer["error"]["code"] == -32602, answer
+        assert (
+            f"input response 'approve:{y}:call_2': expected content" in answer["error"]["message"]
+        )
         answer = await door.request(
             "tasks/update", {"taskId": y, "inputResponses": {f"approve:{y}:call_1": allow}},
             TASKS_CAPS,
