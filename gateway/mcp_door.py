@@ -396,6 +396,13 @@ def _ended(statuses: Sequence[RunStatus], mode: str) -> tuple[int, bool]:
     return ended, ended == len(statuses) if mode == "all" else ended > 0
 
 
+def _all_wait_for_approval(statuses: Sequence[RunStatus]) -> bool:
+    """Every run of an `await` that has not ended waits on an approval (and one has
+    not ended): nothing it covers moves until someone answers."""
+    going = [st for st in statuses if st.state not in TERMINAL_STATES]
+    return bool(going) and all(st.pending_approval is not None for st in going)
+
+
 async def _round(
     r: Runs, handles: list[str], mode: str, seen: Rounds, seconds: float
 ) -> list[RunStatus]:
@@ -892,6 +899,12 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
                 and s.pending_approval is not None
                 and approval.question_key(s) not in asked
             ]
+            if not waiting and _all_wait_for_approval(statuses):
+                # Each waits on a question this call will not ask (a client that cannot
+                # answer forms, or one that was asked and dismissed it): the wait
+                # would only hold the caller, `run` up to 10 minutes (helper-155).  The
+                # runs as they are, each with its pendingApproval, for `approve`.
+                return statuses, done
             if waiting and modern and state.rounds >= INPUT_ROUNDS_MAX:
                 # Clients give up a call past a number of rounds (the official one
                 # after 10): the runs as they are, each waiting one with its handle,

@@ -676,6 +676,45 @@ async def test_a_question_nobody_answers_does_not_hold_await_past_its_timeout(
         assert not waited["done"]
 
 
+@pytest.mark.parametrize("client", ["no-forms-legacy", "no-forms-2026-07-28", "dismissed"])
+async def test_a_wait_that_only_an_approval_can_end_returns_at_once(
+    temporal_address: str, client: str
+) -> None:
+    # A client that cannot answer forms is asked nothing, and one that dismissed the
+    # question is not asked again: a `run` whose run waited on an approval held the
+    # call to its timeout, 10 minutes by default, its caller unable to `approve`
+    # meanwhile (helper-155).  The call answers once every run it waits on that has
+    # not ended waits on an approval, each with its pendingApproval.
+    asked: list[str] = []
+
+    async def dismiss(context: Any, params: Any) -> ElicitResult:
+        asked.append(params.message)
+        return ElicitResult(action="cancel")
+
+    mode = "legacy" if client == "dismissed" else client.removeprefix("no-forms-")
+    kw: dict[str, Any] = {"elicitation_callback": dismiss} if client == "dismissed" else {}
+    caller = {"x-luftpause-caller": f"blocked-{client}-{time.time_ns()}"}
+    async with stack(temporal_address) as s, _client(s.mcp_door, mode, caller, **kw) as c:
+        args = {"model": MODEL, "task": task_with(1, "blocked"), "tools": ["delete_record"]}
+        # (Bounded below the call's own timeout, which the call waited for.)
+        r = result(await asyncio.wait_for(c.call_tool("run", {**args, "timeout": 300}), 120))
+        assert r["state"] == "AwaitingApproval", r
+        assert r["pendingApproval"]["tool"] == "delete_record"
+        assert len(asked) == (1 if client == "dismissed" else 0)
+        # `await` of it, and of it beside a run that ended, answers as soon.
+        other = await spawn(c, task=task_with(0, "ends"))
+        waited = result(
+            await asyncio.wait_for(
+                c.call_tool("await", {"handles": [r["handle"], other], "timeout": 300}), 120
+            )
+        )
+        assert [w["state"] for w in waited["runs"]] == ["AwaitingApproval", "Completed"]
+        assert not waited["done"]
+        result(await c.call_tool("approve", {"handle": r["handle"], "allow": True}))
+        (done,) = result(await c.call_tool("await", {"handles": [r["handle"]]}))["runs"]
+        assert done["state"] == "Completed" and sum(s.mcp.counts.values()) == 1
+
+
 async def test_a_run_with_more_approvals_than_rounds_answers_with_its_handle(
     temporal_address: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1619,8 +1658,14 @@ async def test_progress_rises_while_no_run_ends(
         progress.append((done, total, message))
 
     async with stack(temporal_address) as s, Client(s.mcp_door, mode=mode) as c:
+        # A run that does not end: it waits for its child, which waits on an approval.
+        # (A run waiting on one itself is answered at once to a client asked nothing.)
         handle = await spawn(c, task=task_with(1, "beats"), tools=["delete_record"])
         await until(lambda: _state(c, handle, "AwaitingApproval"), "it waits")
+        kid = await spawn(c, task=task_with(1, "kid"), tools=["delete_record"], parent=handle)
+        await until(lambda: _state(c, kid, "AwaitingApproval"), "its child waits")
+        result(await c.call_tool("approve", {"handle": handle, "allow": True}))
+        await until(lambda: _state(c, handle, "AwaitingChildren"), "it waits for its child")
         r = await c.call_tool(
             "await", {"handles": [handle], "timeout": 1.5}, progress_callback=on_progress
         )
