@@ -344,6 +344,19 @@ async def test_waiting_in_rounds_asks_a_worker_only_about_runs_whose_history_gre
         assert got[1].state == "Completed" and got[1].usage.tool_calls == 1
 
 
+async def test_a_short_wait_reads_a_live_run_from_its_worker(temporal_address: str) -> None:
+    # helper-155: the query was cut at the wait's own timeout, so a short wait (or the
+    # last round of a long `await`, with milliseconds left) read a run waiting on an
+    # approval as "Running, status unavailable", its approval not shown.
+    async with stack(temporal_address) as s:
+        waiting = await spawn_waiting(s, "short")
+        for _ in range(5):
+            (seen,) = await s.runs.wait([waiting], timeout=0.001)
+            assert (seen.state, seen.error) == ("AwaitingApproval", None), seen
+            assert seen.pending_approval is not None
+        await s.runs.request_cancel(waiting)
+
+
 async def test_a_round_that_found_no_worker_asks_again_briefly(
     temporal_address: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -378,8 +391,9 @@ async def test_a_round_that_found_no_worker_asks_again_briefly(
 async def test_cancel_answers_in_bounded_time_with_no_worker_up(temporal_address: str) -> None:
     async with stack(temporal_address, worker=False) as s:
         handle = await s.runs.spawn(RunSpec(task=task_with(0, "nowork"), model=MODEL))
-        # A wait asks no worker longer than its own timeout (it asked for 10 s), and
-        # says why it knows only what Temporal knows (it said "status unavailable: ").
+        # A wait asks no worker longer than its own timeout (it asked for 10 s), 2 s at
+        # least, and after a round none answered only briefly; it says why it knows
+        # only what Temporal knows (it said "status unavailable: ").
         (seen,) = await s.runs.wait([handle], timeout=0.5)
         assert seen.state == "Running"
         assert seen.error == "status unavailable: no worker answered within 0.5 s"
