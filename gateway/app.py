@@ -727,6 +727,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         if bad_run:
             message = f"{RUN_HEADER}: {RUN_ID_SHAPE}"
             return error_response(400, message, fallback_run, anthropic=anthropic)
+        if (coded := _coded(request)) is not None:
+            return error_response(415, coded, fallback_run, anthropic=anthropic)
         raw = await _body(request, config.max_request_bytes)
         if raw is None:
             return _too_large(config.max_request_bytes, fallback_run, anthropic=anthropic)
@@ -849,6 +851,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         run_id = ""  # no turn, no run: its answers carry no run id
         if identify(request, api_key=True) is None:
             return unauthorized(run_id, anthropic=True)
+        if (coded := _coded(request)) is not None:
+            return error_response(415, coded, run_id, anthropic=True)
         raw = await _body(request, config.max_request_bytes)
         if raw is None:
             return _too_large(config.max_request_bytes, run_id, anthropic=True)
@@ -938,6 +942,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             return unauthorized(run_id)
         if (why := other_caller(request, who)) is not None:
             return error_response(403, why, run_id)
+        if (coded := _coded(request)) is not None:
+            return error_response(415, coded, run_id)
         raw = await _body(request, config.max_request_bytes)
         if raw is None:
             return _too_large(config.max_request_bytes, run_id)
@@ -1450,6 +1456,19 @@ async def _body(request: Request, limit: int) -> bytes | None:
             return None
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def _coded(request: Request) -> str | None:
+    """Why a request body with a Content-Encoding is refused, or None: the gateway reads
+    a turn to place it, and a compressed one read as "not valid JSON: 'utf-8' codec
+    can't decode byte 0x8b" (helper-156; Codex compresses its bodies to OpenAI)."""
+    coding = request.headers.get("content-encoding", "").strip().lower()
+    if coding in ("", "identity"):
+        return None
+    return (
+        f"request body in Content-Encoding {coding[:64]!r}: send it uncompressed (the "
+        "gateway reads each request to place it)"
+    )
 
 
 def _decimal(text: str) -> bool:

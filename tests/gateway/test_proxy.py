@@ -1889,6 +1889,37 @@ async def test_malformed_requests_are_400(
         assert not seen
 
 
+async def test_a_compressed_request_body_is_415_naming_its_encoding() -> None:
+    # helper-156: a gzip body read as "not valid JSON: 'utf-8' codec can't decode byte
+    # 0x8b"; the client is told what to change, on each door in its own shape.
+    import gzip
+
+    seen: list[dict[str, str]] = []
+    coded = {"content-encoding": "gzip", "content-type": "application/json"}
+    said = "request body in Content-Encoding 'gzip': send it uncompressed"
+    async with (
+        serve(upstream(ok_chat, seen)) as url,
+        gateway(endpoint("a", url, kind="openai")) as (gw, _),
+    ):
+        for path, body in (
+            ("/v1/chat/completions", chat()),
+            ("/v1/messages", {"model": MODEL, "max_tokens": 5, "messages": []}),
+            ("/v1/messages/count_tokens", {"model": MODEL, "messages": []}),
+            ("/v1/decide", {"input": "x"}),
+        ):
+            r = await gw.post(path, content=gzip.compress(json.dumps(body).encode()), headers=coded)
+            assert r.status_code == 415, (path, r.text)
+            error = r.json()["error"]
+            assert error["message"].startswith(said), (path, error)
+            assert ("type" in error) == path.startswith("/v1/messages")  # Anthropic's shape
+        # identity is no encoding
+        r = await gw.post(
+            "/v1/chat/completions", json=chat(), headers={"content-encoding": "identity"}
+        )
+        assert r.status_code == 200, r.text
+        assert len(seen) == 1
+
+
 async def test_caller_is_cut_to_128_bytes_utf8_safe() -> None:
     async with (
         serve(upstream(ok_chat)) as url,
