@@ -28,9 +28,10 @@ Rules this module keeps:
    the subtree ends `Cancelled` with `budget exceeded: <which> <used>/<limit>`.  (Runs
    started before this rule, without the `DRAIN_PATCH` marker, cancel their in-flight
    work instead, as they did.)  `cancel` stops a subtree at once, in-flight work too.
-   A run whose Temporal history reaches `contract.HISTORY_STOP_EVENTS` events stops
-   the same way (its running children keep it from continuing as new, and Temporal
-   would terminate it, and them, at 51,200; `HISTORY_ROOM_PATCH`).
+   A run whose Temporal history reaches `contract.HISTORY_STOP_EVENTS` events while
+   children run stops the same way (they keep it from continuing as new, and Temporal
+   would terminate it at 51,200, and cancel them; `HISTORY_ROOM_PATCH`); a wind-down
+   that takes it to `contract.HISTORY_HALT_EVENTS` closes at once.
    A tool call is work the run can count before it starts: the run that holds a
    tool-call budget starts no call it has no room for.  Calls over it are answered to
    the model as spent, as over `max_tool_calls`, and the run's next turn offers no
@@ -212,10 +213,11 @@ TURN_INPUT_MAX_BYTES = 2_090_000
 LISTING_PATCH = "a-tool-listing-gives-way-to-timers-and-stops"
 # `workflow.patched` id of the stop of a run whose history has
 # contract.HISTORY_STOP_EVENTS events, checked as its budget is (before every turn and
-# tool round, and on every report from below).  A run cannot continue as new while its
-# children run, and a subtree busy for hours took its parent's history, a report per
-# child every few seconds, past Temporal's 51,200 events: Temporal terminated the run,
-# and with it every child, no answer kept and no reason given.
+# tool round, and on every report from below) while it has children running; and of
+# the end of a wind-down at contract.HISTORY_HALT_EVENTS.  A run cannot continue as new
+# while its children run, and a subtree busy for hours took its parent's history, a
+# report per child every few seconds, past Temporal's 51,200 events: Temporal
+# terminated the run and cancelled every child, no answer kept and no reason given.
 HISTORY_ROOM_PATCH = "a-run-stops-before-temporals-event-limit"
 # Why a child whose spawn request was withdrawn stops (withdraw_child), and how many
 # withdrawn requests a run remembers (each a handle; the oldest is forgotten first).
@@ -525,11 +527,16 @@ class AgentRun:
             work.cancel()  # nothing has run yet: no turn, no tool call (LISTING_PATCH)
         elif self._stop_wait and self._in_turn:
             try:
-                await workflow.wait_condition(work.done, timeout=self._spec.stop_turn_wait_s)
+                await workflow.wait_condition(
+                    lambda: work.done() or self._history_full(),
+                    timeout=self._spec.stop_turn_wait_s,
+                )
             except TimeoutError:
                 work.cancel()  # the gateway drops the turn, held or generating
-        await workflow.wait_condition(lambda: work.done() and self._children_done())
-        if not work.cancelled():
+        await workflow.wait_condition(
+            lambda: (work.done() and self._children_done()) or self._history_full()
+        )
+        if work.done() and not work.cancelled():
             work.exception()  # the loop's own stop (or failure): this stop answers it
 
     async def _halt(self, work: asyncio.Task[None], state: str, reason: str) -> None:
@@ -991,15 +998,28 @@ class AgentRun:
         the same.)"""
         if not self._room_rule or self._stop_reason is not None or self._ending:
             return
+        if self._children_done():
+            # None running: it answers, or continues as new, in a few events (helper-158:
+            # a parent whose last child's end crossed the limit lost its answer).
+            return
         events = workflow.info().get_current_history_length()
         if events >= contract.HISTORY_STOP_EVENTS:
             self._stop_reason = (
                 f"run {self._id}'s Temporal history reached {events:,} events, its limit "
-                f"{contract.HISTORY_STOP_EVENTS:,} (Temporal terminates a run past 51,200 "
-                "and every child it has running; a run continues as new only once its "
-                "children have ended): its tree stops, as on a budget"
+                f"{contract.HISTORY_STOP_EVENTS:,} (Temporal terminates a run past 51,200, "
+                "and cancels every child it has running; a run continues as new only once "
+                "its children have ended): its tree stops, as on a budget"
             )
             workflow.logger.warning("run %s stops: %s", self._id, self._stop_reason)
+
+    def _history_full(self) -> bool:
+        """HISTORY_ROOM_PATCH: a wind-down that took the history to
+        contract.HISTORY_HALT_EVENTS ends now (the close cancels what still runs) rather
+        than wait for children that keep reporting until Temporal terminates the run."""
+        return (
+            self._room_rule
+            and workflow.info().get_current_history_length() >= contract.HISTORY_HALT_EVENTS
+        )
 
     def _children_done(self) -> bool:
         """Every child has ended, and none is still being started (counted with

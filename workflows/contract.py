@@ -68,6 +68,11 @@ SPAWN_HISTORY_LIMIT = 20_480
 # share one), 14 in all (agent_run.HISTORY_ROOM_PATCH).  Read at each check, so tests
 # can lower it; a change to it needs a patch id of its own.
 HISTORY_STOP_EVENTS = 35_000
+# A wind-down (of any stop) that takes the history past this ends at once: the close
+# cancels what still runs (a stop signal and a cancel per child, 4 events, ≤ 4,000 in
+# all), where children still finishing work and reporting every few seconds would
+# otherwise take it to 51,200.  Same patch, same caveats.
+HISTORY_HALT_EVENTS = 45_000
 # Temporal terminates a workflow whose history passes 50 MB (its default size limit),
 # its answer lost.  A run whose history could not shed its turns (one that cannot
 # continue as new: children running, or an input too large to carry) fails before a

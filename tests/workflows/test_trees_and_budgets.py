@@ -499,6 +499,28 @@ async def test_a_run_whose_history_nears_temporals_limit_stops_its_tree(
     assert [(c.handle, c.state) for c in top.children] == [(kid, "Cancelled")]
 
 
+async def test_a_run_whose_children_have_ended_is_not_stopped_by_its_history(
+    temporal_address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With no child running the run can answer or continue as new in a few events: a
+    # parent whose last child's end crossed HISTORY_STOP_EVENTS lost its answer
+    # (helper-158).  Here the limit is the parent's history once its child has ended.
+    async with stack(temporal_address) as s:
+        parent = await spawn_waiting(s, "p")
+        kid = await s.runs.spawn(RunSpec(task=task_with(0, "kid"), model=MODEL, parent=parent))
+        await s.runs.wait([kid], timeout=60)
+        await until(
+            lambda: _when(s, parent, lambda st: _child(st, kid).state == "Completed"),
+            "the parent saw its child end",
+        )
+        history = await s.client.get_workflow_handle(parent).fetch_history()
+        monkeypatch.setattr(contract, "HISTORY_STOP_EVENTS", len(history.events))
+        await s.runs.approve(parent, True)
+        (status,) = await s.runs.wait([parent], timeout=60)
+    assert (status.state, status.error) == ("Completed", None), status
+    assert status.answer
+
+
 async def test_the_token_budget_trips_and_cancels_the_subtree(temporal_address: str) -> None:
     # Tool calls of 0.5-1.5 s keep the child working when its first turns trip the budget.
     async with stack(temporal_address, mcp_time_scale=1) as s:
