@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
@@ -79,6 +80,9 @@ PROGRESS_EVERY_S = 5.0
 # Input-required rounds one 2026-07-28 await/run asks at most (the official client
 # gives up a call after 10); then it answers with the runs as they are.
 INPUT_ROUNDS_MAX = 8
+# The approvals waits have answered with (their question keys), remembered so that a
+# wait answers early for each at most once (see `_all_wait_for_approval`).
+TOLD_KEPT = 10_000
 STATE_TTL_SLACK_S = 60.0  # a sealed request state outlives the call's deadline by this
 MAX_TOOL_CALLS_LIMIT = 64
 MAX_TOKENS_LIMIT = 32_768
@@ -640,6 +644,18 @@ Handle = Annotated[
 def create_mcp_server(deps: DoorDeps) -> _DoorServer:
     """The MCP server of the door, built from its dependencies."""
     background = Background()
+    told: OrderedDict[str, None] = OrderedDict()
+
+    def tell(statuses: Sequence[RunStatus]) -> None:
+        """The approvals pending in what a wait answers: its caller has seen them."""
+        for st in statuses:
+            if st.pending_approval is not None:
+                key = approval.question_key(st)
+                told[key] = None
+                told.move_to_end(key)
+        while len(told) > TOLD_KEPT:
+            told.popitem(last=False)
+
     tasks = TasksExtension(
         runs=lambda ctx: runs(ctx),
         start_run=lambda arguments, ctx: start_task_run(arguments, ctx),
@@ -891,6 +907,7 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
                 raise ToolError(str(exc)) from None
             ended, done = _ended(statuses, mode)
             if done or loop.time() >= deadline:
+                tell(statuses)
                 return statuses, done
             waiting = [
                 s
@@ -899,16 +916,29 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
                 and s.pending_approval is not None
                 and approval.question_key(s) not in asked
             ]
-            if not waiting and _all_wait_for_approval(statuses):
+            if (
+                not waiting
+                and _all_wait_for_approval(statuses)
+                and any(
+                    approval.question_key(st) not in told
+                    for st in statuses
+                    if st.pending_approval is not None
+                )
+            ):
                 # Each waits on a question this call will not ask (a client that cannot
-                # answer forms, or one that was asked and dismissed it): the wait
-                # would only hold the caller, `run` up to 10 minutes (helper-155).  The
-                # runs as they are, each with its pendingApproval, for `approve`.
+                # answer forms, or one that was asked and dismissed it), and one of
+                # them no wait has shown yet: waiting on would only hold the caller,
+                # `run` up to 10 minutes (helper-155).  The runs as they are, each with
+                # its pendingApproval, for `approve`.  Once shown, a wait goes on to its
+                # timeout as before (an answer from another client, a budget, a cancel
+                # may end it: helper-158, a caller polling `await` woke every round).
+                tell(statuses)
                 return statuses, done
             if waiting and modern and state.rounds >= INPUT_ROUNDS_MAX:
                 # Clients give up a call past a number of rounds (the official one
                 # after 10): the runs as they are, each waiting one with its handle,
                 # for `approve` and another `await`.
+                tell(statuses)
                 return statuses, done
             if waiting and modern:
                 return InputRequiredResult(

@@ -677,14 +677,19 @@ async def test_a_question_nobody_answers_does_not_hold_await_past_its_timeout(
 
 
 @pytest.mark.parametrize("client", ["no-forms-legacy", "no-forms-2026-07-28", "dismissed"])
-async def test_a_wait_that_only_an_approval_can_end_returns_at_once(
-    temporal_address: str, client: str
+async def test_a_wait_that_only_an_approval_can_end_answers_once_it_is_seen(
+    temporal_address: str, client: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A client that cannot answer forms is asked nothing, and one that dismissed the
     # question is not asked again: a `run` whose run waited on an approval held the
     # call to its timeout, 10 minutes by default, its caller unable to `approve`
     # meanwhile (helper-155).  The call answers once every run it waits on that has
-    # not ended waits on an approval, each with its pendingApproval.
+    # not ended waits on an approval, each with its pendingApproval.  Once so shown,
+    # a wait on the same approval waits on, for an answer from elsewhere (helper-158:
+    # a caller polling `await` woke every round).
+    import gateway.mcp_door
+
+    monkeypatch.setattr(gateway.mcp_door, "PROGRESS_EVERY_S", 0.3)
     asked: list[str] = []
 
     async def dismiss(context: Any, params: Any) -> ElicitResult:
@@ -701,18 +706,26 @@ async def test_a_wait_that_only_an_approval_can_end_returns_at_once(
         assert r["state"] == "AwaitingApproval", r
         assert r["pendingApproval"]["tool"] == "delete_record"
         assert len(asked) == (1 if client == "dismissed" else 0)
-        # `await` of it, and of it beside a run that ended, answers as soon.
-        other = await spawn(c, task=task_with(0, "ends"))
-        waited = result(
-            await asyncio.wait_for(
-                c.call_tool("await", {"handles": [r["handle"], other], "timeout": 300}), 120
+        beat, beats = asyncio.Event(), []
+
+        async def on_progress(done: float, total: float | None, message: str | None) -> None:
+            beats.append(done)
+            if len(beats) == 2:  # the wait went on past the round that asked (dismissed)
+                beat.set()
+
+        waiting = asyncio.ensure_future(
+            c.call_tool(
+                "await", {"handles": [r["handle"]], "timeout": 120}, progress_callback=on_progress
             )
         )
-        assert [w["state"] for w in waited["runs"]] == ["AwaitingApproval", "Completed"]
-        assert not waited["done"]
-        result(await c.call_tool("approve", {"handle": r["handle"], "allow": True}))
-        (done,) = result(await c.call_tool("await", {"handles": [r["handle"]]}))["runs"]
-        assert done["state"] == "Completed" and sum(s.mcp.counts.values()) == 1
+        try:
+            await asyncio.wait_for(beat.wait(), 60)
+            result(await c.call_tool("approve", {"handle": r["handle"], "allow": True}))
+            waited = result(await asyncio.wait_for(waiting, 60))
+        finally:
+            waiting.cancel()
+        assert waited["done"] and waited["runs"][0]["state"] == "Completed", waited
+        assert sum(s.mcp.counts.values()) == 1
 
 
 async def test_a_run_with_more_approvals_than_rounds_answers_with_its_handle(
