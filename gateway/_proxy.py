@@ -1113,6 +1113,7 @@ class TurnResponse(Response):
         self._ended = False
         self._complete = False  # the last body message is on its way to the client
         self._watch: StreamWatch | None = None  # the stream's watch, once it streams
+        self._sent_end = False  # its end marker went to the client (see _ClientLeft)
         self._trace: _TurnTrace | None = None
         self._runs = runs
         self._awaited = awaited
@@ -1309,7 +1310,7 @@ class TurnResponse(Response):
                 )
         except _ClientLeft:
             watch = self._watch
-            if watch is not None and watch.passed_end():
+            if watch is not None and self._sent_end:
                 # The client had the whole answer and closed before the engine's end of
                 # response came (the OpenAI SDK stops reading at [DONE]): finished, its
                 # usage and its tool calls read (helper-156: counted client_left).
@@ -1420,6 +1421,14 @@ class TurnResponse(Response):
                                 {"type": "http.response.body", "body": chunk, "more_body": True}
                             )
                             sending_since = None
+                            if (
+                                not self._sent_end
+                                and watch.passed_end()
+                                and (hide is None or watch._END_MARKER in chunk)
+                            ):
+                                # Its end is written to the client, not only read: one
+                                # that leaves now had the whole answer (helper-158).
+                                self._sent_end = True
                             if alive_at > now:  # told during the write, whose limit
                                 timer.reschedule(alive_at + idle - margin)  # lapses now
                     if hide is not None:
