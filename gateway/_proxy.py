@@ -1307,6 +1307,7 @@ class TurnResponse(Response):
                     hide_usage=body is t.usage_body,
                     replica=replica,
                     into_room=into_room,
+                    disconnected=disconnected,
                 )
         except _ClientLeft:
             watch = self._watch
@@ -1333,9 +1334,11 @@ class TurnResponse(Response):
         hide_usage: bool,
         replica: str,
         into_room: bool,
+        disconnected: asyncio.Future[None] | None = None,
     ) -> bool:
         """Stream the engine's answer to the client; report its end.  False: the
-        engine failed mid-stream.  `into_room`: as `_sent_into_room` said."""
+        engine failed mid-stream.  `into_room`: as `_sent_into_room` said;
+        `disconnected`: done once the client has left."""
         t = self._turn
         media = answer.header(b"content-type") or b""
         encoded = (answer.header(b"content-encoding") or b"identity").lower() != b"identity"
@@ -1428,7 +1431,11 @@ class TurnResponse(Response):
                             ):
                                 # Its end is written to the client, not only read: one
                                 # that leaves now had the whole answer (helper-158).
-                                self._sent_end = True
+                                # A write to a client that left returns too, without
+                                # writing (uvicorn): its disconnect is let in first
+                                # (helper-159).
+                                await asyncio.sleep(0)
+                                self._sent_end = disconnected is None or not disconnected.done()
                             if alive_at > now:  # told during the write, whose limit
                                 timer.reschedule(alive_at + idle - margin)  # lapses now
                     if hide is not None:
