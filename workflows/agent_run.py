@@ -516,13 +516,14 @@ class AgentRun:
         self._pending = None
         self._set_state("Stopping")
         await self._report_up()
-        for handle, child in list(self._children.items()):
-            if child.state not in TERMINAL_STATES:
-                # It may have ended meanwhile: its watcher records how.
-                with contextlib.suppress(Exception):
-                    await workflow.get_external_workflow_handle(handle).signal(
-                        AgentRun.stop, StopRequest(reason)
-                    )
+        if self._room_rule:
+            # All at once: their commands share workflow tasks (HISTORY_ROOM_PATCH).
+            going = [h for h, c in self._children.items() if c.state not in TERMINAL_STATES]
+            await asyncio.gather(*(self._tell_stop(h, reason) for h in going))
+        else:
+            for handle, child in list(self._children.items()):
+                if child.state not in TERMINAL_STATES:
+                    await self._tell_stop(handle, reason)
         if self._listing:
             work.cancel()  # nothing has run yet: no turn, no tool call (LISTING_PATCH)
         elif self._stop_wait and self._in_turn:
@@ -553,9 +554,11 @@ class AgentRun:
             await _unbroken(self._stop_children(reason))
         else:
             await self._stop_children(reason)
-        if self._ends and not self._children_done():
+        if self._ends and not self._children_done() and not self._history_full():
             # Their watchers record how they end; without this wait the run's final
             # status would show them as they last reported ("Stopping", "Running").
+            # (Not with its history past HISTORY_HALT_EVENTS: their ends, reports and
+            # the workflow tasks they take could take it past Temporal's limit.)
             with contextlib.suppress(TimeoutError, asyncio.CancelledError):
                 await workflow.wait_condition(
                     self._children_done, timeout=CHILDREN_END_WAIT.total_seconds()
@@ -564,10 +567,29 @@ class AgentRun:
         await self._finish()
 
     async def _stop_children(self, reason: str) -> None:
+        if self._room_rule:
+            # All at once, their commands sharing workflow tasks: one child after another
+            # took some 16 events each, past Temporal's limit for a close with hundreds
+            # of children running (helper-159).  (HISTORY_ROOM_PATCH)
+            going = [
+                h
+                for h, c in self._children.items()
+                if c.state not in TERMINAL_STATES and h not in self._late_stopped
+            ]
+            await asyncio.gather(*(self._cancel_child(h, reason) for h in going))
+            return
         for handle, child in list(self._children.items()):
             # (One whose start ended while this waited for the loop was stopped then.)
             if child.state not in TERMINAL_STATES and handle not in self._late_stopped:
                 await self._cancel_child(handle, reason)
+
+    async def _tell_stop(self, handle: str, reason: str) -> None:
+        """Tell a child to stop (a wind-down).  It may have ended meanwhile: its watcher
+        records how."""
+        with contextlib.suppress(Exception):
+            await workflow.get_external_workflow_handle(handle).signal(
+                AgentRun.stop, StopRequest(reason)
+            )
 
     async def _cancel_child(self, handle: str, reason: str) -> None:
         """Tell a child why it stops, and cancel it (it may have ended meanwhile)."""

@@ -69,8 +69,9 @@ SPAWN_HISTORY_LIMIT = 20_480
 # can lower it; a change to it needs a patch id of its own.
 HISTORY_STOP_EVENTS = 35_000
 # A wind-down (of any stop) that takes the history past this ends at once: the close
-# cancels what still runs (a stop signal and a cancel per child, 4 events, ≤ 4,000 in
-# all), where children still finishing work and reporting every few seconds would
+# cancels what still runs, all children at once (a stop signal and a cancel each, 4
+# events, ≤ 4,000 in all, in a few shared workflow tasks) and does not wait for their
+# ends, where children still finishing work and reporting every few seconds would
 # otherwise take it to 51,200.  Same patch, same caveats.
 HISTORY_HALT_EVENTS = 45_000
 # Temporal terminates a workflow whose history passes 50 MB (its default size limit),

@@ -521,6 +521,34 @@ async def test_a_run_whose_children_have_ended_is_not_stopped_by_its_history(
     assert status.answer
 
 
+async def test_a_close_past_the_halt_limit_stops_its_children_all_at_once(
+    temporal_address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A close stopped its running children one after another, a signal and a cancel
+    # each in a workflow task of its own (some 16 events a child): past
+    # HISTORY_HALT_EVENTS (lowered here, so that the close starts past it) a run with
+    # hundreds running would still pass Temporal's 51,200 (helper-159).  They are
+    # told and cancelled at once, their commands sharing workflow tasks.
+    async with stack(temporal_address) as s:
+        parent = await spawn_waiting(s, "p")
+        kids = [await spawn_waiting(s, f"k{i}", parent=parent) for i in range(3)]
+        monkeypatch.setattr(contract, "HISTORY_HALT_EVENTS", 1)
+        await s.runs.request_cancel(parent)
+        done = await s.runs.wait([parent, *kids], timeout=60)
+        assert [d.state for d in done] == ["Cancelled"] * 4, done
+        history = await s.client.get_workflow_handle(parent).fetch_history()
+    kinds = [e.event_type for e in history.events]
+    signal, cancel = (
+        EventType.EVENT_TYPE_SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED,
+        EventType.EVENT_TYPE_REQUEST_CANCEL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED,
+    )
+    told = [i for i, k in enumerate(kinds) if k == signal]
+    cancelled = [i for i, k in enumerate(kinds) if k == cancel]
+    assert len(cancelled) == 3, kinds
+    tasks = kinds[told[0] : cancelled[-1]].count(EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED)
+    assert tasks <= 3, (tasks, kinds)  # one after another: 8 here
+
+
 async def test_the_token_budget_trips_and_cancels_the_subtree(temporal_address: str) -> None:
     # Tool calls of 0.5-1.5 s keep the child working when its first turns trip the budget.
     async with stack(temporal_address, mcp_time_scale=1) as s:
