@@ -146,7 +146,7 @@ class _Delivery(httpx2.AsyncBaseTransport):
         self._reached[key] = True
         try:
             response = await self._inner.handle_async_request(request)
-        except (httpx2.ConnectError, httpx2.ConnectTimeout):
+        except (httpx2.ConnectError, httpx2.ConnectTimeout, httpx2.PoolTimeout):  # not sent
             if key in self._reached:
                 self._reached[key] = False
             raise
@@ -307,7 +307,14 @@ class _Connection:
         if token:  # stripped: a token file's newline would be an illegal header
             headers["authorization"] = f"Bearer {token}"
         assert self.reached is not None
-        http = httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(30.0, read=None))
+        # A call in flight holds a connection: as many as the worker runs activities
+        # (1,000), not httpx's 100, and none waits for one to come free (its 30 s wait
+        # failed the call, and with it the connection and every call on it: helper-160).
+        http = httpx2.AsyncClient(
+            headers=headers,
+            timeout=httpx2.Timeout(30.0, read=None, pool=None),
+            limits=httpx2.Limits(max_connections=None, max_keepalive_connections=64),
+        )
         # The transport does not close a client it was given: this block does.
         async with (
             _noting_delivery(http, self.reached, self.replied, self.errors, self.statuses),

@@ -964,3 +964,34 @@ async def test_a_late_error_answer_to_a_cut_call_leaves_the_other_calls_alone() 
         finally:
             release.set()
             await pool.aclose()
+
+
+@pytest.mark.parametrize("protocol", ["legacy", "2026-07-28"])
+async def test_more_calls_in_flight_than_httpx_pools_all_reach_the_server(protocol: str) -> None:
+    # With httpx's default pool (100 connections, 30 s to wait for one) the 101st call
+    # in flight to one server waited, then failed, and its failure closed the whole
+    # connection: every call on it cut at 30 s, outcome unknown (helper-160).  The
+    # worker runs up to 1,000 activities at once.
+    n = 105
+    started: list[int] = []
+    everyone = asyncio.Event()
+    mcp: MCPServer = MCPServer("wide")
+
+    @mcp.tool()
+    async def work(i: int) -> str:
+        started.append(i)
+        if len(started) == n:
+            everyone.set()
+        await asyncio.wait_for(everyone.wait(), 60)  # none answers before all are in
+        return f"done {i}"
+
+    app = mcp.streamable_http_app(streamable_http_path="/mcp", host="127.0.0.1")
+    async with serve(app) as url:
+        pool = McpPool([McpServer(name="s", url=f"{url}/mcp", protocol=protocol)])
+        try:
+            calls = (pool.call("s", "work", {"i": i}, key=f"r/c{i}") for i in range(n))
+            results = await asyncio.wait_for(asyncio.gather(*calls), 90)
+        finally:
+            await pool.aclose()
+    assert sorted(started) == list(range(n))
+    assert results == [(f"done {i}", False) for i in range(n)]
