@@ -109,6 +109,17 @@ def _next_delay(response: httpx.Response) -> timedelta | None:
     return max(after, timedelta(seconds=min(seconds, _MAX_DELAY_S)))
 
 
+def _count(value: object) -> int:
+    """A token count from an engine's usage: a whole number, else 0."""
+    if isinstance(value, bool):
+        return 0
+    if isinstance(value, int):
+        return max(value, 0)
+    if isinstance(value, float) and value.is_integer():
+        return max(int(value), 0)
+    return 0
+
+
 @contextlib.asynccontextmanager
 async def heartbeating(every_s: float, *details: Any) -> AsyncIterator[None]:
     """Heartbeat every `every_s` while the block runs, with `details` (a later attempt
@@ -224,10 +235,14 @@ class LlmActivities:
             choice = data["choices"][0]
             message = dict(choice["message"])
             finish = str(choice.get("finish_reason") or "stop")
-        except (ValueError, KeyError, IndexError, TypeError) as exc:
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
             raise _BadCompletion(f"without a chat completion ({exc!r})") from None
-        usage = data.get("usage") or {}
-        details = usage.get("prompt_tokens_details") or {}
+        # Usage as far as it reads (helper-160: "usage": "n/a" or a count as text raised
+        # past the fault count, and the turn was sent again for ever).
+        usage = data.get("usage")
+        usage = usage if isinstance(usage, dict) else {}
+        details = usage.get("prompt_tokens_details")
+        details = details if isinstance(details, dict) else {}
         # Call ids key approvals and the tool servers' idempotency: they must be unique
         # in the run, whatever the engine sends (none, or "call_0" again every turn).
         used = _call_ids(turn.messages)
@@ -245,13 +260,12 @@ class LlmActivities:
                 while call_id in used:  # an engine may have sent that very id before
                     call_id, n = f"{base}_{n}", n + 1
             used.add(call_id)
-            calls.append(
-                ToolCall(
-                    id=call_id,
-                    name=name,
-                    arguments=str(c["function"].get("arguments") or ""),
-                )
-            )
+            arguments = c["function"].get("arguments")
+            if not isinstance(arguments, str):
+                # An object, as some llama-server and TGI builds send: its JSON, not its
+                # Python repr, which no schema check reads (helper-160).
+                arguments = "" if arguments is None else json.dumps(arguments, ensure_ascii=False)
+            calls.append(ToolCall(id=call_id, name=name, arguments=arguments))
         recovered = False
         content = message.get("content")
         if not calls and turn.tools and isinstance(content, str):
@@ -274,9 +288,9 @@ class LlmActivities:
             message=kept,
             tool_calls=calls,
             finish_reason=finish,
-            prompt_tokens=int(usage.get("prompt_tokens") or 0),
-            completion_tokens=int(usage.get("completion_tokens") or 0),
-            cached_tokens=int(details.get("cached_tokens") or 0),
+            prompt_tokens=_count(usage.get("prompt_tokens")),
+            completion_tokens=_count(usage.get("completion_tokens")),
+            cached_tokens=_count(details.get("cached_tokens")),
             seconds=seconds,
             recovered=recovered,
         )

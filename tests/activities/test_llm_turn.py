@@ -218,6 +218,38 @@ async def test_a_200_without_a_usable_completion_counts_as_an_engine_failure(
     assert ("given up" in str(err.value)) is spent
 
 
+@pytest.mark.parametrize(
+    "usage",
+    ["n/a", {"prompt_tokens": "12.0", "prompt_tokens_details": "x"}, {"prompt_tokens": True}],
+)
+async def test_usage_that_does_not_read_counts_nothing_and_the_answer_stands(usage: Any) -> None:
+    # helper-160: it raised outside the completion's checks, neither counted nor given
+    # up: the turn was sent to the engine again every few seconds for ever.
+    body = {"choices": [{"message": {"role": "assistant", "content": "hi"}}], "usage": usage}
+    out = await call(
+        upstream(lambda r: Response(json.dumps(body), media_type="application/json")), turn()
+    )
+    assert out.message["content"] == "hi"
+    assert (out.prompt_tokens, out.completion_tokens, out.cached_tokens) == (0, 0, 0)
+
+
+async def test_arguments_sent_as_an_object_are_read_as_their_json() -> None:
+    # Some llama-server and TGI builds send `arguments` as an object: its Python repr
+    # was carried, refused by every schema check and sent back to the engine.
+    written = {"query": "weather in Köln"}
+    message = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": written}}
+        ],
+    }
+    out = await call(upstream(lambda r: completion(message, "tool_calls")), turn(tools=TOOLS))
+    (c,) = out.tool_calls
+    assert json.loads(c.arguments) == written and "Köln" in c.arguments
+    assert out.message["tool_calls"][0]["function"]["arguments"] == c.arguments
+
+
 async def test_the_workers_client_waits_without_a_read_timeout_on_kept_alive_sockets() -> None:
     app = upstream(lambda r: Response("{}", media_type="application/json"))
     async with serve(app) as url, gateway_client() as http:
