@@ -66,7 +66,7 @@ def _coerce(value: Any, schema: Any) -> Any:
         return value
     if isinstance(value, str):
         text = value.strip()
-        if "integer" in types and _INTEGER.fullmatch(text):
+        if "integer" in types and _INTEGER.fullmatch(text) and len(text) <= _DIGITS_MAX:
             return int(text)
         if "number" in types and _DECIMAL.fullmatch(text) and math.isfinite(float(text)):
             return float(text)
@@ -85,6 +85,7 @@ def _coerce(value: Any, schema: Any) -> Any:
 # Numbers as a model writes them in a string (not "1_000", "nan", "inf" or "0x10", which
 # Python's int() and float() read but JSON cannot carry on to the tool).
 _INTEGER = re.compile(r"-?[0-9]+")
+_DIGITS_MAX = 4_300  # what int() reads of a string (sys.get_int_max_str_digits)
 _DECIMAL = re.compile(r"-?[0-9]+(\.[0-9]+)?([eE][+-]?[0-9]+)?")
 
 
@@ -144,6 +145,11 @@ def prepare_arguments(tool: str, raw: str, schema: Mapping[str, Any]) -> dict[st
     except RecursionError:
         raise ArgumentsError(
             f"the arguments for tool '{tool}' are nested too deeply; expected a JSON object {shape}"
+        ) from None
+    except ValueError as exc:  # an integer past Python's 4,300 digits (helper-160)
+        raise ArgumentsError(
+            f"the arguments for tool '{tool}' could not be read ({exc}); "
+            f"expected a JSON object {shape}"
         ) from None
     if not isinstance(args, dict):
         raise ArgumentsError(

@@ -352,13 +352,17 @@ def test_arguments_json_cannot_carry_are_refused_and_odd_schemas_do_not_crash() 
     }
     # Python reads these as numbers; JSON cannot send them on, so they stay strings and
     # the schema refuses them, naming the shape.
+    huge = "9" * 5_000  # past what Python's int() reads (helper-160: a bare ValueError)
     for raw in ('{"n": "1_000"}', '{"x": "nan"}', '{"x": "inf"}', '{"x": "1e999"}'):
         with pytest.raises(ArgumentsError, match="do not fit its input schema"):
             prepare_arguments("t", raw, schema)
+    with pytest.raises(ArgumentsError, match="do not fit its input schema"):
+        prepare_arguments("t", f'{{"n": "{huge}"}}', schema)
     for raw, needle in (
         ('{"x": NaN}', "NaN is not a JSON value"),
         ('{"x": 1e400}', "1e400 is too large for a number"),
         ("[" * 100_000, "nested"),
+        (f'{{"n": {huge}}}', r"could not be read \(Exceeds the limit \(4300 digits\)"),
     ):
         with pytest.raises(ArgumentsError, match=needle):
             prepare_arguments("t", raw, schema)
