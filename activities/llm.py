@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import time
 from collections.abc import AsyncIterator
 from datetime import timedelta
@@ -110,13 +111,16 @@ def _next_delay(response: httpx.Response) -> timedelta | None:
 
 
 def _count(value: object) -> int:
-    """A token count from an engine's usage: a whole number, else 0."""
+    """A token count from an engine's usage, as int() read it before (a number, or
+    digits as text), and 0 for anything else."""
     if isinstance(value, bool):
         return 0
     if isinstance(value, int):
         return max(value, 0)
-    if isinstance(value, float) and value.is_integer():
+    if isinstance(value, float) and math.isfinite(value):
         return max(int(value), 0)
+    if isinstance(value, str) and value.strip().isdecimal() and len(value.strip()) <= 18:
+        return int(value.strip())
     return 0
 
 

@@ -61,19 +61,17 @@ SPAWN_HISTORY_LIMIT = 20_480
 # What stays unbounded is the reports: a subtree busy for hours adds a report per
 # running child every REPORT_EVERY_S (more under a budget) to its parent, whose history
 # cannot shed them (a run continues as new only once its children have ended).  A run
-# whose history has HISTORY_STOP_EVENTS events stops, as on a budget (its tree winds
-# down and ends Cancelled, saying why), in the room left before 51,200: per running
-# child (at most MAX_RUN_CHILDREN) a stop signal (2 events), its reports of Stopping and
-# of its end (2), its end (1), and the workflow tasks they take (3 each when none
-# share one), 14 in all (agent_run.HISTORY_ROOM_PATCH).  Read at each check, so tests
-# can lower it; a change to it needs a patch id of its own.
-HISTORY_STOP_EVENTS = 35_000
-# A wind-down (of any stop) that takes the history past this ends at once: the close
-# cancels what still runs, all children at once (a stop signal and a cancel each, 4
-# events, ≤ 4,000 in all, in a few shared workflow tasks) and does not wait for their
-# ends, where children still finishing work and reporting every few seconds would
-# otherwise take it to 51,200.  Same patch, same caveats.
-HISTORY_HALT_EVENTS = 45_000
+# whose history has HISTORY_STOP_EVENTS events while children run stops, as on a
+# budget (its tree winds down and ends Cancelled, saying why); a wind-down (of any
+# stop) that takes it past HISTORY_HALT_EVENTS closes at once, stopping and cancelling
+# what still runs, all children together, without waiting for their ends.  Measured
+# (helper-161, 30 to 250 waiting children): such a close costs 8 to 10 events a child
+# (the stop, the cancel, the child's Stopping and end reports and its end, and their
+# workflow tasks), so 1,000 children fit in the 13,200 events past HISTORY_HALT_EVENTS
+# (agent_run.HISTORY_ROOM_PATCH).  Read at each check, so tests can lower them; a change
+# to them needs a patch id of its own.
+HISTORY_STOP_EVENTS = 30_000
+HISTORY_HALT_EVENTS = 38_000
 # Temporal terminates a workflow whose history passes 50 MB (its default size limit),
 # its answer lost.  A run whose history could not shed its turns (one that cannot
 # continue as new: children running, or an input too large to carry) fails before a

@@ -233,6 +233,16 @@ async def test_usage_that_does_not_read_counts_nothing_and_the_answer_stands(usa
     assert (out.prompt_tokens, out.completion_tokens, out.cached_tokens) == (0, 0, 0)
 
 
+async def test_usage_counts_read_as_before_where_they_read() -> None:
+    # (helper-161: digits as text and fractions read as int() read them before.)
+    usage = {"prompt_tokens": " 12 ", "completion_tokens": 7.9, "prompt_tokens_details": {}}
+    body = {"choices": [{"message": {"role": "assistant", "content": "hi"}}], "usage": usage}
+    out = await call(
+        upstream(lambda r: Response(json.dumps(body), media_type="application/json")), turn()
+    )
+    assert (out.prompt_tokens, out.completion_tokens, out.cached_tokens) == (12, 7, 0)
+
+
 async def test_arguments_sent_as_an_object_are_read_as_their_json() -> None:
     # Some llama-server and TGI builds send `arguments` as an object: its Python repr
     # was carried, refused by every schema check and sent back to the engine.
