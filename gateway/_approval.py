@@ -4,6 +4,8 @@ elicitation paths (legacy mid-call, 2026-07-28 input-required) and the Tasks ext
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any
 
 from mcp.server.elicitation import render_elicitation_schema
@@ -15,6 +17,7 @@ from workflows import RunStatus
 __all__ = [
     "MODERN",
     "ApprovalForm",
+    "RecentKeys",
     "can_ask",
     "elicit_params",
     "message",
@@ -24,6 +27,30 @@ __all__ = [
 
 MODERN = "2026-07-28"  # the stateless protocol revision
 _PREFIX = "approve:"
+
+
+class RecentKeys:
+    """Question keys remembered, the latest `kept` of them (the oldest forgotten first):
+    the answers the Tasks path took, the approvals waits have shown."""
+
+    def __init__(self, kept: int) -> None:
+        self._kept = kept
+        self._keys: OrderedDict[str, None] = OrderedDict()
+
+    def add(self, key: str) -> None:
+        self._keys[key] = None
+        self._keys.move_to_end(key)
+        while len(self._keys) > self._kept:
+            self._keys.popitem(last=False)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
 
 
 class ApprovalForm(BaseModel):

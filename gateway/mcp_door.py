@@ -15,7 +15,6 @@ import contextlib
 import json
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
@@ -644,17 +643,13 @@ Handle = Annotated[
 def create_mcp_server(deps: DoorDeps) -> _DoorServer:
     """The MCP server of the door, built from its dependencies."""
     background = Background()
-    told: OrderedDict[str, None] = OrderedDict()
+    told = approval.RecentKeys(TOLD_KEPT)
 
     def tell(statuses: Sequence[RunStatus]) -> None:
         """The approvals pending in what a wait answers: its caller has seen them."""
         for st in statuses:
             if st.pending_approval is not None:
-                key = approval.question_key(st)
-                told[key] = None
-                told.move_to_end(key)
-        while len(told) > TOLD_KEPT:
-            told.popitem(last=False)
+                told.add(approval.question_key(st))
 
     tasks = TasksExtension(
         runs=lambda ctx: runs(ctx),

@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -152,7 +151,7 @@ class TasksExtension(Extension):
         # asking again after a dismissal stayed input_required for ever (helper-144).
         # Such an approval is shown as one the client cannot answer: working, and how
         # the approve tool answers it.  (A restart forgets them: asked once more.)
-        self._answered: OrderedDict[str, None] = OrderedDict()
+        self._answered = approval.RecentKeys(ANSWERED_KEPT)
         self._start = start_run
         self._result = result
         self._unavailable = unavailable
@@ -332,10 +331,7 @@ class TasksExtension(Extension):
         return EmptyResult()
 
     def _note_answered(self, key: str) -> None:
-        self._answered[key] = None
-        self._answered.move_to_end(key)
-        if len(self._answered) > ANSWERED_KEPT:
-            self._answered.popitem(last=False)
+        self._answered.add(key)
 
     async def cancel(self, ctx: Any, params: TaskIdParams) -> EmptyResult:
         """Acknowledged once the cancellation is requested (the run ends after; no worker
