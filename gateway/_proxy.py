@@ -263,17 +263,17 @@ class StreamWatch:
         sends its end marker."""
         if self.finish_reason is not None:
             return False
-        return self._END_MARKER not in self._prev[-64:] + self._last
+        return not self._marker_seen()
+
+    def _marker_seen(self) -> bool:
+        """The end marker is in the answer's last two pieces."""
+        return self._END_MARKER in self._prev[-64:] + self._last
 
     def passed_end(self) -> bool:
         """The stream has come to its end marker after its finish reason, no error in
         it: its client has the whole answer, whatever else the engine's response still
         sends (the OpenAI SDK stops reading at `[DONE]` and closes the connection)."""
-        return (
-            self.error is None
-            and self.finish_reason is not None
-            and self._END_MARKER in self._prev[-64:] + self._last
-        )
+        return self.error is None and self.finish_reason is not None and self._marker_seen()
 
     def feed(self, chunk: bytes) -> None:
         self._prev, self._last = self._last, chunk
