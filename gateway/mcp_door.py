@@ -606,6 +606,78 @@ def _unready(e: RPCError) -> bool:
     return e.status == RPCStatusCode.INVALID_ARGUMENT and "search attribute" in text
 
 
+Task = Annotated[
+    str,
+    Field(min_length=1, max_length=PROMPT_MAX_CHARS, description="what the sub-agent should do"),
+]
+Handle = Annotated[
+    str, Field(min_length=1, max_length=HANDLE_MAX_CHARS, description="a run handle from spawn")
+]
+
+# The parameters `spawn`, `run` and RunArgs share, declared once: the two tools' schemas
+# say the same, and the Tasks extension's RunArgs checks what the tools check.
+Model = Annotated[
+    str | None,
+    Field(max_length=MODEL_MAX_CHARS, description="model name; default: the pool's first"),
+]
+ServiceClass = Annotated[
+    Literal["interactive", "batch"],
+    Field(description="interactive runs are admitted before batch runs"),
+]
+System = Annotated[str | None, Field(max_length=PROMPT_MAX_CHARS, description="system prompt")]
+MaxToolCalls = Annotated[
+    int,
+    Field(strict=True, ge=0, le=MAX_TOOL_CALLS_LIMIT, description="tool-call budget of the run"),
+]
+Tools = Annotated[
+    list[ToolName] | None,
+    Field(
+        max_length=TOOLS_MAX,
+        description="the tools it may use, by name or by function as tools() "
+        "lists them (a function picks its server's); default all",
+    ),
+]
+MaxTokens = Annotated[
+    int,
+    Field(strict=True, ge=0, le=MAX_TOKENS_LIMIT, description="reply tokens per turn; 0 = engine"),
+]
+ParallelToolCalls = Annotated[
+    bool, Field(strict=True, description="run a turn's tool calls concurrently")
+]
+Parent = Annotated[
+    str | None,
+    Field(
+        min_length=1,
+        max_length=HANDLE_MAX_CHARS,
+        description="handle of a running run this one belongs to",
+    ),
+]
+BudgetTokens = Annotated[
+    int | None,
+    Field(strict=True, gt=0, le=BUDGET_TOKENS_MAX, description="tokens, whole subtree"),
+]
+BudgetToolCalls = Annotated[
+    int | None,
+    Field(
+        strict=True,
+        gt=0,
+        le=BUDGET_TOOL_CALLS_MAX,
+        description="tool calls, whole subtree (this run makes none over it: "
+        "then it answers without tools)",
+    ),
+]
+BudgetSeconds = Annotated[
+    float | None,
+    Field(
+        strict=True, gt=0, le=BUDGET_SECONDS_MAX, description="seconds, whole subtree (max 30 days)"
+    ),
+]
+ApproveTools = Annotated[
+    list[ToolName] | None,
+    Field(max_length=TOOLS_MAX, description="tools that wait for the user's approval"),
+]
+
+
 class RunArgs(BaseModel):
     """The arguments of `spawn` and `run`: one conversion to a RunSpec for both tools and
     for the Tasks extension, which takes a `run` call before the tool validates it (the
@@ -616,28 +688,19 @@ class RunArgs(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     task: str = Field(min_length=1, max_length=PROMPT_MAX_CHARS)
-    model: str | None = Field(None, max_length=MODEL_MAX_CHARS)
-    serviceClass: Literal["interactive", "batch"] = "interactive"
-    system: str | None = Field(None, max_length=PROMPT_MAX_CHARS)
-    maxToolCalls: int = Field(8, strict=True, ge=0, le=MAX_TOOL_CALLS_LIMIT)
-    tools: list[ToolName] | None = Field(None, max_length=TOOLS_MAX)
-    maxTokens: int = Field(256, strict=True, ge=0, le=MAX_TOKENS_LIMIT)
-    parallelToolCalls: bool = Field(False, strict=True)
-    parent: str | None = Field(None, min_length=1, max_length=HANDLE_MAX_CHARS)
-    budgetTokens: int | None = Field(None, strict=True, gt=0, le=BUDGET_TOKENS_MAX)
-    budgetToolCalls: int | None = Field(None, strict=True, gt=0, le=BUDGET_TOOL_CALLS_MAX)
-    budgetSeconds: float | None = Field(None, strict=True, gt=0, le=BUDGET_SECONDS_MAX)
-    approveTools: list[ToolName] | None = Field(None, max_length=TOOLS_MAX)
+    model: Model = None
+    serviceClass: ServiceClass = "interactive"
+    system: System = None
+    maxToolCalls: MaxToolCalls = 8
+    tools: Tools = None
+    maxTokens: MaxTokens = 256
+    parallelToolCalls: ParallelToolCalls = False
+    parent: Parent = None
+    budgetTokens: BudgetTokens = None
+    budgetToolCalls: BudgetToolCalls = None
+    budgetSeconds: BudgetSeconds = None
+    approveTools: ApproveTools = None
     timeout: float = Field(AWAIT_MAX_S, strict=True, gt=0, le=AWAIT_MAX_S)
-
-
-Task = Annotated[
-    str,
-    Field(min_length=1, max_length=PROMPT_MAX_CHARS, description="what the sub-agent should do"),
-]
-Handle = Annotated[
-    str, Field(min_length=1, max_length=HANDLE_MAX_CHARS, description="a run handle from spawn")
-]
 
 
 def create_mcp_server(deps: DoorDeps) -> _DoorServer:
@@ -1012,76 +1075,18 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
     async def spawn(
         ctx: Context,
         task: Task,
-        model: Annotated[
-            str | None,
-            Field(max_length=MODEL_MAX_CHARS, description="model name; default: the pool's first"),
-        ] = None,
-        serviceClass: Annotated[
-            Literal["interactive", "batch"],
-            Field(description="interactive runs are admitted before batch runs"),
-        ] = "interactive",
-        system: Annotated[
-            str | None, Field(max_length=PROMPT_MAX_CHARS, description="system prompt")
-        ] = None,
-        maxToolCalls: Annotated[
-            int,
-            Field(
-                strict=True,
-                ge=0,
-                le=MAX_TOOL_CALLS_LIMIT,
-                description="tool-call budget of the run",
-            ),
-        ] = 8,
-        tools: Annotated[
-            list[ToolName] | None,
-            Field(
-                max_length=TOOLS_MAX,
-                description="the tools it may use, by name or by function as tools() "
-                "lists them (a function picks its server's); default all",
-            ),
-        ] = None,
-        maxTokens: Annotated[
-            int,
-            Field(
-                strict=True,
-                ge=0,
-                le=MAX_TOKENS_LIMIT,
-                description="reply tokens per turn; 0 = engine",
-            ),
-        ] = 256,
-        parallelToolCalls: Annotated[
-            bool, Field(strict=True, description="run a turn's tool calls concurrently")
-        ] = False,
-        parent: Annotated[
-            Handle | None, Field(description="handle of a running run this one belongs to")
-        ] = None,
-        budgetTokens: Annotated[
-            int | None,
-            Field(strict=True, gt=0, le=BUDGET_TOKENS_MAX, description="tokens, whole subtree"),
-        ] = None,
-        budgetToolCalls: Annotated[
-            int | None,
-            Field(
-                strict=True,
-                gt=0,
-                le=BUDGET_TOOL_CALLS_MAX,
-                description="tool calls, whole subtree (this run makes none over it: "
-                "then it answers without tools)",
-            ),
-        ] = None,
-        budgetSeconds: Annotated[
-            float | None,
-            Field(
-                strict=True,
-                gt=0,
-                le=BUDGET_SECONDS_MAX,
-                description="seconds, whole subtree (max 30 days)",
-            ),
-        ] = None,
-        approveTools: Annotated[
-            list[ToolName] | None,
-            Field(max_length=TOOLS_MAX, description="tools that wait for the user's approval"),
-        ] = None,
+        model: Model = None,
+        serviceClass: ServiceClass = "interactive",
+        system: System = None,
+        maxToolCalls: MaxToolCalls = 8,
+        tools: Tools = None,
+        maxTokens: MaxTokens = 256,
+        parallelToolCalls: ParallelToolCalls = False,
+        parent: Parent = None,
+        budgetTokens: BudgetTokens = None,
+        budgetToolCalls: BudgetToolCalls = None,
+        budgetSeconds: BudgetSeconds = None,
+        approveTools: ApproveTools = None,
     ) -> SpawnResult:
         """Start a sub-agent run and return its handle at once. Spawn several runs, then
         `await` them together: they run in parallel on the user's engines and survive
@@ -1133,25 +1138,18 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
     async def run(
         ctx: Context,
         task: Task,
-        model: Annotated[
-            str | None,
-            Field(max_length=MODEL_MAX_CHARS, description="model name; default: the pool's first"),
-        ] = None,
-        serviceClass: Literal["interactive", "batch"] = "interactive",
-        system: Annotated[str | None, Field(max_length=PROMPT_MAX_CHARS)] = None,
-        maxToolCalls: Annotated[int, Field(strict=True, ge=0, le=MAX_TOOL_CALLS_LIMIT)] = 8,
-        tools: Annotated[list[ToolName] | None, Field(max_length=TOOLS_MAX)] = None,
-        maxTokens: Annotated[int, Field(strict=True, ge=0, le=MAX_TOKENS_LIMIT)] = 256,
-        parallelToolCalls: Annotated[bool, Field(strict=True)] = False,
-        parent: Handle | None = None,
-        budgetTokens: Annotated[int | None, Field(strict=True, gt=0, le=BUDGET_TOKENS_MAX)] = None,
-        budgetToolCalls: Annotated[
-            int | None, Field(strict=True, gt=0, le=BUDGET_TOOL_CALLS_MAX)
-        ] = None,
-        budgetSeconds: Annotated[
-            float | None, Field(strict=True, gt=0, le=BUDGET_SECONDS_MAX)
-        ] = None,
-        approveTools: Annotated[list[ToolName] | None, Field(max_length=TOOLS_MAX)] = None,
+        model: Model = None,
+        serviceClass: ServiceClass = "interactive",
+        system: System = None,
+        maxToolCalls: MaxToolCalls = 8,
+        tools: Tools = None,
+        maxTokens: MaxTokens = 256,
+        parallelToolCalls: ParallelToolCalls = False,
+        parent: Parent = None,
+        budgetTokens: BudgetTokens = None,
+        budgetToolCalls: BudgetToolCalls = None,
+        budgetSeconds: BudgetSeconds = None,
+        approveTools: ApproveTools = None,
         timeout: Annotated[float, Field(strict=True, gt=0, le=AWAIT_MAX_S)] = AWAIT_MAX_S,
     ) -> RunView | InputRequiredResult:
         """Run one sub-agent to its end (spawn + await in one call) and return its
