@@ -499,6 +499,36 @@ async def test_a_run_whose_history_nears_temporals_limit_stops_its_tree(
     assert [(c.handle, c.state) for c in top.children] == [(kid, "Cancelled")]
 
 
+async def test_a_wind_down_tells_its_running_children_to_stop_all_at_once(
+    temporal_address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A stop's wind-down told its running children one after another, each signal in
+    # a workflow task of its own (helper-159): a stop at HISTORY_STOP_EVENTS with
+    # hundreds of children running took hundreds of tasks.  Under HISTORY_ROOM_PATCH
+    # it signals them together.  (The limit is lowered to the parent's history once
+    # its children wait; a report sent by hand makes it look.)
+    async with stack(temporal_address) as s:
+        parent = await spawn_waiting(s, "p")
+        kids = [await spawn_waiting(s, f"k{i}", parent=parent) for i in range(3)]
+        handle = s.client.get_workflow_handle(parent)
+        history = await handle.fetch_history()
+        monkeypatch.setattr(contract, "HISTORY_STOP_EVENTS", len(history.events))
+        await handle.signal(AgentRun.report, ChildReport(kids[0], "Running", Totals(turns=1)))
+        done = await s.runs.wait([parent, *kids], timeout=60)
+        assert [d.state for d in done] == ["Cancelled"] * 4, done
+        assert all(d.error == done[0].error for d in done), done
+        history = await handle.fetch_history()
+    kinds = [e.event_type for e in history.events]
+    told = [
+        i
+        for i, k in enumerate(kinds)
+        if k == EventType.EVENT_TYPE_SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED
+    ]
+    assert len(told) == 3, kinds  # the wind-down's stops; the close finds them ended
+    tasks = kinds[told[0] : told[-1]].count(EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED)
+    assert tasks == 0, (tasks, kinds)  # one after another: a task each
+
+
 async def test_a_run_whose_children_have_ended_is_not_stopped_by_its_history(
     temporal_address: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
