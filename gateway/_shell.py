@@ -173,7 +173,9 @@ class AdmissionShell:
         once (the core is told each is abandoned), instead of waiting out the shutdown's
         grace for a slot and being cut at its end, and so is every turn that arrives
         from now on (`arrive`).  Turns admitted already go on.  Returns how many were
-        held."""
+        held.  (One refusal frees room a later held turn fits: the core admits it, and
+        `_resolve` leaves it held for its own refusal, which frees its slot again;
+        helper-164.)"""
         self._draining = (message, retry_after)
         held = list(self._waiting)
         for turn_id in held:
@@ -214,6 +216,10 @@ class AdmissionShell:
         return future
 
     def _resolve(self, turn_id: str, outcome: Admission) -> None:
+        if self._draining is not None and not isinstance(outcome, Rejected):
+            # Admitted by a refusal's refill while the gateway drains: it would start,
+            # and be cut at the end of the shutdown's grace.  `drain` refuses it next.
+            return
         future = self._unwait(turn_id)
         if future is None or future.done():
             log.warning("no handler waits for turn %s (%r)", turn_id, outcome)

@@ -125,3 +125,30 @@ async def test_a_draining_gateway_refuses_held_turns_and_every_turn_after() -> N
     assert late.result() == Rejected(503, "stopping", "2")
     assert "t5" not in s.state.turns and "r5" not in s.state.runs
     assert refused == [503]  # the late one; the held one the core was told of
+
+
+async def test_a_drain_admits_none_of_the_turns_it_refuses() -> None:
+    # Each held turn was told to the core as abandoned one at a time, and a refusal
+    # that freed room let the core admit a later held turn before its own refusal:
+    # here the turn waiting for KV goes, and the one held behind it fits (helper-164).
+    # It started on a stopping gateway, to be cut at the end of the grace.
+    from gateway._shell import Rejected
+
+    spec = ReplicaSpec(name="a", models=frozenset({"m"}), kv_tokens=1000)
+    s = AdmissionShell(State.initial([spec]))
+
+    def turn(n: int, prompt: int) -> TurnArrived:
+        return TurnArrived(
+            now=float(n), turn_id=f"t{n}", run_id=f"r{n}",
+            service_class=ServiceClass.INTERACTIVE, caller=f"c{n}", model="m",
+            prompt_tokens=prompt,
+        )  # fmt: skip
+
+    assert s.arrive(turn(0, 44)).result() == "a"  # claims 300 of a's 800 (kv_fill 0.8)
+    big = s.arrive(turn(1, 500))  # needs 756: waits for KV
+    small = s.arrive(turn(2, 10))  # fits, but does not pass the turn waiting for KV
+    assert not big.done() and not small.done()
+    assert s.drain(3.0, "stopping", "2") == 2
+    assert big.result() == small.result() == Rejected(503, "stopping", "2")
+    assert set(s.state.turns) == {"t0"}  # the core holds and runs nothing else
+    assert s.state.replicas["a"].in_flight == 1
