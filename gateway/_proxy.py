@@ -1188,7 +1188,7 @@ class TurnResponse(Response):
             arrived = True  # an abandon of a turn the core never saw is ignored by it
             outcome = await hold(self._shell, t, self._clock, disconnected, self._awaited)
             self._admitted = asyncio.get_running_loop().time()
-            self._timed(self._shell.state.policy.turn_timeout_s)
+            self._timed(self._shell.turn_timeout(t.turn_id))
             if self._trace is not None:
                 self._trace.admitted(outcome, self._clock())
             if outcome is None:

@@ -189,6 +189,15 @@ class AdmissionShell:
         self.apply(TurnAbandoned(now=now, turn_id=turn_id))
         future.set_result(Rejected(503, message, retry_after))
 
+    def turn_timeout(self, turn_id: str) -> float:
+        """How long an admitted turn may go without a sign of life before the core frees
+        its slot: the policy's turn_timeout_s at its admission (a reload changes it for
+        turns admitted later).  The gateway waits for its engine as long."""
+        t = self._state.turns.get(turn_id)
+        if t is not None and t.replica is not None:
+            return t.timeout_s
+        return self._state.policy.turn_timeout_s
+
     def forget_turn(self, turn_id: str) -> None:
         """The turn's handler no longer waits (its terminal event was reported)."""
         self._unwait(turn_id)

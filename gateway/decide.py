@@ -568,7 +568,7 @@ async def run_turn(
                 turn.run_id,
                 retry_after=outcome.retry_after or retry_after,
             )
-        answer_timeout = shell.state.policy.turn_timeout_s
+        answer_timeout = shell.turn_timeout(turn.turn_id)
         endpoint = endpoints[outcome]
         headers = {
             "content-type": turn.content_type,

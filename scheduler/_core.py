@@ -59,9 +59,10 @@ Rules (DESIGN.md "The scheduler"), stated once, enforced here and nowhere else:
 7. A model no replica serves is rejected with 404 before it is queued, and a model
    whose every replica is unhealthy with 503 (waiting would hang the client until
    one comes back; it may retry).  Turns already held when that happens keep waiting.
-8. Ticks free the slots of turns never reported finished after `turn_timeout_s` from
-   their admission or their last sign of life (`TurnAlive`), and forget runs idle or
-   paused for `idle_run_expiry_s` (a run with a turn held is not idle).
+8. Ticks free the slots of turns never reported finished after `turn_timeout_s` (as it
+   was at their admission, as the gateway's wait for the engine) from their admission
+   or their last sign of life (`TurnAlive`), and forget runs idle or paused for
+   `idle_run_expiry_s` (a run with a turn held is not idle).
 9. Interactive lanes (`Policy.lane_batch_kv_fill` set): a new interactive run goes first
    to the replica where the most interactive runs hold KV, and on a replica where any
    do, new batch runs stop at `lane_batch_kv_fill` of its pool; the other replicas take
@@ -345,7 +346,7 @@ class TurnState(Record):
     _FIELDS = (
         "turn_id", "run_id", "service_class", "caller", "model", "arrived", "seq",
         "prompt_tokens", "reply_tokens", "bucket", "replica", "admitted_at", "started",
-        "alive_at", "claim", "estimate", "first",
+        "alive_at", "claim", "estimate", "first", "timeout_s",
     )  # fmt: skip
     __slots__ = _FIELDS
 
@@ -368,6 +369,7 @@ class TurnState(Record):
         claim: int = 0,
         estimate: int = 0,
         first: bool = False,
+        timeout_s: float = 0.0,
     ) -> None:
         self.turn_id: Final = turn_id
         self.run_id: Final = run_id
@@ -394,6 +396,14 @@ class TurnState(Record):
         # Admitted as its run's first turn (the core knew no run of it): what its engine
         # found cached of its prompt is shared with other runs (learn_shared_prefix).
         self.first: Final = first
+        # The policy's turn_timeout_s at its admission (0 while held): a reload changes
+        # it for turns admitted later, as the proxy's own wait for the engine
+        # (helper-164: a shorter one freed the slots of turns still running).
+        self.timeout_s: Final = timeout_s
+
+    def deadline(self) -> float:
+        """When it times out without another sign of life (its key in `timeouts`)."""
+        return self.alive_at + self.timeout_s
 
 
 class _Bucket(Record):
@@ -975,14 +985,16 @@ class _Tx:
             self.turns[turn_id] = TurnState(
                 t.turn_id, t.run_id, t.service_class, t.caller, t.model, t.arrived, t.seq,
                 t.prompt_tokens, t.reply_tokens, t.bucket, t.replica, t.admitted_at, True,
-                t.alive_at, t.claim, t.estimate, t.first,
+                t.alive_at, t.claim, t.estimate, t.first, t.timeout_s,
             )  # fmt: skip
 
     def alive(self, turn_id: str) -> None:
         t = self.turns.get(turn_id)
         if t is not None and t.replica is not None and self.now > t.alive_at:
-            self.turns[turn_id] = t._replace(alive_at=self.now)
-            self.timeouts = _rekeyed(self.timeouts, (t.alive_at, turn_id), (self.now, turn_id))
+            self.turns[turn_id] = alive = t._replace(alive_at=self.now)
+            self.timeouts = _rekeyed(
+                self.timeouts, (t.deadline(), turn_id), (alive.deadline(), turn_id)
+            )
 
     def abandon(self, turn_id: str) -> None:
         t = self.turns.get(turn_id)
@@ -1028,7 +1040,7 @@ class _Tx:
             # unknown, it was discounted for life).
             first_cached = 0
         del self.turns[turn_id]
-        self.timeouts = self.timeouts.remove((t.alive_at, turn_id))
+        self.timeouts = self.timeouts.remove((t.deadline(), turn_id))
         name = t.replica
         self._adjust(name, in_flight=-1, ws=-t.claim, batch_ws=-_batch_part(t, t.claim))
         self._count_failure(name, engine_fault, finish_reason is not None)
@@ -1363,8 +1375,7 @@ class _Tx:
         # Each timer holds an entry (time, id) exactly while its subject waits for it,
         # so handling the earliest entry removes it (through turn_done and
         # _replace_run): nothing stale piles up behind a busy gateway.
-        deadline = self.now - self.policy.turn_timeout_s
-        while self.timeouts and self.timeouts.min()[0] <= deadline:
+        while self.timeouts and self.timeouts.min()[0] <= self.now:
             tid = self.timeouts.min()[1]
             t = self.turns[tid]
             assert t.replica is not None
@@ -1603,9 +1614,9 @@ class _Tx:
         self.turns[t.turn_id] = TurnState(
             t.turn_id, t.run_id, t.service_class, caller, t.model, t.arrived, t.seq,
             t.prompt_tokens, t.reply_tokens, None, name, self.now, False, self.now, claim,
-            t.estimate, first,
+            t.estimate, first, self.policy.turn_timeout_s,
         )  # fmt: skip
-        self.timeouts = self.timeouts.add((self.now, t.turn_id))
+        self.timeouts = self.timeouts.add((self.now + self.policy.turn_timeout_s, t.turn_id))
         self.actions.append(
             Admit(
                 turn_id=t.turn_id,

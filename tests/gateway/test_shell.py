@@ -152,3 +152,33 @@ async def test_a_drain_admits_none_of_the_turns_it_refuses() -> None:
     assert big.result() == small.result() == Rejected(503, "stopping", "2")
     assert set(s.state.turns) == {"t0"}  # the core holds and runs nothing else
     assert s.state.replicas["a"].in_flight == 1
+
+
+async def test_a_reload_keeps_the_turn_timeout_of_turns_already_admitted() -> None:
+    # The proxy waits for a turn's engine as long as the shell says at its admission.
+    # A reload that shortened turn_timeout_s made the core free, at its next tick, the
+    # slot of a turn the proxy still waited on, and a second turn went to the one-slot
+    # engine beside it (helper-164).
+    from dataclasses import replace
+
+    from scheduler import Policy, PolicyChanged, Tick
+
+    spec = ReplicaSpec(name="a", models=frozenset({"m"}), slots=1)
+    s = AdmissionShell(State.initial([spec]))
+
+    def turn(n: int, now: float) -> TurnArrived:
+        return TurnArrived(
+            now=now, turn_id=f"t{n}", run_id=f"r{n}",
+            service_class=ServiceClass.INTERACTIVE, caller="c", model="m",
+        )  # fmt: skip
+
+    assert s.arrive(turn(1, 0.0)).result() == "a"
+    second = s.arrive(turn(2, 1.0))
+    s.apply(PolicyChanged(now=100.0, policy=replace(Policy(), turn_timeout_s=60.0)))
+    assert s.turn_timeout("t1") == Policy().turn_timeout_s  # the proxy's wait for t1
+    assert s.turn_timeout("t2") == 60.0  # held: it gets the value at its admission
+    s.apply(Tick(now=120.0))
+    assert not second.done()  # t1 still runs there
+    s.apply(Tick(now=Policy().turn_timeout_s))
+    assert second.result() == "a"
+    assert s.turn_timeout("t2") == 60.0

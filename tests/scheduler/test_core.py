@@ -1789,6 +1789,32 @@ def test_a_turn_that_shows_signs_of_life_keeps_its_slot_past_the_timeout() -> No
     assert t3 in d.held_ids() and d.state.turns[t3].alive_at == 0.0
 
 
+def test_a_turn_keeps_the_turn_timeout_it_was_admitted_with() -> None:
+    # The gateway bounds its wait for a turn's engine by turn_timeout_s as read at the
+    # turn's admission.  A reload that shortened it freed, at the next tick, the slots
+    # of turns still running, and the engine took more turns than its slots
+    # (helper-164); one that lengthened it kept slots past the gateway's own wait.
+    d = Driver(("a",), policy=Policy(turn_timeout_s=600))
+    d.cap("a", 2)
+    t1 = d.arrive("r1")
+    admitted_at = d.now
+    d.feed(PolicyChanged(now=admitted_at + 100, policy=Policy(turn_timeout_s=60)))
+    t2 = d.arrive("r2")  # admitted under the new value
+    t3 = d.arrive("r3")  # held: two in flight
+    second_at = d.state.turns[t2].admitted_at
+    d.feed(Tick(now=second_at + 60))
+    assert [a for a in d.actions if isinstance(a, TimedOut)] == [
+        TimedOut(turn_id=t2, run_id="r2", replica="a")
+    ]
+    assert admits(d.actions) == [(t3, "a")]
+    d.feed(Tick(now=admitted_at + 599))  # t3's 60 s are up; t1's 600 are not
+    assert [a.turn_id for a in d.actions if isinstance(a, TimedOut)] == [t3]
+    assert d.state.turns[t1].replica == "a"
+    d.feed(PolicyChanged(now=admitted_at + 599.5, policy=Policy(turn_timeout_s=3600)))
+    d.feed(Tick(now=admitted_at + 600))
+    assert TimedOut(turn_id=t1, run_id="r1", replica="a") in d.actions
+
+
 def test_a_replica_whose_engine_fails_turn_after_turn_is_ejected_for_a_while() -> None:
     # Its health check passes, so probes keep it in rotation: without ejection every
     # retry (affinity) and most new runs (least loaded) would go on failing there.

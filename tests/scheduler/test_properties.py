@@ -423,7 +423,7 @@ def check_bookkeeping(s: State) -> None:
     # Each timer holds exactly the entries of what waits for it, in order: none left
     # behind by a turn that finished or a run that went on, so they stay the size of
     # the state however long the gateway runs.
-    assert list(s._timeouts) == sorted((t.alive_at, t.turn_id) for t in s.admitted())
+    assert list(s._timeouts) == sorted((t.deadline(), t.turn_id) for t in s.admitted())
     assert list(s._expiry) == sorted(
         (run.last_active, run.run_id)
         for run in s.runs.values()
