@@ -31,8 +31,11 @@ Rules (DESIGN.md "The scheduler"), stated once, enforced here and nowhere else:
    replica does not serve prefers, as an idle run prefers its replica, where the run's
    last turn of that model ran (a turn away, or its own before it moved to another
    model): a side request that comes first when the run is idle moves the run, and
-   the main model's next turn, or a model switched to while the run waits on a tool,
-   finds its prefix again.  (A turn's usage sets its run's
+   the main model's next turn finds its prefix again.  A turn away of another model
+   that carries the conversation (a prompt at least half the run's context) and ends
+   in tool calls is no side request: the model was switched to while the run waited
+   on a tool, and the run goes on paused where that turn ran, with its model.  (A
+   turn's usage sets its run's
    context, which sizes the run's claim and its held turns, but does not shrink it
    while another turn of the run still runs there.)  A held turn waits where its run
    may go now, not where it was when the turn arrived: a run that goes idle, moves,
@@ -1078,6 +1081,24 @@ class _Tx:
                 # turn) leaves it so, and the last turn to end, if it ran away, leaves
                 # the run as its own turn did (rule 3).
                 kept = run.phase is not _GENERATING
+                if (
+                    kept
+                    and run.phase is _PAUSED
+                    and finish_reason == "tool_calls"
+                    and run.replica != name
+                    and t.model != run.model
+                    and 2 * (prompt or t.prompt_tokens) >= run.context_tokens
+                ):
+                    # A turn away of another model that carried the conversation (its
+                    # prompt at least half the run's context, tokenizers differ) and
+                    # ended in tool calls: the conversation went on there (a model
+                    # switched to while the run waited on a tool: Claude Code's
+                    # opusplan after its plan's approval), and its next turn comes back
+                    # to it (rule 3).  A side request is shorter.
+                    self._switched(run, t, name, prompt + completion if prompt else 0)
+                    old = run.replica
+                    self._fill([name] if old is None or old not in self.replicas else [name, old])
+                    return
                 reason = finish_reason
                 if run.home_outcome and run.replica != name:
                     reason = None if run.home_outcome == "failed" else run.home_outcome
@@ -1110,6 +1131,26 @@ class _Tx:
                 key=lambda n: (self.replicas[n].load, n),
             )
         self._fill(names)
+
+    def _switched(self, run: RunState, t: TurnState, name: str, context: int) -> None:
+        """The paused run goes on with `t`'s model, paused on `name`, where `t` ran: its
+        claim moves there, its pause (expiry, retention) starts now, and `side` keeps
+        where its old model's prefix is.  (Left paused on its old replica, every later
+        turn ran as a side turn: preferred, not kept, on the new model's replica, and
+        the run expired 30 minutes after the switch while it kept taking turns;
+        helper-164.)"""
+        self._replace_run(
+            run,
+            RunState(
+                run.run_id, run.service_class, run.caller, t.model, _PAUSED, name, 0,
+                context or t.prompt_tokens, t.reply_tokens, self.now, False, 0,
+                # True: its claims start now, even where its old ones had lapsed
+                # (_replace_run computes them; both 0 would read as lapsed).
+                True,
+                run.ended, False, "", -1, (run.model, run.replica) if run.replica else None,
+            ),
+        )  # fmt: skip
+        self.refill += self._grown()
 
     def _learn_shared_prefix(self, model: str, cached: int) -> None:
         """One first turn's cached tokens into its model's shared prefix: the lower

@@ -761,27 +761,55 @@ def test_the_main_models_turn_after_a_side_request_that_came_first_finds_its_pre
     assert (d.state.runs["r1"].replica, d.state.runs["r1"].side) == ("a1", ("small", "b"))
 
 
-def test_a_model_switched_to_while_the_run_waits_on_a_tool_keeps_its_replica() -> None:
+def test_a_model_switched_to_while_the_run_waits_on_a_tool_takes_the_run_with_it() -> None:
     # The run is paused on a1 (model a) when its turns go to model b (a `/model` switch
-    # with a tool call pending): each is a turn away, and went to the least loaded b
-    # replica, its prefix lost at every turn (helper-151).  It goes back where the last
-    # one ran.
+    # with a tool call pending; Claude Code's opusplan once its plan is approved): each
+    # was a turn away, preferred where the last one ran (helper-151) but not kept
+    # there, and the run, paused on a1 since the switch, expired 30 minutes later
+    # while it kept taking turns (helper-164).  Its first turn of b that carries the
+    # conversation and ends in tool calls moves it: paused on b1, model b.
     d = Driver(
-        ("a1", "b1", "b2"), kv_tokens=100_000, serves={"a1": ["a"], "b1": ["b"], "b2": ["b"]}
-    )
+        ("a1", "b1", "b2"), kv_tokens=100_000, serves={"a1": ["a"], "b1": ["b"], "b2": ["b"]},
+        slots={"b1": 1, "b2": 1}, policy=Policy(idle_run_expiry_s=1800),
+    )  # fmt: skip
     t1 = d.arrive("r1", model="a", prompt=2000)
     d.finish(t1, "tool_calls", prompt=2000, out=50)
     t2 = d.arrive("r1", model="b", prompt=2100)
     assert d.admitted() == {t2: "b1"}
     d.finish(t2, "tool_calls", prompt=2100, out=50)
-    other = d.arrive("o1", model="b", prompt=100)
-    assert d.admitted() == {other: "b1"}  # b1 is the more loaded now
-    for prompt in (2200, 2300):
-        t = d.arrive("r1", model="b", prompt=prompt)
-        assert d.admitted() == {t: "b1"}
-        d.finish(t, "tool_calls", prompt=prompt, out=50)
     run = d.state.runs["r1"]
-    assert (run.phase, run.replica, run.side) == (RunPhase.PAUSED, "a1", ("b", "b1"))
+    assert (run.phase, run.replica, run.model, run.side) == (
+        RunPhase.PAUSED, "b1", "b", ("a", "a1")
+    )  # fmt: skip
+    assert run.context_tokens == 2150 and run.ws_claim > 0
+    assert (d.state.replicas["a1"].bound_runs, d.state.replicas["b1"].bound_runs) == (0, 1)
+    other = d.arrive("o1", model="b", prompt=100)
+    assert d.admitted() == {other: "b2"}  # b1 holds the paused run: b2 is less loaded
+    busy = d.arrive("o2", model="b", prompt=100)
+    assert d.admitted() == {busy: "b1"}  # the slot the paused run leaves there
+    t3 = d.arrive("r1", model="b", prompt=2200)
+    assert d.admitted() == {} and d.state.turns[t3].bucket == ("pin", "b1", I)
+    d.finish(busy)
+    assert d.admitted() == {t3: "b1"}
+    for minute in range(40):  # a turn a minute for 40 minutes: never idle 30
+        d.finish(t3, "tool_calls", prompt=2200 + minute, out=50)
+        d.now += 60
+        d.feed(Tick(now=d.now))
+        assert Forget(run_id="r1", expired=True) not in d.actions, minute
+        t3 = d.arrive("r1", model="b", prompt=2250 + minute)
+        assert d.admitted() == {t3: "b1"}
+
+
+def test_a_short_turn_of_another_model_that_asks_for_tools_leaves_the_run_where_it_is() -> None:
+    # A side request (far shorter than the run's conversation) that ends in tool calls
+    # does not move the run: its prefix and claim stay on a.
+    d = Driver(("a", "b"), kv_tokens=10_000, serves={"a": ["big"], "b": ["small"]})
+    t1 = d.arrive("r1", model="big", prompt=3000)
+    d.finish(t1, "tool_calls", prompt=3000, out=100)
+    side = d.arrive("r1", model="small", prompt=1400)
+    d.finish(side, "tool_calls", prompt=1400, out=50)
+    run = d.state.runs["r1"]
+    assert (run.phase, run.replica, run.model) == (RunPhase.PAUSED, "a", "big")
 
 
 def test_a_turn_of_its_own_model_away_leaves_the_runs_side_replica_as_it_was() -> None:
