@@ -13,7 +13,16 @@ CORE_SOURCES := scheduler/_core.py scheduler/_persistent.py scheduler/_types.py 
 
 .PHONY: up test lint typecheck unit core clean
 
+# A Python older than 3.11 is named before anything is built; a .venv an older one left
+# (a first run before `PYTHON=python3.12`) is built again, as `venv` would keep its
+# interpreter.
+NEEDS_311 := import sys; sys.exit(sys.version_info < (3, 11))
+
 $(STAMP): pyproject.toml
+	@$(PYTHON) -c '$(NEEDS_311)' || { echo "luftpause needs Python 3.11 or later; '$(PYTHON)' is" \
+		"$$($(PYTHON) --version 2>&1): run make with PYTHON=python3.12 (or another 3.11+)" >&2; exit 1; }
+	@if [ -e $(BIN)/python ] && ! $(BIN)/python -c '$(NEEDS_311)' 2>/dev/null; then \
+		echo "$(VENV) was built by a Python older than 3.11: building it again"; rm -rf $(VENV); fi
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
