@@ -436,8 +436,26 @@ def _command(exe: str) -> str:
     return relative if not relative.startswith("..") else exe
 
 
-def _banner(where: dict[str, str], token: str | None, exe: str = "luftpause") -> str:
+def _subagents_load(command: str, tools: str | None) -> list[str]:
+    """The banner's sub-agent load: `tools` None for the fake MCP server's, else the
+    servers of the user's configuration ("" for none)."""
+    if tools is None:
+        # (--tools: delete_record asks for approval, which nothing here gives.)
+        return [f"  sub-agents:       {command} --tools lookup"]
+    if not tools:
+        return [f"  sub-agents:       {command}   (no tools configured: they answer without)"]
+    return [
+        f"  sub-agents:       {command} --tools NAME,...",
+        "                    (their runs call your tools for real: name read-only ones;",
+        "                    the MCP door's tools() lists them)",
+    ]
+
+
+def _banner(
+    where: dict[str, str], token: str | None, exe: str = "luftpause", fake_tools: bool = True
+) -> str:
     gw = where["gateway"]
+    tools = None if fake_tools else where["tools"]
     lp = _command(exe)
     mcp = gw.replace("127.0.0.1", "localhost") + "/mcp"
     auth = f' --header "Authorization: Bearer {token}"' if token else ""
@@ -451,7 +469,7 @@ def _banner(where: dict[str, str], token: str | None, exe: str = "luftpause") ->
             f"  Temporal UI   {where['ui']}   (run trees, histories)",
             f"  Temporal      {where['temporal']}",
             f"  engines       {where['engines']}",
-            f"  tools         {where['tools']}",
+            f"  tools         {where['tools'] or '(none configured)'}",
             f"  config        {where['config']}",
             "",
             "Connect:",
@@ -463,9 +481,7 @@ def _banner(where: dict[str, str], token: str | None, exe: str = "luftpause") ->
             "",
             "Put load on it (and watch the status page):",
             f"  agents:           {lp} load --url {gw}{load_auth} --minutes 1",
-            # (--tools: delete_record asks for approval, which nothing here gives.)
-            f"  sub-agents:       {lp} load --url {gw}{load_auth} --subagents 16 --rounds 3"
-            " --tools lookup",
+            *_subagents_load(f"{lp} load --url {gw}{load_auth} --subagents 16 --rounds 3", tools),
             "",
             "Ctrl-C stops everything started here.",
         ]
@@ -490,7 +506,7 @@ def run(args: argparse.Namespace) -> int:
         where = up.start()
         if up.token_from is None:
             say("note: no token is set; the gateway is open to anyone on this machine")
-        say(_banner(where, up.token_from, up.exe()))
+        say(_banner(where, up.token_from, up.exe(), fake_tools=not args.config))
         kept_up = up.supervise()
     except Interrupted:
         pass  # asked to stop while starting: stop what started

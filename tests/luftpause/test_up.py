@@ -27,7 +27,8 @@ from temporalio.client import Client as TemporalClient
 
 from luftpause import native, temporal_dev
 from luftpause.temporal_dev import DevServer, StartInterrupted, free_port
-from luftpause.up import Interrupted, wait_http
+from luftpause.up import Interrupted, _banner, wait_http
+from tests.children import communicate
 from tests.luftpause.test_process import wait_gone
 from tests.workflows.harness import task_with
 
@@ -221,7 +222,7 @@ async def test_up_runs_sub_agents_and_stops_everything(state: Path) -> None:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
         )
-        out, err = await asyncio.wait_for(load.communicate(), 90)
+        out, err = await communicate(load, 90)
         assert load.returncode == 0, err.decode()
         loaded = json.loads(out)
         assert loaded["interactive_runs"] + loaded["batch_runs"] == 3 and not loaded["errors"]
@@ -292,14 +293,16 @@ async def test_a_port_in_use_is_named_with_its_flag(state: Path) -> None:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
+        # (Free ports for the others: should the check come later, nothing binds 7233.)
+        others = f"--temporal-port {free_port()} --ui-port {free_port()}"
         out = subprocess.run(
-            [EXE, "up", "--port", str(port), "--state-dir", str(state)],
+            [EXE, "up", "--port", str(port), *others.split(), "--state-dir", str(state)],
             capture_output=True,
             text=True,
             timeout=60,
         )
         # `make up` passes ARGS on: the README's way to choose ports.
-        args = f"ARGS=--port {port} --state-dir {state}"
+        args = f"ARGS=--port {port} {others} --state-dir {state}"
         made = subprocess.run(
             ["make", "-s", "up", args], cwd=ROOT, capture_output=True, text=True, timeout=60
         )
@@ -382,11 +385,6 @@ async def test_up_with_a_file_serves_its_callers_by_their_own_tokens(
     worker died without it), and the worker's log holds an earlier start's ready line
     (up took it for this start's and said it was up)."""
     engine_port = free_port()
-    engine = subprocess.Popen(
-        [EXE, "fake-engine", "--port", str(engine_port), "--instant"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
     config = tmp_path / "luftpause.toml"
     config.write_text(
         f"""token = "op"
@@ -436,11 +434,20 @@ namespace = "agents"
         with urllib.request.urlopen(ask, timeout=10) as answered:
             return [r["run_id"] for r in json.load(answered)["runs"]]
 
+    # (Started before the try, it outlived a failure in between; helper-165.)
+    engine = subprocess.Popen(
+        [EXE, "fake-engine", "--port", str(engine_port), "--instant"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         await up.start()
         # The banner's load commands send the token (helper-127: they got 401).
         banner = "".join(up.output)
         assert f'load --url {up.gateway} --token "<the token of {config}>" --minutes' in banner
+        # Its sub-agent load names no tool of the fake MCP server, which is not up here
+        # (helper-162: `--tools lookup` failed on every file without one).
+        assert "--tools lookup" not in banner and "(no tools configured" in banner, banner
         turn = {"model": "llama-3.2-1b", "messages": [{"role": "user", "content": "hi"}]}
         assert post("/v1/chat/completions", turn, "tok-a", "ra") == 200
         assert post("/v1/chat/completions", turn, "tok-b", "ra") == 403
@@ -521,3 +528,23 @@ def test_up_says_it_failed_when_a_part_keeps_exiting(tmp_path: Path) -> None:
         )
         == 5
     )
+
+
+def test_the_banners_sub_agent_load_names_tools_only_where_it_knows_them() -> None:
+    # `--tools lookup` is the fake MCP server's; a file's own servers are called for
+    # real, so the banner names none of them (helper-162).
+    where = {
+        "gateway": "http://127.0.0.1:9",
+        "ui": "u",
+        "temporal": "t",
+        "engines": "e",
+        "config": "c",
+    }
+    fake = _banner({**where, "tools": "http://127.0.0.1:8/mcp"}, None)
+    assert "--subagents 16 --rounds 3 --tools lookup\n" in fake
+    none = _banner({**where, "tools": ""}, None, fake_tools=False)
+    assert "tools         (none configured)" in none and "--tools" not in none
+    assert "--rounds 3   (no tools configured: they answer without)" in none
+    mine = _banner({**where, "tools": "https://mcp.example/mcp"}, None, fake_tools=False)
+    assert "--tools NAME,..." in mine and "lookup" not in mine
+    assert "their runs call your tools for real" in mine
