@@ -1,6 +1,6 @@
 """The admission policy: `decide(state, event) -> (state, actions)`.
 
-Rules (DESIGN.md "The scheduler"), stated once, enforced here and nowhere else:
+Rules, stated once (the README's "What it is" tells users), enforced here and nowhere else:
 
 1. Everything that decides where and when a turn runs lives in `State`; the shell
    (the gateway's proxy and prober, or the simulator) only reports events and carries
