@@ -1422,7 +1422,9 @@ async def test_a_first_chunk_later_than_a_third_of_the_turn_timeout_tells_the_co
 
 
 async def test_client_leaving_mid_stream_stops_the_engine() -> None:
-    async with engine(time_scale=1) as (url, _), gateway(endpoint("a", url)) as (gw, shell):
+    # At 0.02x the reply takes some 60 s, past the polls' 10: the engine stops only if
+    # the gateway closed its request (at 1x it ended in 1.25 s either way; helper-165).
+    async with engine(time_scale=0.02) as (url, _), gateway(endpoint("a", url)) as (gw, shell):
         body = chat("a long story", stream=True, max_tokens=2000)
         async with gw.stream("POST", "/v1/chat/completions", json=body) as r:
             async for line in r.aiter_lines():

@@ -8,7 +8,6 @@ test skips and says why.  `node_modules` is installed once per session with `npm
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import fcntl
 import json
 import shutil
@@ -21,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from tests.children import communicate
 from tests.system import missing_tool
 from tests.workflows.harness import MODEL, stack, task_with
 
@@ -114,14 +114,7 @@ async def run_client(node: Node, url: str, spawn_args: dict[str, Any]) -> dict[s
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), CLIENT_TIMEOUT_S)
-    except BaseException:  # the timeout, or the test cancelled
-        if proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()  # SIGKILL to its PID
-        await proc.wait()
-        raise
+    out, err = await communicate(proc, CLIENT_TIMEOUT_S)
     stderr = err.decode(errors="replace")
     assert proc.returncode == 0, f"client.mjs exited {proc.returncode}:\n{stderr}"
     lines = out.decode().strip().splitlines()

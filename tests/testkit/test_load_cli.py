@@ -17,6 +17,7 @@ from luftpause.headers import RUN_HEADER
 from testkit.fake_engine import FakeEngineSettings, create_app
 from testkit.fanout import Fanout, run_fanout
 from testkit.loopback import serve
+from tests.children import communicate
 from tests.gateway.harness import closed_port_url, endpoint, gateway
 from tests.workflows.harness import stack, task_with
 
@@ -28,7 +29,7 @@ async def load(*args: str) -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
         EXE, "load", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
     )
-    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    out, err = await communicate(proc, 120)
     assert proc.returncode is not None
     return proc.returncode, out.decode(), err.decode()
 
