@@ -134,6 +134,9 @@ DECLINED = "Error: the user declined this tool call"
 BUDGET_EXCEEDED = (
     "BudgetExceeded"  # the ApplicationError type a run stopped by its budget ends with
 )
+# The ApplicationError type of a spawn refused while other children start (see
+# contract.CHILDREN_STARTING_BYTES): Runs.spawn sends it again.
+CHILDREN_STARTING = "ChildrenStarting"
 # `workflow.patched` id of the budget stop that lets in-flight work finish (rule 2).
 DRAIN_PATCH = "budget-stop-drains-in-flight-work"
 # `workflow.patched` id of the tool-call budget that the holder's own calls stay inside.
@@ -316,6 +319,11 @@ def _size(message: Any) -> int:
     return len(json.dumps(message))  # ASCII-escaped: never less than the UTF-8 size
 
 
+def _payload_bytes(value: Any) -> int:
+    """What `value` weighs as Temporal carries it (the workflow's payload converter)."""
+    return workflow.payload_converter().to_payloads([value])[0].ByteSize()
+
+
 def fit_answer(content: str, room: int) -> str:
     """A tool answer cut to `room` bytes of JSON (its part of the conversation still
     free), with a note the model reads; the note alone when no room is left."""
@@ -395,6 +403,10 @@ class AgentRun:
         self._stop_wait = False  # set by run(): see STOP_WAIT_PATCH
         self._in_turn = False  # an LLM turn of the run is in flight
         self._spawning: set[str] = set()  # the handles spawn_child is still starting
+        # Their specs' sizes, by handle (contract.CHILDREN_STARTING_BYTES): set by the
+        # validator, which runs before the handlers of the spawns of one workflow task,
+        # and by the handler (a replay runs no validator); only validators read it.
+        self._starting: dict[str, int] = {}
         self._ending = False  # in _halt: cancelled, stopped or failed, closing
         self._halt_reason = ""  # why, as _halt tells the children
         self._late_stopped: set[str] = set()  # children stopped as they started late
@@ -1315,6 +1327,8 @@ class AgentRun:
             under_budget=self._spec.under_budget or self._spec.budget.counts_usage(),
         )
         self._spawning.add(request.handle)  # before any await: the validator counts it
+        if request.handle not in self._starting:
+            self._starting[request.handle] = _payload_bytes(request)
         try:
             child = await workflow.start_child_workflow(
                 AgentRun.run,
@@ -1325,6 +1339,7 @@ class AgentRun:
             )
         finally:
             self._spawning.discard(request.handle)
+            self._starting.pop(request.handle, None)
         self._children[request.handle] = ChildSummary(request.handle, "Running", settled=False)
         watcher = asyncio.create_task(self._watch(request.handle, child))
         self._watchers.add(watcher)
@@ -1383,6 +1398,18 @@ class AgentRun:
                 "past which Temporal ends the run and its tree); start further runs "
                 "without a parent"
             )
+        size = _payload_bytes(request)
+        starting = sum(self._starting.values())
+        if self._starting and starting + size > contract.CHILDREN_STARTING_BYTES:
+            raise ApplicationError(
+                f"run '{self._id}' is starting {len(self._starting)} children of "
+                f"{starting:,} bytes; this one's {size:,} waits until they have started "
+                f"(at most {contract.CHILDREN_STARTING_BYTES:,} at once: they share a "
+                "workflow task, which Temporal limits)",
+                type=CHILDREN_STARTING,
+                non_retryable=True,
+            )
+        self._starting[request.handle] = size  # taken: the next spawn's validator counts it
 
     @workflow.update
     def approve(self, answer: Approval) -> str:

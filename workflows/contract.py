@@ -58,6 +58,16 @@ CALL_ID_MAX_CHARS = 65_536
 # children it has.  Read at each spawn (not bound at import), so tests can lower them.
 MAX_RUN_CHILDREN = 1000
 SPAWN_HISTORY_LIMIT = 20_480
+# The children a run starts at once share its workflow task: its completion carries
+# each one's spec twice (the accepted spawn request, and the child's input), and
+# Temporal terminates a run whose completion passes gRPC's 4 MiB (helper-163: six
+# spawns of 450 kB at once ended their parent, "GrpcMessageTooLarge").  Specs of this
+# many bytes in all may be starting at once (one larger alone is taken); a spawn past
+# them is refused by the run's validator (leaving no trace in its history) and sent
+# again by `Runs.spawn` once those have started.  With a turn's input (2 MiB at most)
+# in the same completion it stays under 4 MiB.  Only the validator reads it: no
+# command depends on it.
+CHILDREN_STARTING_BYTES = 800_000
 # What stays unbounded is the reports: a subtree busy for hours adds a report per
 # running child every REPORT_EVERY_S (more under a budget) to its parent, whose history
 # cannot shed them (a run continues as new only once its children have ended).  A run

@@ -35,7 +35,7 @@ from temporalio.converter import value_to_type
 from temporalio.exceptions import ApplicationError, FailureError
 from temporalio.service import RPCError, RPCStatusCode
 
-from workflows.agent_run import AgentRun, search_attributes
+from workflows.agent_run import CHILDREN_STARTING, AgentRun, search_attributes
 from workflows.contract import (
     ACTIVE_STATES,
     CALL_ID_MAX_CHARS,
@@ -284,17 +284,7 @@ class Runs:
             # task queue's run, and a workflow that is no run).
             await self._describe(spec.parent)
             try:
-                child: str = await self._update(
-                    spec.parent,
-                    AgentRun.spawn_child,
-                    ChildRequest(handle, replace(spec, parent=None)),
-                    no_worker=f"the parent run '{spec.parent}' cannot start a child until "
-                    "one runs (`luftpause worker`); nothing was asked of it",
-                    not_taken=f"parent run '{spec.parent}' did not take the child within "
-                    f"{self._child_wait_s:g} s (is a worker up on task queue '{self._queue}', "
-                    "and the parent's workflow task not failing?)",
-                )
-                return child
+                return await self._spawn_child(spec.parent, handle, spec)
             except _NotTaken as exc:
                 # The server keeps an update its caller left, and a worker that comes
                 # takes it: a child would start that its caller was told had not, and
@@ -344,6 +334,34 @@ class Runs:
             _refused(exc, None)
             raise
         return handle
+
+    async def _spawn_child(self, parent: str, handle: str, spec: RunSpec) -> str:
+        """Ask run `parent` to start child `handle`.  A refusal while other children of
+        it start (contract.CHILDREN_STARTING_BYTES; it left no trace) is sent again,
+        after 20 ms, doubling to 1 s, for up to `child_wait_s`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._child_wait_s
+        pause = 0.02
+        while True:
+            try:
+                child: str = await self._update(
+                    parent,
+                    AgentRun.spawn_child,
+                    ChildRequest(handle, replace(spec, parent=None)),
+                    no_worker=f"the parent run '{parent}' cannot start a child until "
+                    "one runs (`luftpause worker`); nothing was asked of it",
+                    not_taken=f"parent run '{parent}' did not take the child within "
+                    f"{self._child_wait_s:g} s (is a worker up on task queue '{self._queue}', "
+                    "and the parent's workflow task not failing?)",
+                )
+                return child
+            except WorkflowUpdateFailedError as exc:
+                cause = exc.cause
+                starting = isinstance(cause, ApplicationError) and cause.type == CHILDREN_STARTING
+                if not starting or loop.time() + pause > deadline:
+                    raise
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 1.0)
 
     async def withdraw_child(self, parent: str, handle: str) -> bool:
         """Withdraw the request that run `parent` start child `handle` (its caller gave

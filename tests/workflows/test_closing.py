@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from temporalio import activity
+from temporalio.api.enums.v1 import EventType
 from temporalio.client import (
     Client,
     WorkflowExecutionStatus,
@@ -308,6 +309,50 @@ async def _run_to_its_end(address: str, fakes: StandIns, spec: RunSpec) -> RunSt
         await until(runs._worker_polls, "the worker polls")
         (status,) = await runs.wait([await runs.spawn(spec)], timeout=60)
     return status
+
+
+async def test_children_with_large_tasks_spawned_at_once_leave_their_parent_running(
+    temporal_address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Spawns that reach a parent together are taken in one workflow task, whose
+    completion carries each child's spec twice: six of 450 kB passed gRPC's 4 MiB, and
+    Temporal terminated the parent and cancelled its tree (helper-163).  The parent
+    takes at most contract.CHILDREN_STARTING_BYTES starting at once; Runs.spawn sends
+    the others again once those have started.  (Its worker is down while the six
+    reach the server: they come to it in one task.)"""
+    client = await connect(temporal_address)
+    queue = f"stand-in-{uuid.uuid4().hex[:8]}"
+    runs = Runs(client, task_queue=queue)
+    fakes = StandIns()
+    async with stand_in_worker(client, queue, fakes):
+        await until(runs._worker_polls, "the worker polls")
+        parent = await runs.spawn(RunSpec(task="block parent", model="m"))
+        await until(lambda: parent in fakes.in_turn, "the parent in its turn")
+    service = client.workflow_service
+    asked = service.update_workflow_execution
+    sent: list[object] = []
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        sent.append(args[0])
+        return await asked(*args, **kwargs)
+
+    monkeypatch.setattr(service, "update_workflow_execution", counted)
+    pad = "d" * 450_000
+    spawns = asyncio.gather(
+        *(runs.spawn(RunSpec(task=f"block kid {i} {pad}", model="m", parent=parent))
+          for i in range(6))
+    )  # fmt: skip
+    await until(lambda: len(sent) >= 6, "the six spawns sent")
+    async with stand_in_worker(client, queue, fakes):
+        kids = await spawns
+        status = await runs.status(parent)
+        assert status.state == "Running", status.error
+        assert sorted(c.handle for c in status.children) == sorted(kids)
+        assert len(sent) > 6  # some were refused while others started, and sent again
+        kinds = [e.event_type for e in await _events(client.get_workflow_handle(parent))]
+        assert EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED not in kinds
+        ended = await runs.cancel(parent)
+    assert ended.state == "Cancelled", ended
 
 
 async def test_a_conversation_too_large_for_temporal_fails_the_run(temporal_address: str) -> None:
