@@ -222,6 +222,13 @@ LISTING_PATCH = "a-tool-listing-gives-way-to-timers-and-stops"
 # report per child every few seconds, past Temporal's 51,200 events: Temporal
 # terminated the run and cancelled every child, no answer kept and no reason given.
 HISTORY_ROOM_PATCH = "a-run-stops-before-temporals-event-limit"
+# `workflow.patched` id of the same stop at contract.SIGNAL_STOP signals: Temporal takes
+# at most 10,000 signals into one execution by default, and refuses the rest.  Its
+# children's reports (signals, several a child) passed that before the event limit, in
+# a tree of some 550 children or a busy one for an hour: the reports were refused, the
+# budget the run holds saw its subtree no more (checked only as each child ended), its
+# status froze, and a stop from above could not reach it (helper-163).
+SIGNAL_ROOM_PATCH = "a-run-stops-before-temporals-signal-limit"
 # Why a child whose spawn request was withdrawn stops (withdraw_child), and how many
 # withdrawn requests a run remembers (each a handle; the oldest is forgotten first).
 WITHDRAWN_REASON = "its spawn request was withdrawn: the caller gave up waiting for it"
@@ -420,6 +427,8 @@ class AgentRun:
         self._coalesce = False  # set by run(): see REPORTS_PATCH
         self._keep_reason = False  # set by run(): see HALT_REASON_PATCH
         self._room_rule = False  # set by run(): see HISTORY_ROOM_PATCH
+        self._signal_rule = False  # set by run(): see SIGNAL_ROOM_PATCH
+        self._signals = 0  # the signals this execution took (in its history: replays alike)
         self._reporting = False  # the reporter is on its way (REPORTS_PATCH)
         self._report_again = False  # the run or its subtree changed since it left
         self._flushing = False  # a report held back goes now (continue-as-new)
@@ -440,6 +449,7 @@ class AgentRun:
         self._coalesce = workflow.patched(REPORTS_PATCH)
         self._keep_reason = workflow.patched(HALT_REASON_PATCH)
         self._room_rule = workflow.patched(HISTORY_ROOM_PATCH)
+        self._signal_rule = workflow.patched(SIGNAL_ROOM_PATCH)
         work = asyncio.create_task(self._work())
         try:
             await self._until_done(work)
@@ -1027,9 +1037,10 @@ class AgentRun:
 
     def _check_room(self) -> None:
         """Stop the run, as on a budget, once its history has contract.HISTORY_STOP_EVENTS
-        events (HISTORY_ROOM_PATCH): the stop's reason goes down to its children.  (The
-        length as the workflow task started: recorded in the history, so a replay reads
-        the same.)"""
+        events (HISTORY_ROOM_PATCH), or it took contract.SIGNAL_STOP signals
+        (SIGNAL_ROOM_PATCH): the stop's reason goes down to its children.  (The length
+        as the workflow task started, and the signals it delivered: both in the history,
+        so a replay reads the same.)"""
         if not self._room_rule or self._stop_reason is not None or self._ending:
             return
         if self._children_done():
@@ -1044,6 +1055,15 @@ class AgentRun:
                 "and cancels every child it has running; a run continues as new only once "
                 "its children have ended): its tree stops, as on a budget"
             )
+        elif self._signal_rule and self._signals >= contract.SIGNAL_STOP:
+            self._stop_reason = (
+                f"run {self._id} took {self._signals:,} signals (its children's reports), "
+                f"its limit {contract.SIGNAL_STOP:,} (Temporal takes at most 10,000 into a "
+                "run by default, and refuses its children's reports and stops past them; "
+                "a run continues as new only once its children have ended): its tree "
+                "stops, as on a budget"
+            )
+        if self._stop_reason is not None:
             workflow.logger.warning("run %s stops: %s", self._id, self._stop_reason)
 
     def _history_full(self) -> bool:
@@ -1287,6 +1307,7 @@ class AgentRun:
     @workflow.signal
     async def report(self, report: ChildReport) -> None:
         """A child's subtree changed."""
+        self._signals += 1
         known = self._children.get(report.handle)
         if known is not None and known.state in TERMINAL_STATES:
             return  # the watcher saw it end; a late report changes nothing
@@ -1299,6 +1320,7 @@ class AgentRun:
     @workflow.signal
     def stop(self, request: StopRequest) -> None:
         """An ancestor's budget tripped: stop at the next check (see rule 2)."""
+        self._signals += 1
         self._stop_reason = self._stop_reason or request.reason
 
     @workflow.signal
@@ -1308,6 +1330,7 @@ class AgentRun:
         and a worker that comes later delivers it.  It is refused then; a child that
         started meanwhile (the request was taken as its caller gave up) is cancelled.
         (A signal, which old histories never carry: no patch is needed.)"""
+        self._signals += 1
         self._withdrawn[request.handle] = None
         while len(self._withdrawn) > WITHDRAWN_KEPT:
             del self._withdrawn[next(iter(self._withdrawn))]

@@ -82,6 +82,13 @@ CHILDREN_STARTING_BYTES = 800_000
 # to them needs a patch id of its own.
 HISTORY_STOP_EVENTS = 30_000
 HISTORY_HALT_EVENTS = 38_000
+# The same stop at this many signals taken by one execution (agent_run.SIGNAL_ROOM_PATCH):
+# Temporal refuses signals past history.maximumSignalsPerExecution, 10,000 by default,
+# and the reports pass it before the event limit (each is one event, and several share
+# a workflow task).  The 2,000 left take the wind-down's reports (a child's Stopping and
+# its end: a child's end also reaches its parent as the child's result).  Read at each
+# check, so tests can lower it; a change to it needs a patch id of its own.
+SIGNAL_STOP = 8_000
 # Temporal terminates a workflow whose history passes 50 MB (its default size limit),
 # its answer lost.  A run whose history could not shed its turns (one that cannot
 # continue as new: children running, or an input too large to carry) fails before a

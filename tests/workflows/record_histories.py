@@ -17,7 +17,8 @@ it, renamed; `cancelled_while_closing` after `HALT_UNBROKEN_PATCH`, `unsent_stop
 `UNSENT_STOP_PATCH`, `seconds_tripped` and `continued_as_new` after that, to cover those
 paths, `told` after `TOLD_PATCH`, `sized_loop` after `TURN_SIZE_PATCH` and `LISTING_PATCH`,
 `withdrawn` after the `withdraw_child` signal, `history_stopped` after
-`HISTORY_ROOM_PATCH`; the others before them).
+`HISTORY_ROOM_PATCH`, `signals_stopped` after `SIGNAL_ROOM_PATCH`; the others before
+them).
 """
 
 from __future__ import annotations
@@ -319,6 +320,27 @@ async def _history_stopped(s: Stack) -> None:
     await _save(s, "history_stopped", [parent, child])
 
 
+async def _signals_stopped(s: Stack) -> None:
+    # After SIGNAL_ROOM_PATCH: a parent that took SIGNAL_STOP signals (lowered to 1; a
+    # report sent by hand; its stop reason says the value, which the replay test reads
+    # back) stops, and its child with it.
+    from workflows import AgentRun, contract
+    from workflows.contract import ChildReport, Totals
+
+    parent = await spawn_waiting(s, "sp")
+    child = await spawn_waiting(s, "sc", parent=parent)
+    kept = contract.SIGNAL_STOP
+    contract.SIGNAL_STOP = 1
+    try:
+        handle = s.client.get_workflow_handle(parent)
+        await handle.signal(AgentRun.report, ChildReport(child, "AwaitingApproval", Totals()))
+        done = await s.runs.wait([parent, child], timeout=60)
+    finally:
+        contract.SIGNAL_STOP = kept
+    assert [d.state for d in done] == ["Cancelled", "Cancelled"], done
+    await _save(s, "signals_stopped", [parent, child])
+
+
 SCENARIOS = {
     "tool_loop": _tool_loop,
     "parallel_calls": _parallel_calls,
@@ -341,6 +363,7 @@ SCENARIOS = {
     "sized_loop": _sized_loop,
     "withdrawn": _withdrawn,
     "history_stopped": _history_stopped,
+    "signals_stopped": _signals_stopped,
 }
 
 

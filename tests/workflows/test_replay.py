@@ -28,6 +28,7 @@ from workflows.agent_run import (
     LISTING_PATCH,
     ONCE_PATCH,
     REPORTS_PATCH,
+    SIGNAL_ROOM_PATCH,
     SPENT_PATCH,
     TOLD_PATCH,
     TOOLS_BY_FUNCTION_PATCH,
@@ -54,9 +55,10 @@ AFTER_TOLD = {"told-0", "told-1"}
 # Recorded after TURN_SIZE_PATCH, LISTING_PATCH and the withdraw_child signal: a tool
 # loop, and a parent whose started child was withdrawn (cancelled) and the child.
 AFTER_SIZED = {"sized_loop", "withdrawn-0", "withdrawn-1"}
-# Recorded after HISTORY_ROOM_PATCH: a parent stopped at a (lowered) history limit, and
-# its child.
-AFTER_ROOM = {"history_stopped-0", "history_stopped-1"}
+# Recorded after SIGNAL_ROOM_PATCH: a parent stopped at a (lowered) signal limit, and its
+# child.
+AFTER_SIGNALS = {"signals_stopped-0", "signals_stopped-1"}
+AFTER_ROOM = {"history_stopped-0", "history_stopped-1"} | AFTER_SIGNALS
 AFTER_FUNCTIONS = (
     {"tools_by_function"}
     | UNPATCHED_LATE
@@ -325,11 +327,16 @@ def test_a_stop_at_the_history_limit_is_recorded_after_its_patch() -> None:
     # HISTORY_ROOM_PATCH: no history before it has the marker; after it, a parent whose
     # history reached the limit stopped its child and ended, the child with its reason.
     assert {p.stem for p in HISTORIES if HISTORY_ROOM_PATCH in _patches(p)} == AFTER_ROOM
-    ends = []
-    for stem in sorted(AFTER_ROOM):
-        events = json.loads((HISTORIES[0].parent / f"{stem}.json").read_text("utf-8"))["events"]
-        ends.append(events[-1]["workflowExecutionFailedEventAttributes"]["failure"]["message"])
-    assert ends[0] == ends[1] and ends[0].endswith("its tree stops, as on a budget")
+    # SIGNAL_ROOM_PATCH: the same at the signal limit.
+    assert {p.stem for p in HISTORIES if SIGNAL_ROOM_PATCH in _patches(p)} == AFTER_SIGNALS
+    for scenario in ("history_stopped", "signals_stopped"):
+        ends = []
+        for i in (0, 1):
+            path = HISTORIES[0].parent / f"{scenario}-{i}.json"
+            events = json.loads(path.read_text("utf-8"))["events"]
+            end = events[-1]["workflowExecutionFailedEventAttributes"]["failure"]["message"]
+            ends.append(end)
+        assert ends[0] == ends[1] and ends[0].endswith("its tree stops, as on a budget")
 
 
 @pytest.mark.parametrize("path", HISTORIES, ids=[p.stem for p in HISTORIES])
@@ -342,6 +349,10 @@ async def test_a_recorded_history_replays(path: Path, monkeypatch: pytest.Monkey
                         failure.get("message", ""))  # fmt: skip
     if lowered:
         monkeypatch.setattr(contract, "HISTORY_STOP_EVENTS", int(lowered[1].replace(",", "")))
+    signals = re.search(r"signals \(its children's reports\), its limit ([\d,]+)",
+                        failure.get("message", ""))  # fmt: skip
+    if signals:
+        monkeypatch.setattr(contract, "SIGNAL_STOP", int(signals[1].replace(",", "")))
     result = await Replayer(workflows=[AgentRun]).replay_workflow(
         _history(path), raise_on_replay_failure=False
     )

@@ -499,6 +499,26 @@ async def test_a_run_whose_history_nears_temporals_limit_stops_its_tree(
     assert [(c.handle, c.state) for c in top.children] == [(kid, "Cancelled")]
 
 
+async def test_a_run_whose_children_report_near_temporals_signal_limit_stops_its_tree(
+    temporal_address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Temporal takes at most 10,000 signals into one execution and refuses the rest:
+    # past them the children's reports were refused, the budget the run held saw its
+    # subtree no more, and a stop from above could not reach it (helper-163).  At
+    # SIGNAL_STOP signals (lowered here: the next one) the run stops as on a budget.
+    async with stack(temporal_address) as s:
+        parent = await spawn_waiting(s, "p")
+        kid = await spawn_waiting(s, "k", parent=parent)
+        monkeypatch.setattr(contract, "SIGNAL_STOP", 1)
+        handle = s.client.get_workflow_handle(parent)
+        await handle.signal(AgentRun.report, ChildReport(kid, "AwaitingApproval", Totals()))
+        top, below = await s.runs.wait([parent, kid], timeout=60)
+    assert top.state == "Cancelled", top
+    assert (top.error or "").startswith(f"run {parent} took "), top.error
+    assert "signals (its children's reports), its limit 1 " in (top.error or "")
+    assert (below.state, below.error) == ("Cancelled", top.error)
+
+
 async def test_a_wind_down_tells_its_running_children_to_stop_all_at_once(
     temporal_address: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
