@@ -32,9 +32,10 @@ Rules, stated once (the README's "What it is" tells users), enforced here and no
    last turn of that model ran (a turn away, or its own before it moved to another
    model): a side request that comes first when the run is idle moves the run, and
    the main model's next turn finds its prefix again.  A turn away of another model
-   that carries the conversation (a prompt at least half the run's context) and ends
-   in tool calls is no side request: the model was switched to while the run waited
-   on a tool, and the run goes on paused where that turn ran, with its model.  (A
+   that carries the conversation (a prompt at least half the run's context) and
+   finishes is no side request: the model was switched to while the run waited on a
+   tool, and the run goes on where that turn ran, with its model, paused on a tool
+   there (its turn asked for one) or idle.  (A
    turn's usage sets its run's
    context, which sizes the run's claim and its held turns, but does not shrink it
    while another turn of the run still runs there.)  A held turn waits where its run
@@ -1084,18 +1085,21 @@ class _Tx:
                 if (
                     kept
                     and run.phase is _PAUSED
-                    and finish_reason == "tool_calls"
+                    and finish_reason is not None
                     and run.replica != name
                     and t.model != run.model
                     and 2 * (prompt or t.prompt_tokens) >= run.context_tokens
                 ):
                     # A turn away of another model that carried the conversation (its
                     # prompt at least half the run's context, tokenizers differ) and
-                    # ended in tool calls: the conversation went on there (a model
-                    # switched to while the run waited on a tool: Claude Code's
-                    # opusplan after its plan's approval), and its next turn comes back
-                    # to it (rule 3).  A side request is shorter.
-                    self._switched(run, t, name, prompt + completion if prompt else 0)
+                    # finished: the conversation went on there (a model switched to
+                    # while the run waited on a tool: Claude Code's opusplan after its
+                    # plan's approval), and its next turn comes back to it (rule 3).
+                    # A side request is shorter.  What the turn found cached counts as
+                    # a first turn's (its model's shared prefix; helper-166).
+                    seen = min(max(cached, 0), prompt) if prompt > 0 and cached is not None else 0
+                    self._switched(run, t, name, prompt + completion if prompt else 0,
+                                   finish_reason == "tool_calls", seen)  # fmt: skip
                     old = run.replica
                     self._fill([name] if old is None or old not in self.replicas else [name, old])
                     return
@@ -1132,22 +1136,26 @@ class _Tx:
             )
         self._fill(names)
 
-    def _switched(self, run: RunState, t: TurnState, name: str, context: int) -> None:
-        """The paused run goes on with `t`'s model, paused on `name`, where `t` ran: its
-        claim moves there, its pause (expiry, retention) starts now, and `side` keeps
-        where its old model's prefix is.  (Left paused on its old replica, every later
-        turn ran as a side turn: preferred, not kept, on the new model's replica, and
-        the run expired 30 minutes after the switch while it kept taking turns;
-        helper-164.)"""
+    def _switched(
+        self, run: RunState, t: TurnState, name: str, context: int, paused: bool, cached: int
+    ) -> None:
+        """The paused run goes on with `t`'s model on `name`, where `t` ran: paused there
+        on a tool (its claim moves there, its pause starts now), or idle there;
+        `side` keeps where its old model's prefix is, and `cached` is what `t` found
+        cached (as its run's first turn of the model).  (Left paused on its old
+        replica, every later turn ran as a side turn: preferred, not kept, on the new
+        model's replica, and the run expired 30 minutes after the switch while it kept
+        taking turns; helper-164.)"""
         self._replace_run(
             run,
             RunState(
-                run.run_id, run.service_class, run.caller, t.model, _PAUSED, name, 0,
+                run.run_id, run.service_class, run.caller, t.model,
+                _PAUSED if paused else _IDLE, name, 0,
                 context or t.prompt_tokens, t.reply_tokens, self.now, False, 0,
                 # True: its claims start now, even where its old ones had lapsed
                 # (_replace_run computes them; both 0 would read as lapsed).
                 True,
-                run.ended, False, "", -1, (run.model, run.replica) if run.replica else None,
+                run.ended, False, "", cached, (run.model, run.replica) if run.replica else None,
             ),
         )  # fmt: skip
         self.refill += self._grown()

@@ -800,6 +800,52 @@ def test_a_model_switched_to_while_the_run_waits_on_a_tool_takes_the_run_with_it
         assert d.admitted() == {t3: "b1"}
 
 
+def test_a_model_switched_to_that_answers_takes_the_run_idle_with_it() -> None:
+    # The same switch, its turns ending in answers: the run stayed paused on a1 with
+    # model a (claim, bound count and the slot batch leaves it there) and expired 30
+    # minutes on while the conversation went on on b (helper-166).
+    d = Driver(
+        ("a1", "b1"), kv_tokens=100_000, serves={"a1": ["a"], "b1": ["b"]},
+        policy=Policy(idle_run_expiry_s=1800),
+    )  # fmt: skip
+    t1 = d.arrive("r1", model="a", prompt=2000)
+    d.finish(t1, "tool_calls", prompt=2000, out=50)
+    prompt = 2100
+    for minute in range(40):  # a turn a minute on b
+        t = d.arrive("r1", model="b", prompt=prompt)
+        d.finish(t, "stop", prompt=prompt, out=50)
+        prompt += 100
+        d.now += 60
+        d.feed(Tick(now=d.now))
+        assert Forget(run_id="r1", expired=True) not in d.actions, minute
+    run = d.state.runs["r1"]
+    assert (run.phase, run.model, run.replica) == (RunPhase.IDLE, "b", "b1"), run
+    assert d.state.replicas["a1"].bound_runs == 0
+
+
+@pytest.mark.parametrize("cached", [0, 6000])
+def test_the_turn_that_switches_a_run_tells_what_its_model_had_cached(cached: int) -> None:
+    # It ran as a turn away (not its run's first), so its cache report was dropped, and
+    # the run's claim on b1 left out b's learned shared prefix for life, even when b1
+    # had none of the conversation cached (helper-166; helper-124's case again).
+    d = Driver(
+        ("a1", "b1"), kv_tokens=100_000, serves={"a1": ["a"], "b1": ["b"]},
+        policy=Policy(learn_shared_prefix=True),
+    )  # fmt: skip
+    for n in range(3):  # b's runs share a 4,000-token prefix
+        t = d.arrive(f"o{n}", model="b", prompt=5000)
+        d.finish(t, "stop", prompt=5000, out=10, cached=4000)
+        d.now += 11  # (the learned prefix moves at most every 10 s)
+    assert d.state.shared_prefix("b") == 4000
+    t1 = d.arrive("r1", model="a", prompt=10_000)
+    d.finish(t1, "tool_calls", prompt=10_000, out=50, cached=0)
+    t2 = d.arrive("r1", model="b", prompt=10_000)
+    d.finish(t2, "tool_calls", prompt=10_000, out=50, cached=cached)
+    run = d.state.runs["r1"]
+    assert (run.phase, run.replica, run.first_cached) == (RunPhase.PAUSED, "b1", cached)
+    assert run.ws_claim == 10_050 - min(cached, 4000) + run.reply_tokens, run
+
+
 def test_a_short_turn_of_another_model_that_asks_for_tools_leaves_the_run_where_it_is() -> None:
     # A side request (far shorter than the run's conversation) that ends in tool calls
     # does not move the run: its prefix and claim stay on a.

@@ -711,6 +711,26 @@ def check_step(before: State, event: Event, after: State, actions: list[Action])
         last = run is not None and run.in_flight == 1 and not run.retrying
         if done is not None and done.replica is not None and run is not None and last:
             runs[run.run_id] = run._replace(phase=RunPhase.IDLE, in_flight=0)
+    if isinstance(event, TurnFinished):
+        # Rule 3: a paused run's last turn in flight, away on another model, carried
+        # the conversation: the run went on there, with that model (helper-166: a held
+        # turn of its old model went elsewhere in the same step).
+        done = before.turns.get(event.turn_id)
+        run = before.runs.get(done.run_id) if done is not None else None
+        if (
+            done is not None
+            and done.replica is not None
+            and run is not None
+            and run.phase is RunPhase.PAUSED
+            and run.in_flight == 1
+            and done.replica != run.replica
+            and done.model != run.model
+            and 2 * (event.prompt_tokens or done.prompt_tokens) >= run.context_tokens
+        ):
+            phase = RunPhase.PAUSED if event.finish_reason == "tool_calls" else RunPhase.IDLE
+            runs[run.run_id] = run._replace(
+                phase=phase, replica=done.replica, model=done.model, in_flight=0
+            )
     # A run its client ended is forgotten at once, or once its last turn in flight ends
     # (a timeout included): a turn of it still held is a new run's then, free to go anywhere.
     ending = {a.turn_id for a in actions if isinstance(a, TimedOut)}
@@ -845,6 +865,24 @@ def initial(policy: Policy, kv: int | None) -> State:
     return State.initial([spec(n, ms, kv) for n, ms in REPLICAS], policy)
 
 
+# Found by helper-166 (2026-12-06): run1's turn away on model m1 ends, carrying its
+# conversation, and the run goes on with m1 on c (rule 3's switch); its held turn of m0,
+# pinned to b till then, goes to a in the same step.  The oracle had it paused on b.
+@example(
+    policy=Policy(eject_after_failures=None),
+    kv=20000,
+    script=[
+        ("arrive", 0, ServiceClass.INTERACTIVE, 0, 0, 2000, 0),  # t1: run0 m0 -> a
+        ("arrive", 1, ServiceClass.INTERACTIVE, 1, 0, 2000, 0),  # t2: run1 m0 -> b
+        ("finish", 1, "tool_calls", 2000, 50),  # run1 paused on b
+        ("arrive", 1, ServiceClass.INTERACTIVE, 1, 1, 2100, 0),  # t3: run1 m1, away to c
+        ("probe", 1, True, 1, 1, None, False, None),  # b: a queue, one running
+        ("probe", 1, True, 1, 1, None, False, None),  # again: capped at 1
+        ("arrive", 2, ServiceClass.INTERACTIVE, 2, 0, 100, 0),  # t4: run2 m0 -> b, full
+        ("arrive", 1, ServiceClass.INTERACTIVE, 1, 0, 2200, 0),  # t5: run1 m0, held for b
+        ("finish", 2, "tool_calls", 2100, 50),  # t3 ends: the switch; t5 goes to a
+    ],
+)
 @given(
     policy=policies,
     kv=st.sampled_from([None, 8000, 20000]),
