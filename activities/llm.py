@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 from temporalio import activity
+from temporalio.converter import DataConverter
 from temporalio.exceptions import ApplicationError
 
 from activities._recover import recover_tool_calls
@@ -40,6 +41,10 @@ _PERMANENT = frozenset({400, 401, 403, 404, 405, 413, 422})
 # Answers that say "not now" (a caller over its held bound, no healthy replica for the
 # model): retried for as long as it takes, as an unreachable gateway is.
 _WAIT = frozenset({429, 503})
+# A turn's output as Temporal carries it, at most: the run's conversation, which every
+# turn carries, is kept under 1.5 MB (agent_run.CONVERSATION_MAX_BYTES), and Temporal
+# takes no activity result past 2 MB.
+TURN_OUTPUT_MAX_BYTES = 1_500_000
 # Any other failure (an engine's 500, 502 or 504 for this turn) is retried until the turn
 # has failed so many times: a request that makes the engine fail every time must not be
 # sent again for ever (each failure also counts toward ejecting a replica).  Counted
@@ -225,13 +230,29 @@ class LlmActivities:
                 next_retry_delay=_next_delay(response),
             )
         try:
-            return self._output(turn, response, time.monotonic() - started)
+            output = self._output(turn, response, time.monotonic() - started)
         except _BadCompletion as exc:
             # An engine (or a router before it) that answers this turn with a body no
             # completion can be read from is failing it as a 500 would: counted, not
             # retried for ever.
             spent, message = _count_fault(faults, f"gateway answered 200 {exc}")
             raise ApplicationError(message, type="BadCompletion", non_retryable=spent) from None
+        size = _payload_bytes(output)
+        if size > TURN_OUTPUT_MAX_BYTES:
+            # Temporal takes no activity result past 2 MB: the attempt failed after
+            # the fact, as a retryable one, and the engine wrote the same turn again
+            # for ever, the run Running all along (helper-163: 4 calls of 280 kB,
+            # carried twice, in the message and as calls).
+            raise ApplicationError(
+                f"the engine's turn is {size:,} bytes as the run keeps it "
+                f"({len(output.tool_calls)} tool calls), past {TURN_OUTPUT_MAX_BYTES:,}: "
+                "a turn this large would take the "
+                "run's conversation past its limit, and Temporal past its own (2 MB an "
+                "activity's result); a lower maxTokens keeps turns smaller",
+                type="TurnTooLarge",
+                non_retryable=True,
+            )
+        return output
 
     def _output(self, turn: TurnInput, response: httpx.Response, seconds: float) -> TurnOutput:
         try:
@@ -328,3 +349,9 @@ def _call_ids(messages: list[dict[str, Any]]) -> set[str]:
         for c in m.get("tool_calls") or []
         if isinstance(c, dict)
     }
+
+
+def _payload_bytes(value: Any) -> int:
+    """What `value` weighs as Temporal carries it (the default payload converter, the
+    worker's)."""
+    return DataConverter.default.payload_converter.to_payloads([value])[0].ByteSize()

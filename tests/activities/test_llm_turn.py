@@ -524,3 +524,33 @@ def test_a_value_that_fits_is_kept_and_nested_values_are_coerced_too() -> None:
     count = {"properties": {"n": {"anyOf": [{"type": "integer"}, {"const": "all"}]}}}
     assert prepare_arguments("t", '{"n": "10"}', count) == {"n": 10}
     assert prepare_arguments("t", '{"n": "all"}', count) == {"n": "all"}
+
+
+@pytest.mark.parametrize(("calls", "chars", "fails"), [(4, 280_000, True), (4, 150_000, False)])
+async def test_a_turn_too_large_for_temporal_fails_at_once(
+    calls: int, chars: int, fails: bool
+) -> None:
+    # Four calls of 280 kB, carried twice (the message and the calls): Temporal took no
+    # such result, the attempt failed after the fact as a retryable one, and the engine
+    # wrote the same turn again for ever, the run Running all along (helper-163).
+    message = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": f"c{i}",
+                "type": "function",
+                "function": {"name": "lookup", "arguments": json.dumps({"q": "x" * chars})},
+            }
+            for i in range(calls)
+        ],
+    }
+    app = upstream(lambda r: completion(message, "tool_calls"))
+    if not fails:
+        out = await call(app, turn(tools=TOOLS))
+        assert len(out.tool_calls) == calls
+        return
+    with pytest.raises(ApplicationError) as err:
+        await call(app, turn(tools=TOOLS))
+    assert err.value.type == "TurnTooLarge" and err.value.non_retryable
+    assert "(4 tool calls), past 1,500,000" in str(err.value), err.value
