@@ -326,6 +326,11 @@ def _size(message: Any) -> int:
     return len(json.dumps(message))  # ASCII-escaped: never less than the UTF-8 size
 
 
+# A run's final status as Temporal carries it (its result, or its failure's details), at
+# most: Temporal takes none past 2 MB (see AgentRun._final).
+RESULT_MAX_BYTES = 1_900_000
+
+
 def _payload_bytes(value: Any) -> int:
     """What `value` weighs as Temporal carries it (the workflow's payload converter)."""
     return workflow.payload_converter().to_payloads([value])[0].ByteSize()
@@ -479,7 +484,7 @@ class AgentRun:
             # The final status rides on the failure (as on a result): a store reads it
             # from history, with no worker to replay the run for a query.
             raise ApplicationError(
-                reason, self.status(), type=BUDGET_EXCEEDED, non_retryable=True
+                reason, self._final(), type=BUDGET_EXCEEDED, non_retryable=True
             ) from None
         except asyncio.CancelledError:
             await self._halt(work, "Cancelled", self._stop_reason or "cancelled")
@@ -488,10 +493,10 @@ class AgentRun:
             message = str(exc.cause) if isinstance(exc, ActivityError) and exc.cause else str(exc)
             await self._halt(work, "Failed", message)
             raise ApplicationError(
-                message, self.status(), type="RunFailed", non_retryable=True
+                message, self._final(), type="RunFailed", non_retryable=True
             ) from None
         await self._finish()
-        return self.status()
+        return self._final()
 
     async def _until_done(self, work: asyncio.Task[None]) -> None:
         """Wait for the loop, or for the budget to trip (the seconds budget by timer)."""
@@ -1283,6 +1288,27 @@ class AgentRun:
             ended_at=self._ended_at,
             updated_at=self._updated_at,
         )
+
+    def _final(self) -> RunStatus:
+        """The status the run ends with (its result, or its failure's details), within
+        Temporal's 2 MB for either: the task (its caller gave it) is cut first, then
+        the answer, each with a note.  (Each was within its own bound, their sum was
+        not, and the run's close failed for ever, its answer lost; helper-163.)"""
+        status = self.status()
+        for field in ("task", "answer"):
+            over = _payload_bytes(status) - RESULT_MAX_BYTES
+            text = getattr(status, field)
+            if over <= 0 or not text:
+                break
+            # By the bytes its characters take as JSON (1 to 12), and a margin.
+            per = _size(text) / len(text)
+            keep = max(int(len(text) - (over + 2_000) / per), 0)
+            note = (
+                f"\n[luftpause: the {field}, {len(text):,} characters, is cut here: the "
+                "run's final status is limited to what Temporal carries]"
+            )
+            status = replace(status, **{field: text[:keep] + note})
+        return status
 
     def span_end(self) -> tuple[dict[str, str | int], str | None]:
         """How the run ended, for its `invoke_agent` span (luftpause/telemetry.py)."""

@@ -355,6 +355,29 @@ async def test_children_with_large_tasks_spawned_at_once_leave_their_parent_runn
     assert ended.state == "Cancelled", ended
 
 
+class LongAnswer(StandIns):
+    @activity.defn(name="llm_turn")
+    async def llm_turn(self, turn: TurnInput) -> TurnOutput:
+        return TurnOutput({"role": "assistant", "content": "a" * 1_850_000}, [], "stop")
+
+
+async def test_a_final_status_past_temporals_limit_keeps_the_answer(
+    temporal_address: str,
+) -> None:
+    """A 300 kB task and a 1.85 MB answer, each within its own bound, made a result past
+    Temporal's 2 MB: the run's close failed for ever, Running, its answer lost
+    (helper-163).  The task is cut from the final status, the answer kept whole."""
+    spec = RunSpec(task="t" * 300_000, model="m")
+    status = await asyncio.wait_for(_run_to_its_end(temporal_address, LongAnswer(), spec), 60)
+    assert (status.state, status.error) == ("Completed", None), status.error
+    assert status.answer == "a" * 1_850_000
+    assert status.task.startswith("t" * 1000) and len(status.task) < 300_000
+    assert status.task.endswith(
+        "[luftpause: the task, 300,000 characters, is cut here: the run's final status is "
+        "limited to what Temporal carries]"
+    )
+
+
 async def test_a_conversation_too_large_for_temporal_fails_the_run(temporal_address: str) -> None:
     """Tool answers are cut to keep a run's conversation under 1.5 MB, but the model's
     own messages are not: turn after turn of large tool-call arguments took the next
