@@ -331,6 +331,11 @@ def _size(message: Any) -> int:
 RESULT_MAX_BYTES = 1_900_000
 
 
+def _with(status: RunStatus, field: str, text: str) -> RunStatus:
+    """`status` with its task or its answer (`field`) as `text`."""
+    return replace(status, task=text) if field == "task" else replace(status, answer=text)
+
+
 def _payload_bytes(value: Any) -> int:
     """What `value` weighs as Temporal carries it (the workflow's payload converter)."""
     return workflow.payload_converter().to_payloads([value])[0].ByteSize()
@@ -1296,18 +1301,26 @@ class AgentRun:
         not, and the run's close failed for ever, its answer lost; helper-163.)"""
         status = self.status()
         for field in ("task", "answer"):
-            over = _payload_bytes(status) - RESULT_MAX_BYTES
             text = getattr(status, field)
-            if over <= 0 or not text:
+            if _payload_bytes(status) <= RESULT_MAX_BYTES:
                 break
-            # By the bytes its characters take as JSON (1 to 12), and a margin.
-            per = _size(text) / len(text)
-            keep = max(int(len(text) - (over + 2_000) / per), 0)
+            if not text:
+                continue
             note = (
                 f"\n[luftpause: the {field}, {len(text):,} characters, is cut here: the "
                 "run's final status is limited to what Temporal carries]"
             )
-            status = replace(status, **{field: text[:keep] + note})
+            room = RESULT_MAX_BYTES - _payload_bytes(_with(status, field, "")) - _size(note)
+            # The longest beginning that fits, by its bytes as JSON (a character takes 1
+            # to 12; helper-167: a cut by their average left CJK before English whole).
+            lo, hi = 0, len(text)
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if _size(text[:mid]) <= room:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            status = _with(status, field, text[:lo] + note)
         return status
 
     def span_end(self) -> tuple[dict[str, str | int], str | None]:
