@@ -41,10 +41,11 @@ _PERMANENT = frozenset({400, 401, 403, 404, 405, 413, 422})
 # Answers that say "not now" (a caller over its held bound, no healthy replica for the
 # model): retried for as long as it takes, as an unreachable gateway is.
 _WAIT = frozenset({429, 503})
-# A turn's output as Temporal carries it, at most: the run's conversation, which every
-# turn carries, is kept under 1.5 MB (agent_run.CONVERSATION_MAX_BYTES), and Temporal
-# takes no activity result past 2 MB.
-TURN_OUTPUT_MAX_BYTES = 1_500_000
+# A turn's output as Temporal carries it, at most: Temporal takes no activity result
+# past 2 MB.  (It carries a turn's tool calls twice, in the message and as calls; the
+# run's conversation, which counts them once, has its own limit, which the workflow
+# checks before the next turn.)
+TURN_OUTPUT_MAX_BYTES = 1_900_000
 # Any other failure (an engine's 500, 502 or 504 for this turn) is retried until the turn
 # has failed so many times: a request that makes the engine fail every time must not be
 # sent again for ever (each failure also counts toward ejecting a replica).  Counted
@@ -242,13 +243,13 @@ class LlmActivities:
             # Temporal takes no activity result past 2 MB: the attempt failed after
             # the fact, as a retryable one, and the engine wrote the same turn again
             # for ever, the run Running all along (helper-163: 4 calls of 280 kB,
-            # carried twice, in the message and as calls).
+            # carried twice, in the message and as calls; helper-167: measured against
+            # the conversation's 1.5 MB, one call of 760 kB was refused).
             raise ApplicationError(
                 f"the engine's turn is {size:,} bytes as the run keeps it "
                 f"({len(output.tool_calls)} tool calls), past {TURN_OUTPUT_MAX_BYTES:,}: "
-                "a turn this large would take the "
-                "run's conversation past its limit, and Temporal past its own (2 MB an "
-                "activity's result); a lower maxTokens keeps turns smaller",
+                "Temporal carries no activity result past 2 MB; a lower maxTokens keeps "
+                "turns smaller",
                 type="TurnTooLarge",
                 non_retryable=True,
             )

@@ -526,7 +526,9 @@ def test_a_value_that_fits_is_kept_and_nested_values_are_coerced_too() -> None:
     assert prepare_arguments("t", '{"n": "all"}', count) == {"n": "all"}
 
 
-@pytest.mark.parametrize(("calls", "chars", "fails"), [(4, 280_000, True), (4, 150_000, False)])
+@pytest.mark.parametrize(
+    ("calls", "chars", "fails"), [(4, 280_000, True), (4, 230_000, False), (1, 760_000, False)]
+)
 async def test_a_turn_too_large_for_temporal_fails_at_once(
     calls: int, chars: int, fails: bool
 ) -> None:
@@ -553,4 +555,4 @@ async def test_a_turn_too_large_for_temporal_fails_at_once(
     with pytest.raises(ApplicationError) as err:
         await call(app, turn(tools=TOOLS))
     assert err.value.type == "TurnTooLarge" and err.value.non_retryable
-    assert "(4 tool calls), past 1,500,000" in str(err.value), err.value
+    assert "(4 tool calls), past 1,900,000: Temporal carries" in str(err.value), err.value
