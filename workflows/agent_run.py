@@ -1465,9 +1465,9 @@ class AgentRun:
         if self._starting and starting + size > contract.CHILDREN_STARTING_BYTES:
             raise ApplicationError(
                 f"run '{self._id}' is starting {len(self._starting)} children of "
-                f"{starting:,} bytes; this one's {size:,} waits until they have started "
-                f"(at most {contract.CHILDREN_STARTING_BYTES:,} at once: they share a "
-                "workflow task, which Temporal limits)",
+                f"{starting:,} bytes; one of {size:,} more is refused until they have "
+                f"started (at most {contract.CHILDREN_STARTING_BYTES:,} at once: they "
+                "share a workflow task, which Temporal limits)",
                 type=CHILDREN_STARTING,
                 non_retryable=True,
             )

@@ -40,6 +40,7 @@ from workflows.contract import (
     ACTIVE_STATES,
     CALL_ID_MAX_CHARS,
     CALLER,
+    CHILDREN_STARTING_BYTES,
     CLASS,
     MODEL,
     PARENT,
@@ -338,7 +339,8 @@ class Runs:
     async def _spawn_child(self, parent: str, handle: str, spec: RunSpec) -> str:
         """Ask run `parent` to start child `handle`.  A refusal while other children of
         it start (contract.CHILDREN_STARTING_BYTES; it left no trace) is sent again,
-        after 20 ms, doubling to 1 s, for up to `child_wait_s`."""
+        after 20 ms, doubling to 1 s, all within `child_wait_s` (helper-167: each send
+        had its own, twice that in all)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._child_wait_s
         pause = 0.02
@@ -353,13 +355,23 @@ class Runs:
                     not_taken=f"parent run '{parent}' did not take the child within "
                     f"{self._child_wait_s:g} s (is a worker up on task queue '{self._queue}', "
                     "and the parent's workflow task not failing?)",
+                    wait_s=max(deadline - loop.time(), 0.001),
                 )
                 return child
             except WorkflowUpdateFailedError as exc:
                 cause = exc.cause
                 starting = isinstance(cause, ApplicationError) and cause.type == CHILDREN_STARTING
-                if not starting or loop.time() + pause > deadline:
+                if not starting:
                     raise
+                if loop.time() + pause > deadline:
+                    # (Not the run's words: they say why it refused one send.)
+                    raise RunUnavailable(
+                        f"parent run '{parent}' was starting other children for all of "
+                        f"{self._child_wait_s:g} s (those starting at once may carry "
+                        f"{CHILDREN_STARTING_BYTES:,} bytes of task and system prompt: "
+                        "they share a workflow task, which Temporal limits); no child "
+                        "was started: spawn it again"
+                    ) from None
             await asyncio.sleep(pause)
             pause = min(pause * 2, 1.0)
 
@@ -380,19 +392,26 @@ class Runs:
         return True
 
     async def _update(
-        self, handle: str, update: Any, arg: Any, *, no_worker: str, not_taken: str
+        self,
+        handle: str,
+        update: Any,
+        arg: Any,
+        *,
+        no_worker: str,
+        not_taken: str,
+        wait_s: float | None = None,
     ) -> Any:
         """`execute_update` on the run, bounded: an update left with the server is taken
         whenever a worker comes, even after its caller gave up (and a caller that tries
         again asks twice), so with no worker at all it is not sent (RunUnavailable:
-        "no worker polls ...: " + `no_worker`), and one not taken within
-        `child_wait_s` is given up on (RunUnavailable(`not_taken`))."""
+        "no worker polls ...: " + `no_worker`), and one not taken within `wait_s`
+        (default `child_wait_s`) is given up on (RunUnavailable(`not_taken`))."""
         if not await self._worker_polls():
             raise RunUnavailable(f"no worker polls task queue '{self._queue}': {no_worker}")
         try:
             # (Not the update's rpc_timeout: the server answers a long poll at 20 s, and
             # the SDK asks again, for ever.)
-            async with asyncio.timeout(self._child_wait_s) as waited:
+            async with asyncio.timeout(wait_s or self._child_wait_s) as waited:
                 return await self._handle(handle).execute_update(update, arg)
         except (TimeoutError, WorkflowUpdateRPCTimeoutOrCancelledError):
             task = asyncio.current_task()

@@ -1,0 +1,78 @@
+"""Runs.spawn with a parent that refuses a spawn while others of its children start
+(contract.CHILDREN_STARTING_BYTES): it sends the spawn again, all within child_wait_s,
+and once that is up it says that no child started (helper-167).  The parent here is a
+stand-in: the handle's update refuses, as the run's validator does."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+from temporalio.client import WorkflowUpdateFailedError
+from temporalio.exceptions import ApplicationError
+
+from workflows import Runs, RunSpec, RunUnavailable
+from workflows.agent_run import CHILDREN_STARTING
+
+WAIT = 1.0
+
+
+class _Refusing:
+    """A parent's handle whose spawn_child update is refused, the run busy starting
+    other children; a send after `slow_after` seconds is answered just within a whole
+    child_wait_s (its workflow task slow to come)."""
+
+    def __init__(self, slow_after: float | None) -> None:
+        self.sends = 0
+        self.started = time.monotonic()
+        self.slow_after = slow_after
+
+    async def execute_update(self, update: Any, arg: Any) -> Any:
+        self.sends += 1
+        if self.slow_after is not None and time.monotonic() - self.started > self.slow_after:
+            await asyncio.sleep(WAIT * 0.95)
+        raise WorkflowUpdateFailedError(
+            ApplicationError("run 'p' is starting 1 children", type=CHILDREN_STARTING)
+        )
+
+
+def _runs(monkeypatch: pytest.MonkeyPatch, parent: _Refusing) -> Runs:
+    runs = Runs(None, task_queue="q", child_wait_s=WAIT)  # type: ignore[arg-type]
+
+    async def yes(*args: Any) -> bool:
+        return True
+
+    async def nothing(*args: Any) -> None:
+        return None
+
+    monkeypatch.setattr(runs, "_describe", nothing)
+    monkeypatch.setattr(runs, "_worker_polls", yes)
+    monkeypatch.setattr(runs, "withdraw_child", yes)
+    monkeypatch.setattr(runs, "_handle", lambda handle: parent)
+    return runs
+
+
+@pytest.mark.parametrize("slow_after", [None, WAIT * 0.6], ids=["quick", "slow-late"])
+async def test_a_spawn_refused_while_others_start_gives_up_within_child_wait_s(
+    monkeypatch: pytest.MonkeyPatch, slow_after: float | None
+) -> None:
+    # Each send had its own child_wait_s: a late one took the spawn to ~1.6 of it.
+    parent = _Refusing(slow_after)
+    runs = _runs(monkeypatch, parent)
+    began = time.monotonic()
+    with pytest.raises(RunUnavailable) as err:
+        await runs.spawn(RunSpec(task="t", model="m", parent="p"), handle="run-x")
+    took = time.monotonic() - began
+    assert took <= WAIT * 1.2, f"took {took:.2f} s, child_wait_s {WAIT}"
+    assert parent.sends >= 3  # sent again while it was refused
+    if slow_after is None:
+        # Not the run's words for one refusal: the caller learns nothing will start.
+        assert str(err.value) == (
+            "parent run 'p' was starting other children for all of 1 s (those starting "
+            "at once may carry 800,000 bytes of task and system prompt: they share a "
+            "workflow task, which Temporal limits); no child was started: spawn it again"
+        )
+    else:
+        assert "the request is withdrawn: no child runs" in str(err.value), err.value
