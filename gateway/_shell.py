@@ -23,6 +23,7 @@ from scheduler import (
     Event,
     Forget,
     Reject,
+    ServiceClass,
     State,
     TurnAbandoned,
     TurnArrived,
@@ -173,11 +174,23 @@ class AdmissionShell:
         once (the core is told each is abandoned), instead of waiting out the shutdown's
         grace for a slot and being cut at its end, and so is every turn that arrives
         from now on (`arrive`).  Turns admitted already go on.  Returns how many were
-        held.  (One refusal frees room a later held turn fits: the core admits it, and
-        `_resolve` leaves it held for its own refusal, which frees its slot again;
-        helper-164.)"""
+        held.  They are refused last in the core's order first (batch, then the latest
+        held): a turn is held back only by turns before it in that order (a turn
+        waiting for KV holds back later ones of its class and below), so no refusal
+        frees room for a turn still held (helper-164: the core admitted it, and it
+        started on a stopping gateway).  Should one be admitted all the same,
+        `_resolve` leaves it held for its own refusal, which frees its slot again (its
+        admission is then counted in the metrics; helper-166)."""
         self._draining = (message, retry_after)
-        held = list(self._waiting)
+        turns = self._state.turns
+
+        def last_first(turn_id: str) -> tuple[bool, int]:
+            t = turns.get(turn_id)
+            if t is None:
+                return (False, 0)
+            return (t.service_class is ServiceClass.INTERACTIVE, -t.seq)
+
+        held = sorted(self._waiting, key=last_first)
         for turn_id in held:
             self._refuse_held(turn_id, now, message, retry_after)
         return len(held)

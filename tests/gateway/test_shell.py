@@ -154,6 +154,72 @@ async def test_a_drain_admits_none_of_the_turns_it_refuses() -> None:
     assert s.state.replicas["a"].in_flight == 1
 
 
+async def test_a_drain_leaves_a_turn_a_refusal_lets_in_held_for_its_own() -> None:
+    # Refused last-in-order first, by arrival: the order also puts the caller with
+    # fewer turns in flight first, so a later turn can hold back an earlier one.  Here
+    # B (caller y, none in flight) waits for KV ahead of t1 (caller x, a turn in
+    # flight on another model's replica), which arrived before it; B's refusal lets t1
+    # in, and the shell leaves that admission held for t1's own refusal.
+    from gateway._shell import Rejected
+
+    specs = [
+        ReplicaSpec(name="a", models=frozenset({"m"}), kv_tokens=1000, slots=1),
+        ReplicaSpec(name="z", models=frozenset({"n"})),
+    ]
+    s = AdmissionShell(State.initial(specs))
+
+    def turn(n: int, caller: str, prompt: int, model: str = "m") -> TurnArrived:
+        return TurnArrived(
+            now=float(n), turn_id=f"t{n}", run_id=f"r{n}",
+            service_class=ServiceClass.INTERACTIVE, caller=caller, model=model,
+            prompt_tokens=prompt,
+        )  # fmt: skip
+
+    assert s.arrive(turn(9, "x", 10, model="n")).result() == "z"  # x's, in flight
+    assert s.arrive(turn(0, "w", 44)).result() == "a"
+    t1 = s.arrive(turn(1, "x", 10))  # no slot
+    b = s.arrive(turn(2, "y", 500))
+    s.apply(TurnFinished(now=3.0, turn_id="t0", prompt_tokens=44, completion_tokens=1,
+                         finish_reason="tool_calls"))  # fmt: skip
+    assert not t1.done() and not b.done()  # B waits for KV (r0's paused claim), t1 behind
+    assert s.drain(4.0, "stopping", "2") == 2
+    assert t1.result() == b.result() == Rejected(503, "stopping", "2")
+    assert set(s.state.turns) == {"t9"} and s.state.replicas["a"].in_flight == 0
+
+
+async def test_a_drain_counts_no_admission_for_a_turn_it_refuses() -> None:
+    # The same drain: the small turn, admitted by the core when the big one's refusal
+    # freed its KV, and then refused, was counted an admission and an engine turn
+    # `abandoned` ("the gateway stopped it"), though nothing reached the engine
+    # (helper-166).  Refused last-in-order first, no refusal frees room for it.
+    from gateway._shell import Rejected
+    from gateway.metrics import GatewayMetrics
+
+    spec = ReplicaSpec(name="a", models=frozenset({"m"}), kv_tokens=1000)
+    shell: AdmissionShell | None = None
+    m = GatewayMetrics(lambda: (shell.state, {}) if shell is not None else None)
+    shell = AdmissionShell(State.initial([spec]), observer=m.observe)
+
+    def turn(n: int, prompt: int) -> TurnArrived:
+        return TurnArrived(
+            now=float(n), turn_id=f"t{n}", run_id=f"r{n}",
+            service_class=ServiceClass.INTERACTIVE, caller=f"c{n}", model="m",
+            prompt_tokens=prompt,
+        )  # fmt: skip
+
+    assert shell.arrive(turn(0, 44)).result() == "a"
+    big, small = shell.arrive(turn(1, 500)), shell.arrive(turn(2, 10))
+    assert shell.drain(3.0, "stopping", "2") == 2
+    assert big.result() == small.result() == Rejected(503, "stopping", "2")
+
+    def sample(name: str, **labels: str) -> float:
+        return m.registry.get_sample_value(name, labels) or 0.0
+
+    admitted = sample("luftpause_admissions_total", replica="a", **{"class": "interactive"})
+    stopped = sample("luftpause_engine_turns_total", replica="a", outcome="abandoned")
+    assert (admitted, stopped) == (1.0, 0.0)  # t0 only; nothing went to the engine
+
+
 async def test_a_reload_keeps_the_turn_timeout_of_turns_already_admitted() -> None:
     # The proxy waits for a turn's engine as long as the shell says at its admission.
     # A reload that shortened turn_timeout_s made the core free, at its next tick, the
