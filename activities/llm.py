@@ -41,6 +41,18 @@ _PERMANENT = frozenset({400, 401, 403, 404, 405, 413, 422})
 # Answers that say "not now" (a caller over its held bound, no healthy replica for the
 # model): retried for as long as it takes, as an unreachable gateway is.
 _WAIT = frozenset({429, 503})
+# An error's words as a run keeps them, at most: an engine's message may quote the
+# request, and a run's failure carries its error twice (the message, and its status).
+ERROR_MAX_CHARS = 8_000
+
+
+def bounded(text: str) -> str:
+    """`text`, or its first ERROR_MAX_CHARS characters with a note."""
+    if len(text) <= ERROR_MAX_CHARS:
+        return text
+    return f"{text[:ERROR_MAX_CHARS]} [luftpause: cut here, of {len(text):,} characters]"
+
+
 # A turn's output as Temporal carries it, at most: Temporal takes no activity result
 # past 2 MB.  (It carries a turn's tool calls twice, in the message and as calls; the
 # run's conversation, which counts them once, has its own limit, which the workflow
@@ -78,10 +90,12 @@ def _faults_so_far() -> int:
 
 
 def _message(response: httpx.Response) -> str:
+    """The engine's own words for an error status, at most ERROR_MAX_CHARS of them (a
+    validation error may quote the whole request: helper-168)."""
     try:
         body = response.json()
         msg = body["error"]["message"] if isinstance(body.get("error"), dict) else body["error"]
-        return str(msg)
+        return bounded(str(msg))
     except (ValueError, KeyError, TypeError, AttributeError):
         return response.text[:300] or response.reason_phrase
 

@@ -556,3 +556,15 @@ async def test_a_turn_too_large_for_temporal_fails_at_once(
         await call(app, turn(tools=TOOLS))
     assert err.value.type == "TurnTooLarge" and err.value.non_retryable
     assert "(4 tool calls), past 1,900,000: Temporal carries" in str(err.value), err.value
+
+
+async def test_an_engines_long_error_message_is_cut() -> None:
+    # A validation error may quote the whole request: kept whole, it made the run's
+    # failure too large for Temporal (helper-168).
+    body = {"error": {"message": "input=" + "q" * 1_000_000}}
+    app = upstream(lambda r: Response(json.dumps(body), 400))
+    with pytest.raises(ApplicationError) as err:
+        await call(app, turn())
+    text = err.value.message
+    assert text.startswith("gateway answered 400: input=qqq") and len(text) < 8_100
+    assert text.endswith(" [luftpause: cut here, of 1,000,006 characters]"), text[-80:]

@@ -378,6 +378,28 @@ async def test_a_final_status_past_temporals_limit_keeps_the_answer(
     )
 
 
+class LongRefusal(StandIns):
+    @activity.defn(name="llm_turn")
+    async def llm_turn(self, turn: TurnInput) -> TurnOutput:
+        message = "gateway answered 400: validation error: input=" + "q" * 1_100_000
+        raise ApplicationError(message, type="Http400", non_retryable=True)
+
+
+async def test_a_run_failed_with_a_long_message_closes_with_it_cut(
+    temporal_address: str,
+) -> None:
+    """The failure carries its message twice (its own, and its status's error): an
+    engine's 400 quoting the request took it past Temporal's 2 MB, and the run's close
+    failed for ever, Running (helper-168).  The run's error is cut, saying so."""
+    spec = RunSpec(task="a task", model="m")
+    status = await asyncio.wait_for(_run_to_its_end(temporal_address, LongRefusal(), spec), 60)
+    assert status.state == "Failed", status
+    error = status.error or ""
+    assert error.startswith("Http400: gateway answered 400: validation error: input=qqq")
+    assert error.endswith(" [luftpause: cut here, of 1,100,055 characters]"), error[-80:]
+    assert len(error) < 8_100
+
+
 async def test_a_conversation_too_large_for_temporal_fails_the_run(temporal_address: str) -> None:
     """Tool answers are cut to keep a run's conversation under 1.5 MB, but the model's
     own messages are not: turn after turn of large tool-call arguments took the next
