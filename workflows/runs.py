@@ -59,6 +59,8 @@ from workflows.contract import (
 )
 
 log = logging.getLogger(__name__)
+# What a spawn's last send after a refusal needs at least (Runs._spawn_child).
+_LAST_SEND_S = 0.25
 
 __all__ = [
     "AWAIT_MAX_S",
@@ -363,7 +365,10 @@ class Runs:
                 starting = isinstance(cause, ApplicationError) and cause.type == CHILDREN_STARTING
                 if not starting:
                     raise
-                if loop.time() + pause > deadline:
+                # A send needs a round trip's time: one with only milliseconds left
+                # was cut as not taken, and withdrawn, the caller told to look for a
+                # worker (helper-168).
+                if loop.time() + pause + _LAST_SEND_S > deadline:
                     # (Not the run's words: they say why it refused one send.)
                     raise RunUnavailable(
                         f"parent run '{parent}' was starting other children for all of "

@@ -76,3 +76,52 @@ async def test_a_spawn_refused_while_others_start_gives_up_within_child_wait_s(
         )
     else:
         assert "the request is withdrawn: no child runs" in str(err.value), err.value
+
+
+class _Busy(_Refusing):
+    """A parent that answers each send after a round trip of 0.2 s, refusing it."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.left_with_server = 0  # sends whose caller gave up before the answer
+
+    async def execute_update(self, update: Any, arg: Any) -> Any:
+        self.sends += 1
+        try:
+            await asyncio.sleep(0.2)
+        except asyncio.CancelledError:
+            self.left_with_server += 1
+            raise
+        raise WorkflowUpdateFailedError(
+            ApplicationError("run 'p' is starting 1 children", type=CHILDREN_STARTING)
+        )
+
+
+async def test_a_spawn_sends_no_last_time_too_short_for_an_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Sends at 0, .22, .46 and .74 s of child_wait_s 1.15; one at 1.10 s got the 50 ms
+    # left, was cut as not taken and withdrawn, an update left with the server, and the
+    # caller was told to look for a worker (helper-168).
+    parent = _Busy()
+    runs = Runs(None, task_queue="q", child_wait_s=1.15)  # type: ignore[arg-type]
+    withdrawn: list[str] = []
+
+    async def yes(*args: Any) -> bool:
+        return True
+
+    async def withdraw(parent_handle: str, handle: str) -> bool:
+        withdrawn.append(handle)
+        return True
+
+    async def nothing(*args: Any) -> None:
+        return None
+
+    monkeypatch.setattr(runs, "_describe", nothing)
+    monkeypatch.setattr(runs, "_worker_polls", yes)
+    monkeypatch.setattr(runs, "withdraw_child", withdraw)
+    monkeypatch.setattr(runs, "_handle", lambda handle: parent)
+    with pytest.raises(RunUnavailable) as err:
+        await runs.spawn(RunSpec(task="t", model="m", parent="p"), handle="run-x")
+    assert (parent.left_with_server, withdrawn) == (0, []), (parent.sends, str(err.value))
+    assert "was starting other children for all of 1.15 s" in str(err.value)
