@@ -91,7 +91,13 @@ class ToolActivities:
         with tracer.start_as_current_span(
             f"execute_tool {call.tool}", attributes=attributes
         ) as span:
-            output = await self._call(call)
+            try:
+                output = await self._call(call)
+            except ApplicationError as exc:
+                # Not reached, cut at its timeout, the connection broken: semconv's
+                # error.type names it, as for an answer that is an error (helper-169).
+                span.set_attribute("error.type", exc.type or type(exc).__name__)
+                raise
             if output.is_error:
                 span.set_attribute(
                     "error.type", "tool_error" if output.executed else "invalid_arguments"

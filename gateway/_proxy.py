@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
+from opentelemetry.context import Context
 from opentelemetry.trace import (
     Span,
     SpanKind,
@@ -1250,7 +1251,7 @@ class TurnResponse(Response):
                 value = given.get(name, t.run_id.encode("latin-1"))
                 headers.append((name.decode("latin-1"), value.decode("latin-1")))
         if self._trace is not None:
-            headers += self._trace.forwarding(replica, endpoint)
+            headers += self._trace.forwarding(replica, endpoint, self._kind(replica))
         leave = _CancelOnLeave(disconnected, lambda: self._complete)
         into_room = self._sent_into_room(replica)
         url = endpoint.api_url(t.api)
@@ -1570,12 +1571,7 @@ class _TurnTrace:
         now: float,
         runs: RunSpans,
     ) -> None:
-        carrier = {
-            k.decode("latin-1"): v.decode("latin-1")
-            for k, v in headers
-            if k == b"traceparent" or k == b"tracestate"
-        }
-        parent = telemetry.extract(carrier) if carrier else None
+        parent = _client_context(headers)
         self._runs = runs
         self._under_run = False  # the chat span is a child of the run's invoke_agent span
         if parent is None or not get_current_span(parent).get_span_context().is_valid:
@@ -1630,14 +1626,16 @@ class _TurnTrace:
             admit.set_attributes({"luftpause.held_seconds": held, "error.type": "client_left"})
         admit.end()
 
-    def forwarding(self, replica: str, endpoint: Endpoint) -> list[tuple[str, str]]:
-        """Where the turn goes, and the `traceparent` header the engine continues."""
+    def forwarding(self, replica: str, endpoint: Endpoint, kind: str) -> list[tuple[str, str]]:
+        """Where the turn goes, and the `traceparent` header the engine continues;
+        `kind`: the kind of engine that answers there (behind a router, its engines')."""
         self._chat.set_attributes(
             {
                 "luftpause.replica": replica,
-                # GenAI semconv's required attribute: the engine the endpoint is (its
-                # kind; a well-known value where there is one).
-                "gen_ai.provider.name": _PROVIDERS.get(endpoint.kind, endpoint.kind),
+                # GenAI semconv's required attribute: the engine that answers (its kind;
+                # a well-known value where there is one; helper-169: a router's was
+                # "router", which is no provider).
+                "gen_ai.provider.name": _PROVIDERS.get(kind, kind),
                 **_server(endpoint.url),
             }
         )
@@ -1680,6 +1678,41 @@ class _TurnTrace:
             self._runs.settle(self._run_id, self._outcome, run)
 
 
+def _client_context(headers: list[tuple[bytes, bytes]]) -> Context | None:
+    """The trace context a client's `traceparent` (and `tracestate`) carry, if any."""
+    carrier = {
+        k.decode("latin-1"): v.decode("latin-1")
+        for k, v in headers
+        if k == b"traceparent" or k == b"tracestate"
+    }
+    return telemetry.extract(carrier) if carrier else None
+
+
+def refused_span(
+    headers: list[tuple[bytes, bytes]], model: str, run_id: str, status: int, message: str
+) -> None:
+    """A turn answered `status` before the core saw it (a model whose engines are all
+    gone, found by name: no engine now) as the plain `chat` span a refused turn is
+    (helper-169: it had none, in an outage, when traces matter most).  Only with
+    tracing on."""
+    tracer = telemetry.tracer()
+    if tracer is None:
+        return
+    span = tracer.start_span(
+        "chat",
+        _client_context(headers),
+        kind=SpanKind.CLIENT,
+        attributes={
+            "gen_ai.operation.name": "chat",
+            "gen_ai.request.model": model,
+            "luftpause.run_id": run_id,
+            "error.type": str(status),
+        },
+    )
+    span.set_status(StatusCode.ERROR, message[:200])
+    span.end()
+
+
 @functools.lru_cache(maxsize=256)
 def _server(url: str) -> dict[str, str | int]:
     """`server.address` and `server.port` of an engine URL.  Bounded: with DNS
@@ -1688,6 +1721,9 @@ def _server(url: str) -> dict[str, str | int]:
     server: dict[str, str | int] = {}
     if parts.hostname:
         server["server.address"] = parts.hostname
-    if parts.port:
-        server["server.port"] = parts.port
+    # (The scheme's own when the URL names none: semconv asks for it beside the
+    # address; helper-169: every hosted https endpoint had none.)
+    port = parts.port or {"https": 443, "http": 80}.get(parts.scheme)
+    if port:
+        server["server.port"] = port
     return server

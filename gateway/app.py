@@ -51,6 +51,7 @@ from gateway._proxy import (
     api_not_served,
     dropped_upstream,
     error_response,
+    refused_span,
     response_key,
 )
 from gateway._runtrace import RunSpans
@@ -746,6 +747,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             return error_response(exc.status, exc.message, fallback_run, anthropic=anthropic)
         if (awaited := pool.awaited(model)) is not None:
             rt.refused(503)
+            refused_span(
+                request.scope["headers"], model, header_run or fallback_run, 503, awaited.message
+            )
             return error_response(
                 503, awaited.message, header_run or fallback_run, anthropic=anthropic,
                 retry_after=awaited.retry_after,
@@ -986,6 +990,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             response = await answering
             span.set_attribute("http.response.status_code", response.status_code)
             if response.status_code >= 400:
+                # semconv's error.type for an HTTP error: the status code (helper-169).
+                span.set_attribute("error.type", str(response.status_code))
                 span.set_status(StatusCode.ERROR, f"answered {response.status_code}")
             elif parsed.model is not None:
                 span.update_name(f"decide {parsed.model}")

@@ -372,6 +372,11 @@ class _InvokeAgent(TracingWorkflowInboundInterceptor):
         }
         if info.parent is not None:
             attributes["luftpause.parent_run_id"] = info.parent.workflow_id
+        # The run's model (an AgentRunInput's spec), as the gateway's run span has it.
+        spec = getattr(input.args[0], "spec", None) if input.args else None
+        model = getattr(spec, "model", None)
+        if isinstance(model, str) and model:
+            attributes["gen_ai.request.model"] = model
         with self._top_level_workflow_context(success_is_complete=True):
             try:
                 result = await self.next.execute_workflow(input)

@@ -337,6 +337,7 @@ async def test_a_decision_is_a_span_the_engines_request_continues(
     scored, classified, refused = named(spans, "decide")
     assert refused.name == "decide"  # names stay few whatever models clients name
     assert attrs(refused)["gen_ai.request.model"] == "no-such-model"
+    assert attrs(refused)["error.type"] == "404"  # semconv's, on an error (helper-169)
     sent = [generative.headers[0], next(h for p, h, _ in classifier.posts if p == "/classify")]
     for span, headers in zip((scored, classified), sent, strict=True):
         assert span.context is not None and span.parent is not None
@@ -396,6 +397,89 @@ async def test_a_rejected_turn_is_an_error_span() -> None:
         assert attrs(span)["error.type"] == "404"
     assert attrs(agent)["luftpause.end"] == "rejected"
     assert "no-such-model" in (agent.status.description or "")
+
+
+def test_an_engines_address_has_its_port_even_when_its_url_names_none() -> None:
+    # semconv: server.port beside server.address; every hosted https endpoint had none
+    # (helper-169).
+    from gateway._proxy import _server
+
+    assert _server("https://api.openai.com/v1") == {
+        "server.address": "api.openai.com",
+        "server.port": 443,
+    }
+    assert _server("http://sglang:30000")["server.port"] == 30000
+    assert _server("http://ollama")["server.port"] == 80
+
+
+async def test_a_turn_behind_a_router_names_the_engine_that_answers(
+    spans: InMemorySpanExporter,
+) -> None:
+    # gen_ai.provider.name was the endpoint's kind, "router", which is no provider: it
+    # is the kind of the engines behind it (`load_from`), as the proxy reads answers.
+    async with (
+        engine() as (url, _),
+        gateway(endpoint("eng", url), endpoint("rt", url, kind="router", load_from=["eng"])) as (
+            client,
+            _,
+        ),
+    ):
+        r = await client.post(
+            "/v1/chat/completions", json=chat(max_tokens=2), headers={RUN: "via-router"}
+        )
+        assert r.status_code == 200
+        await until(lambda: bool(named(spans, "chat ")), "the chat span ended")
+    (chat_span,) = named(spans, "chat ")
+    assert attrs(chat_span)["gen_ai.provider.name"] == "sglang", attrs(chat_span)
+
+
+async def test_a_turn_for_a_model_with_no_engine_now_is_an_error_span(
+    spans: InMemorySpanExporter,
+) -> None:
+    # The model's engines are found by name, and the name resolves to none: the 503
+    # went out before the turn reached the core, with no span, in an outage, when
+    # traces matter most (helper-169).  A plain `chat`, in the caller's trace.
+    from testkit.fake_dns import fake_dns
+
+    async with fake_dns() as (_, where):  # it knows no name: no engine
+        pod = endpoint("pod", f"http://engines.test:{free_port()}", discover="dns")
+        found = {"discovery": {"period_s": 1.5, "timeout_s": 0.5, "nameservers": [where]}}
+        async with gateway(pod, sections=found) as (gw, _):
+            headers = {"traceparent": TRACEPARENT}
+            r = await gw.post("/v1/chat/completions", json=chat(), headers=headers)
+    assert r.status_code == 503 and "has no engine now" in r.json()["error"]["message"]
+    (chat_span,) = named(spans, "chat")
+    assert chat_span.name == "chat" and chat_span.status.status_code is StatusCode.ERROR
+    assert chat_span.context is not None and format(chat_span.context.trace_id, "032x") == (
+        TRACE_ID
+    )
+    c = attrs(chat_span)
+    assert (c["error.type"], c["gen_ai.request.model"]) == ("503", "llama-3.2-1b")
+
+
+async def test_a_tool_call_that_fails_says_how_in_its_span(
+    spans: InMemorySpanExporter,
+) -> None:
+    # An execute_tool span that ended in an error raised (the server not reached, the
+    # call cut at its timeout) had ERROR status and no error.type (helper-169).
+    from temporalio.exceptions import ApplicationError
+    from temporalio.testing import ActivityEnvironment
+
+    from activities.contract import NOT_SENT, ToolInput
+    from activities.mcp_pool import Unreachable
+    from activities.tools import ToolActivities
+
+    class Down:
+        async def call(self, *args: Any, **kwargs: Any) -> Any:
+            raise Unreachable("connection refused")
+
+    tools = ToolActivities(Down())  # type: ignore[arg-type]
+    call = ToolInput(run_id="r1", server="s", tool="lookup", arguments="{}", call_id="c1")
+    with pytest.raises(ApplicationError):
+        await ActivityEnvironment().run(tools.call_tool, call)
+    (span,) = named(spans, "execute_tool")
+    assert span.status.status_code is StatusCode.ERROR
+    assert attrs(span)["error.type"] == NOT_SENT
 
 
 async def test_with_tracing_off_the_engine_gets_no_traceparent() -> None:
@@ -458,6 +542,7 @@ async def test_a_run_is_one_trace_of_agent_turns_and_tool_calls(
     a = attrs(agent)
     assert a["gen_ai.operation.name"] == "invoke_agent"
     assert a["gen_ai.conversation.id"] == handle == a["luftpause.run_id"] == a["gen_ai.agent.id"]
+    assert a["gen_ai.request.model"] == runs_harness.MODEL  # (helper-169: it had none)
     run_trace = agent.context.trace_id
 
     (tool,) = named(spans, "execute_tool ")
