@@ -174,23 +174,31 @@ class AdmissionShell:
         once (the core is told each is abandoned), instead of waiting out the shutdown's
         grace for a slot and being cut at its end, and so is every turn that arrives
         from now on (`arrive`).  Turns admitted already go on.  Returns how many were
-        held.  They are refused last in the core's order first (batch, then the latest
-        held): a turn is held back only by turns before it in that order (a turn
-        waiting for KV holds back later ones of its class and below), so no refusal
-        frees room for a turn still held (helper-164: the core admitted it, and it
-        started on a stopping gateway).  Should one be admitted all the same,
-        `_resolve` leaves it held for its own refusal, which frees its slot again (its
-        admission is then counted in the metrics; helper-166)."""
+        held.  They are refused last in the core's order first (its rule 5: class, then
+        the caller with fewest turns in flight, its oldest turn, then arrival): a turn
+        is held back only by turns before it in that order (a turn waiting for KV holds
+        back later ones of its class and below), so no refusal frees room for a turn
+        still held (helper-164: the core admitted it, and it started on a stopping
+        gateway).  The core orders each bucket (a model's, a replica's) by its own
+        oldest turns, this by a caller's oldest anywhere: should a turn be admitted all
+        the same, `_resolve` leaves it held for its own refusal, which frees its slot
+        again (its admission is then counted in the metrics; helper-166, -170)."""
         self._draining = (message, retry_after)
-        turns = self._state.turns
+        state = self._state
+        oldest: dict[str, int] = {}  # a caller's oldest held turn
+        for turn_id in self._waiting:
+            if (t := state.turns.get(turn_id)) is not None:
+                oldest[t.caller] = min(oldest.get(t.caller, t.seq), t.seq)
 
-        def last_first(turn_id: str) -> tuple[bool, int]:
-            t = turns.get(turn_id)
-            if t is None:
-                return (False, 0)
-            return (t.service_class is ServiceClass.INTERACTIVE, -t.seq)
+        def order(turn_id: str) -> tuple[bool, int, int, str, int]:
+            t = state.turns.get(turn_id)
+            if t is None:  # the core never saw it: its place does not matter
+                return (False, -1, 0, "", 0)
+            interactive = t.service_class is ServiceClass.INTERACTIVE
+            return (not interactive, state.caller_in_flight(t.caller), oldest[t.caller],
+                    t.caller, t.seq)  # fmt: skip
 
-        held = sorted(self._waiting, key=last_first)
+        held = sorted(self._waiting, key=order, reverse=True)
         for turn_id in held:
             self._refuse_held(turn_id, now, message, retry_after)
         return len(held)

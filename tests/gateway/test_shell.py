@@ -155,16 +155,16 @@ async def test_a_drain_admits_none_of_the_turns_it_refuses() -> None:
 
 
 async def test_a_drain_leaves_a_turn_a_refusal_lets_in_held_for_its_own() -> None:
-    # Refused last-in-order first, by arrival: the order also puts the caller with
-    # fewer turns in flight first, so a later turn can hold back an earlier one.  Here
-    # B (caller y, none in flight) waits for KV ahead of t1 (caller x, a turn in
-    # flight on another model's replica), which arrived before it; B's refusal lets t1
-    # in, and the shell leaves that admission held for t1's own refusal.
+    # The drain refuses by a caller's oldest held turn anywhere; the core orders each
+    # bucket by the caller's oldest turn in it.  Here x's oldest (T, for model n, held
+    # for z) comes before y's B, but in m's bucket B comes first, waiting for a's KV,
+    # x's t3 behind it: B's refusal lets t3 in, and the shell leaves that admission
+    # held for t3's own refusal.
     from gateway._shell import Rejected
 
     specs = [
-        ReplicaSpec(name="a", models=frozenset({"m"}), kv_tokens=1000, slots=1),
-        ReplicaSpec(name="z", models=frozenset({"n"})),
+        ReplicaSpec(name="a", models=frozenset({"m"}), kv_tokens=1000, slots=2),
+        ReplicaSpec(name="z", models=frozenset({"n"}), slots=1),
     ]
     s = AdmissionShell(State.initial(specs))
 
@@ -175,16 +175,21 @@ async def test_a_drain_leaves_a_turn_a_refusal_lets_in_held_for_its_own() -> Non
             prompt_tokens=prompt,
         )  # fmt: skip
 
-    assert s.arrive(turn(9, "x", 10, model="n")).result() == "z"  # x's, in flight
-    assert s.arrive(turn(0, "w", 44)).result() == "a"
-    t1 = s.arrive(turn(1, "x", 10))  # no slot
-    b = s.arrive(turn(2, "y", 500))
-    s.apply(TurnFinished(now=3.0, turn_id="t0", prompt_tokens=44, completion_tokens=1,
-                         finish_reason="tool_calls"))  # fmt: skip
-    assert not t1.done() and not b.done()  # B waits for KV (r0's paused claim), t1 behind
-    assert s.drain(4.0, "stopping", "2") == 2
-    assert t1.result() == b.result() == Rejected(503, "stopping", "2")
-    assert set(s.state.turns) == {"t9"} and s.state.replicas["a"].in_flight == 0
+    assert s.arrive(turn(0, "w", 10, model="n")).result() == "z"  # z full
+    old = s.arrive(turn(1, "x", 10, model="n"))  # T: x's oldest, held for z
+    assert s.arrive(turn(2, "v", 44)).result() == "a"
+    s.apply(
+        TurnFinished(
+            now=2.5, turn_id="t2", prompt_tokens=44, completion_tokens=1, finish_reason="tool_calls"
+        )
+    )  # fmt: skip  (v's claim stays on a)
+    b = s.arrive(turn(3, "y", 500))  # waits for a's KV
+    t4 = s.arrive(turn(4, "x", 10))  # would fit; behind B in m's bucket
+    assert not (old.done() or b.done() or t4.done())
+    assert s.drain(5.0, "stopping", "2") == 3
+    for held in (old, b, t4):
+        assert held.result() == Rejected(503, "stopping", "2")
+    assert set(s.state.turns) == {"t0"} and s.state.replicas["a"].in_flight == 0
 
 
 async def test_a_drain_counts_no_admission_for_a_turn_it_refuses() -> None:
@@ -248,3 +253,41 @@ async def test_a_reload_keeps_the_turn_timeout_of_turns_already_admitted() -> No
     s.apply(Tick(now=Policy().turn_timeout_s))
     assert second.result() == "a"
     assert s.turn_timeout("t2") == 60.0
+
+
+async def test_a_drain_by_callers_in_flight_counts_no_admission() -> None:
+    # One replica, one model: y's later turn, waiting for KV, comes before x's earlier
+    # one in the core's order (x has a turn in flight); refused by arrival alone, y's
+    # went first and the core admitted x's (helper-170).
+    from gateway._shell import Rejected
+    from gateway.metrics import GatewayMetrics
+
+    spec = ReplicaSpec(name="a", models=frozenset({"m"}), kv_tokens=2000, slots=2)
+    shell: AdmissionShell | None = None
+    m = GatewayMetrics(lambda: (shell.state, {}) if shell is not None else None)
+    shell = AdmissionShell(State.initial([spec]), observer=m.observe)
+
+    def turn(n: int, caller: str, prompt: int) -> TurnArrived:
+        return TurnArrived(
+            now=float(n), turn_id=f"t{n}", run_id=f"r{n}",
+            service_class=ServiceClass.INTERACTIVE, caller=caller, model="m",
+            prompt_tokens=prompt,
+        )  # fmt: skip
+
+    assert shell.arrive(turn(0, "x", 10)).result() == "a"  # x: a turn in flight
+    assert shell.arrive(turn(1, "w", 400)).result() == "a"  # both slots taken
+    small = shell.arrive(turn(2, "x", 10))
+    big = shell.arrive(turn(3, "y", 800))
+    shell.apply(TurnFinished(now=4.0, turn_id="t1", prompt_tokens=400, completion_tokens=1,
+                             finish_reason="tool_calls"))  # fmt: skip
+    assert not small.done() and not big.done()  # y's first, waiting for KV; x's behind
+
+    def sample(name: str, **labels: str) -> float:
+        return m.registry.get_sample_value(name, labels) or 0.0
+
+    admitted = sample("luftpause_admissions_total", replica="a", **{"class": "interactive"})
+    assert shell.drain(5.0, "stopping", "2") == 2
+    assert small.result() == big.result() == Rejected(503, "stopping", "2")
+    after = sample("luftpause_admissions_total", replica="a", **{"class": "interactive"})
+    stopped = sample("luftpause_engine_turns_total", replica="a", outcome="abandoned")
+    assert (after - admitted, stopped) == (0.0, 0.0)
