@@ -41,16 +41,20 @@ _PERMANENT = frozenset({400, 401, 403, 404, 405, 413, 422})
 # Answers that say "not now" (a caller over its held bound, no healthy replica for the
 # model): retried for as long as it takes, as an unreachable gateway is.
 _WAIT = frozenset({429, 503})
-# An error's words as a run keeps them, at most: an engine's message may quote the
-# request, and a run's failure carries its error twice (the message, and its status).
+# An engine's error message as a turn's failure keeps it, at most (a validation error
+# may quote the request; helper-168), and a run's failure message: more, so that an
+# engine's cut message, with what the activity and Temporal put around it, is not cut
+# again (helper-170: cut twice, it said "of 8,078 characters", and lost "given up").
+# A run's failure carries its message twice (its own, and its status's error).
 ERROR_MAX_CHARS = 8_000
+RUN_ERROR_MAX_CHARS = 10_000
 
 
-def bounded(text: str) -> str:
-    """`text`, or its first ERROR_MAX_CHARS characters with a note."""
-    if len(text) <= ERROR_MAX_CHARS:
+def bounded(text: str, limit: int = ERROR_MAX_CHARS) -> str:
+    """`text`, or its first `limit` characters with a note."""
+    if len(text) <= limit:
         return text
-    return f"{text[:ERROR_MAX_CHARS]} [luftpause: cut here, of {len(text):,} characters]"
+    return f"{text[:limit]} [luftpause: cut here, of {len(text):,} characters]"
 
 
 # A turn's output as Temporal carries it, at most: Temporal takes no activity result

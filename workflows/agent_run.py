@@ -101,7 +101,7 @@ with workflow.unsafe.imports_passed_through():
         TurnOutput,
         chosen_tools,
     )
-    from activities.llm import LlmActivities, bounded
+    from activities.llm import RUN_ERROR_MAX_CHARS, LlmActivities, bounded
     from activities.tools import ToolActivities
     from workflows.contract import (
         CALLER,
@@ -498,7 +498,7 @@ class AgentRun:
             message = str(exc.cause) if isinstance(exc, ActivityError) and exc.cause else str(exc)
             # Bounded: the failure carries it twice (its message, and the status's
             # error), past Temporal's 2 MB for a long one (helper-168).
-            message = bounded(message)
+            message = bounded(message, RUN_ERROR_MAX_CHARS)
             await self._halt(work, "Failed", message)
             raise ApplicationError(
                 message, self._final(), type="RunFailed", non_retryable=True

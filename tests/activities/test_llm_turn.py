@@ -568,3 +568,20 @@ async def test_an_engines_long_error_message_is_cut() -> None:
     text = err.value.message
     assert text.startswith("gateway answered 400: input=qqq") and len(text) < 8_100
     assert text.endswith(" [luftpause: cut here, of 1,000,006 characters]"), text[-80:]
+
+
+async def test_a_given_up_turns_error_keeps_saying_so_in_the_runs_error() -> None:
+    # The last allowed 500, with a long message: the activity says "(this turn failed
+    # 20 times: given up)" after its cut, and the run's own bound left that away
+    # (helper-170).
+    from activities.llm import RUN_ERROR_MAX_CHARS, bounded
+
+    body = {"error": {"message": "input=" + "q" * 1_000_000}}
+    app = upstream(lambda r: Response(json.dumps(body), 500))
+    env, _ = late_attempt(ENGINE_FAULT_ATTEMPTS - 1)
+    with pytest.raises(ApplicationError) as err:
+        await call(app, turn(), env=env)
+    assert err.value.non_retryable and "given up" in err.value.message
+    run_error = bounded(str(err.value), RUN_ERROR_MAX_CHARS)  # as AgentRun.run bounds it
+    assert run_error == str(err.value)
+    assert f"failed {ENGINE_FAULT_ATTEMPTS} times: given up" in run_error, run_error[-120:]

@@ -13,7 +13,9 @@ import re
 import uuid
 from typing import Any
 
+import httpx
 import pytest
+from fastapi.responses import Response
 from temporalio import activity
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import (
@@ -25,6 +27,7 @@ from temporalio.client import (
 from temporalio.exceptions import ApplicationError
 from temporalio.worker import Replayer
 
+from activities import LlmActivities
 from activities.contract import (
     NOT_SENT,
     EndRunInput,
@@ -36,6 +39,8 @@ from activities.contract import (
     TurnInput,
     TurnOutput,
 )
+from testkit.loopback import serve
+from tests.gateway.harness import upstream
 from tests.workflows.harness import connect, stand_in_worker, until
 from workflows import AgentRun, Budget, Runs, RunSpec, RunStatus, contract
 from workflows.agent_run import HALT_UNBROKEN_PATCH, TOLD_PATCH
@@ -397,7 +402,36 @@ async def test_a_run_failed_with_a_long_message_closes_with_it_cut(
     error = status.error or ""
     assert error.startswith("Http400: gateway answered 400: validation error: input=qqq")
     assert error.endswith(" [luftpause: cut here, of 1,100,055 characters]"), error[-80:]
-    assert len(error) < 8_100
+    assert len(error) < 10_100
+
+
+class EngineTurn(StandIns):
+    """The real llm_turn activity, against an engine at `base`."""
+
+    def __init__(self, base: str, http: httpx.AsyncClient) -> None:
+        super().__init__()
+        self.real = LlmActivities(http, base_url=base, heartbeat_every_s=0.05)
+
+    @activity.defn(name="llm_turn")
+    async def llm_turn(self, turn: TurnInput) -> TurnOutput:
+        return await self.real.llm_turn(turn)
+
+
+async def test_a_runs_error_says_how_long_the_engines_message_was(
+    temporal_address: str,
+) -> None:
+    """An engine's 400 quoting 1 MB: cut once, by the activity, and the run says of how
+    much (cut again by the run, after "Http400: " made it longer, it said "of 8,078
+    characters"; helper-170)."""
+    body = {"error": {"message": "input=" + "q" * 1_000_000}}
+    app = upstream(lambda r: Response(json.dumps(body), 400))
+    spec = RunSpec(task="a task", model="m")
+    async with serve(app) as url, httpx.AsyncClient() as http:
+        status = await _run_to_its_end(temporal_address, EngineTurn(url, http), spec)
+    assert status.state == "Failed", status
+    error = status.error or ""
+    assert error.startswith("Http400: gateway answered 400: input=qqq"), error[:80]
+    assert error.endswith(" [luftpause: cut here, of 1,000,006 characters]"), error[-120:]
 
 
 async def test_a_conversation_too_large_for_temporal_fails_the_run(temporal_address: str) -> None:
