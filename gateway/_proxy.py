@@ -1688,31 +1688,6 @@ def _client_context(headers: list[tuple[bytes, bytes]]) -> Context | None:
     return telemetry.extract(carrier) if carrier else None
 
 
-def refused_span(
-    headers: list[tuple[bytes, bytes]], model: str, run_id: str, status: int, message: str
-) -> None:
-    """A turn answered `status` before the core saw it (a model whose engines are all
-    gone, found by name: no engine now) as the plain `chat` span a refused turn is
-    (helper-169: it had none, in an outage, when traces matter most).  Only with
-    tracing on."""
-    tracer = telemetry.tracer()
-    if tracer is None:
-        return
-    span = tracer.start_span(
-        "chat",
-        _client_context(headers),
-        kind=SpanKind.CLIENT,
-        attributes={
-            "gen_ai.operation.name": "chat",
-            "gen_ai.request.model": model,
-            "luftpause.run_id": run_id,
-            "error.type": str(status),
-        },
-    )
-    span.set_status(StatusCode.ERROR, message[:200])
-    span.end()
-
-
 @functools.lru_cache(maxsize=256)
 def _server(url: str) -> dict[str, str | int]:
     """`server.address` and `server.port` of an engine URL.  Bounded: with DNS

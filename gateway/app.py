@@ -51,7 +51,6 @@ from gateway._proxy import (
     api_not_served,
     dropped_upstream,
     error_response,
-    refused_span,
     response_key,
 )
 from gateway._runtrace import RunSpans
@@ -745,15 +744,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             service_class = _parse_class(request.headers.get(CLASS_HEADER))
         except _BadRequest as exc:
             return error_response(exc.status, exc.message, fallback_run, anthropic=anthropic)
-        if (awaited := pool.awaited(model)) is not None:
-            rt.refused(503)
-            refused_span(
-                request.scope["headers"], model, header_run or fallback_run, 503, awaited.message
-            )
-            return error_response(
-                503, awaited.message, header_run or fallback_run, anthropic=anthropic,
-                retry_after=awaited.retry_after,
-            )  # fmt: skip
+        # (A model whose engines, found by name, are all gone goes on to the core, which
+        # refuses it as one not served, answered 503 to be retried (`as_answered`): as
+        # a turn, in its run's trace and metrics; helper-169, -170.)
         now = rt.loop.time()
         caller = caller_of(request, who)
         run_id: str | None = header_run

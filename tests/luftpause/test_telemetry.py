@@ -457,6 +457,34 @@ async def test_a_turn_for_a_model_with_no_engine_now_is_an_error_span(
     assert (c["error.type"], c["gen_ai.request.model"]) == ("503", "llama-3.2-1b")
 
 
+async def test_a_runs_turn_refused_for_no_engine_now_is_in_the_runs_trace(
+    spans: InMemorySpanExporter,
+) -> None:
+    # Without a traceparent (Claude Code, Codex) a turn goes under its run's
+    # invoke_agent span; answered before the core saw it, this one began a trace of
+    # its own, outside the session's (helper-170).
+    from testkit.fake_dns import fake_dns
+
+    async with fake_dns() as (_, where), engine(time_scale=50) as (url, _):
+        pod = endpoint(
+            "pod", f"http://engines.test:{free_port()}", models=("other",), discover="dns"
+        )
+        found = {"discovery": {"period_s": 1.5, "timeout_s": 0.5, "nameservers": [where]}}
+        async with gateway(endpoint("e0", url), pod, sections=found) as (gw, _):
+            run_id = await paused_run(gw)  # its invoke_agent span is open
+            r = await gw.post(
+                "/v1/chat/completions", json=chat(model="other"), headers={RUN: run_id}
+            )
+    assert r.status_code == 503 and "has no engine now" in r.json()["error"]["message"]
+    (first,) = named(spans, "chat ")
+    (refused,) = [s for s in named(spans, "chat") if s.name == "chat"]
+    assert first.context is not None and refused.context is not None
+    assert first.parent is not None  # under the run's invoke_agent span
+    assert refused.parent is not None and refused.parent.span_id == first.parent.span_id
+    assert refused.context.trace_id == first.context.trace_id
+    assert attrs(refused)["error.type"] == "503"
+
+
 async def test_a_tool_call_that_fails_says_how_in_its_span(
     spans: InMemorySpanExporter,
 ) -> None:
