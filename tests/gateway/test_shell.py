@@ -23,6 +23,17 @@ def end(s: AdmissionShell, run_id: str, now: float) -> None:
     s.apply(RunEnded(now=now, run_id=run_id))
 
 
+def turn(
+    n: int, caller: str = "c", prompt: int = 0, model: str = "m", now: float | None = None
+) -> TurnArrived:
+    """Turn `tn` of run `rn`, interactive, arriving at `now` (default: n seconds)."""
+    return TurnArrived(
+        now=float(n) if now is None else now, turn_id=f"t{n}", run_id=f"r{n}",
+        service_class=ServiceClass.INTERACTIVE, caller=caller, model=model,
+        prompt_tokens=prompt,
+    )  # fmt: skip
+
+
 def test_an_echoed_id_names_its_run_until_it_expires() -> None:
     s = shell()
     s.remember_tool_calls("run-1", "c", ["call_a", "call_b"], now=100.0)
@@ -108,12 +119,6 @@ async def test_a_draining_gateway_refuses_held_turns_and_every_turn_after() -> N
     spec = ReplicaSpec(name="a", models=frozenset({"m"}), slots=1)
     s = AdmissionShell(State.initial([spec]), refused=refused.append)
 
-    def turn(n: int) -> TurnArrived:
-        return TurnArrived(
-            now=float(n), turn_id=f"t{n}", run_id=f"r{n}",
-            service_class=ServiceClass.INTERACTIVE, caller="c", model="m",
-        )  # fmt: skip
-
     first, second = s.arrive(turn(1)), s.arrive(turn(2))
     assert first.result() == "a" and not second.done()  # one slot: the second is held
     assert s.drain(3.0, "stopping", "2") == 1
@@ -137,16 +142,9 @@ async def test_a_drain_admits_none_of_the_turns_it_refuses() -> None:
     spec = ReplicaSpec(name="a", models=frozenset({"m"}), kv_tokens=1000)
     s = AdmissionShell(State.initial([spec]))
 
-    def turn(n: int, prompt: int) -> TurnArrived:
-        return TurnArrived(
-            now=float(n), turn_id=f"t{n}", run_id=f"r{n}",
-            service_class=ServiceClass.INTERACTIVE, caller=f"c{n}", model="m",
-            prompt_tokens=prompt,
-        )  # fmt: skip
-
-    assert s.arrive(turn(0, 44)).result() == "a"  # claims 300 of a's 800 (kv_fill 0.8)
-    big = s.arrive(turn(1, 500))  # needs 756: waits for KV
-    small = s.arrive(turn(2, 10))  # fits, but does not pass the turn waiting for KV
+    assert s.arrive(turn(0, "c0", 44)).result() == "a"  # claims 300 of a's 800 (kv_fill 0.8)
+    big = s.arrive(turn(1, "c1", 500))  # needs 756: waits for KV
+    small = s.arrive(turn(2, "c2", 10))  # fits, but does not pass the turn waiting for KV
     assert not big.done() and not small.done()
     assert s.drain(3.0, "stopping", "2") == 2
     assert big.result() == small.result() == Rejected(503, "stopping", "2")
@@ -167,13 +165,6 @@ async def test_a_drain_leaves_a_turn_a_refusal_lets_in_held_for_its_own() -> Non
         ReplicaSpec(name="z", models=frozenset({"n"}), slots=1),
     ]
     s = AdmissionShell(State.initial(specs))
-
-    def turn(n: int, caller: str, prompt: int, model: str = "m") -> TurnArrived:
-        return TurnArrived(
-            now=float(n), turn_id=f"t{n}", run_id=f"r{n}",
-            service_class=ServiceClass.INTERACTIVE, caller=caller, model=model,
-            prompt_tokens=prompt,
-        )  # fmt: skip
 
     assert s.arrive(turn(0, "w", 10, model="n")).result() == "z"  # z full
     old = s.arrive(turn(1, "x", 10, model="n"))  # T: x's oldest, held for z
@@ -205,15 +196,8 @@ async def test_a_drain_counts_no_admission_for_a_turn_it_refuses() -> None:
     m = GatewayMetrics(lambda: (shell.state, {}) if shell is not None else None)
     shell = AdmissionShell(State.initial([spec]), observer=m.observe)
 
-    def turn(n: int, prompt: int) -> TurnArrived:
-        return TurnArrived(
-            now=float(n), turn_id=f"t{n}", run_id=f"r{n}",
-            service_class=ServiceClass.INTERACTIVE, caller=f"c{n}", model="m",
-            prompt_tokens=prompt,
-        )  # fmt: skip
-
-    assert shell.arrive(turn(0, 44)).result() == "a"
-    big, small = shell.arrive(turn(1, 500)), shell.arrive(turn(2, 10))
+    assert shell.arrive(turn(0, "c0", 44)).result() == "a"
+    big, small = shell.arrive(turn(1, "c1", 500)), shell.arrive(turn(2, "c2", 10))
     assert shell.drain(3.0, "stopping", "2") == 2
     assert big.result() == small.result() == Rejected(503, "stopping", "2")
 
@@ -237,14 +221,8 @@ async def test_a_reload_keeps_the_turn_timeout_of_turns_already_admitted() -> No
     spec = ReplicaSpec(name="a", models=frozenset({"m"}), slots=1)
     s = AdmissionShell(State.initial([spec]))
 
-    def turn(n: int, now: float) -> TurnArrived:
-        return TurnArrived(
-            now=now, turn_id=f"t{n}", run_id=f"r{n}",
-            service_class=ServiceClass.INTERACTIVE, caller="c", model="m",
-        )  # fmt: skip
-
-    assert s.arrive(turn(1, 0.0)).result() == "a"
-    second = s.arrive(turn(2, 1.0))
+    assert s.arrive(turn(1, now=0.0)).result() == "a"
+    second = s.arrive(turn(2, now=1.0))
     s.apply(PolicyChanged(now=100.0, policy=replace(Policy(), turn_timeout_s=60.0)))
     assert s.turn_timeout("t1") == Policy().turn_timeout_s  # the proxy's wait for t1
     assert s.turn_timeout("t2") == 60.0  # held: it gets the value at its admission
@@ -266,13 +244,6 @@ async def test_a_drain_by_callers_in_flight_counts_no_admission() -> None:
     shell: AdmissionShell | None = None
     m = GatewayMetrics(lambda: (shell.state, {}) if shell is not None else None)
     shell = AdmissionShell(State.initial([spec]), observer=m.observe)
-
-    def turn(n: int, caller: str, prompt: int) -> TurnArrived:
-        return TurnArrived(
-            now=float(n), turn_id=f"t{n}", run_id=f"r{n}",
-            service_class=ServiceClass.INTERACTIVE, caller=caller, model="m",
-            prompt_tokens=prompt,
-        )  # fmt: skip
 
     assert shell.arrive(turn(0, "x", 10)).result() == "a"  # x: a turn in flight
     assert shell.arrive(turn(1, "w", 400)).result() == "a"  # both slots taken

@@ -38,10 +38,22 @@ class _Refusing:
         )
 
 
-def _runs(monkeypatch: pytest.MonkeyPatch, parent: _Refusing) -> Runs:
-    runs = Runs(None, task_queue="q", child_wait_s=WAIT)  # type: ignore[arg-type]
+def _runs(
+    monkeypatch: pytest.MonkeyPatch,
+    parent: _Refusing,
+    wait_s: float = WAIT,
+    withdrawn: list[str] | None = None,
+) -> Runs:
+    """Runs whose parent run is `parent`, a worker polling; the handles withdrawn go
+    to `withdrawn`."""
+    runs = Runs(None, task_queue="q", child_wait_s=wait_s)  # type: ignore[arg-type]
 
     async def yes(*args: Any) -> bool:
+        return True
+
+    async def withdraw(parent_handle: str, handle: str) -> bool:
+        if withdrawn is not None:
+            withdrawn.append(handle)
         return True
 
     async def nothing(*args: Any) -> None:
@@ -49,7 +61,7 @@ def _runs(monkeypatch: pytest.MonkeyPatch, parent: _Refusing) -> Runs:
 
     monkeypatch.setattr(runs, "_describe", nothing)
     monkeypatch.setattr(runs, "_worker_polls", yes)
-    monkeypatch.setattr(runs, "withdraw_child", yes)
+    monkeypatch.setattr(runs, "withdraw_child", withdraw)
     monkeypatch.setattr(runs, "_handle", lambda handle: parent)
     return runs
 
@@ -104,23 +116,8 @@ async def test_a_spawn_sends_no_last_time_too_short_for_an_answer(
     # left, was cut as not taken and withdrawn, an update left with the server, and the
     # caller was told to look for a worker (helper-168).
     parent = _Busy()
-    runs = Runs(None, task_queue="q", child_wait_s=1.15)  # type: ignore[arg-type]
     withdrawn: list[str] = []
-
-    async def yes(*args: Any) -> bool:
-        return True
-
-    async def withdraw(parent_handle: str, handle: str) -> bool:
-        withdrawn.append(handle)
-        return True
-
-    async def nothing(*args: Any) -> None:
-        return None
-
-    monkeypatch.setattr(runs, "_describe", nothing)
-    monkeypatch.setattr(runs, "_worker_polls", yes)
-    monkeypatch.setattr(runs, "withdraw_child", withdraw)
-    monkeypatch.setattr(runs, "_handle", lambda handle: parent)
+    runs = _runs(monkeypatch, parent, wait_s=1.15, withdrawn=withdrawn)
     with pytest.raises(RunUnavailable) as err:
         await runs.spawn(RunSpec(task="t", model="m", parent="p"), handle="run-x")
     assert (parent.left_with_server, withdrawn) == (0, []), (parent.sends, str(err.value))

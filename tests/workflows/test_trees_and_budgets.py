@@ -528,8 +528,7 @@ async def test_a_wind_down_tells_its_running_children_to_stop_all_at_once(
     # it signals them together.  (The limit is lowered to the parent's history once
     # its children wait; a report sent by hand makes it look.)
     async with stack(temporal_address) as s:
-        parent = await spawn_waiting(s, "p")
-        kids = [await spawn_waiting(s, f"k{i}", parent=parent) for i in range(3)]
+        parent, kids = await _three_waiting(s)
         handle = s.client.get_workflow_handle(parent)
         history = await handle.fetch_history()
         monkeypatch.setattr(contract, "HISTORY_STOP_EVENTS", len(history.events))
@@ -538,15 +537,28 @@ async def test_a_wind_down_tells_its_running_children_to_stop_all_at_once(
         assert [d.state for d in done] == ["Cancelled"] * 4, done
         assert all(d.error == done[0].error for d in done), done
         history = await handle.fetch_history()
+    told, tasks = _tasks_telling(history, until=_SIGNAL)
+    assert told == 3, history  # the wind-down's stops; the close finds them ended
+    assert tasks == 0, tasks  # one after another: a task each
+
+
+_SIGNAL = EventType.EVENT_TYPE_SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED
+_CANCEL = EventType.EVENT_TYPE_REQUEST_CANCEL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED
+
+
+async def _three_waiting(s: Stack) -> tuple[str, list[str]]:
+    """A parent and its three children, each waiting for approval."""
+    parent = await spawn_waiting(s, "p")
+    return parent, [await spawn_waiting(s, f"k{i}", parent=parent) for i in range(3)]
+
+
+def _tasks_telling(history: Any, until: int) -> tuple[int, int]:
+    """Of a parent's history: how many `until` commands it issued, and how many
+    workflow tasks completed from its first stop signal to its last `until`."""
     kinds = [e.event_type for e in history.events]
-    told = [
-        i
-        for i, k in enumerate(kinds)
-        if k == EventType.EVENT_TYPE_SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED
-    ]
-    assert len(told) == 3, kinds  # the wind-down's stops; the close finds them ended
-    tasks = kinds[told[0] : told[-1]].count(EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED)
-    assert tasks == 0, (tasks, kinds)  # one after another: a task each
+    marks = [i for i, k in enumerate(kinds) if k == until]
+    first = kinds.index(_SIGNAL)
+    return len(marks), kinds[first : marks[-1]].count(EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED)
 
 
 async def test_a_run_whose_children_have_ended_is_not_stopped_by_its_history(
@@ -580,23 +592,15 @@ async def test_a_close_past_the_halt_limit_stops_its_children_all_at_once(
     # hundreds running would still pass Temporal's 51,200 (helper-159).  They are
     # told and cancelled at once, their commands sharing workflow tasks.
     async with stack(temporal_address) as s:
-        parent = await spawn_waiting(s, "p")
-        kids = [await spawn_waiting(s, f"k{i}", parent=parent) for i in range(3)]
+        parent, kids = await _three_waiting(s)
         monkeypatch.setattr(contract, "HISTORY_HALT_EVENTS", 1)
         await s.runs.request_cancel(parent)
         done = await s.runs.wait([parent, *kids], timeout=60)
         assert [d.state for d in done] == ["Cancelled"] * 4, done
         history = await s.client.get_workflow_handle(parent).fetch_history()
-    kinds = [e.event_type for e in history.events]
-    signal, cancel = (
-        EventType.EVENT_TYPE_SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED,
-        EventType.EVENT_TYPE_REQUEST_CANCEL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED,
-    )
-    told = [i for i, k in enumerate(kinds) if k == signal]
-    cancelled = [i for i, k in enumerate(kinds) if k == cancel]
-    assert len(cancelled) == 3, kinds
-    tasks = kinds[told[0] : cancelled[-1]].count(EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED)
-    assert tasks <= 3, (tasks, kinds)  # one after another: 8 here
+    cancelled, tasks = _tasks_telling(history, until=_CANCEL)
+    assert cancelled == 3, history
+    assert tasks <= 3, tasks  # one after another: 8 here
 
 
 async def test_the_token_budget_trips_and_cancels_the_subtree(temporal_address: str) -> None:
