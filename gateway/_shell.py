@@ -175,28 +175,29 @@ class AdmissionShell:
         grace for a slot and being cut at its end, and so is every turn that arrives
         from now on (`arrive`).  Turns admitted already go on.  Returns how many were
         held.  They are refused last in the core's order first (its rule 5: class, then
-        the caller with fewest turns in flight, its oldest turn, then arrival): a turn
-        is held back only by turns before it in that order (a turn waiting for KV holds
-        back later ones of its class and below), so no refusal frees room for a turn
-        still held (helper-164: the core admitted it, and it started on a stopping
-        gateway).  The core orders each bucket (a model's, a replica's) by its own
-        oldest turns, this by a caller's oldest anywhere: should a turn be admitted all
-        the same, `_resolve` leaves it held for its own refusal, which frees its slot
-        again (its admission is then counted in the metrics; helper-166, -170)."""
+        the caller with fewest turns in flight, its oldest turn in the turn's bucket (a
+        model's or a replica's, of the class), then arrival): a turn is held back only
+        by turns before it in that order (a turn waiting for KV holds back later ones
+        of its class and below), so no refusal frees room for a turn still held
+        (helper-164: the core admitted it, and it started on a stopping gateway;
+        helper-166, -170, -171: with another order, the metrics counted an admission
+        and an engine turn abandoned).  Should one be admitted all the same, `_resolve`
+        leaves it held for its own refusal, which frees its slot again."""
         self._draining = (message, retry_after)
         state = self._state
-        oldest: dict[str, int] = {}  # a caller's oldest held turn
+        oldest: dict[tuple[object, str], int] = {}  # a caller's oldest turn in a bucket
         for turn_id in self._waiting:
             if (t := state.turns.get(turn_id)) is not None:
-                oldest[t.caller] = min(oldest.get(t.caller, t.seq), t.seq)
+                key = (t.bucket, t.caller)
+                oldest[key] = min(oldest.get(key, t.seq), t.seq)
 
         def order(turn_id: str) -> tuple[bool, int, int, str, int]:
             t = state.turns.get(turn_id)
             if t is None:  # the core never saw it: its place does not matter
                 return (False, -1, 0, "", 0)
             interactive = t.service_class is ServiceClass.INTERACTIVE
-            return (not interactive, state.caller_in_flight(t.caller), oldest[t.caller],
-                    t.caller, t.seq)  # fmt: skip
+            return (not interactive, state.caller_in_flight(t.caller),
+                    oldest[(t.bucket, t.caller)], t.caller, t.seq)  # fmt: skip
 
         held = sorted(self._waiting, key=order, reverse=True)
         for turn_id in held:

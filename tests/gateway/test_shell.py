@@ -3,8 +3,18 @@ every 60 s): what identifies a run that sends no run id."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from gateway._shell import TOOL_CALL_MEMORY_S, AdmissionShell
-from scheduler import ReplicaSpec, RunEnded, ServiceClass, State, TurnArrived, TurnFinished
+from scheduler import (
+    Admit,
+    ReplicaSpec,
+    RunEnded,
+    ServiceClass,
+    State,
+    TurnArrived,
+    TurnFinished,
+)
 
 
 def shell() -> AdmissionShell:
@@ -152,12 +162,31 @@ async def test_a_drain_admits_none_of_the_turns_it_refuses() -> None:
     assert s.state.replicas["a"].in_flight == 1
 
 
-async def test_a_drain_leaves_a_turn_a_refusal_lets_in_held_for_its_own() -> None:
-    # The drain refuses by a caller's oldest held turn anywhere; the core orders each
-    # bucket by the caller's oldest turn in it.  Here x's oldest (T, for model n, held
-    # for z) comes before y's B, but in m's bucket B comes first, waiting for a's KV,
-    # x's t3 behind it: B's refusal lets t3 in, and the shell leaves that admission
-    # held for t3's own refusal.
+async def test_a_drain_leaves_an_admission_made_while_it_drains_held() -> None:
+    # The drain's order follows the core's, so that no refusal lets a held turn in;
+    # should the core admit one all the same (its order changed, say), the shell
+    # leaves that admission held for the turn's own refusal.  Here the admission is
+    # made as one would be mid-drain: the draining state set, a slot freed.
+    from gateway._shell import Rejected
+
+    spec = ReplicaSpec(name="a", models=frozenset({"m"}), slots=1)
+    s = AdmissionShell(State.initial([spec]))
+    assert s.arrive(turn(1)).result() == "a"
+    second = s.arrive(turn(2))
+    s._draining = ("stopping", "2")  # as drain() sets it before its first refusal
+    s.apply(TurnFinished(now=3.0, turn_id="t1", prompt_tokens=1, completion_tokens=1,
+                         finish_reason="stop"))  # fmt: skip
+    assert s.state.turns["t2"].replica == "a" and not second.done()
+    assert s.drain(4.0, "stopping", "2") == 1
+    assert second.result() == Rejected(503, "stopping", "2")
+    assert set(s.state.turns) == set() and s.state.replicas["a"].in_flight == 0
+
+
+async def test_a_drain_refuses_by_the_cores_order_within_each_bucket() -> None:
+    # A caller's oldest held turn for another model's replica (or of the other class)
+    # does not move its turns in this bucket: the core orders each bucket by the
+    # caller's oldest turn in it.  x's T (model n, for z) is older than y's B, but in
+    # m's bucket B comes first, waiting for a's KV, x's t4 behind it (helper-171).
     from gateway._shell import Rejected
 
     specs = [
@@ -165,7 +194,6 @@ async def test_a_drain_leaves_a_turn_a_refusal_lets_in_held_for_its_own() -> Non
         ReplicaSpec(name="z", models=frozenset({"n"}), slots=1),
     ]
     s = AdmissionShell(State.initial(specs))
-
     assert s.arrive(turn(0, "w", 10, model="n")).result() == "z"  # z full
     old = s.arrive(turn(1, "x", 10, model="n"))  # T: x's oldest, held for z
     assert s.arrive(turn(2, "v", 44)).result() == "a"
@@ -177,9 +205,14 @@ async def test_a_drain_leaves_a_turn_a_refusal_lets_in_held_for_its_own() -> Non
     b = s.arrive(turn(3, "y", 500))  # waits for a's KV
     t4 = s.arrive(turn(4, "x", 10))  # would fit; behind B in m's bucket
     assert not (old.done() or b.done() or t4.done())
+    admitted: list[str] = []
+    s._observer = lambda before, event, actions: admitted.extend(
+        a.turn_id for a in actions if isinstance(a, Admit)
+    )
     assert s.drain(5.0, "stopping", "2") == 3
     for held in (old, b, t4):
         assert held.result() == Rejected(503, "stopping", "2")
+    assert admitted == []  # the core admitted none of them
     assert set(s.state.turns) == {"t0"} and s.state.replicas["a"].in_flight == 0
 
 
@@ -262,3 +295,41 @@ async def test_a_drain_by_callers_in_flight_counts_no_admission() -> None:
     after = sample("luftpause_admissions_total", replica="a", **{"class": "interactive"})
     stopped = sample("luftpause_engine_turns_total", replica="a", outcome="abandoned")
     assert (after - admitted, stopped) == (0.0, 0.0)
+
+
+async def test_a_drain_refuses_by_class_buckets_too() -> None:
+    # x's oldest held turn is batch, waiting for a slot: in the drain's order by a
+    # caller's oldest anywhere it moved x's interactive turn ahead of y's, which waits
+    # for KV ahead of it in the core's; y's refusal let the core admit x's (helper-171).
+    from gateway._shell import Rejected
+    from gateway.metrics import GatewayMetrics
+
+    spec = ReplicaSpec(name="a", models=frozenset({"m"}), kv_tokens=2000, slots=2)
+    shell: AdmissionShell | None = None
+    m = GatewayMetrics(lambda: (shell.state, {}) if shell is not None else None)
+    shell = AdmissionShell(State.initial([spec]), observer=m.observe)
+    assert shell.arrive(turn(0, "v", 10)).result() == "a"
+    assert shell.arrive(turn(1, "w", 400)).result() == "a"  # both slots taken
+    batch = shell.arrive(replace(turn(2, "x", 10), service_class=ServiceClass.BATCH))
+    big = shell.arrive(turn(3, "y", 800))
+    small = shell.arrive(turn(4, "x", 10))
+    shell.apply(
+        TurnFinished(
+            now=5.0,
+            turn_id="t1",
+            prompt_tokens=400,
+            completion_tokens=1,
+            finish_reason="tool_calls",
+        )
+    )  # fmt: skip  (w's claim stays)
+    assert not (batch.done() or big.done() or small.done())
+    admitted = m.registry.get_sample_value(
+        "luftpause_admissions_total", {"replica": "a", "class": "interactive"}
+    )
+    assert shell.drain(6.0, "stopping", "2") == 3
+    for held in (batch, big, small):
+        assert held.result() == Rejected(503, "stopping", "2")
+    after = m.registry.get_sample_value(
+        "luftpause_admissions_total", {"replica": "a", "class": "interactive"}
+    )
+    assert after == admitted
