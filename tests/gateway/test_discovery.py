@@ -208,9 +208,8 @@ async def test_a_name_with_no_engine_at_start_answers_503_until_one_appears() ->
         assert r.headers["retry-after"] == "2"
         assert r.json()["error"]["type"] == "overloaded_error"  # Anthropic's 503
         assert "has no engine now" in r.json()["error"]["message"]
-        # Refused before the core: counted all the same (an operator whose pods are
-        # gone saw no refusals at all).
-        # So is /v1/decide's.
+        # Refused by the core as a model not served, answered 503: counted (an
+        # operator whose pods are gone saw no refusals at all).  So is /v1/decide's.
         r = await gw.post("/v1/decide", json={"input": "go?", "labels": ["yes", "no"]})
         assert r.status_code == 503 and "has no engine now" in r.json()["error"]["message"]
         assert r.headers["retry-after"] == "2"
