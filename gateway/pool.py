@@ -18,8 +18,8 @@ What a reload may change, and what it may not:
   holds too for a name removed earlier whose turns are still finishing.
 - `[policy]` applies to the core at once (`scheduler.PolicyChanged`, rule 12): to the
   turns held and the runs known as well as to what comes next (its `turn_timeout_s`
-  frees the slots of silent turns in flight at once, and bounds the engine waits of
-  turns admitted from then on, those held across the reload included).  `[probes]`
+  to the turns admitted from then on, those held across the reload included: a turn
+  keeps the one it was admitted with, as its engine wait does).  `[probes]`
   applies from the next probe round, `[discovery]` from its next round (the reload
   resolves the names it gives at once).  Both are listed in `applied`.
 - Every other section (`[temporal]`, the token, tool servers, request limits) is read

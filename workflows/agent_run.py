@@ -420,9 +420,10 @@ class AgentRun:
         self._stop_wait = False  # set by run(): see STOP_WAIT_PATCH
         self._in_turn = False  # an LLM turn of the run is in flight
         self._spawning: set[str] = set()  # the handles spawn_child is still starting
-        # Their specs' sizes, by handle (contract.CHILDREN_STARTING_BYTES): set by the
-        # validator, which runs before the handlers of the spawns of one workflow task,
-        # and by the handler (a replay runs no validator); only validators read it.
+        # Their requests' sizes, by handle (contract.CHILDREN_STARTING_BYTES): set by
+        # the validator (the next spawn's validator counts it, however the SDK orders
+        # validators and handlers) and by the handler (a replay runs no validator);
+        # only validators read it.
         self._starting: dict[str, int] = {}
         self._ending = False  # in _halt: cancelled, stopped or failed, closing
         self._halt_reason = ""  # why, as _halt tells the children
@@ -1462,6 +1463,14 @@ class AgentRun:
                 "that the reports of those it has stay under Temporal's limit of 51,200, "
                 "past which Temporal ends the run and its tree); start further runs "
                 "without a parent"
+            )
+        if self._signal_rule and self._signals >= contract.SPAWN_SIGNAL_LIMIT:
+            raise ValueError(
+                f"run '{self._id}' takes no more children: it has taken {self._signals:,} "
+                f"signals, its children's reports (at {contract.SPAWN_SIGNAL_LIMIT:,} it "
+                "stops taking children, so that the reports of those it has stay under "
+                "Temporal's limit of 10,000, past which they are refused); start further "
+                "runs without a parent"
             )
         size = _payload_bytes(request)
         starting = sum(self._starting.values())

@@ -64,7 +64,7 @@ SPAWN_HISTORY_LIMIT = 20_480
 # spawns of 450 kB at once ended their parent, "GrpcMessageTooLarge").  Specs of this
 # many bytes in all may be starting at once (one larger alone is taken); a spawn past
 # them is refused by the run's validator (leaving no trace in its history) and sent
-# again by `Runs.spawn` once those have started.  With a turn's input (2 MiB at most)
+# again by `Runs.spawn`, within its child_wait_s.  With a turn's input (2 MiB at most)
 # in the same completion it stays under 4 MiB.  Only the validator reads it: no
 # command depends on it.
 CHILDREN_STARTING_BYTES = 800_000
@@ -89,6 +89,11 @@ HISTORY_HALT_EVENTS = 38_000
 # its end: a child's end also reaches its parent as the child's result).  Read at each
 # check, so tests can lower it; a change to it needs a patch id of its own.
 SIGNAL_STOP = 8_000
+# ... and, as SPAWN_HISTORY_LIMIT for events, a run that took this many signals takes
+# no more children: one taken past SIGNAL_STOP stopped its parent, and itself, at its
+# first report (helper-172).  Only the spawn validator reads it: no command depends
+# on it.
+SPAWN_SIGNAL_LIMIT = 5_000
 # Temporal terminates a workflow whose history passes 50 MB (its default size limit),
 # its answer lost.  A run whose history could not shed its turns (one that cannot
 # continue as new: children running, or an input too large to carry) fails before a
