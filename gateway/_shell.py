@@ -19,13 +19,12 @@ from dataclasses import dataclass
 from scheduler import (
     Action,
     Admit,
+    Drained,
     Ejected,
     Event,
     Forget,
     Reject,
-    ServiceClass,
     State,
-    TurnAbandoned,
     TurnArrived,
     decide,
 )
@@ -93,7 +92,6 @@ class AdmissionShell:
         state: State,
         *,
         observer: Observer | None = None,
-        refused: Callable[[int], None] | None = None,
         why_down: Callable[[str], str | None] = lambda replica: None,
     ) -> None:
         self._state = state
@@ -101,8 +99,6 @@ class AdmissionShell:
         # Why a replica is unhealthy (its last probe's reason; None: it is not), said
         # in the core's 503 for a model whose replicas are all down.
         self._why_down = why_down
-        # Told the status of a turn refused here, before the core saw it (a drain).
-        self._refused = refused
         # The turns whose handlers wait to be admitted: turn id -> (its future, run id,
         # caller); and run id -> caller -> how many, so that whose a run known only by
         # its held turns is costs no walk over every held turn.
@@ -112,8 +108,6 @@ class AdmissionShell:
         # run id -> its keys, for Forget
         self._tool_calls: dict[tuple[str, str], tuple[str | None, float]] = {}
         self._run_tool_calls: dict[str, set[tuple[str, str]]] = {}
-        # The gateway is stopping: (its refusal, Retry-After) for a turn held from now.
-        self._draining: tuple[str, str] | None = None
 
     @property
     def state(self) -> State:
@@ -150,15 +144,8 @@ class AdmissionShell:
 
     def arrive(self, event: TurnArrived) -> asyncio.Future[Admission]:
         """Report a turn; the future resolves when the core admits or rejects it
-        (possibly already done on return).  While the gateway drains, every turn is
-        refused 503 at once and the core never sees it: one with a free slot would
-        start, and be cut at the end of the shutdown's grace (helper-116)."""
+        (possibly already done on return)."""
         future: asyncio.Future[Admission] = asyncio.get_running_loop().create_future()
-        if self._draining is not None:
-            future.set_result(Rejected(503, *self._draining))
-            if self._refused is not None:
-                self._refused(503)
-            return future
         self._waiting[event.turn_id] = (future, event.run_id, event.caller)
         by_caller = self._waiting_runs.setdefault(event.run_id, {})
         by_caller[event.caller] = by_caller.get(event.caller, 0) + 1
@@ -169,47 +156,15 @@ class AdmissionShell:
             raise
         return future
 
-    def drain(self, now: float, message: str, retry_after: str) -> int:
+    def drain(self, now: float, message: str) -> int:
         """The gateway is stopping: every turn held now is answered 503 `message` at
-        once (the core is told each is abandoned), instead of waiting out the shutdown's
-        grace for a slot and being cut at its end, and so is every turn that arrives
-        from now on (`arrive`).  Turns admitted already go on.  Returns how many were
-        held.  They are refused last in the core's order first (its rule 5: class, then
-        the caller with fewest turns in flight, its oldest turn in the turn's bucket (a
-        model's or a replica's, of the class), then arrival): a turn is held back only
-        by turns before it in that order (a turn waiting for KV holds back later ones
-        of its class and below), so no refusal frees room for a turn still held
-        (helper-164: the core admitted it, and it started on a stopping gateway;
-        helper-166, -170, -171: with another order, the metrics counted an admission
-        and an engine turn abandoned).  Should one be admitted all the same, `_resolve`
-        leaves it held for its own refusal, which frees its slot again."""
-        self._draining = (message, retry_after)
-        state = self._state
-        oldest: dict[tuple[object, str], int] = {}  # a caller's oldest turn in a bucket
-        for turn_id in self._waiting:
-            if (t := state.turns.get(turn_id)) is not None:
-                key = (t.bucket, t.caller)
-                oldest[key] = min(oldest.get(key, t.seq), t.seq)
-
-        def order(turn_id: str) -> tuple[bool, int, int, str, int]:
-            t = state.turns.get(turn_id)
-            if t is None:  # the core never saw it: its place does not matter
-                return (False, -1, 0, "", 0)
-            interactive = t.service_class is ServiceClass.INTERACTIVE
-            return (not interactive, state.caller_in_flight(t.caller),
-                    oldest[(t.bucket, t.caller)], t.caller, t.seq)  # fmt: skip
-
-        held = sorted(self._waiting, key=order, reverse=True)
-        for turn_id in held:
-            self._refuse_held(turn_id, now, message, retry_after)
-        return len(held)
-
-    def _refuse_held(self, turn_id: str, now: float, message: str, retry_after: str) -> None:
-        future = self._unwait(turn_id)
-        if future is None or future.done():
-            return
-        self.apply(TurnAbandoned(now=now, turn_id=turn_id))
-        future.set_result(Rejected(503, message, retry_after))
+        once, instead of waiting out the shutdown's grace for a slot and being cut at
+        its end, and so is every turn that arrives from now on, slot free or not (the
+        core's rule 14: it admits nothing more).  Turns admitted already go on.
+        Returns how many were held."""
+        held = self._state.held_count()
+        self.apply(Drained(now=now, message=message))
+        return held
 
     def turn_timeout(self, turn_id: str) -> float:
         """How long an admitted turn may go without a sign of life before the core frees
@@ -247,10 +202,6 @@ class AdmissionShell:
         return future
 
     def _resolve(self, turn_id: str, outcome: Admission) -> None:
-        if self._draining is not None and not isinstance(outcome, Rejected):
-            # Admitted by a refusal's refill while the gateway drains: it would start,
-            # and be cut at the end of the shutdown's grace.  `drain` refuses it next.
-            return
         future = self._unwait(turn_id)
         if future is None or future.done():
             log.warning("no handler waits for turn %s (%r)", turn_id, outcome)

@@ -361,7 +361,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         door.stopping = True  # the door's calls cut from now on are the gateway's
         if runtime is None:
             return
-        held = runtime.shell.drain(runtime.loop.time(), SHUTTING_DOWN, runtime.prober.retry_after)
+        held = runtime.shell.drain(runtime.loop.time(), SHUTTING_DOWN)
         log.info("shutting down: %d held turns answered 503; the turns in flight go on", held)
 
     def seen() -> tuple[State, dict[str, ProbeResult]] | None:
@@ -418,7 +418,6 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             shell = AdmissionShell(
                 State.initial(serving.replica_specs(), policy),
                 observer=observe,
-                refused=metrics.refused,
                 why_down=lambda name: _why_down(prober, name),
             )
 

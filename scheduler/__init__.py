@@ -13,6 +13,7 @@ from scheduler._core import ReplicaState, RunState, State, TurnState, decide  # 
 from scheduler._types import (  # noqa: E402 (after the path above)
     Action,
     Admit,
+    Drained,
     Ejected,
     Event,
     Forget,
@@ -40,6 +41,7 @@ from scheduler._types import (  # noqa: E402 (after the path above)
 __all__ = [
     "Action",
     "Admit",
+    "Drained",
     "Ejected",
     "Event",
     "Forget",

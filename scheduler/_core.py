@@ -98,6 +98,11 @@ Rules, stated once (the README's "What it is" tells users), enforced here and no
     device's other replicas take no new runs of the models it serves: with strict
     affinity their runs go on there (rule 3) and end, and the leader's decode steps get
     the whole GPU.
+14. A drain (`Drained`: the gateway is stopping) refuses every held turn 503 and every
+    turn that arrives after it, and admits nothing from then on; turns admitted go on
+    to their end.  All held turns go in one decision, with no refill between them: a
+    refusal that freed room would otherwise let a later held turn in, to start on a
+    stopping gateway and be cut at the end of its grace.
 
 After every event no held turn is admissible (except behind a turn waiting for KV, as
 in rule 6): each event that frees capacity on a replica refills that replica, and one
@@ -124,6 +129,7 @@ from scheduler._persistent import PSortedSet, Record, empty
 from scheduler._types import (
     Action,
     Admit,
+    Drained,
     Ejected,
     Event,
     Forget,
@@ -446,6 +452,7 @@ class State:
     __slots__ = (
         "_buckets",
         "_callers",
+        "_draining",
         "_expiry",
         "_held_runs",
         "_models",
@@ -478,6 +485,7 @@ class State:
         held_runs: Map[str, tuple[str, ...]] | None = None,
         prompt_scale: Map[str, float] | None = None,
         shared_prefix: Map[str, SharedPrefix] | None = None,
+        draining: str | None = None,
     ) -> None:
         self._policy = policy
         self._models = models
@@ -502,6 +510,9 @@ class State:
         self._shared_prefix: Map[str, SharedPrefix] = (
             Map() if shared_prefix is None else shared_prefix
         )
+        # The refusal of every turn since the gateway began to stop (rule 14); None:
+        # it is not stopping.
+        self._draining = draining
 
     @classmethod
     def initial(cls, replicas: Sequence[ReplicaSpec], policy: Policy | None = None) -> State:
@@ -577,6 +588,11 @@ class State:
     @property
     def turns(self) -> Map[str, TurnState]:
         return self._turns
+
+    @property
+    def draining(self) -> str | None:
+        """The 503's message for every turn since a drain (rule 14); None before one."""
+        return self._draining
 
     def caller_in_flight(self, caller: str) -> int:
         c = self._callers.get(caller)
@@ -805,6 +821,8 @@ def decide(state: State, event: Event) -> tuple[State, list[Action]]:
         tx.pool_changed(event.replicas, event.slots_unknown)
     elif isinstance(event, PolicyChanged):
         tx.policy_changed(event.policy)
+    elif isinstance(event, Drained):
+        tx.drain(event.message)
     else:  # pragma: no cover - exhaustiveness
         raise SchedulerError(f"unknown event {event!r}")
     if tx.refill:
@@ -838,6 +856,7 @@ class _Tx:
         self.held_runs = state._held_runs.mutate()
         self.prompt_scale = state._prompt_scale
         self.shared_prefix = state._shared_prefix
+        self.draining = state._draining
         self.actions: list[Action] = []
         self.refill: list[str] = []
         self.changes = 0  # admissions and re-pins so far: what makes a second look useful
@@ -860,6 +879,7 @@ class _Tx:
             self.held_runs.finish(),
             self.prompt_scale,
             self.shared_prefix,
+            self.draining,
         )
 
     def _sweep_retired(self) -> frozenset[str]:
@@ -879,6 +899,9 @@ class _Tx:
     def arrive(self, ev: TurnArrived) -> None:
         if ev.turn_id in self.turns:
             raise SchedulerError(f"turn {ev.turn_id!r} arrived twice")
+        if self.draining is not None:  # rule 14: before any other answer
+            self.actions.append(Reject(turn_id=ev.turn_id, status=503, message=self.draining))
+            return
         serving = self.models.get(ev.model)
         if not serving:
             self.actions.append(
@@ -1289,6 +1312,22 @@ class _Tx:
         # (Leaving rotation, its pinned turns were freed by _kept_changed.)
         if healthy:
             self._fill((ev.replica,))
+
+    def drain(self, message: str) -> None:
+        """Rule 14: every held turn refused, in arrival order, and no refill."""
+        if self.draining is not None:
+            return
+        self.draining = message
+        held = sorted(
+            (self.turns[tid] for ids in self.state._held_runs.values() for tid in ids),
+            key=lambda t: t.seq,
+        )
+        for t in held:
+            self._unhold(t)
+            self._unindex(t)
+            del self.turns[t.turn_id]
+            self._drop_caller_if_unused(t.caller)
+            self.actions.append(Reject(turn_id=t.turn_id, status=503, message=message))
 
     def _reject_held(self, t: TurnState) -> None:
         """A held turn (already out of its bucket) that can never be placed."""

@@ -293,6 +293,16 @@ class PolicyChanged:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class Drained:
+    """The gateway is stopping (rule 14): every held turn is refused 503 `message`, and
+    so is every turn that arrives from now on; nothing more is admitted.  Turns
+    admitted go on to their end.  A second drain changes nothing."""
+
+    now: float
+    message: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Tick:
     now: float
 
@@ -308,6 +318,7 @@ Event = (
     | ReplicaProbed
     | PoolChanged
     | PolicyChanged
+    | Drained
     | Tick
 )
 
@@ -329,7 +340,8 @@ class Admit:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Reject:
     """Answer the turn with this status and message: at its arrival (it was never
-    queued), or while held, once its model has left the pool (rule 11)."""
+    queued), or while held, once its model has left the pool (rule 11) or the gateway
+    drains (rule 14)."""
 
     turn_id: str
     status: int

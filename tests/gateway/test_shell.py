@@ -122,30 +122,42 @@ def test_a_client_that_leaves_as_its_turn_is_admitted_left_it_and_did_not_abando
 async def test_a_draining_gateway_refuses_held_turns_and_every_turn_after() -> None:
     # A slot free after the drain began still started a new turn on a stopping gateway,
     # to be cut at the end of the shutdown's grace (helper-116): it is refused 503 at
-    # once, as the held ones are, and the core never sees it.
+    # once, as the held ones are (the core's rule 14), and counted as refused.
     from gateway._shell import Rejected
+    from gateway.metrics import GatewayMetrics
 
-    refused: list[int] = []
     spec = ReplicaSpec(name="a", models=frozenset({"m"}), slots=1)
-    s = AdmissionShell(State.initial([spec]), refused=refused.append)
+    s: AdmissionShell | None = None
+    m = GatewayMetrics(lambda: (s.state, {}) if s is not None else None)
+    s = AdmissionShell(State.initial([spec]), observer=m.observe)
 
     first, second = s.arrive(turn(1)), s.arrive(turn(2))
     assert first.result() == "a" and not second.done()  # one slot: the second is held
-    assert s.drain(3.0, "stopping", "2") == 1
-    assert second.result() == Rejected(503, "stopping", "2")
+    assert s.drain(3.0, "stopping") == 1
+    assert second.result() == Rejected(503, "stopping")
     assert "t2" not in s.state.turns
     s.apply(TurnFinished(now=4.0, turn_id="t1", prompt_tokens=1, completion_tokens=1,
                          finish_reason="stop"))  # fmt: skip
     late = s.arrive(turn(5))  # the slot is free again
-    assert late.result() == Rejected(503, "stopping", "2")
+    assert late.result() == Rejected(503, "stopping")
     assert "t5" not in s.state.turns and "r5" not in s.state.runs
-    assert refused == [503]  # the late one; the held one the core was told of
+    assert s.drain(6.0, "later") == 0 and s.state.draining == "stopping"
+    assert s.arrive(turn(7, model="nope")).result() == Rejected(503, "stopping")  # no 404
+
+    def sample(name: str, **labels: str) -> float:
+        return m.registry.get_sample_value(name, labels) or 0.0
+
+    assert sample("luftpause_rejected_turns_total", status="503") == 3.0
+    assert sample("luftpause_turns_total", outcome="rejected") == 3.0
+    assert sample("luftpause_turns_total", outcome="abandoned") == 0.0
+    assert sample("luftpause_admissions_total", replica="a", **{"class": "interactive"}) == 1.0
 
 
 async def test_a_drain_admits_none_of_the_turns_it_refuses() -> None:
     # Each held turn was told to the core as abandoned one at a time, and a refusal
     # that freed room let the core admit a later held turn before its own refusal:
     # here the turn waiting for KV goes, and the one held behind it fits (helper-164).
+    # The core now refuses every held turn in one decision, with no refill between.
     # It started on a stopping gateway, to be cut at the end of the grace.
     from gateway._shell import Rejected
 
@@ -156,35 +168,16 @@ async def test_a_drain_admits_none_of_the_turns_it_refuses() -> None:
     big = s.arrive(turn(1, "c1", 500))  # needs 756: waits for KV
     small = s.arrive(turn(2, "c2", 10))  # fits, but does not pass the turn waiting for KV
     assert not big.done() and not small.done()
-    assert s.drain(3.0, "stopping", "2") == 2
-    assert big.result() == small.result() == Rejected(503, "stopping", "2")
+    assert s.drain(3.0, "stopping") == 2
+    assert big.result() == small.result() == Rejected(503, "stopping")
     assert set(s.state.turns) == {"t0"}  # the core holds and runs nothing else
     assert s.state.replicas["a"].in_flight == 1
 
 
-async def test_a_drain_leaves_an_admission_made_while_it_drains_held() -> None:
-    # The drain's order follows the core's, so that no refusal lets a held turn in;
-    # should the core admit one all the same (its order changed, say), the shell
-    # leaves that admission held for the turn's own refusal.  Here the admission is
-    # made as one would be mid-drain: the draining state set, a slot freed.
-    from gateway._shell import Rejected
-
-    spec = ReplicaSpec(name="a", models=frozenset({"m"}), slots=1)
-    s = AdmissionShell(State.initial([spec]))
-    assert s.arrive(turn(1)).result() == "a"
-    second = s.arrive(turn(2))
-    s._draining = ("stopping", "2")  # as drain() sets it before its first refusal
-    s.apply(TurnFinished(now=3.0, turn_id="t1", prompt_tokens=1, completion_tokens=1,
-                         finish_reason="stop"))  # fmt: skip
-    assert s.state.turns["t2"].replica == "a" and not second.done()
-    assert s.drain(4.0, "stopping", "2") == 1
-    assert second.result() == Rejected(503, "stopping", "2")
-    assert set(s.state.turns) == set() and s.state.replicas["a"].in_flight == 0
-
-
-async def test_a_drain_refuses_by_the_cores_order_within_each_bucket() -> None:
-    # A caller's oldest held turn for another model's replica (or of the other class)
-    # does not move its turns in this bucket: the core orders each bucket by the
+async def test_a_drain_admits_none_across_buckets() -> None:
+    # When the shell refused held turns one at a time, in an order of its own, a
+    # caller's oldest held turn for another model's replica (or of the other class)
+    # did not move its turns in this bucket: the core orders each bucket by the
     # caller's oldest turn in it.  x's T (model n, for z) is older than y's B, but in
     # m's bucket B comes first, waiting for a's KV, x's t4 behind it (helper-171).
     from gateway._shell import Rejected
@@ -209,9 +202,9 @@ async def test_a_drain_refuses_by_the_cores_order_within_each_bucket() -> None:
     s._observer = lambda before, event, actions: admitted.extend(
         a.turn_id for a in actions if isinstance(a, Admit)
     )
-    assert s.drain(5.0, "stopping", "2") == 3
+    assert s.drain(5.0, "stopping") == 3
     for held in (old, b, t4):
-        assert held.result() == Rejected(503, "stopping", "2")
+        assert held.result() == Rejected(503, "stopping")
     assert admitted == []  # the core admitted none of them
     assert set(s.state.turns) == {"t0"} and s.state.replicas["a"].in_flight == 0
 
@@ -220,7 +213,7 @@ async def test_a_drain_counts_no_admission_for_a_turn_it_refuses() -> None:
     # The same drain: the small turn, admitted by the core when the big one's refusal
     # freed its KV, and then refused, was counted an admission and an engine turn
     # `abandoned` ("the gateway stopped it"), though nothing reached the engine
-    # (helper-166).  Refused last-in-order first, no refusal frees room for it.
+    # (helper-166).  Refused in one decision with the others, it never is.
     from gateway._shell import Rejected
     from gateway.metrics import GatewayMetrics
 
@@ -231,8 +224,8 @@ async def test_a_drain_counts_no_admission_for_a_turn_it_refuses() -> None:
 
     assert shell.arrive(turn(0, "c0", 44)).result() == "a"
     big, small = shell.arrive(turn(1, "c1", 500)), shell.arrive(turn(2, "c2", 10))
-    assert shell.drain(3.0, "stopping", "2") == 2
-    assert big.result() == small.result() == Rejected(503, "stopping", "2")
+    assert shell.drain(3.0, "stopping") == 2
+    assert big.result() == small.result() == Rejected(503, "stopping")
 
     def sample(name: str, **labels: str) -> float:
         return m.registry.get_sample_value(name, labels) or 0.0
@@ -290,15 +283,15 @@ async def test_a_drain_by_callers_in_flight_counts_no_admission() -> None:
         return m.registry.get_sample_value(name, labels) or 0.0
 
     admitted = sample("luftpause_admissions_total", replica="a", **{"class": "interactive"})
-    assert shell.drain(5.0, "stopping", "2") == 2
-    assert small.result() == big.result() == Rejected(503, "stopping", "2")
+    assert shell.drain(5.0, "stopping") == 2
+    assert small.result() == big.result() == Rejected(503, "stopping")
     after = sample("luftpause_admissions_total", replica="a", **{"class": "interactive"})
     stopped = sample("luftpause_engine_turns_total", replica="a", outcome="abandoned")
     assert (after - admitted, stopped) == (0.0, 0.0)
 
 
-async def test_a_drain_refuses_by_class_buckets_too() -> None:
-    # x's oldest held turn is batch, waiting for a slot: in the drain's order by a
+async def test_a_drain_admits_none_across_classes() -> None:
+    # x's oldest held turn is batch, waiting for a slot: in the shell's old order by a
     # caller's oldest anywhere it moved x's interactive turn ahead of y's, which waits
     # for KV ahead of it in the core's; y's refusal let the core admit x's (helper-171).
     from gateway._shell import Rejected
@@ -326,9 +319,9 @@ async def test_a_drain_refuses_by_class_buckets_too() -> None:
     admitted = m.registry.get_sample_value(
         "luftpause_admissions_total", {"replica": "a", "class": "interactive"}
     )
-    assert shell.drain(6.0, "stopping", "2") == 3
+    assert shell.drain(6.0, "stopping") == 3
     for held in (batch, big, small):
-        assert held.result() == Rejected(503, "stopping", "2")
+        assert held.result() == Rejected(503, "stopping")
     after = m.registry.get_sample_value(
         "luftpause_admissions_total", {"replica": "a", "class": "interactive"}
     )

@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from scheduler import (
     Action,
     Admit,
+    Drained,
     Event,
     Forget,
     Policy,
@@ -64,6 +65,7 @@ DEVICES = {"a": "g0", "b": "g0", "c": None, "d": "g0"}
 # The joining replica's engine runs 3 requests at once, as configured, and so does a
 # narrowed by a pool change; the others' slots are unknown until a probe reports them.
 SLOTS = {"d": 3}
+DRAINING = "the gateway is shutting down"
 NARROWED_SLOTS = 1
 
 
@@ -245,6 +247,8 @@ class Runner:
             return PoolChanged(now=self.now, replicas=specs, slots_unknown=unknown)
         if kind == "policy":
             return PolicyChanged(now=self.now, policy=op[1])
+        if kind == "drain":
+            return Drained(now=self.now, message=DRAINING)
         return RunEnded(now=self.now, run_id=f"run{op[1]}")
 
     def run(self, op: tuple[Any, ...]) -> None:
@@ -676,7 +680,8 @@ def check_step(before: State, event: Event, after: State, actions: list[Action])
         run = before.runs.get(event.run_id)
         servable = any(r.healthy and event.model in r.spec.models for r in before.replicas.values())
         due = (
-            limit is not None
+            before.draining is None
+            and limit is not None
             and mine >= limit
             and (run is None or not run.keeps_replica)
             and servable
@@ -698,8 +703,20 @@ def check_step(before: State, event: Event, after: State, actions: list[Action])
         served = {m for r in event.replicas for m in r.models}
         gone = {t.turn_id for t in before.held() if t.model not in served}
         assert rejected == gone, (rejected, gone)
+    elif isinstance(event, Drained):
+        # Rule 14: every held turn is refused 503, at the first drain.
+        gone = {t.turn_id for t in before.held()} if before.draining is None else set()
+        assert rejected == gone, (rejected, gone)
+        assert all(a.status == 503 for a in actions if isinstance(a, Reject))
     elif not isinstance(event, TurnArrived):
         assert not rejected
+    if before.draining is not None or isinstance(event, Drained):
+        # Rule 14: nothing is admitted or held once the gateway drains; what arrives
+        # is refused 503 at once, before any other answer.
+        assert not admits, f"admitted while draining: {admits}"
+        assert after.held_count() == 0 and after.draining is not None
+        if isinstance(event, TurnArrived):
+            assert actions == [Reject(turn_id=event.turn_id, status=503, message=DRAINING)]
     check_device_leader(before, event, after, admits)
     runs = dict(before.runs)
     if isinstance(event, TurnFinished) and event.finish_reason != "tool_calls":
@@ -859,6 +876,33 @@ def replays_and_drains(runner: Runner, start: State) -> None:
     assert summary(replay) == summary(runner.state)
     drain(runner)
     assert runner.state.held_count() == 0
+
+
+@given(
+    policy=policies,
+    kv=st.sampled_from([None, 8000, 20000]),
+    script=st.lists(ops, min_size=10, max_size=80),
+    after=st.lists(st.one_of(ops, st.tuples(st.just("drain"))), max_size=40),
+)
+def test_a_drain_refuses_every_held_turn_and_admits_nothing_after(
+    policy: Policy, kv: int | None, script: list[tuple[Any, ...]], after: list[tuple[Any, ...]]
+) -> None:
+    """Rule 14 after any history: the drain refuses exactly the turns held (check_step),
+    and no event after it admits a turn, while the turns admitted before it finish,
+    fail or time out as ever (their slots, runs and claims kept right by the checks
+    after every step).  Every replica is capped at one turn at first, so that turns
+    are held when the drain comes."""
+    runner = Runner(initial(policy, kv), kv)
+    for op in CAPPED + script:
+        runner.run(op)
+    held = {t.turn_id for t in runner.state.held()}
+    running = {t.turn_id for t in runner.state.admitted()}
+    refused = runner.apply(Drained(now=runner.now, message=DRAINING))
+    assert {a.turn_id for a in refused if isinstance(a, Reject)} == held
+    assert {t.turn_id for t in runner.state.admitted()} == running  # they go on
+    for op in after:
+        runner.run(op)
+    replays_and_drains(runner, initial(policy, kv))
 
 
 def initial(policy: Policy, kv: int | None) -> State:
