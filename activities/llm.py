@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 from temporalio import activity
-from temporalio.converter import DataConverter
+from temporalio.converter import DataConverter, PayloadConverter
 from temporalio.exceptions import ApplicationError
 
 from activities._recover import recover_tool_calls
@@ -33,7 +33,14 @@ from activities.contract import EndRunInput, ToolCall, TurnInput, TurnOutput
 from luftpause import telemetry
 from luftpause.headers import CALLER_HEADER, CLASS_HEADER, RUN_HEADER
 
-__all__ = ["HEARTBEAT_EVERY_S", "LlmActivities", "heartbeating"]
+__all__ = [
+    "HEARTBEAT_EVERY_S",
+    "RUN_ERROR_MAX_CHARS",
+    "LlmActivities",
+    "bounded",
+    "heartbeating",
+    "payload_bytes",
+]
 
 HEARTBEAT_EVERY_S = 2.0
 # Statuses a retry cannot fix: the request itself is wrong (or the model unknown).
@@ -256,7 +263,7 @@ class LlmActivities:
             # retried for ever.
             spent, message = _count_fault(faults, f"gateway answered 200 {exc}")
             raise ApplicationError(message, type="BadCompletion", non_retryable=spent) from None
-        size = _payload_bytes(output)
+        size = payload_bytes(output)
         if size > TURN_OUTPUT_MAX_BYTES:
             # Temporal takes no activity result past 2 MB: the attempt failed after
             # the fact, as a retryable one, and the engine wrote the same turn again
@@ -370,7 +377,8 @@ def _call_ids(messages: list[dict[str, Any]]) -> set[str]:
     }
 
 
-def _payload_bytes(value: Any) -> int:
-    """What `value` weighs as Temporal carries it (the default payload converter, the
-    worker's)."""
-    return DataConverter.default.payload_converter.to_payloads([value])[0].ByteSize()
+def payload_bytes(value: Any, converter: PayloadConverter | None = None) -> int:
+    """What `value` weighs as Temporal carries it: by `converter` (a workflow passes
+    its own, `workflow.payload_converter()`), else by the default one, the worker's."""
+    by = converter if converter is not None else DataConverter.default.payload_converter
+    return by.to_payloads([value])[0].ByteSize()

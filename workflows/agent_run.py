@@ -101,7 +101,7 @@ with workflow.unsafe.imports_passed_through():
         TurnOutput,
         chosen_tools,
     )
-    from activities.llm import RUN_ERROR_MAX_CHARS, LlmActivities, bounded
+    from activities.llm import RUN_ERROR_MAX_CHARS, LlmActivities, bounded, payload_bytes
     from activities.tools import ToolActivities
     from workflows.contract import (
         CALLER,
@@ -334,11 +334,6 @@ RESULT_MAX_BYTES = 1_900_000
 def _with(status: RunStatus, field: str, text: str) -> RunStatus:
     """`status` with its task or its answer (`field`) as `text`."""
     return replace(status, task=text) if field == "task" else replace(status, answer=text)
-
-
-def _payload_bytes(value: Any) -> int:
-    """What `value` weighs as Temporal carries it (the workflow's payload converter)."""
-    return workflow.payload_converter().to_payloads([value])[0].ByteSize()
 
 
 def fit_answer(content: str, room: int) -> str:
@@ -1304,9 +1299,10 @@ class AgentRun:
         the answer, each with a note.  (Each was within its own bound, their sum was
         not, and the run's close failed for ever, its answer lost; helper-163.)"""
         status = self.status()
+        converter = workflow.payload_converter()
         for field in ("task", "answer"):
             text = getattr(status, field)
-            if _payload_bytes(status) <= RESULT_MAX_BYTES:
+            if payload_bytes(status, converter) <= RESULT_MAX_BYTES:
                 break
             if not text:
                 continue
@@ -1314,7 +1310,9 @@ class AgentRun:
                 f"\n[luftpause: the {field}, {len(text):,} characters, is cut here: the "
                 "run's final status is limited to what Temporal carries]"
             )
-            room = RESULT_MAX_BYTES - _payload_bytes(_with(status, field, "")) - _size(note)
+            room = (
+                RESULT_MAX_BYTES - payload_bytes(_with(status, field, ""), converter) - _size(note)
+            )
             # The longest beginning that fits, by its bytes as JSON (a character takes 1
             # to 12; helper-167: a cut by their average left CJK before English whole).
             lo, hi = 0, len(text)
@@ -1394,7 +1392,7 @@ class AgentRun:
         )
         self._spawning.add(request.handle)  # before any await: the validator counts it
         if request.handle not in self._starting:
-            self._starting[request.handle] = _payload_bytes(request)
+            self._starting[request.handle] = payload_bytes(request, workflow.payload_converter())
         try:
             child = await workflow.start_child_workflow(
                 AgentRun.run,
@@ -1472,7 +1470,7 @@ class AgentRun:
                 "Temporal's limit of 10,000, past which they are refused); start further "
                 "runs without a parent"
             )
-        size = _payload_bytes(request)
+        size = payload_bytes(request, workflow.payload_converter())
         starting = sum(self._starting.values())
         if self._starting and starting + size > contract.CHILDREN_STARTING_BYTES:
             raise ApplicationError(

@@ -12,9 +12,11 @@ from temporalio.converter import DataConverter
 import workflows.agent_run as ar
 from workflows.contract import ChildSummary, RunStatus, Totals
 
+_CONVERTER = DataConverter.default.payload_converter
+
 
 def _bytes(value: object) -> int:
-    return DataConverter.default.payload_converter.to_payloads([value])[0].ByteSize()
+    return _CONVERTER.to_payloads([value])[0].ByteSize()
 
 
 class _Run:
@@ -42,7 +44,8 @@ def _final(status: RunStatus) -> RunStatus:
 
 @pytest.fixture(autouse=True)
 def _outside_a_workflow(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ar, "_payload_bytes", _bytes)  # the same converter, no workflow
+    # The worker's converter, the default, without a workflow to ask for it.
+    monkeypatch.setattr(ar.workflow, "payload_converter", lambda: _CONVERTER)
 
 
 def test_a_status_that_fits_is_left_whole() -> None:
