@@ -12,7 +12,9 @@ server otherwise; the workflow decides which to send again (workflows/agent_run.
 An answer longer than `TOOL_OUTPUT_MAX_CHARS` is cut, with a note the model reads.
 Uncut, one large answer (a fetched page, an image as base64) would overflow the model's
 context in every later turn and, past Temporal's 2 MB payload limit, fail the activity
-*after* the call ran, so each retry would run the tool again.
+*after* the call ran, so each retry would run the tool again.  The message of a failure
+is cut too (`activities.llm.bounded`): it may quote a server's words, and a run's
+failure carries it twice.
 
 With tracing on, each call is an `execute_tool {name}` span (GenAI semantic
 conventions); the MCP SDK sends its `traceparent` to the server in the request's `_meta`.
@@ -35,7 +37,7 @@ from activities.contract import (
     ToolOutput,
     ToolsWanted,
 )
-from activities.llm import HEARTBEAT_EVERY_S, heartbeating
+from activities.llm import HEARTBEAT_EVERY_S, bounded, heartbeating
 from activities.mcp_pool import CallTimedOut, McpPool, UnknownTool, Unreachable
 from luftpause import telemetry
 
@@ -70,7 +72,8 @@ class ToolActivities:
         try:
             return await self._pool.list_tools(wanted.names if wanted is not None else None)
         except Exception as exc:
-            raise ApplicationError(f"listing tools: {exc}", type="McpUnavailable") from None
+            message = bounded(f"listing tools: {exc}")  # a server's words: any length
+            raise ApplicationError(message, type="McpUnavailable") from None
 
     @activity.defn(name="call_tool")
     async def call_tool(self, call: ToolInput) -> ToolOutput:
@@ -130,7 +133,8 @@ class ToolActivities:
                 )
         except CallTimedOut as exc:
             raise ApplicationError(
-                f"mcp server '{call.server}', tool '{call.tool}': {exc}", type=TOOL_TIMED_OUT
+                bounded(f"mcp server '{call.server}', tool '{call.tool}': {exc}"),
+                type=TOOL_TIMED_OUT,
             ) from None
         except UnknownTool as exc:
             # Never sent.  In a rolling deploy that adds or removes a server, the run
@@ -138,16 +142,19 @@ class ToolActivities:
             # has not: another worker of the queue may take it (helper-114: the run
             # failed at once).  Where none has it, it fails as an unreachable server does.
             raise ApplicationError(
-                f"mcp server '{call.server}', tool '{call.tool}': not sent: {exc}", type=NOT_SENT
+                bounded(f"mcp server '{call.server}', tool '{call.tool}': not sent: {exc}"),
+                type=NOT_SENT,
             ) from None
         except Unreachable as exc:  # never sent: safe to send later, whatever the tool
             raise ApplicationError(
-                f"mcp server '{call.server}', tool '{call.tool}': not reached: {exc}",
+                bounded(f"mcp server '{call.server}', tool '{call.tool}': not reached: {exc}"),
                 type=NOT_SENT,
             ) from None
         except Exception as exc:
             raise ApplicationError(
-                f"mcp server '{call.server}', tool '{call.tool}': {type(exc).__name__}: {exc}",
+                bounded(
+                    f"mcp server '{call.server}', tool '{call.tool}': {type(exc).__name__}: {exc}"
+                ),
                 type="McpUnavailable",
             ) from None
         return ToolOutput(

@@ -995,3 +995,26 @@ async def test_more_calls_in_flight_than_httpx_pools_all_reach_the_server(protoc
             await pool.aclose()
     assert sorted(started) == list(range(n))
     assert results == [(f"done {i}", False) for i in range(n)]
+
+
+async def test_a_servers_long_error_is_cut_in_the_activitys_failure() -> None:
+    # A server that answers tools/list with a 3 MB error message: the activity's
+    # failure quoted it whole, and a run's failure carries its message twice, past what
+    # Temporal takes (2 MB).
+    async def list_tools(ctx: Any, params: Any) -> types.ListToolsResult:
+        raise MCPError(INTERNAL_ERROR, "index is rebuilding: " + "x" * 3_000_000)
+
+    server: Server[Any] = Server("long", on_list_tools=list_tools)
+    app = server.streamable_http_app(streamable_http_path="/mcp", host="127.0.0.1")
+    async with serve(app) as url:
+        pool = McpPool([McpServer(name="s", url=f"{url}/mcp")])
+        try:
+            with pytest.raises(ApplicationError) as failed:
+                await ActivityEnvironment().run(ToolActivities(pool).list_tools)
+        finally:
+            await pool.aclose()
+    message = failed.value.message
+    assert "index is rebuilding" in message and failed.value.type == "McpUnavailable"
+    assert len(message) < 8_100, len(message)
+    note = r"\[luftpause: cut here, of 3,0\d\d,\d\d\d characters\]$"
+    assert re.search(note, message), message[-99:]
