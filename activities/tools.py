@@ -22,6 +22,7 @@ conventions); the MCP SDK sends its `traceparent` to the server in the request's
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from opentelemetry.trace import StatusCode
@@ -100,6 +101,12 @@ class ToolActivities:
                 # Not reached, cut at its timeout, the connection broken: semconv's
                 # error.type names it, as for an answer that is an error (helper-169).
                 span.set_attribute("error.type", exc.type or type(exc).__name__)
+                raise
+            except asyncio.CancelledError:
+                # The run stopped, or the worker: the call has no outcome here (it is
+                # sent again, or told to the model, by the workflow's rules).
+                span.set_attribute("error.type", "cancelled")
+                span.set_status(StatusCode.ERROR, "cancelled")
                 raise
             if output.is_error:
                 span.set_attribute(

@@ -7,6 +7,7 @@ the code with `telemetry.use()` and taken back afterwards: the process-wide prov
 
 from __future__ import annotations
 
+import asyncio
 import http.server
 import os
 import signal
@@ -508,6 +509,34 @@ async def test_a_tool_call_that_fails_says_how_in_its_span(
     (span,) = named(spans, "execute_tool")
     assert span.status.status_code is StatusCode.ERROR
     assert attrs(span)["error.type"] == NOT_SENT
+
+
+async def test_a_tool_call_cancelled_says_so_in_its_span(spans: InMemorySpanExporter) -> None:
+    # A call cut by a cancellation (its run stopped, its worker shut down) ended with
+    # no status and no error.type: it read as a call that went well.
+    from temporalio.testing import ActivityEnvironment
+
+    from activities.contract import ToolInput
+    from activities.tools import ToolActivities
+
+    began = asyncio.Event()
+
+    class Slow:
+        async def call(self, *args: Any, **kwargs: Any) -> Any:
+            began.set()
+            await asyncio.Event().wait()  # never answers
+
+    env = ActivityEnvironment()
+    tools = ToolActivities(Slow())  # type: ignore[arg-type]
+    call = ToolInput(run_id="r1", server="s", tool="lookup", arguments="{}", call_id="c1")
+    task = asyncio.ensure_future(env.run(tools.call_tool, call))
+    await began.wait()
+    env.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    (span,) = named(spans, "execute_tool")
+    assert span.status.status_code is StatusCode.ERROR
+    assert attrs(span)["error.type"] == "cancelled"
 
 
 async def test_with_tracing_off_the_engine_gets_no_traceparent() -> None:
