@@ -345,11 +345,12 @@ class GatewayMetrics:
             ["by"],
             registry=self.registry,
         )
-        # Which refusal: 404 (no replica serves the model), 503 (none healthy), 429 (a
-        # caller over max_held_per_caller).
+        # Which refusal: 404 (no replica serves the model, or it left the pool while
+        # the turn was held), 503 (none healthy, no engine now, or the gateway drains),
+        # 429 (a caller over max_held_per_caller).
         self.rejected = Counter(
             "luftpause_rejected_turns",
-            "Turns refused before queueing, by HTTP status",
+            "Turns refused before they reached an engine, by HTTP status as answered",
             ["status"],
             registry=self.registry,
         )

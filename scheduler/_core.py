@@ -48,7 +48,8 @@ Rules, stated once (the README's "What it is" tells users), enforced here and no
    with its claim on the pool, after `Policy.kv_retention_s` (a run paused that long
    waits on a person or a long tool: batch need not stand idle for it meanwhile).
 5. Held turns are taken interactive first, then the caller with the fewest turns in
-   flight, then arrival order.  A held turn waits until placed or abandoned.  With
+   flight, then arrival order.  A held turn waits until placed, abandoned or refused
+   (rules 11 and 14).  With
    `Policy.max_held_per_caller`, a caller with that many turns of a class held is
    refused (429) a turn of that class that would start or resume an idle run; a run in
    progress (that the core knows) is never refused.

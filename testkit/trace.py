@@ -1,7 +1,8 @@
 """A seeded random event trace through the scheduler core, and its digest.
 
-Every kind of event, including contract violations, pool and policy changes, and
-clock jumps past the turn timeout, the KV retention and the idle-run expiry.  Two
+Every kind of event, including contract violations, pool and policy changes, clock
+jumps past the turn timeout, the KV retention and the idle-run expiry, and a drain
+nine tenths of the way (the events after it run on a draining core).  Two
 processes that run the same trace must print the same digest: the compiled core and
 the interpreted one (luftpause/native.py), and any two hash seeds (the core's actions
 must not depend on a map's order).  `python -m testkit.trace [seed [events [runs [callers]]]]`."""
@@ -13,6 +14,7 @@ import random
 import sys
 
 from scheduler import (
+    Drained,
     Policy,
     PolicyChanged,
     PoolChanged,
@@ -127,6 +129,8 @@ def digest(seed: int = 0, events: int = 3_000, runs: int = 25, callers: int = 5)
         # Mostly small steps; now and then a jump past the timeouts and the expiry.
         now += rng.choice([0.1, 0.5, 2.0, 30.0, 700.0, 2_000.0]) if rng.random() < 0.05 else 0.2
         event = _event(rng, now, k, turns, runs, callers)
+        if k == events * 9 // 10:
+            event = Drained(now=now, message="stopping")
         try:
             state, actions = decide(state, event)
         except SchedulerError as exc:
@@ -151,6 +155,7 @@ def _summary(state: State) -> tuple[object, ...]:
         sorted(state.turns.items()),
         state.held_count(),
         sorted(state.retired),
+        state.draining,
     )
 
 
