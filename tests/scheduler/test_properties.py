@@ -759,6 +759,7 @@ def check_step(before: State, event: Event, after: State, actions: list[Action])
             mine = {t.turn_id for t in before.admitted() if t.run_id == run.run_id}
             if mine <= ending:
                 runs.pop(run.run_id, None)
+    found: dict[str, RunState | None] = {}  # admitted turn -> its run as the admission found it
     for a in actions:
         if isinstance(a, TimedOut):
             timed_out(runs, a)
@@ -774,6 +775,7 @@ def check_step(before: State, event: Event, after: State, actions: list[Action])
         # the run as this admission found it (an earlier admission in the same step may
         # have moved it, e.g. a turn for a model its old replica does not serve)
         run = runs.get(a.run_id)
+        found[a.turn_id] = run
         # (after: the policy this step admitted under, which a PolicyChanged changed)
         if after.policy.strict_affinity and run is not None and run.replica is not None:
             home = after.replicas.get(run.replica)
@@ -803,9 +805,25 @@ def check_step(before: State, event: Event, after: State, actions: list[Action])
     for a in admits:
         if a.service_class is not ServiceClass.BATCH:
             continue
-        run = before.runs.get(a.run_id)
-        continuing = run is not None and run.bound and run.replica == a.replica
+        # Bound there before the step, or by an earlier admission in it (found by a
+        # draw, 2026-12-06: its run's turn away moved it off a replica out of rotation,
+        # and its batch turn went on there while an unbound one waited for KV).
+        continuing = any(
+            run is not None and run.bound and run.replica == a.replica
+            for run in (before.runs.get(a.run_id), found.get(a.turn_id))
+        )
         for x in held_interactive:
+            # Pinned there by this very admission (its run was free to move): it could
+            # go there only as its run could before (found by a draw, 2026-12-06: a run
+            # of both classes, idle, its interactive turns kept from a by the device's
+            # leader, its batch turn of another model not).
+            if (
+                x.run_id == a.run_id
+                and x.bucket is not None
+                and x.bucket[0] == "pin"
+                and pinned_to(before, found.get(a.turn_id), x.model) != a.replica
+            ):
+                x = x._replace(bucket=("model", x.model, x.service_class))
             # A run already holding KV there goes on; new runs wait.  Whether x waited
             # for KV is judged before the step too: the admission itself may shrink the
             # run's claim (a smaller reply than its last turn's), so that x fits after.
