@@ -241,7 +241,8 @@ class StreamWatch:
         self.prompt_tokens = 0
         self.completion_tokens = 0
         # None until the engine says what it found cached (SGLang says so only with
-        # --enable-cache-report, vLLM with --enable-prompt-tokens-details).
+        # --enable-cache-report, vLLM with --enable-prompt-tokens-details, and both
+        # only when they found some: the core tells a miss from silence by replica).
         self.cached_tokens: int | None = None
         self.tool_call_ids: list[str] = []
         # An error event inside a 200 stream (vLLM and SGLang send `data: {"error": ...}`

@@ -199,7 +199,7 @@ class ReplicaState(Record):
     _FIELDS = (
         "spec", "probe_ok", "queued", "running", "cap", "in_flight", "paused_interactive",
         "bound_runs", "ws_tokens", "interactive_runs", "batch_ws", "queued_probes",
-        "failures", "ejected_until", "cap_step", "slots_given", "kv_given",
+        "failures", "ejected_until", "cap_step", "slots_given", "kv_given", "reports_cache",
     )  # fmt: skip
     __slots__ = _FIELDS
 
@@ -222,6 +222,7 @@ class ReplicaState(Record):
         cap_step: int = 0,
         slots_given: bool = False,
         kv_given: bool = False,
+        reports_cache: bool = False,
     ) -> None:
         self.spec: Final = spec
         self.probe_ok: Final = probe_ok  # its last probe passed
@@ -242,6 +243,10 @@ class ReplicaState(Record):
         # else it is None or the engine's last report.
         self.slots_given: Final = slots_given
         self.kv_given: Final = kv_given  # the same of spec.kv_tokens
+        # Its engine said what it found cached of a prompt: it says so of every answer,
+        # and one that says nothing found nothing (SGLang and vLLM leave cached_tokens
+        # out at 0, and with their flag off always).
+        self.reports_cache: Final = reports_cache
 
     @property
     def healthy(self) -> bool:
@@ -1056,6 +1061,13 @@ class _Tx:
             return  # unknown (timed out already) or still held: nothing to free
         if prompt > 0 and t.estimate >= PROMPT_SCALE_MIN_TOKENS:
             self._learn_prompt_scale(t.model, prompt / t.estimate)
+        if finish_reason is not None:
+            r = self.replicas[t.replica]
+            if cached is not None:
+                if not r.reports_cache:
+                    self.replicas[t.replica] = r._replace(reports_cache=True)
+            elif r.reports_cache and prompt > 0:
+                cached = 0  # nothing was found cached (its engine would have said)
         first_cached = -1
         if t.first and prompt > 0 and cached is not None:
             first_cached = min(max(cached, 0), prompt)
@@ -1792,7 +1804,7 @@ class _Tx:
             r.spec, r.probe_ok, r.queued, r.running, r.cap, r.in_flight + in_flight,
             r.paused_interactive + paused, r.bound_runs + bound, r.ws_tokens + ws,
             r.interactive_runs + interactive, r.batch_ws + batch_ws, r.queued_probes,
-            r.failures, r.ejected_until, r.cap_step, r.slots_given, r.kv_given,
+            r.failures, r.ejected_until, r.cap_step, r.slots_given, r.kv_given, r.reports_cache,
         )  # fmt: skip
 
     def _set_run(self, run: RunState) -> None:

@@ -214,9 +214,11 @@ class TurnFinished:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     # What the engine found cached of the prompt; None: it did not say (SGLang without
-    # --enable-cache-report, vLLM without --enable-prompt-tokens-details).  A first
-    # turn that did not say teaches nothing of the shared prefix, and its run is
-    # counted whole: a 0 would have pulled the model's prefix down for every replica.
+    # --enable-cache-report, vLLM without --enable-prompt-tokens-details; with them,
+    # both leave it out when they found nothing).  On a replica whose engine has said
+    # it once, None is 0 (ReplicaState.reports_cache).  Elsewhere a first turn that
+    # did not say teaches nothing of the shared prefix, and its run is counted whole: a
+    # 0 would have pulled the model's prefix down for every replica.
     cached_tokens: int | None = None
 
 

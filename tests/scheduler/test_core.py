@@ -2305,14 +2305,18 @@ def test_a_run_leaves_out_no_more_prefix_than_its_first_turn_found_cached() -> N
 def test_a_first_turn_whose_engine_said_nothing_of_its_cache_teaches_nothing() -> None:
     # SGLang reports cached tokens only with --enable-cache-report, vLLM only with
     # --enable-prompt-tokens-details.  Taken as 0, such a replica's first turns pulled
-    # the model's prefix down for the replicas that do report.
-    d = Driver(("a",), kv_tokens=40_000)
+    # the model's prefix down for the replicas that do report (here a reports, b not).
+    d = Driver(("a", "b"), kv_tokens=80_000)
+    d.probe("b", None, None, healthy=False)
     for i in range(SHARED_PREFIX_SAMPLES):
         d.finish(d.arrive(f"w{i}", prompt=5000, max_tokens=100), prompt=5000, cached=4000)
         d.feed(RunEnded(now=d.step(), run_id=f"w{i}"))
     before = d.state.shared_prefixes["m"]
+    d.probe("a", None, None, healthy=False)
+    d.probe("b", None, None)
     for i in range(SHARED_PREFIX_SAMPLES):
         t = d.arrive(f"n{i}", prompt=5000, max_tokens=100)
+        assert d.state.turns[t].replica == "b"
         d.finish(t, "tool_calls", prompt=5000, out=10, cached=None)
     assert d.state.shared_prefixes["m"] == before and d.state.shared_prefix("m") == 4000
     # Nothing says those runs begin with the prefix: each is counted whole.
@@ -2323,6 +2327,30 @@ def test_a_first_turn_whose_engine_said_nothing_of_its_cache_teaches_nothing() -
     for i in range(SHARED_PREFIX_SAMPLES):
         e.finish(e.arrive(f"w{i}", prompt=5000, max_tokens=100), prompt=5000, cached=None)
     assert "m" not in e.state.shared_prefixes and e.state.shared_prefix("m") == 0
+
+
+def test_an_engine_that_reported_its_cache_found_none_when_it_says_nothing() -> None:
+    # SGLang and vLLM leave cached_tokens out of an answer that found nothing cached,
+    # their flag on: taken as "did not say", a cold first turn was no sample, and the
+    # learned prefix was the lower quartile of hits alone, too high (helper-175).
+    d = Driver(("a",), kv_tokens=40_000)
+    assert not d.state.replicas["a"].reports_cache
+    for i in range(SHARED_PREFIX_SAMPLES):
+        t = d.arrive(f"w{i}", prompt=5000, max_tokens=100)
+        d.finish(t, prompt=5000, out=10, cached=4000 if i % 2 == 0 else None)
+        d.feed(RunEnded(now=d.step(), run_id=f"w{i}"))
+    assert d.state.replicas["a"].reports_cache  # since w0's answer
+    assert sorted(d.state.shared_prefixes["m"][2]) == [0] * 4 + [4000] * 5
+    assert d.state.shared_prefix("m") == 0  # the lower quartile
+    # Its first turn is then counted as having found nothing of the prefix: whole.
+    t = d.arrive("x", prompt=5000, max_tokens=100)
+    d.finish(t, "tool_calls", prompt=5000, out=10, cached=None)
+    assert d.state.runs["x"].first_cached == 0
+    # A failed turn says nothing of the cache either way: no sample.
+    t = d.arrive("y", prompt=5000, max_tokens=100)
+    samples = d.state.shared_prefixes["m"]
+    d.feed(TurnFailed(now=d.step(), turn_id=t, reason="x"))
+    assert d.state.shared_prefixes["m"] == samples
 
 
 def test_a_runs_first_turn_of_another_model_says_again_what_it_found_cached() -> None:
