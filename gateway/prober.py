@@ -191,14 +191,19 @@ def _loads(kind: str, text: str, rank_label: str | None) -> dict[str, tuple[int,
 
 def parse_vllm_kv_tokens(text: str) -> int | None:
     """vLLM's KV pool in tokens from `vllm:cache_config_info`'s labels (its
-    CacheConfig): `num_gpu_blocks` x `block_size`, summed over its engines (one sample
-    per `engine` label under data parallelism, as its load is summed)."""
+    CacheConfig): `num_gpu_blocks` x `block_size`, of all its engines (under data
+    parallelism, as its load is summed)."""
     pools = parse_vllm_kv_pools(text)
     return None if pools is None else sum(pools.values()) or None
 
 
 def parse_vllm_kv_pools(text: str) -> dict[str, int] | None:
-    """vLLM's KV pool in tokens per engine (data-parallel rank; "" without the label)."""
+    """vLLM's KV pool in tokens per engine (data-parallel rank; "" without the label).
+    Its API server sums its engines' blocks into one CacheConfig (vllm/v1/engine/
+    utils.py: "Sum values from all engines in DP case") and exports that, the same
+    sum, as every engine's sample: each engine's pool is its share of it (helper-175:
+    taken as its own, the pool read N times too large with N ranks).  With external
+    load balancing each API server has its one engine: its sample is its own."""
     pools: dict[str, int] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -211,7 +216,7 @@ def parse_vllm_kv_pools(text: str) -> dict[str, int] | None:
                 if blocks <= 0 or size <= 0:
                     return None
                 pools[sample.labels.get("engine", "")] = blocks * size
-    return pools
+    return {engine: pool // len(pools) for engine, pool in pools.items()}
 
 
 def _count(value: object) -> int | None:

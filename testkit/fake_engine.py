@@ -1302,17 +1302,17 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
         text = _metrics_text(s.flavor, s.models[0], rank_values())
         if s.flavor == "vllm":
             # vLLM exports its CacheConfig as labels of an info gauge, one per engine
-            # (rank); the pool in tokens is num_gpu_blocks x block_size.
-            blocks = params.kv_pool_tokens // params.block_tokens
+            # (rank), each with the API server's sum of its engines' blocks; the pool
+            # in tokens is num_gpu_blocks x block_size.
+            blocks = params.kv_pool_tokens // params.block_tokens * s.dp_size
             text += (
                 "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
                 "# TYPE vllm:cache_config_info gauge\n"
             )
             for rank in range(s.dp_size):
-                engine = f'engine="{rank}",' if s.dp_size > 1 else ""
                 text += (
                     f'vllm:cache_config_info{{block_size="{params.block_tokens}",'
-                    f'cache_dtype="auto",{engine}num_gpu_blocks="{blocks}"}} 1.0\n'
+                    f'cache_dtype="auto",engine="{rank}",num_gpu_blocks="{blocks}"}} 1.0\n'
                 )
         return Response(text, media_type=_PROMETHEUS)
 

@@ -881,7 +881,7 @@ def test_slots_parsers_read_each_engines_limit_and_refuse_what_is_none() -> None
 
 
 def test_kv_pool_parsers_refuse_what_is_not_a_pool() -> None:
-    from gateway.prober import parse_sglang_kv_tokens, parse_vllm_kv_tokens
+    from gateway.prober import parse_sglang_kv_tokens, parse_vllm_kv_pools, parse_vllm_kv_tokens
 
     assert parse_sglang_kv_tokens({"max_total_num_tokens": 1234}) == 1234
     for bad in ({}, {"max_total_num_tokens": True}, {"max_total_num_tokens": "9"}, [], None):
@@ -891,10 +891,13 @@ def test_kv_pool_parsers_refuse_what_is_not_a_pool() -> None:
     assert parse_vllm_kv_tokens(info % "x") is None
     assert parse_vllm_kv_tokens("vllm:num_requests_running 0\n") is None
     # Data parallelism: SGLang reports one rank's pool and dp_size; vLLM one sample per
-    # engine.  The pool is the whole engine's, as its load is.
+    # engine, each with the sum of the engines' blocks.  The pool is the whole engine's,
+    # as its load is, and each rank's is its share (helper-175: read as each rank's
+    # own, it was 2x with 2 ranks).
     assert parse_sglang_kv_tokens({"max_total_num_tokens": 56000, "dp_size": 4}) == 224_000
     per_engine = 'vllm:cache_config_info{block_size="16",engine="%d",num_gpu_blocks="5000"} 1.0\n'
-    assert parse_vllm_kv_tokens(per_engine % 0 + per_engine % 1) == 160_000
+    assert parse_vllm_kv_tokens(per_engine % 0 + per_engine % 1) == 80_000
+    assert parse_vllm_kv_pools(per_engine % 0 + per_engine % 1) == {"0": 40_000, "1": 40_000}
 
 
 def sglang_stub(server_info: Callable[[], Awaitable[PlainTextResponse]]) -> FastAPI:
