@@ -15,7 +15,7 @@ for `/status` and logged when it changes.
 
 An engine whose KV pool size or slots (the requests it runs at once) the
 configuration does not give is asked for them until it answers, at most `LIMIT_ASKS`
-times: SGLang's `/get_server_info` (`max_total_num_tokens`; its scheduler's
+times: SGLang's `/server_info` (`max_total_num_tokens`; its scheduler's
 `effective_max_running_requests_per_dp`), vLLM's `vllm:cache_config_info` gauge
 (`num_gpu_blocks` x `block_size`; vLLM does not export `max_num_seqs`), llama.cpp's
 `/props` (`total_slots`).  A router's slots are the sum of its `load_from` engines'
@@ -227,7 +227,7 @@ def _count(value: object) -> int | None:
 
 
 def parse_sglang_slots(info: object, *, one_rank: bool = False) -> int | None:
-    """The requests SGLang runs at once, from `/get_server_info`: its schedulers'
+    """The requests SGLang runs at once, from `/server_info`: its schedulers'
     `effective_max_running_requests_per_dp` (in `internal_states`, one per
     data-parallel rank), times `dp_size` (not with `one_rank`).  An older SGLang says
     only its `max_running_requests` argument, when one was given; without data
@@ -253,7 +253,7 @@ def parse_llamacpp_slots(props: object) -> int | None:
 
 
 def parse_sglang_kv_tokens(info: object, *, one_rank: bool = False) -> int | None:
-    """SGLang's KV pool in tokens from `/get_server_info`: its scheduler's
+    """SGLang's KV pool in tokens from `/server_info`: its scheduler's
     `max_total_num_tokens`, which is one data-parallel rank's, times `dp_size` (not
     with `one_rank`: a rank's replica)."""
     if not isinstance(info, dict):
@@ -435,13 +435,23 @@ async def _get_json(
 async def _sglang_server_info(
     client: httpx.AsyncClient, endpoint: Endpoint, headers: dict[str, str], timeout: float
 ) -> object:
-    """SGLang's `/get_server_info` (its server arguments and scheduler's), or None."""
-    return await _get_json(client, endpoint, "/get_server_info", headers, timeout)
+    """SGLang's `/server_info` (its server arguments and scheduler's), or None.  An
+    SGLang from before that route (404) is asked at `/get_server_info`, which later
+    ones deprecate: each call logs a warning there, every round with data-parallel
+    ranks (helper-175), and the route is to go (sglang-router asks in this order too)."""
+    try:
+        async with asyncio.timeout(timeout):
+            answer = await client.get(endpoint.url + "/server_info", headers=headers)
+            if answer.status_code == 404:
+                answer = await client.get(endpoint.url + "/get_server_info", headers=headers)
+        return answer.json() if answer.status_code == 200 else None
+    except Exception:  # as _get_json
+        return None
 
 
 def served_ranks(kind: str, info: object, loads: Mapping[int, object]) -> int | None:
     """How many data-parallel ranks the server says it has, None when it does not say:
-    SGLang's `dp_size` in `/get_server_info`; vLLM's highest `engine` label in /metrics
+    SGLang's `dp_size` in `/server_info`; vLLM's highest `engine` label in /metrics
     (plus one; a server that labels none says nothing)."""
     if kind == "sglang" and isinstance(info, dict):
         return _count(info.get("dp_size"))

@@ -47,7 +47,7 @@ class ReplicaSpec:
     name: str
     models: frozenset[str]
     # KV pool size in tokens, when known: configured, or reported by the engine (SGLang
-    # /get_server_info max_total_num_tokens, vLLM's cache_config_info) and set by the
+    # /server_info max_total_num_tokens, vLLM's cache_config_info) and set by the
     # first probe that carries it.  Enables program-level admission on this replica.
     kv_tokens: int | None = None
     # The accelerator it shares with other replicas (any label; the same label on two
@@ -56,7 +56,7 @@ class ReplicaSpec:
     # None: a device of its own.  Enables rule 13 on it.
     device: str | None = None
     # How many requests its engine runs at once, when known: configured, or reported by
-    # the engine (SGLang's effective max_running_requests in /get_server_info,
+    # the engine (SGLang's effective max_running_requests in /server_info,
     # llama.cpp's total_slots in /props; a router's, its engines' sum) and set by the
     # probes that carry it (the latest; a configured number is never replaced).
     # luftpause has no more turns in flight there (rule 2): a turn past it would wait

@@ -466,7 +466,7 @@ def make_arm(name: str, scenario: Scenario, send: Send) -> Arm:
             kv_tokens=scenario.engine.kv_pool_tokens,
             policy=scenario.policy,
             replicas_per_gpu=scenario.replicas_per_gpu,
-            # As the gateway learns both from SGLang's /get_server_info.
+            # As the gateway learns both from SGLang's /server_info.
             slots=scenario.engine.max_running_requests if scenario.slots_known else None,
             prompt_estimate=scenario.prompt_estimate,
         )

@@ -586,7 +586,7 @@ async def test_a_data_parallel_server_is_probed_once_for_its_ranks(flavor: str) 
 async def test_an_engines_kv_pool_and_slots_are_asked_when_wanted(
     flavor: str, kv: int | None, slots: int | None
 ) -> None:
-    """SGLang's /get_server_info gives the pool in tokens and the requests it runs at
+    """SGLang's /server_info gives the pool in tokens and the requests it runs at
     once; vLLM's cache_config_info the pool (it exports no max_num_seqs); llama.cpp's
     /props its slots."""
     async with (
@@ -668,7 +668,7 @@ async def test_a_routers_slots_are_the_sum_of_its_engines_given_or_asked() -> No
     """A router runs no more at once than its engines: its slots are their sum, each
     as the file gives it or as the engine says.  Only engines whose slots the file
     lacks are asked (once), and the router is told the sum once all are known."""
-    a, asked_a = _counting(_engine_app("sglang", 3), "/get_server_info")
+    a, asked_a = _counting(_engine_app("sglang", 3), "/server_info")
     b, asked_b = _counting(_engine_app("llamacpp", 2), "/props")
     async with (
         serve(a) as url_a,
@@ -715,7 +715,7 @@ async def test_a_router_whose_engines_change_in_a_reload_is_asked_its_slots_agai
     """An engine added behind a router (a reload) raises what the router runs at once:
     it is asked again, and the core takes the new sum (test_core: the latest report
     counts).  A reload that changes nothing asks nothing."""
-    a, asked_a = _counting(_engine_app("sglang", 3), "/get_server_info")
+    a, asked_a = _counting(_engine_app("sglang", 3), "/server_info")
     async with (
         serve(a) as url_a,
         serve(_engine_app("llamacpp", 2)) as url_b,
@@ -751,7 +751,7 @@ async def test_a_router_whose_engines_change_in_a_reload_is_asked_its_slots_agai
 
 
 async def test_slots_the_file_no_longer_gives_are_asked_of_the_engine() -> None:
-    a, asked = _counting(_engine_app("sglang", 3), "/get_server_info")
+    a, asked = _counting(_engine_app("sglang", 3), "/server_info")
     async with serve(a) as url, httpx.AsyncClient() as c:
 
         def pool(**given: int) -> Config:
@@ -784,7 +784,7 @@ async def test_a_router_whose_engine_is_down_spends_no_asks_until_it_answers(
             return httpx.Response(503)
         return {
             "/metrics": httpx.Response(200, text={"a": SGLANG, "b": LLAMACPP}.get(host, "")),
-            "/get_server_info": httpx.Response(200, json=info),
+            "/server_info": httpx.Response(200, json=info),
             "/props": httpx.Response(200, json={"total_slots": 2}),
         }.get(path, httpx.Response(200))
 
@@ -822,7 +822,7 @@ async def test_a_round_under_way_at_a_reload_reports_no_limits_the_reload_change
             await answer_b.wait()
         return {
             "/metrics": httpx.Response(200, text={"a": SGLANG, "b": LLAMACPP}.get(host, "")),
-            "/get_server_info": httpx.Response(200, json=info),
+            "/server_info": httpx.Response(200, json=info),
             "/props": httpx.Response(200, json={"total_slots": 2}),
         }.get(path, httpx.Response(200))
 
@@ -900,8 +900,11 @@ def test_kv_pool_parsers_refuse_what_is_not_a_pool() -> None:
     assert parse_vllm_kv_pools(per_engine % 0 + per_engine % 1) == {"0": 40_000, "1": 40_000}
 
 
-def sglang_stub(server_info: Callable[[], Awaitable[PlainTextResponse]]) -> FastAPI:
-    """An SGLang-like engine: healthy, running 2, and this /get_server_info."""
+def sglang_stub(
+    server_info: Callable[[], Awaitable[PlainTextResponse]], path: str = "/get_server_info"
+) -> FastAPI:
+    """An SGLang-like engine: healthy, running 2, and this server info at `path` (an
+    SGLang from before `/server_info` by default)."""
     app = FastAPI()
 
     @app.get("/health")
@@ -912,8 +915,30 @@ def sglang_stub(server_info: Callable[[], Awaitable[PlainTextResponse]]) -> Fast
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse("sglang:num_queue_reqs 0\nsglang:num_running_reqs 2\n")
 
-    app.add_api_route("/get_server_info", server_info, methods=["GET"])
+    app.add_api_route(path, server_info, methods=["GET"])
     return app
+
+
+async def test_sglangs_server_info_is_asked_where_it_is_not_deprecated() -> None:
+    # /get_server_info logs a deprecation warning at every call on today's SGLang, and
+    # is to go (helper-175); an SGLang from before /server_info has only it.
+    asked: list[str] = []
+
+    def answer(path: str) -> Callable[[], Awaitable[PlainTextResponse]]:
+        async def info() -> PlainTextResponse:
+            asked.append(path)
+            return PlainTextResponse('{"max_total_num_tokens": 5000}')
+
+        return info
+
+    new = sglang_stub(answer("/server_info"), "/server_info")
+    new.add_api_route("/get_server_info", answer("/get_server_info"), methods=["GET"])
+    old = sglang_stub(answer("/get_server_info"))
+    for app, said in ((new, ["/server_info"]), (old, ["/get_server_info"])):
+        asked.clear()
+        async with serve(app) as url, httpx.AsyncClient() as c:
+            r = await probe_endpoint(c, _endpoint("sglang", url=url), want_limits=True)
+        assert (r.healthy, r.kv_tokens, asked) == (True, 5000, said)
 
 
 async def test_a_slow_server_info_does_not_make_a_healthy_engine_unhealthy() -> None:
@@ -1175,13 +1200,13 @@ async def test_a_reload_that_shortens_the_period_takes_effect_at_once() -> None:
 
 @pytest.mark.parametrize("kind", ["sglang", "llamacpp"])
 async def test_an_engines_limits_answer_that_cannot_be_read_fails_nothing(kind: str) -> None:
-    """A /get_server_info (SGLang, asked every round with data-parallel ranks) or /props
+    """A /server_info (SGLang, asked every round with data-parallel ranks) or /props
     (llama.cpp's slots) nested too deeply for the JSON parser raised RecursionError,
     which failed the whole round, every endpoint's (helper-145)."""
     nested = b"[" * 100_000 + b"]" * 100_000
 
     def handler(request: httpx.Request) -> httpx.Response:
-        if request.url.path in ("/get_server_info", "/props"):
+        if request.url.path in ("/server_info", "/get_server_info", "/props"):
             return httpx.Response(200, content=nested)
         if request.url.path == "/metrics":
             return httpx.Response(404)

@@ -608,7 +608,7 @@ async def capped(
 
 
 async def test_an_engine_that_reports_its_slots_gets_no_more_turns_than_those() -> None:
-    """SGLang says in /get_server_info how many requests it runs at once: the gateway
+    """SGLang says in /server_info how many requests it runs at once: the gateway
     learns it from the first probe and holds the turns past it, in its own order,
     before any queue forms at the engine (from its queue alone, luftpause would have
     sent the second turn on, to wait there first come, first served)."""
