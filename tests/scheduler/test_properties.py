@@ -805,25 +805,17 @@ def check_step(before: State, event: Event, after: State, actions: list[Action])
     for a in admits:
         if a.service_class is not ServiceClass.BATCH:
             continue
-        # Bound there before the step, or by an earlier admission in it (found by a
-        # draw, 2026-12-06: its run's turn away moved it off a replica out of rotation,
-        # and its batch turn went on there while an unbound one waited for KV).
-        continuing = any(
-            run is not None and run.bound and run.replica == a.replica
-            for run in (before.runs.get(a.run_id), found.get(a.turn_id))
+        # Bound there before the step, or generating or paused there by an earlier
+        # admission in it (found by a draw, 2026-12-06: its run's turn away moved it off
+        # a replica out of rotation, and its batch turn went on there while an unbound
+        # one waited for KV).  (The oracle's copy of a run keeps `bound` as it was.)
+        was_run, now_run = before.runs.get(a.run_id), found.get(a.turn_id)
+        continuing = (was_run is not None and was_run.bound and was_run.replica == a.replica) or (
+            now_run is not None
+            and now_run.phase is not RunPhase.IDLE
+            and now_run.replica == a.replica
         )
         for x in held_interactive:
-            # Pinned there by this very admission (its run was free to move): it could
-            # go there only as its run could before (found by a draw, 2026-12-06: a run
-            # of both classes, idle, its interactive turns kept from a by the device's
-            # leader, its batch turn of another model not).
-            if (
-                x.run_id == a.run_id
-                and x.bucket is not None
-                and x.bucket[0] == "pin"
-                and pinned_to(before, found.get(a.turn_id), x.model) != a.replica
-            ):
-                x = x._replace(bucket=("model", x.model, x.service_class))
             # A run already holding KV there goes on; new runs wait.  Whether x waited
             # for KV is judged before the step too: the admission itself may shrink the
             # run's claim (a smaller reply than its last turn's), so that x fits after.
@@ -833,7 +825,23 @@ def check_step(before: State, event: Event, after: State, actions: list[Action])
                 or (was is not None and was.bucket and behind_kv_wait(before, was, a.replica))
             ):
                 continue
-            assert not could_use(after, x, a.replica), (
+            judged, state = x, after
+            if (
+                x.run_id == a.run_id
+                and x.bucket is not None
+                and x.bucket[0] == "pin"
+                and was is not None
+                and pinned_to(before, now_run, x.model) != a.replica
+            ):
+                # Pinned there by this very admission (its run was free to move): it
+                # could go there as its run stood before, in the state before the step
+                # (found by a draw, 2026-12-06: a run of both classes, idle, its
+                # interactive turns kept from a by the device's leader, its batch turn
+                # of another model not; helper-176: judged after the step, the batch
+                # turn's own claim hid an interactive turn it went ahead of).
+                judged = was._replace(bucket=("model", x.model, x.service_class))
+                state = before
+            assert not could_use(state, judged, a.replica), (
                 f"batch {a.turn_id} admitted to {a.replica} while interactive {x.turn_id} "
                 "that could use it is held"
             )
@@ -904,6 +912,42 @@ def replays_and_drains(runner: Runner, start: State) -> None:
 holding = policies.map(lambda p: replace(p, kv_admission=True, cap_from_engine_queue=True))
 
 
+# Found by the draws below (2026-12-06), the core right and the oracle not (check_step):
+# a run of both classes, its interactive turns kept from a by its device's leader and
+# its batch turn of another model not; and a run whose turn away moved it off a replica
+# out of rotation, its batch turn going on there while an unbound turn waits for KV.
+_DREW = {
+    "strict_affinity": True, "cap_after_queued_probes": 1, "cap_growth_doubles": False,
+    "reserve_for_paused_interactive": False, "kv_admission": True,
+    "learn_shared_prefix": False, "batch_kv_fill": None, "eject_after_failures": None,
+}  # fmt: skip
+_I, _B = ServiceClass.INTERACTIVE, ServiceClass.BATCH
+
+
+@example(
+    policy=Policy(**_DREW, kv_fill=1.0, pack_shared_devices=True),
+    kv=8000,
+    burst=[("arrive", 0, _B, 0, 0, 0, 0), ("arrive", 1, _I, 0, 0, 0, 0),
+           ("arrive", 0, _I, 0, 0, 0, 0), ("arrive", 0, _I, 0, 0, 0, 0),
+           ("arrive", 0, _B, 0, 1, 0, 0)],
+    script=[*[("arrive", 0, _I, 0, 0, 0, 0)] * 8, ("finish", 0, "stop", 0, 0),
+            ("finish", 0, "tool_calls", 0, 0)],
+    after=[],
+)  # fmt: skip
+@example(
+    policy=Policy(**_DREW, kv_fill=0.8, pack_shared_devices=False),
+    kv=20000,
+    burst=[("arrive", 0, _I, 0, 0, 0, 0), ("arrive", 0, _I, 0, 0, 0, 0),
+           ("arrive", 0, _I, 0, 1, 0, 0), ("arrive", 0, _B, 0, 1, 0, 0),
+           ("arrive", 1, _I, 0, 0, 0, 0), ("arrive", 1, _I, 0, 1, 0, 0),
+           ("arrive", 1, _I, 0, 1, 2279, 1024), ("arrive", 1, _I, 0, 1, 5672, 0)],
+    script=[("arrive", 0, _I, 0, 0, 0, 0), ("finish", 0, "tool_calls", 5746, 512),
+            ("finish", 0, "tool_calls", 0, 0), ("arrive", 1, _I, 0, 1, 0, 0), ("abandon", 0),
+            ("finish", 0, "tool_calls", 0, 0), ("abandon", 0),
+            ("finish", 0, "tool_calls", 0, 0), ("probe", 0, False, None, 0, None, False, None),
+            ("probe", 2, True, None, 0, None, False, None)],
+    after=[],
+)  # fmt: skip
 @given(
     policy=holding,
     kv=st.sampled_from([8000, 20000]),
