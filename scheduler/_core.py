@@ -243,9 +243,10 @@ class ReplicaState(Record):
         # else it is None or the engine's last report.
         self.slots_given: Final = slots_given
         self.kv_given: Final = kv_given  # the same of spec.kv_tokens
-        # Its engine said what it found cached of a prompt: it says so of every answer,
+        # Its engine said it found some of a prompt cached: it says so of every answer,
         # and one that says nothing found nothing (SGLang and vLLM leave cached_tokens
-        # out at 0, and with their flag off always).
+        # out at 0, and with their flag off always).  A 0 said is no such sign: SGLang's
+        # Anthropic API says 0 with its flag off (helper-176).
         self.reports_cache: Final = reports_cache
 
     @property
@@ -1064,7 +1065,7 @@ class _Tx:
         if finish_reason is not None:
             r = self.replicas[t.replica]
             if cached is not None:
-                if not r.reports_cache:
+                if cached > 0 and not r.reports_cache:
                     self.replicas[t.replica] = r._replace(reports_cache=True)
             elif r.reports_cache and prompt > 0:
                 cached = 0  # nothing was found cached (its engine would have said)

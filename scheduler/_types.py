@@ -216,7 +216,7 @@ class TurnFinished:
     # What the engine found cached of the prompt; None: it did not say (SGLang without
     # --enable-cache-report, vLLM without --enable-prompt-tokens-details; with them,
     # both leave it out when they found nothing).  On a replica whose engine has said
-    # it once, None is 0 (ReplicaState.reports_cache).  Elsewhere a first turn that
+    # it found some, None is 0 (ReplicaState.reports_cache).  Elsewhere a first turn that
     # did not say teaches nothing of the shared prefix, and its run is counted whole: a
     # 0 would have pulled the model's prefix down for every replica.
     cached_tokens: int | None = None

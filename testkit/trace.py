@@ -90,6 +90,7 @@ def _event(
             finish_reason=rng.choice(["stop", "tool_calls", "tool_calls", "length"]),
             prompt_tokens=rng.choice([0, 1_000, 6_000]),
             completion_tokens=rng.randrange(400),
+            cached_tokens=rng.choice([None, None, 0, 800]),  # None: not said, or a miss
         )
     if roll < 0.72:
         return TurnFailed(now=now, turn_id=known, engine_fault=rng.random() < 0.6)

@@ -2346,11 +2346,31 @@ def test_an_engine_that_reported_its_cache_found_none_when_it_says_nothing() -> 
     t = d.arrive("x", prompt=5000, max_tokens=100)
     d.finish(t, "tool_calls", prompt=5000, out=10, cached=None)
     assert d.state.runs["x"].first_cached == 0
+    # A 0 said is no sign that the engine reports its cache: SGLang's Anthropic API
+    # says 0 with the flag off (helper-176: one such turn made every later chat turn
+    # there a miss, and the model's prefix 0 for every replica).
+    e = Driver(("a",), kv_tokens=40_000)
+    e.finish(e.arrive("w", prompt=5000, max_tokens=100), prompt=5000, out=10, cached=0)
+    assert not e.state.replicas["a"].reports_cache
     # A failed turn says nothing of the cache either way: no sample.
     t = d.arrive("y", prompt=5000, max_tokens=100)
     samples = d.state.shared_prefixes["m"]
     d.feed(TurnFailed(now=d.step(), turn_id=t, reason="x"))
     assert d.state.shared_prefixes["m"] == samples
+
+
+def test_a_runs_interactive_turn_goes_before_its_own_batch_turn() -> None:
+    # helper-176's case, which a class oracle judging after the step could not see: a
+    # new run with an interactive and a batch turn held, each 6,000 tokens of a 10,000
+    # pool, one slot: when the slot frees, the interactive one goes.
+    policy = Policy(kv_fill=1.0, batch_kv_fill=None, learn_shared_prefix=False)
+    d = Driver(("a",), kv_tokens=10_000, slots={"a": 1}, policy=policy)
+    first = d.arrive("z", prompt=100, max_tokens=256)
+    x = d.arrive("R", prompt=6000, max_tokens=256)
+    b = d.arrive("R", cls=B, prompt=6000, max_tokens=256)
+    assert d.state.turns[first].replica == "a"
+    d.finish(first, prompt=100, out=5)
+    assert d.state.turns[x].replica == "a" and d.state.turns[b].replica is None
 
 
 def test_a_runs_first_turn_of_another_model_says_again_what_it_found_cached() -> None:
