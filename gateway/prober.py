@@ -199,15 +199,23 @@ def parse_vllm_kv_tokens(text: str) -> int | None:
 
 def parse_vllm_kv_pools(text: str) -> dict[str, int] | None:
     """vLLM's KV pool in tokens per engine (data-parallel rank; "" without the label).
-    Its API server sums its engines' blocks into one CacheConfig (vllm/v1/engine/
-    utils.py: "Sum values from all engines in DP case") and exports that, the same
-    sum, as every engine's sample: each engine's pool is its share of it (helper-175:
-    taken as its own, the pool read N times too large with N ranks).  With external
-    load balancing each API server has its one engine: its sample is its own."""
+    A vLLM that labels `kv_cache_size_tokens` says each engine's own pool there (its
+    engine utils keep it "per-engine ... do not sum across DP"), hybrid models'
+    included.  Else `num_gpu_blocks` x `block_size`: its API server sums its engines'
+    blocks into one CacheConfig (vllm/v1/engine/utils.py: "Sum values from all engines
+    in DP case") and exports that, the same sum, as every engine's sample, so each
+    engine's pool is its share (helper-175: taken as its own, the pool read N times
+    too large with N ranks).  (Such a vLLM under external load balancing sums every
+    rank's engines at rank 0, which exports its own alone: give its `kv_tokens`.)"""
     pools: dict[str, int] = {}
+    exact: dict[str, int] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name.startswith("vllm:cache_config_info"):
+                engine = sample.labels.get("engine", "")
+                with contextlib.suppress(KeyError, ValueError):
+                    if (own := int(sample.labels["kv_cache_size_tokens"])) > 0:
+                        exact[engine] = own
                 try:
                     blocks = int(sample.labels["num_gpu_blocks"])
                     size = int(sample.labels["block_size"])
@@ -215,7 +223,9 @@ def parse_vllm_kv_pools(text: str) -> dict[str, int] | None:
                     return None
                 if blocks <= 0 or size <= 0:
                     return None
-                pools[sample.labels.get("engine", "")] = blocks * size
+                pools[engine] = blocks * size
+    if exact.keys() == pools.keys():
+        return exact
     return {engine: pool // len(pools) for engine, pool in pools.items()}
 
 

@@ -898,6 +898,14 @@ def test_kv_pool_parsers_refuse_what_is_not_a_pool() -> None:
     per_engine = 'vllm:cache_config_info{block_size="16",engine="%d",num_gpu_blocks="5000"} 1.0\n'
     assert parse_vllm_kv_tokens(per_engine % 0 + per_engine % 1) == 80_000
     assert parse_vllm_kv_pools(per_engine % 0 + per_engine % 1) == {"0": 40_000, "1": 40_000}
+    # A vLLM that says each engine's pool in kv_cache_size_tokens is taken at its word:
+    # rank 0 under external load balancing carries every rank's blocks, not its own.
+    told = (
+        'vllm:cache_config_info{block_size="16",engine="0",kv_cache_size_tokens="%s",'
+        'num_gpu_blocks="28000"} 1.0\n'
+    )
+    assert parse_vllm_kv_pools(told % "112000") == {"0": 112_000}
+    assert parse_vllm_kv_tokens(told % "None") == 448_000  # an attention-free model
 
 
 def sglang_stub(
