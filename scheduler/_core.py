@@ -1055,8 +1055,11 @@ class _Tx:
         *,
         engine_fault: bool = False,
         cached: int | None = None,
+        defer: list[str] | None = None,
     ) -> None:
-        """A turn finished (reason given) or failed (reason None): free its slot."""
+        """A turn finished (reason given) or failed (reason None): free its slot, and
+        refill the replicas that may take a held turn now (`defer`: name them there,
+        for the caller to refill once it has freed every slot it frees)."""
         t = self.turns.get(turn_id)
         if t is None or t.replica is None:
             return  # unknown (timed out already) or still held: nothing to free
@@ -1171,7 +1174,10 @@ class _Tx:
                 (n for n in self.state._replicas if n not in names),
                 key=lambda n: (self.replicas[n].load, n),
             )
-        self._fill(names)
+        if defer is not None:
+            defer += names
+        else:
+            self._fill(names)
 
     def _switched(
         self, run: RunState, t: TurnState, name: str, context: int, paused: bool, cached: int
@@ -1483,7 +1489,10 @@ class _Tx:
             assert t.replica is not None
             touched.append(t.replica)
             self.actions.append(TimedOut(turn_id=tid, run_id=t.run_id, replica=t.replica))
-            self.turn_done(tid, None, 0, 0)
+            # Refilled once every slot that times out now is free: refilled at each,
+            # a batch turn took a slot an interactive turn was free for at the next
+            # (its run's last turn timing out; found by a draw, 2026-12-06).
+            self.turn_done(tid, None, 0, 0, defer=touched)
         deadline = self.now - self.policy.kv_retention_s
         while self.retention and self.retention.min()[0] <= deadline:
             run = self.runs[self.retention.min()[1]]
