@@ -682,9 +682,10 @@ async def decide(
     `endpoints`: where an admitted turn may be; `models`: the pool's, the first the
     default.  `retry_after`: a 503's (the gateway's probe period).  `down`: the
     classifiers the last probe found unhealthy; `load`: the gateway's spread of
-    classify requests; `awaited`: why a model has no engine now (`Pool.awaited`);
-    `refused`: told of a generative turn refused before it reaches the core (metrics
-    count it as they count the core's refusals)."""
+    classify requests; `awaited`: why a model has no engine now (`Pool.awaited`, for
+    the core's refusal of it); `refused`: told of a generative turn refused before it
+    reaches the core, with no model to ask for (metrics count it as they count the
+    core's refusals)."""
     if request.labels is None:
         return await _by_classifier(
             request, classifiers, down, load, client, run_id, answer_timeout
@@ -695,9 +696,9 @@ async def decide(
             refused(404)
             return error_response(404, "no generative endpoint is configured", run_id)
         model = models[0]
-    if (why := awaited(model)) is not None:  # its engines are discovered, and none is up
-        refused(503)
-        return error_response(503, why.message, run_id, retry_after=why.retry_after)
+    # (A model whose discovered engines are all gone goes on to the core, which refuses
+    # it as one not served, answered 503 to be retried (`hold`, `as_answered`), as the
+    # proxy's turns are: counted and traced as a turn.)
     body = chat_body(request, model)
     turn = TurnRequest(
         turn_id=uuid.uuid4().hex,

@@ -433,7 +433,8 @@ class GatewayMetrics:
             self.first_byte_seconds.labels(cls.value)
 
     def refused(self, status: int) -> None:
-        """A turn refused, by the core or before it (a model with no engine now)."""
+        """A turn refused: by the core (`observe`), or before it reached the core
+        (`/v1/decide` with no generative endpoint to ask)."""
         self.turns.labels("rejected").inc()
         self.rejected.labels(str(status)).inc()
 
