@@ -1344,18 +1344,15 @@ class _Tx:
         )
         for t in held:
             self._unhold(t)
-            self._unindex(t)
-            del self.turns[t.turn_id]
-            self._drop_caller_if_unused(t.caller)
-            self.actions.append(Reject(turn_id=t.turn_id, status=503, message=message))
+            self._reject_held(t, 503, message)
 
-    def _reject_held(self, t: TurnState) -> None:
-        """A held turn (already out of its bucket) that can never be placed."""
+    def _reject_held(self, t: TurnState, status: int, message: str) -> None:
+        """A held turn (already out of its bucket) refused: it can never be placed (its
+        model left the pool), or the gateway drains."""
         self._unindex(t)
         del self.turns[t.turn_id]
         self._drop_caller_if_unused(t.caller)
-        message = unknown_model(t.model, self.models) + "; it left the pool while the turn was held"
-        self.actions.append(Reject(turn_id=t.turn_id, status=404, message=message))
+        self.actions.append(Reject(turn_id=t.turn_id, status=status, message=message))
 
     def pool_changed(
         self, specs: tuple[ReplicaSpec, ...], slots_unknown: frozenset[str] = frozenset()
@@ -2021,7 +2018,10 @@ class _Tx:
         if t.model not in self.models:
             # Its model left the pool (rule 11), in this decision.
             self._unhold(t)
-            self._reject_held(t)
+            gone = (
+                unknown_model(t.model, self.models) + "; it left the pool while the turn was held"
+            )
+            self._reject_held(t, 404, gone)
             return
         pinned = self._pinned_replica(run, t.model)
         cls = t.service_class
