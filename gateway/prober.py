@@ -431,12 +431,17 @@ async def _get_json(
     path: str,
     headers: dict[str, str],
     timeout: float,
+    *,
+    before: str | None = None,
 ) -> object:
     """The engine's JSON answer at `path`, or None: not knowing what it says there is
-    no reason to call the engine unhealthy."""
+    no reason to call the engine unhealthy.  `before`: the path an older engine has
+    it at, asked when `path` is not found (404), within the same timeout."""
     try:
         async with asyncio.timeout(timeout):
             answer = await client.get(endpoint.url + path, headers=headers)
+            if answer.status_code == 404 and before is not None:
+                answer = await client.get(endpoint.url + before, headers=headers)
         return answer.json() if answer.status_code == 200 else None
     except Exception:  # (a RecursionError from JSON nested too deeply, too: helper-145)
         return None
@@ -449,14 +454,9 @@ async def _sglang_server_info(
     SGLang from before that route (404) is asked at `/get_server_info`, which later
     ones deprecate: each call logs a warning there, every round with data-parallel
     ranks (helper-175), and the route is to go (sglang-router asks in this order too)."""
-    try:
-        async with asyncio.timeout(timeout):
-            answer = await client.get(endpoint.url + "/server_info", headers=headers)
-            if answer.status_code == 404:
-                answer = await client.get(endpoint.url + "/get_server_info", headers=headers)
-        return answer.json() if answer.status_code == 200 else None
-    except Exception:  # as _get_json
-        return None
+    return await _get_json(
+        client, endpoint, "/server_info", headers, timeout, before="/get_server_info"
+    )
 
 
 def served_ranks(kind: str, info: object, loads: Mapping[int, object]) -> int | None:
