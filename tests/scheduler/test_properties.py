@@ -472,9 +472,11 @@ def closed_to(s: State, name: str, model: str) -> bool:
     return leader is not None and model in s.replicas[leader].spec.models
 
 
-def could_use(s: State, x: Any, name: str) -> bool:
-    """Whether held interactive turn x could have gone to replica `name`."""
+def could_use(s: State, x: Any, name: str, extra: int = 0) -> bool:
+    """Whether held interactive turn x could have gone to replica `name` (with `extra`
+    tokens more of its KV claimed)."""
     r = s.replicas[name]
+    ws = r.ws_tokens + extra
     if x.model not in r.spec.models:
         return False
     if x.bucket[0] == "pin":
@@ -484,14 +486,14 @@ def could_use(s: State, x: Any, name: str) -> bool:
     if pinned_to(s, s.runs.get(x.run_id), x.model) not in (None, name):
         return False
     limit = s.kv_limit(name, x.service_class)
-    if limit is None or not r.ws_tokens:
+    if limit is None or not ws:
         return True
     run = s.runs.get(x.run_id)
     need = x.prompt_tokens + x.reply_tokens if runs_away(s, run, name) else s.kv_need(x)
     # The prefixes the replica's models' runs share, counted once (learn_shared_prefix).
     if s.policy.learn_shared_prefix:
         need += sum(s.shared_prefix(m) for m in r.spec.models)
-    if r.ws_tokens + need <= limit:
+    if ws + need <= limit:
         return True
     # A turn larger than its class's limit there goes in once no other run of its class
     # holds KV there (rule 6); recounted from the runs, not read from the core.
@@ -522,9 +524,10 @@ def admissible_alone(s: State, x: Any, name: str) -> bool:
 RANK = {ServiceClass.INTERACTIVE: 0, ServiceClass.BATCH: 1}
 
 
-def behind_kv_wait(s: State, x: Any, name: str) -> bool:
+def behind_kv_wait(s: State, x: Any, name: str, extra: int = 0) -> bool:
     """Whether unbound turn x waits behind a turn as good that waits for KV at the
-    replica (the core never lets an unbound turn jump one that waits for KV)."""
+    replica (with `extra` tokens more of its KV claimed; the core never lets an unbound
+    turn jump one that waits for KV)."""
     if x.bucket[0] != "model" or s.kv_limit(name) is None:
         return False
     models = s.replicas[name].spec.models
@@ -533,7 +536,7 @@ def behind_kv_wait(s: State, x: Any, name: str) -> bool:
         and y.bucket[0] == "model"
         and y.model in models
         and RANK[y.service_class] <= RANK[x.service_class]
-        and not could_use(s, y, name)
+        and not could_use(s, y, name, extra)
         for y in s.held()
     )
 
@@ -776,6 +779,19 @@ def check_step(before: State, event: Event, after: State, actions: list[Action])
         # have moved it, e.g. a turn for a model its old replica does not serve)
         run = runs.get(a.run_id)
         found[a.turn_id] = run
+        if run is None:
+            # A new run (or one forgotten in this step, whose held turns a new run's):
+            # its first admission starts it generating there, so its next turn in the
+            # same step finds it so (found by a fresh draw, 2026-12-06: a new run of
+            # both classes, its interactive turn admitted, its batch turn went on there
+            # with it while an interactive turn of a new run waited behind one held
+            # for KV).
+            caller = turn.caller if turn is not None else getattr(event, "caller", "")
+            runs[a.run_id] = RunState(
+                a.run_id, a.service_class, caller, model, RunPhase.GENERATING, a.replica,
+                1, 0, 0, event.now, False, 0, False,
+            )  # fmt: skip
+            continue
         # (after: the policy this step admitted under, which a PolicyChanged changed)
         if after.policy.strict_affinity and run is not None and run.replica is not None:
             home = after.replicas.get(run.replica)
@@ -815,13 +831,22 @@ def check_step(before: State, event: Event, after: State, actions: list[Action])
             and now_run.phase is not RunPhase.IDLE
             and now_run.replica == a.replica
         )
+        # A run bound there whose claim this admission shrank (a shorter reply than
+        # its last turn's) claimed the more at its admission: a turn that waited for KV
+        # then may fit in the state after (and have fitted in the one before, had an
+        # interactive turn not taken the KV in between).
+        shrunk = 0
+        if was_run is not None and was_run.bound and was_run.replica == a.replica:
+            later = after.runs.get(a.run_id)
+            left = later.ws_claim if later is not None and later.replica == a.replica else 0
+            shrunk = max(was_run.ws_claim - left, 0)
         for x in held_interactive:
             # A run already holding KV there goes on; new runs wait.  Whether x waited
             # for KV is judged before the step too: the admission itself may shrink the
             # run's claim (a smaller reply than its last turn's), so that x fits after.
             was = before.turns.get(x.turn_id)
             if continuing and (
-                behind_kv_wait(after, x, a.replica)
+                behind_kv_wait(after, x, a.replica, shrunk)
                 or (was is not None and was.bucket and behind_kv_wait(before, was, a.replica))
             ):
                 continue
@@ -1452,4 +1477,64 @@ def test_the_oracle_keeps_a_retrying_run_home_when_its_side_turn_and_retry_go_in
     run = after.runs["r1"]
     assert (run.phase, run.replica, run.in_flight) == (RunPhase.GENERATING, "b", 2)
     check_bookkeeping(after)
+    check_step(before, event, after, actions)
+
+
+def test_the_oracle_sees_a_new_runs_batch_turn_go_on_beside_its_interactive_one() -> None:
+    # A fresh draw (2026-12-06): a new run of both classes gets its interactive turn
+    # in, then its batch turn, now its run's on that replica, goes on there too, while
+    # a new run's interactive turn waits behind one that waits for KV.  The core is
+    # right (a run holding KV there goes on); the oracle did not know the run its own
+    # admission in the step had started.
+    from tests.scheduler.test_core import Driver
+
+    policy = Policy(kv_fill=0.8, turn_timeout_s=50.0)
+    d = Driver(("a",), kv_tokens=10_000, policy=policy, slots={"a": 4})
+    d.arrive("f1")
+    d.arrive("f2")
+    d.arrive("r0", prompt=5000)  # 5,256 of a's 8,000
+    d.arrive("f3")  # a full
+    tb = d.arrive("r4", cls=ServiceClass.BATCH, prompt=0)
+    ti = d.arrive("r4", prompt=300, max_tokens=1024)
+    y = d.arrive("y", prompt=2000)
+    x = d.arrive("x", prompt=0)
+    assert {tb, ti, y, x} <= d.held_ids()
+    before = d.state
+    event = Tick(now=d.step(44.0))  # f1 and f2 time out
+    after, actions = decide(before, event)
+    assert [(a.turn_id, a.replica) for a in actions if isinstance(a, Admit)] == [
+        (ti, "a"),
+        (tb, "a"),
+    ], "y waits for KV, x behind it; r4 goes on"
+    check_step(before, event, after, actions)
+
+
+def test_the_oracle_judges_a_kv_wait_before_a_continuing_runs_claim_shrank() -> None:
+    # A run paused on a with a long reply reserved gets a batch turn in with a short
+    # one, after an interactive turn took the KV a second one needed: the second waited
+    # for KV at the batch turn's admission, though it fits in the state the step left
+    # (the shrunk claim) and fitted in the one it found (before the first).
+    from tests.scheduler.test_core import Driver
+
+    policy = Policy(kv_fill=0.8, turn_timeout_s=50.0)
+    d = Driver(("a",), kv_tokens=20_000, policy=policy, slots={"a": 4})
+    d.arrive("f1")
+    d.arrive("f2")
+    t = d.arrive("r4", cls=ServiceClass.BATCH, prompt=300, max_tokens=1024)
+    d.finish(t, "tool_calls", prompt=300, out=24)  # paused: 324 + 1,024 claimed
+    d.arrive("r0", prompt=10_000)
+    d.arrive("f3")  # a full; 10,256 + 1,348 + 3 x 256 of 16,000
+    tb = d.arrive("r4", cls=ServiceClass.BATCH, prompt=400, max_tokens=100)
+    y = d.arrive("y", prompt=2000)
+    x = d.arrive("x", prompt=2000)
+    assert {tb, y, x} <= d.held_ids()
+    before = d.state
+    event = Tick(now=d.step(45.0))  # f1 and f2 time out
+    after, actions = decide(before, event)
+    assert [(a.turn_id, a.replica) for a in actions if isinstance(a, Admit)] == [
+        (y, "a"),
+        (tb, "a"),
+    ]
+    assert after.runs["r4"].ws_claim == 500, "its claim shrank to 400 + 100"
+    assert after.replicas["a"].ws_tokens + 2256 <= 16_000, "x fits in the state after"
     check_step(before, event, after, actions)
