@@ -17,11 +17,13 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from mcp.server.elicitation import AcceptedElicitation
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError, UnexpectedToolError
+from mcp.server.mcpserver.utilities.func_metadata import FuncMetadata
 from mcp.server.request_state import RequestStateSecurity
 from mcp.shared.exceptions import MCPError
 from mcp.types import ToolAnnotations
@@ -556,6 +558,41 @@ class _DoorServer(MCPServer):
             raise
 
 
+class _StringsKept(FuncMetadata):
+    """The SDK's arguments, but a string for a parameter that takes strings stays that
+    string.  The SDK JSON-decodes a string given for any parameter not typed exactly
+    `str` (for clients that send a list as its JSON text): a `system` of
+    '{"format": "json"}' was refused as no string, and one of "null" dropped
+    (helper-179).  Lists sent as JSON text are still decoded."""
+
+    @classmethod
+    def of(cls, m: FuncMetadata) -> _StringsKept:
+        return cls.model_construct(**{k: getattr(m, k) for k in type(m).model_fields})
+
+    def pre_parse_json(self, data: dict[str, Any]) -> dict[str, Any]:
+        parsed = super().pre_parse_json(data)
+        fields = self.arg_model.model_fields
+        by_key = {f.alias or k: f for k, f in fields.items()} | dict(fields)
+        return {
+            k: v
+            if isinstance(v, str) and k in by_key and _takes_str(by_key[k].annotation)
+            else parsed[k]
+            for k, v in data.items()
+        }
+
+
+def _takes_str(annotation: Any) -> bool:
+    """Whether a parameter of this type takes a string as it is."""
+    if annotation is str:
+        return True
+    if get_origin(annotation) is Literal:
+        return any(isinstance(a, str) for a in get_args(annotation))
+    return any(_takes_str(a) for a in get_args(annotation) if get_origin(annotation) in _UNIONS)
+
+
+_UNIONS = (Union, UnionType, Annotated)
+
+
 def _causes(exc: BaseException | None) -> list[BaseException]:
     """The exception, what caused it, and the members of exception groups, in order."""
     seen: list[BaseException] = []
@@ -1002,7 +1039,8 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
                 return InputRequiredResult(
                     input_requests={approval.question_key(s): _elicit_request(s) for s in waiting},
                     request_state=_State(
-                        deadline=now_wall + (deadline - loop.time()),
+                        # (The wall clock now: the round's own time is spent already.)
+                        deadline=time.time() + (deadline - loop.time()),
                         asked=sorted(asked | {approval.question_key(s) for s in waiting}),
                         spawned=spawned,
                         rounds=state.rounds + 1,
@@ -1339,4 +1377,5 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
     # refused (helper-126: a client reading the schema could not know).
     for tool in mcp._tool_manager.list_tools():
         tool.parameters["additionalProperties"] = False
+        tool.fn_metadata = _StringsKept.of(tool.fn_metadata)
     return mcp

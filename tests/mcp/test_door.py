@@ -429,6 +429,25 @@ async def test_approve_and_decide(temporal_address: str, mode: str) -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
+async def test_a_string_that_reads_as_json_is_taken_as_the_string(
+    temporal_address: str, mode: str
+) -> None:
+    # The SDK JSON-decodes a string given for a parameter not typed exactly `str`, for
+    # clients that send a list as its JSON text: a system prompt of '{"format": ...}'
+    # was refused as no string and one of "null" dropped (helper-179).  A string
+    # parameter takes any string; a list sent as JSON text is still decoded.
+    async with stack(temporal_address) as s, Client(s.mcp_door, mode=mode) as c:
+        for system in ['{"format": "json"}', '["be brief"]', "null", "true"]:
+            handle = await spawn(c, task=task_with(0, "json"), system=system)
+            first = (await s.runs.transcript(handle))[0]
+            assert first == {"role": "system", "content": system}, first
+        listed = result(await c.call_tool("status", {"model": "[1]"}))
+        assert listed["runs"] == []
+        by_text = result(await c.call_tool("status", {"handles": json.dumps([handle])}))
+        assert [r["handle"] for r in by_text["runs"]] == [handle]
+
+
+@pytest.mark.parametrize("mode", MODES)
 async def test_malformed_calls_get_clear_tool_errors(temporal_address: str, mode: str) -> None:
     async with stack(temporal_address) as s, Client(s.mcp_door, mode=mode) as c:
         cases: list[tuple[str, dict[str, Any], str]] = [
@@ -645,6 +664,42 @@ async def test_an_approval_answered_through_elicitation(
         # `run` spawned exactly one run, however many rounds the call took.
         listed = result(await c.call_tool("status", {}))["runs"]
         assert [r["handle"] for r in listed] == [run["handle"]]
+
+
+async def test_the_rounds_of_an_await_carry_its_deadline_whole(
+    temporal_address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 2026-07-28: each input-required round hands the call's deadline on in
+    # request_state.  It was the round's start plus what was left at its end, so each
+    # round's own time came off the call twice: await(timeout=4) with three approvals
+    # answered at once returned after 2.3 s (helper-179).
+    from gateway.mcp_door import _State
+
+    carried: list[float] = []
+    dump = _State.dump
+
+    def recorded(self: _State) -> str:
+        assert self.deadline is not None
+        carried.append(self.deadline)
+        return dump(self)
+
+    monkeypatch.setattr(_State, "dump", recorded)
+
+    async def on_elicit(context: Any, params: Any) -> ElicitResult:
+        return ANSWERS["allow"]
+
+    async with (
+        stack(temporal_address) as s,
+        Client(s.mcp_door, mode="2026-07-28", elicitation_callback=on_elicit) as c,
+    ):
+        handle = await spawn(c, task=task_with(3, "deadline"), tools=["delete_record"])
+        started = time.time()
+        waited = result(await c.call_tool("await", {"handles": [handle], "timeout": 60}))
+        assert waited["done"] and sum(s.mcp.counts.values()) == 3
+    assert len(carried) == 3, carried  # a round for each approval
+    # The same deadline each round, the call's own: its start plus its timeout.
+    assert max(carried) - min(carried) < 0.05, carried
+    assert started < carried[0] - 60 + 0.05, (started, carried)
 
 
 async def test_a_question_nobody_answers_does_not_hold_await_past_its_timeout(
