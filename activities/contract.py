@@ -14,6 +14,7 @@ __all__ = [
     "IDEMPOTENCY_META_KEY",
     "NOT_SENT",
     "TOOL_TIMED_OUT",
+    "CheckedArguments",
     "EndRunInput",
     "ToolCall",
     "ToolInfo",
@@ -177,6 +178,15 @@ class ToolOutput:
     is_error: bool
     executed: bool
     seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class CheckedArguments:
+    """A call's arguments as its tool would get them (`arguments`, coerced to its input
+    schema), or what the model is told instead (`error`: they cannot fit)."""
+
+    arguments: dict[str, Any] | None = None
+    error: str = ""
 
 
 @dataclass(frozen=True)

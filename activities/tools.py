@@ -33,6 +33,7 @@ from activities._arguments import ArgumentsError, prepare_arguments
 from activities.contract import (
     NOT_SENT,
     TOOL_TIMED_OUT,
+    CheckedArguments,
     ToolInfo,
     ToolInput,
     ToolOutput,
@@ -42,7 +43,7 @@ from activities.llm import HEARTBEAT_EVERY_S, bounded, heartbeating
 from activities.mcp_pool import CallTimedOut, McpPool, UnknownTool, Unreachable
 from luftpause import telemetry
 
-__all__ = ["TOOL_OUTPUT_MAX_CHARS", "ToolActivities", "capped"]
+__all__ = ["TOOL_OUTPUT_MAX_CHARS", "ToolActivities", "capped", "check_arguments"]
 
 # As Claude Code's default limit for an MCP tool's answer (25,000 tokens), at ~4
 # characters a token; at most 400 kB of UTF-8, well inside a Temporal payload.
@@ -57,6 +58,29 @@ def capped(text: str, limit: int = TOOL_OUTPUT_MAX_CHARS) -> str:
         f"\n[luftpause: the tool's answer was cut to its first {limit:,} of "
         f"{len(text):,} characters]"
     )
+
+
+def _checked(call: ToolInput) -> CheckedArguments:
+    """The call's arguments made fit for its tool, or what the model is told instead."""
+    try:
+        return CheckedArguments(prepare_arguments(call.tool, call.arguments, call.input_schema))
+    except ArgumentsError as exc:
+        return CheckedArguments(error=f"Error: {exc}")
+    except Exception as exc:  # a schema the checks did not foresee: never retried
+        activity.logger.exception("checking the arguments of tool %r", call.tool)
+        return CheckedArguments(
+            error=f"Error: the arguments for tool '{call.tool}' could not be checked "
+            f"against its input schema ({type(exc).__name__})"
+        )
+
+
+@activity.defn(name="check_arguments")
+async def check_arguments(call: ToolInput) -> CheckedArguments:
+    """The check `call_tool` makes first, alone: a run asks the user to approve only a
+    call that could run, showing the arguments the tool would get (a local activity:
+    its answer is in the run's history, so a replay reads the same whatever the
+    worker's jsonschema)."""
+    return _checked(call)
 
 
 class ToolActivities:
@@ -116,18 +140,10 @@ class ToolActivities:
             return output
 
     async def _call(self, call: ToolInput) -> ToolOutput:
-        try:
-            arguments = prepare_arguments(call.tool, call.arguments, call.input_schema)
-        except ArgumentsError as exc:
-            return ToolOutput(content=f"Error: {exc}", is_error=True, executed=False)
-        except Exception as exc:  # a schema the checks did not foresee: never retried
-            activity.logger.exception("checking the arguments of tool %r", call.tool)
-            return ToolOutput(
-                content=f"Error: the arguments for tool '{call.tool}' could not be checked "
-                f"against its input schema ({type(exc).__name__})",
-                is_error=True,
-                executed=False,
-            )
+        checked = _checked(call)
+        if checked.arguments is None:
+            return ToolOutput(content=checked.error, is_error=True, executed=False)
+        arguments = checked.arguments
         started = time.monotonic()
         try:
             async with heartbeating(self._every):

@@ -27,6 +27,7 @@ from temporalio.worker import Worker
 
 from activities import LlmActivities, ToolActivities
 from activities.mcp_pool import McpPool
+from activities.tools import check_arguments
 from luftpause import telemetry
 from luftpause._args import seconds
 from luftpause._process import freeze_heap
@@ -123,7 +124,13 @@ def build_worker(
         task_queue=task_queue,
         interceptors=telemetry.temporal_interceptors(client),
         workflows=[AgentRun],
-        activities=[llm.llm_turn, llm.end_run, tools.list_tools, tools.call_tool],
+        activities=[
+            llm.llm_turn,
+            llm.end_run,
+            tools.list_tools,
+            tools.call_tool,
+            check_arguments,
+        ],
         max_concurrent_activities=MAX_CONCURRENT_ACTIVITIES,
         sticky_queue_schedule_to_start_timeout=STICKY_TIMEOUT,
         graceful_shutdown_timeout=shutdown_grace,

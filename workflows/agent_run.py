@@ -102,7 +102,7 @@ with workflow.unsafe.imports_passed_through():
         chosen_tools,
     )
     from activities.llm import RUN_ERROR_MAX_CHARS, LlmActivities, bounded, payload_bytes
-    from activities.tools import ToolActivities
+    from activities.tools import ToolActivities, check_arguments
     from workflows.contract import (
         CALLER,
         CLASS,
@@ -192,6 +192,12 @@ UNSENT_STOP_PATCH = "a-call-never-sent-is-not-sent-after-a-stop"
 # TOOL_TIMEOUT, and then failed the run: a read-only tool slower than 5 minutes (a test
 # suite, a crawl) failed every run that called it, after 15 minutes.
 TOLD_PATCH = "a-call-with-no-answer-in-its-time-is-told-to-the-model"
+# `workflow.patched` id of a call's arguments checked against its tool's input schema
+# before the user is asked to approve it (the `check_arguments` local activity): one
+# that cannot fit, or a call of a tool the run was not offered, goes back to the model
+# unasked, and the question shows the arguments the tool would get.  Without it the user
+# was asked about a call that could never run, and refused it after a yes (helper-179).
+CHECKED_PATCH = "arguments-checked-before-approval"
 # `workflow.patched` id of the size of what a turn carries (the conversation and the
 # tools offered) checked before the turn, and the run failed, not stuck, past
 # TURN_INPUT_MAX_BYTES; and of a continue-as-new whose input would be past it left
@@ -795,10 +801,20 @@ class AgentRun:
         # Approvals first, one at a time, in the model's order; then execution.
         approved: list[ToolCall] = []
         for call in run:
-            if self._needs_approval(call) and not await self._approval(call):
-                outputs[call.id] = ToolOutput(content=DECLINED, is_error=True, executed=False)
-            else:
+            if not self._needs_approval(call):
                 approved.append(call)
+                continue
+            shown: Any = None  # the arguments the question shows (None: the call's own)
+            if workflow.patched(CHECKED_PATCH):
+                checked = await self._checked(call)
+                if isinstance(checked, ToolOutput):  # it could not run: nobody is asked
+                    outputs[call.id] = checked
+                    continue
+                shown = checked
+            if await self._approval(call, shown):
+                approved.append(call)
+            else:
+                outputs[call.id] = ToolOutput(content=DECLINED, is_error=True, executed=False)
         if self._drain:
             self._check_budget()  # a stop may have come while approvals were awaited
         if spec.parallel_tool_calls:
@@ -962,14 +978,48 @@ class AgentRun:
             return True
         return tool is not None and tool.destructive and not tool.read_only
 
-    async def _approval(self, call: ToolCall) -> bool:
+    async def _checked(self, call: ToolCall) -> ToolOutput | dict[str, Any] | None:
+        """What the tool would get of a call the user is to approve (its arguments,
+        coerced to its input schema), or what the model is told instead of asking: no
+        such tool, or arguments that cannot fit.  None: not known (the check failed),
+        the user is asked about the arguments as written, as before."""
+        tool = self._tool(call)
+        if tool is None:
+            return await self._call(call)  # no tool of that name: nothing to ask about
+        inp = ToolInput(
+            run_id=self._id, server=tool.server, tool=tool.name, arguments=call.arguments,
+            input_schema=tool.input_schema, call_id=call.id,
+        )  # fmt: skip
+        try:
+            checked = await workflow.execute_local_activity(
+                check_arguments,
+                inp,
+                start_to_close_timeout=SHORT_TIMEOUT,
+                retry_policy=END_RETRY,
+            )
+        except (ActivityError, ApplicationError) as exc:
+            if isinstance(exc, ActivityError) and isinstance(exc.cause, CancelledError):
+                raise  # the run stops
+            # (A local activity whose retries are spent fails bare: see _report_end.)
+            workflow.logger.warning("could not check the arguments of %s: %s", tool.name, exc)
+            return None
+        if checked.arguments is None:
+            return ToolOutput(content=checked.error, is_error=True, executed=False)
+        return checked.arguments
+
+    async def _approval(self, call: ToolCall, shown: dict[str, Any] | None = None) -> bool:
+        """The user's answer to the call (`shown`: its arguments as the tool gets them)."""
         if self._drain:
             self._check_budget()  # a run that is to stop asks nobody
         if call.id not in self._answers:
-            try:
-                arguments: Any = json.loads(call.arguments) if call.arguments.strip() else {}
-            except ValueError:
-                arguments = call.arguments
+            arguments: Any = shown
+            if arguments is None:
+                try:
+                    arguments = json.loads(call.arguments) if call.arguments.strip() else {}
+                except (ValueError, RecursionError):
+                    # Nested too deeply (a model looping on brackets): a RecursionError
+                    # failed every workflow task of the run, a cancel too (helper-180).
+                    arguments = call.arguments
             tool = self._tool(call)
             self._pending = PendingApproval(
                 call.id,

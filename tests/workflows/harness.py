@@ -21,6 +21,7 @@ from temporalio.worker import Worker
 
 from activities import LlmActivities, ToolActivities
 from activities.mcp_pool import McpPool
+from activities.tools import check_arguments
 from gateway._server import BoundedHead
 from gateway._shell import AdmissionShell
 from gateway.app import GatewaySettings, create_app
@@ -336,7 +337,9 @@ class FakeMcpProcess:
 async def stand_in_worker(client: Client, queue: str, fakes: Any) -> AsyncIterator[None]:
     """A worker of AgentRun whose activities are stand-ins registered under the real
     names: `fakes` has list_tools, end_run, llm_turn and call_tool (tests that must make
-    a turn fail, a call hang or a server unreachable on cue)."""
-    activities = [fakes.list_tools, fakes.end_run, fakes.llm_turn, fakes.call_tool]
+    a turn fail, a call hang or a server unreachable on cue), and check_arguments if it
+    is not the real one."""
+    check = getattr(fakes, "check_arguments", check_arguments)
+    activities = [fakes.list_tools, fakes.end_run, fakes.llm_turn, fakes.call_tool, check]
     async with Worker(client, task_queue=queue, workflows=[AgentRun], activities=activities):
         yield

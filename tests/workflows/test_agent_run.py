@@ -147,6 +147,23 @@ async def test_a_malformed_call_is_an_error_the_model_sees(temporal_address: str
             assert 'expected {"query": string}' in m["content"]
 
 
+async def test_a_call_that_cannot_run_is_not_put_to_the_user(temporal_address: str) -> None:
+    # Arguments that do not fit the tool's schema go back to the model unasked: the
+    # user was asked to approve a destructive call that could never run, and after a
+    # yes the model was told its arguments did not fit (helper-179).
+    async with stack(temporal_address) as s:
+        task = task_with(1, "unfit") + " [fake: malformed-args]"
+        handle = await s.runs.spawn(RunSpec(task=task, model=MODEL, tools=["delete_record"]))
+        # (Bounded: a run that asks waits for an answer for ever.)
+        (status,) = await asyncio.wait_for(s.runs.wait([handle]), 60)
+        assert status.state == "Completed", status
+        assert (status.usage.tool_calls, status.usage.failed_tool_calls) == (1, 1)
+        assert not s.mcp.started
+        (reply,) = [m for m in await s.runs.transcript(handle) if m["role"] == "tool"]
+        assert reply["content"].startswith("Error: the arguments for tool 'delete_record'")
+        assert "'record_id' is a required property" in reply["content"]
+
+
 async def test_calls_written_as_text_are_recovered(temporal_address: str) -> None:
     async with stack(temporal_address) as s:
         task = task_with(2) + " [fake: text-tools]"

@@ -1,0 +1,155 @@
+"""A call to be approved is checked against its tool's input schema first (CHECKED_PATCH),
+on a real dev server with stand-in activities registered under the real names (as in
+test_tool_timeouts): the model's arguments are chosen per test."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+from temporalio import activity
+from temporalio.client import Client
+from temporalio.exceptions import ApplicationError
+from temporalio.worker import Replayer
+
+from activities.contract import (
+    CheckedArguments,
+    EndRunInput,
+    ToolCall,
+    ToolInfo,
+    ToolInput,
+    ToolOutput,
+    ToolsWanted,
+    TurnInput,
+    TurnOutput,
+)
+from tests.workflows.harness import connect, stand_in_worker, until
+from workflows import AgentRun, Runs, RunSpec, RunStatus
+from workflows.agent_run import CHECKED_PATCH
+
+SCHEMA = {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}
+DEEP = "[" * 1200 + "]" * 1200  # past Python's recursion limit as JSON is decoded
+
+
+class StandIns:
+    """One destructive tool, `erase`.  A run's first turn calls it with the task as its
+    arguments; the next answers "done"."""
+
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+
+    @activity.defn(name="list_tools")
+    async def list_tools(self, wanted: ToolsWanted | None = None) -> list[ToolInfo]:
+        return [ToolInfo("fake", "erase", "erase a record", SCHEMA, destructive=True)]
+
+    @activity.defn(name="end_run")
+    async def end_run(self, end: EndRunInput) -> None:
+        pass
+
+    @activity.defn(name="call_tool")
+    async def call_tool(self, call: ToolInput) -> ToolOutput:
+        self.sent.append(call.arguments)
+        return ToolOutput("erased", False, True)
+
+    @activity.defn(name="llm_turn")
+    async def llm_turn(self, turn: TurnInput) -> TurnOutput:
+        if not any(m["role"] == "tool" for m in turn.messages):
+            arguments = next(m["content"] for m in turn.messages if m["role"] == "user")
+            fn = {"name": "erase", "arguments": arguments}
+            message = {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": "c1", "type": "function", "function": fn}],
+            }
+            return TurnOutput(message, [ToolCall("c1", "erase", arguments)], "tool_calls", 10, 10)
+        return TurnOutput({"role": "assistant", "content": "done"}, [], "stop", 10, 10)
+
+
+class CheckDown(StandIns):
+    """As StandIns, with a check that never answers (its worker's fault)."""
+
+    @activity.defn(name="check_arguments")
+    async def check_arguments(self, call: ToolInput) -> CheckedArguments:
+        raise ApplicationError("the check broke", non_retryable=True)
+
+
+async def _pending(runs: Runs, handle: str) -> RunStatus:
+    async def asks() -> bool:
+        return (await runs.status(handle)).state == "AwaitingApproval"
+
+    await until(asks, "the run asks for approval")
+    return await runs.status(handle)
+
+
+async def _replays(client: Client, handle: str) -> None:
+    history = await client.get_workflow_handle(handle).fetch_history()
+    markers = [e for e in history.events if e.HasField("marker_recorded_event_attributes")]
+    assert any(CHECKED_PATCH.encode() in e.SerializeToString() for e in markers)
+    result = await Replayer(workflows=[AgentRun]).replay_workflow(
+        history, raise_on_replay_failure=False
+    )
+    assert result.replay_failure is None, result.replay_failure
+
+
+async def test_the_question_shows_the_arguments_the_tool_would_get(temporal_address: str) -> None:
+    client = await connect(temporal_address)
+    queue = f"checked-{uuid.uuid4().hex[:8]}"
+    fakes = StandIns()
+    runs = Runs(client, task_queue=queue)
+    async with stand_in_worker(client, queue, fakes):
+        await until(runs._worker_polls, "the worker polls")
+        handle = await runs.spawn(RunSpec(task='{"id": "7"}', model="m", tools=["erase"]))
+        status = await _pending(runs, handle)
+        assert status.pending_approval is not None
+        assert status.pending_approval.arguments == {"id": 7}, "coerced, as the tool gets it"
+        await runs.approve(handle, True)
+        await asyncio.wait_for(client.get_workflow_handle(handle).result(), 60)
+    assert fakes.sent == ['{"id": "7"}']
+    await _replays(client, handle)
+
+
+@pytest.mark.parametrize("arguments", ["{}", '{"id": "seven"}', DEEP])
+async def test_a_call_that_cannot_fit_goes_back_to_the_model_unasked(
+    temporal_address: str, arguments: str
+) -> None:
+    client = await connect(temporal_address)
+    queue = f"unfit-{uuid.uuid4().hex[:8]}"
+    fakes = StandIns()
+    runs = Runs(client, task_queue=queue)
+    async with stand_in_worker(client, queue, fakes):
+        await until(runs._worker_polls, "the worker polls")
+        handle = await runs.spawn(RunSpec(task=arguments, model="m", tools=["erase"]))
+        # (Bounded: a run that asks waits for an answer for ever.)
+        await asyncio.wait_for(client.get_workflow_handle(handle).result(), 60)
+        status = await runs.status(handle)
+        transcript = await runs.transcript(handle)
+    assert status.state == "Completed" and not fakes.sent
+    assert (status.usage.tool_calls, status.usage.failed_tool_calls) == (1, 1)
+    (reply,) = [m for m in transcript if m["role"] == "tool"]
+    assert reply["content"].startswith("Error: the arguments for tool 'erase'"), reply
+    await _replays(client, handle)
+
+
+async def test_a_call_nested_too_deep_is_asked_about_as_written_when_the_check_fails(
+    temporal_address: str,
+) -> None:
+    # With no check to go by, the question shows the arguments as the model wrote them.
+    # Decoding them for it raised a RecursionError, which failed every workflow task of
+    # the run: it read Running, "status unavailable", and a cancel could not end it
+    # (helper-180).
+    client = await connect(temporal_address)
+    queue = f"deep-{uuid.uuid4().hex[:8]}"
+    fakes = CheckDown()
+    runs = Runs(client, task_queue=queue)
+    async with stand_in_worker(client, queue, fakes):
+        await until(runs._worker_polls, "the worker polls")
+        handle = await runs.spawn(RunSpec(task=DEEP, model="m", tools=["erase"]))
+        status = await _pending(runs, handle)
+        assert status.pending_approval is not None
+        assert status.pending_approval.arguments == DEEP
+        await runs.approve(handle, False)
+        await asyncio.wait_for(client.get_workflow_handle(handle).result(), 60)
+        status = await runs.status(handle)
+    assert status.state == "Completed" and not fakes.sent
+    assert (status.usage.tool_calls, status.usage.failed_tool_calls) == (1, 1)
