@@ -251,6 +251,10 @@ class StreamWatch:
         self.error: str | None = None
         self.error_status: int | None = None
         self.error_type: str | None = None
+        # Whether the error came first, before any other event of the stream (what a
+        # request gets wrong; see `stream_error_is_engines`).
+        self.error_first = False
+        self._data = False  # a data line came (other than an error's)
         # The answer's last two pieces, whatever their framing: where its end marker is.
         self._prev = self._last = b""
 
@@ -286,6 +290,7 @@ class StreamWatch:
             and not self._too_big
             and not _may_matter(chunk, self._KEYS)
         ):
+            self._data = self._data or b"data:" in chunk
             return  # whole lines that carry nothing the watch reads: most streamed tokens
         if self._too_big:
             if not (self._sse and b"\n" in chunk):
@@ -336,6 +341,7 @@ class StreamWatch:
         """The stream carried `error` (an error object, or what stands for one): its
         text, and the status the first of it and `more` that names one names."""
         self.error = _error_text(error, fallback)
+        self.error_first = not self._data
         self.error_status = next(
             (s for s in map(_error_status, (error, *more)) if s is not None), None
         )
@@ -359,6 +365,7 @@ class StreamWatch:
             self._watch_text(data)
         if _may_matter(data, self._KEYS):
             self._inspect(_loads(data))
+        self._data = True
 
     def _inspect(self, obj: object) -> None:
         if not isinstance(obj, dict):
@@ -715,9 +722,9 @@ def dropped_upstream(headers: Sequence[tuple[bytes, bytes]]) -> frozenset[bytes]
 _BUSY_STATUSES = frozenset({429, 503, 529})
 _BUSY_TYPES = frozenset({"rate_limit_error", "overloaded_error"})
 # Anthropic's error types about the request itself (its API's error reference): an API
-# that names these means them.  Not vLLM's and SGLang's "BadRequestError"/code 400:
-# their stream generators report every exception so, a dead engine's included, while
-# what a request gets wrong they refuse before the head (helper-116).
+# that names these means them.  Not vLLM's and SGLang's "BadRequestError" as such:
+# older vLLM stream generators report every exception so, a dead engine's included
+# (helper-116); see `stream_error_is_engines` for the 4xx that comes first.
 _REQUEST_TYPES = frozenset(
     {
         "invalid_request_error",
@@ -773,10 +780,21 @@ def _code_type(error: object) -> str | None:
     return None
 
 
-def stream_error_is_engines(status: int | None, kind: str | None) -> bool:
+def stream_error_is_engines(status: int | None, kind: str | None, first: bool = False) -> bool:
     """Whether an error event inside a 200 stream counts as the engine failing (toward
     ejecting it): unless it says the engine is busy, or is an Anthropic-style error
-    about the request."""
+    about the request, or names a 4xx and came `first`, before any other event.
+
+    vLLM checks much of a request only as its stream generator starts (the processor
+    runs lazily inside it: a structured-output schema it cannot compile, top_logprobs
+    past --max-logprobs), and SGLang streams a scheduler's abort with its status (a
+    prompt past the context length, sgl-project/sglang#12081): a 200, then one error
+    event, code 400.  Counted as the engine's, five in a row ejected a healthy replica
+    for every caller (helper-181).  A dead engine is refused before the head (vLLM's
+    `engine_client.errored` check) and fails its health probe; a 400 after tokens, an
+    older vLLM's way of saying its engine died mid-generation, stays the engine's."""
+    if first and status is not None and 400 <= status < 500:
+        return False
     return not (status in _BUSY_STATUSES or kind in _BUSY_TYPES or kind in _REQUEST_TYPES)
 
 
@@ -1482,7 +1500,9 @@ class TurnResponse(Response):
             self._fail(f"engine answered {status}", engine=engine_fault(status))
             return
         if watch.error is not None:
-            engine = stream_error_is_engines(watch.error_status, watch.error_type)
+            engine = stream_error_is_engines(
+                watch.error_status, watch.error_type, watch.error_first
+            )
             self._fail(f"engine error in the stream: {watch.error}", engine=engine)
             return
         if watch.shapeless:

@@ -917,6 +917,35 @@ async def test_an_error_event_in_a_200_stream_fails_the_turn(error: bytes, outco
     stream = b'data: {"choices": [{"delta": {"content": "Hi"}}]}\n\n' + (
         b"data: " + error + b"\n\ndata: [DONE]\n\n"
     )
+    await _two_turns_end(stream, outcome)
+
+
+@pytest.mark.parametrize(
+    ("error", "outcome"),
+    [
+        # What a request gets wrong that vLLM checks as its stream generator starts (a
+        # schema it cannot compile) or SGLang's abort of a prompt past the context
+        # (sgl-project/sglang#12081): the request's error (helper-181: ejected).
+        (
+            b'{"error": {"object": "error", "message": "Unsupported JSON schema",'
+            b' "type": "BadRequestError", "param": null, "code": 400}}',
+            "error_status",
+        ),
+        (b'{"object": "error", "message": "too long", "code": 400}', "error_status"),
+        (b'{"error": {"message": "no such adapter", "code": "404"}}', "error_status"),
+        (b'{"error": {"message": "CUDA out of memory", "code": 500}}', "failed"),
+        (b'{"error": {"message": "the engine died"}}', "failed"),  # names no status
+    ],
+)
+async def test_an_error_event_before_anything_else_fails_as_its_code_says(
+    error: bytes, outcome: str
+) -> None:
+    await _two_turns_end(b"data: " + error + b"\n\ndata: [DONE]\n\n", outcome)
+
+
+async def _two_turns_end(stream: bytes, outcome: str) -> None:
+    """Two streamed turns, each answered `stream` in a 200, end as `outcome`, and eject
+    the replica (two failures in a row) exactly when that is "failed"."""
 
     async def erring(scope: Scope, receive: Receive, send: Send) -> None:
         if await answered_health(scope, send):
