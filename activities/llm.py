@@ -107,7 +107,7 @@ def _message(response: httpx.Response) -> str:
         body = response.json()
         msg = body["error"]["message"] if isinstance(body.get("error"), dict) else body["error"]
         return bounded(str(msg))
-    except (ValueError, KeyError, TypeError, AttributeError):
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return response.text[:300] or response.reason_phrase
 
 
@@ -288,6 +288,8 @@ class LlmActivities:
             finish = str(choice.get("finish_reason") or "stop")
         except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
             raise _BadCompletion(f"without a chat completion ({exc!r})") from None
+        except RecursionError:  # nested past the decoder's limit (helper-180)
+            raise _BadCompletion("without a chat completion (JSON nested too deeply)") from None
         # Usage as far as it reads (helper-160: "usage": "n/a" or a count as text raised
         # past the fault count, and the turn was sent again for ever).
         usage = data.get("usage")

@@ -191,7 +191,7 @@ async def _error_code(response: httpx2.Response) -> int | None:
     try:
         body = json.loads(await response.aread())
         code = body["error"]["code"] if isinstance(body, dict) else None
-    except (ValueError, KeyError, TypeError, httpx2.HTTPError):
+    except (ValueError, KeyError, TypeError, RecursionError, httpx2.HTTPError):
         return None
     return code if isinstance(code, int) and not isinstance(code, bool) else None
 

@@ -167,6 +167,7 @@ async def test_a_request_the_gateway_refuses_is_not_retried(status: int) -> None
     assert err.value.non_retryable and f"{status}: no" in str(err.value)
 
 
+@pytest.mark.parametrize("deep", [False, True], ids=["message", "nested-too-deep"])
 @pytest.mark.parametrize(
     ("status", "before", "retried"),
     [
@@ -178,9 +179,12 @@ async def test_a_request_the_gateway_refuses_is_not_retried(status: int) -> None
     ],
 )
 async def test_engine_failures_are_retried_a_bounded_number_of_times(
-    status: int, before: int, retried: bool
+    status: int, before: int, retried: bool, deep: bool
 ) -> None:
-    app = upstream(lambda r: Response(json.dumps({"error": {"message": "x"}}), status))
+    # (deep: an error body nested past the JSON decoder's limit raised RecursionError
+    # while its message was read, and the failure went uncounted: helper-180's kind.)
+    body = "[" * 5000 + "]" * 5000 if deep else json.dumps({"error": {"message": "x"}})
+    app = upstream(lambda r: Response(body, status))
     # attempt 500: the attempts spent waiting (503s, an unreachable gateway) do not count
     env, beats = late_attempt(before)
     with pytest.raises(ApplicationError) as err:
@@ -198,16 +202,20 @@ async def test_engine_failures_are_retried_a_bounded_number_of_times(
         {"choices": []},
         {"error": {"message": "overloaded"}},  # an error object sent with a 200
         {"choices": [{"message": {"role": "assistant", "tool_calls": [{"function": {}}]}}]},
+        # JSON nested past the decoder's recursion limit: a RecursionError, retried
+        # uncounted for ever (helper-180).
+        '{"choices": [{"message": {"content": ' + "[" * 5000 + "]" * 5000 + "}}]}",
     ],
-    ids=["no-choices", "error-object", "tool-call-without-a-name"],
+    ids=["no-choices", "error-object", "tool-call-without-a-name", "nested-too-deep"],
 )
 @pytest.mark.parametrize("before", [ENGINE_FAULT_ATTEMPTS - 2, ENGINE_FAULT_ATTEMPTS - 1])
 async def test_a_200_without_a_usable_completion_counts_as_an_engine_failure(
-    body: dict[str, Any], before: int
+    body: dict[str, Any] | str, before: int
 ) -> None:
     # The turn's retry policy has no attempt limit: uncounted, an engine (or a router)
     # that answers this turn so every time kept the run Running for ever.
-    app = upstream(lambda r: Response(json.dumps(body), media_type="application/json"))
+    text = body if isinstance(body, str) else json.dumps(body)
+    app = upstream(lambda r: Response(text, media_type="application/json"))
     env, beats = late_attempt(before)
     with pytest.raises(ApplicationError) as err:
         await call(app, turn(tools=TOOLS), env=env)

@@ -1018,3 +1018,18 @@ async def test_a_servers_long_error_is_cut_in_the_activitys_failure() -> None:
     assert len(message) < 8_100, len(message)
     note = r"\[luftpause: cut here, of 3,0\d\d,\d\d\d characters\]$"
     assert re.search(note, message), message[-99:]
+
+
+async def test_an_error_body_nested_too_deep_names_no_code() -> None:
+    # (It raised RecursionError out of the delivery's note of the answer, a failure of
+    # the call no rule expects: helper-180's kind.)
+    import httpx2
+
+    from activities.mcp_pool import _error_code
+
+    deep = ("[" * 5000 + "]" * 5000).encode()
+    response = httpx2.Response(500, headers={"content-type": "application/json"}, content=deep)
+    assert await _error_code(response) is None
+    rpc = json.dumps({"jsonrpc": "2.0", "id": 1, "error": {"code": -32601, "message": "no"}})
+    answer = httpx2.Response(404, headers={"content-type": "application/json"}, content=rpc)
+    assert await _error_code(answer) == -32601
