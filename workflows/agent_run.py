@@ -179,6 +179,13 @@ TOOLS_BY_FUNCTION_PATCH = "tools-chosen-by-function-name-too"
 # children (the first cancel it gets) left the rest to the parent-close policy, with
 # no reason given, and skipped the end report: the run's state stayed "Running".
 HALT_UNBROKEN_PATCH = "a-close-stops-every-child-whatever-cancel-comes"
+# `workflow.patched` id of a child's report that came before its start was seen being
+# kept.  A workflow task that sees both (the run's worker late: a sticky timeout
+# after a worker died, load) runs the report's handler first: `spawn_child` then set
+# the child to Running with nothing used, and the run's view, its subtree and its
+# budget counted nothing of the child until its next report, never while it waited
+# on an approval (helper-180).
+EARLY_REPORT_PATCH = "a-childs-report-before-its-start-is-kept"
 # `workflow.patched` id of a call of a tool that is not repeatable, never sent (its
 # server unreachable), that is not sent again once the run is stopping (rule 2:
 # nothing new starts after a stop).  Without it the call kept being sent, for up to
@@ -1454,7 +1461,8 @@ class AgentRun:
         finally:
             self._spawning.discard(request.handle)
             self._starting.pop(request.handle, None)
-        self._children[request.handle] = ChildSummary(request.handle, "Running", settled=False)
+        if request.handle not in self._children or not workflow.patched(EARLY_REPORT_PATCH):
+            self._children[request.handle] = ChildSummary(request.handle, "Running", settled=False)
         watcher = asyncio.create_task(self._watch(request.handle, child))
         self._watchers.add(watcher)
         watcher.add_done_callback(self._watchers.discard)

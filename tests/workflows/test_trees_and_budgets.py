@@ -3,15 +3,28 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from temporalio import workflow
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowUpdateFailedError
+from temporalio.worker import (
+    HandleUpdateInput,
+    Interceptor,
+    Worker,
+    WorkflowInboundInterceptor,
+    WorkflowInterceptorClassInput,
+)
 
+from activities import LlmActivities, ToolActivities
+from activities.mcp_pool import McpPool
+from activities.tools import check_arguments
+from luftpause.config import McpServer
 from tests.workflows.harness import (
     MODEL,
     Stack,
@@ -25,6 +38,7 @@ from tests.workflows.harness import (
     task_with,
     until,
 )
+from worker.main import gateway_client
 from workflows import (
     TERMINAL_STATES,
     AgentRun,
@@ -1016,3 +1030,84 @@ async def test_a_child_that_finishes_starting_as_its_parent_closes_is_stopped_wi
             == EventType.EVENT_TYPE_REQUEST_CANCEL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED
         ]
         assert [c.workflow_execution.workflow_id for c in cancels] == [child]
+
+
+class _FailAfterSpawn(WorkflowInboundInterceptor):
+    """While `armed`, fails every workflow task in which a run's `spawn_child` has seen
+    its child start: the task that takes it once disarmed sees the child's start and
+    whatever came meanwhile together (its worker was late)."""
+
+    armed = threading.Event()
+
+    async def handle_update_handler(self, input: HandleUpdateInput) -> Any:
+        result = await self.next.handle_update_handler(input)
+        first = not workflow.unsafe.is_replaying()
+        if input.update == "spawn_child" and self.armed.is_set() and first:
+            raise RuntimeError("fail this workflow task")
+        return result
+
+
+class _Intercept(Interceptor):
+    def workflow_interceptor_class(
+        self, input: WorkflowInterceptorClassInput
+    ) -> type[WorkflowInboundInterceptor]:
+        return _FailAfterSpawn
+
+
+async def test_a_childs_report_before_its_start_was_seen_is_kept(temporal_address: str) -> None:
+    # The parent's workflow task that sees the child's start also carries the child's
+    # first report (the parent's worker was late): the report's handler runs first, and
+    # spawn_child set the child back to Running with nothing used.  The parent's view
+    # and its subtree then counted nothing of the child while it waited on an approval
+    # (helper-180).
+    async with stack(temporal_address, worker=False) as s:
+        pool = McpPool([McpServer(name="fake", url=f"{s.mcp_url}/mcp")])
+        async with gateway_client() as http:
+            llm = LlmActivities(http, base_url=s.gateway_url, heartbeat_every_s=0.5)
+            tools = ToolActivities(pool, heartbeat_every_s=0.5)
+            activities = [llm.llm_turn, llm.end_run, tools.list_tools, tools.call_tool]
+            async with Worker(
+                s.client,
+                task_queue=s.task_queue,
+                workflows=[AgentRun],
+                activities=[*activities, check_arguments],
+                interceptors=[_Intercept()],
+            ):
+                parent = await spawn_waiting(s, "early", budget=Budget(tokens=10**6))
+                _FailAfterSpawn.armed.set()
+                spec = RunSpec(
+                    task=task_with(1, "kid"), model=MODEL, tools=["delete_record"], parent=parent
+                )
+                spawning = asyncio.ensure_future(s.runs.spawn(spec))
+
+                async def reported() -> bool:
+                    """The child's report that it waits (its last before the approval)
+                    is in the parent's history."""
+                    async for e in s.client.get_workflow_handle(parent).fetch_history_events():
+                        attrs = e.workflow_execution_signaled_event_attributes
+                        if (
+                            e.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED
+                            and attrs.signal_name == "report"
+                            and b"AwaitingApproval" in attrs.SerializeToString()
+                        ):
+                            return True
+                    return False
+
+                try:
+                    await until(reported, "the child's report reaches the parent")
+                finally:
+                    _FailAfterSpawn.armed.clear()
+                child = await asyncio.wait_for(spawning, 60)
+                await until(lambda: state_is(s, child, "AwaitingApproval"), "the child waits")
+                used = (await s.runs.status(child)).subtree.tokens
+                assert used > 0
+
+                async def counted() -> bool:
+                    st = await s.runs.status(parent)
+                    return [(c.state, c.subtree.tokens) for c in st.children] == [
+                        ("AwaitingApproval", used)
+                    ]
+
+                await until(counted, "the parent counts the child's report")
+                await s.runs.cancel(parent)
+        await pool.aclose()
