@@ -36,7 +36,7 @@ from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
 from mcp.server.auth.provider import AccessToken
 from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 from opentelemetry import context as otel_context
-from opentelemetry.trace import SpanKind, StatusCode
+from opentelemetry.trace import SpanKind, StatusCode, set_span_in_context
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -899,6 +899,46 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                 headers[k.encode()] = v.encode("latin-1")
         for k, v in auth_headers(target, anthropic=True).items():
             headers[k.encode()] = v.encode()
+        # The caller's trace context, as a turn's: with tracing on, a span of its own in
+        # the caller's trace that the engine continues; else the caller's, as it came
+        # (helper-181: the engine got none).
+        carrier = {k: v for k in ("traceparent", "tracestate") if (v := sent.get(k))}
+        tracer = telemetry.tracer()
+        span = None
+        if tracer is not None:
+            span = tracer.start_span(
+                f"count_tokens {model}",
+                telemetry.extract(carrier) if carrier else None,
+                kind=SpanKind.CLIENT,
+                attributes={"gen_ai.request.model": model, "luftpause.replica": target.name},
+            )
+            carrier = {}
+            telemetry.inject(carrier, set_span_in_context(span))
+        for k, v in carrier.items():
+            headers[k.encode()] = v.encode("latin-1")
+        reply: Response | None = None
+        try:
+            reply = await _count_tokens(rt, target, request, raw, headers, run_id)
+        finally:
+            if span is not None:
+                status = reply.status_code if reply is not None else 500
+                span.set_attribute("http.response.status_code", status)
+                if status >= 400:
+                    # semconv's error.type for an HTTP error: the status code.
+                    span.set_attribute("error.type", str(status))
+                    span.set_status(StatusCode.ERROR, f"answered {status}")
+                span.end()
+        return reply
+
+    async def _count_tokens(
+        rt: _Runtime,
+        target: Endpoint,
+        request: Request,
+        raw: bytes,
+        headers: dict[bytes, bytes],
+        run_id: str,
+    ) -> Response:
+        """The engine's count, as it answered (or why it did not)."""
         query = request.scope.get("query_string", b"").decode("latin-1")
         try:
             answer = await rt.client.post(

@@ -303,6 +303,48 @@ async def test_count_tokens_is_passed_to_a_replica_and_is_no_turn() -> None:
             )
 
 
+@pytest.mark.parametrize("tracing", [False, True])
+async def test_count_tokens_carries_the_callers_trace_context(tracing: bool) -> None:
+    # As a turn's: the engine got none (helper-181).
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from luftpause import telemetry
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    if tracing:
+        telemetry.use(provider)
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+    try:
+        async with engine(time_scale=50) as (url, recorder), gateway(endpoint("a", url)) as (gw, _):
+            sent = {"traceparent": parent, "tracestate": "vendor=1"}
+            r = await gw.post("/v1/messages/count_tokens", json=body, headers=sent)
+            assert r.status_code == 200 and r.json()["input_tokens"] > 0
+    finally:
+        telemetry.use(None)
+        provider.shutdown()
+    (_, got, _) = recorder.posts[0]
+    if tracing:
+        (span,) = exporter.get_finished_spans()
+        assert span.name == f"count_tokens {MODEL}"
+        assert span.context is not None and span.parent is not None
+        assert span.parent.span_id == int(parent.split("-")[2], 16)  # the caller's
+        trace_id, span_id = got["traceparent"].split("-")[1:3]
+        assert (int(trace_id, 16), int(span_id, 16)) == (
+            span.context.trace_id,
+            span.context.span_id,
+        ), "the engine continues luftpause's span"
+        assert span.attributes is not None
+        assert span.attributes["http.response.status_code"] == 200
+    else:
+        assert (got["traceparent"], got["tracestate"]) == (parent, "vendor=1")
+        assert not exporter.get_finished_spans()
+
+
 async def test_count_tokens_passes_the_engines_headers_and_the_clients_query() -> None:
     # Only content-type and retry-after came back (README: "passed as it is"), and the
     # query string (Anthropic's `?beta=true`) was dropped (helper-76).
