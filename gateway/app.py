@@ -40,7 +40,7 @@ from opentelemetry.trace import SpanKind, StatusCode, set_span_in_context
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 from temporalio.client import Client as TemporalClient
 
 from activities.mcp_pool import McpPool
@@ -254,7 +254,26 @@ class _Gateway(FastAPI):
             except Exception:  # past FastAPI's handlers: answer as they would, in JSON
                 log.exception("turn handler failed")
                 response = _failed(scope, 500, "internal error in the gateway (logged)")
-            await response(scope, receive, send)
+            started = False
+
+            async def sending(message: Message) -> None:
+                nonlocal started
+                started = started or message["type"] == "http.response.start"
+                await send(message)
+
+            try:
+                await response(scope, receive, sending)
+            except Exception:
+                # The turn itself runs here (admission, the engine's answer): a fault
+                # before its head is answered as the handler's is, in JSON, not by
+                # uvicorn's plain-text 500 (helper-181).  After it, the connection
+                # closes: the client sees the answer cut.
+                if started:
+                    raise
+                log.exception("turn failed before its answer began")
+                await _failed(scope, 500, "internal error in the gateway (logged)")(
+                    scope, receive, send
+                )
             return
         if scope["type"] == "http" and scope["path"] == MCP_PATH:
             # `/mcp` is the door's URL; the mount would answer it with a 307 to `/mcp/`,

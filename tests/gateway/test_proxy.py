@@ -2553,3 +2553,24 @@ async def test_tool_calls_said_to_stop_pause_their_run(stream: bool) -> None:
         )
         assert r.status_code == 200, r.text
         assert shell.state.runs[r.headers[RUN]].phase is RunPhase.PAUSED
+
+
+async def test_a_fault_in_a_turn_before_its_answer_began_is_answered_in_json(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The turn runs in its response, past the handler's try: a fault there reached
+    # uvicorn, whose 500 is plain text (helper-181).  The slot is freed either way.
+    from gateway._proxy import TurnResponse
+
+    async def broken(self: Any, *args: Any) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(TurnResponse, "_forward", broken)
+    async with (
+        serve(upstream(ok_chat)) as url,
+        gateway(endpoint("a", url, kind="openai")) as (gw, shell),
+    ):
+        r = await gw.post("/v1/chat/completions", json=chat())
+        assert r.status_code == 500
+        assert r.json() == {"error": {"message": "internal error in the gateway (logged)"}}
+        assert not shell.state.turns
