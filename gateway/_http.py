@@ -32,6 +32,7 @@ import httpx
 from starlette.types import Message, Receive
 
 from luftpause.config import is_address
+from luftpause.net import KEEPALIVE
 
 __all__ = [
     "MAX_CONNECTIONS",
@@ -227,6 +228,14 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
+        # A turn waits for its engine's answer as long as the turn timeout (10 min): an
+        # engine host gone without closing the connection (a node lost) is noticed by
+        # keepalive within ~60 s, and the turn fails then (helper-181).
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                for option in KEEPALIVE:
+                    sock.setsockopt(*option)
 
     def data_received(self, data: bytes) -> None:
         if not self.busy or self.complete:  # bytes nobody asked for: unusable

@@ -16,7 +16,6 @@ import logging
 import math
 import os
 import signal
-import socket
 from datetime import timedelta
 
 import httpx
@@ -32,6 +31,7 @@ from luftpause import telemetry
 from luftpause._args import seconds
 from luftpause._process import freeze_heap
 from luftpause.config import Config, ConfigError, Temporal, load_config
+from luftpause.net import KEEPALIVE
 from workflows import AgentRun
 
 __all__ = ["add_arguments", "build_worker", "run", "serve"]
@@ -46,17 +46,6 @@ GATEWAY_CONNECT_TIMEOUT_S = 2.0
 # seconds); with the SDK's default of 100, a backlog of held turns would keep the tool
 # calls of runs that could go on from starting.  As many as the gateway connections.
 MAX_CONCURRENT_ACTIVITIES = 1000
-# A turn's request has no read timeout (it is held for as long as it takes): TCP
-# keepalive notices a gateway host that went away without closing its connections
-# within ~60 s, and the attempt fails and is retried.
-_KEEPALIVE = [
-    (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
-    *(
-        (socket.IPPROTO_TCP, getattr(socket, name), value)
-        for name, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3))
-        if hasattr(socket, name)  # Linux; macOS has only some of them
-    ),
-]
 # Temporal may come up after the worker (compose, k8s, a restarted dev server whose port
 # opens before it serves): keep trying this long before giving up.
 TEMPORAL_CONNECT_PATIENCE_S = 60.0
@@ -139,13 +128,15 @@ def build_worker(
 
 def gateway_client() -> httpx.AsyncClient:
     """The worker's client for the gateway: turns wait as long as they are held (no read
-    timeout), on connections that TCP keepalive checks."""
+    timeout), on connections that TCP keepalive checks (a gateway host that went away
+    without closing them is noticed within ~60 s, and the attempt fails and is
+    retried)."""
     limits = httpx.Limits(
         max_connections=MAX_CONCURRENT_ACTIVITIES + 24, max_keepalive_connections=256
     )
     return httpx.AsyncClient(
         timeout=httpx.Timeout(None, connect=GATEWAY_CONNECT_TIMEOUT_S),
-        transport=httpx.AsyncHTTPTransport(limits=limits, socket_options=_KEEPALIVE),
+        transport=httpx.AsyncHTTPTransport(limits=limits, socket_options=KEEPALIVE),
     )
 
 

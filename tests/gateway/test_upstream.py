@@ -526,6 +526,19 @@ async def test_idle_connections_the_engine_closes_are_let_go(upstream: Upstream)
         assert not upstream._idle, upstream._idle
 
 
+@bounded
+async def test_engine_connections_are_kept_alive_by_tcp(upstream: Upstream) -> None:
+    """A turn waits for its engine as long as the turn timeout: an engine host gone
+    without closing its connections is noticed by TCP keepalive (helper-181)."""
+    async with raw_server(keep_answering()) as server:
+        assert await fetch(upstream, server.url) == (200, b'{"ok": true}')
+        ((kept,),) = upstream._idle.values()
+        sock = kept.transport.get_extra_info("socket")
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        if hasattr(socket, "TCP_KEEPIDLE"):
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 30
+
+
 # --------------------------------------------------------------------------- stale retry
 
 
