@@ -1756,14 +1756,9 @@ class _Tx:
             )
             return
         context = t.prompt_tokens
-        reply = t.reply_tokens
         in_flight = 1
         if old is not None:
             in_flight += old.in_flight
-            if old.phase is _GENERATING and old.replica == name and not old.home_outcome:
-                # Another of its turns runs here: the claim covers the longer reply
-                # (its context the longer prompt), not the one admitted last.
-                reply = max(reply, old.reply_tokens)
             if context > old.context_tokens or not self._kept(old):
                 # The run's other held turns are larger now, or (kept on its replica
                 # from now on) sized by their own requests where they would run away to.
@@ -1783,7 +1778,7 @@ class _Tx:
                 name,
                 in_flight,
                 context,
-                reply,
+                t.reply_tokens,
                 self.now,
                 False,
                 0,

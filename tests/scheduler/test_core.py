@@ -913,29 +913,6 @@ def test_a_turn_away_from_its_runs_replica_claims_kv_where_it_runs() -> None:
     assert d.state.runs["r1"].context_tokens == 6100
 
 
-def test_two_turns_of_a_run_on_its_replica_claim_the_longer_reply() -> None:
-    # A run's second turn in flight beside its first (parallel requests of one
-    # conversation) does not shrink the run's claim to its own shorter reply while the
-    # first still reserves its own: a new run that fits only beside the smaller claim
-    # waits (found by a fresh property draw, 2026-12-06: the shrunk claim let a new
-    # run's turn look as if it fitted).
-    d = Driver(("a",), kv_tokens=10_000, policy=Policy(kv_fill=0.8))
-    t1 = d.arrive("r1", prompt=1000, max_tokens=4000)
-    assert d.admitted() == {t1: "a"} and d.state.runs["r1"].ws_claim == 5000
-    t2 = d.arrive("r1", prompt=1000, max_tokens=100)
-    assert d.admitted() == {t2: "a"}
-    assert d.state.runs["r1"].ws_claim == 5000, "1,000 of context and the longer reply"
-    t3 = d.arrive("r3", prompt=4000)
-    assert t3 in d.held_ids(), "5,000 + 4,256 > 8,000: r3 waits"
-    d.finish(t1, prompt=1000, out=3000)
-    assert t3 in d.held_ids(), "r1 still generates, its claim kept until its turns end"
-    d.finish(t2, prompt=1000, out=50)
-    assert d.admitted()[t3] == "a", "r1 is idle, its claim gone: r3 fits"
-    # The next turn of the idle run is sized by its own reply again.
-    t4 = d.arrive("r1", prompt=1100, max_tokens=100)
-    assert d.admitted() == {t4: "a"} and d.state.runs["r1"].ws_claim == 1200
-
-
 def test_a_turn_away_is_sized_by_its_own_prompt_not_its_runs_context() -> None:
     # Claude Code's small-model requests come while its main turn runs or its tools do:
     # a 500-token side request of a run with a 6,000-token context is 756 tokens of KV

@@ -835,11 +835,23 @@ def check_step(before: State, event: Event, after: State, actions: list[Action])
         # its last turn's) claimed the more at its admission: a turn that waited for KV
         # then may fit in the state after (and have fitted in the one before, had an
         # interactive turn not taken the KV in between).
+        # So does a run's claim that another of its turns there set, in the step or
+        # before it: the claim follows the run's last admitted turn's reply (found by
+        # a fresh draw, 2026-12-06: a new run's interactive turn, then its batch turn
+        # with a shorter reply, in one step).
         shrunk = 0
+        later = after.runs.get(a.run_id)
+        left = later.ws_claim if later is not None and later.replica == a.replica else 0
         if was_run is not None and was_run.bound and was_run.replica == a.replica:
-            later = after.runs.get(a.run_id)
-            left = later.ws_claim if later is not None and later.replica == a.replica else 0
             shrunk = max(was_run.ws_claim - left, 0)
+        if later is not None and later.replica == a.replica:
+            others = [
+                t.reply_tokens
+                for t in after.admitted()
+                if t.run_id == a.run_id and t.replica == a.replica and t.turn_id != a.turn_id
+            ]
+            if others:
+                shrunk = max(shrunk, max(others) - later.reply_tokens)
         for x in held_interactive:
             # A run already holding KV there goes on; new runs wait.  Whether x waited
             # for KV is judged before the step too: the admission itself may shrink the
@@ -1537,4 +1549,33 @@ def test_the_oracle_judges_a_kv_wait_before_a_continuing_runs_claim_shrank() -> 
     ]
     assert after.runs["r4"].ws_claim == 500, "its claim shrank to 400 + 100"
     assert after.replicas["a"].ws_tokens + 2256 <= 16_000, "x fits in the state after"
+    check_step(before, event, after, actions)
+
+
+def test_the_oracle_judges_a_kv_wait_before_a_new_runs_claim_shrank() -> None:
+    # A fresh draw (2026-12-06): a new run's interactive turn goes in with a long reply
+    # reserved, then its batch turn with a short one, in one step, while a new run's
+    # interactive turn waits for KV: the batch turn's reply is the run's claim after
+    # (the claim follows the last admitted turn), so the waiting turn fits in the state
+    # the step left, and it fitted in the one it found.
+    from tests.scheduler.test_core import Driver
+
+    policy = Policy(kv_fill=0.8, turn_timeout_s=50.0)
+    d = Driver(("a",), kv_tokens=10_000, policy=policy, slots={"a": 4})
+    d.arrive("f1")
+    d.arrive("f2")
+    d.arrive("r0", prompt=5000)  # 5,256 of a's 8,000
+    d.arrive("f3")  # a full
+    tb = d.arrive("r4", cls=ServiceClass.BATCH, prompt=0)
+    ti = d.arrive("r4", prompt=300, max_tokens=1024)
+    x = d.arrive("x", prompt=1000)
+    assert {tb, ti, x} <= d.held_ids()
+    before = d.state
+    event = Tick(now=d.step(45.0))  # f1 and f2 time out
+    after, actions = decide(before, event)
+    assert [(a.turn_id, a.replica) for a in actions if isinstance(a, Admit)] == [
+        (ti, "a"),
+        (tb, "a"),
+    ], "x waits for KV after r4's interactive turn; r4's batch turn goes on"
+    assert after.replicas["a"].ws_tokens + 1256 <= 8000, "x fits in the state after"
     check_step(before, event, after, actions)
