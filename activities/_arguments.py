@@ -17,7 +17,7 @@ from typing import Any
 import jsonschema
 from jsonschema.exceptions import best_match
 
-__all__ = ["ArgumentsError", "expected_shape", "prepare_arguments"]
+__all__ = ["MAX_DEPTH", "ArgumentsError", "depth", "expected_shape", "prepare_arguments"]
 
 
 class ArgumentsError(ValueError):
@@ -130,6 +130,27 @@ def _finite(text: str) -> float:
     return value
 
 
+# How deep a call's arguments may nest.  Temporal's converter recurses about twice a
+# level and fails past about 450: a call nested deeper could not be carried (nor its
+# approval question shown: helper-182).  No tool's input needs a tenth of this.
+MAX_DEPTH = 64
+
+
+def depth(value: Any) -> int:
+    """How deeply a JSON value nests its arrays and objects (a scalar: 0)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, level = todo.pop()
+        children = (
+            item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        )
+        if children is None:
+            continue
+        deepest = max(deepest, level)
+        todo.extend((child, level + 1) for child in children)
+    return deepest
+
+
 def prepare_arguments(tool: str, raw: str, schema: Mapping[str, Any]) -> dict[str, Any]:
     """Parse, coerce and validate a call's arguments; `ArgumentsError` names the problem."""
     shape = expected_shape(schema)
@@ -155,6 +176,11 @@ def prepare_arguments(tool: str, raw: str, schema: Mapping[str, Any]) -> dict[st
         raise ArgumentsError(
             f"the arguments for tool '{tool}' must be a JSON object {shape}, "
             f"not {type(args).__name__}"
+        )
+    if depth(args) > MAX_DEPTH:
+        raise ArgumentsError(
+            f"the arguments for tool '{tool}' are nested too deeply (past {MAX_DEPTH} "
+            f"levels); expected a JSON object {shape}"
         )
     try:  # what the MCP SDK will do to send them
         json.dumps(args, ensure_ascii=False).encode("utf-8")

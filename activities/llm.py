@@ -257,13 +257,19 @@ class LlmActivities:
             )
         try:
             output = self._output(turn, response, time.monotonic() - started)
+            try:
+                size = payload_bytes(output)
+            except RecursionError:
+                # Read, but nested too deeply for Temporal's converter (which recurses
+                # about twice a level): about 450 levels, below the reader's 1,000
+                # (helper-182: retried uncounted for ever).
+                raise _BadCompletion("with a message nested too deeply to carry") from None
         except _BadCompletion as exc:
             # An engine (or a router before it) that answers this turn with a body no
             # completion can be read from is failing it as a 500 would: counted, not
             # retried for ever.
             spent, message = _count_fault(faults, f"gateway answered 200 {exc}")
             raise ApplicationError(message, type="BadCompletion", non_retryable=spent) from None
-        size = payload_bytes(output)
         if size > TURN_OUTPUT_MAX_BYTES:
             # Temporal takes no activity result past 2 MB: the attempt failed after
             # the fact, as a retryable one, and the engine wrote the same turn again

@@ -88,6 +88,7 @@ with workflow.unsafe.imports_passed_through():
     # The module itself too, for the limits read at each spawn: in this form (not `from
     # workflows import contract`, the sandbox's own package's copy) it is the host's.
     import workflows.contract as contract
+    from activities._arguments import MAX_DEPTH, depth
     from activities.contract import (
         NOT_SENT,
         TOOL_TIMED_OUT,
@@ -1026,6 +1027,10 @@ class AgentRun:
                 except (ValueError, RecursionError):
                     # Nested too deeply (a model looping on brackets): a RecursionError
                     # failed every workflow task of the run, a cancel too (helper-180).
+                    arguments = call.arguments
+                if depth(arguments) > MAX_DEPTH:
+                    # Read, but too deep for a query's answer to carry: every status
+                    # failed, and the question never reached the user (helper-182).
                     arguments = call.arguments
             tool = self._tool(call)
             self._pending = PendingApproval(

@@ -17,7 +17,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
 from activities import LlmActivities, TurnInput
-from activities._arguments import ArgumentsError, expected_shape, prepare_arguments
+from activities._arguments import ArgumentsError, depth, expected_shape, prepare_arguments
 from activities._recover import recover_tool_calls
 from activities.llm import ENGINE_FAULT_ATTEMPTS
 from testkit.loopback import serve
@@ -205,8 +205,16 @@ async def test_engine_failures_are_retried_a_bounded_number_of_times(
         # JSON nested past the decoder's recursion limit: a RecursionError, retried
         # uncounted for ever (helper-180).
         '{"choices": [{"message": {"content": ' + "[" * 5000 + "]" * 5000 + "}}]}",
+        # Read, but past what Temporal's converter carries (helper-182).
+        '{"choices": [{"message": {"content": ' + "[" * 600 + "]" * 600 + "}}]}",
     ],
-    ids=["no-choices", "error-object", "tool-call-without-a-name", "nested-too-deep"],
+    ids=[
+        "no-choices",
+        "error-object",
+        "tool-call-without-a-name",
+        "nested-too-deep",
+        "nested-too-deep-to-carry",
+    ],
 )
 @pytest.mark.parametrize("before", [ENGINE_FAULT_ATTEMPTS - 2, ENGINE_FAULT_ATTEMPTS - 1])
 async def test_a_200_without_a_usable_completion_counts_as_an_engine_failure(
@@ -381,9 +389,13 @@ def test_arguments_json_cannot_carry_are_refused_and_odd_schemas_do_not_crash() 
         ('{"x": 1e400}', "1e400 is too large for a number"),
         ("[" * 100_000, "nested"),
         (f'{{"n": {huge}}}', r"could not be read \(Exceeds the limit \(4300 digits\)"),
+        # Read, but past what Temporal carries (about 450 levels; helper-182).
+        ('{"any": ' + "[" * 500 + "]" * 500 + "}", "nested too deeply \\(past 64 levels\\)"),
     ):
         with pytest.raises(ArgumentsError, match=needle):
             prepare_arguments("t", raw, schema)
+    inner = "[" * 63 + "]" * 63  # 64 levels with the object: taken
+    assert depth(prepare_arguments("t", '{"any": ' + inner + "}", schema)) == 64
 
 
 @pytest.mark.parametrize(

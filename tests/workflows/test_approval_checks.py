@@ -30,6 +30,8 @@ from workflows.agent_run import CHECKED_PATCH
 
 SCHEMA = {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}
 DEEP = "[" * 1200 + "]" * 1200  # past Python's recursion limit as JSON is decoded
+# Read, but past what Temporal's converter carries (about 450 levels: helper-182).
+DEEPISH = '{"id": 1, "note": ' + "[" * 500 + "]" * 500 + "}"
 
 
 class StandIns:
@@ -109,7 +111,7 @@ async def test_the_question_shows_the_arguments_the_tool_would_get(temporal_addr
     await _replays(client, handle)
 
 
-@pytest.mark.parametrize("arguments", ["{}", '{"id": "seven"}', DEEP])
+@pytest.mark.parametrize("arguments", ["{}", '{"id": "seven"}', DEEP, DEEPISH])
 async def test_a_call_that_cannot_fit_goes_back_to_the_model_unasked(
     temporal_address: str, arguments: str
 ) -> None:
@@ -131,23 +133,25 @@ async def test_a_call_that_cannot_fit_goes_back_to_the_model_unasked(
     await _replays(client, handle)
 
 
+@pytest.mark.parametrize("arguments", [DEEP, DEEPISH], ids=["unreadable", "uncarriable"])
 async def test_a_call_nested_too_deep_is_asked_about_as_written_when_the_check_fails(
-    temporal_address: str,
+    temporal_address: str, arguments: str
 ) -> None:
     # With no check to go by, the question shows the arguments as the model wrote them.
     # Decoding them for it raised a RecursionError, which failed every workflow task of
     # the run: it read Running, "status unavailable", and a cancel could not end it
-    # (helper-180).
+    # (helper-180).  Decoded, 500 levels deep, they failed every status query instead
+    # (Temporal's converter recurses about twice a level; helper-182).
     client = await connect(temporal_address)
     queue = f"deep-{uuid.uuid4().hex[:8]}"
     fakes = CheckDown()
     runs = Runs(client, task_queue=queue)
     async with stand_in_worker(client, queue, fakes):
         await until(runs._worker_polls, "the worker polls")
-        handle = await runs.spawn(RunSpec(task=DEEP, model="m", tools=["erase"]))
+        handle = await runs.spawn(RunSpec(task=arguments, model="m", tools=["erase"]))
         status = await _pending(runs, handle)
         assert status.pending_approval is not None
-        assert status.pending_approval.arguments == DEEP
+        assert status.pending_approval.arguments == arguments
         await runs.approve(handle, False)
         await asyncio.wait_for(client.get_workflow_handle(handle).result(), 60)
         status = await runs.status(handle)
