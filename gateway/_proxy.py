@@ -260,6 +260,21 @@ class StreamWatch:
 
     # What ends a whole stream of the API, after its finish reason (see `cut_short`).
     _END_MARKER = b"[DONE]"
+    # Events that open a stream before anything is generated: an error after them
+    # still comes first (`error_first`).
+    _PREAMBLE: tuple[bytes, ...] = ()
+
+    def _preamble(self, data: bytes) -> bool:
+        """Whether these bytes (an event's data, or whole lines) carry only events that
+        open the stream (`event:` lines and comments aside)."""
+        if not self._PREAMBLE:
+            return False
+        lines = (
+            line
+            for line in data.split(b"\n")
+            if line.strip() and not line.startswith((b"event:", b":"))
+        )
+        return all(any(p in line for p in self._PREAMBLE) for line in lines)
 
     def cut_short(self) -> bool:
         """A stream that ended with neither its finish reason nor its end marker (chat's
@@ -290,7 +305,7 @@ class StreamWatch:
             and not self._too_big
             and not _may_matter(chunk, self._KEYS)
         ):
-            self._data = self._data or b"data:" in chunk
+            self._data = self._data or (b"data:" in chunk and not self._preamble(chunk))
             return  # whole lines that carry nothing the watch reads: most streamed tokens
         if self._too_big:
             if not (self._sse and b"\n" in chunk):
@@ -365,7 +380,7 @@ class StreamWatch:
             self._watch_text(data)
         if _may_matter(data, self._KEYS):
             self._inspect(_loads(data))
-        self._data = True
+        self._data = self._data or not self._preamble(data)
 
     def _inspect(self, obj: object) -> None:
         if not isinstance(obj, dict):
@@ -474,6 +489,7 @@ class MessagesWatch(StreamWatch):
     cached tokens too (`input_counts_cached`).  The last reading of a field wins."""
 
     _KEYS = (b'"usage"', b'"stop_reason"', b'"tool_use"', b'"error"', b"event: error")
+    _PREAMBLE = (b'"message_start"', b'"ping"')  # (as Responses' response.created)
     _END_MARKER = b"message_stop"
 
     def __init__(self, *, sse: bool, input_counts_cached: bool = False) -> None:
@@ -573,6 +589,9 @@ class ResponsesWatch(StreamWatch):
         b"response.output_item.done",
         b'"error"',
     )
+    # (vLLM sends response.created before it checks what it checks of a request lazily,
+    # a schema it cannot compile: helper-182.)
+    _PREAMBLE = (b'"response.created"', b'"response.in_progress"', b'"response.queued"')
     # Whether the answer ended as the API ends one (a final event, an error, a JSON
     # body): a stream closed before is no finished turn (helper-140).
     ended = False

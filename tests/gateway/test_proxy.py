@@ -2574,3 +2574,61 @@ async def test_a_fault_in_a_turn_before_its_answer_began_is_answered_in_json(
         assert r.status_code == 500
         assert r.json() == {"error": {"message": "internal error in the gateway (logged)"}}
         assert not shell.state.turns
+
+
+ERROR_400 = b'data: {"error": {"message": "bad", "type": "BadRequestError", "code": 400}}\n\n'
+
+
+@pytest.mark.parametrize(
+    ("watch", "chunks", "first"),
+    [
+        # A token passed over unparsed (the fast path) is data before the error.
+        ("chat", [b'data: {"choices": [{"delta": {"content": "Hi"}}]}\n\n', ERROR_400], False),
+        ("chat", [ERROR_400], True),
+        # The events that open a Responses or Messages stream are no data: vLLM sends
+        # response.created before its lazy request checks (helper-182).
+        (
+            "responses",
+            [
+                b'event: response.created\ndata: {"type": "response.created", '
+                b'"response": {"id": "resp_1", "status": "in_progress"}}\n\n',
+                b'event: response.in_progress\ndata: {"type": "response.in_progress"}\n\n',
+                b'event: error\ndata: {"type": "error", "code": "400", "message": "bad"}\n\n',
+            ],
+            True,
+        ),
+        (
+            "responses",
+            [
+                b'data: {"type": "response.created", "response": {"id": "r"}}\n\n'
+                b'data: {"type": "response.output_text.delta", "delta": "Hi"}\n\n',
+                b'data: {"type": "error", "code": "400", "message": "bad"}\n\n',
+            ],
+            False,
+        ),
+        (
+            "messages",
+            [
+                b'event: message_start\ndata: {"type": "message_start", "message": '
+                b'{"usage": {"input_tokens": 3}}}\n\n',
+                b'event: error\ndata: {"type": "error", "error": {"message": "bad", '
+                b'"code": 400}}\n\n',
+            ],
+            True,
+        ),
+    ],
+)
+def test_an_error_event_comes_first_unless_data_came_before_it(
+    watch: str, chunks: list[bytes], first: bool
+) -> None:
+    from gateway._proxy import MessagesWatch, ResponsesWatch, stream_error_is_engines
+
+    w = {"chat": StreamWatch, "responses": ResponsesWatch, "messages": MessagesWatch}[watch](
+        sse=True
+    )
+    for chunk in chunks:
+        w.feed(chunk)
+    w.close()
+    assert w.error is not None and w.error_status == 400
+    assert w.error_first is first
+    assert stream_error_is_engines(w.error_status, w.error_type, w.error_first) is not first
