@@ -85,12 +85,6 @@ INPUT_ROUNDS_MAX = 8
 # wait answers early for each at most once (see `_all_wait_for_approval`).
 TOLD_KEPT = 10_000
 STATE_TTL_SLACK_S = 60.0  # a sealed request state outlives the call's deadline by this
-# How long a 2026-07-28 `run` call's run waits for the call's next round once a round
-# ended asking for input: as long as the round's sealed state can carry the call on.
-# With no round by then, the client left the call (a user who pressed Esc at the
-# question is not seen: no request is open between rounds) and the run is cancelled,
-# as a legacy call's is when its client cancels it (helper-179).
-ROUND_LEASE_S = AWAIT_MAX_S + STATE_TTL_SLACK_S  # (the sealed state's ttl)
 MAX_TOOL_CALLS_LIMIT = 64
 MAX_TOKENS_LIMIT = 32_768
 # A run's task and system prompt travel in its workflow's input and in every turn's,
@@ -749,27 +743,6 @@ class RunArgs(BaseModel):
 def create_mcp_server(deps: DoorDeps) -> _DoorServer:
     """The MCP server of the door, built from its dependencies."""
     background = Background()
-    # 2026-07-28 `run` calls between rounds: their run's handle -> the timer that
-    # cancels the run if the call's next round does not come (ROUND_LEASE_S).  A
-    # gateway restart forgets them: such a run then waits for `approve` or `cancel`.
-    leases: dict[str, asyncio.TimerHandle] = {}
-
-    def hold_lease(handle: str, ctx: Any) -> None:
-        drop_lease(handle)
-
-        def expire() -> None:
-            leases.pop(handle, None)
-            log.info("run %s: its run call was left between rounds; cancelling it", handle)
-            cancel = cancel_quietly(lambda: runs(ctx), handle)
-            background.run(cancel, f"the cancel of run {handle}, whose call was left")
-
-        leases[handle] = asyncio.get_running_loop().call_later(ROUND_LEASE_S, expire)
-
-    def drop_lease(handle: str) -> None:
-        timer = leases.pop(handle, None)
-        if timer is not None:
-            timer.cancel()
-
     told = approval.RecentKeys(TOLD_KEPT)
 
     def tell(statuses: Sequence[RunStatus]) -> None:
@@ -1222,9 +1195,7 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
         arguments = _arguments(locals())
         handle = _State.load(ctx.request_state).spawned  # a later round: never spawn twice
         spawned = handle is None
-        if handle is not None:
-            drop_lease(handle)  # the call came back
-        else:
+        if handle is None:
             handle = await start_for_the_call(spec_of(RunArgs.model_validate(arguments), ctx), ctx)
         given = not spawned  # its handle reached the client (in progress; a later round)
 
@@ -1250,10 +1221,7 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
                 cancel = cancel_quietly(lambda: runs(ctx), handle)
                 await asyncio.shield(background.run(cancel, f"the cancel of run {handle}"))
             raise
-        if isinstance(waited, InputRequiredResult):
-            hold_lease(handle, ctx)  # until the next round
-            return waited
-        return view(waited[0][0])
+        return waited if isinstance(waited, InputRequiredResult) else view(waited[0][0])
 
     @mcp.tool(annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
     async def status(
