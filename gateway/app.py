@@ -96,6 +96,7 @@ from luftpause.headers import (
     session_run,
 )
 from luftpause.native import core_build
+from luftpause.net import KEEPALIVE
 from scheduler import (
     Action,
     Event,
@@ -415,8 +416,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             )
         timeout = httpx.Timeout(None, connect=CONNECT_TIMEOUT_S)
         # trust_env=False: probes go where turns go (Upstream uses no HTTP(S)_PROXY).
+        # (Keepalive, as the turns' own connections: /v1/decide's and count_tokens'
+        # requests go through this client.)
+        transport = httpx.AsyncHTTPTransport(limits=_UPSTREAM_LIMITS, socket_options=KEEPALIVE)
         async with httpx.AsyncClient(
-            timeout=timeout, limits=_UPSTREAM_LIMITS, trust_env=False
+            timeout=timeout, transport=transport, trust_env=False
         ) as client:
 
             def observe(before: State, event: Event, actions: Sequence[Action]) -> None:

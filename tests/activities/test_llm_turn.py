@@ -285,6 +285,8 @@ async def test_the_workers_client_waits_without_a_read_timeout_on_kept_alive_soc
             assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
             if hasattr(socket, "TCP_KEEPIDLE"):
                 assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 30
+            if hasattr(socket, "TCP_USER_TIMEOUT"):  # sent data unanswered (helper-183)
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 60_000
 
 
 async def test_an_unreachable_gateway_is_retried() -> None:

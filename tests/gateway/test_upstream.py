@@ -537,6 +537,8 @@ async def test_engine_connections_are_kept_alive_by_tcp(upstream: Upstream) -> N
         assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
         if hasattr(socket, "TCP_KEEPIDLE"):
             assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 30
+        if hasattr(socket, "TCP_USER_TIMEOUT"):  # sent data unanswered (helper-183)
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 60_000
 
 
 # --------------------------------------------------------------------------- stale retry
