@@ -23,6 +23,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
@@ -845,10 +846,15 @@ def check_step(before: State, event: Event, after: State, actions: list[Action])
         if was_run is not None and was_run.bound and was_run.replica == a.replica:
             shrunk = max(was_run.ws_claim - left, 0)
         if later is not None and later.replica == a.replica:
+            # (Only its turns admitted earlier in this step: a claim set before the
+            # step is was_run's, above.  helper-183: counting those too hid a real
+            # inversion, a core that tried batch turns first.)
             others = [
                 t.reply_tokens
-                for t in after.admitted()
-                if t.run_id == a.run_id and t.replica == a.replica and t.turn_id != a.turn_id
+                for b in admits[: admits.index(a)]
+                if b.run_id == a.run_id
+                and b.replica == a.replica
+                and (t := before.turns.get(b.turn_id)) is not None
             ]
             if others:
                 shrunk = max(shrunk, max(others) - later.reply_tokens)
@@ -1579,3 +1585,31 @@ def test_the_oracle_judges_a_kv_wait_before_a_new_runs_claim_shrank() -> None:
     ], "x waits for KV after r4's interactive turn; r4's batch turn goes on"
     assert after.replicas["a"].ws_tokens + 1256 <= 8000, "x fits in the state after"
     check_step(before, event, after, actions)
+
+
+def test_the_oracle_catches_a_core_that_tries_batch_turns_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # helper-183: the slack for a claim shrunk in the step counted the run's turns
+    # admitted before it too, and a core that admits batch before interactive passed.
+    import scheduler._core as core
+    from tests.scheduler.test_core import Driver
+
+    d = Driver(("a",), kv_tokens=10_000, policy=Policy(kv_fill=0.8), slots={"a": 3})
+    d.arrive("r", prompt=1000, max_tokens=4000)
+    d.arrive("r", prompt=1000, max_tokens=100)
+    f = d.arrive("f")
+    x = d.arrive("x", prompt=4000)
+    b = d.arrive("r", cls=ServiceClass.BATCH, prompt=0, max_tokens=100)
+    assert {x, b} <= d.held_ids()
+    before = d.state
+    event = TurnFinished(now=d.step(), turn_id=f, finish_reason="stop", prompt_tokens=0,
+                         completion_tokens=10, cached_tokens=0)  # fmt: skip
+    after, actions = decide(before, event)
+    assert [a.turn_id for a in actions if isinstance(a, Admit)] == [x]
+    check_step(before, event, after, actions)
+    monkeypatch.setattr(core, "_CLASSES", tuple(reversed(core._CLASSES)))  # the bug
+    after, actions = decide(before, event)
+    assert [a.turn_id for a in actions if isinstance(a, Admit)] == [b], "the mutant differs"
+    with pytest.raises(AssertionError, match=f"batch {b} admitted to a while interactive {x}"):
+        check_step(before, event, after, actions)
