@@ -22,7 +22,7 @@ import json
 import logging
 import math
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -260,21 +260,19 @@ class StreamWatch:
 
     # What ends a whole stream of the API, after its finish reason (see `cut_short`).
     _END_MARKER = b"[DONE]"
-    # Events that open a stream before anything is generated: an error after them
-    # still comes first (`error_first`).
-    _PREAMBLE: tuple[bytes, ...] = ()
+    # The types of the events that open a stream before anything is generated: an
+    # error after them still comes first (`error_first`).
+    _PREAMBLE: frozenset[bytes] = frozenset()
 
-    def _preamble(self, data: bytes) -> bool:
-        """Whether these bytes (an event's data, or whole lines) carry only events that
-        open the stream (`event:` lines and comments aside)."""
-        if not self._PREAMBLE:
-            return False
-        lines = (
-            line
-            for line in data.split(b"\n")
-            if line.strip() and not line.startswith((b"event:", b":"))
-        )
-        return all(any(p in line for p in self._PREAMBLE) for line in lines)
+    def _preamble(self, payloads: Iterable[bytes]) -> bool:
+        """Whether these data lines' payloads are all events that open the stream, by
+        each one's first `"type"` (the event's own; helper-183: a substring matched a
+        tool named `ping`, and an `id:` line counted as data).  None: no data."""
+        for payload in payloads:
+            kind = _FIRST_TYPE.search(payload) if self._PREAMBLE else None
+            if kind is None or kind.group(1) not in self._PREAMBLE:
+                return False
+        return True
 
     def cut_short(self) -> bool:
         """A stream that ended with neither its finish reason nor its end marker (chat's
@@ -305,7 +303,9 @@ class StreamWatch:
             and not self._too_big
             and not _may_matter(chunk, self._KEYS)
         ):
-            self._data = self._data or (b"data:" in chunk and not self._preamble(chunk))
+            self._data = self._data or not self._preamble(
+                line[5:] for line in chunk.split(b"\n") if line.startswith(b"data:")
+            )
             return  # whole lines that carry nothing the watch reads: most streamed tokens
         if self._too_big:
             if not (self._sse and b"\n" in chunk):
@@ -380,7 +380,7 @@ class StreamWatch:
             self._watch_text(data)
         if _may_matter(data, self._KEYS):
             self._inspect(_loads(data))
-        self._data = self._data or not self._preamble(data)
+        self._data = self._data or not self._preamble((data,))
 
     def _inspect(self, obj: object) -> None:
         if not isinstance(obj, dict):
@@ -449,6 +449,10 @@ def _texts(obj: object) -> list[str]:
     return out
 
 
+# The first `"type": "..."` of an event's data: its own type in the APIs' events.
+_FIRST_TYPE = re.compile(rb'"type"\s*:\s*"([^"\\]*)"')
+
+
 def _may_matter(event: bytes, keys: tuple[bytes, ...]) -> bool:
     """Whether an SSE event may carry what the watch reads: a watched key with a value
     other than null (inside a JSON string its quotes would be escaped).  Most events are
@@ -489,7 +493,7 @@ class MessagesWatch(StreamWatch):
     cached tokens too (`input_counts_cached`).  The last reading of a field wins."""
 
     _KEYS = (b'"usage"', b'"stop_reason"', b'"tool_use"', b'"error"', b"event: error")
-    _PREAMBLE = (b'"message_start"', b'"ping"')  # (as Responses' response.created)
+    _PREAMBLE = frozenset({b"message_start", b"ping"})  # (as Responses' response.created)
     _END_MARKER = b"message_stop"
 
     def __init__(self, *, sse: bool, input_counts_cached: bool = False) -> None:
@@ -591,7 +595,7 @@ class ResponsesWatch(StreamWatch):
     )
     # (vLLM sends response.created before it checks what it checks of a request lazily,
     # a schema it cannot compile: helper-182.)
-    _PREAMBLE = (b'"response.created"', b'"response.in_progress"', b'"response.queued"')
+    _PREAMBLE = frozenset({b"response.created", b"response.in_progress", b"response.queued"})
     # Whether the answer ended as the API ends one (a final event, an error, a JSON
     # body): a stream closed before is no finished turn (helper-140).
     ended = False
@@ -1215,6 +1219,10 @@ class TurnResponse(Response):
         self._idle = turn_timeout
         self._alive_every = min(ALIVE_EVERY_S, turn_timeout / 10)
         self._margin = min(MARGIN_S, turn_timeout / 10)
+
+    @property
+    def turn(self) -> TurnRequest:
+        return self._turn
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         t = self._turn

@@ -272,9 +272,13 @@ class _Gateway(FastAPI):
                 if started:
                     raise
                 log.exception("turn failed before its answer began")
-                await _failed(scope, 500, "internal error in the gateway (logged)")(
-                    scope, receive, send
-                )
+                message = "internal error in the gateway (logged)"
+                # (The turn's own run id: a retry naming it keeps its run; helper-183.)
+                if isinstance(response, TurnResponse):
+                    failed = response.turn.error(500, message)
+                else:
+                    failed = _failed(scope, 500, message)
+                await failed(scope, receive, send)
             return
         if scope["type"] == "http" and scope["path"] == MCP_PATH:
             # `/mcp` is the door's URL; the mount would answer it with a 307 to `/mcp/`,

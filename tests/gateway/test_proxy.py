@@ -2574,6 +2574,8 @@ async def test_a_fault_in_a_turn_before_its_answer_began_is_answered_in_json(
         assert r.status_code == 500
         assert r.json() == {"error": {"message": "internal error in the gateway (logged)"}}
         assert not shell.state.turns
+        # The turn's own run: a retry that names it keeps it (helper-183: a new id).
+        assert list(shell.state.runs) == [r.headers[RUN]]
 
 
 ERROR_400 = b'data: {"error": {"message": "bad", "type": "BadRequestError", "code": 400}}\n\n'
@@ -2615,6 +2617,25 @@ ERROR_400 = b'data: {"error": {"message": "bad", "type": "BadRequestError", "cod
                 b'"code": 400}}\n\n',
             ],
             True,
+        ),
+        # By each event's own type (helper-183): an SSE id line is no data, and a tool
+        # named "ping" is no ping.
+        (
+            "responses",
+            [
+                b'id: 1\nevent: response.created\ndata: {"type": "response.created"}\n\n',
+                b'data: {"type": "error", "code": "400", "message": "bad"}\n\n',
+            ],
+            True,
+        ),
+        (
+            "messages",
+            [
+                b'data: {"type": "content_block_start", "index": 0, "content_block": '
+                b'{"type": "tool_use", "id": "t", "name": "ping", "input": {}}}\n\n',
+                b'data: {"type": "error", "error": {"message": "bad", "code": 400}}\n\n',
+            ],
+            False,
         ),
     ],
 )
