@@ -28,6 +28,7 @@ from temporalio import activity
 from temporalio.converter import DataConverter, PayloadConverter
 from temporalio.exceptions import ApplicationError
 
+from activities._arguments import MAX_DEPTH, depth
 from activities._recover import recover_tool_calls
 from activities.contract import EndRunInput, ToolCall, TurnInput, TurnOutput
 from luftpause import telemetry
@@ -257,13 +258,13 @@ class LlmActivities:
             )
         try:
             output = self._output(turn, response, time.monotonic() - started)
-            try:
-                size = payload_bytes(output)
-            except RecursionError:
-                # Read, but nested too deeply for Temporal's converter (which recurses
-                # about twice a level): about 450 levels, below the reader's 1,000
-                # (helper-182: retried uncounted for ever).
-                raise _BadCompletion("with a message nested too deeply to carry") from None
+            # Read, but nested too deeply to carry on: Temporal's converter recurses
+            # about twice a level, past about 450 here and a few less once the run
+            # puts the message in its next turn (helper-182, helper-183: retried
+            # uncounted for ever, or every workflow task failed).
+            if depth(output.message) > MAX_DEPTH:
+                raise _BadCompletion(f"with a message nested past {MAX_DEPTH} levels")
+            size = payload_bytes(output)
         except _BadCompletion as exc:
             # An engine (or a router before it) that answers this turn with a body no
             # completion can be read from is failing it as a 500 would: counted, not

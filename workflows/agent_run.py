@@ -1028,10 +1028,11 @@ class AgentRun:
                     # Nested too deeply (a model looping on brackets): a RecursionError
                     # failed every workflow task of the run, a cancel too (helper-180).
                     arguments = call.arguments
-                if depth(arguments) > MAX_DEPTH:
-                    # Read, but too deep for a query's answer to carry: every status
-                    # failed, and the question never reached the user (helper-182).
-                    arguments = call.arguments
+            if depth(arguments) > MAX_DEPTH:
+                # Read, but too deep for a query's answer to carry: every status failed,
+                # and the question never reached the user (helper-182).  (Checked ones
+                # too: a check from before MAX_DEPTH passed them; helper-183.)
+                arguments = call.arguments
             tool = self._tool(call)
             self._pending = PendingApproval(
                 call.id,

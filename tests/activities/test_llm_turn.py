@@ -207,6 +207,8 @@ async def test_engine_failures_are_retried_a_bounded_number_of_times(
         '{"choices": [{"message": {"content": ' + "[" * 5000 + "]" * 5000 + "}}]}",
         # Read, but past what Temporal's converter carries (helper-182).
         '{"choices": [{"message": {"content": ' + "[" * 600 + "]" * 600 + "}}]}",
+        # Carried by the activity, not by the run's next turn (helper-183).
+        '{"choices": [{"message": {"content": ' + "[" * 100 + "]" * 100 + "}}]}",
     ],
     ids=[
         "no-choices",
@@ -214,6 +216,7 @@ async def test_engine_failures_are_retried_a_bounded_number_of_times(
         "tool-call-without-a-name",
         "nested-too-deep",
         "nested-too-deep-to-carry",
+        "nested-past-the-bound",
     ],
 )
 @pytest.mark.parametrize("before", [ENGINE_FAULT_ATTEMPTS - 2, ENGINE_FAULT_ATTEMPTS - 1])

@@ -5,6 +5,7 @@ test_tool_timeouts): the model's arguments are chosen per test."""
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 
 import pytest
@@ -157,3 +158,30 @@ async def test_a_call_nested_too_deep_is_asked_about_as_written_when_the_check_f
         status = await runs.status(handle)
     assert status.state == "Completed" and not fakes.sent
     assert (status.usage.tool_calls, status.usage.failed_tool_calls) == (1, 1)
+
+
+class CheckLoose(StandIns):
+    """As StandIns, with a check from before MAX_DEPTH: it passes any JSON object."""
+
+    @activity.defn(name="check_arguments")
+    async def check_arguments(self, call: ToolInput) -> CheckedArguments:
+        return CheckedArguments(json.loads(call.arguments))
+
+
+async def test_checked_arguments_too_deep_to_show_are_shown_as_their_text(
+    temporal_address: str,
+) -> None:
+    # A run that was checked before MAX_DEPTH existed replays with the old check's
+    # answer: the question shows arguments that deep as their text (helper-183).
+    client = await connect(temporal_address)
+    queue = f"loose-{uuid.uuid4().hex[:8]}"
+    fakes = CheckLoose()
+    runs = Runs(client, task_queue=queue)
+    deep = '{"id": 1, "note": ' + "[" * 100 + "]" * 100 + "}"
+    async with stand_in_worker(client, queue, fakes):
+        await until(runs._worker_polls, "the worker polls")
+        handle = await runs.spawn(RunSpec(task=deep, model="m", tools=["erase"]))
+        status = await _pending(runs, handle)
+        assert status.pending_approval is not None
+        assert status.pending_approval.arguments == deep
+        await runs.cancel(handle)
