@@ -266,11 +266,16 @@ class StreamWatch:
 
     def _preamble(self, payloads: Iterable[bytes]) -> bool:
         """Whether these data lines' payloads are all events that open the stream, by
-        each one's first `"type"` (the event's own; helper-183: a substring matched a
-        tool named `ping`, and an `id:` line counted as data).  None: no data."""
+        each one's own (top-level) `type`: helper-183, a substring matched a tool named
+        `ping` and an `id:` line counted as data; helper-184, vLLM writes `type` after
+        `response`, whose tools' schemas carry types of their own.  None: no data.
+        (Parsed only when a preamble type is in it: once or twice a stream.)"""
         for payload in payloads:
-            kind = _FIRST_TYPE.search(payload) if self._PREAMBLE else None
-            if kind is None or kind.group(1) not in self._PREAMBLE:
+            if not any(kind in payload for kind in self._PREAMBLE):
+                return False
+            event = _loads(payload)
+            kind = event.get("type") if isinstance(event, dict) else None
+            if not isinstance(kind, str) or kind.encode() not in self._PREAMBLE:
                 return False
         return True
 
@@ -447,10 +452,6 @@ def _texts(obj: object) -> list[str]:
                 if isinstance(text, str):
                     out.append(text)
     return out
-
-
-# The first `"type": "..."` of an event's data: its own type in the APIs' events.
-_FIRST_TYPE = re.compile(rb'"type"\s*:\s*"([^"\\]*)"')
 
 
 def _may_matter(event: bytes, keys: tuple[bytes, ...]) -> bool:

@@ -12,7 +12,9 @@ __all__ = ["KEEPALIVE"]
 # takes, so a slow answer is never cut by it.  Linux sends no probes while sent data
 # is unacknowledged: a request written on a kept connection to a host already gone
 # waited out retransmission, about 15 minutes (helper-183), so data unacknowledged
-# for 60 s ends the connection too (TCP_USER_TIMEOUT, in milliseconds).
+# for 60 s ends the connection too (TCP_USER_TIMEOUT, in milliseconds).  So does a
+# live peer that leaves what we send unread for 60 s with its window full (helper-184):
+# the gateway reads a request's body at once, and engines do.
 KEEPALIVE = [
     (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
     *(

@@ -2618,6 +2618,19 @@ ERROR_400 = b'data: {"error": {"message": "bad", "type": "BadRequestError", "cod
             ],
             True,
         ),
+        # vLLM writes its openai-python events with `type` last, after a response
+        # whose tools and format carry types of their own (helper-184).
+        (
+            "responses",
+            [
+                b'event: response.created\ndata: {"response": {"id": "resp_1", "tools": '
+                b'[{"type": "function", "name": "f", "parameters": {"type": "object"}}], '
+                b'"text": {"format": {"type": "json_schema"}}}, "sequence_number": 0, '
+                b'"type": "response.created"}\n\n',
+                b'data: {"type": "error", "code": "400", "message": "bad"}\n\n',
+            ],
+            True,
+        ),
         # By each event's own type (helper-183): an SSE id line is no data, and a tool
         # named "ping" is no ping.
         (

@@ -854,7 +854,8 @@ def check_step(before: State, event: Event, after: State, actions: list[Action])
                 for b in admits[: admits.index(a)]
                 if b.run_id == a.run_id
                 and b.replica == a.replica
-                and (t := before.turns.get(b.turn_id)) is not None
+                # (one that arrived in this step is after's only; helper-184)
+                and (t := after.turns.get(b.turn_id) or before.turns.get(b.turn_id)) is not None
             ]
             if others:
                 shrunk = max(shrunk, max(others) - later.reply_tokens)
