@@ -1499,22 +1499,30 @@ def test_the_oracle_keeps_a_retrying_run_home_when_its_side_turn_and_retry_go_in
     check_step(before, event, after, actions)
 
 
-def test_the_oracle_sees_a_new_runs_batch_turn_go_on_beside_its_interactive_one() -> None:
-    # A fresh draw (2026-12-06): a new run of both classes gets its interactive turn
-    # in, then its batch turn, now its run's on that replica, goes on there too, while
-    # a new run's interactive turn waits behind one that waits for KV.  The core is
-    # right (a run holding KV there goes on); the oracle did not know the run its own
-    # admission in the step had started.
+def _full_with_a_run_of_both_classes_held() -> tuple[Any, str, str]:
+    """Replica a (8,000 tokens of KV for turns, 4 slots) full: turns f1 and f2 time
+    out at 51 and 52 s, r0 holds 5,256 tokens; held, run r4's batch turn and then its
+    interactive one (1,324 tokens).  The driver, and r4's two turns."""
     from tests.scheduler.test_core import Driver
 
     policy = Policy(kv_fill=0.8, turn_timeout_s=50.0)
     d = Driver(("a",), kv_tokens=10_000, policy=policy, slots={"a": 4})
     d.arrive("f1")
     d.arrive("f2")
-    d.arrive("r0", prompt=5000)  # 5,256 of a's 8,000
-    d.arrive("f3")  # a full
+    d.arrive("r0", prompt=5000)
+    d.arrive("f3")
     tb = d.arrive("r4", cls=ServiceClass.BATCH, prompt=0)
     ti = d.arrive("r4", prompt=300, max_tokens=1024)
+    return d, tb, ti
+
+
+def test_the_oracle_sees_a_new_runs_batch_turn_go_on_beside_its_interactive_one() -> None:
+    # A fresh draw (2026-12-06): a new run of both classes gets its interactive turn
+    # in, then its batch turn, now its run's on that replica, goes on there too, while
+    # a new run's interactive turn waits behind one that waits for KV.  The core is
+    # right (a run holding KV there goes on); the oracle did not know the run its own
+    # admission in the step had started.
+    d, tb, ti = _full_with_a_run_of_both_classes_held()
     y = d.arrive("y", prompt=2000)
     x = d.arrive("x", prompt=0)
     assert {tb, ti, y, x} <= d.held_ids()
@@ -1565,16 +1573,7 @@ def test_the_oracle_judges_a_kv_wait_before_a_new_runs_claim_shrank() -> None:
     # interactive turn waits for KV: the batch turn's reply is the run's claim after
     # (the claim follows the last admitted turn), so the waiting turn fits in the state
     # the step left, and it fitted in the one it found.
-    from tests.scheduler.test_core import Driver
-
-    policy = Policy(kv_fill=0.8, turn_timeout_s=50.0)
-    d = Driver(("a",), kv_tokens=10_000, policy=policy, slots={"a": 4})
-    d.arrive("f1")
-    d.arrive("f2")
-    d.arrive("r0", prompt=5000)  # 5,256 of a's 8,000
-    d.arrive("f3")  # a full
-    tb = d.arrive("r4", cls=ServiceClass.BATCH, prompt=0)
-    ti = d.arrive("r4", prompt=300, max_tokens=1024)
+    d, tb, ti = _full_with_a_run_of_both_classes_held()
     x = d.arrive("x", prompt=1000)
     assert {tb, ti, x} <= d.held_ids()
     before = d.state

@@ -5,8 +5,10 @@ test_tool_timeouts): the model's arguments are chosen per test."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import uuid
+from collections.abc import AsyncIterator
 
 import pytest
 from temporalio import activity
@@ -85,6 +87,20 @@ async def _pending(runs: Runs, handle: str) -> RunStatus:
     return await runs.status(handle)
 
 
+@contextlib.asynccontextmanager
+async def _erasing(
+    temporal_address: str, fakes: StandIns, arguments: str
+) -> AsyncIterator[tuple[Client, Runs, str]]:
+    """A worker of `fakes`, and a run whose first turn calls `erase` with `arguments`:
+    the client, the runs and the run's handle."""
+    client = await connect(temporal_address)
+    queue = f"erase-{uuid.uuid4().hex[:8]}"
+    runs = Runs(client, task_queue=queue)
+    async with stand_in_worker(client, queue, fakes):
+        await until(runs._worker_polls, "the worker polls")
+        yield client, runs, await runs.spawn(RunSpec(task=arguments, model="m", tools=["erase"]))
+
+
 async def _replays(client: Client, handle: str) -> None:
     history = await client.get_workflow_handle(handle).fetch_history()
     markers = [e for e in history.events if e.HasField("marker_recorded_event_attributes")]
@@ -96,13 +112,8 @@ async def _replays(client: Client, handle: str) -> None:
 
 
 async def test_the_question_shows_the_arguments_the_tool_would_get(temporal_address: str) -> None:
-    client = await connect(temporal_address)
-    queue = f"checked-{uuid.uuid4().hex[:8]}"
     fakes = StandIns()
-    runs = Runs(client, task_queue=queue)
-    async with stand_in_worker(client, queue, fakes):
-        await until(runs._worker_polls, "the worker polls")
-        handle = await runs.spawn(RunSpec(task='{"id": "7"}', model="m", tools=["erase"]))
+    async with _erasing(temporal_address, fakes, '{"id": "7"}') as (client, runs, handle):
         status = await _pending(runs, handle)
         assert status.pending_approval is not None
         assert status.pending_approval.arguments == {"id": 7}, "coerced, as the tool gets it"
@@ -116,13 +127,8 @@ async def test_the_question_shows_the_arguments_the_tool_would_get(temporal_addr
 async def test_a_call_that_cannot_fit_goes_back_to_the_model_unasked(
     temporal_address: str, arguments: str
 ) -> None:
-    client = await connect(temporal_address)
-    queue = f"unfit-{uuid.uuid4().hex[:8]}"
     fakes = StandIns()
-    runs = Runs(client, task_queue=queue)
-    async with stand_in_worker(client, queue, fakes):
-        await until(runs._worker_polls, "the worker polls")
-        handle = await runs.spawn(RunSpec(task=arguments, model="m", tools=["erase"]))
+    async with _erasing(temporal_address, fakes, arguments) as (client, runs, handle):
         # (Bounded: a run that asks waits for an answer for ever.)
         await asyncio.wait_for(client.get_workflow_handle(handle).result(), 60)
         status = await runs.status(handle)
@@ -143,13 +149,8 @@ async def test_a_call_nested_too_deep_is_asked_about_as_written_when_the_check_f
     # the run: it read Running, "status unavailable", and a cancel could not end it
     # (helper-180).  Decoded, 500 levels deep, they failed every status query instead
     # (Temporal's converter recurses about twice a level; helper-182).
-    client = await connect(temporal_address)
-    queue = f"deep-{uuid.uuid4().hex[:8]}"
     fakes = CheckDown()
-    runs = Runs(client, task_queue=queue)
-    async with stand_in_worker(client, queue, fakes):
-        await until(runs._worker_polls, "the worker polls")
-        handle = await runs.spawn(RunSpec(task=arguments, model="m", tools=["erase"]))
+    async with _erasing(temporal_address, fakes, arguments) as (client, runs, handle):
         status = await _pending(runs, handle)
         assert status.pending_approval is not None
         assert status.pending_approval.arguments == arguments
@@ -173,14 +174,8 @@ async def test_checked_arguments_too_deep_to_show_are_shown_as_their_text(
 ) -> None:
     # A run that was checked before MAX_DEPTH existed replays with the old check's
     # answer: the question shows arguments that deep as their text (helper-183).
-    client = await connect(temporal_address)
-    queue = f"loose-{uuid.uuid4().hex[:8]}"
-    fakes = CheckLoose()
-    runs = Runs(client, task_queue=queue)
     deep = '{"id": 1, "note": ' + "[" * 100 + "]" * 100 + "}"
-    async with stand_in_worker(client, queue, fakes):
-        await until(runs._worker_polls, "the worker polls")
-        handle = await runs.spawn(RunSpec(task=deep, model="m", tools=["erase"]))
+    async with _erasing(temporal_address, CheckLoose(), deep) as (_, runs, handle):
         status = await _pending(runs, handle)
         assert status.pending_approval is not None
         assert status.pending_approval.arguments == deep
