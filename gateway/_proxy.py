@@ -1158,6 +1158,7 @@ class TurnResponse(Response):
         self._complete = False  # the last body message is on its way to the client
         self._watch: StreamWatch | None = None  # the stream's watch, once it streams
         self._sent_end = False  # its end marker went to the client (see _ClientLeft)
+        self.started = False  # the engine's head went to the client
         self._trace: _TurnTrace | None = None
         self._runs = runs
         self._awaited = awaited
@@ -1409,6 +1410,7 @@ class TurnResponse(Response):
             drop = drop - {b"content-length"}
         headers = [(k, v) for k, v in answer.headers if k not in drop]
         headers.append((_RUN_HEADER_BYTES, t.run_id.encode("latin-1")))
+        self.started = True
         await send({"type": "http.response.start", "status": answer.status, "headers": headers})
         loop = asyncio.get_running_loop()
         idle, margin = self._idle, self._margin

@@ -40,7 +40,7 @@ from opentelemetry.trace import SpanKind, StatusCode, set_span_in_context
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 from temporalio.client import Client as TemporalClient
 
 from activities.mcp_pool import McpPool
@@ -255,30 +255,20 @@ class _Gateway(FastAPI):
             except Exception:  # past FastAPI's handlers: answer as they would, in JSON
                 log.exception("turn handler failed")
                 response = _failed(scope, 500, "internal error in the gateway (logged)")
-            started = False
-
-            async def sending(message: Message) -> None:
-                nonlocal started
-                started = started or message["type"] == "http.response.start"
-                await send(message)
-
             try:
-                await response(scope, receive, sending)
+                await response(scope, receive, send)
             except Exception:
                 # The turn itself runs here (admission, the engine's answer): a fault
-                # before its head is answered as the handler's is, in JSON, not by
-                # uvicorn's plain-text 500 (helper-181).  After it, the connection
-                # closes: the client sees the answer cut.
-                if started:
+                # before the engine's head is answered as the handler's is, in JSON
+                # and with the turn's own run id (a retry naming it keeps its run), not
+                # by uvicorn's plain-text 500 (helper-181, helper-183).  After it, the
+                # connection closes: the client sees the answer cut.  (Known from the
+                # turn, not by wrapping `send`: no extra call per streamed chunk.)
+                if not isinstance(response, TurnResponse) or response.started:
                     raise
                 log.exception("turn failed before its answer began")
                 message = "internal error in the gateway (logged)"
-                # (The turn's own run id: a retry naming it keeps its run; helper-183.)
-                if isinstance(response, TurnResponse):
-                    failed = response.turn.error(500, message)
-                else:
-                    failed = _failed(scope, 500, message)
-                await failed(scope, receive, send)
+                await response.turn.error(500, message)(scope, receive, send)
             return
         if scope["type"] == "http" and scope["path"] == MCP_PATH:
             # `/mcp` is the door's URL; the mount would answer it with a 307 to `/mcp/`,

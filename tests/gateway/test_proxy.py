@@ -2578,6 +2578,33 @@ async def test_a_fault_in_a_turn_before_its_answer_began_is_answered_in_json(
         assert list(shell.state.runs) == [r.headers[RUN]]
 
 
+async def test_a_fault_in_a_turn_after_its_head_cuts_the_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Once the engine's head went out, no second answer follows: the connection closes.
+    from gateway._proxy import TurnResponse
+
+    async def broken(self: Any, replica: str, scope: Any, receive: Any, send: Any, *a: Any) -> None:
+        self.started = True
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True})
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(TurnResponse, "_forward", broken)
+    async with (
+        serve(upstream(ok_chat)) as url,
+        gateway(endpoint("a", url, kind="openai")) as (gw, shell),
+    ):
+        got = b""
+        with pytest.raises(httpx.RemoteProtocolError):
+            async with gw.stream("POST", "/v1/chat/completions", json=chat(stream=True)) as r:
+                assert r.status_code == 200
+                async for chunk in r.aiter_raw():
+                    got += chunk
+        assert got == b"data: {}\n\n"
+        await until(lambda: not shell.state.turns, "the turn's slot is freed")
+
+
 ERROR_400 = b'data: {"error": {"message": "bad", "type": "BadRequestError", "code": 400}}\n\n'
 
 
