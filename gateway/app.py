@@ -36,7 +36,7 @@ from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
 from mcp.server.auth.provider import AccessToken
 from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 from opentelemetry import context as otel_context
-from opentelemetry.trace import SpanKind, StatusCode, set_span_in_context
+from opentelemetry.trace import Span, SpanKind, StatusCode, set_span_in_context
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -294,6 +294,15 @@ def _anthropic(path: str) -> bool:
     """A path of the Anthropic API (also under a base URL that repeats /v1): its errors
     come in its shape, and its token may come in x-api-key."""
     return path.startswith((MESSAGES_PATH, "/v1" + MESSAGES_PATH))
+
+
+def _answered(span: Span, status: int) -> None:
+    """A client span's HTTP status, and semconv's error.type for an error status: the
+    status code (helper-169)."""
+    span.set_attribute("http.response.status_code", status)
+    if status >= 400:
+        span.set_attribute("error.type", str(status))
+        span.set_status(StatusCode.ERROR, f"answered {status}")
 
 
 def _failed(scope: Scope, status: int, message: str) -> Response:
@@ -938,12 +947,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             reply = await _count_tokens(rt, target, request, raw, headers, run_id)
         finally:
             if span is not None:
-                status = reply.status_code if reply is not None else 500
-                span.set_attribute("http.response.status_code", status)
-                if status >= 400:
-                    # semconv's error.type for an HTTP error: the status code.
-                    span.set_attribute("error.type", str(status))
-                    span.set_status(StatusCode.ERROR, f"answered {status}")
+                _answered(span, reply.status_code if reply is not None else 500)
                 span.end()
         return reply
 
@@ -1037,12 +1041,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             },
         ) as span:
             response = await answering
-            span.set_attribute("http.response.status_code", response.status_code)
-            if response.status_code >= 400:
-                # semconv's error.type for an HTTP error: the status code (helper-169).
-                span.set_attribute("error.type", str(response.status_code))
-                span.set_status(StatusCode.ERROR, f"answered {response.status_code}")
-            elif parsed.model is not None:
+            _answered(span, response.status_code)
+            if response.status_code < 400 and parsed.model is not None:
                 span.update_name(f"decide {parsed.model}")
             return response
 
