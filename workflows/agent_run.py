@@ -860,7 +860,16 @@ class AgentRun:
                 is_error=True,
                 executed=False,
             )
-        inp = ToolInput(
+        inp = self._input(call, tool)
+        if workflow.patched(TOLD_PATCH):
+            return await self._sent(inp, tool)
+        if not self._once or tool.repeatable:
+            return await _send(inp, once=False)
+        return await self._sent(inp, None)
+
+    def _input(self, call: ToolCall, tool: ToolInfo) -> ToolInput:
+        """The call as its tool's activities take it (checked, then sent)."""
+        return ToolInput(
             run_id=self._id,
             server=tool.server,
             tool=tool.name,
@@ -868,11 +877,6 @@ class AgentRun:
             input_schema=tool.input_schema,
             call_id=call.id,
         )
-        if workflow.patched(TOLD_PATCH):
-            return await self._sent(inp, tool)
-        if not self._once or tool.repeatable:
-            return await _send(inp, once=False)
-        return await self._sent(inp, None)
 
     async def _sent(self, inp: ToolInput, tool: ToolInfo | None) -> ToolOutput:
         """A call the run sends itself, one attempt per send (rule 5).  It is sent again
@@ -994,14 +998,10 @@ class AgentRun:
         tool = self._tool(call)
         if tool is None:
             return await self._call(call)  # no tool of that name: nothing to ask about
-        inp = ToolInput(
-            run_id=self._id, server=tool.server, tool=tool.name, arguments=call.arguments,
-            input_schema=tool.input_schema, call_id=call.id,
-        )  # fmt: skip
         try:
             checked = await workflow.execute_local_activity(
                 check_arguments,
-                inp,
+                self._input(call, tool),
                 start_to_close_timeout=SHORT_TIMEOUT,
                 retry_policy=END_RETRY,
             )
