@@ -17,7 +17,7 @@ from typing import Any
 
 from temporalio.client import Client
 from temporalio.service import RPCError
-from temporalio.worker import Worker
+from temporalio.worker import Replayer, Worker
 
 from activities import LlmActivities, ToolActivities
 from activities.mcp_pool import McpPool
@@ -202,6 +202,17 @@ async def run_worker(
         async with worker:
             yield
         await pool.aclose()
+
+
+async def replays_with(client: Client, handle: str, patch: str) -> None:
+    """The run's history has `patch`'s marker, and replays on this code."""
+    history = await client.get_workflow_handle(handle).fetch_history()
+    markers = [e for e in history.events if e.HasField("marker_recorded_event_attributes")]
+    assert any(patch.encode() in e.SerializeToString() for e in markers)
+    result = await Replayer(workflows=[AgentRun]).replay_workflow(
+        history, raise_on_replay_failure=False
+    )
+    assert result.replay_failure is None, result.replay_failure
 
 
 async def until(

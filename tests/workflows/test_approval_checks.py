@@ -14,7 +14,6 @@ import pytest
 from temporalio import activity
 from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
-from temporalio.worker import Replayer
 
 from activities.contract import (
     CheckedArguments,
@@ -27,8 +26,8 @@ from activities.contract import (
     TurnInput,
     TurnOutput,
 )
-from tests.workflows.harness import connect, stand_in_worker, until
-from workflows import AgentRun, Runs, RunSpec, RunStatus
+from tests.workflows.harness import connect, replays_with, stand_in_worker, until
+from workflows import Runs, RunSpec, RunStatus
 from workflows.agent_run import CHECKED_PATCH
 
 SCHEMA = {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}
@@ -101,16 +100,6 @@ async def _erasing(
         yield client, runs, await runs.spawn(RunSpec(task=arguments, model="m", tools=["erase"]))
 
 
-async def _replays(client: Client, handle: str) -> None:
-    history = await client.get_workflow_handle(handle).fetch_history()
-    markers = [e for e in history.events if e.HasField("marker_recorded_event_attributes")]
-    assert any(CHECKED_PATCH.encode() in e.SerializeToString() for e in markers)
-    result = await Replayer(workflows=[AgentRun]).replay_workflow(
-        history, raise_on_replay_failure=False
-    )
-    assert result.replay_failure is None, result.replay_failure
-
-
 async def test_the_question_shows_the_arguments_the_tool_would_get(temporal_address: str) -> None:
     fakes = StandIns()
     async with _erasing(temporal_address, fakes, '{"id": "7"}') as (client, runs, handle):
@@ -120,7 +109,7 @@ async def test_the_question_shows_the_arguments_the_tool_would_get(temporal_addr
         await runs.approve(handle, True)
         await asyncio.wait_for(client.get_workflow_handle(handle).result(), 60)
     assert fakes.sent == ['{"id": "7"}']
-    await _replays(client, handle)
+    await replays_with(client, handle, CHECKED_PATCH)
 
 
 @pytest.mark.parametrize("arguments", ["{}", '{"id": "seven"}', DEEP, DEEPISH])
@@ -137,7 +126,7 @@ async def test_a_call_that_cannot_fit_goes_back_to_the_model_unasked(
     assert (status.usage.tool_calls, status.usage.failed_tool_calls) == (1, 1)
     (reply,) = [m for m in transcript if m["role"] == "tool"]
     assert reply["content"].startswith("Error: the arguments for tool 'erase'"), reply
-    await _replays(client, handle)
+    await replays_with(client, handle, CHECKED_PATCH)
 
 
 @pytest.mark.parametrize("arguments", [DEEP, DEEPISH], ids=["unreadable", "uncarriable"])

@@ -13,7 +13,6 @@ import pytest
 from temporalio import activity
 from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
-from temporalio.worker import Replayer
 
 import workflows.contract as contract
 from activities.contract import (
@@ -28,8 +27,16 @@ from activities.contract import (
     TurnInput,
     TurnOutput,
 )
-from tests.workflows.harness import MODEL, connect, stack, stand_in_worker, task_with, until
-from workflows import AgentRun, Runs, RunSpec, RunStatus
+from tests.workflows.harness import (
+    MODEL,
+    connect,
+    replays_with,
+    stack,
+    stand_in_worker,
+    task_with,
+    until,
+)
+from workflows import Runs, RunSpec, RunStatus
 from workflows.agent_run import TOLD_PATCH, TOOL_SENDS
 
 TIMEOUT_S = 0.5
@@ -122,16 +129,6 @@ def _reply(transcript: list[dict[str, Any]]) -> str:
     return str(reply["content"])
 
 
-async def _replays(client: Client, handle: str) -> None:
-    history = await client.get_workflow_handle(handle).fetch_history()
-    markers = [e for e in history.events if e.HasField("marker_recorded_event_attributes")]
-    assert any(TOLD_PATCH.encode() in e.SerializeToString() for e in markers)
-    result = await Replayer(workflows=[AgentRun]).replay_workflow(
-        history, raise_on_replay_failure=False
-    )
-    assert result.replay_failure is None, result.replay_failure
-
-
 async def test_a_repeatable_call_with_no_answer_in_its_time_is_told_and_not_sent_again(
     temporal_address: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -149,7 +146,7 @@ async def test_a_repeatable_call_with_no_answer_in_its_time_is_told_and_not_sent
     )
     assert status.usage.failed_tool_calls == 1
     assert TIMEOUT_S <= status.usage.tool_seconds < TIMEOUT_S + 5
-    await _replays(client, handle)
+    await replays_with(client, handle, TOLD_PATCH)
     # A worker that does not cut it (stuck): the activity's timeout, which leaves room
     # to open the server's connection first, does, and the model reads the same.
     monkeypatch.setattr(contract, "TOOL_OPENING_S", 0.5)
