@@ -28,7 +28,7 @@ from mcp.server.request_state import RequestStateSecurity
 from mcp.shared.exceptions import MCPError
 from mcp.types import ToolAnnotations
 from mcp_types import INVALID_PARAMS, ElicitRequest, ElicitRequestFormParams, InputRequiredResult
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.contract import unknown_tools
@@ -643,9 +643,31 @@ def _unready(e: RPCError) -> bool:
     return e.status == RPCStatusCode.INVALID_ARGUMENT and "search attribute" in text
 
 
+def _not_blank(what: str) -> AfterValidator:
+    """A string argument that must say something: one of only whitespace passes
+    `min_length` and was taken (a `parent` of "  " started a run of its own, outside
+    the tree and budget it was meant for; a `task` of "  " asked the model nothing).
+    The schema says so too (`pattern`, unanchored as JSON Schema's are)."""
+
+    def check(value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError(f"{what} (it is only whitespace)")
+        return value
+
+    return AfterValidator(check)
+
+
+_SAYS_SOMETHING = {"pattern": r"\S"}
+_BLANK_TASK = _not_blank("give the sub-agent's task")
 Task = Annotated[
     str,
-    Field(min_length=1, max_length=PROMPT_MAX_CHARS, description="what the sub-agent should do"),
+    Field(
+        min_length=1,
+        max_length=PROMPT_MAX_CHARS,
+        description="what the sub-agent should do",
+        json_schema_extra=_SAYS_SOMETHING,
+    ),
+    _BLANK_TASK,
 ]
 Handle = Annotated[
     str, Field(min_length=1, max_length=HANDLE_MAX_CHARS, description="a run handle from spawn")
@@ -687,7 +709,9 @@ Parent = Annotated[
         min_length=1,
         max_length=HANDLE_MAX_CHARS,
         description="handle of a running run this one belongs to",
+        json_schema_extra=_SAYS_SOMETHING,
     ),
+    _not_blank("give a running run's handle, or leave parent out for a run of its own"),
 ]
 BudgetTokens = Annotated[
     int | None,
@@ -724,7 +748,7 @@ class RunArgs(BaseModel):
     # uses; names a client made up are refused before (_DoorServer, start_task_run).
     model_config = ConfigDict(extra="ignore")
 
-    task: str = Field(min_length=1, max_length=PROMPT_MAX_CHARS)
+    task: Annotated[str, Field(min_length=1, max_length=PROMPT_MAX_CHARS), _BLANK_TASK]
     model: Model = None
     serviceClass: ServiceClass = "interactive"
     system: System = None

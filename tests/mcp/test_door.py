@@ -460,6 +460,14 @@ async def test_malformed_calls_get_clear_tool_errors(temporal_address: str, mode
             ),
             ("spawn", {"task": "x", "tools": ["nope"]}, "unknown tool(s) 'nope'"),
             ("spawn", {"task": "x", "parent": "run-nope"}, "no run with handle 'run-nope'"),
+            # A blank parent started a run outside the tree; a blank task asked nothing.
+            (
+                "spawn",
+                {"task": "x", "parent": "  "},
+                "parent: Value error, give a running run's handle, or leave parent out for "
+                "a run of its own (it is only whitespace)",
+            ),
+            ("run", {"task": " \n\t"}, "task: Value error, give the sub-agent's task (it is only"),
             (
                 "spawn",
                 {"task": "x", "maxToolCalls": -1},
@@ -1108,6 +1116,9 @@ async def test_a_task_for_run_polled_to_completion_with_an_approval(
         # Bad arguments are a tool error, and no task (or run) is made.
         r = await c.call_tool("run", {"task": "x", "model": "gpt-9"})
         assert "unknown model 'gpt-9'" in error_text(r)
+        r = await c.call_tool("run", {"task": "  ", "parent": "\t"})  # (as the tools read it)
+        assert "task: Value error, give the sub-agent's task" in error_text(r), error_text(r)
+        assert "parent: Value error, give a running run's handle" in error_text(r)
         assert len(tasks.task_ids) == 1
 
         # A client without the extension gets the plain synchronous result.
