@@ -724,7 +724,7 @@ def check_step(before: State, event: Event, after: State, actions: list[Action])
             assert actions == [Reject(turn_id=event.turn_id, status=503, message=DRAINING)]
     check_device_leader(before, event, after, admits)
     runs = dict(before.runs)
-    if isinstance(event, TurnFinished) and event.finish_reason != "tool_calls":
+    if isinstance(event, TurnFinished):
         # The run as the event left it, before any admission: its last turn in flight
         # ended, so it is idle and free to move (rule 3; found by a fresh draw,
         # 2026-12-02: a held turn of it went elsewhere in the same step).
@@ -732,7 +732,15 @@ def check_step(before: State, event: Event, after: State, actions: list[Action])
         run = before.runs.get(done.run_id) if done is not None else None
         last = run is not None and run.in_flight == 1 and not run.retrying
         if done is not None and done.replica is not None and run is not None and last:
-            runs[run.run_id] = run._replace(phase=RunPhase.IDLE, in_flight=0)
+            home = run.home_outcome
+            if home and done.replica != run.replica and run.phase is RunPhase.GENERATING:
+                # It ran away, and its run's own turn had ended: the run is left as that
+                # turn left it (rule 3; a fresh draw, 2026-12-06: its turn away ended on
+                # a tool call, its own had stopped, and a held turn of it moved).
+                phase = RunPhase.PAUSED if home == "tool_calls" else RunPhase.IDLE
+                runs[run.run_id] = run._replace(phase=phase, in_flight=0, retrying=home == "failed")
+            elif event.finish_reason != "tool_calls":
+                runs[run.run_id] = run._replace(phase=RunPhase.IDLE, in_flight=0)
     if isinstance(event, TurnFinished):
         # Rule 3: a paused run's last turn in flight, away on another model, carried
         # the conversation: the run went on there, with that model (helper-166: a held
@@ -1037,6 +1045,26 @@ _I, _B = ServiceClass.INTERACTIVE, ServiceClass.BATCH
             ("finish", 0, "tool_calls", 0, 0), ("abandon", 0),
             ("finish", 0, "tool_calls", 0, 0), ("probe", 0, False, None, 0, None, False, None),
             ("probe", 2, True, None, 0, None, False, None)],
+    after=[],
+)  # fmt: skip
+# A fresh draw (2026-12-06): run1's own turn on b stops while its turn away on c runs;
+# the turn away ends on a tool call, and the run is left as its own turn left it, idle
+# (rule 3): its held batch turn goes to a.  The oracle had it generating on b.
+@example(
+    policy=Policy(**_DREW, kv_fill=1.0, kv_retention_s=60.0, max_held_per_caller=1,
+                  pack_shared_devices=False),
+    kv=8000,
+    burst=[("arrive", 2, _I, 0, 0, 0, 0), ("arrive", 1, _I, 0, 0, 0, 0),
+           ("arrive", 1, _I, 0, 1, 0, 0), ("arrive", 0, _I, 0, 1, 0, 0),
+           ("arrive", 0, _B, 0, 0, 0, 0), ("arrive", 0, _I, 1, 0, 0, 0),
+           ("arrive", 0, _I, 0, 0, 0, 0), ("arrive", 0, _I, 0, 0, 0, 0),
+           ("arrive", 0, _I, 0, 0, 0, 0), ("arrive", 0, _I, 0, 0, 0, 0)],
+    script=[("probe", 2, True, None, 0, None, False, None),
+            ("finish", 0, "tool_calls", 0, 0), ("finish", 0, "tool_calls", 0, 0),
+            ("finish", 0, "tool_calls", 0, 0), ("arrive", 1, _B, 0, 0, 0, 0),
+            ("finish", 0, "tool_calls", 0, 0), ("finish", 0, "tool_calls", 0, 0),
+            ("finish", 0, "tool_calls", 0, 0), ("finish", 1, "stop", 0, 0),
+            ("finish", 27, "tool_calls", 0, 0), ("finish", 13, "tool_calls", 0, 0)],
     after=[],
 )  # fmt: skip
 @given(
