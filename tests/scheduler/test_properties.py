@@ -872,6 +872,12 @@ def check_step(before: State, event: Event, after: State, actions: list[Action])
             # for KV is judged before the step too: the admission itself may shrink the
             # run's claim (a smaller reply than its last turn's), so that x fits after.
             was = before.turns.get(x.turn_id)
+            if closed_to(before, a.replica, x.model) != closed_to(after, a.replica, x.model):
+                # The device's leader changed in the step (rule 13), and whether x's
+                # model was open there when this admission went in is not known here
+                # (a fresh draw, 2026-12-06: b led, a took a new run's batch turn of a
+                # model b does not serve, then its interactive turn, and led).
+                continue
             if continuing and (
                 behind_kv_wait(after, x, a.replica, shrunk)
                 or (was is not None and was.bucket and behind_kv_wait(before, was, a.replica))
@@ -1045,6 +1051,23 @@ _I, _B = ServiceClass.INTERACTIVE, ServiceClass.BATCH
             ("finish", 0, "tool_calls", 0, 0), ("abandon", 0),
             ("finish", 0, "tool_calls", 0, 0), ("probe", 0, False, None, 0, None, False, None),
             ("probe", 2, True, None, 0, None, False, None)],
+    after=[],
+)  # fmt: skip
+# A fresh draw (2026-12-06): b leads the device; a takes run1's batch turn of m1 (b does
+# not serve it), then, run1 being bound there, its interactive turn of m0, and leads:
+# the held interactive turns of m0 could not use a when the batch turn went in.
+@example(
+    policy=Policy(**_DREW, kv_fill=1.0, cap_increase=3, pack_shared_devices=True),
+    kv=8000,
+    burst=[("arrive", 2, _B, 0, 0, 0, 0), ("arrive", 3, _I, 0, 0, 0, 0),
+           ("arrive", 0, _I, 0, 0, 0, 0), ("arrive", 0, _I, 0, 0, 0, 0),
+           ("arrive", 0, _I, 0, 1, 0, 0), ("arrive", 1, _I, 0, 0, 0, 0),
+           ("arrive", 1, _B, 0, 1, 0, 0)],
+    script=[("arrive", 0, _I, 0, 0, 0, 0), ("arrive", 0, _I, 0, 0, 0, 0),
+            ("arrive", 0, _I, 0, 0, 0, 0), ("arrive", 0, _I, 0, 0, 0, 0), ("started", 0),
+            ("arrive", 0, _I, 0, 0, 0, 0), ("probe", 0, True, 0, 0, None, False, None),
+            ("fail", 0, False), ("arrive", 0, _I, 0, 0, 0, 0),
+            ("finish", 0, "tool_calls", 0, 0)],
     after=[],
 )  # fmt: skip
 # A fresh draw (2026-12-06): run1's own turn on b stops while its turn away on c runs;
