@@ -58,9 +58,12 @@ Rules, stated once (the README's "What it is" tells users), enforced here and no
    the prefix caches of paused runs survive.  A paused run's claim on the pool lapses
    after `Policy.kv_retention_s`, and exists only under strict affinity (elsewhere it
    would not come back to it).  An unbound turn waiting for KV is not overtaken by
-   unbound turns of its class or below; bound (continuing) runs go on.  A turn larger
-   than its class's limit on its own goes in once no other run of its class holds KV
-   on the replica (it could never fit beside them).
+   unbound turns of its class or below; bound (continuing) runs go on.  A run's claim
+   is its context and its last admitted turn's reply; another of its turns still
+   running on its replica when a later one goes in there claims its own reply until it
+   ends (parallel requests of one conversation generate both).  A turn larger than its
+   class's limit on its own goes in once no other run of its class holds KV on the
+   replica (it could never fit beside them).
 7. A model no replica serves is rejected with 404 before it is queued, and a model
    whose every replica is unhealthy with 503 (waiting would hang the client until
    one comes back; it may retry).  Turns already held when that happens keep waiting.
@@ -298,7 +301,7 @@ class RunState(Record):
     _FIELDS = (
         "run_id", "service_class", "caller", "model", "phase", "replica", "in_flight",
         "context_tokens", "reply_tokens", "last_active", "bound", "ws_claim",
-        "counted_paused", "ended", "retrying", "home_outcome", "first_cached", "side",
+        "counted_paused", "ended", "retrying", "home_outcome", "first_cached", "side", "turn",
     )  # fmt: skip
     __slots__ = _FIELDS
 
@@ -322,6 +325,7 @@ class RunState(Record):
         home_outcome: str = "",
         first_cached: int = -1,
         side: tuple[str, str] | None = None,
+        turn: str = "",
     ) -> None:
         self.run_id: Final = run_id
         self.service_class: Final = service_class
@@ -350,6 +354,10 @@ class RunState(Record):
         # away, or its own before the run moved to this model), its prefix for that
         # model cached there.  A turn of that model prefers it (rule 3).
         self.side: Final = side
+        # Its last turn admitted on its replica (not away), whose reply its claim
+        # reserves; "": none.  When another turn of it goes in there while that one
+        # runs, that one claims its own reply (TurnState.claim) until it ends.
+        self.turn: Final = turn
 
     @property
     def keeps_replica(self) -> bool:
@@ -404,8 +412,10 @@ class TurnState(Record):
         # Admission, or the last TurnAlive: the turn timeout counts from it.
         self.alive_at: Final = alive_at
         # KV this turn claims on its replica by itself: a turn admitted away from its
-        # run's replica (rule 3), whose run's claim stays there.  0: none (its run's
-        # claim counts).
+        # run's replica (rule 3), whose run's claim stays there (its prompt and reply);
+        # or one on its run's replica that another turn of the run went in beside
+        # while it ran (its reply: the run's claim reserves the later turn's).  0:
+        # none (its run's claim counts).
         self.claim: Final = claim
         # The prompt as the turn arrived (the gateway's estimate), before the model's
         # learned scale made `prompt_tokens` of it; 0: none to learn from.
@@ -1111,6 +1121,7 @@ class _Tx:
                         context_tokens=context,
                         home_outcome=outcome,
                         first_cached=first_cached if first_cached >= 0 else run.first_cached,
+                        turn="" if run.turn == turn_id else run.turn,
                     )
                 )
             elif run.ended:
@@ -1558,6 +1569,8 @@ class _Tx:
             need = _away_need(t)
         else:
             need = _kv_need(t, run, _prefix_of(run, self._shared(t.model)))
+            if run is not None and (prev := self._reply_left(run, name, t.turn_id)) is not None:
+                need += prev.reply_tokens  # claimed by that turn as this one goes in
         # The prefixes its models' runs share are cached once on a replica: counted once.
         shared = _prefixes_once(self.shared_prefix, self.policy, r.spec.models)
         limit = kv * _kv_share(self.policy, t.service_class, r.interactive_runs > 0)
@@ -1759,6 +1772,13 @@ class _Tx:
         in_flight = 1
         if old is not None:
             in_flight += old.in_flight
+            prev = self._reply_left(old, name, t.turn_id)
+            if prev is not None:
+                # (Its reply left the run's claim, which reserves this turn's now.)
+                self.turns[prev.turn_id] = prev._replace(claim=prev.reply_tokens)
+                self._adjust(
+                    name, ws=prev.reply_tokens, batch_ws=_batch_part(prev, prev.reply_tokens)
+                )
             if context > old.context_tokens or not self._kept(old):
                 # The run's other held turns are larger now, or (kept on its replica
                 # from now on) sized by their own requests where they would run away to.
@@ -1787,8 +1807,29 @@ class _Tx:
                 # another model starts the count again.
                 first_cached=-1 if old is None or old.model != t.model else old.first_cached,
                 side=_side_after(old, t.model),
+                turn=t.turn_id,
             ),
         )
+
+    def _reply_left(self, run: RunState, name: str, turn_id: str) -> TurnState | None:
+        """The turn of `run` whose reply its claim reserves, still running on its
+        replica `name`, when another turn (`turn_id`) of the run goes in there: that
+        one claims its own reply from then on, until it ends (both replies are
+        generated at once; their conversation is the run's context).  None: no such
+        turn, or no claims are counted there."""
+        if run.phase is not _GENERATING or run.replica != name or run.turn == turn_id:
+            return None
+        prev = self.turns.get(run.turn) if run.turn else None
+        if (
+            prev is None
+            or prev.run_id != run.run_id
+            or prev.replica != name
+            or prev.claim
+            or not self.policy.kv_admission
+            or self.replicas[name].spec.kv_tokens is None
+        ):
+            return None
+        return prev
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -1857,7 +1898,7 @@ class _Tx:
                 run.run_id, run.service_class, run.caller, run.model, run.phase, run.replica,
                 run.in_flight, run.context_tokens, run.reply_tokens, run.last_active, bound,
                 claim, counted_paused, run.ended, run.retrying, run.home_outcome,
-                run.first_cached, run.side,
+                run.first_cached, run.side, run.turn,
             )  # fmt: skip
         if old is not None and old.bound and name is not None and old.replica == name:
             self._adjust(

@@ -1440,6 +1440,79 @@ def test_new_runs_wait_while_the_kv_working_set_is_full() -> None:
     assert d.admitted() == {t3: "a"}
 
 
+def test_two_turns_of_a_run_on_its_replica_each_hold_their_reply() -> None:
+    # Two turns of r1 in flight on a at once (parallel requests of one conversation):
+    # a holds their conversation and both replies being generated.  The run's claim
+    # followed the last admitted turn's reply only, and a new run went in past the
+    # limit; claiming the longer reply (863a4b2) over-reserved once it ended.
+    d = Driver(("a",), kv_tokens=10_000, policy=Policy(kv_fill=0.8))  # limit 8,000
+    t1 = d.arrive("r1", prompt=1000, max_tokens=4000)
+    assert d.state.replicas["a"].ws_tokens == 5000
+    t2 = d.arrive("r1", prompt=1000, max_tokens=100)
+    assert d.admitted() == {t2: "a"}
+    # The run's claim reserves t2's reply; t1, still running, claims its own.
+    assert (d.state.turns[t1].claim, d.state.turns[t2].claim) == (4000, 0)
+    assert d.state.runs["r1"].ws_claim == 1100
+    t3 = d.arrive("r3", prompt=4000)  # a new run: 4,256 of KV
+    assert d.state.replicas["a"].ws_tokens == 1000 + 4000 + 100
+    assert t3 in d.held_ids(), "5,100 + 4,256 > 8,000: r3 waits"
+    # The long turn ends first: its conversation and t2's reply, not the long reply.
+    d.finish(t1, prompt=1000, out=3000)
+    assert d.state.replicas["a"].ws_tokens == 4000 + 100
+    assert t3 in d.held_ids(), "4,100 + 4,256 > 8,000"
+    d.finish(t2, prompt=1000, out=50)
+    assert d.admitted() == {t3: "a"}, "r1 is idle, its claim gone: r3 fits"
+    assert d.state.replicas["a"].ws_tokens == 4256
+
+
+def test_of_two_turns_of_a_run_the_short_one_ends_first() -> None:
+    d = Driver(("a",), kv_tokens=10_000, policy=Policy(kv_fill=0.8))
+    t1 = d.arrive("r1", prompt=1000, max_tokens=4000)
+    t2 = d.arrive("r1", prompt=1000, max_tokens=100)
+    t3 = d.arrive("r1", prompt=1000, max_tokens=200)  # a third: t2 claims its reply too
+    assert [d.state.turns[t].claim for t in (t1, t2, t3)] == [4000, 100, 0]
+    assert d.state.replicas["a"].ws_tokens == 1000 + 4000 + 100 + 200
+    d.finish(t3, prompt=1000, out=50)
+    d.finish(t2, prompt=1000, out=50)
+    # t1 still generates its 4,000; r1's claim is its context and its next reply.
+    assert d.state.replicas["a"].ws_tokens == 1050 + 200 + 4000
+    t4 = d.arrive("r4", prompt=3000)
+    assert t4 in d.held_ids(), "5,250 + 3,256 > 8,000"
+    d.finish(t1, "tool_calls", prompt=1000, out=3000)
+    assert d.state.runs["r1"].ws_claim == 4000 + 200  # paused: as before
+    assert d.admitted() == {t4: "a"}, "4,200 + 3,256 fit"
+
+
+def test_a_turn_id_used_again_is_a_new_turn_of_its_run() -> None:
+    # helper-187: the run still named its ended turn as the one its claim reserved a
+    # reply for, and a new turn of that id claimed its own reply as well.
+    d = Driver(("a",), kv_tokens=10_000, policy=Policy(kv_fill=0.8))
+    d.arrive("r1", turn="x", prompt=1000, max_tokens=1000)
+    y = d.arrive("r1", turn="y", prompt=1000, max_tokens=100)
+    d.finish(y, prompt=1000, out=50)
+    assert d.state.runs["r1"].turn == ""
+    d.arrive("r1", turn="y", prompt=1000, max_tokens=2000)
+    assert (d.state.turns["x"].claim, d.state.turns["y"].claim) == (1000, 0)
+    assert d.state.replicas["a"].ws_tokens == 1050 + 2000 + 1000
+
+
+def test_a_second_turn_of_a_run_not_yet_counted_is_checked_with_both_replies() -> None:
+    # helper-187: the pool became known while r1's first turn ran, so r1 held no claim;
+    # its second turn was checked for its own context and reply, and the first turn's
+    # reply, claimed as it went in, took the replica past its limit.  (Affinity off:
+    # with it, a generating run's turn is pinned to its replica and goes on unchecked,
+    # as a continuing run's does, rule 6.)
+    d = Driver(("a",), kv_tokens=None, policy=Policy(kv_fill=0.8, strict_affinity=False))
+    t1 = d.arrive("r1", prompt=1000, max_tokens=4000)
+    d.feed(ReplicaProbed(now=d.step(), replica="a", healthy=True, kv_tokens=10_000))
+    d.arrive("r9", prompt=3000)  # 3,256
+    t2 = d.arrive("r1", prompt=1000, max_tokens=100)
+    assert t2 in d.held_ids(), "3,256 + 1,100 + 4,000 > 8,000"
+    assert d.state.replicas["a"].ws_tokens == 3256
+    d.finish(t1, prompt=1000, out=3000)  # its reply is done: r1 needs 4,100 now
+    assert d.admitted() == {t2: "a"} and d.state.replicas["a"].ws_tokens == 3256 + 4100
+
+
 def test_paused_claim_lapses_after_retention() -> None:
     d = Driver(("a",), kv_tokens=10_000, policy=Policy(kv_fill=1.0, kv_retention_s=30))
     t1 = d.arrive("r1", prompt=8000, max_tokens=1000)

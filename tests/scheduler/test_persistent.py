@@ -94,7 +94,9 @@ def test_a_record_is_a_value_as_a_named_tuple_was() -> None:
     assert run == _run() and hash(run) == hash(_run())
     assert run != _run(retrying=True) and run != _run()._values()
     assert repr(run).startswith("RunState(run_id='r', service_class=<ServiceClass.BATCH")
-    assert repr(run).endswith("retrying=False, home_outcome='', first_cached=-1, side=None)")
+    assert repr(run).endswith(
+        "retrying=False, home_outcome='', first_cached=-1, side=None, turn='')"
+    )
     changed = run._replace(phase=RunPhase.IDLE, in_flight=2)
     assert (changed.phase, changed.in_flight, changed.context_tokens) == (RunPhase.IDLE, 2, 2_000)
     assert (run.phase, run.in_flight) == (RunPhase.PAUSED, 0)  # the original is unchanged

@@ -354,8 +354,9 @@ def check_bookkeeping(s: State) -> None:
         # A turn away from its run's replica claims its own KV where it runs (rule 3).
         away = [t for t in s.admitted() if t.replica == name and t.claim]
         assert r.ws_tokens == sum(run.ws_claim for run in bound) + sum(t.claim for t in away)
-        # ... sized by its own request, not by its run's context.
-        assert all(t.claim == t.prompt_tokens + t.reply_tokens for t in away)
+        # ... sized by its own request, not by its run's context; a turn on its run's
+        # replica that a later turn of the run went in beside claims its own reply.
+        assert all(t.claim in (t.prompt_tokens + t.reply_tokens, t.reply_tokens) for t in away)
         assert r.paused_interactive == sum(run.counted_paused for run in bound)
         assert r.interactive_runs == sum(
             run.service_class is ServiceClass.INTERACTIVE and run.ws_claim > 0 for run in bound
@@ -844,29 +845,13 @@ def check_step(before: State, event: Event, after: State, actions: list[Action])
         # its last turn's) claimed the more at its admission: a turn that waited for KV
         # then may fit in the state after (and have fitted in the one before, had an
         # interactive turn not taken the KV in between).
-        # So does a run's claim that another of its turns there set, in the step or
-        # before it: the claim follows the run's last admitted turn's reply (found by
-        # a fresh draw, 2026-12-06: a new run's interactive turn, then its batch turn
-        # with a shorter reply, in one step).
+        # (A turn of the run still running there when this one went in claims its own
+        # reply from then on: the replica's total does not shrink by it.)
         shrunk = 0
         later = after.runs.get(a.run_id)
         left = later.ws_claim if later is not None and later.replica == a.replica else 0
         if was_run is not None and was_run.bound and was_run.replica == a.replica:
             shrunk = max(was_run.ws_claim - left, 0)
-        if later is not None and later.replica == a.replica:
-            # (Only its turns admitted earlier in this step: a claim set before the
-            # step is was_run's, above.  helper-183: counting those too hid a real
-            # inversion, a core that tried batch turns first.)
-            others = [
-                t.reply_tokens
-                for b in admits[: admits.index(a)]
-                if b.run_id == a.run_id
-                and b.replica == a.replica
-                # (one that arrived in this step is after's only; helper-184)
-                and (t := after.turns.get(b.turn_id) or before.turns.get(b.turn_id)) is not None
-            ]
-            if others:
-                shrunk = max(shrunk, max(others) - later.reply_tokens)
         for x in held_interactive:
             # A run already holding KV there goes on; new runs wait.  Whether x waited
             # for KV is judged before the step too: the admission itself may shrink the
@@ -1621,9 +1606,9 @@ def test_the_oracle_judges_a_kv_wait_before_a_continuing_runs_claim_shrank() -> 
 def test_the_oracle_judges_a_kv_wait_before_a_new_runs_claim_shrank() -> None:
     # A fresh draw (2026-12-06): a new run's interactive turn goes in with a long reply
     # reserved, then its batch turn with a short one, in one step, while a new run's
-    # interactive turn waits for KV: the batch turn's reply is the run's claim after
-    # (the claim follows the last admitted turn), so the waiting turn fits in the state
-    # the step left, and it fitted in the one it found.
+    # interactive turn waits for KV.  The batch turn's reply is the run's claim after,
+    # and the interactive turn, still running, claims its own 1,024: the waiting turn
+    # fits in neither state (1c65e69 let it fit in the one after).
     d, tb, ti = _full_with_a_run_of_both_classes_held()
     x = d.arrive("x", prompt=1000)
     assert {tb, ti, x} <= d.held_ids()
@@ -1634,7 +1619,8 @@ def test_the_oracle_judges_a_kv_wait_before_a_new_runs_claim_shrank() -> None:
         (ti, "a"),
         (tb, "a"),
     ], "x waits for KV after r4's interactive turn; r4's batch turn goes on"
-    assert after.replicas["a"].ws_tokens + 1256 <= 8000, "x fits in the state after"
+    assert after.turns[ti].claim == 1024 and after.runs["r4"].ws_claim == 300 + 256
+    assert after.replicas["a"].ws_tokens + 1256 > 8000, "x does not fit after either"
     check_step(before, event, after, actions)
 
 
@@ -1647,7 +1633,7 @@ def test_the_oracle_catches_a_core_that_tries_batch_turns_first(
     from tests.scheduler.test_core import Driver
 
     d = Driver(("a",), kv_tokens=10_000, policy=Policy(kv_fill=0.8), slots={"a": 3})
-    d.arrive("r", prompt=1000, max_tokens=4000)
+    d.arrive("r", prompt=1000, max_tokens=1000)  # claims its 1,000 once the next is in
     d.arrive("r", prompt=1000, max_tokens=100)
     f = d.arrive("f")
     x = d.arrive("x", prompt=4000)
