@@ -670,6 +670,58 @@ def check_device_leader(before: State, event: Event, after: State, admits: list[
         )
 
 
+def check_turn_claims(
+    before: State,
+    event: Event,
+    after: State,
+    admits: list[Admit],
+    found: dict[str, RunState | None],
+    away: set[str],
+) -> None:
+    """The KV a turn claims by itself, where claims are counted (rules 3 and 6): a turn
+    admitted away from its run's replica claims its prompt and reply; one on it claims
+    nothing, until a later turn of its run goes in beside it while it runs (its reply
+    then leaves the run's claim, which reserves the later turn's, and it claims its
+    own; helper-187: check_bookkeeping alone let a core that claimed the wrong sizes,
+    or none, pass)."""
+    beside = Counter((a.run_id, a.replica) for a in admits)
+    for t in after.admitted():
+        assert t.replica is not None
+        r = after.replicas[t.replica]
+        counts = after.policy.kv_admission and r.spec.kv_tokens is not None
+        was = before.turns.get(t.turn_id)
+        if was is not None and was.replica is not None:  # running before the step
+            if t.claim != was.claim:
+                grew = was.claim == 0 and t.claim == t.reply_tokens
+                assert (grew and beside[(t.run_id, t.replica)] >= 1) or (
+                    t.claim == 0 and isinstance(event, PolicyChanged) and not counts
+                ), f"{t.turn_id}: its claim went from {was.claim} to {t.claim}"
+        elif t.turn_id in away and counts:
+            assert t.claim == t.prompt_tokens + t.reply_tokens, (t.turn_id, t.claim)
+        elif t.claim:
+            assert t.claim == t.reply_tokens and beside[(t.run_id, t.replica)] >= 2, (
+                f"{t.turn_id}: admitted on its run's replica, it claims {t.claim}"
+            )
+    for a in admits:
+        run = found.get(a.turn_id)
+        if a.turn_id in away or run is None or run.phase is not RunPhase.GENERATING:
+            continue
+        prev = before.turns.get(run.turn) if run.turn else None
+        r = after.replicas[a.replica]
+        if (
+            run.replica == a.replica
+            and prev is not None
+            and prev.replica == a.replica
+            and prev.claim == 0
+            and prev.turn_id in after.turns
+            and after.policy.kv_admission
+            and r.spec.kv_tokens is not None
+        ):
+            # The turn whose reply the run's claim reserved still runs beside this one.
+            got = after.turns[prev.turn_id].claim
+            assert got == prev.reply_tokens, f"{prev.turn_id} claims {got} beside {a.turn_id}"
+
+
 def check_step(before: State, event: Event, after: State, actions: list[Action]) -> None:
     admits = [a for a in actions if isinstance(a, Admit)]
     refused = [a for a in actions if isinstance(a, Reject) and a.status == 429]
@@ -725,7 +777,7 @@ def check_step(before: State, event: Event, after: State, actions: list[Action])
             assert actions == [Reject(turn_id=event.turn_id, status=503, message=DRAINING)]
     check_device_leader(before, event, after, admits)
     runs = dict(before.runs)
-    if isinstance(event, TurnFinished):
+    if isinstance(event, (TurnFinished, TurnFailed, TurnAbandoned)):
         # The run as the event left it, before any admission: its last turn in flight
         # ended, so it is idle and free to move (rule 3; found by a fresh draw,
         # 2026-12-02: a held turn of it went elsewhere in the same step).
@@ -736,11 +788,13 @@ def check_step(before: State, event: Event, after: State, actions: list[Action])
             home = run.home_outcome
             if home and done.replica != run.replica and run.phase is RunPhase.GENERATING:
                 # It ran away, and its run's own turn had ended: the run is left as that
-                # turn left it (rule 3; a fresh draw, 2026-12-06: its turn away ended on
-                # a tool call, its own had stopped, and a held turn of it moved).
+                # turn left it, whatever this one's end (rule 3; a fresh draw,
+                # 2026-12-06: its turn away ended on a tool call, its own had stopped,
+                # and a held turn of it moved; helper-187: or it failed, or was
+                # abandoned).
                 phase = RunPhase.PAUSED if home == "tool_calls" else RunPhase.IDLE
                 runs[run.run_id] = run._replace(phase=phase, in_flight=0, retrying=home == "failed")
-            elif event.finish_reason != "tool_calls":
+            elif isinstance(event, TurnFinished) and event.finish_reason != "tool_calls":
                 runs[run.run_id] = run._replace(phase=RunPhase.IDLE, in_flight=0)
     if isinstance(event, TurnFinished):
         # Rule 3: a paused run's last turn in flight, away on another model, carried
@@ -773,6 +827,7 @@ def check_step(before: State, event: Event, after: State, actions: list[Action])
             if mine <= ending:
                 runs.pop(run.run_id, None)
     found: dict[str, RunState | None] = {}  # admitted turn -> its run as the admission found it
+    away: set[str] = set()  # turns admitted away from their runs' replicas (rule 3)
     for a in actions:
         if isinstance(a, TimedOut):
             timed_out(runs, a)
@@ -821,12 +876,15 @@ def check_step(before: State, event: Event, after: State, actions: list[Action])
             )
             stays = holds and home is not None and home.healthy
             if stays:
+                if a.replica != run.replica:
+                    away.add(a.turn_id)
                 runs[a.run_id] = run._replace(in_flight=run.in_flight + 1)
             else:
                 runs[a.run_id] = run._replace(
                     phase=RunPhase.GENERATING, replica=a.replica, in_flight=run.in_flight + 1,
                     retrying=False, home_outcome="",
                 )  # fmt: skip
+    check_turn_claims(before, event, after, admits, found, away)
     held_interactive = [t for t in after.held() if t.service_class is ServiceClass.INTERACTIVE]
     for a in admits:
         if a.service_class is not ServiceClass.BATCH:
@@ -1621,6 +1679,35 @@ def test_the_oracle_judges_a_kv_wait_before_a_new_runs_claim_shrank() -> None:
     ], "x waits for KV after r4's interactive turn; r4's batch turn goes on"
     assert after.turns[ti].claim == 1024 and after.runs["r4"].ws_claim == 300 + 256
     assert after.replicas["a"].ws_tokens + 1256 > 8000, "x does not fit after either"
+    check_step(before, event, after, actions)
+
+
+@pytest.mark.parametrize("how", ["failed", "abandoned"])
+def test_the_oracle_leaves_a_run_whose_last_turn_away_failed_as_its_own_turn_left_it(
+    how: str,
+) -> None:
+    # helper-187: 4e93136 read the home outcome for a finish only; a failed or
+    # abandoned last turn away leaves the run as its own turn did too (idle here).
+    from tests.scheduler.test_core import Driver
+
+    d = Driver(("a", "b", "c"), serves={"a": ["m"], "b": ["m"], "c": ["m2"]}, slots={"a": 1})
+    t = d.arrive("r1")
+    d.finish(t)  # r1 idle on a
+    t5 = d.arrive("r5")
+    d.finish(t5, "tool_calls")  # r5 paused on a (a's slot is kept for it)
+    t1 = d.arrive("r1")
+    t2 = d.arrive("r1", model="m2")  # t1 on a, t2 away on c
+    d.finish(t1, "stop")
+    t3 = d.arrive("r1", ServiceClass.BATCH)  # pinned to a, held
+    assert t3 in d.held_ids()
+    before = d.state
+    event: Event = (
+        TurnFailed(now=d.step(), turn_id=t2, reason="x")
+        if how == "failed"
+        else TurnAbandoned(now=d.step(), turn_id=t2)
+    )
+    after, actions = decide(before, event)
+    assert [(a.turn_id, a.replica) for a in actions if isinstance(a, Admit)] == [(t3, "b")]
     check_step(before, event, after, actions)
 
 
