@@ -778,24 +778,32 @@ def check_step(before: State, event: Event, after: State, actions: list[Action])
     check_device_leader(before, event, after, admits)
     runs = dict(before.runs)
     if isinstance(event, (TurnFinished, TurnFailed, TurnAbandoned)):
-        # The run as the event left it, before any admission: its last turn in flight
-        # ended, so it is idle and free to move (rule 3; found by a fresh draw,
-        # 2026-12-02: a held turn of it went elsewhere in the same step).
+        # The run as the event left it, before any admission, once its last turn in
+        # flight ended (rule 3; found by a fresh draw, 2026-12-02: idle, a held turn
+        # of it went elsewhere in the same step).
         done = before.turns.get(event.turn_id)
         run = before.runs.get(done.run_id) if done is not None else None
         last = run is not None and run.in_flight == 1 and not run.retrying
         if done is not None and done.replica is not None and run is not None and last:
-            home = run.home_outcome
-            if home and done.replica != run.replica and run.phase is RunPhase.GENERATING:
-                # It ran away, and its run's own turn had ended: the run is left as that
-                # turn left it, whatever this one's end (rule 3; a fresh draw,
-                # 2026-12-06: its turn away ended on a tool call, its own had stopped,
-                # and a held turn of it moved; helper-187: or it failed, or was
-                # abandoned).
-                phase = RunPhase.PAUSED if home == "tool_calls" else RunPhase.IDLE
-                runs[run.run_id] = run._replace(phase=phase, in_flight=0, retrying=home == "failed")
-            elif isinstance(event, TurnFinished) and event.finish_reason != "tool_calls":
-                runs[run.run_id] = run._replace(phase=RunPhase.IDLE, in_flight=0)
+            if run.phase is RunPhase.GENERATING:
+                reason = event.finish_reason if isinstance(event, TurnFinished) else None
+                if run.home_outcome and done.replica != run.replica:
+                    # It ran away, and its run's own turn had ended: the run is left as
+                    # that turn left it, whatever this one's end (a fresh draw,
+                    # 2026-12-06: its turn away ended on a tool call, its own had
+                    # stopped, and a held turn of it moved; helper-187: or it failed,
+                    # or was abandoned).
+                    home = run.home_outcome
+                    reason = None if home == "failed" else home
+                # Paused on a tool call, retrying a failure (or an abandoned turn), idle
+                # otherwise (a deep draw, 2026-12-06: paused, not kept without strict
+                # affinity, its next turn went elsewhere as its own, claiming nothing).
+                phase = RunPhase.PAUSED if reason == "tool_calls" else RunPhase.IDLE
+                runs[run.run_id] = run._replace(phase=phase, in_flight=0, retrying=reason is None)
+            else:
+                # Paused on a tool (kept there, strict affinity), its last turn away
+                # ended: it stays as it was.
+                runs[run.run_id] = run._replace(in_flight=0)
     if isinstance(event, TurnFinished):
         # Rule 3: a paused run's last turn in flight, away on another model, carried
         # the conversation: the run went on there, with that model (helper-166: a held
@@ -931,11 +939,14 @@ def check_step(before: State, event: Event, after: State, actions: list[Action])
                 x.run_id == a.run_id
                 and x.bucket is not None
                 and x.bucket[0] == "pin"
+                and x.bucket[1] == a.replica
                 and was is not None
                 and pinned_to(before, now_run, x.model) != a.replica
             ):
                 # Pinned there by this very admission (its run was free to move): it
-                # is judged as a turn of a free run.  One the device's leader keeps
+                # is judged as a turn of a free run.  (One pinned elsewhere by an
+                # earlier admission of its run in the step, its interactive turn, went
+                # with it: a deep draw, 2026-12-06.)  One the device's leader keeps
                 # from the replica after the step was kept from it at the admission
                 # (found by draws, 2026-12-06: a run of both classes, idle, its
                 # interactive turns kept from a by the leader, its batch turn of
@@ -1094,6 +1105,36 @@ _I, _B = ServiceClass.INTERACTIVE, ServiceClass.BATCH
             ("finish", 0, "tool_calls", 0, 0), ("abandon", 0),
             ("finish", 0, "tool_calls", 0, 0), ("probe", 0, False, None, 0, None, False, None),
             ("probe", 2, True, None, 0, None, False, None)],
+    after=[],
+)  # fmt: skip
+# Deep draws (2026-12-06).  First: run3's interactive turn goes to b in the step and
+# pins its other interactive turn there; its batch turn of m1 (b does not serve it) goes
+# to a.  The oracle judged the pinned turn as if free.  Second (affinity off): run1's
+# last turn ends on a tool call, so it is paused and not kept, and its next turn goes to
+# b as its own, claiming nothing.  The oracle had run1 generating on a, the turn away.
+@example(
+    policy=Policy(**_DREW, kv_fill=1.0),
+    kv=8000,
+    burst=[("arrive", 0, _I, 0, 0, 0, 0), ("arrive", 0, _I, 0, 0, 0, 0),
+           ("arrive", 1, _I, 0, 0, 0, 0), ("arrive", 1, _I, 0, 1, 0, 0),
+           ("arrive", 1, _I, 0, 1, 0, 0), ("arrive", 3, _I, 0, 0, 0, 0),
+           ("arrive", 3, _I, 0, 0, 0, 0), ("arrive", 3, _B, 0, 1, 0, 0)],
+    script=[("arrive", 0, _I, 0, 0, 0, 0), ("arrive", 0, _I, 0, 0, 0, 0), ("abandon", 9),
+            ("fail", 0, False), ("abandon", 48), ("finish", 0, "tool_calls", 0, 0),
+            ("finish", 0, "tool_calls", 0, 0), ("finish", 0, "tool_calls", 0, 0),
+            ("finish", 0, "tool_calls", 0, 0), ("tick", 700.0)],
+    after=[],
+)  # fmt: skip
+@example(
+    policy=Policy(**{**_DREW, "strict_affinity": False}, kv_fill=1.0, pack_shared_devices=True),
+    kv=8000,
+    burst=[("arrive", 0, _I, 0, 0, 0, 0), ("arrive", 0, _I, 0, 1, 0, 0),
+           ("arrive", 0, _B, 0, 0, 0, 0), ("arrive", 1, _I, 0, 0, 0, 0),
+           ("arrive", 0, _I, 0, 0, 0, 0), ("arrive", 0, _I, 0, 1, 0, 0)],
+    script=[("started", 0), ("finish", 14, "tool_calls", 0, 0), ("arrive", 1, _I, 0, 0, 0, 0),
+            ("arrive", 0, _I, 0, 0, 0, 0), ("finish", 2, "tool_calls", 0, 0), ("started", 0),
+            ("fail", 2, False), ("tick", 700.0), ("finish", 3, "tool_calls", 0, 0),
+            ("arrive", 0, _I, 0, 0, 0, 0)],
     after=[],
 )  # fmt: skip
 # A fresh draw (2026-12-06): b leads the device; a takes run1's batch turn of m1 (b does
