@@ -1434,7 +1434,7 @@ class _Tx:
                     self.replicas[name] = r._replace(cap_step=0)
         if old.kv_admission and not policy.kv_admission:
             for t in self.state._turns.values():
-                if t.claim:  # a turn away from its run's replica (rule 3)
+                if t.claim:  # a turn away (rule 3), or one beside a later turn (rule 6)
                     assert t.replica is not None
                     self._adjust(t.replica, ws=-t.claim, batch_ws=-_batch_part(t, t.claim))
                     self.turns[t.turn_id] = t._replace(claim=0)
