@@ -879,13 +879,7 @@ async def test_engine_failing_mid_stream_closes_without_done() -> None:
         serve(broken) as url,
         gateway(endpoint("a", url, kind="openai")) as (gw, shell),
     ):
-        got = b""
-        with pytest.raises(httpx.RemoteProtocolError):
-            async with gw.stream("POST", "/v1/chat/completions", json=chat(stream=True)) as r:
-                assert r.status_code == 200
-                async for chunk in r.aiter_raw():
-                    got += chunk
-        assert got == b"data: {}\n\n"
+        assert await _cut_stream(gw) == b"data: {}\n\n"
         await until(lambda: not shell.state.turns, "turn failed")
 
 
@@ -2595,13 +2589,7 @@ async def test_a_fault_in_a_turn_after_its_head_cuts_the_answer(
         serve(upstream(ok_chat)) as url,
         gateway(endpoint("a", url, kind="openai")) as (gw, shell),
     ):
-        got = b""
-        with pytest.raises(httpx.RemoteProtocolError):
-            async with gw.stream("POST", "/v1/chat/completions", json=chat(stream=True)) as r:
-                assert r.status_code == 200
-                async for chunk in r.aiter_raw():
-                    got += chunk
-        assert got == b"data: {}\n\n"
+        assert await _cut_stream(gw) == b"data: {}\n\n"
         await until(lambda: not shell.state.turns, "the turn's slot is freed")
 
 
@@ -2693,3 +2681,15 @@ def test_an_error_event_comes_first_unless_data_came_before_it(
     assert w.error is not None and w.error_status == 400
     assert w.error_first is first
     assert stream_error_is_engines(w.error_status, w.error_type, w.error_first) is not first
+
+
+async def _cut_stream(gw: httpx.AsyncClient) -> bytes:
+    """What a streamed chat turn's client got before its connection was cut: a 200,
+    then the connection broken mid-body."""
+    got = b""
+    with pytest.raises(httpx.RemoteProtocolError):
+        async with gw.stream("POST", "/v1/chat/completions", json=chat(stream=True)) as r:
+            assert r.status_code == 200
+            async for chunk in r.aiter_raw():
+                got += chunk
+    return got

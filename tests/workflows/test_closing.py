@@ -25,7 +25,6 @@ from temporalio.client import (
     WorkflowHandle,
 )
 from temporalio.exceptions import ApplicationError
-from temporalio.worker import Replayer
 
 from activities import LlmActivities
 from activities.contract import (
@@ -41,8 +40,8 @@ from activities.contract import (
 )
 from testkit.loopback import serve
 from tests.gateway.harness import upstream
-from tests.workflows.harness import connect, stand_in_worker, until
-from workflows import AgentRun, Budget, Runs, RunSpec, RunStatus, contract
+from tests.workflows.harness import connect, replays_with, stand_in_worker, until
+from workflows import Budget, Runs, RunSpec, RunStatus, contract
 from workflows.agent_run import HALT_UNBROKEN_PATCH, TOLD_PATCH
 
 CHILDREN = 12  # the close signals and cancels each: a wide window for the cancel
@@ -169,13 +168,7 @@ async def test_a_cancel_during_a_failing_runs_close_stops_every_child(
     status = await Runs(client, task_queue=queue).status(parent)
     assert status.state == "Failed" and status.error == "Http400: engine refused", status
     # The new close replays, marker and all.
-    history = await handle.fetch_history()
-    markers = [e for e in history.events if e.HasField("marker_recorded_event_attributes")]
-    assert any(HALT_UNBROKEN_PATCH.encode() in e.SerializeToString() for e in markers)
-    result = await Replayer(workflows=[AgentRun]).replay_workflow(
-        history, raise_on_replay_failure=False
-    )
-    assert result.replay_failure is None, result.replay_failure
+    await replays_with(client, parent, HALT_UNBROKEN_PATCH)
 
 
 class Unreachable(StandIns):
@@ -236,15 +229,9 @@ async def test_a_call_never_sent_is_not_sent_after_a_stop(temporal_address: str)
     assert fakes.sent and len(fakes.sent) <= 2  # the sends before the stop (1 s apart)
     (reply,) = [m for m in transcript if m["role"] == "tool"]
     assert reply["content"].startswith("Error: not sent: this run is stopping (budget exceeded")
-    history = await client.get_workflow_handle(handle).fetch_history()
-    markers = [e for e in history.events if e.HasField("marker_recorded_event_attributes")]
     # Runs since TOLD_PATCH send their calls themselves with the stop rule built in; the
     # `unsent_stopped` history (test_replay) keeps UNSENT_STOP_PATCH's path replayed.
-    assert any(TOLD_PATCH.encode() in e.SerializeToString() for e in markers)
-    result = await Replayer(workflows=[AgentRun]).replay_workflow(
-        history, raise_on_replay_failure=False
-    )
-    assert result.replay_failure is None, result.replay_failure
+    await replays_with(client, handle, TOLD_PATCH)
 
 
 class SlowEnd(StandIns):
