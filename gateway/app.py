@@ -73,6 +73,7 @@ from gateway.status import (
     RUNS_LIMIT,
     RUNS_MAX,
     WAITING,
+    claims_of,
     render_status_page,
     run_view,
     runs_listing,
@@ -1119,7 +1120,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         if (run is None and not held) or not mine:
             return error_response(404, not_known(run_id), run_id)
         view = (
-            run_view(run, now, state.replicas, len(held))
+            run_view(run, now, state.replicas, len(held), claims_of(state, run_id))
             if run is not None
             else waiting_view(held, now)
         )

@@ -19,6 +19,7 @@ __all__ = [
     "RUNS_MAX",
     "TOP_CALLERS",
     "WAITING",
+    "claims_of",
     "render_status_page",
     "run_view",
     "runs_listing",
@@ -158,9 +159,12 @@ def status_snapshot(
     }
 
 
-def run_view(run: RunState, now: float, known: Container[str], held: int = 0) -> dict[str, Any]:
+def run_view(
+    run: RunState, now: float, known: Container[str], held: int = 0, turn_claims: int = 0
+) -> dict[str, Any]:
     """One run as GET /v1/runs shows it: what the core knows of it.  `known`: the
-    replicas the core knows (an idle run's last one may be forgotten since)."""
+    replicas the core knows (an idle run's last one may be forgotten since).
+    `turn_claims`: the KV its running turns claim by themselves (`claims_of`)."""
     return {
         "run_id": run.run_id,
         "caller": run.caller,
@@ -172,7 +176,9 @@ def run_view(run: RunState, now: float, known: Container[str], held: int = 0) ->
         "turns_in_flight": run.in_flight,
         "turns_held": held,
         "context_tokens": run.context_tokens,  # prompt + reply of its last turn
-        "kv_claim_tokens": run.ws_claim,  # counted against its replica's pool now
+        # Counted against the pools now: its claim on its replica, and what its turns
+        # claim by themselves (a turn away, or a reply beside a later turn: rules 3, 6).
+        "kv_claim_tokens": run.ws_claim + turn_claims,
         "since_s": _wait(now, run.last_active),  # in this phase for so long
     }
 
@@ -216,8 +222,12 @@ def runs_listing(
     recently active first, filtered by caller, phase (a RunPhase or WAITING) and
     class; `total` counts every match.  One walk over the runs and held turns."""
     held: dict[str, list[TurnState]] = {}
-    for t in state.held():
-        held.setdefault(t.run_id, []).append(t)
+    claims: dict[str, int] = {}
+    for t in state.turns.values():
+        if t.replica is None:
+            held.setdefault(t.run_id, []).append(t)
+        elif t.claim:
+            claims[t.run_id] = claims.get(t.run_id, 0) + t.claim
     # (last activity, run id, caller, class, phase, the run or its held turns)
     found: list[tuple[float, str, str, ServiceClass, str, RunState | list[TurnState]]] = [
         (run.last_active, run_id, run.caller, run.service_class, run.phase.value, run)
@@ -243,12 +253,18 @@ def runs_listing(
         and (phase is None or f[4] == phase)
     ]
     views = [
-        run_view(x, now, state.replicas, len(held.get(run_id, ())))
+        run_view(x, now, state.replicas, len(held.get(run_id, ())), claims.get(run_id, 0))
         if isinstance(x, RunState)
         else waiting_view(x, now)
         for _, run_id, _, _, _, x in heapq.nlargest(limit, found, key=lambda f: (f[0], f[1]))
     ]
     return {"runs": views, "total": len(found), "limit": limit}
+
+
+def claims_of(state: State, run_id: str) -> int:
+    """The KV a run's running turns claim by themselves (one walk over the turns: the
+    core keeps no index of a run's admitted turns)."""
+    return sum(t.claim for t in state.turns.values() if t.claim and t.run_id == run_id)
 
 
 def _wait(now: float, arrived: float) -> float:

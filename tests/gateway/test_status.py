@@ -28,7 +28,9 @@ from gateway.status import (
     PAGE_RUNS,
     TOP_CALLERS,
     WAITING,
+    claims_of,
     render_status_page,
+    run_view,
     runs_listing,
     status_snapshot,
 )
@@ -678,6 +680,31 @@ def test_runs_listing_filters_and_orders_what_the_core_knows() -> None:
     assert [v["run_id"] for v in batch["runs"]] == ["r2"]
     top = runs_listing(state, 10.0, limit=1)
     assert [v["run_id"] for v in top["runs"]] == ["r3"] and top["total"] == 4
+
+
+def test_a_runs_kv_claim_counts_what_its_turns_claim_by_themselves() -> None:
+    # r5's second turn goes in on a while its first runs: the first's reply leaves the
+    # run's claim (which reserves the second's) and that turn claims it itself (rule 6).
+    # The run holds both on a's pool; the listing showed only the run's own claim.
+    state = run_events(
+        pool(),
+        [
+            ReplicaProbed(now=0.0, replica="a", healthy=True, queued=0, running=0),
+            arrived(1.0, "t5", "r5", "alice", prompt=100, reply=50),
+            arrived(2.0, "t6", "r5", "alice", prompt=200, reply=30),
+        ],
+    )
+    assert sorted((t.turn_id, t.replica, t.claim) for t in state.admitted()) == [
+        ("t5", "a", 50),
+        ("t6", "a", 0),
+    ]
+    assert state.runs["r5"].ws_claim == 230  # 200 context + 30 reply
+    assert state.replicas["a"].ws_tokens == 280
+    (view,) = runs_listing(state, 3.0)["runs"]
+    assert view["kv_claim_tokens"] == 280
+    assert claims_of(state, "r5") == 50 and claims_of(state, "r1") == 0
+    one = run_view(state.runs["r5"], 3.0, state.replicas, 0, claims_of(state, "r5"))
+    assert one == view
 
 
 async def test_a_caller_finds_its_runs_and_one_run_by_id() -> None:
