@@ -93,8 +93,9 @@ Rules, stated once (the README's "What it is" tells users), enforced here and no
     stay until their runs' next change; except that claims the new policy would not make
     (program-level admission or strict affinity switched off) are dropped at once, as
     are caps when capping from the engine's queue is switched off, and held turns pinned
-    to a replica are freed when strict affinity is.  Then every replica is refilled
-    under the new rules.
+    to a replica are freed when strict affinity is; and program-level admission switched
+    on counts what runs on each replica at once, as where a replica's KV pool becomes
+    known (`_claims_start`).  Then every replica is refilled under the new rules.
 13. Shared devices (`Policy.pack_shared_devices`, replicas that declare a `device`):
     replicas on one GPU time-slice it, so each decodes at about half speed while the
     other has work.  While interactive runs hold KV on a device, the device's replica in
@@ -1318,8 +1319,8 @@ class _Tx:
                 step = 0  # luftpause had room: no sign the engine has more
         spec = r.spec
         if ev.kv_tokens is not None and ev.kv_tokens > 0 and spec.kv_tokens is None:
-            # The engine told its pool size; a configured one wins.  Claims start with
-            # each run's next change of phase.
+            # The engine told its pool size; a configured one wins.  What runs there is
+            # counted from now on (below).
             spec = replace(spec, kv_tokens=ev.kv_tokens)
         if ev.slots is not None and ev.slots > 0 and not r.slots_given and ev.slots != spec.slots:
             # The engine's latest word (asked again when what stands behind the replica
@@ -1335,6 +1336,8 @@ class _Tx:
             cap_step=step,
         )
         self.replicas[ev.replica] = after
+        if r.spec.kv_tokens is None and spec.kv_tokens is not None:
+            self._claims_start((ev.replica,))
         healthy = after.healthy
         if healthy != r.healthy:
             self._kept_changed()
@@ -1373,6 +1376,7 @@ class _Tx:
         if len(given) != len(specs):
             raise SchedulerError(f"replica names must be unique: {[s.name for s in specs]}")
         retired = set(self.retired)
+        learned: list[str] = []  # the replicas whose KV pool is known from now on
         for name in sorted(self.state._replicas.keys()):
             r = self.replicas[name]
             spec = given.get(name)
@@ -1403,11 +1407,14 @@ class _Tx:
                 )
                 retired.discard(name)
             self.replicas[name] = r._replace(spec=spec, slots_given=given_slots, kv_given=given_kv)
+            if r.spec.kv_tokens is None and spec.kv_tokens is not None:
+                learned.append(name)
         for name, spec in given.items():
             if name not in self.replicas:
                 self.replicas[name] = _joining(spec, probe_ok=False)
         self.models = _models_of(specs)
         self.retired = frozenset(retired)
+        self._claims_start(learned)
         # Held turns wait where their runs may go in the new pool: off a replica that
         # left or no longer serves their model, onto one that serves it now or is back
         # with their run kept there; rejected if no replica serves their model.
@@ -1451,9 +1458,51 @@ class _Tx:
             runs = self.state._runs  # (the runs are unchanged so far)
             for run_id in sorted(k for k, run in runs.items() if run.ws_claim):
                 self._set_run(runs[run_id])
+        if policy.kv_admission and not old.kv_admission:
+            self._claims_start([n for n in names if self.replicas[n].spec.kv_tokens is not None])
         if old.strict_affinity != policy.strict_affinity:
             self._rebucket_all()  # pinned to their runs' replicas now, or free to go
         self._fill_all()
+
+    def _claims_start(self, names: Iterable[str]) -> None:
+        """Program-level admission counts KV on these replicas from now on (their pool
+        became known, or it was switched on): what runs there claims at once what it
+        would have claimed had it been counted all along (rule 6).  Left to their next
+        change, the runs already there counted nothing, and new runs went in beside
+        them as into an empty pool.  A run claims its context and reply (a paused one
+        only while its claim would not have lapsed); a turn of it on its replica other
+        than its last one there, its own reply; a turn away from it, its prompt and
+        reply.  One walk over the runs and the turns (a rare event).  A turn that went
+        away from its run, whose run has come to its replica since, is taken for one of
+        the run's own: it claims its reply, not its prompt too (the core keeps no mark
+        of how a turn went in)."""
+        where = set(names)
+        if not where or not self.policy.kv_admission:
+            return
+        lapsed_by = self.now - self.policy.kv_retention_s
+        runs = self.state._runs  # (not changed by this event before it)
+        for run_id in sorted(k for k, run in runs.items() if run.bound and run.replica in where):
+            run = self.runs[run_id]
+            if run.ws_claim or (
+                run.phase is _PAUSED and not run.counted_paused and run.last_active <= lapsed_by
+            ):
+                continue
+            # (A claim given, so that a paused run's recount does not read it as lapsed.)
+            self._set_run(run._replace(ws_claim=1))
+        for t in self.state._turns.values():
+            if t.replica not in where or t.claim:
+                continue
+            of = self.runs.get(t.run_id)
+            if of is None:
+                continue
+            if of.replica == t.replica:
+                if of.turn == t.turn_id:
+                    continue  # the run's claim reserves its reply
+                claim = t.reply_tokens
+            else:
+                claim = _away_need(t)
+            self.turns[t.turn_id] = t._replace(claim=claim)
+            self._adjust(t.replica, ws=claim, batch_ws=_batch_part(t, claim))
 
     def _count_failure(self, name: str, engine_fault: bool, finished: bool) -> None:
         """Rule 10: count the engine's failures in a row; eject at the limit."""
@@ -1569,8 +1618,6 @@ class _Tx:
             need = _away_need(t)
         else:
             need = _kv_need(t, run, _prefix_of(run, self._shared(t.model)))
-            if run is not None and (prev := self._reply_left(run, name, t.turn_id)) is not None:
-                need += prev.reply_tokens  # claimed by that turn as this one goes in
         # The prefixes its models' runs share are cached once on a replica: counted once.
         shared = _prefixes_once(self.shared_prefix, self.policy, r.spec.models)
         limit = kv * _kv_share(self.policy, t.service_class, r.interactive_runs > 0)

@@ -1496,21 +1496,67 @@ def test_a_turn_id_used_again_is_a_new_turn_of_its_run() -> None:
     assert d.state.replicas["a"].ws_tokens == 1050 + 2000 + 1000
 
 
-def test_a_second_turn_of_a_run_not_yet_counted_is_checked_with_both_replies() -> None:
-    # helper-187: the pool became known while r1's first turn ran, so r1 held no claim;
-    # its second turn was checked for its own context and reply, and the first turn's
-    # reply, claimed as it went in, took the replica past its limit.  (Affinity off:
-    # with it, a generating run's turn is pinned to its replica and goes on unchecked,
-    # as a continuing run's does, rule 6.)
-    d = Driver(("a",), kv_tokens=None, policy=Policy(kv_fill=0.8, strict_affinity=False))
+def test_the_runs_on_a_replica_are_counted_once_its_pool_is_known() -> None:
+    # The pool became known while r1's first turn ran: r1 claimed nothing until its
+    # next change, and a new run went in beside its 5,000 tokens as into an empty pool
+    # (helper-188).  It claims at once now, and so does its first turn's reply when a
+    # second turn goes in beside it (rule 6).
+    d = Driver(("a",), kv_tokens=None, policy=Policy(kv_fill=0.8))
     t1 = d.arrive("r1", prompt=1000, max_tokens=4000)
     d.feed(ReplicaProbed(now=d.step(), replica="a", healthy=True, kv_tokens=10_000))
-    d.arrive("r9", prompt=3000)  # 3,256
-    t2 = d.arrive("r1", prompt=1000, max_tokens=100)
-    assert t2 in d.held_ids(), "3,256 + 1,100 + 4,000 > 8,000"
-    assert d.state.replicas["a"].ws_tokens == 3256
+    assert d.state.runs["r1"].ws_claim == 5000
+    assert d.state.replicas["a"].ws_tokens == 5000
+    t9 = d.arrive("r9", prompt=3000)
+    assert t9 in d.held_ids(), "5,000 + 3,256 > 8,000"
+    t2 = d.arrive("r1", prompt=1000, max_tokens=100)  # pinned to its run's replica
+    assert d.admitted() == {t2: "a"}
+    assert d.state.turns[t1].claim == 4000
+    assert d.state.replicas["a"].ws_tokens == 4000 + 1100
     d.finish(t1, prompt=1000, out=3000)  # its reply is done: r1 needs 4,100 now
-    assert d.admitted() == {t2: "a"} and d.state.replicas["a"].ws_tokens == 3256 + 4100
+    assert d.admitted() == {t9: "a"} and d.state.replicas["a"].ws_tokens == 4100 + 3256
+
+
+def test_the_turns_on_a_replica_claim_once_its_pool_is_known() -> None:
+    # Two turns of r1 (the second went in beside the first), and a turn of r2 away on
+    # b (r2 generating on a, b serves its other model), all before a's and b's pools were
+    # known: once they are, r1's first turn claims its reply, the turn away its prompt
+    # and reply, as they would have had the pools been counted all along.
+    d = Driver(("a", "b"), serves={"a": ("m",), "b": ("m2",)})
+    x = d.arrive("r1", prompt=1000, max_tokens=400, model="m")
+    y = d.arrive("r1", prompt=1200, max_tokens=300, model="m")
+    z = d.arrive("r2", prompt=500, max_tokens=50, model="m")
+    w = d.arrive("r2", prompt=700, max_tokens=60, model="m2")
+    assert {t.turn_id: t.replica for t in d.state.admitted()} == {x: "a", y: "a", z: "a", w: "b"}
+    assert all(t.claim == 0 for t in d.state.admitted())
+    home, other = "a", "b"
+    d.feed(ReplicaProbed(now=d.step(), replica=home, healthy=True, kv_tokens=10_000))
+    assert d.state.turns[x].claim == 400 and d.state.turns[y].claim == 0
+    assert d.state.runs["r1"].ws_claim == 1200 + 300
+    assert d.state.runs["r2"].ws_claim == 500 + 50 and d.state.turns[z].claim == 0
+    assert d.state.replicas["a"].ws_tokens == 400 + 1500 + 550
+    assert d.state.turns[w].claim == 0  # b's pool is not known yet
+    d.feed(ReplicaProbed(now=d.step(), replica=other, healthy=True, kv_tokens=10_000))
+    assert d.state.turns[w].claim == 700 + 60
+
+
+def test_a_paused_run_claims_once_its_pool_is_known_only_while_its_claim_would_last() -> None:
+    # Paused before a's pool was known: r1 40 s ago, past its 30 s of retention (its
+    # claim would have lapsed), r2 20 s ago.  Only r2 claims, and lapses on time.
+    d = Driver(("a",), kv_tokens=None, policy=Policy(kv_retention_s=30))
+    t1 = d.arrive("r1", B, prompt=1000, max_tokens=100)
+    d.finish(t1, "tool_calls", prompt=1000, out=100)
+    r1_paused = d.now
+    t2 = d.arrive("r2", B, prompt=2000, max_tokens=200)
+    d.now = r1_paused + 19
+    d.finish(t2, "tool_calls", prompt=2000, out=200)
+    r2_paused = d.now
+    d.feed(ReplicaProbed(now=r1_paused + 40, replica="a", healthy=True, kv_tokens=10_000))
+    assert (d.state.runs["r1"].ws_claim, d.state.runs["r2"].ws_claim) == (0, 2400)
+    assert d.state.replicas["a"].ws_tokens == 2400
+    d.feed(Tick(now=r2_paused + 29.9))
+    assert d.state.runs["r2"].ws_claim == 2400
+    d.feed(Tick(now=r2_paused + 30))
+    assert d.state.runs["r2"].ws_claim == 0 and d.state.replicas["a"].ws_tokens == 0
 
 
 def test_paused_claim_lapses_after_retention() -> None:
@@ -1796,17 +1842,17 @@ def test_a_led_replica_still_takes_models_its_leader_does_not_serve() -> None:
 
 
 def test_a_replica_that_comes_to_lead_its_device_is_refilled() -> None:
-    # A run generating on b claims KV there only once the pool counts (kv_admission on
-    # while it runs); a turn of it away on c makes the claim, and b leads with a slot
-    # free: the new run held for the device goes to b in the same step.
-    plain = replace(PACK, kv_fill=0.8, batch_kv_fill=0.7, kv_admission=False)
+    # b's pool becomes known while two interactive runs are on it (one paused, one
+    # generating): they claim at once, b leads its device now with a slot free, and the
+    # new run held for the device goes to b in the same step.
     d = Driver(
         ("a", "b", "c"),
-        kv_tokens=10_000,
-        policy=plain,
+        policy=replace(PACK, kv_fill=0.8, batch_kv_fill=0.7),
         devices=G0,
         serves={"a": ["m0", "m1"], "b": ["m0"], "c": ["m1"]},
     )
+    for name in ("a", "c"):
+        d.feed(ReplicaProbed(now=d.step(), replica=name, healthy=True, kv_tokens=10_000))
     t0 = d.arrive("R0", cls=I, model="m0", prompt=500, max_tokens=100)
     assert d.admitted() == {t0: "a"}
     d.probe("a", None, None, healthy=False)
@@ -1814,18 +1860,17 @@ def test_a_replica_that_comes_to_lead_its_device_is_refilled() -> None:
     t2 = d.arrive("R2", cls=I, model="m0", prompt=500, max_tokens=100, caller="u2")
     assert d.admitted() == {t2: "b"} and d.state.turns[t1].replica == "b"
     d.probe("a", None, None)
-    d.feed(PolicyChanged(now=d.step(), policy=replace(plain, kv_admission=True)))
     d.finish(t0, "tool_calls", prompt=500, out=100)  # a: one interactive run with KV
-    d.finish(t1, "tool_calls", prompt=500, out=100)  # b: one too; a leads on the tie
+    d.finish(t1, "tool_calls", prompt=500, out=100)  # b: none counted yet
     assert d.state.led_by("b") == "a"
     d.cap("a", 1)
     t3 = d.arrive("R0", cls=I, model="m0", prompt=600, max_tokens=100)
     assert d.admitted() == {t3: "a"}  # pinned there; a is full now
     t4 = d.arrive("R4", cls=I, model="m0", prompt=500, max_tokens=100, caller="u4")
     assert t4 in d.held_ids()  # a full, b led by a
-    t5 = d.arrive("R2", cls=I, model="m1", prompt=500, max_tokens=100, caller="u2")
-    assert d.state.turns[t5].replica == "c"  # away from b, which does not serve m1
-    assert d.admitted()[t4] == "b"  # R2's claim made b the leader, and it looked again
+    d.feed(ReplicaProbed(now=d.step(), replica="b", healthy=True, kv_tokens=10_000))
+    assert (d.state.runs["R1"].ws_claim, d.state.runs["R2"].ws_claim) == (700, 600)
+    assert d.admitted() == {t4: "b"}  # b leads now, and it looked again
     assert d.state.led_by("b") is None and d.state.led_by("a") == "b"
 
 

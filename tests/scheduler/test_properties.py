@@ -389,9 +389,7 @@ def check_bookkeeping(s: State) -> None:
             # Its claim is its context and reply, less the shared prefix as it stands
             # now, and no more of it than its own first turn found cached (helper-123:
             # claims left at an older prefix undercounted their replica).
-            shared = s.shared_prefix(run.model) if p.learn_shared_prefix else 0
-            prefix = min(shared, run.first_cached) if run.first_cached >= 0 else shared
-            want = max(run.context_tokens - prefix, 0) + run.reply_tokens
+            want = run_claim(s, run)
             assert run.ws_claim == want, f"{run.run_id}: claim {run.ws_claim} != {want}"
     for t in s.admitted():
         assert not t.claim or p.kv_admission, f"{t.turn_id} claims KV without the rule"
@@ -691,7 +689,8 @@ def check_turn_claims(
         counts = after.policy.kv_admission and r.spec.kv_tokens is not None
         was = before.turns.get(t.turn_id)
         if was is not None and was.replica is not None:  # running before the step
-            if t.claim != was.claim:
+            if t.claim != was.claim and not counting_starts(before, after, t.replica):
+                # (Where counting starts, check_claims_start judges it.)
                 grew = was.claim == 0 and t.claim == t.reply_tokens
                 assert (grew and beside[(t.run_id, t.replica)] >= 1) or (
                     t.claim == 0 and isinstance(event, PolicyChanged) and not counts
@@ -720,6 +719,73 @@ def check_turn_claims(
             # The turn whose reply the run's claim reserved still runs beside this one.
             got = after.turns[prev.turn_id].claim
             assert got == prev.reply_tokens, f"{prev.turn_id} claims {got} beside {a.turn_id}"
+
+
+def counting_starts(before: State, after: State, name: str) -> bool:
+    """Whether program-level admission counts KV on the replica from this step on and
+    did not before it (its pool became known, or the rule was switched on)."""
+    was = before.replicas.get(name)
+    now = after.replicas.get(name)
+    return (
+        was is not None
+        and now is not None
+        and after.policy.kv_admission
+        and now.spec.kv_tokens is not None
+        and not (before.policy.kv_admission and was.spec.kv_tokens is not None)
+    )
+
+
+def run_claim(s: State, run: RunState) -> int:
+    """A run's claim where it is counted: its context and reply, less the shared prefix
+    as it stands, and no more of it than its own first turn found cached."""
+    p = s.policy
+    shared = s.shared_prefix(run.model) if p.learn_shared_prefix else 0
+    prefix = min(shared, run.first_cached) if run.first_cached >= 0 else shared
+    return max(run.context_tokens - prefix, 0) + run.reply_tokens
+
+
+def check_claims_start(before: State, event: Event, after: State, admits: list[Admit]) -> None:
+    """Where counting starts in the step (rules 6 and 12), what runs there claims at
+    once what it would have claimed had it been counted all along (helper-188: it
+    claimed nothing until its next change, and new runs went in beside it as into an
+    empty pool): a run generating there, or paused there with strict affinity while its
+    claim would not have lapsed, claims; a turn of a run on its replica, other than the
+    run's last one there, claims its reply; a turn away from its run, its prompt and
+    reply."""
+    beside = Counter((a.run_id, a.replica) for a in admits)
+    p = after.policy
+    for name in after.replicas:
+        if not counting_starts(before, after, name):
+            continue
+        for t in before.admitted():
+            if t.replica != name or t.claim or t.turn_id not in after.turns:
+                continue
+            run = before.runs.get(t.run_id)
+            if run is None:
+                continue
+            if run.replica != name:
+                want = t.prompt_tokens + t.reply_tokens
+            elif run.turn != t.turn_id or beside[(t.run_id, name)]:
+                want = t.reply_tokens  # (or a later turn of its run went in beside it)
+            else:
+                want = 0  # the run's claim reserves its reply
+            got = after.turns[t.turn_id].claim
+            assert got == want, f"{t.turn_id} claims {got}, not {want}, once {name} counts"
+        for run in before.runs.values():
+            now = after.runs.get(run.run_id)
+            if not (run.bound and run.replica == name) or now is None or now.replica != name:
+                continue
+            kept = run.phase is RunPhase.GENERATING or (
+                p.strict_affinity
+                and (run.counted_paused or run.last_active > event.now - p.kv_retention_s)
+            )
+            if kept and now.phase is not RunPhase.IDLE:
+                assert now.ws_claim == run_claim(after, now), (
+                    f"{run.run_id} claims {now.ws_claim} once {name} counts"
+                )
+            elif not kept and now.phase is run.phase and not beside[(run.run_id, name)]:
+                # Paused, and its claim would have lapsed (or it is not kept there).
+                assert not now.ws_claim, f"{run.run_id} claims {now.ws_claim}, lapsed"
 
 
 def check_step(before: State, event: Event, after: State, actions: list[Action]) -> None:
@@ -893,6 +959,7 @@ def check_step(before: State, event: Event, after: State, actions: list[Action])
                     retrying=False, home_outcome="",
                 )  # fmt: skip
     check_turn_claims(before, event, after, admits, found, away)
+    check_claims_start(before, event, after, admits)
     held_interactive = [t for t in after.held() if t.service_class is ServiceClass.INTERACTIVE]
     for a in admits:
         if a.service_class is not ServiceClass.BATCH:
