@@ -344,9 +344,11 @@ async def probe_endpoint(
     timeout: float = PROBE_TIMEOUT_S,
     want_limits: bool = False,
     keep_exposition: bool = False,
+    routes: dict[str, str] | None = None,
 ) -> ProbeResult:
     """Health, and load where the kind reports it (and the KV pool size and slots, when
-    `want_limits`; the /metrics answer, with `keep_exposition`).  Never raises."""
+    `want_limits`; the /metrics answer, with `keep_exposition`).  `routes`: where each
+    SGLang server last answered its server info (`_sglang_server_info`).  Never raises."""
     if (why := key_problem(endpoint)) is not None:
         return ProbeResult(endpoint=endpoint.name, healthy=False, error=why)
     headers = auth_headers(endpoint)
@@ -409,7 +411,7 @@ async def probe_endpoint(
     elif want_limits and endpoint.kind == "sglang":
         # Apart from the health probe's time: a slow answer here (SGLang asks its
         # scheduler) must not make a healthy engine look unhealthy.
-        info = await _sglang_server_info(client, endpoint, headers, timeout)
+        info = await _sglang_server_info(client, endpoint, headers, timeout, routes)
         kv, slots = parse_sglang_kv_tokens(info), parse_sglang_slots(info)
     elif want_limits and endpoint.kind == "llamacpp":
         slots = parse_llamacpp_slots(await _get_json(client, endpoint, "/props", headers, timeout))
@@ -433,29 +435,50 @@ async def _get_json(
     timeout: float,
     *,
     before: str | None = None,
+    routes: dict[str, str] | None = None,
 ) -> object:
     """The engine's JSON answer at `path`, or None: not knowing what it says there is
     no reason to call the engine unhealthy.  `before`: the path an older engine has
-    it at, asked when `path` is not found (404), within the same timeout."""
+    it at, asked when `path` is not found (404), within the same timeout.  `routes`:
+    which of the two each server (by URL) last answered at, asked first; the other is
+    still asked when that one is not found (an engine changed in place)."""
+    paths = [path] if before is None else [path, before]
+    if routes is not None and routes.get(endpoint.url) == before:
+        paths.reverse()
     try:
         async with asyncio.timeout(timeout):
-            answer = await client.get(endpoint.url + path, headers=headers)
-            if answer.status_code == 404 and before is not None:
-                answer = await client.get(endpoint.url + before, headers=headers)
+            for asked in paths:
+                answer = await client.get(endpoint.url + asked, headers=headers)
+                if answer.status_code != 404:
+                    if routes is not None:
+                        routes[endpoint.url] = asked
+                    break
         return answer.json() if answer.status_code == 200 else None
     except Exception:  # (a RecursionError from JSON nested too deeply, too: helper-145)
         return None
 
 
 async def _sglang_server_info(
-    client: httpx.AsyncClient, endpoint: Endpoint, headers: dict[str, str], timeout: float
+    client: httpx.AsyncClient,
+    endpoint: Endpoint,
+    headers: dict[str, str],
+    timeout: float,
+    routes: dict[str, str] | None = None,
 ) -> object:
     """SGLang's `/server_info` (its server arguments and scheduler's), or None.  An
     SGLang from before that route (404) is asked at `/get_server_info`, which later
     ones deprecate: each call logs a warning there, every round with data-parallel
-    ranks (helper-175), and the route is to go (sglang-router asks in this order too)."""
+    ranks (helper-175), and the route is to go (sglang-router asks in this order too).
+    With `routes` (the prober's, kept across rounds), a server is asked first where it
+    last answered: an old one is not asked (and does not log) a 404 every round."""
     return await _get_json(
-        client, endpoint, "/server_info", headers, timeout, before="/get_server_info"
+        client,
+        endpoint,
+        "/server_info",
+        headers,
+        timeout,
+        before="/get_server_info",
+        routes=routes,
     )
 
 
@@ -476,17 +499,18 @@ async def probe_ranks(
     *,
     timeout: float = PROBE_TIMEOUT_S,
     want_limits: bool = False,
+    routes: dict[str, str] | None = None,
 ) -> list[ProbeResult]:
     """One probe of a server with data-parallel ranks, a result per rank's replica:
     the server's health, each rank's load from its rank's samples, each rank's KV pool
     and slots (when `want_limits`).  A rank the exposition shows no load for reports
-    none (uncapped).  Never raises."""
+    none (uncapped).  `routes`: as probe_endpoint's.  Never raises."""
     server = ranks[0]
     probed = probe_endpoint(client, server, timeout=timeout, keep_exposition=True)
     info: object = None
     if server.kind == "sglang":  # every round, beside the probe: its dp_size tells
         # which ranks exist (and, when wanted, one rank's KV pool and slots)
-        asked = _sglang_server_info(client, server, auth_headers(server), timeout)
+        asked = _sglang_server_info(client, server, auth_headers(server), timeout, routes)
         whole, info = await asyncio.gather(probed, asked)
     else:
         whole = await probed
@@ -549,10 +573,13 @@ async def probe_pool(
     *,
     want_limits: frozenset[str] = frozenset(),
     timeout: float = PROBE_TIMEOUT_S,
+    routes: dict[str, str] | None = None,
 ) -> list[ProbeResult]:
     """One round over every endpoint, concurrently (a server once for all its ranks);
     routers get their engines' load.  Endpoints named in `want_limits` are also asked
-    their KV pool size and slots."""
+    their KV pool size and slots.  `routes`: where each SGLang server last answered its
+    server info, kept across rounds by the caller; a server down is forgotten there (it
+    may come back another version)."""
     servers: dict[str, list[Endpoint]] = {}  # a server's name -> its ranks' replicas
     for e in config.endpoints:
         servers.setdefault(e.server, []).append(e)
@@ -568,12 +595,25 @@ async def probe_pool(
         wanted = any(e.name in asked for e in ranks)
         try:
             if ranks[0].dp_rank is None:
-                return [await probe_endpoint(client, ranks[0], timeout=timeout, want_limits=wanted)]
-            return await probe_ranks(client, ranks, timeout=timeout, want_limits=wanted)
+                results = [
+                    await probe_endpoint(
+                        client, ranks[0], timeout=timeout, want_limits=wanted, routes=routes
+                    )
+                ]
+            else:
+                results = await probe_ranks(
+                    client, ranks, timeout=timeout, want_limits=wanted, routes=routes
+                )
         except Exception as exc:  # one server's failure must not fail the round for all
             log.exception("probe of %s failed", ranks[0].server)
             why = f"probe failed: {type(exc).__name__}"
-            return [ProbeResult(endpoint=e.name, healthy=False, error=why) for e in ranks]
+            results = [ProbeResult(endpoint=e.name, healthy=False, error=why) for e in ranks]
+        if routes is not None and not any(r.healthy for r in results):
+            # Down (restarting, perhaps upgraded): asked /server_info first again.  An
+            # upgraded SGLang keeps the deprecated route, and would log a warning at
+            # every ask there for as long as it was remembered.
+            routes.pop(ranks[0].url, None)
+        return results
 
     rounds = await asyncio.gather(*(probe(ranks) for ranks in servers.values()))
     result_of = {r.endpoint: r for results in rounds for r in results}
@@ -728,6 +768,9 @@ class Prober:
         # reported began, per endpoint.
         self._late_until: dict[str, float] = {}
         self._read_from: dict[str, float] = {}
+        # Where each SGLang server (by URL) last answered its server info: an SGLang
+        # from before /server_info is asked /get_server_info first (probe_pool).
+        self._info_routes: dict[str, str] = {}
 
     def reconfigure(self, config: Config) -> None:
         """Probe the endpoints of a reloaded file, with its `[probes]`, from the next
@@ -756,6 +799,9 @@ class Prober:
         for e in config.replicas:
             if _asks_limits(config, e) and (e.name not in known or e.name in changed):
                 self._want_limits[e.name] = 0
+        urls = {e.url for e in config.endpoints}
+        for url in [u for u in self._info_routes if u not in urls]:
+            del self._info_routes[url]
 
     async def probe_once(self) -> list[ProbeResult]:
         config = self._config
@@ -766,6 +812,7 @@ class Prober:
             config,
             want_limits=frozenset(self._want_limits),
             timeout=self._timeout,
+            routes=self._info_routes,
         )
         ended = loop.time()
         # Endpoints a reload removed while the round was under way are not reported,

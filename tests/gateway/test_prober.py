@@ -1231,3 +1231,59 @@ async def test_an_engines_limits_answer_that_cannot_be_read_fails_nothing(kind: 
         )
     assert all(r.healthy for r in results), results
     assert all(r.slots is None and r.kv_tokens is None for r in results)
+
+
+async def test_an_old_sglangs_server_info_route_is_remembered_across_rounds() -> None:
+    """A data-parallel SGLang is asked its server info every round (its dp_size says
+    which ranks exist).  One from before `/server_info` was asked there first every
+    round, a 404 in its log each 2 s: the route that answered is asked first from the
+    next round on.  A server that loses that route (upgraded or downgraded in place)
+    is asked the other one within the same round; one seen down may come back another
+    version, and is asked `/server_info` first again."""
+    app = create_app(FakeEngineSettings(flavor="sglang", dp_size=2))
+    lacks = {"/server_info"}  # an SGLang from before it
+    down = {"now": False}
+    asked: list[tuple[str, int]] = []  # (route, status) of each server info ask
+
+    async def engine(scope: Any, receive: Any, send: Any) -> None:
+        path = scope.get("path")
+        if scope["type"] == "http" and down["now"] and path == "/health":
+            await PlainTextResponse("restarting", status_code=503)(scope, receive, send)
+            return
+        if scope["type"] == "http" and path in ("/server_info", "/get_server_info"):
+            status = 404 if path in lacks else 200
+            asked.append((path, status))
+            if status == 404:
+                await PlainTextResponse("not found", status_code=404)(scope, receive, send)
+                return
+        await app(scope, receive, send)
+
+    async with serve(engine) as url, httpx.AsyncClient() as c:
+        endpoint = {"name": "a", "url": url, "kind": "sglang", "models": ["m"], "dp_size": 2}
+        # dp_size 3: the server's info (dp_size 2) says rank 2 does not exist.
+        cfg = parse_config({"endpoints": [{**endpoint, "dp_size": 3}]}).expanded({})
+        prober = Prober(cfg, c, lambda results: None, period=60)
+
+        async def round_() -> list[tuple[str, int]]:
+            asked.clear()
+            results = await prober.probe_once()
+            assert [r.healthy for r in results] == [not down["now"]] * 2 + [False]
+            return list(asked)
+
+        old = [("/get_server_info", 200)]
+        assert await round_() == [("/server_info", 404), *old]
+        for _ in range(3):
+            assert await round_() == old, "asked where it answered"
+        # Upgraded in place to an SGLang without the deprecated route.
+        lacks = {"/get_server_info"}
+        assert await round_() == [("/get_server_info", 404), ("/server_info", 200)]
+        assert await round_() == [("/server_info", 200)]
+        # Downgraded again; then down for a round (a restart), and back.
+        lacks = {"/server_info"}
+        assert await round_() == [("/server_info", 404), *old]
+        assert await round_() == old
+        down["now"] = True
+        await round_()
+        down["now"] = False
+        assert await round_() == [("/server_info", 404), *old]
+        assert await round_() == old
