@@ -1680,16 +1680,19 @@ class _TurnTrace:
     def forwarding(self, replica: str, endpoint: Endpoint, kind: str) -> list[tuple[str, str]]:
         """Where the turn goes, and the `traceparent` header the engine continues;
         `kind`: the kind of engine that answers there (behind a router, its engines')."""
+        # GenAI semconv's required attribute: the engine that answers (its kind; a
+        # well-known value where there is one; helper-169: a router's was "router",
+        # which is no provider).  The run's span takes its first turn's (helper-191).
+        provider = _PROVIDERS.get(kind, kind)
         self._chat.set_attributes(
             {
                 "luftpause.replica": replica,
-                # GenAI semconv's required attribute: the engine that answers (its kind;
-                # a well-known value where there is one; helper-169: a router's was
-                # "router", which is no provider).
-                "gen_ai.provider.name": _PROVIDERS.get(kind, kind),
+                "gen_ai.provider.name": provider,
                 **_server(endpoint.url),
             }
         )
+        if self._under_run:
+            self._runs.forwarded(self._run_id, provider)
         carrier: dict[str, str] = {}
         telemetry.inject(carrier, set_span_in_context(self._chat))
         return list(carrier.items())

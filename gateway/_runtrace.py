@@ -22,6 +22,11 @@ such turn's `chat` span, so one agent invocation is one trace:
     only exported then;
   - `gateway_stopped`: still open when the gateway stopped.
 - It carries the run's totals: turns, and the GenAI usage of its finished turns.
+- Its `gen_ai.provider.name` (required by the GenAI conventions) is set when its first
+  turn is forwarded, to that engine's (`forwarded`): the span opens before a replica is
+  chosen.  A run whose turns go to engines of different kinds keeps the first; each
+  turn's `chat` span names its own.  A run no turn of which reached an engine (refused)
+  names none, as its `chat` spans do not: none was chosen.
 
 A run answered and then continued under the same id (a caller's `x-luftpause-run-id`)
 opens a new span, one trace per invocation; a Claude Code session's next prompt echoes no
@@ -59,6 +64,7 @@ class _Open:
     cached_tokens: int = 0
     last: TurnOutcome = None
     last_ns: int = 0  # when a turn of it last ended (time.time_ns)
+    provider: str | None = None  # gen_ai.provider.name: its first forwarded turn's engine's
     forgotten: bool = False  # the core forgot the run while a turn of it was open
 
 
@@ -101,6 +107,18 @@ class RunSpans:
         run.open_turns += 1
         run.turns += 1
         return run.context
+
+    def forwarded(self, run_id: str, provider: str) -> None:
+        """A turn of the run goes to an engine of `provider` (its `gen_ai.provider.name`,
+        as the turn's `chat` span names it).  The run's span takes the first: it opens
+        before a replica is chosen, and the conventions' value is one discriminator
+        that should be known as early as it can be; a later turn that goes to another
+        kind of engine says so on its own span."""
+        run = self._open.get(run_id)
+        if run is None or run.provider is not None:
+            return
+        run.provider = provider
+        run.span.set_attribute("gen_ai.provider.name", provider)
 
     def turn_ended(self, run_id: str, outcome: TurnOutcome, state: RunState | None) -> None:
         """A turn of the run is over; `state`: the core's view of the run after it (None:

@@ -177,11 +177,43 @@ async def test_a_streamed_turn_without_a_traceparent_is_a_run_of_its_own(
     assert a["gen_ai.operation.name"] == "invoke_agent"
     assert a["gen_ai.conversation.id"] == a["luftpause.run_id"] == run_id
     assert a["luftpause.end"] == "answered" and a["luftpause.turns"] == 1
+    assert a["gen_ai.provider.name"] == attrs(chat_span)["gen_ai.provider.name"] == "sglang"
     assert a["gen_ai.usage.output_tokens"] == attrs(chat_span)["gen_ai.usage.output_tokens"] == 4
     assert a["gen_ai.usage.input_tokens"] == attrs(chat_span)["gen_ai.usage.input_tokens"] > 0
     assert agent.status.status_code is not StatusCode.ERROR
     (sent,) = recorder.headers
     assert traceparent_ids(sent["traceparent"])[0] == format(chat_span.context.trace_id, "032x")
+
+
+async def test_a_runs_span_names_the_provider_its_first_turn_went_to(
+    spans: InMemorySpanExporter,
+) -> None:
+    # semconv: gen_ai.provider.name is required on invoke_agent spans too; the run's
+    # had none (helper-191).  Its span opens before a replica is chosen: the provider is
+    # the first admitted turn's, as its chat span names it.  A later turn of the run
+    # that goes to another kind of engine (here: another model's) names its own on its
+    # chat span; the run's keeps the first (one value, a discriminator of the spans'
+    # flavour, set as early as it is known).
+    async with (
+        engine(flavor="llamacpp", time_scale=50) as (llama, _),
+        engine(flavor="vllm", time_scale=50, models=("other",)) as (vllm, _),
+        gateway(
+            endpoint("e0", llama, kind="llamacpp"),
+            endpoint("e1", vllm, kind="vllm", models=("other",)),
+        ) as (gw, _),
+    ):
+        run_id = await paused_run(gw)
+        r = await gw.post("/v1/chat/completions", json=chat(model="other"), headers={RUN: run_id})
+        assert r.status_code == 200, r.text
+        assert (await gw.delete(f"/v1/runs/{run_id}")).status_code < 300
+        await until(lambda: bool(named(spans, "invoke_agent")), "the run's span ended")
+    (agent,) = named(spans, "invoke_agent")
+    assert attrs(agent)["luftpause.turns"] == 2
+    chats = sorted(named(spans, "chat "), key=lambda s: s.start_time or 0)
+    assert [attrs(c)["gen_ai.provider.name"] for c in chats] == ["llama.cpp", "vllm"]
+    assert agent.context is not None
+    assert all(c.parent is not None and c.parent.span_id == agent.context.span_id for c in chats)
+    assert attrs(agent)["gen_ai.provider.name"] == "llama.cpp"
 
 
 async def test_a_tool_loop_without_a_traceparent_is_one_trace(
@@ -398,6 +430,10 @@ async def test_a_rejected_turn_is_an_error_span() -> None:
         assert attrs(span)["error.type"] == "404"
     assert attrs(agent)["luftpause.end"] == "rejected"
     assert "no-such-model" in (agent.status.description or "")
+    # No engine was chosen: no provider is named, on the run's span as on the chat span.
+    assert "gen_ai.provider.name" not in attrs(agent) and "gen_ai.provider.name" not in (
+        attrs(chat_span)
+    )
 
 
 def test_an_engines_address_has_its_port_even_when_its_url_names_none() -> None:
