@@ -95,7 +95,8 @@ Rules, stated once (the README's "What it is" tells users), enforced here and no
     are caps when capping from the engine's queue is switched off, and held turns pinned
     to a replica are freed when strict affinity is; and program-level admission switched
     on counts what runs on each replica at once, as where a replica's KV pool becomes
-    known (`_claims_start`).  Then every replica is refilled under the new rules.
+    known (`_claims_start`), as strict affinity switched on counts the paused runs.
+    Then every replica is refilled under the new rules.
 13. Shared devices (`Policy.pack_shared_devices`, replicas that declare a `device`):
     replicas on one GPU time-slice it, so each decodes at about half speed while the
     other has work.  While interactive runs hold KV on a device, the device's replica in
@@ -1458,13 +1459,23 @@ class _Tx:
             runs = self.state._runs  # (the runs are unchanged so far)
             for run_id in sorted(k for k, run in runs.items() if run.ws_claim):
                 self._set_run(runs[run_id])
+        counted = [n for n in names if self.replicas[n].spec.kv_tokens is not None]
+        # A retention that changed too: a paused run's claim is judged lapsed under the
+        # shorter (a tick may have lapsed it under the old one; helper-192).
+        lasts = min(old.kv_retention_s, policy.kv_retention_s)
         if policy.kv_admission and not old.kv_admission:
-            self._claims_start([n for n in names if self.replicas[n].spec.kv_tokens is not None])
+            self._claims_start(counted, lasts)
+        elif policy.kv_admission and policy.strict_affinity and not old.strict_affinity:
+            # Paused runs claim now (they will come back): at once, as where counting
+            # starts (helper-192); their turns were counted all along.
+            self._claims_start(counted, lasts, turns=False)
         if old.strict_affinity != policy.strict_affinity:
             self._rebucket_all()  # pinned to their runs' replicas now, or free to go
         self._fill_all()
 
-    def _claims_start(self, names: Iterable[str]) -> None:
+    def _claims_start(
+        self, names: Iterable[str], retention_s: float | None = None, *, turns: bool = True
+    ) -> None:
         """Program-level admission counts KV on these replicas from now on (their pool
         became known, or it was switched on): what runs there claims at once what it
         would have claimed had it been counted all along (rule 6).  Left to their next
@@ -1475,20 +1486,30 @@ class _Tx:
         reply.  One walk over the runs and the turns (a rare event).  A turn that went
         away from its run, whose run has come to its replica since, is taken for one of
         the run's own: it claims its reply, not its prompt too (the core keeps no mark
-        of how a turn went in)."""
+        of how a turn went in).  `retention_s`: how long a paused run's claim lasts, if
+        not the policy's; `turns`: whether turns claim too (not where only strict
+        affinity was switched on: paused runs claim from then on, turns did all along)."""
         where = set(names)
         if not where or not self.policy.kv_admission:
             return
-        lapsed_by = self.now - self.policy.kv_retention_s
+        if retention_s is None:
+            retention_s = self.policy.kv_retention_s
+        lapsed_by = self.now - retention_s
         runs = self.state._runs  # (not changed by this event before it)
         for run_id in sorted(k for k, run in runs.items() if run.bound and run.replica in where):
             run = self.runs[run_id]
+            # A paused interactive run not counted paused has lapsed (its slot and its
+            # claim lapse together, rule 4: helper-192); a batch one keeps no such mark.
             if run.ws_claim or (
-                run.phase is _PAUSED and not run.counted_paused and run.last_active <= lapsed_by
+                run.phase is _PAUSED
+                and not run.counted_paused
+                and (run.service_class is _INTERACTIVE or run.last_active <= lapsed_by)
             ):
                 continue
             # (A claim given, so that a paused run's recount does not read it as lapsed.)
             self._set_run(run._replace(ws_claim=1))
+        if not turns:
+            return
         for t in self.state._turns.values():
             if t.replica not in where or t.claim:
                 continue

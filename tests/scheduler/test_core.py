@@ -147,6 +147,14 @@ class Driver:
         specs = tuple(ReplicaSpec(name=n, models=frozenset(ms)) for n, ms in serves.items())
         return self.feed(PoolChanged(now=self.step(), replicas=specs))
 
+    def pool_with_kv(self, **kv: int | None) -> list[Action]:
+        """The pool as it is, with these replicas' KV pools (name=tokens) given."""
+        specs = tuple(
+            replace(r.spec, kv_tokens=kv.get(n, r.spec.kv_tokens))
+            for n, r in sorted(self.state.replicas.items())
+        )
+        return self.feed(PoolChanged(now=self.step(), replicas=specs))
+
     def admitted(self) -> dict[str, str]:
         return {a.turn_id: a.replica for a in self.actions if isinstance(a, Admit)}
 
@@ -1557,6 +1565,81 @@ def test_a_paused_run_claims_once_its_pool_is_known_only_while_its_claim_would_l
     assert d.state.runs["r2"].ws_claim == 2400
     d.feed(Tick(now=r2_paused + 30))
     assert d.state.runs["r2"].ws_claim == 0 and d.state.replicas["a"].ws_tokens == 0
+
+
+def test_a_reload_that_gives_a_pool_counts_the_runs_there() -> None:
+    # (helper-192: the pool-change path of the count's start was not reached by any test.)
+    d = Driver(("a",))
+    d.arrive("r1", prompt=1000, max_tokens=400)
+    d.pool_with_kv(a=10_000)
+    assert d.state.runs["r1"].ws_claim == 1400 and d.state.replicas["a"].ws_tokens == 1400
+
+
+def test_a_pool_learned_again_counts_each_claim_once() -> None:
+    # a's configured pool is taken out (counting stops there, the claims made stay) and
+    # later reported: the turns that claimed before do not claim twice (helper-192).
+    d = Driver(("a", "b"), kv_tokens=10_000, serves={"a": ("m",), "b": ("m2",)})
+    x = d.arrive("r1", prompt=1000, max_tokens=400, model="m")
+    y = d.arrive("r1", prompt=1200, max_tokens=300, model="m")  # x claims its reply
+    w = d.arrive("r1", prompt=700, max_tokens=60, model="m2")  # away on b
+    d.pool_with_kv(a=None, b=None)
+    z = d.arrive("r1", prompt=1300, max_tokens=200, model="m")  # beside y, not counted
+    assert d.state.turns[y].claim == 0
+    d.feed(ReplicaProbed(now=d.step(), replica="a", healthy=True, kv_tokens=10_000))
+    claims = {t: d.state.turns[t].claim for t in (x, y, z)}
+    assert claims == {x: 400, y: 300, z: 0}
+    assert d.state.replicas["a"].ws_tokens == 400 + 300 + 1300 + 200
+    d.feed(ReplicaProbed(now=d.step(), replica="b", healthy=True, kv_tokens=10_000))
+    assert d.state.turns[w].claim == 760 and d.state.replicas["b"].ws_tokens == 760
+
+
+def test_a_lapsed_claim_stays_lapsed_when_counting_starts_with_a_longer_retention() -> None:
+    # Paused 38 s before a reload that switches program-level admission on and raises
+    # kv_retention_s from 30 to 120 s: r1's claim and slot lapsed at 30 s (rule 4), r2
+    # (batch, no mark of it) would have lapsed then too.  Neither claims (helper-192).
+    old = Policy(kv_admission=False, kv_retention_s=30)
+    d = Driver(("a",), kv_tokens=10_000, policy=old)
+    t1 = d.arrive("r1", prompt=1000, max_tokens=100)
+    t2 = d.arrive("r2", B, prompt=2000, max_tokens=100)
+    d.finish(t1, "tool_calls", prompt=1000, out=100)
+    d.finish(t2, "tool_calls", prompt=2000, out=100)
+    d.feed(Tick(now=d.now + 38))
+    assert not d.state.runs["r1"].counted_paused  # lapsed
+    d.feed(
+        PolicyChanged(now=d.now + 39, policy=replace(old, kv_admission=True, kv_retention_s=120))
+    )
+    assert (d.state.runs["r1"].ws_claim, d.state.runs["r2"].ws_claim) == (0, 0)
+    assert d.state.replicas["a"].ws_tokens == 0 and d.state.replicas["a"].paused_interactive == 0
+
+
+def test_a_lapsed_interactive_run_stays_lapsed_after_the_retention_grew() -> None:
+    # r1's claim and slot lapsed at 30 s; a reload raised the retention to 120 s, and
+    # a later one switches program-level admission on: r1 is marked lapsed (not
+    # counted paused), whatever the retention is now (helper-192).
+    old = Policy(kv_admission=False, kv_retention_s=30)
+    d = Driver(("a",), kv_tokens=10_000, policy=old)
+    t1 = d.arrive("r1", prompt=1000, max_tokens=100)
+    d.finish(t1, "tool_calls", prompt=1000, out=100)
+    d.feed(Tick(now=d.now + 38))
+    longer = replace(old, kv_retention_s=120)
+    d.feed(PolicyChanged(now=d.now + 39, policy=longer))
+    d.feed(PolicyChanged(now=d.now + 40, policy=replace(longer, kv_admission=True)))
+    assert d.state.runs["r1"].ws_claim == 0 and d.state.replicas["a"].paused_interactive == 0
+
+
+def test_strict_affinity_switched_on_counts_the_paused_runs_at_once() -> None:
+    # With program-level admission on all along and affinity off, a paused run claims
+    # nothing (it need not come back).  Switched on, it claims at once, as where
+    # counting starts: a new run that does not fit beside it waits (helper-192).
+    loose = Policy(kv_fill=0.8, strict_affinity=False)
+    d = Driver(("a",), kv_tokens=10_000, policy=loose)
+    t1 = d.arrive("r1", B, prompt=6000, max_tokens=100)
+    d.finish(t1, "tool_calls", prompt=6000, out=100)
+    assert d.state.runs["r1"].ws_claim == 0
+    d.feed(PolicyChanged(now=d.step(), policy=replace(loose, strict_affinity=True)))
+    assert d.state.runs["r1"].ws_claim == 6200
+    t2 = d.arrive("r2", B, prompt=6000, max_tokens=100)
+    assert t2 in d.held_ids()
 
 
 def test_paused_claim_lapses_after_retention() -> None:

@@ -735,6 +735,20 @@ def counting_starts(before: State, after: State, name: str) -> bool:
     )
 
 
+def paused_claims_start(before: State, after: State, name: str) -> bool:
+    """Whether the runs paused on the replica claim from this step on (rule 12): strict
+    affinity switched on where program-level admission counted already."""
+    r = after.replicas.get(name)
+    return (
+        name in before.replicas
+        and r is not None
+        and r.spec.kv_tokens is not None
+        and after.policy.kv_admission
+        and after.policy.strict_affinity
+        and not before.policy.strict_affinity
+    )
+
+
 def run_claim(s: State, run: RunState) -> int:
     """A run's claim where it is counted: its context and reply, less the shared prefix
     as it stands, and no more of it than its own first turn found cached."""
@@ -751,13 +765,17 @@ def check_claims_start(before: State, event: Event, after: State, admits: list[A
     empty pool): a run generating there, or paused there with strict affinity while its
     claim would not have lapsed, claims; a turn of a run on its replica, other than the
     run's last one there, claims its reply; a turn away from its run, its prompt and
-    reply."""
+    reply.  Where strict affinity is switched on (admission counting already), the
+    paused runs claim so (helper-192)."""
     beside = Counter((a.run_id, a.replica) for a in admits)
     p = after.policy
+    # A retention changed in the step: a claim is judged lapsed under the shorter.
+    retention = min(before.policy.kv_retention_s, p.kv_retention_s)
     for name in after.replicas:
-        if not counting_starts(before, after, name):
+        turns = counting_starts(before, after, name)
+        if not turns and not paused_claims_start(before, after, name):
             continue
-        for t in before.admitted():
+        for t in before.admitted() if turns else ():
             if t.replica != name or t.claim or t.turn_id not in after.turns:
                 continue
             run = before.runs.get(t.run_id)
@@ -775,9 +793,19 @@ def check_claims_start(before: State, event: Event, after: State, admits: list[A
             now = after.runs.get(run.run_id)
             if not (run.bound and run.replica == name) or now is None or now.replica != name:
                 continue
+            if run.ws_claim:
+                continue  # claimed already (made before counting stopped there: it stays)
+            # A paused interactive run not counted paused has lapsed (its slot with its
+            # claim, rule 4); a paused batch run keeps no mark: judged by the time.
             kept = run.phase is RunPhase.GENERATING or (
                 p.strict_affinity
-                and (run.counted_paused or run.last_active > event.now - p.kv_retention_s)
+                and (
+                    run.counted_paused
+                    or (
+                        run.service_class is ServiceClass.BATCH
+                        and run.last_active > event.now - retention
+                    )
+                )
             )
             if kept and now.phase is not RunPhase.IDLE:
                 assert now.ws_claim == run_claim(after, now), (
