@@ -276,6 +276,15 @@ def _fake_engine_parser(sub: Any) -> None:
         help="data-parallel ranks, each a simulated engine with its own KV cache; a "
         "request goes to the rank its X-Data-Parallel-Rank names, else round robin",
     )
+    p.add_argument(
+        "--cache-report",
+        choices=["always", "hits", "never"],
+        default="always",
+        help="when answers state the prompt's cached tokens (usage.prompt_tokens_details): "
+        "always, as llama.cpp; hits, only when some were found, as SGLang with "
+        "--enable-cache-report and vLLM with --enable-prompt-tokens-details; never, as "
+        "both without those flags (default: %(default)s)",
+    )
 
 
 def _fake_engine(args: argparse.Namespace) -> int:
@@ -311,6 +320,7 @@ def _fake_engine(args: argparse.Namespace) -> int:
             seed=args.seed,
             engine=params,
             dp_size=args.dp_size,
+            cache_report=args.cache_report,
             **extra,
         )
     except ValueError as exc:

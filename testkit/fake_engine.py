@@ -48,12 +48,14 @@ from testkit._fake_text import (
 )
 from testkit.engine import EngineParams, EngineRequest, Finished, FirstToken, SimEngine
 
-__all__ = ["FLAVORS", "FakeEngineSettings", "create_app", "serve"]
+__all__ = ["CACHE_REPORTS", "FLAVORS", "FakeEngineSettings", "create_app", "serve"]
 
 log = logging.getLogger(__name__)
 
 Flavor = Literal["sglang", "vllm", "llamacpp"]
 FLAVORS: tuple[Flavor, ...] = ("sglang", "vllm", "llamacpp")
+CacheReport = Literal["always", "hits", "never"]
+CACHE_REPORTS: tuple[CacheReport, ...] = ("always", "hits", "never")
 
 DEFAULT_MAX_TOKENS = 256
 # How often a waiting handler checks that its client is still there, and how often a
@@ -110,6 +112,15 @@ class FakeEngineSettings:
     # Refuse a function name OpenAI refuses (^[a-zA-Z0-9_-]{1,64}$) with its 400, as a
     # hosted endpoint does; the open engines take any name.
     strict_tool_names: bool = False
+    # When an answer says what the engine found cached of its prompt (Chat Completions'
+    # usage.prompt_tokens_details.cached_tokens, and the flavor's Anthropic cache fields):
+    # "always", 0 included, as llama.cpp's server does; "hits", only when it found some,
+    # as SGLang with --enable-cache-report and vLLM with --enable-prompt-tokens-details
+    # do; "never", as those two do without their flag (their default) and Ollama.
+    # "always" by default, the fake's answer before the setting (and llama.cpp's), not
+    # SGLang's or vLLM's default ("never"): the tests of the fake and of luftpause's
+    # cache accounting read the figure, a miss's 0 among them.
+    cache_report: CacheReport = "always"
 
     def __post_init__(self) -> None:
         if self.flavor not in FLAVORS:
@@ -124,6 +135,10 @@ class FakeEngineSettings:
             raise ValueError(f"dp_size must be 1 to 64, got {self.dp_size}")
         if self.max_tool_calls < 0:
             raise ValueError(f"max_tool_calls must be at least 0, got {self.max_tool_calls}")
+        if self.cache_report not in CACHE_REPORTS:
+            raise ValueError(
+                f"cache_report must be one of {CACHE_REPORTS}, got {self.cache_report!r}"
+            )
 
 
 # --------------------------------------------------------------------------- engine driver
@@ -535,13 +550,29 @@ def _from_responses(body: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- responses
 
 
-def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+def _said(report: str, cached: int) -> int | None:
+    """The cached tokens an answer states under `report` (FakeEngineSettings.cache_report);
+    None: it leaves them out."""
+    if report == "never" or (report == "hits" and cached == 0):
+        return None
+    return cached
+
+
+def _usage(prompt: int, completion: int, cached: int | None) -> dict[str, Any]:
+    """Chat Completions usage; `cached` None: no prompt_tokens_details (null, as SGLang's
+    and vLLM's UsageInfo serialize an unset one)."""
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
+        "prompt_tokens_details": None if cached is None else {"cached_tokens": cached},
     }
+
+
+def _cached(usage: dict[str, Any]) -> int | None:
+    """What `usage` (from `_usage`) says was cached; None: it says nothing."""
+    details = usage["prompt_tokens_details"]
+    return None if details is None else int(details["cached_tokens"])
 
 
 def _completion_body(
@@ -585,7 +616,7 @@ class _Chunks:
         choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return f'data: {self._head}, "choices": [{json.dumps(choice)}]}}\n\n'
 
-    def role(self, cached: int = 0) -> str:
+    def role(self, cached: int | None = 0) -> str:
         return self._event({"role": "assistant", "content": ""})
 
     def content(self, start: int, stop: int) -> str:
@@ -629,7 +660,9 @@ class _AnthropicEvents:
     cache, with `cache_read_input_tokens`; vLLM in both: in `message_start` the whole
     prompt (its cache hit not known yet, no cache fields), in the last `message_delta`
     net of the cache with `cache_read_input_tokens`, as since its PR #40912 (with
-    --enable-prompt-tokens-details; before, no cache figure at all)."""
+    --enable-prompt-tokens-details; before, no cache figure at all).  An answer that
+    states no cached tokens (FakeEngineSettings.cache_report): SGLang says 0 of them,
+    the others leave the cache fields out and count the whole prompt."""
 
     def __init__(self, rid: str, chat: _Chat, reply: Reply, flavor: str, prompt: int) -> None:
         self._rid, self._chat, self._reply = rid, chat, reply
@@ -639,13 +672,13 @@ class _AnthropicEvents:
     def _event(kind: str, payload: dict[str, Any]) -> str:
         return f"event: {kind}\ndata: {json.dumps({'type': kind, **payload})}\n\n"
 
-    def role(self, cached: int = 0) -> str:
+    def role(self, cached: int | None = 0) -> str:
         usage: dict[str, Any] = {"input_tokens": 0, "output_tokens": 0}
-        if self._flavor == "vllm":
+        if self._flavor == "vllm" or (self._flavor != "sglang" and cached is None):
             usage = {"input_tokens": self._prompt, "output_tokens": 0}
         elif self._flavor != "sglang":
             usage = {
-                "input_tokens": self._prompt - cached,
+                "input_tokens": self._prompt - (cached or 0),
                 "output_tokens": 0,
                 "cache_read_input_tokens": cached,
             }
@@ -692,10 +725,12 @@ class _AnthropicEvents:
         return "".join(events)
 
     def end(self, usage: dict[str, Any]) -> str:
-        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        cached = _cached(usage)
         tail = {"output_tokens": usage["completion_tokens"]}
         if self._flavor == "sglang":
-            tail |= {"input_tokens": usage["prompt_tokens"], "cache_read_input_tokens": cached}
+            tail |= {"input_tokens": usage["prompt_tokens"], "cache_read_input_tokens": cached or 0}
+        elif self._flavor == "vllm" and cached is None:
+            tail |= {"input_tokens": usage["prompt_tokens"]}
         elif self._flavor == "vllm":
             tail |= {
                 "input_tokens": usage["prompt_tokens"] - cached,
@@ -720,8 +755,16 @@ class _AnthropicEvents:
         ]
         if not content:
             content = [{"type": "text", "text": self._reply.content}]
-        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        cached = _cached(usage)
         prompt = usage["prompt_tokens"]
+        counts: dict[str, Any] = {
+            "input_tokens": prompt,
+            "output_tokens": usage["completion_tokens"],
+        }
+        if self._flavor == "sglang":
+            counts["cache_read_input_tokens"] = cached or 0
+        elif cached is not None:
+            counts |= {"input_tokens": prompt - cached, "cache_read_input_tokens": cached}
         message = {
             "id": self._rid,
             "type": "message",
@@ -730,11 +773,7 @@ class _AnthropicEvents:
             "content": content,
             "stop_reason": _STOP_REASONS.get(self._reply.finish_reason, "end_turn"),
             "stop_sequence": None,
-            "usage": {
-                "input_tokens": prompt if self._flavor == "sglang" else prompt - cached,
-                "output_tokens": usage["completion_tokens"],
-                "cache_read_input_tokens": cached,
-            },
+            "usage": counts,
         }
         return json.dumps(message).encode()
 
@@ -812,7 +851,7 @@ class _ResponseEvents:
             "content": [part],
         }
 
-    def role(self, cached: int = 0) -> str:
+    def role(self, cached: int | None = 0) -> str:
         head = self._event("response.created", {"response": self.response(None)})
         if self._reply.tool_calls:
             return head
@@ -1034,7 +1073,7 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
         if hit is None:
             text, conv, reply = plan(chat)
             prompt = max(1, -(-len(text) // CHARS_PER_TOKEN))
-            usage = _usage(prompt, reply.n_tokens, 0)
+            usage = _usage(prompt, reply.n_tokens, _said(s.cache_report, 0))
             created = int(time.time())
             if chat.stream:
                 chunks = _Chunks(_ID_PLACEHOLDER, created, chat, reply, conv)
@@ -1086,6 +1125,10 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
             priority=-chat.priority if s.flavor == "vllm" else chat.priority,
         )
 
+    def usage_of(done: Finished) -> dict[str, Any]:
+        cached = _said(s.cache_report, done.cached_tokens)
+        return _usage(done.prompt_tokens, done.completion_tokens, cached)
+
     async def client_stayed(request: Request, fut: asyncio.Future[Any]) -> bool:
         """Wait for `fut`; False if the client disconnected first."""
         while not fut.done():
@@ -1116,7 +1159,7 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
         # Starlette cancels this generator when the client leaves: `finally` cancels the
         # request in the engine.
         try:
-            cached = await pending.first
+            cached = _said(s.cache_report, await pending.first)
             yield chunks.role(cached)
             if reply.tool_calls:
                 yield chunks.tool_calls(0)
@@ -1136,7 +1179,7 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
                         break
                     await asyncio.wait((pending.done,), timeout=_STREAM_POLL_S)
                 done = pending.done.result()
-            yield chunks.end(_usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens))
+            yield chunks.end(usage_of(done))
         finally:
             d.cancel(rid)
 
@@ -1169,7 +1212,7 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
         done = await finished(request, driver, rid, pending)
         if done is None:
             return Response(status_code=499)
-        usage = _usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens)
+        usage = usage_of(done)
         return Response(_completion_body(rid, created, chat, reply, conv, usage), media_type=_JSON)
 
     async def other_api(
@@ -1190,10 +1233,10 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
             if not drivers:  # instant: no engine, nothing cached
                 prompt = max(1, -(-len(text) // CHARS_PER_TOKEN))
                 events = events_for(rid, chat, reply, prompt)
-                usage = _usage(prompt, reply.n_tokens, 0)
+                usage = _usage(prompt, reply.n_tokens, _said(s.cache_report, 0))
                 if not chat.stream:
                     return Response(events.body(usage), media_type=_JSON)
-                steps = events.role() + (
+                steps = events.role(_said(s.cache_report, 0)) + (
                     events.tool_calls(0) + events.tool_calls(1)
                     if reply.tool_calls
                     else events.content(0, len(reply.tokens))
@@ -1215,7 +1258,7 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
         done = await finished(request, driver, rid, pending)
         if done is None:
             return Response(status_code=499)
-        usage = _usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens)
+        usage = usage_of(done)
         return Response(events.body(usage), media_type=_JSON)
 
     @app.post("/v1/messages")

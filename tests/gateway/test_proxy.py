@@ -566,6 +566,54 @@ async def test_later_turns_hit_the_prefix_cache() -> None:
         assert cached[0] == 0 and all(c > 0 for c in cached[1:])
 
 
+@pytest.mark.parametrize("report", ["always", "hits", "never"])
+async def test_only_a_stated_cache_count_teaches_the_shared_prefix(report: str) -> None:
+    # Four runs open with one long system prompt: the first finds nothing cached, the
+    # others find the system prompt; a fifth has tools and a system prompt of their own
+    # (nothing in common: the fake renders the tools first).  An engine states what it
+    # found in every answer ("always": llama.cpp), only when it found some ("hits":
+    # SGLang with --enable-cache-report, vLLM with --enable-prompt-tokens-details), or
+    # never (both without their flag, their default).  What it did not state is no
+    # sample of the shared prefix, and its run is counted whole; once it has stated a
+    # hit, its silence is a miss.  The proxy passes the usage on as the engine wrote it.
+    shared = {"role": "system", "content": "You are a careful agent. " * 40}
+    other = {"role": "system", "content": "You are another agent entirely. " * 40}
+    other_tools = [{"type": "function", "function": {**TOOLS[0]["function"], "description": "?"}}]
+    async with (
+        engine(time_scale=50, cache_report=report) as (url, _),
+        gateway(endpoint("a", url)) as (gw, shell),
+    ):
+        runs, stated = [], []
+        for i, (system, tools) in enumerate([(shared, TOOLS)] * 4 + [(other, other_tools)]):
+            body = {"model": MODEL, "tools": tools, "fake_max_tool_calls": 3}
+            body["messages"] = [system, {"role": "user", "content": tool_task(1, f"job {i}")}]
+            r = await gw.post("/v1/chat/completions", json=body)
+            assert r.json()["choices"][0]["finish_reason"] == "tool_calls", r.text
+            runs.append(r.headers[RUN])
+            stated.append(r.json()["usage"]["prompt_tokens_details"])
+            await until(lambda: not shell.state.turns, "the turn's end")
+        metrics = (await gw.get("/metrics")).text
+        counted = re.findall(r"^luftpause_cached_tokens_total\{[^}]*\} (\S+)$", metrics, re.M)
+
+    hit = stated[1]["cached_tokens"] if stated[1] else 0
+    firsts = [shell.state.runs[run].first_cached for run in runs]
+    learned = shell.state.shared_prefixes.get(MODEL)
+    if report == "never":
+        assert stated == [None] * 5
+        assert firsts == [0] * 5  # each counted whole
+        assert learned is None  # no sample at all
+        assert sum(float(v) for v in counted) == 0
+        return
+    assert hit > 0 and stated[2:4] == [stated[1]] * 2
+    assert stated[0] == stated[4] == ({"cached_tokens": 0} if report == "always" else None)
+    assert firsts == [0, hit, hit, hit, 0]
+    assert learned is not None
+    # "hits": the first miss was silence from an engine not yet known to report (no
+    # sample); the last, silence from one that has reported a hit (a miss).
+    assert learned[2] == ((0,) if report == "always" else ()) + (hit, hit, hit, 0)
+    assert sum(float(v) for v in counted) == 3 * hit
+
+
 # --------------------------------------------------------------------------- holding
 
 

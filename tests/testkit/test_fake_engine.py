@@ -240,6 +240,63 @@ async def test_repeated_and_growing_conversations_hit_the_cache() -> None:
         assert await metric(client, "sglang:cache_hit_rate") > 0
 
 
+@pytest.mark.parametrize("flavor", FLAVORS)
+@pytest.mark.parametrize("report", ["always", "hits", "never"])
+async def test_cached_tokens_are_stated_as_the_engines_flags_say(flavor: str, report: str) -> None:
+    # llama.cpp states them in every answer ("always"); SGLang with --enable-cache-report
+    # and vLLM with --enable-prompt-tokens-details only when they found some ("hits");
+    # without those flags neither does, nor Ollama ("never").  Each API asked twice with
+    # one long system prompt: a miss, then a hit.
+    def system(api: str) -> str:
+        return f"You are a careful agent for {api}. " * 40
+
+    def stated(api: str, body: dict[str, Any]) -> int | None:
+        usage = body["usage"]
+        if api == "messages":
+            read = usage.get("cache_read_input_tokens")
+            return None if read is None else int(read)
+        details = usage["input_tokens_details" if api == "responses" else "prompt_tokens_details"]
+        return None if details is None else int(details["cached_tokens"])
+
+    hi = [{"role": "user", "content": "hi"}]
+    requests = {
+        "chat": (
+            "/v1/chat/completions",
+            {"messages": [{"role": "system", "content": system("chat")}, *hi]},
+        ),
+        "messages": (
+            "/v1/messages",
+            {"max_tokens": 32, "system": system("messages"), "messages": hi},
+        ),
+        "responses": ("/v1/responses", {"instructions": system("responses"), "input": "hi"}),
+    }
+    async with fake_engine(time_scale=50, flavor=flavor, cache_report=report) as client:
+        for api, (path, body) in requests.items():
+            miss, hit = [(await client.post(path, json=body)).json() for _ in range(2)]
+            said = [stated(api, miss), stated(api, hit)]
+            if api == "messages" and flavor == "sglang":
+                # SGLang's Messages API says 0 of what its Chat Completions leaves out.
+                assert said[0] == 0 and (said[1] == 0) == (report == "never"), said
+                assert hit["usage"]["input_tokens"] == miss["usage"]["input_tokens"]
+                continue
+            assert said[0] == (0 if report == "always" else None), (api, said)
+            if report == "never":
+                assert said[1] is None, (api, said)
+            else:
+                assert said[1] is not None and said[1] > 0, (api, said)
+            if api == "messages":
+                # The others count the prompt net of what they say was cached.
+                whole = miss["usage"]["input_tokens"] + (said[0] or 0)
+                assert hit["usage"]["input_tokens"] + (said[1] or 0) == whole
+
+        # A stream's usage chunk says the same as its JSON answer.
+        stream = {**requests["chat"][1], "stream": True, "stream_options": {"include_usage": True}}
+        async with client.stream("POST", "/v1/chat/completions", json=stream) as r:
+            events = await read_events(r)
+        details = json.loads(events[-2])["usage"]["prompt_tokens_details"]
+        assert (details is None) == (report == "never"), details
+
+
 async def run_agent(client: httpx.AsyncClient, first_user: str) -> int:
     """Drive one tool-calling run to its answer; return its number of tool calls."""
     messages: list[dict[str, Any]] = [{"role": "user", "content": first_user}]
@@ -776,6 +833,7 @@ async def test_cli_subprocess_serves_and_exits_cleanly_on_sigterm() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "luftpause", "fake-engine", "--flavor", "vllm"]
     cmd += ["--port", str(port), "--time-scale", "50", "--model", "m1", "--model", "m2"]
+    cmd += ["--cache-report", "never"]  # vLLM's default: no --enable-prompt-tokens-details
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
@@ -794,6 +852,7 @@ async def test_cli_subprocess_serves_and_exits_cleanly_on_sigterm() -> None:
                 "/v1/chat/completions", json={**chat(max_tokens=8), "model": "m2"}
             )
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+            assert r.json()["usage"]["prompt_tokens_details"] is None
             assert "vllm:num_requests_running" in (await client.get("/metrics")).text
     finally:
         proc.terminate()
