@@ -463,6 +463,11 @@ class SimEngine:
             evicted_tokens_total=self._evicted_total,
         )
 
+    def queued_tokens(self) -> int:
+        """The prompt tokens of the requests waiting for admission (what SGLang's load
+        report adds to the KV tokens in use)."""
+        return sum(w.request.prompt_tokens for w in self._waiting.values())
+
     def generated_tokens(self, request_id: str, now: float) -> int:
         """Tokens a running request has produced by `now` (0 if queued, unknown or finished).
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import itertools
 import json
 import logging
@@ -1004,9 +1005,10 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
         return _error(503, "the engine is not running")
 
     def rank_values() -> list[dict[str, float]]:
-        """Each rank's gauges."""
+        """Each rank's gauges, and the prompt tokens of its waiting requests."""
         if not drivers:
-            return [{"running": 0, "queued": 0, "token_usage": 0.0, "cache_hit_rate": 0.0}]
+            idle = {"running": 0, "queued": 0, "token_usage": 0.0, "cache_hit_rate": 0.0}
+            return [idle | {"queued_tokens": 0}]
         out = []
         for d in drivers:
             if d.running:
@@ -1018,20 +1020,32 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
                     "queued": m.queued,
                     "token_usage": m.token_usage,
                     "cache_hit_rate": m.cache_hit_rate,
+                    "queued_tokens": d.engine.queued_tokens(),
                 }
             )
         return out
 
-    def rank_load(v: dict[str, float]) -> dict[str, int]:
-        return {
-            "load": int(v["running"] + v["queued"]),
-            "num_reqs": int(v["running"]),
-            "num_waiting_reqs": int(v["queued"]),
-        }
-
-    def load() -> dict[str, int]:
-        ranks = [rank_load(v) for v in rank_values()]
-        return {k: sum(r[k] for r in ranks) for k in ranks[0]}
+    def rank_loads() -> list[dict[str, Any]]:
+        """Each rank's load as SGLang's /v1/loads reports it (its `core` section; a
+        throughput the simulation does not know is left out, not said to be 0): the KV
+        tokens its running requests hold, and in all the waiting prompts' tokens too."""
+        ranks = []
+        for rank, v in enumerate(rank_values()):
+            used = round(v["token_usage"] * params.kv_pool_tokens)
+            ranks.append(
+                {
+                    "dp_rank": rank,
+                    "num_running_reqs": int(v["running"]),
+                    "num_waiting_reqs": int(v["queued"]),
+                    "num_used_tokens": used,
+                    "num_total_tokens": used + int(v["queued_tokens"]),
+                    "max_total_num_tokens": params.kv_pool_tokens,
+                    "token_usage": round(v["token_usage"], 4),
+                    "cache_hit_rate": round(v["cache_hit_rate"], 4),
+                    "max_running_requests": params.max_running_requests,
+                }
+            )
+        return ranks
 
     def rank_of(request: Request) -> _Driver:
         """The rank a request goes to: its X-Data-Parallel-Rank, else the next in turn.
@@ -1374,10 +1388,10 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
                 # One per rank, as SGLang's schedulers report theirs.
                 "internal_states": [
                     {
-                        "load": r["load"],
+                        "load": r["num_running_reqs"] + r["num_waiting_reqs"],
                         "effective_max_running_requests_per_dp": params.max_running_requests,
                     }
-                    for r in map(rank_load, rank_values())
+                    for r in rank_loads()
                 ],
             }
         )
@@ -1386,8 +1400,23 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
         return _json({"model_path": s.models[0], "is_generation": True, "tokenizer_path": None})
 
     async def loads(model: str | None = None) -> Response:
-        ranks = [rank_load(v) for v in rank_values()]
-        return _json({"model": model or s.models[0], "loads": ranks, **load()})
+        """SGLang's /v1/loads; also /loads?model=, which SMG 1.13 polls and reads the
+        same way.  Beside it the fake's older totals: `load` (running and waiting),
+        `num_reqs` (running), `num_waiting_reqs`."""
+        ranks = rank_loads()
+        running = sum(r["num_running_reqs"] for r in ranks)
+        waiting = sum(r["num_waiting_reqs"] for r in ranks)
+        return _json(
+            {
+                "timestamp": datetime.datetime.now(datetime.UTC).isoformat(),
+                "version": f"fake-{s.flavor}",
+                "loads": ranks,
+                "model": model or s.models[0],
+                "load": running + waiting,
+                "num_reqs": running,
+                "num_waiting_reqs": waiting,
+            }
+        )
 
     for path in ("/server_info", "/get_server_info"):
         app.add_api_route(path, server_info, methods=["GET"])
@@ -1414,7 +1443,23 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
 
     @app.get("/get_load")
     async def get_load() -> Response:
-        return _json(load())
+        # SGLang's, a list with one entry per rank (its shim over /v1/loads keeps the
+        # names its routers parse): the SGLang router's power_of_two sums num_tokens,
+        # and takes an answer that is no list for no load at all (-1).
+        tic = time.perf_counter()
+        return _json(
+            [
+                {
+                    "dp_rank": r["dp_rank"],
+                    "num_reqs": r["num_running_reqs"] + r["num_waiting_reqs"],
+                    "num_waiting_reqs": r["num_waiting_reqs"],
+                    "num_tokens": r["num_total_tokens"],
+                    "num_pending_tokens": r["num_total_tokens"] - r["num_used_tokens"],
+                    "ts_tic": tic,
+                }
+                for r in rank_loads()
+            ]
+        )
 
     @app.get("/version")
     async def version() -> Response:

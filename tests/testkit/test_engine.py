@@ -387,6 +387,7 @@ def test_kv_full_requests_wait_fcfs_no_skipping() -> None:
     m = e.metrics()
     assert m.queued == 2 and m.running == 2
     assert m.token_usage == pytest.approx(2 * 2256 / 5000)
+    assert e.queued_tokens() == 2000 + 100  # c's and d's prompts
     first, fin = by_id(run_all(e))
     assert first["c"].time > fin["a"].time
     assert first["d"].time >= first["c"].time  # no skipping ahead

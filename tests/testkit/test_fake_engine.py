@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
+from testkit._fake_text import render_message
 from testkit.engine import EngineParams
 from testkit.fake_engine import FLAVORS, FakeEngineSettings, create_app
 from testkit.loopback import serve
@@ -640,6 +641,54 @@ async def test_queue_shows_in_metrics() -> None:
         assert (running, waiting) == (0, 0)
 
 
+async def test_load_reports_are_sglangs_current_shapes() -> None:
+    # /get_load as SGLang's shim over /v1/loads answers it: a list, one entry per rank,
+    # num_tokens the KV tokens in use and the waiting prompts' tokens (the SGLang
+    # router's power_of_two sums num_tokens; a single object it reads as no load, -1).
+    # /v1/loads (and /loads?model=, which SMG 1.13 polls) per rank as SGLang reports it.
+    params = replace(EngineParams.reference(), max_running_requests=1)
+    async with fake_engine(time_scale=0.02, engine=params, dp_size=2) as client:
+        rank1 = {"X-Data-Parallel-Rank": "1"}
+        gens = [
+            asyncio.create_task(
+                client.post("/v1/chat/completions", json=chat(f"q{i} " * 50), headers=rank1)
+            )
+            for i in range(3)
+        ]
+        for _ in range(POLLS):
+            get_load = (await client.get("/get_load")).json()
+            if get_load[1]["num_waiting_reqs"] == 2:
+                break
+            await asyncio.sleep(POLL_S)
+        v1 = (await client.get("/v1/loads")).json()
+        by_model = (await client.get("/loads", params={"model": MODEL})).json()
+        for g in gens:
+            g.cancel()
+        await asyncio.gather(*gens, return_exceptions=True)
+
+    keys = {"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens", "num_pending_tokens"}
+    assert [set(r) for r in get_load] == [keys | {"ts_tic"}] * 2
+    idle, busy = get_load
+    assert (idle["dp_rank"], idle["num_reqs"], idle["num_tokens"]) == (0, 0, 0)
+    assert (busy["dp_rank"], busy["num_reqs"], busy["num_waiting_reqs"]) == (1, 3, 2)
+    # Two prompts wait, of one length each (4 characters a token).
+    prompt = -(-len(render_message(chat("q0 " * 50)["messages"][0])) // 4)
+    assert busy["num_pending_tokens"] == 2 * prompt
+
+    assert set(v1) >= {"timestamp", "version", "loads"}
+    ranks = v1["loads"]
+    assert [r["dp_rank"] for r in ranks] == [0, 1]
+    assert (ranks[1]["num_running_reqs"], ranks[1]["num_waiting_reqs"]) == (1, 2)
+    assert ranks[1]["max_total_num_tokens"] == 56_000 and ranks[1]["max_running_requests"] == 1
+    used = ranks[1]["num_used_tokens"]
+    assert used > 0 and ranks[1]["token_usage"] == pytest.approx(used / 56_000, abs=1e-4)
+    assert ranks[1]["num_total_tokens"] - used == busy["num_pending_tokens"]
+    assert ranks[1]["num_total_tokens"] == busy["num_tokens"]
+    assert ranks[0]["num_used_tokens"] == ranks[0]["num_running_reqs"] == 0
+    assert by_model["loads"] == ranks
+    assert (by_model["load"], by_model["num_reqs"], by_model["num_waiting_reqs"]) == (3, 1, 2)
+
+
 async def test_client_disconnect_mid_stream_stops_generation() -> None:
     # ~11 ms virtual per decode step at 0.02x: a 40+ token reply would take > 20 s of wall
     # time; the disconnect must free the engine well before that (polls last ~4 s).
@@ -750,7 +799,8 @@ async def test_probe_endpoints() -> None:
         assert info["max_running_requests"] == 7
         assert info["model_path"] == MODEL
         assert (await client.get("/get_model_info")).json()["is_generation"] is True
-        assert (await client.get("/get_load")).json()["load"] == 0
+        [rank] = (await client.get("/get_load")).json()  # one per data-parallel rank
+        assert rank["dp_rank"] == rank["num_reqs"] == rank["num_tokens"] == 0
         assert (await client.get("/version")).json() == {"version": "fake-sglang"}
         assert (await client.get("/loads", params={"model": MODEL})).json()["load"] == 0
 
