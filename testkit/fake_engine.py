@@ -984,7 +984,9 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
     pool = FillerPool(s.seed)
     ids = itertools.count(1)
     instant_cache: dict[bytes, tuple[bytes, str]] = {}
-    served = [{"id": m, "object": "model", "created": 0, "owned_by": "fake"} for m in s.models]
+    # Owned by the engine, as each names itself there (SMG tells SGLang from vLLM by it:
+    # "fake" made it take an SGLang for vLLM, helper-189).
+    served = [{"id": m, "object": "model", "created": 0, "owned_by": s.flavor} for m in s.models]
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

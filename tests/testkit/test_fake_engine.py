@@ -579,6 +579,7 @@ async def test_served_models() -> None:
         listed = (await client.get("/v1/models")).json()
         assert listed["object"] == "list"
         assert [m["id"] for m in listed["data"]] == ["a", "b"]
+        assert {m["owned_by"] for m in listed["data"]} == {"sglang"}  # as the engine says
         r = await client.post("/v1/chat/completions", json={**chat(max_tokens=2), "model": "b"})
         assert r.status_code == 200 and r.json()["model"] == "b"
         r = await client.post("/v1/chat/completions", json={**chat(), "model": MODEL})
