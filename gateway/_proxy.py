@@ -69,6 +69,8 @@ from scheduler import (
 __all__ = [
     "DROP_UPSTREAM",
     "RUN_HEADER",
+    "CancelOnLeave",
+    "ClientLeft",
     "MessagesWatch",
     "ResponsesWatch",
     "StreamWatch",
@@ -1074,14 +1076,14 @@ def left_while_held(shell: AdmissionShell, turn_id: str, now: float) -> Event:
     return TurnAbandoned(now=now, turn_id=turn_id)
 
 
-class _ClientLeft(Exception):
-    pass
+class ClientLeft(Exception):
+    """The client left while a `CancelOnLeave` block ran: the block's step stopped."""
 
 
-class _CancelOnLeave:
+class CancelOnLeave:
     """While a `with` block of it runs, the client leaving cancels the task running it:
     the step it awaits (the engine's head, or streaming the answer) stops and the block
-    raises _ClientLeft.  No task per step is raced against the disconnect (that cost
+    raises ClientLeft.  No task per step is raced against the disconnect (that cost
     ~30 µs a step here).  Once the last body message is on its way (`finishing`), the
     server reports a disconnect for the finished response: then nothing is cancelled."""
 
@@ -1119,7 +1121,7 @@ class _CancelOnLeave:
             self._armed = None
         # uncancel() > 0: cancelled from outside as well (shutdown): let that through.
         if left and kind is asyncio.CancelledError and task is not None and not task.uncancel():
-            raise _ClientLeft from None
+            raise ClientLeft from None
 
 
 class TurnResponse(Response):
@@ -1157,7 +1159,7 @@ class TurnResponse(Response):
         self._ended = False
         self._complete = False  # the last body message is on its way to the client
         self._watch: StreamWatch | None = None  # the stream's watch, once it streams
-        self._sent_end = False  # its end marker went to the client (see _ClientLeft)
+        self._sent_end = False  # its end marker went to the client (see ClientLeft)
         self.started = False  # the engine's head went to the client
         self._trace: _TurnTrace | None = None
         self._runs = runs
@@ -1300,7 +1302,7 @@ class TurnResponse(Response):
                 headers.append((name.decode("latin-1"), value.decode("latin-1")))
         if self._trace is not None:
             headers += self._trace.forwarding(replica, endpoint, self._kind(replica))
-        leave = _CancelOnLeave(disconnected, lambda: self._complete)
+        leave = CancelOnLeave(disconnected, lambda: self._complete)
         into_room = self._sent_into_room(replica)
         url = endpoint.api_url(t.api)
         body = t.body
@@ -1317,7 +1319,7 @@ class TurnResponse(Response):
                     answer = await self._upstream.post(
                         url, body, headers, query=scope["query_string"]
                     )
-        except _ClientLeft:
+        except ClientLeft:
             self._fail("client disconnected before the engine answered", client_left=True)
             return
         except TimeoutError:
@@ -1358,7 +1360,7 @@ class TurnResponse(Response):
                     into_room=into_room,
                     disconnected=disconnected,
                 )
-        except _ClientLeft:
+        except ClientLeft:
             watch = self._watch
             if watch is not None and self._sent_end:
                 # The client had the whole answer and closed before the engine's end of
@@ -1400,7 +1402,7 @@ class TurnResponse(Response):
         else:
             watch = ResponsesWatch(sse=sse)
         if sse and not encoded and answer.status < 400:
-            self._watch = watch  # what a client that leaves had read (see _ClientLeft)
+            self._watch = watch  # what a client that leaves had read (see ClientLeft)
         hide = _AddedUsage() if hide_usage and sse and not encoded else None
         drop = dropped_upstream(answer.headers)
         # The body goes as it came unless usage is hidden: so does its length, where the

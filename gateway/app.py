@@ -25,7 +25,16 @@ import re
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Container,
+    Coroutine,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,8 +53,10 @@ from starlette.types import Receive, Scope, Send
 from temporalio.client import Client as TemporalClient
 
 from activities.mcp_pool import McpPool
-from gateway._http import Upstream, credentials_refused, no_answer_of
+from gateway._http import Upstream, credentials_refused, no_answer_of, wait_disconnect
 from gateway._proxy import (
+    CancelOnLeave,
+    ClientLeft,
     TurnRequest,
     TurnResponse,
     api_not_served,
@@ -105,6 +116,7 @@ from scheduler import (
     Policy,
     PolicyChanged,
     PoolChanged,
+    ReplicaState,
     RunEnded,
     RunPhase,
     ServiceClass,
@@ -168,6 +180,9 @@ SHUTTING_DOWN = (
 # Open MCP sessions a caller with a token of its own may hold (the SDK closes one after
 # 30 min idle, and holds at most 10,000 in all).
 MCP_SESSIONS_PER_CALLER = 1_000
+# What a count whose client left is answered, for nobody (its span says it): nginx's
+# "client closed request", as /v1/decide's.
+CLIENT_LEFT = 499
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -214,6 +229,7 @@ class _Live:
         self.known: dict[str, Endpoint] = dict(pool.replicas)
         self.reloading = asyncio.Lock()  # one reload at a time: the last file read wins
         self.classifier_load = ClassifierLoad()  # /v1/decide's spread over classifiers
+        self.count_load = _CountLoad()  # count_tokens' spread over a model's replicas
 
     def awaited(self, model: str) -> Awaited | None:
         """`Pool.awaited` of the pool served when asked (a held turn asks on its answer)."""
@@ -229,6 +245,58 @@ class _Live:
         self.pool = pool
         self.forget(still_known)
         self.known.update(pool.replicas)
+
+
+class _CountLoad:
+    """Spreads `/v1/messages/count_tokens` over the replicas that serve its model, as a
+    router spreads a request that is no turn (no admission, no run to keep together):
+    those healthy at their last probe first, then those not ejected after failing turns
+    (helper-116, helper-117), then those under their limit (cap and slots), then the
+    fewest in flight there (the core's turns and the gateway's counts), ties taken in
+    turn (helper-190: every count went to the replica whose name sorted first, beside
+    its turns).  As `ClassifierLoad` spreads `/v1/decide`'s classify requests."""
+
+    __slots__ = ("_in_flight", "_turn")
+
+    def __init__(self) -> None:
+        self._in_flight: dict[str, int] = {}
+        self._turn = 0
+
+    def target(
+        self,
+        serving: Sequence[Endpoint],
+        down: Container[str],
+        replicas: Mapping[str, ReplicaState],
+    ) -> Endpoint:
+        """The replica to count on; `serving` is not empty."""
+        self._turn += 1
+        turn, n, counting = self._turn, len(serving), self._in_flight
+
+        def rank(i: int) -> tuple[bool, bool, bool, int, int]:
+            name = serving[i].name
+            busy = counting.get(name, 0)
+            r = replicas.get(name)
+            if r is None:  # not in the core yet: no turns there
+                return name in down, False, False, busy, (i - turn) % n
+            limit = r.limit
+            full = limit is not None and r.in_flight >= limit
+            ejected = r.ejected_until is not None
+            return name in down, ejected, full, r.in_flight + busy, (i - turn) % n
+
+        return serving[min(range(n), key=rank)]
+
+    @contextlib.contextmanager
+    def using(self, name: str) -> Iterator[None]:
+        """A count in flight on `name` while the block runs."""
+        self._in_flight[name] = self._in_flight.get(name, 0) + 1
+        try:
+            yield
+        finally:
+            left = self._in_flight[name] - 1
+            if left:
+                self._in_flight[name] = left
+            else:
+                del self._in_flight[name]
 
 
 class _NotRunning(Exception):
@@ -868,8 +936,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.post(COUNT_TOKENS_PATH)
     async def count_tokens(request: Request) -> Response:
         """Claude Code's token count, passed to a healthy replica of the model as it is
-        (no turn: nothing is generated).  An engine without the route answers 404,
-        which Claude Code takes as "not supported"."""
+        (no turn: nothing is generated), spread over them by `_CountLoad`.  An engine
+        without the route answers 404, which Claude Code takes as "not supported"."""
         rt = running()
         run_id = ""  # no turn, no run: its answers carry no run id
         if identify(request, api_key=True) is None:
@@ -903,16 +971,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             return error_response(
                 503, message, run_id, anthropic=True, retry_after=rt.prober.retry_after
             )
-        # In rotation first: healthy at its last probe and not ejected after failing
-        # turns (helper-116: an ejected replica, failing, was asked all the same).
-        replicas = rt.shell.state.replicas
-        ejected = {
-            e.name
-            for e in serving
-            if e.name in replicas and replicas[e.name].ejected_until is not None
-        }
-        # (healthy at its probe first, then not ejected: helper-117)
-        target = sorted(serving, key=lambda e: (e.name in down, e.name in ejected))[0]
+        counts = live.count_load
+        target = counts.target(serving, down, rt.shell.state.replicas)
         # The client's header values as it sent them (the server decoded them as
         # latin-1; httpx would encode a str as ASCII and fail on anything else).
         sent = request.headers
@@ -945,7 +1005,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             headers[k.encode()] = v.encode("latin-1")
         reply: Response | None = None
         try:
-            reply = await _count_tokens(rt, target, request, raw, headers, run_id)
+            with counts.using(target.name):
+                reply = await _count_tokens(rt, target, request, raw, headers, run_id)
         finally:
             if span is not None:
                 _answered(span, reply.status_code if reply is not None else 500)
@@ -960,23 +1021,33 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         headers: dict[bytes, bytes],
         run_id: str,
     ) -> Response:
-        """The engine's count, as it answered (or why it did not)."""
+        """The engine's count, as it answered (or why it did not).  A client that leaves
+        meanwhile is watched for as a turn's (`CancelOnLeave`): the engine's request is
+        closed then, not kept open up to the turn timeout for nobody."""
         query = request.scope.get("query_string", b"").decode("latin-1")
+        disconnected = asyncio.ensure_future(wait_disconnect(request.receive))
         try:
-            answer = await rt.client.post(
-                target.api_url("messages") + "/count_tokens" + (f"?{query}" if query else ""),
-                content=raw,
-                headers=headers,
-                timeout=httpx.Timeout(
-                    rt.shell.state.policy.turn_timeout_s, connect=CONNECT_TIMEOUT_S
-                ),
-            )
+            with CancelOnLeave(disconnected, lambda: False):
+                answer = await rt.client.post(
+                    target.api_url("messages") + "/count_tokens" + (f"?{query}" if query else ""),
+                    content=raw,
+                    headers=headers,
+                    timeout=httpx.Timeout(
+                        rt.shell.state.policy.turn_timeout_s, connect=CONNECT_TIMEOUT_S
+                    ),
+                )
+        except ClientLeft:
+            # (httpx closes the connection of a request cancelled before its answer.)
+            message = "client disconnected before the engine answered"
+            return error_response(CLIENT_LEFT, message, run_id, anthropic=True)
         except httpx.HTTPError as exc:
             detail = str(exc) or (
                 "no answer in time" if isinstance(exc, httpx.TimeoutException) else "failed"
             )
             message = f"engine {target.name}: {type(exc).__name__}: {detail}"
             return error_response(502, message, run_id, anthropic=True)
+        finally:
+            disconnected.cancel()
         why = no_answer_of(answer)
         if why is not None:
             return error_response(502, f"engine {target.name}: {why}", run_id, anthropic=True)

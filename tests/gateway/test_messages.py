@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import re
 from typing import Any
@@ -18,6 +19,8 @@ from fastapi.responses import Response, StreamingResponse
 from harness import (
     MODEL,
     RUN,
+    Recorder,
+    chat,
     closed_port_url,
     endpoint,
     engine,
@@ -242,11 +245,121 @@ async def test_count_tokens_passes_over_a_replica_ejected_for_failing_turns() ->
         ) as (gw, shell),
     ):
         body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
-        assert (await gw.post("/v1/messages/count_tokens", json=body)).json()["input_tokens"] == 1
+        assert (await gw.post("/v1/messages/count_tokens", json=body)).status_code == 200
         r = await gw.post("/v1/chat/completions", json={**body, "max_tokens": 4})
         assert r.status_code == 500
         assert shell.state.replicas["a"].ejected_until is not None  # a failed its turn
-        assert (await gw.post("/v1/messages/count_tokens", json=body)).json()["input_tokens"] == 2
+        # (Several: counts are spread over the replicas in rotation, ties in turn.)
+        for _ in range(4):
+            r = await gw.post("/v1/messages/count_tokens", json=body)
+            assert r.json()["input_tokens"] == 2
+
+
+async def test_count_tokens_are_spread_over_the_replicas_and_pass_a_loaded_one() -> None:
+    # helper-190: every count went to the replica whose name sorted first, beside its
+    # turns (Claude Code counts often).  As a router spreads what is no turn: over the
+    # replicas of the model, the least loaded first, ties in turn.
+    path = "/v1/messages/count_tokens"
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+
+    def counts(recorder: Recorder) -> int:
+        return sum(p == path for p, _, _ in recorder.posts)
+
+    async with (
+        engine(time_scale=50) as (url_a, a),
+        engine(time_scale=50) as (url_b, b),
+        gateway(endpoint("a", url_a), endpoint("b", url_b)) as (gw, shell),
+    ):
+        for _ in range(6):
+            assert (await gw.post(path, json=body)).status_code == 200
+        assert (counts(a), counts(b)) == (3, 3)
+        # A turn in flight on a (its engine's clock stands still): counts go to b.
+        a.app.state.clock.stop()
+        turn = asyncio.create_task(gw.post("/v1/chat/completions", json=chat(max_tokens=4)))
+        try:
+            await until(lambda: shell.state.replicas["a"].in_flight == 1, "a turn on a")
+            for _ in range(4):
+                assert (await gw.post(path, json=body)).status_code == 200
+            assert (counts(a), counts(b)) == (3, 7)
+        finally:
+            a.app.state.clock.go()
+            assert (await turn).status_code == 200
+
+
+async def test_a_count_passes_a_replica_at_its_limit_for_one_with_room() -> None:
+    # Fewer turns in flight, but as many as its engine runs at once (its slots): the
+    # count goes where there is room, beside more turns.
+    path = "/v1/messages/count_tokens"
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+
+    def in_flight(shell: AdmissionShell) -> tuple[int, int]:
+        replicas = shell.state.replicas  # (a new state each step: read it each time)
+        return replicas["a"].in_flight, replicas["b"].in_flight
+
+    async with (
+        engine(time_scale=50) as (url_a, a),
+        engine(time_scale=50) as (url_b, b),
+        gateway(endpoint("a", url_a, slots=1), endpoint("b", url_b, slots=8)) as (gw, shell),
+    ):
+        a.app.state.clock.stop()
+        b.app.state.clock.stop()
+        turns = [
+            asyncio.create_task(gw.post("/v1/chat/completions", json=chat(f"t{i}", max_tokens=4)))
+            for i in range(3)
+        ]
+        try:
+            await until(lambda: in_flight(shell) == (1, 2), "a full with one turn, b with two")
+            assert shell.state.replicas["a"].limit == 1
+            assert (await gw.post(path, json=body)).status_code == 200
+            assert [p for p, _, _ in b.posts if p == path] == [path]
+            assert path not in [p for p, _, _ in a.posts]
+        finally:
+            a.app.state.clock.go()
+            b.app.state.clock.go()
+            for t in turns:
+                assert (await t).status_code == 200
+
+
+async def test_a_count_whose_client_left_closes_the_engines_request() -> None:
+    # helper-190: a count had no watch on its client, as a turn has: one that left
+    # kept the engine's request open up to the turn timeout (10 min), for nobody.
+    asked, closed, released = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    app = models_only()
+
+    @app.post("/v1/messages/count_tokens")
+    async def count(request: Request) -> Response:
+        await request.body()
+        asked.set()
+        # The body read, what comes next is the disconnect: the gateway closed the
+        # request.  (Else `released` answers it: a gateway that keeps it open fails
+        # the test at once, not after the turn timeout.)
+        left = asyncio.ensure_future(request.receive())
+        let_go = asyncio.ensure_future(released.wait())
+        await asyncio.wait((left, let_go), return_when=asyncio.FIRST_COMPLETED)
+        if left.done():
+            closed.set()
+        left.cancel()
+        let_go.cancel()
+        return Response(json.dumps({"input_tokens": 1}), media_type="application/json")
+
+    async with (
+        serve(app) as url,
+        gateway(endpoint("a", url, kind="openai", messages=True)) as (gw, shell),
+    ):
+        assert shell.state.policy.turn_timeout_s == 600
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+        call = asyncio.create_task(gw.post("/v1/messages/count_tokens", json=body))
+        try:
+            await asyncio.wait_for(asked.wait(), 5)
+            call.cancel()  # the client leaves: its connection to the gateway closes
+            with contextlib.suppress(asyncio.CancelledError):
+                await call
+            await asyncio.wait_for(closed.wait(), 5)
+        finally:
+            released.set()
+        # The gateway serves counts on.
+        r = await gw.post("/v1/messages/count_tokens", json=body)
+        assert r.status_code == 200 and r.json() == {"input_tokens": 1}
 
 
 async def test_count_tokens_for_a_model_whose_replicas_are_down_says_what_the_probe_found() -> None:

@@ -1427,11 +1427,11 @@ async def test_a_client_leaving_as_the_engine_answers_is_one_leave() -> None:
     # The engine's head and the client's hang-up in one loop iteration: the first
     # block's callback was already scheduled when it ended, and cancelled the second
     # block as well as its own: a bare CancelledError escaped (the turn counted
-    # abandoned, uvicorn logged a traceback) instead of _ClientLeft.
+    # abandoned, uvicorn logged a traceback) instead of ClientLeft.
     loop = asyncio.get_running_loop()
     disconnected: asyncio.Future[None] = loop.create_future()
     head: asyncio.Future[None] = loop.create_future()
-    leave = proxy_module._CancelOnLeave(disconnected, lambda: False)
+    leave = proxy_module.CancelOnLeave(disconnected, lambda: False)
     streamed = asyncio.Event()
 
     async def turn() -> str:
@@ -1441,7 +1441,7 @@ async def test_a_client_leaving_as_the_engine_answers_is_one_leave() -> None:
             with leave:
                 streamed.set()
                 await asyncio.Event().wait()  # streaming, until the client leaves
-        except proxy_module._ClientLeft:
+        except proxy_module.ClientLeft:
             return "left"
         return "finished"
 
