@@ -551,11 +551,15 @@ def _from_responses(body: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- responses
 
 
-def _said(report: str, cached: int) -> int | None:
-    """The cached tokens an answer states under `report` (FakeEngineSettings.cache_report);
-    None: it leaves them out."""
+def _said(report: str, cached: int, flavor: str = "", api: str = "chat") -> int | None:
+    """The cached tokens an answer of `api` states under `report`
+    (FakeEngineSettings.cache_report); None: it leaves them out.  The Responses API is
+    another matter (helper-193): vLLM's states them always, its flag not asked, and
+    SGLang's says 0 of what it does not state."""
+    if api == "responses" and flavor == "vllm":
+        return cached
     if report == "never" or (report == "hits" and cached == 0):
-        return None
+        return 0 if api == "responses" and flavor == "sglang" else None
     return cached
 
 
@@ -785,8 +789,8 @@ class _ResponseEvents:
     `response.completed` (or `.incomplete` when max_output_tokens cut it) carrying the
     whole response with its usage."""
 
-    def __init__(self, rid: str, chat: _Chat, reply: Reply) -> None:
-        self._rid, self._chat, self._reply = rid, chat, reply
+    def __init__(self, rid: str, chat: _Chat, reply: Reply, flavor: str) -> None:
+        self._rid, self._chat, self._reply, self._flavor = rid, chat, reply, flavor
         self._seq = itertools.count()
         self._msg = "msg_" + rid[5:]
 
@@ -824,13 +828,16 @@ class _ResponseEvents:
         if usage is None:
             return body
         output = self._calls() or [self._message(self._reply.content or "")]
+        details = usage["prompt_tokens_details"]
+        if details is not None and self._flavor == "sglang":
+            details = {**details, "cache_write_tokens": 0}  # as SGLang's usage says it
         body |= {
             "status": "incomplete" if cut else "completed",
             "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
             "output": output,
             "usage": {
                 "input_tokens": usage["prompt_tokens"],
-                "input_tokens_details": usage["prompt_tokens_details"],
+                "input_tokens_details": details,
                 "output_tokens": usage["completion_tokens"],
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": usage["total_tokens"],
@@ -1089,7 +1096,7 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
         if hit is None:
             text, conv, reply = plan(chat)
             prompt = max(1, -(-len(text) // CHARS_PER_TOKEN))
-            usage = _usage(prompt, reply.n_tokens, _said(s.cache_report, 0))
+            usage = _usage(prompt, reply.n_tokens, said(0))
             created = int(time.time())
             if chat.stream:
                 chunks = _Chunks(_ID_PLACEHOLDER, created, chat, reply, conv)
@@ -1141,9 +1148,11 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
             priority=-chat.priority if s.flavor == "vllm" else chat.priority,
         )
 
-    def usage_of(done: Finished) -> dict[str, Any]:
-        cached = _said(s.cache_report, done.cached_tokens)
-        return _usage(done.prompt_tokens, done.completion_tokens, cached)
+    def said(cached: int, api: str = "chat") -> int | None:
+        return _said(s.cache_report, cached, s.flavor, api)
+
+    def usage_of(done: Finished, api: str = "chat") -> dict[str, Any]:
+        return _usage(done.prompt_tokens, done.completion_tokens, said(done.cached_tokens, api))
 
     async def client_stayed(request: Request, fut: asyncio.Future[Any]) -> bool:
         """Wait for `fut`; False if the client disconnected first."""
@@ -1171,11 +1180,12 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
         rid: str,
         chunks: _Chunks | _AnthropicEvents | _ResponseEvents,
         reply: Reply,
+        api: str = "chat",
     ) -> AsyncIterator[str]:
         # Starlette cancels this generator when the client leaves: `finally` cancels the
         # request in the engine.
         try:
-            cached = _said(s.cache_report, await pending.first)
+            cached = said(await pending.first, api)
             yield chunks.role(cached)
             if reply.tool_calls:
                 yield chunks.tool_calls(0)
@@ -1195,7 +1205,7 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
                         break
                     await asyncio.wait((pending.done,), timeout=_STREAM_POLL_S)
                 done = pending.done.result()
-            yield chunks.end(usage_of(done))
+            yield chunks.end(usage_of(done, api))
         finally:
             d.cancel(rid)
 
@@ -1237,6 +1247,7 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
         prefix: str,
         events_for: Callable[[str, _Chat, Reply, int], _AnthropicEvents | _ResponseEvents],
         error: Callable[[int, str], Response],
+        api: str,
     ) -> Response:
         """A turn of an API the engine serves beside Chat Completions (Anthropic
         Messages, OpenAI Responses): the request converted to a chat as vLLM, SGLang and
@@ -1249,10 +1260,10 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
             if not drivers:  # instant: no engine, nothing cached
                 prompt = max(1, -(-len(text) // CHARS_PER_TOKEN))
                 events = events_for(rid, chat, reply, prompt)
-                usage = _usage(prompt, reply.n_tokens, _said(s.cache_report, 0))
+                usage = _usage(prompt, reply.n_tokens, said(0, api))
                 if not chat.stream:
                     return Response(events.body(usage), media_type=_JSON)
-                steps = events.role(_said(s.cache_report, 0)) + (
+                steps = events.role(said(0, api)) + (
                     events.tool_calls(0) + events.tool_calls(1)
                     if reply.tool_calls
                     else events.content(0, len(reply.tokens))
@@ -1270,11 +1281,12 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
         pending = driver.submit(ereq)
         events = events_for(rid, chat, reply, ereq.prompt_tokens)
         if chat.stream:
-            return StreamingResponse(stream(driver, pending, rid, events, reply), media_type=_SSE)
+            gen = stream(driver, pending, rid, events, reply, api)
+            return StreamingResponse(gen, media_type=_SSE)
         done = await finished(request, driver, rid, pending)
         if done is None:
             return Response(status_code=499)
-        usage = usage_of(done)
+        usage = usage_of(done, api)
         return Response(events.body(usage), media_type=_JSON)
 
     @app.post("/v1/messages")
@@ -1284,7 +1296,9 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
         def events(rid: str, chat: _Chat, reply: Reply, prompt: int) -> _AnthropicEvents:
             return _AnthropicEvents(rid, chat, reply, s.flavor, prompt)
 
-        return await other_api(request, _from_anthropic, "msg_", events, _anthropic_error)
+        return await other_api(
+            request, _from_anthropic, "msg_", events, _anthropic_error, "messages"
+        )
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
@@ -1292,9 +1306,9 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
         llama.cpp and Ollama serve it."""
 
         def events(rid: str, chat: _Chat, reply: Reply, prompt: int) -> _ResponseEvents:
-            return _ResponseEvents(rid, chat, reply)
+            return _ResponseEvents(rid, chat, reply, s.flavor)
 
-        return await other_api(request, _from_responses, "resp_", events, _error)
+        return await other_api(request, _from_responses, "resp_", events, _error, "responses")
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
