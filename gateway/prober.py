@@ -38,6 +38,7 @@ import functools
 import logging
 import math
 import os
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from urllib.parse import urlsplit
@@ -76,6 +77,13 @@ log = logging.getLogger(__name__)
 # The defaults of the file's [probes] (luftpause.config.Probes).
 PROBE_PERIOD_S = Probes().period_s
 PROBE_TIMEOUT_S = Probes().timeout_s
+# How long an engine found only at the older of two routes is asked there first: then
+# the newer is tried first again, once (an engine upgraded in place behind its URL keeps
+# the older, deprecated, route and would log a warning at each ask; helper-193).
+OLD_ROUTE_S = 300.0
+# Per server URL: the route it last answered at, and since when (by _clock).
+InfoRoutes = dict[str, tuple[str, float]]
+_clock = time.monotonic
 LIMIT_ASKS = 3  # healthy probes that may ask an engine its KV pool and slots before giving up
 # Probes in a row without an answer in time that take a healthy engine out of rotation:
 # a busy engine may answer one late.  A refusal or an error status counts at once.
@@ -344,7 +352,7 @@ async def probe_endpoint(
     timeout: float = PROBE_TIMEOUT_S,
     want_limits: bool = False,
     keep_exposition: bool = False,
-    routes: dict[str, str] | None = None,
+    routes: InfoRoutes | None = None,
 ) -> ProbeResult:
     """Health, and load where the kind reports it (and the KV pool size and slots, when
     `want_limits`; the /metrics answer, with `keep_exposition`).  `routes`: where each
@@ -435,23 +443,30 @@ async def _get_json(
     timeout: float,
     *,
     before: str | None = None,
-    routes: dict[str, str] | None = None,
+    routes: InfoRoutes | None = None,
 ) -> object:
     """The engine's JSON answer at `path`, or None: not knowing what it says there is
     no reason to call the engine unhealthy.  `before`: the path an older engine has
     it at, asked when `path` is not found (404), within the same timeout.  `routes`:
-    which of the two each server (by URL) last answered at, asked first; the other is
-    still asked when that one is not found (an engine changed in place)."""
+    where each server (by URL) last answered: one found only at `before` is asked there
+    first for OLD_ROUTE_S, then at `path` first again; the other is still asked when
+    the first is not found (an engine changed in place)."""
     paths = [path] if before is None else [path, before]
-    if routes is not None and routes.get(endpoint.url) == before:
+    now = _clock()
+    known = routes.get(endpoint.url) if routes is not None else None
+    if known is not None and known[0] == before and now - known[1] < OLD_ROUTE_S:
         paths.reverse()
     try:
         async with asyncio.timeout(timeout):
             for asked in paths:
                 answer = await client.get(endpoint.url + asked, headers=headers)
                 if answer.status_code != 404:
-                    if routes is not None:
-                        routes[endpoint.url] = asked
+                    # Since when it answers there: kept while the older route is
+                    # asked first and answers (its time runs out then).
+                    if routes is not None and (
+                        known is None or known[0] != asked or paths[0] == path
+                    ):
+                        routes[endpoint.url] = (asked, now)
                     break
         return answer.json() if answer.status_code == 200 else None
     except Exception:  # (a RecursionError from JSON nested too deeply, too: helper-145)
@@ -463,7 +478,7 @@ async def _sglang_server_info(
     endpoint: Endpoint,
     headers: dict[str, str],
     timeout: float,
-    routes: dict[str, str] | None = None,
+    routes: InfoRoutes | None = None,
 ) -> object:
     """SGLang's `/server_info` (its server arguments and scheduler's), or None.  An
     SGLang from before that route (404) is asked at `/get_server_info`, which later
@@ -499,7 +514,7 @@ async def probe_ranks(
     *,
     timeout: float = PROBE_TIMEOUT_S,
     want_limits: bool = False,
-    routes: dict[str, str] | None = None,
+    routes: InfoRoutes | None = None,
 ) -> list[ProbeResult]:
     """One probe of a server with data-parallel ranks, a result per rank's replica:
     the server's health, each rank's load from its rank's samples, each rank's KV pool
@@ -573,7 +588,7 @@ async def probe_pool(
     *,
     want_limits: frozenset[str] = frozenset(),
     timeout: float = PROBE_TIMEOUT_S,
-    routes: dict[str, str] | None = None,
+    routes: InfoRoutes | None = None,
 ) -> list[ProbeResult]:
     """One round over every endpoint, concurrently (a server once for all its ranks);
     routers get their engines' load.  Endpoints named in `want_limits` are also asked
@@ -770,7 +785,7 @@ class Prober:
         self._read_from: dict[str, float] = {}
         # Where each SGLang server (by URL) last answered its server info: an SGLang
         # from before /server_info is asked /get_server_info first (probe_pool).
-        self._info_routes: dict[str, str] = {}
+        self._info_routes: InfoRoutes = {}
 
     def reconfigure(self, config: Config) -> None:
         """Probe the endpoints of a reloaded file, with its `[probes]`, from the next
@@ -799,7 +814,11 @@ class Prober:
         for e in config.replicas:
             if _asks_limits(config, e) and (e.name not in known or e.name in changed):
                 self._want_limits[e.name] = 0
-        urls = {e.url for e in config.endpoints}
+        self._forget_routes()
+
+    def _forget_routes(self) -> None:
+        """Forget where servers no longer in the file answered their server info."""
+        urls = {e.url for e in self._config.endpoints}
         for url in [u for u in self._info_routes if u not in urls]:
             del self._info_routes[url]
 
@@ -815,6 +834,8 @@ class Prober:
             routes=self._info_routes,
         )
         ended = loop.time()
+        # (A reload while the round was under way: its servers' routes are not kept.)
+        self._forget_routes()
         # Endpoints a reload removed while the round was under way are not reported,
         # and neither are limits read for what the reload changed: a router's sum over
         # its old engines, an engine's slots the file now gives or no longer does.  Nor

@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 
 import gateway.app as gateway_app_module
+import gateway.prober as prober_module
 from gateway._http import describe_http_error
 from gateway.prober import (
     Prober,
@@ -1231,6 +1232,83 @@ async def test_an_engines_limits_answer_that_cannot_be_read_fails_nothing(kind: 
         )
     assert all(r.healthy for r in results), results
     assert all(r.slots is None and r.kv_tokens is None for r in results)
+
+
+async def test_an_sglang_upgraded_behind_its_url_is_asked_the_new_route_in_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An SGLang found only at `/get_server_info` is asked there first, but not for
+    ever: one upgraded in place without a round down (a rolling restart behind one URL)
+    still answers there, with a deprecation warning at each ask, and was asked there
+    every 2 s for good (helper-193).  After OLD_ROUTE_S `/server_info` is tried first
+    again: an old one pays one 404, an upgraded one is asked there from then on."""
+    clock = [1000.0]
+    monkeypatch.setattr(prober_module, "_clock", lambda: clock[0])
+    app = create_app(FakeEngineSettings(flavor="sglang", dp_size=2))
+    lacks = {"/server_info"}
+    asked: list[tuple[str, int]] = []
+
+    async def engine(scope: Any, receive: Any, send: Any) -> None:
+        path = scope.get("path")
+        if scope["type"] == "http" and path in ("/server_info", "/get_server_info"):
+            status = 404 if path in lacks else 200
+            asked.append((path, status))
+            if status == 404:
+                await PlainTextResponse("not found", status_code=404)(scope, receive, send)
+                return
+        await app(scope, receive, send)
+
+    async with serve(engine) as url, httpx.AsyncClient() as c:
+        endpoint = {"name": "a", "url": url, "kind": "sglang", "models": ["m"], "dp_size": 2}
+        prober = Prober(parse_config({"endpoints": [endpoint]}).expanded({}), c, lambda _: None)
+
+        async def round_() -> list[tuple[str, int]]:
+            asked.clear()
+            assert all(r.healthy for r in await prober.probe_once())
+            return list(asked)
+
+        old, new = [("/get_server_info", 200)], [("/server_info", 200)]
+        assert await round_() == [("/server_info", 404), *old]
+        clock[0] += prober_module.OLD_ROUTE_S - 1
+        assert await round_() == old
+        clock[0] += 1  # still old: one 404, and asked at the old route again from now
+        assert await round_() == [("/server_info", 404), *old]
+        clock[0] += prober_module.OLD_ROUTE_S - 1
+        assert await round_() == old
+        lacks = set()  # upgraded in place: both routes answer
+        assert await round_() == old
+        clock[0] += 1
+        assert await round_() == new
+        clock[0] += 10 * prober_module.OLD_ROUTE_S
+        assert await round_() == new
+
+
+async def test_a_reload_during_a_round_keeps_no_route_of_a_server_it_removed() -> None:
+    """The round under way when a reload removed a server wrote its route back after
+    the reload forgot it (helper-193): kept until the next reload, and asked first if
+    the URL came back with another SGLang."""
+    app = create_app(FakeEngineSettings(flavor="sglang", dp_size=2))
+    arrived, release = asyncio.Event(), asyncio.Event()
+
+    async def engine(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope.get("path") == "/server_info":
+            await PlainTextResponse("not found", status_code=404)(scope, receive, send)
+            return
+        if scope["type"] == "http" and scope.get("path") == "/get_server_info":
+            arrived.set()
+            await release.wait()
+        await app(scope, receive, send)
+
+    async with serve(engine) as url, serve(app) as other, httpx.AsyncClient() as c:
+        endpoint = {"name": "a", "url": url, "kind": "sglang", "models": ["m"], "dp_size": 2}
+        prober = Prober(parse_config({"endpoints": [endpoint]}).expanded({}), c, lambda _: None)
+        round_ = asyncio.create_task(prober.probe_once())
+        await asyncio.wait_for(arrived.wait(), 5)
+        moved = {**endpoint, "url": other}
+        prober.reconfigure(parse_config({"endpoints": [moved]}).expanded({}))
+        release.set()
+        await asyncio.wait_for(round_, 5)
+        assert url not in prober._info_routes
 
 
 async def test_an_old_sglangs_server_info_route_is_remembered_across_rounds() -> None:
