@@ -31,7 +31,6 @@ from collections.abc import (
     Callable,
     Container,
     Coroutine,
-    Iterator,
     Mapping,
     Sequence,
 )
@@ -67,9 +66,11 @@ from gateway._proxy import (
 from gateway._runtrace import RunSpans
 from gateway._shell import AdmissionShell, Awaited
 from gateway.decide import (
+    CLIENT_LEFT,
     ClassifierLoad,
     DecideError,
     DecideRequest,
+    Spread,
     decide,
     decide_request,
     parse_decide,
@@ -180,9 +181,6 @@ SHUTTING_DOWN = (
 # Open MCP sessions a caller with a token of its own may hold (the SDK closes one after
 # 30 min idle, and holds at most 10,000 in all).
 MCP_SESSIONS_PER_CALLER = 1_000
-# What a count whose client left is answered, for nobody (its span says it): nginx's
-# "client closed request", as /v1/decide's.
-CLIENT_LEFT = 499
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -247,7 +245,7 @@ class _Live:
         self.known.update(pool.replicas)
 
 
-class _CountLoad:
+class _CountLoad(Spread):
     """Spreads `/v1/messages/count_tokens` over the replicas that serve its model, as a
     router spreads a request that is no turn (no admission, no run to keep together):
     those healthy at their last probe first, then those not ejected after failing turns
@@ -256,11 +254,7 @@ class _CountLoad:
     turn (helper-190: every count went to the replica whose name sorted first, beside
     its turns).  As `ClassifierLoad` spreads `/v1/decide`'s classify requests."""
 
-    __slots__ = ("_in_flight", "_turn")
-
-    def __init__(self) -> None:
-        self._in_flight: dict[str, int] = {}
-        self._turn = 0
+    __slots__ = ()
 
     def target(
         self,
@@ -269,34 +263,19 @@ class _CountLoad:
         replicas: Mapping[str, ReplicaState],
     ) -> Endpoint:
         """The replica to count on; `serving` is not empty."""
-        self._turn += 1
-        turn, n, counting = self._turn, len(serving), self._in_flight
 
-        def rank(i: int) -> tuple[bool, bool, bool, int, int]:
-            name = serving[i].name
-            busy = counting.get(name, 0)
+        def rank(e: Endpoint) -> tuple[bool, bool, bool, int, int]:
+            name = e.name
+            busy, last = self.busy(name), self.last(name)
             r = replicas.get(name)
             if r is None:  # not in the core yet: no turns there
-                return name in down, False, False, busy, (i - turn) % n
+                return name in down, False, False, busy, last
             limit = r.limit
             full = limit is not None and r.in_flight >= limit
             ejected = r.ejected_until is not None
-            return name in down, ejected, full, r.in_flight + busy, (i - turn) % n
+            return name in down, ejected, full, r.in_flight + busy, last
 
-        return serving[min(range(n), key=rank)]
-
-    @contextlib.contextmanager
-    def using(self, name: str) -> Iterator[None]:
-        """A count in flight on `name` while the block runs."""
-        self._in_flight[name] = self._in_flight.get(name, 0) + 1
-        try:
-            yield
-        finally:
-            left = self._in_flight[name] - 1
-            if left:
-                self._in_flight[name] = left
-            else:
-                del self._in_flight[name]
+        return min(serving, key=rank)
 
 
 class _NotRunning(Exception):
@@ -1009,7 +988,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                 reply = await _count_tokens(rt, target, request, raw, headers, run_id)
         finally:
             if span is not None:
-                _answered(span, reply.status_code if reply is not None else 500)
+                if reply is not None and reply.status_code == CLIENT_LEFT:
+                    # The engine answered nothing: named as a turn's (helper-194).
+                    span.set_attribute("error.type", "client_left")
+                    span.set_status(StatusCode.ERROR, "client disconnected")
+                else:
+                    _answered(span, reply.status_code if reply is not None else 500)
                 span.end()
         return reply
 

@@ -70,12 +70,14 @@ from scheduler import (
 )
 
 __all__ = [
+    "CLIENT_LEFT",
     "MAX_LABELS",
     "MIN_LABELS",
     "SYSTEM_PROMPT",
     "TOP_LOGPROBS",
     "DecideError",
     "DecideRequest",
+    "Spread",
     "chat_body",
     "classify",
     "decide",
@@ -93,7 +95,7 @@ MIN_LABEL_MASS = 0.05
 TOP_LOGPROBS = 20
 _FIELDS = ("input", "labels", "model")
 # Status the route answers when its client left (nobody reads it; nginx's convention).
-_CLIENT_LEFT = 499
+CLIENT_LEFT = 499
 
 
 class DecideError(Exception):
@@ -559,7 +561,7 @@ async def run_turn(
         outcome = await hold(shell, turn, clock, disconnected, awaited)
         if outcome is None:
             end(left_while_held(shell, turn.turn_id, clock()))
-            return error_response(_CLIENT_LEFT, "client disconnected while held", turn.run_id)
+            return error_response(CLIENT_LEFT, "client disconnected while held", turn.run_id)
         if isinstance(outcome, Rejected):
             ended = True  # never queued: nothing to report
             return error_response(
@@ -606,7 +608,7 @@ async def run_turn(
                 await task
             if disconnected.done():
                 fail("client disconnected before the engine answered", client_left=True)
-                return error_response(_CLIENT_LEFT, "client disconnected", turn.run_id)
+                return error_response(CLIENT_LEFT, "client disconnected", turn.run_id)
             # Not the engine's fault (toward ejecting it): the answer is not streamed, so
             # its head comes with its end, and an engine that reports no load may hold it
             # in its queue (helper-128, as on the proxy: _sent_into_room).
@@ -738,37 +740,32 @@ async def decide(
     return Response(json.dumps(result), headers={RUN_HEADER: run_id}, media_type="application/json")
 
 
-class ClassifierLoad:
-    """Spreads `/v1/decide` requests over the classifier endpoints that serve their
-    model: the ones the last probe found healthy first, then the one with the fewest
-    requests in flight, ties taken in turn.  A `/classify` request is one forward pass,
-    so it takes no admission (as the SGLang router's least-load policy has it); an
-    endpoint that refuses the connection is passed over for the next."""
+class Spread:
+    """Requests that are no turns (no admission, no run to keep together) spread over
+    endpoints: each one's requests in flight, and when it was last chosen, so that ties
+    are taken in turn.  (A counter shared by every set of endpoints, taken modulo the
+    set's size, gave one endpoint of each of two models every request when their
+    requests alternated, and two of three tied endpoints 2:1: helper-194.)"""
 
-    __slots__ = ("_in_flight", "_turn")
+    __slots__ = ("_chosen", "_in_flight", "_last")
 
     def __init__(self) -> None:
         self._in_flight: dict[str, int] = {}
-        self._turn = 0
+        self._last: dict[str, int] = {}  # name -> when last chosen (-1: never)
+        self._chosen = 0
 
-    def order(self, endpoints: Sequence[Endpoint], down: Container[str]) -> list[Endpoint]:
-        self._turn += 1
-        n = len(endpoints)
-        busy = self._in_flight
-        return [
-            endpoints[i]
-            for i in sorted(
-                range(n),
-                key=lambda i: (
-                    endpoints[i].name in down,
-                    busy.get(endpoints[i].name, 0),
-                    (i - self._turn) % n,
-                ),
-            )
-        ]
+    def busy(self, name: str) -> int:
+        return self._in_flight.get(name, 0)
+
+    def last(self, name: str) -> int:
+        """When `name` was last chosen: the least recent of tied endpoints goes first."""
+        return self._last.get(name, -1)
 
     @contextlib.contextmanager
     def using(self, name: str) -> Iterator[None]:
+        """A request in flight on `name` while the block runs."""
+        self._chosen += 1
+        self._last[name] = self._chosen
         self._in_flight[name] = self._in_flight.get(name, 0) + 1
         try:
             yield
@@ -778,6 +775,21 @@ class ClassifierLoad:
                 self._in_flight[name] = left
             else:
                 del self._in_flight[name]
+
+
+class ClassifierLoad(Spread):
+    """Spreads `/v1/decide` requests over the classifier endpoints that serve their
+    model: the ones the last probe found healthy first, then the one with the fewest
+    requests in flight, ties taken in turn.  A `/classify` request is one forward pass,
+    so it takes no admission (as the SGLang router's least-load policy has it); an
+    endpoint that refuses the connection is passed over for the next."""
+
+    __slots__ = ()
+
+    def order(self, endpoints: Sequence[Endpoint], down: Container[str]) -> list[Endpoint]:
+        return sorted(
+            endpoints, key=lambda e: (e.name in down, self.busy(e.name), self.last(e.name))
+        )
 
 
 class _Unreached(Exception):

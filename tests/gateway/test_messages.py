@@ -9,6 +9,7 @@ import base64
 import contextlib
 import json
 import re
+from types import SimpleNamespace
 from typing import Any
 
 import anthropic
@@ -30,8 +31,10 @@ from harness import (
     until,
 )
 
+import gateway.app as app_module
 from gateway._proxy import MessagesWatch
 from gateway._shell import AdmissionShell
+from gateway.decide import ClassifierLoad
 from scheduler import Policy, RunPhase
 from testkit.loopback import serve
 
@@ -320,9 +323,47 @@ async def test_a_count_passes_a_replica_at_its_limit_for_one_with_room() -> None
                 assert (await t).status_code == 200
 
 
+def _spread(load: Any, pick: Any, sets: list[list[str]], rounds: int) -> dict[str, int]:
+    """How often each endpoint is picked, the sets asked in turn `rounds` times."""
+    chosen: dict[str, int] = {}
+    for _ in range(rounds):
+        for names in sets:
+            name = pick([SimpleNamespace(name=n) for n in names])
+            with load.using(name):
+                chosen[name] = chosen.get(name, 0) + 1
+    return chosen
+
+
+def test_requests_tied_on_load_are_taken_in_turn_whatever_the_set() -> None:
+    # helper-194: ties went by a counter shared by every set of replicas, modulo the
+    # set's size: with two models' counts alternating, one replica of each got them
+    # all; with one of three replicas down, the other two got them 2:1.  Counts and
+    # /v1/decide's classify requests spread alike (gateway.decide.Spread).
+    counts, classify = app_module._CountLoad(), ClassifierLoad()
+    picks = [
+        (counts, lambda es: counts.target(es, {"a"}, {}).name),
+        (classify, lambda es: classify.order(es, {"a"})[0].name),
+    ]
+    for load, pick in picks:
+        two_models = _spread(load, pick, [["x1", "x2"], ["y1", "y2"]], 50)
+        assert two_models == dict.fromkeys(("x1", "x2", "y1", "y2"), 25)
+        assert _spread(load, pick, [["a", "b", "c"]], 30) == {"b": 15, "c": 15}
+
+
 async def test_a_count_whose_client_left_closes_the_engines_request() -> None:
     # helper-190: a count had no watch on its client, as a turn has: one that left
-    # kept the engine's request open up to the turn timeout (10 min), for nobody.
+    # kept the engine's request open up to the turn timeout (10 min), for nobody.  Its
+    # span says the client left, as a turn's does, not that the engine answered 499
+    # (helper-194).
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from luftpause import telemetry
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
     asked, closed, released = asyncio.Event(), asyncio.Event(), asyncio.Event()
     app = models_only()
 
@@ -342,24 +383,34 @@ async def test_a_count_whose_client_left_closes_the_engines_request() -> None:
         let_go.cancel()
         return Response(json.dumps({"input_tokens": 1}), media_type="application/json")
 
-    async with (
-        serve(app) as url,
-        gateway(endpoint("a", url, kind="openai", messages=True)) as (gw, shell),
-    ):
-        assert shell.state.policy.turn_timeout_s == 600
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
-        call = asyncio.create_task(gw.post("/v1/messages/count_tokens", json=body))
-        try:
-            await asyncio.wait_for(asked.wait(), 5)
-            call.cancel()  # the client leaves: its connection to the gateway closes
-            with contextlib.suppress(asyncio.CancelledError):
-                await call
-            await asyncio.wait_for(closed.wait(), 5)
-        finally:
-            released.set()
-        # The gateway serves counts on.
-        r = await gw.post("/v1/messages/count_tokens", json=body)
-        assert r.status_code == 200 and r.json() == {"input_tokens": 1}
+    telemetry.use(provider)
+    try:
+        async with (
+            serve(app) as url,
+            gateway(endpoint("a", url, kind="openai", messages=True)) as (gw, shell),
+        ):
+            assert shell.state.policy.turn_timeout_s == 600
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+            call = asyncio.create_task(gw.post("/v1/messages/count_tokens", json=body))
+            try:
+                await asyncio.wait_for(asked.wait(), 5)
+                call.cancel()  # the client leaves: its connection to the gateway closes
+                with contextlib.suppress(asyncio.CancelledError):
+                    await call
+                await asyncio.wait_for(closed.wait(), 5)
+            finally:
+                released.set()
+            # The gateway serves counts on.
+            r = await gw.post("/v1/messages/count_tokens", json=body)
+            assert r.status_code == 200 and r.json() == {"input_tokens": 1}
+    finally:
+        telemetry.use(None)
+        provider.shutdown()
+    spans = [dict(span.attributes or {}) for span in exporter.get_finished_spans()]
+    (left,) = [a for a in spans if "error.type" in a]
+    (served,) = [a for a in spans if "error.type" not in a]
+    assert left["error.type"] == "client_left" and "http.response.status_code" not in left
+    assert served["http.response.status_code"] == 200
 
 
 async def test_count_tokens_for_a_model_whose_replicas_are_down_says_what_the_probe_found() -> None:
