@@ -1234,6 +1234,31 @@ async def test_an_engines_limits_answer_that_cannot_be_read_fails_nothing(kind: 
     assert all(r.slots is None and r.kv_tokens is None for r in results)
 
 
+class _ServerInfoEngine:
+    """A fake SGLang with two data-parallel ranks whose server-info routes in `lacks`
+    answer 404 (one from before `/server_info`, or after `/get_server_info`), each ask
+    recorded in `asked` (route, status); its health check fails while `down`."""
+
+    def __init__(self, lacks: set[str]) -> None:
+        self.lacks = lacks
+        self.down = False
+        self.asked: list[tuple[str, int]] = []
+        self._app = create_app(FakeEngineSettings(flavor="sglang", dp_size=2))
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        path = scope.get("path")
+        if scope["type"] == "http" and self.down and path == "/health":
+            await PlainTextResponse("restarting", status_code=503)(scope, receive, send)
+            return
+        if scope["type"] == "http" and path in ("/server_info", "/get_server_info"):
+            status = 404 if path in self.lacks else 200
+            self.asked.append((path, status))
+            if status == 404:
+                await PlainTextResponse("not found", status_code=404)(scope, receive, send)
+                return
+        await self._app(scope, receive, send)
+
+
 async def test_an_sglang_upgraded_behind_its_url_is_asked_the_new_route_in_time(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -1244,19 +1269,8 @@ async def test_an_sglang_upgraded_behind_its_url_is_asked_the_new_route_in_time(
     again: an old one pays one 404, an upgraded one is asked there from then on."""
     clock = [1000.0]
     monkeypatch.setattr(prober_module, "_clock", lambda: clock[0])
-    app = create_app(FakeEngineSettings(flavor="sglang", dp_size=2))
-    lacks = {"/server_info"}
-    asked: list[tuple[str, int]] = []
-
-    async def engine(scope: Any, receive: Any, send: Any) -> None:
-        path = scope.get("path")
-        if scope["type"] == "http" and path in ("/server_info", "/get_server_info"):
-            status = 404 if path in lacks else 200
-            asked.append((path, status))
-            if status == 404:
-                await PlainTextResponse("not found", status_code=404)(scope, receive, send)
-                return
-        await app(scope, receive, send)
+    engine = _ServerInfoEngine({"/server_info"})
+    asked = engine.asked
 
     async with serve(engine) as url, httpx.AsyncClient() as c:
         endpoint = {"name": "a", "url": url, "kind": "sglang", "models": ["m"], "dp_size": 2}
@@ -1275,7 +1289,7 @@ async def test_an_sglang_upgraded_behind_its_url_is_asked_the_new_route_in_time(
         assert await round_() == [("/server_info", 404), *old]
         clock[0] += prober_module.OLD_ROUTE_S - 1
         assert await round_() == old
-        lacks = set()  # upgraded in place: both routes answer
+        engine.lacks = set()  # upgraded in place: both routes answer
         assert await round_() == old
         clock[0] += 1
         assert await round_() == new
@@ -1318,23 +1332,8 @@ async def test_an_old_sglangs_server_info_route_is_remembered_across_rounds() ->
     next round on.  A server that loses that route (upgraded or downgraded in place)
     is asked the other one within the same round; one seen down may come back another
     version, and is asked `/server_info` first again."""
-    app = create_app(FakeEngineSettings(flavor="sglang", dp_size=2))
-    lacks = {"/server_info"}  # an SGLang from before it
-    down = {"now": False}
-    asked: list[tuple[str, int]] = []  # (route, status) of each server info ask
-
-    async def engine(scope: Any, receive: Any, send: Any) -> None:
-        path = scope.get("path")
-        if scope["type"] == "http" and down["now"] and path == "/health":
-            await PlainTextResponse("restarting", status_code=503)(scope, receive, send)
-            return
-        if scope["type"] == "http" and path in ("/server_info", "/get_server_info"):
-            status = 404 if path in lacks else 200
-            asked.append((path, status))
-            if status == 404:
-                await PlainTextResponse("not found", status_code=404)(scope, receive, send)
-                return
-        await app(scope, receive, send)
+    engine = _ServerInfoEngine({"/server_info"})  # an SGLang from before it
+    asked = engine.asked
 
     async with serve(engine) as url, httpx.AsyncClient() as c:
         endpoint = {"name": "a", "url": url, "kind": "sglang", "models": ["m"], "dp_size": 2}
@@ -1345,7 +1344,7 @@ async def test_an_old_sglangs_server_info_route_is_remembered_across_rounds() ->
         async def round_() -> list[tuple[str, int]]:
             asked.clear()
             results = await prober.probe_once()
-            assert [r.healthy for r in results] == [not down["now"]] * 2 + [False]
+            assert [r.healthy for r in results] == [not engine.down] * 2 + [False]
             return list(asked)
 
         old = [("/get_server_info", 200)]
@@ -1353,15 +1352,15 @@ async def test_an_old_sglangs_server_info_route_is_remembered_across_rounds() ->
         for _ in range(3):
             assert await round_() == old, "asked where it answered"
         # Upgraded in place to an SGLang without the deprecated route.
-        lacks = {"/get_server_info"}
+        engine.lacks = {"/get_server_info"}
         assert await round_() == [("/get_server_info", 404), ("/server_info", 200)]
         assert await round_() == [("/server_info", 200)]
         # Downgraded again; then down for a round (a restart), and back.
-        lacks = {"/server_info"}
+        engine.lacks = {"/server_info"}
         assert await round_() == [("/server_info", 404), *old]
         assert await round_() == old
-        down["now"] = True
+        engine.down = True
         await round_()
-        down["now"] = False
+        engine.down = False
         assert await round_() == [("/server_info", 404), *old]
         assert await round_() == old
