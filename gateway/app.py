@@ -983,12 +983,18 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         for k, v in carrier.items():
             headers[k.encode()] = v.encode("latin-1")
         reply: Response | None = None
+        left = False
         try:
             with counts.using(target.name):
                 reply = await _count_tokens(rt, target, request, raw, headers, run_id)
+        except ClientLeft:
+            # (httpx closes the connection of a request cancelled before its answer.)
+            left = True
+            message = "client disconnected before the engine answered"
+            reply = error_response(CLIENT_LEFT, message, run_id, anthropic=True)
         finally:
             if span is not None:
-                if reply is not None and reply.status_code == CLIENT_LEFT:
+                if left:
                     # The engine answered nothing: named as a turn's (helper-194).
                     span.set_attribute("error.type", "client_left")
                     span.set_status(StatusCode.ERROR, "client disconnected")
@@ -1007,7 +1013,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     ) -> Response:
         """The engine's count, as it answered (or why it did not).  A client that leaves
         meanwhile is watched for as a turn's (`CancelOnLeave`): the engine's request is
-        closed then, not kept open up to the turn timeout for nobody."""
+        closed then, not kept open up to the turn timeout for nobody (ClientLeft)."""
         query = request.scope.get("query_string", b"").decode("latin-1")
         disconnected = asyncio.ensure_future(wait_disconnect(request.receive))
         try:
@@ -1020,10 +1026,6 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                         rt.shell.state.policy.turn_timeout_s, connect=CONNECT_TIMEOUT_S
                     ),
                 )
-        except ClientLeft:
-            # (httpx closes the connection of a request cancelled before its answer.)
-            message = "client disconnected before the engine answered"
-            return error_response(CLIENT_LEFT, message, run_id, anthropic=True)
         except httpx.HTTPError as exc:
             detail = str(exc) or (
                 "no answer in time" if isinstance(exc, httpx.TimeoutException) else "failed"

@@ -749,6 +749,10 @@ class Spread:
 
     __slots__ = ("_chosen", "_in_flight", "_last")
 
+    # Endpoints whose last choice is remembered, the least recent forgotten first
+    # (helper-195: under DNS discovery every pod address ever seen is a name).
+    KEPT = 1024
+
     def __init__(self) -> None:
         self._in_flight: dict[str, int] = {}
         self._last: dict[str, int] = {}  # name -> when last chosen (-1: never)
@@ -765,7 +769,10 @@ class Spread:
     def using(self, name: str) -> Iterator[None]:
         """A request in flight on `name` while the block runs."""
         self._chosen += 1
+        self._last.pop(name, None)  # (to the end: the dict keeps the order of choice)
         self._last[name] = self._chosen
+        if len(self._last) > self.KEPT:
+            del self._last[next(iter(self._last))]
         self._in_flight[name] = self._in_flight.get(name, 0) + 1
         try:
             yield

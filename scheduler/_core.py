@@ -1498,13 +1498,13 @@ class _Tx:
         runs = self.state._runs  # (not changed by this event before it)
         for run_id in sorted(k for k, run in runs.items() if run.bound and run.replica in where):
             run = self.runs[run_id]
-            # A paused interactive run not counted paused has lapsed (its slot and its
-            # claim lapse together, rule 4: helper-192); a batch one keeps no such mark.
-            if run.ws_claim or (
-                run.phase is _PAUSED
-                and not run.counted_paused
-                and (run.service_class is _INTERACTIVE or run.last_active <= lapsed_by)
-            ):
+            # Lapsed by the time, or (an interactive run not counted paused) lapsed
+            # already: its slot and its claim lapse together (rule 4; helper-192).  A
+            # batch run keeps no such mark.
+            lapsed = run.last_active <= lapsed_by or (
+                run.service_class is _INTERACTIVE and not run.counted_paused
+            )
+            if run.ws_claim or (run.phase is _PAUSED and lapsed):
                 continue
             # (A claim given, so that a paused run's recount does not read it as lapsed.)
             self._set_run(run._replace(ws_claim=1))

@@ -34,7 +34,7 @@ from harness import (
 import gateway.app as app_module
 from gateway._proxy import MessagesWatch
 from gateway._shell import AdmissionShell
-from gateway.decide import ClassifierLoad
+from gateway.decide import ClassifierLoad, Spread
 from scheduler import Policy, RunPhase
 from testkit.loopback import serve
 
@@ -348,6 +348,17 @@ def test_requests_tied_on_load_are_taken_in_turn_whatever_the_set() -> None:
         two_models = _spread(load, pick, [["x1", "x2"], ["y1", "y2"]], 50)
         assert two_models == dict.fromkeys(("x1", "x2", "y1", "y2"), 25)
         assert _spread(load, pick, [["a", "b", "c"]], 30) == {"b": 15, "c": 15}
+
+
+def test_a_spread_remembers_a_bounded_number_of_endpoints() -> None:
+    # helper-195: under DNS discovery every pod address ever seen is a replica's name,
+    # and when each was last chosen was kept for good.  The least recent is forgotten.
+    load = ClassifierLoad()
+    for n in range(3 * Spread.KEPT):
+        with load.using(f"pod-{n}"):
+            pass
+    assert load.last("pod-0") == -1 and load.last(f"pod-{3 * Spread.KEPT - 1}") > 0
+    assert len(load._last) == Spread.KEPT
 
 
 async def test_a_count_whose_client_left_closes_the_engines_request() -> None:

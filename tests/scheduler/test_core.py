@@ -1642,6 +1642,36 @@ def test_strict_affinity_switched_on_counts_the_paused_runs_at_once() -> None:
     assert t2 in d.held_ids()
 
 
+def test_strict_affinity_switched_on_counts_a_paused_interactive_run_by_its_retention() -> None:
+    # (helper-195: only a batch run was tested.)  r1 paused 10 s ago claims; r2 paused
+    # 38 s ago, counted paused still (no tick since), does not under a retention
+    # lowered to 30 s in the same reload: it would have lapsed by now.
+    loose = Policy(kv_fill=0.8, strict_affinity=False, kv_retention_s=120)
+    d = Driver(("a",), kv_tokens=20_000, policy=loose)
+    t2 = d.arrive("r2", prompt=3000, max_tokens=100)
+    d.finish(t2, "tool_calls", prompt=3000, out=100)
+    r2_paused = d.now
+    d.now = r2_paused + 27
+    t1 = d.arrive("r1", prompt=6000, max_tokens=100)
+    d.finish(t1, "tool_calls", prompt=6000, out=100)
+    assert d.state.runs["r2"].counted_paused
+    strict = replace(loose, strict_affinity=True, kv_retention_s=30)
+    d.feed(PolicyChanged(now=r2_paused + 38, policy=strict))
+    assert (d.state.runs["r1"].ws_claim, d.state.runs["r2"].ws_claim) == (6200, 0)
+
+
+def test_strict_affinity_switched_on_with_a_longer_retention_revives_no_batch_claim() -> None:
+    # A batch run paused 38 s ago, past the 30 s its claim would have lasted: a reload
+    # that switches strict affinity on and raises the retention leaves it uncounted.
+    old = Policy(strict_affinity=False, kv_retention_s=30)
+    d = Driver(("a",), kv_tokens=10_000, policy=old)
+    t = d.arrive("r2", B, prompt=2000, max_tokens=100)
+    d.finish(t, "tool_calls", prompt=2000, out=100)
+    strict = replace(old, strict_affinity=True, kv_retention_s=120)
+    d.feed(PolicyChanged(now=d.now + 38, policy=strict))
+    assert d.state.runs["r2"].ws_claim == 0 and d.state.replicas["a"].ws_tokens == 0
+
+
 def test_paused_claim_lapses_after_retention() -> None:
     d = Driver(("a",), kv_tokens=10_000, policy=Policy(kv_fill=1.0, kv_retention_s=30))
     t1 = d.arrive("r1", prompt=8000, max_tokens=1000)

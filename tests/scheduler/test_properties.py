@@ -795,17 +795,12 @@ def check_claims_start(before: State, event: Event, after: State, admits: list[A
                 continue
             if run.ws_claim:
                 continue  # claimed already (made before counting stopped there: it stays)
-            # A paused interactive run not counted paused has lapsed (its slot with its
-            # claim, rule 4); a paused batch run keeps no mark: judged by the time.
+            # Judged by the time; a paused interactive run not counted paused has
+            # lapsed already (its slot with its claim, rule 4); a batch run keeps no mark.
             kept = run.phase is RunPhase.GENERATING or (
                 p.strict_affinity
-                and (
-                    run.counted_paused
-                    or (
-                        run.service_class is ServiceClass.BATCH
-                        and run.last_active > event.now - retention
-                    )
-                )
+                and run.last_active > event.now - retention
+                and (run.counted_paused or run.service_class is ServiceClass.BATCH)
             )
             if kept and now.phase is not RunPhase.IDLE:
                 assert now.ws_claim == run_claim(after, now), (
