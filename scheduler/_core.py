@@ -1504,7 +1504,13 @@ class _Tx:
             lapsed = run.last_active <= lapsed_by or (
                 run.service_class is _INTERACTIVE and not run.counted_paused
             )
-            if run.ws_claim or (run.phase is _PAUSED and lapsed):
+            if run.ws_claim:
+                continue
+            if run.phase is _PAUSED and lapsed:
+                if run.counted_paused:
+                    # Its slot lapses with it, as at a tick (the retention lowered, or no
+                    # tick since it ran out: helper-196).
+                    self._set_run(run._replace(ws_claim=0, counted_paused=False))
                 continue
             # (A claim given, so that a paused run's recount does not read it as lapsed.)
             self._set_run(run._replace(ws_claim=1))

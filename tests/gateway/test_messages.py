@@ -350,6 +350,42 @@ def test_requests_tied_on_load_are_taken_in_turn_whatever_the_set() -> None:
         assert _spread(load, pick, [["a", "b", "c"]], 30) == {"b": 15, "c": 15}
 
 
+async def test_an_engines_own_499_to_a_count_is_its_answer() -> None:
+    # A 499 the engine (or a router before it) answers is passed on as its answer, and
+    # its span says the engine answered it, not that the client left (helper-196).
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from luftpause import telemetry
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    app = models_only()
+
+    @app.post("/v1/messages/count_tokens")
+    async def count(request: Request) -> Response:
+        return Response('{"error": "closed"}', status_code=499, media_type="application/json")
+
+    telemetry.use(provider)
+    try:
+        async with (
+            serve(app) as url,
+            gateway(endpoint("a", url, kind="openai", messages=True)) as (gw, _),
+        ):
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+            r = await gw.post("/v1/messages/count_tokens", json=body)
+            assert r.status_code == 499 and r.json() == {"error": "closed"}
+    finally:
+        telemetry.use(None)
+        provider.shutdown()
+    (span,) = exporter.get_finished_spans()
+    assert span.attributes is not None
+    assert span.attributes["http.response.status_code"] == 499
+    assert span.attributes["error.type"] == "499"
+
+
 def test_a_spread_remembers_a_bounded_number_of_endpoints() -> None:
     # helper-195: under DNS discovery every pod address ever seen is a replica's name,
     # and when each was last chosen was kept for good.  The least recent is forgotten.

@@ -1672,6 +1672,22 @@ def test_strict_affinity_switched_on_with_a_longer_retention_revives_no_batch_cl
     assert d.state.runs["r2"].ws_claim == 0 and d.state.replicas["a"].ws_tokens == 0
 
 
+def test_a_paused_run_past_its_retention_loses_its_slot_with_its_claim() -> None:
+    # r1 paused 31.5 s ago under a 30 s retention, no tick since: a reload that switches
+    # strict affinity on and raises the retention gives it no claim, and takes its slot
+    # too, as a tick would have (helper-196: the slot stayed 120 s, a batch slot lost).
+    old = Policy(strict_affinity=False, kv_retention_s=30)
+    d = Driver(("a",), kv_tokens=10_000, policy=old)
+    t1 = d.arrive("r1", prompt=3000, max_tokens=100)
+    d.finish(t1, "tool_calls", prompt=3000, out=100)
+    assert d.state.replicas["a"].paused_interactive == 1
+    strict = replace(old, strict_affinity=True, kv_retention_s=120)
+    d.feed(PolicyChanged(now=d.now + 31.5, policy=strict))
+    run = d.state.runs["r1"]
+    assert (run.ws_claim, run.counted_paused) == (0, False)
+    assert d.state.replicas["a"].paused_interactive == 0
+
+
 def test_paused_claim_lapses_after_retention() -> None:
     d = Driver(("a",), kv_tokens=10_000, policy=Policy(kv_fill=1.0, kv_retention_s=30))
     t1 = d.arrive("r1", prompt=8000, max_tokens=1000)

@@ -809,6 +809,9 @@ def check_claims_start(before: State, event: Event, after: State, admits: list[A
             elif not kept and now.phase is run.phase and not beside[(run.run_id, name)]:
                 # Paused, and its claim would have lapsed (or it is not kept there).
                 assert not now.ws_claim, f"{run.run_id} claims {now.ws_claim}, lapsed"
+                if run.last_active <= event.now - retention:
+                    # Its slot lapses with it, as at a tick (helper-196).
+                    assert not now.counted_paused, f"{run.run_id} keeps its slot, lapsed"
 
 
 def check_step(before: State, event: Event, after: State, actions: list[Action]) -> None:
