@@ -766,7 +766,9 @@ def check_claims_start(before: State, event: Event, after: State, admits: list[A
     claim would not have lapsed, claims; a turn of a run on its replica, other than the
     run's last one there, claims its reply; a turn away from its run, its prompt and
     reply.  Where strict affinity is switched on (admission counting already), the
-    paused runs claim so (helper-192)."""
+    paused runs claim so (helper-192).  A paused run whose claim would have lapsed by
+    then (the shorter retention if it changed) loses its slot with it, as at a tick
+    (helper-196)."""
     beside = Counter((a.run_id, a.replica) for a in admits)
     p = after.policy
     # A retention changed in the step: a claim is judged lapsed under the shorter.
