@@ -491,9 +491,15 @@ class MessagesWatch(StreamWatch):
     `input_tokens` in the last `message_delta` (net of the cache where it reports
     `cache_read_input_tokens`, since vLLM PR #40912, while its `message_start`, written
     before the cache hit is known, still counts the whole prompt; before that PR it
-    reported no cache and its `input_tokens` were the whole prompt in both); SGLang
-    reports them in the last `message_delta` only, and its `input_tokens` count the
-    cached tokens too (`input_counts_cached`).  The last reading of a field wins."""
+    reported no cache and its `input_tokens` were the whole prompt in both).  SGLang
+    since 0.5.19 (its PRs #25876, #29703) as llama.cpp: `message_start` carries
+    `input_tokens` net of the cache and `cache_read_input_tokens` (only when above 0),
+    its `message_delta` only `output_tokens`; its JSON answer the same two fields.
+    Before, it reported them in the last `message_delta` only, its `input_tokens`
+    counting the cached tokens too: an SGLang stream whose `message_delta` carries
+    `input_tokens` is read so (`input_counts_cached`; helper-198: read so always, a
+    0.5.19 turn of 7,237 prompt tokens, 6,336 cached, counted 6,336).  The last
+    reading of a field wins."""
 
     _KEYS = (b'"usage"', b'"stop_reason"', b'"tool_use"', b'"error"', b"event: error")
     _PREAMBLE = frozenset({b"message_start", b"ping"})  # (as Responses' response.created)
@@ -502,6 +508,7 @@ class MessagesWatch(StreamWatch):
     def __init__(self, *, sse: bool, input_counts_cached: bool = False) -> None:
         super().__init__(sse=sse)
         self._input_counts_cached = input_counts_cached
+        self._input_in_delta = False  # an older SGLang's stream (its input counts the cached)
         self._input = 0
         self._cache_read = 0
         self._cache_write = 0
@@ -536,7 +543,7 @@ class MessagesWatch(StreamWatch):
         message = obj.get("message") if kind == "message_start" else obj
         if not isinstance(message, dict):
             return
-        self._usage(message.get("usage"))
+        self._usage(message.get("usage"), kind == "message_delta")
         delta = obj.get("delta") if kind == "message_delta" else message
         reason = delta.get("stop_reason") if isinstance(delta, dict) else None
         if isinstance(reason, str):
@@ -550,7 +557,7 @@ class MessagesWatch(StreamWatch):
                 if isinstance(call_id, str) and call_id not in self.tool_call_ids:
                     self.tool_call_ids.append(call_id)
 
-    def _usage(self, usage: object) -> None:
+    def _usage(self, usage: object, in_delta: bool = False) -> None:
         if not isinstance(usage, dict):
             return
         # Each field is the total so far wherever it appears (Anthropic's message_delta
@@ -561,14 +568,17 @@ class MessagesWatch(StreamWatch):
         # cache hit, and its message_delta the part net of the cache beside the cached
         # part, so the largest input_tokens plus the cached part counted the cached
         # tokens twice (helper-83).
-        self._input = _int(usage.get("input_tokens"), 0) or self._input
+        given = _int(usage.get("input_tokens"), 0)
+        self._input = given or self._input
+        if given and in_delta:
+            self._input_in_delta = True
         read = _int(usage.get("cache_read_input_tokens"), None)
         if read is not None:
             self._cache_read = read or self._cache_read
             self.cached_tokens = self._cache_read
         self._cache_write = _int(usage.get("cache_creation_input_tokens"), 0) or self._cache_write
         self.completion_tokens = max(self.completion_tokens, _int(usage.get("output_tokens"), 0))
-        if self._input_counts_cached:
+        if self._input_counts_cached and self._input_in_delta:
             self.prompt_tokens = max(self._input, self._cache_read)
         else:
             self.prompt_tokens = self._input + self._cache_read + self._cache_write

@@ -660,14 +660,14 @@ _STOP_REASONS = {"tool_calls": "tool_use", "stop": "end_turn", "length": "max_to
 
 class _AnthropicEvents:
     """The events of one Anthropic Messages stream, with the same steps as `_Chunks`.
-    Usage goes where each flavor puts it: SGLang in the last `message_delta` only, its
-    `input_tokens` counting the cached ones; llama.cpp in `message_start`, net of the
-    cache, with `cache_read_input_tokens`; vLLM in both: in `message_start` the whole
-    prompt (its cache hit not known yet, no cache fields), in the last `message_delta`
-    net of the cache with `cache_read_input_tokens`, as since its PR #40912 (with
-    --enable-prompt-tokens-details; before, no cache figure at all).  An answer that
-    states no cached tokens (FakeEngineSettings.cache_report): SGLang says 0 of them,
-    the others leave the cache fields out and count the whole prompt."""
+    Usage goes where each flavor puts it: llama.cpp and SGLang (since 0.5.19, the
+    version deploy/ runs: its PRs #25876, #29703) in `message_start`, net of the cache,
+    with `cache_read_input_tokens` (SGLang's only when above 0); vLLM in both: in
+    `message_start` the whole prompt (its cache hit not known yet, no cache fields), in
+    the last `message_delta` net of the cache with `cache_read_input_tokens`, as since
+    its PR #40912 (with --enable-prompt-tokens-details; before, no cache figure at
+    all).  An answer that states no cached tokens (FakeEngineSettings.cache_report)
+    leaves the cache fields out and counts the whole prompt."""
 
     def __init__(self, rid: str, chat: _Chat, reply: Reply, flavor: str, prompt: int) -> None:
         self._rid, self._chat, self._reply = rid, chat, reply
@@ -678,15 +678,11 @@ class _AnthropicEvents:
         return f"event: {kind}\ndata: {json.dumps({'type': kind, **payload})}\n\n"
 
     def role(self, cached: int | None = 0) -> str:
-        usage: dict[str, Any] = {"input_tokens": 0, "output_tokens": 0}
-        if self._flavor == "vllm" or (self._flavor != "sglang" and cached is None):
+        usage: dict[str, Any] = {"input_tokens": self._prompt - (cached or 0), "output_tokens": 0}
+        if self._flavor == "vllm" or cached is None or (self._flavor == "sglang" and not cached):
             usage = {"input_tokens": self._prompt, "output_tokens": 0}
-        elif self._flavor != "sglang":
-            usage = {
-                "input_tokens": self._prompt - (cached or 0),
-                "output_tokens": 0,
-                "cache_read_input_tokens": cached,
-            }
+        else:
+            usage["cache_read_input_tokens"] = cached
         message: dict[str, Any] = {
             "id": self._rid,
             "type": "message",
@@ -732,9 +728,7 @@ class _AnthropicEvents:
     def end(self, usage: dict[str, Any]) -> str:
         cached = _cached(usage)
         tail = {"output_tokens": usage["completion_tokens"]}
-        if self._flavor == "sglang":
-            tail |= {"input_tokens": usage["prompt_tokens"], "cache_read_input_tokens": cached or 0}
-        elif self._flavor == "vllm" and cached is None:
+        if self._flavor == "vllm" and cached is None:
             tail |= {"input_tokens": usage["prompt_tokens"]}
         elif self._flavor == "vllm":
             tail |= {
@@ -766,9 +760,7 @@ class _AnthropicEvents:
             "input_tokens": prompt,
             "output_tokens": usage["completion_tokens"],
         }
-        if self._flavor == "sglang":
-            counts["cache_read_input_tokens"] = cached or 0
-        elif cached is not None:
+        if cached is not None and (cached or self._flavor != "sglang"):
             counts |= {"input_tokens": prompt - cached, "cache_read_input_tokens": cached}
         message = {
             "id": self._rid,

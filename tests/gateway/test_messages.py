@@ -115,13 +115,10 @@ async def test_a_claude_code_tool_loop_is_one_run_with_its_usage_read(flavor: st
         # Joined by the tool use ids its tool results echo, as chat turns by theirs.
         assert len(ids) >= 3 and len(set(ids)) == 1
         assert {path for path, _, _ in recorder.posts} == {"/v1/messages"}
-        # Each engine puts usage elsewhere (SGLang's input counts the cached tokens,
-        # llama.cpp's and vLLM's do not, as Anthropic's); the core got the engine's figures.
+        # Each engine puts usage elsewhere, all net of the cache as Anthropic's (SGLang's
+        # since 0.5.19); the core got the engine's figures.
         cached = sum(u.cache_read_input_tokens or 0 for u in usages)
-        if flavor == "sglang":
-            prompt = sum(u.input_tokens for u in usages)
-        else:
-            prompt = sum(u.input_tokens + (u.cache_read_input_tokens or 0) for u in usages)
+        prompt = sum(u.input_tokens + (u.cache_read_input_tokens or 0) for u in usages)
         text = (await gw.get("/metrics")).text
         assert metric(text, "luftpause_prompt_tokens_total") == prompt
         assert metric(text, "luftpause_cached_tokens_total") == cached > 0  # a growing prefix
@@ -698,10 +695,42 @@ def test_the_watch_reads_a_stream_cut_anywhere_and_not_the_models_text() -> None
     whole.feed(json.dumps(body).encode())
     whole.close()
     # (vLLM's /v1/messages says end_turn beside tool_use blocks: the client runs them.)
+    # An SGLang's JSON answer is read as since 0.5.19: its input net of the cache.
     assert (whole.finish_reason, whole.prompt_tokens, whole.cached_tokens) == (
-        "tool_calls", 50, 30,
+        "tool_calls", 80, 30,
     )  # fmt: skip
     assert whole.tool_call_ids == ["toolu_2"]
+
+
+def test_an_sglang_stream_is_read_as_its_version_reports_usage() -> None:
+    # helper-198: SGLang 0.5.19 (deploy/'s) says input_tokens net of the cache in
+    # message_start, beside cache_read_input_tokens; the gateway read it as an older
+    # SGLang's, whose message_delta carried the whole prompt: a turn of 7,237 prompt
+    # tokens, 6,336 cached, counted 6,336.
+    def stream(*events: dict[str, Any]) -> bytes:
+        return "".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in events).encode()
+
+    def start(usage: dict[str, int]) -> dict[str, Any]:
+        return {"type": "message_start", "message": {"type": "message", "usage": usage}}
+
+    def delta(usage: dict[str, int]) -> dict[str, Any]:
+        return {"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": usage}
+
+    now = stream(
+        start({"input_tokens": 901, "output_tokens": 0, "cache_read_input_tokens": 6336}),
+        delta({"output_tokens": 5}),
+        {"type": "message_stop"},
+    )
+    before = stream(
+        start({"input_tokens": 0, "output_tokens": 0}),
+        delta({"output_tokens": 5, "input_tokens": 7237, "cache_read_input_tokens": 6336}),
+        {"type": "message_stop"},
+    )
+    for body in (now, before):
+        watch = MessagesWatch(sse=True, input_counts_cached=True)
+        watch.feed(body)
+        watch.close()
+        assert (watch.prompt_tokens, watch.cached_tokens) == (7237, 6336)
 
 
 async def test_an_auxiliary_request_echoing_the_sessions_tool_calls_stays_out_of_its_run() -> None:

@@ -256,10 +256,11 @@ def test_cached_tokens_are_none_unless_the_engine_says_them(
     responses.feed(json.dumps(body).encode())
     responses.close()
     assert (responses.prompt_tokens, responses.cached_tokens) == (128, cached)
-    messages = MessagesWatch(sse=False, input_counts_cached=True)
+    messages = MessagesWatch(sse=False, input_counts_cached=True)  # (an SGLang's)
     read = {} if cached is None else {"cache_read_input_tokens": cached}
+    net = 128 - (cached or 0)  # as Anthropic's (SGLang's since 0.5.19)
     message = {"type": "message", "stop_reason": "end_turn", "content": [],
-               "usage": {"input_tokens": 128, "output_tokens": 4, **read}}  # fmt: skip
+               "usage": {"input_tokens": net, "output_tokens": 4, **read}}  # fmt: skip
     messages.feed(json.dumps(message).encode())
     messages.close()
     assert (messages.prompt_tokens, messages.cached_tokens) == (128, cached)
