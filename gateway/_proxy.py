@@ -562,7 +562,7 @@ class MessagesWatch(StreamWatch):
             return
         # Each field is the total so far wherever it appears (Anthropic's message_delta
         # usage is cumulative): a later reading replaces an earlier one, but a 0 (or a
-        # field left out) says nothing (SGLang's message_start has zeros, llama.cpp's
+        # field left out) says nothing (an older SGLang's message_start has zeros, llama.cpp's
         # message_delta only output_tokens).  Not the largest reading: vLLM's
         # message_start counts the whole prompt in input_tokens before it knows its
         # cache hit, and its message_delta the part net of the cache beside the cached
