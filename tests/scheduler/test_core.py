@@ -107,6 +107,15 @@ class Driver:
         )
         return tid
 
+    def pause(
+        self, run: str, cls: ServiceClass = I, prompt: int = 0, max_tokens: int = 0, out: int = 0
+    ) -> str:
+        """A turn of `run` that arrives, is admitted and ends on a tool call: the run is
+        paused (its turn's id)."""
+        tid = self.arrive(run, cls, prompt=prompt, max_tokens=max_tokens)
+        self.finish(tid, "tool_calls", prompt=prompt, out=out)
+        return tid
+
     def finish(
         self,
         tid: str,
@@ -1551,8 +1560,7 @@ def test_a_paused_run_claims_once_its_pool_is_known_only_while_its_claim_would_l
     # Paused before a's pool was known: r1 40 s ago, past its 30 s of retention (its
     # claim would have lapsed), r2 20 s ago.  Only r2 claims, and lapses on time.
     d = Driver(("a",), kv_tokens=None, policy=Policy(kv_retention_s=30))
-    t1 = d.arrive("r1", B, prompt=1000, max_tokens=100)
-    d.finish(t1, "tool_calls", prompt=1000, out=100)
+    d.pause("r1", B, prompt=1000, max_tokens=100, out=100)
     r1_paused = d.now
     t2 = d.arrive("r2", B, prompt=2000, max_tokens=200)
     d.now = r1_paused + 19
@@ -1618,8 +1626,7 @@ def test_a_lapsed_interactive_run_stays_lapsed_after_the_retention_grew() -> Non
     # counted paused), whatever the retention is now (helper-192).
     old = Policy(kv_admission=False, kv_retention_s=30)
     d = Driver(("a",), kv_tokens=10_000, policy=old)
-    t1 = d.arrive("r1", prompt=1000, max_tokens=100)
-    d.finish(t1, "tool_calls", prompt=1000, out=100)
+    d.pause("r1", prompt=1000, max_tokens=100, out=100)
     d.feed(Tick(now=d.now + 38))
     longer = replace(old, kv_retention_s=120)
     d.feed(PolicyChanged(now=d.now + 39, policy=longer))
@@ -1633,8 +1640,7 @@ def test_strict_affinity_switched_on_counts_the_paused_runs_at_once() -> None:
     # counting starts: a new run that does not fit beside it waits (helper-192).
     loose = Policy(kv_fill=0.8, strict_affinity=False)
     d = Driver(("a",), kv_tokens=10_000, policy=loose)
-    t1 = d.arrive("r1", B, prompt=6000, max_tokens=100)
-    d.finish(t1, "tool_calls", prompt=6000, out=100)
+    d.pause("r1", B, prompt=6000, max_tokens=100, out=100)
     assert d.state.runs["r1"].ws_claim == 0
     d.feed(PolicyChanged(now=d.step(), policy=replace(loose, strict_affinity=True)))
     assert d.state.runs["r1"].ws_claim == 6200
@@ -1648,12 +1654,10 @@ def test_strict_affinity_switched_on_counts_a_paused_interactive_run_by_its_rete
     # lowered to 30 s in the same reload: it would have lapsed by now.
     loose = Policy(kv_fill=0.8, strict_affinity=False, kv_retention_s=120)
     d = Driver(("a",), kv_tokens=20_000, policy=loose)
-    t2 = d.arrive("r2", prompt=3000, max_tokens=100)
-    d.finish(t2, "tool_calls", prompt=3000, out=100)
+    d.pause("r2", prompt=3000, max_tokens=100, out=100)
     r2_paused = d.now
     d.now = r2_paused + 27
-    t1 = d.arrive("r1", prompt=6000, max_tokens=100)
-    d.finish(t1, "tool_calls", prompt=6000, out=100)
+    d.pause("r1", prompt=6000, max_tokens=100, out=100)
     assert d.state.runs["r2"].counted_paused
     strict = replace(loose, strict_affinity=True, kv_retention_s=30)
     d.feed(PolicyChanged(now=r2_paused + 38, policy=strict))
@@ -1665,8 +1669,7 @@ def test_strict_affinity_switched_on_with_a_longer_retention_revives_no_batch_cl
     # that switches strict affinity on and raises the retention leaves it uncounted.
     old = Policy(strict_affinity=False, kv_retention_s=30)
     d = Driver(("a",), kv_tokens=10_000, policy=old)
-    t = d.arrive("r2", B, prompt=2000, max_tokens=100)
-    d.finish(t, "tool_calls", prompt=2000, out=100)
+    d.pause("r2", B, prompt=2000, max_tokens=100, out=100)
     strict = replace(old, strict_affinity=True, kv_retention_s=120)
     d.feed(PolicyChanged(now=d.now + 38, policy=strict))
     assert d.state.runs["r2"].ws_claim == 0 and d.state.replicas["a"].ws_tokens == 0
@@ -1678,8 +1681,7 @@ def test_a_paused_run_past_its_retention_loses_its_slot_with_its_claim() -> None
     # too, as a tick would have (helper-196: the slot stayed 120 s, a batch slot lost).
     old = Policy(strict_affinity=False, kv_retention_s=30)
     d = Driver(("a",), kv_tokens=10_000, policy=old)
-    t1 = d.arrive("r1", prompt=3000, max_tokens=100)
-    d.finish(t1, "tool_calls", prompt=3000, out=100)
+    d.pause("r1", prompt=3000, max_tokens=100, out=100)
     assert d.state.replicas["a"].paused_interactive == 1
     strict = replace(old, strict_affinity=True, kv_retention_s=120)
     d.feed(PolicyChanged(now=d.now + 31.5, policy=strict))
