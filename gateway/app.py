@@ -71,6 +71,7 @@ from gateway.decide import (
     DecideError,
     DecideRequest,
     Spread,
+    Unanswered,
     decide,
     decide_request,
     parse_decide,
@@ -351,6 +352,26 @@ def _answered(span: Span, status: int) -> None:
     if status >= 400:
         span.set_attribute("error.type", str(status))
         span.set_status(StatusCode.ERROR, f"answered {status}")
+
+
+@dataclass(slots=True)
+class _NoAnswer:
+    """Told how an engine request that got no answer failed (an `Unanswered`), for the
+    span: the last one told, the one the route's answer is about."""
+
+    error: str = ""  # none told: the engine answered (or no request was made)
+    message: str = ""
+
+    def __call__(self, error: str, message: str) -> None:
+        self.error, self.message = error, message
+
+
+def _unanswered(span: Span, error: str, message: str) -> None:
+    """A client span whose engine answered nothing: semconv's error.type is then the
+    failure's name (`Unanswered`), and there is no status code (helper-200: a refused
+    connection read as the engine's 502)."""
+    span.set_attribute("error.type", error)
+    span.set_status(StatusCode.ERROR, message)
 
 
 def _failed(scope: Scope, status: int, message: str) -> Response:
@@ -984,9 +1005,10 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             headers[k.encode()] = v.encode("latin-1")
         reply: Response | None = None
         left = False
+        failed = _NoAnswer()
         try:
             with counts.using(target.name):
-                reply = await _count_tokens(rt, target, request, raw, headers, run_id)
+                reply = await _count_tokens(rt, target, request, raw, headers, run_id, failed)
         except ClientLeft:
             # (httpx closes the connection of a request cancelled before its answer.)
             left = True
@@ -996,8 +1018,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             if span is not None:
                 if left:
                     # The engine answered nothing: named as a turn's (helper-194).
-                    span.set_attribute("error.type", "client_left")
-                    span.set_status(StatusCode.ERROR, "client disconnected")
+                    _unanswered(span, "client_left", "client disconnected")
+                elif failed.error:
+                    _unanswered(span, failed.error, failed.message)
                 else:
                     _answered(span, reply.status_code if reply is not None else 500)
                 span.end()
@@ -1010,10 +1033,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         raw: bytes,
         headers: dict[bytes, bytes],
         run_id: str,
+        unanswered: Unanswered,
     ) -> Response:
-        """The engine's count, as it answered (or why it did not).  A client that leaves
-        meanwhile is watched for as a turn's (`CancelOnLeave`): the engine's request is
-        closed then, not kept open up to the turn timeout for nobody (ClientLeft)."""
+        """The engine's count, as it answered (or why it did not: `unanswered` is told
+        of a request that got no answer).  A client that leaves meanwhile is watched for
+        as a turn's (`CancelOnLeave`): the engine's request is closed then, not kept open
+        up to the turn timeout for nobody (ClientLeft)."""
         query = request.scope.get("query_string", b"").decode("latin-1")
         disconnected = asyncio.ensure_future(wait_disconnect(request.receive))
         try:
@@ -1031,6 +1056,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                 "no answer in time" if isinstance(exc, httpx.TimeoutException) else "failed"
             )
             message = f"engine {target.name}: {type(exc).__name__}: {detail}"
+            unanswered(type(exc).__name__, message)
             return error_response(502, message, run_id, anthropic=True)
         finally:
             disconnected.cancel()
@@ -1071,8 +1097,16 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             return error_response(exc.status, exc.message, run_id)
         except _BadRequest as exc:
             return error_response(exc.status, exc.message, run_id)
+        failed = _NoAnswer()
         answering = _decide(
-            rt, live, parsed, run_id, caller_of(request, who), request.receive, service_class
+            rt,
+            live,
+            parsed,
+            run_id,
+            caller_of(request, who),
+            request.receive,
+            service_class,
+            failed,
         )
         tracer = telemetry.tracer()
         carrier = {k: v for k in ("traceparent", "tracestate") if (v := request.headers.get(k))}
@@ -1099,7 +1133,10 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             },
         ) as span:
             response = await answering
-            _answered(span, response.status_code)
+            if failed.error:
+                _unanswered(span, failed.error, failed.message)
+            else:
+                _answered(span, response.status_code)
             if response.status_code < 400 and parsed.model is not None:
                 span.update_name(f"decide {parsed.model}")
             return response
@@ -1496,6 +1533,7 @@ def _decide(
     caller: str,
     receive: Receive,
     service_class: ServiceClass = ServiceClass.INTERACTIVE,
+    unanswered: Unanswered = lambda error, message: None,
 ) -> Coroutine[Any, Any, Response]:
     """`/v1/decide` and the MCP door's `decide` tool alike, on the pool as it is now."""
     return decide(
@@ -1516,6 +1554,7 @@ def _decide(
         answer_timeout=rt.shell.state.policy.turn_timeout_s,
         retry_after=rt.prober.retry_after,
         refused=rt.refused,
+        unanswered=unanswered,
     )
 
 

@@ -78,6 +78,7 @@ __all__ = [
     "DecideError",
     "DecideRequest",
     "Spread",
+    "Unanswered",
     "chat_body",
     "classify",
     "decide",
@@ -96,6 +97,18 @@ TOP_LOGPROBS = 20
 _FIELDS = ("input", "labels", "model")
 # Status the route answers when its client left (nobody reads it; nginx's convention).
 CLIENT_LEFT = 499
+
+# Told of an engine request that got no answer at all (refused, broken off, timed out),
+# the one the route's answer is about: the failure's name, semconv's `error.type` for
+# an HTTP request without a response (the httpx exception's type, as OpenTelemetry's
+# httpx instrumentation names it; `timeout` for the gateway's own deadline, which raises
+# none), and what the client is told.  The decide span says so instead of the 502 or
+# 504 the gateway answered, which no engine did (helper-200).
+Unanswered = Callable[[str, str], None]
+
+
+def _untold(error: str, message: str) -> None:
+    """No one to tell (no span: the MCP door's decide, a test)."""
 
 
 class DecideError(Exception):
@@ -438,6 +451,7 @@ async def classify(
     client: httpx.AsyncClient,
     run_id: str,
     answer_timeout: float = ENGINE_IDLE_TIMEOUT_S,
+    unanswered: Unanswered = _untold,
 ) -> Response:
     """Ask a classifier endpoint's `/classify`; `{label, probabilities}` or the error.
     Raises _Unreached when the request could not be sent (another endpoint may take it)."""
@@ -451,13 +465,17 @@ async def classify(
         upstream = await client.post(
             endpoint.url + "/classify", content=payload, headers=headers, timeout=timeout
         )
-    except httpx.ReadTimeout:
+    except httpx.ReadTimeout as exc:
         message = f"engine {endpoint.name}: no answer within {answer_timeout:g} s"
+        unanswered(type(exc).__name__, message)
         return error_response(504, message, run_id)
     except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-        raise _Unreached(f"engine {endpoint.name}: {describe_http_error(exc)}") from None
+        message = f"engine {endpoint.name}: {describe_http_error(exc)}"
+        raise _Unreached(message, type(exc).__name__) from None
     except httpx.HTTPError as exc:
-        return error_response(502, f"engine {endpoint.name}: {describe_http_error(exc)}", run_id)
+        message = f"engine {endpoint.name}: {describe_http_error(exc)}"
+        unanswered(type(exc).__name__, message)
+        return error_response(502, message, run_id)
     if upstream.status_code >= 400:
         return passed_through(upstream, run_id, endpoint.name)
     try:
@@ -525,13 +543,15 @@ async def run_turn(
     receive: Receive,
     retry_after: str = UNAVAILABLE_RETRY_AFTER_S,
     awaited: Callable[[str], Awaited | None] = lambda model: None,
+    unanswered: Unanswered = _untold,
 ) -> Response | dict[str, Any]:
     """One non-streaming chat turn through the core: held until admitted, posted to the
     admitted replica; its parsed JSON answer, or the response for the client.  Exactly one
     terminal event is reported per arrived turn (none for a rejected one).  An engine
     that has not answered the core's `turn_timeout_s` (as it is at admission: a reload's
     holds for a turn held across it) after admission fails the turn (504).
-    `awaited`: as `hold`'s (a 404 for a model whose engines all left is a 503)."""
+    `awaited`: as `hold`'s (a 404 for a model whose engines all left is a 503);
+    `unanswered`: told of an engine request that got no answer."""
     disconnected = asyncio.ensure_future(wait_disconnect(receive))
     arrived = ended = False
 
@@ -614,12 +634,14 @@ async def run_turn(
             # in its queue (helper-128, as on the proxy: _sent_into_room).
             message = f"engine {outcome}: no answer within {answer_timeout:g} s"
             fail(message, engine=False, silent=True)
+            unanswered("timeout", message)
             return error_response(504, message, turn.run_id)
         try:
             upstream = task.result()
         except httpx.HTTPError as exc:
             message = f"engine {outcome}: {describe_http_error(exc)}"
             fail(message, engine=True)
+            unanswered(type(exc).__name__, message)
             return error_response(502, message, turn.run_id)
         why = no_answer_of(upstream)
         if why is not None:  # a redirect: turns are posted to the endpoint's URL only
@@ -679,6 +701,7 @@ async def decide(
     retry_after: str = UNAVAILABLE_RETRY_AFTER_S,
     awaited: Callable[[str], Awaited | None] = lambda model: None,
     refused: Callable[[int], None] = lambda status: None,
+    unanswered: Unanswered = _untold,
 ) -> Response:
     """Answer one validated `/v1/decide` request (see the module docstring).
     `endpoints`: where an admitted turn may be; `models`: the pool's, the first the
@@ -687,10 +710,11 @@ async def decide(
     classify requests; `awaited`: why a model has no engine now (`Pool.awaited`, for
     the core's refusal of it); `refused`: told of a generative turn refused before it
     reaches the core, with no model to ask for (metrics count it as they count the
-    core's refusals)."""
+    core's refusals); `unanswered`: told of the engine request, if any, that got no
+    answer (the decide span names its failure)."""
     if request.labels is None:
         return await _by_classifier(
-            request, classifiers, down, load, client, run_id, answer_timeout
+            request, classifiers, down, load, client, run_id, answer_timeout, unanswered
         )
     model = request.model
     if model is None:
@@ -724,6 +748,7 @@ async def decide(
             receive=receive,
             retry_after=retry_after,
             awaited=awaited,
+            unanswered=unanswered,
         )
     finally:
         shell.apply(RunEnded(now=clock(), run_id=run_id))
@@ -800,7 +825,12 @@ class ClassifierLoad(Spread):
 
 
 class _Unreached(Exception):
-    """The request never reached the classifier (refused, or no connection in time)."""
+    """The request never reached the classifier (refused, or no connection in time);
+    `error`: the failure's name (`Unanswered`)."""
+
+    def __init__(self, message: str, error: str) -> None:
+        super().__init__(message)
+        self.error = error
 
 
 async def _by_classifier(
@@ -811,6 +841,7 @@ async def _by_classifier(
     client: httpx.AsyncClient,
     run_id: str,
     answer_timeout: float,
+    unanswered: Unanswered,
 ) -> Response:
     if not classifiers:
         return error_response(404, "no classifier endpoint is configured", run_id)
@@ -820,12 +851,16 @@ async def _by_classifier(
     if not serving:
         return error_response(404, f"no classifier serves model {model!r}", run_id)
     unreached = []
+    error = ""
     for endpoint in load.order(serving, down):
         with load.using(endpoint.name):
             try:
                 return await classify(
-                    endpoint, model, request.input, client, run_id, answer_timeout
+                    endpoint, model, request.input, client, run_id, answer_timeout, unanswered
                 )
             except _Unreached as exc:
                 unreached.append(str(exc))
-    return error_response(502, "; ".join(unreached), run_id)
+                error = exc.error  # the last, as the answer's message ends
+    message = "; ".join(unreached)
+    unanswered(error, message)
+    return error_response(502, message, run_id)

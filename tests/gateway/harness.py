@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import socket
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -151,6 +152,35 @@ def closed_port_url() -> str:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+@contextlib.asynccontextmanager
+async def hangs_up() -> AsyncIterator[str]:
+    """An engine on a raw socket that answers a probe (a GET: an empty model list) and
+    closes the connection on a POST, unanswered (an engine that crashed meanwhile);
+    yield its URL."""
+    models = b'{"object": "list", "data": []}'
+    probed = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(models), models)
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
+                # (Read, so that closing sends a FIN: a body left unread would be an RST.)
+                await reader.readexactly(int(length[1]) if length else 0)
+                if not head.startswith(b"GET"):
+                    break
+                writer.write(probed)
+                await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+        await server.wait_closed()
 
 
 async def answered_health(scope: Scope, send: Send) -> bool:

@@ -21,15 +21,18 @@ from harness import (
     MODEL,
     RUN,
     Recorder,
+    answered_health,
     chat,
     closed_port_url,
     endpoint,
     engine,
     gateway,
+    hangs_up,
     models_only,
     tool_task,
     until,
 )
+from starlette.types import Receive, Scope, Send
 
 import gateway.app as app_module
 from gateway._proxy import MessagesWatch
@@ -551,6 +554,70 @@ async def test_count_tokens_carries_the_callers_trace_context(tracing: bool) -> 
     else:
         assert (got["traceparent"], got["tracestate"]) == (parent, "vendor=1")
         assert not exporter.get_finished_spans()
+
+
+async def test_a_count_its_engine_never_answered_names_how_it_failed() -> None:
+    # semconv's HTTP client span: a request that got no response has no status code, and
+    # its error.type names the failure; it read as the engine's 502, which was the
+    # gateway's (helper-200).  An engine's own 502 is still one.
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import StatusCode
+
+    from luftpause import telemetry
+
+    released = asyncio.Event()
+
+    async def hung(scope: Scope, receive: Receive, send: Send) -> None:
+        if await answered_health(scope, send):
+            return
+        await released.wait()  # accepts the request, never answers
+
+    failing = models_only()
+
+    @failing.post("/v1/messages/count_tokens")
+    async def bad_gateway(request: Request) -> Response:
+        error = {"type": "error", "error": {"type": "api_error", "message": "no backend"}}
+        return Response(json.dumps(error), 502, media_type="application/json")
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    telemetry.use(provider)
+    answered = {}
+    try:
+        async with (
+            hangs_up() as broken,
+            serve(hung) as slow,
+            serve(failing) as bad,
+            gateway(
+                endpoint("broken", broken, kind="openai", models=("m-broken",), messages=True),
+                endpoint("slow", slow, kind="openai", models=("m-slow",), messages=True),
+                endpoint("bad", bad, kind="openai", models=("m-502",), messages=True),
+                policy=Policy(turn_timeout_s=0.5),
+            ) as (gw, _),
+        ):
+            try:
+                for model in ("m-broken", "m-slow", "m-502"):
+                    body = {"model": model, "messages": [{"role": "user", "content": "x"}]}
+                    r = await gw.post("/v1/messages/count_tokens", json=body)
+                    answered[model] = r.status_code
+            finally:
+                released.set()
+    finally:
+        telemetry.use(None)
+        provider.shutdown()
+    assert answered == {"m-broken": 502, "m-slow": 502, "m-502": 502}
+    spans = {s.name.removeprefix("count_tokens "): s for s in exporter.get_finished_spans()}
+    for model, error in (("m-broken", "RemoteProtocolError"), ("m-slow", "ReadTimeout")):
+        got = dict(spans[model].attributes or {})
+        assert got["error.type"] == error, model
+        assert "http.response.status_code" not in got, model
+        assert spans[model].status.status_code is StatusCode.ERROR
+        assert (spans[model].status.description or "").startswith(f"engine {model[2:]}: ")
+    answer = dict(spans["m-502"].attributes or {})
+    assert (answer["error.type"], answer["http.response.status_code"]) == ("502", 502)
 
 
 async def test_count_tokens_passes_the_engines_headers_and_the_clients_query() -> None:

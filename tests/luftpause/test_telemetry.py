@@ -30,6 +30,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
 from opentelemetry.trace import SpanContext, StatusCode, TraceFlags
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 from temporalio.client import Client
 
 import gateway.app as gateway_app
@@ -37,17 +40,22 @@ from luftpause import telemetry
 from luftpause.temporal_dev import free_port
 from luftpause.up import Child, wait_http
 from scheduler import Policy
+from testkit.loopback import serve
 from tests.gateway.harness import (
     MODEL,
     RUN,
+    answered_health,
     chat,
+    closed_port_url,
     endpoint,
     engine,
     gateway,
+    hangs_up,
     tool_loop,
     tool_task,
     turn,
     until,
+    upstream,
 )
 from tests.workflows import harness as runs_harness
 from workflows import Runs, RunSpec
@@ -382,6 +390,71 @@ async def test_a_decision_is_a_span_the_engines_request_continues(
         )
         assert attrs(span)["http.response.status_code"] == 200
     assert attrs(scored)["luftpause.labels"] == 2 and attrs(classified)["luftpause.labels"] == 0
+
+
+async def test_a_decision_its_engine_never_answered_names_how_it_failed(
+    spans: InMemorySpanExporter,
+) -> None:
+    # semconv's HTTP client span: a request that got no response has no status code, and
+    # its error.type names the failure; it read as the engine's 502 or 504, which were
+    # the gateway's (helper-200).  An engine's own 502 is still one.
+    released = asyncio.Event()
+
+    async def hung(scope: Scope, receive: Receive, send: Send) -> None:
+        if await answered_health(scope, send):
+            return
+        await released.wait()  # accepts the request, never answers
+
+    def bad_gateway(request: Request) -> Response:
+        return Response(b'{"error": {"message": "no backend"}}', 502)
+
+    async with (
+        hangs_up() as broken,
+        serve(hung) as slow,
+        serve(upstream(bad_gateway)) as failing,
+        gateway(
+            endpoint("broken", broken, kind="openai", models=("m-broken",)),
+            endpoint("slow", slow, kind="openai", models=("m-slow",)),
+            endpoint("failing", failing, kind="openai", models=("m-502",)),
+            endpoint("c-down", closed_port_url(), kind="classifier", models=("c-down",)),
+            endpoint("c-broken", broken, kind="classifier", models=("c-broken",)),
+            endpoint("c-slow", slow, kind="classifier", models=("c-slow",)),
+            policy=Policy(turn_timeout_s=0.5),
+        ) as (client, _),
+    ):
+        answered = {}
+        try:
+            for model in ("m-broken", "m-slow", "m-502", "c-down", "c-broken", "c-slow"):
+                labels = {"labels": ["a", "b"]} if model.startswith("m-") else {}
+                body = {"input": "x", "model": model, **labels}
+                answered[model] = (await client.post("/v1/decide", json=body)).status_code
+        finally:
+            released.set()
+        await until(lambda: len(named(spans, "decide")) == 6, "every decide span ended")
+    assert answered == {
+        "m-broken": 502,
+        "m-slow": 504,
+        "m-502": 502,
+        "c-down": 502,
+        "c-broken": 502,
+        "c-slow": 504,
+    }
+    by_model = {attrs(s)["gen_ai.request.model"]: s for s in named(spans, "decide")}
+    failed = {
+        "m-broken": "RemoteProtocolError",  # the connection closed unanswered
+        "m-slow": "timeout",  # the turn's own deadline, which raises nothing
+        "c-down": "ConnectError",
+        "c-broken": "RemoteProtocolError",
+        "c-slow": "ReadTimeout",
+    }
+    for model, error in failed.items():
+        span = by_model[model]
+        assert attrs(span)["error.type"] == error, model
+        assert "http.response.status_code" not in attrs(span), model
+        assert span.status.status_code is StatusCode.ERROR
+        assert (span.status.description or "").startswith("engine "), model
+    answer = attrs(by_model["m-502"])
+    assert (answer["error.type"], answer["http.response.status_code"]) == ("502", 502)
 
 
 async def test_a_turn_the_engine_sent_no_usage_for_records_none(
