@@ -98,12 +98,13 @@ _FIELDS = ("input", "labels", "model")
 # Status the route answers when its client left (nobody reads it; nginx's convention).
 CLIENT_LEFT = 499
 
-# Told of an engine request that got no answer at all (refused, broken off, timed out),
-# the one the route's answer is about: the failure's name, semconv's `error.type` for
-# an HTTP request without a response (the httpx exception's type, as OpenTelemetry's
-# httpx instrumentation names it; `timeout` for the gateway's own deadline, which raises
-# none), and what the client is told.  The decide span says so instead of the 502 or
-# 504 the gateway answered, which no engine did (helper-200).
+# Told of an engine request that got no answer at all (refused, broken off, timed out,
+# its client gone), the one the route's answer is about: the failure's name, semconv's
+# `error.type` for an HTTP request without a response (the httpx exception's type, as
+# OpenTelemetry's httpx instrumentation names it; `timeout` for the gateway's own
+# deadline and `client_left`, which raise none), and what the client is told.  The
+# decide span says so instead of the 502, 504 or 499 the gateway answered, which no
+# engine did (helper-200).
 Unanswered = Callable[[str, str], None]
 
 
@@ -581,6 +582,7 @@ async def run_turn(
         outcome = await hold(shell, turn, clock, disconnected, awaited)
         if outcome is None:
             end(left_while_held(shell, turn.turn_id, clock()))
+            unanswered("client_left", "client disconnected while held")
             return error_response(CLIENT_LEFT, "client disconnected while held", turn.run_id)
         if isinstance(outcome, Rejected):
             ended = True  # never queued: nothing to report
@@ -628,6 +630,8 @@ async def run_turn(
                 await task
             if disconnected.done():
                 fail("client disconnected before the engine answered", client_left=True)
+                # Named as a turn's and a count's, not as the 499 nobody read.
+                unanswered("client_left", "client disconnected")
                 return error_response(CLIENT_LEFT, "client disconnected", turn.run_id)
             # Not the engine's fault (toward ejecting it): the answer is not streamed, so
             # its head comes with its end, and an engine that reports no load may hold it

@@ -8,6 +8,7 @@ the code with `telemetry.use()` and taken back afterwards: the process-wide prov
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.server
 import os
 import signal
@@ -455,6 +456,33 @@ async def test_a_decision_its_engine_never_answered_names_how_it_failed(
         assert (span.status.description or "").startswith("engine "), model
     answer = attrs(by_model["m-502"])
     assert (answer["error.type"], answer["http.response.status_code"]) == ("502", 502)
+
+
+async def test_a_decision_whose_client_left_says_so(spans: InMemorySpanExporter) -> None:
+    # As a turn's and a count's: the client left, not an engine answering 499.
+    asked, released = asyncio.Event(), asyncio.Event()
+
+    async def hung(scope: Scope, receive: Receive, send: Send) -> None:
+        if await answered_health(scope, send):
+            return
+        asked.set()
+        await released.wait()  # accepts the request, never answers
+
+    async with serve(hung) as url, gateway(endpoint("e0", url, kind="openai")) as (client, _):
+        body = {"input": "x", "model": MODEL, "labels": ["a", "b"]}
+        call = asyncio.create_task(client.post("/v1/decide", json=body))
+        try:
+            await asyncio.wait_for(asked.wait(), 5)
+            call.cancel()  # the client leaves: its connection to the gateway closes
+            with contextlib.suppress(asyncio.CancelledError):
+                await call
+            await until(lambda: len(named(spans, "decide")) == 1, "the decide span ended")
+        finally:
+            released.set()
+    (span,) = named(spans, "decide")
+    assert attrs(span)["error.type"] == "client_left"
+    assert "http.response.status_code" not in attrs(span)
+    assert span.status.status_code is StatusCode.ERROR
 
 
 async def test_a_turn_the_engine_sent_no_usage_for_records_none(
