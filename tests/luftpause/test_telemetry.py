@@ -485,6 +485,94 @@ async def test_a_decision_whose_client_left_says_so(spans: InMemorySpanExporter)
     assert span.status.status_code is StatusCode.ERROR
 
 
+async def test_a_classifier_passed_over_leaves_no_failure_but_the_last_is_told(
+    spans: InMemorySpanExporter,
+) -> None:
+    # Only the failure the answer is about is told: a classifier that refused the
+    # connection and was passed over for one that answered is no failure of the span,
+    # and one passed over for one that never answered leaves that one's failure.
+    released = asyncio.Event()
+
+    async def down_yet_answering(scope: Scope, receive: Receive, send: Send) -> None:
+        # Found down by every probe (so the refusing one, first in the file, is tried
+        # first), yet it classifies; "c-slow" never answers.
+        if scope["type"] != "http":
+            return
+        if scope["path"] == "/health":
+            await send({"type": "http.response.start", "status": 503, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        body = await receive()
+        if b'"c-slow"' in body.get("body", b""):
+            await released.wait()
+            return
+        answer = b'{"data": [{"label": "yes", "probs": [0.1, 0.9]}]}'
+        headers = [(b"content-type", b"application/json")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": answer})
+
+    refusing = closed_port_url()
+    async with (
+        serve(down_yet_answering) as url,
+        gateway(
+            endpoint("r-ok", refusing, kind="classifier", models=("c-ok",)),
+            endpoint("ok", url, kind="classifier", models=("c-ok",)),
+            endpoint("r-slow", refusing, kind="classifier", models=("c-slow",)),
+            endpoint("slow", url, kind="classifier", models=("c-slow",)),
+            policy=Policy(turn_timeout_s=0.5),
+        ) as (client, _),
+    ):
+        try:
+            answered = {}
+            for model in ("c-ok", "c-slow"):
+                body = {"input": "x", "model": model}
+                answered[model] = (await client.post("/v1/decide", json=body)).status_code
+        finally:
+            released.set()
+        await until(lambda: len(named(spans, "decide")) == 2, "both decide spans ended")
+    assert answered == {"c-ok": 200, "c-slow": 504}
+    by_model = {attrs(s)["gen_ai.request.model"]: s for s in named(spans, "decide")}
+    ok = attrs(by_model["c-ok"])
+    assert "error.type" not in ok and ok["http.response.status_code"] == 200
+    slow = attrs(by_model["c-slow"])
+    assert slow["error.type"] == "ReadTimeout" and "http.response.status_code" not in slow
+
+
+async def test_a_decision_whose_client_left_while_held_says_so(
+    spans: InMemorySpanExporter,
+) -> None:
+    asked, released = asyncio.Event(), asyncio.Event()
+
+    async def hung(scope: Scope, receive: Receive, send: Send) -> None:
+        if await answered_health(scope, send):
+            return
+        asked.set()
+        await released.wait()
+        await send({"type": "http.response.start", "status": 503, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async with (
+        serve(hung) as url,
+        gateway(endpoint("e0", url, kind="openai", slots=1)) as (client, shell),
+    ):
+        body = {"input": "x", "model": MODEL, "labels": ["a", "b"]}
+        first = asyncio.create_task(client.post("/v1/decide", json=body))
+        try:
+            await asyncio.wait_for(asked.wait(), 5)  # the one slot is taken
+            second = asyncio.create_task(client.post("/v1/decide", json=body))
+            await until(lambda: shell.state.held_count() == 1, "the second decision held")
+            second.cancel()
+            await asyncio.gather(second, return_exceptions=True)
+            await until(lambda: len(named(spans, "decide")) == 1, "the held one's span ended")
+        finally:
+            released.set()
+            await asyncio.gather(first, return_exceptions=True)
+    (span, _) = named(spans, "decide")
+    assert attrs(span)["error.type"] == "client_left"
+    assert "http.response.status_code" not in attrs(span)
+    assert span.status.description == "client disconnected while held"
+
+
 async def test_a_turn_the_engine_sent_no_usage_for_records_none(
     spans: InMemorySpanExporter,
 ) -> None:
