@@ -79,6 +79,10 @@ class TurnOutput:
     seconds: float = 0.0
     # The calls were written as text and recovered into tool calls.
     recovered: bool = False
+    # The `gen_ai.provider.name` of the engine that answered, as the gateway's answer
+    # names it (`x-luftpause-provider`), for the run's `invoke_agent` span; "" when it
+    # names none (an older gateway, a peer router in a benchmark).
+    provider: str = ""
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ turn has failed ENGINE_FAULT_ATTEMPTS times otherwise, never for a refused reque
 While the turn is held in the gateway's queue (for as long as it takes) or generating,
 the activity heartbeats, so a dead worker is noticed within the heartbeat timeout.
 With tracing on, the turn carries the activity span's `traceparent`, so the gateway's
-`chat` span joins the run's trace.
+`chat` span joins the run's trace; the gateway's answer names the kind of engine that
+gave it (`x-luftpause-provider`), which the turn's output keeps for the run's span.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from activities._arguments import MAX_DEPTH, depth
 from activities._recover import recover_tool_calls
 from activities.contract import EndRunInput, ToolCall, TurnInput, TurnOutput
 from luftpause import telemetry
-from luftpause.headers import CALLER_HEADER, CLASS_HEADER, RUN_HEADER
+from luftpause.headers import CALLER_HEADER, CLASS_HEADER, PROVIDER_HEADER, RUN_HEADER
 
 __all__ = [
     "HEARTBEAT_EVERY_S",
@@ -353,6 +354,8 @@ class LlmActivities:
             cached_tokens=_count(details.get("cached_tokens")),
             seconds=seconds,
             recovered=recovered,
+            # The engine's kind, as the gateway names it (the worker sees no engine).
+            provider=response.headers.get(PROVIDER_HEADER, ""),
         )
 
     @activity.defn(name="end_run")

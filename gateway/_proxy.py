@@ -53,7 +53,7 @@ from gateway._shell import Admission, AdmissionShell, Awaited, Rejected, as_answ
 from gateway.prober import PROBE_PERIOD_S, auth_headers
 from luftpause import telemetry
 from luftpause.config import DP_RANK_HEADER, Api, Endpoint
-from luftpause.headers import RUN_HEADER
+from luftpause.headers import PROVIDER_HEADER, RUN_HEADER
 from scheduler import (
     Event,
     RunState,
@@ -103,9 +103,11 @@ DROP_UPSTREAM = frozenset(
         b"date",
         b"server",
         RUN_HEADER.encode(),
+        PROVIDER_HEADER.encode(),
     }
 )
 _RUN_HEADER_BYTES = RUN_HEADER.encode()
+_PROVIDER_HEADER_BYTES = PROVIDER_HEADER.encode()
 # An engine that sends nothing for this long (for the head, or between body chunks) has
 # hung: the turn fails (504 before the head; the stream closes without [DONE] after).
 # The same 10 minutes as the core's turn timeout, which frees the slot by then anyway.
@@ -1422,6 +1424,8 @@ class TurnResponse(Response):
             drop = drop - {b"content-length"}
         headers = [(k, v) for k, v in answer.headers if k not in drop]
         headers.append((_RUN_HEADER_BYTES, t.run_id.encode("latin-1")))
+        # Whose engine answered, for a sub-agent run's span (the worker sees only this).
+        headers.append((_PROVIDER_HEADER_BYTES, _provider(self._kind(replica)).encode("latin-1")))
         self.started = True
         await send({"type": "http.response.start", "status": answer.status, "headers": headers})
         loop = asyncio.get_running_loop()
@@ -1608,6 +1612,13 @@ def response_key(response_id: str) -> str:
 _PROVIDERS = {"llamacpp": "llama.cpp"}
 
 
+def _provider(kind: str) -> str:
+    """The `gen_ai.provider.name` of an engine of `kind`: its kind, or a well-known value
+    where there is one (helper-169: a router's was "router", which is no provider).  On
+    a turn's `chat` span, and on its answer (PROVIDER_HEADER) for a sub-agent's run."""
+    return _PROVIDERS.get(kind, kind)
+
+
 class _TurnTrace:
     """A turn's spans (GenAI semantic conventions): `chat {model}` (`chat` until it is
     admitted) from arrival to the end of the answer, and its child `admit` for the
@@ -1692,10 +1703,9 @@ class _TurnTrace:
     def forwarding(self, replica: str, endpoint: Endpoint, kind: str) -> list[tuple[str, str]]:
         """Where the turn goes, and the `traceparent` header the engine continues;
         `kind`: the kind of engine that answers there (behind a router, its engines')."""
-        # GenAI semconv's required attribute: the engine that answers (its kind; a
-        # well-known value where there is one; helper-169: a router's was "router",
-        # which is no provider).  The run's span takes its first turn's (helper-191).
-        provider = _PROVIDERS.get(kind, kind)
+        # GenAI semconv's required attribute: the engine that answers.  The run's span
+        # takes its first turn's (helper-191).
+        provider = _provider(kind)
         self._chat.set_attributes(
             {
                 "luftpause.replica": replica,

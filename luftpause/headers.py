@@ -15,6 +15,13 @@ CALLER_HEADER = "x-luftpause-caller"  # who is asking, for fairness; cut to 128 
 
 CALLER_MAX_BYTES = 128
 
+# Set by the gateway on a proxied turn's answer: the kind of engine that answered it, as
+# the turn's `chat` span names it in `gen_ai.provider.name` (OpenTelemetry's GenAI
+# conventions).  A sub-agent's turn activity reads it, so that the run's `invoke_agent`
+# span, which the worker makes, can name the provider too: the worker only sees the
+# gateway.  An engine's own header of this name is not passed on.
+PROVIDER_HEADER = "x-luftpause-provider"
+
 # Set by the gateway on a request to its MCP door when a caller's own token
 # (`[[callers]]`) sent it: that caller's name.  The gateway drops a client's own.
 TENANT_HEADER = "x-luftpause-tenant"
@@ -105,6 +112,7 @@ __all__ = [
     "CALLER_HEADER",
     "CALLER_MAX_BYTES",
     "CLASS_HEADER",
+    "PROVIDER_HEADER",
     "REQUEST_CLASS_HEADER",
     "RUN_HEADER",
     "RUN_ID",

@@ -239,6 +239,13 @@ class TracedRun(Protocol):
         with, or None: the span's status is an error only then.  Asked once, at close."""
         ...
 
+    def span_provider(self) -> str | None:
+        """The `gen_ai.provider.name` the span names (the GenAI conventions require one
+        on `invoke_agent` spans): the kind of engine that answered its first turn, or
+        None when no turn of it was answered.  Asked at every close, a continue-as-new's
+        too."""
+        ...
+
 
 @dataclass(frozen=True)
 class _RunSpan:
@@ -404,9 +411,14 @@ class _InvokeAgent(TracingWorkflowInboundInterceptor):
         self._load_workflow_context_carrier()
         assert self._run_context is not None
         instance = workflow.instance()
-        if isinstance(instance, TracedRun) and "luftpause.end" not in attributes:
-            more, error = instance.span_end()
-            attributes.update(more)
+        if isinstance(instance, TracedRun):
+            # Known from the turns' answers: the gateway, which chose the engine, names
+            # its kind on each (luftpause.headers.PROVIDER_HEADER).
+            if provider := instance.span_provider():
+                attributes["gen_ai.provider.name"] = provider
+            if "luftpause.end" not in attributes:
+                more, error = instance.span_end()
+                attributes.update(more)
         if error is not None:
             attributes["error.type"] = attributes.get("luftpause.state", "error")
         start = info.workflow_start_time

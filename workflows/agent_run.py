@@ -428,6 +428,11 @@ class AgentRun:
         self._spent_rule = False  # set by run(): see SPENT_PATCH
         self._stop_wait = False  # set by run(): see STOP_WAIT_PATCH
         self._in_turn = False  # an LLM turn of the run is in flight
+        # The gen_ai.provider.name its span names: the first a turn's answer gave (in
+        # this execution: not carried across continue-as-new, whose next turn names
+        # one).  Read from activity results, which a replay reads back; no command
+        # depends on it, so it needs no patch marker.
+        self._provider = ""
         self._spawning: set[str] = set()  # the handles spawn_child is still starting
         # Their requests' sizes, by handle (contract.CHILDREN_STARTING_BYTES): set by
         # the validator (the next spawn's validator counts it, however the SDK orders
@@ -764,6 +769,8 @@ class AgentRun:
             )
         finally:
             self._in_turn = False
+        if not self._provider:
+            self._provider = turn.provider
         self._messages.append(turn.message)
         self._usage = self._usage.plus(
             Totals(
@@ -1402,6 +1409,11 @@ class AgentRun:
         if usage.cached_tokens:
             attributes["gen_ai.usage.cache_read.input_tokens"] = usage.cached_tokens
         return attributes, (self._error or "failed") if self._state == "Failed" else None
+
+    def span_provider(self) -> str | None:
+        """The provider its span names (luftpause/telemetry.py), or None: no turn of it
+        was answered by a gateway that names one."""
+        return self._provider or None
 
     @workflow.query
     def transcript(self) -> list[dict[str, Any]]:

@@ -207,6 +207,34 @@ async def test_the_clients_query_string_reaches_the_engine() -> None:
         assert r.json()["choices"][0]["message"]["content"] == ""
 
 
+async def test_an_answer_names_the_kind_of_engine_that_gave_it() -> None:
+    # A sub-agent's run names it on its invoke_agent span (gen_ai.provider.name, which
+    # the GenAI conventions require), and its worker sees only the gateway: the span had
+    # none (helper-201).  Named with tracing off here too (the worker's is its own), as
+    # the turn's chat span would name it, and an engine's own header is not passed on.
+    def claims(request: Request) -> Response:
+        response = ok_chat(request)
+        response.headers["x-luftpause-provider"] = "not-the-gateways-word"
+        return response
+
+    assert telemetry.tracer() is None
+    async with (
+        engine(flavor="llamacpp", instant=True) as (llama, _),
+        serve(upstream(claims)) as hosted,
+        gateway(
+            endpoint("a", llama, kind="llamacpp"),
+            endpoint("h", hosted, kind="openai", models=("hosted",)),
+        ) as (gw, _),
+    ):
+        for stream in (False, True):
+            r = await gw.post("/v1/chat/completions", json=chat(max_tokens=2, stream=stream))
+            assert r.status_code == 200, r.text
+            assert r.headers.get_list("x-luftpause-provider") == ["llama.cpp"]
+        r = await gw.post("/v1/chat/completions", json=chat(model="hosted"))
+        assert r.status_code == 200, r.text
+        assert r.headers.get_list("x-luftpause-provider") == ["openai"]
+
+
 async def test_a_stream_whose_media_type_is_not_lower_case_is_still_a_stream() -> None:
     # Media types have no case: "Text/Event-Stream" was read as a JSON body, so the
     # turn failed on a healthy engine and the usage event the gateway added leaked.

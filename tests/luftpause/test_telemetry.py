@@ -18,6 +18,7 @@ import sys
 import textwrap
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -34,9 +35,20 @@ from opentelemetry.trace import SpanContext, StatusCode, TraceFlags
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
+from temporalio import activity
 from temporalio.client import Client
 
 import gateway.app as gateway_app
+from activities.contract import (
+    EndRunInput,
+    ToolCall,
+    ToolInfo,
+    ToolInput,
+    ToolOutput,
+    ToolsWanted,
+    TurnInput,
+    TurnOutput,
+)
 from luftpause import telemetry
 from luftpause.temporal_dev import free_port
 from luftpause.up import Child, wait_http
@@ -857,6 +869,96 @@ async def test_a_run_is_one_trace_of_agent_turns_and_tool_calls(
     assert a["gen_ai.usage.output_tokens"] == sum(
         attrs(c)["gen_ai.usage.output_tokens"] for c in chats
     )
+    # Required by the conventions; it had none (helper-201).  The engine is the
+    # gateway's choice: the turn's answer names its kind, as the turn's chat span does.
+    assert a["gen_ai.provider.name"] == "sglang"
+    assert {attrs(c)["gen_ai.provider.name"] for c in chats} == {"sglang"}
+
+
+async def test_each_span_of_a_run_that_continues_as_new_names_its_provider(
+    tmp_path: Path, spans: InMemorySpanExporter
+) -> None:
+    # An execution that continues as new records a span of its own, which says nothing
+    # of how the run ended (the next one does) but is an invoke_agent span all the same:
+    # it names the provider of its turns.  One that made no turn (here the first, which
+    # the server tells to continue as new once it has listed the tools) names none.
+    setting = "limit.historyCount.suggestContinueAsNew=20"
+    with runs_harness.dev_server_with(tmp_path, setting) as server:
+        async with runs_harness.stack(server.address) as s:
+            task = runs_harness.task_with(3, "long")
+            spec = RunSpec(task=task, model=runs_harness.MODEL, tools=["lookup"])
+            handle = await s.runs.spawn(spec)
+            (status,) = await s.runs.wait([handle], timeout=60)
+            assert status.state == "Completed", status
+            agents = named(spans, "invoke_agent ")
+            turned: dict[str, bool] = {}  # by execution: whether it made a turn
+            for agent in agents:
+                execution = str(attrs(agent)["temporalRunID"])
+                one = s.client.get_workflow_handle(handle, run_id=execution)
+                turned[execution] = any(
+                    e.activity_task_scheduled_event_attributes.activity_type.name == "llm_turn"
+                    for e in (await one.fetch_history()).events
+                )
+
+    named_by = {
+        str(attrs(a)["temporalRunID"]): attrs(a).get("gen_ai.provider.name") for a in agents
+    }
+    assert named_by == {e: "sglang" if made else None for e, made in turned.items()}
+    continued = [a for a in agents if attrs(a).get("luftpause.end") == "continued_as_new"]
+    assert any(turned[str(attrs(a)["temporalRunID"])] for a in continued), turned
+
+
+class _NamedTurns:
+    """Stand-in activities (under the real names) whose turns name the engines of
+    `providers`, one a turn: a `lookup` call each, the last an answer."""
+
+    def __init__(self, *providers: str) -> None:
+        self.providers = providers
+
+    @activity.defn(name="list_tools")
+    async def list_tools(self, wanted: ToolsWanted | None = None) -> list[ToolInfo]:
+        return [ToolInfo("fake", "lookup", "look up", {"type": "object"}, read_only=True)]
+
+    @activity.defn(name="end_run")
+    async def end_run(self, end: EndRunInput) -> None:
+        pass
+
+    @activity.defn(name="call_tool")
+    async def call_tool(self, call: ToolInput) -> ToolOutput:
+        return ToolOutput("ok", False, True)
+
+    @activity.defn(name="llm_turn")
+    async def llm_turn(self, turn: TurnInput) -> TurnOutput:
+        n = sum(m["role"] == "assistant" for m in turn.messages)
+        provider = self.providers[n]
+        if n == len(self.providers) - 1:
+            return TurnOutput(
+                {"role": "assistant", "content": "done"}, [], "stop", provider=provider
+            )
+        call = ToolCall(f"call-{n}", "lookup", "{}")
+        function = {"name": call.name, "arguments": call.arguments}
+        message = {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.id, "type": "function", "function": function}
+        ]}  # fmt: skip
+        return TurnOutput(message, [call], "tool_calls", provider=provider)
+
+
+async def test_a_runs_span_names_the_first_provider_its_turns_name(
+    temporal_address: str, spans: InMemorySpanExporter
+) -> None:
+    # As the gateway's run span does: the first engine's, for one value however many
+    # kinds of engine the run's turns go to.  A turn whose answer names none (a gateway
+    # from before the header, a peer router) leaves it to the next.
+    client = await Client.connect(temporal_address, interceptors=telemetry.temporal_interceptors())
+    queue = f"providers-{uuid.uuid4().hex[:8]}"
+    runs = Runs(client, task_queue=queue)
+    async with runs_harness.stand_in_worker(client, queue, _NamedTurns("", "vllm", "sglang")):
+        await runs_harness.until(runs._worker_polls, "the worker polls")
+        handle = await runs.spawn(RunSpec(task="t", model="m", tools=["lookup"]))
+        (status,) = await runs.wait([handle], timeout=60)
+    assert status.state == "Completed" and status.usage.turns == 3, status
+    (agent,) = named(spans, "invoke_agent ")
+    assert attrs(agent)["gen_ai.provider.name"] == "vllm"
 
 
 async def test_a_run_started_in_a_trace_continues_it(
@@ -932,6 +1034,8 @@ async def test_a_failed_run_is_an_error_span(
     assert a["luftpause.state"] == "Failed" and a["error.type"] == "Failed"
     assert agent.status.status_code is StatusCode.ERROR
     assert "no-such-model" in (agent.status.description or "")
+    # Refused before an engine was chosen: no provider, as the gateway's run span has none.
+    assert "gen_ai.provider.name" not in a
 
 
 # --------------------------------------------------------------------------- setup
