@@ -55,7 +55,8 @@ Rules this module keeps:
    that broke off is sent TOOL_SENDS times before the model is told (`TIMED_OUT`,
    `BROKE_OFF`).
    (Runs without the `TOLD_PATCH` marker left a repeatable call to Temporal's retries,
-   each cut at 5 minutes, and failed after 15.)
+   each cut at 5 minutes, and failed after 15.)  A call that fails the run cancels the
+   other calls of its round (runs without the `ROUND_PATCH` marker left them running).
 """
 
 from __future__ import annotations
@@ -243,6 +244,15 @@ HISTORY_ROOM_PATCH = "a-run-stops-before-temporals-event-limit"
 # budget the run holds saw its subtree no more (checked only as each child ended), its
 # status froze, and a stop from above could not reach it (helper-163).
 SIGNAL_ROOM_PATCH = "a-run-stops-before-temporals-signal-limit"
+# `workflow.patched` id of a concurrent tool round (`parallel_tool_calls`) whose other
+# calls are cancelled when one of them fails the run (its server unreachable for
+# contract.TOOL_UNREACHED_S).  Without it they ran on as orphaned tasks while the run
+# closed: a call in flight was left open in the history (the worker cancelled it when a
+# heartbeat found the run ended), and a call waiting to be sent again had its timer fire
+# during the close: Temporal refused the close for that new event, the close was done
+# again (its end reported twice), and the call's next send was scheduled in the run's
+# last workflow task (helper-202).
+ROUND_PATCH = "a-call-that-fails-the-run-cancels-its-round"
 # Why a child whose spawn request was withdrawn stops (withdraw_child), and how many
 # withdrawn requests a run remembers (each a handle; the oldest is forgotten first).
 WITHDRAWN_REASON = "its spawn request was withdrawn: the caller gave up waiting for it"
@@ -833,7 +843,7 @@ class AgentRun:
         if self._drain:
             self._check_budget()  # a stop may have come while approvals were awaited
         if spec.parallel_tool_calls:
-            results = await asyncio.gather(*(self._call(c) for c in approved))
+            results = await self._concurrently(approved)
         else:
             results = [await self._call(c) for c in approved]
         outputs.update({c.id: r for c, r in zip(approved, results, strict=True)})
@@ -856,6 +866,21 @@ class AgentRun:
             )
         )
         await self._report_up()
+
+    async def _concurrently(self, calls: list[ToolCall]) -> list[ToolOutput]:
+        """The round's calls at once; one that fails the run cancels the others
+        (ROUND_PATCH), as a round made one call after another starts no more."""
+        tasks = [asyncio.create_task(self._call(c)) for c in calls]
+        try:
+            return await asyncio.gather(*tasks)
+        except Exception:
+            going = [t for t in tasks if not t.done()]
+            if going and workflow.patched(ROUND_PATCH):
+                for task in going:
+                    task.cancel()
+                # Each ends at once: an activity's cancel is requested, not waited for.
+                await asyncio.gather(*going, return_exceptions=True)
+            raise
 
     async def _call(self, call: ToolCall) -> ToolOutput:
         assert self._tools is not None

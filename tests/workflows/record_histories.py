@@ -17,8 +17,9 @@ it, renamed; `cancelled_while_closing` after `HALT_UNBROKEN_PATCH`, `unsent_stop
 `UNSENT_STOP_PATCH`, `seconds_tripped` and `continued_as_new` after that, to cover those
 paths, `told` after `TOLD_PATCH`, `sized_loop` after `TURN_SIZE_PATCH` and `LISTING_PATCH`,
 `withdrawn` after the `withdraw_child` signal, `history_stopped` after
-`HISTORY_ROOM_PATCH`, `signals_stopped` after `SIGNAL_ROOM_PATCH`; the others before
-them).
+`HISTORY_ROOM_PATCH`, `signals_stopped` after `SIGNAL_ROOM_PATCH`, `failed_round` after
+`ROUND_PATCH` and `failed_round_unpatched` by the same scenario at the commit before it,
+renamed; the others before them).
 """
 
 from __future__ import annotations
@@ -341,6 +342,29 @@ async def _signals_stopped(s: Stack) -> None:
     await _save(s, "signals_stopped", [parent, child])
 
 
+async def _failed_round(s: Stack) -> None:
+    # After ROUND_PATCH: a concurrent round one of whose calls fails the run (its server
+    # unreachable) while the fake MCP server holds the other, which the run cancels
+    # (tests/workflows/test_failed_round.py; the replay test gives it the same window).
+    # `failed_round_unpatched` is this scenario at the commit before ROUND_PATCH, renamed.
+    from tests.workflows.test_failed_round import (
+        UNREACHED_S,
+        round_failing_with_a_call_in_flight,
+    )
+    from workflows import contract
+
+    kept = contract.TOOL_UNREACHED_S
+    contract.TOOL_UNREACHED_S = UNREACHED_S
+    try:
+        handle, status = await round_failing_with_a_call_in_flight(
+            s.client, f"{s.mcp_url}/mcp", s.mcp
+        )
+    finally:
+        contract.TOOL_UNREACHED_S = kept
+    assert status.state == "Failed", status
+    await _save(s, "failed_round", [handle])
+
+
 SCENARIOS = {
     "tool_loop": _tool_loop,
     "parallel_calls": _parallel_calls,
@@ -364,6 +388,7 @@ SCENARIOS = {
     "withdrawn": _withdrawn,
     "history_stopped": _history_stopped,
     "signals_stopped": _signals_stopped,
+    "failed_round": _failed_round,
 }
 
 

@@ -28,6 +28,7 @@ from workflows.agent_run import (
     LISTING_PATCH,
     ONCE_PATCH,
     REPORTS_PATCH,
+    ROUND_PATCH,
     SIGNAL_ROOM_PATCH,
     SPENT_PATCH,
     TOLD_PATCH,
@@ -55,9 +56,14 @@ AFTER_TOLD = {"told-0", "told-1"}
 # Recorded after TURN_SIZE_PATCH, LISTING_PATCH and the withdraw_child signal: a tool
 # loop, and a parent whose started child was withdrawn (cancelled) and the child.
 AFTER_SIZED = {"sized_loop", "withdrawn-0", "withdrawn-1"}
-# Recorded after SIGNAL_ROOM_PATCH: a parent stopped at a (lowered) signal limit, and its
-# child.
-AFTER_SIGNALS = {"signals_stopped-0", "signals_stopped-1"}
+# A concurrent round one of whose calls failed the run (its server unreachable for
+# test_failed_round.UNREACHED_S) while the fake MCP server held the other: recorded
+# after ROUND_PATCH, and (`failed_round_unpatched`) by the same scenario at the commit
+# before it (0d66cd0).
+FAILED_ROUNDS = {"failed_round", "failed_round_unpatched"}
+# Recorded after SIGNAL_ROOM_PATCH (and so after every earlier patch): a parent stopped
+# at a (lowered) signal limit, and its child.
+AFTER_SIGNALS = {"signals_stopped-0", "signals_stopped-1"} | FAILED_ROUNDS
 AFTER_ROOM = {"history_stopped-0", "history_stopped-1"} | AFTER_SIGNALS
 AFTER_FUNCTIONS = (
     {"tools_by_function"}
@@ -107,6 +113,7 @@ def test_the_recorded_histories_cover_the_run_paths() -> None:
         "seconds_tripped",
         "continued_as_new",
         "told",
+        "failed_round",
     }
     for kind in (
         "ACTIVITY_TASK_COMPLETED",  # LLM turns and tool calls
@@ -264,6 +271,18 @@ def test_a_call_not_sent_again_after_a_stop_is_recorded_after_its_patch() -> Non
     assert kinds[-1] == "EVENT_TYPE_WORKFLOW_EXECUTION_FAILED"  # budget exceeded
 
 
+def test_a_failed_round_is_recorded_before_and_after_its_patch() -> None:
+    # ROUND_PATCH: the marker is where a call fails the run while others of its round are
+    # still going; after it the run cancels them (the held lookup), before it left them.
+    assert {p.stem for p in HISTORIES if ROUND_PATCH in _patches(p)} == {"failed_round"}
+    requested = "EVENT_TYPE_ACTIVITY_TASK_CANCEL_REQUESTED"
+    for stem, cancels in (("failed_round", 1), ("failed_round_unpatched", 0)):
+        path = HISTORIES[0].parent / f"{stem}.json"
+        kinds = [e["eventType"] for e in json.loads(path.read_text("utf-8"))["events"]]
+        assert kinds.count(requested) == cancels, stem
+        assert kinds[-1] == "EVENT_TYPE_WORKFLOW_EXECUTION_FAILED", stem
+
+
 def _payloads(tree: Any) -> Iterator[bytes]:
     """Every payload's data in a history's events, decoded."""
     if isinstance(tree, dict):
@@ -283,7 +302,9 @@ def test_a_call_told_to_the_model_is_recorded_after_its_patch() -> None:
     # completed, the model told of the call with no answer (not sent again after a cut,
     # after TOOL_SENDS sends when it broke off).
     # (`sized_loop`, recorded after, calls tools too.)
-    assert {p.stem for p in HISTORIES if TOLD_PATCH in _patches(p)} == AFTER_TOLD | {"sized_loop"}
+    assert {p.stem for p in HISTORIES if TOLD_PATCH in _patches(p)} == (
+        AFTER_TOLD | {"sized_loop"} | FAILED_ROUNDS
+    )
     told = (
         ("told-0", 1, b"tool 'hang' gave no answer within 0.5 s"),
         ("told-1", 3, b"no answer came back from tool 'breaks'"),
@@ -353,6 +374,13 @@ async def test_a_recorded_history_replays(path: Path, monkeypatch: pytest.Monkey
                         failure.get("message", ""))  # fmt: skip
     if signals:
         monkeypatch.setattr(contract, "SIGNAL_STOP", int(signals[1].replace(",", "")))
+    if path.stem in FAILED_ROUNDS:
+        # Failed by an unreachable window lowered to this.  (Imported here, not at the
+        # top: the sandbox re-imports this module to check `_ChangedAgentRun`, and
+        # refuses what that module imports.)
+        from tests.workflows.test_failed_round import UNREACHED_S
+
+        monkeypatch.setattr(contract, "TOOL_UNREACHED_S", UNREACHED_S)
     result = await Replayer(workflows=[AgentRun]).replay_workflow(
         _history(path), raise_on_replay_failure=False
     )
