@@ -155,10 +155,11 @@ def closed_port_url() -> str:
 
 
 @contextlib.asynccontextmanager
-async def hangs_up() -> AsyncIterator[str]:
-    """An engine on a raw socket that answers a probe (a GET: an empty model list) and
-    closes the connection on a POST, unanswered (an engine that crashed meanwhile);
-    yield its URL."""
+async def raw_engine(answer: bytes | None) -> AsyncIterator[str]:
+    """An engine on a raw socket (an ASGI server cannot send every status, nor close a
+    connection unanswered): a probe (a GET) gets an empty model list, a turn gets
+    `answer` as it is, or with None has its connection closed unanswered (an engine that
+    crashed meanwhile); yield its URL."""
     models = b'{"object": "list", "data": []}'
     probed = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(models), models)
 
@@ -169,9 +170,12 @@ async def hangs_up() -> AsyncIterator[str]:
                 length = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
                 # (Read, so that closing sends a FIN: a body left unread would be an RST.)
                 await reader.readexactly(int(length[1]) if length else 0)
-                if not head.startswith(b"GET"):
+                if head.startswith(b"GET"):
+                    writer.write(probed)
+                elif answer is None:
                     break
-                writer.write(probed)
+                else:
+                    writer.write(answer)
                 await writer.drain()
         writer.close()
 

@@ -27,8 +27,8 @@ from harness import (
     endpoint,
     engine,
     gateway,
-    hangs_up,
     models_only,
+    raw_engine,
     tool_task,
     until,
 )
@@ -588,7 +588,7 @@ async def test_a_count_its_engine_never_answered_names_how_it_failed() -> None:
     answered = {}
     try:
         async with (
-            hangs_up() as broken,
+            raw_engine(None) as broken,
             serve(hung) as slow,
             serve(failing) as bad,
             gateway(

@@ -31,6 +31,7 @@ from harness import (
     engine,
     gateway,
     models_only,
+    raw_engine,
     tool_loop,
     tool_task,
     until,
@@ -2277,34 +2278,6 @@ def test_the_lines_after_an_oversized_one_in_its_last_chunk_are_read() -> None:
     watch.feed(huge[5 << 20 :] + end)
     watch.close()
     assert watch.finish_reason == "tool_calls" and watch.prompt_tokens == 7
-
-
-@contextlib.asynccontextmanager
-async def raw_engine(answer: bytes) -> AsyncIterator[str]:
-    """An engine on a raw socket (an ASGI server cannot send every status): probes get
-    an empty model list, a turn gets `answer` as it is."""
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = re.search(rb"(?i)content-length: *(\d+)", head)
-                await reader.readexactly(int(length.group(1)) if length else 0)
-                if head.startswith(b"GET"):
-                    body = b'{"object": "list", "data": []}'
-                    size = str(len(body)).encode()
-                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: " + size + b"\r\n\r\n" + body)
-                else:
-                    writer.write(answer)
-                await writer.drain()
-        writer.close()
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    finally:
-        server.close()
-        await server.wait_closed()
 
 
 @pytest.mark.parametrize(

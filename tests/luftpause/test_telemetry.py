@@ -63,7 +63,7 @@ from tests.gateway.harness import (
     endpoint,
     engine,
     gateway,
-    hangs_up,
+    raw_engine,
     tool_loop,
     tool_task,
     turn,
@@ -422,7 +422,7 @@ async def test_a_decision_its_engine_never_answered_names_how_it_failed(
         return Response(b'{"error": {"message": "no backend"}}', 502)
 
     async with (
-        hangs_up() as broken,
+        raw_engine(None) as broken,
         serve(hung) as slow,
         serve(upstream(bad_gateway)) as failing,
         gateway(
