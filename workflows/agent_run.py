@@ -251,7 +251,11 @@ SIGNAL_ROOM_PATCH = "a-run-stops-before-temporals-signal-limit"
 # heartbeat found the run ended), and a call waiting to be sent again had its timer fire
 # during the close: Temporal refused the close for that new event, the close was done
 # again (its end reported twice), and the call's next send was scheduled in the run's
-# last workflow task (helper-202).
+# last workflow task (helper-202).  The cancel of a call in flight reaches Temporal only
+# as the workflow task in which its round failed completes (for a run with no children,
+# the task that closes it), and the worker hears of it at the call's next heartbeat: a
+# call that answers during a slow close (the end report retried) still has the close
+# refused and done again, as before (helper-206).
 ROUND_PATCH = "a-call-that-fails-the-run-cancels-its-round"
 # Why a child whose spawn request was withdrawn stops (withdraw_child), and how many
 # withdrawn requests a run remembers (each a handle; the oldest is forgotten first).
