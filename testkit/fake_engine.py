@@ -1007,9 +1007,9 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
 
     def rank_values() -> list[dict[str, float]]:
         """Each rank's gauges, and the prompt tokens of its waiting requests."""
-        if not drivers:
+        if not drivers:  # instant: every rank idle, as many as there are
             idle = {"running": 0, "queued": 0, "token_usage": 0.0, "cache_hit_rate": 0.0}
-            return [idle | {"queued_tokens": 0}]
+            return [idle | {"queued_tokens": 0} for _ in range(s.dp_size)]
         out = []
         for d in drivers:
             if d.running:

@@ -167,6 +167,17 @@ async def test_data_parallel_ranks_keep_caches_of_their_own() -> None:
         assert info["dp_size"] == 2
 
 
+async def test_an_instant_engine_reports_each_of_its_ranks() -> None:
+    # It reported one unlabelled rank whatever its dp_size (helper-203): a gateway
+    # reading its ranks saw one server, not two.
+    async with fake_engine(instant=True, dp_size=2) as client:
+        text = (await client.get("/metrics")).text
+        for rank in ("0", "1"):
+            pattern = rf'^sglang:num_running_reqs\{{[^}}]*dp_rank="{rank}"[^}}]*\}} 0\.0$'
+            assert re.search(pattern, text, re.M), rank
+        assert [r["dp_rank"] for r in (await client.get("/get_load")).json()] == [0, 1]
+
+
 async def test_stream_chunks_arrive_over_time_and_end_with_done() -> None:
     # 1x: 60 tokens take ~0.7 s, so the engine is still generating when the first
     # content chunk arrives.
