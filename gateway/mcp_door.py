@@ -1322,7 +1322,10 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
         except RunError as exc:
             raise ToolError(str(exc)) from None
 
-    @mcp.tool(annotations=ToolAnnotations(read_only_hint=False, destructive_hint=False))
+    # Destructive: allowing lets the very call that waits for a person run (helper-208:
+    # marked not destructive, a client that asks before such tools let its model
+    # approve its sub-agents' destructive calls unasked, the question dismissed).
+    @mcp.tool(annotations=ToolAnnotations(read_only_hint=False, destructive_hint=True))
     async def approve(
         ctx: Context,
         handle: Handle,
@@ -1339,7 +1342,9 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
         ] = None,
     ) -> RunView:
         """Answer the approval a run waits for (state AwaitingApproval): allow or
-        decline its pending tool call. A declined call is reported to the run's model."""
+        decline its pending tool call. A declined call is reported to the run's model.
+        The approval is the user's to give: ask them before allowing a call they have
+        not approved themselves."""
         r = await runs(ctx)
         try:
             return view(await r.approve(handle, allow, callId))

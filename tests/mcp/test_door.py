@@ -1485,6 +1485,10 @@ async def test_approval_answers_count_only_for_questions_the_door_asked(
         tools = (await door.request("tools/list", {}))["result"]["tools"]
         (listed,) = [t for t in tools if t["name"] == "await"]
         assert listed["annotations"]["readOnlyHint"] is False
+        # Allowing runs the call that waited for a person: a client that asks before
+        # destructive tools asks before this one (helper-208).
+        (listed,) = [t for t in tools if t["name"] == "approve"]
+        assert listed["annotations"]["destructiveHint"] is True
         # Every schema says an argument not named is refused, as it is (helper-126).
         assert all(t["inputSchema"]["additionalProperties"] is False for t in tools)
         await s.runs.request_cancel(x)
