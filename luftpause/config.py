@@ -510,11 +510,13 @@ class Temporal(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
 
     address: str = "127.0.0.1:7233"
-    namespace: str = "default"
+    namespace: Annotated[str, Field(min_length=1)] = "default"
     task_queue: Annotated[str, Field(min_length=1)] = "luftpause"
     # TLS to Temporal's frontend, verified against the system's CAs or `tls_ca_file`;
-    # on by itself when any tls_* file or an API key is given.
-    tls: bool = False
+    # unset, on by itself when any tls_* file or an API key is given.  `false` with an
+    # API key sends the key over plain gRPC (a cluster whose TLS a service mesh ends;
+    # the SDK allows it: helper-207).
+    tls: bool | None = None
     tls_ca_file: str | None = None  # PEM: the CA that signed the server's certificate
     tls_cert_file: str | None = None  # PEM: this client's certificate (mTLS) ...
     tls_key_file: str | None = None  # ... and its private key
@@ -555,12 +557,23 @@ class Temporal(BaseModel):
                 "temporal: tls_cert_file and tls_key_file go together (a client certificate "
                 "and its private key, for mTLS)"
             )
+        if self.tls is False and self._tls_settings():
+            raise ValueError(
+                f"temporal: tls = false, but {', '.join(self._tls_settings())} "
+                "configure TLS: take tls = false out, or them"
+            )
         return self
+
+    def _tls_settings(self) -> list[str]:
+        """The tls_* settings given (each asks for TLS)."""
+        names = ("tls_ca_file", "tls_cert_file", "tls_key_file", "tls_server_name")
+        return [name for name in names if getattr(self, name) is not None]
 
     @property
     def uses_tls(self) -> bool:
-        files = (self.tls_ca_file, self.tls_cert_file, self.tls_server_name)
-        return self.tls or self.api_key_env is not None or any(f is not None for f in files)
+        if self.tls is not None:
+            return self.tls
+        return self.api_key_env is not None or bool(self._tls_settings())
 
     def connect_options(self, environ: Mapping[str, str]) -> dict[str, Any]:
         """Keyword arguments for temporalio's `Client.connect` besides the address:

@@ -282,7 +282,7 @@ class Up:
             except ConfigError as exc:
                 raise UpError(str(exc)) from None
             t = user_config.temporal
-            if t.uses_tls:
+            if t.uses_tls or t.api_key_env is not None:
                 raise UpError(
                     f"{self.args.config}: [temporal] asks for TLS or an API key, but up runs "
                     "its own local Temporal dev server (plain gRPC); take them out for up, "

@@ -88,7 +88,13 @@ async def _namespace_exists(client: Client, t: Temporal) -> None:
         await client.workflow_service.describe_namespace(request)
     except RPCError as exc:
         if exc.status != RPCStatusCode.NOT_FOUND:
-            raise
+            # Refused (no permission, a key or certificate it does not take): said as
+            # such, not as a traceback (helper-207).
+            raise RuntimeError(
+                f"Temporal at {t.address} refused to describe namespace {t.namespace!r}: "
+                f"{exc.status.name}: {exc.message} (check [temporal] namespace and the "
+                "credentials: api_key_env, tls_cert_file / tls_key_file)"
+            ) from None
         raise RuntimeError(
             f"Temporal at {t.address} has no namespace {t.namespace!r} ([temporal] namespace, "
             "or LUFTPAUSE_TEMPORAL_NAMESPACE): create it (temporal operator namespace "

@@ -169,6 +169,17 @@ def test_the_options_say_what_is_missing(tmp_path: Path) -> None:
     assert options["api_key"] == "k-123" and options["tls"] is not None  # a key implies TLS
     with pytest.raises(ConfigError, match="TEMPORAL_API_KEY is not set"):
         keyed.connect_options({})
+    # tls = false with a key: the key over plain gRPC, as the SDK allows (a cluster
+    # whose TLS a mesh ends; helper-207: the key turned TLS on whatever tls said).
+    plain = Temporal(api_key_env="TEMPORAL_API_KEY", tls=False)
+    assert plain.connect_options({"TEMPORAL_API_KEY": "k"}) == {
+        "namespace": "default",
+        "api_key": "k",
+    }
+    with pytest.raises(ConfigError, match="tls = false, but tls_ca_file configure TLS"):
+        parse_config({"endpoints": ENDPOINTS, "temporal": {"tls": False, "tls_ca_file": "c"}})
+    with pytest.raises(ConfigError, match=r"temporal\.namespace"):
+        parse_config({"endpoints": ENDPOINTS, "temporal": {"namespace": ""}})
     missing = tmp_path / "nope.pem"
     with pytest.raises(ConfigError, match=r"temporal: tls_ca_file = .*nope\.pem.*No such file"):
         Temporal(tls_ca_file=str(missing)).connect_options({})
@@ -178,6 +189,31 @@ def test_the_options_say_what_is_missing(tmp_path: Path) -> None:
     config = parse_config({"endpoints": ENDPOINTS, "temporal": {"tls_ca_file": str(missing)}})
     with pytest.raises(ConfigError, match="tls_ca_file"):
         create_app(GatewaySettings(config=config))
+
+
+async def test_a_namespace_temporal_refuses_to_show_is_said_with_what_to_check() -> None:
+    # helper-207: any refusal but NOT_FOUND (no permission for the namespace, a key it
+    # does not take) ended the worker in a traceback.  The dev server grants everything,
+    # so the refusal comes from a stand-in for the client's service.
+    from temporalio.service import RPCError, RPCStatusCode
+
+    import worker.main as worker_main
+
+    class Refusing:
+        async def describe_namespace(self, request: object) -> None:
+            raise RPCError("Request unauthorized.", RPCStatusCode.PERMISSION_DENIED, b"")
+
+    class Client:
+        workflow_service = Refusing()
+
+    t = Temporal(namespace="ns.acct")
+    with pytest.raises(RuntimeError) as err:
+        await worker_main._namespace_exists(Client(), t)  # type: ignore[arg-type]
+    assert str(err.value) == (
+        "Temporal at 127.0.0.1:7233 refused to describe namespace 'ns.acct': "
+        "PERMISSION_DENIED: Request unauthorized. (check [temporal] namespace and the "
+        "credentials: api_key_env, tls_cert_file / tls_key_file)"
+    )
 
 
 async def test_a_worker_that_finds_no_temporal_says_so_now_and_then_and_what_to_set(
