@@ -112,8 +112,9 @@ def build_worker(
 ) -> Worker:
     """The worker for one task queue, with every workflow and activity registered (and
     Temporal's tracing interceptor, when tracing is on).  `shutdown_grace`: how long
-    its activities may go on after a stop before they are cancelled (a turn or tool
-    call cut so runs again from its start on the next worker)."""
+    its activities may go on after a stop before they are cancelled (a turn cut so
+    runs again from its start on the next worker; a tool call cut so is one that broke
+    off: sent again if its tool is repeatable, else told to the model as unknown)."""
     return Worker(
         client,
         task_queue=task_queue,
@@ -205,7 +206,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=seconds,
         default=GRACEFUL_SHUTDOWN.total_seconds(),
         help="on SIGTERM, how long LLM turns and tool calls in flight may go on before "
-        "they are cancelled, to run again on the next worker (default %(default)g)",
+        "they are cancelled (a turn runs again on the next worker; a tool call is one that "
+        "broke off: sent again only if its tool is repeatable) (default %(default)g)",
     )
 
 
