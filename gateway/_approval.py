@@ -10,7 +10,7 @@ from typing import Any
 
 from mcp.server.elicitation import render_elicitation_schema
 from mcp_types import ClientCapabilities
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from workflows import RunStatus
 
@@ -56,19 +56,32 @@ class RecentKeys:
 class ApprovalForm(BaseModel):
     """The one-field form a user answers an approval with."""
 
-    allow: bool = Field(description="let the sub-agent run this tool call")
+    # (The docstring is the schema's description, which the client is sent.)  `allow`
+    # defaults to false in that schema: the box shows unticked, and a client may leave
+    # out a field the user did not change, so an `accept` without it is a no
+    # (helper-208: `{}` was dropped, and the call answered AwaitingApproval as if
+    # nobody had).  Strict: only a JSON boolean is an answer, as the schema says and
+    # as the door's tools take theirs; "true" is not one, on any path.
+    model_config = ConfigDict(strict=True)
+
+    allow: bool = Field(False, description="let the sub-agent run this tool call")
 
 
 def answer(action: object, content: object) -> bool | None:
-    """A client's answer to an approval question (an elicitation result, or a Tasks
-    input response): `accept` with `allow`, or `decline` — the user's explicit no, as
-    MCP defines it (Claude Code's "Decline").  `cancel` (dismissed) and anything else
-    answers nothing: the approval stays open."""
+    """A client's answer to an approval question, read alike on every path (legacy
+    elicitation, 2026-07-28 input responses, Tasks): `accept` with the form's content,
+    or `decline` — the user's explicit no, as MCP defines it (Claude Code's "Decline").
+    `cancel` (dismissed) answers nothing, and so does an `accept` whose content is not
+    the form (none at all, or `allow` not a boolean): the approval stays open, and a
+    malformed answer never allows a call."""
     if action == "decline":
         return False
-    if action == "accept" and isinstance(content, dict) and isinstance(content.get("allow"), bool):
-        return bool(content["allow"])
-    return None
+    if action != "accept" or not isinstance(content, dict):
+        return None
+    try:
+        return ApprovalForm.model_validate(content).allow
+    except ValidationError:
+        return None
 
 
 def question_key(status: RunStatus) -> str:

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from mcp.server.elicitation import AcceptedElicitation
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError, UnexpectedToolError
 from mcp.server.mcpserver.utilities.func_metadata import FuncMetadata
@@ -484,6 +483,20 @@ class _State:
         return min(self.deadline - now_wall, AWAIT_MAX_S)
 
 
+def _answer(handle: str, action: object, content: object) -> bool | None:
+    """`approval.answer`, with an `accept` it cannot read logged: the approval stays
+    open (for `approve`), and whoever runs the gateway sees which client said what."""
+    allow = approval.answer(action, content)
+    if allow is None and action == "accept":
+        log.warning(
+            "the answer to run %s's approval was not taken: accept with content %.200r "
+            '(expected {"allow": true|false})',
+            handle,
+            content,
+        )
+    return allow
+
+
 def _elicit_request(s: RunStatus) -> ElicitRequest:
     return ElicitRequest(params=ElicitRequestFormParams.model_validate(approval.elicit_params(s)))
 
@@ -944,8 +957,8 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
             parsed = approval.parse_key(key) if key in state.asked else None
             if parsed is None:
                 continue
-            allow = approval.answer(
-                getattr(response, "action", None), getattr(response, "content", None)
+            allow = _answer(
+                parsed[0], getattr(response, "action", None), getattr(response, "content", None)
             )
             if allow is not None:
                 try:
@@ -1077,8 +1090,16 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
                 asked.add(approval.question_key(s))
                 pending = s.pending_approval
                 assert pending is not None
+                # Asked as 2026-07-28 rounds ask, the answer read as there: the SDK's
+                # `ctx.elicit` read it by its own rules, so "true" allowed a call here
+                # and not there, and `{}` was dropped with a line at INFO (helper-208).
+                params = approval.elicit_params(s)
                 question = asyncio.ensure_future(
-                    ctx.elicit(approval.message(s), schema=approval.ApprovalForm)
+                    ctx.request_context.session.elicit_form(
+                        params["message"],
+                        params["requestedSchema"],
+                        related_request_id=ctx.request_id,
+                    )
                 )
                 moot = asyncio.ensure_future(
                     _moot(r, handles, mode, s.handle, pending.call_id, deadline)
@@ -1112,12 +1133,7 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
                     else:
                         answer = question.result()
                 if answer is not None:
-                    allow = approval.answer(
-                        answer.action,
-                        answer.data.model_dump()
-                        if isinstance(answer, AcceptedElicitation)
-                        else None,
-                    )
+                    allow = _answer(s.handle, answer.action, answer.content)
                     if allow is not None:
                         try:
                             await r.approve(s.handle, allow, pending.call_id)

@@ -640,6 +640,10 @@ ANSWERS = {
     "refuse": ElicitResult(action="accept", content={"allow": False}),
     # The form's Decline button: the user's no (MCP: "explicitly declined").
     "decline": ElicitResult(action="decline"),
+    # Accept with the box left as shown: a client may leave out a field the user did
+    # not change, and the schema's default is false, a no (helper-208: dropped, and
+    # the call answered AwaitingApproval as if the user had not answered).
+    "untouched": ElicitResult(action="accept", content={}),
 }
 
 
@@ -672,6 +676,61 @@ async def test_an_approval_answered_through_elicitation(
         # `run` spawned exactly one run, however many rounds the call took.
         listed = result(await c.call_tool("status", {}))["runs"]
         assert [r["handle"] for r in listed] == [run["handle"]]
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_an_approval_answer_that_is_not_the_form_allows_nothing(
+    temporal_address: str, mode: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Both generations read an answer alike, and strictly: "true" is not the boolean
+    # the form asks for.  Legacy sessions took it (the SDK's own validation coerced
+    # it), 2026-07-28 rounds dropped it without a word (helper-208).  Now neither
+    # takes it, and the gateway logs it; the run still waits, for `approve`.
+    asked: list[Any] = []
+
+    async def on_elicit(context: Any, params: Any) -> ElicitResult:
+        asked.append(params)
+        return ElicitResult(action="accept", content={"allow": "true"})
+
+    caller = {"x-luftpause-caller": f"malformed-{mode}-{time.time_ns()}"}
+    async with (
+        stack(temporal_address) as s,
+        _client(s.mcp_door, mode, caller, elicitation_callback=on_elicit) as c,
+    ):
+        task = task_with(1, "malformed")
+        with caplog.at_level(logging.WARNING, logger="gateway.mcp_door"):
+            run = result(
+                await c.call_tool("run", {"model": MODEL, "task": task, "tools": ["delete_record"]})
+            )
+        handle = run["handle"]
+        assert run["state"] == "AwaitingApproval" and run["pendingApproval"] is not None
+        assert sum(s.mcp.counts.values()) == 0
+        assert f"the answer to run {handle}'s approval was not taken" in caplog.text
+        assert "{'allow': 'true'}" in caplog.text
+        # One question, the same form on both generations: `allow` optional, false
+        # unless the user ticks it.
+        (params,) = asked
+        assert params.requested_schema["properties"]["allow"]["default"] is False
+        assert "allow" not in params.requested_schema.get("required", [])
+        result(await c.call_tool("approve", {"handle": handle, "allow": True}))
+        (done,) = result(await c.call_tool("await", {"handles": [handle]}))["runs"]
+        assert done["state"] == "Completed" and done["failedToolCalls"] == 0
+        assert sum(s.mcp.counts.values()) == 1
+
+
+def test_every_path_reads_an_approval_answer_alike() -> None:
+    # One reading for legacy elicitation, 2026-07-28 input responses and Tasks: a
+    # JSON boolean, or the form's default (false) when the field is left out; any
+    # other content answers nothing, so it can never allow a call.
+    from gateway._approval import answer
+
+    assert answer("accept", {"allow": True}) is True
+    assert answer("accept", {"allow": False}) is False
+    assert answer("accept", {}) is False
+    assert answer("decline", None) is False
+    for content in ({"allow": "true"}, {"allow": 1}, {"allow": None}, None, "allow"):
+        assert answer("accept", content) is None, content
+    assert answer("cancel", {"allow": True}) is None
 
 
 async def test_the_rounds_of_an_await_carry_its_deadline_whole(
