@@ -589,6 +589,9 @@ class Temporal(BaseModel):
                 )
             options["api_key"] = key
         if not self.uses_tls:
+            # Said outright: left out, the SDK turns TLS on by itself beside an API key,
+            # and `tls = false` with a key spoke TLS all the same (helper-211).
+            options["tls"] = False
             return options
 
         def read(field: str) -> bytes | None:

@@ -162,8 +162,17 @@ async def test_the_worker_reaches_temporal_over_tls_and_mtls(
             await healthy(client)  # a TLS 1.3 server may refuse only at the first call
 
 
+async def test_tls_false_sends_an_api_key_over_plain_grpc(temporal_address: str) -> None:
+    # The options left `tls` out for a plain connection, and the SDK turns TLS on by
+    # itself beside an API key: `tls = false` with a key spoke TLS to this plain dev
+    # server, which refused it (helper-211).  The dev server takes any key.
+    t = Temporal(address=temporal_address, api_key_env="TEMPORAL_API_KEY", tls=False)
+    client = await Client.connect(t.address, **t.connect_options({"TEMPORAL_API_KEY": "k"}))
+    assert await healthy(client)
+
+
 def test_the_options_say_what_is_missing(tmp_path: Path) -> None:
-    assert Temporal().connect_options({}) == {"namespace": "default"}  # no TLS, no key
+    assert Temporal().connect_options({}) == {"namespace": "default", "tls": False}
     keyed = Temporal(api_key_env="TEMPORAL_API_KEY", namespace="ns.acct")
     options = keyed.connect_options({"TEMPORAL_API_KEY": " k-123 "})
     assert options["api_key"] == "k-123" and options["tls"] is not None  # a key implies TLS
@@ -175,6 +184,7 @@ def test_the_options_say_what_is_missing(tmp_path: Path) -> None:
     assert plain.connect_options({"TEMPORAL_API_KEY": "k"}) == {
         "namespace": "default",
         "api_key": "k",
+        "tls": False,
     }
     with pytest.raises(ConfigError, match="tls = false, but tls_ca_file configure TLS"):
         parse_config({"endpoints": ENDPOINTS, "temporal": {"tls": False, "tls_ca_file": "c"}})

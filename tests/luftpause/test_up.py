@@ -530,6 +530,29 @@ def test_up_says_it_failed_when_a_part_keeps_exiting(tmp_path: Path) -> None:
     )
 
 
+def test_up_refuses_a_temporal_api_key_even_with_tls_false(tmp_path: Path) -> None:
+    # up runs its own dev server, plain and keyless: a key is refused whatever `tls`
+    # says (helper-207 let tls = false turn TLS off beside a key; the check read TLS).
+    import argparse
+
+    from luftpause import up as up_module
+
+    config = tmp_path / "luftpause.toml"
+    config.write_text(
+        '[[endpoints]]\nname = "e0"\nurl = "http://127.0.0.1:9"\nkind = "sglang"\n'
+        'models = ["m"]\n\n[temporal]\napi_key_env = "TEMPORAL_API_KEY"\ntls = false\n'
+    )
+    ports = {"port": free_port(), "temporal_port": free_port(), "ui_port": free_port()}
+    args = argparse.Namespace(state_dir=str(tmp_path / "state"), config=str(config), **ports)
+    up = up_module.Up(args, lambda line: None)
+    try:
+        with pytest.raises(up_module.UpError, match=r"\[temporal\] asks for TLS or an API key"):
+            up.start()
+    finally:
+        up.stop()  # (what a start that was not refused started)
+    assert not (tmp_path / "state").exists()  # refused before anything started
+
+
 def test_the_banners_sub_agent_load_names_tools_only_where_it_knows_them() -> None:
     # `--tools lookup` is the fake MCP server's; a file's own servers are called for
     # real, so the banner names none of them (helper-162).
