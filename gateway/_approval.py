@@ -62,7 +62,9 @@ class ApprovalForm(BaseModel):
     # (helper-208: `{}` was dropped, and the call answered AwaitingApproval as if
     # nobody had).  Strict: only a JSON boolean is an answer, as the schema says and
     # as the door's tools take theirs; "true" is not one, on any path.
-    model_config = ConfigDict(strict=True)
+    # Forbid: a field it does not ask for (`Allow`, a typo) answers nothing, logged,
+    # rather than reading as the default's no (helper-211).
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     allow: bool = Field(False, description="let the sub-agent run this tool call")
 

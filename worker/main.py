@@ -87,6 +87,11 @@ async def _namespace_exists(client: Client, t: Temporal) -> None:
     try:
         await client.workflow_service.describe_namespace(request)
     except RPCError as exc:
+        if exc.status in (RPCStatusCode.UNAVAILABLE, RPCStatusCode.DEADLINE_EXCEEDED):
+            raise RuntimeError(
+                f"Temporal at {t.address} did not answer for namespace {t.namespace!r}: "
+                f"{exc.status.name}: {exc.message} (is it up and reachable?)"
+            ) from None
         if exc.status != RPCStatusCode.NOT_FOUND:
             # Refused (no permission, a key or certificate it does not take): said as
             # such, not as a traceback (helper-207).

@@ -225,6 +225,18 @@ async def test_a_namespace_temporal_refuses_to_show_is_said_with_what_to_check()
         "credentials: api_key_env, tls_cert_file / tls_key_file)"
     )
 
+    class Away:  # no answer is no refusal: nothing about credentials (helper-211)
+        async def describe_namespace(self, request: object) -> None:
+            raise RPCError("connection reset", RPCStatusCode.UNAVAILABLE, b"")
+
+    Client.workflow_service = Away()  # type: ignore[assignment]
+    with pytest.raises(RuntimeError) as err:
+        await worker_main._namespace_exists(Client(), t)  # type: ignore[arg-type]
+    assert str(err.value) == (
+        "Temporal at 127.0.0.1:7233 did not answer for namespace 'ns.acct': "
+        "UNAVAILABLE: connection reset (is it up and reachable?)"
+    )
+
 
 async def test_a_worker_that_finds_no_temporal_says_so_now_and_then_and_what_to_set(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture

@@ -728,7 +728,9 @@ def test_every_path_reads_an_approval_answer_alike() -> None:
     assert answer("accept", {"allow": False}) is False
     assert answer("accept", {}) is False
     assert answer("decline", None) is False
-    for content in ({"allow": "true"}, {"allow": 1}, {"allow": None}, None, "allow"):
+    # ... and a field it does not ask for (a typo of the one it does) is no default no.
+    odd = ({"allow": "true"}, {"allow": 1}, {"allow": None}, None, "allow", {"Allow": True})
+    for content in odd:
         assert answer("accept", content) is None, content
     assert answer("cancel", {"allow": True}) is None
 
