@@ -216,6 +216,21 @@ def _in_state(state: str) -> str:
     return f"ExecutionStatus = 'Running' AND {own}"
 
 
+# The spawns of one parent's children a gateway sends at once: Temporal takes 10
+# updates in flight per workflow by default (limit.workflowExecution.maxInFlightUpdates),
+# and refuses more; some room is left for `approve` and other gateways.
+_SPAWNS_AT_ONCE = 8
+
+
+class _Gate(asyncio.Semaphore):
+    """The sends of spawns to one parent run (`Runs._spawn_child`), and how many spawns
+    use it (it is dropped when none does)."""
+
+    def __init__(self) -> None:
+        super().__init__(_SPAWNS_AT_ONCE)
+        self.users = 0
+
+
 class _NotTaken(RunUnavailable):
     """A request was sent to the run's worker, which did not take it in time."""
 
@@ -230,6 +245,17 @@ def _reason(exc: WorkflowUpdateFailedError) -> str:
     Temporal puts before an ApplicationError's message)."""
     cause = exc.cause
     return cause.message if isinstance(cause, FailureError) else str(cause or exc)
+
+
+def _busy(exc: RPCError) -> bool:
+    """Whether Temporal turned an update away without an answer from the run: refused
+    for its load (the workflow's updates in flight at the limit, 10 by default; a rate
+    limit), or aborted, the workflow's updates in memory lost (Temporal retries that
+    itself, then gives up; the update may have been taken all the same, by a worker
+    that answered it).  Sent again, it may be taken."""
+    if exc.status == RPCStatusCode.RESOURCE_EXHAUSTED:
+        return True
+    return exc.status == RPCStatusCode.UNAVAILABLE and "update was aborted" in exc.message
 
 
 def _refused(exc: RPCError, parent: str | None) -> None:
@@ -268,6 +294,8 @@ class Runs:
         # handle -> (Temporal run id, state, subtree) of an unsettled child read to its
         # final end (a reset starts another run under the handle: read again then).
         self._final: OrderedDict[str, tuple[str, str, Totals]] = OrderedDict()
+        # parent -> the spawns of its children this gateway is sending (`_spawn_child`).
+        self._gates: dict[str, _Gate] = {}
 
     @property
     def client(self) -> Client:
@@ -339,46 +367,110 @@ class Runs:
         return handle
 
     async def _spawn_child(self, parent: str, handle: str, spec: RunSpec) -> str:
-        """Ask run `parent` to start child `handle`.  A refusal while other children of
-        it start (contract.CHILDREN_STARTING_BYTES; it left no trace) is sent again,
-        after 20 ms, doubling to 1 s, all within `child_wait_s` (helper-167: each send
-        had its own, twice that in all)."""
+        """Ask run `parent` to start child `handle`.  A send refused while other children
+        of it start (contract.CHILDREN_STARTING_BYTES; it left no trace), or by Temporal
+        (`_busy`), is sent again, after 20 ms, doubling to 1 s, all within `child_wait_s`
+        (helper-167: each send had its own, twice that in all).  Every send carries the
+        same update id: Temporal answers a send of an update it has taken with that
+        update's outcome, so a send again never starts a second child.  At most
+        _SPAWNS_AT_ONCE sends to one parent are in flight from this gateway, the others
+        wait their turn (helper-210: 150 spawns at once, sent again as Temporal refused
+        them, kept the parent's workflow tasks failing, and most were never taken)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._child_wait_s
+        update_id = f"spawn-{handle}-{uuid.uuid4().hex[:8]}"
         pause = 0.02
-        while True:
-            try:
-                child: str = await self._update(
-                    parent,
-                    AgentRun.spawn_child,
-                    ChildRequest(handle, replace(spec, parent=None)),
-                    no_worker=f"the parent run '{parent}' cannot start a child until "
-                    "one runs (`luftpause worker`); nothing was asked of it",
-                    not_taken=f"parent run '{parent}' did not take the child within "
-                    f"{self._child_wait_s:g} s (is a worker up on task queue '{self._queue}', "
-                    "and the parent's workflow task not failing?)",
-                    wait_s=max(deadline - loop.time(), 0.001),
-                )
-                return child
-            except WorkflowUpdateFailedError as exc:
-                cause = exc.cause
-                starting = isinstance(cause, ApplicationError) and cause.type == CHILDREN_STARTING
-                if not starting:
-                    raise
-                # A send needs a round trip's time: one with only milliseconds left
-                # was cut as not taken, and withdrawn, the caller told to look for a
-                # worker (helper-168).
+        # Whether Temporal refused or aborted a send.  An aborted update may have been
+        # taken all the same (the worker's answer revives it after Temporal lost it),
+        # and a refusal may answer a send Temporal retried itself after aborting it
+        # (helper-207: 4 of 80 spawns sent at once were refused for the limit, and
+        # their children ran).  Such a spawn is answered with an error only once its
+        # child is found not to have started, and its request withdrawn.
+        unsure = False
+        gate = self._gates.setdefault(parent, _Gate())
+        gate.users += 1
+        try:
+            while True:
+                try:
+                    # (Not a send that would be left too little time for an answer.)
+                    async with asyncio.timeout_at(deadline - _LAST_SEND_S):
+                        await gate.acquire()
+                except TimeoutError:
+                    why = (
+                        f"parent run '{parent}' was taking {_SPAWNS_AT_ONCE} other spawns "
+                        f"of this gateway for all of {self._child_wait_s:g} s"
+                    )
+                else:
+                    try:
+                        child: str = await self._update(
+                            parent,
+                            AgentRun.spawn_child,
+                            ChildRequest(handle, replace(spec, parent=None)),
+                            no_worker=f"the parent run '{parent}' cannot start a child until "
+                            "one runs (`luftpause worker`); nothing was asked of it",
+                            not_taken=f"parent run '{parent}' did not take the child within "
+                            f"{self._child_wait_s:g} s (is a worker up on task queue "
+                            f"'{self._queue}', and the parent's workflow task not failing?)",
+                            wait_s=max(deadline - loop.time(), 0.001),
+                            update_id=update_id,
+                        )
+                        return child
+                    except WorkflowUpdateFailedError as exc:
+                        cause = exc.cause
+                        starting = (
+                            isinstance(cause, ApplicationError) and cause.type == CHILDREN_STARTING
+                        )
+                        if not starting:
+                            if unsure and await self._has_child(parent, handle):
+                                return handle
+                            raise
+                        why = (
+                            f"parent run '{parent}' was starting other children for all of "
+                            f"{self._child_wait_s:g} s (those starting at once may carry "
+                            f"{CHILDREN_STARTING_BYTES:,} bytes of task and system prompt: "
+                            "they share a workflow task, which Temporal limits)"
+                        )
+                    except _NotTaken:
+                        if unsure and await self._has_child(parent, handle):
+                            return handle
+                        raise
+                    except RPCError as exc:
+                        if not _busy(exc):
+                            raise
+                        unsure = True
+                        why = (
+                            f"Temporal did not take the request to parent run '{parent}' "
+                            f"for all of {self._child_wait_s:g} s: {exc.message}"
+                        )
+                    finally:
+                        gate.release()
+                # A send needs a round trip's time: one with only milliseconds left was
+                # cut as not taken, and withdrawn, the caller told to look for a worker
+                # (helper-168).
                 if loop.time() + pause + _LAST_SEND_S > deadline:
+                    if unsure:
+                        if await self._has_child(parent, handle):
+                            return handle
+                        raise _NotTaken(why)  # Runs.spawn withdraws the request
                     # (Not the run's words: they say why it refused one send.)
-                    raise RunUnavailable(
-                        f"parent run '{parent}' was starting other children for all of "
-                        f"{self._child_wait_s:g} s (those starting at once may carry "
-                        f"{CHILDREN_STARTING_BYTES:,} bytes of task and system prompt: "
-                        "they share a workflow task, which Temporal limits); no child "
-                        "was started: spawn it again"
-                    ) from None
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, 1.0)
+                    raise RunUnavailable(f"{why}; no child was started: spawn it again")
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 1.0)
+        finally:
+            gate.users -= 1
+            if gate.users == 0:
+                del self._gates[parent]
+
+    async def _has_child(self, parent: str, handle: str) -> bool:
+        """Whether run `parent` has started child `handle`; False when Temporal cannot
+        say (the caller then withdraws the request, which cancels a child that starts)."""
+        try:
+            desc = await self._handle(handle).describe()
+        except RPCError as exc:
+            if exc.status != RPCStatusCode.NOT_FOUND:
+                log.warning("whether run %s has child %s is unknown: %r", parent, handle, exc)
+            return False
+        return desc.parent_id == parent
 
     async def withdraw_child(self, parent: str, handle: str) -> bool:
         """Withdraw the request that run `parent` start child `handle` (its caller gave
@@ -405,6 +497,7 @@ class Runs:
         no_worker: str,
         not_taken: str,
         wait_s: float | None = None,
+        update_id: str | None = None,
     ) -> Any:
         """`execute_update` on the run, bounded: an update left with the server is taken
         whenever a worker comes, even after its caller gave up (and a caller that tries
@@ -417,7 +510,7 @@ class Runs:
             # (Not the update's rpc_timeout: the server answers a long poll at 20 s, and
             # the SDK asks again, for ever.)
             async with asyncio.timeout(wait_s or self._child_wait_s) as waited:
-                return await self._handle(handle).execute_update(update, arg)
+                return await self._handle(handle).execute_update(update, arg, id=update_id)
         except (TimeoutError, WorkflowUpdateRPCTimeoutOrCancelledError):
             task = asyncio.current_task()
             if task is not None and task.cancelling():
@@ -788,6 +881,7 @@ class CallerRuns(Runs):
     def __init__(self, runs: Runs, caller: str) -> None:
         super().__init__(runs.client, task_queue=runs._queue, child_wait_s=runs._child_wait_s)
         self.caller = caller
+        self._gates = runs._gates  # (one for the gateway: a CallerRuns lives for a call)
 
     def _ours(self) -> str:
         return f"{super()._ours()} AND {CALLER.name} = {_quoted(self.caller)}"

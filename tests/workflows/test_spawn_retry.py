@@ -1,17 +1,21 @@
 """Runs.spawn with a parent that refuses a spawn while others of its children start
-(contract.CHILDREN_STARTING_BYTES): it sends the spawn again, all within child_wait_s,
-and once that is up it says that no child started (helper-167).  The parent here is a
-stand-in: the handle's update refuses, as the run's validator does."""
+(contract.CHILDREN_STARTING_BYTES), or that Temporal turns away (its updates in flight
+at the limit, an update aborted): it sends the spawn again, all within child_wait_s,
+and once that is up it says that no child started (helper-167, helper-210).  The
+parent here is a stand-in: the handle's update refuses, as the run's validator or
+Temporal does."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from temporalio.client import WorkflowUpdateFailedError
 from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError, RPCStatusCode
 
 from workflows import Runs, RunSpec, RunUnavailable
 from workflows.agent_run import CHILDREN_STARTING
@@ -29,7 +33,7 @@ class _Refusing:
         self.started = time.monotonic()
         self.slow_after = slow_after
 
-    async def execute_update(self, update: Any, arg: Any) -> Any:
+    async def execute_update(self, update: Any, arg: Any, id: str | None = None) -> Any:
         self.sends += 1
         if self.slow_after is not None and time.monotonic() - self.started > self.slow_after:
             await asyncio.sleep(WAIT * 0.95)
@@ -97,7 +101,7 @@ class _Busy(_Refusing):
         super().__init__(None)
         self.left_with_server = 0  # sends whose caller gave up before the answer
 
-    async def execute_update(self, update: Any, arg: Any) -> Any:
+    async def execute_update(self, update: Any, arg: Any, id: str | None = None) -> Any:
         self.sends += 1
         try:
             await asyncio.sleep(0.2)
@@ -122,3 +126,102 @@ async def test_a_spawn_sends_no_last_time_too_short_for_an_answer(
         await runs.spawn(RunSpec(task="t", model="m", parent="p"), handle="run-x")
     assert (parent.left_with_server, withdrawn) == (0, []), (parent.sends, str(err.value))
     assert "was starting other children for all of 1.15 s" in str(err.value)
+
+
+class _Pressed:
+    """A parent whose spawn_child sends Temporal turns away (`error`) `times` times,
+    then takes; `started`: whether the child exists (describe, for the child's handle)."""
+
+    def __init__(self, error: RPCError, times: int, started: bool = False) -> None:
+        self.error = error
+        self.times = times
+        self.started = started
+        self.ids: list[str | None] = []
+
+    async def execute_update(self, update: Any, arg: Any, id: str | None = None) -> Any:
+        self.ids.append(id)
+        if len(self.ids) <= self.times:
+            raise self.error
+        return arg.handle
+
+    async def describe(self) -> Any:
+        if not self.started:
+            raise RPCError("workflow not found", RPCStatusCode.NOT_FOUND, b"")
+        return SimpleNamespace(parent_id="p")
+
+
+_LIMIT = RPCError(
+    "limit on number of concurrent in-flight updates has been reached (10)",
+    RPCStatusCode.RESOURCE_EXHAUSTED,
+    b"",
+)
+_ABORTED = RPCError("workflow update was aborted", RPCStatusCode.UNAVAILABLE, b"")
+
+
+@pytest.mark.parametrize("error", [_LIMIT, _ABORTED], ids=["limit", "aborted"])
+async def test_a_spawn_temporal_turns_away_is_sent_again_as_the_same_update(
+    monkeypatch: pytest.MonkeyPatch, error: RPCError
+) -> None:
+    # The parent's updates in flight at Temporal's limit (10), or an update Temporal
+    # aborted: the spawn failed at once (helper-207).  Sent again under the same update
+    # id, one Temporal had taken is answered with its outcome, never taken twice.
+    parent = _Pressed(error, times=3)
+    runs = _runs(monkeypatch, parent)
+    assert await runs.spawn(RunSpec(task="t", model="m", parent="p"), handle="run-x") == "run-x"
+    assert len(parent.ids) == 4 and len(set(parent.ids)) == 1 and parent.ids[0], parent.ids
+
+
+@pytest.mark.parametrize("started", [True, False], ids=["started", "not-started"])
+async def test_a_spawn_aborted_until_its_time_is_up_says_whether_its_child_runs(
+    monkeypatch: pytest.MonkeyPatch, started: bool
+) -> None:
+    # An aborted update may have been taken (the worker's answer revives it): its
+    # child found started, the spawn answers its handle; not found, the request is
+    # withdrawn (the parent refuses it, or cancels the child), and the error says so.
+    parent = _Pressed(_ABORTED, times=10**6, started=started)
+    withdrawn: list[str] = []
+    runs = _runs(monkeypatch, parent, withdrawn=withdrawn)
+    spec = RunSpec(task="t", model="m", parent="p")
+    if started:
+        assert await runs.spawn(spec, handle="run-x") == "run-x"
+        assert withdrawn == []
+        return
+    with pytest.raises(RunUnavailable) as err:
+        await runs.spawn(spec, handle="run-x")
+    assert withdrawn == ["run-x"]
+    assert str(err.value).startswith(
+        "Temporal did not take the request to parent run 'p' for all of 1 s: workflow "
+        "update was aborted; the request is withdrawn: no child runs"
+    ), err.value
+
+
+class _Counting:
+    """A parent that takes every spawn after 20 ms, counting the sends in flight."""
+
+    def __init__(self) -> None:
+        self.now = 0
+        self.most = 0
+
+    async def execute_update(self, update: Any, arg: Any, id: str | None = None) -> Any:
+        self.now += 1
+        self.most = max(self.most, self.now)
+        try:
+            await asyncio.sleep(0.02)
+        finally:
+            self.now -= 1
+        return arg.handle
+
+
+async def test_a_gateway_sends_a_few_spawns_to_one_parent_at_a_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # 150 spawns at once, each sent again as Temporal refused it for the parent's
+    # updates in flight, kept the parent's workflow tasks failing: most were never
+    # taken.  The others wait their turn here, under Temporal's limit of 10.
+    parent = _Counting()
+    runs = _runs(monkeypatch, parent)
+    kids = [f"run-{i}" for i in range(40)]
+    spec = RunSpec(task="t", model="m", parent="p")
+    assert await asyncio.gather(*(runs.spawn(spec, handle=k) for k in kids)) == kids
+    assert parent.most == 8
+    assert runs._gates == {}  # none kept for a parent no spawn waits for
