@@ -421,7 +421,7 @@ class Runs:
                             isinstance(cause, ApplicationError) and cause.type == CHILDREN_STARTING
                         )
                         if not starting:
-                            if unsure and await self._has_child(parent, handle):
+                            if unsure and await self._settled(parent, handle):
                                 return handle
                             raise
                         why = (
@@ -434,8 +434,14 @@ class Runs:
                         if unsure and await self._has_child(parent, handle):
                             return handle
                         raise
+                    except RunUnavailable:  # no worker polls: this send was not made
+                        if unsure and await self._settled(parent, handle):
+                            return handle
+                        raise
                     except RPCError as exc:
                         if not _busy(exc):
+                            if unsure and await self._settled(parent, handle):
+                                return handle
                             raise
                         unsure = True
                         why = (
@@ -460,6 +466,15 @@ class Runs:
             gate.users -= 1
             if gate.users == 0:
                 del self._gates[parent]
+
+    async def _settled(self, parent: str, handle: str) -> bool:
+        """After an unsure send, a spawn about to answer an error other than _NotTaken
+        (which `spawn` withdraws): True if the child runs; else its request is withdrawn
+        (the parent refuses it, or cancels a child that starts), and False."""
+        if await self._has_child(parent, handle):
+            return True
+        await self.withdraw_child(parent, handle)
+        return False
 
     async def _has_child(self, parent: str, handle: str) -> bool:
         """Whether run `parent` has started child `handle`; False when Temporal cannot

@@ -1,0 +1,102 @@
+"""helper-212's probes of d082b5b (review only): paths of Runs._spawn_child."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from temporalio.client import WorkflowUpdateFailedError
+from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError, RPCStatusCode
+
+from tests.workflows.test_spawn_retry import _ABORTED, _runs
+from workflows import RunSpec
+
+
+class _Then:
+    """First send aborted by Temporal (but taken: the child starts); the second send
+    fails with `then`; describe of the child raises `describe_error` or finds it."""
+
+    def __init__(self, then: BaseException, describe_error: RPCError | None = None) -> None:
+        self.then = then
+        self.describe_error = describe_error
+        self.sends = 0
+
+    async def execute_update(self, update: Any, arg: Any, id: str | None = None) -> Any:
+        self.sends += 1
+        if self.sends == 1:
+            raise _ABORTED
+        raise self.then
+
+    async def describe(self) -> Any:
+        if self.describe_error is not None:
+            raise self.describe_error
+        return SimpleNamespace(parent_id="p")
+
+
+async def test_unsure_then_other_rpc_error_child_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The aborted first send was taken (the child runs, describe finds it); the second
+    # send meets a connection error: the caller gets an error, nothing is withdrawn.
+    parent = _Then(RPCError("connection reset", RPCStatusCode.UNAVAILABLE, b""))
+    withdrawn: list[str] = []
+    runs = _runs(monkeypatch, parent, withdrawn=withdrawn)
+    result = await runs.spawn(RunSpec(task="t", model="m", parent="p"), handle="run-x")
+    assert result == "run-x" or withdrawn == ["run-x"]
+
+
+async def test_unsure_then_refused_describe_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The second send's update is refused ("already has a child", e.g. after the
+    # parent continued as new), and describe fails for a moment: an error, no withdrawal.
+    refusal = WorkflowUpdateFailedError(ApplicationError("run 'p' already has a child 'run-x'"))
+    blip = RPCError("deadline", RPCStatusCode.UNAVAILABLE, b"")
+    parent = _Then(refusal, describe_error=blip)
+    withdrawn: list[str] = []
+    runs = _runs(monkeypatch, parent, withdrawn=withdrawn)
+    try:
+        await runs.spawn(RunSpec(task="t", model="m", parent="p"), handle="run-x")
+    except Exception as exc:
+        assert withdrawn == ["run-x"], f"error {exc!r} and nothing withdrawn"
+
+
+class _Slow:
+    async def execute_update(self, update: Any, arg: Any, id: str | None = None) -> Any:
+        await asyncio.sleep(10)
+
+
+async def test_gate_released_on_cancel(monkeypatch: pytest.MonkeyPatch) -> None:
+    runs = _runs(monkeypatch, _Slow(), wait_s=5)  # type: ignore[arg-type]
+    spec = RunSpec(task="t", model="m", parent="p")
+    tasks = [asyncio.create_task(runs.spawn(spec, handle=f"run-{i}")) for i in range(12)]
+    await asyncio.sleep(0.1)
+    gate = runs._gates["p"]
+    assert gate._value == 0 and gate.users == 12
+    for t in tasks[:3] + tasks[9:]:  # holders and waiters
+        t.cancel()
+    await asyncio.sleep(0.05)
+    assert gate.users == 6 and gate._value == 2, (gate.users, gate._value)
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert runs._gates == {}
+
+
+async def test_unsure_then_worker_gone(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The aborted first send may be taken later; the second finds no worker polling:
+    # "nothing was asked of it", and nothing withdrawn.
+    parent = _Then(
+        RuntimeError("not sent"), describe_error=RPCError("nf", RPCStatusCode.NOT_FOUND, b"")
+    )
+    withdrawn: list[str] = []
+    runs = _runs(monkeypatch, parent, withdrawn=withdrawn)
+    polls = iter([True, False])
+
+    async def worker_polls() -> bool:
+        return next(polls)
+
+    monkeypatch.setattr(runs, "_worker_polls", worker_polls)
+    try:
+        await runs.spawn(RunSpec(task="t", model="m", parent="p"), handle="run-x")
+    except Exception as exc:
+        assert withdrawn == ["run-x"], f"error {exc!r} and nothing withdrawn"
