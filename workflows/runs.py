@@ -255,7 +255,8 @@ def _busy(exc: RPCError) -> bool:
     that answered it).  Sent again, it may be taken."""
     if exc.status == RPCStatusCode.RESOURCE_EXHAUSTED:
         return True
-    return exc.status == RPCStatusCode.UNAVAILABLE and "update was aborted" in exc.message
+    # (Either case: a Temporal server's registry says "Workflow Update was aborted.".)
+    return exc.status == RPCStatusCode.UNAVAILABLE and "update was aborted" in exc.message.lower()
 
 
 def _refused(exc: RPCError, parent: str | None) -> None:
