@@ -75,6 +75,7 @@ from gateway.decide import (
     decide,
     decide_request,
     parse_decide,
+    untold,
 )
 from gateway.discovery import Found, Resolver
 from gateway.mcp_door import RUN_STORE_DOWN, DoorDeps, RunStoreDown, create_mcp_server
@@ -1533,7 +1534,7 @@ def _decide(
     caller: str,
     receive: Receive,
     service_class: ServiceClass = ServiceClass.INTERACTIVE,
-    unanswered: Unanswered = lambda error, message: None,
+    unanswered: Unanswered = untold,
 ) -> Coroutine[Any, Any, Response]:
     """`/v1/decide` and the MCP door's `decide` tool alike, on the pool as it is now."""
     return decide(

@@ -86,6 +86,7 @@ __all__ = [
     "parse_decide",
     "run_turn",
     "score_labels",
+    "untold",
 ]
 
 SYSTEM_PROMPT = "Answer with exactly one of the labels."
@@ -108,7 +109,7 @@ CLIENT_LEFT = 499
 Unanswered = Callable[[str, str], None]
 
 
-def _untold(error: str, message: str) -> None:
+def untold(error: str, message: str) -> None:
     """No one to tell (no span: the MCP door's decide, a test)."""
 
 
@@ -452,7 +453,7 @@ async def classify(
     client: httpx.AsyncClient,
     run_id: str,
     answer_timeout: float = ENGINE_IDLE_TIMEOUT_S,
-    unanswered: Unanswered = _untold,
+    unanswered: Unanswered = untold,
 ) -> Response:
     """Ask a classifier endpoint's `/classify`; `{label, probabilities}` or the error.
     Raises _Unreached when the request could not be sent (another endpoint may take it)."""
@@ -544,7 +545,7 @@ async def run_turn(
     receive: Receive,
     retry_after: str = UNAVAILABLE_RETRY_AFTER_S,
     awaited: Callable[[str], Awaited | None] = lambda model: None,
-    unanswered: Unanswered = _untold,
+    unanswered: Unanswered = untold,
 ) -> Response | dict[str, Any]:
     """One non-streaming chat turn through the core: held until admitted, posted to the
     admitted replica; its parsed JSON answer, or the response for the client.  Exactly one
@@ -705,7 +706,7 @@ async def decide(
     retry_after: str = UNAVAILABLE_RETRY_AFTER_S,
     awaited: Callable[[str], Awaited | None] = lambda model: None,
     refused: Callable[[int], None] = lambda status: None,
-    unanswered: Unanswered = _untold,
+    unanswered: Unanswered = untold,
 ) -> Response:
     """Answer one validated `/v1/decide` request (see the module docstring).
     `endpoints`: where an admitted turn may be; `models`: the pool's, the first the

@@ -14,7 +14,7 @@ import logging
 import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -235,6 +235,16 @@ class _NotTaken(RunUnavailable):
     """A request was sent to the run's worker, which did not take it in time."""
 
 
+@dataclass(frozen=True)
+class _Again:
+    """A spawn's send to make again (`Runs._send_spawn`): `why` this one was not taken
+    (or not made, its turn at the gate not come), the error's words once time is up;
+    `turned_away`: Temporal refused or aborted it, and may have taken it all the same."""
+
+    why: str
+    turned_away: bool = False
+
+
 def new_handle() -> str:
     """A fresh run handle (the workflow id)."""
     return f"run-{uuid.uuid4().hex[:20]}"
@@ -392,65 +402,18 @@ class Runs:
         gate.users += 1
         try:
             while True:
-                try:
-                    # (Not a send that would be left too little time for an answer.)
-                    async with asyncio.timeout_at(deadline - _LAST_SEND_S):
-                        await gate.acquire()
-                except TimeoutError:
-                    why = (
-                        f"parent run '{parent}' was taking {_SPAWNS_AT_ONCE} other spawns "
-                        f"of this gateway for all of {self._child_wait_s:g} s"
-                    )
-                else:
-                    try:
-                        child: str = await self._update(
-                            parent,
-                            AgentRun.spawn_child,
-                            ChildRequest(handle, replace(spec, parent=None)),
-                            no_worker=f"the parent run '{parent}' cannot start a child until "
-                            "one runs (`luftpause worker`); nothing was asked of it",
-                            not_taken=f"parent run '{parent}' did not take the child within "
-                            f"{self._child_wait_s:g} s (is a worker up on task queue "
-                            f"'{self._queue}', and the parent's workflow task not failing?)",
-                            wait_s=max(deadline - loop.time(), 0.001),
-                            update_id=update_id,
-                        )
-                        return child
-                    except WorkflowUpdateFailedError as exc:
-                        cause = exc.cause
-                        starting = (
-                            isinstance(cause, ApplicationError) and cause.type == CHILDREN_STARTING
-                        )
-                        if not starting:
-                            if unsure and await self._settled(parent, handle):
-                                return handle
-                            raise
-                        why = (
-                            f"parent run '{parent}' was starting other children for all of "
-                            f"{self._child_wait_s:g} s (those starting at once may carry "
-                            f"{CHILDREN_STARTING_BYTES:,} bytes of task and system prompt: "
-                            "they share a workflow task, which Temporal limits)"
-                        )
-                    except _NotTaken:
-                        if unsure and await self._has_child(parent, handle):
-                            return handle
-                        raise
-                    except RunUnavailable:  # no worker polls: this send was not made
-                        if unsure and await self._settled(parent, handle):
-                            return handle
-                        raise
-                    except RPCError as exc:
-                        if not _busy(exc):
-                            if unsure and await self._settled(parent, handle):
-                                return handle
-                            raise
-                        unsure = True
-                        why = (
-                            f"Temporal did not take the request to parent run '{parent}' "
-                            f"for all of {self._child_wait_s:g} s: {exc.message}"
-                        )
-                    finally:
-                        gate.release()
+                sent = await self._send_spawn(
+                    parent,
+                    handle,
+                    spec,
+                    gate,
+                    deadline=deadline,
+                    update_id=update_id,
+                    unsure=unsure,
+                )
+                if not isinstance(sent, _Again):
+                    return sent
+                unsure = unsure or sent.turned_away
                 # A send needs a round trip's time: one with only milliseconds left was
                 # cut as not taken, and withdrawn, the caller told to look for a worker
                 # (helper-168).
@@ -458,15 +421,88 @@ class Runs:
                     if unsure:
                         if await self._has_child(parent, handle):
                             return handle
-                        raise _NotTaken(why)  # Runs.spawn withdraws the request
+                        raise _NotTaken(sent.why)  # Runs.spawn withdraws the request
                     # (Not the run's words: they say why it refused one send.)
-                    raise RunUnavailable(f"{why}; no child was started: spawn it again")
+                    raise RunUnavailable(f"{sent.why}; no child was started: spawn it again")
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, 1.0)
         finally:
             gate.users -= 1
             if gate.users == 0:
                 del self._gates[parent]
+
+    async def _send_spawn(
+        self,
+        parent: str,
+        handle: str,
+        spec: RunSpec,
+        gate: _Gate,
+        *,
+        deadline: float,
+        update_id: str,
+        unsure: bool,
+    ) -> str | _Again:
+        """One send of `_spawn_child`'s update, in its turn at `gate`: the child's handle
+        as the parent answered it, _Again when a send again may be taken, or the error.
+        `unsure`: Temporal turned an earlier send away, so an error goes up only once
+        the child is found not to have started (and its request withdrawn, here or, for
+        _NotTaken, by `spawn`); a child found started answers the spawn."""
+        try:
+            # (Not a send that would be left too little time for an answer.)
+            async with asyncio.timeout_at(deadline - _LAST_SEND_S):
+                await gate.acquire()
+        except TimeoutError:
+            return _Again(
+                f"parent run '{parent}' was taking {_SPAWNS_AT_ONCE} other spawns "
+                f"of this gateway for all of {self._child_wait_s:g} s"
+            )
+        try:
+            child: str = await self._update(
+                parent,
+                AgentRun.spawn_child,
+                ChildRequest(handle, replace(spec, parent=None)),
+                no_worker=f"the parent run '{parent}' cannot start a child until "
+                "one runs (`luftpause worker`); nothing was asked of it",
+                not_taken=f"parent run '{parent}' did not take the child within "
+                f"{self._child_wait_s:g} s (is a worker up on task queue "
+                f"'{self._queue}', and the parent's workflow task not failing?)",
+                wait_s=max(deadline - asyncio.get_running_loop().time(), 0.001),
+                update_id=update_id,
+            )
+            return child
+        except WorkflowUpdateFailedError as exc:
+            cause = exc.cause
+            starting = isinstance(cause, ApplicationError) and cause.type == CHILDREN_STARTING
+            if not starting:
+                if unsure and await self._settled(parent, handle):
+                    return handle
+                raise
+            return _Again(
+                f"parent run '{parent}' was starting other children for all of "
+                f"{self._child_wait_s:g} s (those starting at once may carry "
+                f"{CHILDREN_STARTING_BYTES:,} bytes of task and system prompt: "
+                "they share a workflow task, which Temporal limits)"
+            )
+        except _NotTaken:
+            if unsure and await self._has_child(parent, handle):
+                return handle
+            raise
+        except RunUnavailable:  # no worker polls: this send was not made
+            if unsure and await self._settled(parent, handle):
+                return handle
+            raise
+        except RPCError as exc:
+            if not _busy(exc):
+                if unsure and await self._settled(parent, handle):
+                    return handle
+                raise
+            return _Again(
+                f"Temporal did not take the request to parent run '{parent}' "
+                f"for all of {self._child_wait_s:g} s: {exc.message}",
+                turned_away=True,
+            )
+        finally:
+            gate.release()
 
     async def _settled(self, parent: str, handle: str) -> bool:
         """After an unsure send, a spawn about to answer an error other than _NotTaken
