@@ -239,7 +239,8 @@ class _NotTaken(RunUnavailable):
 class _Again:
     """A spawn's send to make again (`Runs._send_spawn`): `why` this one was not taken
     (or not made, its turn at the gate not come), the error's words once time is up;
-    `turned_away`: Temporal refused or aborted it, and may have taken it all the same."""
+    `turned_away`: Temporal refused, aborted or cut it short, and may have taken it all
+    the same."""
 
     why: str
     turned_away: bool = False
@@ -380,23 +381,24 @@ class Runs:
     async def _spawn_child(self, parent: str, handle: str, spec: RunSpec) -> str:
         """Ask run `parent` to start child `handle`.  A send refused while other children
         of it start (contract.CHILDREN_STARTING_BYTES; it left no trace), or by Temporal
-        (`_busy`), is sent again, after 20 ms, doubling to 1 s, all within `child_wait_s`
-        (helper-167: each send had its own, twice that in all).  Every send carries the
-        same update id: Temporal answers a send of an update it has taken with that
-        update's outcome, so a send again never starts a second child.  At most
-        _SPAWNS_AT_ONCE sends to one parent are in flight from this gateway, the others
-        wait their turn (helper-210: 150 spawns at once, sent again as Temporal refused
-        them, kept the parent's workflow tasks failing, and most were never taken)."""
+        (`_busy`, or cut short), is sent again, after 20 ms, doubling to 1 s, all within
+        `child_wait_s` (helper-167: each send had its own, twice that in all).  Every
+        send carries the same update id: Temporal answers a send of an update it has
+        taken with that update's outcome, so a send again never starts a second child.
+        At most _SPAWNS_AT_ONCE sends to one parent are in flight from this gateway, the
+        others wait their turn (helper-210: 150 spawns at once, sent again as Temporal
+        refused them, kept the parent's workflow tasks failing, and most were never
+        taken)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._child_wait_s
         update_id = f"spawn-{handle}-{uuid.uuid4().hex[:8]}"
         pause = 0.02
-        # Whether Temporal refused or aborted a send.  An aborted update may have been
-        # taken all the same (the worker's answer revives it after Temporal lost it),
-        # and a refusal may answer a send Temporal retried itself after aborting it
-        # (helper-207: 4 of 80 spawns sent at once were refused for the limit, and
-        # their children ran).  Such a spawn is answered with an error only once its
-        # child is found not to have started, and its request withdrawn.
+        # Whether Temporal refused, aborted or cut short a send.  An aborted update may
+        # have been taken all the same (the worker's answer revives it after Temporal lost
+        # it), as may one cut short, and a refusal may answer a send Temporal retried
+        # itself after aborting it (helper-207: 4 of 80 spawns sent at once were refused
+        # for the limit, and their children ran).  Such a spawn is answered with an error
+        # only once its child is found not to have started, and its request withdrawn.
         unsure = False
         gate = self._gates.setdefault(parent, _Gate())
         gate.users += 1
@@ -499,6 +501,17 @@ class Runs:
             return _Again(
                 f"Temporal did not take the request to parent run '{parent}' "
                 f"for all of {self._child_wait_s:g} s: {exc.message}",
+                turned_away=True,
+            )
+        except WorkflowUpdateRPCTimeoutOrCancelledError as exc:
+            # Temporal answered the call, or a poll for its outcome, with DEADLINE_EXCEEDED
+            # or CANCELLED (our own time-out is _NotTaken): the SDK's error, no RPCError,
+            # which went up as it was (helper-218).  The update may have been taken; sent
+            # again under its id, it is answered with its outcome.
+            rpc = exc.__cause__
+            return _Again(
+                f"Temporal did not take the request to parent run '{parent}' for all of "
+                f"{self._child_wait_s:g} s: {rpc.message if isinstance(rpc, RPCError) else exc}",
                 turned_away=True,
             )
         finally:

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from temporalio.client import WorkflowUpdateFailedError
+from temporalio.client import WorkflowUpdateFailedError, WorkflowUpdateRPCTimeoutOrCancelledError
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
@@ -132,7 +132,7 @@ class _Pressed:
     """A parent whose spawn_child sends Temporal turns away (`error`) `times` times,
     then takes; `started`: whether the child exists (describe, for the child's handle)."""
 
-    def __init__(self, error: RPCError, times: int, started: bool = False) -> None:
+    def __init__(self, error: Exception, times: int, started: bool = False) -> None:
         self.error = error
         self.times = times
         self.started = started
@@ -158,13 +158,32 @@ _LIMIT = RPCError(
 _ABORTED = RPCError("workflow update was aborted", RPCStatusCode.UNAVAILABLE, b"")
 
 
-@pytest.mark.parametrize("error", [_LIMIT, _ABORTED], ids=["limit", "aborted"])
+def _cut(status: RPCStatusCode) -> WorkflowUpdateRPCTimeoutOrCancelledError:
+    """What the SDK raises when Temporal answers the update call (or a poll for its
+    outcome) with DEADLINE_EXCEEDED or CANCELLED: no RPCError, but its own error, the
+    RPCError its cause (temporalio/client/_impl.py, start_workflow_update)."""
+    cut = WorkflowUpdateRPCTimeoutOrCancelledError()
+    cut.__cause__ = RPCError("context deadline exceeded", status, b"")
+    return cut
+
+
+_DEADLINE = _cut(RPCStatusCode.DEADLINE_EXCEEDED)
+_CANCELLED = _cut(RPCStatusCode.CANCELLED)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [_LIMIT, _ABORTED, _DEADLINE, _CANCELLED],
+    ids=["limit", "aborted", "deadline", "cancelled"],
+)
 async def test_a_spawn_temporal_turns_away_is_sent_again_as_the_same_update(
-    monkeypatch: pytest.MonkeyPatch, error: RPCError
+    monkeypatch: pytest.MonkeyPatch, error: Exception
 ) -> None:
     # The parent's updates in flight at Temporal's limit (10), or an update Temporal
     # aborted: the spawn failed at once (helper-207).  Sent again under the same update
-    # id, one Temporal had taken is answered with its outcome, never taken twice.
+    # id, one Temporal had taken is answered with its outcome, never taken twice.  So
+    # too when Temporal cut the call short (the SDK's own error, no RPCError: it went
+    # up to the caller as it was, the child perhaps started; helper-218).
     parent = _Pressed(error, times=3)
     runs = _runs(monkeypatch, parent)
     assert await runs.spawn(RunSpec(task="t", model="m", parent="p"), handle="run-x") == "run-x"
@@ -192,6 +211,25 @@ async def test_a_spawn_aborted_until_its_time_is_up_says_whether_its_child_runs(
     assert str(err.value).startswith(
         "Temporal did not take the request to parent run 'p' for all of 1 s: workflow "
         "update was aborted; the request is withdrawn: no child runs"
+    ), err.value
+
+
+async def test_a_spawn_temporal_cuts_short_until_its_time_is_up_is_withdrawn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Every send cut short by Temporal (DEADLINE_EXCEEDED), each of which it may have
+    # taken: once time is up, the child not found, the request is withdrawn, and the
+    # error says so (helper-218: the first cut went up as it was, nothing withdrawn).
+    parent = _Pressed(_DEADLINE, times=10**6)
+    withdrawn: list[str] = []
+    runs = _runs(monkeypatch, parent, withdrawn=withdrawn)
+    with pytest.raises(RunUnavailable) as err:
+        await runs.spawn(RunSpec(task="t", model="m", parent="p"), handle="run-x")
+    assert withdrawn == ["run-x"]
+    assert len(parent.ids) >= 3 and len(set(parent.ids)) == 1, parent.ids
+    assert str(err.value).startswith(
+        "Temporal did not take the request to parent run 'p' for all of 1 s: context "
+        "deadline exceeded; the request is withdrawn: no child runs"
     ), err.value
 
 

@@ -14,7 +14,7 @@ from temporalio.client import WorkflowUpdateFailedError
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
-from tests.workflows.test_spawn_retry import _ABORTED, _runs
+from tests.workflows.test_spawn_retry import _ABORTED, _DEADLINE, _runs
 from workflows import RunSpec
 
 
@@ -41,17 +41,29 @@ class _Then:
 
 async def test_unsure_then_other_rpc_error_child_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     # The aborted first send was taken (the child runs, describe finds it); the second
-    # send meets a connection error: the caller gets an error, nothing is withdrawn.
+    # send meets a connection error: the spawn answers the child, nothing withdrawn.
     parent = _Then(RPCError("connection reset", RPCStatusCode.UNAVAILABLE, b""))
     withdrawn: list[str] = []
     runs = _runs(monkeypatch, parent, withdrawn=withdrawn)
     result = await runs.spawn(RunSpec(task="t", model="m", parent="p"), handle="run-x")
-    assert result == "run-x" or withdrawn == ["run-x"]
+    assert (result, withdrawn) == ("run-x", [])
+
+
+async def test_unsure_then_cut_short_child_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The aborted first send was taken (the child runs); Temporal cuts the sends after
+    # it short (DEADLINE_EXCEEDED, the SDK's own error, no RPCError): the spawn answers
+    # the child, nothing withdrawn (helper-218: the error went up as it was).
+    parent = _Then(_DEADLINE)
+    withdrawn: list[str] = []
+    runs = _runs(monkeypatch, parent, withdrawn=withdrawn)
+    result = await runs.spawn(RunSpec(task="t", model="m", parent="p"), handle="run-x")
+    assert (result, withdrawn) == ("run-x", [])
 
 
 async def test_unsure_then_refused_describe_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     # The second send's update is refused ("already has a child", e.g. after the
-    # parent continued as new), and describe fails for a moment: an error, no withdrawal.
+    # parent continued as new), and describe fails for a moment: the child is not
+    # known to run, so the error comes with the request withdrawn.
     refusal = WorkflowUpdateFailedError(ApplicationError("run 'p' already has a child 'run-x'"))
     blip = RPCError("deadline", RPCStatusCode.UNAVAILABLE, b"")
     parent = _Then(refusal, describe_error=blip)
@@ -94,8 +106,9 @@ async def test_gate_released_on_cancel(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 async def test_unsure_then_worker_gone(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The aborted first send may be taken later; the second finds no worker polling:
-    # "nothing was asked of it", and nothing withdrawn.
+    # The aborted first send may be taken later; the second finds no worker polling
+    # ("nothing was asked of it", of this send): the error comes with the request
+    # withdrawn.
     parent = _Then(
         RuntimeError("not sent"), describe_error=RPCError("nf", RPCStatusCode.NOT_FOUND, b"")
     )
