@@ -871,6 +871,19 @@ class Runs:
             )
         except WorkflowUpdateFailedError as exc:
             raise RunError(_reason(exc)) from None
+        except WorkflowUpdateRPCTimeoutOrCancelledError as exc:
+            # Temporal answered the call, or a poll for its outcome, with DEADLINE_EXCEEDED
+            # or CANCELLED (our own time-out is _NotTaken): the SDK's error, no RPCError,
+            # which went up as it was, where callers read RunUnavailable as "not taken,
+            # say so" (helper-219).  Not sent again here, as a spawn is: the run may have
+            # taken it and moved on, and an answer sent again under a new update id with
+            # no call id would answer its next approval, one the user was not shown.
+            rpc = exc.__cause__
+            raise RunUnavailable(  # not taken, as far as anyone knows: not acknowledged
+                f"run '{handle}' did not say it took the answer: Temporal cut the call "
+                f"short ({rpc.message if isinstance(rpc, RPCError) else exc}); it may "
+                "have taken it, or take it later (status tells)"
+            ) from None
         except RPCError as exc:
             if exc.status == RPCStatusCode.FAILED_PRECONDITION:
                 raise RunUnavailable(  # not taken: its callers must not acknowledge it

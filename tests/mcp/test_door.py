@@ -1595,6 +1595,57 @@ async def test_an_approval_answer_no_worker_can_take_is_not_acknowledged(
         await s.runs.request_cancel(y)
 
 
+async def test_an_approval_answer_temporal_cuts_short_is_said_so_not_acknowledged(
+    temporal_address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Temporal answers the approve update, or a poll for its outcome, with
+    # DEADLINE_EXCEEDED or CANCELLED: the SDK's own error, no RPCError, went up as it
+    # was, and the answer was said to find the run store unreachable, or was a bare
+    # tool error (helper-219).  Each way of answering says the run may not have it.
+    from temporalio.client import WorkflowHandle
+
+    from tests.workflows.test_spawn_retry import _CANCELLED, _DEADLINE
+
+    async with stack(temporal_address) as s, httpx.AsyncClient(timeout=60) as http:
+        door = Modern(http, s.mcp_door)
+        spec = {"model": MODEL, "task": task_with(1, "cutshort"), "tools": ["delete_record"]}
+        y = (await door.tool("spawn", spec))["structuredContent"]["handle"]
+        await until(lambda: state_is(s, y, "AwaitingApproval"), "y waits")
+        first = await door.tool("await", {"handles": [y], "timeout": 2}, FORM)
+        (asked,) = first["inputRequests"]
+        allow = {"action": "accept", "content": {"allow": True}}
+        said = (
+            f"run '{y}' did not say it took the answer: Temporal cut the call short "
+            "(context deadline exceeded); it may have taken it, or take it later (status tells)"
+        )
+        for error in (_DEADLINE, _CANCELLED):
+
+            async def cut(self: Any, *args: Any, error: Exception = error, **kw: Any) -> Any:
+                raise error
+
+            monkeypatch.setattr(WorkflowHandle, "execute_update", cut)
+            r = await door.tool("approve", {"handle": y, "allow": True})
+            text = r["content"][0]["text"]
+            assert r["isError"] and text == f"Error executing tool approve: {said}", r
+            answered = await door.tool(
+                "await",
+                {"handles": [y], "timeout": 2},
+                FORM,
+                requestState=first["requestState"],
+                inputResponses={asked: allow},
+            )
+            text = answered["content"][0]["text"]
+            assert answered["isError"] and text == f"Error executing tool await: {said}", answered
+            answer = await door.request(
+                "tasks/update", {"taskId": y, "inputResponses": {asked: allow}}, TASKS_CAPS
+            )
+            assert answer["error"] == {"code": -32603, "message": said}, answer
+        monkeypatch.undo()
+        st = await s.runs.status(y)
+        assert st.state == "AwaitingApproval" and sum(s.mcp.counts.values()) == 0, st
+        await s.runs.request_cancel(y)
+
+
 async def test_status_lists_runs_by_state_tree_parent_class_and_model(
     temporal_address: str,
 ) -> None:
