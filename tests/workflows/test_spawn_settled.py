@@ -1,7 +1,8 @@
 """A spawn that Temporal turned away once (aborted: its update may have been taken all
 the same) answers an error only with its request withdrawn, whatever ends it after
-(helper-212); and the gate of a parent's spawns gives its permits back when holders and
-waiters are cancelled."""
+(helper-212); a spawn its caller cancels stops at once; and the gate of a parent's
+spawns gives its permits back when holders and waiters are cancelled, and says so to
+a spawn whose turn never came."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from temporalio.client import WorkflowUpdateFailedError
+from temporalio.client import WorkflowUpdateFailedError, WorkflowUpdateRPCTimeoutOrCancelledError
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
 from tests.workflows.test_spawn_retry import _ABORTED, _DEADLINE, _runs
-from workflows import RunSpec
+from workflows import RunSpec, RunUnavailable
+from workflows.agent_run import CHILDREN_STARTING
 
 
 class _Then:
@@ -58,6 +60,45 @@ async def test_unsure_then_cut_short_child_runs(monkeypatch: pytest.MonkeyPatch)
     runs = _runs(monkeypatch, parent, withdrawn=withdrawn)
     result = await runs.spawn(RunSpec(task="t", model="m", parent="p"), handle="run-x")
     assert (result, withdrawn) == ("run-x", [])
+
+
+async def test_unsure_then_refused_while_others_start_child_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The aborted first send was taken (the child runs); every send after it is refused
+    # while other children start, until time is up: the spawn is still unsure, so it
+    # answers the child it finds (helper-222: a send that turned no one away must not
+    # make the spawn forget the first).
+    starting = WorkflowUpdateFailedError(
+        ApplicationError("run 'p' is starting 1 children", type=CHILDREN_STARTING)
+    )
+    parent = _Then(starting)
+    withdrawn: list[str] = []
+    runs = _runs(monkeypatch, parent, withdrawn=withdrawn)
+    result = await runs.spawn(RunSpec(task="t", model="m", parent="p"), handle="run-x")
+    assert (result, withdrawn) == ("run-x", []) and parent.sends >= 3, parent.sends
+
+
+class _ThenSilent(_Then):
+    """First send aborted by Temporal (but taken: the child starts); the second is
+    never answered, so the spawn's time runs out on it."""
+
+    async def execute_update(self, update: Any, arg: Any, id: str | None = None) -> Any:
+        self.sends += 1
+        if self.sends == 1:
+            raise _ABORTED
+        await asyncio.sleep(10)
+
+
+async def test_unsure_then_not_taken_in_time_child_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The aborted first send was taken; the second is not answered within the spawn's
+    # time: the child found, the spawn answers it, nothing withdrawn (a withdrawal
+    # would cancel a child that runs).
+    parent = _ThenSilent(RuntimeError("unused"))
+    withdrawn: list[str] = []
+    runs = _runs(monkeypatch, parent, withdrawn=withdrawn)
+    result = await runs.spawn(RunSpec(task="t", model="m", parent="p"), handle="run-x")
+    assert (result, withdrawn, parent.sends) == ("run-x", [], 2)
 
 
 async def test_unsure_then_refused_describe_fails(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -103,6 +144,65 @@ async def test_gate_released_on_cancel(monkeypatch: pytest.MonkeyPatch) -> None:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     assert runs._gates == {}
+
+
+class _SdkSlow:
+    """A parent whose update is in flight until its caller gives up, the caller's
+    cancellation raised as the SDK raises it (temporalio/client/_impl.py,
+    start_workflow_update: WorkflowUpdateRPCTimeoutOrCancelledError from the
+    CancelledError); its child never started."""
+
+    def __init__(self) -> None:
+        self.sends = 0
+        self.in_flight = asyncio.Event()
+
+    async def execute_update(self, update: Any, arg: Any, id: str | None = None) -> Any:
+        self.sends += 1
+        self.in_flight.set()
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError as err:
+            raise WorkflowUpdateRPCTimeoutOrCancelledError() from err
+
+    async def describe(self) -> Any:
+        raise RPCError("workflow not found", RPCStatusCode.NOT_FOUND, b"")
+
+
+async def test_a_spawn_its_caller_cancels_is_not_sent_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The SDK raises the caller's cancellation as the error Temporal's own cut gives,
+    # which is sent again (helper-218): the caller's is told apart, and the spawn stops
+    # at once, not sending for the rest of its time (helper-222).
+    parent = _SdkSlow()
+    runs = _runs(monkeypatch, parent, wait_s=5)  # type: ignore[arg-type]
+    spec = RunSpec(task="t", model="m", parent="p")
+    task = asyncio.create_task(runs.spawn(spec, handle="run-x"))
+    await asyncio.wait_for(parent.in_flight.wait(), 5)
+    task.cancel()
+    done, _ = await asyncio.wait([task], timeout=2)
+    assert done and task.cancelled(), (parent.sends, task)
+    assert (parent.sends, runs._gates) == (1, {})
+
+
+async def test_a_spawn_whose_turn_at_the_gate_never_comes_asked_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Nine spawns at once to a parent that answers none: eight hold the gate all the
+    # while, the ninth never sends, so it withdraws nothing and says to spawn again.
+    parent = _SdkSlow()
+    withdrawn: list[str] = []
+    runs = _runs(monkeypatch, parent, withdrawn=withdrawn)  # type: ignore[arg-type]
+    spec = RunSpec(task="t", model="m", parent="p")
+    ends = await asyncio.gather(
+        *(runs.spawn(spec, handle=f"run-{i}") for i in range(9)), return_exceptions=True
+    )
+    assert all(isinstance(e, RunUnavailable) for e in ends), ends
+    assert parent.sends == 8 and "run-8" not in withdrawn, (parent.sends, withdrawn)
+    assert str(ends[8]) == (
+        "parent run 'p' was taking 8 other spawns of this gateway for all of 1 s; no "
+        "child was started: spawn it again"
+    )
 
 
 async def test_unsure_then_worker_gone(monkeypatch: pytest.MonkeyPatch) -> None:
