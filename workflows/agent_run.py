@@ -127,6 +127,7 @@ with workflow.unsafe.imports_passed_through():
         RunStatus,
         StopRequest,
         Totals,
+        run_priority,
         settled,
     )
 
@@ -1504,6 +1505,9 @@ class AgentRun:
                 id=request.handle,
                 parent_close_policy=workflow.ParentClosePolicy.REQUEST_CANCEL,
                 search_attributes=search_attributes(spec, request.handle),
+                # Its own class's, not its parent's (which a child inherits unless told).
+                # No patch: core compares only a child start's id and type on replay.
+                priority=run_priority(spec),
             )
         finally:
             self._spawning.discard(request.handle)

@@ -8,12 +8,13 @@ tests all speak these types.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from temporalio.common import SearchAttributeKey
+from temporalio.common import Priority, SearchAttributeKey
 
 __all__ = [
     "ACTIVE_STATES",
@@ -21,6 +22,7 @@ __all__ = [
     "DEFAULT_MAX_TOKENS",
     "DEFAULT_MAX_TOOL_CALLS",
     "DEFAULT_TASK_QUEUE",
+    "PRIORITY_OF_CLASS",
     "SEARCH_ATTRIBUTES",
     "TERMINAL_STATES",
     "AgentRunInput",
@@ -37,6 +39,8 @@ __all__ = [
     "RunStatus",
     "StopRequest",
     "Totals",
+    "fairness_key",
+    "run_priority",
     "settled",
 ]
 
@@ -195,6 +199,49 @@ class RunSpec:
     # every change of this run's subtree at once (see REPORT_EVERY_S).  Not an MCP
     # argument.
     under_budget: bool = False
+
+
+# A run's place in its Temporal task queue (Task Queue Priority): its workflow tasks,
+# and the turns and tool calls it schedules (activities inherit it), are dispatched
+# lower key first when the queue has a backlog, FIFO within a key.  Without it an
+# interactive run's next step waits behind every batch run's, whatever the gateway
+# does for its turns.  Keys run from 1 to 5 on a default server, and a task that names
+# none is 3: interactive and batch sit either side of that default, so a run started
+# by a gateway from before this (or a workflow an operator starts on the queue) goes
+# after interactive runs and before batch ones, and 1 and 5 stay free for work that
+# must go before or after all runs.  Read at each start: a run keeps the priority it
+# started with (continue-as-new carries it over on the server).
+PRIORITY_OF_CLASS: dict[str, int] = {"interactive": 2, "batch": 4}
+# Temporal refuses a start whose fairness key is over 64 bytes ("fairness key length
+# exceeds limit"): a longer caller is shortened (`fairness_key`).
+FAIRNESS_KEY_MAX_BYTES = 64
+_FAIRNESS_DIGEST_CHARS = 16
+
+
+def run_priority(spec: RunSpec) -> Priority:
+    """The Temporal priority a run starts with: its service class's key (as the gateway
+    reads the class: a blank one is interactive; one it would refuse gets Temporal's
+    default, or, for a child, its parent's), and its caller as the fairness key, so a
+    server with fairness on shares each class's dispatch among callers.  A server with
+    fairness off (the default) keeps FIFO order within a class whatever the caller."""
+    service_class = spec.service_class.strip().lower() or "interactive"
+    return Priority(
+        priority_key=PRIORITY_OF_CLASS.get(service_class),
+        fairness_key=fairness_key(spec.caller or "anonymous"),
+    )
+
+
+def fairness_key(caller: str) -> str:
+    """`caller` as a fairness key: itself when it fits Temporal's 64 bytes, else its
+    first bytes and a digest of the whole (the same caller always gets the same key,
+    and two long names that share their start get two)."""
+    raw = caller.encode()
+    if len(raw) <= FAIRNESS_KEY_MAX_BYTES:
+        return caller
+    digest = hashlib.sha256(raw).hexdigest()[:_FAIRNESS_DIGEST_CHARS]
+    room = FAIRNESS_KEY_MAX_BYTES - _FAIRNESS_DIGEST_CHARS - 1
+    head = raw[:room].decode(errors="ignore")  # not a character cut in two
+    return f"{head}~{digest}"
 
 
 @dataclass(frozen=True)

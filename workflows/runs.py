@@ -55,6 +55,7 @@ from workflows.contract import (
     RunSpec,
     RunStatus,
     Totals,
+    run_priority,
     settled,
 )
 
@@ -370,6 +371,7 @@ class Runs:
                 id=handle,
                 task_queue=self._queue,
                 search_attributes=search_attributes(spec, handle),
+                priority=run_priority(spec),
                 id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
                 id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
             )

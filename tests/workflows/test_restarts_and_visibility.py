@@ -137,6 +137,11 @@ async def test_a_long_run_continues_as_new_and_keeps_its_state(tmp_path: Path) -
                 wf async for wf in s.client.list_workflows(f"WorkflowId = '{handle}'")
             ]
             assert len(runs_of_handle) >= 2  # it continued as new at least once
+            # Its last execution has the priority the run started with: the server
+            # carries it over (continue-as-new names none).
+            latest = (await s.client.get_workflow_handle(handle).describe()).raw_description
+            priority = latest.workflow_execution_info.priority
+            assert (priority.priority_key, priority.fairness_key) == (2, "anonymous")
             # Listed once, as it is now: not again for each execution it continued from
             # (those keep the state they had then, Running).
             assert await until(
