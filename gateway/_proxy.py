@@ -166,6 +166,14 @@ def engine_fault(status: int) -> bool:
     return status >= 500 and status not in (503, 529)
 
 
+# What a 401 asks for (RFC 6750 section 3): a bearer token, for luftpause.  Nothing
+# more: no `resource_metadata` (RFC 9728), as luftpause's tokens are static and it
+# serves no OAuth metadata; an MCP client with OAuth starts its discovery on any 401
+# anyway, and finds 404s.  A request that sent a token gets `error="invalid_token"`
+# added (section 3.1; the gateway's `unauthorized`).
+BEARER_CHALLENGE = 'Bearer realm="luftpause"'
+
+
 # The "type" of an Anthropic error body, by status (its API's error reference); an
 # Anthropic client (Claude Code, the SDKs) reads it, every client reads error.message.
 _ANTHROPIC_ERROR_TYPES = {
@@ -204,7 +212,7 @@ def error_response(
     elif status == 429:  # luftpause's own: a caller over max_held_per_caller
         headers["retry-after"] = "1"
     elif status == 401:
-        headers["www-authenticate"] = "Bearer"  # RFC 6750: the scheme the token goes in
+        headers["www-authenticate"] = BEARER_CHALLENGE
     return Response(body, status, headers=headers, media_type="application/json")
 
 

@@ -54,6 +54,7 @@ from temporalio.client import Client as TemporalClient
 from activities.mcp_pool import McpPool
 from gateway._http import Upstream, credentials_refused, no_answer_of, wait_disconnect
 from gateway._proxy import (
+    BEARER_CHALLENGE,
     CancelOnLeave,
     ClientLeft,
     TurnRequest,
@@ -590,15 +591,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         access) names no caller; a caller's own token names that caller."""
         if settings.token is None:
             return OPERATOR
-        headers = request.headers if isinstance(request, Request) else Request(request).headers
-        scheme, _, credentials = headers.get("authorization", "").partition(" ")
-        given = [credentials.strip()] if scheme.lower() == "bearer" else []
-        if api_key and (key := headers.get("x-api-key")) is not None:
-            given.append(key.strip())
-        if query is not None:
-            given.append(query.strip())
         tenant = None  # (the operator's token wins, wherever it is given)
-        for value in given:
+        for value in _tokens(request, api_key=api_key, query=query):
             sent = value.encode("latin-1", errors="replace")
             if hmac.compare_digest(sent, settings.token.encode()):
                 return OPERATOR
@@ -612,16 +606,37 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         """Only the operator's token (or none set): /status, /, /reload."""
         return identify(request, api_key=api_key) == OPERATOR
 
-    def unauthorized(run_id: str, *, anthropic: bool = False) -> Response:
+    def unauthorized(
+        request: Request | Scope,
+        run_id: str,
+        *,
+        anthropic: bool = False,
+        api_key: bool = False,
+        query: str | None = None,
+    ) -> Response:
+        """The 401 for a request `identify` (given the same `api_key` and `query`) named
+        no one from.  Its challenge says `invalid_token` when a token was sent where the
+        route reads one, and no error when none was (RFC 6750 section 3.1)."""
         if anthropic:  # where Anthropic clients may send it
-            return error_response(401, _NO_KEY, run_id, anthropic=True)
-        return error_response(401, _NO_TOKEN, run_id)
+            answer = error_response(401, _NO_KEY, run_id, anthropic=True)
+        else:
+            answer = error_response(401, _NO_TOKEN, run_id)
+        if any(_tokens(request, api_key=api_key, query=query)):
+            answer.headers["www-authenticate"] = f'{BEARER_CHALLENGE}, error="invalid_token"'
+        return answer
 
-    def refused(who: Who | None, run_id: str, *, anthropic: bool = False) -> Response:
+    def refused(
+        request: Request,
+        who: Who | None,
+        run_id: str,
+        *,
+        anthropic: bool = False,
+        query: str | None = None,
+    ) -> Response:
         """401 for no (or a wrong) token; 403 for a caller's token where only the
         operator's is taken."""
         if who is None:
-            return unauthorized(run_id, anthropic=anthropic)
+            return unauthorized(request, run_id, anthropic=anthropic, query=query)
         message = (
             f"this token is caller '{who.tenant}''s, which may not use this route; "
             "it takes the operator's token"
@@ -651,7 +666,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             return
         who = identify(scope)
         if who is None:
-            await unauthorized("")(scope, receive, send)
+            await unauthorized(scope, "")(scope, receive, send)
             return
         request = Request(scope)
         if (why := other_caller(request, who)) is not None:
@@ -816,7 +831,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         fallback_run = header_run if header_run and not bad_run else _new_id()
         who = identify(request, api_key=anthropic)
         if who is None:
-            return unauthorized(fallback_run, anthropic=anthropic)
+            return unauthorized(request, fallback_run, anthropic=anthropic, api_key=anthropic)
         if (why := other_caller(request, who)) is not None:
             return error_response(403, why, fallback_run, anthropic=anthropic)
         if bad_run:
@@ -942,7 +957,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         rt = running()
         run_id = ""  # no turn, no run: its answers carry no run id
         if identify(request, api_key=True) is None:
-            return unauthorized(run_id, anthropic=True)
+            return unauthorized(request, run_id, anthropic=True, api_key=True)
         if (coded := _coded(request)) is not None:
             return error_response(415, coded, run_id, anthropic=True)
         raw = await _body(request, config.max_request_bytes)
@@ -1081,7 +1096,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         run_id = _new_id()
         who = identify(request)
         if who is None:
-            return unauthorized(run_id)
+            return unauthorized(request, run_id)
         if (why := other_caller(request, who)) is not None:
             return error_response(403, why, run_id)
         if (coded := _coded(request)) is not None:
@@ -1147,7 +1162,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         rt = running()
         who = identify(request)
         if who is None:
-            return unauthorized(run_id if RUN_ID.fullmatch(run_id) else _new_id())
+            return unauthorized(request, run_id if RUN_ID.fullmatch(run_id) else _new_id())
         if not RUN_ID.fullmatch(run_id):
             # It goes back in a response header: printable ASCII only, or no echo.
             return error_response(400, _BAD_RUN_ID, "")
@@ -1163,7 +1178,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         rt = running()
         who = identify(request)
         if who is None:
-            return unauthorized("")
+            return unauthorized(request, "")
         query = request.query_params
         unknown = sorted(set(query) - {"caller", "phase", "class", "limit"})
         phases = [p.value for p in RunPhase] + [WAITING]
@@ -1205,7 +1220,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         rt = running()
         who = identify(request)
         if who is None:
-            return unauthorized(run_id if RUN_ID.fullmatch(run_id) else "")
+            return unauthorized(request, run_id if RUN_ID.fullmatch(run_id) else "")
         if not RUN_ID.fullmatch(run_id):
             return error_response(400, _BAD_RUN_ID, "")
         state, now = rt.shell.state, rt.loop.time()
@@ -1227,7 +1242,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def list_models(request: Request) -> Response:
         # (The Anthropic SDKs list and retrieve models here too, with x-api-key.)
         if identify(request, api_key=True) is None:
-            return unauthorized(_named_run(request.scope))
+            return unauthorized(request, _named_run(request.scope), api_key=True)
         data = [_model_object(m) for m in live.pool.offered]
         return Response(json.dumps({"object": "list", "data": data}), media_type="application/json")
 
@@ -1237,7 +1252,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def one_model(request: Request, model: str) -> Response:
         run = _named_run(request.scope)
         if identify(request, api_key=True) is None:
-            return unauthorized(run)
+            return unauthorized(request, run, api_key=True)
         if model not in live.pool.offered:
             return error_response(404, unknown_model(model, live.pool.offered), run)
         return Response(json.dumps(_model_object(model)), media_type="application/json")
@@ -1284,7 +1299,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def status(request: Request) -> Response:
         rt = running()
         if not authorized(request):
-            return refused(identify(request), _new_id())
+            return refused(request, identify(request), _new_id())
         view = await with_runs(await snapshot(rt))
         return Response(json.dumps(view), media_type="application/json")
 
@@ -1296,7 +1311,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         # own token there is refused as in the header (403), not taken for a wrong one.
         who = identify(request, query=request.query_params.get("token"))
         if who != OPERATOR:
-            return refused(who, _new_id())
+            return refused(request, who, _new_id(), query=request.query_params.get("token"))
         return HTMLResponse(
             render_status_page(await with_runs(await snapshot(rt, recent=PAGE_RUNS))),
             headers={"cache-control": "no-store", "referrer-policy": "no-referrer"},
@@ -1342,7 +1357,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def reload(request: Request) -> Response:
         """Serve the configuration file's endpoints as they are now (as SIGHUP does)."""
         if not authorized(request):
-            return refused(identify(request), "")
+            return refused(request, identify(request), "")
         try:
             change = await reload_pool()
         except ConfigError as exc:
@@ -1365,7 +1380,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         anthropic = _anthropic(path)
         run = _named_run(request.scope)  # echoed, as on every /v1 answer
         if identify(request, api_key=anthropic) is None:
-            return unauthorized(run, anthropic=anthropic)
+            return unauthorized(request, run, anthropic=anthropic, api_key=anthropic)
         # (A run's path: /v1/runs/{run id}, one segment; /v1/runs/a/b is no path served,
         # nor /v1/runs/: its GET or DELETE came here, so a 405 naming them would be
         # untrue, helper-125.)
@@ -1593,6 +1608,19 @@ _NO_KEY = "missing or wrong token: the gateway's token, in x-api-key or as a bea
 _ANTHROPIC_HEADERS = ("anthropic-version", "anthropic-beta")
 
 # --------------------------------------------------------------------------- parsing
+
+
+def _tokens(request: Request | Scope, *, api_key: bool, query: str | None) -> list[str]:
+    """The tokens a request sends where `identify` reads them (empty ones included): a
+    bearer token, with `api_key` the x-api-key header, and the `query` parameter given."""
+    headers = request.headers if isinstance(request, Request) else Request(request).headers
+    scheme, _, credentials = headers.get("authorization", "").partition(" ")
+    given = [credentials.strip()] if scheme.lower() == "bearer" else []
+    if api_key and (key := headers.get("x-api-key")) is not None:
+        given.append(key.strip())
+    if query is not None:
+        given.append(query.strip())
+    return given
 
 
 async def _body(request: Request, limit: int) -> bytes | None:

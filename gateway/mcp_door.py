@@ -26,7 +26,13 @@ from mcp.server.mcpserver.utilities.func_metadata import FuncMetadata
 from mcp.server.request_state import RequestStateSecurity
 from mcp.shared.exceptions import MCPError
 from mcp.types import ToolAnnotations
-from mcp_types import INVALID_PARAMS, ElicitRequest, ElicitRequestFormParams, InputRequiredResult
+from mcp_types import (
+    INVALID_PARAMS,
+    CallToolResult,
+    ElicitRequest,
+    ElicitRequestFormParams,
+    InputRequiredResult,
+)
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 from temporalio.service import RPCError, RPCStatusCode
 
@@ -300,6 +306,13 @@ def _usage(t: Any) -> UsageView:
         turnSeconds=round(t.turn_seconds, 3),
         toolSeconds=round(t.tool_seconds, 3),
     )
+
+
+# The ends of a run that make its `run` call an error (isError), for the model to see:
+# it failed, or was stopped (its budget, a cancel) before it answered.  Its view is the
+# result still, `error` saying why.  `await` and `status` report many runs: their call
+# succeeded whatever the runs' ends.
+ERROR_ENDS = frozenset({"Failed", "Cancelled"})
 
 
 def view(status: RunStatus, *, detail: bool = True) -> RunView:
@@ -791,7 +804,9 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
     tasks = TasksExtension(
         runs=lambda ctx: runs(ctx),
         start_run=lambda arguments, ctx: start_task_run(arguments, ctx),
-        result=lambda status: mcp.tool_result("run", view(status)),
+        result=lambda status: run_result(status).model_dump(
+            mode="json", by_alias=True, exclude_none=True
+        ),
         unavailable=_unavailable,
         background=background,
     )
@@ -1229,7 +1244,7 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
         budgetSeconds: BudgetSeconds = None,
         approveTools: ApproveTools = None,
         timeout: Annotated[float, Field(strict=True, gt=0, le=AWAIT_MAX_S)] = AWAIT_MAX_S,
-    ) -> RunView | InputRequiredResult:
+    ) -> Annotated[CallToolResult, RunView] | InputRequiredResult:
         """Run one sub-agent to its end (spawn + await in one call) and return its
         answer. For several at once, prefer spawn + await."""
         arguments = _arguments(locals())
@@ -1261,7 +1276,13 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
                 cancel = cancel_quietly(lambda: runs(ctx), handle)
                 await asyncio.shield(background.run(cancel, f"the cancel of run {handle}"))
             raise
-        return waited if isinstance(waited, InputRequiredResult) else view(waited[0][0])
+        return waited if isinstance(waited, InputRequiredResult) else run_result(waited[0][0])
+
+    def run_result(status: RunStatus) -> CallToolResult:
+        """What `run` returns for its run (and a run's task ends with): the run's view,
+        an error if it ended in ERROR_ENDS."""
+        shown = CallToolResult.model_validate(mcp.tool_result("run", view(status)))
+        return shown.model_copy(update={"is_error": status.state in ERROR_ENDS})
 
     @mcp.tool(annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
     async def status(

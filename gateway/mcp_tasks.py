@@ -14,8 +14,9 @@ The SDK ships the wire types of the older in-core tasks only, so the SEP-2663 sh
 are written here as plain JSON (`taskId`, `status`, `createdAt`, `lastUpdatedAt`,
 `ttlMs`, `pollIntervalMs`, `inputRequests`, `result`, `statusMessage`).  An ended
 run's task is `completed` with the result the `run` call itself returns (a run that
-failed, or that its budget stopped, included: the call succeeded, its result says how
-the run ended); a run cancelled on request is a `cancelled` task saying why.  Only a
+failed, or that its budget stopped, included: that result is a tool error, `isError`,
+which SEP-2663 counts as completed; `failed` is for JSON-RPC errors); a run cancelled
+on request is a `cancelled` task saying why.  Only a
 client that declared the extension may use tasks/* (-32021 otherwise), and only one
 that declared form elicitation is sent the approval question (`inputRequests`); for
 any other a run waiting for approval is a `working` task whose `statusMessage` says so

@@ -1038,6 +1038,44 @@ async def test_an_await_asks_a_worker_about_each_run_once_a_round(
             await c.call_tool("approve", {"handle": h, "allow": False})
 
 
+@pytest.mark.parametrize("mode", [*MODES, "task"])
+async def test_a_run_that_failed_or_was_cancelled_is_a_tool_error_with_its_view(
+    temporal_address: str, mode: str
+) -> None:
+    # `run` returned a run that ended Failed or Cancelled as a success (isError false,
+    # answer null): a harness showed it as done, and a model could take the null answer
+    # for nothing to say.  It is an error now, its view kept as structuredContent; a
+    # run's task (the Tasks extension) ends with the same result.
+    tasks = TasksClient()
+    extensions = [tasks] if mode == "task" else []
+    # 75,000 tokens of prompt, past the fake engine's 56,000-token KV pool: its 400.
+    too_big = {"model": MODEL, "task": "x" * 200_000, "system": "y" * 100_000}
+    async with (
+        stack(temporal_address) as s,
+        Client(s.mcp_door, mode="legacy" if mode == "legacy" else "2026-07-28",
+               extensions=extensions) as c,
+    ):  # fmt: skip
+        failed = await c.call_tool("run", too_big)
+        assert failed.is_error, failed.content
+        view = failed.structured_content
+        assert view is not None and view["state"] == "Failed", view
+        assert "does not fit the KV pool" in view["error"], view["error"]
+        assert view["answer"] is None and view["handle"].startswith("run-")
+        assert "does not fit the KV pool" in error_text(failed)  # its text copy says why
+        # Stopped by its own budget: Cancelled, no answer, an error as well.
+        over = {"model": MODEL, "task": task_with(0, "over"), "budgetTokens": 1}
+        stopped = await c.call_tool("run", over)
+        assert stopped.is_error, stopped.content
+        assert stopped.structured_content is not None
+        assert stopped.structured_content["state"] == "Cancelled"
+        assert stopped.structured_content["error"].startswith("budget exceeded: tokens ")
+        done = await c.call_tool("run", {"model": MODEL, "task": task_with(0, "fine")})
+        assert not done.is_error and result(done)["state"] == "Completed"
+        assert result(done)["answer"]
+    if mode == "task":
+        assert len(tasks.task_ids) == 3 and tasks.seen.count("completed") == 3, tasks.seen
+
+
 @pytest.mark.parametrize("mode", MODES)
 async def test_caller_header_and_bearer_token(temporal_address: str, mode: str) -> None:
     async with stack(temporal_address, token="s3cret") as s:
