@@ -1641,11 +1641,17 @@ async def test_a_401_says_it_wants_a_bearer_token_and_whether_the_one_sent_was_w
             ("POST", "/v1/chat/completions", {"authorization": "Basic b3A6"}, chat(), asked),
             ("POST", "/v1/chat/completions", {"x-api-key": "nope"}, chat(), asked),
             ("GET", "/v1/models", {"x-api-key": "nope"}, None, wrong),
+            # Every route that reads x-api-key counts it; no other route does.
+            ("GET", f"/v1/models/{MODEL}", {"x-api-key": "nope"}, None, wrong),
+            ("POST", "/v1/messages/count_tokens", {"x-api-key": "nope"}, body, wrong),
+            ("GET", "/v1/messages", {"x-api-key": "nope"}, None, wrong),  # (its 405's route)
+            ("GET", "/v1/runs", {"x-api-key": "nope"}, None, asked),
             ("GET", "/v1/runs", {"authorization": "Bearer"}, None, asked),  # (an empty one)
             ("POST", "/v1/messages", {}, body, asked),
             ("POST", "/v1/messages", {"x-api-key": "nope"}, body, wrong),
             ("POST", "/mcp", mcp, init, asked),
             ("POST", "/mcp", mcp | {"authorization": "Bearer nope"}, init, wrong),
+            ("POST", "/mcp", mcp | {"x-api-key": "nope"}, init, asked),
             ("GET", "/status", {"authorization": "Bearer nope"}, None, wrong),
             ("GET", "/?token=nope", {}, None, wrong),
             ("GET", "/", {}, None, asked),

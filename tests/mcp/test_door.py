@@ -1051,7 +1051,7 @@ async def test_a_run_that_failed_or_was_cancelled_is_a_tool_error_with_its_view(
     # 75,000 tokens of prompt, past the fake engine's 56,000-token KV pool: its 400.
     too_big = {"model": MODEL, "task": "x" * 200_000, "system": "y" * 100_000}
     async with (
-        stack(temporal_address) as s,
+        stack(temporal_address, mcp_time_scale=1) as s,  # (a lookup takes about 1 s)
         Client(s.mcp_door, mode="legacy" if mode == "legacy" else "2026-07-28",
                extensions=extensions) as c,
     ):  # fmt: skip
@@ -1072,6 +1072,11 @@ async def test_a_run_that_failed_or_was_cancelled_is_a_tool_error_with_its_view(
         done = await c.call_tool("run", {"model": MODEL, "task": task_with(0, "fine")})
         assert not done.is_error and result(done)["state"] == "Completed"
         assert result(done)["answer"]
+        if mode != "task":  # (a task has no call timeout: it is followed to the run's end)
+            # A call whose timeout came with its run still going is no error.
+            slow = {"model": MODEL, "task": task_with(1, "slow"), "tools": ["lookup"]}
+            going = await c.call_tool("run", slow | {"timeout": 0.2})
+            assert not going.is_error and result(going)["state"] == "Running"
     if mode == "task":
         assert len(tasks.task_ids) == 3 and tasks.seen.count("completed") == 3, tasks.seen
 
