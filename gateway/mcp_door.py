@@ -1,5 +1,6 @@
-"""The MCP door: sub-agents as tools — spawn, await, run, status, cancel, approve, tools,
-decide — served by the official SDK at `/mcp` (both protocol generations, one endpoint).
+"""The MCP door: sub-agents as tools — spawn, await, run, status, answer, cancel, approve,
+tools, decide — served by the official SDK at `/mcp` (both protocol generations, one
+endpoint).
 
 Each tool is a typed function whose docstring is what the calling model reads, and
 whose result is a pydantic model (structured content and an output schema).  A run is
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
+import pydantic_core
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError, UnexpectedToolError
 from mcp.server.mcpserver.utilities.func_metadata import FuncMetadata
@@ -32,6 +34,7 @@ from mcp_types import (
     ElicitRequest,
     ElicitRequestFormParams,
     InputRequiredResult,
+    TextContent,
 )
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 from temporalio.service import RPCError, RPCStatusCode
@@ -58,7 +61,9 @@ from workflows.contract import CALL_ID_MAX_CHARS, RunState
 from workflows.runs import new_handle, status_unavailable
 
 __all__ = [
+    "RESULT_ANSWER_CHARS",
     "RUN_STORE_DOWN",
+    "AnswerResult",
     "AwaitResult",
     "DecideResult",
     "DoorDeps",
@@ -82,6 +87,17 @@ class RunStoreDown(ConnectionError):
 
 
 DEFAULT_AWAIT_S = 60.0
+# The answer characters one await/status/run result shows by default, shared by its
+# runs (`answer_shares`; the `answer` tool reads the rest).  Claude Code warns at a
+# result past 10,000 tokens and refuses one past 25,000 (MAX_MCP_OUTPUT_TOKENS); newer
+# versions save one past 50,000 characters to a file and show the model 2 KB of it.
+# 30,000 characters are about 7,500 tokens of English: with the rest of a result (some
+# 400 characters a run), under all three for up to about 50 runs, and under the refusal
+# even for a client that counts the text copy too.  Unbounded, a fan-out of long
+# answers (maxTokens up to 32,768 a turn, up to 1,000 runs) was refused whole.
+RESULT_ANSWER_CHARS = 30_000
+RESULT_ANSWER_CHARS_MIN = 1_000
+RESULT_ANSWER_CHARS_MAX = 1_000_000
 PROGRESS_EVERY_S = 5.0
 # Input-required rounds one 2026-07-28 await/run asks at most (the official client
 # gives up a call after 10); then it answers with the runs as they are.
@@ -219,6 +235,12 @@ class RunView(BaseModel):
         description="the answer stopped at maxTokens (cut, or empty: a reasoning model "
         "cut while thinking); give the run more",
     )
+    answerChars: int | None = Field(
+        None,
+        description="the answer's whole length in characters when `answer` holds only its "
+        "start, to fit this result's maxChars; read the rest with the `answer` tool from "
+        "offset len(answer)",
+    )
     toolCalls: int = Field(description="tool calls this run made")
     failedToolCalls: int = Field(description="of those, how many failed or were refused")
     error: str | None = None
@@ -251,6 +273,16 @@ class AwaitResult(BaseModel):
 
 class StatusResult(BaseModel):
     runs: list[RunView]
+
+
+class AnswerResult(BaseModel):
+    handle: str
+    text: str
+    offset: int
+    totalChars: int = Field(description="the whole answer's length in characters")
+    nextOffset: int | None = Field(
+        description="the offset of the next part; null at the answer's end"
+    )
 
 
 class ToolView(BaseModel):
@@ -315,9 +347,47 @@ def _usage(t: Any) -> UsageView:
 ERROR_ENDS = frozenset({"Failed", "Cancelled"})
 
 
-def view(status: RunStatus, *, detail: bool = True) -> RunView:
-    """A run status as the MCP tools return it."""
+def answer_shares(lengths: Sequence[int], budget: int) -> list[int]:
+    """How many characters of each answer one result shows: `budget` in all, shared
+    max-min fairly.  An answer shorter than its fair share is shown whole, and what it
+    leaves goes to the others; the longer ones are cut to starts of one length (where
+    the budget does not divide evenly, the first of them in order a character longer).
+    No answer is cut while the budget has room for more of it."""
+    shown = [0] * len(lengths)
+    left = budget
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    for k, i in enumerate(order):
+        share = left // (len(order) - k)
+        if lengths[i] <= share:
+            shown[i] = lengths[i]
+            left -= lengths[i]
+            continue
+        # This answer and every one after it are longer than the share: each gets it.
+        cut = sorted(order[k:])
+        extra = left - share * len(cut)
+        for n, j in enumerate(cut):
+            shown[j] = share + 1 if n < extra else share
+        break
+    return shown
+
+
+def views(statuses: Sequence[RunStatus], max_chars: int, *, detail: bool = True) -> list[RunView]:
+    """The runs one result shows, their answers sharing `max_chars` (`answer_shares`);
+    a handle given twice is shown alike both times, and counted once."""
+    answers = {s.handle: len(s.answer) for s in statuses if s.answer is not None}
+    shares = dict(zip(answers, answer_shares(list(answers.values()), max_chars), strict=True))
+    return [view(s, detail=detail, max_chars=shares.get(s.handle, max_chars)) for s in statuses]
+
+
+def view(
+    status: RunStatus, *, detail: bool = True, max_chars: int = RESULT_ANSWER_CHARS
+) -> RunView:
+    """A run status as the MCP tools return it, with at most `max_chars` of its answer:
+    past that, its start, and `answerChars` says how long it is."""
     pending = status.pending_approval
+    answer, whole = status.answer, None
+    if answer is not None and len(answer) > max_chars:
+        answer, whole = answer[:max_chars], len(answer)
     budget = None
     if status.budget is not None:
         b = status.budget
@@ -338,8 +408,9 @@ def view(status: RunStatus, *, detail: bool = True) -> RunView:
     return RunView(
         handle=status.handle,
         state=status.state,
-        answer=status.answer,
+        answer=answer,
         answerCut=status.answer_cut,
+        answerChars=whole,
         toolCalls=status.usage.tool_calls,
         failedToolCalls=status.usage.failed_tool_calls,
         error=status.error,
@@ -606,6 +677,17 @@ class _StringsKept(FuncMetadata):
             for k, v in data.items()
         }
 
+    def convert_result(self, result: Any) -> CallToolResult | InputRequiredResult:
+        """The SDK's result, its text copy the structured content as compact JSON (the
+        spec asks for that content serialised).  The SDK indents it: some 120
+        characters more per run an `await` shows, 260 with a budget (2,450 and 5,200 for
+        20 runs), counted against a client's bound on the result like the rest."""
+        converted = super().convert_result(result)
+        if isinstance(converted, CallToolResult) and converted.structured_content is not None:
+            text = pydantic_core.to_json(converted.structured_content).decode()
+            converted.content = [TextContent(type="text", text=text)]
+        return converted
+
 
 def _takes_str(annotation: Any) -> bool:
     """Whether a parameter of this type takes a string as it is."""
@@ -698,6 +780,15 @@ Task = Annotated[
 Handle = Annotated[
     str, Field(min_length=1, max_length=HANDLE_MAX_CHARS, description="a run handle from spawn")
 ]
+MaxChars = Annotated[
+    int,
+    Field(
+        strict=True,
+        ge=RESULT_ANSWER_CHARS_MIN,
+        le=RESULT_ANSWER_CHARS_MAX,
+        description="answer characters shown at most, shared by the runs; the rest: `answer`",
+    ),
+]
 
 # The parameters `spawn`, `run` and RunArgs share, declared once: the two tools' schemas
 # say the same, and the Tasks extension's RunArgs checks what the tools check.
@@ -788,6 +879,7 @@ class RunArgs(BaseModel):
     budgetSeconds: BudgetSeconds = None
     approveTools: ApproveTools = None
     timeout: float = Field(AWAIT_MAX_S, strict=True, gt=0, le=AWAIT_MAX_S)
+    maxChars: MaxChars = RESULT_ANSWER_CHARS
 
 
 def create_mcp_server(deps: DoorDeps) -> _DoorServer:
@@ -950,6 +1042,14 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
             a = RunArgs.model_validate(arguments)
         except ValidationError as exc:
             return None, f"run: {_problems(exc)}"
+        if a.maxChars != RESULT_ANSWER_CHARS:
+            # tasks/get builds the result later, from the run alone: the call's
+            # arguments are not kept, and a maxChars it would not hold is refused.
+            return None, (
+                f"run: maxChars is not kept for a task: its result shows at most "
+                f"{RESULT_ANSWER_CHARS:,} answer characters (the `answer` tool reads the "
+                "rest); leave it out, or spawn and await with maxChars"
+            )
         try:
             spec = spec_of(a, ctx)
             return await start_for_the_call(spec, ctx), ""
@@ -1215,6 +1315,7 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
                 strict=True, gt=0, le=AWAIT_MAX_S, description="seconds to wait at most (max 600)"
             ),
         ] = DEFAULT_AWAIT_S,
+        maxChars: MaxChars = RESULT_ANSWER_CHARS,
     ) -> AwaitResult | InputRequiredResult:
         """Wait for runs to end (all, or any), at most `timeout` seconds; return every
         run's state and, for finished runs, the answer with `toolCalls` and
@@ -1224,7 +1325,7 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
         if isinstance(waited, InputRequiredResult):
             return waited
         statuses, done = waited
-        runs_ = [view(s, detail=False) for s in _each(handles, statuses)]
+        runs_ = views(_each(handles, statuses), maxChars, detail=False)
         return AwaitResult(runs=runs_, done=done)
 
     @mcp.tool(annotations=ToolAnnotations(read_only_hint=False, destructive_hint=False))
@@ -1244,6 +1345,7 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
         budgetSeconds: BudgetSeconds = None,
         approveTools: ApproveTools = None,
         timeout: Annotated[float, Field(strict=True, gt=0, le=AWAIT_MAX_S)] = AWAIT_MAX_S,
+        maxChars: MaxChars = RESULT_ANSWER_CHARS,
     ) -> Annotated[CallToolResult, RunView] | InputRequiredResult:
         """Run one sub-agent to its end (spawn + await in one call) and return its
         answer. For several at once, prefer spawn + await."""
@@ -1276,12 +1378,16 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
                 cancel = cancel_quietly(lambda: runs(ctx), handle)
                 await asyncio.shield(background.run(cancel, f"the cancel of run {handle}"))
             raise
-        return waited if isinstance(waited, InputRequiredResult) else run_result(waited[0][0])
+        if isinstance(waited, InputRequiredResult):
+            return waited
+        return run_result(waited[0][0], maxChars)
 
-    def run_result(status: RunStatus) -> CallToolResult:
+    def run_result(status: RunStatus, max_chars: int = RESULT_ANSWER_CHARS) -> CallToolResult:
         """What `run` returns for its run (and a run's task ends with): the run's view,
-        an error if it ended in ERROR_ENDS."""
-        shown = CallToolResult.model_validate(mcp.tool_result("run", view(status)))
+        its answer cut to `max_chars`, an error if it ended in ERROR_ENDS."""
+        shown = CallToolResult.model_validate(
+            mcp.tool_result("run", view(status, max_chars=max_chars))
+        )
         return shown.model_copy(update={"is_error": status.state in ERROR_ENDS})
 
     @mcp.tool(annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
@@ -1324,6 +1430,7 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
                 "`run` call a gateway restart cut, started from an MCP session gone since",
             ),
         ] = False,
+        maxChars: MaxChars = RESULT_ANSWER_CHARS,
     ) -> StatusResult:
         """Show runs: state, parent and children, usage of the run and its subtree,
         budget, and any approval it waits for."""
@@ -1345,9 +1452,48 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
                     "default list: give them without handles"
                 )
             statuses = await r.statuses(list(dict.fromkeys(handles)))  # each asked once
-            return StatusResult(runs=[view(s) for s in _each(handles, statuses)])
+            return StatusResult(runs=views(_each(handles, statuses), maxChars))
         except RunError as exc:
             raise ToolError(str(exc)) from None
+
+    @mcp.tool(annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
+    async def answer(
+        ctx: Context,
+        handle: Handle,
+        offset: Annotated[
+            int, Field(strict=True, ge=0, description="where to start, in characters")
+        ] = 0,
+        maxChars: Annotated[
+            int,
+            Field(
+                strict=True,
+                ge=RESULT_ANSWER_CHARS_MIN,
+                le=RESULT_ANSWER_CHARS_MAX,
+                description="characters to read at most",
+            ),
+        ] = RESULT_ANSWER_CHARS,
+    ) -> AnswerResult:
+        """Read a run's answer from `offset`, `maxChars` at most: the rest of one shown
+        cut (answerChars set). Characters are Unicode code points."""
+        r = await runs(ctx)
+        try:
+            s = await r.status(handle)
+        except RunError as exc:
+            raise ToolError(str(exc)) from None
+        if s.answer is None:
+            why = f" ({s.error})" if s.error else ""
+            raise ToolError(f"run {handle} has no answer: it is {s.state}{why}")
+        total = len(s.answer)
+        if offset > total:
+            raise ToolError(f"offset {offset} is past the answer's end: it has {total} characters")
+        end = min(offset + maxChars, total)
+        return AnswerResult(
+            handle=handle,
+            text=s.answer[offset:end],
+            offset=offset,
+            totalChars=total,
+            nextOffset=end if end < total else None,
+        )
 
     @mcp.tool(annotations=ToolAnnotations(read_only_hint=False, destructive_hint=True))
     async def cancel(ctx: Context, handle: Handle) -> RunView:

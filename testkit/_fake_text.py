@@ -33,6 +33,8 @@ CHARS_PER_TOKEN = 4
 # chosen by the conversation, so it must hold the longest reply past the last offset.
 _POOL_OFFSETS = 4096
 _MAX_REPLY_TOKENS = 256
+# A text reply's length under the `long` directive (some 4,000 characters).
+LONG_REPLY_TOKENS = 1024
 TOOL_CALL_TOKENS = 20
 DEFAULT_MAX_TOOL_CALLS = 3
 MAX_PARALLEL_TOOL_CALLS = 4
@@ -68,7 +70,9 @@ class FillerPool:
 
     def take(self, offset: int, n: int) -> tuple[str, ...]:
         start = offset % _POOL_OFFSETS
-        return self.tokens[start : start + n]
+        if n <= _MAX_REPLY_TOKENS:
+            return self.tokens[start : start + n]
+        return tuple(self.tokens[(start + i) % len(self.tokens)] for i in range(n))
 
 
 def content_text(content: object) -> str:
@@ -148,6 +152,7 @@ def directives(text: str) -> tuple[str, frozenset[str]]:
 
     `text-tools`: tool calls are written as text (`<tool_call>{...}</tool_call>`), as small
     models without a tool-call parser do. `malformed-args`: tool call arguments are `{}`.
+    `long`: a text reply is LONG_REPLY_TOKENS long (max_tokens allowing), not 40..256.
     """
     found: set[str] = set()
     kept: list[str] = []
@@ -253,15 +258,15 @@ def plan_reply(
     `tool_choice` "none" makes no call; "required" makes at least one each turn (of
     the function `forced` names, when one does).  Calls that take more than
     `max_tokens` (TOOL_CALL_TOKENS each) are cut off: their text so far, "length".
-    Otherwise a text reply of min(max_tokens, 40..256) tokens ("length" when it hit
-    max_tokens), starting with the preferred label when the last user message has a
-    `Labels:` line.
+    Otherwise a text reply of min(max_tokens, 40..256) tokens (LONG_REPLY_TOKENS with the
+    `long` directive; "length" when it hit max_tokens), starting with the preferred label
+    when the last user message has a `Labels:` line.
     """
+    first_user = next(
+        (content_text(m.get("content")) for m in messages if m.get("role") == "user"), ""
+    )
+    task, wanted = directives(first_user)
     if tools and tool_choice != "none":
-        first_user = next(
-            (content_text(m.get("content")) for m in messages if m.get("role") == "user"), ""
-        )
-        task, wanted = directives(first_user)
         k = key(seed, "tool-calls", task) % (max_tool_calls + 1)
         m = sum(1 for msg in messages if msg.get("role") == "tool")
         if tool_choice == "required":
@@ -288,6 +293,8 @@ def plan_reply(
                 return Reply((calls_text(calls),), whole.n_tokens, "stop")
             return whole
     length = 40 + conv % (_MAX_REPLY_TOKENS - 40 + 1)
+    if "long" in wanted:
+        length = LONG_REPLY_TOKENS
     n = min(max_tokens, length)
     finish = "length" if n == max_tokens else "stop"
     last_user = next(

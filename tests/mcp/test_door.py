@@ -20,14 +20,16 @@ from typing import Any
 import httpx
 import httpx2
 import pytest
+from hypothesis import given, settings, strategies
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 from mcp_types import ElicitResult, EmptyResult
 
+from gateway.mcp_door import RESULT_ANSWER_CHARS, answer_shares
 from luftpause.config import McpServer
 from luftpause.temporal_dev import DevServer, free_port
-from testkit._fake_text import _MAX_REPLY_TOKENS
+from testkit._fake_text import _MAX_REPLY_TOKENS, LONG_REPLY_TOKENS
 from testkit.fake_mcp import FakeMcpSettings, FakeMcpState
 from testkit.fake_mcp import create_app as create_mcp
 from testkit.loopback import serve
@@ -390,6 +392,207 @@ async def test_an_answer_cut_at_max_tokens_says_so(temporal_address: str) -> Non
         whole = result(await c.call_tool("run", room))
         assert whole["state"] == "Completed" and whole["answerCut"] is False
         assert len(whole["answer"]) > len(cut["answer"])
+
+
+def _compact(value: Any) -> str:
+    """JSON as the door's text copy writes its structured content: no indentation."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_an_await_past_max_chars_shows_each_answers_start_and_answer_reads_the_rest(
+    temporal_address: str, mode: str
+) -> None:
+    # An await returned every answer whole (up to 32,768 tokens each, 1,000 runs), past
+    # what harnesses take: Claude Code refuses a result over 25,000 tokens whole.  The
+    # answers now share maxChars max-min fairly; the `answer` tool reads the rest.
+    async with stack(temporal_address) as s, Client(s.mcp_door, mode=mode) as c:
+        room = 2 * LONG_REPLY_TOKENS
+        handles = [
+            *[
+                await spawn(c, task=f"{task_with(0, f'long{i}')} [fake: long]", maxTokens=room)
+                for i in range(3)
+            ],
+            *[await spawn(c, task=task_with(0, f"short{i}")) for i in range(2)],
+        ]
+        asked = [*handles, handles[0]]  # a handle given twice: shown alike, counted once
+        call = await c.call_tool("await", {"handles": asked, "timeout": 120, "maxChars": 3000})
+        awaited = result(call)
+        # The text copy is the structured content itself, compact (the SDK indented it).
+        (text,) = call.content
+        assert text.text == _compact(awaited)
+        statuses = {st.handle: st for st in await s.runs.statuses(handles)}
+        whole = {h: statuses[h].answer or "" for h in handles}
+        assert all(len(whole[h]) == 4 * LONG_REPLY_TOKENS for h in handles[:3])
+        shown = {r["handle"]: r for r in awaited["runs"]}
+        assert [r["handle"] for r in awaited["runs"]] == asked
+        assert awaited["runs"][0] == awaited["runs"][-1]
+        shares = answer_shares([len(whole[h]) for h in handles], 3000)
+        assert [len(shown[h]["answer"]) for h in handles] == shares
+        assert sum(shares) == 3000  # the answers are longer together: the budget is spent
+        for h in handles:
+            run = shown[h]
+            assert run["state"] == "Completed" and whole[h].startswith(run["answer"])
+            assert run["answerCut"] is False  # (the model's own max_tokens: not that)
+            cut = len(run["answer"]) < len(whole[h])
+            assert run["answerChars"] == (len(whole[h]) if cut else None), run
+        assert [shown[h]["answerChars"] is not None for h in handles[:3]] == [True] * 3
+
+        # The rest, page by page, to exactly the whole answer.
+        for h in handles[:3]:
+            read, offset, pages = shown[h]["answer"], len(shown[h]["answer"]), 0
+            while offset is not None:
+                args = {"handle": h, "offset": offset, "maxChars": 1000}
+                page = result(await c.call_tool("answer", args))
+                assert (page["handle"], page["offset"]) == (h, offset)
+                assert page["totalChars"] == len(whole[h]) and len(page["text"]) <= 1000
+                read, offset, pages = read + page["text"], page["nextOffset"], pages + 1
+            left = len(whole[h]) - len(shown[h]["answer"])
+            assert read == whole[h] and pages == -(-left // 1000)
+        # From the start, and at the end (nothing left, nothing past it).
+        first = result(await c.call_tool("answer", {"handle": handles[3]}))
+        assert (first["text"], first["nextOffset"]) == (whole[handles[3]], None)
+        end = len(whole[handles[3]])
+        last = result(await c.call_tool("answer", {"handle": handles[3], "offset": end}))
+        assert (last["text"], last["nextOffset"]) == ("", None)
+
+        # status shares its maxChars alike; without it, the default shows them whole.
+        listed = result(await c.call_tool("status", {"handles": handles, "maxChars": 3000}))
+        assert [len(r["answer"]) for r in listed["runs"]] == shares
+        listed = result(await c.call_tool("status", {"handles": handles}))
+        assert [r["answer"] for r in listed["runs"]] == [whole[h] for h in handles]
+        assert all(r["answerChars"] is None for r in listed["runs"])
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_run_with_a_small_max_chars_shows_its_answers_start(
+    temporal_address: str, mode: str
+) -> None:
+    asked: list[str] = []
+
+    async def on_elicit(context: Any, params: Any) -> ElicitResult:
+        asked.append(params.message)
+        return ElicitResult(action="accept", content={"allow": True})
+
+    async with (
+        stack(temporal_address) as s,
+        Client(s.mcp_door, mode=mode, elicitation_callback=on_elicit) as c,
+    ):
+        args = {"task": f"{task_with(0, 'long')} [fake: long]", "maxTokens": 2 * LONG_REPLY_TOKENS}
+        call = await c.call_tool("run", {**args, "maxChars": 1000})
+        run = result(call)
+        (text,) = call.content
+        assert text.text == _compact(run)
+        (st,) = await s.runs.statuses([run["handle"]])
+        assert st.answer is not None and len(st.answer) == 4 * LONG_REPLY_TOKENS
+        assert run["answer"] == st.answer[:1000] and run["answerChars"] == len(st.answer)
+        rest = {"handle": run["handle"], "offset": 1000, "maxChars": 1_000_000}
+        page = result(await c.call_tool("answer", rest))
+        assert run["answer"] + page["text"] == st.answer and page["nextOffset"] is None
+
+        # Through an approval's question (on 2026-07-28, a round that ends the call with
+        # an input-required result, and the client's call again): bounded alike.
+        args |= {"task": f"{task_with(1, 'asks')} [fake: long]", "tools": ["delete_record"]}
+        run = result(await c.call_tool("run", {**args, "maxChars": 1000}))
+        assert len(asked) == 1 and (run["state"], run["toolCalls"]) == ("Completed", 1)
+        assert len(run["answer"]) == 1000 and run["answerChars"] == 4 * LONG_REPLY_TOKENS
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_bad_max_chars_and_offsets_get_clear_tool_errors(
+    temporal_address: str, mode: str
+) -> None:
+    async with stack(temporal_address) as s, Client(s.mcp_door, mode=mode) as c:
+        done = await spawn(c, task=task_with(0, "done"))
+        await c.call_tool("await", {"handles": [done]})
+        (st,) = await s.runs.statuses([done])
+        assert st.answer is not None
+        waiting = await spawn(c, task=task_with(1, "waits"), tools=["delete_record"])
+        await until(lambda: _state(c, waiting, "AwaitingApproval"), "it waits")
+        cases: list[tuple[str, dict[str, Any], str]] = [
+            (
+                "await",
+                {"handles": [done], "maxChars": 999},
+                "maxChars: Input should be greater than or equal to 1000",
+            ),
+            (
+                "status",
+                {"handles": [done], "maxChars": 1_000_001},
+                "maxChars: Input should be less than or equal to 1000000",
+            ),
+            ("run", {"task": "x", "maxChars": "5000"}, "maxChars: Input should be a valid integer"),
+            ("await", {"handles": [done], "maxChars": 1e4}, "maxChars: Input should be a valid"),
+            ("answer", {"handle": done, "maxChars": 10}, "maxChars: Input should be greater"),
+            ("answer", {"handle": done, "offset": -1}, "offset: Input should be greater than"),
+            ("answer", {"handle": done, "offset": "3"}, "offset: Input should be a valid integer"),
+            (
+                "answer",
+                {"handle": done, "offset": len(st.answer) + 1},
+                f"offset {len(st.answer) + 1} is past the answer's end: it has "
+                f"{len(st.answer)} characters",
+            ),
+            ("answer", {"handle": "run-nope"}, "no run with handle 'run-nope'"),
+            ("answer", {"handle": waiting}, f"run {waiting} has no answer: it is AwaitingApproval"),
+        ]
+        for tool, args, needle in cases:
+            text = error_text(await c.call_tool(tool, args))
+            assert needle in text, (tool, args, text[:300])
+        cancelled = result(await c.call_tool("cancel", {"handle": waiting}))
+        assert cancelled["state"] == "Cancelled"
+        text = error_text(await c.call_tool("answer", {"handle": waiting}))
+        assert f"run {waiting} has no answer: it is Cancelled" in text, text
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    strategies.lists(strategies.integers(min_value=0, max_value=5_000), max_size=12),
+    strategies.integers(min_value=0, max_value=20_000),
+)
+def test_answers_share_the_budget_max_min_fairly(lengths: list[int], budget: int) -> None:
+    shown = answer_shares(lengths, budget)
+    assert shown == answer_shares(lengths, budget)  # deterministic
+    assert len(shown) == len(lengths) and sum(shown) <= budget
+    assert all(0 <= n <= length for n, length in zip(shown, lengths, strict=True))
+    cut = [n for n, length in zip(shown, lengths, strict=True) if n < length]
+    if cut:
+        # No answer is cut while budget is left, and a cut one gets the fair share:
+        # as much as any other answer shows (one character less, where it does not divide).
+        assert sum(shown) == budget
+        assert max(shown) - min(cut) <= 1
+    else:
+        assert shown == lengths
+
+
+def test_answers_share_the_budget_examples() -> None:
+    assert answer_shares([], 1000) == []
+    assert answer_shares([100, 5000, 300], 1000) == [100, 600, 300]  # the short ones whole
+    assert answer_shares([5000, 5000, 5000], 1000) == [334, 333, 333]  # the first one more
+    assert answer_shares([400, 400], 1000) == [400, 400]
+    assert answer_shares([0, 2000], 1000) == [0, 1000]
+
+
+def test_a_tasks_result_bounds_the_answer_as_run_does() -> None:
+    # tasks/get builds `run`'s result from the run alone (`view`): with the default bound.
+    from gateway.mcp_door import DoorDeps, create_mcp_server, view
+    from workflows import RunStatus, Totals
+
+    async def unused(*args: Any) -> Any:
+        raise AssertionError("not used")
+
+    door = create_mcp_server(
+        DoorDeps(runs=unused, upstream_tools=unused, decide=unused, models=lambda: [MODEL])
+    )
+    answer = "é" * (RESULT_ANSWER_CHARS + 5)
+    status = RunStatus(
+        handle="run-x", state="Completed", task="t", model=MODEL, service_class="batch",
+        caller="c", parent=None, root="run-x", children=[], usage=Totals(),
+        subtree=Totals(), answer=answer,
+    )  # fmt: skip
+    got = door.tool_result("run", view(status))
+    structured = got["structuredContent"]
+    assert structured["answer"] == answer[:RESULT_ANSWER_CHARS]
+    assert structured["answerChars"] == RESULT_ANSWER_CHARS + 5
+    assert got["content"] == [{"type": "text", "text": _compact(structured)}]
 
 
 async def test_a_cancelled_run_calls_cancel_fails_quietly(caplog: pytest.LogCaptureFixture) -> None:
@@ -1199,7 +1402,9 @@ async def test_a_task_for_run_polled_to_completion_with_an_approval(
         ) as c,
     ):
         args = {"model": MODEL, "task": task_with(1, "task"), "tools": ["delete_record"]}
-        run = result(await c.call_tool("run", args))
+        call = await c.call_tool("run", args)
+        run = result(call)
+        assert [t.text for t in call.content] == [_compact(run)]  # as the call's own
         (task_id,) = tasks.task_ids
         # The task is the run: its id is the handle, and the workflow holds its state.
         assert run["handle"] == task_id and run["state"] == "Completed"
@@ -1223,6 +1428,9 @@ async def test_a_task_for_run_polled_to_completion_with_an_approval(
         r = await c.call_tool("run", {"task": "  ", "parent": "\t"})  # (as the tools read it)
         assert "task: Value error, give the sub-agent's task" in error_text(r), error_text(r)
         assert "parent: Value error, give a running run's handle" in error_text(r)
+        # tasks/get shows the run by itself: a maxChars it would not hold is refused.
+        r = await c.call_tool("run", {"model": MODEL, "task": "x", "maxChars": 1000})
+        assert "run: maxChars is not kept for a task" in error_text(r), error_text(r)
         assert len(tasks.task_ids) == 1
 
         # A client without the extension gets the plain synchronous result.
@@ -1593,6 +1801,18 @@ async def test_approval_answers_count_only_for_questions_the_door_asked(
         # destructive tools asks before this one (helper-208).
         (listed,) = [t for t in tools if t["name"] == "approve"]
         assert listed["annotations"]["destructiveHint"] is True
+        # Reading an answer's rest changes nothing: a client may call it unasked.
+        (listed,) = [t for t in tools if t["name"] == "answer"]
+        assert listed["annotations"]["readOnlyHint"] is True
+        assert set(listed["inputSchema"]["properties"]) == {"handle", "offset", "maxChars"}
+        for name in ("await", "run", "status", "answer"):
+            (listed,) = [t for t in tools if t["name"] == name]
+            bounds = listed["inputSchema"]["properties"]["maxChars"]
+            assert (bounds["minimum"], bounds["maximum"], bounds["default"]) == (
+                1000,
+                1_000_000,
+                RESULT_ANSWER_CHARS,
+            )
         # Every schema says an argument not named is refused, as it is (helper-126).
         assert all(t["inputSchema"]["additionalProperties"] is False for t in tools)
         await s.runs.request_cancel(x)

@@ -32,6 +32,7 @@ handles = st.one_of(
     st.sampled_from(["run-nope", "'", "\\", "a' OR 'a'='a", "\x00", "run-" + "x" * 196, " "]),
     st.text(alphabet="run-'\"\\ \t\n", min_size=1, max_size=8),
 )
+max_chars = st.integers(-1, 2_000_000) | st.just(1000)
 anything = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10)
 
 
@@ -50,6 +51,7 @@ CALLS = st.one_of(
             parent=handles,
             serviceClass=st.sampled_from(["interactive", "batch", "x"]),
             model=st.text(max_size=10),
+            maxChars=max_chars,
         ),
     ),
     st.tuples(
@@ -58,7 +60,12 @@ CALLS = st.one_of(
             handles=st.lists(handles, min_size=1, max_size=3),
             mode=st.sampled_from(["all", "any", "some"]),
             timeout=st.floats(min_value=-1, max_value=0.2) | st.just(601),
+            maxChars=max_chars,
         ),
+    ),
+    st.tuples(
+        st.just("answer"),
+        _args(handle=handles, offset=st.integers(-2, 10**6), maxChars=max_chars),
     ),
     st.tuples(st.just("cancel"), _args(handle=handles)),
     st.tuples(
@@ -86,6 +93,7 @@ CALLS = st.one_of(
             budgetSeconds=st.floats(allow_nan=True),
             approveTools=st.lists(st.text(max_size=6), max_size=2),
             timeout=st.floats(min_value=-1, max_value=0.2),
+            maxChars=max_chars,
         ).map(lambda a: {**a, "model": "no-such-model"}),
     ),
 )

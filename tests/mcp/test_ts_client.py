@@ -30,7 +30,7 @@ NODE_MIN_MAJOR = 18  # the SDK's transport needs the global fetch
 NPM_CI_TIMEOUT_S = 300.0
 CLIENT_TIMEOUT_S = 120.0
 AWAIT_TIMEOUT_S = 60.0
-DOOR_TOOLS = {"spawn", "await", "run", "status", "cancel", "approve", "tools", "decide"}
+DOOR_TOOLS = {"spawn", "await", "run", "status", "answer", "cancel", "approve", "tools", "decide"}
 
 
 @dataclass(frozen=True)
@@ -160,6 +160,15 @@ async def test_typescript_sdk_client_lists_spawns_and_awaits(
     assert schemas["await"]["title"] == "AwaitResult"
     assert set(schemas["await"]["required"]) == {"runs", "done"}
     assert "RunView" in schemas["await"]["$defs"]  # the SDK resolved the $ref to validate
+    assert "answerChars" in schemas["await"]["$defs"]["RunView"]["properties"]
+    assert schemas["answer"]["title"] == "AnswerResult"
+    assert set(schemas["answer"]["required"]) == {
+        "handle",
+        "text",
+        "offset",
+        "totalChars",
+        "nextOffset",
+    }
 
     # structuredContent (validated by the SDK against those schemas), mirrored as text.
     spawned = report["spawn"]

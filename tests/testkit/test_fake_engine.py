@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from testkit._fake_text import render_message
+from testkit._fake_text import LONG_REPLY_TOKENS, render_message
 from testkit.engine import EngineParams
 from testkit.fake_engine import FLAVORS, FakeEngineSettings, create_app
 from testkit.loopback import serve
@@ -493,6 +493,19 @@ async def test_parallel_tool_calls_and_directives() -> None:
         r = (await client.post("/v1/chat/completions", json=body)).json()["choices"][0]
         assert r["finish_reason"] == "tool_calls"
         assert r["message"]["tool_calls"][0]["function"]["arguments"] == "{}"
+
+        # [fake: long]: a text reply of LONG_REPLY_TOKENS, past the usual 256 at most,
+        # "length" only where max_tokens cut it.
+        for max_tokens, finish in ((2 * LONG_REPLY_TOKENS, "stop"), (300, "length")):
+            long = {"role": "user", "content": task + " [fake: long]"}
+            body = {"messages": [long], "max_tokens": max_tokens}
+            r = (await client.post("/v1/chat/completions", json=body)).json()
+            tokens = min(max_tokens, LONG_REPLY_TOKENS)
+            assert (r["choices"][0]["finish_reason"], r["usage"]["completion_tokens"]) == (
+                finish,
+                tokens,
+            )
+            assert len(r["choices"][0]["message"]["content"]) == 4 * tokens  # " " + 3 letters
 
 
 async def run_agent_calls(client: httpx.AsyncClient, task: str, tools: list[Any]) -> int:
