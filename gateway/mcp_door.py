@@ -1126,12 +1126,14 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
             # `run`'s own run named in each: the client has its handle before its end,
             # to find it again if the call is cut (a gateway restart: helper-132).
             named = f" (run {spawned})" if spawned is not None else ""
+            # Waiting for any: the first end is the whole of it (and ends the wait).
+            total, what = (
+                (1, f"waiting for the first of {len(handles)} runs to end")
+                if mode == "any"
+                else (len(handles), f"{ended} of {len(handles)} runs ended{named}")
+            )
             with contextlib.suppress(Exception):
-                await ctx.report_progress(
-                    ended + beats / (beats + 1),
-                    len(handles),
-                    f"{ended} of {len(handles)} runs ended{named}",
-                )
+                await ctx.report_progress(ended + beats / (beats + 1), total, what)
 
         if spawned is not None:
             await progress(0)

@@ -1547,6 +1547,36 @@ async def test_a_long_await_sends_progress(temporal_address: str, mode: str) -> 
     assert progress[-1][2] == f"{int(counts[-1])} of 4 runs ended"
 
 
+@pytest.mark.parametrize("mode", MODES)
+async def test_an_await_for_any_counts_progress_to_the_first_end(
+    temporal_address: str, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import gateway.mcp_door
+
+    monkeypatch.setattr(gateway.mcp_door, "PROGRESS_EVERY_S", 0.2)  # heartbeats too
+    progress: list[tuple[float, float | None, str | None]] = []
+
+    async def on_progress(done: float, total: float | None, message: str | None) -> None:
+        progress.append((done, total, message))
+
+    async with stack(temporal_address, mcp_time_scale=2) as s, Client(s.mcp_door, mode=mode) as c:
+        # Runs of 2 and 3 calls (0.5-0.75 s each): the first ends after a heartbeat.
+        handles = [await spawn(c, task=task_with(n, f"any{n}"), tools=["lookup"]) for n in (2, 3)]
+        r = await c.call_tool(
+            "await",
+            {"handles": handles, "mode": "any", "timeout": 60},
+            progress_callback=on_progress,
+        )
+        assert result(r)["done"] is True
+    assert progress, "no progress notification arrived"
+    # Of 1, not of 2: a bar that jumped from 0 of 2 to done said half the wait was left.
+    assert {(total, message) for _, total, message in progress} == {
+        (1, "waiting for the first of 2 runs to end")
+    }
+    counts = [done for done, _, _ in progress]
+    assert all(a < b < 1 for a, b in itertools.pairwise(counts))
+
+
 async def test_a_run_call_names_its_run_at_once_and_another_session_can_find_it(
     temporal_address: str,
 ) -> None:
