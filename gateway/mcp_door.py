@@ -90,11 +90,15 @@ DEFAULT_AWAIT_S = 60.0
 # The answer characters one await/status/run result shows by default, shared by its
 # runs (`answer_shares`; the `answer` tool reads the rest).  Claude Code warns at a
 # result past 10,000 tokens and refuses one past 25,000 (MAX_MCP_OUTPUT_TOKENS); newer
-# versions save one past 50,000 characters to a file and show the model 2 KB of it.
-# 30,000 characters are about 7,500 tokens of English: with the rest of a result (some
-# 400 characters a run), under all three for up to about 50 runs, and under the refusal
-# even for a client that counts the text copy too.  Unbounded, a fan-out of long
-# answers (maxTokens up to 32,768 a turn, up to 1,000 runs) was refused whole.
+# versions save one past 50,000 characters to a file and show the model 2 KB of it;
+# Gemini CLI cuts text past 40,000 characters.  30,000 characters are about 7,500
+# tokens of English.  The rest of a result is some 250 characters a run in `await`
+# and 525 in `status` (helper-223), so with every answer cut a result stays under
+# 50,000 characters up to about 75 runs of `await` and 35 of `status`, and under the
+# 10,000-token warning up to about 40 and 19.  Characters are code points: 30,000 of
+# CJK text can be 20,000-30,000 tokens, so a client reading such answers sets a
+# smaller maxChars.  Unbounded, a fan-out of long answers (maxTokens up to 32,768 a
+# turn, up to 1,000 runs) was refused whole.
 RESULT_ANSWER_CHARS = 30_000
 RESULT_ANSWER_CHARS_MIN = 1_000
 RESULT_ANSWER_CHARS_MAX = 1_000_000
@@ -238,8 +242,12 @@ class RunView(BaseModel):
     answerChars: int | None = Field(
         None,
         description="the answer's whole length in characters when `answer` holds only its "
-        "start, to fit this result's maxChars; read the rest with the `answer` tool from "
-        "offset len(answer)",
+        "start, to fit this result's maxChars; null when it is whole",
+    )
+    answerNextOffset: int | None = Field(
+        None,
+        description="where the rest of a cut answer starts: the `answer` tool's offset "
+        "to read it from; null when the answer is whole",
     )
     toolCalls: int = Field(description="tool calls this run made")
     failedToolCalls: int = Field(description="of those, how many failed or were refused")
@@ -383,11 +391,12 @@ def view(
     status: RunStatus, *, detail: bool = True, max_chars: int = RESULT_ANSWER_CHARS
 ) -> RunView:
     """A run status as the MCP tools return it, with at most `max_chars` of its answer:
-    past that, its start, and `answerChars` says how long it is."""
+    past that, its start, `answerChars` saying how long it is and `answerNextOffset`
+    where the rest starts (a model cannot count 30,000 characters to find it)."""
     pending = status.pending_approval
-    answer, whole = status.answer, None
+    answer, whole, rest = status.answer, None, None
     if answer is not None and len(answer) > max_chars:
-        answer, whole = answer[:max_chars], len(answer)
+        answer, whole, rest = answer[:max_chars], len(answer), max_chars
     budget = None
     if status.budget is not None:
         b = status.budget
@@ -411,6 +420,7 @@ def view(
         answer=answer,
         answerCut=status.answer_cut,
         answerChars=whole,
+        answerNextOffset=rest,
         toolCalls=status.usage.tool_calls,
         failedToolCalls=status.usage.failed_tool_calls,
         error=status.error,
@@ -681,7 +691,10 @@ class _StringsKept(FuncMetadata):
         """The SDK's result, its text copy the structured content as compact JSON (the
         spec asks for that content serialised).  The SDK indents it: some 120
         characters more per run an `await` shows, 260 with a budget (2,450 and 5,200 for
-        20 runs), counted against a client's bound on the result like the rest."""
+        20 runs), counted against a client's bound on the result like the rest.  A
+        CallToolResult the tool made itself keeps its own text."""
+        if isinstance(result, CallToolResult):
+            return super().convert_result(result)
         converted = super().convert_result(result)
         if isinstance(converted, CallToolResult) and converted.structured_content is not None:
             text = pydantic_core.to_json(converted.structured_content).decode()

@@ -24,7 +24,7 @@ from hypothesis import given, settings, strategies
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
-from mcp_types import ElicitResult, EmptyResult
+from mcp_types import CallToolResult, ElicitResult, EmptyResult, TextContent
 
 from gateway.mcp_door import RESULT_ANSWER_CHARS, answer_shares
 from luftpause.config import McpServer
@@ -147,9 +147,13 @@ async def test_spawn_six_and_await_all_any_and_timeout(temporal_address: str, mo
         )
         assert by_name["lookup"]["timeoutS"] == 300.0  # the server's tool_timeout_s
 
+        # Their tool calls held at the server until the short await has answered: on a
+        # loaded machine the first run ended before the sixth was spawned (helper-223).
+        s.mcp.gate.clear()
         handles = [await spawn(c, task=task_with(2, f"six{i}"), tools=["lookup"]) for i in range(6)]
         # A short timeout returns states without answers.
         short = result(await c.call_tool("await", {"handles": handles, "timeout": 0.05}))
+        s.mcp.gate.set()
         assert short["done"] is False
         assert all(r["state"] == "Running" and r["answer"] is None for r in short["runs"])
 
@@ -436,11 +440,12 @@ async def test_an_await_past_max_chars_shows_each_answers_start_and_answer_reads
             assert run["answerCut"] is False  # (the model's own max_tokens: not that)
             cut = len(run["answer"]) < len(whole[h])
             assert run["answerChars"] == (len(whole[h]) if cut else None), run
+            assert run["answerNextOffset"] == (len(run["answer"]) if cut else None), run
         assert [shown[h]["answerChars"] is not None for h in handles[:3]] == [True] * 3
 
         # The rest, page by page, to exactly the whole answer.
         for h in handles[:3]:
-            read, offset, pages = shown[h]["answer"], len(shown[h]["answer"]), 0
+            read, offset, pages = shown[h]["answer"], shown[h]["answerNextOffset"], 0
             while offset is not None:
                 args = {"handle": h, "offset": offset, "maxChars": 1000}
                 page = result(await c.call_tool("answer", args))
@@ -486,6 +491,7 @@ async def test_a_run_with_a_small_max_chars_shows_its_answers_start(
         (st,) = await s.runs.statuses([run["handle"]])
         assert st.answer is not None and len(st.answer) == 4 * LONG_REPLY_TOKENS
         assert run["answer"] == st.answer[:1000] and run["answerChars"] == len(st.answer)
+        assert run["answerNextOffset"] == 1000
         rest = {"handle": run["handle"], "offset": 1000, "maxChars": 1_000_000}
         page = result(await c.call_tool("answer", rest))
         assert run["answer"] + page["text"] == st.answer and page["nextOffset"] is None
@@ -569,6 +575,11 @@ def test_answers_share_the_budget_examples() -> None:
     assert answer_shares([5000, 5000, 5000], 1000) == [334, 333, 333]  # the first one more
     assert answer_shares([400, 400], 1000) == [400, 400]
     assert answer_shares([0, 2000], 1000) == [0, 1000]
+    # An answer exactly its share is whole, and gives the next none of it (helper-223's
+    # mutants: `<` for `<=`; the spare character to the first in order, not the shortest).
+    assert answer_shares([5, 6], 11) == [5, 6]
+    assert answer_shares([1000, 2000], 2001) == [1000, 1001]
+    assert answer_shares([6000, 5000, 5000], 1000) == [334, 333, 333]
 
 
 def test_a_tasks_result_bounds_the_answer_as_run_does() -> None:
@@ -592,7 +603,18 @@ def test_a_tasks_result_bounds_the_answer_as_run_does() -> None:
     structured = got["structuredContent"]
     assert structured["answer"] == answer[:RESULT_ANSWER_CHARS]
     assert structured["answerChars"] == RESULT_ANSWER_CHARS + 5
+    assert structured["answerNextOffset"] == RESULT_ANSWER_CHARS
     assert got["content"] == [{"type": "text", "text": _compact(structured)}]
+    # A CallToolResult the tool made itself keeps its own text (helper-223: the compact
+    # copy overwrote it).
+    own = CallToolResult(
+        content=[TextContent(type="text", text="run failed: the engine said 400")],
+        structured_content=structured,
+        is_error=True,
+    )
+    kept = door.tool_result("run", own)
+    assert kept["content"] == [{"type": "text", "text": "run failed: the engine said 400"}]
+    assert kept["isError"] is True and kept["structuredContent"] == structured
 
 
 async def test_a_cancelled_run_calls_cancel_fails_quietly(caplog: pytest.LogCaptureFixture) -> None:
