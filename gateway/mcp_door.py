@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import logging
 import time
@@ -89,9 +90,11 @@ class RunStoreDown(ConnectionError):
 DEFAULT_AWAIT_S = 60.0
 # The answer characters one await/status/run result shows by default, shared by its
 # runs (`answer_shares`; the `answer` tool reads the rest).  Claude Code warns at a
-# result past 10,000 tokens and refuses one past 25,000 (MAX_MCP_OUTPUT_TOKENS); newer
+# result past 10,000 tokens and older versions refuse one past 25,000
+# (MAX_MCP_OUTPUT_TOKENS); newer
 # versions save one past 50,000 characters to a file and show the model 2 KB of it;
-# Gemini CLI cuts text past 40,000 characters.  30,000 characters are about 7,500
+# Gemini CLI cuts text past 40,000 characters (its truncateToolOutputThreshold,
+# google-gemini/gemini-cli PRs 18446 and 19365; helper-214).  30,000 characters are about 7,500
 # tokens of English.  The rest of a result is some 250 characters a run in `await`
 # and 525 in `status` (helper-223), so with every answer cut a result stays under
 # 50,000 characters up to about 75 runs of `await` and 35 of `status`, and under the
@@ -241,8 +244,8 @@ class RunView(BaseModel):
     )
     answerChars: int | None = Field(
         None,
-        description="the answer's whole length in characters when `answer` holds only its "
-        "start, to fit this result's maxChars; null when it is whole",
+        description="the answer's whole length in characters when the `answer` field holds "
+        "only its start, to fit this result's maxChars; null when it is whole",
     )
     answerNextOffset: int | None = Field(
         None,
@@ -688,8 +691,9 @@ class _StringsKept(FuncMetadata):
         }
 
     def convert_result(self, result: Any) -> CallToolResult | InputRequiredResult:
-        """The SDK's result, its text copy the structured content as compact JSON (the
-        spec asks for that content serialised).  The SDK indents it: some 120
+        """The SDK's result, with its text copy the structured content as compact JSON
+        (the spec asks that structured content also be sent serialised as text).  The
+        SDK would indent it: some 120
         characters more per run an `await` shows, 260 with a budget (2,450 and 5,200 for
         20 runs), counted against a client's bound on the result like the rest.  A
         CallToolResult the tool made itself keeps its own text."""
@@ -799,7 +803,8 @@ MaxChars = Annotated[
         strict=True,
         ge=RESULT_ANSWER_CHARS_MIN,
         le=RESULT_ANSWER_CHARS_MAX,
-        description="answer characters shown at most, shared by the runs; the rest: `answer`",
+        description="answer characters this result shows at most, shared by its runs; "
+        "read the rest with the answer tool",
     ),
 ]
 
@@ -1488,8 +1493,9 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
             ),
         ] = RESULT_ANSWER_CHARS,
     ) -> AnswerResult:
-        """Read a run's answer from `offset`, `maxChars` at most: the rest of one shown
-        cut (answerChars set). Characters are Unicode code points."""
+        """Read more of a run's answer that await, status or run cut: pass its
+        answerNextOffset as `offset`.  At most `maxChars` characters (Unicode code
+        points) from there; nextOffset is where the next part starts, null at the end."""
         r = await runs(ctx)
         try:
             s = await r.status(handle)
@@ -1605,4 +1611,7 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
     for tool in mcp._tool_manager.list_tools():
         tool.parameters["additionalProperties"] = False
         tool.fn_metadata = _StringsKept.of(tool.fn_metadata)
+        # A description is the docstring as written, its lines indented by the source's
+        # 8 spaces, which every client puts in its model's prompt.
+        tool.description = inspect.cleandoc(tool.description)
     return mcp

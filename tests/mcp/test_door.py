@@ -417,7 +417,8 @@ async def test_an_await_past_max_chars_shows_each_answers_start_and_answer_reads
                 await spawn(c, task=f"{task_with(0, f'long{i}')} [fake: long]", maxTokens=room)
                 for i in range(3)
             ],
-            *[await spawn(c, task=task_with(0, f"short{i}")) for i in range(2)],
+            # (Room for their replies too: at the default 256 one reply in 217 is cut.)
+            *[await spawn(c, task=task_with(0, f"short{i}"), maxTokens=room) for i in range(2)],
         ]
         asked = [*handles, handles[0]]  # a handle given twice: shown alike, counted once
         call = await c.call_tool("await", {"handles": asked, "timeout": 120, "maxChars": 3000})
@@ -1867,6 +1868,10 @@ async def test_approval_answers_count_only_for_questions_the_door_asked(
             )
         # Every schema says an argument not named is refused, as it is (helper-126).
         assert all(t["inputSchema"]["additionalProperties"] is False for t in tools)
+        # Descriptions without the source's indentation, which every client's prompt
+        # carried (helper-224).
+        lines = [ln for t in tools for ln in t["description"].splitlines()[1:]]
+        assert lines and not any(ln.startswith(" ") for ln in lines), lines
         await s.runs.request_cancel(x)
 
 
