@@ -16,7 +16,10 @@ are written here as plain JSON (`taskId`, `status`, `createdAt`, `lastUpdatedAt`
 run's task is `completed` with the result the `run` call itself returns (a run that
 failed, or that its budget stopped, included: that result is a tool error, `isError`,
 which SEP-2663 counts as completed; `failed` is for JSON-RPC errors); a run cancelled
-on request is a `cancelled` task saying why.  Only a
+on request is a `cancelled` task saying why.  `ttlMs` is how long Temporal keeps the
+run: null while it runs (its workflow has no timeout, and an approval may wait days),
+and once it ended its time to its end plus the namespace's retention (to its end alone
+while the retention cannot be read: it may be gone).  Only a
 client that declared the extension may use tasks/* (-32021 otherwise), and only one
 that declared form elicitation is sent the approval question (`inputRequests`); for
 any other a run waiting for approval is a `working` task whose `statusMessage` says so
@@ -30,8 +33,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from mcp.server.extension import Extension, MethodBinding
@@ -57,8 +62,10 @@ log = logging.getLogger(__name__)
 
 TASKS = "io.modelcontextprotocol/tasks"
 MODERN = frozenset({approval.MODERN})
-TTL_MS = 24 * 3600 * 1000
 POLL_MS = 500
+# How long an unknown namespace retention (its describe refused or failed) is left
+# before it is read again.
+RETENTION_RETRY_S = 60.0
 # How long tasks/get (and a task's creation) asks a worker for the run's state before
 # answering with what Temporal knows: a poll every POLL_MS must not take 10 s.
 QUERY_TIMEOUT_S = 2.0
@@ -132,6 +139,17 @@ def _iso(value: str | None) -> str:
     return value or datetime.now(UTC).isoformat()
 
 
+def _ttl_ms(status: RunStatus, created: str, ended: str, retention: timedelta | None) -> int | None:
+    """A task lives as its run's workflow: for ever while it runs (null), and after it
+    ends for the namespace's retention from its end, counted here from its `createdAt`
+    to the `lastUpdatedAt` shown.  With the retention unknown, to its end: it may be
+    gone now."""
+    if status.state not in TERMINAL_STATES:
+        return None
+    lived = datetime.fromisoformat(ended) - datetime.fromisoformat(created)
+    return max(0, (lived + (retention or timedelta(0))) // timedelta(milliseconds=1))
+
+
 class TasksExtension(Extension):
     """Tasks for `run`; see the module docstring."""
 
@@ -156,6 +174,10 @@ class TasksExtension(Extension):
         self._start = start_run
         self._result = result
         self._unavailable = unavailable
+        # The namespace's retention (one per door: CallerRuns is built per request),
+        # read at the first ended task; unknown, read again after RETENTION_RETRY_S.
+        self._retention: timedelta | None = None
+        self._retention_read = -math.inf  # when it was last read (monotonic)
 
     @contextlib.contextmanager
     def _store(self) -> Iterator[None]:
@@ -214,12 +236,23 @@ class TasksExtension(Extension):
                 "status": "working",
                 "createdAt": now,
                 "lastUpdatedAt": now,
-                "ttlMs": TTL_MS,
+                "ttlMs": None,
                 "pollIntervalMs": POLL_MS,
             }
-        return {"resultType": "task", **self._task(status, ctx)}
+        retention = await self._kept(runs) if status.state in TERMINAL_STATES else None
+        return {"resultType": "task", **self._task(status, ctx, retention)}
 
-    def _task(self, status: RunStatus, ctx: Any) -> dict[str, Any]:
+    async def _kept(self, runs: Runs) -> timedelta | None:
+        """The namespace's retention: read once, and again later while unknown."""
+        if self._retention is None and time.monotonic() - self._retention_read >= RETENTION_RETRY_S:
+            self._retention_read = time.monotonic()
+            self._retention = await runs.retention()
+        return self._retention
+
+    def _task(
+        self, status: RunStatus, ctx: Any, retention: timedelta | None = None
+    ) -> dict[str, Any]:
+        """The task of the run `status` reads; `retention`: the namespace's, if known."""
         # Stopped by its budget, and ended (it is `Stopping` while its work winds down).
         stopped = (
             status.state in TERMINAL_STATES
@@ -227,12 +260,14 @@ class TasksExtension(Extension):
             and status.budget.exceeded is not None
         )
         state = "completed" if stopped else _STATUS.get(status.state, "working")
+        created = _iso(status.started_at)
+        updated = _iso(status.ended_at or status.updated_at or status.started_at)
         task: dict[str, Any] = {
             "taskId": status.handle,
             "status": state,
-            "createdAt": _iso(status.started_at),
-            "lastUpdatedAt": _iso(status.ended_at or status.updated_at or status.started_at),
-            "ttlMs": TTL_MS,
+            "createdAt": created,
+            "lastUpdatedAt": updated,
+            "ttlMs": _ttl_ms(status, created, updated, retention),
             "pollIntervalMs": POLL_MS,
         }
         if status.state == "AwaitingApproval" and status.pending_approval is not None:
@@ -277,7 +312,12 @@ class TasksExtension(Extension):
 
     async def get(self, ctx: Any, params: TaskIdParams) -> dict[str, Any]:
         status = await self._status(ctx, params.task_id)
-        return {"resultType": "complete", **self._task(status, ctx)}
+        retention = None
+        if status.state in TERMINAL_STATES:
+            with self._store():
+                runs = await self._runs(ctx)
+            retention = await self._kept(runs)
+        return {"resultType": "complete", **self._task(status, ctx, retention)}
 
     async def update(self, ctx: Any, params: UpdateParams) -> EmptyResult:
         status = await self._status(ctx, params.task_id)  # the task exists, and is the caller's

@@ -15,12 +15,12 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
 from temporalio.api.enums.v1 import TaskQueueType
 from temporalio.api.taskqueue.v1 import TaskQueue
-from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
+from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest, DescribeTaskQueueRequest
 from temporalio.client import (
     Client,
     WorkflowExecutionDescription,
@@ -601,6 +601,21 @@ class Runs:
         )
         answer = await self._client.workflow_service.describe_task_queue(request)
         return len(answer.pollers)
+
+    async def retention(self) -> timedelta | None:
+        """How long the namespace keeps a run's workflow after it closes (its retention:
+        the dev server's is a day); None when it sets none or cannot be read just now.
+        A run that has not closed is kept for as long as it runs."""
+        request = DescribeNamespaceRequest(namespace=self._client.namespace)
+        try:
+            answer = await self._client.workflow_service.describe_namespace(request)
+        except RPCError as exc:
+            log.warning("could not read the retention of namespace %r: %s", request.namespace, exc)
+            return None
+        if not answer.config.HasField("workflow_execution_retention_ttl"):
+            return None
+        kept = answer.config.workflow_execution_retention_ttl.ToTimedelta()
+        return kept if kept > timedelta(0) else None
 
     @property
     def task_queue(self) -> str:

@@ -69,14 +69,16 @@ class TasksCancel(Request[TaskIdParams, Literal["tasks/cancel"]]):
 
 
 class TasksClient(ClientExtension):
-    """Opt in to tasks; `seen` records every status polled, `on_created` may act on a
-    new task (e.g. cancel it)."""
+    """Opt in to tasks; `seen` records every status polled (`created` and `polls` the
+    tasks themselves), `on_created` may act on a new task (e.g. cancel it)."""
 
     identifier = TASKS
 
     def __init__(self, on_created: Callable[[Any, str], Awaitable[None]] | None = None) -> None:
         self.seen: list[str] = []
         self.task_ids: list[str] = []
+        self.created: list[CreateTaskResult] = []
+        self.polls: list[GetTaskResult] = []
         self._on_created = on_created
 
     def claims(self) -> list[ResultClaim[Any]]:
@@ -85,10 +87,11 @@ class TasksClient(ClientExtension):
     async def _resolve(self, created: CreateTaskResult, cctx: ClaimContext) -> CallToolResult:
         session = cctx.session
         self.task_ids.append(created.task_id)
+        self.created.append(created)
         if self._on_created is not None:
             await self._on_created(session, created.task_id)
         poll_s = (created.poll_interval_ms or 500) / 1000
-        return await follow(session, created.task_id, poll_s, self.seen)
+        return await follow(session, created.task_id, poll_s, self.seen, self.polls)
 
 
 class TaskCreated(Exception):
@@ -109,9 +112,16 @@ class CreateOnly(TasksClient):
         raise TaskCreated(created.task_id)
 
 
-async def follow(session: Any, task_id: str, poll_s: float, seen: list[str]) -> CallToolResult:
+async def follow(
+    session: Any,
+    task_id: str,
+    poll_s: float,
+    seen: list[str],
+    polls: list[GetTaskResult] | None = None,
+) -> CallToolResult:
     """Poll `tasks/get` until the task ends, answering `input_required` through the
-    session's elicitation callback and `tasks/update`; return the task's result."""
+    session's elicitation callback and `tasks/update`; return the task's result (each
+    task polled is added to `polls`)."""
     answered: set[str] = set()
     with anyio.fail_after(120):
         while True:
@@ -119,6 +129,8 @@ async def follow(session: Any, task_id: str, poll_s: float, seen: list[str]) -> 
                 TasksGet(params=TaskIdParams(taskId=task_id)), GetTaskResult
             )
             seen.append(task.status)
+            if polls is not None:
+                polls.append(task)
             if task.status == "input_required":
                 responses = {}
                 for key, raw in (task.input_requests or {}).items():

@@ -14,6 +14,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -1432,6 +1433,15 @@ async def test_a_task_for_run_polled_to_completion_with_an_approval(
         # The task is the run: its id is the handle, and the workflow holds its state.
         assert run["handle"] == task_id and run["state"] == "Completed"
         assert "input_required" in tasks.seen and tasks.seen[-1] == "completed"
+        # Kept while it runs (null), and for the dev server's retention (a day) past its
+        # end once it ended.
+        assert tasks.created[0].ttl_ms is None
+        assert [t.ttl_ms for t in tasks.polls[:-1]] == [None] * (len(tasks.polls) - 1)
+        done = tasks.polls[-1]
+        lived = datetime.fromisoformat(done.last_updated_at) - datetime.fromisoformat(
+            done.created_at
+        )
+        assert done.ttl_ms == (lived + timedelta(days=1)) // timedelta(milliseconds=1)
         assert (run["toolCalls"], run["failedToolCalls"]) == (1, 0)
         assert sum(s.mcp.counts.values()) == 1
         (st,) = await s.runs.statuses([task_id])
@@ -1698,12 +1708,16 @@ def test_an_ended_runs_task_is_completed_with_what_run_returns() -> None:
     ext = TasksExtension(
         no_runs, no_start, lambda st: {"state": st.state, "error": st.error}, lambda exc: None
     )
-    failed = ext._task(status("Failed", "engine gone"), ctx=None)
-    assert (failed["status"], failed["ttlMs"], failed["pollIntervalMs"]) == (
-        "completed",
-        86_400_000,
-        500,
-    )
+    failed = ext._task(status("Failed", "engine gone"), ctx=None, retention=timedelta(hours=1))
+    assert (failed["status"], failed["pollIntervalMs"]) == ("completed", 500)
+    # Kept for the namespace's retention from its end (a minute after its creation)...
+    assert failed["ttlMs"] == 60_000 + 3_600_000
+    # ... and to its end alone when the retention could not be read (it may be gone);
+    # a run that has not ended is kept for as long as it goes on: null.
+    assert ext._task(status("Completed", None), ctx=None)["ttlMs"] == 60_000
+    for going in ("Running", "AwaitingApproval", "Stopping"):
+        task = ext._task(status(going, None), ctx=None, retention=timedelta(hours=1))
+        assert task["ttlMs"] is None, going
     assert failed["result"] == {"state": "Failed", "error": "engine gone"}
     over = BudgetStatus(Budget(tokens=600), Budget(tokens=900), "tokens 900/600")
     stopped = ext._task(status("Cancelled", "budget exceeded: tokens 900/600", over), ctx=None)
@@ -1711,9 +1725,37 @@ def test_an_ended_runs_task_is_completed_with_what_run_returns() -> None:
     assert stopped["result"] == {"state": "Cancelled", "error": "budget exceeded: tokens 900/600"}
     stopping = ext._task(status("Stopping", "budget exceeded: tokens 900/600", over), ctx=None)
     assert stopping["status"] == "working" and "result" not in stopping  # not ended yet
-    cancelled = ext._task(status("Cancelled", "cancelled"), ctx=None)
+    cancelled = ext._task(status("Cancelled", "cancelled"), ctx=None, retention=timedelta(days=1))
     assert cancelled["status"] == "cancelled" and "result" not in cancelled
+    assert cancelled["ttlMs"] == 60_000 + 86_400_000
     assert cancelled["statusMessage"] == "cancelled"
+
+
+async def test_a_tasks_retention_is_read_once_and_again_later_while_unknown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The namespace's retention is one per door: read at the first ended task, kept;
+    unread (the describe failed), read again only after RETENTION_RETRY_S."""
+    import gateway.mcp_tasks as mcp_tasks
+    from gateway.mcp_tasks import TasksExtension
+
+    class Namespace:
+        def __init__(self) -> None:
+            self.answers: list[timedelta | None] = [None, timedelta(hours=2), None]
+
+        async def retention(self) -> timedelta | None:
+            return self.answers.pop(0)
+
+    async def never(*args: Any) -> Any:
+        raise AssertionError("not called")
+
+    ext = TasksExtension(never, start_run=never, result=never, unavailable=lambda e: None)
+    ns: Any = Namespace()
+    assert await ext._kept(ns) is None and await ext._kept(ns) is None
+    assert len(ns.answers) == 2  # not read again within RETENTION_RETRY_S
+    monkeypatch.setattr(mcp_tasks, "RETENTION_RETRY_S", 0.0)
+    assert await ext._kept(ns) == timedelta(hours=2)
+    assert await ext._kept(ns) == timedelta(hours=2) and len(ns.answers) == 1  # kept
 
 
 class Modern:
