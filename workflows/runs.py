@@ -232,6 +232,10 @@ class _Gate(asyncio.Semaphore):
         self.users = 0
 
 
+# How long reading the namespace's retention may take (a Tasks poll waits on it).
+_RETENTION_READ_S = 2.0
+
+
 class _NotTaken(RunUnavailable):
     """A request was sent to the run's worker, which did not take it in time."""
 
@@ -608,7 +612,10 @@ class Runs:
         A run that has not closed is kept for as long as it runs."""
         request = DescribeNamespaceRequest(namespace=self._client.namespace)
         try:
-            answer = await self._client.workflow_service.describe_namespace(request)
+            # (Bounded: a task's poll waits on it.)
+            answer = await self._client.workflow_service.describe_namespace(
+                request, timeout=timedelta(seconds=_RETENTION_READ_S)
+            )
         except RPCError as exc:
             log.warning("could not read the retention of namespace %r: %s", request.namespace, exc)
             return None
