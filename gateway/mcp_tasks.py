@@ -178,6 +178,7 @@ class TasksExtension(Extension):
         # read at the first ended task; unknown, read again after RETENTION_RETRY_S.
         self._retention: timedelta | None = None
         self._retention_read = -math.inf  # when it was last read (monotonic)
+        self._reading = asyncio.Lock()  # one read at a time: the others wait for it
 
     @contextlib.contextmanager
     def _store(self) -> Iterator[None]:
@@ -244,9 +245,16 @@ class TasksExtension(Extension):
 
     async def _kept(self, runs: Runs) -> timedelta | None:
         """The namespace's retention: read once, and again later while unknown."""
-        if self._retention is None and time.monotonic() - self._retention_read >= RETENTION_RETRY_S:
-            self._retention_read = time.monotonic()
-            self._retention = await runs.retention()
+        if self._retention is not None:
+            return self._retention
+        # (A poll that came during another's read took None: an ended task shown as
+        # already past its ttlMs, helper-227.)
+        async with self._reading:
+            if self._retention is None and (
+                time.monotonic() - self._retention_read >= RETENTION_RETRY_S
+            ):
+                self._retention_read = time.monotonic()
+                self._retention = await runs.retention()
         return self._retention
 
     def _task(

@@ -616,7 +616,7 @@ class Runs:
             answer = await self._client.workflow_service.describe_namespace(
                 request, timeout=timedelta(seconds=_RETENTION_READ_S)
             )
-        except RPCError as exc:
+        except Exception as exc:  # a hint only: never the poll's failure
             log.warning("could not read the retention of namespace %r: %s", request.namespace, exc)
             return None
         if not answer.config.HasField("workflow_execution_retention_ttl"):
@@ -732,6 +732,9 @@ class Runs:
             # added fail without them, and are queried.
             with contextlib.suppress(Exception):
                 return await asyncio.wait_for(_final(h), query_timeout)
+        # When Temporal closed it: the end of a run whose own record has none (cancelled
+        # or terminated unseen; a Tasks task counts its ttlMs to it).
+        closed_at = desc.close_time.isoformat() if desc.close_time else None
         try:
             status = await asyncio.wait_for(h.query(AgentRun.status), query_timeout)
         except (TimeoutError, RPCError) as exc:
@@ -752,11 +755,17 @@ class Runs:
                 subtree=Totals(),
                 error=f"{STATUS_UNAVAILABLE}{why}",
                 started_at=desc.start_time.isoformat() if desc.start_time else "",
+                ended_at=closed_at,
             )
         closed = _CLOSED.get(desc.status) if desc.status else None
         if closed is not None and status.state not in TERMINAL_STATES:
             # Terminated from outside (e.g. the Temporal UI): the workflow never saw it.
-            status = replace(status, state=closed, error=status.error or "terminated")
+            status = replace(
+                status,
+                state=closed,
+                error=status.error or "terminated",
+                ended_at=status.ended_at or closed_at,
+            )
         if closed is None and status.state in TERMINAL_STATES:
             # Ended, and still reporting it (its end to the gateway, its children's
             # ends): not closed, so a query between its workflow tasks said Completed

@@ -14,9 +14,10 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import httpx
 import httpx2
@@ -1756,6 +1757,75 @@ async def test_a_tasks_retention_is_read_once_and_again_later_while_unknown(
     monkeypatch.setattr(mcp_tasks, "RETENTION_RETRY_S", 0.0)
     assert await ext._kept(ns) == timedelta(hours=2)
     assert await ext._kept(ns) == timedelta(hours=2) and len(ns.answers) == 1  # kept
+
+
+async def test_polls_during_the_retentions_first_read_wait_for_it() -> None:
+    # A poll that came while another read the retention took None, and showed an ended
+    # task as already past its ttlMs (helper-227).
+    from gateway.mcp_tasks import TasksExtension
+
+    class Namespace:
+        def __init__(self) -> None:
+            self.asked, self.began, self.answered = 0, asyncio.Event(), asyncio.Event()
+
+        async def retention(self) -> timedelta | None:
+            self.asked += 1
+            self.began.set()
+            await self.answered.wait()
+            return timedelta(days=1)
+
+    async def never(*args: Any) -> Any:
+        raise AssertionError("not called")
+
+    ext = TasksExtension(never, start_run=never, result=never, unavailable=lambda e: None)
+    ns: Any = Namespace()
+    first = asyncio.create_task(ext._kept(ns))
+    await ns.began.wait()  # the first read is under way
+    second = asyncio.create_task(ext._kept(ns))
+    await asyncio.sleep(0)  # (one turn of the loop: the second runs to where it waits)
+    ns.answered.set()
+    assert await asyncio.gather(first, second) == [timedelta(days=1)] * 2
+    assert ns.asked == 1
+
+
+async def test_a_retention_the_namespace_will_not_give_is_none_not_an_error() -> None:
+    # Any failure (not only an RPCError) of a hint must not fail a task's poll.
+    from workflows import Runs
+
+    class Service:
+        async def describe_namespace(self, request: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("connection gone")
+
+    runs = Runs.__new__(Runs)
+    runs._client = cast(Any, SimpleNamespace(namespace="default", workflow_service=Service()))
+    assert await runs.retention() is None
+
+
+async def test_a_run_closed_unseen_ends_when_temporal_closed_it() -> None:
+    # With no worker to answer, a cancelled (or terminated) run's status had no end, so
+    # its task's lastUpdatedAt was its creation and its ttlMs ran out from there.
+    from temporalio.client import WorkflowExecutionStatus
+    from temporalio.service import RPCError, RPCStatusCode
+
+    from workflows import Runs
+
+    class Handle:
+        async def query(self, *args: Any) -> Any:
+            raise RPCError("no poller seen", RPCStatusCode.FAILED_PRECONDITION, b"")
+
+    runs = Runs.__new__(Runs)
+    runs._handle = lambda handle: cast(Any, Handle())  # type: ignore[method-assign]
+    started = datetime(2026, 12, 4, 9, 0, tzinfo=UTC)
+    closed = datetime(2026, 12, 6, 9, 0, tzinfo=UTC)
+    desc = SimpleNamespace(
+        id="run-x", status=WorkflowExecutionStatus.CANCELED, start_time=started, close_time=closed
+    )
+    status = await runs._recorded_status(cast(Any, desc), 0.1)
+    assert (status.state, status.started_at, status.ended_at) == (
+        "Cancelled",
+        started.isoformat(),
+        closed.isoformat(),
+    )
 
 
 class Modern:
