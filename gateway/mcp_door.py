@@ -90,18 +90,17 @@ class RunStoreDown(ConnectionError):
 DEFAULT_AWAIT_S = 60.0
 # The answer characters one await/status/run result shows by default, shared by its
 # runs (`answer_shares`; the `answer` tool reads the rest).  Claude Code warns at a
-# result past 10,000 tokens and older versions refuse one past 25,000
-# (MAX_MCP_OUTPUT_TOKENS); newer
-# versions save one past 50,000 characters to a file and show the model 2 KB of it;
-# Gemini CLI cuts text past 40,000 characters (its truncateToolOutputThreshold,
-# google-gemini/gemini-cli PRs 18446 and 19365; helper-214).  30,000 characters are about 7,500
-# tokens of English.  The rest of a result is some 250 characters a run in `await`
-# and 525 in `status` (helper-223), so with every answer cut a result stays under
-# 50,000 characters up to about 75 runs of `await` and 35 of `status`, and under the
-# 10,000-token warning up to about 40 and 19.  Characters are code points: 30,000 of
-# CJK text can be 20,000-30,000 tokens, so a client reading such answers sets a
-# smaller maxChars.  Unbounded, a fan-out of long answers (maxTokens up to 32,768 a
-# turn, up to 1,000 runs) was refused whole.
+# result past 10,000 tokens, older versions refuse one past 25,000
+# (MAX_MCP_OUTPUT_TOKENS), and newer ones save one past 50,000 characters to a file and
+# show the model 2 KB of it; Gemini CLI cuts text past 40,000 characters (its
+# truncateToolOutputThreshold, google-gemini/gemini-cli PRs 18446 and 19365;
+# helper-214).  30,000 characters are about 7,500 tokens of English.  The rest of a
+# result is some 250 characters a run in `await` and 525 in `status` (helper-223), so
+# with every answer cut a result stays under 50,000 characters up to about 75 runs of
+# `await` and 35 of `status`, and under the 10,000-token warning up to about 40 and
+# 19.  Characters are code points: 30,000 of CJK text can be 20,000-30,000 tokens, so
+# a client reading such answers sets a smaller maxChars.  Unbounded, a fan-out of long
+# answers (maxTokens up to 32,768 a turn, up to 1,000 runs) was refused whole.
 RESULT_ANSWER_CHARS = 30_000
 RESULT_ANSWER_CHARS_MIN = 1_000
 RESULT_ANSWER_CHARS_MAX = 1_000_000
@@ -693,10 +692,10 @@ class _StringsKept(FuncMetadata):
     def convert_result(self, result: Any) -> CallToolResult | InputRequiredResult:
         """The SDK's result, with its text copy the structured content as compact JSON
         (the spec asks that structured content also be sent serialised as text).  The
-        SDK would indent it: some 120
-        characters more per run an `await` shows, 260 with a budget (2,450 and 5,200 for
-        20 runs), counted against a client's bound on the result like the rest.  A
-        CallToolResult the tool made itself keeps its own text."""
+        SDK would indent it: some 120 characters more per run an `await` shows, 260 with
+        a budget (2,450 and 5,200 for 20 runs), counted against a client's bound on the
+        result like the rest.  A CallToolResult the tool made itself keeps its own
+        text."""
         if isinstance(result, CallToolResult):
             return super().convert_result(result)
         converted = super().convert_result(result)
