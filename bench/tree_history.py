@@ -67,9 +67,9 @@ async def _tree(s: Stack, mids: int, leaves: int, calls: int, every: float) -> d
         assert status.subtree.tool_calls == 1 + mids + leaves * mids * calls, status.subtree
     finally:
         contract.REPORT_EVERY_S = default
-    root_events, root_signals = await _history(s, root)
-    mid_events = [(await _history(s, m))[0] for m in middle]
-    leaf_events = [(await _history(s, leaf))[0] for leaf in below[:3]]
+    root_events, root_signals = await history_counts(s, root)
+    mid_events = [(await history_counts(s, m))[0] for m in middle]
+    leaf_events = [(await history_counts(s, leaf))[0] for leaf in below[:3]]
     return {
         "report_every_s": every,
         "mids": mids,
@@ -83,9 +83,10 @@ async def _tree(s: Stack, mids: int, leaves: int, calls: int, every: float) -> d
     }
 
 
-async def _history(s: Stack, handle: str) -> tuple[int, int]:
-    """The run's history: its events, and the signals among them."""
-    history = await s.client.get_workflow_handle(handle).fetch_history()
+async def history_counts(s: Stack, handle: str, run_id: str | None = None) -> tuple[int, int]:
+    """The run's history (its latest execution's, or `run_id`'s): its events, and the
+    signals among them."""
+    history = await s.client.get_workflow_handle(handle, run_id=run_id).fetch_history()
     return len(history.events), sum(e.event_type == SIGNALED for e in history.events)
 
 

@@ -26,13 +26,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from temporalio.api.enums.v1 import EventType
-
+from bench.tree_history import history_counts
 from luftpause.temporal_dev import DevServer
 from tests.workflows.harness import MODEL, Stack, spawn_waiting, stack, task_with
 from workflows import TERMINAL_STATES, RunError, RunSpec, contract
 
-SIGNALED = EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED
 TEMPORAL_EVENTS_MAX = 51_200
 TEMPORAL_SIGNALS_MAX = 10_000
 SENDS_AT_ONCE = 16
@@ -88,7 +86,7 @@ async def _wide(s: Stack, n: int, calls: int) -> dict[str, Any]:
     # The root may continue as new once its children have ended: Temporal's limits
     # are each execution's, so the largest one counts.
     runs = [r async for r in s.client.list_workflows(f"WorkflowId = '{root}'")]
-    counts = [await _history(s, root, r.run_id) for r in runs]
+    counts = [await history_counts(s, root, r.run_id) for r in runs]
     events, signals = max(counts)
     return {
         "children": n,
@@ -105,12 +103,6 @@ async def _wide(s: Stack, n: int, calls: int) -> dict[str, Any]:
         "signals_of_stop": round(signals / contract.SIGNAL_STOP, 3),
         "child_past_limit_refused": refused,
     }
-
-
-async def _history(s: Stack, handle: str, run_id: str) -> tuple[int, int]:
-    """One execution's history: its events, and the signals among them."""
-    history = await s.client.get_workflow_handle(handle, run_id=run_id).fetch_history()
-    return len(history.events), sum(e.event_type == SIGNALED for e in history.events)
 
 
 def main() -> None:
