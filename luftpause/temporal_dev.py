@@ -2,7 +2,8 @@
 
 Used by `luftpause up` and by the tests: the same flags everywhere (NOTES.md): loopback
 only, the UI without its news fetch, the search attributes runs use, the dynamic config
-that brings an activity from ~46 ms to ~12 ms, and the SQLite pragmas that keep a db
+that brings an activity from ~46 ms to ~12 ms, one write partition per task queue (so
+Task Queue Priority orders the whole queue), and the SQLite pragmas that keep a db
 file fast.
 """
 
@@ -22,6 +23,15 @@ from luftpause._process import kill, spawn, terminate
 from workflows.contract import SEARCH_ATTRIBUTES
 
 LATENCY_FLAGS = ("--dynamic-config-value", "history.transferProcessorMaxPollRPS=1000")
+# Priority (interactive runs before batch ones, contract.run_priority) holds within a
+# task queue partition, and a queue has four by default: a batch task written to one
+# can go before an interactive task written to another.  Written to one, every task
+# is matched there, in priority order: polls of the other partitions are forwarded to
+# it (the root).  Their reads stay, so a backlog a db file kept from a server with four
+# write partitions still drains (Temporal's order for shrinking a queue: writes first,
+# reads once the dropped partitions are empty).  A dev server is one process: the
+# other partitions spread no load there.
+ORDER_FLAGS = ("--dynamic-config-value", "matching.numTaskqueueWritePartitions=1")
 DB_FLAGS = ("--sqlite-pragma", "journal_mode=wal", "--sqlite-pragma", "synchronous=off")
 READY_TIMEOUT_S = 30.0
 
@@ -95,6 +105,7 @@ class DevServer:
             "--log-level",
             "warn",
             *LATENCY_FLAGS,
+            *ORDER_FLAGS,
         ]
         if self.ui_port is None:
             cmd.append("--headless")
