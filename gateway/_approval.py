@@ -3,11 +3,11 @@ elicitation paths (legacy mid-call, 2026-07-28 input-required) and the Tasks ext
 
 from __future__ import annotations
 
-import json
 from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
+import pydantic_core
 from mcp.server.elicitation import render_elicitation_schema
 from mcp_types import ClientCapabilities
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -16,8 +16,10 @@ from workflows import RunStatus
 
 __all__ = [
     "MODERN",
+    "PREVIEW_CHARS",
     "ApprovalForm",
     "RecentKeys",
+    "arguments_json",
     "can_ask",
     "elicit_params",
     "message",
@@ -27,6 +29,9 @@ __all__ = [
 
 MODERN = "2026-07-28"  # the stateless protocol revision
 _PREFIX = "approve:"
+# The characters of a call's arguments an approval question shows (their JSON's start):
+# an elicitation dialog is small, and `status` shows them whole.
+PREVIEW_CHARS = 500
 
 
 class RecentKeys:
@@ -108,11 +113,24 @@ def can_ask(capabilities: ClientCapabilities | None) -> bool:
     return e is not None and (e.form is not None or e.url is None)
 
 
+def arguments_json(arguments: Any) -> str:
+    """A pending call's arguments as compact JSON, as the door's results write them
+    (`_StringsKept.convert_result`): their length is what a result's maxChars counts,
+    and what a question cut to its start says the whole is."""
+    return pydantic_core.to_json(arguments).decode()
+
+
 def message(status: RunStatus) -> str:
-    """What the user is asked."""
+    """What the user is asked: the call's arguments whole, or their start and how long
+    they are.  (They were cut at 500 characters unsaid: a user could allow a call
+    having seen only its start without knowing it; and escaped to ASCII, é as \\u00e9.)"""
     p = status.pending_approval
     assert p is not None
-    args = json.dumps(p.arguments)[:500]
+    args = arguments_json(p.arguments)
+    if len(args) > PREVIEW_CHARS:
+        args = (
+            f"{args[:PREVIEW_CHARS]}… ({len(args):,} characters in all; `status` shows them whole)"
+        )
     return f"Sub-agent {status.handle} wants to call {p.described} with {args}. Allow it?"
 
 

@@ -89,8 +89,11 @@ class RunStoreDown(ConnectionError):
 
 DEFAULT_AWAIT_S = 60.0
 # The answer characters one await/status/run result shows by default, shared by its
-# runs (`answer_shares`; the `answer` tool reads the rest).  Claude Code warns at a
-# result past 10,000 tokens, older versions refuse one past 25,000
+# runs (`answer_shares`; the `answer` tool reads the rest), and by the arguments of
+# the calls runs await approval for (their JSON: `status` with a larger maxChars shows
+# them whole, as a turn's 32,768 tokens at most write some 130,000 characters at 4 a
+# token; only tokens of 30 characters on average pass 1,000,000).  Claude Code warns
+# at a result past 10,000 tokens, older versions refuse one past 25,000
 # (MAX_MCP_OUTPUT_TOKENS), and newer ones save one past 50,000 characters to a file and
 # show the model 2 KB of it; Gemini CLI cuts text past 40,000 characters (its
 # truncateToolOutputThreshold, google-gemini/gemini-cli PRs 18446 and 19365;
@@ -195,7 +198,16 @@ async def _once_started(
 
 class PendingApprovalView(BaseModel):
     tool: str
-    arguments: Any
+    arguments: Any = Field(
+        description="the call's arguments; a string, the start of their JSON, when "
+        "argumentsChars is set"
+    )
+    argumentsChars: int | None = Field(
+        None,
+        description="the arguments' whole length in characters when their JSON is longer "
+        "than this result's share of maxChars: `arguments` is its start; `status` with a "
+        "larger maxChars (up to 1,000,000) shows them whole; null when they are whole",
+    )
     callId: str
     server: str = ""  # the tool's MCP server
 
@@ -381,11 +393,24 @@ def answer_shares(lengths: Sequence[int], budget: int) -> list[int]:
     return shown
 
 
+def _long_text(status: RunStatus) -> str | None:
+    """A run's one text that may be long: its answer, or else its pending call's
+    arguments as JSON (a run awaiting approval has no answer yet; one with an answer
+    asks nothing).  A file-writing call's 100,000 characters of content were shown
+    whole in every result that showed its run."""
+    if status.answer is not None:
+        return status.answer
+    if status.pending_approval is not None:
+        return approval.arguments_json(status.pending_approval.arguments)
+    return None
+
+
 def views(statuses: Sequence[RunStatus], max_chars: int, *, detail: bool = True) -> list[RunView]:
-    """The runs one result shows, their answers sharing `max_chars` (`answer_shares`);
-    a handle given twice is shown alike both times, and counted once."""
-    answers = {s.handle: len(s.answer) for s in statuses if s.answer is not None}
-    shares = dict(zip(answers, answer_shares(list(answers.values()), max_chars), strict=True))
+    """The runs one result shows, their long texts (an answer, a pending call's
+    arguments) sharing `max_chars` (`answer_shares`); a handle given twice is shown
+    alike both times, and counted once."""
+    texts = {s.handle: len(t) for s in statuses if (t := _long_text(s)) is not None}
+    shares = dict(zip(texts, answer_shares(list(texts.values()), max_chars), strict=True))
     return [view(s, detail=detail, max_chars=shares.get(s.handle, max_chars)) for s in statuses]
 
 
@@ -394,11 +419,19 @@ def view(
 ) -> RunView:
     """A run status as the MCP tools return it, with at most `max_chars` of its answer:
     past that, its start, `answerChars` saying how long it is and `answerNextOffset`
-    where the rest starts (a model cannot count 30,000 characters to find it)."""
+    where the rest starts (a model cannot count 30,000 characters to find it).  A
+    pending call's arguments are bounded alike: past `max_chars` of JSON, its start
+    as a string, and `argumentsChars`."""
     pending = status.pending_approval
     answer, whole, rest = status.answer, None, None
     if answer is not None and len(answer) > max_chars:
         answer, whole, rest = answer[:max_chars], len(answer), max_chars
+    arguments, arguments_chars = None, None
+    if pending is not None:
+        arguments = pending.arguments
+        text = approval.arguments_json(arguments)
+        if len(text) > max_chars:
+            arguments, arguments_chars = text[:max_chars], len(text)
     budget = None
     if status.budget is not None:
         b = status.budget
@@ -429,7 +462,8 @@ def view(
         pendingApproval=(
             PendingApprovalView(
                 tool=pending.tool,
-                arguments=pending.arguments,
+                arguments=arguments,
+                argumentsChars=arguments_chars,
                 callId=pending.call_id,
                 server=pending.server,
             )

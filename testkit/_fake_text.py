@@ -18,6 +18,7 @@ from typing import Any
 
 __all__ = [
     "CHARS_PER_TOKEN",
+    "LONG_ARGS_END",
     "FillerPool",
     "Reply",
     "directives",
@@ -36,6 +37,8 @@ _MAX_REPLY_TOKENS = 256
 # A text reply's length under the `long` directive (some 4,000 characters).
 LONG_REPLY_TOKENS = 1024
 TOOL_CALL_TOKENS = 20
+# How a string argument ends under the `long-args` directive.
+LONG_ARGS_END = " «fin»"
 DEFAULT_MAX_TOOL_CALLS = 3
 MAX_PARALLEL_TOOL_CALLS = 4
 
@@ -153,6 +156,9 @@ def directives(text: str) -> tuple[str, frozenset[str]]:
     `text-tools`: tool calls are written as text (`<tool_call>{...}</tool_call>`), as small
     models without a tool-call parser do. `malformed-args`: tool call arguments are `{}`.
     `long`: a text reply is LONG_REPLY_TOKENS long (max_tokens allowing), not 40..256.
+    `long-args`: a tool call's string arguments are its salt and LONG_REPLY_TOKENS of
+    filler, ending in LONG_ARGS_END (not ASCII), as a call writing a file's content; the
+    call takes that many tokens more.
     """
     found: set[str] = set()
     kept: list[str] = []
@@ -279,14 +285,19 @@ def plan_reply(
                     (t["function"] for t in tools if t["function"]["name"] == forced),
                     tools[pick % len(tools)]["function"],
                 )
+                salt = f"{fn['name']}-{pick % 16**10:010x}"
+                if "long-args" in wanted:
+                    filler = "".join(pool.take(pick >> 16, LONG_REPLY_TOKENS))
+                    salt = f"{salt}{filler}{LONG_ARGS_END}"
                 args = (
                     "{}"
                     if "malformed-args" in wanted
-                    else tool_arguments(fn.get("parameters"), f"{fn['name']}-{pick % 16**10:010x}")
+                    else tool_arguments(fn.get("parameters"), salt)
                 )
                 call = {"name": str(fn["name"]), "arguments": args}
                 calls.append({"id": f"call_{pick:016x}", "type": "function", "function": call})
-            whole = Reply((), TOOL_CALL_TOKENS * len(calls), "tool_calls", tuple(calls))
+            per_call = TOOL_CALL_TOKENS + (LONG_REPLY_TOKENS if "long-args" in wanted else 0)
+            whole = Reply((), per_call * len(calls), "tool_calls", tuple(calls))
             if whole.n_tokens > max_tokens:
                 return whole.cut(max_tokens)
             if "text-tools" in wanted:

@@ -31,7 +31,7 @@ from mcp_types import CallToolResult, ElicitResult, EmptyResult, TextContent
 from gateway.mcp_door import RESULT_ANSWER_CHARS, answer_shares
 from luftpause.config import McpServer
 from luftpause.temporal_dev import DevServer, free_port
-from testkit._fake_text import _MAX_REPLY_TOKENS, LONG_REPLY_TOKENS
+from testkit._fake_text import _MAX_REPLY_TOKENS, LONG_ARGS_END, LONG_REPLY_TOKENS
 from testkit.fake_mcp import FakeMcpSettings, FakeMcpState
 from testkit.fake_mcp import create_app as create_mcp
 from testkit.loopback import serve
@@ -505,6 +505,143 @@ async def test_a_run_with_a_small_max_chars_shows_its_answers_start(
         run = result(await c.call_tool("run", {**args, "maxChars": 1000}))
         assert len(asked) == 1 and (run["state"], run["toolCalls"]) == ("Completed", 1)
         assert len(run["answer"]) == 1000 and run["answerChars"] == 4 * LONG_REPLY_TOKENS
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_pending_calls_long_arguments_are_bounded_and_the_question_says_so(
+    temporal_address: str, mode: str
+) -> None:
+    # A run awaiting approval showed its call's arguments whole in every result: a
+    # file-writing call's 100,000 characters of content in each await/status/run.  Its
+    # arguments' JSON is bounded by maxChars now as an answer is, `argumentsChars`
+    # saying how long it is; and the question asked the user cut it at 500 characters
+    # without a word (and escaped « to \u00ab).
+    asked: list[str] = []
+
+    async def dismiss(context: Any, params: Any) -> ElicitResult:
+        asked.append(params.message)
+        return ElicitResult(action="cancel")
+
+    caller = {"x-luftpause-caller": f"long-args-{mode}-{time.time_ns()}"}
+    async with (
+        stack(temporal_address) as s,
+        _client(s.mcp_door, mode, caller, elicitation_callback=dismiss) as c,
+    ):
+        args = {
+            "model": MODEL,
+            "task": f"{task_with(1, 'writes')} [fake: long-args]",
+            "tools": ["delete_record"],
+            "maxTokens": 2 * LONG_REPLY_TOKENS,
+        }
+        call = await c.call_tool("run", {**args, "maxChars": 1000})
+        run = result(call)
+        assert run["state"] == "AwaitingApproval", run
+        (st,) = await s.runs.statuses([run["handle"]])
+        assert st.pending_approval is not None
+        whole = _compact(st.pending_approval.arguments)
+        assert whole.endswith(f'{LONG_ARGS_END}"}}') and len(whole) > 4 * LONG_REPLY_TOKENS
+
+        def bounded(r: dict[str, Any]) -> None:
+            pending = r["pendingApproval"]
+            assert pending["tool"] == "delete_record", pending
+            assert pending["arguments"] == whole[:1000]
+            assert pending["argumentsChars"] == len(whole)
+
+        bounded(run)
+        (text,) = call.content
+        assert isinstance(text, TextContent)
+        assert text.text == _compact(run) and len(text.text) < 2000  # (whole: past 4,000)
+        # The question: the start of the same JSON, said to be one, and how long it is.
+        assert len(asked) == 1, asked
+        note = f"… ({len(whole):,} characters in all; `status` shows them whole). Allow it?"
+        assert asked[0].endswith(f"{whole[:500]}{note}"), asked[0][-300:]
+
+        (shown,) = result(
+            await c.call_tool("status", {"handles": [run["handle"]], "maxChars": 1000})
+        )["runs"]
+        bounded(shown)
+        # Shown once, an await on the same approval waits on: to its timeout here.
+        waited = result(
+            await c.call_tool("await", {"handles": [run["handle"]], "timeout": 1, "maxChars": 1000})
+        )
+        bounded(waited["runs"][0])
+        # Within the default maxChars, the arguments whole, as an object.
+        (shown,) = result(await c.call_tool("status", {"handles": [run["handle"]]}))["runs"]
+        assert shown["pendingApproval"]["arguments"] == st.pending_approval.arguments
+        assert shown["pendingApproval"]["argumentsChars"] is None
+        result(await c.call_tool("approve", {"handle": run["handle"], "allow": False}))
+
+
+async def test_answers_and_pending_arguments_share_max_chars(temporal_address: str) -> None:
+    # A run has at most one long text, its answer or its pending call's arguments: one
+    # result's runs share maxChars over them (`answer_shares`), a handle given twice
+    # counted once.
+    async with stack(temporal_address) as s, Client(s.mcp_door, mode="2026-07-28") as c:
+        room = 2 * LONG_REPLY_TOKENS
+        long = await spawn(c, task=f"{task_with(0, 'long')} [fake: long]", maxTokens=room)
+        short = await spawn(c, task=task_with(0, "short"), maxTokens=room)
+        asks = await spawn(
+            c,
+            task=f"{task_with(1, 'asks')} [fake: long-args]",
+            tools=["delete_record"],
+            maxTokens=room,
+        )
+        await until(lambda: _state(c, asks, "AwaitingApproval"), "it waits")
+        await until(lambda: _state(c, long, "Completed"), "the long one ends")
+        await until(lambda: _state(c, short, "Completed"), "the short one ends")
+        statuses = {st.handle: st for st in await s.runs.statuses([long, short, asks])}
+        pending = statuses[asks].pending_approval
+        assert pending is not None
+        lengths = [
+            len(statuses[long].answer or ""),
+            len(statuses[short].answer or ""),
+            len(_compact(pending.arguments)),
+        ]
+        shares = answer_shares(lengths, 3000)
+        assert shares[1] == lengths[1] and shares[0] < lengths[0] and shares[2] < lengths[2]
+        asked = [long, short, asks, asks]
+        listed = result(await c.call_tool("status", {"handles": asked, "maxChars": 3000}))["runs"]
+        assert [r["handle"] for r in listed] == asked and listed[2] == listed[3]
+        assert [len(r["answer"]) for r in listed[:2]] == shares[:2]
+        assert listed[2]["answer"] is None
+        assert listed[2]["pendingApproval"]["arguments"] == _compact(pending.arguments)[: shares[2]]
+        assert listed[2]["pendingApproval"]["argumentsChars"] == lengths[2]
+        result(await c.call_tool("approve", {"handle": asks, "allow": False}))
+
+
+def test_an_approval_question_says_when_it_shows_only_the_arguments_start() -> None:
+    # The question cut the arguments' JSON at 500 characters without a word: a user
+    # could allow a call having seen only its start.  (Every path asks with it: legacy
+    # elicitation, 2026-07-28 input requests, the Tasks extension's statusMessage.)
+    from gateway._approval import message
+    from workflows import PendingApproval, RunStatus, Totals
+
+    preview = 500  # (_approval.PREVIEW_CHARS)
+
+    def asking(arguments: Any) -> RunStatus:
+        pending = PendingApproval("call_1", "write_file", arguments, "fs")
+        return RunStatus(
+            handle="run-x", state="AwaitingApproval", task="t", model=MODEL,
+            service_class="batch", caller="c", parent=None, root="run-x", children=[],
+            usage=Totals(), subtree=Totals(), pending_approval=pending,
+        )  # fmt: skip
+
+    content = "«" + "x" * 12_000
+    text = message(asking({"path": "a.txt", "content": content}))
+    whole = _compact({"path": "a.txt", "content": content})
+    assert text == (
+        f"Sub-agent run-x wants to call write_file (of fs) with {whole[:preview]}… "
+        f"({len(whole):,} characters in all; `status` shows them whole). Allow it?"
+    )
+    assert "12,0" in text and "\\u00ab" not in text
+    # Whole, as it is, when it fits.
+    short = {"path": "ä.txt"}
+    assert message(asking(short)) == (
+        f"Sub-agent run-x wants to call write_file (of fs) with {_compact(short)}. Allow it?"
+    )
+    exact = {"c": "y" * (preview - len('{"c":""}'))}
+    assert len(_compact(exact)) == preview
+    assert "characters in all" not in message(asking(exact))
 
 
 @pytest.mark.parametrize("mode", MODES)
