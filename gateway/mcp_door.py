@@ -37,7 +37,15 @@ from mcp_types import (
     InputRequiredResult,
     TextContent,
 )
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+)
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.contract import unknown_tools
@@ -98,10 +106,11 @@ DEFAULT_AWAIT_S = 60.0
 # show the model 2 KB of it; Gemini CLI cuts text past 40,000 characters (its
 # truncateToolOutputThreshold, google-gemini/gemini-cli PRs 18446 and 19365;
 # helper-214).  30,000 characters are about 7,500 tokens of English.  The rest of a
-# result is some 250 characters a run in `await` and 525 in `status` (helper-223), so
-# with every answer cut a result stays under 50,000 characters up to about 75 runs of
-# `await` and 35 of `status`, and under the 10,000-token warning up to about 40 and
-# 19.  Characters are code points: 30,000 of CJK text can be 20,000-30,000 tokens, so
+# result is some 125 characters a run in `await` (250 with a budget) and 445 in
+# `status`, its null fields left out (helper-230; 275 and 550 with them), so with every
+# answer cut a result stays under 50,000 characters up to about 160 runs of `await` and
+# 45 of `status`, and under the 10,000-token warning up to about 80 and 22.
+# Characters are code points: 30,000 of CJK text can be 20,000-30,000 tokens, so
 # a client reading such answers sets a smaller maxChars.  Unbounded, a fan-out of long
 # answers (maxTokens up to 32,768 a turn, up to 1,000 runs) was refused whole.
 RESULT_ANSWER_CHARS = 30_000
@@ -196,7 +205,24 @@ async def _once_started(
 # --------------------------------------------------------------------------- results
 
 
-class PendingApprovalView(BaseModel):
+class _Sparse(BaseModel):
+    """A result that leaves out its fields that are null, in the structured content and
+    so in its text copy: a finished run in an `await` was 274 characters with them, 123
+    without, and a wide await is bounded by no maxChars (helper-230).  Only fields with
+    a default: the output schema (pydantic's, validation mode) does not require those,
+    so the content still conforms.  False and 0 are kept, and so are nulls inside a
+    field's value (a budget's `limits`: null, no bound)."""
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        for name, info in type(self).model_fields.items():
+            if getattr(self, name) is None and not info.is_required():
+                data.pop(name, None)
+        return data
+
+
+class PendingApprovalView(_Sparse):
     tool: str
     arguments: Any = Field(
         description="the call's arguments; a string, the start of their JSON, when "
@@ -206,13 +232,13 @@ class PendingApprovalView(BaseModel):
         None,
         description="the arguments' whole length in characters when their JSON is longer "
         "than this result's share of maxChars: `arguments` is its start; `status` with a "
-        "larger maxChars (up to 1,000,000) shows them whole; null when they are whole",
+        "larger maxChars (up to 1,000,000) shows them whole; absent when they are whole",
     )
     callId: str
     server: str = ""  # the tool's MCP server
 
 
-class UsageView(BaseModel):
+class UsageView(_Sparse):
     turns: int
     toolCalls: int
     failedToolCalls: int
@@ -223,7 +249,7 @@ class UsageView(BaseModel):
     toolSeconds: float
 
 
-class BudgetView(BaseModel):
+class BudgetView(_Sparse):
     # (int first: a count stays one, and one of a run started before the bounds, past
     # any float, still renders.)
     limits: dict[str, int | float | None]
@@ -232,12 +258,12 @@ class BudgetView(BaseModel):
     over: str | None = None
 
 
-class ChildView(BaseModel):
+class ChildView(_Sparse):
     handle: str
     state: str
 
 
-class RunView(BaseModel):
+class RunView(_Sparse):
     """A run as a harness sees it."""
 
     handle: str
@@ -256,30 +282,30 @@ class RunView(BaseModel):
     answerChars: int | None = Field(
         None,
         description="the answer's whole length in characters when the `answer` field holds "
-        "only its start, to fit this result's maxChars; null when it is whole",
+        "only its start, to fit this result's maxChars; absent when it is whole",
     )
     answerNextOffset: int | None = Field(
         None,
         description="where the rest of a cut answer starts: the `answer` tool's offset "
-        "to read it from; null when the answer is whole",
+        "to read it from; absent when the answer is whole",
     )
     toolCalls: int = Field(description="tool calls this run made")
     failedToolCalls: int = Field(description="of those, how many failed or were refused")
     error: str | None = None
     pendingApproval: PendingApprovalView | None = None
     parent: str | None = None
-    # null in `await`'s answer, which stays short for up to 1,000 runs: `status` has them.
+    # Absent in `await`'s answer, which stays short for up to 1,000 runs: `status` has them.
     children: list[ChildView] | None = Field(
-        None, description="the runs it spawned; null in await's answer (ask status)"
+        None, description="the runs it spawned; absent in await's answer (ask status)"
     )
-    usage: UsageView | None = Field(None, description="its own; null in await's answer")
+    usage: UsageView | None = Field(None, description="its own; absent in await's answer")
     subtree: UsageView | None = Field(
-        None, description="its and its descendants'; null in await's answer"
+        None, description="its and its descendants'; absent in await's answer"
     )
     budget: BudgetView | None = None
 
 
-class SpawnResult(BaseModel):
+class SpawnResult(_Sparse):
     handle: str
     state: str
     warning: str | None = Field(
@@ -288,12 +314,12 @@ class SpawnResult(BaseModel):
     )
 
 
-class AwaitResult(BaseModel):
+class AwaitResult(_Sparse):
     runs: list[RunView]
     done: bool = Field(description="whether the wait's condition (all or any ended) was met")
 
 
-class StatusResult(BaseModel):
+class StatusResult(_Sparse):
     runs: list[RunView]
 
 
@@ -727,9 +753,9 @@ class _StringsKept(FuncMetadata):
         """The SDK's result, with its text copy the structured content as compact JSON
         (the spec asks that structured content also be sent serialised as text).  The
         SDK would indent it: some 120 characters more per run an `await` shows, 260 with
-        a budget (2,450 and 5,200 for 20 runs), counted against a client's bound on the
-        result like the rest.  A CallToolResult the tool made itself keeps its own
-        text."""
+        a budget (2,450 and 5,200 for 20 runs, measured before null fields were left
+        out), counted against a client's bound on the result like the rest.  A
+        CallToolResult the tool made itself keeps its own text."""
         if isinstance(result, CallToolResult):
             return super().convert_result(result)
         converted = super().convert_result(result)

@@ -21,6 +21,7 @@ from typing import Any, cast
 
 import httpx
 import httpx2
+import jsonschema
 import pytest
 from hypothesis import given, settings, strategies
 from mcp import Client
@@ -157,7 +158,7 @@ async def test_spawn_six_and_await_all_any_and_timeout(temporal_address: str, mo
         short = result(await c.call_tool("await", {"handles": handles, "timeout": 0.05}))
         s.mcp.gate.set()
         assert short["done"] is False
-        assert all(r["state"] == "Running" and r["answer"] is None for r in short["runs"])
+        assert all(r["state"] == "Running" and "answer" not in r for r in short["runs"])
 
         first = result(await c.call_tool("await", {"handles": handles, "mode": "any"}))
         assert first["done"] is True
@@ -169,7 +170,7 @@ async def test_spawn_six_and_await_all_any_and_timeout(temporal_address: str, mo
             assert run["state"] == "Completed" and run["answer"]
             assert (run["toolCalls"], run["failedToolCalls"]) == (2, 0)
             # Not "no children": await leaves the details to status.
-            assert (run["children"], run["usage"], run["subtree"]) == (None, None, None)
+            assert not {"children", "usage", "subtree"} & run.keys(), run
 
 
 async def test_a_spawn_no_worker_will_take_says_so(temporal_address: str) -> None:
@@ -185,7 +186,7 @@ async def test_a_spawn_no_worker_will_take_says_so(temporal_address: str) -> Non
         async with run_worker(s.client, s.task_queue, s.gateway_url, f"{s.mcp_url}/mcp"):
             await until(s.runs._worker_polls, "the worker polls")
             taken = result(await c.call_tool("spawn", {"model": MODEL, "task": "y"}))
-            assert taken["warning"] is None
+            assert "warning" not in taken
             await c.call_tool("await", {"handles": [alone["handle"], taken["handle"]]})
 
 
@@ -201,7 +202,7 @@ async def test_cancel_a_tree_and_budgets_in_status(temporal_address: str, mode: 
         (st,) = result(await c.call_tool("status", {"handles": [parent]}))["runs"]
         assert [k["handle"] for k in st["children"]] == [child]
         assert st["budget"]["limits"]["toolCalls"] == 50
-        assert st["budget"]["exceeded"] is None
+        assert "exceeded" not in st["budget"]
         assert st["pendingApproval"]["tool"] == "delete_record"
         cancelled = result(await c.call_tool("cancel", {"handle": parent}))
         assert cancelled["state"] == "Cancelled"
@@ -442,9 +443,9 @@ async def test_an_await_past_max_chars_shows_each_answers_start_and_answer_reads
             assert run["state"] == "Completed" and whole[h].startswith(run["answer"])
             assert run["answerCut"] is False  # (the model's own max_tokens: not that)
             cut = len(run["answer"]) < len(whole[h])
-            assert run["answerChars"] == (len(whole[h]) if cut else None), run
-            assert run["answerNextOffset"] == (len(run["answer"]) if cut else None), run
-        assert [shown[h]["answerChars"] is not None for h in handles[:3]] == [True] * 3
+            assert run.get("answerChars") == (len(whole[h]) if cut else None), run
+            assert run.get("answerNextOffset") == (len(run["answer"]) if cut else None), run
+        assert ["answerChars" in shown[h] for h in handles[:3]] == [True] * 3
 
         # The rest, page by page, to exactly the whole answer.
         for h in handles[:3]:
@@ -469,7 +470,88 @@ async def test_an_await_past_max_chars_shows_each_answers_start_and_answer_reads
         assert [len(r["answer"]) for r in listed["runs"]] == shares
         listed = result(await c.call_tool("status", {"handles": handles}))
         assert [r["answer"] for r in listed["runs"]] == [whole[h] for h in handles]
-        assert all(r["answerChars"] is None for r in listed["runs"])
+        assert not any("answerChars" in r for r in listed["runs"])
+
+
+def _nulls(value: Any, at: str = "") -> list[str]:
+    """Where a result holds a null, but for what is data rather than its fields: a
+    budget's `limits` and `used` (null: no bound on that) and a tool call's arguments."""
+    if value is None:
+        return [at]
+    if isinstance(value, dict):
+        return [
+            n
+            for k, v in value.items()
+            if k not in ("limits", "used", "arguments")
+            for n in _nulls(v, f"{at}.{k}")
+        ]
+    if isinstance(value, list):
+        return [n for i, v in enumerate(value) for n in _nulls(v, f"{at}[{i}]")]
+    return []
+
+
+async def test_run_results_leave_out_what_is_null_and_still_fit_their_schemas(
+    temporal_address: str,
+) -> None:
+    # Every field was there, null ones too: 274 characters for a finished run in an
+    # await, 123 without them; an await of 1,000 runs passed every harness's bound
+    # whatever maxChars (helper-230).  A field that is null is now left out, in the
+    # structured content and its text copy alike; false and 0 stay.
+    async with stack(temporal_address) as s, Client(s.mcp_door, mode="2026-07-28") as c:
+        schemas = {t.name: t.output_schema for t in (await c.list_tools()).tools}
+        seen: list[dict[str, Any]] = []
+
+        async def call(tool: str, args: dict[str, Any]) -> Any:
+            got = await c.call_tool(tool, args)
+            shown = result(got)
+            (text,) = got.content
+            assert text.text == _compact(shown)
+            assert _nulls(shown) == [], (tool, _nulls(shown))
+            # What MCP asks: structured content conforms to the tool's output schema.
+            schema = schemas[tool]
+            assert schema is not None, tool
+            jsonschema.validators.validator_for(schema)(schema).validate(shown)
+            seen.append(shown)
+            return shown
+
+        # A run held at its tool calls, with a child; and one with a budget.
+        s.mcp.gate.clear()
+        args = {"model": MODEL, "task": task_with(2, "held"), "tools": ["lookup"]}
+        spawned = await call("spawn", args)
+        held = spawned["handle"]
+        assert "warning" not in spawned  # a worker polls: nothing to warn of
+        args = {"model": MODEL, "task": task_with(0, "kid"), "parent": held}
+        kid = (await call("spawn", args))["handle"]
+        args = {"model": MODEL, "task": task_with(0, "bounded"), "budgetTokens": 100_000}
+        bounded = (await call("spawn", args))["handle"]
+        (running,) = (await call("await", {"handles": [held], "timeout": 0.05}))["runs"]
+        assert running["state"] == "Running" and "answer" not in running
+        assert (running["answerCut"], running["toolCalls"], running["failedToolCalls"]) == (
+            False,
+            0,
+            0,
+        )
+        awaited = await call("await", {"handles": [kid, bounded], "timeout": 120})
+        child, budgeted = awaited["runs"]
+        assert (child["state"], child["parent"]) == ("Completed", held)
+        assert child["answer"] and "error" not in child and "pendingApproval" not in child
+        # await leaves the details to status: absent, not "none".
+        assert not {"children", "usage", "subtree"} & (child.keys() | budgeted.keys())
+        assert budgeted["budget"]["limits"] == {
+            "tokens": 100_000,
+            "toolCalls": None,
+            "seconds": None,
+        }
+        assert "exceeded" not in budgeted["budget"] and "parent" not in budgeted
+        listed = (await call("status", {"handles": [held, kid, bounded]}))["runs"]
+        assert [k["handle"] for k in listed[0]["children"]] == [kid]
+        assert listed[1]["children"] == [] and listed[1]["usage"]["turns"] == 1
+        s.mcp.gate.set()
+        ran = await call("run", {"model": MODEL, "task": task_with(0, "ran")})
+        assert ran["state"] == "Completed" and ran["answerCut"] is False
+        assert "answerChars" not in ran and "answerNextOffset" not in ran
+        await call("await", {"handles": [held], "timeout": 120})
+        assert len(seen) == 8
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -779,7 +861,7 @@ async def test_approve_and_decide(temporal_address: str, mode: str) -> None:
         handle = await spawn(c, task=task_with(1, "appr"), tools=["delete_record"])
         await until(lambda: _state(c, handle, "AwaitingApproval"), "it waits")
         done = result(await c.call_tool("approve", {"handle": handle, "allow": True}))
-        assert done["pendingApproval"] is None
+        assert "pendingApproval" not in done
         (run,) = result(await c.call_tool("await", {"handles": [handle]}))["runs"]
         assert run["state"] == "Completed" and run["toolCalls"] == 1
         assert sum(s.mcp.counts.values()) == 1
@@ -1425,7 +1507,7 @@ async def test_a_run_that_failed_or_was_cancelled_is_a_tool_error_with_its_view(
         view = failed.structured_content
         assert view is not None and view["state"] == "Failed", view
         assert "does not fit the KV pool" in view["error"], view["error"]
-        assert view["answer"] is None and view["handle"].startswith("run-")
+        assert "answer" not in view and view["handle"].startswith("run-")
         assert "does not fit the KV pool" in error_text(failed)  # its text copy says why
         # Stopped by its own budget: Cancelled, no answer, an error as well.
         over = {"model": MODEL, "task": task_with(0, "over"), "budgetTokens": 1}
@@ -1540,7 +1622,7 @@ async def test_a_callers_own_token_sees_and_touches_only_its_runs(
             (run,) = result(await c.call_tool("status", {"handles": [handle]}))["runs"]
             assert run["state"] == "AwaitingApproval"
             denied = result(await c.call_tool("approve", {"handle": handle, "allow": False}))
-            assert denied["pendingApproval"] is None
+            assert "pendingApproval" not in denied
 
 
 @contextlib.asynccontextmanager
@@ -1814,7 +1896,7 @@ def test_a_budget_passed_by_late_work_shows_over_not_exceeded() -> None:
         assert BudgetStatus(limits, used).past_a_limit() == over, used
     b = BudgetStatus(limits, Budget(tokens=130), over="tokens 130/100")
     shown = view(ended(b)).model_dump()["budget"]
-    assert (shown["exceeded"], shown["over"]) == (None, "tokens 130/100")
+    assert (shown.get("exceeded"), shown["over"]) == (None, "tokens 130/100")
     assert shown["used"]["tokens"] == 130
     # A run started with a budget past the door's bounds (before them) still renders.
     huge = view(ended(BudgetStatus(Budget(tokens=10**309), Budget(tokens=5)))).model_dump()
