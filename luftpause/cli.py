@@ -439,7 +439,7 @@ _DELEGATED = {
     "bench": (
         "testkit.bench",
         "measure: `bench overhead` (gateway), `bench temporal`, `bench mcp`, "
-        "`bench flood` (vs the real routers)",
+        "`bench flood|light|routing` (vs the real routers)",
     ),
     "load": (
         "testkit.load_cli",
