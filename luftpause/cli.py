@@ -332,13 +332,16 @@ def _fake_engine(args: argparse.Namespace) -> int:
 def _gateway_parser(sub: Any) -> None:
     p = sub.add_parser(
         "gateway",
-        help="serve the gateway: the OpenAI-compatible proxy that admits turns",
+        help="serve the gateway: the OpenAI-compatible proxy that admits turns, and /mcp",
         description=(
             "Serve the luftpause gateway (one process per pool of engines): "
             "/v1/chat/completions, /v1/responses and /v1/messages (Anthropic) admitted by "
-            "the scheduler and proxied to the engines of the configuration file. Its "
-            "`token` (or LUFTPAUSE_TOKEN, which overrides it), "
-            "when set, is the bearer token /v1/*, /mcp and /status require."
+            "the scheduler and proxied to the engines of the configuration file; the MCP "
+            "door /mcp (sub-agents as tools, run by `luftpause worker` on Temporal); "
+            "/v1/decide (classify an input); /v1/runs and /v1/models; the status page / "
+            "and its JSON /status; /metrics (Prometheus); POST /reload; /health. Its "
+            "`token` (or LUFTPAUSE_TOKEN, which overrides it), when set, is the bearer "
+            "token /v1/*, /mcp, /status, / and /reload require."
         ),
     )
     p.add_argument(
@@ -469,8 +472,17 @@ def _delegated_parser(sub: Any, name: str, wanted: bool) -> None:
 _REPORTS = ("sim", "bench", "load")
 
 
+# What `luftpause --help` says first (the module's docstring is for who reads the code).
+DESCRIPTION = (
+    "luftpause admits agents' LLM turns to a pool of inference engines, knowing which "
+    "turns are one run: an OpenAI-compatible proxy, and an MCP server whose tools run "
+    "sub-agents. Start with `luftpause up` (everything on this machine, with fake "
+    "engines and tools); see README.md."
+)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="luftpause", description=__doc__)
+    parser = argparse.ArgumentParser(prog="luftpause", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     _sim_parser(sub)
     _fake_engine_parser(sub)

@@ -28,7 +28,7 @@ def unknown_model(model: str, served: Iterable[str]) -> str:
     (a harness asking for its own default model, e.g. Claude Code's sub-agents, learns
     what to set instead)."""
     names = ", ".join(sorted(served)) or "none"  # sorted: a map's order is its hashes'
-    return f"no Generative replica serves model '{model}' (served: {names})"
+    return f"no generative replica serves model '{model}' (served: {names})"
 
 
 class SchedulerError(Exception):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import re
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -23,7 +24,9 @@ from gateway._shell import AdmissionShell
 from gateway.app import GatewaySettings, create_app
 from luftpause.config import parse_config
 from scheduler import Event, ServiceClass, TurnArrived
+from testkit._fake_text import LONG_REPLY_TOKENS
 from testkit.loopback import serve
+from tests.workflows.harness import stack
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -186,6 +189,34 @@ async def test_the_anthropic_example_runs_its_loop_on_the_messages_door(
         await harness.until(
             lambda: not shell.state.turns and run_id not in shell.state.runs, "run ended"
         )
+
+
+async def test_the_mcp_example_spawns_two_runs_and_prints_their_answers_whole(
+    temporal_address: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Against the real stack (Temporal, gateway, fake engines and tools, a worker), with
+    # a token: the two runs are the example's caller's, and each answer it printed is the
+    # run's whole answer, the long one's rest read with the `answer` tool.
+    example = _load("mcp_subagents", ROOT / "examples" / "mcp_subagents.py")
+    monkeypatch.setenv("LUFTPAUSE_TOKEN", TOKEN)
+    async with stack(temporal_address, token=TOKEN) as s:
+        argv = ["--url", s.mcp_door, "--caller", "tests/examples/mcp"]
+        assert await asyncio.to_thread(example.main, argv) == 0
+        out = capsys.readouterr().out
+        tools, rest = out.split("\n", 1)
+        assert tools.startswith("tools: ")
+        assert {"spawn", "await", "answer"} <= set(tools.removeprefix("tools: ").split(", "))
+        handles = re.findall(r"^(run-\S+) ", rest, re.MULTILINE)
+        assert len(handles) == 2, out
+        runs = await s.runs.statuses(handles)
+        assert {r.caller for r in runs} == {"tests/examples/mcp"}
+        printed = "".join(
+            f"{r.handle} Completed, {r.usage.tool_calls} tool calls:\n{r.answer}\n" for r in runs
+        )
+        assert rest == printed
+        # The long answer was longer than the await showed (maxChars 1000): its rest came
+        # from `answer`.
+        assert runs[1].answer is not None and len(runs[1].answer) == 4 * LONG_REPLY_TOKENS
 
 
 def test_the_anthropic_example_takes_the_other_examples_base_url() -> None:

@@ -213,7 +213,7 @@ async def test_a_model_any_replica_of_which_lacks_the_api_is_refused_before_queu
         unknown = await gw.post("/v1/messages", json=body | {"model": "nope"})
         assert unknown.status_code == 404
         assert unknown.json()["error"]["message"] == (
-            f"no Generative replica serves model 'nope' (served: {MODEL})"
+            f"no generative replica serves model 'nope' (served: {MODEL})"
         )
         # A client's base URL with /v1, where the client adds it: said so, in its shape.
         r = await gw.post("/v1/v1/messages", json=body)

@@ -1554,7 +1554,7 @@ async def test_unknown_model_is_404_before_queueing() -> None:
         r = await gw.post("/v1/chat/completions", json={**chat(), "model": "gpt-9"})
         assert r.status_code == 404
         assert r.json() == {
-            "error": {"message": f"no Generative replica serves model 'gpt-9' (served: {MODEL})"}
+            "error": {"message": f"no generative replica serves model 'gpt-9' (served: {MODEL})"}
         }
         assert RUN in r.headers
         assert not counted.chats and not shell.state.turns
@@ -1867,7 +1867,7 @@ async def test_models_are_listed_in_the_files_order() -> None:
         gone = await gw.get("/v1/models/meta-llama/Llama-3")
         assert gone.status_code == 404
         assert gone.json()["error"]["message"].startswith(
-            "no Generative replica serves model 'meta-llama/Llama-3' (served: gpt-4o,"
+            "no generative replica serves model 'meta-llama/Llama-3' (served: gpt-4o,"
         )
         posted = await gw.post("/v1/models/gpt-4o", json={})
         assert (posted.status_code, posted.headers["allow"]) == (405, "GET")

@@ -127,7 +127,7 @@ def test_a_run_refused_mid_way_goes_on_and_a_new_one_refused_ends() -> None:
     bed.begin()
     bed.runs.turn_ended("r", finished("tool_calls"), state(RunPhase.PAUSED))
     bed.begin()
-    refused = Rejected(404, "no Generative replica serves model 'm'")
+    refused = Rejected(404, "no generative replica serves model 'm'")
     bed.runs.turn_ended("r", refused, state(RunPhase.PAUSED))
     assert not bed.ended()  # paused on its replica: the client may try again
     bed.begin("new")

@@ -508,3 +508,24 @@ def test_a_fake_says_where_it_serves_only_once_it_does(
         _log_shows(child, says.format(port=port))
     finally:
         child.stop()
+
+
+def test_help_says_what_luftpause_is_and_the_gateway_names_what_it_serves(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # helper-229, a new user: `luftpause --help` printed cli.py's note for developers
+    # ("Subcommands import what they need lazily ..."), and `gateway --help` named the
+    # proxy's routes only.
+    from luftpause.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps its lines
+    assert "lazily" not in text and "Start with `luftpause up`" in text
+    with pytest.raises(SystemExit) as done:
+        main(["gateway", "--help"])
+    assert done.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for route in ("/v1/decide", "/metrics", "/mcp", "/status"):
+        assert route in text, route

@@ -183,7 +183,7 @@ def test_unknown_model_is_rejected_404_before_queueing() -> None:
     tid = d.arrive("r1", model="nope")
     assert d.actions == [
         Reject(
-            turn_id=tid, status=404, message="no Generative replica serves model 'nope' (served: m)"
+            turn_id=tid, status=404, message="no generative replica serves model 'nope' (served: m)"
         )
     ]
     assert tid not in d.state.turns

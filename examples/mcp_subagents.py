@@ -1,0 +1,71 @@
+"""Sub-agents through the luftpause MCP door, on the official `mcp` client.
+
+It lists the door's tools, spawns two runs, awaits both, and prints each answer whole:
+an answer longer than the await's share of `maxChars` comes cut, and the rest is read
+with the `answer` tool from `answerNextOffset`.
+
+    python examples/mcp_subagents.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+from typing import Any
+
+import httpx2
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
+
+URL = "http://127.0.0.1:8080/mcp"
+TASKS: list[dict[str, Any]] = [
+    {"task": "Look up why a paused run keeps its replica.", "tools": ["lookup"]},
+    # `[fake: long]` asks `make up`'s fake engines for a 1,024-token answer (a real model
+    # reads it as part of the task); maxTokens leaves it room.
+    {"task": "Write a long report on agent runs. [fake: long]", "tools": [], "maxTokens": 2048},
+]
+
+
+async def call(client: Client, tool: str, arguments: dict[str, Any]) -> Any:
+    result = await client.call_tool(tool, arguments)
+    if result.is_error:
+        raise RuntimeError(f"{tool}: {result.content}")
+    return result.structured_content
+
+
+async def run(url: str = URL, token: str | None = None, caller: str = "examples/mcp") -> None:
+    headers = {"x-luftpause-caller": caller}
+    if token:
+        headers["authorization"] = f"Bearer {token}"
+    # No read timeout: `await` holds its call open up to its own `timeout`.
+    http = httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(30.0, read=None))
+    async with http, Client(streamable_http_client(url, http_client=http)) as client:
+        listed = await client.list_tools()
+        print("tools:", ", ".join(t.name for t in listed.tools))
+        handles = [(await call(client, "spawn", spec))["handle"] for spec in TASKS]
+        done = False
+        while not done:  # `await` gives back what has ended after its timeout
+            args = {"handles": handles, "timeout": 60, "maxChars": 1000}
+            awaited = await call(client, "await", args)
+            done = awaited["done"]
+        for r in awaited["runs"]:
+            answer, offset = r["answer"] or "", r["answerNextOffset"]
+            while offset is not None:  # the rest, a page at a time
+                page = await call(client, "answer", {"handle": r["handle"], "offset": offset})
+                answer, offset = answer + page["text"], page["nextOffset"]
+            print(f"{r['handle']} {r['state']}, {r['toolCalls']} tool calls:\n{answer}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--url", default=os.environ.get("LUFTPAUSE_MCP_URL", URL))
+    parser.add_argument("--token", default=os.environ.get("LUFTPAUSE_TOKEN"))
+    parser.add_argument("--caller", default=os.environ.get("LUFTPAUSE_CALLER", "examples/mcp"))
+    args = parser.parse_args(argv)
+    asyncio.run(run(args.url, args.token, args.caller))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
