@@ -50,7 +50,8 @@ async def run(url: str = URL, token: str | None = None, caller: str = "examples/
             awaited = await call(client, "await", args)
             done = awaited["done"]
         for r in awaited["runs"]:
-            answer, offset = r["answer"] or "", r["answerNextOffset"]
+            # (A field that is null is left out: no answer yet, or an answer whole.)
+            answer, offset = r.get("answer") or "", r.get("answerNextOffset")
             while offset is not None:  # the rest, a page at a time
                 page = await call(client, "answer", {"handle": r["handle"], "offset": offset})
                 answer, offset = answer + page["text"], page["nextOffset"]
