@@ -49,6 +49,14 @@ address = "127.0.0.1:7233"
 namespace = "default"
 task_queue = "luftpause"
 
+[worker]                 # optional: what one `luftpause worker` takes at once, under
+                         # temporalio's names (the flags of `luftpause worker` override)
+max_concurrent_activities = 1000
+# max_concurrent_workflow_tasks = 100       # unset: the SDK's defaults, as shown
+# max_cached_workflows = 1000
+# max_concurrent_workflow_task_polls = 5
+# max_concurrent_activity_task_polls = 5
+
 [discovery]              # optional: for endpoints with discover; defaults shown
 period_s = 5.0           # how often their names are resolved again
 timeout_s = 2.0
@@ -683,6 +691,74 @@ def is_address(host: str) -> bool:
     return True
 
 
+# `[worker]`: how many of each a worker may hold, least and most.  Slots: far past what
+# one process runs (each LLM turn holds a connection to the gateway).  Cached workflows:
+# temporalio's core sets aside memory for every entry as the worker starts (10**12 was
+# an abort asking for 37 TB, not an error).  Polls: 100, the most the SDK's autoscaling
+# poller opens by default.
+WORKER_COUNTS: Mapping[str, tuple[int, int]] = {
+    "max_concurrent_activities": (1, 100_000),
+    "max_concurrent_workflow_tasks": (1, 100_000),
+    "max_cached_workflows": (0, 100_000),
+    "max_concurrent_workflow_task_polls": (1, 100),
+    "max_concurrent_activity_task_polls": (1, 100),
+}
+# Activities at once.  An LLM turn holds its slot while the gateway holds the turn in
+# its queue, as long as that takes (an idle HTTP request and a heartbeat every few
+# seconds); with the SDK's default of 100, a backlog of held turns would keep the tool
+# calls of runs that could go on from starting.  As many as the gateway connections.
+MAX_CONCURRENT_ACTIVITIES = 1000
+
+
+class WorkerOptions(BaseModel):
+    """`[worker]`: how much of the task queue's work one `luftpause worker` takes at once,
+    under the names temporalio's `Worker` gives them.  None: the SDK's default.  Read at
+    the worker's start; `luftpause worker`'s flags of the same names override them."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
+
+    max_concurrent_activities: int = MAX_CONCURRENT_ACTIVITIES
+    # Workflow tasks at once (the SDK's default: 100): the runs' steps between turns and
+    # tool calls, which run on the worker's one event loop.
+    max_concurrent_workflow_tasks: int | None = None
+    # Runs kept in memory between their workflow tasks (the SDK's default: 1000).  A run
+    # that is not kept replays its history on its next one; 0 keeps none, and turns the
+    # sticky queue off.
+    max_cached_workflows: int | None = None
+    # Long polls held open for workflow tasks and for activity tasks (the SDK's default:
+    # 5 each).
+    max_concurrent_workflow_task_polls: int | None = None
+    max_concurrent_activity_task_polls: int | None = None
+
+    @field_validator(*WORKER_COUNTS, mode="before")
+    @classmethod
+    def _count(cls, v: object, info: ValidationInfo) -> object:
+        # (Said for every field with its range: the SDK takes 0 activities as its
+        # default of 100, without a word.)
+        least, most = WORKER_COUNTS[info.field_name or ""]
+        if v is not None and (
+            isinstance(v, bool) or not isinstance(v, int) or not least <= v <= most
+        ):
+            raise ValueError(f"expected a whole number {least}-{most}, got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _cached_needs_two(self) -> WorkerOptions:
+        # A worker that caches runs polls its sticky queue beside the shared one:
+        # temporalio refuses one poll then (its core's check), and its docs ask for two
+        # workflow-task slots (temporalio/worker/_worker.py, max_concurrent_workflow_tasks).
+        if self.max_cached_workflows == 0:
+            return self
+        for key in ("max_concurrent_workflow_tasks", "max_concurrent_workflow_task_polls"):
+            if getattr(self, key) == 1:
+                raise ValueError(
+                    f"{key} = 1, but a worker that caches runs (max_cached_workflows "
+                    "above 0; the SDK's default is 1000) needs at least 2, one for its sticky "
+                    "queue: give 2 or more, or max_cached_workflows = 0"
+                )
+        return self
+
+
 _POLICY = Policy()
 # strict: TOML's true/false are not shares (false would read as 0.0: lanes on at 0).
 _Share = Annotated[float, Field(gt=0, le=1, strict=True)]
@@ -787,6 +863,7 @@ class Config(BaseModel):
     policy: PolicyConfig = PolicyConfig()
     probes: Probes = Probes()
     discovery: Discovery = Discovery()
+    worker: WorkerOptions = WorkerOptions()
     # The base URL sub-agents' LLM turns go to: the gateway (default), or a peer router
     # when a benchmark compares them.
     gateway_url: str = "http://127.0.0.1:8080"
@@ -1031,6 +1108,21 @@ class Config(BaseModel):
         by_name = {x.name: x for x in self.endpoints}
         each = [by_name[n].slots or (reported or {}).get(n) for n in e.load_from]
         return None if None in each else sum(n or 0 for n in each)
+
+    def with_worker(self, given: Mapping[str, int], flags: Mapping[str, str]) -> Config:
+        """This configuration with `[worker]` keys replaced by `given` (the worker's flags),
+        checked together as the file's are: a ConfigError names the key, the flag it
+        came from (`flags`: key -> flag) and what is accepted."""
+        data = {**self.worker.model_dump(exclude_unset=True), **given}
+        try:
+            worker = WorkerOptions.model_validate(data)
+        except ValidationError as exc:
+            from_flags = {f"worker.{key}": flag for key, flag in flags.items()}
+            said = "; ".join(
+                _describe({**e, "loc": ("worker", *e["loc"])}, from_flags) for e in exc.errors()
+            )
+            raise ConfigError(said) from None
+        return self.model_copy(update={"worker": worker})
 
     def replica_specs(self) -> list[ReplicaSpec]:
         """The replicas as the scheduler core sees them."""

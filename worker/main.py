@@ -17,12 +17,13 @@ import math
 import os
 import signal
 from datetime import timedelta
+from typing import Any
 
 import httpx
 from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest
 from temporalio.client import Client
 from temporalio.service import RPCError, RPCStatusCode
-from temporalio.worker import Worker
+from temporalio.worker import PollerBehaviorSimpleMaximum, Worker
 
 from activities import LlmActivities, ToolActivities
 from activities.mcp_pool import McpPool
@@ -30,7 +31,14 @@ from activities.tools import check_arguments
 from luftpause import telemetry
 from luftpause._args import seconds
 from luftpause._process import freeze_heap
-from luftpause.config import Config, ConfigError, Temporal, load_config
+from luftpause.config import (
+    MAX_CONCURRENT_ACTIVITIES,
+    Config,
+    ConfigError,
+    Temporal,
+    WorkerOptions,
+    load_config,
+)
 from luftpause.net import KEEPALIVE
 from workflows import AgentRun
 
@@ -41,11 +49,8 @@ log = logging.getLogger(__name__)
 STICKY_TIMEOUT = timedelta(seconds=2)
 GRACEFUL_SHUTDOWN = timedelta(seconds=10)
 GATEWAY_CONNECT_TIMEOUT_S = 2.0
-# Activities at once.  An LLM turn holds its slot while the gateway holds the turn in
-# its queue, as long as that takes (an idle HTTP request and a heartbeat every few
-# seconds); with the SDK's default of 100, a backlog of held turns would keep the tool
-# calls of runs that could go on from starting.  As many as the gateway connections.
-MAX_CONCURRENT_ACTIVITIES = 1000
+# `[worker]` not given: 1000 activity slots, the SDK's defaults for the rest.
+UNSET_WORKER_OPTIONS = WorkerOptions()
 # Temporal may come up after the worker (compose, k8s, a restarted dev server whose port
 # opens before it serves): keep trying this long before giving up.
 TEMPORAL_CONNECT_PATIENCE_S = 60.0
@@ -114,12 +119,30 @@ def build_worker(
     llm: LlmActivities,
     tools: ToolActivities,
     shutdown_grace: timedelta = GRACEFUL_SHUTDOWN,
+    options: WorkerOptions = UNSET_WORKER_OPTIONS,
 ) -> Worker:
     """The worker for one task queue, with every workflow and activity registered (and
     Temporal's tracing interceptor, when tracing is on).  `shutdown_grace`: how long
     its activities may go on after a stop before they are cancelled (a turn cut so
     runs again from its start on the next worker; a tool call cut so is one that broke
-    off: sent again if its tool is repeatable, else told to the model as unknown)."""
+    off: sent again if its tool is repeatable, else told to the model as unknown).
+    `options`: `[worker]`'s slots, cache and polls; those unset keep the SDK's
+    defaults."""
+    sized: dict[str, Any] = {}
+    if options.max_concurrent_workflow_tasks is not None:
+        sized["max_concurrent_workflow_tasks"] = options.max_concurrent_workflow_tasks
+    if options.max_cached_workflows is not None:
+        sized["max_cached_workflows"] = options.max_cached_workflows
+    # (The poller behaviour, not the SDK's max_concurrent_*_task_polls, which it
+    # deprecates for it.)
+    if options.max_concurrent_workflow_task_polls is not None:
+        sized["workflow_task_poller_behavior"] = PollerBehaviorSimpleMaximum(
+            maximum=options.max_concurrent_workflow_task_polls
+        )
+    if options.max_concurrent_activity_task_polls is not None:
+        sized["activity_task_poller_behavior"] = PollerBehaviorSimpleMaximum(
+            maximum=options.max_concurrent_activity_task_polls
+        )
     return Worker(
         client,
         task_queue=task_queue,
@@ -132,20 +155,20 @@ def build_worker(
             tools.call_tool,
             check_arguments,
         ],
-        max_concurrent_activities=MAX_CONCURRENT_ACTIVITIES,
+        max_concurrent_activities=options.max_concurrent_activities,
         sticky_queue_schedule_to_start_timeout=STICKY_TIMEOUT,
         graceful_shutdown_timeout=shutdown_grace,
+        **sized,
     )
 
 
-def gateway_client() -> httpx.AsyncClient:
+def gateway_client(activities: int = MAX_CONCURRENT_ACTIVITIES) -> httpx.AsyncClient:
     """The worker's client for the gateway: turns wait as long as they are held (no read
     timeout), on connections that TCP keepalive checks (a gateway host that went away
     without closing them is noticed within ~60 s, and the attempt fails and is
-    retried)."""
-    limits = httpx.Limits(
-        max_connections=MAX_CONCURRENT_ACTIVITIES + 24, max_keepalive_connections=256
-    )
+    retried).  `activities`: the worker's activity slots, each of which may hold a
+    turn, and so a connection."""
+    limits = httpx.Limits(max_connections=activities + 24, max_keepalive_connections=256)
     return httpx.AsyncClient(
         timeout=httpx.Timeout(None, connect=GATEWAY_CONNECT_TIMEOUT_S),
         transport=httpx.AsyncHTTPTransport(limits=limits, socket_options=KEEPALIVE),
@@ -167,7 +190,7 @@ async def serve(
         return  # asked to stop while Temporal was not there yet
     await _namespace_exists(client, t)
     pool = McpPool(config.mcp_servers)
-    async with gateway_client() as http:
+    async with gateway_client(config.worker.max_concurrent_activities) as http:
         llm = LlmActivities(http, base_url=config.gateway_url, token=token)
         worker = build_worker(
             client,
@@ -175,6 +198,7 @@ async def serve(
             llm=llm,
             tools=ToolActivities(pool),
             shutdown_grace=shutdown_grace,
+            options=config.worker,
         )
         # A full collection stops the loop, and with it the workflow tasks and the
         # activities of every run this worker carries (luftpause._process.freeze_heap).
@@ -198,6 +222,17 @@ async def serve(
             await pool.aclose()
 
 
+# `[worker]`'s keys, each a flag of the same name that overrides the file's value.
+WORKER_FLAGS: dict[str, str] = {
+    "max_concurrent_activities": "activities at once: LLM turns, tool calls (default 1000)",
+    "max_concurrent_workflow_tasks": "workflow tasks at once (default: the SDK's, 100)",
+    "max_cached_workflows": "runs kept in memory between their workflow tasks, 0 for none "
+    "(default: the SDK's, 1000)",
+    "max_concurrent_workflow_task_polls": "long polls for workflow tasks (default: the SDK's, 5)",
+    "max_concurrent_activity_task_polls": "long polls for activity tasks (default: the SDK's, 5)",
+}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--config",
@@ -214,6 +249,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "they are cancelled (a turn runs again on the next worker; a tool call is one that "
         "broke off: sent again only if its tool is repeatable) (default %(default)g)",
     )
+    for key, what in WORKER_FLAGS.items():
+        p.add_argument(
+            "--" + key.replace("_", "-"),
+            type=int,
+            metavar="N",
+            help=f"override [worker] {key}: {what}",
+        )
+
+
+def with_flags(config: Config, args: argparse.Namespace) -> Config:
+    """`config` with the `[worker]` values its flags give; ConfigError naming the key and
+    the flag for a value it does not take (before anything starts)."""
+    given = {key: getattr(args, key) for key in WORKER_FLAGS if getattr(args, key) is not None}
+    flags = {key: "--" + key.replace("_", "-") for key in given}
+    return config.with_worker(given, flags) if given else config
 
 
 def run(args: argparse.Namespace) -> int:
@@ -226,6 +276,10 @@ def run(args: argparse.Namespace) -> int:
     if args.task_queue:
         temporal = config.temporal.model_copy(update={"task_queue": args.task_queue})
         config = config.model_copy(update={"temporal": temporal})
+    try:
+        config = with_flags(config, args)
+    except ConfigError as exc:
+        raise SystemExit(f"luftpause worker: {exc}") from None
     token = config.token
     for line in config.unset_keys(os.environ, worker=True):
         logging.getLogger("luftpause.worker").warning("%s", line)

@@ -910,6 +910,10 @@ _TABLES = {
     "temporal": ["address", "namespace", "task_queue"],
     "probes": ["period_s", "timeout_s", "late_to_unhealthy"],
     "discovery": ["period_s", "timeout_s", "family", "nameservers"],
+    "worker": [
+        "max_concurrent_activities", "max_cached_workflows",
+        "max_concurrent_workflow_tasks", "max_concurrent_workflow_task_polls",
+    ],
     "policy": [
         "turn_timeout_s", "batch_kv_fill", "kv_fill", "lane_batch_kv_fill", "kv_admission",
         "eject_after_failures", "max_held_per_caller", "cap_increase",
@@ -1015,3 +1019,112 @@ def test_endpoints_sharing_a_url_are_named() -> None:
         "endpoints a, b have the same url http://h:1: one engine counted as several "
         "replicas (its slots and KV pool each time); give it one endpoint with all its models"
     ]
+
+
+def test_the_worker_section_sizes_the_worker_and_unset_keys_keep_the_sdks(
+    tmp_path: Path,
+) -> None:
+    endpoint = '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+    default = load_config(_write(tmp_path, endpoint)).worker
+    assert default.max_concurrent_activities == 1000  # luftpause's, not the SDK's 100
+    assert default.model_dump(exclude={"max_concurrent_activities"}) == dict.fromkeys(
+        [
+            "max_concurrent_workflow_tasks",
+            "max_cached_workflows",
+            "max_concurrent_workflow_task_polls",
+            "max_concurrent_activity_task_polls",
+        ]
+    )
+    path = _write(
+        tmp_path,
+        endpoint + "[worker]\nmax_concurrent_activities=16\nmax_concurrent_workflow_tasks=8\n"
+        "max_cached_workflows=5000\nmax_concurrent_workflow_task_polls=2\n"
+        "max_concurrent_activity_task_polls=10\n",
+    )
+    assert load_config(path).worker.model_dump() == {
+        "max_concurrent_activities": 16,
+        "max_concurrent_workflow_tasks": 8,
+        "max_cached_workflows": 5000,
+        "max_concurrent_workflow_task_polls": 2,
+        "max_concurrent_activity_task_polls": 10,
+    }
+    # Without a cache, one poll and one workflow-task slot are enough.
+    path = _write(
+        tmp_path,
+        endpoint + "[worker]\nmax_cached_workflows=0\nmax_concurrent_workflow_task_polls=1\n"
+        "max_concurrent_workflow_tasks=1\n",
+    )
+    assert load_config(path).worker.max_concurrent_workflow_task_polls == 1
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        # 0 activities: the SDK would have taken it as its default of 100, without a word.
+        ("max_concurrent_activities=0", "worker.max_concurrent_activities: expected a whole "
+         "number 1-100000, got 0"),
+        ("max_concurrent_activities=100001", "worker.max_concurrent_activities: expected a "
+         "whole number 1-100000, got 100001"),
+        ('max_concurrent_activities="64"', "worker.max_concurrent_activities: expected a "
+         "whole number 1-100000, got '64'"),
+        ("max_concurrent_workflow_tasks=true", "worker.max_concurrent_workflow_tasks: "
+         "expected a whole number 1-100000, got True"),
+        ("max_concurrent_workflow_tasks=2.0", "worker.max_concurrent_workflow_tasks: "
+         "expected a whole number 1-100000, got 2.0"),
+        # The SDK's core sets memory aside for each: 10**12 aborted the process.
+        ("max_cached_workflows=1000000000000", "worker.max_cached_workflows: expected a "
+         "whole number 0-100000, got 1000000000000"),
+        ("max_cached_workflows=-1", "worker.max_cached_workflows: expected a whole number "
+         "0-100000, got -1"),
+        ("max_concurrent_workflow_task_polls=0", "worker.max_concurrent_workflow_task_polls: "
+         "expected a whole number 1-100, got 0"),
+        ("max_concurrent_activity_task_polls=101", "worker.max_concurrent_activity_task_polls: "
+         "expected a whole number 1-100, got 101"),
+        # With the cache (the SDK's default), a sticky queue beside the shared one.
+        ("max_concurrent_workflow_task_polls=1", "worker: max_concurrent_workflow_task_polls "
+         "= 1, but a worker that caches runs (max_cached_workflows above 0; the SDK's default "
+         "is 1000) needs at least 2"),
+        ("max_cached_workflows=10\nmax_concurrent_workflow_tasks=1", "worker: "
+         "max_concurrent_workflow_tasks = 1, but a worker that caches runs"),
+        ("max_concurrent_activites=8", "worker.max_concurrent_activites: unknown field (did "
+         "you mean max_concurrent_activities?)"),
+    ],
+)  # fmt: skip
+def test_a_worker_setting_out_of_range_is_refused_naming_the_key_and_the_range(
+    tmp_path: Path, setting: str, message: str
+) -> None:
+    path = _write(
+        tmp_path,
+        '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+        f"[worker]\n{setting}\n",
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value).startswith(f"{path}: worker"), err.value
+    assert message in str(err.value)
+
+
+def test_the_worker_flags_override_the_file_and_are_checked_with_it(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path,
+        '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+        "[worker]\nmax_concurrent_activities=64\nmax_cached_workflows=0\n"
+        "max_concurrent_workflow_task_polls=1\n",
+    )
+    config = load_config(path)
+    flag = {"max_concurrent_activities": "--max-concurrent-activities"}
+    changed = config.with_worker({"max_concurrent_activities": 8}, flag)
+    assert changed.worker.max_concurrent_activities == 8
+    assert changed.worker.max_concurrent_workflow_task_polls == 1  # the file's, kept
+    assert config.worker.max_concurrent_activities == 64  # (a copy)
+    with pytest.raises(ConfigError) as err:
+        config.with_worker({"max_concurrent_activities": 0}, flag)
+    assert str(err.value) == (
+        "worker.max_concurrent_activities (from --max-concurrent-activities): expected a "
+        "whole number 1-100000, got 0"
+    )
+    # A cache given by a flag, with the file's one poll: refused together.
+    with pytest.raises(ConfigError, match="max_concurrent_workflow_task_polls = 1, but"):
+        config.with_worker(
+            {"max_cached_workflows": 100}, {"max_cached_workflows": "--max-cached-workflows"}
+        )

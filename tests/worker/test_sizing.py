@@ -1,0 +1,103 @@
+"""`[worker]` and `luftpause worker`'s flags reach temporalio's Worker: activity and
+workflow-task slots, the workflow cache and the pollers."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import httpx
+from temporalio.client import Client
+from temporalio.worker import PollerBehaviorSimpleMaximum
+
+from activities import LlmActivities, ToolActivities
+from activities.mcp_pool import McpPool
+from luftpause.config import WorkerOptions, load_config
+from worker.main import add_arguments, build_worker, with_flags
+
+CONFIG = '[[endpoints]]\nname = "e"\nurl = "http://127.0.0.1:9"\nkind = "sglang"\nmodels = ["m"]\n'
+
+
+async def _built(address: str, options: WorkerOptions | None = None) -> dict[str, object]:
+    """The configuration of a worker `build_worker` makes (as the SDK reports it)."""
+    client = await Client.connect(address)
+    async with httpx.AsyncClient() as http:
+        llm = LlmActivities(http, base_url="http://127.0.0.1:9")
+        tools = ToolActivities(McpPool([]))
+        queue = f"sizing-{uuid.uuid4().hex[:8]}"
+        if options is None:
+            worker = build_worker(client, task_queue=queue, llm=llm, tools=tools)
+        else:
+            worker = build_worker(client, task_queue=queue, llm=llm, tools=tools, options=options)
+        return dict(worker.config(active_config=True))
+
+
+async def test_the_worker_is_built_with_the_configured_slots_cache_and_pollers(
+    temporal_address: str,
+) -> None:
+    options = WorkerOptions(
+        max_concurrent_activities=16,
+        max_concurrent_workflow_tasks=8,
+        max_cached_workflows=4000,
+        max_concurrent_workflow_task_polls=3,
+        max_concurrent_activity_task_polls=12,
+    )
+    config = await _built(temporal_address, options)
+    assert config["max_concurrent_activities"] == 16
+    assert config["max_concurrent_workflow_tasks"] == 8
+    assert config["max_cached_workflows"] == 4000
+    assert config["workflow_task_poller_behavior"] == PollerBehaviorSimpleMaximum(maximum=3)
+    assert config["activity_task_poller_behavior"] == PollerBehaviorSimpleMaximum(maximum=12)
+    assert config.get("tuner") is None  # fixed counts (a tuner would exclude them)
+
+
+async def test_without_a_worker_section_the_sdks_defaults_stand_but_1000_activities(
+    temporal_address: str,
+) -> None:
+    config = await _built(temporal_address)
+    assert config["max_concurrent_activities"] == 1000
+    assert config.get("max_concurrent_workflow_tasks") is None  # the SDK's 100
+    assert config["max_cached_workflows"] == 1000  # the SDK's default, passed on as it is
+    assert config["workflow_task_poller_behavior"] == PollerBehaviorSimpleMaximum(maximum=5)
+    assert config["activity_task_poller_behavior"] == PollerBehaviorSimpleMaximum(maximum=5)
+
+
+def test_the_flags_override_the_files_worker_section(tmp_path: Path) -> None:
+    path = tmp_path / "luftpause.toml"
+    path.write_text(
+        CONFIG + "[worker]\nmax_concurrent_activities = 64\nmax_cached_workflows = 10\n"
+    )
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(
+        ["--max-concurrent-activities", "4", "--max-concurrent-workflow-task-polls", "2"]
+    )
+    worker = with_flags(load_config(path), args).worker
+    assert worker.max_concurrent_activities == 4
+    assert worker.max_concurrent_workflow_task_polls == 2
+    assert worker.max_cached_workflows == 10  # no flag: the file's
+    unchanged = with_flags(load_config(path), p.parse_args([])).worker
+    assert unchanged.max_concurrent_activities == 64
+
+
+def test_a_bad_flag_value_is_refused_before_the_worker_connects(tmp_path: Path) -> None:
+    path = tmp_path / "luftpause.toml"
+    # Temporal at a port nothing listens on: a worker that got past the check would
+    # retry for a minute, not exit at once.
+    path.write_text(CONFIG + '[temporal]\naddress = "127.0.0.1:9"\n')
+    out = subprocess.run(
+        [sys.executable, "-m", "luftpause", "worker", "--config", str(path)]
+        + ["--max-concurrent-activities", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.strip() == (
+        "luftpause worker: worker.max_concurrent_activities (from "
+        "--max-concurrent-activities): expected a whole number 1-100000, got 0"
+    )
