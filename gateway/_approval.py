@@ -128,8 +128,12 @@ def message(status: RunStatus) -> str:
     assert p is not None
     args = arguments_json(p.arguments)
     if len(args) > PREVIEW_CHARS:
+        # The maxChars that shows them whole: a status with its default (30,000) shows
+        # only the start of a file-writing call's 100,000 characters.
+        n = len(args)
         args = (
-            f"{args[:PREVIEW_CHARS]}… ({len(args):,} characters in all; `status` shows them whole)"
+            f"{args[:PREVIEW_CHARS]}… ({n:,} characters in all; `status` of this run with "
+            f"maxChars {n} or more shows them whole)"
         )
     return f"Sub-agent {status.handle} wants to call {p.described} with {args}. Allow it?"
 

@@ -29,7 +29,8 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 from mcp_types import CallToolResult, ElicitResult, EmptyResult, TextContent
 
-from gateway.mcp_door import RESULT_ANSWER_CHARS, answer_shares
+from gateway._approval import message
+from gateway.mcp_door import RESULT_ANSWER_CHARS, answer_shares, view
 from luftpause.config import McpServer
 from luftpause.temporal_dev import DevServer, free_port
 from testkit._fake_text import _MAX_REPLY_TOKENS, LONG_ARGS_END, LONG_REPLY_TOKENS
@@ -60,7 +61,7 @@ from tests.workflows.harness import (
     task_with,
     until,
 )
-from workflows import RunError
+from workflows import PendingApproval, RunError, RunStatus, Totals
 
 MODES = ["legacy", "2026-07-28"]
 
@@ -635,7 +636,10 @@ async def test_a_pending_calls_long_arguments_are_bounded_and_the_question_says_
         assert text.text == _compact(run) and len(text.text) < 2000  # (whole: past 4,000)
         # The question: the start of the same JSON, said to be one, and how long it is.
         assert len(asked) == 1, asked
-        note = f"… ({len(whole):,} characters in all; `status` shows them whole). Allow it?"
+        note = (
+            f"… ({len(whole):,} characters in all; `status` of this run with maxChars "
+            f"{len(whole)} or more shows them whole). Allow it?"
+        )
         assert asked[0].endswith(f"{whole[:500]}{note}"), asked[0][-300:]
 
         (shown,) = result(
@@ -691,29 +695,30 @@ async def test_answers_and_pending_arguments_share_max_chars(temporal_address: s
         result(await c.call_tool("approve", {"handle": asks, "allow": False}))
 
 
+def _asking(arguments: Any) -> RunStatus:
+    """A run awaiting approval of a write_file call with these arguments."""
+    pending = PendingApproval("call_1", "write_file", arguments, "fs")
+    return RunStatus(
+        handle="run-x", state="AwaitingApproval", task="t", model=MODEL,
+        service_class="batch", caller="c", parent=None, root="run-x", children=[],
+        usage=Totals(), subtree=Totals(), pending_approval=pending,
+    )  # fmt: skip
+
+
 def test_an_approval_question_says_when_it_shows_only_the_arguments_start() -> None:
     # The question cut the arguments' JSON at 500 characters without a word: a user
     # could allow a call having seen only its start.  (Every path asks with it: legacy
     # elicitation, 2026-07-28 input requests, the Tasks extension's statusMessage.)
-    from gateway._approval import message
-    from workflows import PendingApproval, RunStatus, Totals
-
     preview = 500  # (_approval.PREVIEW_CHARS)
-
-    def asking(arguments: Any) -> RunStatus:
-        pending = PendingApproval("call_1", "write_file", arguments, "fs")
-        return RunStatus(
-            handle="run-x", state="AwaitingApproval", task="t", model=MODEL,
-            service_class="batch", caller="c", parent=None, root="run-x", children=[],
-            usage=Totals(), subtree=Totals(), pending_approval=pending,
-        )  # fmt: skip
+    asking = _asking
 
     content = "«" + "x" * 12_000
     text = message(asking({"path": "a.txt", "content": content}))
     whole = _compact({"path": "a.txt", "content": content})
     assert text == (
         f"Sub-agent run-x wants to call write_file (of fs) with {whole[:preview]}… "
-        f"({len(whole):,} characters in all; `status` shows them whole). Allow it?"
+        f"({len(whole):,} characters in all; `status` of this run with maxChars "
+        f"{len(whole)} or more shows them whole). Allow it?"
     )
     assert "12,0" in text and "\\u00ab" not in text
     # Whole, as it is, when it fits.
@@ -724,6 +729,21 @@ def test_an_approval_question_says_when_it_shows_only_the_arguments_start() -> N
     exact = {"c": "y" * (preview - len('{"c":""}'))}
     assert len(_compact(exact)) == preview
     assert "characters in all" not in message(asking(exact))
+
+
+def test_an_approval_question_names_the_max_chars_that_shows_long_arguments_whole() -> None:
+    # A file-writing call's 100,000 characters of content: the question said "`status`
+    # shows them whole", but `status` with its default maxChars shows their start.
+    st = _asking({"path": "a.txt", "content": "x" * 100_000})
+    assert st.pending_approval is not None
+    n = len(_compact(st.pending_approval.arguments))
+    assert view(st).pendingApproval.argumentsChars == n  # type: ignore[union-attr]
+    shown = view(st, max_chars=n).pendingApproval
+    assert shown is not None and shown.arguments == st.pending_approval.arguments
+    assert message(st).endswith(
+        f"… ({n:,} characters in all; `status` of this run with maxChars {n} or more "
+        "shows them whole). Allow it?"
+    )
 
 
 @pytest.mark.parametrize("mode", MODES)
