@@ -30,7 +30,7 @@ from mcp.shared.exceptions import MCPError
 from mcp_types import CallToolResult, ElicitResult, EmptyResult, TextContent
 
 from gateway._approval import message
-from gateway.mcp_door import RESULT_ANSWER_CHARS, answer_shares, view
+from gateway.mcp_door import RESULT_ANSWER_CHARS, answer_shares, view, views
 from luftpause.config import McpServer
 from luftpause.temporal_dev import DevServer, free_port
 from testkit._fake_text import _MAX_REPLY_TOKENS, LONG_ARGS_END, LONG_REPLY_TOKENS
@@ -729,6 +729,22 @@ def test_an_approval_question_says_when_it_shows_only_the_arguments_start() -> N
     exact = {"c": "y" * (preview - len('{"c":""}'))}
     assert len(_compact(exact)) == preview
     assert "characters in all" not in message(asking(exact))
+
+
+def test_pending_arguments_share_max_chars_by_their_compact_json_length() -> None:
+    # A result's text copy writes the arguments as compact JSON, « as itself: 2,000
+    # characters here.  Counted as json.dumps writes them (6 for each «, 11,931), they
+    # would look longer than the answer beside them and cut it, the two fitting.
+    asks = _asking({"content": "«" * 1986})
+    assert asks.pending_approval is not None
+    assert len(_compact(asks.pending_approval.arguments)) == 2000
+    answered = dataclasses.replace(
+        _asking(None), handle="run-y", state="Completed", answer="a" * 2050, pending_approval=None
+    )
+    shown = views([asks, answered], 4050)
+    assert shown[0].pendingApproval is not None and shown[0].pendingApproval.argumentsChars is None
+    assert shown[0].pendingApproval.arguments == asks.pending_approval.arguments
+    assert shown[1].answer == answered.answer and shown[1].answerChars is None
 
 
 def test_an_approval_question_names_the_max_chars_that_shows_long_arguments_whole() -> None:
