@@ -4,15 +4,19 @@ workflow-task slots, the workflow cache and the pollers."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
 import httpx
+import pytest
 from temporalio.client import Client
-from temporalio.worker import PollerBehaviorSimpleMaximum
+from temporalio.worker import PollerBehaviorSimpleMaximum, Worker
 
+import worker.main as worker_main
 from activities import LlmActivities, ToolActivities
 from activities.mcp_pool import McpPool
 from luftpause.config import WorkerOptions, load_config
@@ -63,6 +67,43 @@ async def test_without_a_worker_section_the_sdks_defaults_stand_but_1000_activit
     assert config["max_cached_workflows"] == 1000  # the SDK's default, passed on as it is
     assert config["workflow_task_poller_behavior"] == PollerBehaviorSimpleMaximum(maximum=5)
     assert config["activity_task_poller_behavior"] == PollerBehaviorSimpleMaximum(maximum=5)
+
+
+async def test_the_worker_that_serve_runs_is_sized_by_the_files_worker_section(
+    temporal_address: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What `luftpause worker` runs (serve), not build_worker alone: the file's
+    # [worker] reaches the Worker, and its pool of connections to the gateway is sized
+    # from the activity slots (a held turn keeps its slot and its connection).
+    path = tmp_path / "luftpause.toml"
+    path.write_text(
+        CONFIG
+        + f'[temporal]\naddress = "{temporal_address}"\n'
+        + f'task_queue = "sizing-{uuid.uuid4().hex[:8]}"\n'
+        + "[worker]\nmax_concurrent_activities = 7\nmax_cached_workflows = 3\n"
+    )
+    built: dict[str, Any] = {}
+    ready = asyncio.Event()
+
+    def spy(*args: Any, **kwargs: Any) -> Worker:
+        built["worker"] = build_worker(*args, **kwargs)
+        built["llm"] = kwargs["llm"]
+        ready.set()
+        return built["worker"]
+
+    monkeypatch.setattr(worker_main, "build_worker", spy)
+    stop = asyncio.Event()
+    serving = asyncio.create_task(worker_main.serve(load_config(path, env={}), None, stop))
+    try:
+        await asyncio.wait_for(ready.wait(), 30)
+        config = built["worker"].config(active_config=True)
+        assert (config["max_concurrent_activities"], config["max_cached_workflows"]) == (7, 3)
+        # (httpcore's pool, under httpx's transport: its bound on connections.)
+        pool = built["llm"]._http._transport._pool
+        assert pool._max_connections == 7 + 24
+    finally:
+        stop.set()
+        await asyncio.wait_for(serving, 30)
 
 
 def test_the_flags_override_the_files_worker_section(tmp_path: Path) -> None:
