@@ -2,7 +2,8 @@
 
 It lists the door's tools, spawns two runs, awaits both, and prints each answer whole:
 an answer longer than the await's share of `maxChars` comes cut, and the rest is read
-with the `answer` tool from `answerNextOffset`.
+with the `answer` tool from `answerNextOffset`.  A run that failed or was cancelled (its
+budget, a cancel) has no answer: its `error` says why.
 
     python examples/mcp_subagents.py
 """
@@ -55,7 +56,11 @@ async def run(url: str = URL, token: str | None = None, caller: str = "examples/
             while offset is not None:  # the rest, a page at a time
                 page = await call(client, "answer", {"handle": r["handle"], "offset": offset})
                 answer, offset = answer + page["text"], page["nextOffset"]
-            print(f"{r['handle']} {r['state']}, {r['toolCalls']} tool calls:\n{answer}")
+            print(f"{r['handle']} {r['state']}, {r['toolCalls']} tool calls:")
+            if answer:
+                print(answer)
+            if "error" in r:  # why it failed or was cancelled (a budget, a cancel)
+                print(f"error: {r['error']}")
 
 
 def main(argv: list[str] | None = None) -> int:

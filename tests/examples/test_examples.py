@@ -219,6 +219,22 @@ async def test_the_mcp_example_spawns_two_runs_and_prints_their_answers_whole(
         assert runs[1].answer is not None and len(runs[1].answer) == 4 * LONG_REPLY_TOKENS
 
 
+async def test_the_mcp_example_says_why_a_run_ended_without_an_answer(
+    temporal_address: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A run its budget stopped ends Cancelled with no answer: the example printed its
+    # state and an empty answer, and the run's `error` (why) nowhere.
+    example = _load("mcp_subagents", ROOT / "examples" / "mcp_subagents.py")
+    monkeypatch.setattr(example, "TASKS", [{"task": "Look it up.", "tools": [], "budgetTokens": 1}])
+    async with stack(temporal_address) as s:
+        assert await asyncio.to_thread(example.main, ["--url", s.mcp_door]) == 0
+        out = capsys.readouterr().out
+        (handle,) = re.findall(r"^(run-\S+) ", out, re.MULTILINE)
+        (run,) = await s.runs.statuses([handle])
+        assert run.state == "Cancelled" and run.answer is None and run.error, run
+        assert out.endswith(f"{handle} Cancelled, 0 tool calls:\nerror: {run.error}\n"), out
+
+
 def test_the_anthropic_example_takes_the_other_examples_base_url() -> None:
     # helper-135: examples/README.md says every example's --base-url defaults from
     # LUFTPAUSE_BASE_URL; this one read only its own variable and went to :8080.
