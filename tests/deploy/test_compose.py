@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from luftpause.config import Config, load_config
-from luftpause.temporal_dev import DB_FLAGS, LATENCY_FLAGS
+from luftpause.temporal_dev import DB_FLAGS, LATENCY_FLAGS, ORDER_FLAGS
 from tests.system import missing_tool
 from worker.main import GRACEFUL_SHUTDOWN
 from workflows.contract import SEARCH_ATTRIBUTES
@@ -241,6 +241,7 @@ def test_temporal_is_the_dev_server_with_the_runtimes_flags() -> None:
     assert cmd[:2] == ["server", "start-dev"]
     assert contains(cmd, ("--ip", "0.0.0.0"))
     assert contains(cmd, LATENCY_FLAGS)
+    assert contains(cmd, ORDER_FLAGS)
     assert contains(cmd, DB_FLAGS)
     registered = {cmd[i + 1] for i, flag in enumerate(cmd) if flag == "--search-attribute"}
     assert registered == {f"{key.name}=Keyword" for key in SEARCH_ATTRIBUTES}
