@@ -30,8 +30,10 @@ __all__ = [
 MODERN = "2026-07-28"  # the stateless protocol revision
 _PREFIX = "approve:"
 # The characters of a call's arguments an approval question shows (their JSON's start):
-# an elicitation dialog is small, and `status` shows them whole.
+# an elicitation dialog is small; past them, it names the `status` maxChars that shows
+# them whole.
 PREVIEW_CHARS = 500
+MAX_CHARS_LEAST = 1_000  # the least maxChars a door tool takes (mcp_door.MaxChars)
 
 
 class RecentKeys:
@@ -129,11 +131,12 @@ def message(status: RunStatus) -> str:
     args = arguments_json(p.arguments)
     if len(args) > PREVIEW_CHARS:
         # The maxChars that shows them whole: a status with its default (30,000) shows
-        # only the start of a file-writing call's 100,000 characters.
+        # only the start of a file-writing call's 100,000 characters; and never one
+        # below the door's least (1,000), which it would refuse.
         n = len(args)
         args = (
             f"{args[:PREVIEW_CHARS]}… ({n:,} characters in all; `status` of this run with "
-            f"maxChars {n} or more shows them whole)"
+            f"maxChars {max(n, MAX_CHARS_LEAST)} or more shows them whole)"
         )
     return f"Sub-agent {status.handle} wants to call {p.described} with {args}. Allow it?"
 

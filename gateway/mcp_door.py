@@ -99,22 +99,24 @@ DEFAULT_AWAIT_S = 60.0
 # The answer characters one await/status/run result shows by default, shared by its
 # runs (`answer_shares`; the `answer` tool reads the rest), and by the arguments of
 # the calls runs await approval for (their JSON: `status` with a larger maxChars shows
-# them whole, as a turn's 32,768 tokens at most write some 130,000 characters at 4 a
-# token; only tokens of 30 characters on average pass 1,000,000).  Claude Code warns
+# them whole up to 1,000,000 characters, some 250,000 tokens: a turn's maxTokens,
+# 32,768 at most, writes some 130,000 characters; with maxTokens 0 the engine's context
+# bounds it, and only one past 250,000 tokens could write more).  Claude Code warns
 # at a result past 10,000 tokens, older versions refuse one past 25,000
 # (MAX_MCP_OUTPUT_TOKENS), and newer ones save one past 50,000 characters to a file and
 # show the model 2 KB of it; Gemini CLI cuts text past 40,000 characters (its
 # truncateToolOutputThreshold, google-gemini/gemini-cli PRs 18446 and 19365;
 # helper-214).  30,000 characters are about 7,500 tokens of English.  The rest of a
 # result is some 125 characters a run in `await` (250 with a budget) and 445 in
-# `status`, its null fields left out (helper-230; 275 and 550 with them), so with every
-# answer cut a result stays under 50,000 characters up to about 160 runs of `await` and
-# 45 of `status`, and under the 10,000-token warning up to about 80 and 22.
+# `status`, its null fields left out (helper-230; 275 and 550 with them), and 45 more a
+# run whose answer is cut (answerChars, answerNextOffset; helper-235), so with every
+# answer cut a result stays under 50,000 characters up to about 115 runs of `await` and
+# 40 of `status`, and under the 10,000-token warning up to about 60 and 20.
 # Characters are code points: 30,000 of CJK text can be 20,000-30,000 tokens, so
 # a client reading such answers sets a smaller maxChars.  Unbounded, a fan-out of long
 # answers (maxTokens up to 32,768 a turn, up to 1,000 runs) was refused whole.
 RESULT_ANSWER_CHARS = 30_000
-RESULT_ANSWER_CHARS_MIN = 1_000
+RESULT_ANSWER_CHARS_MIN = approval.MAX_CHARS_LEAST  # (an approval question names no less)
 RESULT_ANSWER_CHARS_MAX = 1_000_000
 PROGRESS_EVERY_S = 5.0
 # Input-required rounds one 2026-07-28 await/run asks at most (the official client

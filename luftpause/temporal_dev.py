@@ -26,11 +26,12 @@ LATENCY_FLAGS = ("--dynamic-config-value", "history.transferProcessorMaxPollRPS=
 # Priority (interactive runs before batch ones, contract.run_priority) holds within a
 # task queue partition, and a queue has four by default: a batch task written to one
 # can go before an interactive task written to another.  Written to one, every task
-# is matched there, in priority order: polls of the other partitions are forwarded to
-# it (the root).  Their reads stay, so a backlog a db file kept from a server with four
-# write partitions still drains (Temporal's order for shrinking a queue: writes first,
-# reads once the dropped partitions are empty).  A dev server is one process: the
-# other partitions spread no load there.
+# is matched there, in priority order: polls that reach the other partitions are
+# forwarded to it (the root), one at a time from each (forwarderMaxOutstandingPolls).
+# Their reads stay, so a backlog a db file kept from a server with four write
+# partitions still drains (Temporal's order for shrinking a queue: writes first, reads
+# once the dropped partitions are empty).  A dev server is one process: the other
+# partitions spread no load there.
 ORDER_FLAGS = ("--dynamic-config-value", "matching.numTaskqueueWritePartitions=1")
 DB_FLAGS = ("--sqlite-pragma", "journal_mode=wal", "--sqlite-pragma", "synchronous=off")
 READY_TIMEOUT_S = 30.0

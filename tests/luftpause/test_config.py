@@ -913,6 +913,7 @@ _TABLES = {
     "worker": [
         "max_concurrent_activities", "max_cached_workflows",
         "max_concurrent_workflow_tasks", "max_concurrent_workflow_task_polls",
+        "max_concurrent_activity_task_polls",
     ],
     "policy": [
         "turn_timeout_s", "batch_kv_fill", "kv_fill", "lane_batch_kv_fill", "kv_admission",

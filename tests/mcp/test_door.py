@@ -710,10 +710,9 @@ def test_an_approval_question_says_when_it_shows_only_the_arguments_start() -> N
     # could allow a call having seen only its start.  (Every path asks with it: legacy
     # elicitation, 2026-07-28 input requests, the Tasks extension's statusMessage.)
     preview = 500  # (_approval.PREVIEW_CHARS)
-    asking = _asking
 
     content = "«" + "x" * 12_000
-    text = message(asking({"path": "a.txt", "content": content}))
+    text = message(_asking({"path": "a.txt", "content": content}))
     whole = _compact({"path": "a.txt", "content": content})
     assert text == (
         f"Sub-agent run-x wants to call write_file (of fs) with {whole[:preview]}… "
@@ -723,12 +722,20 @@ def test_an_approval_question_says_when_it_shows_only_the_arguments_start() -> N
     assert "12,0" in text and "\\u00ab" not in text
     # Whole, as it is, when it fits.
     short = {"path": "ä.txt"}
-    assert message(asking(short)) == (
+    assert message(_asking(short)) == (
         f"Sub-agent run-x wants to call write_file (of fs) with {_compact(short)}. Allow it?"
     )
     exact = {"c": "y" * (preview - len('{"c":""}'))}
     assert len(_compact(exact)) == preview
-    assert "characters in all" not in message(asking(exact))
+    assert "characters in all" not in message(_asking(exact))
+    # Past the preview but under the least maxChars the door takes (1,000): the question
+    # names that least, not a maxChars a `status` call would be refused.
+    over = {"c": "y" * (preview + 100 - len('{"c":""}'))}
+    assert len(_compact(over)) == preview + 100
+    assert message(_asking(over)).endswith(
+        "(600 characters in all; `status` of this run with maxChars 1000 or more shows "
+        "them whole). Allow it?"
+    )
 
 
 def test_pending_arguments_share_max_chars_by_their_compact_json_length() -> None:
@@ -1932,7 +1939,7 @@ def test_a_budget_passed_by_late_work_shows_over_not_exceeded() -> None:
         assert BudgetStatus(limits, used).past_a_limit() == over, used
     b = BudgetStatus(limits, Budget(tokens=130), over="tokens 130/100")
     shown = view(ended(b)).model_dump()["budget"]
-    assert (shown.get("exceeded"), shown["over"]) == (None, "tokens 130/100")
+    assert "exceeded" not in shown and shown["over"] == "tokens 130/100"
     assert shown["used"]["tokens"] == 130
     # A run started with a budget past the door's bounds (before them) still renders.
     huge = view(ended(BudgetStatus(Budget(tokens=10**309), Budget(tokens=5)))).model_dump()
