@@ -118,6 +118,18 @@ DEFAULT_AWAIT_S = 60.0
 RESULT_ANSWER_CHARS = 30_000
 RESULT_ANSWER_CHARS_MIN = approval.MAX_CHARS_LEAST  # (an approval question names no less)
 RESULT_ANSWER_CHARS_MAX = 1_000_000
+# What Claude Code reads from the tools/list entry of the tools whose results maxChars
+# bounds (since 2.1.91, whole since 2.1.98; code.claude.com/docs/en/mcp, "Raise the
+# limit for a specific tool"; helper-236): the characters of a result it keeps in the
+# conversation before saving it to a file and showing the model 2 KB (50,000 by
+# default, 500,000 at most), and for text it no longer applies MAX_MCP_OUTPUT_TOKENS.
+# The door bounds these results itself: a model that asked for maxChars 100,000 got a
+# file path.  200,000 keeps the default maxChars' results inline up to ~1,000 runs of
+# `await` (~165,000 characters with every answer cut) and lets no result past it into
+# the context whole.  Not less than the largest default-sized result: a value below
+# 50,000 lowers the threshold.  Other clients ignore it (MCP leaves `_meta` keys under
+# another's prefix to their owners).
+CLAUDE_RESULT_META = {"anthropic/maxResultSizeChars": 200_000}
 PROGRESS_EVERY_S = 5.0
 # Input-required rounds one 2026-07-28 await/run asks at most (the official client
 # gives up a call after 10); then it answers with the runs as they are.
@@ -1380,6 +1392,7 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
     # Not read-only: the user's answers to the approval questions it asks let calls run.
     @mcp.tool(
         name="await",
+        meta=CLAUDE_RESULT_META,
         annotations=ToolAnnotations(
             read_only_hint=False, destructive_hint=False, open_world_hint=False
         ),
@@ -1409,7 +1422,10 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
         runs_ = views(_each(handles, statuses), maxChars, detail=False)
         return AwaitResult(runs=runs_, done=done)
 
-    @mcp.tool(annotations=ToolAnnotations(read_only_hint=False, destructive_hint=False))
+    @mcp.tool(
+        meta=CLAUDE_RESULT_META,
+        annotations=ToolAnnotations(read_only_hint=False, destructive_hint=False),
+    )
     async def run(
         ctx: Context,
         task: Task,
@@ -1471,7 +1487,10 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
         )
         return shown.model_copy(update={"is_error": status.state in ERROR_ENDS})
 
-    @mcp.tool(annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
+    @mcp.tool(
+        meta=CLAUDE_RESULT_META,
+        annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False),
+    )
     async def status(
         ctx: Context,
         handles: Annotated[
@@ -1537,7 +1556,10 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
         except RunError as exc:
             raise ToolError(str(exc)) from None
 
-    @mcp.tool(annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
+    @mcp.tool(
+        meta=CLAUDE_RESULT_META,
+        annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False),
+    )
     async def answer(
         ctx: Context,
         handle: Handle,

@@ -2240,6 +2240,11 @@ async def test_approval_answers_count_only_for_questions_the_door_asked(
                 1_000_000,
                 RESULT_ANSWER_CHARS,
             )
+        # The tools whose results maxChars bounds tell Claude Code to keep them inline
+        # up to 200,000 characters, not save one past 50,000 to a file; no other does.
+        meta = {t["name"]: t.get("_meta") for t in tools}
+        assert {n for n, m in meta.items() if m} == {"await", "run", "status", "answer"}
+        assert all(m == {"anthropic/maxResultSizeChars": 200_000} for m in meta.values() if m), meta
         # Every schema says an argument not named is refused, as it is (helper-126).
         assert all(t["inputSchema"]["additionalProperties"] is False for t in tools)
         # Descriptions without the source's indentation, which every client's prompt
