@@ -691,18 +691,16 @@ def is_address(host: str) -> bool:
     return True
 
 
-# `[worker]`: how many of each a worker may hold, least and most.  Slots: far past what
-# one process runs (each LLM turn holds a connection to the gateway).  Cached workflows:
-# temporalio's core sets aside memory for every entry as the worker starts (10**12 was
-# an abort asking for 37 TB, not an error).  Polls: 100, the most the SDK's autoscaling
-# poller opens by default.
-WORKER_COUNTS: Mapping[str, tuple[int, int]] = {
-    "max_concurrent_activities": (1, 100_000),
-    "max_concurrent_workflow_tasks": (1, 100_000),
-    "max_cached_workflows": (0, 100_000),
-    "max_concurrent_workflow_task_polls": (1, 100),
-    "max_concurrent_activity_task_polls": (1, 100),
-}
+# `[worker]`: how many of each a worker may hold, least and most (strict, as every
+# count in the file: TOML's true or 2.0 is none).  Slots: far past what one process
+# runs (each LLM turn holds a connection to the gateway), and at least 1: the SDK takes
+# 0 activities as its default of 100, without a word.  Cached workflows: temporalio's
+# core sets aside memory for every entry as the worker starts (10**12 was an abort
+# asking for 37 TB, not an error).  Polls: 100, the most the SDK's autoscaling poller
+# opens by default.
+_Slots = Annotated[int, Field(ge=1, le=100_000, strict=True)]
+_Cached = Annotated[int, Field(ge=0, le=100_000, strict=True)]
+_Polls = Annotated[int, Field(ge=1, le=100, strict=True)]
 # Activities at once.  An LLM turn holds its slot while the gateway holds the turn in
 # its queue, as long as that takes (an idle HTTP request and a heartbeat every few
 # seconds); with the SDK's default of 100, a backlog of held turns would keep the tool
@@ -717,30 +715,18 @@ class WorkerOptions(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
 
-    max_concurrent_activities: int = MAX_CONCURRENT_ACTIVITIES
+    max_concurrent_activities: _Slots = MAX_CONCURRENT_ACTIVITIES
     # Workflow tasks at once (the SDK's default: 100): the runs' steps between turns and
     # tool calls, which run on the worker's one event loop.
-    max_concurrent_workflow_tasks: int | None = None
+    max_concurrent_workflow_tasks: _Slots | None = None
     # Runs kept in memory between their workflow tasks (the SDK's default: 1000).  A run
     # that is not kept replays its history on its next one; 0 keeps none, and turns the
     # sticky queue off.
-    max_cached_workflows: int | None = None
+    max_cached_workflows: _Cached | None = None
     # Long polls held open for workflow tasks and for activity tasks (the SDK's default:
     # 5 each).
-    max_concurrent_workflow_task_polls: int | None = None
-    max_concurrent_activity_task_polls: int | None = None
-
-    @field_validator(*WORKER_COUNTS, mode="before")
-    @classmethod
-    def _count(cls, v: object, info: ValidationInfo) -> object:
-        # (Said for every field with its range: the SDK takes 0 activities as its
-        # default of 100, without a word.)
-        least, most = WORKER_COUNTS[info.field_name or ""]
-        if v is not None and (
-            isinstance(v, bool) or not isinstance(v, int) or not least <= v <= most
-        ):
-            raise ValueError(f"expected a whole number {least}-{most}, got {v!r}")
-        return v
+    max_concurrent_workflow_task_polls: _Polls | None = None
+    max_concurrent_activity_task_polls: _Polls | None = None
 
     @model_validator(mode="after")
     def _cached_needs_two(self) -> WorkerOptions:

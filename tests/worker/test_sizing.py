@@ -146,5 +146,5 @@ def test_a_bad_flag_value_is_refused_before_the_worker_connects(tmp_path: Path) 
     assert out.returncode == 1, out.stderr
     assert out.stderr.strip() == (
         "luftpause worker: worker.max_concurrent_activities (from "
-        "--max-concurrent-activities): expected a whole number 1-100000, got 0"
+        "--max-concurrent-activities): Input should be greater than or equal to 1"
     )
