@@ -125,10 +125,12 @@ RESULT_ANSWER_CHARS_MAX = 1_000_000
 # default, 500,000 at most), and for text it no longer applies MAX_MCP_OUTPUT_TOKENS.
 # The door bounds these results itself: a model that asked for maxChars 100,000 got a
 # file path.  200,000 keeps the default maxChars' results inline up to ~1,000 runs of
-# `await` (~165,000 characters with every answer cut) and lets no result past it into
-# the context whole.  Not less than the largest default-sized result: a value below
-# 50,000 lowers the threshold.  Other clients ignore it (MCP leaves `_meta` keys under
-# another's prefix to their owners).
+# `await` (~195,000 characters with every answer cut: 165 a run and the 30,000 of the
+# answers) and lets no result past it into the context whole; the 50,000 above is what
+# older versions and Claude Code Desktop's agent (which drops `_meta`) keep.  Not less
+# than the largest default-sized result: a value below 50,000 lowers the threshold.
+# Other clients ignore it (MCP leaves `_meta` keys under another's prefix to their
+# owners).
 CLAUDE_RESULT_META = {"anthropic/maxResultSizeChars": 200_000}
 PROGRESS_EVERY_S = 5.0
 # Input-required rounds one 2026-07-28 await/run asks at most (the official client
