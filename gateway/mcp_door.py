@@ -16,6 +16,7 @@ import contextlib
 import inspect
 import json
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
@@ -96,25 +97,34 @@ class RunStoreDown(ConnectionError):
 
 
 DEFAULT_AWAIT_S = 60.0
-# The answer characters one await/status/run result shows by default, shared by its
-# runs (`answer_shares`; the `answer` tool reads the rest), and by the arguments of
-# the calls runs await approval for (their JSON: `status` with a larger maxChars shows
-# them whole up to 1,000,000 characters, some 250,000 tokens: a turn's maxTokens,
-# 32,768 at most, writes some 130,000 characters; with maxTokens 0 the engine's context
-# bounds it, and only one past 250,000 tokens could write more).  Claude Code warns
-# at a result past 10,000 tokens, older versions refuse one past 25,000
+# The characters one await/status/run result's long texts take by default, shared by
+# its runs (`answer_shares`): their answers (the `answer` tool reads the rest), their
+# errors (up to some 10,000 characters each, RUN_ERROR_MAX_CHARS: 1,000 failed runs
+# made an await of 10 MB; `status` of the run with a larger maxChars shows one whole),
+# and the arguments of the calls runs await approval for (their JSON: `status` with a
+# larger maxChars shows them whole up to 1,000,000 characters, some 250,000 tokens: a
+# turn's maxTokens, 32,768 at most, writes some 130,000 characters; with maxTokens 0
+# the engine's context bounds it, and only one past 250,000 tokens could write more).
+# A text's share is spent on the characters it takes in the result's JSON, which is
+# what a client reads (the text copy, and the structured content): a quote, backslash
+# or newline is 2 there and any other control character 6.  Counted raw, a JSON answer
+# took some 1.35 times its share and cut arguments (a JSON text in a JSON string, its
+# quotes escaped again) 1.6 (helper-237); lengths and offsets (answerChars,
+# answerNextOffset) stay in the text's own characters, where `answer` reads.  Claude
+# Code warns at a result past 10,000 tokens, older versions refuse one past 25,000
 # (MAX_MCP_OUTPUT_TOKENS), and newer ones save one past 50,000 characters to a file and
 # show the model 2 KB of it; Gemini CLI cuts text past 40,000 characters (its
 # truncateToolOutputThreshold, google-gemini/gemini-cli PRs 18446 and 19365;
 # helper-214).  30,000 characters are about 7,500 tokens of English.  The rest of a
 # result is some 125 characters a run in `await` (250 with a budget) and 445 in
 # `status`, its null fields left out (helper-230; 275 and 550 with them), and 45 more a
-# run whose answer is cut (answerChars, answerNextOffset; helper-235), so with every
-# answer cut a result stays under 50,000 characters up to about 115 runs of `await` and
-# 40 of `status`, and under the 10,000-token warning up to about 60 and 20.
-# Characters are code points: 30,000 of CJK text can be 20,000-30,000 tokens, so
-# a client reading such answers sets a smaller maxChars.  Unbounded, a fan-out of long
-# answers (maxTokens up to 32,768 a turn, up to 1,000 runs) was refused whole.
+# run whose answer is cut (answerChars, answerNextOffset; helper-235), 20 one whose
+# error is (errorChars), so with every text cut a result stays under 50,000 characters
+# up to about 115 runs of `await` and 40 of `status`, and under the 10,000-token
+# warning up to about 60 and 20.  Characters are code points (JSON escapes none past
+# U+001F here): 30,000 of CJK text can be 20,000-30,000 tokens, so a client reading
+# such answers sets a smaller maxChars.  Unbounded, a fan-out of long answers
+# (maxTokens up to 32,768 a turn, up to 1,000 runs) was refused whole.
 RESULT_ANSWER_CHARS = 30_000
 RESULT_ANSWER_CHARS_MIN = approval.MAX_CHARS_LEAST  # (an approval question names no less)
 RESULT_ANSWER_CHARS_MAX = 1_000_000
@@ -126,9 +136,10 @@ RESULT_ANSWER_CHARS_MAX = 1_000_000
 # The door bounds these results itself: a model that asked for maxChars 100,000 got a
 # file path.  200,000 keeps the default maxChars' results inline up to ~1,000 runs of
 # `await` (~195,000 characters with every answer cut: 165 a run and the 30,000 of the
-# answers) and lets no result past it into the context whole; the 50,000 above is what
-# older versions and Claude Code Desktop's agent (which drops `_meta`) keep.  Not less
-# than the largest default-sized result: a value below 50,000 lowers the threshold.
+# answers; ~150,000 with every error cut) and lets no result past it into the context
+# whole; the 50,000 above is what older versions and Claude Code Desktop's agent (which
+# drops `_meta`) keep.  Not less than the largest default-sized result: a value below
+# 50,000 lowers the threshold.
 # Other clients ignore it (MCP leaves `_meta` keys under another's prefix to their
 # owners).
 CLAUDE_RESULT_META = {"anthropic/maxResultSizeChars": 200_000}
@@ -298,16 +309,25 @@ class RunView(_Sparse):
     answerChars: int | None = Field(
         None,
         description="the answer's whole length in characters when the `answer` field holds "
-        "only its start, to fit this result's maxChars; absent when it is whole",
+        "only its start, to fit this result's share of maxChars; absent when it is whole",
     )
     answerNextOffset: int | None = Field(
         None,
-        description="where the rest of a cut answer starts: the `answer` tool's offset "
-        "to read it from; absent when the answer is whole",
+        description="where the rest of a cut answer starts, in its characters (a quote "
+        "or newline is one here, two in maxChars): the `answer` tool's offset to read it "
+        "from; absent when the answer is whole",
     )
     toolCalls: int = Field(description="tool calls this run made")
     failedToolCalls: int = Field(description="of those, how many failed or were refused")
-    error: str | None = None
+    error: str | None = Field(
+        None, description="why it failed or was stopped; its start when errorChars is set"
+    )
+    errorChars: int | None = Field(
+        None,
+        description="the error's whole length in characters when `error` holds only its "
+        "start, to fit this result's share of maxChars: `status` of this run with a larger "
+        "maxChars shows it whole; absent when it is whole",
+    )
     pendingApproval: PendingApprovalView | None = None
     parent: str | None = None
     # Absent in `await`'s answer, which stays short for up to 1,000 runs: `status` has them.
@@ -435,45 +455,113 @@ def answer_shares(lengths: Sequence[int], budget: int) -> list[int]:
     return shown
 
 
-def _long_text(status: RunStatus) -> str | None:
-    """A run's one text that may be long: its answer, or else its pending call's
-    arguments as JSON (a run awaiting approval has no answer yet; one with an answer
-    asks nothing).  A file-writing call's 100,000 characters of content were shown
-    whole in every result that showed its run."""
+# What a JSON string writes as more than the character itself (pydantic_core.to_json,
+# as the door's text copy is written; ensure_ascii=False: any other character, é and
+# U+2028 too, is itself): `"`, `\` and the controls \b \t \n \f \r as 2, any other
+# control as \u00XX, 6.
+_ESCAPED = re.compile(r'["\\\x00-\x1f]')
+_ESCAPE_CHARS = {c: 2 if c in '"\\\b\t\n\f\r' else 6 for c in map(chr, [*range(32), 34, 92])}
+
+
+def json_chars(text: str) -> int:
+    """How many characters `text` takes inside a JSON string in a result: what its
+    share of maxChars is spent on (its quotes and newlines are 2 each there)."""
+    return len(text) + sum(_ESCAPE_CHARS[m.group()] - 1 for m in _ESCAPED.finditer(text))
+
+
+def json_start(text: str, chars: int) -> str:
+    """The longest start of `text` that takes at most `chars` characters inside a JSON
+    string (`json_chars`), never ending inside an escape: each escaped character is
+    counted whole or left out."""
+    text = text[:chars]  # (no longer start fits: each character takes one or more)
+    extra = 0  # what the escapes before the place looked at add
+    for m in _ESCAPED.finditer(text):
+        at = m.start()
+        if at + extra >= chars:  # the plain characters before this one fill it
+            return text[: chars - extra]
+        width = _ESCAPE_CHARS[m.group()]
+        if at + extra + width > chars:
+            return text[:at]
+        extra += width - 1
+    return text[: chars - extra]
+
+
+def _long_texts(status: RunStatus) -> dict[str, tuple[str, int]]:
+    """A run's texts that may be long, each with what it takes in a result whole: its
+    answer, its pending call's arguments as JSON (a file-writing call's 100,000
+    characters of content were shown whole in every result that showed its run), and
+    its error (up to some 10,000 characters: 1,000 failed runs made a 10 MB await).
+    An answer or error is a JSON string there, its escapes counted; whole arguments
+    are their JSON itself."""
+    texts: dict[str, tuple[str, int]] = {}
     if status.answer is not None:
-        return status.answer
+        texts["answer"] = (status.answer, json_chars(status.answer))
     if status.pending_approval is not None:
-        return approval.arguments_json(status.pending_approval.arguments)
-    return None
+        arguments = approval.arguments_json(status.pending_approval.arguments)
+        texts["arguments"] = (arguments, len(arguments))
+    if status.error is not None:
+        texts["error"] = (status.error, json_chars(status.error))
+    return texts
+
+
+def _shares(statuses: Sequence[RunStatus], max_chars: int) -> dict[str, dict[str, int]]:
+    """Each run's share of `max_chars` for each of its long texts (`answer_shares` over
+    them all, a handle given twice counted once)."""
+    texts = {
+        (s.handle, kind): chars for s in statuses for kind, (_, chars) in _long_texts(s).items()
+    }
+    shares: dict[str, dict[str, int]] = {}
+    for (handle, kind), share in zip(
+        texts, answer_shares(list(texts.values()), max_chars), strict=True
+    ):
+        shares.setdefault(handle, {})[kind] = share
+    return shares
 
 
 def views(statuses: Sequence[RunStatus], max_chars: int, *, detail: bool = True) -> list[RunView]:
-    """The runs one result shows, their long texts (an answer, a pending call's
-    arguments) sharing `max_chars` (`answer_shares`); a handle given twice is shown
-    alike both times, and counted once."""
-    texts = {s.handle: len(t) for s in statuses if (t := _long_text(s)) is not None}
-    shares = dict(zip(texts, answer_shares(list(texts.values()), max_chars), strict=True))
-    return [view(s, detail=detail, max_chars=shares.get(s.handle, max_chars)) for s in statuses]
+    """The runs one result shows, their long texts (answers, pending calls' arguments,
+    errors) sharing `max_chars` (`answer_shares`); a handle given twice is shown alike
+    both times, and counted once."""
+    shares = _shares(statuses, max_chars)
+    return [_view(s, detail, shares.get(s.handle, {})) for s in statuses]
 
 
 def view(
     status: RunStatus, *, detail: bool = True, max_chars: int = RESULT_ANSWER_CHARS
 ) -> RunView:
-    """A run status as the MCP tools return it, with at most `max_chars` of its answer:
-    past that, its start, `answerChars` saying how long it is and `answerNextOffset`
-    where the rest starts (a model cannot count 30,000 characters to find it).  A
-    pending call's arguments are bounded alike: past `max_chars` of JSON, its start
-    as a string, and `argumentsChars`."""
+    """A run status as the MCP tools return it, its long texts within `max_chars`
+    characters of the result's JSON: past that, an answer's start, `answerChars`
+    saying how long it is and `answerNextOffset` where the rest starts (a model
+    cannot count 30,000 characters to find it); a pending call's arguments, the start
+    of their JSON as a string, and `argumentsChars`; an error's start, and
+    `errorChars`.  The lengths and offsets are in the text's own characters."""
+    return _view(status, detail, _shares([status], max_chars).get(status.handle, {}))
+
+
+def _view(status: RunStatus, detail: bool, shares: dict[str, int]) -> RunView:
+    texts = _long_texts(status)
+
+    def shown(kind: str) -> tuple[str, int | None]:
+        """The text, or its start that fits its share and its whole length."""
+        text, chars = texts[kind]
+        if chars <= shares[kind]:
+            return text, None
+        return json_start(text, shares[kind]), len(text)
+
     pending = status.pending_approval
     answer, whole, rest = status.answer, None, None
-    if answer is not None and len(answer) > max_chars:
-        answer, whole, rest = answer[:max_chars], len(answer), max_chars
+    if answer is not None:
+        answer, whole = shown("answer")
+        rest = None if whole is None else len(answer)
     arguments, arguments_chars = None, None
     if pending is not None:
         arguments = pending.arguments
-        text = approval.arguments_json(arguments)
-        if len(text) > max_chars:
-            arguments, arguments_chars = text[:max_chars], len(text)
+        start, arguments_chars = shown("arguments")
+        if arguments_chars is not None:
+            arguments = start
+    error, error_chars = None, None
+    if status.error is not None:
+        error, error_chars = shown("error")
     budget = None
     if status.budget is not None:
         b = status.budget
@@ -500,7 +588,8 @@ def view(
         answerNextOffset=rest,
         toolCalls=status.usage.tool_calls,
         failedToolCalls=status.usage.failed_tool_calls,
-        error=status.error,
+        error=error,
+        errorChars=error_chars,
         pendingApproval=(
             PendingApprovalView(
                 tool=pending.tool,
@@ -878,8 +967,9 @@ MaxChars = Annotated[
         strict=True,
         ge=RESULT_ANSWER_CHARS_MIN,
         le=RESULT_ANSWER_CHARS_MAX,
-        description="answer characters this result shows at most, shared by its runs; "
-        "read the rest with the answer tool",
+        description="characters this result's answers, pending calls' arguments and "
+        "errors take in it at most (as its JSON writes them: a quote or newline is 2), "
+        "shared by its runs; read an answer's rest with the answer tool",
     ),
 ]
 
@@ -1574,13 +1664,17 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
                 strict=True,
                 ge=RESULT_ANSWER_CHARS_MIN,
                 le=RESULT_ANSWER_CHARS_MAX,
-                description="characters to read at most",
+                description="characters the text takes in the result at most (as its "
+                "JSON writes them: a quote or newline is 2)",
             ),
         ] = RESULT_ANSWER_CHARS,
     ) -> AnswerResult:
         """Read more of a run's answer that await, status or run cut: pass its
-        answerNextOffset as `offset`.  At most `maxChars` characters (Unicode code
-        points) from there; nextOffset is where the next part starts, null at the end."""
+        answerNextOffset as `offset`.  From there, as much as takes at most `maxChars`
+        characters in the result's JSON (a quote or newline is 2: a client's bound on
+        the result holds for quote-heavy text too); offsets and totalChars are in the
+        answer's characters (Unicode code points), nextOffset where the next part
+        starts, null at the end."""
         r = await runs(ctx)
         try:
             s = await r.status(handle)
@@ -1592,10 +1686,11 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
         total = len(s.answer)
         if offset > total:
             raise ToolError(f"offset {offset} is past the answer's end: it has {total} characters")
-        end = min(offset + maxChars, total)
+        text = json_start(s.answer[offset : offset + maxChars], maxChars)
+        end = offset + len(text)
         return AnswerResult(
             handle=handle,
-            text=s.answer[offset:end],
+            text=text,
             offset=offset,
             totalChars=total,
             nextOffset=end if end < total else None,

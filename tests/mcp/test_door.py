@@ -22,6 +22,7 @@ from typing import Any, cast
 import httpx
 import httpx2
 import jsonschema
+import pydantic_core
 import pytest
 from hypothesis import given, settings, strategies
 from mcp import Client
@@ -590,6 +591,62 @@ async def test_a_run_with_a_small_max_chars_shows_its_answers_start(
         assert len(run["answer"]) == 1000 and run["answerChars"] == 4 * LONG_REPLY_TOKENS
 
 
+def _json_chars(text: str) -> int:
+    """The characters `text` takes in a result: inside a JSON string, as its text copy
+    (and its structured content, JSON too) writes it."""
+    return len(_compact(text)) - 2
+
+
+def _fitting(text: str, chars: int) -> str:
+    """The longest start of `text` that takes at most `chars` characters in a result."""
+    lo, hi = 0, len(text)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if _json_chars(text[:mid]) <= chars else (lo, mid - 1)
+    return text[:lo]
+
+
+async def test_a_quote_heavy_answer_spends_max_chars_on_its_escapes(
+    temporal_address: str,
+) -> None:
+    # maxChars counted the answer's own characters, but a client reads the result's
+    # JSON, where each quote or backslash is 2 and a control character 6: a
+    # quote-heavy answer at maxChars 1,000 took some 1,600 there, a control-heavy one up
+    # to 6,000.  The answer's share is now spent on what it takes in the JSON;
+    # answerChars and answerNextOffset stay in its own characters, where `answer` reads.
+    # (The fake engine answers a task's `Labels:` line's first label, then filler.)
+    label = '"\\' * 300 + "\x01" * 40 + 'say "hi"\\' * 20
+    task = f"{task_with(0, 'quotes')} [fake: long]\nLabels: {label}"
+    async with stack(temporal_address) as s, Client(s.mcp_door, mode="2026-07-28") as c:
+        args = {"task": task, "maxTokens": 2 * LONG_REPLY_TOKENS, "maxChars": 1000}
+        call = await c.call_tool("run", args)
+        run = result(call)
+        (st,) = await s.runs.statuses([run["handle"]])
+        whole = st.answer
+        assert whole is not None and whole.startswith(label), run
+        (text,) = call.content
+        assert isinstance(text, TextContent) and text.text == _compact(run)
+        shown = run["answer"]
+        # The longest start that takes at most 1,000 characters in the JSON.
+        assert whole.startswith(shown) and _json_chars(shown) <= 1000
+        assert _json_chars(whole[: len(shown) + 1]) > 1000
+        assert len(shown) < 700  # (600 of them are quotes and backslashes)
+        assert (run["answerChars"], run["answerNextOffset"]) == (len(whole), len(shown))
+        # `answer` pages alike from answerNextOffset, to exactly the whole answer.
+        read, offset = shown, run["answerNextOffset"]
+        while offset is not None:
+            args = {"handle": run["handle"], "offset": offset, "maxChars": 1000}
+            page = result(await c.call_tool("answer", args))
+            assert _json_chars(page["text"]) <= 1000 and page["text"], page
+            assert page["offset"] == offset and page["totalChars"] == len(whole)
+            read, offset = read + page["text"], page["nextOffset"]
+            assert offset is None or offset == len(read)
+        assert read == whole
+        # With room, whole, as before.
+        (listed,) = result(await c.call_tool("status", {"handles": [run["handle"]]}))["runs"]
+        assert listed["answer"] == whole and "answerChars" not in listed
+
+
 @pytest.mark.parametrize("mode", MODES)
 async def test_a_pending_calls_long_arguments_are_bounded_and_the_question_says_so(
     temporal_address: str, mode: str
@@ -627,7 +684,8 @@ async def test_a_pending_calls_long_arguments_are_bounded_and_the_question_says_
         def bounded(r: dict[str, Any]) -> None:
             pending = r["pendingApproval"]
             assert pending["tool"] == "delete_record", pending
-            assert pending["arguments"] == whole[:1000]
+            # (Their start is a JSON string in the result: its quotes count twice.)
+            assert pending["arguments"] == _fitting(whole, 1000)
             assert pending["argumentsChars"] == len(whole)
 
         bounded(run)
@@ -690,7 +748,8 @@ async def test_answers_and_pending_arguments_share_max_chars(temporal_address: s
         assert [r["handle"] for r in listed] == asked and listed[2] == listed[3]
         assert [len(r["answer"]) for r in listed[:2]] == shares[:2]
         assert "answer" not in listed[2]
-        assert listed[2]["pendingApproval"]["arguments"] == _compact(pending.arguments)[: shares[2]]
+        shown = _fitting(_compact(pending.arguments), shares[2])
+        assert listed[2]["pendingApproval"]["arguments"] == shown
         assert listed[2]["pendingApproval"]["argumentsChars"] == lengths[2]
         result(await c.call_tool("approve", {"handle": asks, "allow": False}))
 
@@ -752,6 +811,68 @@ def test_pending_arguments_share_max_chars_by_their_compact_json_length() -> Non
     assert shown[0].pendingApproval is not None and shown[0].pendingApproval.argumentsChars is None
     assert shown[0].pendingApproval.arguments == asks.pending_approval.arguments
     assert shown[1].answer == answered.answer and shown[1].answerChars is None
+
+
+def test_pending_arguments_past_their_share_spend_it_on_their_escaped_json() -> None:
+    # Cut arguments are their JSON's start as a JSON string: every quote in them is
+    # escaped again, and 1,000 of maxChars took some 1,600 characters in the result.
+    content = json.dumps([{"k": "v", "n": i} for i in range(500)])
+    asks = _asking({"path": "a.json", "content": content})
+    assert asks.pending_approval is not None
+    whole = _compact(asks.pending_approval.arguments)
+    (shown,) = views([asks], 1000)
+    pending = shown.pendingApproval
+    assert pending is not None and pending.argumentsChars == len(whole)
+    assert isinstance(pending.arguments, str) and whole.startswith(pending.arguments)
+    assert _json_chars(pending.arguments) <= 1000
+    assert _json_chars(whole[: len(pending.arguments) + 1]) > 1000
+    # Whole, they are an object: their JSON as it is, no escapes added.
+    (shown,) = views([asks], len(whole))
+    assert shown.pendingApproval is not None and shown.pendingApproval.argumentsChars is None
+
+
+def test_errors_share_max_chars_and_status_shows_one_whole() -> None:
+    # A run's error (up to some 10,000 characters) was outside maxChars: 1,000 failed
+    # runs made an await of 10 MB.  Errors share it with the answers now, their start
+    # shown and errorChars their whole length.
+    long = 'engine said: {"error": "bad"}\n' * 340  # 10,200, 11,560 in the JSON
+    failed = [
+        dataclasses.replace(_asking(None), handle=f"run-{i}", state="Failed", error=long)
+        for i in range(1000)
+    ]
+    failed = [dataclasses.replace(f, pending_approval=None) for f in failed]
+    short = dataclasses.replace(failed[0], handle="run-short", error="budget exceeded")
+    shown = views([short, *failed], RESULT_ANSWER_CHARS, detail=False)
+    text = pydantic_core.to_json({"runs": [v.model_dump() for v in shown]}).decode()
+    assert len(text) < 200_000  # (was past 11,000,000)
+    assert sum(_json_chars(v.error or "") for v in shown) <= RESULT_ANSWER_CHARS
+    assert shown[0].error == "budget exceeded" and shown[0].errorChars is None
+    for v in shown[1:]:
+        assert v.error and long.startswith(v.error) and v.errorChars == len(long)
+    # `status` of the one run with a larger maxChars shows it whole.
+    whole = view(failed[0], max_chars=_json_chars(long))
+    assert (whole.error, whole.errorChars) == (long, None)
+    cut = view(failed[0], max_chars=_json_chars(long) - 1)
+    assert cut.errorChars == len(long) and cut.error is not None and len(cut.error) < len(long)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    strategies.text(
+        strategies.sampled_from([*map(chr, range(0x21)), '"', "\\", "a", "é", "\u2028", "😀"]),
+        max_size=40,
+    ),
+    strategies.integers(min_value=0, max_value=250),
+)
+def test_a_texts_start_fits_its_characters_as_the_results_json_writes_them(
+    text: str, chars: int
+) -> None:
+    from gateway.mcp_door import json_chars, json_start
+
+    assert json_chars(text) == _json_chars(text)  # as pydantic_core writes the result
+    start = json_start(text, chars)
+    assert text.startswith(start) and _json_chars(start) <= chars
+    assert start == text or _json_chars(text[: len(start) + 1]) > chars  # the longest
 
 
 def test_an_approval_question_names_the_max_chars_that_shows_long_arguments_whole() -> None:
