@@ -1500,6 +1500,7 @@ class _Door:
             # Rounds of a call survive a restart (the same token, the same key).
             state_key=_state_key(self._token) if self._token else None,
             stopping=lambda: self.stopping,
+            approve_tool=self._config.mcp.approve_tool,  # read at start, as the door is made
         )
 
     async def aclose(self) -> None:

@@ -195,6 +195,9 @@ class DoorDeps:
     state_key: bytes | None = None
     # Whether the gateway began to stop: a call it cuts is not its client's leaving.
     stopping: Callable[[], bool] = lambda: False
+    # Whether the `approve` tool is offered ([mcp] approve_tool): without it, approvals
+    # are answered only through the client's own questions (elicitation, tasks/update).
+    approve_tool: bool = True
 
 
 def _client_cancelled(ctx: Context) -> bool:
@@ -780,6 +783,14 @@ def _each(handles: list[str], statuses: list[RunStatus]) -> list[RunStatus]:
     return [by_handle[h] for h in handles]
 
 
+# What a call of `approve` is told where the operator turned it off ([mcp] approve_tool).
+APPROVE_WITHHELD = (
+    "approvals here are the user's alone ([mcp] approve_tool = false): `await` or `run` "
+    "of the run asks the user in their client (form elicitation), as does a task's "
+    "tasks/update; or cancel the run"
+)
+
+
 class _DoorServer(MCPServer):
     """The SDK's server, stricter and plainer about a call's arguments: a name the tool
     does not take is an error (a misspelt `maxToolcalls` would silently be the default),
@@ -788,6 +799,8 @@ class _DoorServer(MCPServer):
 
     # What its calls began in the background, which a stop waits for (set below).
     background: Background
+    # Tools the operator turned off, and what a call of one is told (set below).
+    withheld: dict[str, str]
 
     def tool_result(self, name: str, value: Any) -> dict[str, Any]:
         """The result a call of tool `name` that returned `value` has on the wire."""
@@ -802,8 +815,9 @@ class _DoorServer(MCPServer):
             # MCP lists an unknown tool among the protocol errors (-32602), not a
             # tool's own (isError).
             known = ", ".join(t.name for t in self._tool_manager.list_tools())
+            why = f" ({self.withheld[name]})" if name in self.withheld else ""
             raise MCPError(
-                code=INVALID_PARAMS, message=f"Unknown tool: {name}; the tools are: {known}"
+                code=INVALID_PARAMS, message=f"Unknown tool: {name}{why}; the tools are: {known}"
             )
         takes = tool.parameters.get("properties") or {}
         unknown = sorted(set(arguments) - set(takes))
@@ -1084,6 +1098,7 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
         ),
         unavailable=_unavailable,
         background=background,
+        approve_tool=deps.approve_tool,
     )
     mcp = _DoorServer(
         name="luftpause",
@@ -1104,6 +1119,7 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
         ),
     )
     mcp.background = background
+    mcp.withheld = {} if deps.approve_tool else {"approve": APPROVE_WITHHELD}
 
     async def runs(ctx: Any) -> Runs:
         """The runs a request may see: a caller's own token, only that caller's."""
@@ -1706,10 +1722,6 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
         except RunError as exc:
             raise ToolError(str(exc)) from None
 
-    # Destructive: allowing lets the very call that waits for a person run (helper-208:
-    # marked not destructive, a client that asks before such tools let its model
-    # approve its sub-agents' destructive calls unasked, the question dismissed).
-    @mcp.tool(annotations=ToolAnnotations(read_only_hint=False, destructive_hint=True))
     async def approve(
         ctx: Context,
         handle: Handle,
@@ -1734,6 +1746,14 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
             return view(await r.approve(handle, allow, callId))
         except RunError as exc:
             raise ToolError(str(exc)) from None
+
+    # Destructive: allowing lets the very call that waits for a person run (helper-208:
+    # marked not destructive, a client that asks before such tools let its model
+    # approve its sub-agents' destructive calls unasked, the question dismissed).  Not
+    # listed at all where the operator wants approvals from people only: even a client
+    # that asks before destructive tools may have been told to allow this one always.
+    if deps.approve_tool:
+        mcp.tool(annotations=ToolAnnotations(read_only_hint=False, destructive_hint=True))(approve)
 
     @mcp.tool(annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
     async def tools(ctx: Context) -> ToolsResult:

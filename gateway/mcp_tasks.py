@@ -24,8 +24,9 @@ client that declared the extension may use tasks/* (-32021 otherwise), and only 
 that declared form elicitation is sent the approval question (`inputRequests`); for
 any other a run waiting for approval is a `working` task whose `statusMessage` says so
 (`input_required` must list the requests, and there is none it could answer; the
-`approve` tool answers), as it is for a client that dismissed the question (its key
-is not asked again).
+`approve` tool answers, or where `[mcp] approve_tool = false` withholds it, the user
+through `await` in a client that shows forms), as it is for a client that dismissed
+the question (its key is not asked again).
 """
 
 from __future__ import annotations
@@ -162,8 +163,10 @@ class TasksExtension(Extension):
         result: Callable[[RunStatus], dict[str, Any]],  # what `run` returns for an ended run
         unavailable: Callable[[BaseException], str | None],  # why, if Temporal is down
         background: Background | None = None,  # the door's (a test's own otherwise)
+        approve_tool: bool = True,  # whether the door offers `approve` ([mcp] approve_tool)
     ) -> None:
         self._runs = runs
+        self._approve_tool = approve_tool
         self._background = background or Background()
         # Question keys a response was delivered for (this process's; bounded): MCP
         # forbids asking a key again, and a client skips one it answered, so a task
@@ -290,12 +293,16 @@ class TasksExtension(Extension):
                 }
             else:
                 # input_required must list the requests, and this client could answer
-                # none: working, and what it waits for.
+                # none: working, and what it waits for (and who may answer it: without
+                # the approve tool, only the user, asked by a client that shows forms).
                 task["status"] = "working"
-                task["statusMessage"] = (
-                    f"{approval.message(status)} (waiting for an answer through the "
-                    f"approve tool: approve(handle='{status.handle}', allow=true|false))"
+                how = (
+                    f"through the approve tool: approve(handle='{status.handle}', allow=true|false)"
+                    if self._approve_tool
+                    else "from the user: `await` of this run asks them in a client that "
+                    "shows forms (elicitation); or cancel the task"
                 )
+                task["statusMessage"] = f"{approval.message(status)} (waiting for an answer {how})"
         elif state == "input_required":
             # Waiting for approval, but what it waits on was not read (no worker
             # answered the status query): nothing to ask yet.

@@ -44,6 +44,11 @@ tool_timeout_s = 300.0   # optional: how long one call may take once sent (then 
 name = "files"
 command = ["npx", "-y", "@modelcontextprotocol/server-filesystem", "/srv"]
 
+[mcp]                    # optional: the gateway's own MCP server (/mcp); default shown
+approve_tool = true      # false: no `approve` tool, so the calling model cannot answer
+                         # approvals; the user does, in their client (elicitation,
+                         # tasks/update)
+
 [temporal]
 address = "127.0.0.1:7233"
 namespace = "default"
@@ -511,6 +516,22 @@ class McpServer(BaseModel):
         return self
 
 
+class McpDoor(BaseModel):
+    """`[mcp]`: the gateway's own MCP server at /mcp (the door), not the upstream
+    `[[mcp_servers]]` its runs call.  Read at start: a reload that changes it says it
+    needs a restart (`not_applied`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
+
+    # Whether the door offers the `approve` tool.  Any client may call it, the calling
+    # model included: in a harness that lets luftpause's tools run unasked, an approval
+    # meant for a person is the model's to give.  false: it is not listed, and a call of
+    # it is refused; a pending call is answered by the user alone, in their client (the
+    # question asked while `await` or `run` waits, form elicitation; the Tasks
+    # extension's tasks/update), or the run cancelled.
+    approve_tool: bool = True
+
+
 class Temporal(BaseModel):
     """Where the worker and the MCP door find Temporal, and how they prove who they are
     to a server that asks (Temporal Cloud, a self-hosted cluster with mTLS)."""
@@ -845,6 +866,7 @@ class Config(BaseModel):
 
     endpoints: Annotated[list[Endpoint], Field(min_length=1)]
     mcp_servers: list[McpServer] = []
+    mcp: McpDoor = McpDoor()
     temporal: Temporal = Temporal()
     policy: PolicyConfig = PolicyConfig()
     probes: Probes = Probes()

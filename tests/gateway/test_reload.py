@@ -241,7 +241,9 @@ async def test_policy_probes_and_session_runs_apply_and_others_are_named_and_lef
                     {**a, "models": [MODEL, OTHER]},
                     down,
                     extra="\n[policy]\nmax_held_per_caller = 3\n\n[probes]\nperiod_s = 3.0\n"
-                    '\n[temporal]\nnamespace = "elsewhere"\n',
+                    '\n[temporal]\nnamespace = "elsewhere"\n'
+                    # The MCP door is made at start: its tools are listed as they were.
+                    "\n[mcp]\napprove_tool = false\n",
                 )
             )
             r = await gw.post("/reload")
@@ -250,7 +252,7 @@ async def test_policy_probes_and_session_runs_apply_and_others_are_named_and_lef
                 "removed": [],
                 "changed": ["a"],
                 "applied": ["policy", "probes", "session_runs"],
-                "not_applied": ["temporal"],
+                "not_applied": ["mcp", "temporal"],
             }
             assert shell.state.policy.max_held_per_caller == 3  # [policy]: in the core
             assert shell.state.replicas["a"].spec.models == {MODEL, OTHER}

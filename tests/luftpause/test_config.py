@@ -603,6 +603,33 @@ def test_a_value_of_another_type_is_refused_not_converted(
         load_config(path)
 
 
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ('[mcp]\napprove_tool = "false"', "mcp.approve_tool: Input should be a valid boolean"),
+        ("[mcp]\napprove_tool = 0", "mcp.approve_tool: Input should be a valid boolean"),
+        ("[mcp]\napprove = false", "mcp.approve: unknown field (did you mean approve_tool?)"),
+        (
+            '[[mcp_servers]]\nname = "s"\nurl = "http://h:9/mcp"\napprove_tool = false',
+            "mcp_servers[0].approve_tool: unknown field: approve_tool is a key of [mcp]",
+        ),
+    ],
+)
+def test_the_mcp_doors_approve_tool_is_a_boolean_named_when_wrong(
+    tmp_path: Path, setting: str, message: str
+) -> None:
+    # An operator who wants approvals from people only turns the door's `approve` tool
+    # off; "false" as a string would be true to a lax reader, and is refused instead.
+    endpoint = '[[endpoints]]\nname="a"\nurl="http://h:1"\nkind="sglang"\nmodels=["m"]\n'
+    assert load_config(_write(tmp_path, endpoint)).mcp.approve_tool is True  # today's door
+    off = load_config(_write(tmp_path, f"{endpoint}[mcp]\napprove_tool = false\n"))
+    assert off.mcp.approve_tool is False
+    path = _write(tmp_path, f"{endpoint}{setting}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert message in str(err.value), err.value
+
+
 def test_environment_overrides_the_file(tmp_path: Path) -> None:
     path = _write(
         tmp_path,
@@ -907,6 +934,7 @@ _SECTIONS = {
     "callers": ["name", "token_env"],
 }  # fmt: skip
 _TABLES = {
+    "mcp": ["approve_tool"],
     "temporal": ["address", "namespace", "task_queue"],
     "probes": ["period_s", "timeout_s", "late_to_unhealthy"],
     "discovery": ["period_s", "timeout_s", "family", "nameservers"],

@@ -1329,6 +1329,78 @@ async def test_an_approval_answer_that_is_not_the_form_allows_nothing(
         assert sum(s.mcp.counts.values()) == 1
 
 
+@pytest.mark.parametrize("mode", MODES)
+async def test_without_the_approve_tool_only_the_users_answer_approves(
+    temporal_address: str, mode: str
+) -> None:
+    # Any client could call `approve`, the calling model included: in a harness that
+    # lets luftpause's tools run unasked, an approval meant for a person was the
+    # model's to give.  With `[mcp] approve_tool = false` it is not listed, a call of
+    # it is refused saying why, and the user's answer in their client still approves.
+    async def on_elicit(context: Any, params: Any) -> ElicitResult:
+        return ElicitResult(action="accept", content={"allow": True})
+
+    user = {"x-luftpause-caller": f"people-only-{mode}-{time.time_ns()}"}
+    async with (
+        stack(temporal_address, mcp={"approve_tool": False}) as s,
+        Client(s.mcp_door, mode=mode) as c,
+        _client(s.mcp_door, mode, user, elicitation_callback=on_elicit) as asking,
+    ):
+        listed = {t.name for t in (await c.list_tools()).tools}
+        assert "approve" not in listed
+        assert listed >= {"spawn", "await", "run", "status", "cancel", "tools", "decide"}
+        handle = await spawn(c, task=task_with(1, "people"), tools=["delete_record"])
+        await until(lambda: _state(c, handle, "AwaitingApproval"), "it waits")
+        with pytest.raises(MCPError) as err:
+            await c.call_tool("approve", {"handle": handle, "allow": True})
+        assert err.value.code == -32602
+        assert str(err.value.message).startswith(
+            "Unknown tool: approve (approvals here are the user's alone ([mcp] approve_tool "
+            "= false): `await` or `run` of the run asks the user"
+        ), err.value.message
+        assert "the tools are: spawn," in str(err.value.message)
+        assert await _state(c, handle, "AwaitingApproval")
+        assert sum(s.mcp.counts.values()) == 0
+        # The user, asked while their client's `await` covers the run, allows the call.
+        waited = result(await asking.call_tool("await", {"handles": [handle], "timeout": 60}))
+        (run,) = waited["runs"]
+        assert run["state"] == "Completed" and (run["toolCalls"], run["failedToolCalls"]) == (1, 0)
+        assert sum(s.mcp.counts.values()) == 1
+
+
+async def test_without_the_approve_tool_a_task_says_who_answers_and_tasks_update_does(
+    temporal_address: str,
+) -> None:
+    # A task a client cannot show the question for said to call `approve`, a tool the
+    # operator turned off: it says now that the user answers, and how.  tasks/update is
+    # the user's answer through their client, and still approves.
+    async with (
+        stack(temporal_address, mcp={"approve_tool": False}) as s,
+        httpx.AsyncClient(timeout=60) as http,
+    ):
+        door = Modern(http, s.mcp_door)
+        spec = {"model": MODEL, "task": task_with(1, "task-people"), "tools": ["delete_record"]}
+        y = (await door.tool("spawn", spec))["structuredContent"]["handle"]
+        await until(lambda: state_is(s, y, "AwaitingApproval"), "it waits")
+        task = (await door.request("tasks/get", {"taskId": y}, TASKS_CAPS))["result"]
+        assert task["status"] == "working" and "delete_record" in task["statusMessage"]
+        assert "approve(" not in task["statusMessage"], task["statusMessage"]
+        assert task["statusMessage"].endswith(
+            "(waiting for an answer from the user: `await` of this run asks them in a "
+            "client that shows forms (elicitation); or cancel the task)"
+        ), task["statusMessage"]
+        asked = (await door.request("tasks/get", {"taskId": y}, {**TASKS_CAPS, **FORM}))["result"]
+        (key,) = asked["inputRequests"]
+        allow = {"action": "accept", "content": {"allow": True}}
+        answer = await door.request(
+            "tasks/update", {"taskId": y, "inputResponses": {key: allow}}, TASKS_CAPS
+        )
+        assert "error" not in answer, answer
+        (done,) = await s.runs.wait([y], timeout=60)
+        assert done.state == "Completed" and done.usage.failed_tool_calls == 0
+        assert sum(s.mcp.counts.values()) == 1
+
+
 def test_every_path_reads_an_approval_answer_alike() -> None:
     # One reading for legacy elicitation, 2026-07-28 input responses and Tasks: a
     # JSON boolean, or the form's default (false) when the field is left out; any

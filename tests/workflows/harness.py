@@ -139,9 +139,11 @@ async def stack(
     callers: list[dict[str, str]] | None = None,
     mcp_servers: Sequence[McpServer] = (),
     tool_timeout_s: float = 300.0,
+    mcp: dict[str, Any] | None = None,
 ) -> AsyncIterator[Stack]:
     """Gateway + two fake engines + fake MCP + (optionally) a worker on a fresh task queue;
-    `tool_timeout_s` is the worker's for the fake MCP server's tools."""
+    `tool_timeout_s` is the worker's for the fake MCP server's tools; `mcp` the gateway's
+    `[mcp]` table."""
     async with contextlib.AsyncExitStack() as stack_:
         fakes = await start_fakes(stack_, engine=engine, mcp_time_scale=mcp_time_scale)
         urls, mcp_url, mcp_state = fakes.engines, fakes.mcp_url, fakes.mcp
@@ -154,6 +156,7 @@ async def stack(
             token=token,
             callers=callers,
             mcp_servers=mcp_servers,
+            mcp=mcp,
         )
         gateway_url = await stack_.enter_async_context(serve(app, http=BoundedHead))
         client = await connect(temporal_address)
@@ -280,6 +283,7 @@ def gateway_app(
     callers: list[dict[str, str]] | None = None,  # [[callers]]: name, token_env
     mcp_servers: Sequence[McpServer] = (),
     namespace: str | None = None,
+    mcp: dict[str, Any] | None = None,  # the [mcp] table: the door's settings
 ) -> Any:
     """A gateway over these engines (the first also serves /classify), with its MCP
     door on `temporal`/`queue` (and `namespace`, if not the default) and the fake MCP's
@@ -301,6 +305,8 @@ def gateway_app(
         data["mcp_servers"] = [{"name": "fake", "url": mcp_url}, *more]
     if callers:
         data |= {"callers": callers, "token": token}
+    if mcp is not None:
+        data["mcp"] = mcp
     return create_app(GatewaySettings(config=parse_config(data), probe_period=0.05, token=token))
 
 
