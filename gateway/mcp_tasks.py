@@ -77,6 +77,13 @@ ANSWERED_KEPT = 10_000
 REMEMBERED_CALL_ID_CHARS = 256
 _INVALID_PARAMS = -32602
 _INTERNAL_ERROR = -32603
+# What tasks/update tells a client that cannot show forms where [mcp] approve_tool is
+# false (it was asked nothing, so it has no answer of the user's to give).
+NOT_ASKED = (
+    "tasks/update: approvals here are the user's alone ([mcp] approve_tool = false), "
+    "answered in a client that declares form elicitation (tasks/get puts the question "
+    "to it); this client declared none"
+)
 
 _STATUS = {
     "Running": "working",
@@ -336,6 +343,14 @@ class TasksExtension(Extension):
 
     async def update(self, ctx: Any, params: UpdateParams) -> EmptyResult:
         status = await self._status(ctx, params.task_id)  # the task exists, and is the caller's
+        if not self._approve_tool and not approval.can_ask(ctx.session.client_capabilities):
+            # Approvals are the user's alone, and this client was shown no question (it
+            # cannot show forms): an answer from it is made up, the key being the handle
+            # and the call id `status` shows (helper-241: one approved a delete no person
+            # was asked about).  Refused, not ignored: the client would take it as given.
+            keys = (approval.parse_key(k) for k in params.input_responses)
+            if any(key is not None and key[0] == status.handle for key in keys):
+                raise MCPError(code=_INVALID_PARAMS, message=NOT_ASKED)
         with self._store():
             runs = await self._runs(ctx)
         # The key this task asks now: the only one remembered as answered (helper-145:

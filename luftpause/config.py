@@ -528,7 +528,7 @@ class McpDoor(BaseModel):
     # meant for a person is the model's to give.  false: it is not listed, and a call of
     # it is refused; a pending call is answered by the user alone, in their client (the
     # question asked while `await` or `run` waits, form elicitation; the Tasks
-    # extension's tasks/update), or the run cancelled.
+    # extension's tasks/update, from a client that shows forms), or the run cancelled.
     approve_tool: bool = True
 
 

@@ -1373,7 +1373,8 @@ async def test_without_the_approve_tool_a_task_says_who_answers_and_tasks_update
 ) -> None:
     # A task a client cannot show the question for said to call `approve`, a tool the
     # operator turned off: it says now that the user answers, and how.  tasks/update is
-    # the user's answer through their client, and still approves.
+    # the user's answer through their client, and still approves; but only from a
+    # client that declared form elicitation, one the question could be put to.
     async with (
         stack(temporal_address, mcp={"approve_tool": False}) as s,
         httpx.AsyncClient(timeout=60) as http,
@@ -1389,11 +1390,24 @@ async def test_without_the_approve_tool_a_task_says_who_answers_and_tasks_update
             "(waiting for an answer from the user: `await` of this run asks them in a "
             "client that shows forms (elicitation); or cancel the task)"
         ), task["statusMessage"]
+        allow = {"action": "accept", "content": {"allow": True}}
+        # This client was shown no question, yet the key is the handle and the call id
+        # `status` shows: its answer is a program's, not a person's, and is refused
+        # (helper-241: it approved the call, a delete no one was asked about).
+        (shown,) = (await door.tool("status", {"handles": [y]}))["structuredContent"]["runs"]
+        made_up = f"approve:{y}:{shown['pendingApproval']['callId']}"
+        refused = await door.request(
+            "tasks/update", {"taskId": y, "inputResponses": {made_up: allow}}, TASKS_CAPS
+        )
+        assert refused.get("error", {}).get("code") == -32602, refused
+        assert "approve_tool = false" in refused["error"]["message"], refused
+        assert await state_is(s, y, "AwaitingApproval")
+        assert sum(s.mcp.counts.values()) == 0
         asked = (await door.request("tasks/get", {"taskId": y}, {**TASKS_CAPS, **FORM}))["result"]
         (key,) = asked["inputRequests"]
-        allow = {"action": "accept", "content": {"allow": True}}
+        assert key == made_up
         answer = await door.request(
-            "tasks/update", {"taskId": y, "inputResponses": {key: allow}}, TASKS_CAPS
+            "tasks/update", {"taskId": y, "inputResponses": {key: allow}}, {**TASKS_CAPS, **FORM}
         )
         assert "error" not in answer, answer
         (done,) = await s.runs.wait([y], timeout=60)
