@@ -785,9 +785,9 @@ def _each(handles: list[str], statuses: list[RunStatus]) -> list[RunStatus]:
 
 # What a call of `approve` is told where the operator turned it off ([mcp] approve_tool).
 APPROVE_WITHHELD = (
-    "approvals here are the user's alone ([mcp] approve_tool = false): `await` or `run` "
-    "of the run asks the user in their client (form elicitation), as does a task's "
-    "tasks/update; or cancel the run"
+    "approvals here are the user's alone ([mcp] approve_tool = false): `await` of the run "
+    "asks the user in a client that shows forms (elicitation), as a task's tasks/get "
+    "does; or cancel the run"
 )
 
 

@@ -1354,9 +1354,12 @@ async def test_without_the_approve_tool_only_the_users_answer_approves(
         with pytest.raises(MCPError) as err:
             await c.call_tool("approve", {"handle": handle, "allow": True})
         assert err.value.code == -32602
+        # What it says to do can be done: `await` takes a handle (`run` starts a run of
+        # its own), and tasks/get asks, tasks/update only answers (helper-241).
         assert str(err.value.message).startswith(
             "Unknown tool: approve (approvals here are the user's alone ([mcp] approve_tool "
-            "= false): `await` or `run` of the run asks the user"
+            "= false): `await` of the run asks the user in a client that shows forms "
+            "(elicitation), as a task's tasks/get does; or cancel the run); the tools are: "
         ), err.value.message
         assert "the tools are: spawn," in str(err.value.message)
         assert await _state(c, handle, "AwaitingApproval")
