@@ -3,7 +3,9 @@
 It lists the door's tools, spawns two runs, awaits both, and prints each answer whole:
 an answer longer than the await's share of `maxChars` comes cut, and the rest is read
 with the `answer` tool from `answerNextOffset`.  A run that failed or was cancelled (its
-budget, a cancel) has no answer: its `error` says why.
+budget, a cancel) has no answer: its `error` says why.  A run that waits for the user's
+approval of a tool call (`approveTools`) is not awaited further: its pending call is
+printed, for the `approve` tool to answer or `cancel` to end.
 
     python examples/mcp_subagents.py
 """
@@ -45,12 +47,17 @@ async def run(url: str = URL, token: str | None = None, caller: str = "examples/
         listed = await client.list_tools()
         print("tools:", ", ".join(t.name for t in listed.tools))
         handles = [(await call(client, "spawn", spec))["handle"] for spec in TASKS]
-        done = False
-        while not done:  # `await` gives back what has ended after its timeout
-            args = {"handles": handles, "timeout": 60, "maxChars": 1000}
+        shown: dict[str, Any] = {}
+        waited, done = handles, False
+        while waited and not done:  # `await` gives back what has ended after its timeout
+            args = {"handles": waited, "timeout": 60, "maxChars": 1000}
             awaited = await call(client, "await", args)
             done = awaited["done"]
-        for r in awaited["runs"]:
+            shown |= {r["handle"]: r for r in awaited["runs"]}
+            # A run waiting for the user's approval of a tool call (a tool in its
+            # `approveTools`) moves only once someone answers: not waited for again.
+            waited = [r["handle"] for r in awaited["runs"] if r["state"] != "AwaitingApproval"]
+        for r in (shown[h] for h in handles):
             # (A field that is null is left out: no answer yet, or an answer whole.)
             answer, offset = r.get("answer") or "", r.get("answerNextOffset")
             while offset is not None:  # the rest, a page at a time
@@ -61,6 +68,12 @@ async def run(url: str = URL, token: str | None = None, caller: str = "examples/
                 print(answer)
             if "error" in r:  # why it failed or was cancelled (a budget, a cancel)
                 print(f"error: {r['error']}")
+            if r["state"] == "AwaitingApproval":
+                p = r["pendingApproval"]
+                print(
+                    f"approval: {p['tool']} (callId {p['callId']}) waits for the user: "
+                    "answer it with the `approve` tool, or end the run with `cancel`"
+                )
 
 
 def main(argv: list[str] | None = None) -> int:

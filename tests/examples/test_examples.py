@@ -26,7 +26,7 @@ from luftpause.config import parse_config
 from scheduler import Event, ServiceClass, TurnArrived
 from testkit._fake_text import LONG_REPLY_TOKENS
 from testkit.loopback import serve
-from tests.workflows.harness import stack
+from tests.workflows.harness import stack, task_with
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -233,6 +233,43 @@ async def test_the_mcp_example_says_why_a_run_ended_without_an_answer(
         (run,) = await s.runs.statuses([handle])
         assert run.state == "Cancelled" and run.answer is None and run.error, run
         assert out.endswith(f"{handle} Cancelled, 0 tool calls:\nerror: {run.error}\n"), out
+
+
+async def test_the_mcp_example_stops_waiting_on_a_run_that_awaits_approval(
+    temporal_address: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # helper-239: a run waiting for the user's approval moves only once someone answers;
+    # the example's loop awaited it again and again (each `await` after the first holds
+    # its 60 s timeout), so a user's copy with `approveTools` never ended.  It stops
+    # waiting on that run, prints the rest, and says how to answer it.
+    example = _load("mcp_subagents", ROOT / "examples" / "mcp_subagents.py")
+    asking = {"task": task_with(1, "approve"), "tools": ["lookup"], "approveTools": ["lookup"]}
+    monkeypatch.setattr(example, "TASKS", [asking, {"task": "Look it up.", "tools": []}])
+    async with stack(temporal_address) as s:
+        ran = asyncio.ensure_future(asyncio.to_thread(example.main, ["--url", s.mcp_door]))
+        # Within the example's own await timeout (60 s): a loop that awaits the run again
+        # takes longer.  Past it, the run is cancelled, which ends that loop too.
+        finished, _ = await asyncio.wait([ran], timeout=45)
+        out = capsys.readouterr().out
+        handles = re.findall(r"^(run-\S+) ", out, re.MULTILINE)
+        if not finished:
+            waiting = await s.runs.list(state="AwaitingApproval")
+            for handle in waiting:
+                await s.runs.cancel(handle)
+            await ran
+            raise AssertionError(f"the example kept waiting on {waiting}")
+        assert ran.result() == 0
+        first, second = await s.runs.statuses(handles)
+        assert first.state == "AwaitingApproval" and first.pending_approval is not None
+        assert second.state == "Completed"
+        pending = first.pending_approval
+        assert f"{first.handle} AwaitingApproval, 0 tool calls:\n" in out
+        assert (
+            f"approval: {pending.tool} (callId {pending.call_id}) waits for the user: "
+            "answer it with the `approve` tool, or end the run with `cancel`\n"
+        ) in out
+        assert out.endswith(f"{second.handle} Completed, 0 tool calls:\n{second.answer}\n")
+        await s.runs.cancel(first.handle)
 
 
 def test_the_anthropic_example_takes_the_other_examples_base_url() -> None:
