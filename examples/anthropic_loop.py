@@ -106,7 +106,8 @@ def _base_url(env: Mapping[str, str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    # (No docstring under python -OO.)
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("task", nargs="?", default="What does luftpause do between turns?")
     parser.add_argument("--base-url", default=_base_url(os.environ))
     parser.add_argument("--token", default=os.environ.get("LUFTPAUSE_TOKEN"))

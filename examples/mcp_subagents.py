@@ -77,7 +77,8 @@ async def run(url: str = URL, token: str | None = None, caller: str = "examples/
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    # (No docstring under python -OO.)
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--url", default=os.environ.get("LUFTPAUSE_MCP_URL", URL))
     parser.add_argument("--token", default=os.environ.get("LUFTPAUSE_TOKEN"))
     parser.add_argument("--caller", default=os.environ.get("LUFTPAUSE_CALLER", "examples/mcp"))

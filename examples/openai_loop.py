@@ -94,7 +94,8 @@ async def agent_loop(client: AsyncOpenAI, task: str, model: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    # (No docstring under python -OO.)
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("task", nargs="?", default="What does luftpause do between turns?")
     parser.add_argument("--base-url", default=os.environ.get("LUFTPAUSE_BASE_URL", BASE_URL))
     parser.add_argument("--token", default=os.environ.get("LUFTPAUSE_TOKEN"))

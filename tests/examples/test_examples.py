@@ -272,6 +272,21 @@ async def test_the_mcp_example_stops_waiting_on_a_run_that_awaits_approval(
         await s.runs.cancel(first.handle)
 
 
+@pytest.mark.parametrize("name", [*EXAMPLES, "anthropic_loop", "mcp_subagents"])
+def test_an_example_takes_its_flags_without_its_docstring(
+    name: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # helper-239: `python -OO` drops docstrings, and each example's main() split its
+    # module's docstring for --help: AttributeError on None before any flag was read.
+    # (langgraph_agent still needs them under -OO: langchain's @tool describes a tool by
+    # its docstring.)
+    example = _load(name, ROOT / "examples" / f"{name}.py")
+    monkeypatch.setattr(example, "__doc__", None)
+    with pytest.raises(SystemExit) as done:
+        example.main(["--help"])
+    assert done.value.code == 0 and capsys.readouterr().out.startswith("usage: ")
+
+
 def test_the_anthropic_example_takes_the_other_examples_base_url() -> None:
     # helper-135: examples/README.md says every example's --base-url defaults from
     # LUFTPAUSE_BASE_URL; this one read only its own variable and went to :8080.
