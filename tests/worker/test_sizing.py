@@ -21,6 +21,7 @@ import worker.main as worker_main
 from activities import LlmActivities, ToolActivities
 from activities.mcp_pool import McpPool
 from luftpause.config import WorkerOptions, load_config
+from testkit.loopback import serve
 from worker.main import add_arguments, build_worker, with_flags
 
 CONFIG = '[[endpoints]]\nname = "e"\nurl = "http://127.0.0.1:9"\nkind = "sglang"\nmodels = ["m"]\n'
@@ -38,6 +39,35 @@ async def _built(address: str, options: WorkerOptions | None = None) -> dict[str
         else:
             worker = build_worker(client, task_queue=queue, llm=llm, tools=tools, options=options)
         return dict(worker.config(active_config=True))
+
+
+async def _connections_opened(http: httpx.AsyncClient, bound: int) -> int:
+    """How many connections `http` opens to a loopback server for `bound` + 1 requests
+    at once, when the server holds the first `bound` of them until all those came:
+    `bound` when its pool is bounded there (the last request waits for one of them to
+    be free, and goes out on it), more when the pool's bound is higher."""
+    clients: list[tuple[str, int]] = []  # each request's connection (its client address)
+    held, answer = asyncio.Event(), asyncio.Event()
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        clients.append(scope["client"])
+        if len(clients) == bound:
+            held.set()
+        await answer.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async with serve(app) as url:
+        sent = asyncio.gather(*(http.get(f"{url}/{i}") for i in range(bound + 1)))
+        try:
+            await asyncio.wait_for(held.wait(), 30)  # a pool bounded below `bound`: never
+        finally:
+            answer.set()  # (on a timeout too: the server stops only once it answered)
+            replies = await asyncio.wait_for(sent, 30)
+        assert [r.status_code for r in replies] == [200] * (bound + 1)
+    return len(set(clients))
 
 
 async def test_the_worker_is_built_with_the_configured_slots_cache_and_pollers(
@@ -85,14 +115,19 @@ async def test_the_worker_that_serve_runs_is_sized_by_the_files_worker_section(
     )
     built: dict[str, Any] = {}
     ready = asyncio.Event()
+    gateway_client = worker_main.gateway_client
 
     def spy(*args: Any, **kwargs: Any) -> Worker:
         built["worker"] = build_worker(*args, **kwargs)
-        built["llm"] = kwargs["llm"]
         ready.set()
         return built["worker"]
 
+    def client_spy(activities: int) -> httpx.AsyncClient:
+        built["http"] = gateway_client(activities)
+        return built["http"]
+
     monkeypatch.setattr(worker_main, "build_worker", spy)
+    monkeypatch.setattr(worker_main, "gateway_client", client_spy)
     # serve freezes the heap for a process that serves until it ends; here it would keep
     # every object of this test process out of the collector's reach for the tests after.
     monkeypatch.setattr(worker_main, "freeze_heap", lambda: "heap not frozen (a test)")
@@ -103,9 +138,9 @@ async def test_the_worker_that_serve_runs_is_sized_by_the_files_worker_section(
         await asyncio.wait_for(ready.wait(), 30)
         config = built["worker"].config(active_config=True)
         assert (config["max_concurrent_activities"], config["max_cached_workflows"]) == (7, 3)
-        # (httpcore's pool, under httpx's transport: its bound on connections.)
-        pool = built["llm"]._http._transport._pool
-        assert pool._max_connections == 7 + 24
+        # serve's client for the gateway opens at most 7 + 24 connections: a request
+        # beyond them waits for one (seen over loopback, not read from httpcore's pool).
+        assert await _connections_opened(built["http"], 7 + 24) == 7 + 24
     finally:
         stop.set()
         await asyncio.wait_for(serving, 30)
