@@ -222,14 +222,18 @@ async def serve(
             await pool.aclose()
 
 
-# `[worker]`'s keys, each a flag of the same name that overrides the file's value.
+# `[worker]`'s keys, each a flag of the same name that overrides the file's value; with
+# neither, the value in parentheses.
 WORKER_FLAGS: dict[str, str] = {
-    "max_concurrent_activities": "activities at once: LLM turns, tool calls (default 1000)",
-    "max_concurrent_workflow_tasks": "workflow tasks at once (default: the SDK's, 100)",
+    "max_concurrent_activities": "activities at once: LLM turns, tool calls "
+    "(if neither sets it: 1000)",
+    "max_concurrent_workflow_tasks": "workflow tasks at once (if neither sets it: the SDK's, 100)",
     "max_cached_workflows": "runs kept in memory between their workflow tasks, 0 for none "
-    "(default: the SDK's, 1000)",
-    "max_concurrent_workflow_task_polls": "long polls for workflow tasks (default: the SDK's, 5)",
-    "max_concurrent_activity_task_polls": "long polls for activity tasks (default: the SDK's, 5)",
+    "(if neither sets it: the SDK's, 1000)",
+    "max_concurrent_workflow_task_polls": "long polls for workflow tasks "
+    "(if neither sets it: the SDK's, 5)",
+    "max_concurrent_activity_task_polls": "long polls for activity tasks "
+    "(if neither sets it: the SDK's, 5)",
 }
 
 
@@ -254,7 +258,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             "--" + key.replace("_", "-"),
             type=int,
             metavar="N",
-            help=f"override [worker] {key}: {what}",
+            help=f"overrides the file's [worker] {key}: {what}",
         )
 
 

@@ -22,7 +22,7 @@ from activities import LlmActivities, ToolActivities
 from activities.mcp_pool import McpPool
 from luftpause.config import WorkerOptions, load_config
 from testkit.loopback import serve
-from worker.main import add_arguments, build_worker, with_flags
+from worker.main import WORKER_FLAGS, add_arguments, build_worker, with_flags
 
 CONFIG = '[[endpoints]]\nname = "e"\nurl = "http://127.0.0.1:9"\nkind = "sglang"\nmodels = ["m"]\n'
 
@@ -163,6 +163,21 @@ def test_the_flags_override_the_files_worker_section(tmp_path: Path) -> None:
     assert worker.max_cached_workflows == 10  # no flag: the file's
     unchanged = with_flags(load_config(path), p.parse_args([])).worker
     assert unchanged.max_concurrent_activities == 64
+
+
+def test_the_help_says_a_flag_overrides_the_files_worker_section(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # helper-239: "--max-concurrent-activities ... (default 1000)" read as the flag's
+    # default, as if a worker run without it took 1000 over the file's value.
+    p = argparse.ArgumentParser(prog="luftpause worker")
+    add_arguments(p)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps its lines
+    for key in WORKER_FLAGS:
+        assert f"--{key.replace('_', '-')} N overrides the file's [worker] {key}: " in text
+    assert "(default 1000)" not in text and "(if neither sets it: 1000)" in text
 
 
 def test_a_bad_flag_value_is_refused_before_the_worker_connects(tmp_path: Path) -> None:
