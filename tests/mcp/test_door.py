@@ -271,7 +271,10 @@ async def test_a_run_call_the_client_cancels_cancels_its_run(
         handles = [first, told_one, untold]
         assert sum(s.mcp.counts.values()) == 0  # the destructive call never ran
         if mode == "legacy":  # notifications/cancelled: the client asked, whoever stops
-            assert cut == [True, True, True]
+            # (False here, after an mcp upgrade: the SDK moved what _client_cancelled
+            # reads, its private session._request_outbound.cancel_requested; mcp 2.3
+            # gives a tool's Context no public way to it, helper-239.)
+            assert cut == [True, True, True], "the door did not see notifications/cancelled"
             expected = ["Cancelled", "Cancelled", "Cancelled"]
         else:  # a request closed: the client's leaving, unless the gateway stops
             assert cut == [False, False, False]
