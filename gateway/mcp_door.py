@@ -105,26 +105,26 @@ DEFAULT_AWAIT_S = 60.0
 # larger maxChars shows them whole up to 1,000,000 characters, some 250,000 tokens: a
 # turn's maxTokens, 32,768 at most, writes some 130,000 characters; with maxTokens 0
 # the engine's context bounds it, and only one past 250,000 tokens could write more).
-# A text's share is spent on the characters it takes in the result's JSON, which is
-# what a client reads (the text copy, and the structured content): a quote, backslash
-# or newline is 2 there and any other control character 6.  Counted raw, a JSON answer
-# took some 1.35 times its share and cut arguments (a JSON text in a JSON string, its
-# quotes escaped again) 1.6 (helper-237); lengths and offsets (answerChars,
-# answerNextOffset) stay in the text's own characters, where `answer` reads.  Claude
-# Code warns at a result past 10,000 tokens, older versions refuse one past 25,000
-# (MAX_MCP_OUTPUT_TOKENS), and newer ones save one past 50,000 characters to a file and
-# show the model 2 KB of it; Gemini CLI cuts text past 40,000 characters (its
-# truncateToolOutputThreshold, google-gemini/gemini-cli PRs 18446 and 19365;
-# helper-214).  30,000 characters are about 7,500 tokens of English.  The rest of a
+# A text's share is spent on the characters it takes in the result's JSON, which is what
+# a client reads (the text copy, and the structured content): a quote, backslash,
+# newline, tab or carriage return is 2 there (\b and \f too) and any other control
+# character 6.  Counted raw, a JSON answer took some 1.35 times its share and cut
+# arguments (a JSON text in a JSON string, its quotes escaped again) 1.6 (helper-237);
+# lengths and offsets (answerChars, answerNextOffset) stay in the text's own characters,
+# where `answer` reads.  Claude Code warns at a result past 10,000 tokens, older versions
+# refuse one past 25,000 (MAX_MCP_OUTPUT_TOKENS), and newer ones save one past 50,000
+# characters to a file and show the model 2 KB of it; Gemini CLI cuts text past 40,000
+# characters (its truncateToolOutputThreshold, google-gemini/gemini-cli PRs 18446 and
+# 19365; helper-214).  30,000 characters are about 7,500 tokens of English.  The rest of a
 # result is some 125 characters a run in `await` (250 with a budget) and 445 in
 # `status`, its null fields left out (helper-230; 275 and 550 with them), and 45 more a
 # run whose answer is cut (answerChars, answerNextOffset; helper-235), 20 one whose
 # error is (errorChars), so with every text cut a result stays under 50,000 characters
-# up to about 115 runs of `await` and 40 of `status`, and under the 10,000-token
-# warning up to about 60 and 20.  Characters are code points (JSON escapes none past
-# U+001F here): 30,000 of CJK text can be 20,000-30,000 tokens, so a client reading
-# such answers sets a smaller maxChars.  Unbounded, a fan-out of long answers
-# (maxTokens up to 32,768 a turn, up to 1,000 runs) was refused whole.
+# up to about 115 runs of `await` and 40 of `status`, and under the 10,000-token warning
+# up to about 60 and 20.  Characters are code points (JSON escapes none past U+001F
+# here): 30,000 of CJK text can be 20,000-30,000 tokens, so a client reading such
+# answers sets a smaller maxChars.  Unbounded, a fan-out of long answers (maxTokens up to
+# 32,768 a turn, up to 1,000 runs) was refused whole.
 RESULT_ANSWER_CHARS = 30_000
 RESULT_ANSWER_CHARS_MIN = approval.MAX_CHARS_LEAST  # (an approval question names no less)
 RESULT_ANSWER_CHARS_MAX = 1_000_000
@@ -136,10 +136,10 @@ RESULT_ANSWER_CHARS_MAX = 1_000_000
 # The door bounds these results itself: a model that asked for maxChars 100,000 got a
 # file path.  200,000 keeps the default maxChars' results inline up to ~1,000 runs of
 # `await` (~195,000 characters with every answer cut: 165 a run and the 30,000 of the
-# answers; ~150,000 with every error cut) and lets no result past it into the context
-# whole; the 50,000 above is what older versions and Claude Code Desktop's agent (which
-# drops `_meta`) keep.  Not less than the largest default-sized result: a value below
-# 50,000 lowers the threshold.
+# answers; ~166,000 with every error cut: 136 a run, its handle 24 characters) and
+# lets no result past it into the context whole; the 50,000 above is what older
+# versions and Claude Code Desktop's agent (which drops `_meta`) keep.  Not less than
+# the largest default-sized result: a value below 50,000 lowers the threshold.
 # Other clients ignore it (MCP leaves `_meta` keys under another's prefix to their
 # owners).
 CLAUDE_RESULT_META = {"anthropic/maxResultSizeChars": 200_000}
