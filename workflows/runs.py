@@ -760,11 +760,14 @@ class Runs:
         closed = _CLOSED.get(desc.status) if desc.status else None
         if closed is not None and status.state not in TERMINAL_STATES:
             # Terminated from outside (e.g. the Temporal UI): the workflow never saw it.
+            # Nor does the approval it waited on wait any longer (helper-240: shown, it
+            # took a share of maxChars, and a client was shown a call to answer).
             status = replace(
                 status,
                 state=closed,
                 error=status.error or "terminated",
                 ended_at=status.ended_at or closed_at,
+                pending_approval=None,
             )
         if closed is None and status.state in TERMINAL_STATES:
             # Ended, and still reporting it (its end to the gateway, its children's

@@ -484,6 +484,24 @@ async def test_an_answer_no_worker_takes_is_said_not_taken_in_bounded_time(
         assert s.mcp.counts.get("delete_record", 0) == 0  # declined: never run
 
 
+async def test_a_run_terminated_while_it_awaits_approval_shows_no_call_to_answer(
+    temporal_address: str,
+) -> None:
+    # Terminated from outside (the Temporal UI), its status still showed the call it
+    # had waited on: a client was offered an approval nobody could give, and the
+    # call's arguments took a share of the door's maxChars (helper-240).
+    async with stack(temporal_address) as s:
+        spec = RunSpec(task=task_with(1, "termapprove"), model=MODEL, tools=["delete_record"])
+        handle = await s.runs.spawn(spec)
+        await until(lambda: state_is(s, handle, "AwaitingApproval"), "the run waits")
+        assert (await s.runs.status(handle)).pending_approval is not None
+        await s.client.get_workflow_handle(handle).terminate("by an operator")
+        ended = await s.runs.status(handle)
+        assert (ended.state, ended.error) == ("Cancelled", "terminated")
+        assert ended.pending_approval is None
+        assert s.mcp.counts.get("delete_record", 0) == 0
+
+
 async def test_spawning_a_child_with_no_worker_up_answers_in_bounded_time(
     temporal_address: str,
 ) -> None:
