@@ -225,11 +225,14 @@ _SPAWNS_AT_ONCE = 8
 
 class _Gate(asyncio.Semaphore):
     """The sends of spawns to one parent run (`Runs._spawn_child`), and how many spawns
-    use it (it is dropped when none does)."""
+    use it (it is dropped when none does).  `tripped`: why the parent is taken for
+    stuck (a send to it was not taken within its clock, or no worker polls), which
+    every spawn then waiting its turn fails with, unsent, until a send is taken."""
 
     def __init__(self) -> None:
         super().__init__(_SPAWNS_AT_ONCE)
         self.users = 0
+        self.tripped: str | None = None
 
 
 # How long reading the namespace's retention may take (a Tasks poll waits on it).
@@ -238,6 +241,16 @@ _RETENTION_READ_S = 2.0
 
 class _NotTaken(RunUnavailable):
     """A request was sent to the run's worker, which did not take it in time."""
+
+
+def _stuck(gate: _Gate) -> None:
+    """Raise, for a spawn about to be sent, if `gate` has tripped: its parent is taken
+    for stuck, so the spawn is not sent (nothing to withdraw)."""
+    if gate.tripped is not None:
+        raise RunUnavailable(
+            f"{gate.tripped}; another spawn to it found so, and this one, waiting its "
+            "turn, was not sent: no child was started"
+        )
 
 
 @dataclass(frozen=True)
@@ -394,9 +407,12 @@ class Runs:
         At most _SPAWNS_AT_ONCE sends to one parent are in flight from this gateway, the
         others wait their turn (helper-210: 150 spawns at once, sent again as Temporal
         refused them, kept the parent's workflow tasks failing, and most were never
-        taken)."""
+        taken).  The clock starts at a spawn's first turn, not as it joins the line
+        (helper-242: of 250 spawns at one parent taking ~4 a second, 116-131 ran out
+        of time in the line); the line is bounded by the parent's progress instead: a
+        send not taken within its clock, or no worker, trips the gate, and the spawns
+        waiting their turn fail at once, unsent."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._child_wait_s
         update_id = f"spawn-{handle}-{uuid.uuid4().hex[:8]}"
         pause = 0.02
         # Whether Temporal refused, aborted or cut short a send.  An aborted update may
@@ -409,6 +425,10 @@ class Runs:
         gate = self._gates.setdefault(parent, _Gate())
         gate.users += 1
         try:
+            _stuck(gate)
+            await gate.acquire()  # its first turn: no clock while it waits (the gate trips)
+            deadline = loop.time() + self._child_wait_s
+            held = True
             while True:
                 sent = await self._send_spawn(
                     parent,
@@ -418,7 +438,9 @@ class Runs:
                     deadline=deadline,
                     update_id=update_id,
                     unsure=unsure,
+                    held=held,
                 )
+                held = False
                 if not isinstance(sent, _Again):
                     return sent
                 unsure = unsure or sent.turned_away
@@ -449,22 +471,26 @@ class Runs:
         deadline: float,
         update_id: str,
         unsure: bool,
+        held: bool = False,
     ) -> str | _Again:
-        """One send of `_spawn_child`'s update, in its turn at `gate`: the child's handle
-        as the parent answered it, _Again when a send again may be taken, or the error.
-        `unsure`: Temporal turned an earlier send away, so an error goes up only once
-        the child is found not to have started (and its request withdrawn, here or, for
-        _NotTaken, by `spawn`); a child found started answers the spawn."""
+        """One send of `_spawn_child`'s update, in its turn at `gate` (`held`: the turn
+        is taken already): the child's handle as the parent answered it, _Again when a
+        send again may be taken, or the error.  `unsure`: Temporal turned an earlier
+        send away, so an error goes up only once the child is found not to have started
+        (and its request withdrawn, here or, for _NotTaken, by `spawn`); a child found
+        started answers the spawn."""
+        if not held:
+            try:
+                # (Not a send that would be left too little time for an answer.)
+                async with asyncio.timeout_at(deadline - _LAST_SEND_S):
+                    await gate.acquire()
+            except TimeoutError:
+                return _Again(
+                    f"parent run '{parent}' was taking {_SPAWNS_AT_ONCE} other spawns "
+                    f"of this gateway for all of {self._child_wait_s:g} s"
+                )
         try:
-            # (Not a send that would be left too little time for an answer.)
-            async with asyncio.timeout_at(deadline - _LAST_SEND_S):
-                await gate.acquire()
-        except TimeoutError:
-            return _Again(
-                f"parent run '{parent}' was taking {_SPAWNS_AT_ONCE} other spawns "
-                f"of this gateway for all of {self._child_wait_s:g} s"
-            )
-        try:
+            _stuck(gate)  # (unsure, it is withdrawn below)
             child: str = await self._update(
                 parent,
                 AgentRun.spawn_child,
@@ -477,6 +503,7 @@ class Runs:
                 wait_s=max(deadline - asyncio.get_running_loop().time(), 0.001),
                 update_id=update_id,
             )
+            gate.tripped = None  # the parent takes children again
             return child
         except WorkflowUpdateFailedError as exc:
             cause = exc.cause
@@ -491,11 +518,14 @@ class Runs:
                 f"{CHILDREN_STARTING_BYTES:,} bytes of task and system prompt: "
                 "they share a workflow task, which Temporal limits)"
             )
-        except _NotTaken:
+        except _NotTaken as exc:
             if unsure and await self._has_child(parent, handle):
                 return handle
+            gate.tripped = str(exc)  # the parent, or its worker, is stuck
             raise
-        except RunUnavailable:  # no worker polls: this send was not made
+        except RunUnavailable as exc:  # no worker polls (or the gate tripped): not sent
+            if gate.tripped is None:
+                gate.tripped = str(exc)
             if unsure and await self._settled(parent, handle):
                 return handle
             raise

@@ -1,9 +1,10 @@
 """Runs.spawn with a parent that refuses a spawn while others of its children start
 (contract.CHILDREN_STARTING_BYTES), or that Temporal turns away (its updates in flight
-at the limit, an update aborted): it sends the spawn again, all within child_wait_s,
-and once that is up it says that no child started (helper-167, helper-210).  The
-parent here is a stand-in: the handle's update refuses, as the run's validator or
-Temporal does."""
+at the limit, an update aborted): it sends the spawn again, all within child_wait_s
+from its first turn at the gate, and once that is up it says that no child started
+(helper-167, helper-210); a line of spawns at a stuck parent fails at once, unsent.
+The parent here is a stand-in: the handle's update refuses, as the run's validator
+or Temporal does."""
 
 from __future__ import annotations
 
@@ -263,3 +264,80 @@ async def test_a_gateway_sends_a_few_spawns_to_one_parent_at_a_time(
     assert await asyncio.gather(*(runs.spawn(spec, handle=k) for k in kids)) == kids
     assert parent.most == 8
     assert runs._gates == {}  # none kept for a parent no spawn waits for
+
+
+class _OneAtATime:
+    """A parent that takes one spawn at a time, each after 50 ms (its workflow tasks one
+    after another), recording the handles it took."""
+
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self.took: list[str] = []
+
+    async def execute_update(self, update: Any, arg: Any, id: str | None = None) -> Any:
+        async with self.lock:
+            await asyncio.sleep(0.05)
+            self.took.append(arg.handle)
+        return arg.handle
+
+
+async def test_spawns_in_line_behind_a_slow_parent_are_all_taken(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A spawn's clock ran from when it joined the line: of 250 spawns at a parent
+    # taking ~4 a second, 116-131 were refused, though the parent took them steadily
+    # (helper-242).  It runs from the spawn's first turn: 40 here take ~2 s, twice
+    # child_wait_s, and every one is taken.
+    parent = _OneAtATime()
+    runs = _runs(monkeypatch, parent)
+    kids = [f"run-{i}" for i in range(40)]
+    spec = RunSpec(task="t", model="m", parent="p")
+    got = await asyncio.gather(*(runs.spawn(spec, handle=k) for k in kids), return_exceptions=True)
+    assert got == kids, [str(g) for g in got if isinstance(g, Exception)][:3]
+    assert sorted(parent.took) == sorted(kids)
+    assert runs._gates == {}
+
+
+class _Gone:
+    """A parent whose worker is listed but gone: no send is ever answered."""
+
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+
+    async def execute_update(self, update: Any, arg: Any, id: str | None = None) -> Any:
+        self.sent.append(arg.handle)
+        await asyncio.Event().wait()
+
+
+async def test_a_line_of_spawns_at_a_stuck_parent_fails_within_one_child_wait_s(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # With no clock in the line, the line is bounded by the parent's progress: the
+    # first send not taken within its clock trips the gate, and the spawns waiting
+    # their turn fail at once, unsent (not 5 clocks in turn for 40 spawns, 8 at once).
+    # Only those sent are withdrawn; the others left nothing to withdraw.
+    parent = _Gone()
+    withdrawn: list[str] = []
+    runs = _runs(monkeypatch, parent, withdrawn=withdrawn)
+    kids = [f"run-{i}" for i in range(40)]
+    spec = RunSpec(task="t", model="m", parent="p")
+    began = time.monotonic()
+    got = await asyncio.gather(*(runs.spawn(spec, handle=k) for k in kids), return_exceptions=True)
+    took = time.monotonic() - began
+    assert took <= WAIT * 1.5, f"took {took:.2f} s, child_wait_s {WAIT}"
+    assert all(isinstance(g, RunUnavailable) for g in got), got
+    assert len(parent.sent) == 8 and sorted(withdrawn) == sorted(parent.sent)
+    for kid, err in zip(kids, got, strict=True):
+        if kid in parent.sent:
+            assert "the request is withdrawn: no child runs" in str(err), err
+        else:
+            assert str(err) == (
+                "parent run 'p' did not take the child within 1 s (is a worker up on task "
+                "queue 'q', and the parent's workflow task not failing?); another spawn to "
+                "it found so, and this one, waiting its turn, was not sent: no child was "
+                "started"
+            ), err
+    assert runs._gates == {}
+    # A spawn after the line has gone is sent again (the gate was dropped with it).
+    runs._handle = lambda handle: _OneAtATime()  # type: ignore[method-assign]
+    assert await runs.spawn(spec, handle="run-later") == "run-later"

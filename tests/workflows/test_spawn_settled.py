@@ -189,7 +189,8 @@ async def test_a_spawn_whose_turn_at_the_gate_never_comes_asked_nothing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Nine spawns at once to a parent that answers none: eight hold the gate all the
-    # while, the ninth never sends, so it withdraws nothing and says to spawn again.
+    # while, the ninth never sends (the first not taken trips the gate), so it
+    # withdraws nothing and says no child was started.
     parent = _SdkSlow()
     withdrawn: list[str] = []
     runs = _runs(monkeypatch, parent, withdrawn=withdrawn)  # type: ignore[arg-type]
@@ -200,8 +201,9 @@ async def test_a_spawn_whose_turn_at_the_gate_never_comes_asked_nothing(
     assert all(isinstance(e, RunUnavailable) for e in ends), ends
     assert parent.sends == 8 and "run-8" not in withdrawn, (parent.sends, withdrawn)
     assert str(ends[8]) == (
-        "parent run 'p' was taking 8 other spawns of this gateway for all of 1 s; no "
-        "child was started: spawn it again"
+        "parent run 'p' did not take the child within 1 s (is a worker up on task queue "
+        "'q', and the parent's workflow task not failing?); another spawn to it found "
+        "so, and this one, waiting its turn, was not sent: no child was started"
     )
 
 
