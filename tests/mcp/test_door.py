@@ -618,9 +618,12 @@ async def test_a_quote_heavy_answer_spends_max_chars_on_its_escapes(
     # quote-heavy answer at maxChars 1,000 took some 1,600 there, a control-heavy one up
     # to 6,000.  The answer's share is now spent on what it takes in the JSON;
     # answerChars and answerNextOffset stay in its own characters, where `answer` reads.
-    # (The fake engine answers a task's `Labels:` line's first label, then filler.)
+    # (The fake engine answers a task's `Labels:` line's first label, then filler.  The
+    # line is in the task task_with picks, as the engine hashes it: appended after, it
+    # made 1 to 3 tool calls in 4 tasks of 5, and one of delete_record waited for an
+    # approval this client is never asked, the run with no answer.)
     label = '"\\' * 300 + "\x01" * 40 + 'say "hi"\\' * 20
-    task = f"{task_with(0, 'quotes')} [fake: long]\nLabels: {label}"
+    task = task_with(0, f"quotes [fake: long]\nLabels: {label}\n")
     async with stack(temporal_address) as s, Client(s.mcp_door, mode="2026-07-28") as c:
         args = {"task": task, "maxTokens": 2 * LONG_REPLY_TOKENS, "maxChars": 1000}
         call = await c.call_tool("run", args)
@@ -628,6 +631,7 @@ async def test_a_quote_heavy_answer_spends_max_chars_on_its_escapes(
         (st,) = await s.runs.statuses([run["handle"]])
         whole = st.answer
         assert whole is not None and whole.startswith(label), run
+        assert run["toolCalls"] == 0, run
         (text,) = call.content
         assert isinstance(text, TextContent) and text.text == _compact(run)
         shown = run["answer"]
