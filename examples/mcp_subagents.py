@@ -5,7 +5,8 @@ an answer longer than the await's share of `maxChars` comes cut, and the rest is
 with the `answer` tool from `answerNextOffset`.  A run that failed or was cancelled (its
 budget, a cancel) has no answer: its `error` says why.  A run that waits for the user's
 approval of a tool call (`approveTools`) is not awaited further: its pending call is
-printed, for the `approve` tool to answer or `cancel` to end.
+printed, for the `approve` tool to answer (where the gateway withholds it, `[mcp]
+approve_tool = false`, the user in a client that shows forms) or `cancel` to end.
 
     python examples/mcp_subagents.py
 """
@@ -46,6 +47,8 @@ async def run(url: str = URL, token: str | None = None, caller: str = "examples/
     async with http, Client(streamable_http_client(url, http_client=http)) as client:
         listed = await client.list_tools()
         print("tools:", ", ".join(t.name for t in listed.tools))
+        # Not listed where the operator wants approvals from people only.
+        can_approve = any(t.name == "approve" for t in listed.tools)
         handles = [(await call(client, "spawn", spec))["handle"] for spec in TASKS]
         shown: dict[str, Any] = {}
         waited, done = handles, False
@@ -70,9 +73,15 @@ async def run(url: str = URL, token: str | None = None, caller: str = "examples/
                 print(f"error: {r['error']}")
             if r["state"] == "AwaitingApproval":
                 p = r["pendingApproval"]
+                how = (
+                    "answer it with the `approve` tool"
+                    if can_approve
+                    else "they answer it in a client that shows forms (its `await` of the "
+                    "run asks them)"
+                )
                 print(
                     f"approval: {p['tool']} (callId {p['callId']}) waits for the user: "
-                    "answer it with the `approve` tool, or end the run with `cancel`"
+                    f"{how}, or end the run with `cancel`"
                 )
 
 

@@ -235,8 +235,12 @@ async def test_the_mcp_example_says_why_a_run_ended_without_an_answer(
         assert out.endswith(f"{handle} Cancelled, 0 tool calls:\nerror: {run.error}\n"), out
 
 
+@pytest.mark.parametrize("approve_tool", [True, False])
 async def test_the_mcp_example_stops_waiting_on_a_run_that_awaits_approval(
-    temporal_address: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    temporal_address: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    approve_tool: bool,
 ) -> None:
     # helper-239: a run waiting for the user's approval moves only once someone answers;
     # the example's loop awaited it again and again (each `await` after the first holds
@@ -245,7 +249,8 @@ async def test_the_mcp_example_stops_waiting_on_a_run_that_awaits_approval(
     example = _load("mcp_subagents", ROOT / "examples" / "mcp_subagents.py")
     asking = {"task": task_with(1, "approve"), "tools": ["lookup"], "approveTools": ["lookup"]}
     monkeypatch.setattr(example, "TASKS", [asking, {"task": "Look it up.", "tools": []}])
-    async with stack(temporal_address) as s:
+    # (With `[mcp] approve_tool = false` it said to call `approve`, a tool not listed.)
+    async with stack(temporal_address, mcp={"approve_tool": approve_tool}) as s:
         ran = asyncio.ensure_future(asyncio.to_thread(example.main, ["--url", s.mcp_door]))
         # Within the example's own await timeout (60 s): a loop that awaits the run again
         # takes longer.  Past it, the run is cancelled, which ends that loop too.
@@ -264,9 +269,14 @@ async def test_the_mcp_example_stops_waiting_on_a_run_that_awaits_approval(
         assert second.state == "Completed"
         pending = first.pending_approval
         assert f"{first.handle} AwaitingApproval, 0 tool calls:\n" in out
+        how = (
+            "answer it with the `approve` tool"
+            if approve_tool
+            else "they answer it in a client that shows forms (its `await` of the run asks them)"
+        )
         assert (
             f"approval: {pending.tool} (callId {pending.call_id}) waits for the user: "
-            "answer it with the `approve` tool, or end the run with `cancel`\n"
+            f"{how}, or end the run with `cancel`\n"
         ) in out
         assert out.endswith(f"{second.handle} Completed, 0 tool calls:\n{second.answer}\n")
         await s.runs.cancel(first.handle)
