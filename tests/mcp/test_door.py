@@ -843,7 +843,7 @@ def test_errors_share_max_chars_and_status_shows_one_whole() -> None:
     # A run's error (up to some 10,000 characters) was outside maxChars: 1,000 failed
     # runs made an await of 10 MB.  Errors share it with the answers now, their start
     # shown and errorChars their whole length.
-    long = 'engine said: {"error": "bad"}\n' * 340  # 10,200, 11,560 in the JSON
+    long = 'engine said: {"error": "bad"}\n' * 340  # 10,200, 11,900 in the JSON
     failed = [
         dataclasses.replace(_asking(None), handle=f"run-{i}", state="Failed", error=long)
         for i in range(1000)
