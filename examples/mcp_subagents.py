@@ -70,7 +70,9 @@ async def run(url: str = URL, token: str | None = None, caller: str = "examples/
             if answer:
                 print(answer)
             if "error" in r:  # why it failed or was cancelled (a budget, a cancel)
-                print(f"error: {r['error']}")
+                # (Cut to its share of maxChars: `status` of the run shows it whole.)
+                cut = f" ... ({r['errorChars']} characters in all)" if "errorChars" in r else ""
+                print(f"error: {r['error']}{cut}")
             if r["state"] == "AwaitingApproval":
                 p = r["pendingApproval"]
                 how = (

@@ -328,8 +328,9 @@ class RunView(_Sparse):
     errorChars: int | None = Field(
         None,
         description="the error's whole length in characters when `error` holds only its "
-        "start, to fit this result's share of maxChars: `status` of this run with a larger "
-        "maxChars shows it whole; absent when it is whole",
+        "start, to fit this result's share of maxChars: `status` of this run alone with "
+        "maxChars of twice errorChars shows it whole (in maxChars a quote or newline is 2; "
+        "six times, if it is all other control characters); absent when it is whole",
     )
     pendingApproval: PendingApprovalView | None = None
     parent: str | None = None
