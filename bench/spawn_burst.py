@@ -13,7 +13,7 @@ wrapping the SDK's internals (temporalio 1.35): the worker's activations of the 
 the workflow's modules, on the worker's event-loop thread).  --child-wait sets
 Runs.child_wait_s; --passthrough builds the worker with those modules passed through.
 One process, loaded or not (the harness's stack: worker, gateway and fakes share it):
-compare arms run side by side.  helper-242's numbers are in its report.
+compare arms run side by side.  Numbers: bench/RESULTS.md, "A burst of spawns".
 """
 
 from __future__ import annotations
