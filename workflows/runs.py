@@ -226,13 +226,15 @@ _SPAWNS_AT_ONCE = 8
 class _Gate(asyncio.Semaphore):
     """The sends of spawns to one parent run (`Runs._spawn_child`), and how many spawns
     use it (it is dropped when none does).  `tripped`: why the parent is taken for
-    stuck (a send to it was not taken within its clock, or no worker polls), which
-    every spawn then waiting its turn fails with, unsent, until a send is taken."""
+    stuck (a send to it was not taken within its clock while it took no other, or no
+    worker polls), which every spawn then waiting its turn fails with, unsent, until
+    a send is taken.  `taken`: how many sends the parent has taken."""
 
     def __init__(self) -> None:
         super().__init__(_SPAWNS_AT_ONCE)
         self.users = 0
         self.tripped: str | None = None
+        self.taken = 0
 
 
 # How long reading the namespace's retention may take (a Tasks poll waits on it).
@@ -489,6 +491,7 @@ class Runs:
                     f"parent run '{parent}' was taking {_SPAWNS_AT_ONCE} other spawns "
                     f"of this gateway for all of {self._child_wait_s:g} s"
                 )
+        taken = gate.taken
         try:
             _stuck(gate)  # (unsure, it is withdrawn below)
             child: str = await self._update(
@@ -504,6 +507,7 @@ class Runs:
                 update_id=update_id,
             )
             gate.tripped = None  # the parent takes children again
+            gate.taken += 1
             return child
         except WorkflowUpdateFailedError as exc:
             cause = exc.cause
@@ -521,7 +525,12 @@ class Runs:
         except _NotTaken as exc:
             if unsure and await self._has_child(parent, handle):
                 return handle
-            gate.tripped = str(exc)  # the parent, or its worker, is stuck
+            # The parent, or its worker, is stuck, unless it took others meanwhile: then
+            # this send had too little of its clock left (sent again after a refusal,
+            # behind others the parent was taking), which says nothing of the spawns
+            # waiting their turn.
+            if gate.taken == taken:
+                gate.tripped = str(exc)
             raise
         except RunUnavailable as exc:  # no worker polls (or the gate tripped): not sent
             if gate.tripped is None:

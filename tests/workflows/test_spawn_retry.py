@@ -341,3 +341,48 @@ async def test_a_line_of_spawns_at_a_stuck_parent_fails_within_one_child_wait_s(
     # A spawn after the line has gone is sent again (the gate was dropped with it).
     runs._handle = lambda handle: _OneAtATime()  # type: ignore[method-assign]
     assert await runs.spawn(spec, handle="run-later") == "run-later"
+
+
+class _TakingOthers(_OneAtATime):
+    """A `_OneAtATime` parent that refuses run-0's first send, its children starting,
+    and does not take its next within child_wait_s (run-0's clock left too short, as
+    for a send again behind others in the parent's queue); `again` is set as that
+    send comes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refused = False
+        self.again = asyncio.Event()
+
+    async def execute_update(self, update: Any, arg: Any, id: str | None = None) -> Any:
+        if arg.handle == "run-0":
+            if not self.refused:
+                self.refused = True
+                raise WorkflowUpdateFailedError(
+                    ApplicationError("run 'p' is starting 1 children", type=CHILDREN_STARTING)
+                )
+            self.again.set()
+            await asyncio.sleep(WAIT * 2)
+        return await super().execute_update(update, arg, id)
+
+
+async def test_a_send_not_taken_while_the_parent_takes_others_trips_no_gate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A send not taken within what was left of its clock tripped the gate though the
+    # parent was taking the others, and the spawns waiting their turn failed, unsent
+    # (helper-245: 7 of 40 whose every other spawn was refused once).  Only a parent
+    # that took nothing while the send waited is taken for stuck.
+    parent = _TakingOthers()
+    withdrawn: list[str] = []
+    runs = _runs(monkeypatch, parent, withdrawn=withdrawn)  # type: ignore[arg-type]
+    spec = RunSpec(task="t", model="m", parent="p")
+    first = asyncio.ensure_future(runs.spawn(spec, handle="run-0"))
+    await parent.again.wait()
+    kids = [f"run-{i}" for i in range(1, 41)]
+    got = await asyncio.gather(*(runs.spawn(spec, handle=k) for k in kids), return_exceptions=True)
+    assert got == kids, [str(g) for g in got if isinstance(g, Exception)][:3]
+    with pytest.raises(RunUnavailable, match="did not take the child within 1 s"):
+        await first
+    assert withdrawn == ["run-0"]
+    assert runs._gates == {}
