@@ -409,11 +409,13 @@ class Runs:
         At most _SPAWNS_AT_ONCE sends to one parent are in flight from this gateway, the
         others wait their turn (helper-210: 150 spawns at once, sent again as Temporal
         refused them, kept the parent's workflow tasks failing, and most were never
-        taken).  The clock starts at a spawn's first turn, not as it joins the line
+        taken).  The clock starts at a spawn's turn, not as it joins the line
         (helper-242: of 250 spawns at one parent taking ~4 a second, 116-131 ran out
-        of time in the line); the line is bounded by the parent's progress instead: a
-        send not taken within its clock, or no worker, trips the gate, and the spawns
-        waiting their turn fail at once, unsent."""
+        of time in the line), and the spawn keeps its turn for all its sends (sent
+        again, it waited at the back of the line with its clock running, and failed
+        there); the line is bounded by the parent's progress instead: a send not taken
+        within its clock, no worker, or a clock run out while the parent took no
+        spawn, trips the gate, and the spawns waiting their turn fail at once, unsent."""
         loop = asyncio.get_running_loop()
         update_id = f"spawn-{handle}-{uuid.uuid4().hex[:8]}"
         pause = 0.02
@@ -428,36 +430,40 @@ class Runs:
         gate.users += 1
         try:
             _stuck(gate)
-            await gate.acquire()  # its first turn: no clock while it waits (the gate trips)
-            deadline = loop.time() + self._child_wait_s
-            held = True
-            while True:
-                sent = await self._send_spawn(
-                    parent,
-                    handle,
-                    spec,
-                    gate,
-                    deadline=deadline,
-                    update_id=update_id,
-                    unsure=unsure,
-                    held=held,
-                )
-                held = False
-                if not isinstance(sent, _Again):
-                    return sent
-                unsure = unsure or sent.turned_away
-                # A send needs a round trip's time: one with only milliseconds left was
-                # cut as not taken, and withdrawn, the caller told to look for a worker
-                # (helper-168).
-                if loop.time() + pause + _LAST_SEND_S > deadline:
-                    if unsure:
-                        if await self._has_child(parent, handle):
-                            return handle
-                        raise _NotTaken(sent.why)  # Runs.spawn withdraws the request
-                    # (Not the run's words: they say why it refused one send.)
-                    raise RunUnavailable(f"{sent.why}; no child was started: spawn it again")
-                await asyncio.sleep(pause)
-                pause = min(pause * 2, 1.0)
+            await gate.acquire()  # its turn: no clock while it waits (the gate trips)
+            try:
+                deadline = loop.time() + self._child_wait_s
+                taken = gate.taken
+                while True:
+                    sent = await self._send_spawn(
+                        parent,
+                        handle,
+                        spec,
+                        gate,
+                        deadline=deadline,
+                        update_id=update_id,
+                        unsure=unsure,
+                    )
+                    if not isinstance(sent, _Again):
+                        return sent
+                    unsure = unsure or sent.turned_away
+                    # A send needs a round trip's time: one with only milliseconds left
+                    # was cut as not taken, and withdrawn, the caller told to look for a
+                    # worker (helper-168).
+                    if loop.time() + pause + _LAST_SEND_S > deadline:
+                        if gate.taken == taken and gate.tripped is None:
+                            # Refused a whole clock, none taken: so would the line be.
+                            gate.tripped = sent.why
+                        if unsure:
+                            if await self._has_child(parent, handle):
+                                return handle
+                            raise _NotTaken(sent.why)  # Runs.spawn withdraws the request
+                        # (Not the run's words: they say why it refused one send.)
+                        raise RunUnavailable(f"{sent.why}; no child was started: spawn it again")
+                    await asyncio.sleep(pause)
+                    pause = min(pause * 2, 1.0)
+            finally:
+                gate.release()
         finally:
             gate.users -= 1
             if gate.users == 0:
@@ -473,24 +479,12 @@ class Runs:
         deadline: float,
         update_id: str,
         unsure: bool,
-        held: bool = False,
     ) -> str | _Again:
-        """One send of `_spawn_child`'s update, in its turn at `gate` (`held`: the turn
-        is taken already): the child's handle as the parent answered it, _Again when a
-        send again may be taken, or the error.  `unsure`: Temporal turned an earlier
-        send away, so an error goes up only once the child is found not to have started
-        (and its request withdrawn, here or, for _NotTaken, by `spawn`); a child found
-        started answers the spawn."""
-        if not held:
-            try:
-                # (Not a send that would be left too little time for an answer.)
-                async with asyncio.timeout_at(deadline - _LAST_SEND_S):
-                    await gate.acquire()
-            except TimeoutError:
-                return _Again(
-                    f"parent run '{parent}' was taking {_SPAWNS_AT_ONCE} other spawns "
-                    f"of this gateway for all of {self._child_wait_s:g} s"
-                )
+        """One send of `_spawn_child`'s update, in its turn at `gate`: the child's handle
+        as the parent answered it, _Again when a send again may be taken, or the error.
+        `unsure`: Temporal turned an earlier send away, so an error goes up only once the
+        child is found not to have started (and its request withdrawn, here or, for
+        _NotTaken, by `spawn`); a child found started answers the spawn."""
         taken = gate.taken
         try:
             _stuck(gate)  # (unsure, it is withdrawn below)
@@ -559,8 +553,6 @@ class Runs:
                 f"{self._child_wait_s:g} s: {rpc.message if isinstance(rpc, RPCError) else exc}",
                 turned_away=True,
             )
-        finally:
-            gate.release()
 
     async def _settled(self, parent: str, handle: str) -> bool:
         """After an unsure send, a spawn about to answer an error other than _NotTaken

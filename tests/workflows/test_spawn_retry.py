@@ -386,3 +386,60 @@ async def test_a_send_not_taken_while_the_parent_takes_others_trips_no_gate(
         await first
     assert withdrawn == ["run-0"]
     assert runs._gates == {}
+
+
+class _RefusesEachOnce(_OneAtATime):
+    """A `_OneAtATime` parent that refuses each spawn's first send, its children
+    starting (as many are, of a burst at one parent)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refused: set[str] = set()
+
+    async def execute_update(self, update: Any, arg: Any, id: str | None = None) -> Any:
+        if arg.handle not in self.refused:
+            self.refused.add(arg.handle)
+            raise WorkflowUpdateFailedError(
+                ApplicationError("run 'p' is starting 1 children", type=CHILDREN_STARTING)
+            )
+        return await super().execute_update(update, arg, id)
+
+
+async def test_a_spawn_sent_again_keeps_its_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A spawn refused once gave its turn up until its send again, which waited at the
+    # back of the line with its clock running: of 40 here 21 failed, "was taking 8 other
+    # spawns of this gateway for all of 1 s" or not taken (helper-245), as all did
+    # before the clock started at the turn.  It keeps its turn for all its sends.
+    parent = _RefusesEachOnce()
+    runs = _runs(monkeypatch, parent)  # type: ignore[arg-type]
+    kids = [f"run-{i}" for i in range(40)]
+    spec = RunSpec(task="t", model="m", parent="p")
+    got = await asyncio.gather(*(runs.spawn(spec, handle=k) for k in kids), return_exceptions=True)
+    assert got == kids, [str(g) for g in got if isinstance(g, Exception)][:3]
+    assert sorted(parent.took) == sorted(kids)
+    assert runs._gates == {}
+
+
+async def test_a_line_at_a_parent_refusing_every_spawn_fails_within_one_child_wait_s(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Each spawn keeps its turn while it is refused, so a parent that takes none would
+    # hold the line for a clock per 8 spawns (3 s here); one refused a whole clock while
+    # the parent took no spawn trips the gate, as one not taken does.
+    parent = _Refusing(None)
+    runs = _runs(monkeypatch, parent)
+    spec = RunSpec(task="t", model="m", parent="p")
+    began = time.monotonic()
+    got = await asyncio.gather(
+        *(runs.spawn(spec, handle=f"run-{i}") for i in range(24)), return_exceptions=True
+    )
+    took = time.monotonic() - began
+    assert took <= WAIT * 1.5, f"took {took:.2f} s, child_wait_s {WAIT}"
+    assert all(isinstance(g, RunUnavailable) for g in got), got
+    why = "parent run 'p' was starting other children for all of 1 s"
+    assert all(str(g).startswith(why) for g in got), got
+    # The one that ran out its clock says so; the 7 others in their turn, refused as
+    # well, and the 16 waiting theirs fail with the trip at their next send.
+    waited = [g for g in got if "waiting its turn, was not sent: no child was started" in str(g)]
+    assert len(waited) == 23, got
+    assert runs._gates == {}
