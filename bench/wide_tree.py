@@ -52,9 +52,10 @@ async def _wide(s: Stack, n: int, calls: int) -> dict[str, Any]:
     root = await spawn_waiting(s, "root")
     spec = {"model": MODEL, "tools": ["lookup"], "parent": root}
     tasks = [task_with(calls, "leaf") for _ in range(n)]
-    # As a client would send them: a few at a time.  All at once, those past what the
-    # parent takes in the gateway's child_wait_s (30 s; some 7 a second on a loaded
-    # 2-vCPU machine) are refused ("spawn it again").
+    # As a client would send them: a few at a time.  All at once, they wait their turns
+    # at the parent (each spawn's child_wait_s starts at its turn; until e7c5b39 those
+    # past what the parent took in 30 s were refused), and a spawn answers only once
+    # the parent took it: past a client's call limit for hundreds (bench.spawn_burst).
     sending = asyncio.Semaphore(SENDS_AT_ONCE)
 
     async def spawn(task: str) -> str:

@@ -436,11 +436,12 @@ ERROR_ENDS = frozenset({"Failed", "Cancelled"})
 
 
 def answer_shares(lengths: Sequence[int], budget: int) -> list[int]:
-    """How many characters of each answer one result shows: `budget` in all, shared
-    max-min fairly.  An answer shorter than its fair share is shown whole, and what it
-    leaves goes to the others; the longer ones are cut to starts of one length (where
-    the budget does not divide evenly, the first of them in order a character longer).
-    No answer is cut while the budget has room for more of it."""
+    """How many characters of each answer one result shows (and of each error and
+    pending call's arguments: `_shares`): `budget` in all, shared max-min fairly.  An
+    answer shorter than its fair share is shown whole, and what it leaves goes to the
+    others; the longer ones are cut to starts of one length (where the budget does not
+    divide evenly, the first of them in order a character longer).  No answer is cut
+    while the budget has room for more of it."""
     shown = [0] * len(lengths)
     left = budget
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
@@ -1198,9 +1199,10 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
     async def start_for_the_call(spec: RunSpec, ctx: Any) -> str:
         """`spawn_run` for a call that returns the run's handle once it has started
         (`spawn`), or later (`run`, and its task): a call cut while the run starts (a
-        child waits up to 30 s for its parent's worker to take it) withdraws a child's
-        request, lets the start go on, then cancels the run (helper-144: the child ran
-        to its end, its handle never given; helper-152: so did a cut `spawn`'s)."""
+        child waits its turn at its parent, then up to 30 s for the parent's worker to
+        take it) withdraws a child's request, lets the start go on, then cancels the run
+        (helper-144: the child ran to its end, its handle never given; helper-152: so
+        did a cut `spawn`'s)."""
         handle = new_handle()  # known before it exists: a cut start's run is found
         starting = asyncio.ensure_future(spawn_run(spec, ctx, handle))
         try:
@@ -1483,9 +1485,11 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
         budgetSeconds: BudgetSeconds = None,
         approveTools: ApproveTools = None,
     ) -> SpawnResult:
-        """Start a sub-agent run and return its handle at once. Spawn several runs, then
-        `await` them together: they run in parallel on the user's engines and survive
-        restarts. Each run loops LLM turns and tool calls until it answers; after
+        """Start a sub-agent run and return its handle: at once, or with `parent` once
+        the parent's worker has taken it (spawns at one parent wait their turns, 8 at a
+        time: hundreds at once take minutes; send a few at a time). Spawn several runs,
+        then `await` them together: they run in parallel on the user's engines and
+        survive restarts. Each run loops LLM turns and tool calls until it answers; after
         `maxToolCalls` calls it must answer."""
         arguments = _arguments(locals())
         spec = spec_of(RunArgs.model_validate(arguments), ctx)

@@ -226,9 +226,10 @@ _SPAWNS_AT_ONCE = 8
 class _Gate(asyncio.Semaphore):
     """The sends of spawns to one parent run (`Runs._spawn_child`), and how many spawns
     use it (it is dropped when none does).  `tripped`: why the parent is taken for
-    stuck (a send to it was not taken within its clock while it took no other, or no
-    worker polls), which every spawn then waiting its turn fails with, unsent, until
-    a send is taken.  `taken`: how many sends the parent has taken."""
+    stuck (a send to it was not taken within its clock, or a spawn was refused for all
+    of its clock, while it took no other; or no worker polls), which every spawn then
+    waiting its turn fails with, unsent, until a send is taken.  `taken`: how many
+    sends the parent has taken."""
 
     def __init__(self) -> None:
         super().__init__(_SPAWNS_AT_ONCE)
