@@ -281,7 +281,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("sizes", nargs="*", type=int, default=[40])
     p.add_argument("--gates", type=int, nargs="*", default=[8])
-    p.add_argument("--children", default="quiet")
+    p.add_argument("--children", choices=["quiet", "busy"], default="quiet")
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--child-wait", type=float, default=runs_mod.CHILD_WAIT_S)
     p.add_argument("--passthrough", default="", help='modules the sandbox passes through, or "all"')

@@ -248,11 +248,12 @@ class _NotTaken(RunUnavailable):
 
 def _stuck(gate: _Gate) -> None:
     """Raise, for a spawn about to be sent, if `gate` has tripped: its parent is taken
-    for stuck, so the spawn is not sent (nothing to withdraw)."""
+    for stuck, so the spawn is not sent (one that waited its turn has nothing to
+    withdraw; one sent before and turned away is withdrawn by `_send_spawn`)."""
     if gate.tripped is not None:
         raise RunUnavailable(
-            f"{gate.tripped}; another spawn to it found so, and this one, waiting its "
-            "turn, was not sent: no child was started"
+            f"{gate.tripped}; another spawn to it found so, and this one was not sent "
+            "(again): no child was started"
         )
 
 

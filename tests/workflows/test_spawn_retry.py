@@ -334,8 +334,7 @@ async def test_a_line_of_spawns_at_a_stuck_parent_fails_within_one_child_wait_s(
             assert str(err) == (
                 "parent run 'p' did not take the child within 1 s (is a worker up on task "
                 "queue 'q', and the parent's workflow task not failing?); another spawn to "
-                "it found so, and this one, waiting its turn, was not sent: no child was "
-                "started"
+                "it found so, and this one was not sent (again): no child was started"
             ), err
     assert runs._gates == {}
     # A spawn after the line has gone is sent again (the gate was dropped with it).
@@ -440,6 +439,6 @@ async def test_a_line_at_a_parent_refusing_every_spawn_fails_within_one_child_wa
     assert all(str(g).startswith(why) for g in got), got
     # The one that ran out its clock says so; the 7 others in their turn, refused as
     # well, and the 16 waiting theirs fail with the trip at their next send.
-    waited = [g for g in got if "waiting its turn, was not sent: no child was started" in str(g)]
+    waited = [g for g in got if "was not sent (again): no child was started" in str(g)]
     assert len(waited) == 23, got
     assert runs._gates == {}

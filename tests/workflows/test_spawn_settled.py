@@ -203,7 +203,7 @@ async def test_a_spawn_whose_turn_at_the_gate_never_comes_asked_nothing(
     assert str(ends[8]) == (
         "parent run 'p' did not take the child within 1 s (is a worker up on task queue "
         "'q', and the parent's workflow task not failing?); another spawn to it found "
-        "so, and this one, waiting its turn, was not sent: no child was started"
+        "so, and this one was not sent (again): no child was started"
     )
 
 
