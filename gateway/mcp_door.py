@@ -509,17 +509,20 @@ def _long_texts(status: RunStatus) -> dict[str, tuple[str, int]]:
     return texts
 
 
-def _shares(statuses: Sequence[RunStatus], max_chars: int) -> dict[str, dict[str, int]]:
-    """Each run's share of `max_chars` for each of its long texts (`answer_shares` over
+# A run's long texts by kind: each text, what it takes in the result whole, its share.
+_Shares = dict[str, tuple[str, int, int]]
+
+
+def _shares(statuses: Sequence[RunStatus], max_chars: int) -> dict[str, _Shares]:
+    """Each run's long texts with their shares of `max_chars` (`answer_shares` over
     them all, a handle given twice counted once)."""
-    texts = {
-        (s.handle, kind): chars for s in statuses for kind, (_, chars) in _long_texts(s).items()
-    }
-    shares: dict[str, dict[str, int]] = {}
-    for (handle, kind), share in zip(
-        texts, answer_shares(list(texts.values()), max_chars), strict=True
+    texts = {(s.handle, kind): t for s in statuses for kind, t in _long_texts(s).items()}
+    chars = [c for _, c in texts.values()]
+    shares: dict[str, _Shares] = {}
+    for ((handle, kind), (text, c)), share in zip(
+        texts.items(), answer_shares(chars, max_chars), strict=True
     ):
-        shares.setdefault(handle, {})[kind] = share
+        shares.setdefault(handle, {})[kind] = (text, c, share)
     return shares
 
 
@@ -543,15 +546,13 @@ def view(
     return _view(status, detail, _shares([status], max_chars).get(status.handle, {}))
 
 
-def _view(status: RunStatus, detail: bool, shares: dict[str, int]) -> RunView:
-    texts = _long_texts(status)
-
+def _view(status: RunStatus, detail: bool, shares: _Shares) -> RunView:
     def shown(kind: str) -> tuple[str, int | None]:
         """The text, or its start that fits its share and its whole length."""
-        text, chars = texts[kind]
-        if chars <= shares[kind]:
+        text, chars, share = shares[kind]
+        if chars <= share:
             return text, None
-        return json_start(text, shares[kind]), len(text)
+        return json_start(text, share), len(text)
 
     pending = status.pending_approval
     answer, whole, rest = status.answer, None, None
