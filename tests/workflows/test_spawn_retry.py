@@ -234,6 +234,15 @@ async def test_a_spawn_temporal_cuts_short_until_its_time_is_up_is_withdrawn(
     ), err.value
 
 
+async def _burst(runs: Runs, n: int = 40) -> tuple[list[str], list[Any]]:
+    """`n` spawns at once under parent `p`: their handles, and what each spawn gave
+    (a handle or its error), in order."""
+    kids = [f"run-{i}" for i in range(n)]
+    spec = RunSpec(task="t", model="m", parent="p")
+    got = await asyncio.gather(*(runs.spawn(spec, handle=k) for k in kids), return_exceptions=True)
+    return kids, got
+
+
 class _Counting:
     """A parent that takes every spawn after 20 ms, counting the sends in flight."""
 
@@ -259,9 +268,8 @@ async def test_a_gateway_sends_a_few_spawns_to_one_parent_at_a_time(
     # taken.  The others wait their turn here, under Temporal's limit of 10.
     parent = _Counting()
     runs = _runs(monkeypatch, parent)
-    kids = [f"run-{i}" for i in range(40)]
-    spec = RunSpec(task="t", model="m", parent="p")
-    assert await asyncio.gather(*(runs.spawn(spec, handle=k) for k in kids)) == kids
+    kids, got = await _burst(runs)
+    assert got == kids
     assert parent.most == 8
     assert runs._gates == {}  # none kept for a parent no spawn waits for
 
@@ -290,9 +298,7 @@ async def test_spawns_in_line_behind_a_slow_parent_are_all_taken(
     # child_wait_s, and every one is taken.
     parent = _OneAtATime()
     runs = _runs(monkeypatch, parent)
-    kids = [f"run-{i}" for i in range(40)]
-    spec = RunSpec(task="t", model="m", parent="p")
-    got = await asyncio.gather(*(runs.spawn(spec, handle=k) for k in kids), return_exceptions=True)
+    kids, got = await _burst(runs)
     assert got == kids, [str(g) for g in got if isinstance(g, Exception)][:3]
     assert sorted(parent.took) == sorted(kids)
     assert runs._gates == {}
@@ -411,9 +417,7 @@ async def test_a_spawn_sent_again_keeps_its_turn(monkeypatch: pytest.MonkeyPatch
     # before the clock started at the turn.  It keeps its turn for all its sends.
     parent = _RefusesEachOnce()
     runs = _runs(monkeypatch, parent)  # type: ignore[arg-type]
-    kids = [f"run-{i}" for i in range(40)]
-    spec = RunSpec(task="t", model="m", parent="p")
-    got = await asyncio.gather(*(runs.spawn(spec, handle=k) for k in kids), return_exceptions=True)
+    kids, got = await _burst(runs)
     assert got == kids, [str(g) for g in got if isinstance(g, Exception)][:3]
     assert sorted(parent.took) == sorted(kids)
     assert runs._gates == {}
