@@ -33,9 +33,10 @@ MAX_TURNS = 10
 TIMEOUT_S = 600.0
 
 
-@tool
+# The description is given, not the docstring: python -OO drops docstrings, and @tool
+# refused a function without one as the example was imported.
+@tool(description="Look something up in the team notes.")
 def lookup(query: str) -> str:
-    """Look something up in the team notes."""
     # A canned answer, so the example needs no network beyond the gateway.
     return f"Notes on {query!r}: a paused run comes back, so its replica keeps room for it."
 

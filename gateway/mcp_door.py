@@ -617,6 +617,24 @@ def _view(status: RunStatus, detail: bool, shares: _Shares) -> RunView:
     )
 
 
+def _why_no_answer(status: RunStatus, max_chars: int) -> str:
+    """A run's error as `answer` quotes it for a run with no answer: within `max_chars`
+    characters of the result's JSON, as every other result's long texts are
+    (helper-249: the whole error, up to some 10,000 characters, 60,000 in the JSON,
+    came back past a maxChars of 1,000).  Past that, its start, its length, and the
+    maxChars with which `status` shows the run's long texts whole."""
+    if not status.error:
+        return ""
+    if json_chars(status.error) <= max_chars:
+        return f" ({status.error})"
+    whole = sum(chars for _, chars in _long_texts(status).values())
+    return (
+        f": {json_start(status.error, max_chars)}… (the start of its error, "
+        f"{len(status.error):,} characters in all; `status` of this run with maxChars "
+        f"{whole} or more shows it whole)"
+    )
+
+
 # --------------------------------------------------------------------------- the server
 
 
@@ -921,10 +939,17 @@ def _unavailable(exc: BaseException | None) -> str | None:
     Temporal's namespace is not set up for luftpause; None if that is not why it
     failed."""
     for e in _causes(exc):
-        down = (RPCStatusCode.UNAVAILABLE, RPCStatusCode.DEADLINE_EXCEEDED)
-        if isinstance(e, RPCError) and e.status in down:
-            # Connected once, gone since (the first connection's failure says the same).
-            return f"{RUN_STORE_DOWN} is unreachable: {e.message}"
+        # UNAVAILABLE is the connection failing (connected once, gone since: "tcp
+        # connect error"), but as well Temporal reached and saying it cannot serve the
+        # call now (a workflow too busy to lock, "timeout locking workflow execution";
+        # a namespace failing over; too few hosts up): "unreachable" sent an operator
+        # to look for a server that was there (helper-249).  The client's SDK retried
+        # either for some 15 s first.  DEADLINE_EXCEEDED is the call's time running
+        # out, whether Temporal was away or slow.  The message says which.
+        if isinstance(e, RPCError) and e.status == RPCStatusCode.UNAVAILABLE:
+            return f"{RUN_STORE_DOWN} is unavailable: {e.message}"
+        if isinstance(e, RPCError) and e.status == RPCStatusCode.DEADLINE_EXCEEDED:
+            return f"{RUN_STORE_DOWN} did not answer in time: {e.message}"
         if isinstance(e, RPCError) and _unready(e):
             # helper-135: a namespace misspelt, or made without the search attributes,
             # was a bare "Error executing tool spawn" (the cause in the gateway's log).
@@ -1703,8 +1728,9 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
         except RunError as exc:
             raise ToolError(str(exc)) from None
         if s.answer is None:
-            why = f" ({s.error})" if s.error else ""
-            raise ToolError(f"run {handle} has no answer: it is {s.state}{why}")
+            raise ToolError(
+                f"run {handle} has no answer: it is {s.state}{_why_no_answer(s, maxChars)}"
+            )
         total = len(s.answer)
         if offset > total:
             raise ToolError(f"offset {offset} is past the answer's end: it has {total} characters")

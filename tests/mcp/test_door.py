@@ -949,6 +949,43 @@ async def test_bad_max_chars_and_offsets_get_clear_tool_errors(
         assert f"run {waiting} has no answer: it is Cancelled" in text, text
 
 
+async def test_answer_of_a_run_without_one_quotes_its_error_within_max_chars(
+    temporal_address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # helper-249: `answer` of a run with no answer quoted the run's whole error (up to
+    # some 10,000 characters), past the maxChars every other result holds to.  Its
+    # start fits maxChars now, as the result's JSON writes it, and the rest says how
+    # long it is and the maxChars with which `status` shows it whole.
+    from gateway.mcp_door import json_start
+    from workflows import Runs
+
+    long = 'engine said: {"error": "bad"}\n' * 340  # 10,200, 11,900 in the JSON
+    real = Runs.status
+
+    async def failed(self: Runs, handle: str, **kw: Any) -> RunStatus:
+        st = await real(self, handle, **kw)
+        return dataclasses.replace(st, state="Failed", error=long)
+
+    async with stack(temporal_address) as s, Client(s.mcp_door, mode="legacy") as c:
+        over = await spawn(c, task=task_with(0, "over"), budgetTokens=1)
+        await c.call_tool("await", {"handles": [over]})
+        monkeypatch.setattr(Runs, "status", failed)
+        text = error_text(await c.call_tool("answer", {"handle": over, "maxChars": 1000}))
+        start = json_start(long, 1000)
+        assert text.endswith(
+            f"run {over} has no answer: it is Failed: {start}… (the start of its error, "
+            f"{len(long):,} characters in all; `status` of this run with maxChars "
+            f"{_json_chars(long)} or more shows it whole)"
+        ), text
+        assert _json_chars(text) < 1000 + 300, text  # (was 12,000)
+        # Within maxChars, the error is quoted whole.
+        text = error_text(await c.call_tool("answer", {"handle": over}))
+        assert text.endswith(f"run {over} has no answer: it is Failed ({long})"), text[-300:]
+    # What the message says of `status` holds.
+    st = dataclasses.replace(_asking(None), state="Failed", error=long, pending_approval=None)
+    assert view(st, max_chars=_json_chars(long)).error == long
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     strategies.lists(strategies.integers(min_value=0, max_value=5_000), max_size=12),
@@ -2666,7 +2703,7 @@ async def test_a_part_that_is_down_is_named_not_hidden_as_a_crash(temporal_addre
                     r = await c.call_tool("spawn", {"task": "t", "model": MODEL})
                     # A Tasks client is told the same: polling or answering a task as
                     # JSON-RPC errors, starting one as the tool's error (as without tasks).
-                    down = "the run store (Temporal) is unreachable: "
+                    down = "the run store (Temporal) is unavailable: "
                     get = TasksGet(params=TaskIdParams(taskId="run-0"))
                     with pytest.raises(MCPError, match=f"^{re.escape(down)}"):
                         await tc.session.send_request(get, GetTaskResult)
@@ -2706,6 +2743,24 @@ def test_a_namespace_without_the_search_attributes_is_said_so() -> None:
     )
     other = RPCError("bad page token", RPCStatusCode.INVALID_ARGUMENT, b"")
     assert _unavailable(other) is None  # another refusal stays a crash
+
+
+def test_temporal_that_answers_unavailable_or_late_is_not_called_unreachable() -> None:
+    # helper-249: every UNAVAILABLE and DEADLINE_EXCEEDED was "is unreachable", though
+    # Temporal sends UNAVAILABLE itself (a workflow too busy to lock; service/history/
+    # consts ErrWorkflowBusy) and a call's time can run out with Temporal there.
+    from temporalio.service import RPCError, RPCStatusCode
+
+    from gateway.mcp_door import _unavailable
+
+    busy = RPCError("timeout locking workflow execution", RPCStatusCode.UNAVAILABLE, b"")
+    late = RPCError("context deadline exceeded", RPCStatusCode.DEADLINE_EXCEEDED, b"")
+    assert _unavailable(busy) == (
+        "the run store (Temporal) is unavailable: timeout locking workflow execution"
+    )
+    assert _unavailable(late) == (
+        "the run store (Temporal) did not answer in time: context deadline exceeded"
+    )
 
 
 async def test_a_caller_cannot_take_every_mcp_session(
