@@ -1416,10 +1416,13 @@ class _Door:
         self._pool = McpPool(config.mcp_servers)
         self._token = token
         self.stopping = False  # the gateway began to stop
+        self._asked = False  # something needed Temporal: reached or not
 
     def idle(self) -> bool:
-        """Nothing has asked for Temporal yet."""
-        return self._runs is None
+        """Nothing has asked for Temporal yet.  A connect that failed counts as asked:
+        the spawn it was for makes this a gateway where sub-agents run, whose
+        `luftpause_run_store_up` is then 0, not left out."""
+        return not self._asked
 
     async def recent(self, limit: int = STATUS_RUNS) -> list[Any]:
         """The most recent runs' statuses, newest first."""
@@ -1446,6 +1449,7 @@ class _Door:
         return counts, workers
 
     async def runs(self) -> Runs:
+        self._asked = True
         if self._runs is None:
             async with self._lock:
                 if self._runs is None:

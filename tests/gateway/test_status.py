@@ -592,6 +592,36 @@ async def test_metrics_leave_out_sub_agents_where_none_run() -> None:
     assert "luftpause_run_store_up" not in scrape.text
 
 
+async def test_a_sub_agent_asked_for_with_temporal_down_shows_the_run_store_down() -> None:
+    """No MCP servers, and a spawn that could not reach Temporal: a sub-agent was asked
+    for, so /metrics says the run store is down (helper-250: it said nothing, as if no
+    one wanted sub-agents, since the door had never connected)."""
+    import httpx
+    from mcp import Client
+
+    from gateway.app import GatewaySettings, create_app
+    from luftpause.config import parse_config
+    from testkit.loopback import serve
+
+    async with engine(instant=True) as (url, _):
+        config = parse_config(
+            {
+                "endpoints": [endpoint("a", url)],
+                "temporal": {"address": closed_port_url().removeprefix("http://")},
+            }
+        )
+        app = create_app(GatewaySettings(config=config, probe_period=0.05))
+        async with serve(app) as gw, httpx.AsyncClient(base_url=gw, timeout=30) as http:
+            async with Client(f"{gw}/mcp", mode="legacy") as c:
+                r = await c.call_tool("spawn", {"task": "t"})
+                assert r.is_error and "the run store (Temporal)" in r.content[0].text
+            scrape = await http.get("/metrics")
+            assert scrape.status_code == 200
+            assert "\nluftpause_run_store_up 0.0\n" in scrape.text
+            status = await http.get("/status")
+            assert status.json()["sub_agents"].startswith("runs unavailable: ")
+
+
 def test_snapshot_shows_an_interactive_lane_and_its_batch_limit() -> None:
     specs = [ReplicaSpec(name="a", models=frozenset({MODEL}), kv_tokens=10_000)]
     lanes = Policy(lane_batch_kv_fill=0.25)
