@@ -380,14 +380,14 @@ def _gateway(args: argparse.Namespace) -> int:
     from gateway._server import BoundedHead
     from gateway.app import KEEPALIVE_S, GatewaySettings, create_app
     from luftpause import telemetry
-    from luftpause.config import ConfigError, load_config
+    from luftpause.config import ConfigError, default_file_hint, load_config
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per probe
     try:
         config = load_config(args.config, os.environ)
     except ConfigError as exc:
-        raise SystemExit(f"luftpause gateway: {exc}") from None
+        raise SystemExit(f"luftpause gateway: {exc}{default_file_hint(args.config)}") from None
     settings = GatewaySettings(
         config=config,
         token=config.token,

@@ -1183,6 +1183,22 @@ ENV_OVERRIDES: Mapping[str, tuple[str | None, str]] = {
 }
 
 
+DEFAULT_FILE = "luftpause.toml"  # a command's file without --config or LUFTPAUSE_CONFIG
+
+
+def default_file_hint(path: str | Path) -> str:
+    """What a command adds to its error when the file it looked for where it looks by
+    default is not there: where that was, and how to name another (a new user's first
+    `luftpause gateway` was told only that luftpause.toml could not be read)."""
+    if str(path) != DEFAULT_FILE or Path(path).exists():
+        return ""
+    return (
+        f"; no {DEFAULT_FILE} in {Path.cwd()}: a command reads --config FILE, else "
+        f"$LUFTPAUSE_CONFIG, else ./{DEFAULT_FILE} (README.md, Configuration), and "
+        "`luftpause up` runs everything with fake engines and a file of its own"
+    )
+
+
 def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> Config:
     """Read and validate `luftpause.toml`; the variables of ENV_OVERRIDES in `env`
     (when given) replace the file's values."""

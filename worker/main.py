@@ -37,6 +37,7 @@ from luftpause.config import (
     ConfigError,
     Temporal,
     WorkerOptions,
+    default_file_hint,
     load_config,
 )
 from luftpause.net import KEEPALIVE
@@ -276,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config, os.environ)
     except ConfigError as exc:
-        raise SystemExit(f"luftpause worker: {exc}") from None
+        raise SystemExit(f"luftpause worker: {exc}{default_file_hint(args.config)}") from None
     if args.task_queue:
         temporal = config.temporal.model_copy(update={"task_queue": args.task_queue})
         config = config.model_copy(update={"temporal": temporal})

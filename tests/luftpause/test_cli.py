@@ -482,6 +482,26 @@ def test_an_empty_luftpause_config_is_unset_for_the_worker_as_for_the_gateway(
     assert p.parse_args([]).config == "luftpause.toml"
 
 
+@pytest.mark.parametrize("command", ["gateway", "worker"])
+def test_no_file_where_it_looks_by_default_says_where_and_how_to_give_one(
+    command: str, tmp_path: Path
+) -> None:
+    # helper-250: a first `luftpause gateway` outside a directory with a file was told
+    # only "luftpause.toml: cannot read the configuration file: No such file or
+    # directory", not where it looked nor how to name another file.
+    env = {k: v for k, v in os.environ.items() if k != "LUFTPAUSE_CONFIG"}
+    argv = [sys.executable, "-m", "luftpause", command]
+    if command == "gateway":
+        argv += ["--port", str(free_port())]
+    out = subprocess.run(
+        argv, capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path, env=env
+    )
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
+    assert f"no luftpause.toml in {tmp_path}" in out.stderr, out.stderr
+    assert "--config FILE, else $LUFTPAUSE_CONFIG" in out.stderr
+    assert "`luftpause up`" in out.stderr
+
+
 @pytest.mark.parametrize(
     ("argv", "says"),
     [
