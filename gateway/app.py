@@ -905,7 +905,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             body=raw,
             usage_body=_with_stream_usage(raw, body) if api == "chat" else None,
             usage_by_default=api == "chat" and _usage_by_default(body),
-            content_type=request.headers.get("content-type", "application/json"),
+            content_type=_json_content_type(request.headers.get("content-type")),
             accept=request.headers.get("accept"),
             prompt_tokens=_prompt_tokens(raw),
             max_tokens=_max_tokens(body),
@@ -993,7 +993,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         # latin-1; httpx would encode a str as ASCII and fail on anything else).
         sent = request.headers
         headers = {
-            b"content-type": sent.get("content-type", "application/json").encode("latin-1"),
+            b"content-type": _json_content_type(sent.get("content-type")).encode("latin-1"),
             b"user-agent": b"luftpause-gateway",
         }
         # As a turn's: the API's headers, and the request ids (engine logs match them).
@@ -1823,6 +1823,17 @@ _BASE64_RUN = re.compile(rb'(?:;base64,|"data"\s*:\s*")([A-Za-z0-9+/]{1024,}={0,
 _MEDIA_PART = re.compile(
     rb'"type"\s*:\s*"(?:image_url|image|input_image|input_file|file|document|input_audio)"'
 )
+
+
+def _json_content_type(sent: str | None) -> str:
+    """The content type a turn goes to its engine with: the client's when it says JSON,
+    else application/json.  luftpause parsed the body as JSON whatever the client said,
+    and vLLM and SGLang take only application/json (their validate_json_request
+    answers anything else 400, after luftpause had admitted the turn), as `curl -d`
+    without a header sends application/x-www-form-urlencoded."""
+    if sent is not None and sent.split(";", 1)[0].strip().lower() == "application/json":
+        return sent
+    return "application/json"
 
 
 def _chained(body: dict[str, Any]) -> bool:

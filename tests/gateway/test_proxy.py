@@ -1974,6 +1974,35 @@ async def test_a_router_gets_the_run_as_its_routing_key() -> None:
     assert "x-smg-routing-key" not in got and "x-session-id" not in got
 
 
+@pytest.mark.parametrize(
+    ("sent", "engine_gets"),
+    [
+        # `curl -d` without -H: vLLM and SGLang answer it 400 (their
+        # validate_json_request takes only application/json), SMG 400 too.
+        ("application/x-www-form-urlencoded", "application/json"),
+        ("text/plain", "application/json"),
+        (None, "application/json"),
+        ("application/json; charset=utf-8", "application/json; charset=utf-8"),
+        ("Application/JSON", "Application/JSON"),
+    ],
+)
+async def test_the_engine_is_told_the_body_is_json_whatever_the_client_said(
+    sent: str | None, engine_gets: str
+) -> None:
+    # helper-250: a turn luftpause had parsed as JSON and admitted went on with the
+    # client's content type, and an engine that checks it refused the turn.
+    seen: list[dict[str, str]] = []
+    async with (
+        serve(upstream(ok_chat, seen)) as url,
+        gateway(endpoint("a", url, kind="openai")) as (gw, _),
+    ):
+        headers = {} if sent is None else {"content-type": sent}
+        r = await gw.post("/v1/chat/completions", content=json.dumps(chat()), headers=headers)
+        assert r.status_code == 200
+    (got,) = seen
+    assert got["content-type"] == engine_gets
+
+
 @pytest.mark.parametrize("tracing", [False, True])
 async def test_the_clients_request_id_and_trace_context_reach_the_engine(tracing: bool) -> None:
     provider = TracerProvider()  # exporting nowhere: only the trace context matters
