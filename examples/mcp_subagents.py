@@ -24,7 +24,9 @@ from mcp.client.streamable_http import streamable_http_client
 
 URL = "http://127.0.0.1:8080/mcp"
 TASKS: list[dict[str, Any]] = [
-    {"task": "Look up why a paused run keeps its replica.", "tools": ["lookup"]},
+    # `make up`'s fake engines make 0-3 tool calls, as the task's text hashes: this one
+    # makes 2 (its wording before helper-250 made none, and the run never used lookup).
+    {"task": "Look up why a paused run keeps its replica, then answer.", "tools": ["lookup"]},
     # `[fake: long]` asks `make up`'s fake engines for a 1,024-token answer (a real model
     # reads it as part of the task); maxTokens leaves it room.
     {"task": "Write a long report on agent runs. [fake: long]", "tools": [], "maxTokens": 2048},
