@@ -66,6 +66,7 @@ from workflows import (
     RunSpec,
     RunStatus,
     RunUnavailable,
+    SpawnTurn,
 )
 from workflows.contract import CALL_ID_MAX_CHARS, RunState
 from workflows.runs import new_handle, status_unavailable
@@ -207,6 +208,47 @@ def _client_cancelled(ctx: Context) -> bool:
     outbound = getattr(ctx.request_context.session, "_request_outbound", None)
     event = getattr(outbound, "cancel_requested", None)
     return bool(event is not None and event.is_set())
+
+
+def _progress_asked(ctx: Context) -> bool:
+    """Whether the call asked for progress (a progress token): the only kind sent any."""
+    return (ctx.request_context.meta or {}).get("progress_token") is not None
+
+
+async def _follow_turn(ctx: Context, turn: SpawnTurn) -> None:
+    """Progress for a `spawn` call while its child waits its turn at the parent, and
+    while it is sent, until cancelled: at once as either begins, then every
+    PROGRESS_EVERY_S with the spawns still ahead of it.  A burst of hundreds at one
+    parent takes minutes (bench/RESULTS.md), and a client gives up a call that shows
+    no sign of life (the TypeScript SDK after 60 s; progress resets that clock only
+    if the client asked, resetTimeoutOnProgress).  MCP's progress must increase with
+    each notification: it counts them."""
+    told = 0
+    while True:
+        turn.changed.clear()  # (before reading: a change after the read wakes the wait)
+        what = None
+        if turn.parent is not None and turn.sending:
+            what = f"sent to parent run '{turn.parent}', for it to take the child"
+        elif turn.parent is not None and (ahead := turn.ahead) is not None:
+            what = f"waiting its turn at parent run '{turn.parent}': {ahead} ahead of it"
+        if what is not None:
+            told += 1
+            with contextlib.suppress(Exception):
+                await ctx.report_progress(told, None, what)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(turn.changed.wait(), PROGRESS_EVERY_S)
+
+
+async def _unsent(starting: asyncio.Future[str], handle: str) -> None:
+    """After a call cut before its run's request went out (`SpawnTurn.sending`), and
+    `starting` cancelled: let it end (a spawn in line leaves it); an error it ended
+    with before the cancel reached it (a check failed) is logged."""
+    try:
+        await starting
+    except asyncio.CancelledError:
+        pass
+    except Exception as exc:
+        log.info("run %s of a call that was cut was not asked for: %s", handle, exc)
 
 
 async def _once_started(
@@ -1213,32 +1255,50 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
                 f"the tools() list ({', '.join(known) or 'none configured'})"
             )
 
-    async def spawn_run(spec: RunSpec, ctx: Any, handle: str | None = None) -> str:
+    async def spawn_run(
+        spec: RunSpec, ctx: Any, handle: str | None = None, turn: SpawnTurn | None = None
+    ) -> str:
         await check_tools(spec.tools)
         await check_tools(spec.approve_tools)
         r = await runs(ctx)
         try:
-            return await r.spawn(spec, handle=handle)
+            return await r.spawn(spec, handle=handle, turn=turn)
         except RunError as exc:
             raise ToolError(str(exc)) from None
 
-    async def start_for_the_call(spec: RunSpec, ctx: Any) -> str:
+    async def start_for_the_call(spec: RunSpec, ctx: Any, *, follow: bool = False) -> str:
         """`spawn_run` for a call that returns the run's handle once it has started
-        (`spawn`), or later (`run`, and its task): a call cut while the run starts (a
-        child waits its turn at its parent, then up to 30 s for the parent's worker to
-        take it) withdraws a child's request, lets the start go on, then cancels the run
-        (helper-144: the child ran to its end, its handle never given; helper-152: so
-        did a cut `spawn`'s)."""
+        (`spawn`), or later (`run`, and its task).  A call cut before the run's request
+        went out (a child waiting its turn at its parent) cancels the start: nothing is
+        sent, and the child leaves the line (helper-248: it was sent in its turn, and
+        refused, at the parent that is the bottleneck).  One cut later (up to 30 s for
+        the parent's worker to take the child) withdraws a child's request, lets the
+        start go on, then cancels the run (helper-144: the child ran to its end, its
+        handle never given; helper-152: so did a cut `spawn`'s).  `follow`: progress
+        while a child waits its turn and is sent, to a call that asked for progress."""
         handle = new_handle()  # known before it exists: a cut start's run is found
-        starting = asyncio.ensure_future(spawn_run(spec, ctx, handle))
+        turn = SpawnTurn()
+        starting = asyncio.ensure_future(spawn_run(spec, ctx, handle, turn))
+        following = (
+            asyncio.ensure_future(_follow_turn(ctx, turn))
+            if follow and spec.parent and _progress_asked(ctx)
+            else None
+        )
         try:
             return await asyncio.shield(starting)
         except asyncio.CancelledError:
-            background.run(
-                _once_started(starting, lambda: runs(ctx), handle, spec.parent),
-                f"the cancel of run {handle}",
-            )
+            if not turn.sending:  # (read as the cut comes: no await since)
+                starting.cancel()
+                background.run(_unsent(starting, handle), f"the start of run {handle}")
+            else:
+                background.run(
+                    _once_started(starting, lambda: runs(ctx), handle, spec.parent),
+                    f"the cancel of run {handle}",
+                )
             raise
+        finally:
+            if following is not None:
+                following.cancel()
 
     async def no_worker(ctx: Any) -> str | None:
         """Why a run just spawned will not start soon: no worker polls its task queue
@@ -1367,7 +1427,7 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
             await progress(0)
             # Named only where progress goes out: to a request with a progress token
             # (helper-148: without one, the client never had the handle).
-            if (ctx.request_context.meta or {}).get("progress_token") is not None:
+            if _progress_asked(ctx):
                 named()
             if started:
                 await no_worker(ctx)  # said in the gateway's log; the wait goes on
@@ -1513,13 +1573,13 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
     ) -> SpawnResult:
         """Start a sub-agent run and return its handle: at once, or with `parent` once
         the parent's worker has taken it (spawns at one parent wait their turns, 8 at a
-        time: hundreds at once take minutes; send a few at a time). Spawn several runs,
-        then `await` them together: they run in parallel on the user's engines and
-        survive restarts. Each run loops LLM turns and tool calls until it answers; after
-        `maxToolCalls` calls it must answer."""
+        time: hundreds at once take minutes, progress telling how many are ahead; send
+        a few at a time). Spawn several runs, then `await` them together: they run in
+        parallel on the user's engines and survive restarts. Each run loops LLM turns
+        and tool calls until it answers; after `maxToolCalls` calls it must answer."""
         arguments = _arguments(locals())
         spec = spec_of(RunArgs.model_validate(arguments), ctx)
-        handle = await start_for_the_call(spec, ctx)
+        handle = await start_for_the_call(spec, ctx, follow=True)
         try:
             warning = await no_worker(ctx)
         except asyncio.CancelledError:

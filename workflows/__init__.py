@@ -20,6 +20,7 @@ from workflows.runs import (
     RunError,
     Runs,
     RunUnavailable,
+    SpawnTurn,
     new_handle,
 )
 
@@ -40,6 +41,7 @@ __all__ = [
     "RunStatus",
     "RunUnavailable",
     "Runs",
+    "SpawnTurn",
     "Totals",
     "new_handle",
 ]

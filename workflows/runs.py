@@ -70,6 +70,7 @@ __all__ = [
     "RunError",
     "RunUnavailable",
     "Runs",
+    "SpawnTurn",
     "new_handle",
     "status_unavailable",
 ]
@@ -236,6 +237,47 @@ class _Gate(asyncio.Semaphore):
         self.users = 0
         self.tripped: str | None = None
         self.taken = 0
+        # The spawns waiting their turn, first in line first (the semaphore wakes its
+        # waiters in order): what `SpawnTurn.ahead` counts.
+        self.line: dict[SpawnTurn, None] = {}
+
+
+class SpawnTurn:
+    """How a child's spawn stands at its parent's gate (`Runs.spawn`'s `turn`), for its
+    caller to follow and to give up on (the MCP door's `spawn`: progress while the
+    spawn waits, and a cut call's spawn taken out of the line).  `ahead`: the spawns
+    waiting their turn before this one, while it waits; `sending`: its turn has come
+    (or, for a run without a parent, its start has begun), and its request may reach
+    Temporal.  `changed` is set as either changes (its reader clears it); `ahead`,
+    which each turn given moves, is read when wanted.  Until `sending`, cancelling the
+    spawn's task sends nothing, and a spawn in line leaves it, its turn passed on;
+    once `sending`, the request must be withdrawn (`Runs.withdraw_child`).
+
+    A status object rather than a callback: the caller reads it at its own pace (each
+    turn given moves every spawn behind it, 499 of a burst of 500), its reads cannot
+    fail or hold a spawn at the gate, and what it decides on a cut (`sending`) is read
+    at the moment of the cut, with no await between the read and the cancel."""
+
+    def __init__(self) -> None:
+        self.parent: str | None = None  # the run it waits at, once in line
+        self.sending = False
+        self.changed = asyncio.Event()
+        self._gate: _Gate | None = None
+
+    @property
+    def ahead(self) -> int | None:
+        """The spawns waiting their turn before this one; None out of the line."""
+        gate = self._gate
+        if gate is None or self not in gate.line:
+            return None
+        for n, other in enumerate(gate.line):
+            if other is self:
+                return n
+        return None  # (unreachable: it is in the line)
+
+    def _started(self) -> None:
+        self.sending = True
+        self.changed.set()
 
 
 # How long reading the namespace's retention may take (a Tasks poll waits on it).
@@ -338,10 +380,14 @@ class Runs:
     def _handle(self, handle: str) -> WorkflowHandle[AgentRun, RunStatus]:
         return self._client.get_workflow_handle_for(AgentRun.run, handle)
 
-    async def spawn(self, spec: RunSpec, *, handle: str | None = None) -> str:
+    async def spawn(
+        self, spec: RunSpec, *, handle: str | None = None, turn: SpawnTurn | None = None
+    ) -> str:
         """Start a run (a child of `spec.parent` when given); returns its handle once the
-        workflow exists, so the handle is durable when the caller sees it."""
+        workflow exists, so the handle is durable when the caller sees it.  `turn`: how
+        the spawn stands, for a caller that follows it (`SpawnTurn`)."""
         handle = handle or new_handle()
+        turn = turn or SpawnTurn()
         if spec.parent is not None and not spec.parent.strip():
             spec = replace(spec, parent=None)  # "" (a form's empty field): no parent
         if spec.parent:
@@ -349,7 +395,7 @@ class Runs:
             # task queue's run, and a workflow that is no run).
             await self._describe(spec.parent)
             try:
-                return await self._spawn_child(spec.parent, handle, spec)
+                return await self._spawn_child(spec.parent, handle, spec, turn)
             except _NotTaken as exc:
                 # The server keeps an update its caller left, and a worker that comes
                 # takes it: a child would start that its caller was told had not, and
@@ -385,6 +431,7 @@ class Runs:
                 raise RunError(
                     f"parent run '{spec.parent}' has ended ({state}); it takes no children"
                 ) from None
+        turn._started()
         try:
             await self._client.start_workflow(
                 AgentRun.run,
@@ -401,7 +448,7 @@ class Runs:
             raise
         return handle
 
-    async def _spawn_child(self, parent: str, handle: str, spec: RunSpec) -> str:
+    async def _spawn_child(self, parent: str, handle: str, spec: RunSpec, turn: SpawnTurn) -> str:
         """Ask run `parent` to start child `handle`.  A send refused while other children
         of it start (contract.CHILDREN_STARTING_BYTES; it left no trace), or by Temporal
         (`_busy`, or cut short), is sent again, after 20 ms, doubling to 1 s, all within
@@ -417,7 +464,10 @@ class Runs:
         again, it waited at the back of the line with its clock running, and failed
         there); the line is bounded by the parent's progress instead: a send not taken
         within its clock, no worker, or a clock run out while the parent took no
-        spawn, trips the gate, and the spawns waiting their turn fail at once, unsent."""
+        spawn, trips the gate, and the spawns waiting their turn fail at once, unsent.
+        `turn` shows where the spawn stands; one cancelled before its turn leaves the
+        line unsent (helper-248: the door let a cut call's spawn wait on, to be sent
+        and refused, a turn and a round trip at the parent that is the bottleneck)."""
         loop = asyncio.get_running_loop()
         update_id = f"spawn-{handle}-{uuid.uuid4().hex[:8]}"
         pause = 0.02
@@ -432,7 +482,16 @@ class Runs:
         gate.users += 1
         try:
             _stuck(gate)
-            await gate.acquire()  # its turn: no clock while it waits (the gate trips)
+            turn.parent, turn._gate = parent, gate
+            gate.line[turn] = None
+            turn.changed.set()
+            try:
+                # Its turn: no clock while it waits (the gate trips).  Cancelled here, the
+                # semaphore passes a turn it was just given on to the next.
+                await gate.acquire()
+            finally:
+                del gate.line[turn]
+            turn._started()  # (no await since its turn came: `sending` is exact)
             try:
                 deadline = loop.time() + self._child_wait_s
                 taken = gate.taken
@@ -1039,11 +1098,13 @@ class CallerRuns(Runs):
             raise RunError(f"no run with handle '{handle}'")
         return desc
 
-    async def spawn(self, spec: RunSpec, *, handle: str | None = None) -> str:
+    async def spawn(
+        self, spec: RunSpec, *, handle: str | None = None, turn: SpawnTurn | None = None
+    ) -> str:
         if spec.caller != self.caller:
             raise RunError(f"this caller is '{self.caller}'; it spawns runs as itself")
         # (A child only of its own runs: Runs.spawn asks this class's _describe.)
-        return await super().spawn(spec, handle=handle)
+        return await super().spawn(spec, handle=handle, turn=turn)
 
     async def list(
         self,

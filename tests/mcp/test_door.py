@@ -53,6 +53,7 @@ from tests.mcp.tasks_client import (
 from tests.workflows.harness import (
     MODEL,
     TIME_SCALE,
+    Stack,
     connect,
     gateway_app,
     run_worker,
@@ -62,7 +63,7 @@ from tests.workflows.harness import (
     task_with,
     until,
 )
-from workflows import PendingApproval, RunError, RunStatus, Totals
+from workflows import PendingApproval, RunError, Runs, RunStatus, Totals
 
 MODES = ["legacy", "2026-07-28"]
 
@@ -302,14 +303,21 @@ async def test_a_run_call_cut_while_its_parent_takes_the_child_cancels_the_child
     import gateway.mcp_door as door_module
 
     picked: list[str] = []
-    spawning = asyncio.Event()
+    sending = asyncio.Event()
+    send = Runs._send_spawn
 
     def new_handle() -> str:
         picked.append(f"run-{uuid.uuid4().hex[:20]}")
-        spawning.set()
         return picked[-1]
 
+    async def sent(self: Runs, *args: Any, **kw: Any) -> Any:
+        sending.set()
+        return await send(self, *args, **kw)
+
     monkeypatch.setattr(door_module, "new_handle", new_handle)
+    # Cut as the request is sent (one cut before it, waiting its turn, sends nothing:
+    # test_a_spawn_cut_while_it_waits_its_turn_leaves_the_line_unsent).
+    monkeypatch.setattr(Runs, "_send_spawn", sent)
     async with (
         stack(temporal_address, worker=False) as s,
         Client(s.mcp_door, mode="2026-07-28") as c,
@@ -319,7 +327,6 @@ async def test_a_run_call_cut_while_its_parent_takes_the_child_cancels_the_child
         async with run_worker(s.client, s.task_queue, s.gateway_url, mcp):
             parent = await spawn(c, task=task_with(1, "par"), tools=["delete_record"])
             await until(lambda: state_is(s, parent, "AwaitingApproval"), "the parent waits")
-        spawning.clear()  # (the parent's handle was picked so too)
         # No worker: the parent cannot take the child until one comes back.
         args = {"task": task_with(0, "kid"), "parent": parent}
         call = asyncio.ensure_future(
@@ -327,7 +334,7 @@ async def test_a_run_call_cut_while_its_parent_takes_the_child_cancels_the_child
             if via in ("run", "spawn")
             else Modern(http, s.mcp_door).tool("run", args, TASKS_CAPS)
         )
-        await asyncio.wait_for(spawning.wait(), 30)
+        await asyncio.wait_for(sending.wait(), 30)
         if stopping:
             s.drain()
         call.cancel()
@@ -352,6 +359,137 @@ async def test_a_run_call_cut_while_its_parent_takes_the_child_cancels_the_child
                 if e.HasField("workflow_execution_signaled_event_attributes")
             ]
             assert "withdraw_child" in [a.signal_name for a in signals]
+
+
+@dataclasses.dataclass
+class _Line:
+    """Eight spawn calls to one parent, each held as it is sent (`release` lets them
+    go on): the calls after them wait their turn at the door's gate."""
+
+    parent: str
+    args: dict[str, Any]
+    sent: list[str] = dataclasses.field(default_factory=list)  # children, as each is sent
+    release: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    holders: list[asyncio.Future[Any]] = dataclasses.field(default_factory=list)
+    door_runs: list[Runs] = dataclasses.field(default_factory=list)  # the door's own Runs
+
+    def gate(self) -> Any:
+        return self.door_runs[0]._gates.get(self.parent)
+
+    async def waiting(self, n: int) -> None:
+        """Until `n` spawns wait their turn behind the eight sent (its users: both)."""
+        await until(lambda: self.gate() is not None and self.gate().users == 8 + n, f"{n} wait")
+
+
+@contextlib.asynccontextmanager
+async def _line(s: Stack, c: Client, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[_Line]:
+    parent = await spawn(c, task=task_with(1, "par"), tools=["delete_record"])
+    await until(lambda: state_is(s, parent, "AwaitingApproval"), "the parent waits")
+    line = _Line(parent, {"model": MODEL, "task": task_with(0, "kid"), "parent": parent})
+    send = Runs._send_spawn
+
+    async def held(self: Runs, parent: str, handle: str, *args: Any, **kw: Any) -> Any:
+        line.door_runs[:] = [self]
+        line.sent.append(handle)
+        await line.release.wait()
+        return await send(self, parent, handle, *args, **kw)
+
+    monkeypatch.setattr(Runs, "_send_spawn", held)
+    line.holders = [asyncio.ensure_future(c.call_tool("spawn", line.args)) for _ in range(8)]
+    try:
+        await until(lambda: len(line.sent) == 8, "eight are sent")
+        yield line
+    finally:
+        line.release.set()
+        await asyncio.gather(*line.holders, return_exceptions=True)
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_spawn_waiting_its_turn_sends_progress_if_asked(
+    temporal_address: str, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A burst of hundreds at one parent takes minutes, and a client gives up a call
+    # with no sign of life (the TypeScript SDK after 60 s): a spawn waiting its turn
+    # says so, every PROGRESS_EVERY_S, then as it is sent; only to a call that asked
+    # (helper-248: none said anything).
+    from mcp.server.mcpserver import Context
+
+    import gateway.mcp_door as door_module
+
+    monkeypatch.setattr(door_module, "PROGRESS_EVERY_S", 0.2)
+    reported: list[tuple[bool, str | None]] = []  # (asked for, message), as the door sent
+    report = Context.report_progress
+
+    async def spy(self: Any, progress: float, total: Any = None, message: Any = None) -> None:
+        asked = (self.request_context.meta or {}).get("progress_token") is not None
+        reported.append((asked, message))
+        await report(self, progress, total, message)
+
+    told: list[tuple[float, float | None, str | None]] = []
+
+    async def on_progress(progress: float, total: float | None, message: str | None) -> None:
+        told.append((progress, total, message))
+
+    async with stack(temporal_address) as s, Client(s.mcp_door, mode=mode) as c:
+        async with _line(s, c, monkeypatch) as line:
+            monkeypatch.setattr(Context, "report_progress", spy)
+            quiet = asyncio.ensure_future(c.call_tool("spawn", line.args))  # no token
+            await line.waiting(1)
+            asked = asyncio.ensure_future(
+                c.call_tool("spawn", line.args, progress_callback=on_progress)
+            )
+            await line.waiting(2)
+            await until(lambda: len(told) >= 3, "progress while it waits")
+            line.release.set()
+            handles = [result(await call)["handle"] for call in (quiet, asked)]
+        assert len(set(handles)) == 2 and line.sent[8:] == handles, (handles, line.sent)
+    p = line.parent
+    messages = [m for _, _, m in told]
+    sent = f"sent to parent run '{p}', for it to take the child"
+    ahead = [f"waiting its turn at parent run '{p}': {n} ahead of it" for n in (1, 0)]
+    assert set(messages[:3]) == {ahead[0]}, messages
+    # Then (released) it moves up, and is sent: said as its turn comes, once a
+    # round trip to Temporal was begun (the door's own note of it, not the client's,
+    # which the call's result may overtake).
+    assert messages == sorted(messages, key=[*ahead, sent].index), messages
+    assert sent in [m for _, m in reported], reported
+    values = [v for v, _, _ in told]
+    assert all(a < b for a, b in itertools.pairwise(values)), values
+    assert {total for _, total, _ in told} == {None}
+    assert reported and all(a for a, _ in reported), reported  # none to the quiet one
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_spawn_cut_while_it_waits_its_turn_leaves_the_line_unsent(
+    temporal_address: str, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A cut call's spawn stayed in line, and in its turn was sent, for the parent to
+    # refuse it as withdrawn: a turn and a round trip at the parent that is the
+    # bottleneck (helper-248).  Cut while it waits, it leaves the line, unsent; the
+    # spawns behind it move up, and the gate's count is whole.
+    async with stack(temporal_address) as s, Client(s.mcp_door, mode=mode) as c:
+        async with _line(s, c, monkeypatch) as line:
+            first = asyncio.ensure_future(c.call_tool("spawn", line.args))
+            await line.waiting(1)
+            cut = asyncio.ensure_future(c.call_tool("spawn", line.args))
+            await line.waiting(2)
+            last = asyncio.ensure_future(c.call_tool("spawn", line.args))
+            await line.waiting(3)
+            cut.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await cut
+            await line.waiting(2)  # it left the line; the others stay in it
+            gate = line.gate()
+            assert (gate._value, gate.tripped) == (0, None), (gate._value, gate.tripped)
+            line.release.set()
+            handles = [result(await call)["handle"] for call in (first, last)]
+            await asyncio.gather(*line.holders)
+        assert line.sent[8:] == handles, (handles, line.sent)  # the cut one never sent
+        assert len(line.sent) == 10, line.sent
+        await until(lambda: line.door_runs[0]._gates == {}, "the gate is dropped")
+        kids = (await s.runs.status(line.parent)).children
+        assert sorted(k.handle for k in kids) == sorted(line.sent), kids
+        await s.runs.request_cancel(line.parent)
 
 
 async def test_a_run_cut_as_the_gateway_stops_before_its_handle_was_given_is_cancelled(

@@ -16,7 +16,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
 from tests.workflows.test_spawn_retry import _ABORTED, _DEADLINE, _runs
-from workflows import RunSpec, RunUnavailable
+from workflows import RunSpec, RunUnavailable, SpawnTurn
 from workflows.agent_run import CHILDREN_STARTING
 
 
@@ -144,6 +144,50 @@ async def test_gate_released_on_cancel(monkeypatch: pytest.MonkeyPatch) -> None:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     assert runs._gates == {}
+
+
+class _Counting:
+    """A parent whose sends are held until `release`, then taken; `sent`: the children
+    each send asked for."""
+
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+        self.release = asyncio.Event()
+
+    async def execute_update(self, update: Any, arg: Any, id: str | None = None) -> Any:
+        self.sent.append(arg.handle)
+        await self.release.wait()
+        return arg.handle
+
+
+async def test_a_spawns_turn_says_where_it_stands_and_a_spawn_cut_in_line_is_unsent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The contract the MCP door follows (helper-248): `ahead` while a spawn waits its
+    # turn, `sending` once it came; cancelled before that, the spawn leaves the line,
+    # is never sent, and the gate's count is whole.
+    parent = _Counting()
+    runs = _runs(monkeypatch, parent, wait_s=5)  # type: ignore[arg-type]
+    spec = RunSpec(task="t", model="m", parent="p")
+    turns = [SpawnTurn() for _ in range(12)]
+    tasks = [
+        asyncio.create_task(runs.spawn(spec, handle=f"run-{i}", turn=turn))
+        for i, turn in enumerate(turns)
+    ]
+    await _until(lambda: len(parent.sent) == 8 and runs._gates["p"].users == 12)
+    gate = runs._gates["p"]
+    assert [t.sending for t in turns] == [True] * 8 + [False] * 4
+    assert [t.ahead for t in turns] == [None] * 8 + [0, 1, 2, 3]
+    assert {t.parent for t in turns} == {"p"} and all(t.changed.is_set() for t in turns)
+    tasks[9].cancel()  # waiting, one ahead of it: as the door cuts a spawn in line
+    await _until(lambda: gate.users == 11)
+    assert [t.ahead for t in turns[8:]] == [0, None, 1, 2] and len(gate.line) == 3
+    parent.release.set()
+    ends = await asyncio.gather(*tasks, return_exceptions=True)
+    assert tasks[9].cancelled() and "run-9" not in parent.sent, parent.sent
+    assert [e for i, e in enumerate(ends) if i != 9] == [f"run-{i}" for i in range(12) if i != 9]
+    assert (len(parent.sent), runs._gates, gate._value, gate.line) == (11, {}, 8, {})
+    assert [t.sending for t in turns] == [True] * 9 + [False] + [True] * 2
 
 
 class _SdkSlow:
