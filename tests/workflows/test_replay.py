@@ -10,7 +10,9 @@ import json
 import re
 from collections.abc import Iterator
 from datetime import timedelta
+from importlib.machinery import SourceFileLoader
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -402,3 +404,29 @@ async def test_a_changed_workflow_does_not_replay() -> None:
     )
     assert result.replay_failure is not None
     assert "nondetermin" in str(result.replay_failure).lower()
+
+
+# What a run's sandbox may import afresh of this project's packages: AgentRun's module,
+# whose state and checks the sandbox keeps per run, and its package, which Python
+# imports first.  Anything else of ours is passed through (workflows/__init__.py,
+# agent_run.py): executing `workflows.runs` afresh in every run's sandbox was a third
+# of the sandbox's start (helper-247).
+OURS = {"workflows", "activities", "scheduler", "gateway", "luftpause", "testkit", "worker"}
+
+
+async def test_a_run_imports_afresh_only_its_own_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    executed: list[str] = []
+    exec_module = SourceFileLoader.exec_module
+
+    def recorded(loader: SourceFileLoader, module: ModuleType) -> None:
+        executed.append(module.__name__)
+        exec_module(loader, module)
+
+    monkeypatch.setattr(SourceFileLoader, "exec_module", recorded)
+    result = await Replayer(workflows=[AgentRun]).replay_workflow(
+        _history(HISTORIES[0]), raise_on_replay_failure=False
+    )
+    assert result.replay_failure is None, result.replay_failure
+    ours = [name for name in executed if name.partition(".")[0] in OURS]
+    # Once when the Replayer checks the workflow, once for the replayed run.
+    assert sorted(ours) == sorted(["workflows", "workflows.agent_run"] * 2), ours
