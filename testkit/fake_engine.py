@@ -317,6 +317,17 @@ def _parse_json(raw: bytes) -> dict[str, Any]:
     return body
 
 
+def _check_json(request: Request) -> None:
+    """Refuse a body not sent as JSON, as vLLM and SGLang do on these routes (their
+    `validate_json_request`: the media type before any `;`, lowercased, must be
+    application/json; a charset passes).  Both answer 400 (a validation error, whose
+    message FastAPI wraps in a line of its own); this fake would otherwise hide a client
+    that sends its JSON under another media type, or none."""
+    media = request.headers.get("content-type", "").lower().split(";", 1)[0]
+    if media != "application/json":
+        raise _HTTPError(400, "Unsupported Media Type: Only 'application/json' is allowed")
+
+
 def _parse_model(body: dict[str, Any], models: tuple[str, ...]) -> str:
     model = body.get("model", models[0])
     if model is None:
@@ -1205,6 +1216,7 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         raw = await request.body()
         try:
+            _check_json(request)
             chat = _parse_chat(_parse_json(raw), s.models, s.max_tool_calls, s.flavor)
             if s.strict_tool_names:
                 _check_tool_names(chat.tools)
@@ -1245,6 +1257,7 @@ def create_app(settings: FakeEngineSettings) -> FastAPI:
         Messages, OpenAI Responses): the request converted to a chat as vLLM, SGLang and
         llama.cpp convert it, the same engine, the reply in the API's own events."""
         try:
+            _check_json(request)
             body = _parse_json(await request.body())
             chat = _parse_chat(convert(body), s.models, s.max_tool_calls)
             text, _, reply = plan(chat)

@@ -594,6 +594,34 @@ async def test_bad_requests_are_4xx_with_a_message(instant: bool) -> None:
         assert r.status_code == 400 and "input" in r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("instant", [False, True])
+async def test_a_body_not_sent_as_json_is_refused_as_vllm_and_sglang_refuse_it(
+    instant: bool,
+) -> None:
+    # helper-250: the fake took any Content-Type, which hid a gateway that sent its JSON
+    # as something else; vLLM and SGLang (validate_json_request) answer 400 for all but
+    # application/json, its case and parameters aside.
+    anthropic = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    routes = {
+        "/v1/chat/completions": chat(),
+        "/v1/responses": {"model": MODEL, "input": "hi"},
+        "/v1/messages": anthropic,
+    }
+    async with fake_engine(time_scale=100, instant=instant) as client:
+        for path, body in routes.items():
+            raw = json.dumps(body).encode()
+            for media in (None, "text/plain", "application/x-www-form-urlencoded", "json"):
+                headers = {} if media is None else {"content-type": media}
+                r = await client.post(path, content=raw, headers=headers)
+                assert r.status_code == 400, (path, media, r.text)
+                message = r.json()["error"]["message"]
+                assert "Only 'application/json' is allowed" in message, (path, media, message)
+            json_media = ("application/json", "Application/JSON", "application/json; charset=utf-8")
+            for media in json_media:
+                r = await client.post(path, content=raw, headers={"content-type": media})
+                assert r.status_code == 200, (path, media, r.text)
+
+
 async def test_small_kv_pool_caps_the_reply_or_rejects_the_prompt() -> None:
     params = replace(EngineParams.reference(), kv_pool_tokens=64)
     async with fake_engine(time_scale=100, engine=params) as client:
