@@ -439,7 +439,8 @@ def _gateway(args: argparse.Namespace) -> int:
 _DELEGATED = {
     "fake-mcp": (
         "testkit.fake_mcp",
-        "serve the fake MCP tool server (lookup, deep_search, a destructive tool) for tests",
+        # (Its tools are named by `luftpause fake-mcp --help`, read from the server.)
+        "serve the fake MCP tool server for tests",
     ),
     "bench": (
         "testkit.bench",

@@ -345,8 +345,22 @@ def create_app(
 # --------------------------------------------------------------------------- the CLI
 
 
+def _description() -> str:
+    """What `luftpause fake-mcp --help` says: every tool the server serves, read from the
+    server itself so that the help cannot leave one out."""
+    tools = create_server(FakeMcpSettings(), FakeMcpState())._tool_manager.list_tools()
+    kinds = {True: "destructive", False: "read-only"}
+    served = "; ".join(
+        f"{t.name} ({kinds[bool(t.annotations and t.annotations.destructive_hint)]}): "
+        f"{(t.description or '').rstrip('.')}"
+        for t in tools
+    )
+    return f"Serve the fake MCP tool server for tests. Its tools: {served}."
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the flags of `luftpause fake-mcp` to its subcommand parser."""
+    parser.description = _description()
     parser.add_argument("--transport", choices=["http", "stdio"], default="http")
     parser.add_argument("--host", default="127.0.0.1", help="http: address to bind")
     parser.add_argument("--port", type=port, help="http: port to bind (required for http)")

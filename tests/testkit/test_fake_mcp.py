@@ -24,6 +24,7 @@ from mcp import Client, StdioServerParameters
 from mcp.types import CallToolResult, TextContent
 
 import testkit.fake_mcp as fake_mcp_module
+from luftpause.cli import main as cli_main
 from testkit.fake_mcp import (
     FakeMcpSettings,
     FakeMcpState,
@@ -223,6 +224,26 @@ def test_http_without_a_port_is_a_usage_error(capsys: pytest.CaptureFixture[str]
 
 
 # --------------------------------------------------------------------------- the CLI
+
+
+async def test_the_help_names_every_tool_the_server_serves(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # helper-250: `fake-mcp --help` named lookup, deep_search and "a destructive tool",
+    # not `fail`, which tests of failed calls use.
+    with pytest.raises(SystemExit) as done:
+        cli_main(["fake-mcp", "--help"])
+    assert done.value.code == 0
+    # (Without the spaces argparse wraps lines at, within "read-only" too.)
+    said = "".join(capsys.readouterr().out.split())
+    async with fake_mcp() as (url, _), Client(f"{url}/mcp") as client:
+        tools = (await client.list_tools()).tools
+    assert len(tools) == 4
+    for tool in tools:
+        annotations = tool.annotations
+        assert annotations is not None
+        kind = "destructive" if annotations.destructive_hint else "read-only"
+        assert f"{tool.name}({kind})" in said, (tool.name, said)
 
 
 def cli(*args: str) -> list[str]:
