@@ -1162,7 +1162,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         rt = running()
         who = identify(request)
         if who is None:
-            return unauthorized(request, run_id if RUN_ID.fullmatch(run_id) else _new_id())
+            return unauthorized(request, run_id if RUN_ID.fullmatch(run_id) else "")
         if not RUN_ID.fullmatch(run_id):
             # It goes back in a response header: printable ASCII only, or no echo.
             return error_response(400, _BAD_RUN_ID, "")
@@ -1242,7 +1242,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def list_models(request: Request) -> Response:
         # (The Anthropic SDKs list and retrieve models here too, with x-api-key.)
         if identify(request, api_key=True) is None:
-            return unauthorized(request, _named_run(request.scope), api_key=True)
+            return unauthorized(request, _echoed_run(request.scope), api_key=True)
         data = [_model_object(m) for m in live.pool.offered]
         return Response(json.dumps({"object": "list", "data": data}), media_type="application/json")
 
@@ -1250,7 +1250,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     # answered as a path not served).  A model id may hold "/" (an org/name id).
     @app.get("/v1/models/{model:path}")
     async def one_model(request: Request, model: str) -> Response:
-        run = _named_run(request.scope)
+        run = _echoed_run(request.scope)
         if identify(request, api_key=True) is None:
             return unauthorized(request, run, api_key=True)
         if model not in live.pool.offered:
@@ -1299,7 +1299,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def status(request: Request) -> Response:
         rt = running()
         if not authorized(request):
-            return refused(request, identify(request), _new_id())
+            return refused(request, identify(request), "")
         view = await with_runs(await snapshot(rt))
         return Response(json.dumps(view), media_type="application/json")
 
@@ -1311,7 +1311,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         # own token there is refused as in the header (403), not taken for a wrong one.
         who = identify(request, query=request.query_params.get("token"))
         if who != OPERATOR:
-            return refused(request, who, _new_id(), query=request.query_params.get("token"))
+            return refused(request, who, "", query=request.query_params.get("token"))
         return HTMLResponse(
             render_status_page(await with_runs(await snapshot(rt, recent=PAGE_RUNS))),
             headers={"cache-control": "no-store", "referrer-policy": "no-referrer"},
@@ -1683,6 +1683,17 @@ def _named_run(scope: Scope) -> str:
             named = value.decode("latin-1").strip()
             return named if RUN_ID.fullmatch(named) else _new_id()
     return _new_id()
+
+
+def _echoed_run(scope: Scope) -> str:
+    """The run a request names in its header, if it is one a response may echo; else
+    none.  For the routes that are no turn (`/v1/models`): a fresh id there would name
+    a run that does not exist (helper-250)."""
+    for key, value in scope["headers"]:
+        if key == _RUN_HEADER_BYTES:
+            named = value.decode("latin-1").strip()
+            return named if RUN_ID.fullmatch(named) else ""
+    return ""
 
 
 def _new_id() -> str:

@@ -1595,6 +1595,12 @@ async def test_token_is_required_and_never_forwarded(monkeypatch: pytest.MonkeyP
         assert refused.headers[RUN] == "r-401"
         models = await gw.get("/v1/models", headers={RUN: "r-models"})
         assert (models.status_code, models.headers[RUN]) == (401, "r-models")
+        # helper-250: a route that is no turn answers its 401 without a run id unless the
+        # request named one (/status, / and /v1/models made up a fresh one, naming no run).
+        for path in ("/status", "/", "/v1/models", "/v1/models/m", "/v1/runs", "/v1/runs/a%20b"):
+            for method in ("GET", "DELETE") if path == "/v1/runs/a%20b" else ("GET",):
+                r = await gw.request(method, path)
+                assert r.status_code == 401 and RUN not in r.headers, (method, path)
         assert (await gw.get("/health")).status_code == 200
         assert not seen
 
