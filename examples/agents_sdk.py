@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import os
 import uuid
+from typing import Annotated
 
 import httpx
 from agents import Agent, OpenAIChatCompletionsModel, RunConfig, Runner, function_tool
@@ -25,13 +26,10 @@ NO_TOKEN = "no-token"
 MAX_TURNS = 10
 
 
-@function_tool
-def lookup(query: str) -> str:
-    """Look something up in the team notes.
-
-    Args:
-        query: what to look up.
-    """
+# The descriptions given here, not in a docstring: the SDK reads them from one, and
+# `python -OO` drops docstrings (the model would get the tool undescribed, silently).
+@function_tool(description_override="Look something up in the team notes.")
+def lookup(query: Annotated[str, "what to look up"]) -> str:
     # A canned answer, so the example needs no network beyond the gateway.
     return f"Notes on {query!r}: a paused run comes back, so its replica keeps room for it."
 

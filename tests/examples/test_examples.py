@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import json
 import re
 import subprocess
 import sys
@@ -301,6 +302,34 @@ def test_an_example_takes_its_flags_under_python_oo(name: str) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: ")
+
+
+def test_the_agents_sdk_example_describes_its_tool_under_python_oo() -> None:
+    # helper-250: the SDK's @function_tool read the tool's and its parameter's
+    # descriptions from the docstring, which `python -OO` drops: the model got the tool
+    # with no description, silently.  The Chat Completions tool the SDK sends, built
+    # under -OO (its own process: the flag is the interpreter's).
+    script = (
+        "import importlib.util, json, sys\n"
+        "from agents.models.chatcmpl_converter import Converter\n"
+        "spec = importlib.util.spec_from_file_location('agents_sdk', sys.argv[1])\n"
+        "module = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(module)\n"
+        "print(json.dumps(Converter.tool_to_openai(module.lookup)))\n"
+    )
+    path = str(ROOT / "examples" / "agents_sdk.py")
+    done = subprocess.run(
+        [sys.executable, "-OO", "-c", script, path],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    function = json.loads(done.stdout)["function"]
+    assert function["name"] == "lookup"
+    assert function["description"] == "Look something up in the team notes."
+    assert function["parameters"]["properties"]["query"]["description"] == "what to look up"
 
 
 def test_the_anthropic_example_takes_the_other_examples_base_url() -> None:
