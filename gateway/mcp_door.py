@@ -346,10 +346,10 @@ class RunView(_Sparse):
         )
     )
     answer: str | None = Field(None, description="the final answer, once Completed")
-    answerCut: bool = Field(
-        False,
-        description="the answer stopped at maxTokens (cut, or empty: a reasoning model "
-        "cut while thinking); give the run more",
+    answerCut: bool | None = Field(
+        None,
+        description="once the run has ended: whether the answer stopped at maxTokens "
+        "(cut, or empty: a reasoning model cut while thinking); give the run more",
     )
     answerChars: int | None = Field(
         None,
@@ -448,12 +448,13 @@ class ToolsResult(BaseModel):
     )
 
 
-class DecideResult(BaseModel):
+class DecideResult(_Sparse):
     label: str
     probabilities: dict[str, float]
     unscored: list[str] = []
     # With labels: the probability the model's first token put on them at all (the
-    # probabilities are normalised among the labels); None from a classifier.
+    # probabilities are normalised among the labels); from a classifier, none, and
+    # left out, as POST /v1/decide leaves it out (helper-250: it was null here).
     mass: float | None = None
 
 
@@ -631,7 +632,8 @@ def _view(status: RunStatus, detail: bool, shares: _Shares) -> RunView:
         handle=status.handle,
         state=status.state,
         answer=answer,
-        answerCut=status.answer_cut,
+        # (Absent while the run goes on: no answer yet to be cut; helper-250.)
+        answerCut=status.answer_cut if status.state in TERMINAL_STATES else None,
         answerChars=whole,
         answerNextOffset=rest,
         toolCalls=status.usage.tool_calls,
@@ -1696,7 +1698,8 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
             list[Handle] | None,
             Field(
                 max_length=1000,
-                description="runs to show; default: this caller's 20 most recent runs",
+                description="runs to show (an empty list shows none); left out: this "
+                "caller's 20 most recent runs",
             ),
         ] = None,
         state: Annotated[

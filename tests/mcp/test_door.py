@@ -669,11 +669,8 @@ async def test_run_results_leave_out_what_is_null_and_still_fit_their_schemas(
         bounded = (await call("spawn", args))["handle"]
         (running,) = (await call("await", {"handles": [held], "timeout": 0.05}))["runs"]
         assert running["state"] == "Running" and "answer" not in running
-        assert (running["answerCut"], running["toolCalls"], running["failedToolCalls"]) == (
-            False,
-            0,
-            0,
-        )
+        assert "answerCut" not in running  # (only once it has ended)
+        assert (running["toolCalls"], running["failedToolCalls"]) == (0, 0)
         awaited = await call("await", {"handles": [kid, bounded], "timeout": 120})
         child, budgeted = awaited["runs"]
         assert (child["state"], child["parent"]) == ("Completed", held)
@@ -1190,6 +1187,48 @@ def test_a_tasks_result_bounds_the_answer_as_run_does() -> None:
     kept = door.tool_result("run", own)
     assert kept["content"] == [{"type": "text", "text": "run failed: the engine said 400"}]
     assert kept["isError"] is True and kept["structuredContent"] == structured
+
+
+async def test_a_field_that_does_not_apply_is_left_out_as_the_http_api_leaves_it_out() -> None:
+    # helper-250: `decide` without labels (a classifier's) returned "mass": null where
+    # POST /v1/decide leaves `mass` out; and a run still going showed "answerCut": false,
+    # which the README lists for finished runs only (there is no answer yet to cut).
+    from gateway.mcp_door import DoorDeps, create_mcp_server, view
+    from workflows import RunStatus, Totals
+
+    async def unused(*args: Any) -> Any:
+        raise AssertionError("not used")
+
+    async def decide(text: str, labels: list[str] | None, *rest: Any) -> tuple[int, Any]:
+        body = {"label": "b", "probabilities": {"a": 0.25, "b": 0.75}, "unscored": []}
+        return 200, body | ({"mass": 0.5} if labels else {})
+
+    door = create_mcp_server(
+        DoorDeps(runs=unused, upstream_tools=unused, decide=decide, models=lambda: [MODEL])
+    )
+    async with Client(door) as c:
+        classified = await c.call_tool("decide", {"input": "x"})
+        scored = await c.call_tool("decide", {"input": "x", "labels": ["a", "b"]})
+    assert classified.structured_content == {
+        "label": "b",
+        "probabilities": {"a": 0.25, "b": 0.75},
+        "unscored": [],
+    }
+    assert scored.structured_content is not None and scored.structured_content["mass"] == 0.5
+
+    def run(state: str, cut: bool) -> dict[str, Any]:
+        status = RunStatus(
+            handle="run-x", state=state, task="t", model=MODEL, service_class="batch",
+            caller="c", parent=None, root="run-x", children=[], usage=Totals(),
+            subtree=Totals(), answer="a" if state == "Completed" else None, answer_cut=cut,
+        )  # fmt: skip
+        structured: dict[str, Any] = door.tool_result("run", view(status))["structuredContent"]
+        return structured
+
+    assert "answerCut" not in run("Running", False)
+    assert run("Completed", False)["answerCut"] is False
+    assert run("Completed", True)["answerCut"] is True
+    assert run("Cancelled", False)["answerCut"] is False
 
 
 async def test_a_cancelled_run_calls_cancel_fails_quietly(caplog: pytest.LogCaptureFixture) -> None:
