@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import sys
 import uuid
 from typing import Any
 
@@ -22,6 +23,7 @@ from langchain_openai import ChatOpenAI
 from langgraph.graph import START, MessagesState, StateGraph
 from langgraph.graph.state import CompiledStateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
+from openai import APIConnectionError, AuthenticationError
 from pydantic import SecretStr
 
 MODEL = "llama-3.2-1b"
@@ -115,17 +117,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-id", help="default: a fresh one")
     parser.add_argument("--model", default=MODEL)
     args = parser.parse_args(argv)
-    answer, run_id = asyncio.run(
-        run(
-            args.task,
-            base_url=args.base_url,
-            token=args.token,
-            service_class=args.service_class,
-            caller=args.caller,
-            run_id=args.run_id,
-            model=args.model,
+    try:
+        answer, run_id = asyncio.run(
+            run(
+                args.task,
+                base_url=args.base_url,
+                token=args.token,
+                service_class=args.service_class,
+                caller=args.caller,
+                run_id=args.run_id,
+                model=args.model,
+            )
         )
-    )
+    # The two errors a first run meets, said in a line rather than a traceback.
+    except AuthenticationError as exc:
+        sys.exit(f"{args.base_url}: {exc}. Give the gateway's token: --token or LUFTPAUSE_TOKEN")
+    except APIConnectionError as exc:
+        said = str(exc).rstrip(".")
+        sys.exit(f"{args.base_url}: {said}. Is the gateway running there? (`make up` starts one)")
     print(answer)
     print(f"run id: {run_id}")
     return 0

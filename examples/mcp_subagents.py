@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import sys
 from typing import Any
 
 import httpx2
@@ -40,12 +41,23 @@ async def call(client: Client, tool: str, arguments: dict[str, Any]) -> Any:
     return result.structured_content
 
 
+async def unauthorized(response: httpx2.Response) -> None:
+    """Raise a 401 as itself: the MCP client would say only "Server returned an error
+    response"."""
+    if response.status_code == 401:
+        response.raise_for_status()
+
+
 async def run(url: str = URL, token: str | None = None, caller: str = "examples/mcp") -> None:
     headers = {"x-luftpause-caller": caller}
     if token:
         headers["authorization"] = f"Bearer {token}"
     # No read timeout: `await` holds its call open up to its own `timeout`.
-    http = httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(30.0, read=None))
+    http = httpx2.AsyncClient(
+        headers=headers,
+        timeout=httpx2.Timeout(30.0, read=None),
+        event_hooks={"response": [unauthorized]},
+    )
     async with http, Client(streamable_http_client(url, http_client=http)) as client:
         listed = await client.list_tools()
         print("tools:", ", ".join(t.name for t in listed.tools))
@@ -96,7 +108,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--token", default=os.environ.get("LUFTPAUSE_TOKEN"))
     parser.add_argument("--caller", default=os.environ.get("LUFTPAUSE_CALLER", "examples/mcp"))
     args = parser.parse_args(argv)
-    asyncio.run(run(args.url, args.token, args.caller))
+    try:
+        asyncio.run(run(args.url, args.token, args.caller))
+    # The two errors a first run meets, said in a line rather than a traceback (the MCP
+    # client's task groups wrap them: except*).
+    except* httpx2.HTTPStatusError:
+        sys.exit(
+            f"{args.url}: 401, no token or a wrong one. Give the gateway's token: "
+            "--token or LUFTPAUSE_TOKEN"
+        )
+    except* httpx2.ConnectError:
+        sys.exit(
+            f"{args.url}: cannot connect. Is the gateway running there? (`make up` starts one)"
+        )
     return 0
 
 

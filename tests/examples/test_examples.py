@@ -11,7 +11,9 @@ import asyncio
 import contextlib
 import importlib.util
 import json
+import os
 import re
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -52,6 +54,7 @@ TOKEN = "sk-examples"
 # The fake engine makes k = hash(first user message) % 4 tool calls in a run: 2 for this.
 TASK = "Why does a paused run keep its replica?"
 EXAMPLES = ["openai_loop", "agents_sdk", "langgraph_agent"]
+ALL = [*EXAMPLES, "anthropic_loop", "mcp_subagents"]
 
 
 @contextlib.asynccontextmanager
@@ -302,6 +305,62 @@ def test_an_example_takes_its_flags_under_python_oo(name: str) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: ")
+
+
+def _closed_port() -> int:
+    """A loopback port nothing listens on (bound once, then let go)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _url_flags(name: str, root: str) -> list[str]:
+    """The flags that point an example at a gateway whose root URL is `root`."""
+    if name == "mcp_subagents":
+        return ["--url", f"{root}/mcp"]
+    return ["--base-url", root if name == "anthropic_loop" else f"{root}/v1"]
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_an_example_with_no_gateway_there_says_so_in_a_line(name: str) -> None:
+    # helper-250: against a closed port each example printed a 40-100 line traceback.
+    # Now one line naming the URL, and a non-zero exit, from its command line.
+    flags = _url_flags(name, f"http://127.0.0.1:{_closed_port()}")
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / f"{name}.py"), *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={k: v for k, v in os.environ.items() if not k.startswith("LUFTPAUSE_")},
+    )
+    assert done.returncode != 0 and done.stdout == ""
+    (line,) = done.stderr.splitlines()
+    assert line.startswith(f"{flags[1]}: ") and "Is the gateway running there?" in line, line
+
+
+@pytest.mark.parametrize("name", ALL)
+async def test_an_example_refused_for_its_token_says_how_to_give_it(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # helper-250: a 401 was a traceback too, over MCP one that said only "Server
+    # returned an error response".
+    example = _load(name, ROOT / "examples" / f"{name}.py")
+    monkeypatch.setenv("LUFTPAUSE_TOKEN", "not-the-token")
+    async with (
+        harness.engine(instant=True) as (url, _),
+        gateway(harness.endpoint("a", url)) as (
+            base_url,
+            _,
+            _,
+        ),
+    ):
+        flags = _url_flags(name, base_url.removesuffix("/v1"))
+        with pytest.raises(SystemExit) as done:
+            await asyncio.to_thread(example.main, flags)
+    said = str(done.value.code)
+    assert said.startswith(f"{flags[1]}: ") and "401" in said and "\n" not in said, said
+    assert said.endswith("Give the gateway's token: --token or LUFTPAUSE_TOKEN"), said
 
 
 def test_the_agents_sdk_example_describes_its_tool_under_python_oo() -> None:
