@@ -235,8 +235,12 @@ async def _follow_turn(ctx: Context, turn: SpawnTurn) -> None:
             told += 1
             with contextlib.suppress(Exception):
                 await ctx.report_progress(told, None, what)
+        # Not asyncio.wait_for: Python 3.11's returns when its cancel comes in the loop
+        # pass the wait ended in, swallowing it, and this went on after its call's end,
+        # for ever (helper-252: a spawn failed at once at its turn, the gate tripped).
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(turn.changed.wait(), PROGRESS_EVERY_S)
+            async with asyncio.timeout(PROGRESS_EVERY_S):
+                await turn.changed.wait()
 
 
 async def _unsent(starting: asyncio.Future[str], handle: str) -> None:

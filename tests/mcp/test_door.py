@@ -492,6 +492,46 @@ async def test_a_spawn_cut_while_it_waits_its_turn_leaves_the_line_unsent(
         await s.runs.request_cancel(line.parent)
 
 
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_spawn_failed_at_its_turn_sends_no_progress_after_its_result(
+    temporal_address: str, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its turn came as the gate tripped: the spawn failed at once, in the loop pass its
+    # progress woke in, and asyncio.wait_for (Python 3.11) kept the progress going with
+    # the cancel its call's end sent it swallowed: every PROGRESS_EVERY_S, for ever,
+    # after the result (helper-252).
+    import gateway.mcp_door as door_module
+
+    monkeypatch.setattr(door_module, "PROGRESS_EVERY_S", 0.05)
+    told: list[str | None] = []
+
+    async def on_progress(progress: float, total: float | None, message: str | None) -> None:
+        told.append(message)
+
+    def following() -> list[asyncio.Task[Any]]:
+        return [
+            t
+            for t in asyncio.all_tasks()
+            if getattr(t.get_coro(), "__name__", "") == "_follow_turn"
+        ]
+
+    async with stack(temporal_address) as s, Client(s.mcp_door, mode=mode) as c:
+        async with _line(s, c, monkeypatch) as line:
+            call = asyncio.ensure_future(
+                c.call_tool("spawn", line.args, progress_callback=on_progress)
+            )
+            await line.waiting(1)
+            await until(lambda: told, "progress while it waits")
+            line.gate().tripped = "parent run stuck (as a send not taken trips it)"
+            line.release.set()
+            assert "no child was started" in error_text(await call)
+        ended = len(told)
+        await until(lambda: not following(), "the progress stops with the call", polls=40)
+        await asyncio.sleep(0.2)  # four of its periods: nothing more comes
+        assert len(told) == ended, told
+        await s.runs.request_cancel(line.parent)
+
+
 async def test_a_run_cut_as_the_gateway_stops_before_its_handle_was_given_is_cancelled(
     temporal_address: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
