@@ -246,12 +246,13 @@ class SpawnTurn:
     """How a child's spawn stands at its parent's gate (`Runs.spawn`'s `turn`), for its
     caller to follow and to give up on (the MCP door's `spawn`: progress while the
     spawn waits, and a cut call's spawn taken out of the line).  `ahead`: the spawns
-    waiting their turn before this one, while it waits; `sending`: its turn has come
-    (or, for a run without a parent, its start has begun), and its request may reach
-    Temporal.  `changed` is set as either changes (its reader clears it); `ahead`,
-    which each turn given moves, is read when wanted.  Until `sending`, cancelling the
-    spawn's task sends nothing, and a spawn in line leaves it, its turn passed on;
-    once `sending`, the request must be withdrawn (`Runs.withdraw_child`).
+    waiting their turn before this one, while it waits; `sending`: its turn has come,
+    its parent not taken for stuck (or, for a run without a parent, its start has
+    begun), and its request may reach Temporal.  `changed` is set as either changes
+    (its reader clears it); `ahead`, which each turn given moves, is read when wanted.
+    Until `sending`, cancelling the spawn's task sends nothing, and a spawn in line
+    leaves it, its turn passed on; once `sending`, the request must be withdrawn
+    (`Runs.withdraw_child`).
 
     A status object rather than a callback: the caller reads it at its own pace (each
     turn given moves every spawn behind it, 499 of a burst of 500), its reads cannot
@@ -491,8 +492,11 @@ class Runs:
                 await gate.acquire()
             finally:
                 del gate.line[turn]
-            turn._started()  # (no await since its turn came: `sending` is exact)
             try:
+                # Tripped while it waited: it fails unsent, and is not said to be sending
+                # (helper-252: its progress said it was sent, and a cut withdrew it).
+                _stuck(gate)
+                turn._started()  # (no await since its turn came: `sending` is exact)
                 deadline = loop.time() + self._child_wait_s
                 taken = gate.taken
                 while True:

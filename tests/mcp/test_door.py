@@ -496,10 +496,10 @@ async def test_a_spawn_cut_while_it_waits_its_turn_leaves_the_line_unsent(
 async def test_a_spawn_failed_at_its_turn_sends_no_progress_after_its_result(
     temporal_address: str, mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Its turn came as the gate tripped: the spawn failed at once, in the loop pass its
-    # progress woke in, and asyncio.wait_for (Python 3.11) kept the progress going with
-    # the cancel its call's end sent it swallowed: every PROGRESS_EVERY_S, for ever,
-    # after the result (helper-252).
+    # Its turn came as the gate tripped: the spawn failed at once, unsent, in the loop
+    # pass its progress woke in, and asyncio.wait_for (Python 3.11) kept the progress
+    # going with the cancel its call's end sent it swallowed: every PROGRESS_EVERY_S,
+    # for ever, after the result, saying it was sent (helper-252).
     import gateway.mcp_door as door_module
 
     monkeypatch.setattr(door_module, "PROGRESS_EVERY_S", 0.05)
@@ -529,6 +529,8 @@ async def test_a_spawn_failed_at_its_turn_sends_no_progress_after_its_result(
         await until(lambda: not following(), "the progress stops with the call", polls=40)
         await asyncio.sleep(0.2)  # four of its periods: nothing more comes
         assert len(told) == ended, told
+        # Nor was it said to be sent: it was not (helper-252: its turn said so first).
+        assert told and all(m and m.startswith("waiting its turn") for m in told), told
         await s.runs.request_cancel(line.parent)
 
 
