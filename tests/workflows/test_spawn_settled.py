@@ -7,6 +7,7 @@ a spawn whose turn never came."""
 from __future__ import annotations
 
 import asyncio
+import random
 from types import SimpleNamespace
 from typing import Any
 
@@ -15,6 +16,7 @@ from temporalio.client import WorkflowUpdateFailedError, WorkflowUpdateRPCTimeou
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
+import workflows.runs as runs_module
 from tests.workflows.test_spawn_retry import _ABORTED, _DEADLINE, _runs
 from workflows import RunSpec, RunUnavailable, SpawnTurn
 from workflows.agent_run import CHILDREN_STARTING
@@ -188,6 +190,95 @@ async def test_a_spawns_turn_says_where_it_stands_and_a_spawn_cut_in_line_is_uns
     assert [e for i, e in enumerate(ends) if i != 9] == [f"run-{i}" for i in range(12) if i != 9]
     assert (len(parent.sent), runs._gates, gate._value, gate.line) == (11, {}, 8, {})
     assert [t.sending for t in turns] == [True] * 9 + [False] + [True] * 2
+
+
+class _Random:
+    """A parent that answers each send as `rng` says: takes it, refuses it while other
+    children start, is busy, aborts it (taken or not), refuses it outright, or leaves
+    it unanswered (the spawn's clock cuts it, and the gate trips).  `sent`: the
+    children asked for; `most`: the sends
+    in flight at once, at most."""
+
+    def __init__(self, rng: random.Random, turns: dict[str, SpawnTurn]) -> None:
+        self.rng, self.turns = rng, turns
+        self.sent: list[str] = []
+        self.early: list[str] = []  # sent while its spawn did not say `sending`
+        self.in_flight = self.most = 0
+
+    async def execute_update(self, update: Any, arg: Any, id: str | None = None) -> Any:
+        self.sent.append(arg.handle)
+        if not self.turns[arg.handle].sending:
+            self.early.append(arg.handle)
+        self.in_flight += 1
+        self.most = max(self.most, self.in_flight)
+        try:
+            for _ in range(self.rng.randrange(4)):
+                await asyncio.sleep(0)
+            r = self.rng.random()
+            if r < 0.03:
+                await asyncio.Event().wait()
+            if r < 0.55:
+                return arg.handle
+            if r < 0.75:
+                raise WorkflowUpdateFailedError(ApplicationError("s", type=CHILDREN_STARTING))
+            if r < 0.85:
+                raise RPCError("busy", RPCStatusCode.RESOURCE_EXHAUSTED, b"")
+            if r < 0.92:
+                raise _ABORTED
+            raise WorkflowUpdateFailedError(ApplicationError("refused"))
+        finally:
+            self.in_flight -= 1
+
+    async def describe(self) -> Any:
+        raise RPCError("workflow not found", RPCStatusCode.NOT_FOUND, b"")
+
+    async def signal(self, *args: Any) -> None:
+        return None
+
+
+@pytest.mark.parametrize("seed", range(40))
+async def test_a_line_of_spawns_cut_at_random_keeps_the_gate_whole(
+    monkeypatch: pytest.MonkeyPatch, seed: int
+) -> None:
+    # Spawns at one parent, answered at random, their callers cut at random as the door
+    # cuts them (helper-252): never more than 8 sends in flight, a request sent only
+    # while `sending`, a spawn cut before it never sent, its turns given in the order
+    # its line was joined, and at the end the gate's permits whole and the gate dropped.
+    rng = random.Random(seed)
+    monkeypatch.setattr(runs_module, "_LAST_SEND_S", 0.002)  # (a clock of 50 ms)
+    gates: list[Any] = []
+    gate_class = runs_module._Gate
+
+    class _Seen(gate_class):  # type: ignore[misc, valid-type]
+        def __init__(self) -> None:
+            super().__init__()
+            gates.append(self)
+
+    monkeypatch.setattr(runs_module, "_Gate", _Seen)
+    turns = {f"run-{i}": SpawnTurn() for i in range(rng.randrange(5, 60))}
+    parent = _Random(rng, turns)
+    runs = _runs(monkeypatch, parent, wait_s=0.05)  # type: ignore[arg-type]
+    given: list[SpawnTurn] = []
+    started = SpawnTurn._started
+    monkeypatch.setattr(SpawnTurn, "_started", lambda t: (given.append(t), started(t)))
+    spec = RunSpec(task="t", model="m", parent="p")
+    tasks = {h: asyncio.create_task(runs.spawn(spec, handle=h, turn=t)) for h, t in turns.items()}
+    joined: dict[SpawnTurn, None] = {}
+    unsent: list[str] = []  # cut before `sending`
+    for _ in range(rng.randrange(200)):
+        await asyncio.sleep(0)
+        joined.update((t, None) for g in gates for t in g.line)
+        h = rng.choice(list(turns))
+        if rng.random() < 0.1 and not tasks[h].done():
+            if not turns[h].sending:
+                unsent.append(h)
+            tasks[h].cancel()
+    await asyncio.wait_for(asyncio.gather(*tasks.values(), return_exceptions=True), 30)
+    assert (parent.most <= 8, parent.early, runs._gates) == (True, [], {}), parent.most
+    assert all((g._value, g.users, g.line) == (8, 0, {}) for g in gates)
+    assert all(tasks[h].cancelled() and h not in parent.sent for h in unsent), unsent
+    seen = set(given)
+    assert [t for t in joined if t in seen] == [t for t in given if t in joined]
 
 
 class _SdkSlow:
