@@ -1841,8 +1841,10 @@ def _json_content_type(sent: str | None) -> str:
     else application/json.  luftpause parsed the body as JSON whatever the client said,
     and vLLM and SGLang take only application/json (their validate_json_request
     answers anything else 400, after luftpause had admitted the turn), as `curl -d`
-    without a header sends application/x-www-form-urlencoded."""
-    if sent is not None and sent.split(";", 1)[0].strip().lower() == "application/json":
+    without a header sends application/x-www-form-urlencoded.  The client's is kept only
+    when it passes their check as they make it (lowercased, cut at the first ";", not
+    stripped): "application/json ; charset=utf-8" is valid HTTP, and they refuse it."""
+    if sent is not None and sent.lower().split(";", 1)[0] == "application/json":
         return sent
     return "application/json"
 

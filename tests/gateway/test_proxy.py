@@ -1990,6 +1990,11 @@ async def test_a_router_gets_the_run_as_its_routing_key() -> None:
         (None, "application/json"),
         ("application/json; charset=utf-8", "application/json; charset=utf-8"),
         ("Application/JSON", "Application/JSON"),
+        # A space before the parameter is valid (RFC 9110's OWS), but vLLM's and
+        # SGLang's check (lowercase, split at the first ";") reads the media type as
+        # "application/json " and answers 400: not passed on (helper-253).
+        ("application/json ; charset=utf-8", "application/json"),
+        ("application/vnd.api+json", "application/json"),
     ],
 )
 async def test_the_engine_is_told_the_body_is_json_whatever_the_client_said(
