@@ -6,9 +6,9 @@ durable before the client knows it.  `tasks/get` reads the run's status, `tasks/
 delivers the answer to an open approval (shown as `input_required` with an elicitation
 request), `tasks/cancel` cancels the run.  The workflow is the store: tasks survive a
 gateway restart, and any gateway on the same Temporal namespace can answer for them.
-With Temporal unreachable, or no worker up to take an answer, they answer a JSON-RPC
-error that says so (an answer not taken is never acknowledged: the client may send it
-again).
+With Temporal unreachable, unavailable or out of time, or no worker up to take an
+answer, they answer a JSON-RPC error that says which (an answer not taken is never
+acknowledged: the client may send it again).
 
 The SDK ships the wire types of the older in-core tasks only, so the SEP-2663 shapes
 are written here as plain JSON (`taskId`, `status`, `createdAt`, `lastUpdatedAt`,
@@ -192,8 +192,9 @@ class TasksExtension(Extension):
 
     @contextlib.contextmanager
     def _store(self) -> Iterator[None]:
-        """The run store (Temporal) unreachable, or a run no worker takes an answer
-        for: a JSON-RPC error saying so, not a bare "Internal server error"."""
+        """The run store (Temporal) unreachable, unavailable or out of time (`_unavailable`
+        says which), or a run no worker takes an answer for: a JSON-RPC error saying so,
+        not a bare "Internal server error"."""
         try:
             yield
         except (ToolError, RunUnavailable) as exc:  # the door's runs(): the store is down
