@@ -477,6 +477,40 @@ async def test_count_tokens_for_a_model_whose_replicas_are_down_says_what_the_pr
         assert not shell.state.turns
 
 
+@pytest.mark.parametrize(
+    ("sent", "engine_gets"),
+    [
+        ("text/plain", "application/json"),
+        ("application/x-www-form-urlencoded", "application/json"),
+        ("application/json; charset=utf-8", "application/json; charset=utf-8"),
+    ],
+)
+async def test_a_count_goes_to_the_engine_as_json_whatever_the_client_said(
+    sent: str, engine_gets: str
+) -> None:
+    # A count is passed on as a turn is (f0e9829): the body luftpause parsed as JSON
+    # goes as application/json, which vLLM and SGLang check, whatever the client said.
+    # The turn's test (test_proxy) does not reach this route's own header.
+    seen: list[str | None] = []
+    app = models_only()
+
+    @app.post("/v1/messages/count_tokens")
+    async def count(request: Request) -> Response:
+        seen.append(request.headers.get("content-type"))
+        return Response(json.dumps({"input_tokens": 1}), media_type="application/json")
+
+    async with (
+        serve(app) as url,
+        gateway(endpoint("a", url, kind="openai", messages=True)) as (gw, _),
+    ):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+        r = await gw.post(
+            "/v1/messages/count_tokens", content=json.dumps(body), headers={"content-type": sent}
+        )
+        assert r.status_code == 200, r.text
+    assert seen == [engine_gets]
+
+
 async def test_count_tokens_is_passed_to_a_replica_and_is_no_turn() -> None:
     async with (
         engine(time_scale=50) as (url, recorder),
