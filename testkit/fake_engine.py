@@ -318,11 +318,12 @@ def _parse_json(raw: bytes) -> dict[str, Any]:
 
 
 def _check_json(request: Request) -> None:
-    """Refuse a body not sent as JSON, as vLLM and SGLang do on these routes (their
-    `validate_json_request`: the media type before any `;`, lowercased, must be
-    application/json; a charset passes).  Both answer 400 (a validation error, whose
-    message FastAPI wraps in a line of its own); this fake would otherwise hide a client
-    that sends its JSON under another media type, or none."""
+    """Refuse a body not sent as JSON, as vLLM does on these routes and SGLang on chat
+    completions (their `validate_json_request`: the media type before any `;`,
+    lowercased, must be application/json; a charset passes).  Both answer 400 (a
+    validation error, whose message FastAPI wraps in a line of its own).  Checked on
+    all three routes whatever the flavor, stricter than some engines: this fake would
+    otherwise hide a client that sends its JSON under another media type, or none."""
     media = request.headers.get("content-type", "").lower().split(";", 1)[0]
     if media != "application/json":
         raise _HTTPError(400, "Unsupported Media Type: Only 'application/json' is allowed")

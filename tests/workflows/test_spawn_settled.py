@@ -196,8 +196,7 @@ class _Random:
     """A parent that answers each send as `rng` says: takes it, refuses it while other
     children start, is busy, aborts it (taken or not), refuses it outright, or leaves
     it unanswered (the spawn's clock cuts it, and the gate trips).  `sent`: the
-    children asked for; `most`: the sends
-    in flight at once, at most."""
+    children asked for; `most`: the sends in flight at once, at most."""
 
     def __init__(self, rng: random.Random, turns: dict[str, SpawnTurn]) -> None:
         self.rng, self.turns = rng, turns
