@@ -1259,7 +1259,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     def sub_agents_here() -> bool:
         """Whether this gateway has sub-agents to show: MCP servers configured, or a
-        sub-agent asked for since it started (else nothing waits for Temporal)."""
+        sub-agent tool called since it started, Temporal reached or not (else nothing
+        waits for Temporal)."""
         return bool(config.mcp_servers) or not door.idle()
 
     async def with_runs(view: dict[str, Any]) -> dict[str, Any]:
