@@ -1371,9 +1371,17 @@ class AgentRun:
     @workflow.query
     def status(self) -> RunStatus:
         """The run as `status` shows it."""
+        state = self._state
+        if self._ending and state not in TERMINAL_STATES:
+            # Closing (cancelled, stopped or failed): its children are being stopped
+            # and their ends awaited, which with hundreds of them takes tens of
+            # seconds.  It read as before meanwhile: `cancel` answered AwaitingApproval
+            # (an MCP task input_required) with no approval left to give (helper-254).
+            # Its recorded state (the search attribute) changes only as it ends.
+            state = "Stopping"
         return RunStatus(
             handle=self._id,
-            state=self._state,
+            state=state,
             task=self._spec.task,
             model=self._spec.model,
             service_class=self._spec.service_class,

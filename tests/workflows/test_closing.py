@@ -11,7 +11,7 @@ import contextlib
 import json
 import re
 import uuid
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -290,6 +290,56 @@ async def test_a_run_reads_as_ended_only_once_its_workflow_closed(temporal_addre
         assert not await listed("Stopping")
         assert (await runs.count_open())["Stopping"] == 0
         assert fakes.ended == [handle]
+
+
+class Wedged(StandIns):
+    """A "wedge" task's turn answers what its run cannot take (its tokens as text): the
+    run's workflow task fails, again and again, and it takes nothing more, a cancel
+    neither (as under a worker that fails to run it)."""
+
+    @activity.defn(name="llm_turn")
+    async def llm_turn(self, turn: TurnInput) -> TurnOutput:
+        task = next(m["content"] for m in turn.messages if m["role"] == "user")
+        if task.startswith("wedge"):
+            message = {"role": "assistant", "content": "done"}
+            return TurnOutput(message, [], "stop", cast(int, "many"))
+        return await super().llm_turn(turn)
+
+
+async def test_a_cancelled_run_reads_stopping_while_its_close_waits_for_its_children(
+    temporal_address: str,
+) -> None:
+    """A close stops the children and waits for their ends (up to 10 s); with hundreds
+    of them that takes tens of seconds, and the run read as before meanwhile: the MCP
+    `cancel` tool answered a root with 250 waiting children as AwaitingApproval, with
+    no approval left to give (helper-254, bench.wide_tree --cancel).  Here one child
+    that takes nothing holds the close for its 10 s."""
+    client = await connect(temporal_address)
+    queue = f"wedged-{uuid.uuid4().hex[:8]}"
+    fakes = Wedged()
+    runs = Runs(client, task_queue=queue)
+    async with stand_in_worker(client, queue, fakes):
+        await until(runs._worker_polls, "the worker polls")
+        parent = await runs.spawn(RunSpec(task="block parent", model="m"))
+        kid = await runs.spawn(RunSpec(task="wedge kid", model="m", parent=parent))
+        await until(lambda: parent in fakes.in_turn, "the parent in its turn")
+        failed = EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED
+        kid_handle = client.get_workflow_handle(kid)
+        await until(lambda: _has(kid_handle, lambda e: e.event_type == failed), "the child wedged")
+        handle = client.get_workflow_handle(parent)
+        await runs.request_cancel(parent)
+        await until(lambda: _has(handle, lambda e: e.HasField(CANCEL)), "the child cancelled")
+        status = await runs.status(parent)
+        assert not await _closed(handle)  # its close waits for the child's end
+        assert status.state == "Stopping", status
+        assert status.pending_approval is None
+        (ended,) = await runs.wait([parent], timeout=30)
+        assert ended.state == "Cancelled", ended
+        await kid_handle.terminate("the test is over")
+
+
+async def _has(handle: WorkflowHandle[Any, Any], pred: Any) -> bool:
+    return any(pred(e) for e in await _events(handle))
 
 
 async def _run_to_its_end(address: str, fakes: StandIns, spec: RunSpec) -> RunStatus:
