@@ -215,14 +215,15 @@ def _progress_asked(ctx: Context) -> bool:
     return (ctx.request_context.meta or {}).get("progress_token") is not None
 
 
-async def _follow_turn(ctx: Context, turn: SpawnTurn) -> None:
-    """Progress for a `spawn` call while its child waits its turn at the parent, and
-    while it is sent, until cancelled: at once as either begins, then every
+async def _follow_turn(ctx: Context, turn: SpawnTurn, total: float | None = None) -> None:
+    """Progress for a `spawn` or `run` call while its child waits its turn at the
+    parent, and while it is sent, until cancelled: at once as either begins, then every
     PROGRESS_EVERY_S with the spawns still ahead of it.  A burst of hundreds at one
     parent takes minutes (bench/RESULTS.md), and a client gives up a call that shows
     no sign of life (the TypeScript SDK after 60 s; progress resets that clock only
     if the client asked, resetTimeoutOnProgress).  MCP's progress must increase with
-    each notification: it counts them."""
+    each notification: it counts them (`spawn`); or, with a `total` (`run`, whose wait
+    goes on from 1), it stays below 1: 0, 1/2, 2/3, ..."""
     told = 0
     while True:
         turn.changed.clear()  # (before reading: a change after the read wakes the wait)
@@ -232,9 +233,10 @@ async def _follow_turn(ctx: Context, turn: SpawnTurn) -> None:
         elif turn.parent is not None and (ahead := turn.ahead) is not None:
             what = f"waiting its turn at parent run '{turn.parent}': {ahead} ahead of it"
         if what is not None:
+            value = told + 1 if total is None else told / (told + 1)
             told += 1
             with contextlib.suppress(Exception):
-                await ctx.report_progress(told, None, what)
+                await ctx.report_progress(value, total, what)
         # Not asyncio.wait_for: Python 3.11's returns when its cancel comes in the loop
         # pass the wait ended in, swallowing it, and this went on after its call's end,
         # for ever (helper-252: a spawn failed at once at its turn, the gate tripped).
@@ -1272,7 +1274,9 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
         except RunError as exc:
             raise ToolError(str(exc)) from None
 
-    async def start_for_the_call(spec: RunSpec, ctx: Any, *, follow: bool = False) -> str:
+    async def start_for_the_call(
+        spec: RunSpec, ctx: Any, *, follow: bool = False, total: float | None = None
+    ) -> str:
         """`spawn_run` for a call that returns the run's handle once it has started
         (`spawn`), or later (`run`, and its task).  A call cut before the run's request
         went out (a child waiting its turn at its parent) cancels the start: nothing is
@@ -1281,12 +1285,13 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
         the parent's worker to take the child) withdraws a child's request, lets the
         start go on, then cancels the run (helper-144: the child ran to its end, its
         handle never given; helper-152: so did a cut `spawn`'s).  `follow`: progress
-        while a child waits its turn and is sent, to a call that asked for progress."""
+        while a child waits its turn and is sent, to a call that asked for progress
+        (`total`: as `_follow_turn`'s)."""
         handle = new_handle()  # known before it exists: a cut start's run is found
         turn = SpawnTurn()
         starting = asyncio.ensure_future(spawn_run(spec, ctx, handle, turn))
         following = (
-            asyncio.ensure_future(_follow_turn(ctx, turn))
+            asyncio.ensure_future(_follow_turn(ctx, turn, total))
             if follow and spec.parent and _progress_asked(ctx)
             else None
         )
@@ -1387,13 +1392,16 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
         spawned: str | None = None,
         named: Callable[[], None] = lambda: None,
         started: bool = False,
+        before: int = 0,
     ) -> tuple[list[RunStatus], bool] | InputRequiredResult:
         """Wait as `await` does.  While a covered run waits for approval, a client that
         can answer elicitations is asked: mid-call on legacy sessions; on 2026-07-28 by
         ending this round with an input-required result (the client answers and calls
         again, and `request_state` carries the deadline and the questions asked).
         `spawned`: `run`'s run, named in the progress (then `named()` is called);
-        `started` just now (a worker is looked for, once it is named)."""
+        `started` just now (a worker is looked for, once it is named).  `before`: the
+        steps of the call its progress counted before the wait (`run`'s child getting
+        in at its parent), each 1 of the total: the wait's progress goes on from there."""
         r = await runs(ctx)
         if not 0 < timeout <= AWAIT_MAX_S:
             raise ToolError(f"timeout: expected more than 0 and at most {AWAIT_MAX_S:g} seconds")
@@ -1426,8 +1434,9 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
                 if mode == "any"
                 else (len(handles), f"{ended} of {len(handles)} runs ended{named}")
             )
+            value = before + ended + beats / (beats + 1)
             with contextlib.suppress(Exception):
-                await ctx.report_progress(ended + beats / (beats + 1), total, what)
+                await ctx.report_progress(value, before + total, what)
 
         if spawned is not None:
             await progress(0)
@@ -1654,8 +1663,14 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
         arguments = _arguments(locals())
         handle = _State.load(ctx.request_state).spawned  # a later round: never spawn twice
         spawned = handle is None
+        # With a parent, the call's progress counts 2 steps: its child's getting in (its
+        # turn at the parent, minutes in a burst there), below 1, then its run, from 1:
+        # MCP's progress must rise through both, and a client showing progress/total
+        # shows half once the parent has the child (every round alike, the total too).
+        steps = 0 if parent is None else 1
         if handle is None:
-            handle = await start_for_the_call(spec_of(RunArgs.model_validate(arguments), ctx), ctx)
+            spec = spec_of(RunArgs.model_validate(arguments), ctx)
+            handle = await start_for_the_call(spec, ctx, follow=True, total=steps + 1)
         given = not spawned  # its handle reached the client (in progress; a later round)
 
         def named() -> None:
@@ -1664,7 +1679,14 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
 
         try:
             waited = await wait(
-                ctx, [handle], "all", timeout, spawned=handle, named=named, started=spawned
+                ctx,
+                [handle],
+                "all",
+                timeout,
+                spawned=handle,
+                named=named,
+                started=spawned,
+                before=steps,
             )
         except BaseException as exc:
             # The client cancelled the call (notifications/cancelled, Esc in a harness;

@@ -460,6 +460,66 @@ async def test_a_spawn_waiting_its_turn_sends_progress_if_asked(
 
 
 @pytest.mark.parametrize("mode", MODES)
+async def test_a_run_waiting_its_turn_sends_progress_rising_into_its_wait(
+    temporal_address: str, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A `run` with a parent (spawn + await in one call) said nothing while its child
+    # waited its turn, minutes in a burst, and a client gives up a call with no sign
+    # of life (the TypeScript SDK after 60 s) (helper-258).  It says what a `spawn`
+    # says, below 1 of a total of 2, then its wait's progress from 1: MCP's progress
+    # must rise through the request.  Only to a call that asked.
+    from mcp.server.mcpserver import Context
+
+    import gateway.mcp_door as door_module
+
+    monkeypatch.setattr(door_module, "PROGRESS_EVERY_S", 0.2)
+    reported: list[tuple[bool, str | None]] = []  # (asked for, message), as the door sent
+    report = Context.report_progress
+
+    async def spy(self: Any, progress: float, total: Any = None, message: Any = None) -> None:
+        asked = (self.request_context.meta or {}).get("progress_token") is not None
+        reported.append((asked, message))
+        await report(self, progress, total, message)
+
+    told: list[tuple[float, float | None, str | None]] = []
+
+    async def on_progress(progress: float, total: float | None, message: str | None) -> None:
+        told.append((progress, total, message))
+
+    async with stack(temporal_address) as s, Client(s.mcp_door, mode=mode) as c:
+        async with _line(s, c, monkeypatch) as line:
+            monkeypatch.setattr(Context, "report_progress", spy)
+            quiet = asyncio.ensure_future(c.call_tool("run", line.args))  # no token
+            await line.waiting(1)
+            asked = asyncio.ensure_future(
+                c.call_tool("run", line.args, progress_callback=on_progress)
+            )
+            await line.waiting(2)
+            await until(lambda: len(told) >= 3, "progress while it waits")
+            line.release.set()
+            ran = [result(await call) for call in (quiet, asked)]
+        handles = [r["handle"] for r in ran]
+        assert line.sent[8:] == handles, (handles, line.sent)
+        assert [r["state"] for r in ran] == ["Completed", "Completed"], ran
+        await s.runs.request_cancel(line.parent)
+    p, handle = line.parent, handles[1]
+    ahead = [f"waiting its turn at parent run '{p}': {n} ahead of it" for n in (1, 0)]
+    sent = f"sent to parent run '{p}', for it to take the child"
+    waited = f"0 of 1 runs ended (run {handle})"
+    messages = [m for _, _, m in told]
+    assert set(messages[:3]) == {ahead[0]}, messages
+    assert messages[-1] == waited, messages
+    assert messages == sorted(messages, key=[*ahead, sent, waited].index), messages
+    values = [v for v, _, _ in told]
+    assert all(a < b for a, b in itertools.pairwise(values)), told
+    # The line below 1, the wait from 1, of 2 throughout.
+    assert all((v < 1) == (m != waited) for v, _, m in told), told
+    assert {total for _, total, _ in told} == {2}, told
+    line_said = [a for a, m in reported if m in (*ahead, sent)]
+    assert line_said and all(line_said), reported  # none to the quiet one
+
+
+@pytest.mark.parametrize("mode", MODES)
 async def test_a_spawn_cut_while_it_waits_its_turn_leaves_the_line_unsent(
     temporal_address: str, mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
