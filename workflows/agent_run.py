@@ -1124,11 +1124,17 @@ class AgentRun:
         )
 
     def _over(self) -> str | None:
-        limits, used = self._spec.budget, self.subtree()
-        if limits.tokens is not None and used.tokens > limits.tokens:
-            return f"budget exceeded: tokens {used.tokens}/{limits.tokens}"
-        if limits.tool_calls is not None and used.tool_calls > limits.tool_calls:
-            return f"budget exceeded: tool_calls {used.tool_calls}/{limits.tool_calls}"
+        limits = self._spec.budget
+        # The subtree only for a limit that reads it: it adds up every child's, and this
+        # runs on every report and child's end, so a run with N children and no such
+        # limit made some N² additions over its life, again on every replay
+        # (helper-257).  The same answer either way: no command changes, no patch.
+        if limits.tokens is not None or limits.tool_calls is not None:
+            used = self.subtree()
+            if limits.tokens is not None and used.tokens > limits.tokens:
+                return f"budget exceeded: tokens {used.tokens}/{limits.tokens}"
+            if limits.tool_calls is not None and used.tool_calls > limits.tool_calls:
+                return f"budget exceeded: tool_calls {used.tool_calls}/{limits.tool_calls}"
         if limits.seconds is not None and self._elapsed() >= limits.seconds:
             return self._seconds_over(limits.seconds)
         return None

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from temporalio import workflow
 from temporalio.client import WorkflowHistory
-from temporalio.worker import Replayer
+from temporalio.worker import Replayer, UnsandboxedWorkflowRunner
 
 from workflows import AgentRun, contract
 from workflows.agent_run import (
@@ -430,3 +430,44 @@ async def test_a_run_imports_afresh_only_its_own_module(monkeypatch: pytest.Monk
     ours = [name for name in executed if name.partition(".")[0] in OURS]
     # Once when the Replayer checks the workflow, once for the replayed run.
     assert sorted(ours) == sorted(["workflows", "workflows.agent_run"] * 2), ours
+
+
+@pytest.mark.parametrize(
+    ("stem", "budgeted"),
+    [
+        ("tree_with_approval-0", False),  # a root under no budget, 12 reports from below
+        ("budget_drained-0", True),  # a tool_calls budget
+        ("answer_over_budget-0", True),  # a tokens budget
+    ],
+)
+async def test_a_report_sums_the_subtree_only_for_a_budget_that_reads_it(
+    stem: str, budgeted: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `_over` runs on every report and every child's end; the subtree it sums adds every
+    # child, so a root with 1,000 children under no budget summed some 10^6 of them over
+    # its life, and again on every replay (helper-257).  Replayed outside the sandbox,
+    # so that the counters below see the calls.
+    calls = {"over": 0, "summed": 0}
+    inside: list[bool] = []  # [True] while `_over` runs
+    over, subtree = AgentRun._over, AgentRun.subtree
+
+    def counted_over(self: AgentRun) -> str | None:
+        calls["over"] += 1
+        inside.append(True)
+        try:
+            return over(self)
+        finally:
+            inside.pop()
+
+    def counted_subtree(self: AgentRun) -> contract.Totals:
+        calls["summed"] += bool(inside)
+        return subtree(self)
+
+    monkeypatch.setattr(AgentRun, "_over", counted_over)
+    monkeypatch.setattr(AgentRun, "subtree", counted_subtree)
+    result = await Replayer(
+        workflows=[AgentRun], workflow_runner=UnsandboxedWorkflowRunner()
+    ).replay_workflow(_history(HISTORIES[0].parent / f"{stem}.json"), raise_on_replay_failure=False)
+    assert result.replay_failure is None, result.replay_failure
+    assert calls["over"] > 1
+    assert calls["summed"] == (calls["over"] if budgeted else 0), calls
