@@ -1667,7 +1667,7 @@ def create_mcp_server(deps: DoorDeps) -> _DoorServer:
         # turn at the parent, minutes in a burst there), below 1, then its run, from 1:
         # MCP's progress must rise through both, and a client showing progress/total
         # shows half once the parent has the child (every round alike, the total too).
-        steps = 1 if parent and parent.strip() else 0  # ("": no parent, as spawn reads it)
+        steps = 0 if parent is None else 1  # (a blank parent is refused: `Parent`)
         if handle is None:
             spec = spec_of(RunArgs.model_validate(arguments), ctx)
             handle = await start_for_the_call(spec, ctx, follow=True, total=steps + 1)
