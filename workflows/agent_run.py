@@ -1129,7 +1129,7 @@ class AgentRun:
         # runs on every report and child's end, so a run with N children and no such
         # limit made some N² additions over its life, again on every replay
         # (helper-257).  The same answer either way: no command changes, no patch.
-        if limits.tokens is not None or limits.tool_calls is not None:
+        if limits.counts_usage():
             used = self.subtree()
             if limits.tokens is not None and used.tokens > limits.tokens:
                 return f"budget exceeded: tokens {used.tokens}/{limits.tokens}"
