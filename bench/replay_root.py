@@ -84,10 +84,17 @@ async def main_async(paths: list[Path], reps: int, profile: Path | None) -> None
         await _profiled(histories[0], profile)
 
 
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"at least 1, not {n}")
+    return n
+
+
 def main() -> None:
     p = argparse.ArgumentParser(prog="bench.replay_root", description=__doc__.split("\n\n")[0])
     p.add_argument("histories", nargs="+", type=Path)
-    p.add_argument("--reps", type=int, default=3, help="replays of each history")
+    p.add_argument("--reps", type=_positive, default=3, help="replays of each history")
     p.add_argument("--profile", type=Path, metavar="FILE", help="one more replay, profiled")
     a = p.parse_args()
     asyncio.run(main_async(a.histories, a.reps, a.profile))

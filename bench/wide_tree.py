@@ -123,7 +123,7 @@ async def _keep(s: Stack, root: str, name: str, keep: Path | None) -> None:
         return
     history = await s.client.get_workflow_handle(root).fetch_history()
     keep.mkdir(parents=True, exist_ok=True)
-    (keep / f"{name}.json").write_text(history.to_json())
+    (keep / f"{name}.json").write_text(history.to_json(), encoding="utf-8")
 
 
 async def _open(s: Stack) -> int:
