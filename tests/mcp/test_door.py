@@ -2420,9 +2420,11 @@ async def test_a_run_call_names_its_run_at_once_and_another_session_can_find_it(
     # session's `status` listed only that session's runs: a `run` call a gateway
     # restart cut left a run going that no MCP call could find, await or cancel.
     progress: list[str | None] = []
+    values: list[tuple[float, float | None]] = []
 
     async def on_progress(done: float, total: float | None, message: str | None) -> None:
         progress.append(message)
+        values.append((done, total))
 
     async with (
         stack(temporal_address) as s,
@@ -2432,6 +2434,9 @@ async def test_a_run_call_names_its_run_at_once_and_another_session_can_find_it(
         args = {"task": task_with(1, "named"), "tools": ["lookup"]}
         handle = result(await c.call_tool("run", args, progress_callback=on_progress))["handle"]
         assert progress and progress[0] == f"0 of 1 runs ended (run {handle})", progress
+        # Without a parent there is no line to wait in: one step, from 0 of 1 (helper-259;
+        # with a parent the call counts 2, its turn at the parent first).
+        assert values[0][0] == 0 and {total for _, total in values} == {1}, values
 
         async def listed(**filters: Any) -> set[str]:
             return {r["handle"] for r in result(await other.call_tool("status", filters))["runs"]}
