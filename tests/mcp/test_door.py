@@ -404,6 +404,35 @@ async def _line(s: Stack, c: Client, monkeypatch: pytest.MonkeyPatch) -> AsyncIt
         await asyncio.gather(*line.holders, return_exceptions=True)
 
 
+class _Heard:
+    """The progress of a line test's calls: `reported`, (asked for, message) as the door
+    sent each (`spy`, once the line is set up); `told`, (value, total, message) as the
+    asking client heard each (`on_progress`, its callback).  Progress every 0.2 s."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import gateway.mcp_door as door_module
+
+        monkeypatch.setattr(door_module, "PROGRESS_EVERY_S", 0.2)
+        self.reported: list[tuple[bool, str | None]] = []
+        self.told: list[tuple[float, float | None, str | None]] = []
+        self._monkeypatch = monkeypatch
+
+    def spy(self) -> None:
+        from mcp.server.mcpserver import Context
+
+        report, reported = Context.report_progress, self.reported
+
+        async def spy(ctx: Any, progress: float, total: Any = None, message: Any = None) -> None:
+            asked = (ctx.request_context.meta or {}).get("progress_token") is not None
+            reported.append((asked, message))
+            await report(ctx, progress, total, message)
+
+        self._monkeypatch.setattr(Context, "report_progress", spy)
+
+    async def on_progress(self, progress: float, total: float | None, message: str | None) -> None:
+        self.told.append((progress, total, message))
+
+
 @pytest.mark.parametrize("mode", MODES)
 async def test_a_spawn_waiting_its_turn_sends_progress_if_asked(
     temporal_address: str, mode: str, monkeypatch: pytest.MonkeyPatch
@@ -412,31 +441,16 @@ async def test_a_spawn_waiting_its_turn_sends_progress_if_asked(
     # with no sign of life (the TypeScript SDK after 60 s): a spawn waiting its turn
     # says so, every PROGRESS_EVERY_S, then as it is sent; only to a call that asked
     # (helper-248: none said anything).
-    from mcp.server.mcpserver import Context
-
-    import gateway.mcp_door as door_module
-
-    monkeypatch.setattr(door_module, "PROGRESS_EVERY_S", 0.2)
-    reported: list[tuple[bool, str | None]] = []  # (asked for, message), as the door sent
-    report = Context.report_progress
-
-    async def spy(self: Any, progress: float, total: Any = None, message: Any = None) -> None:
-        asked = (self.request_context.meta or {}).get("progress_token") is not None
-        reported.append((asked, message))
-        await report(self, progress, total, message)
-
-    told: list[tuple[float, float | None, str | None]] = []
-
-    async def on_progress(progress: float, total: float | None, message: str | None) -> None:
-        told.append((progress, total, message))
+    heard = _Heard(monkeypatch)
+    reported, told = heard.reported, heard.told
 
     async with stack(temporal_address) as s, Client(s.mcp_door, mode=mode) as c:
         async with _line(s, c, monkeypatch) as line:
-            monkeypatch.setattr(Context, "report_progress", spy)
+            heard.spy()
             quiet = asyncio.ensure_future(c.call_tool("spawn", line.args))  # no token
             await line.waiting(1)
             asked = asyncio.ensure_future(
-                c.call_tool("spawn", line.args, progress_callback=on_progress)
+                c.call_tool("spawn", line.args, progress_callback=heard.on_progress)
             )
             await line.waiting(2)
             await until(lambda: len(told) >= 3, "progress while it waits")
@@ -468,31 +482,16 @@ async def test_a_run_waiting_its_turn_sends_progress_rising_into_its_wait(
     # of life (the TypeScript SDK after 60 s) (helper-258).  It says what a `spawn`
     # says, below 1 of a total of 2, then its wait's progress from 1: MCP's progress
     # must rise through the request.  Only to a call that asked.
-    from mcp.server.mcpserver import Context
-
-    import gateway.mcp_door as door_module
-
-    monkeypatch.setattr(door_module, "PROGRESS_EVERY_S", 0.2)
-    reported: list[tuple[bool, str | None]] = []  # (asked for, message), as the door sent
-    report = Context.report_progress
-
-    async def spy(self: Any, progress: float, total: Any = None, message: Any = None) -> None:
-        asked = (self.request_context.meta or {}).get("progress_token") is not None
-        reported.append((asked, message))
-        await report(self, progress, total, message)
-
-    told: list[tuple[float, float | None, str | None]] = []
-
-    async def on_progress(progress: float, total: float | None, message: str | None) -> None:
-        told.append((progress, total, message))
+    heard = _Heard(monkeypatch)
+    reported, told = heard.reported, heard.told
 
     async with stack(temporal_address) as s, Client(s.mcp_door, mode=mode) as c:
         async with _line(s, c, monkeypatch) as line:
-            monkeypatch.setattr(Context, "report_progress", spy)
+            heard.spy()
             quiet = asyncio.ensure_future(c.call_tool("run", line.args))  # no token
             await line.waiting(1)
             asked = asyncio.ensure_future(
-                c.call_tool("run", line.args, progress_callback=on_progress)
+                c.call_tool("run", line.args, progress_callback=heard.on_progress)
             )
             await line.waiting(2)
             await until(lambda: len(told) >= 3, "progress while it waits")
