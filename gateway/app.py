@@ -1679,17 +1679,13 @@ _RUN_HEADER_BYTES = RUN_HEADER.encode()
 def _named_run(scope: Scope) -> str:
     """The run a request names in its header, if it is one a response may echo; else a
     new id (every /v1 answer carries one)."""
-    for key, value in scope["headers"]:
-        if key == _RUN_HEADER_BYTES:
-            named = value.decode("latin-1").strip()
-            return named if RUN_ID.fullmatch(named) else _new_id()
-    return _new_id()
+    return _echoed_run(scope) or _new_id()
 
 
 def _echoed_run(scope: Scope) -> str:
     """The run a request names in its header, if it is one a response may echo; else
-    none.  For the routes that are no turn (`/v1/models`): a fresh id there would name
-    a run that does not exist (helper-250)."""
+    none: the routes that are no turn (`/v1/models`) answer with it, where a fresh id
+    would name a run that does not exist (helper-250); a turn adds one (`_named_run`)."""
     for key, value in scope["headers"]:
         if key == _RUN_HEADER_BYTES:
             named = value.decode("latin-1").strip()
